@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs what kvq needs to build and test on Debian/Ubuntu.
+set -euo pipefail
+pkgs="build-essential cmake pkg-config libpcre2-dev clang"
+missing=""
+for p in $pkgs; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing
+fi
