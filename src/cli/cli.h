@@ -25,6 +25,9 @@ int cli_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 bool cli_parse_int(const char *flag, const char *value, long min, long max, int *out);
 bool cli_parse_u64(const char *flag, const char *value, uint64_t *out);
 bool cli_parse_float(const char *flag, const char *value, double min, double max, float *out);
+/* True when s is in the NULL-terminated list (to tell unknown flags from known ones
+ * before taking their value). */
+bool cli_is_one_of(const char *s, const char *const *list);
 /* The value after flag argv[*i] (advancing *i); NULL with an error if missing. */
 const char *cli_flag_value(int argc, char **argv, int *i);
 

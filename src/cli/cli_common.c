@@ -54,6 +54,12 @@ bool cli_parse_float(const char *flag, const char *value, double min, double max
     return true;
 }
 
+bool cli_is_one_of(const char *s, const char *const *list) {
+    for (; *list; list++)
+        if (strcmp(s, *list) == 0) return true;
+    return false;
+}
+
 const char *cli_flag_value(int argc, char **argv, int *i) {
     if (*i + 1 >= argc) {
         cli_fail("option %s needs a value", argv[*i]);

@@ -31,6 +31,11 @@ static const char *const generate_help =
     "  --ignore-eos         keep generating past end-of-sequence tokens\n"
     "  -h, --help           this text\n";
 
+static const char *const generate_value_flags[] = {
+    "-m", "--model", "-p", "--prompt", "-f", "--file", "-n", "--n-predict", "-c", "--ctx-size", "-t", "--threads",
+    "-b", "--batch-size", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--seed",
+    NULL};
+
 struct generate_opts {
     const char *model, *prompt, *prompt_file;
     int n_predict;
@@ -57,6 +62,8 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
             o->ignore_eos = true;
             continue;
         }
+        if (!cli_is_one_of(a, generate_value_flags))
+            return cli_fail("unknown option '%s' for generate (see 'kvq generate --help')", a);
         if (!(v = cli_flag_value(argc, argv, &i))) return 1;
         bool ok = true;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
@@ -73,7 +80,6 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
         else if (!strcmp(a, "--repeat-penalty")) ok = cli_parse_float(a, v, 0.01, 100, &o->sp.repeat_penalty);
         else if (!strcmp(a, "--repeat-last-n")) ok = cli_parse_int(a, v, 0, 1 << 20, &o->sp.repeat_last_n);
         else if (!strcmp(a, "--seed")) ok = cli_parse_u64(a, v, &o->sp.seed);
-        else return cli_fail("unknown option '%s' for generate (see 'kvq generate --help')", a);
         if (!ok) return 1;
     }
     if (!o->model) return cli_fail("generate needs a model: -m FILE");

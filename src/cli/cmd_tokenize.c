@@ -12,6 +12,8 @@ static const char *const tokenize_help =
     "  --no-bos             do not add the BOS token the model's metadata asks for\n"
     "  --no-parse-special   treat special-token text like \"<s>\" as plain text\n";
 
+static const char *const tokenize_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", NULL};
+
 int cmd_tokenize(int argc, char **argv) {
     const char *model = NULL, *text = NULL, *file = NULL;
     bool bos = true, parse_special = true;
@@ -23,11 +25,12 @@ int cmd_tokenize(int argc, char **argv) {
         }
         if (!strcmp(a, "--no-bos")) { bos = false; continue; }
         if (!strcmp(a, "--no-parse-special")) { parse_special = false; continue; }
+        if (!cli_is_one_of(a, tokenize_value_flags))
+            return cli_fail("unknown option '%s' for tokenize (see 'kvq tokenize --help')", a);
         if (!(v = cli_flag_value(argc, argv, &i))) return 1;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) text = v;
-        else if (!strcmp(a, "-f") || !strcmp(a, "--file")) file = v;
-        else return cli_fail("unknown option '%s' for tokenize (see 'kvq tokenize --help')", a);
+        else file = v;
     }
     if (!model) return cli_fail("tokenize needs a model: -m FILE");
     if (!text && !file) return cli_fail("tokenize needs a text: -p TEXT or -f FILE");

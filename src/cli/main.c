@@ -18,7 +18,7 @@ static void usage(FILE *out) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        usage(stderr);
+        fprintf(stderr, "kvq: no command given (run 'kvq --help' for the list)\n");
         return 1;
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {

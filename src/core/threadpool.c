@@ -1,6 +1,7 @@
 #include "core/threadpool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -45,7 +46,10 @@ static void *worker_main(void *p) {
         while ((gen = atomic_load_explicit(&pool->generation, memory_order_acquire)) == seen &&
                !atomic_load_explicit(&pool->stop, memory_order_acquire)) {
             if (++spins < SPIN_ROUNDS) {
-                cpu_relax();
+                /* Yield now and then: with more threads than free cores, a spinning
+                 * thread would otherwise hold the core the others need. */
+                if (spins % 1024 == 0) sched_yield();
+                else cpu_relax();
                 continue;
             }
             pthread_mutex_lock(&pool->mutex);
@@ -120,5 +124,8 @@ void kvq_pool_run(struct kvq_pool *p, kvq_task_fn fn, void *arg) {
         pthread_mutex_unlock(&p->mutex);
     }
     fn(arg, 0, p->n);
-    while (atomic_load_explicit(&p->n_done, memory_order_acquire) < p->n - 1) cpu_relax();
+    for (unsigned spins = 1; atomic_load_explicit(&p->n_done, memory_order_acquire) < p->n - 1; spins++) {
+        if (spins % 1024 == 0) sched_yield();
+        else cpu_relax();
+    }
 }

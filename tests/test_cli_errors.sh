@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Bad input gets one clear line on stderr and a non-zero exit, never a crash.
+set -u
+kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
+shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
+model=$shared/models/tinydoc-q8_0.gguf
+if [ ! -f "$model" ]; then
+  echo "SKIP: $model is missing (set KVQ_SHARED_DIR to the shared folder)"
+  exit 77
+fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+passed=0 failed=0
+
+# expect_error DESCRIPTION PATTERN -- command...: exit code 1..125 (not a signal),
+# exactly one stderr line, matching PATTERN.
+expect_error() {
+  local what=$1 pattern=$2
+  shift 3
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local rc=$? lines
+  lines=$(wc -l <"$tmp/err")
+  if [ "$rc" -ge 1 ] && [ "$rc" -lt 126 ] && [ "$lines" -eq 1 ] && grep -q -- "$pattern" "$tmp/err"; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+    echo "FAIL: $what (exit $rc, $lines stderr lines):"; cat "$tmp/err"
+  fi
+}
+
+expect_ok() {
+  local what=$1
+  shift 2
+  if "$@" >"$tmp/out" 2>"$tmp/err"; then passed=$((passed + 1)); else
+    failed=$((failed + 1)); echo "FAIL: $what"; cat "$tmp/err"; fi
+}
+
+head -c 100000 "$model" >"$tmp/truncated.gguf"
+printf 'this is not a model' >"$tmp/text.gguf"
+python3 - "$tmp/long.txt" <<'PY' 2>/dev/null || yes "word" | head -n 6000 | tr '\n' ' ' >"$tmp/long.txt"
+import sys; open(sys.argv[1], "w").write("word " * 6000)
+PY
+
+expect_error "no command" "no command given" -- "$kvq"
+expect_error "unknown command" "unknown command 'frobnicate'" -- "$kvq" frobnicate
+expect_error "missing model file" "cannot open" -- "$kvq" generate -m "$tmp/none.gguf" -p hi
+expect_error "truncated model" "past the end" -- "$kvq" generate -m "$tmp/truncated.gguf" -p hi
+expect_error "not a GGUF file" "not a GGUF file" -- "$kvq" generate -m "$tmp/text.gguf" -p hi
+expect_error "missing -m" "needs a model" -- "$kvq" generate -p hi
+expect_error "missing prompt" "needs a prompt" -- "$kvq" generate -m "$model"
+expect_error "bad -n" "invalid value 'x' for -n" -- "$kvq" generate -m "$model" -p hi -n x
+expect_error "bad --temp" "invalid value '-1' for --temp" -- "$kvq" generate -m "$model" -p hi --temp -1
+expect_error "bad -t" "invalid value '0' for -t" -- "$kvq" generate -m "$model" -p hi -t 0
+expect_error "bad --kv-bits" "bits must be" -- "$kvq" generate -m "$model" -p hi --kv-bits 7
+expect_error "flag without value" "needs a value" -- "$kvq" generate -m "$model" -p
+expect_error "unknown flag" "unknown option '--frob'" -- "$kvq" generate -m "$model" -p hi --frob
+expect_error "missing prompt file" "cannot open" -- "$kvq" generate -m "$model" -f "$tmp/none.txt"
+expect_error "prompt longer than context" "more than the context" -- "$kvq" generate -m "$model" -f "$tmp/long.txt" -c 256
+expect_error "tokenize without text" "needs a text" -- "$kvq" tokenize -m "$model"
+expect_ok "generate --help" -- "$kvq" generate --help
+expect_ok "tokenize --help" -- "$kvq" tokenize --help
+expect_ok "--help" -- "$kvq" --help
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
