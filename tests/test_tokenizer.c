@@ -9,6 +9,7 @@
 #include "check.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
+#include "tokenizer/tok_internal.h"
 #include "tokenizer/tokenizer.h"
 
 static char *read_file(const char *path, size_t *len) {
@@ -338,7 +339,31 @@ static void test_wikitext_speed(const struct tokenizer *t) {
     free(text);
 }
 
+/* Every supported pre-tokenizer family compiles (most have no vectors here). */
+static void test_pretokenizers_compile(void) {
+    static const char *const names[] = {"default", "llama-bpe", "dbrx", "deepseek-llm", "deepseek-coder",
+                                        "deepseek-v3", "falcon", "starcoder", "refact", "gpt-2", "mpt",
+                                        "qwen2", "poro-chat", "viking", "tekken", "gpt-4o", ""};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        struct pretokenizer p;
+        bool ignore_merges, add_bos;
+        CHECK(pretok_init(&p, names[i], &ignore_merges, &add_bos) == 0, "pre '%s': %s", names[i], kvq_last_error());
+        struct piece_vec pieces = {0};
+        const char *text = "Hello, y'all! 1234567  \n\tcaf\xC3\xA9 \xE4\xBD\xA0\xE5\xA5\xBD";
+        CHECK(pretok_split(&p, text, strlen(text), &pieces) == 0 && pieces.n > 3, "pre '%s' split", names[i]);
+        size_t covered = 0;
+        for (size_t k = 0; k < pieces.n; k++) covered += pieces.data[k].len;
+        CHECK(covered == strlen(text), "pre '%s': pieces cover %zu of %zu bytes", names[i], covered, strlen(text));
+        free(pieces.data);
+        pretok_free(&p);
+    }
+    struct pretokenizer p;
+    bool a, b;
+    CHECK(pretok_init(&p, "no-such-pre", &a, &b) != 0, "unknown pre-tokenizer accepted");
+}
+
 int main(void) {
+    test_pretokenizers_compile();
     require_shared("tokenizer-tests");
     static const struct vocab_case vocabs[] = {
         {"llama-spm", true},   {"phi-3", true},          {"gpt-2", true},

@@ -400,7 +400,7 @@ int tokenizer_encode(const struct tokenizer *t, const char *text, size_t len, bo
         free(v.data);
         return kvq_error("tokenizer: text needs more than INT_MAX tokens");
     }
-    size_t n_copy = max_tokens > 0 ? (v.n < (size_t)max_tokens ? v.n : (size_t)max_tokens) : 0;
+    size_t n_copy = max_tokens > 0 && out ? (v.n < (size_t)max_tokens ? v.n : (size_t)max_tokens) : 0;
     if (n_copy) memcpy(out, v.data, n_copy * sizeof *out);
     free(v.data);
     return (int)v.n;
