@@ -34,7 +34,8 @@ int tokenizer_encode(const struct tokenizer *t, const char *text, size_t len, bo
 
 /* The bytes a token stands for (after byte-fallback / byte-level decoding, with the
  * SentencePiece space marker turned into a space). Control tokens give "" unless
- * render_special. Returns the byte count (may exceed buf_size: then buf holds a prefix). */
+ * render_special. Returns the byte count (may exceed buf_size: then buf holds a prefix),
+ * or -1 for an id outside the vocabulary. */
 int tokenizer_token_bytes(const struct tokenizer *t, int32_t id, bool render_special, char *buf,
                           int buf_size);
 
@@ -49,7 +50,9 @@ struct tokenizer_stream {
     bool strip_leading_space;
 };
 void tokenizer_stream_init(struct tokenizer_stream *s, const struct tokenizer *t, bool strip_leading_space);
-/* Appends the decoded bytes of id to out (capacity out_size); returns bytes written. */
+/* Appends the decoded bytes of id to out (capacity out_size); returns bytes written,
+ * or -1 (state unchanged) for a bad id or when out_size cannot hold the output
+ * (the longest token's bytes + 3 always suffice). */
 int tokenizer_stream_feed(struct tokenizer_stream *s, int32_t id, char *out, int out_size);
 /* Flushes any held-back bytes (invalid tails become U+FFFD). */
 int tokenizer_stream_flush(struct tokenizer_stream *s, char *out, int out_size);
