@@ -103,17 +103,20 @@ static kvq_token *tokenize_prompt(const struct kvq_model *m, const char *text, s
     return toks;
 }
 
-/* Feeds the prompt in n_batch pieces, showing progress on a terminal. */
+/* Feeds the prompt in n_batch pieces, showing progress on a terminal. Returns the
+ * batch index of the prompt's last token (whose logits were computed), or -1. */
 static int prefill(struct kvq_context *ctx, const kvq_token *toks, int n, int n_batch) {
+    int last = -1;
     bool tty = isatty(STDERR_FILENO);
     for (int done = 0; done < n; done += n_batch) {
         int len = n - done < n_batch ? n - done : n_batch;
         struct kvq_batch b = {.n_tokens = len, .tokens = toks + done};
-        if (kvq_decode(ctx, &b) != 0) return cli_fail("prompt evaluation failed: %s", kvq_last_error());
+        if (kvq_decode(ctx, &b) != 0) return -cli_fail("prompt evaluation failed: %s", kvq_last_error());
+        last = len - 1;
         if (tty && n > n_batch) fprintf(stderr, "\rkvq: prompt %d/%d tokens", done + len, n);
     }
     if (tty && n > n_batch) fputc('\n', stderr);
-    return 0;
+    return last;
 }
 
 int cmd_generate(int argc, char **argv) {
@@ -162,13 +165,15 @@ int cmd_generate(int argc, char **argv) {
     for (int i = 0; i < n_prompt; i++) kvq_sampler_accept(smp, toks[i]);
 
     double t0 = cli_now();
-    if (prefill(ctx, toks, n_prompt, o.cp.n_batch) != 0) goto done;
+    int logits_row = prefill(ctx, toks, n_prompt, o.cp.n_batch);
+    if (logits_row < 0) goto done;
     double t1 = cli_now();
     int n_gen = 0;
     char piece[256];
     bool stopped_by_ctx = false;
     while (o.n_predict < 0 || n_gen < o.n_predict) {
-        kvq_token t = kvq_sampler_sample(smp, kvq_get_logits(ctx, 0));
+        kvq_token t = kvq_sampler_sample(smp, kvq_get_logits(ctx, logits_row));
+        logits_row = 0;
         if (!o.ignore_eos && kvq_token_is_eog(m, t)) break;
         kvq_sampler_accept(smp, t);
         int w = kvq_detok_feed(dt, t, piece, sizeof piece);
