@@ -249,6 +249,11 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
             free(count);
             return kvq_error("batch token %d names sequence %d (0..%d)", i, s, n_seq - 1);
         }
+        if (b->tokens[i] < 0 || b->tokens[i] >= c->m->model->hp.n_vocab) {
+            free(count);
+            return kvq_error("token id %d is outside the vocabulary (0..%d)", b->tokens[i],
+                             c->m->model->hp.n_vocab - 1);
+        }
         count[s + 1]++;
     }
     for (int s = 0; s < n_seq; s++) {

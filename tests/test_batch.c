@@ -1,0 +1,108 @@
+/* Several sequences in one batch give the same logits as each run alone, whatever
+ * the order of their tokens in the batch; trim rewinds a sequence exactly. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kvq.h"
+#include "refs.h"
+
+static double max_diff(const float *a, const float *b, int n) {
+    double d = 0;
+    for (int i = 0; i < n; i++) d = fmax(d, fabs(a[i] - b[i]));
+    return d;
+}
+
+int main(void) {
+    struct ref_prompt refs[REFS_PROMPTS];
+    refs_load(refs);
+    struct kvq_model *m = kvq_model_load(require_shared("models/tinydoc-q8_0.gguf"));
+    CHECK(m != NULL, "load: %s", kvq_last_error());
+    if (!m) return check_finish();
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    int V = info.n_vocab;
+    struct kvq_context_params cp;
+    kvq_context_params_default(&cp);
+    cp.n_ctx = 64;
+    cp.n_threads = 2;
+
+    /* Alone: logits after each prompt's last token, and after one more token. */
+    float *alone = malloc(sizeof(float) * V * REFS_PROMPTS * 2);
+    for (int p = 0; p < REFS_PROMPTS; p++) {
+        struct kvq_context *ctx = kvq_context_new(m, &cp);
+        struct kvq_batch b = {.n_tokens = refs[p].n_ids, .tokens = refs[p].ids};
+        CHECK(kvq_decode(ctx, &b) == 0, "decode: %s", kvq_last_error());
+        memcpy(alone + (size_t)p * 2 * V, kvq_get_logits(ctx, b.n_tokens - 1), sizeof(float) * V);
+        b = (struct kvq_batch){.n_tokens = 1, .tokens = &refs[p].next[0]};
+        CHECK(kvq_decode(ctx, &b) == 0, "decode: %s", kvq_last_error());
+        memcpy(alone + ((size_t)p * 2 + 1) * V, kvq_get_logits(ctx, 0), sizeof(float) * V);
+        kvq_context_free(ctx);
+    }
+
+    /* Together: all prompts in one batch, tokens interleaved round-robin, with a
+     * small n_batch so the batch is split into several forward passes. */
+    cp.n_seq = REFS_PROMPTS;
+    cp.n_batch = 16;
+    struct kvq_context *ctx = kvq_context_new(m, &cp);
+    kvq_token tokens[4 * REFS_MAX_IDS];
+    int32_t seqs[4 * REFS_MAX_IDS];
+    bool want[4 * REFS_MAX_IDS];
+    int n = 0, last_of[REFS_PROMPTS];
+    for (int i = 0; i < REFS_MAX_IDS; i++)
+        for (int p = 0; p < REFS_PROMPTS; p++)
+            if (i < refs[p].n_ids) {
+                tokens[n] = refs[p].ids[i];
+                seqs[n] = p;
+                want[n] = i == refs[p].n_ids - 1;
+                if (want[n]) last_of[p] = n;
+                n++;
+            }
+    struct kvq_batch b = {.n_tokens = n, .tokens = tokens, .seq_ids = seqs, .logits = want};
+    CHECK(kvq_decode(ctx, &b) == 0, "batched decode: %s", kvq_last_error());
+    double worst = 0;
+    for (int p = 0; p < REFS_PROMPTS; p++) {
+        const float *l = kvq_get_logits(ctx, last_of[p]);
+        CHECK(l != NULL, "logits of prompt %d", p);
+        if (l) worst = fmax(worst, max_diff(l, alone + (size_t)p * 2 * V, V));
+        CHECK(kvq_seq_len(ctx, p) == refs[p].n_ids, "sequence %d length", p);
+    }
+    CHECK(kvq_get_logits(ctx, 0) == NULL || last_of[0] == 0, "logits only where asked");
+    /* One decode step for all sequences together, in reverse order. */
+    for (int p = 0; p < REFS_PROMPTS; p++) {
+        tokens[p] = refs[REFS_PROMPTS - 1 - p].next[0];
+        seqs[p] = REFS_PROMPTS - 1 - p;
+        want[p] = true;
+    }
+    b = (struct kvq_batch){.n_tokens = REFS_PROMPTS, .tokens = tokens, .seq_ids = seqs, .logits = want};
+    CHECK(kvq_decode(ctx, &b) == 0, "batched step: %s", kvq_last_error());
+    for (int p = 0; p < REFS_PROMPTS; p++)
+        worst = fmax(worst, max_diff(kvq_get_logits(ctx, p), alone + ((size_t)(REFS_PROMPTS - 1 - p) * 2 + 1) * V, V));
+    printf("batched vs alone: max logit difference %.2e\n", worst);
+    CHECK(worst < 1e-3, "batched logits differ from single-sequence ones by %g", worst);
+
+    /* Trim the step away and redo it: same logits. */
+    CHECK(kvq_seq_trim(ctx, 2, 1) == 1 && kvq_seq_len(ctx, 2) == refs[2].n_ids, "trim");
+    b = (struct kvq_batch){.n_tokens = 1, .tokens = &refs[2].next[0], .seq_ids = (int32_t[]){2}};
+    CHECK(kvq_decode(ctx, &b) == 0, "decode after trim");
+    double d = max_diff(kvq_get_logits(ctx, 0), alone + (2 * 2 + 1) * (size_t)V, V);
+    CHECK(d < 1e-3, "after trim: logits differ by %g", d);
+
+    /* Errors: unknown sequence, out-of-vocabulary token, context overflow. */
+    int32_t bad_seq = 9;
+    b = (struct kvq_batch){.n_tokens = 1, .tokens = tokens, .seq_ids = &bad_seq};
+    CHECK(kvq_decode(ctx, &b) != 0 && strstr(kvq_last_error(), "sequence 9"), "bad seq: %s", kvq_last_error());
+    kvq_token bad_tok = V + 5;
+    b = (struct kvq_batch){.n_tokens = 1, .tokens = &bad_tok};
+    CHECK(kvq_decode(ctx, &b) != 0 && strstr(kvq_last_error(), "outside the vocabulary"), "bad token: %s",
+          kvq_last_error());
+    CHECK(kvq_seq_len(ctx, 0) == refs[0].n_ids + 1, "failed batch left sequence 0 unchanged");
+    kvq_token many[64] = {0};
+    b = (struct kvq_batch){.n_tokens = 64, .tokens = many};
+    CHECK(kvq_decode(ctx, &b) != 0 && strstr(kvq_last_error(), "context full"), "overflow: %s", kvq_last_error());
+    kvq_context_free(ctx);
+    free(alone);
+    kvq_model_free(m);
+    return check_finish();
+}
