@@ -1,0 +1,129 @@
+/* kvq: LLM inference with a quantized KV cache. The public engine API.
+ *
+ * A model is loaded once; a context holds the KV caches of up to n_seq sequences
+ * and runs batches of tokens from any of them together. Functions that can fail
+ * return NULL or a negative number; kvq_last_error() then says why in one line. */
+#ifndef KVQ_H
+#define KVQ_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef int32_t kvq_token;
+
+struct kvq_model;
+struct kvq_context;
+struct kvq_sampler;
+struct kvq_detok;
+
+const char *kvq_last_error(void);
+
+/* ---- model ---------------------------------------------------------------- */
+
+struct kvq_model *kvq_model_load(const char *path);
+void kvq_model_free(struct kvq_model *m);
+
+struct kvq_model_info {
+    const char *arch;        /* "llama", "qwen2", "qwen3" */
+    const char *weight_type; /* e.g. "q8_0" */
+    int n_vocab, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
+    uint64_t n_params;
+    size_t weight_bytes;
+};
+void kvq_model_get_info(const struct kvq_model *m, struct kvq_model_info *info);
+
+/* ---- tokenizer ------------------------------------------------------------ */
+
+/* Encodes text; add_special adds BOS/EOS as the model's metadata says; parse_special
+ * turns special-token text (e.g. "<|eot_id|>") into those tokens. Returns the number
+ * of tokens the text needs (may exceed max: retry with a larger buffer), -1 on error. */
+int kvq_tokenize(const struct kvq_model *m, const char *text, size_t len, bool add_special, bool parse_special,
+                 kvq_token *out, int max);
+kvq_token kvq_token_bos(const struct kvq_model *m);
+kvq_token kvq_token_eos(const struct kvq_model *m);
+/* True for tokens that end a generation (EOS, end-of-turn, ...). */
+bool kvq_token_is_eog(const struct kvq_model *m, kvq_token t);
+
+/* Streaming detokenizer: emits only complete UTF-8 sequences. */
+struct kvq_detok *kvq_detok_new(const struct kvq_model *m);
+/* Appends the text of token t to out (capacity size); returns the bytes written. */
+int kvq_detok_feed(struct kvq_detok *d, kvq_token t, char *out, int size);
+int kvq_detok_flush(struct kvq_detok *d, char *out, int size);
+void kvq_detok_free(struct kvq_detok *d);
+
+/* ---- KV cache settings ---------------------------------------------------- */
+
+struct kvq_kv_config {
+    int k_bits, v_bits;   /* 16/32: float; 2,3,4,5,6,8: quantized */
+    int k_group, v_group; /* quantization group sizes (values along head_dim) */
+    int max_size;         /* rotating window in tokens (0: unbounded) */
+    int keep;             /* tokens kept at the start when rotating */
+    int quantized_start;  /* tokens held in 16 bits before quantizing */
+    bool hadamard;        /* randomized Hadamard rotation before quantizing */
+};
+void kvq_kv_config_default(struct kvq_kv_config *kv); /* f16 keys and values */
+/* Bytes one token takes in the cache of the whole model with this config. */
+size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv);
+
+/* ---- context -------------------------------------------------------------- */
+
+struct kvq_context_params {
+    int n_ctx;     /* max tokens per sequence (0: the model's training context) */
+    int n_seq;     /* sequences the context can hold */
+    int n_batch;   /* max tokens per forward pass (longer batches are split) */
+    int n_threads; /* <= 0: one per CPU */
+    struct kvq_kv_config kv;
+};
+void kvq_context_params_default(struct kvq_context_params *p);
+struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p);
+void kvq_context_free(struct kvq_context *c);
+int kvq_context_n_ctx(const struct kvq_context *c);
+
+/* Tokens of one or more sequences. Each sequence's tokens continue where it left
+ * off, in order. logits[i] asks for the logits after token i (NULL: last token only). */
+struct kvq_batch {
+    int n_tokens;
+    const kvq_token *tokens;
+    const int32_t *seq_ids; /* NULL: all in sequence 0 */
+    const bool *logits;
+};
+int kvq_decode(struct kvq_context *c, const struct kvq_batch *b);
+/* Logits after token i of the last batch ([n_vocab]); NULL if not requested. */
+const float *kvq_get_logits(const struct kvq_context *c, int i);
+
+/* Tokens held by a sequence (its next position). */
+int kvq_seq_len(const struct kvq_context *c, int seq);
+/* Removes the last n tokens of a sequence; returns how many were removed. */
+int kvq_seq_trim(struct kvq_context *c, int seq, int n);
+void kvq_seq_clear(struct kvq_context *c, int seq);
+/* Bytes held by the KV caches of all sequences. */
+size_t kvq_kv_bytes(const struct kvq_context *c);
+
+/* ---- sampling ------------------------------------------------------------- */
+
+struct kvq_sampler_params {
+    float temp;           /* <= 0: greedy */
+    int top_k;            /* <= 0: off */
+    float top_p;          /* >= 1: off */
+    float min_p;          /* <= 0: off */
+    float repeat_penalty; /* 1: off */
+    int repeat_last_n;    /* tokens of history the penalty looks at */
+    uint64_t seed;
+};
+void kvq_sampler_params_default(struct kvq_sampler_params *p);
+struct kvq_sampler *kvq_sampler_new(const struct kvq_sampler_params *p, int n_vocab);
+void kvq_sampler_free(struct kvq_sampler *s);
+/* Picks the next token from logits (not modified). */
+kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits);
+/* Records a token in the history (prompt and generated) for the repetition penalty. */
+void kvq_sampler_accept(struct kvq_sampler *s, kvq_token t);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

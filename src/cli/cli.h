@@ -1,0 +1,47 @@
+/* Shared pieces of the kvq command line: the subcommand table, flag parsing
+ * with clear errors, and the KV-cache flags every command accepts. */
+#ifndef KVQ_CLI_H
+#define KVQ_CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvq.h"
+
+/* A subcommand: argv[0] is the subcommand's name. Returns the exit code. */
+struct cli_command {
+    const char *name;
+    const char *summary;
+    int (*run)(int argc, char **argv);
+};
+
+int cmd_generate(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+
+/* Prints "kvq: <message>" on stderr; returns 1 (the exit code for usage/input errors). */
+int cli_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* Flag value parsers: print a clear error and return false on bad input. */
+bool cli_parse_int(const char *flag, const char *value, long min, long max, int *out);
+bool cli_parse_u64(const char *flag, const char *value, uint64_t *out);
+bool cli_parse_float(const char *flag, const char *value, double min, double max, float *out);
+/* The value after flag argv[*i] (advancing *i); NULL with an error if missing. */
+const char *cli_flag_value(int argc, char **argv, int *i);
+
+/* KV cache flags (--kv-bits, --kv-group-size, --max-kv-size, --keep,
+ * --quantized-kv-start, --kv-rotation, --cache-type-k/-v). Returns 1 when argv[*i] was
+ * one of them (consumed, advancing *i), 0 when it was not, -1 on a bad value. */
+int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv);
+/* Help text for those flags. */
+extern const char *const cli_kv_flags_help;
+/* Checks flag combinations after parsing; false with an error printed. */
+bool cli_kv_config_check(const struct kvq_kv_config *kv);
+/* "f16", "K8/V4 g64" ... for reports. */
+const char *cli_kv_config_name(const struct kvq_kv_config *kv);
+
+/* Reads a whole file into a NUL-terminated buffer (caller frees); NULL with an error printed. */
+char *cli_read_file(const char *path, size_t *len);
+/* Monotonic time in seconds. */
+double cli_now(void);
+
+#endif

@@ -1,0 +1,183 @@
+#include <errno.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli/cli.h"
+
+int cli_fail(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("kvq: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 1;
+}
+
+bool cli_parse_int(const char *flag, const char *value, long min, long max, int *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(value, &end, 10);
+    if (errno || end == value || *end || v < min || v > max) {
+        cli_fail("invalid value '%s' for %s: expected an integer from %ld to %ld", value, flag, min, max);
+        return false;
+    }
+    *out = (int)v;
+    return true;
+}
+
+bool cli_parse_u64(const char *flag, const char *value, uint64_t *out) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(value, &end, 10);
+    if (errno || end == value || *end || value[0] == '-') {
+        cli_fail("invalid value '%s' for %s: expected a non-negative integer", value, flag);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+bool cli_parse_float(const char *flag, const char *value, double min, double max, float *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(value, &end);
+    if (errno || end == value || *end || !(v >= min && v <= max)) {
+        cli_fail("invalid value '%s' for %s: expected a number from %g to %g", value, flag, min, max);
+        return false;
+    }
+    *out = (float)v;
+    return true;
+}
+
+const char *cli_flag_value(int argc, char **argv, int *i) {
+    if (*i + 1 >= argc) {
+        cli_fail("option %s needs a value", argv[*i]);
+        return NULL;
+    }
+    return argv[++*i];
+}
+
+static bool valid_bits(int b) { return b == 2 || b == 3 || b == 4 || b == 5 || b == 6 || b == 8 || b == 16 || b == 32; }
+
+/* Parses "A" or "A,B" into two ints (B = A when absent). */
+static bool parse_pair(const char *flag, const char *value, long min, long max, int *a, int *b) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "%s", value);
+    char *comma = strchr(buf, ',');
+    if (comma) *comma = '\0';
+    if (!cli_parse_int(flag, buf, min, max, a)) return false;
+    if (!comma) {
+        *b = *a;
+        return true;
+    }
+    return cli_parse_int(flag, comma + 1, min, max, b);
+}
+
+const char *const cli_kv_flags_help =
+    "KV cache:\n"
+    "  --kv-bits B | K,V        bits per key/value: 16 or 32 (float) or 2,3,4,5,6,8 (quantized); default 16\n"
+    "  --kv-group-size G | K,V  values per quantization group: 8,16,32,64,128 (default 64)\n"
+    "  --kv-rotation MODE       none | hadamard: rotate head vectors before quantizing\n"
+    "  --quantized-kv-start N   keep the first N tokens in 16 bits, then quantize\n"
+    "  --max-kv-size N          rotating cache of N tokens (0: unbounded)\n"
+    "  --keep N                 tokens kept at the start of a rotating cache (default 4)\n";
+
+int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv) {
+    const char *flag = argv[*i];
+    const char *v;
+    if (strcmp(flag, "--kv-bits") == 0) {
+        if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 2, 32, &kv->k_bits, &kv->v_bits)) return -1;
+        if (!valid_bits(kv->k_bits) || !valid_bits(kv->v_bits)) {
+            cli_fail("invalid value '%s' for --kv-bits: bits must be 2, 3, 4, 5, 6, 8, 16 or 32", v);
+            return -1;
+        }
+        return 1;
+    }
+    if (strcmp(flag, "--kv-group-size") == 0) {
+        if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 1, 1024, &kv->k_group, &kv->v_group))
+            return -1;
+        return 1;
+    }
+    if (strcmp(flag, "--kv-rotation") == 0) {
+        if (!(v = cli_flag_value(argc, argv, i))) return -1;
+        if (strcmp(v, "hadamard") == 0) kv->hadamard = true;
+        else if (strcmp(v, "none") == 0) kv->hadamard = false;
+        else {
+            cli_fail("invalid value '%s' for --kv-rotation: expected none or hadamard", v);
+            return -1;
+        }
+        return 1;
+    }
+    if (strcmp(flag, "--quantized-kv-start") == 0)
+        return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->quantized_start) ? 1 : -1;
+    if (strcmp(flag, "--max-kv-size") == 0)
+        return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->max_size) ? 1 : -1;
+    if (strcmp(flag, "--keep") == 0)
+        return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->keep) ? 1 : -1;
+    return 0;
+}
+
+bool cli_kv_config_check(const struct kvq_kv_config *kv) {
+    if (kv->max_size > 0 && kv->keep >= kv->max_size) {
+        cli_fail("--keep (%d) must be smaller than --max-kv-size (%d)", kv->keep, kv->max_size);
+        return false;
+    }
+    return true;
+}
+
+const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
+    static char buf[96];
+    int n;
+    if (kv->k_bits >= 16 && kv->v_bits >= 16)
+        n = snprintf(buf, sizeof buf, "%s", kv->k_bits == 32 ? "f32" : "f16");
+    else if (kv->k_bits == kv->v_bits && kv->k_group == kv->v_group)
+        n = snprintf(buf, sizeof buf, "q%d g%d", kv->k_bits, kv->k_group);
+    else
+        n = snprintf(buf, sizeof buf, "K%d/V%d g%d/%d", kv->k_bits, kv->v_bits, kv->k_group, kv->v_group);
+    if (kv->hadamard) n += snprintf(buf + n, sizeof buf - (size_t)n, " rot");
+    if (kv->max_size) snprintf(buf + n, sizeof buf - (size_t)n, " win%d", kv->max_size);
+    return buf;
+}
+
+char *cli_read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        cli_fail("cannot open '%s': %s", path, strerror(errno));
+        return NULL;
+    }
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (!buf) break;
+        n += fread(buf + n, 1, cap - n - 1, f);
+        if (n < cap - 1) break;
+        cap *= 2;
+        char *nb = realloc(buf, cap);
+        if (!nb) {
+            free(buf);
+            buf = NULL;
+        } else
+            buf = nb;
+    }
+    bool err = ferror(f);
+    fclose(f);
+    if (!buf || err) {
+        free(buf);
+        cli_fail("cannot read '%s'", path);
+        return NULL;
+    }
+    buf[n] = '\0';
+    if (len) *len = n;
+    return buf;
+}
+
+double cli_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}

@@ -1,0 +1,208 @@
+/* kvq generate: continue a prompt, printing only the generated text on stdout and
+ * timing lines on stderr. */
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+
+static const char *const generate_help =
+    "usage: kvq generate -m MODEL (-p PROMPT | -f FILE) [options]\n"
+    "\n"
+    "Generates a continuation of the prompt. Only the generated text goes to stdout;\n"
+    "timings and the KV cache size go to stderr.\n"
+    "\n"
+    "  -m, --model FILE     GGUF model\n"
+    "  -p, --prompt TEXT    prompt text\n"
+    "  -f, --file FILE      read the prompt from a file\n"
+    "  -n, --n-predict N    tokens to generate (default 128; -1: until EOS or context end)\n"
+    "  -c, --ctx-size N     context length in tokens (default: the model's)\n"
+    "  -t, --threads N      threads (default: all cores)\n"
+    "  -b, --batch-size N   prompt tokens per forward pass (default 512)\n"
+    "  --temp T             temperature (default 0.8; 0 = greedy)\n"
+    "  --top-k K            keep the K most likely tokens (default 40; 0 = off)\n"
+    "  --top-p P            nucleus sampling (default 0.95; 1 = off)\n"
+    "  --min-p P            drop tokens below P x the best one's probability (default 0.05)\n"
+    "  --repeat-penalty R   penalty for recent tokens (default 1.0 = off)\n"
+    "  --repeat-last-n N    how many recent tokens the penalty sees (default 64)\n"
+    "  --seed S             random seed (default: fixed)\n"
+    "  --ignore-eos         keep generating past end-of-sequence tokens\n"
+    "  -h, --help           this text\n";
+
+struct generate_opts {
+    const char *model, *prompt, *prompt_file;
+    int n_predict;
+    bool ignore_eos;
+    struct kvq_context_params cp;
+    struct kvq_sampler_params sp;
+};
+
+static int parse_args(int argc, char **argv, struct generate_opts *o) {
+    kvq_context_params_default(&o->cp);
+    kvq_sampler_params_default(&o->sp);
+    o->n_predict = 128;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp.kv);
+        if (kv < 0) return 1;
+        if (kv > 0) continue;
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            fputs(generate_help, stdout);
+            fputs(cli_kv_flags_help, stdout);
+            exit(0);
+        }
+        if (strcmp(a, "--ignore-eos") == 0) {
+            o->ignore_eos = true;
+            continue;
+        }
+        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        bool ok = true;
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
+        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) o->prompt = v;
+        else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->prompt_file = v;
+        else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) ok = cli_parse_int(a, v, -1, INT_MAX, &o->n_predict);
+        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cp.n_ctx);
+        else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
+        else if (!strcmp(a, "-b") || !strcmp(a, "--batch-size")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->cp.n_batch);
+        else if (!strcmp(a, "--temp")) ok = cli_parse_float(a, v, 0, 100, &o->sp.temp);
+        else if (!strcmp(a, "--top-k")) ok = cli_parse_int(a, v, 0, INT_MAX, &o->sp.top_k);
+        else if (!strcmp(a, "--top-p")) ok = cli_parse_float(a, v, 0, 1, &o->sp.top_p);
+        else if (!strcmp(a, "--min-p")) ok = cli_parse_float(a, v, 0, 1, &o->sp.min_p);
+        else if (!strcmp(a, "--repeat-penalty")) ok = cli_parse_float(a, v, 0.01, 100, &o->sp.repeat_penalty);
+        else if (!strcmp(a, "--repeat-last-n")) ok = cli_parse_int(a, v, 0, 1 << 20, &o->sp.repeat_last_n);
+        else if (!strcmp(a, "--seed")) ok = cli_parse_u64(a, v, &o->sp.seed);
+        else return cli_fail("unknown option '%s' for generate (see 'kvq generate --help')", a);
+        if (!ok) return 1;
+    }
+    if (!o->model) return cli_fail("generate needs a model: -m FILE");
+    if (!o->prompt && !o->prompt_file) return cli_fail("generate needs a prompt: -p TEXT or -f FILE");
+    if (o->prompt && o->prompt_file) return cli_fail("give either -p or -f, not both");
+    if (!cli_kv_config_check(&o->cp.kv)) return 1;
+    return 0;
+}
+
+/* Tokenizes text with the model's BOS handling; returns a malloc'd array. */
+static kvq_token *tokenize_prompt(const struct kvq_model *m, const char *text, size_t len, int *n_out) {
+    int cap = (int)(len < INT_MAX / 2 ? len : INT_MAX / 2) + 8;
+    kvq_token *toks = malloc(sizeof *toks * (size_t)cap);
+    int n = toks ? kvq_tokenize(m, text, len, true, true, toks, cap) : -1;
+    if (n < 0 || n > cap) {
+        free(toks);
+        cli_fail("cannot tokenize the prompt: %s", kvq_last_error());
+        return NULL;
+    }
+    *n_out = n;
+    return toks;
+}
+
+/* Feeds the prompt in n_batch pieces, showing progress on a terminal. */
+static int prefill(struct kvq_context *ctx, const kvq_token *toks, int n, int n_batch) {
+    bool tty = isatty(STDERR_FILENO);
+    for (int done = 0; done < n; done += n_batch) {
+        int len = n - done < n_batch ? n - done : n_batch;
+        struct kvq_batch b = {.n_tokens = len, .tokens = toks + done};
+        if (kvq_decode(ctx, &b) != 0) return cli_fail("prompt evaluation failed: %s", kvq_last_error());
+        if (tty && n > n_batch) fprintf(stderr, "\rkvq: prompt %d/%d tokens", done + len, n);
+    }
+    if (tty && n > n_batch) fputc('\n', stderr);
+    return 0;
+}
+
+int cmd_generate(int argc, char **argv) {
+    struct generate_opts o = {0};
+    if (parse_args(argc, argv, &o) != 0) return 1;
+    size_t len;
+    char *text = o.prompt_file ? cli_read_file(o.prompt_file, &len) : strdup(o.prompt);
+    if (!text) return 1;
+    if (!o.prompt_file) len = strlen(text);
+
+    int rc = 1;
+    struct kvq_context *ctx = NULL;
+    struct kvq_sampler *smp = NULL;
+    struct kvq_detok *dt = NULL;
+    kvq_token *toks = NULL;
+    struct kvq_model *m = kvq_model_load(o.model);
+    if (!m) {
+        cli_fail("%s", kvq_last_error());
+        goto done;
+    }
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    int n_prompt;
+    toks = tokenize_prompt(m, text, len, &n_prompt);
+    if (!toks) goto done;
+    if (n_prompt == 0) {
+        cli_fail("the prompt is empty");
+        goto done;
+    }
+    ctx = kvq_context_new(m, &o.cp);
+    if (!ctx) {
+        cli_fail("%s", kvq_last_error());
+        goto done;
+    }
+    int n_ctx = kvq_context_n_ctx(ctx);
+    if (o.cp.kv.max_size == 0 && n_prompt >= n_ctx) {
+        cli_fail("the prompt has %d tokens, more than the context of %d allows (use -c to raise it)", n_prompt, n_ctx);
+        goto done;
+    }
+    smp = kvq_sampler_new(&o.sp, info.n_vocab);
+    dt = kvq_detok_new(m);
+    if (!smp || !dt) {
+        cli_fail("%s", kvq_last_error());
+        goto done;
+    }
+    for (int i = 0; i < n_prompt; i++) kvq_sampler_accept(smp, toks[i]);
+
+    double t0 = cli_now();
+    if (prefill(ctx, toks, n_prompt, o.cp.n_batch) != 0) goto done;
+    double t1 = cli_now();
+    int n_gen = 0;
+    char piece[256];
+    bool stopped_by_ctx = false;
+    while (o.n_predict < 0 || n_gen < o.n_predict) {
+        kvq_token t = kvq_sampler_sample(smp, kvq_get_logits(ctx, 0));
+        if (!o.ignore_eos && kvq_token_is_eog(m, t)) break;
+        kvq_sampler_accept(smp, t);
+        int w = kvq_detok_feed(dt, t, piece, sizeof piece);
+        fwrite(piece, 1, (size_t)(w < (int)sizeof piece ? w : (int)sizeof piece), stdout);
+        fflush(stdout);
+        n_gen++;
+        if (o.n_predict >= 0 && n_gen >= o.n_predict) break;
+        if (o.cp.kv.max_size == 0 && kvq_seq_len(ctx, 0) >= n_ctx) {
+            stopped_by_ctx = true;
+            break;
+        }
+        struct kvq_batch b = {.n_tokens = 1, .tokens = &t};
+        if (kvq_decode(ctx, &b) != 0) {
+            cli_fail("decoding failed: %s", kvq_last_error());
+            goto done;
+        }
+    }
+    int w = kvq_detok_flush(dt, piece, sizeof piece);
+    fwrite(piece, 1, (size_t)w, stdout);
+    fputc('\n', stdout);
+    fflush(stdout);
+    double t2 = cli_now();
+    if (stopped_by_ctx) fprintf(stderr, "kvq: stopped: the context of %d tokens is full\n", n_ctx);
+    fprintf(stderr, "kvq: model %s (%s, %s), %d threads\n", o.model, info.arch, info.weight_type,
+            o.cp.n_threads > 0 ? o.cp.n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN));
+    fprintf(stderr, "kvq: prompt    %6d tokens in %9.2f ms (%8.2f tok/s)\n", n_prompt, (t1 - t0) * 1e3,
+            n_prompt / (t1 - t0));
+    /* The first sampled token came from the prompt's logits; the decode steps made the rest. */
+    int n_steps = n_gen > 0 ? n_gen - 1 : 0;
+    fprintf(stderr, "kvq: generate  %6d tokens in %9.2f ms (%8.2f tok/s)\n", n_gen, (t2 - t1) * 1e3,
+            n_steps > 0 ? n_steps / (t2 - t1) : 0.0);
+    fprintf(stderr, "kvq: KV cache %s: %.2f MiB for %d tokens (%zu bytes/token)\n", cli_kv_config_name(&o.cp.kv),
+            kvq_kv_bytes(ctx) / 1048576.0, kvq_seq_len(ctx, 0), kvq_kv_token_bytes(m, &o.cp.kv));
+    rc = 0;
+done:
+    kvq_detok_free(dt);
+    kvq_sampler_free(smp);
+    kvq_context_free(ctx);
+    kvq_model_free(m);
+    free(toks);
+    free(text);
+    return rc;
+}

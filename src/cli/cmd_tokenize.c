@@ -1,0 +1,58 @@
+/* kvq tokenize: prints the token ids of a text as [1, 2, 3]. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+
+static const char *const tokenize_help =
+    "usage: kvq tokenize -m MODEL (-p TEXT | -f FILE) [--no-bos] [--no-parse-special]\n"
+    "\n"
+    "Prints the token ids of the text, e.g. [1, 450, 4996].\n"
+    "  --no-bos             do not add the BOS token the model's metadata asks for\n"
+    "  --no-parse-special   treat special-token text like \"<s>\" as plain text\n";
+
+int cmd_tokenize(int argc, char **argv) {
+    const char *model = NULL, *text = NULL, *file = NULL;
+    bool bos = true, parse_special = true;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(tokenize_help, stdout);
+            return 0;
+        }
+        if (!strcmp(a, "--no-bos")) { bos = false; continue; }
+        if (!strcmp(a, "--no-parse-special")) { parse_special = false; continue; }
+        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
+        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) text = v;
+        else if (!strcmp(a, "-f") || !strcmp(a, "--file")) file = v;
+        else return cli_fail("unknown option '%s' for tokenize (see 'kvq tokenize --help')", a);
+    }
+    if (!model) return cli_fail("tokenize needs a model: -m FILE");
+    if (!text && !file) return cli_fail("tokenize needs a text: -p TEXT or -f FILE");
+    size_t len;
+    char *buf = file ? cli_read_file(file, &len) : strdup(text);
+    if (!buf) return 1;
+    if (!file) len = strlen(buf);
+    struct kvq_model *m = kvq_model_load(model);
+    if (!m) {
+        free(buf);
+        return cli_fail("%s", kvq_last_error());
+    }
+    int cap = (int)len + 8;
+    kvq_token *ids = malloc(sizeof *ids * (size_t)cap);
+    int n = ids ? kvq_tokenize(m, buf, len, bos, parse_special, ids, cap) : -1;
+    int rc = 0;
+    if (n < 0 || n > cap) {
+        rc = cli_fail("cannot tokenize: %s", kvq_last_error());
+    } else {
+        putchar('[');
+        for (int i = 0; i < n; i++) printf(i ? ", %d" : "%d", ids[i]);
+        puts("]");
+    }
+    free(ids);
+    free(buf);
+    kvq_model_free(m);
+    return rc;
+}

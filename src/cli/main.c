@@ -1,0 +1,32 @@
+/* kvq: one binary, one subcommand per job. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/cli.h"
+
+static const struct cli_command commands[] = {
+    {"generate", "generate text from a prompt", cmd_generate},
+    {"tokenize", "print the token ids of a text", cmd_tokenize},
+};
+
+static void usage(FILE *out) {
+    fprintf(out, "kvq: LLM inference with a quantized KV cache\n\nusage: kvq COMMAND [options]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        fprintf(out, "  %-16s %s\n", commands[i].name, commands[i].summary);
+    fprintf(out, "\n'kvq COMMAND --help' describes a command's options.\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return 1;
+    }
+    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+        usage(stdout);
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        if (strcmp(argv[1], commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
+    fprintf(stderr, "kvq: unknown command '%s' (run 'kvq --help' for the list)\n", argv[1]);
+    return 1;
+}

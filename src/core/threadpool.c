@@ -1,0 +1,124 @@
+#include "core/threadpool.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+/* Spins before a worker sleeps: long enough to span the gap between the tasks of
+ * one decode step, short enough not to burn a core while the engine is idle. */
+#define SPIN_ROUNDS 200000
+
+struct worker {
+    struct kvq_pool *pool;
+    int ith;
+    pthread_t thread;
+};
+
+struct kvq_pool {
+    int n;
+    struct worker *workers; /* n - 1 of them: thread 0 is the caller */
+    kvq_task_fn fn;
+    void *arg;
+    atomic_uint generation; /* bumped for each task */
+    atomic_int n_done;
+    atomic_int n_sleeping;
+    atomic_bool stop;
+    pthread_mutex_t mutex;
+    pthread_cond_t wake;
+};
+
+static void *worker_main(void *p) {
+    struct worker *w = p;
+    struct kvq_pool *pool = w->pool;
+    unsigned seen = 0;
+    for (;;) {
+        unsigned gen;
+        int spins = 0;
+        while ((gen = atomic_load_explicit(&pool->generation, memory_order_acquire)) == seen &&
+               !atomic_load_explicit(&pool->stop, memory_order_acquire)) {
+            if (++spins < SPIN_ROUNDS) {
+                cpu_relax();
+                continue;
+            }
+            pthread_mutex_lock(&pool->mutex);
+            atomic_fetch_add(&pool->n_sleeping, 1);
+            while (atomic_load(&pool->generation) == seen && !atomic_load(&pool->stop))
+                pthread_cond_wait(&pool->wake, &pool->mutex);
+            atomic_fetch_sub(&pool->n_sleeping, 1);
+            pthread_mutex_unlock(&pool->mutex);
+            spins = 0;
+        }
+        if (atomic_load_explicit(&pool->stop, memory_order_acquire)) return NULL;
+        seen = gen;
+        pool->fn(pool->arg, w->ith, pool->n);
+        atomic_fetch_add_explicit(&pool->n_done, 1, memory_order_release);
+    }
+}
+
+static int online_cpus(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+struct kvq_pool *kvq_pool_new(int n_threads) {
+    struct kvq_pool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->n = n_threads > 0 ? n_threads : online_cpus();
+    pthread_mutex_init(&p->mutex, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    p->workers = calloc((size_t)p->n, sizeof *p->workers);
+    if (!p->workers) {
+        free(p);
+        return NULL;
+    }
+    for (int i = 1; i < p->n; i++) {
+        p->workers[i].pool = p;
+        p->workers[i].ith = i;
+        if (pthread_create(&p->workers[i].thread, NULL, worker_main, &p->workers[i]) != 0) {
+            p->n = i; /* run with the threads we got */
+            break;
+        }
+    }
+    return p;
+}
+
+void kvq_pool_free(struct kvq_pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mutex);
+    atomic_store(&p->stop, true);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mutex);
+    for (int i = 1; i < p->n; i++) pthread_join(p->workers[i].thread, NULL);
+    pthread_mutex_destroy(&p->mutex);
+    pthread_cond_destroy(&p->wake);
+    free(p->workers);
+    free(p);
+}
+
+int kvq_pool_size(const struct kvq_pool *p) { return p->n; }
+
+void kvq_pool_run(struct kvq_pool *p, kvq_task_fn fn, void *arg) {
+    if (p->n == 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    p->fn = fn;
+    p->arg = arg;
+    atomic_store_explicit(&p->n_done, 0, memory_order_relaxed);
+    atomic_fetch_add(&p->generation, 1); /* seq_cst: pairs with n_sleeping below */
+    if (atomic_load(&p->n_sleeping) > 0) {
+        pthread_mutex_lock(&p->mutex);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mutex);
+    }
+    fn(arg, 0, p->n);
+    while (atomic_load_explicit(&p->n_done, memory_order_acquire) < p->n - 1) cpu_relax();
+}

@@ -1,0 +1,344 @@
+/* The public API: ties the model, tokenizer, thread pool and KV caches together. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "core/threadpool.h"
+#include "gguf/gguf.h"
+#include "kvcache/kv_cache.h"
+#include "kvq.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+struct kvq_model {
+    struct model *model;
+    struct tokenizer *tok;
+};
+
+struct kvq_context {
+    struct kvq_model *m;
+    struct kvq_context_params p;
+    struct kvq_pool *pool;
+    struct forward *fwd;
+    struct kv_cache **caches; /* [n_seq][n_layer] */
+    /* Logits of the last batch: row_of[i] is the row of batch token i, or -1. */
+    float *logits;
+    size_t logits_cap; /* rows */
+    int *row_of;
+    int row_of_cap;
+    int last_n_tokens;
+    /* Reordering scratch: the batch grouped by sequence. */
+    int32_t *order;
+    int order_cap;
+};
+
+struct kvq_model *kvq_model_load(const char *path) {
+    struct kvq_model *m = calloc(1, sizeof *m);
+    if (!m) {
+        kvq_error("out of memory");
+        return NULL;
+    }
+    m->model = model_load(path);
+    if (!m->model) goto fail;
+    m->tok = tokenizer_from_gguf(m->model->file);
+    if (!m->tok) goto fail;
+    if (tokenizer_n_vocab(m->tok) > m->model->hp.n_vocab) {
+        kvq_error("tokenizer has %d tokens but the model only %d", tokenizer_n_vocab(m->tok), m->model->hp.n_vocab);
+        goto fail;
+    }
+    return m;
+fail:
+    kvq_model_free(m);
+    return NULL;
+}
+
+void kvq_model_free(struct kvq_model *m) {
+    if (!m) return;
+    tokenizer_free(m->tok);
+    model_free(m->model);
+    free(m);
+}
+
+void kvq_model_get_info(const struct kvq_model *m, struct kvq_model_info *info) {
+    const struct model_hparams *hp = &m->model->hp;
+    info->arch = hp->arch_name;
+    info->weight_type = model_weight_type_name(m->model);
+    info->n_vocab = hp->n_vocab;
+    info->n_ctx_train = hp->n_ctx_train;
+    info->n_embd = hp->n_embd;
+    info->n_layer = hp->n_layer;
+    info->n_head = hp->n_head;
+    info->n_head_kv = hp->n_head_kv;
+    info->head_dim = hp->head_dim;
+    info->n_ff = hp->n_ff;
+    info->n_params = m->model->n_params;
+    info->weight_bytes = m->model->weight_bytes;
+}
+
+/* ---- tokenizer ---- */
+
+int kvq_tokenize(const struct kvq_model *m, const char *text, size_t len, bool add_special, bool parse_special,
+                 kvq_token *out, int max) {
+    return tokenizer_encode(m->tok, text, len, add_special, parse_special, out, max);
+}
+kvq_token kvq_token_bos(const struct kvq_model *m) { return tokenizer_bos(m->tok); }
+kvq_token kvq_token_eos(const struct kvq_model *m) { return tokenizer_eos(m->tok); }
+bool kvq_token_is_eog(const struct kvq_model *m, kvq_token t) { return tokenizer_is_eog(m->tok, t); }
+
+struct kvq_detok {
+    struct tokenizer_stream s;
+};
+
+struct kvq_detok *kvq_detok_new(const struct kvq_model *m) {
+    struct kvq_detok *d = calloc(1, sizeof *d);
+    if (!d) {
+        kvq_error("out of memory");
+        return NULL;
+    }
+    tokenizer_stream_init(&d->s, m->tok, false);
+    return d;
+}
+int kvq_detok_feed(struct kvq_detok *d, kvq_token t, char *out, int size) {
+    return tokenizer_stream_feed(&d->s, t, out, size);
+}
+int kvq_detok_flush(struct kvq_detok *d, char *out, int size) { return tokenizer_stream_flush(&d->s, out, size); }
+void kvq_detok_free(struct kvq_detok *d) { free(d); }
+
+/* ---- KV config ---- */
+
+void kvq_kv_config_default(struct kvq_kv_config *kv) {
+    memset(kv, 0, sizeof *kv);
+    kv->k_bits = kv->v_bits = 16;
+    kv->k_group = kv->v_group = 64;
+    kv->keep = 4;
+}
+
+static void to_cache_config(const struct kvq_kv_config *kv, struct kv_cache_config *cc) {
+    cc->k_bits = kv->k_bits;
+    cc->v_bits = kv->v_bits;
+    cc->k_group = kv->k_group;
+    cc->v_group = kv->v_group;
+    cc->max_size = kv->max_size;
+    cc->keep = kv->keep;
+    cc->quantized_start = kv->quantized_start;
+    cc->hadamard = kv->hadamard;
+}
+
+static struct kv_shape model_kv_shape(const struct model *m) {
+    struct kv_shape s = {m->hp.n_head, m->hp.n_head_kv, m->hp.head_dim, m->hp.sliding_window};
+    return s;
+}
+
+size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv) {
+    struct kv_cache_config cc;
+    to_cache_config(kv, &cc);
+    struct kv_shape s = model_kv_shape(m->model);
+    return kv_cache_token_bytes(&cc, &s) * (size_t)m->model->hp.n_layer;
+}
+
+/* ---- context ---- */
+
+void kvq_context_params_default(struct kvq_context_params *p) {
+    memset(p, 0, sizeof *p);
+    p->n_seq = 1;
+    p->n_batch = 512;
+    kvq_kv_config_default(&p->kv);
+}
+
+struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p) {
+    const struct model_hparams *hp = &m->model->hp;
+    if (p->n_seq <= 0 || p->n_seq > 4096) {
+        kvq_error("number of sequences must be 1..4096 (got %d)", p->n_seq);
+        return NULL;
+    }
+    if (p->n_batch <= 0 || p->n_ctx < 0) {
+        kvq_error("invalid context parameters: n_ctx %d, n_batch %d", p->n_ctx, p->n_batch);
+        return NULL;
+    }
+    struct kvq_context *c = calloc(1, sizeof *c);
+    if (!c) {
+        kvq_error("out of memory");
+        return NULL;
+    }
+    c->m = m;
+    c->p = *p;
+    if (c->p.n_ctx == 0) c->p.n_ctx = hp->n_ctx_train;
+    c->pool = kvq_pool_new(p->n_threads);
+    c->fwd = forward_new(m->model, p->n_batch);
+    c->caches = calloc((size_t)p->n_seq * hp->n_layer, sizeof *c->caches);
+    if (!c->pool || !c->fwd || !c->caches) {
+        if (!c->fwd && kvq_last_error()[0]) goto fail;
+        kvq_error("out of memory");
+        goto fail;
+    }
+    struct kv_cache_config cc;
+    to_cache_config(&p->kv, &cc);
+    struct kv_shape shape = model_kv_shape(m->model);
+    for (int i = 0; i < p->n_seq * hp->n_layer; i++) {
+        c->caches[i] = kv_cache_new(&cc, &shape);
+        if (!c->caches[i]) goto fail;
+    }
+    return c;
+fail:
+    kvq_context_free(c);
+    return NULL;
+}
+
+void kvq_context_free(struct kvq_context *c) {
+    if (!c) return;
+    if (c->caches)
+        for (int i = 0; i < c->p.n_seq * c->m->model->hp.n_layer; i++) kv_cache_free(c->caches[i]);
+    free(c->caches);
+    forward_free(c->fwd);
+    if (c->pool) kvq_pool_free(c->pool);
+    free(c->logits);
+    free(c->row_of);
+    free(c->order);
+    free(c);
+}
+
+int kvq_context_n_ctx(const struct kvq_context *c) { return c->p.n_ctx; }
+
+static struct kv_cache **seq_caches(const struct kvq_context *c, int seq) {
+    return c->caches + (size_t)seq * c->m->model->hp.n_layer;
+}
+
+int kvq_seq_len(const struct kvq_context *c, int seq) {
+    if (seq < 0 || seq >= c->p.n_seq) return kvq_error("sequence %d does not exist (0..%d)", seq, c->p.n_seq - 1);
+    return kv_cache_n_past(seq_caches(c, seq)[0]);
+}
+
+int kvq_seq_trim(struct kvq_context *c, int seq, int n) {
+    if (seq < 0 || seq >= c->p.n_seq) return kvq_error("sequence %d does not exist (0..%d)", seq, c->p.n_seq - 1);
+    int removed = 0;
+    for (int il = 0; il < c->m->model->hp.n_layer; il++) removed = kv_cache_trim(seq_caches(c, seq)[il], n);
+    return removed;
+}
+
+void kvq_seq_clear(struct kvq_context *c, int seq) {
+    if (seq < 0 || seq >= c->p.n_seq) return;
+    for (int il = 0; il < c->m->model->hp.n_layer; il++) kv_cache_clear(seq_caches(c, seq)[il]);
+}
+
+size_t kvq_kv_bytes(const struct kvq_context *c) {
+    size_t total = 0;
+    for (int i = 0; i < c->p.n_seq * c->m->model->hp.n_layer; i++) total += kv_cache_bytes(c->caches[i]);
+    return total;
+}
+
+static int grow(void **p, int *cap, int need, size_t elem) {
+    if (need <= *cap) return 0;
+    void *q = realloc(*p, (size_t)need * elem);
+    if (!q) return kvq_error("out of memory");
+    *p = q;
+    *cap = need;
+    return 0;
+}
+
+/* Checks a batch and groups its tokens by sequence (stable), into c->order. */
+static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
+    int n = b->n_tokens;
+    if (n <= 0) return kvq_error("empty batch");
+    if (grow((void **)&c->order, &c->order_cap, n, sizeof *c->order)) return -1;
+    int n_seq = c->p.n_seq;
+    int *count = calloc((size_t)n_seq + 1, sizeof *count);
+    if (!count) return kvq_error("out of memory");
+    for (int i = 0; i < n; i++) {
+        int s = b->seq_ids ? b->seq_ids[i] : 0;
+        if (s < 0 || s >= n_seq) {
+            free(count);
+            return kvq_error("batch token %d names sequence %d (0..%d)", i, s, n_seq - 1);
+        }
+        count[s + 1]++;
+    }
+    for (int s = 0; s < n_seq; s++) {
+        int len = kv_cache_n_past(seq_caches(c, s)[0]);
+        if (count[s + 1] > 0 && c->p.kv.max_size == 0 && len + count[s + 1] > c->p.n_ctx) {
+            int have = count[s + 1];
+            free(count);
+            return kvq_error("context full: sequence %d holds %d tokens, %d more would exceed the context of %d", s,
+                             len, have, c->p.n_ctx);
+        }
+        count[s + 1] += count[s];
+    }
+    for (int i = 0; i < n; i++) c->order[count[b->seq_ids ? b->seq_ids[i] : 0]++] = i;
+    free(count);
+    return 0;
+}
+
+int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
+    const struct model *m = c->m->model;
+    if (plan_batch(c, b) != 0) return -1;
+    int n = b->n_tokens, n_vocab = m->hp.n_vocab;
+    int n_rows = 0;
+    if (grow((void **)&c->row_of, &c->row_of_cap, n, sizeof *c->row_of)) return -1;
+    for (int i = 0; i < n; i++) {
+        bool want = b->logits ? b->logits[i] : i == n - 1;
+        c->row_of[i] = want ? n_rows++ : -1;
+    }
+    if ((size_t)n_rows > c->logits_cap) {
+        float *l = realloc(c->logits, sizeof(float) * (size_t)n_rows * n_vocab);
+        if (!l) return kvq_error("out of memory for %d rows of logits", n_rows);
+        c->logits = l;
+        c->logits_cap = (size_t)n_rows;
+    }
+    c->last_n_tokens = n;
+
+    /* Forward passes over chunks of at most n_batch tokens of the grouped batch. */
+    int chunk = c->p.n_batch;
+    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)chunk * 2);
+    struct fwd_seq *seqs = malloc(sizeof *seqs * (size_t)chunk);
+    if (!tokens || !seqs) {
+        free(tokens);
+        free(seqs);
+        return kvq_error("out of memory");
+    }
+    int32_t *logit_rows = tokens + chunk;
+    int rc = 0;
+    for (int start = 0; start < n && rc == 0; start += chunk) {
+        int len = n - start < chunk ? n - start : chunk;
+        struct fwd_batch fb = {.n_tokens = len, .tokens = tokens, .seqs = seqs, .logit_rows = logit_rows};
+        int first_row = -1;
+        for (int j = 0; j < len; j++) {
+            int i = c->order[start + j];
+            int s = b->seq_ids ? b->seq_ids[i] : 0;
+            tokens[j] = b->tokens[i];
+            if (fb.n_seqs == 0 || seqs[fb.n_seqs - 1].caches != seq_caches(c, s)) {
+                seqs[fb.n_seqs++] = (struct fwd_seq){j, 0, seq_caches(c, s)};
+            }
+            seqs[fb.n_seqs - 1].n++;
+            if (c->row_of[i] >= 0) {
+                if (first_row < 0) first_row = c->row_of[i];
+                logit_rows[fb.n_logits++] = j;
+            }
+        }
+        /* Rows come out in chunk order; the batch's row numbering follows token order,
+         * so write to a temporary block then scatter. */
+        float *dst = c->logits + (size_t)(first_row < 0 ? 0 : first_row) * n_vocab;
+        bool in_order = true;
+        for (int r = 0; r < fb.n_logits; r++)
+            if (c->row_of[c->order[start + logit_rows[r]]] != first_row + r) in_order = false;
+        if (in_order) {
+            rc = forward_run(c->fwd, c->pool, &fb, dst);
+        } else {
+            float *tmp = malloc(sizeof(float) * (size_t)fb.n_logits * n_vocab);
+            if (!tmp) {
+                rc = kvq_error("out of memory");
+                break;
+            }
+            rc = forward_run(c->fwd, c->pool, &fb, tmp);
+            for (int r = 0; r < fb.n_logits && rc == 0; r++)
+                memcpy(c->logits + (size_t)c->row_of[c->order[start + logit_rows[r]]] * n_vocab,
+                       tmp + (size_t)r * n_vocab, sizeof(float) * n_vocab);
+            free(tmp);
+        }
+    }
+    free(tokens);
+    free(seqs);
+    return rc;
+}
+
+const float *kvq_get_logits(const struct kvq_context *c, int i) {
+    if (i < 0 || i >= c->last_n_tokens || c->row_of[i] < 0) return NULL;
+    return c->logits + (size_t)c->row_of[i] * c->m->model->hp.n_vocab;
+}

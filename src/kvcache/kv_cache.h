@@ -1,0 +1,61 @@
+/* The KV cache of one layer of one sequence. The model appends the keys and values
+ * of new tokens and asks for attention of a query; how the cache stores them
+ * (f16, f32, packed low-bit groups, a rotating window) stays hidden here.
+ *
+ * Positions: a sequence starts at position 0 and grows by append(); trim() removes
+ * the newest tokens. A query at position p sees every stored token with position
+ * <= p (and > p - window when the model uses a sliding window). */
+#ifndef KVQ_KVCACHE_H
+#define KVQ_KVCACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct kv_cache_config {
+    int k_bits, v_bits;     /* 16 or 32: dense float storage; 2..8: quantized */
+    int k_group, v_group;   /* values per quantization group along head_dim */
+    int max_size;           /* rotating window in tokens; 0 = grows without bound */
+    int keep;               /* first tokens always kept when rotating */
+    int quantized_start;    /* dense until the sequence holds more than this many tokens */
+    bool hadamard;          /* rotate head vectors before quantizing */
+};
+
+struct kv_shape {
+    int n_heads;    /* query heads */
+    int n_kv_heads; /* n_heads is a multiple of it (GQA) */
+    int head_dim;
+    int window;     /* the model's sliding-window attention span; 0 = full attention */
+};
+
+struct kv_cache;
+
+/* Validates the config against the shape; NULL with kvq_last_error() if invalid. */
+struct kv_cache *kv_cache_new(const struct kv_cache_config *cfg, const struct kv_shape *shape);
+void kv_cache_free(struct kv_cache *c);
+
+/* Appends n tokens at positions n_past .. n_past+n-1.
+ * k, v: [n][n_kv_heads][head_dim] f32 (keys after RoPE). 0 or -1 on error. */
+int kv_cache_append(struct kv_cache *c, int n, const float *k, const float *v);
+
+/* Attention for one query token at position q_pos (< n_past) and one KV head:
+ * q holds the n_heads/n_kv_heads query heads of that group, [group][head_dim];
+ * out receives softmax(scale * q.K^T) V for each, [group][head_dim].
+ * scratch: kv_cache_scratch_floats() floats owned by the calling thread. Thread-safe
+ * for concurrent calls (no mutation). */
+void kv_cache_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale,
+                     float *out, float *scratch);
+size_t kv_cache_scratch_floats(const struct kv_shape *shape);
+
+/* Number of tokens the sequence has seen (the next position). */
+int32_t kv_cache_n_past(const struct kv_cache *c);
+/* Removes the newest n tokens; returns how many were removed (a rotating cache that
+ * has wrapped cannot go back past its window). */
+int kv_cache_trim(struct kv_cache *c, int n);
+void kv_cache_clear(struct kv_cache *c);
+/* Bytes of the stored keys and values (not counting unused capacity). */
+size_t kv_cache_bytes(const struct kv_cache *c);
+/* Bytes per stored token for this config (exact, per the storage format). */
+size_t kv_cache_token_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape);
+
+#endif

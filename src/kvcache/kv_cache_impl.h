@@ -1,0 +1,28 @@
+/* What every cache kind implements; private to src/kvcache. */
+#ifndef KVQ_KVCACHE_IMPL_H
+#define KVQ_KVCACHE_IMPL_H
+
+#include "kvcache/kv_cache.h"
+
+struct kv_cache_ops {
+    int (*append)(struct kv_cache *c, int n, const float *k, const float *v);
+    void (*attend)(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale, float *out,
+                   float *scratch);
+    int (*trim)(struct kv_cache *c, int n);
+    void (*clear)(struct kv_cache *c);
+    size_t (*bytes)(const struct kv_cache *c);
+    void (*free)(struct kv_cache *c);
+};
+
+struct kv_cache {
+    const struct kv_cache_ops *ops;
+    struct kv_cache_config cfg;
+    struct kv_shape shape;
+    int32_t n_past;
+    void *impl; /* the kind's own state */
+};
+
+/* Dense f16/f32 storage (kv_dense.c). */
+int kv_dense_init(struct kv_cache *c);
+
+#endif

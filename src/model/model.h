@@ -1,0 +1,89 @@
+/* A Llama-family model: hyperparameters and weights read from a GGUF file, and the
+ * forward pass over a batch of tokens from one or more sequences. Weights stay in
+ * the mapped file; the KV cache is reached only through kvcache/kv_cache.h. */
+#ifndef KVQ_MODEL_H
+#define KVQ_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct gguf_file;
+struct kv_cache;
+struct kvq_pool;
+
+enum model_arch { ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3 };
+/* Which elements RoPE rotates together: (2i, 2i+1) or (i, i + rope_dim/2). */
+enum rope_pairing { ROPE_ADJACENT, ROPE_HALVES };
+
+struct model_hparams {
+    enum model_arch arch;
+    char arch_name[32];
+    int n_vocab, n_ctx_train, n_embd, n_layer, n_ff;
+    int n_head, n_head_kv, head_dim;
+    float rms_eps;
+    float rope_base;
+    int rope_dim;
+    enum rope_pairing rope_pairing;
+    float rope_linear_factor; /* positions are divided by it (1 = none) */
+    int sliding_window;       /* 0 = full attention */
+};
+
+/* A weight matrix: rows of `cols` values of one GGUF type, row-major. */
+struct weight {
+    uint32_t type;
+    const void *data;
+    int64_t rows, cols;
+    size_t row_bytes;
+};
+
+struct layer_weights {
+    const float *attn_norm, *ffn_norm;
+    const float *q_norm, *k_norm; /* qwen3; NULL otherwise */
+    const float *bq, *bk, *bv;    /* qwen2; NULL otherwise */
+    struct weight wq, wk, wv, wo, w_gate, w_up, w_down;
+};
+
+struct model {
+    struct model_hparams hp;
+    struct gguf_file *file;
+    struct weight tok_embd, output;
+    const float *output_norm;
+    struct layer_weights *layers;
+    float *rope_inv_freq; /* [rope_dim / 2] */
+    uint64_t n_params;
+    size_t weight_bytes;
+};
+
+/* Loads a model (weights mmapped). NULL with kvq_last_error() on failure. */
+struct model *model_load(const char *path);
+void model_free(struct model *m);
+/* The file's name for its weight type mix, e.g. "q8_0" or "f16 (mixed)". */
+const char *model_weight_type_name(const struct model *m);
+
+/* One sequence's share of a batch: tokens [first, first + n) of the batch, at
+ * positions following what its caches already hold. */
+struct fwd_seq {
+    int first, n;
+    struct kv_cache **caches; /* [n_layer] */
+};
+
+struct fwd_batch {
+    int n_tokens;
+    const int32_t *tokens;
+    int n_seqs;
+    const struct fwd_seq *seqs;
+    int n_logits;             /* rows of logits wanted */
+    const int32_t *logit_rows; /* batch indices whose logits are wanted */
+};
+
+struct forward;
+
+/* Scratch for batches of up to max_tokens tokens. */
+struct forward *forward_new(const struct model *m, int max_tokens);
+void forward_free(struct forward *f);
+/* Runs the batch, appends its K/V to the caches, writes logits
+ * [n_logits][n_vocab]. 0, or -1 with kvq_last_error() (e.g. cache full). */
+int forward_run(struct forward *f, struct kvq_pool *pool, const struct fwd_batch *b, float *logits);
+
+#endif
