@@ -10,7 +10,11 @@
 #define INLINE static inline __attribute__((always_inline))
 /* Small loops over tile rows/tokens/heads must become straight-line code so that
  * the accumulators live in registers. */
+#if defined(__clang__)
+#define UNROLL _Pragma("unroll")
+#else
 #define UNROLL _Pragma("GCC unroll 16")
+#endif
 
 INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));

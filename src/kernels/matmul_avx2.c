@@ -10,7 +10,11 @@
 #define INLINE static inline __attribute__((always_inline))
 /* Small loops over tile rows/tokens/heads must become straight-line code so that
  * the accumulators live in registers. */
+#if defined(__clang__)
+#define UNROLL _Pragma("unroll")
+#else
 #define UNROLL _Pragma("GCC unroll 16")
+#endif
 
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
