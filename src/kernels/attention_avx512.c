@@ -8,6 +8,13 @@
 #include <math.h>
 
 #define INLINE static inline __attribute__((always_inline))
+/* Small loops over tile rows/tokens/heads must become straight-line code so that
+ * the accumulators live in registers. */
+#if defined(__clang__)
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL _Pragma("GCC unroll 16")
+#endif
 
 INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -44,11 +51,14 @@ INLINE __m512 load_row(const void *base, size_t off, int f16, __mmask16 m) {
 INLINE void scores4(const int NH, const int RJ, const float *q, int d, const void *k, size_t k_stride, int f16,
                     int j0, int j, int h, float sc[][KERN_ATTN_BLOCK]) {
     __m512 a[4];
+    UNROLL
     for (int i = 0; i < 4; i++) a[i] = _mm512_setzero_ps();
     for (int c = 0; c < d; c += 16) {
         __mmask16 m = d - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - c)) - 1);
+        UNROLL
         for (int jj = 0; jj < RJ; jj++) {
             __m512 kv = load_row(k, (size_t)(j0 + j + jj) * k_stride + (size_t)c, f16, m);
+            UNROLL
             for (int hh = 0; hh < NH; hh++)
                 a[jj * NH + hh] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + (size_t)(h + hh) * d + c), kv,
                                                   a[jj * NH + hh]);
@@ -56,7 +66,9 @@ INLINE void scores4(const int NH, const int RJ, const float *q, int d, const voi
     }
     float r[4];
     _mm_storeu_ps(r, reduce4(a[0], a[1], a[2], a[3]));
+    UNROLL
     for (int jj = 0; jj < RJ; jj++)
+        UNROLL
         for (int hh = 0; hh < NH; hh++) sc[h + hh][j + jj] = r[jj * NH + hh];
 }
 
@@ -77,11 +89,14 @@ INLINE void vacc(const int NH, float *acc, int d, const void *v, size_t v_stride
     for (int c = 0; c < d; c += 16) {
         __mmask16 m = d - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - c)) - 1);
         __m512 a[8];
+        UNROLL
         for (int hh = 0; hh < NH; hh++) a[hh] = _mm512_maskz_loadu_ps(m, acc + (size_t)(h + hh) * d + c);
         for (int j = 0; j < nj; j++) {
             __m512 vv = load_row(v, (size_t)(j0 + j) * v_stride + (size_t)c, f16, m);
+            UNROLL
             for (int hh = 0; hh < NH; hh++) a[hh] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h + hh][j]), vv, a[hh]);
         }
+        UNROLL
         for (int hh = 0; hh < NH; hh++) _mm512_mask_storeu_ps(acc + (size_t)(h + hh) * d + c, m, a[hh]);
     }
 }

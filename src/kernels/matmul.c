@@ -12,23 +12,39 @@
 
 static atomic_int g_level = -1;
 
-int kern_level_available(enum kern_level level) {
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    switch (level) {
-    case KERN_SCALAR: return 1;
-    case KERN_AVX2:
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
-    case KERN_AVX512:
-        return kern_level_available(KERN_AVX2) && __builtin_cpu_supports("avx512f") &&
-               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
-    }
-    return 0;
+#include <cpuid.h>
+
+/* CPUID feature bits plus the OS support check (XGETBV) for the register state. */
+static int cpu_level(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return KERN_SCALAR;
+    const int fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave || !avx) return KERN_SCALAR;
+    unsigned xlo, xhi;
+    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    (void)xhi;
+    if ((xlo & 0x6) != 0x6) return KERN_SCALAR;
+    if (__get_cpuid_max(0, NULL) < 7) return KERN_SCALAR;
+    __cpuid_count(7, 0, a, b, c, d);
+    const int avx2 = (b >> 5) & 1;
+    const int avx512 = ((b >> 16) & 1) && ((b >> 17) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1) && ((c >> 11) & 1);
+    if (!(avx2 && fma && f16c)) return KERN_SCALAR;
+    if (avx512 && (xlo & 0xE0) == 0xE0) return KERN_AVX512;
+    return KERN_AVX2;
+}
 #else
-    return level == KERN_SCALAR;
+static int cpu_level(void) { return KERN_SCALAR; }
 #endif
+
+int kern_level_available(enum kern_level level) {
+    static atomic_int cached = -1;
+    int l = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (l < 0) {
+        l = cpu_level();
+        atomic_store_explicit(&cached, l, memory_order_relaxed);
+    }
+    return (int)level <= l;
 }
 
 static int detect_level(void) {

@@ -8,6 +8,13 @@
 #include <immintrin.h>
 
 #define INLINE static inline __attribute__((always_inline))
+/* Small loops over tile rows/tokens/heads must become straight-line code so that
+ * the accumulators live in registers. */
+#if defined(__clang__)
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL _Pragma("GCC unroll 16")
+#endif
 
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -25,12 +32,15 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[4][4];
+    UNROLL
     for (int r = 0; r < R; r++)
+        UNROLL
         for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
     for (int64_t p = 0; p < np; p++) {
         const int full = 2 * p + 1 < nb;
         __m256i wa[4], wb[4];
         float d0[4], d1[4];
+        UNROLL
         for (int r = 0; r < R; r++) {
             const uint8_t *b0 = w + (size_t)r * wrb + (size_t)(2 * p) * bbytes;
             d0[r] = _cvtsh_ss(kern_rd16(b0));
@@ -46,6 +56,7 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
                 wb[r] = full ? _mm256_loadu_si256((const __m256i *)(b0 + 36)) : _mm256_setzero_si256();
             }
         }
+        UNROLL
         for (int t = 0; t < T; t++) {
             const struct kern_pair *xp = (const struct kern_pair *)(xa + (size_t)t * xrb) + p;
             __m256i xa0 = _mm256_loadu_si256((const __m256i *)xp->q);
@@ -53,6 +64,7 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
             if (q4) {
                 __m256i c = _mm256_set_epi32(0, 0, 0, xp->c[1], 0, 0, 0, xp->c[0]);
                 __m256 xs = _mm256_set_m128(_mm_set1_ps(xp->d[1]), _mm_set1_ps(xp->d[0]));
+                UNROLL
                 for (int r = 0; r < R; r++) {
                     __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[r], xa0), ones);
                     __m256i i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(wb[r], xb0), ones);
@@ -61,6 +73,7 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, xs), acc[r][t]);
                 }
             } else {
+                UNROLL
                 for (int r = 0; r < R; r++) {
                     __m256i i0 = _mm256_madd_epi16(
                         _mm256_maddubs_epi16(_mm256_sign_epi8(wa[r], wa[r]), _mm256_sign_epi8(xa0, wa[r])), ones);
@@ -72,7 +85,9 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
             }
         }
     }
+    UNROLL
     for (int t = 0; t < T; t++)
+        UNROLL
         for (int r = 0; r < R; r++) y[t * ys + r] = hsum(acc[r][t]);
 }
 
@@ -83,20 +98,24 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[4];
     float macc[4] = {0};
+    UNROLL
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; b++, w += 144) {
         uint8_t sc[8], mn[8];
         for (int j = 0; j < 8; j++) kern_q4k_scale_min(j, w + 4, &sc[j], &mn[j]);
         const float d = _cvtsh_ss(kern_rd16(w)), dmin = _cvtsh_ss(kern_rd16(w + 2));
         __m256i wl[4], wh[4];
+        UNROLL
         for (int c = 0; c < 4; c++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
             wl[c] = _mm256_and_si256(v, m4);
             wh[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         }
+        UNROLL
         for (int t = 0; t < T; t++) {
             const struct kern_q8k *xb = (const struct kern_q8k *)(xa + (size_t)t * xrb) + b;
             __m256i ia = _mm256_setzero_si256();
+            UNROLL
             for (int c = 0; c < 4; c++) {
                 __m256i x0 = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * c));
                 __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * c + 32));
@@ -111,6 +130,7 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
             macc[t] -= dmin * xb->d * (float)summ;
         }
     }
+    UNROLL
     for (int t = 0; t < T; t++) y[t * ys] = hsum(acc[t]) + macc[t];
 }
 
@@ -120,10 +140,12 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
     const __m256i m30 = _mm256_set1_epi8(0x30);
     __m256 acc[4];
     float cacc[4] = {0};
+    UNROLL
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; b++, w += 210) {
         const int8_t *sc = (const int8_t *)(w + 192);
         __m256i wq[8], sv[8];
+        UNROLL
         for (int h = 0; h < 2; h++) {
             __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
             __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
@@ -134,12 +156,15 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
             wq[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
         }
+        UNROLL
         for (int g = 0; g < 8; g++)
             sv[g] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
         const float d = _cvtsh_ss(kern_rd16(w + 208));
+        UNROLL
         for (int t = 0; t < T; t++) {
             const struct kern_q8k *xb = (const struct kern_q8k *)(xa + (size_t)t * xrb) + b;
             __m256i ia = _mm256_setzero_si256();
+            UNROLL
             for (int g = 0; g < 8; g++) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xb->q + 32 * g));
                 ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(wq[g], xv), sv[g]));
@@ -151,6 +176,7 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
             cacc[t] -= 32.0f * dd * (float)corr;
         }
     }
+    UNROLL
     for (int t = 0; t < T; t++) y[t * ys] = hsum(acc[t]) + cacc[t];
 }
 
@@ -178,19 +204,26 @@ INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uin
                        const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys) {
     const size_t es = wtype == KVQ_F32 ? 4 : 2;
     __m256 acc[4][4];
+    UNROLL
     for (int r = 0; r < R; r++)
+        UNROLL
         for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
         __m256 wv[4];
+        UNROLL
         for (int r = 0; r < R; r++) wv[r] = load_w8(wtype, w + (size_t)r * wrb + (size_t)i * es);
+        UNROLL
         for (int t = 0; t < T; t++) {
             __m256 xv = _mm256_loadu_ps((const float *)(xa + (size_t)t * xrb) + i);
+            UNROLL
             for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
         }
     }
+    UNROLL
     for (int t = 0; t < T; t++) {
         const float *x = (const float *)(xa + (size_t)t * xrb);
+        UNROLL
         for (int r = 0; r < R; r++) {
             float s = hsum(acc[r][t]);
             for (int64_t j = i; j < k; j++) s += wval(wtype, w + (size_t)r * wrb + (size_t)j * es) * x[j];

@@ -6,8 +6,16 @@
 #include "kernels/matmul_impl.h"
 
 #include <immintrin.h>
+#include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
+/* Small loops over tile rows/tokens/heads must become straight-line code so that
+ * the accumulators live in registers. */
+#if defined(__clang__)
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL _Pragma("GCC unroll 16")
+#endif
 
 /* Horizontal sums of 4 vectors: returns [sum(a), sum(b), sum(c), sum(d)]. */
 INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -21,9 +29,12 @@ INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 INLINE void store_tile(float *y, int64_t ys, int R, int T, __m512 acc[4][4]) {
     if (R == 4) {
+        UNROLL
         for (int t = 0; t < T; t++) _mm_storeu_ps(y + t * ys, reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
     } else {
+        UNROLL
         for (int t = 0; t < T; t++)
+            UNROLL
             for (int r = 0; r < R; r++) y[t * ys + r] = _mm512_reduce_add_ps(acc[r][t]);
     }
 }
@@ -44,13 +55,16 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
     const __m256i m4 = _mm256_set1_epi8(0x0F);
 
     __m512 acc[4][4];
+    UNROLL
     for (int r = 0; r < R; r++)
+        UNROLL
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
 
     for (int64_t p = 0; p < np; p++) {
         const int full = 2 * p + 1 < nb;
         __m512i wv[4];
         __m512 ws[4];
+        UNROLL
         for (int r = 0; r < R; r++) {
             const uint8_t *b0 = w + (size_t)r * wrb + (size_t)(2 * p) * bbytes;
             uint32_t dd = kern_rd16(b0);
@@ -71,6 +85,7 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
             __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
             ws[r] = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(d2));
         }
+        UNROLL
         for (int t = 0; t < T; t++) {
             const uint8_t *xp = xa + (size_t)t * xrb + (size_t)p * KERN_PAIR_BYTES;
             __m512i xv = _mm512_loadu_si512((const void *)xp);
@@ -78,6 +93,7 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
                 cmask, cidx, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(xp + 64))));
             __m512 xs = _mm512_permutexvar_ps(
                 sidx, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(xp + 72)))));
+            UNROLL
             for (int r = 0; r < R; r++) {
                 __m512i d = _mm512_dpbusd_epi32(c, wv[r], xv);
                 acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], xs), acc[r][t]);
@@ -94,17 +110,28 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m512 acc[4];
     __m256 macc[4];
+    UNROLL
     for (int t = 0; t < T; t++) {
         acc[t] = _mm512_setzero_ps();
         macc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < nsb; b++, w += 144) {
-        uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++) kern_q4k_scale_min(j, w + 4, &sc[j], &mn[j]);
-        __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
-        __m256i mn16 = _mm256_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+        /* 6-bit scales/mins of the 8 sub-blocks (see kern_q4k_scale_min), unpacked
+         * in general registers: bytes 0-3 scales 0-3 (+ top bits of 4-7), 4-7 mins
+         * 0-3 (+ top bits), 8-11 low nibbles: scales 4-7, high nibbles: mins 4-7 */
+        uint32_t u0, u1, u2;
+        memcpy(&u0, w + 4, 4);
+        memcpy(&u1, w + 8, 4);
+        memcpy(&u2, w + 12, 4);
+        const uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
+                             (uint64_t)((u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)) << 32;
+        const uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
+                             (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)) << 32;
+        __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+        __m256i mn16 = _mm256_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn8));
         mn16 = _mm256_permutexvar_epi16(_mm256_set_epi16(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), mn16);
         __m512i wv[4], sv[4];
+        UNROLL
         for (int c = 0; c < 4; c++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
             __m256i vl = _mm256_and_si256(v, m4);
@@ -115,9 +142,11 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
             sv[c] = _mm512_permutexvar_epi16(idx, sc16);
         }
         const float d = _cvtsh_ss(kern_rd16(w)), dmin = _cvtsh_ss(kern_rd16(w + 2));
+        UNROLL
         for (int t = 0; t < T; t++) {
             const struct kern_q8k *xb = (const struct kern_q8k *)(xa + (size_t)t * xrb) + b;
             __m512i ia = _mm512_setzero_si512();
+            UNROLL
             for (int c = 0; c < 4; c++) {
                 __m512i xv = _mm512_loadu_si512((const void *)(xb->q + 64 * c));
                 ia = _mm512_dpwssd_epi32(ia, _mm512_maddubs_epi16(wv[c], xv), sv[c]);
@@ -127,6 +156,7 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
             macc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(-dmin * xb->d), macc[t]);
         }
     }
+    UNROLL
     for (int t = 0; t < T; t++)
         y[t * ys] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(macc[t]));
 }
@@ -137,6 +167,7 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
     const __m512i m30 = _mm512_set1_epi8(0x30);
     __m512 acc[4];
     __m256 cacc[4];
+    UNROLL
     for (int t = 0; t < T; t++) {
         acc[t] = _mm512_setzero_ps();
         cacc[t] = _mm256_setzero_ps();
@@ -145,6 +176,7 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
         __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
         __m512i sc16 = _mm512_castsi256_si512(sc16y);
         __m512i wv[4], sv[4];
+        UNROLL
         for (int h = 0; h < 2; h++) {
             __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
             __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
@@ -152,6 +184,7 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
             wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16(H, 4), m30));
             wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(H, m30));
         }
+        UNROLL
         for (int g = 0; g < 4; g++) {
             /* int16 lane i of group g covers values 64g+2i, +1: sub-block 4g + i/8 */
             __m512i idx = _mm512_add_epi16(
@@ -161,9 +194,11 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
             sv[g] = _mm512_permutexvar_epi16(idx, sc16);
         }
         const float d = _cvtsh_ss(kern_rd16(w + 208));
+        UNROLL
         for (int t = 0; t < T; t++) {
             const struct kern_q8k *xb = (const struct kern_q8k *)(xa + (size_t)t * xrb) + b;
             __m512i ia = _mm512_setzero_si512();
+            UNROLL
             for (int g = 0; g < 4; g++) {
                 __m512i xv = _mm512_loadu_si512((const void *)(xb->q + 64 * g));
                 ia = _mm512_dpwssd_epi32(ia, _mm512_maddubs_epi16(wv[g], xv), sv[g]);
@@ -174,6 +209,7 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
             cacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cm), _mm256_set1_ps(-32.0f * dd), cacc[t]);
         }
     }
+    UNROLL
     for (int t = 0; t < T; t++)
         y[t * ys] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(cacc[t]));
 }
@@ -193,27 +229,84 @@ INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uin
                        const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys) {
     const size_t es = wtype == KVQ_F32 ? 4 : 2;
     __m512 acc[4][4];
+    UNROLL
     for (int r = 0; r < R; r++)
+        UNROLL
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
         __m512 wv[4];
+        UNROLL
         for (int r = 0; r < R; r++) wv[r] = load_w16(wtype, w + (size_t)r * wrb + (size_t)i * es, 0xFFFF);
+        UNROLL
         for (int t = 0; t < T; t++) {
             __m512 xv = _mm512_loadu_ps((const float *)(xa + (size_t)t * xrb) + i);
+            UNROLL
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
         }
     }
     if (i < k) {
         __mmask16 m = (__mmask16)((1u << (k - i)) - 1);
         __m512 wv[4];
+        UNROLL
         for (int r = 0; r < R; r++) wv[r] = load_w16(wtype, w + (size_t)r * wrb + (size_t)i * es, m);
+        UNROLL
         for (int t = 0; t < T; t++) {
             __m512 xv = _mm512_maskz_loadu_ps(m, (const float *)(xa + (size_t)t * xrb) + i);
+            UNROLL
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
         }
     }
     store_tile(y, ys, R, T, acc);
+}
+
+/* ---- activation preparation ------------------------------------------------ */
+
+/* 16 values -> int8 (round to nearest even, as the scalar code); returns their sum. */
+INLINE int32_t quant16(__m512 x, __m512 id, int8_t *dst) {
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(x, id));
+    _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(q));
+    return _mm512_reduce_add_epi32(q);
+}
+
+int kern_act_prepare_avx512(uint32_t wtype, const float *x, void *dst, int64_t k) {
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    if (wtype == KVQ_Q8_0 || wtype == KVQ_Q4_0) {
+        const int q4 = wtype == KVQ_Q4_0;
+        const int64_t nb = k / 32, np = (nb + 1) / 2;
+        struct kern_pair *o = dst;
+        for (int64_t p = 0; p < np; p++, o++) {
+            if (2 * p + 1 >= nb) memset(o, 0, sizeof *o);
+            for (int h = 0; h < 2 && 2 * p + h < nb; h++) {
+                const float *xb = x + (2 * p + h) * 32;
+                __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+                float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, absmask), _mm512_and_ps(b, absmask)));
+                float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+                __m512 idv = _mm512_set1_ps(id);
+                int8_t *q0 = q4 ? o->q + 16 * h : o->q + 32 * h;
+                int8_t *q1 = q4 ? o->q + 32 + 16 * h : o->q + 32 * h + 16;
+                int32_t sum = quant16(a, idv, q0) + quant16(b, idv, q1);
+                o->d[h] = amax / 127.0f;
+                o->c[h] = (q4 ? -8 : -128) * sum;
+            }
+        }
+        return 1;
+    }
+    if (wtype == KVQ_Q4_K || wtype == KVQ_Q6_K) {
+        struct kern_q8k *o = dst;
+        for (int64_t b = 0; b < k / 256; b++, o++) {
+            const float *xb = x + b * 256;
+            __m512 m = _mm512_setzero_ps();
+            for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(m, _mm512_and_ps(_mm512_loadu_ps(xb + i), absmask));
+            float amax = _mm512_reduce_max_ps(m);
+            __m512 idv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            o->d = amax / 127.0f;
+            for (int g = 0; g < 16; g++) o->bsums[g] = (int16_t)quant16(_mm512_loadu_ps(xb + 16 * g), idv, o->q + 16 * g);
+            o->pad = 0;
+        }
+        return 1;
+    }
+    return 0;
 }
 
 /* ---- drivers --------------------------------------------------------------- */

@@ -6,7 +6,9 @@
 #include <math.h>
 #include <string.h>
 
-static inline int kern_round(float v) { return (int)(v >= 0.0f ? v + 0.5f : v - 0.5f); }
+/* Round to nearest, ties to even: the same as the SIMD conversions, so every
+ * level prepares bit-identical activations. */
+static inline int kern_round(float v) { return (int)rintf(v); }
 
 size_t kern_act_row_bytes(uint32_t wtype, int64_t k) {
     switch (wtype) {
@@ -89,6 +91,7 @@ static void prepare_q8k(const float *x, struct kern_q8k *dst, int64_t k) {
 }
 
 void kern_act_prepare(uint32_t wtype, const float *x, void *dst, int64_t k) {
+    if (kern_level_get() == KERN_AVX512 && kern_act_prepare_avx512(wtype, x, dst, k)) return;
     switch (wtype) {
     case KVQ_Q8_0:
     case KVQ_Q4_0:

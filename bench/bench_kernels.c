@@ -1,0 +1,258 @@
+/* Micro-benchmark of the compute kernels (not a test): matvec / matmul at the
+ * tinydoc shapes for every weight type, a simulated tinydoc-q8_0 decode token,
+ * and attention at depths 512 / 4096. Single thread.
+ * Usage: bench_kernels [scalar|avx2|avx512] */
+#include "core/dtype.h"
+#include "kernels/attention.h"
+#include "kernels/f16.h"
+#include "kernels/matmul.h"
+#include "kernels/matmul_impl.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint32_t rs = 12345;
+static uint32_t rnd(void) {
+    rs ^= rs << 13;
+    rs ^= rs >> 17;
+    rs ^= rs << 5;
+    return rs;
+}
+
+/* Random but valid weights: random bytes with small f16 scales patched in. */
+static void fill_weights(uint32_t type, uint8_t *w, int64_t rows, int64_t k) {
+    size_t rb = kvq_dtype_row_bytes(type, (uint64_t)k);
+    for (size_t i = 0; i < rb * (size_t)rows; i++) w[i] = (uint8_t)rnd();
+    uint16_t small = kvq_f32_to_f16(0.01f);
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *p = w + (size_t)r * rb;
+        switch (type) {
+        case KVQ_F32:
+            for (int64_t i = 0; i < k; i++) { float f = (float)(rnd() % 2000) / 1000.0f - 1.0f; memcpy(p + 4 * i, &f, 4); }
+            break;
+        case KVQ_F16:
+        case KVQ_BF16:
+            for (int64_t i = 0; i < k; i++) {
+                float f = (float)(rnd() % 2000) / 1000.0f - 1.0f;
+                uint16_t h = type == KVQ_F16 ? kvq_f32_to_f16(f) : kvq_f32_to_bf16(f);
+                memcpy(p + 2 * i, &h, 2);
+            }
+            break;
+        case KVQ_Q8_0: for (int64_t b = 0; b < k / 32; b++) memcpy(p + 34 * b, &small, 2); break;
+        case KVQ_Q4_0: for (int64_t b = 0; b < k / 32; b++) memcpy(p + 18 * b, &small, 2); break;
+        case KVQ_Q4_K:
+            for (int64_t b = 0; b < k / 256; b++) { memcpy(p + 144 * b, &small, 2); memcpy(p + 144 * b + 2, &small, 2); }
+            break;
+        case KVQ_Q6_K: for (int64_t b = 0; b < k / 256; b++) memcpy(p + 210 * b + 208, &small, 2); break;
+        }
+    }
+}
+
+struct shape { int64_t rows, k; };
+static const struct shape shapes[] = {{512, 512}, {256, 512}, {1536, 512}, {512, 1536}, {8192, 512}};
+static const uint32_t types[] = {KVQ_F32, KVQ_F16, KVQ_BF16, KVQ_Q8_0, KVQ_Q4_0, KVQ_Q4_K, KVQ_Q6_K};
+
+/* Best of several batches: the machine may be shared, the minimum is the kernel's speed. */
+static double time_matmul(const struct kern_matmul_args *a, int64_t rows, double min_time) {
+    kern_matmul(a, 0, rows); /* warm */
+    double best = 1e30;
+    for (int batch = 0; batch < 7; batch++) {
+        int iters = 0;
+        double t0 = now(), t;
+        do {
+            kern_matmul(a, 0, rows);
+            iters++;
+            t = now() - t0;
+        } while (t < min_time / 7);
+        if (t / iters < best) best = t / iters;
+    }
+    return best;
+}
+
+static void bench_matmul(void) {
+    printf("\n%-5s %-11s %12s %10s %14s %12s\n", "type", "rows x k", "matvec us", "GB/s", "matmul512 ms", "GFLOP/s");
+    const int NT = 512;
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        uint32_t type = types[ti];
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            int64_t rows = shapes[si].rows, k = shapes[si].k;
+            size_t wrb = kvq_dtype_row_bytes(type, (uint64_t)k), xrb = kern_act_row_bytes(type, k);
+            uint8_t *w = malloc(wrb * (size_t)rows);
+            fill_weights(type, w, rows, k);
+            float *x = malloc(sizeof(float) * (size_t)(NT * k));
+            for (int64_t i = 0; i < NT * k; i++) x[i] = (float)(rnd() % 2000) / 1000.0f - 1.0f;
+            uint8_t *xa = malloc(xrb * NT);
+            for (int t = 0; t < NT; t++) kern_act_prepare(type, x + t * k, xa + t * xrb, k);
+            float *y = malloc(sizeof(float) * (size_t)(NT * rows));
+            struct kern_matmul_args a = {type, w, wrb, k, xa, xrb, 1, y, rows};
+            double tv = time_matmul(&a, rows, 0.15);
+            a.n_tok = NT;
+            double tm = time_matmul(&a, rows, 0.3);
+            printf("%-5s %5lldx%-5lld %12.2f %10.1f %14.3f %12.1f\n", kvq_dtype_name(type), (long long)rows,
+                   (long long)k, tv * 1e6, (double)(wrb * rows) / tv * 1e-9, tm * 1e3,
+                   2.0 * rows * k * NT / tm * 1e-9);
+            free(w);
+            free(x);
+            free(xa);
+            free(y);
+        }
+    }
+}
+
+/* Same token split over 2 threads (rows halved, spin barrier after each matrix). */
+struct dec2 {
+    int nm;
+    const struct shape *s;
+    uint8_t *const *w;
+    uint32_t type;
+    const uint8_t *xa;
+    float *y;
+    atomic_int bar;
+    int iters;
+};
+
+static void spin_barrier(atomic_int *b, int gen_target) {
+    atomic_fetch_add(b, 1);
+    while (atomic_load(b) < gen_target) {
+    }
+}
+
+struct dec2_arg {
+    struct dec2 *p;
+    int ith;
+    double best;
+};
+
+static void *dec2_run(void *a_) {
+    struct dec2_arg *a = a_;
+    struct dec2 *p = a->p;
+    int gen = 0;
+    a->best = 1e30;
+    for (int it = 0; it < p->iters; it++) {
+        double t0 = now();
+        for (int i = 0; i < p->nm; i++) {
+            int64_t rows = p->s[i].rows, half = (rows / 2 + 15) & ~(int64_t)15;
+            int64_t r0 = a->ith ? half : 0, r1 = a->ith ? rows : half;
+            struct kern_matmul_args m = {p->type, p->w[i], kvq_dtype_row_bytes(p->type, (uint64_t)p->s[i].k), p->s[i].k,
+                                         p->xa, kern_act_row_bytes(p->type, p->s[i].k), 1, p->y, rows};
+            kern_matmul(&m, r0, r1);
+            gen += 2;
+            spin_barrier(&p->bar, gen);
+        }
+        double dt = now() - t0;
+        if (it >= 2 && dt < a->best) a->best = dt;
+    }
+    return NULL;
+}
+
+/* One decode token of tinydoc-q8_0 (6 layers + output), weights not cache-resident
+ * when the total exceeds the cache: every matrix is a separate buffer. */
+static void bench_decode(uint32_t type) {
+    const int L = 6;
+    struct shape layer[] = {{512, 512}, {256, 512}, {256, 512}, {512, 512}, {1536, 512}, {1536, 512}, {512, 1536}};
+    const int nm = 7 * L + 1;
+    struct shape s[7 * 6 + 1];
+    uint8_t *w[7 * 6 + 1];
+    size_t total = 0;
+    for (int i = 0; i < nm; i++) {
+        s[i] = i < 7 * L ? layer[i % 7] : (struct shape){8192, 512};
+        size_t rb = kvq_dtype_row_bytes(type, (uint64_t)s[i].k);
+        w[i] = malloc(rb * (size_t)s[i].rows);
+        fill_weights(type, w[i], s[i].rows, s[i].k);
+        total += rb * (size_t)s[i].rows;
+    }
+    float x[1536], y[8192];
+    for (int i = 0; i < 1536; i++) x[i] = (float)(rnd() % 2000) / 1000.0f - 1.0f;
+    static uint8_t xa[1536 * 4];
+    double t = 1e30;
+    for (int it = 0; it < 300; it++) {
+        double t0 = now();
+        for (int i = 0; i < nm; i++) {
+            kern_act_prepare(type, x, xa, s[i].k);
+            struct kern_matmul_args a = {type, w[i], kvq_dtype_row_bytes(type, (uint64_t)s[i].k), s[i].k, xa,
+                                         kern_act_row_bytes(type, s[i].k), 1, y, s[i].rows};
+            kern_matmul(&a, 0, s[i].rows);
+        }
+        double dt = now() - t0;
+        if (it >= 2 && dt < t) t = dt; /* best token after 2 warm-up tokens */
+    }
+    printf("decode token, best of 300 (tinydoc shapes, %s, %.1f MB weights, 1 thread): %.3f ms = %.1f GB/s = %.0f tok/s\n",
+           kvq_dtype_name(type), total * 1e-6, t * 1e3, total / t * 1e-9, 1.0 / t);
+    {
+        static uint8_t xa2[1536 * 4];
+        kern_act_prepare(type, x, xa2, 512);
+        struct dec2 p = {nm, s, w, type, xa2, y, 0, 300};
+        struct dec2_arg a0 = {&p, 0, 0}, a1 = {&p, 1, 0};
+        pthread_t th;
+        pthread_create(&th, NULL, dec2_run, &a1);
+        dec2_run(&a0);
+        pthread_join(th, NULL);
+        double t2 = a0.best;
+        printf("decode token, 2 threads (matmuls only, best of 300): %.3f ms = %.1f GB/s = %.0f tok/s\n", t2 * 1e3,
+               total / t2 * 1e-9, 1.0 / t2);
+    }
+    for (int i = 0; i < nm; i++) free(w[i]);
+}
+
+
+static void bench_attention(void) {
+    const int n_q = 2, d = 128;
+    printf("\n");
+    for (int f = 0; f < 2; f++) {
+        const int depths[] = {512, 4096};
+        for (int di = 0; di < 2; di++) {
+            int n = depths[di];
+            size_t es = f ? 4 : 2;
+            uint8_t *k = malloc((size_t)n * d * es), *v = malloc((size_t)n * d * es);
+            for (size_t i = 0; i < (size_t)n * d; i++) {
+                float a = (float)(rnd() % 2000) / 1000.0f - 1.0f, b = (float)(rnd() % 2000) / 1000.0f - 1.0f;
+                if (f) { memcpy(k + 4 * i, &a, 4); memcpy(v + 4 * i, &b, 4); }
+                else { uint16_t ha = kvq_f32_to_f16(a), hb = kvq_f32_to_f16(b); memcpy(k + 2 * i, &ha, 2); memcpy(v + 2 * i, &hb, 2); }
+            }
+            float q[2 * 128], out[2 * 128], mem[2 * 130];
+            for (int i = 0; i < n_q * d; i++) q[i] = ((float)(rnd() % 2000) / 1000.0f - 1.0f) * 0.1f;
+            double t = 1e30;
+            for (int it = 0; it < 2000; it++) {
+                double t0 = now();
+                struct kern_attn_state st;
+                kern_attn_state_init(&st, n_q, d, mem);
+                kern_attn_accumulate(&st, q, k, d, v, d, f ? 32 : 16, n);
+                kern_attn_finish(&st, out);
+                double dt = now() - t0;
+                if (dt < t) t = dt;
+            }
+            double bytes = 2.0 * n * d * es;
+            printf("attention %s n_q=%d d=%d depth %5d: %8.2f us  %6.1f GB/s of K/V  (x12 kv-head-layers: %.0f us)\n",
+                   f ? "f32" : "f16", n_q, d, n, t * 1e6, bytes / t * 1e-9, 12 * t * 1e6);
+            free(k);
+            free(v);
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) {
+        enum kern_level l = strcmp(argv[1], "scalar") == 0 ? KERN_SCALAR
+                          : strcmp(argv[1], "avx2") == 0   ? KERN_AVX2
+                                                           : KERN_AVX512;
+        if (kern_level_set(l) != 0) {
+            fprintf(stderr, "level %s not available\n", argv[1]);
+            return 1;
+        }
+    }
+    printf("kernels: %s\n", kern_simd_level());
+    bench_decode(KVQ_Q8_0);
+    bench_attention();
+    bench_matmul();
+    return 0;
+}
