@@ -1,0 +1,98 @@
+/* Online-softmax attention: state handling, dispatch and the scalar version. */
+#include "kernels/attention.h"
+#include "kernels/f16.h"
+#include "kernels/matmul_impl.h"
+
+#include <math.h>
+#include <string.h>
+
+size_t kern_attn_state_floats(int n_q, int d) { return (size_t)n_q * (size_t)(d + 2); }
+
+void kern_attn_state_init(struct kern_attn_state *s, int n_q, int d, float *mem) {
+    s->n_q = n_q;
+    s->d = d;
+    s->m = mem;
+    s->l = mem + n_q;
+    s->acc = mem + 2 * n_q;
+    for (int h = 0; h < n_q; h++) {
+        s->m[h] = -INFINITY;
+        s->l[h] = 0.0f;
+    }
+    memset(s->acc, 0, (size_t)n_q * (size_t)d * sizeof(float));
+}
+
+void kern_attn_finish(const struct kern_attn_state *s, float *out) {
+    for (int h = 0; h < s->n_q; h++) {
+        const float *a = s->acc + (size_t)h * s->d;
+        float *o = out + (size_t)h * s->d;
+        if (s->l[h] > 0.0f) {
+            float inv = 1.0f / s->l[h];
+            for (int i = 0; i < s->d; i++) o[i] = a[i] * inv;
+        } else {
+            memset(o, 0, (size_t)s->d * sizeof(float));
+        }
+    }
+}
+
+void kern_attn_accumulate(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
+                          const void *v, size_t v_stride, int elem_bits, int n) {
+    if (n <= 0) return;
+    if (kern_level_get() == KERN_AVX512)
+        kern_attn_accumulate_avx512(s, q, k, k_stride, v, v_stride, elem_bits, n);
+    else
+        kern_attn_accumulate_scalar(s, q, k, k_stride, v, v_stride, elem_bits, n);
+}
+
+static inline float elem(const void *base, size_t idx, int f16) {
+    if (f16) return kvq_f16_to_f32(((const uint16_t *)base)[idx]);
+    return ((const float *)base)[idx];
+}
+
+void kern_attn_accumulate_scalar(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
+                                 const void *v, size_t v_stride, int elem_bits, int n) {
+    const int d = s->d, f16 = elem_bits == 16;
+    float sc[KERN_ATTN_MAX_GROUP][KERN_ATTN_BLOCK];
+    for (int h0 = 0; h0 < s->n_q; h0 += KERN_ATTN_MAX_GROUP) {
+        const int nh = s->n_q - h0 < KERN_ATTN_MAX_GROUP ? s->n_q - h0 : KERN_ATTN_MAX_GROUP;
+        for (int j0 = 0; j0 < n; j0 += KERN_ATTN_BLOCK) {
+            const int nj = n - j0 < KERN_ATTN_BLOCK ? n - j0 : KERN_ATTN_BLOCK;
+            /* scores: each key row is read once for all heads of the group */
+            for (int j = 0; j < nj; j++) {
+                float acc[KERN_ATTN_MAX_GROUP] = {0};
+                size_t base = (size_t)(j0 + j) * k_stride;
+                for (int i = 0; i < d; i++) {
+                    float kv = elem(k, base + (size_t)i, f16);
+                    for (int h = 0; h < nh; h++) acc[h] += q[(size_t)(h0 + h) * d + i] * kv;
+                }
+                for (int h = 0; h < nh; h++) sc[h][j] = acc[h];
+            }
+            /* online softmax update */
+            for (int h = 0; h < nh; h++) {
+                float mx = sc[h][0];
+                for (int j = 1; j < nj; j++) mx = sc[h][j] > mx ? sc[h][j] : mx;
+                float *m = &s->m[h0 + h], *l = &s->l[h0 + h];
+                float *a = s->acc + (size_t)(h0 + h) * d;
+                if (mx > *m) {
+                    float alpha = expf(*m - mx); /* 0 when m was -inf */
+                    *l *= alpha;
+                    for (int i = 0; i < d; i++) a[i] *= alpha;
+                    *m = mx;
+                }
+                float sum = 0.0f;
+                for (int j = 0; j < nj; j++) {
+                    sc[h][j] = expf(sc[h][j] - *m);
+                    sum += sc[h][j];
+                }
+                *l += sum;
+            }
+            /* values: each value row read once */
+            for (int j = 0; j < nj; j++) {
+                size_t base = (size_t)(j0 + j) * v_stride;
+                for (int i = 0; i < d; i++) {
+                    float vv = elem(v, base + (size_t)i, f16);
+                    for (int h = 0; h < nh; h++) s->acc[(size_t)(h0 + h) * d + i] += sc[h][j] * vv;
+                }
+            }
+        }
+    }
+}

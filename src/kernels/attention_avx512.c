@@ -1,0 +1,162 @@
+/* AVX-512 online-softmax attention over f16 (F16C) or f32 K/V rows. Rows are
+ * processed in blocks of KERN_ATTN_BLOCK: scores for all heads of the group
+ * (each key row read once), one max/rescale per block, then each value row is
+ * read once and accumulated into every head. */
+#include "kernels/matmul_impl.h"
+
+#include <immintrin.h>
+#include <math.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* e^x for x <= 0 (very negative and -inf inputs give 0); rel. error ~2e-7. */
+INLINE __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+INLINE __m512 load_row(const void *base, size_t off, int f16, __mmask16 m) {
+    if (f16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + off));
+    return _mm512_maskz_loadu_ps(m, (const float *)base + off);
+}
+
+/* Scores of NH heads x RJ rows (NH * RJ == 4) into sc[h][j]. */
+INLINE void scores4(const int NH, const int RJ, const float *q, int d, const void *k, size_t k_stride, int f16,
+                    int j0, int j, int h, float sc[][KERN_ATTN_BLOCK]) {
+    __m512 a[4];
+    for (int i = 0; i < 4; i++) a[i] = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += 16) {
+        __mmask16 m = d - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - c)) - 1);
+        for (int jj = 0; jj < RJ; jj++) {
+            __m512 kv = load_row(k, (size_t)(j0 + j + jj) * k_stride + (size_t)c, f16, m);
+            for (int hh = 0; hh < NH; hh++)
+                a[jj * NH + hh] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + (size_t)(h + hh) * d + c), kv,
+                                                  a[jj * NH + hh]);
+        }
+    }
+    float r[4];
+    _mm_storeu_ps(r, reduce4(a[0], a[1], a[2], a[3]));
+    for (int jj = 0; jj < RJ; jj++)
+        for (int hh = 0; hh < NH; hh++) sc[h + hh][j + jj] = r[jj * NH + hh];
+}
+
+INLINE void score1(const float *q, int d, const void *k, size_t k_stride, int f16, int j0, int j, int h,
+                   float sc[][KERN_ATTN_BLOCK]) {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += 16) {
+        __mmask16 m = d - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - c)) - 1);
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + (size_t)h * d + c),
+                            load_row(k, (size_t)(j0 + j) * k_stride + (size_t)c, f16, m), a);
+    }
+    sc[h][j] = _mm512_reduce_add_ps(a);
+}
+
+/* acc[h][c..c+16) += sum_j p[h][j] * v[j][c..c+16) for NH heads. */
+INLINE void vacc(const int NH, float *acc, int d, const void *v, size_t v_stride, int f16, int j0, int nj, int h,
+                 float sc[][KERN_ATTN_BLOCK]) {
+    for (int c = 0; c < d; c += 16) {
+        __mmask16 m = d - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - c)) - 1);
+        __m512 a[8];
+        for (int hh = 0; hh < NH; hh++) a[hh] = _mm512_maskz_loadu_ps(m, acc + (size_t)(h + hh) * d + c);
+        for (int j = 0; j < nj; j++) {
+            __m512 vv = load_row(v, (size_t)(j0 + j) * v_stride + (size_t)c, f16, m);
+            for (int hh = 0; hh < NH; hh++) a[hh] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h + hh][j]), vv, a[hh]);
+        }
+        for (int hh = 0; hh < NH; hh++) _mm512_mask_storeu_ps(acc + (size_t)(h + hh) * d + c, m, a[hh]);
+    }
+}
+
+void kern_attn_accumulate_avx512(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
+                                 const void *v, size_t v_stride, int elem_bits, int n) {
+    const int d = s->d, f16 = elem_bits == 16;
+    float sc[KERN_ATTN_MAX_GROUP][KERN_ATTN_BLOCK];
+    for (int g0 = 0; g0 < s->n_q; g0 += KERN_ATTN_MAX_GROUP) {
+        const int nh = s->n_q - g0 < KERN_ATTN_MAX_GROUP ? s->n_q - g0 : KERN_ATTN_MAX_GROUP;
+        const float *qg = q + (size_t)g0 * d;
+        float *accg = s->acc + (size_t)g0 * d;
+        for (int j0 = 0; j0 < n; j0 += KERN_ATTN_BLOCK) {
+            const int nj = n - j0 < KERN_ATTN_BLOCK ? n - j0 : KERN_ATTN_BLOCK;
+            /* scores */
+            int h = 0;
+            for (; h + 4 <= nh; h += 4)
+                for (int j = 0; j < nj; j++) scores4(4, 1, qg, d, k, k_stride, f16, j0, j, h, sc);
+            if (h + 2 <= nh) {
+                int j = 0;
+                for (; j + 2 <= nj; j += 2) scores4(2, 2, qg, d, k, k_stride, f16, j0, j, h, sc);
+                for (; j < nj; j++) {
+                    score1(qg, d, k, k_stride, f16, j0, j, h, sc);
+                    score1(qg, d, k, k_stride, f16, j0, j, h + 1, sc);
+                }
+                h += 2;
+            }
+            if (h < nh) {
+                int j = 0;
+                for (; j + 4 <= nj; j += 4) scores4(1, 4, qg, d, k, k_stride, f16, j0, j, h, sc);
+                for (; j < nj; j++) score1(qg, d, k, k_stride, f16, j0, j, h, sc);
+            }
+            /* online softmax */
+            for (h = 0; h < nh; h++) {
+                __m512 mxv = _mm512_set1_ps(-INFINITY);
+                for (int j = 0; j < nj; j += 16) {
+                    __mmask16 m = nj - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nj - j)) - 1);
+                    mxv = _mm512_mask_max_ps(mxv, m, mxv, _mm512_loadu_ps(&sc[h][j]));
+                }
+                const float mx = _mm512_reduce_max_ps(mxv);
+                float *mh = &s->m[g0 + h], *lh = &s->l[g0 + h];
+                if (mx > *mh) {
+                    const float alpha = expf(*mh - mx);
+                    *lh *= alpha;
+                    float *a = accg + (size_t)h * d;
+                    for (int i = 0; i < d; i += 16) {
+                        __mmask16 m = d - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - i)) - 1);
+                        _mm512_mask_storeu_ps(a + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_set1_ps(alpha)));
+                    }
+                    *mh = mx;
+                }
+                const __m512 mv = _mm512_set1_ps(*mh);
+                __m512 sum = _mm512_setzero_ps();
+                for (int j = 0; j < nj; j += 16) {
+                    __mmask16 m = nj - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nj - j)) - 1);
+                    __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sc[h][j]), mv));
+                    p = _mm512_maskz_mov_ps(m, p);
+                    _mm512_mask_storeu_ps(&sc[h][j], m, p);
+                    sum = _mm512_add_ps(sum, p);
+                }
+                *lh += _mm512_reduce_add_ps(sum);
+            }
+            /* values */
+            h = 0;
+            for (; h + 8 <= nh; h += 8) vacc(8, accg, d, v, v_stride, f16, j0, nj, h, sc);
+            switch (nh - h) {
+            case 7: vacc(7, accg, d, v, v_stride, f16, j0, nj, h, sc); break;
+            case 6: vacc(6, accg, d, v, v_stride, f16, j0, nj, h, sc); break;
+            case 5: vacc(5, accg, d, v, v_stride, f16, j0, nj, h, sc); break;
+            case 4: vacc(4, accg, d, v, v_stride, f16, j0, nj, h, sc); break;
+            case 3: vacc(3, accg, d, v, v_stride, f16, j0, nj, h, sc); break;
+            case 2: vacc(2, accg, d, v, v_stride, f16, j0, nj, h, sc); break;
+            case 1: vacc(1, accg, d, v, v_stride, f16, j0, nj, h, sc); break;
+            default: break;
+            }
+        }
+    }
+}

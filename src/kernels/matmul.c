@@ -1,0 +1,203 @@
+/* Dispatch of the matrix kernels to the best SIMD level, and the scalar
+ * reference implementation (used on CPUs without AVX2 and by the tests). */
+#include "core/dtype.h"
+#include "kernels/f16.h"
+#include "kernels/matmul_impl.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- level selection ---------------------------------------------------- */
+
+static atomic_int g_level = -1;
+
+int kern_level_available(enum kern_level level) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    switch (level) {
+    case KERN_SCALAR: return 1;
+    case KERN_AVX2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    case KERN_AVX512:
+        return kern_level_available(KERN_AVX2) && __builtin_cpu_supports("avx512f") &&
+               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+    }
+    return 0;
+#else
+    return level == KERN_SCALAR;
+#endif
+}
+
+static int detect_level(void) {
+    int best = kern_level_available(KERN_AVX512) ? KERN_AVX512
+             : kern_level_available(KERN_AVX2)   ? KERN_AVX2
+                                                 : KERN_SCALAR;
+    const char *env = getenv("KVQ_SIMD");
+    if (env && *env) {
+        int want = best;
+        if (strcmp(env, "scalar") == 0) want = KERN_SCALAR;
+        else if (strcmp(env, "avx2") == 0) want = KERN_AVX2;
+        else if (strcmp(env, "avx512") == 0) want = KERN_AVX512;
+        if (want < best) best = want; /* never pick a level the CPU lacks */
+    }
+    return best;
+}
+
+enum kern_level kern_level_get(void) {
+    int l = atomic_load_explicit(&g_level, memory_order_relaxed);
+    if (l < 0) {
+        l = detect_level();
+        atomic_store_explicit(&g_level, l, memory_order_relaxed);
+    }
+    return (enum kern_level)l;
+}
+
+int kern_level_set(enum kern_level level) {
+    if (!kern_level_available(level)) return -1;
+    atomic_store_explicit(&g_level, (int)level, memory_order_relaxed);
+    return 0;
+}
+
+const char *kern_simd_level(void) {
+    switch (kern_level_get()) {
+    case KERN_AVX512: return "avx512";
+    case KERN_AVX2: return "avx2";
+    default: return "scalar";
+    }
+}
+
+void kern_matmul(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    if (r0 >= r1 || a->n_tok <= 0) return;
+    switch (kern_level_get()) {
+    case KERN_AVX512: kern_matmul_avx512(a, r0, r1); break;
+    case KERN_AVX2: kern_matmul_avx2(a, r0, r1); break;
+    default: kern_matmul_scalar(a, r0, r1); break;
+    }
+}
+
+/* ---- scalar reference ---------------------------------------------------- */
+
+static float dot_pairs(uint32_t wtype, const uint8_t *w, const struct kern_pair *x, int64_t k) {
+    int64_t nb = k / 32;
+    float sum = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const struct kern_pair *p = &x[b / 2];
+        int h = (int)(b & 1);
+        int32_t s = 0;
+        float dw;
+        if (wtype == KVQ_Q8_0) {
+            const uint8_t *blk = w + b * 34;
+            const int8_t *q = (const int8_t *)(blk + 2);
+            for (int i = 0; i < 32; i++) s += q[i] * p->q[32 * h + i];
+            dw = kvq_f16_to_f32(kern_rd16(blk));
+        } else {
+            const uint8_t *blk = w + b * 18;
+            const uint8_t *q = blk + 2;
+            for (int i = 0; i < 16; i++) {
+                s += ((q[i] & 0x0F) - 8) * p->q[16 * h + i];
+                s += ((q[i] >> 4) - 8) * p->q[32 + 16 * h + i];
+            }
+            dw = kvq_f16_to_f32(kern_rd16(blk));
+        }
+        sum += dw * p->d[h] * (float)s;
+    }
+    return sum;
+}
+
+static float dot_q4k(const uint8_t *w, const struct kern_q8k *x, int64_t k) {
+    float sum = 0.0f;
+    for (int64_t b = 0; b < k / 256; b++, w += 144) {
+        const struct kern_q8k *xb = &x[b];
+        const uint8_t *q = w + 16;
+        int32_t sumi = 0, summ = 0;
+        for (int c = 0; c < 4; c++, q += 32) {
+            uint8_t s0, m0, s1, m1;
+            kern_q4k_scale_min(2 * c, w + 4, &s0, &m0);
+            kern_q4k_scale_min(2 * c + 1, w + 4, &s1, &m1);
+            int32_t d0 = 0, d1 = 0;
+            for (int l = 0; l < 32; l++) {
+                d0 += (q[l] & 0x0F) * xb->q[64 * c + l];
+                d1 += (q[l] >> 4) * xb->q[64 * c + 32 + l];
+            }
+            sumi += s0 * d0 + s1 * d1;
+            summ += m0 * (xb->bsums[4 * c] + xb->bsums[4 * c + 1]) +
+                    m1 * (xb->bsums[4 * c + 2] + xb->bsums[4 * c + 3]);
+        }
+        float d = kvq_f16_to_f32(kern_rd16(w));
+        float dmin = kvq_f16_to_f32(kern_rd16(w + 2));
+        sum += xb->d * (d * (float)sumi - dmin * (float)summ);
+    }
+    return sum;
+}
+
+static float dot_q6k(const uint8_t *w, const struct kern_q8k *x, int64_t k) {
+    float sum = 0.0f;
+    for (int64_t b = 0; b < k / 256; b++, w += 210) {
+        const struct kern_q8k *xb = &x[b];
+        const int8_t *sc = (const int8_t *)(w + 192);
+        int32_t g[16] = {0};
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h;
+            const uint8_t *qh = w + 128 + 32 * h;
+            const int8_t *xq = xb->q + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                int q1 = (ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4);
+                int q2 = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+                int q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                int q4 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                int gi = 8 * h + l / 16;
+                g[gi + 0] += q1 * xq[l];
+                g[gi + 2] += q2 * xq[l + 32];
+                g[gi + 4] += q3 * xq[l + 64];
+                g[gi + 6] += q4 * xq[l + 96];
+            }
+        }
+        int32_t sumi = 0;
+        for (int j = 0; j < 16; j++) sumi += sc[j] * (g[j] - 32 * xb->bsums[j]);
+        sum += xb->d * kvq_f16_to_f32(kern_rd16(w + 208)) * (float)sumi;
+    }
+    return sum;
+}
+
+static float dot_float(uint32_t wtype, const uint8_t *w, const float *x, int64_t k) {
+    float sum = 0.0f;
+    switch (wtype) {
+    case KVQ_F32: {
+        for (int64_t i = 0; i < k; i++) {
+            float v;
+            memcpy(&v, w + 4 * i, 4);
+            sum += v * x[i];
+        }
+        break;
+    }
+    case KVQ_F16:
+        for (int64_t i = 0; i < k; i++) sum += kvq_f16_to_f32(kern_rd16(w + 2 * i)) * x[i];
+        break;
+    case KVQ_BF16:
+        for (int64_t i = 0; i < k; i++) sum += kvq_bf16_to_f32(kern_rd16(w + 2 * i)) * x[i];
+        break;
+    default:
+        break;
+    }
+    return sum;
+}
+
+void kern_matmul_scalar(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    for (int t = 0; t < a->n_tok; t++) {
+        const void *x = (const uint8_t *)a->xa + (size_t)t * a->xa_row_bytes;
+        float *y = a->y + (int64_t)t * a->y_stride;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *w = (const uint8_t *)a->w + (size_t)r * a->w_row_bytes;
+            switch (a->wtype) {
+            case KVQ_Q8_0:
+            case KVQ_Q4_0: y[r] = dot_pairs(a->wtype, w, x, a->k); break;
+            case KVQ_Q4_K: y[r] = dot_q4k(w, x, a->k); break;
+            case KVQ_Q6_K: y[r] = dot_q6k(w, x, a->k); break;
+            default: y[r] = dot_float(a->wtype, w, x, a->k); break;
+            }
+        }
+    }
+}

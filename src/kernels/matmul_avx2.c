@@ -1,0 +1,329 @@
+/* AVX2 + FMA + F16C matrix kernels (no VNNI): vpmaddubsw/vpmaddwd for the
+ * quantized types, vcvtph2ps + FMA for float types. Register tiles of up to
+ * 4 rows x 1 token (decode) or 2 rows x 4 tokens (prefill). */
+#include "core/dtype.h"
+#include "kernels/f16.h"
+#include "kernels/matmul_impl.h"
+
+#include <immintrin.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* ---- Q8_0 / Q4_0 ------------------------------------------------------------ */
+
+INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w, size_t wrb,
+                       const uint8_t *xa, size_t xrb, int64_t nb, float *y, int64_t ys) {
+    const int64_t np = (nb + 1) / 2;
+    const size_t bbytes = q4 ? 18 : 34;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        const int full = 2 * p + 1 < nb;
+        __m256i wa[4], wb[4];
+        float d0[4], d1[4];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b0 = w + (size_t)r * wrb + (size_t)(2 * p) * bbytes;
+            d0[r] = _cvtsh_ss(kern_rd16(b0));
+            d1[r] = full ? _cvtsh_ss(kern_rd16(b0 + bbytes)) : 0.0f;
+            if (q4) {
+                __m128i lo = _mm_loadu_si128((const __m128i *)(b0 + 2));
+                __m128i hi = full ? _mm_loadu_si128((const __m128i *)(b0 + 20)) : _mm_setzero_si128();
+                __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+                wa[r] = _mm256_and_si256(v, m4);
+                wb[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            } else {
+                wa[r] = _mm256_loadu_si256((const __m256i *)(b0 + 2));
+                wb[r] = full ? _mm256_loadu_si256((const __m256i *)(b0 + 36)) : _mm256_setzero_si256();
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const struct kern_pair *xp = (const struct kern_pair *)(xa + (size_t)t * xrb) + p;
+            __m256i xa0 = _mm256_loadu_si256((const __m256i *)xp->q);
+            __m256i xb0 = _mm256_loadu_si256((const __m256i *)(xp->q + 32));
+            if (q4) {
+                __m256i c = _mm256_set_epi32(0, 0, 0, xp->c[1], 0, 0, 0, xp->c[0]);
+                __m256 xs = _mm256_set_m128(_mm_set1_ps(xp->d[1]), _mm_set1_ps(xp->d[0]));
+                for (int r = 0; r < R; r++) {
+                    __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[r], xa0), ones);
+                    __m256i i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(wb[r], xb0), ones);
+                    __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), c);
+                    __m256 ws = _mm256_set_m128(_mm_set1_ps(d1[r]), _mm_set1_ps(d0[r]));
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, xs), acc[r][t]);
+                }
+            } else {
+                for (int r = 0; r < R; r++) {
+                    __m256i i0 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(wa[r], wa[r]), _mm256_sign_epi8(xa0, wa[r])), ones);
+                    __m256i i1 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(wb[r], wb[r]), _mm256_sign_epi8(xb0, wb[r])), ones);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d0[r] * xp->d[0]), acc[r][t]);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d1[r] * xp->d[1]), acc[r][t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) y[t * ys + r] = hsum(acc[r][t]);
+}
+
+/* ---- Q4_K / Q6_K ---------------------------------------------------------- */
+
+INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
+                     int64_t ys) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[4];
+    float macc[4] = {0};
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 144) {
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; j++) kern_q4k_scale_min(j, w + 4, &sc[j], &mn[j]);
+        const float d = _cvtsh_ss(kern_rd16(w)), dmin = _cvtsh_ss(kern_rd16(w + 2));
+        __m256i wl[4], wh[4];
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
+            wl[c] = _mm256_and_si256(v, m4);
+            wh[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        for (int t = 0; t < T; t++) {
+            const struct kern_q8k *xb = (const struct kern_q8k *)(xa + (size_t)t * xrb) + b;
+            __m256i ia = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * c));
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * c + 32));
+                ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(wl[c], x0),
+                                                            _mm256_set1_epi16(sc[2 * c])));
+                ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(wh[c], x1),
+                                                            _mm256_set1_epi16(sc[2 * c + 1])));
+            }
+            int32_t summ = 0;
+            for (int j = 0; j < 8; j++) summ += mn[j] * (xb->bsums[2 * j] + xb->bsums[2 * j + 1]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(d * xb->d), acc[t]);
+            macc[t] -= dmin * xb->d * (float)summ;
+        }
+    }
+    for (int t = 0; t < T; t++) y[t * ys] = hsum(acc[t]) + macc[t];
+}
+
+INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
+                     int64_t ys) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[4];
+    float cacc[4] = {0};
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 210) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        __m256i wq[8], sv[8];
+        for (int h = 0; h < 2; h++) {
+            __m256i ql0 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+            __m256i ql1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            wq[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+            wq[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+            wq[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+            wq[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+        }
+        for (int g = 0; g < 8; g++)
+            sv[g] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+        const float d = _cvtsh_ss(kern_rd16(w + 208));
+        for (int t = 0; t < T; t++) {
+            const struct kern_q8k *xb = (const struct kern_q8k *)(xa + (size_t)t * xrb) + b;
+            __m256i ia = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xb->q + 32 * g));
+                ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(wq[g], xv), sv[g]));
+            }
+            int32_t corr = 0;
+            for (int j = 0; j < 16; j++) corr += sc[j] * xb->bsums[j];
+            const float dd = d * xb->d;
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(dd), acc[t]);
+            cacc[t] -= 32.0f * dd * (float)corr;
+        }
+    }
+    for (int t = 0; t < T; t++) y[t * ys] = hsum(acc[t]) + cacc[t];
+}
+
+/* ---- float types ------------------------------------------------------------ */
+
+INLINE __m256 load_w8(uint32_t wtype, const uint8_t *p) {
+    switch (wtype) {
+    case KVQ_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    case KVQ_BF16:
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    default: return _mm256_loadu_ps((const float *)p);
+    }
+}
+
+INLINE float wval(uint32_t wtype, const uint8_t *p) {
+    if (wtype == KVQ_F16) return kvq_f16_to_f32(kern_rd16(p));
+    if (wtype == KVQ_BF16) return kvq_bf16_to_f32(kern_rd16(p));
+    float v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uint8_t *w, size_t wrb,
+                       const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys) {
+    const size_t es = wtype == KVQ_F32 ? 4 : 2;
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        __m256 wv[4];
+        for (int r = 0; r < R; r++) wv[r] = load_w8(wtype, w + (size_t)r * wrb + (size_t)i * es);
+        for (int t = 0; t < T; t++) {
+            __m256 xv = _mm256_loadu_ps((const float *)(xa + (size_t)t * xrb) + i);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const float *x = (const float *)(xa + (size_t)t * xrb);
+        for (int r = 0; r < R; r++) {
+            float s = hsum(acc[r][t]);
+            for (int64_t j = i; j < k; j++) s += wval(wtype, w + (size_t)r * wrb + (size_t)j * es) * x[j];
+            y[t * ys + r] = s;
+        }
+    }
+}
+
+/* ---- drivers -------------------------------------------------------------- */
+
+#define DISPATCH_T(CALL_T)     \
+    switch (T) {               \
+    case 1: CALL_T(1); break;  \
+    case 2: CALL_T(2); break;  \
+    case 3: CALL_T(3); break;  \
+    default: CALL_T(4); break; \
+    }
+
+static int64_t row_chunk(const struct kern_matmul_args *a, int64_t r0, int64_t r1, size_t bytes) {
+    if (a->n_tok <= 4) return r1 - r0;
+    int64_t c = (int64_t)(bytes / (a->w_row_bytes ? a->w_row_bytes : 1)) & ~(int64_t)3;
+    return c < 4 ? 4 : c;
+}
+
+static void mm_pairs(const struct kern_matmul_args *a, int64_t r0, int64_t r1, const int q4) {
+    const int64_t nb = a->k / 32;
+    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
+    const int64_t chunk = row_chunk(a, r0, r1, 32768);
+    for (int64_t rc = r0; rc < r1; rc += chunk) {
+        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
+        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
+            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
+            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
+            float *yt = a->y + (int64_t)t0 * a->y_stride;
+            int64_t r = rc;
+            if (T == 1) {
+                for (; r + 4 <= re; r += 4) {
+                    const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+                    if (q4) tile_pairs(1, 4, 1, w, wrb, xa, xrb, nb, yt + r, a->y_stride);
+                    else tile_pairs(0, 4, 1, w, wrb, xa, xrb, nb, yt + r, a->y_stride);
+                }
+            }
+            for (; r + 2 <= re; r += 2) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALL2(TT)                                                           \
+    if (q4) tile_pairs(1, 2, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride); \
+    else tile_pairs(0, 2, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
+                DISPATCH_T(CALL2)
+#undef CALL2
+            }
+            for (; r < re; r++) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALL1(TT)                                                           \
+    if (q4) tile_pairs(1, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride); \
+    else tile_pairs(0, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
+                DISPATCH_T(CALL1)
+#undef CALL1
+            }
+        }
+    }
+}
+
+static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    const int64_t nsb = a->k / 256;
+    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
+    const int q6 = a->wtype == KVQ_Q6_K;
+    const int64_t chunk = row_chunk(a, r0, r1, 32768);
+    for (int64_t rc = r0; rc < r1; rc += chunk) {
+        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
+        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
+            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
+            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
+            float *yt = a->y + (int64_t)t0 * a->y_stride;
+            for (int64_t r = rc; r < re; r++) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALLK(TT)                                              \
+    if (q6) tile_q6k(TT, w, xa, xrb, nsb, yt + r, a->y_stride); \
+    else tile_q4k(TT, w, xa, xrb, nsb, yt + r, a->y_stride)
+                DISPATCH_T(CALLK)
+#undef CALLK
+            }
+        }
+    }
+}
+
+#define FLOAT_TILE(WT, RR, TT) tile_float(WT, RR, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride)
+#define FLOAT_BY_TYPE(RR, TT)                                      \
+    if (wt == KVQ_F16) FLOAT_TILE(KVQ_F16, RR, TT);                \
+    else if (wt == KVQ_BF16) FLOAT_TILE(KVQ_BF16, RR, TT);         \
+    else FLOAT_TILE(KVQ_F32, RR, TT)
+
+static void mm_float(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
+    const uint32_t wt = a->wtype;
+    const int64_t chunk = row_chunk(a, r0, r1, 65536);
+    for (int64_t rc = r0; rc < r1; rc += chunk) {
+        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
+        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
+            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
+            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
+            float *yt = a->y + (int64_t)t0 * a->y_stride;
+            int64_t r = rc;
+            if (T == 1) {
+                for (; r + 4 <= re; r += 4) {
+                    const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+                    FLOAT_BY_TYPE(4, 1);
+                }
+            }
+            for (; r + 2 <= re; r += 2) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALLF2(TT) FLOAT_BY_TYPE(2, TT)
+                DISPATCH_T(CALLF2)
+#undef CALLF2
+            }
+            for (; r < re; r++) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALLF1(TT) FLOAT_BY_TYPE(1, TT)
+                DISPATCH_T(CALLF1)
+#undef CALLF1
+            }
+        }
+    }
+}
+
+void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    switch (a->wtype) {
+    case KVQ_Q8_0: mm_pairs(a, r0, r1, 0); break;
+    case KVQ_Q4_0: mm_pairs(a, r0, r1, 1); break;
+    case KVQ_Q4_K:
+    case KVQ_Q6_K: mm_kquant(a, r0, r1); break;
+    case KVQ_F32:
+    case KVQ_F16:
+    case KVQ_BF16: mm_float(a, r0, r1); break;
+    default: kern_matmul_scalar(a, r0, r1); break;
+    }
+}

@@ -1,0 +1,339 @@
+/* AVX-512 (F, BW, VL, DQ, VNNI) matrix kernels. Register tiles of up to 4 weight
+ * rows x 4 tokens: each weight block is loaded and unpacked once per tile and
+ * multiplied with every token's activations (vpdpbusd / vpmaddubsw+vpdpwssd for
+ * quantized types, vcvtph2ps + FMA for float types). */
+#include "core/dtype.h"
+#include "kernels/matmul_impl.h"
+
+#include <immintrin.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Horizontal sums of 4 vectors: returns [sum(a), sum(b), sum(c), sum(d)]. */
+INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+INLINE void store_tile(float *y, int64_t ys, int R, int T, __m512 acc[4][4]) {
+    if (R == 4) {
+        for (int t = 0; t < T; t++) _mm_storeu_ps(y + t * ys, reduce4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+    } else {
+        for (int t = 0; t < T; t++)
+            for (int r = 0; r < R; r++) y[t * ys + r] = _mm512_reduce_add_ps(acc[r][t]);
+    }
+}
+
+/* ---- Q8_0 / Q4_0 weights x pair-format activations ----------------------- */
+
+INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w, size_t wrb,
+                       const uint8_t *xa, size_t xrb, int64_t nb, float *y, int64_t ys) {
+    const int64_t np = (nb + 1) / 2;
+    const size_t bbytes = q4 ? 18 : 34;
+    /* Lane maps: which block (0/1) each int32 lane of the vpdpbusd result belongs to. */
+    const __m512i sidx = q4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                            : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i cidx = q4 ? _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0)
+                            : _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __mmask16 cmask = q4 ? 0x0011 : 0x0101;
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+
+    for (int64_t p = 0; p < np; p++) {
+        const int full = 2 * p + 1 < nb;
+        __m512i wv[4];
+        __m512 ws[4];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b0 = w + (size_t)r * wrb + (size_t)(2 * p) * bbytes;
+            uint32_t dd = kern_rd16(b0);
+            if (q4) {
+                __m128i lo = _mm_loadu_si128((const __m128i *)(b0 + 2));
+                __m128i hi = full ? _mm_loadu_si128((const __m128i *)(b0 + 20)) : _mm_setzero_si128();
+                __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+                __m256i vl = _mm256_and_si256(v, m4);
+                __m256i vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                wv[r] = _mm512_inserti64x4(_mm512_castsi256_si512(vl), vh, 1);
+                if (full) dd |= (uint32_t)kern_rd16(b0 + 18) << 16;
+            } else {
+                __m256i lo = _mm256_loadu_si256((const __m256i *)(b0 + 2));
+                __m256i hi = full ? _mm256_loadu_si256((const __m256i *)(b0 + 36)) : _mm256_setzero_si256();
+                wv[r] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), x80);
+                if (full) dd |= (uint32_t)kern_rd16(b0 + 34) << 16;
+            }
+            __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
+            ws[r] = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(d2));
+        }
+        for (int t = 0; t < T; t++) {
+            const uint8_t *xp = xa + (size_t)t * xrb + (size_t)p * KERN_PAIR_BYTES;
+            __m512i xv = _mm512_loadu_si512((const void *)xp);
+            __m512i c = _mm512_maskz_permutexvar_epi32(
+                cmask, cidx, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(xp + 64))));
+            __m512 xs = _mm512_permutexvar_ps(
+                sidx, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(xp + 72)))));
+            for (int r = 0; r < R; r++) {
+                __m512i d = _mm512_dpbusd_epi32(c, wv[r], xv);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws[r], xs), acc[r][t]);
+            }
+        }
+    }
+    store_tile(y, ys, R, T, acc);
+}
+
+/* ---- Q4_K / Q6_K weights x Q8_K-format activations ------------------------ */
+
+INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
+                     int64_t ys) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m512 acc[4];
+    __m256 macc[4];
+    for (int t = 0; t < T; t++) {
+        acc[t] = _mm512_setzero_ps();
+        macc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nsb; b++, w += 144) {
+        uint8_t sc[8], mn[8];
+        for (int j = 0; j < 8; j++) kern_q4k_scale_min(j, w + 4, &sc[j], &mn[j]);
+        __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        __m256i mn16 = _mm256_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+        mn16 = _mm256_permutexvar_epi16(_mm256_set_epi16(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), mn16);
+        __m512i wv[4], sv[4];
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
+            __m256i vl = _mm256_and_si256(v, m4);
+            __m256i vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            wv[c] = _mm512_inserti64x4(_mm512_castsi256_si512(vl), vh, 1);
+            __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(2 * c))),
+                                             _mm256_set1_epi16((short)(2 * c + 1)), 1);
+            sv[c] = _mm512_permutexvar_epi16(idx, sc16);
+        }
+        const float d = _cvtsh_ss(kern_rd16(w)), dmin = _cvtsh_ss(kern_rd16(w + 2));
+        for (int t = 0; t < T; t++) {
+            const struct kern_q8k *xb = (const struct kern_q8k *)(xa + (size_t)t * xrb) + b;
+            __m512i ia = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                __m512i xv = _mm512_loadu_si512((const void *)(xb->q + 64 * c));
+                ia = _mm512_dpwssd_epi32(ia, _mm512_maddubs_epi16(wv[c], xv), sv[c]);
+            }
+            __m256i mm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mn16);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(d * xb->d), acc[t]);
+            macc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(-dmin * xb->d), macc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++)
+        y[t * ys] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(macc[t]));
+}
+
+INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
+                     int64_t ys) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[4];
+    __m256 cacc[4];
+    for (int t = 0; t < T; t++) {
+        acc[t] = _mm512_setzero_ps();
+        cacc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nsb; b++, w += 210) {
+        __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
+        __m512i sc16 = _mm512_castsi256_si512(sc16y);
+        __m512i wv[4], sv[4];
+        for (int h = 0; h < 2; h++) {
+            __m512i ql = _mm512_loadu_si512((const void *)(w + 64 * h));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            __m512i H = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+            wv[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_slli_epi16(H, 4), m30));
+            wv[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(H, m30));
+        }
+        for (int g = 0; g < 4; g++) {
+            /* int16 lane i of group g covers values 64g+2i, +1: sub-block 4g + i/8 */
+            __m512i idx = _mm512_add_epi16(
+                _mm512_set1_epi16((short)(4 * g)),
+                _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0,
+                                 0, 0, 0, 0));
+            sv[g] = _mm512_permutexvar_epi16(idx, sc16);
+        }
+        const float d = _cvtsh_ss(kern_rd16(w + 208));
+        for (int t = 0; t < T; t++) {
+            const struct kern_q8k *xb = (const struct kern_q8k *)(xa + (size_t)t * xrb) + b;
+            __m512i ia = _mm512_setzero_si512();
+            for (int g = 0; g < 4; g++) {
+                __m512i xv = _mm512_loadu_si512((const void *)(xb->q + 64 * g));
+                ia = _mm512_dpwssd_epi32(ia, _mm512_maddubs_epi16(wv[g], xv), sv[g]);
+            }
+            __m256i cm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16y);
+            const float dd = d * xb->d;
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_set1_ps(dd), acc[t]);
+            cacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cm), _mm256_set1_ps(-32.0f * dd), cacc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++)
+        y[t * ys] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(cacc[t]));
+}
+
+/* ---- F32 / F16 / BF16 weights x f32 activations --------------------------- */
+
+INLINE __m512 load_w16(uint32_t wtype, const uint8_t *p, __mmask16 m) {
+    switch (wtype) {
+    case KVQ_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+    case KVQ_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    default: return _mm512_maskz_loadu_ps(m, p);
+    }
+}
+
+INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uint8_t *w, size_t wrb,
+                       const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys) {
+    const size_t es = wtype == KVQ_F32 ? 4 : 2;
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        __m512 wv[4];
+        for (int r = 0; r < R; r++) wv[r] = load_w16(wtype, w + (size_t)r * wrb + (size_t)i * es, 0xFFFF);
+        for (int t = 0; t < T; t++) {
+            __m512 xv = _mm512_loadu_ps((const float *)(xa + (size_t)t * xrb) + i);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    if (i < k) {
+        __mmask16 m = (__mmask16)((1u << (k - i)) - 1);
+        __m512 wv[4];
+        for (int r = 0; r < R; r++) wv[r] = load_w16(wtype, w + (size_t)r * wrb + (size_t)i * es, m);
+        for (int t = 0; t < T; t++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, (const float *)(xa + (size_t)t * xrb) + i);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    store_tile(y, ys, R, T, acc);
+}
+
+/* ---- drivers --------------------------------------------------------------- */
+
+#define DISPATCH_T(CALL_T)          \
+    switch (T) {                    \
+    case 1: CALL_T(1); break;       \
+    case 2: CALL_T(2); break;       \
+    case 3: CALL_T(3); break;       \
+    default: CALL_T(4); break;      \
+    }
+
+static void mm_pairs(const struct kern_matmul_args *a, int64_t r0, int64_t r1, const int q4) {
+    const int64_t nb = a->k / 32;
+    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
+    int64_t chunk = r1 - r0;
+    if (a->n_tok > 4) {
+        chunk = (int64_t)(32768 / (wrb ? wrb : 1)) & ~(int64_t)3;
+        if (chunk < 4) chunk = 4;
+    }
+    for (int64_t rc = r0; rc < r1; rc += chunk) {
+        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
+        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
+            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
+            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
+            float *yt = a->y + (int64_t)t0 * a->y_stride;
+            int64_t r = rc;
+            for (; r + 4 <= re; r += 4) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALL4(TT)                                                                          \
+    if (q4) tile_pairs(1, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride);                \
+    else tile_pairs(0, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
+                DISPATCH_T(CALL4)
+#undef CALL4
+            }
+            for (; r < re; r++) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALL1(TT)                                                                          \
+    if (q4) tile_pairs(1, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride);                \
+    else tile_pairs(0, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
+                DISPATCH_T(CALL1)
+#undef CALL1
+            }
+        }
+    }
+}
+
+static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    const int64_t nsb = a->k / 256;
+    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
+    const int q6 = a->wtype == KVQ_Q6_K;
+    int64_t chunk = r1 - r0;
+    if (a->n_tok > 4) {
+        chunk = (int64_t)(32768 / (wrb ? wrb : 1));
+        if (chunk < 1) chunk = 1;
+    }
+    for (int64_t rc = r0; rc < r1; rc += chunk) {
+        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
+        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
+            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
+            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
+            float *yt = a->y + (int64_t)t0 * a->y_stride;
+            for (int64_t r = rc; r < re; r++) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALLK(TT)                                                    \
+    if (q6) tile_q6k(TT, w, xa, xrb, nsb, yt + r, a->y_stride);       \
+    else tile_q4k(TT, w, xa, xrb, nsb, yt + r, a->y_stride)
+                DISPATCH_T(CALLK)
+#undef CALLK
+            }
+        }
+    }
+}
+
+static void mm_float(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
+    const uint32_t wt = a->wtype;
+    int64_t chunk = r1 - r0;
+    if (a->n_tok > 4) {
+        chunk = (int64_t)(65536 / (wrb ? wrb : 1)) & ~(int64_t)3;
+        if (chunk < 4) chunk = 4;
+    }
+    for (int64_t rc = r0; rc < r1; rc += chunk) {
+        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
+        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
+            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
+            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
+            float *yt = a->y + (int64_t)t0 * a->y_stride;
+            int64_t r = rc;
+            for (; r + 4 <= re; r += 4) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALLF4(TT)                                                                          \
+    if (wt == KVQ_F16) tile_float(KVQ_F16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride);   \
+    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride); \
+    else tile_float(KVQ_F32, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride)
+                DISPATCH_T(CALLF4)
+#undef CALLF4
+            }
+            for (; r < re; r++) {
+                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
+#define CALLF1(TT)                                                                          \
+    if (wt == KVQ_F16) tile_float(KVQ_F16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride);   \
+    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride); \
+    else tile_float(KVQ_F32, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride)
+                DISPATCH_T(CALLF1)
+#undef CALLF1
+            }
+        }
+    }
+}
+
+void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    switch (a->wtype) {
+    case KVQ_Q8_0: mm_pairs(a, r0, r1, 0); break;
+    case KVQ_Q4_0: mm_pairs(a, r0, r1, 1); break;
+    case KVQ_Q4_K:
+    case KVQ_Q6_K: mm_kquant(a, r0, r1); break;
+    case KVQ_F32:
+    case KVQ_F16:
+    case KVQ_BF16: mm_float(a, r0, r1); break;
+    default: kern_matmul_scalar(a, r0, r1); break;
+    }
+}

@@ -1,0 +1,82 @@
+/* Private to the kernels (and their tests/bench): prepared-activation layouts,
+ * the per-ISA implementations and a way to pick one explicitly. */
+#ifndef KVQ_KERNELS_MATMUL_IMPL_H
+#define KVQ_KERNELS_MATMUL_IMPL_H
+
+#include "kernels/attention.h"
+#include "kernels/matmul.h"
+
+#include <stdint.h>
+#include <string.h>
+
+/* Prepared activations for Q8_0 and Q4_0 weights ("pair" format): blocks of 32
+ * values quantized to int8 with d = amax/127, grouped in pairs of blocks (the
+ * last pair is zero-padded when the row has an odd number of blocks):
+ *   int8 q[64]; int32 c[2]; float d[2];            (80 bytes per 64 values)
+ * Q8_0: q[0..31] = block 2p, q[32..63] = block 2p+1, c[i] = -128 * sum(block i)
+ *       (the SIMD code multiplies (w ^ 0x80) as unsigned bytes by q).
+ * Q4_0: q = [b0 x0..15 | b1 x0..15 | b0 x16..31 | b1 x16..31] (the order the
+ *       nibbles of the two weight blocks unpack to), c[i] = -8 * sum(block i). */
+#define KERN_PAIR_BYTES 80
+struct kern_pair {
+    int8_t q[64];
+    int32_t c[2];
+    float d[2];
+};
+
+/* Prepared activations for Q4_K and Q6_K weights (Q8_K-like), per 256 values:
+ *   int8 q[256]; int16 bsums[16] (sum of each 16 values); float d; 4 bytes pad. */
+#define KERN_Q8K_BYTES 296
+struct kern_q8k {
+    int8_t q[256];
+    int16_t bsums[16];
+    float d;
+    int32_t pad;
+};
+
+enum kern_level { KERN_SCALAR = 0, KERN_AVX2 = 1, KERN_AVX512 = 2 };
+
+typedef void (*kern_matmul_fn)(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
+typedef void (*kern_attn_fn)(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
+                             const void *v, size_t v_stride, int elem_bits, int n);
+
+void kern_matmul_scalar(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
+void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
+void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
+
+void kern_attn_accumulate_scalar(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
+                                 const void *v, size_t v_stride, int elem_bits, int n);
+void kern_attn_accumulate_avx512(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
+                                 const void *v, size_t v_stride, int elem_bits, int n);
+
+/* True when the CPU can run that level. */
+int kern_level_available(enum kern_level level);
+/* The level in use (chosen on first use from KVQ_SIMD / the CPU). */
+enum kern_level kern_level_get(void);
+/* Forces a level (tests and benchmarks only; not thread-safe with running kernels).
+ * Returns -1 when the CPU cannot run it. */
+int kern_level_set(enum kern_level level);
+
+/* Attention processes heads in groups of at most this many per pass over K/V. */
+#define KERN_ATTN_MAX_GROUP 16
+/* Rows per online-softmax block. */
+#define KERN_ATTN_BLOCK 64
+
+static inline uint16_t kern_rd16(const void *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* Q4_K: 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
+static inline void kern_q4k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+#endif
