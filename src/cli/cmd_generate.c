@@ -98,12 +98,13 @@ static kvq_token *tokenize_prompt(const struct kvq_model *m, const char *text, s
 }
 
 /* Feeds the prompt in n_batch pieces, showing progress on a terminal. */
-static int prefill(struct kvq_context *ctx, const kvq_token *toks, int n, int n_batch) {
+static int prefill(struct kvq_context *ctx, const kvq_token *toks, int n, int n_batch, int *last) {
     bool tty = isatty(STDERR_FILENO);
     for (int done = 0; done < n; done += n_batch) {
         int len = n - done < n_batch ? n - done : n_batch;
         struct kvq_batch b = {.n_tokens = len, .tokens = toks + done};
         if (kvq_decode(ctx, &b) != 0) return cli_fail("prompt evaluation failed: %s", kvq_last_error());
+        *last = len - 1; /* the logits of the batch's last token */
         if (tty && n > n_batch) fprintf(stderr, "\rkvq: prompt %d/%d tokens", done + len, n);
     }
     if (tty && n > n_batch) fputc('\n', stderr);
@@ -156,13 +157,15 @@ int cmd_generate(int argc, char **argv) {
     for (int i = 0; i < n_prompt; i++) kvq_sampler_accept(smp, toks[i]);
 
     double t0 = cli_now();
-    if (prefill(ctx, toks, n_prompt, o.cp.n_batch) != 0) goto done;
+    int last = 0;
+    if (prefill(ctx, toks, n_prompt, o.cp.n_batch, &last) != 0) goto done;
     double t1 = cli_now();
     int n_gen = 0;
     char piece[256];
     bool stopped_by_ctx = false;
     while (o.n_predict < 0 || n_gen < o.n_predict) {
-        kvq_token t = kvq_sampler_sample(smp, kvq_get_logits(ctx, 0));
+        kvq_token t = kvq_sampler_sample(smp, kvq_get_logits(ctx, last));
+        last = 0;
         if (!o.ignore_eos && kvq_token_is_eog(m, t)) break;
         kvq_sampler_accept(smp, t);
         int w = kvq_detok_feed(dt, t, piece, sizeof piece);
