@@ -15,6 +15,7 @@
  *     stored row is re-encoded in place (positions, offset and idx unchanged).
  * Quantized rows are Hadamard-rotated first when the config asks for it: the query
  * is rotated the same way, the attention output is rotated back. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,6 +23,7 @@
 #include "kernels/attention.h"
 #include "kernels/kv_quant.h"
 #include "kvcache/kv_cache_impl.h"
+
 
 #define HADAMARD_SEED 0x6b7671726f74ull /* "kvqrot": fixed so saved caches stay valid */
 
@@ -37,6 +39,8 @@ struct kv_store {
     int32_t *pos;           /* [cap] position of each slot */
     uint8_t *k, *v;         /* [H][cap][row] */
     float *signs;           /* [head_dim] Hadamard signs */
+    float *mu;              /* [2][n_kv_heads][head_dim] key and value offsets removed before quantizing */
+    bool mu_set;
 };
 
 static struct kv_fmt make_fmt(const struct kv_cache *c, int bits, int group) {
@@ -59,19 +63,51 @@ static uint8_t *row_ptr(uint8_t *base, const struct kv_fmt *f, int32_t cap, int 
     return base + ((size_t)h * (size_t)cap + (size_t)slot) * f->row;
 }
 
-static void encode_row(const struct kv_store *st, const struct kv_fmt *f, int d, const float *x, uint8_t *dst) {
+/* mu: the key offset of the row's head (NULL for values and float rows). Removing a
+ * per-channel constant from every key shifts all scores of a query by the same
+ * amount, which softmax ignores: attention needs no correction. */
+static void encode_row(const struct kv_store *st, const struct kv_fmt *f, int d, const float *x, const float *mu,
+                       uint8_t *dst) {
     float tmp[KERN_KVQ_MAX_DIM];
-    if (f->rot) {
-        memcpy(tmp, x, sizeof(float) * (size_t)d);
-        kern_kvq_hadamard(tmp, d, st->signs);
+    if (mu || f->rot) {
+        for (int i = 0; i < d; i++) tmp[i] = mu ? x[i] - mu[i] : x[i];
+        if (f->rot) kern_kvq_hadamard(tmp, d, st->signs);
         x = tmp;
     }
     kern_kvq_quantize_row(x, d, f->bits, f->group, dst);
 }
 
-static void decode_row(const struct kv_store *st, const struct kv_fmt *f, int d, const uint8_t *src, float *x) {
+static void decode_row(const struct kv_store *st, const struct kv_fmt *f, int d, const uint8_t *src, const float *mu,
+                       float *x) {
     kern_kvq_dequantize_row(src, d, f->bits, f->group, x);
     if (f->rot) kern_kvq_hadamard_inv(x, d, st->signs);
+    if (mu)
+        for (int i = 0; i < d; i++) x[i] += mu[i];
+}
+
+static bool kvq_center_enabled(int which) { return !getenv(which ? "KVQ_NO_VMEAN" : "KVQ_NO_KMEAN"); }
+
+/* The offset of a quantized side (NULL for float rows or before it is chosen). */
+static const float *side_mu(const struct kv_store *st, const struct kv_fmt *f, int which, int h, int d, int H) {
+    return kern_kvq_bits_quantized(f->bits) && st->mu_set ? st->mu + ((size_t)which * H + h) * d : NULL;
+}
+
+/* Chooses the offsets from n tokens of keys and values ([n][H][D] each; the first at
+ * position p0): their per-channel means, leaving out the first token of the sequence
+ * (an attention sink, unlike the others). A lone first token leaves them at 0. */
+static void set_mu(struct kv_cache *c, const float *k, const float *v, size_t tok_stride, int n, int32_t p0) {
+    struct kv_store *st = c->impl;
+    int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    int t0 = p0 == 0 ? 1 : 0;
+    memset(st->mu, 0, sizeof(float) * 2 * (size_t)H * D);
+    for (int w = 0; w < 2; w++) {
+        const float *x = w ? v : k;
+        float *mu = st->mu + (size_t)w * H * D;
+        if (!kvq_center_enabled(w)) continue;
+        for (int t = t0; t < n; t++)
+            for (int i = 0; i < H * D; i++) mu[i] += x[(size_t)t * tok_stride + i] / (float)(n - t0);
+    }
+    st->mu_set = true;
 }
 
 /* Reallocates to `cap` slots, keeping slots [0, size). */
@@ -114,8 +150,10 @@ static void write_slot(struct kv_cache *c, int32_t slot, int32_t pos, const floa
     struct kv_store *st = c->impl;
     int H = c->shape.n_kv_heads, D = c->shape.head_dim;
     for (int h = 0; h < H; h++) {
-        encode_row(st, &st->kf, D, k + (size_t)h * D, row_ptr(st->k, &st->kf, st->cap, h, slot));
-        encode_row(st, &st->vf, D, v + (size_t)h * D, row_ptr(st->v, &st->vf, st->cap, h, slot));
+        encode_row(st, &st->kf, D, k + (size_t)h * D, side_mu(st, &st->kf, 0, h, D, H),
+                   row_ptr(st->k, &st->kf, st->cap, h, slot));
+        encode_row(st, &st->vf, D, v + (size_t)h * D, side_mu(st, &st->vf, 1, h, D, H),
+                   row_ptr(st->v, &st->vf, st->cap, h, slot));
     }
     st->pos[slot] = pos;
 }
@@ -218,14 +256,36 @@ static int reencode(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
         free(nv);
         return kvq_error("out of memory converting the KV cache");
     }
-    float x[KERN_KVQ_MAX_DIM];
-    for (int h = 0; h < H; h++)
-        for (int32_t s = 0; s < st->size; s++) {
-            decode_row(st, &st->kf, D, row_ptr(st->k, &st->kf, cap, h, s), x);
-            encode_row(st, &nkf, D, x, row_ptr(nk, &nkf, cap, h, s));
-            decode_row(st, &st->vf, D, row_ptr(st->v, &st->vf, cap, h, s), x);
-            encode_row(st, &nvf, D, x, row_ptr(nv, &nvf, cap, h, s));
+    size_t n_tok = (size_t)(st->size ? st->size : 1);
+    float *x = malloc(sizeof(float) * n_tok * H * D * 2);
+    if (!x) {
+        free(nk);
+        free(nv);
+        return kvq_error("out of memory converting the KV cache");
+    }
+    float *xv = x + n_tok * H * D;
+    /* decode everything, the earliest token first (slots 0 and `first` swapped) */
+    int32_t first = 0;
+    for (int32_t s = 0; s < st->size; s++)
+        if (st->pos[s] < st->pos[first]) first = s;
+#define SLOT_OF(t) ((t) == 0 ? first : (t) == first ? 0 : (t))
+    for (int32_t t = 0; t < st->size; t++)
+        for (int h = 0; h < H; h++) {
+            decode_row(st, &st->kf, D, row_ptr(st->k, &st->kf, cap, h, SLOT_OF(t)), side_mu(st, &st->kf, 0, h, D, H),
+                       x + ((size_t)t * H + h) * D);
+            decode_row(st, &st->vf, D, row_ptr(st->v, &st->vf, cap, h, SLOT_OF(t)), side_mu(st, &st->vf, 1, h, D, H),
+                       xv + ((size_t)t * H + h) * D);
         }
+    if (!st->mu_set && st->size > 0) set_mu(c, x, xv, (size_t)H * D, st->size, st->pos[first]);
+    for (int32_t t = 0; t < st->size; t++)
+        for (int h = 0; h < H; h++) {
+            encode_row(st, &nkf, D, x + ((size_t)t * H + h) * D, side_mu(st, &nkf, 0, h, D, H),
+                       row_ptr(nk, &nkf, cap, h, SLOT_OF(t)));
+            encode_row(st, &nvf, D, xv + ((size_t)t * H + h) * D, side_mu(st, &nvf, 1, h, D, H),
+                       row_ptr(nv, &nvf, cap, h, SLOT_OF(t)));
+        }
+#undef SLOT_OF
+    free(x);
     free(st->k);
     free(st->v);
     st->k = nk;
@@ -248,6 +308,8 @@ static int store_append(struct kv_cache *c, int n, const float *k, const float *
     if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && store_to_quantized(c) != 0) return -1;
     const size_t tok = (size_t)c->shape.n_kv_heads * c->shape.head_dim;
     const int32_t M = c->cfg.max_size, keep = c->cfg.keep;
+    bool quant = kern_kvq_bits_quantized(st->kf.bits) || kern_kvq_bits_quantized(st->vf.bits);
+    if (!st->mu_set && quant) set_mu(c, k, v, tok, n, c->n_past);
     if (M > 0 && n == 1 && st->size >= M) {
         if (st->size > M) { /* back from a multi-token append: trim to the window */
             if (temporal_order(c) != 0) return -1;
@@ -322,6 +384,11 @@ static void store_attend(const struct kv_cache *c, int kv_head, const float *q, 
     kern_attn_finish(&s, out);
     if (st->vf.rot)
         for (int h = 0; h < group; h++) kern_kvq_hadamard_inv(out + (size_t)h * D, D, st->signs);
+    /* the value offset comes back through the softmax weights, which sum to 1 */
+    const float *vmu = side_mu(st, &st->vf, 1, kv_head, D, c->shape.n_kv_heads);
+    if (vmu && s.l[0] > 0)
+        for (int h = 0; h < group; h++)
+            for (int i = 0; i < D; i++) out[(size_t)h * D + i] += vmu[i];
 }
 
 static int store_trim(struct kv_cache *c, int n) {
@@ -338,6 +405,7 @@ static void store_clear(struct kv_cache *c) {
     struct kv_store *st = c->impl;
     st->size = st->idx = 0;
     c->n_past = 0;
+    st->mu_set = false;
     struct kv_fmt ik = initial_fmt(c, c->cfg.k_bits, c->cfg.k_group), iv = initial_fmt(c, c->cfg.v_bits, c->cfg.v_group);
     if (!fmt_eq(st->kf, ik) || !fmt_eq(st->vf, iv)) {
         /* back to the dense phase; storage is re-made for the new row sizes */
@@ -364,6 +432,7 @@ static void store_free(struct kv_cache *c) {
         free(st->v);
         free(st->pos);
         free(st->signs);
+        free(st->mu);
         free(st);
     }
     c->impl = NULL;
@@ -390,7 +459,8 @@ static int store_read_rows(const struct kv_cache *c, int kv_head, int which, flo
         for (int32_t s = 0; s < st->size; s++)
             if (st->pos[s] > last && (best < 0 || st->pos[s] < st->pos[best])) best = s;
         if (best < 0) break;
-        decode_row(st, f, D, row_ptr((uint8_t *)base, f, st->cap, kv_head, best), out + (size_t)n * D);
+        decode_row(st, f, D, row_ptr((uint8_t *)base, f, st->cap, kv_head, best),
+                   side_mu(st, f, which, kv_head, D, c->shape.n_kv_heads), out + (size_t)n * D);
         if (pos) pos[n] = st->pos[best];
         last = st->pos[best];
         n++;
@@ -405,6 +475,7 @@ static int store_read_rows(const struct kv_cache *c, int kv_head, int which, flo
  *   i32 n_kv_heads head_dim
  *   i32 stored formats: k_bits k_group k_rot v_bits v_group v_rot
  *   i32 n_past size idx
+ *   i32 offsets chosen (0/1), then f32 key and value offsets [2][n_kv_heads][head_dim] if 1
  *   i32 pos[size]; key rows [n_kv_heads][size]; value rows [n_kv_heads][size]
  * Slots keep their order, so the ring's rotation index survives a round trip. */
 #define LAYER_MAGIC 0x314c564bu /* "KVL1" */
@@ -424,6 +495,13 @@ static void store_save(const struct kv_cache *c, struct kv_buf *b) {
     kv_buf_u32(b, LAYER_MAGIC);
     kv_buf_u32(b, (uint32_t)kind_code(c));
     for (size_t i = 0; i < sizeof hdr / sizeof hdr[0]; i++) kv_buf_u32(b, (uint32_t)hdr[i]);
+    kv_buf_u32(b, st->mu_set);
+    size_t n_mu = 2 * (size_t)c->shape.n_kv_heads * c->shape.head_dim;
+    for (size_t i = 0; i < n_mu && st->mu_set; i++) {
+        uint32_t u;
+        memcpy(&u, &st->mu[i], 4);
+        kv_buf_u32(b, u);
+    }
     for (int32_t s = 0; s < st->size; s++) kv_buf_u32(b, (uint32_t)st->pos[s]);
     for (int h = 0; h < c->shape.n_kv_heads; h++)
         kv_buf_put(b, row_ptr(st->k, &st->kf, st->cap, h, 0), st->kf.row * (size_t)st->size);
@@ -467,6 +545,16 @@ static int store_load(struct kv_cache *c, struct kv_reader *r) {
     if (n_past < 0 || size < 0 || size > n_past || idx < 0 || idx > size) return load_fail(c, "offsets");
     if (cf->max_size > 0 && size > cf->max_size && idx != size) return load_fail(c, "rotation index");
     if (cf->max_size == 0 && (size != n_past || idx != size)) return load_fail(c, "offsets");
+    int32_t mu_set;
+    size_t n_mu = 2 * (size_t)c->shape.n_kv_heads * c->shape.head_dim;
+    if (!kv_read_i32(r, &mu_set) || (mu_set != 0 && mu_set != 1)) return load_fail(c, "offsets flag");
+    for (size_t i = 0; i < n_mu && mu_set; i++) {
+        uint32_t u;
+        if (!kv_read_u32(r, &u)) return load_fail(c, "truncated offsets");
+        memcpy(&st->mu[i], &u, 4);
+        if (!(fabsf(st->mu[i]) < 1e30f)) return load_fail(c, "offsets");
+    }
+    st->mu_set = mu_set;
     size_t rows = (size_t)size * (size_t)c->shape.n_kv_heads;
     size_t need = (size_t)size * 4 + rows * (kf.row + vf.row);
     if (r->len - r->off < need) return load_fail(c, "truncated rows");
@@ -508,11 +596,14 @@ static const struct kv_cache_ops store_ops = {
 int kv_store_init(struct kv_cache *c) {
     struct kv_store *st = calloc(1, sizeof *st);
     float *signs = malloc(sizeof(float) * (size_t)c->shape.head_dim);
-    if (!st || !signs) {
+    float *mu = calloc(2 * (size_t)c->shape.n_kv_heads * c->shape.head_dim, sizeof(float));
+    if (!st || !signs || !mu) {
         free(st);
         free(signs);
+        free(mu);
         return kvq_error("out of memory");
     }
+    st->mu = mu;
     kern_kvq_hadamard_signs(signs, c->shape.head_dim, HADAMARD_SEED);
     st->signs = signs;
     st->kf = initial_fmt(c, c->cfg.k_bits, c->cfg.k_group);
