@@ -66,7 +66,8 @@ struct kvq_kv_config {
     int quantized_start;  /* tokens held in 16 bits before quantizing */
     bool hadamard;        /* randomized Hadamard rotation before quantizing */
 };
-void kvq_kv_config_default(struct kvq_kv_config *kv); /* f16 keys and values */
+/* f16 keys and values; for quantized bits: groups of 64, Hadamard rotation on, keep 4. */
+void kvq_kv_config_default(struct kvq_kv_config *kv);
 /* Bytes one token takes in the cache of the whole model with this config. */
 size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv);
 

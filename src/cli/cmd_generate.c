@@ -29,10 +29,12 @@ static const char *const generate_help =
     "  --repeat-last-n N    how many recent tokens the penalty sees (default 64)\n"
     "  --seed S             random seed (default: fixed)\n"
     "  --ignore-eos         keep generating past end-of-sequence tokens\n"
+    "  --prompt-cache FILE  continue from a state saved by 'kvq cache-prompt' (its KV cache\n"
+    "                       settings apply); -p then gives text to add after it (optional)\n"
     "  -h, --help           this text\n";
 
 struct generate_opts {
-    const char *model, *prompt, *prompt_file;
+    const char *model, *prompt, *prompt_file, *prompt_cache;
     int n_predict;
     bool ignore_eos;
     struct kvq_context_params cp;
@@ -62,6 +64,7 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) o->prompt = v;
         else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->prompt_file = v;
+        else if (!strcmp(a, "--prompt-cache")) o->prompt_cache = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) ok = cli_parse_int(a, v, -1, INT_MAX, &o->n_predict);
         else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cp.n_ctx);
         else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
@@ -77,6 +80,8 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
         if (!ok) return 1;
     }
     if (!o->model) return cli_fail("generate needs a model: -m FILE");
+    if (o->prompt_cache && !o->prompt && !o->prompt_file) o->prompt = "";
+    if (o->prompt_cache && kvq_seq_file_kv_config(o->prompt_cache, &o->cp.kv) != 0) return cli_fail("%s", kvq_last_error());
     if (!o->prompt && !o->prompt_file) return cli_fail("generate needs a prompt: -p TEXT or -f FILE");
     if (o->prompt && o->prompt_file) return cli_fail("give either -p or -f, not both");
     if (!cli_kv_config_check(&o->cp.kv)) return 1;
@@ -89,6 +94,19 @@ static kvq_token *tokenize_prompt(const struct kvq_model *m, const char *text, s
     kvq_token *toks = malloc(sizeof *toks * (size_t)cap);
     int n = toks ? kvq_tokenize(m, text, len, true, true, toks, cap) : -1;
     if (n < 0 || n > cap) {
+        free(toks);
+        cli_fail("cannot tokenize the prompt: %s", kvq_last_error());
+        return NULL;
+    }
+    *n_out = n;
+    return toks;
+}
+
+/* Text that continues a cached prompt: no BOS. */
+static kvq_token *tokenize_more(const struct kvq_model *m, const char *text, size_t len, int *n_out) {
+    kvq_token *toks = malloc(sizeof *toks * (len + 8));
+    int n = toks ? kvq_tokenize(m, text, len, false, true, toks, (int)len + 8) : -1;
+    if (n < 0 || n > (int)len + 8) {
         free(toks);
         cli_fail("cannot tokenize the prompt: %s", kvq_last_error());
         return NULL;
@@ -124,6 +142,7 @@ int cmd_generate(int argc, char **argv) {
     struct kvq_sampler *smp = NULL;
     struct kvq_detok *dt = NULL;
     kvq_token *toks = NULL;
+    struct kvq_seq_extra saved = {0};
     struct kvq_model *m = kvq_model_load(o.model);
     if (!m) {
         cli_fail("%s", kvq_last_error());
@@ -132,9 +151,9 @@ int cmd_generate(int argc, char **argv) {
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     int n_prompt;
-    toks = tokenize_prompt(m, text, len, &n_prompt);
+    toks = o.prompt_cache ? tokenize_more(m, text, len, &n_prompt) : tokenize_prompt(m, text, len, &n_prompt);
     if (!toks) goto done;
-    if (n_prompt == 0) {
+    if (n_prompt == 0 && !o.prompt_cache) {
         cli_fail("the prompt is empty");
         goto done;
     }
@@ -154,17 +173,32 @@ int cmd_generate(int argc, char **argv) {
         cli_fail("%s", kvq_last_error());
         goto done;
     }
+    const float *pending = NULL; /* logits saved with the prompt cache */
+    if (o.prompt_cache) {
+        if (kvq_seq_load_ex(ctx, 0, o.prompt_cache, &saved) != 0) {
+            cli_fail("%s", kvq_last_error());
+            goto done;
+        }
+        for (int i = 0; i < saved.n_tokens; i++) kvq_sampler_accept(smp, saved.tokens[i]);
+        pending = saved.logits;
+        if (!pending && n_prompt == 0) {
+            cli_fail("'%s' holds no logits: give more prompt text with -p", o.prompt_cache);
+            goto done;
+        }
+    }
     for (int i = 0; i < n_prompt; i++) kvq_sampler_accept(smp, toks[i]);
 
     double t0 = cli_now();
     int last = 0;
-    if (prefill(ctx, toks, n_prompt, o.cp.n_batch, &last) != 0) goto done;
+    if (n_prompt > 0 && prefill(ctx, toks, n_prompt, o.cp.n_batch, &last) != 0) goto done;
+    if (n_prompt > 0) pending = NULL;
     double t1 = cli_now();
     int n_gen = 0;
     char piece[256];
     bool stopped_by_ctx = false;
     while (o.n_predict < 0 || n_gen < o.n_predict) {
-        kvq_token t = kvq_sampler_sample(smp, kvq_get_logits(ctx, last));
+        kvq_token t = kvq_sampler_sample(smp, pending ? pending : kvq_get_logits(ctx, last));
+        pending = NULL;
         last = 0;
         if (!o.ignore_eos && kvq_token_is_eog(m, t)) break;
         kvq_sampler_accept(smp, t);
@@ -201,6 +235,7 @@ int cmd_generate(int argc, char **argv) {
             kvq_kv_bytes(ctx) / 1048576.0, kvq_seq_len(ctx, 0), kvq_kv_token_bytes(m, &o.cp.kv));
     rc = 0;
 done:
+    kvq_seq_extra_free(&saved);
     kvq_detok_free(dt);
     kvq_sampler_free(smp);
     kvq_context_free(ctx);

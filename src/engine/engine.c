@@ -111,6 +111,7 @@ void kvq_kv_config_default(struct kvq_kv_config *kv) {
     kv->k_bits = kv->v_bits = 16;
     kv->k_group = kv->v_group = 64;
     kv->keep = 4;
+    kv->hadamard = true; /* applies to quantized rows only; lowers KLD at every width (kv-quality) */
 }
 
 static void to_cache_config(const struct kvq_kv_config *kv, struct kv_cache_config *cc) {

@@ -144,6 +144,8 @@ static uint8_t *read_all(const char *path, size_t *len) {
 /* Checks magic, version and checksum; leaves r after the version. */
 static int check_envelope(const char *path, const uint8_t *data, size_t len, struct kv_reader *r) {
     uint32_t version;
+    if (len < 12 && memcmp(data, SEQ_MAGIC, len < 8 ? len : 8) == 0 && len >= 4)
+        return kvq_error("'%s' is truncated", path);
     if (len < 12 || memcmp(data, SEQ_MAGIC, 8) != 0) return kvq_error("'%s' is not a kvq KV cache file", path);
     *r = (struct kv_reader){data, len, 8};
     kv_read_u32(r, &version);
