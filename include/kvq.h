@@ -66,7 +66,8 @@ struct kvq_kv_config {
     int quantized_start;  /* tokens held in 16 bits before quantizing */
     bool hadamard;        /* randomized Hadamard rotation before quantizing */
 };
-void kvq_kv_config_default(struct kvq_kv_config *kv); /* f16 keys and values */
+/* f16 keys and values; for quantized bits: groups of 64, Hadamard rotation on, keep 4. */
+void kvq_kv_config_default(struct kvq_kv_config *kv);
 /* Bytes one token takes in the cache of the whole model with this config. */
 size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv);
 
@@ -103,6 +104,31 @@ int kvq_seq_trim(struct kvq_context *c, int seq, int n);
 void kvq_seq_clear(struct kvq_context *c, int seq);
 /* Bytes held by the KV caches of all sequences. */
 size_t kvq_kv_bytes(const struct kvq_context *c);
+
+/* ---- saving and loading a sequence's KV cache ----------------------------- */
+
+/* Writes the sequence's cache state to a file: versioned, checksummed, tied to the
+ * model (a fingerprint of its hyperparameters and weights) and to the KV config. */
+int kvq_seq_save(const struct kvq_context *c, int seq, const char *path);
+/* Replaces the sequence's state with the file's. Fails with a clear error (and an
+ * empty sequence) for another model, another KV config, an unknown version, or a
+ * corrupt or truncated file. */
+int kvq_seq_load(struct kvq_context *c, int seq, const char *path);
+
+/* The same, also storing the tokens the sequence holds and the logits after its
+ * last token (n_vocab floats; NULL: none), so generation continues without a
+ * recomputation. Loaded arrays are malloc'd: release with kvq_seq_extra_free(). */
+struct kvq_seq_extra {
+    kvq_token *tokens;
+    int n_tokens;
+    float *logits; /* [n_vocab] or NULL */
+};
+int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, const kvq_token *tokens, int n_tokens,
+                    const float *logits);
+int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq_seq_extra *extra);
+void kvq_seq_extra_free(struct kvq_seq_extra *e);
+/* Reads the KV config a saved file was written with (to make a matching context). */
+int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv);
 
 /* ---- sampling ------------------------------------------------------------- */
 

@@ -17,6 +17,9 @@ struct cli_command {
 
 int cmd_generate(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
+int cmd_kv_quality(int argc, char **argv);
+int cmd_cache_prompt(int argc, char **argv);
+int cmd_bench_kv_cache(int argc, char **argv);
 
 /* Prints "kvq: <message>" on stderr; returns 1 (the exit code for usage/input errors). */
 int cli_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

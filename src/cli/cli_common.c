@@ -88,7 +88,7 @@ const char *const cli_kv_flags_help =
     "KV cache:\n"
     "  --kv-bits B | K,V        bits per key/value: 16 or 32 (float) or 2,3,4,5,6,8 (quantized); default 16\n"
     "  --kv-group-size G | K,V  values per quantization group: 8,16,32,64,128 (default 64)\n"
-    "  --kv-rotation MODE       none | hadamard: rotate head vectors before quantizing\n"
+    "  --kv-rotation MODE       hadamard (default) | none: rotate head vectors before quantizing\n"
     "  --quantized-kv-start N   keep the first N tokens in 16 bits, then quantize\n"
     "  --max-kv-size N          rotating cache of N tokens (0: unbounded)\n"
     "  --keep N                 tokens kept at the start of a rotating cache (default 4)\n";
@@ -145,7 +145,7 @@ const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
         n = snprintf(buf, sizeof buf, "q%d g%d", kv->k_bits, kv->k_group);
     else
         n = snprintf(buf, sizeof buf, "K%d/V%d g%d/%d", kv->k_bits, kv->v_bits, kv->k_group, kv->v_group);
-    if (kv->hadamard) n += snprintf(buf + n, sizeof buf - (size_t)n, " rot");
+    if (kv->hadamard && (kv->k_bits < 16 || kv->v_bits < 16)) n += snprintf(buf + n, sizeof buf - (size_t)n, " rot");
     if (kv->max_size) snprintf(buf + n, sizeof buf - (size_t)n, " win%d", kv->max_size);
     return buf;
 }

@@ -29,15 +29,17 @@ static const char *const generate_help =
     "  --repeat-last-n N    how many recent tokens the penalty sees (default 64)\n"
     "  --seed S             random seed (default: fixed)\n"
     "  --ignore-eos         keep generating past end-of-sequence tokens\n"
+    "  --prompt-cache FILE  continue from a state saved by 'kvq cache-prompt' (its KV cache\n"
+    "                       settings apply); -p then gives text to add after it (optional)\n"
     "  -h, --help           this text\n";
 
 static const char *const generate_value_flags[] = {
     "-m", "--model", "-p", "--prompt", "-f", "--file", "-n", "--n-predict", "-c", "--ctx-size", "-t", "--threads",
     "-b", "--batch-size", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--seed",
-    NULL};
+    "--prompt-cache", NULL};
 
 struct generate_opts {
-    const char *model, *prompt, *prompt_file;
+    const char *model, *prompt, *prompt_file, *prompt_cache;
     int n_predict;
     bool ignore_eos;
     struct kvq_context_params cp;
@@ -69,6 +71,7 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) o->prompt = v;
         else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->prompt_file = v;
+        else if (!strcmp(a, "--prompt-cache")) o->prompt_cache = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) ok = cli_parse_int(a, v, -1, INT_MAX, &o->n_predict);
         else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cp.n_ctx);
         else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
@@ -83,6 +86,8 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
         if (!ok) return 1;
     }
     if (!o->model) return cli_fail("generate needs a model: -m FILE");
+    if (o->prompt_cache && !o->prompt && !o->prompt_file) o->prompt = "";
+    if (o->prompt_cache && kvq_seq_file_kv_config(o->prompt_cache, &o->cp.kv) != 0) return cli_fail("%s", kvq_last_error());
     if (!o->prompt && !o->prompt_file) return cli_fail("generate needs a prompt: -p TEXT or -f FILE");
     if (o->prompt && o->prompt_file) return cli_fail("give either -p or -f, not both");
     if (!cli_kv_config_check(&o->cp.kv)) return 1;
@@ -103,20 +108,31 @@ static kvq_token *tokenize_prompt(const struct kvq_model *m, const char *text, s
     return toks;
 }
 
-/* Feeds the prompt in n_batch pieces, showing progress on a terminal. Returns the
- * batch index of the prompt's last token (whose logits were computed), or -1. */
-static int prefill(struct kvq_context *ctx, const kvq_token *toks, int n, int n_batch) {
-    int last = -1;
+/* Text that continues a cached prompt: no BOS. */
+static kvq_token *tokenize_more(const struct kvq_model *m, const char *text, size_t len, int *n_out) {
+    kvq_token *toks = malloc(sizeof *toks * (len + 8));
+    int n = toks ? kvq_tokenize(m, text, len, false, true, toks, (int)len + 8) : -1;
+    if (n < 0 || n > (int)len + 8) {
+        free(toks);
+        cli_fail("cannot tokenize the prompt: %s", kvq_last_error());
+        return NULL;
+    }
+    *n_out = n;
+    return toks;
+}
+
+/* Feeds the prompt in n_batch pieces, showing progress on a terminal. */
+static int prefill(struct kvq_context *ctx, const kvq_token *toks, int n, int n_batch, int *last) {
     bool tty = isatty(STDERR_FILENO);
     for (int done = 0; done < n; done += n_batch) {
         int len = n - done < n_batch ? n - done : n_batch;
         struct kvq_batch b = {.n_tokens = len, .tokens = toks + done};
-        if (kvq_decode(ctx, &b) != 0) return -cli_fail("prompt evaluation failed: %s", kvq_last_error());
-        last = len - 1;
+        if (kvq_decode(ctx, &b) != 0) return cli_fail("prompt evaluation failed: %s", kvq_last_error());
+        *last = len - 1; /* the logits of the batch's last token */
         if (tty && n > n_batch) fprintf(stderr, "\rkvq: prompt %d/%d tokens", done + len, n);
     }
     if (tty && n > n_batch) fputc('\n', stderr);
-    return last;
+    return 0;
 }
 
 int cmd_generate(int argc, char **argv) {
@@ -132,6 +148,7 @@ int cmd_generate(int argc, char **argv) {
     struct kvq_sampler *smp = NULL;
     struct kvq_detok *dt = NULL;
     kvq_token *toks = NULL;
+    struct kvq_seq_extra saved = {0};
     struct kvq_model *m = kvq_model_load(o.model);
     if (!m) {
         cli_fail("%s", kvq_last_error());
@@ -140,9 +157,9 @@ int cmd_generate(int argc, char **argv) {
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     int n_prompt;
-    toks = tokenize_prompt(m, text, len, &n_prompt);
+    toks = o.prompt_cache ? tokenize_more(m, text, len, &n_prompt) : tokenize_prompt(m, text, len, &n_prompt);
     if (!toks) goto done;
-    if (n_prompt == 0) {
+    if (n_prompt == 0 && !o.prompt_cache) {
         cli_fail("the prompt is empty");
         goto done;
     }
@@ -162,18 +179,33 @@ int cmd_generate(int argc, char **argv) {
         cli_fail("%s", kvq_last_error());
         goto done;
     }
+    const float *pending = NULL; /* logits saved with the prompt cache */
+    if (o.prompt_cache) {
+        if (kvq_seq_load_ex(ctx, 0, o.prompt_cache, &saved) != 0) {
+            cli_fail("%s", kvq_last_error());
+            goto done;
+        }
+        for (int i = 0; i < saved.n_tokens; i++) kvq_sampler_accept(smp, saved.tokens[i]);
+        pending = saved.logits;
+        if (!pending && n_prompt == 0) {
+            cli_fail("'%s' holds no logits: give more prompt text with -p", o.prompt_cache);
+            goto done;
+        }
+    }
     for (int i = 0; i < n_prompt; i++) kvq_sampler_accept(smp, toks[i]);
 
     double t0 = cli_now();
-    int logits_row = prefill(ctx, toks, n_prompt, o.cp.n_batch);
-    if (logits_row < 0) goto done;
+    int last = 0;
+    if (n_prompt > 0 && prefill(ctx, toks, n_prompt, o.cp.n_batch, &last) != 0) goto done;
+    if (n_prompt > 0) pending = NULL;
     double t1 = cli_now();
     int n_gen = 0;
     char piece[256];
     bool stopped_by_ctx = false;
     while (o.n_predict < 0 || n_gen < o.n_predict) {
-        kvq_token t = kvq_sampler_sample(smp, kvq_get_logits(ctx, logits_row));
-        logits_row = 0;
+        kvq_token t = kvq_sampler_sample(smp, pending ? pending : kvq_get_logits(ctx, last));
+        pending = NULL;
+        last = 0;
         if (!o.ignore_eos && kvq_token_is_eog(m, t)) break;
         kvq_sampler_accept(smp, t);
         int w = kvq_detok_feed(dt, t, piece, sizeof piece);
@@ -209,6 +241,7 @@ int cmd_generate(int argc, char **argv) {
             kvq_kv_bytes(ctx) / 1048576.0, kvq_seq_len(ctx, 0), kvq_kv_token_bytes(m, &o.cp.kv));
     rc = 0;
 done:
+    kvq_seq_extra_free(&saved);
     kvq_detok_free(dt);
     kvq_sampler_free(smp);
     kvq_context_free(ctx);

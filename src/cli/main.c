@@ -7,6 +7,9 @@
 static const struct cli_command commands[] = {
     {"generate", "generate text from a prompt", cmd_generate},
     {"tokenize", "print the token ids of a text", cmd_tokenize},
+    {"cache-prompt", "save the KV cache state after a prompt to a file", cmd_cache_prompt},
+    {"bench-kv-cache", "memory, error and speed of the KV cache formats", cmd_bench_kv_cache},
+    {"kv-quality", "KL divergence of quantized vs f16 KV over a text", cmd_kv_quality},
 };
 
 static void usage(FILE *out) {

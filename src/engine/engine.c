@@ -111,6 +111,7 @@ void kvq_kv_config_default(struct kvq_kv_config *kv) {
     kv->k_bits = kv->v_bits = 16;
     kv->k_group = kv->v_group = 64;
     kv->keep = 4;
+    kv->hadamard = true; /* applies to quantized rows only; lowers KLD at every width (kv-quality) */
 }
 
 static void to_cache_config(const struct kvq_kv_config *kv, struct kv_cache_config *cc) {
@@ -346,4 +347,16 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
 const float *kvq_get_logits(const struct kvq_context *c, int i) {
     if (i < 0 || i >= c->last_n_tokens || c->row_of[i] < 0) return NULL;
     return c->logits + (size_t)c->row_of[i] * c->m->model->hp.n_vocab;
+}
+
+/* ---- internal accessors (engine_internal.h), for seq_state.c ---- */
+
+const struct model *engine_model(const struct kvq_context *c) { return c->m->model; }
+const struct kvq_kv_config *engine_kv_config(const struct kvq_context *c) { return &c->p.kv; }
+struct kv_cache **engine_seq_caches(const struct kvq_context *c, int seq) {
+    if (seq < 0 || seq >= c->p.n_seq) {
+        kvq_error("sequence %d does not exist (0..%d)", seq, c->p.n_seq - 1);
+        return NULL;
+    }
+    return seq_caches(c, seq);
 }

@@ -2,9 +2,11 @@
 #include "kvcache/kv_cache.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/error.h"
 #include "kernels/attention.h"
+#include "kernels/kv_quant.h"
 #include "kvcache/kv_cache_impl.h"
 
 static bool is_float_bits(int b) { return b == 16 || b == 32; }
@@ -15,8 +17,31 @@ struct kv_cache *kv_cache_new(const struct kv_cache_config *cfg, const struct kv
                   shape->head_dim);
         return NULL;
     }
-    if (!is_float_bits(cfg->k_bits) || !is_float_bits(cfg->v_bits)) {
-        kvq_error("quantized KV cache (%d/%d bits) is not available yet", cfg->k_bits, cfg->v_bits);
+    if (shape->head_dim > KERN_KVQ_MAX_DIM) {
+        kvq_error("head_dim %d is larger than the KV cache supports (%d)", shape->head_dim, KERN_KVQ_MAX_DIM);
+        return NULL;
+    }
+    for (int side = 0; side < 2; side++) {
+        const char *name = side ? "value" : "key";
+        int bits = side ? cfg->v_bits : cfg->k_bits, g = side ? cfg->v_group : cfg->k_group;
+        if (!is_float_bits(bits) && !kern_kvq_bits_quantized(bits)) {
+            kvq_error("invalid %s bits %d: expected 2, 3, 4, 5, 6, 8, 16 or 32", name, bits);
+            return NULL;
+        }
+        if (is_float_bits(bits)) continue;
+        if (g != 8 && g != 16 && g != 32 && g != 64 && g != 128) {
+            kvq_error("invalid %s group size %d: expected 32, 64 or 128 (8 or 16 for small heads)", name, g);
+            return NULL;
+        }
+        if (shape->head_dim % g != 0) {
+            kvq_error("%s group size %d does not divide head_dim %d", name, g, shape->head_dim);
+            return NULL;
+        }
+    }
+    if (cfg->max_size < 0 || cfg->keep < 0 || cfg->quantized_start < 0 ||
+        (cfg->max_size > 0 && cfg->keep >= cfg->max_size)) {
+        kvq_error("invalid rotating cache: max size %d, keep %d (keep must be smaller), quantized start %d",
+                  cfg->max_size, cfg->keep, cfg->quantized_start);
         return NULL;
     }
     struct kv_cache *c = calloc(1, sizeof *c);
@@ -26,7 +51,7 @@ struct kv_cache *kv_cache_new(const struct kv_cache_config *cfg, const struct kv
     }
     c->cfg = *cfg;
     c->shape = *shape;
-    if (kv_dense_init(c) != 0) {
+    if (kv_store_init(c) != 0) {
         free(c);
         return NULL;
     }
@@ -52,15 +77,77 @@ size_t kv_cache_scratch_floats(const struct kv_shape *shape) {
     return (size_t)group * shape->head_dim * 2 + kern_attn_state_floats(group, shape->head_dim) + 64;
 }
 
+const struct kv_cache_config *kv_cache_get_config(const struct kv_cache *c) { return &c->cfg; }
+const char *kv_cache_kind(const struct kv_cache *c) { return c->ops->kind(c); }
+int kv_cache_size(const struct kv_cache *c) { return c->ops->size(c); }
+int kv_cache_to_quantized(struct kv_cache *c) { return c->ops->to_quantized(c); }
+int kv_cache_read_rows(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max) {
+    if (kv_head < 0 || kv_head >= c->shape.n_kv_heads || max <= 0) return 0;
+    return c->ops->read_rows(c, kv_head, which, out, pos, max);
+}
+void kv_cache_save(const struct kv_cache *c, struct kv_buf *b) { c->ops->save(c, b); }
+int kv_cache_load(struct kv_cache *c, struct kv_reader *r) { return c->ops->load(c, r); }
+
+/* ---- little-endian buffers ---- */
+
+void kv_buf_put(struct kv_buf *b, const void *p, size_t n) {
+    if (b->oom || n == 0) return;
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n) cap *= 2;
+        uint8_t *d = realloc(b->data, cap);
+        if (!d) {
+            b->oom = true;
+            return;
+        }
+        b->data = d;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, p, n);
+    b->len += n;
+}
+void kv_buf_u32(struct kv_buf *b, uint32_t v) {
+    uint8_t x[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+    kv_buf_put(b, x, 4);
+}
+void kv_buf_u64(struct kv_buf *b, uint64_t v) {
+    kv_buf_u32(b, (uint32_t)v);
+    kv_buf_u32(b, (uint32_t)(v >> 32));
+}
+bool kv_read(struct kv_reader *r, void *p, size_t n) {
+    if (r->off > r->len || r->len - r->off < n) return false;
+    if (n) memcpy(p, r->data + r->off, n);
+    r->off += n;
+    return true;
+}
+bool kv_read_u32(struct kv_reader *r, uint32_t *v) {
+    uint8_t x[4];
+    if (!kv_read(r, x, 4)) return false;
+    *v = (uint32_t)x[0] | (uint32_t)x[1] << 8 | (uint32_t)x[2] << 16 | (uint32_t)x[3] << 24;
+    return true;
+}
+bool kv_read_i32(struct kv_reader *r, int32_t *v) {
+    uint32_t u;
+    if (!kv_read_u32(r, &u)) return false;
+    memcpy(v, &u, 4);
+    return true;
+}
+bool kv_read_u64(struct kv_reader *r, uint64_t *v) {
+    uint32_t lo, hi;
+    if (!kv_read_u32(r, &lo) || !kv_read_u32(r, &hi)) return false;
+    *v = (uint64_t)hi << 32 | lo;
+    return true;
+}
+
 int32_t kv_cache_n_past(const struct kv_cache *c) { return c->n_past; }
 int kv_cache_trim(struct kv_cache *c, int n) { return n <= 0 ? 0 : c->ops->trim(c, n); }
 void kv_cache_clear(struct kv_cache *c) { c->ops->clear(c); }
 size_t kv_cache_bytes(const struct kv_cache *c) { return c->ops->bytes(c); }
 
+/* kv_heads x (head_dim x b/8 + 4 x head_dim/G) for K plus the same for V: the row
+ * format of kernels/kv_quant.h, which the stores use. */
 size_t kv_cache_token_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape) {
-    size_t per_head_k = is_float_bits(cfg->k_bits) ? (size_t)shape->head_dim * cfg->k_bits / 8
-                                                   : (size_t)shape->head_dim * cfg->k_bits / 8 + 4 * (size_t)shape->head_dim / cfg->k_group;
-    size_t per_head_v = is_float_bits(cfg->v_bits) ? (size_t)shape->head_dim * cfg->v_bits / 8
-                                                   : (size_t)shape->head_dim * cfg->v_bits / 8 + 4 * (size_t)shape->head_dim / cfg->v_group;
+    size_t per_head_k = kern_kvq_row_bytes(cfg->k_bits, cfg->k_group, shape->head_dim);
+    size_t per_head_v = kern_kvq_row_bytes(cfg->v_bits, cfg->v_group, shape->head_dim);
     return (size_t)shape->n_kv_heads * (per_head_k + per_head_v);
 }

@@ -58,4 +58,46 @@ size_t kv_cache_bytes(const struct kv_cache *c);
 /* Bytes per stored token for this config (exact, per the storage format). */
 size_t kv_cache_token_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape);
 
+/* The config and shape the cache was made with. */
+const struct kv_cache_config *kv_cache_get_config(const struct kv_cache *c);
+/* "dense", "quantized", "rotating" or "quantized-rotating": what the cache stores now
+ * (a --quantized-kv-start cache reports dense until it converts). */
+const char *kv_cache_kind(const struct kv_cache *c);
+/* Tokens stored now (a rotating cache holds at most about max_size of them). */
+int kv_cache_size(const struct kv_cache *c);
+/* Converts the stored tokens to the config's quantized format now, in place (the
+ * handle stays the same; offset and rotation index are kept). Does nothing when
+ * already quantized or when the config is not quantized. 0 or -1. */
+int kv_cache_to_quantized(struct kv_cache *c);
+
+/* Narrow read access for measurements and tests: the stored rows of one KV head in
+ * temporal order, as the cache would reconstruct them (dequantized, un-rotated).
+ * which: 0 keys, 1 values. out: [max][head_dim]; pos (may be NULL): [max] positions.
+ * Returns the number of rows written. */
+int kv_cache_read_rows(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max);
+
+/* Serialization of one cache (self-describing section; see kv_store.c). */
+struct kv_buf {
+    uint8_t *data;
+    size_t len, cap;
+    bool oom;
+};
+struct kv_reader {
+    const uint8_t *data;
+    size_t len, off;
+};
+/* Appends the cache's state to b (b->oom set on allocation failure). */
+void kv_cache_save(const struct kv_cache *c, struct kv_buf *b);
+/* Replaces the cache's state with the section at r (the config must match the
+ * cache's). 0, or -1 with a clear error (the cache is then empty). */
+int kv_cache_load(struct kv_cache *c, struct kv_reader *r);
+
+void kv_buf_put(struct kv_buf *b, const void *p, size_t n);
+void kv_buf_u32(struct kv_buf *b, uint32_t v);
+void kv_buf_u64(struct kv_buf *b, uint64_t v);
+bool kv_read(struct kv_reader *r, void *p, size_t n);
+bool kv_read_u32(struct kv_reader *r, uint32_t *v);
+bool kv_read_i32(struct kv_reader *r, int32_t *v);
+bool kv_read_u64(struct kv_reader *r, uint64_t *v);
+
 #endif

@@ -12,6 +12,12 @@ struct kv_cache_ops {
     void (*clear)(struct kv_cache *c);
     size_t (*bytes)(const struct kv_cache *c);
     void (*free)(struct kv_cache *c);
+    int (*to_quantized)(struct kv_cache *c);
+    const char *(*kind)(const struct kv_cache *c);
+    int (*size)(const struct kv_cache *c);
+    int (*read_rows)(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max);
+    void (*save)(const struct kv_cache *c, struct kv_buf *b);
+    int (*load)(struct kv_cache *c, struct kv_reader *r);
 };
 
 struct kv_cache {
@@ -22,7 +28,8 @@ struct kv_cache {
     void *impl; /* the kind's own state */
 };
 
-/* Dense f16/f32 storage (kv_dense.c). */
-int kv_dense_init(struct kv_cache *c);
+/* Every kind (dense, quantized, rotating, quantized rotating, quantize-after-N)
+ * lives in kv_store.c: a slot store whose row format and layout vary. */
+int kv_store_init(struct kv_cache *c);
 
 #endif

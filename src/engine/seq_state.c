@@ -1,0 +1,292 @@
+/* Saving and loading one sequence's KV cache state (kvq_seq_save / kvq_seq_load).
+ *
+ * File format, version 1 (little-endian):
+ *   char  magic[8] = "KVQCACHE"
+ *   u32   version = 1
+ *   u64   model fingerprint (FNV-1a 64 of arch, hyperparameters and weight samples)
+ *   u32   n_layer, n_head, n_head_kv, head_dim, n_vocab
+ *   i32   KV config: k_bits v_bits k_group v_group max_size keep quantized_start hadamard
+ *   i32   n_past
+ *   u32   n_tokens, then i32 tokens[n_tokens]   (what the sequence holds; may be 0)
+ *   u32   n_logits (0 or n_vocab), then f32 logits[n_logits] (after the last token)
+ *   n_layer cache sections (kv_cache_save: kind, formats, offset, rotation index, rows)
+ *   u64   FNV-1a 64 checksum of every byte before it
+ * Readers check the magic, the version, the checksum, then the model and config,
+ * and bound every count by the bytes actually present. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "engine/engine_internal.h"
+#include "kvcache/kv_cache.h"
+#include "model/model.h"
+
+#define SEQ_MAGIC "KVQCACHE"
+#define SEQ_VERSION 1u
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+#define FNV_INIT 0xcbf29ce484222325ull
+
+static uint64_t weight_sample(uint64_t h, const struct weight *w) {
+    if (!w->data) return h;
+    size_t total = (size_t)w->rows * w->row_bytes, n = total < 4096 ? total : 4096;
+    h = fnv1a(h, w->data, n);
+    return fnv1a(h, (const uint8_t *)w->data + total - n, n);
+}
+
+static uint64_t model_fingerprint(const struct model *m) {
+    const struct model_hparams *hp = &m->hp;
+    uint64_t h = fnv1a(FNV_INIT, hp->arch_name, strlen(hp->arch_name));
+    int32_t ints[] = {hp->n_vocab, hp->n_ctx_train, hp->n_embd, hp->n_layer, hp->n_ff, hp->n_head, hp->n_head_kv,
+                      hp->head_dim, hp->rope_dim, (int32_t)hp->rope_pairing, hp->sliding_window};
+    float floats[] = {hp->rms_eps, hp->rope_base, hp->rope_linear_factor};
+    h = fnv1a(h, ints, sizeof ints);
+    h = fnv1a(h, floats, sizeof floats);
+    h = weight_sample(h, &m->tok_embd);
+    h = weight_sample(h, &m->output);
+    h = fnv1a(h, m->output_norm, sizeof(float) * (size_t)hp->n_embd);
+    for (int il = 0; il < hp->n_layer; il++) h = weight_sample(h, &m->layers[il].wk);
+    return h;
+}
+
+static void put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv) {
+    int32_t v[] = {kv->k_bits, kv->v_bits, kv->k_group, kv->v_group, kv->max_size, kv->keep, kv->quantized_start,
+                   kv->hadamard};
+    for (int i = 0; i < 8; i++) kv_buf_u32(b, (uint32_t)v[i]);
+}
+
+int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, const kvq_token *tokens, int n_tokens,
+                    const float *logits) {
+    struct kv_cache **caches = engine_seq_caches(c, seq);
+    if (!caches) return -1;
+    const struct model *m = engine_model(c);
+    const struct model_hparams *hp = &m->hp;
+    if (n_tokens < 0 || (n_tokens > 0 && !tokens)) return kvq_error("invalid token list");
+    struct kv_buf b = {0};
+    kv_buf_put(&b, SEQ_MAGIC, 8);
+    kv_buf_u32(&b, SEQ_VERSION);
+    kv_buf_u64(&b, model_fingerprint(m));
+    uint32_t dims[] = {(uint32_t)hp->n_layer, (uint32_t)hp->n_head, (uint32_t)hp->n_head_kv, (uint32_t)hp->head_dim,
+                       (uint32_t)hp->n_vocab};
+    for (int i = 0; i < 5; i++) kv_buf_u32(&b, dims[i]);
+    put_kv_config(&b, engine_kv_config(c));
+    kv_buf_u32(&b, (uint32_t)kv_cache_n_past(caches[0]));
+    kv_buf_u32(&b, (uint32_t)n_tokens);
+    for (int i = 0; i < n_tokens; i++) kv_buf_u32(&b, (uint32_t)tokens[i]);
+    kv_buf_u32(&b, logits ? (uint32_t)hp->n_vocab : 0);
+    for (int i = 0; logits && i < hp->n_vocab; i++) {
+        uint32_t u;
+        memcpy(&u, &logits[i], 4);
+        kv_buf_u32(&b, u);
+    }
+    for (int il = 0; il < hp->n_layer; il++) kv_cache_save(caches[il], &b);
+    if (b.oom) {
+        free(b.data);
+        return kvq_error("out of memory saving the KV cache");
+    }
+    kv_buf_u64(&b, fnv1a(FNV_INIT, b.data, b.len));
+    FILE *f = fopen(path, "wb");
+    if (!f) {
+        free(b.data);
+        return kvq_error("cannot create '%s': %s", path, strerror(errno));
+    }
+    bool ok = !b.oom && fwrite(b.data, 1, b.len, f) == b.len;
+    ok = (fclose(f) == 0) && ok;
+    free(b.data);
+    if (!ok) return kvq_error("cannot write '%s'", path);
+    return 0;
+}
+
+int kvq_seq_save(const struct kvq_context *c, int seq, const char *path) {
+    return kvq_seq_save_ex(c, seq, path, NULL, 0, NULL);
+}
+
+/* Reads the whole file; its size bounds every allocation that follows. */
+static uint8_t *read_all(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        kvq_error("cannot open '%s': %s", path, strerror(errno));
+        return NULL;
+    }
+    long size = -1;
+    if (fseek(f, 0, SEEK_END) == 0) size = ftell(f);
+    if (size < 0 || fseek(f, 0, SEEK_SET) != 0) {
+        fclose(f);
+        kvq_error("cannot read '%s'", path);
+        return NULL;
+    }
+    uint8_t *data = malloc((size_t)size + 1);
+    if (!data) {
+        fclose(f);
+        kvq_error("out of memory reading '%s' (%ld bytes)", path, size);
+        return NULL;
+    }
+    size_t got = fread(data, 1, (size_t)size, f);
+    fclose(f);
+    if (got != (size_t)size) {
+        free(data);
+        kvq_error("cannot read '%s'", path);
+        return NULL;
+    }
+    *len = got;
+    return data;
+}
+
+/* Checks magic, version and checksum; leaves r after the version. */
+static int check_envelope(const char *path, const uint8_t *data, size_t len, struct kv_reader *r) {
+    uint32_t version;
+    if (len < 12 && memcmp(data, SEQ_MAGIC, len < 8 ? len : 8) == 0 && len >= 4)
+        return kvq_error("'%s' is truncated", path);
+    if (len < 12 || memcmp(data, SEQ_MAGIC, 8) != 0) return kvq_error("'%s' is not a kvq KV cache file", path);
+    *r = (struct kv_reader){data, len, 8};
+    kv_read_u32(r, &version);
+    if (version != SEQ_VERSION)
+        return kvq_error("'%s' has KV cache file version %u; this build reads version %u", path, version, SEQ_VERSION);
+    if (len < 12 + 8) return kvq_error("'%s' is truncated", path);
+    struct kv_reader t = {data, len, len - 8};
+    uint64_t sum;
+    kv_read_u64(&t, &sum);
+    if (sum != fnv1a(FNV_INIT, data, len - 8)) return kvq_error("'%s' is corrupt or truncated (checksum mismatch)", path);
+    r->len = len - 8; /* the payload */
+    return 0;
+}
+
+static bool read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv) {
+    int32_t v[8];
+    for (int i = 0; i < 8; i++)
+        if (!kv_read_i32(r, &v[i])) return false;
+    kv->k_bits = v[0];
+    kv->v_bits = v[1];
+    kv->k_group = v[2];
+    kv->v_group = v[3];
+    kv->max_size = v[4];
+    kv->keep = v[5];
+    kv->quantized_start = v[6];
+    kv->hadamard = v[7] != 0;
+    return true;
+}
+
+int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
+    size_t len;
+    uint8_t *data = read_all(path, &len);
+    if (!data) return -1;
+    struct kv_reader r;
+    uint64_t fp;
+    uint32_t dims[5];
+    int rc = check_envelope(path, data, len, &r);
+    if (rc == 0) {
+        bool ok = kv_read_u64(&r, &fp);
+        for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(&r, &dims[i]);
+        if (!ok || !read_kv_config(&r, kv)) rc = kvq_error("'%s' is truncated", path);
+    }
+    free(data);
+    return rc;
+}
+
+static bool same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
+    return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group &&
+           a->max_size == b->max_size && a->keep == b->keep && a->quantized_start == b->quantized_start &&
+           a->hadamard == b->hadamard;
+}
+
+static int load_body(struct kvq_context *c, struct kv_cache **caches, const char *path, struct kv_reader *r,
+                     struct kvq_seq_extra *extra) {
+    const struct model *m = engine_model(c);
+    const struct model_hparams *hp = &m->hp;
+    uint64_t fp;
+    uint32_t dims[5], n_tok, n_logits;
+    int32_t n_past;
+    struct kvq_kv_config kv;
+    bool ok = kv_read_u64(r, &fp);
+    for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(r, &dims[i]);
+    if (!ok || !read_kv_config(r, &kv) || !kv_read_i32(r, &n_past)) return kvq_error("'%s' is truncated", path);
+    if (fp != model_fingerprint(m) || dims[0] != (uint32_t)hp->n_layer || dims[1] != (uint32_t)hp->n_head ||
+        dims[2] != (uint32_t)hp->n_head_kv || dims[3] != (uint32_t)hp->head_dim || dims[4] != (uint32_t)hp->n_vocab)
+        return kvq_error("'%s' was written for another model (%u layers, %u/%u heads, head_dim %u, vocab %u)", path,
+                         dims[0], dims[1], dims[2], dims[3], dims[4]);
+    const struct kvq_kv_config *mine = engine_kv_config(c);
+    if (!same_kv(&kv, mine))
+        return kvq_error("'%s' was written with another KV cache config (K%d/V%d bits, groups %d/%d, max size %d, "
+                         "keep %d, quantized start %d, rotation %d); this context uses K%d/V%d bits, groups %d/%d, "
+                         "max size %d, keep %d, quantized start %d, rotation %d",
+                         path, kv.k_bits, kv.v_bits, kv.k_group, kv.v_group, kv.max_size, kv.keep, kv.quantized_start,
+                         kv.hadamard, mine->k_bits, mine->v_bits, mine->k_group, mine->v_group, mine->max_size,
+                         mine->keep, mine->quantized_start, mine->hadamard);
+    if (n_past < 0 || (n_past > kvq_context_n_ctx(c) && mine->max_size == 0))
+        return kvq_error("'%s' holds %d tokens, more than the context of %d", path, n_past, kvq_context_n_ctx(c));
+    if (!kv_read_u32(r, &n_tok) || n_tok > (r->len - r->off) / 4) return kvq_error("'%s' is truncated", path);
+    kvq_token *toks = malloc(sizeof(kvq_token) * (n_tok ? n_tok : 1));
+    if (!toks) return kvq_error("out of memory");
+    for (uint32_t i = 0; i < n_tok; i++) {
+        kv_read_i32(r, &toks[i]);
+        if (toks[i] < 0 || toks[i] >= hp->n_vocab) {
+            int bad = toks[i];
+            free(toks);
+            return kvq_error("'%s' holds an invalid token id %d", path, bad);
+        }
+    }
+    float *logits = NULL;
+    if (!kv_read_u32(r, &n_logits) || (n_logits != 0 && n_logits != (uint32_t)hp->n_vocab) ||
+        n_logits > (r->len - r->off) / 4 || (n_logits && !(logits = malloc(sizeof(float) * n_logits)))) {
+        free(toks);
+        return kvq_error("'%s' has an invalid logits block", path);
+    }
+    for (uint32_t i = 0; i < n_logits; i++) {
+        uint32_t u;
+        kv_read_u32(r, &u);
+        memcpy(&logits[i], &u, 4);
+    }
+    int rc = 0;
+    for (int il = 0; il < hp->n_layer && rc == 0; il++) {
+        if (kv_cache_load(caches[il], r) != 0) rc = kvq_error("'%s', layer %d: %s", path, il, kvq_last_error());
+        else if (kv_cache_n_past(caches[il]) != n_past) rc = kvq_error("'%s', layer %d: inconsistent offset", path, il);
+    }
+    if (rc == 0 && r->off != r->len) rc = kvq_error("'%s' has trailing bytes", path);
+    if (rc == 0 && extra) {
+        extra->tokens = toks;
+        extra->n_tokens = (int)n_tok;
+        extra->logits = logits;
+    } else {
+        free(toks);
+        free(logits);
+    }
+    return rc;
+}
+
+int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq_seq_extra *extra) {
+    if (extra) memset(extra, 0, sizeof *extra);
+    struct kv_cache **caches = engine_seq_caches(c, seq);
+    if (!caches) return -1;
+    size_t len;
+    uint8_t *data = read_all(path, &len);
+    if (!data) return -1;
+    struct kv_reader r;
+    int rc = check_envelope(path, data, len, &r);
+    if (rc == 0) rc = load_body(c, caches, path, &r, extra);
+    free(data);
+    if (rc != 0) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", kvq_last_error());
+        kvq_seq_clear(c, seq);
+        kvq_error("%s", msg);
+    }
+    return rc;
+}
+
+int kvq_seq_load(struct kvq_context *c, int seq, const char *path) { return kvq_seq_load_ex(c, seq, path, NULL); }
+
+void kvq_seq_extra_free(struct kvq_seq_extra *e) {
+    if (!e) return;
+    free(e->tokens);
+    free(e->logits);
+    memset(e, 0, sizeof *e);
+}

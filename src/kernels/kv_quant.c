@@ -1,0 +1,308 @@
+/* Quantized KV rows: packing, Hadamard rotation, dispatch and the scalar attention. */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/kv_quant_impl.h"
+
+bool kern_kvq_bits_quantized(int bits) {
+    return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+}
+
+size_t kern_kvq_row_bytes(int bits, int group, int d) {
+    if (!kvq_is_quant(bits)) return (size_t)d * (size_t)bits / 8;
+    if (group <= 0) return (size_t)d * (size_t)bits / 8;
+    return (size_t)d * (size_t)bits / 8 + 4 * (size_t)(d / group);
+}
+
+/* f16 that saturates instead of overflowing to infinity. */
+static uint16_t f16_sat(float x) {
+    if (x > 65504.0f) x = 65504.0f;
+    if (x < -65504.0f) x = -65504.0f;
+    return kvq_f32_to_f16(x);
+}
+
+static void pack_codes(const uint8_t *codes, int n, int bits, uint8_t *dst) {
+    uint32_t buf = 0;
+    int nb = 0;
+    for (int i = 0; i < n; i++) {
+        buf |= (uint32_t)codes[i] << nb;
+        nb += bits;
+        while (nb >= 8) {
+            *dst++ = (uint8_t)buf;
+            buf >>= 8;
+            nb -= 8;
+        }
+    }
+    if (nb > 0) *dst = (uint8_t)buf;
+}
+
+void kern_kvq_unpack_scalar(const uint8_t *src, int n, int bits, uint8_t *out) {
+    if (bits == 8) {
+        memcpy(out, src, (size_t)n);
+        return;
+    }
+    const uint32_t mask = (1u << bits) - 1;
+    uint32_t buf = 0;
+    int nb = 0;
+    for (int i = 0; i < n; i++) {
+        while (nb < bits) {
+            buf |= (uint32_t)*src++ << nb;
+            nb += 8;
+        }
+        out[i] = (uint8_t)(buf & mask);
+        buf >>= bits;
+        nb -= bits;
+    }
+}
+
+void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *dst) {
+    if (bits == 32) {
+        memcpy(dst, x, (size_t)d * 4);
+        return;
+    }
+    if (bits == 16) {
+        for (int i = 0; i < d; i++) {
+            uint16_t h = kvq_f32_to_f16(x[i]);
+            memcpy(dst + 2 * i, &h, 2);
+        }
+        return;
+    }
+    const int qmax = (1 << bits) - 1;
+    uint8_t codes[KERN_KVQ_MAX_DIM];
+    uint8_t *sb = dst + (size_t)d * bits / 8;
+    for (int g = 0; g < d / group; g++) {
+        const float *xg = x + (size_t)g * group;
+        float mn = xg[0], mx = xg[0];
+        for (int i = 1; i < group; i++) {
+            mn = xg[i] < mn ? xg[i] : mn;
+            mx = xg[i] > mx ? xg[i] : mx;
+        }
+        uint16_t sh = f16_sat((mx - mn) / (float)qmax), bh = f16_sat(mn);
+        float sf = kvq_f16_to_f32(sh), bf = kvq_f16_to_f32(bh);
+        float inv = sf > 0 ? 1.0f / sf : 0.0f;
+        for (int i = 0; i < group; i++) {
+            float t = floorf((xg[i] - bf) * inv + 0.5f);
+            codes[i] = (uint8_t)(t < 0 ? 0 : t > (float)qmax ? qmax : (int)t);
+        }
+        pack_codes(codes, group, bits, dst + (size_t)g * group * bits / 8);
+        memcpy(sb + 4 * g, &sh, 2);
+        memcpy(sb + 4 * g + 2, &bh, 2);
+    }
+}
+
+void kern_kvq_dequantize_row(const uint8_t *src, int d, int bits, int group, float *x) {
+    if (bits == 32) {
+        memcpy(x, src, (size_t)d * 4);
+        return;
+    }
+    if (bits == 16) {
+        for (int i = 0; i < d; i++) x[i] = kvq_load_f16(src + 2 * i);
+        return;
+    }
+    uint8_t codes[KERN_KVQ_MAX_DIM];
+    kern_kvq_unpack_codes(src, d, bits, codes);
+    const uint8_t *sb = src + (size_t)d * bits / 8;
+    for (int g = 0; g < d / group; g++) {
+        float s = kvq_load_f16(sb + 4 * g), b = kvq_load_f16(sb + 4 * g + 2);
+        for (int i = g * group; i < (g + 1) * group; i++) x[i] = s * (float)codes[i] + b;
+    }
+}
+
+/* ---- Hadamard rotation ---- */
+
+static int hadamard_block(int d) {
+    int b = d & -d;
+    return b > 1024 ? 1024 : b;
+}
+
+static void fwht(float *x, int n) {
+    for (int len = 1; len < n; len <<= 1)
+        for (int i = 0; i < n; i += 2 * len)
+            for (int j = i; j < i + len; j++) {
+                float a = x[j], c = x[j + len];
+                x[j] = a + c;
+                x[j + len] = a - c;
+            }
+}
+
+void kern_kvq_hadamard(float *x, int d, const float *signs) {
+    int b = hadamard_block(d);
+    float norm = 1.0f / sqrtf((float)b);
+    for (int i = 0; i < d; i++) x[i] *= signs[i];
+    for (int o = 0; o < d; o += b) fwht(x + o, b);
+    for (int i = 0; i < d; i++) x[i] *= norm;
+}
+
+void kern_kvq_hadamard_inv(float *x, int d, const float *signs) {
+    int b = hadamard_block(d);
+    float norm = 1.0f / sqrtf((float)b);
+    for (int o = 0; o < d; o += b) fwht(x + o, b);
+    for (int i = 0; i < d; i++) x[i] *= norm * signs[i];
+}
+
+void kern_kvq_hadamard_signs(float *signs, int d, uint64_t seed) {
+    uint64_t z = seed;
+    for (int i = 0; i < d; i++) {
+        z += 0x9e3779b97f4a7c15ull; /* splitmix64 */
+        uint64_t r = z;
+        r = (r ^ (r >> 30)) * 0xbf58476d1ce4e5b9ull;
+        r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
+        r ^= r >> 31;
+        signs[i] = (r >> 63) ? -1.0f : 1.0f;
+    }
+}
+
+/* ---- dispatch ---- */
+
+enum { LVL_UNSET = -1, LVL_SCALAR, LVL_AVX2, LVL_AVX512 };
+static _Atomic int kvq_level = LVL_UNSET;
+
+static int detect_level(void) {
+    int best = LVL_SCALAR;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    /* f16c comes with every AVX2 CPU (clang 14 cannot test it by name) */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        best = LVL_AVX2;
+    if (best == LVL_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        best = LVL_AVX512;
+#endif
+    const char *env = getenv("KVQ_SIMD");
+    if (env) {
+        int want = !strcmp(env, "scalar") ? LVL_SCALAR : !strcmp(env, "avx2") ? LVL_AVX2
+                                                         : !strcmp(env, "avx512") ? LVL_AVX512 : best;
+        if (want < best) best = want;
+    }
+    return best;
+}
+
+static int level(void) {
+    int l = atomic_load_explicit(&kvq_level, memory_order_relaxed);
+    if (l == LVL_UNSET) {
+        l = detect_level();
+        atomic_store_explicit(&kvq_level, l, memory_order_relaxed);
+    }
+    return l;
+}
+
+const char *kern_kvq_simd_level(void) {
+    static const char *const names[] = {"scalar", "avx2", "avx512"};
+    return names[level()];
+}
+
+void kern_kvq_unpack_codes(const uint8_t *src, int n, int bits, uint8_t *out) {
+    switch (level()) {
+    case LVL_AVX512: kern_kvq_unpack_avx512(src, n, bits, out); break;
+    case LVL_AVX2: kern_kvq_unpack_avx2(src, n, bits, out); break;
+    default: kern_kvq_unpack_scalar(src, n, bits, out); break;
+    }
+}
+
+void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *k,
+                              const struct kern_kv_rows *v, int n) {
+    if (n <= 0) return;
+    /* The SIMD variants need whole vectors per group. */
+    int simd_ok = s->d % 16 == 0 && (!kvq_is_quant(k->bits) || k->group % 16 == 0) &&
+                  (!kvq_is_quant(v->bits) || v->group % 16 == 0);
+    int l = simd_ok ? level() : LVL_SCALAR;
+    for (int h0 = 0; h0 < s->n_q; h0 += KVQ_ATTN_MAXH) {
+        int nh = s->n_q - h0 < KVQ_ATTN_MAXH ? s->n_q - h0 : KVQ_ATTN_MAXH;
+        if (l == LVL_AVX512) kern_kvq_attn_avx512(s, h0, nh, q, k, v, n);
+        else if (l == LVL_AVX2) kern_kvq_attn_avx2(s, h0, nh, q, k, v, n);
+        else kern_kvq_attn_scalar(s, h0, nh, q, k, v, n);
+    }
+}
+
+/* ---- scalar attention ---- */
+
+static void load_float_row(const uint8_t *r, int d, int bits, float *out) {
+    if (bits == 32) memcpy(out, r, (size_t)d * 4);
+    else
+        for (int i = 0; i < d; i++) out[i] = kvq_load_f16(r + 2 * i);
+}
+
+void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                          const struct kern_kv_rows *v, int n) {
+    const int d = s->d;
+    const bool kq = kvq_is_quant(k->bits), vq = kvq_is_quant(v->bits);
+    const int kng = kq ? d / k->group : 0, vng = vq ? d / v->group : 0;
+    float qsum[KVQ_ATTN_MAXH][KERN_KVQ_MAX_DIM / 8];
+    float sc[KVQ_ATTN_MAXH][KVQ_ATTN_BLOCK];
+    uint8_t codes[KERN_KVQ_MAX_DIM];
+    float row[KERN_KVQ_MAX_DIM];
+    for (int h = 0; h < nh && kq; h++)
+        for (int g = 0; g < kng; g++) {
+            float t = 0;
+            for (int i = g * k->group; i < (g + 1) * k->group; i++) t += q[(size_t)(h0 + h) * d + i];
+            qsum[h][g] = t;
+        }
+    for (int j0 = 0; j0 < n; j0 += KVQ_ATTN_BLOCK) {
+        const int nj = n - j0 < KVQ_ATTN_BLOCK ? n - j0 : KVQ_ATTN_BLOCK;
+        for (int j = 0; j < nj; j++) {
+            const uint8_t *r = k->data + (size_t)(j0 + j) * k->stride;
+            if (kq) {
+                kern_kvq_unpack_scalar(r, d, k->bits, codes);
+                const uint8_t *sb = r + (size_t)d * k->bits / 8;
+                for (int h = 0; h < nh; h++) {
+                    const float *qh = q + (size_t)(h0 + h) * d;
+                    float tot = 0;
+                    for (int g = 0; g < kng; g++) {
+                        float dot = 0;
+                        for (int i = g * k->group; i < (g + 1) * k->group; i++) dot += qh[i] * (float)codes[i];
+                        tot += kvq_load_f16(sb + 4 * g) * dot + kvq_load_f16(sb + 4 * g + 2) * qsum[h][g];
+                    }
+                    sc[h][j] = tot;
+                }
+            } else {
+                load_float_row(r, d, k->bits, row);
+                for (int h = 0; h < nh; h++) {
+                    const float *qh = q + (size_t)(h0 + h) * d;
+                    float dot = 0;
+                    for (int i = 0; i < d; i++) dot += qh[i] * row[i];
+                    sc[h][j] = dot;
+                }
+            }
+        }
+        for (int h = 0; h < nh; h++) {
+            float mx = sc[h][0];
+            for (int j = 1; j < nj; j++) mx = sc[h][j] > mx ? sc[h][j] : mx;
+            float *m = &s->m[h0 + h], *l = &s->l[h0 + h], *a = s->acc + (size_t)(h0 + h) * d;
+            if (mx > *m) {
+                float alpha = expf(*m - mx);
+                *l *= alpha;
+                for (int i = 0; i < d; i++) a[i] *= alpha;
+                *m = mx;
+            }
+            float sum = 0;
+            for (int j = 0; j < nj; j++) {
+                sc[h][j] = expf(sc[h][j] - *m);
+                sum += sc[h][j];
+            }
+            *l += sum;
+        }
+        for (int j = 0; j < nj; j++) {
+            const uint8_t *r = v->data + (size_t)(j0 + j) * v->stride;
+            if (vq) {
+                kern_kvq_unpack_scalar(r, d, v->bits, codes);
+                const uint8_t *sb = r + (size_t)d * v->bits / 8;
+                for (int g = 0; g < vng; g++) {
+                    float gs = kvq_load_f16(sb + 4 * g), gb = kvq_load_f16(sb + 4 * g + 2);
+                    for (int h = 0; h < nh; h++) {
+                        float *a = s->acc + (size_t)(h0 + h) * d;
+                        float ws = sc[h][j] * gs, wb = sc[h][j] * gb;
+                        for (int i = g * v->group; i < (g + 1) * v->group; i++) a[i] += ws * (float)codes[i] + wb;
+                    }
+                }
+            } else {
+                load_float_row(r, d, v->bits, row);
+                for (int h = 0; h < nh; h++) {
+                    float *a = s->acc + (size_t)(h0 + h) * d;
+                    for (int i = 0; i < d; i++) a[i] += sc[h][j] * row[i];
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,61 @@
+/* Quantized KV rows: pure functions over buffers.
+ *
+ * Row format (one head vector of d values, "bits" in 2,3,4,5,6,8, group size g):
+ *   [codes: d*bits/8 bytes][per group: scale f16, bias f16]   (row_bytes = d*bits/8 + 4*d/g)
+ * Codes are packed densely, LSB first, in value order. Each group of g values is
+ * affine-quantized: scale = (max-min)/(2^bits-1), bias = min (both stored as f16),
+ * code = clamp(round((x - bias)/scale), 0, 2^bits-1), x' = scale*code + bias.
+ * bits 16 and 32 describe plain f16 / f32 rows (row_bytes = d*bits/8).
+ *
+ * Attention reads the packed codes directly: per group, score += scale*dot(q, codes)
+ * + bias*sum(q); values accumulate p*scale*codes + p*bias the same way. Rows are
+ * unpacked to 8-bit codes a block at a time (in L1), never to a float copy. */
+#ifndef KVQ_KERNELS_KV_QUANT_H
+#define KVQ_KERNELS_KV_QUANT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/attention.h"
+
+#define KERN_KVQ_MAX_DIM 1024 /* largest head_dim the kernels accept */
+
+/* True for a quantized bit width (2,3,4,5,6,8). */
+bool kern_kvq_bits_quantized(int bits);
+/* Bytes of one row of d values (see the format above). */
+size_t kern_kvq_row_bytes(int bits, int group, int d);
+
+/* Quantizes one row x[d] into dst (row_bytes). bits 16/32 store floats. */
+void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *dst);
+/* Reconstructs one row into x[d]. */
+void kern_kvq_dequantize_row(const uint8_t *src, int d, int bits, int group, float *x);
+/* Unpacks n codes (n*bits a multiple of 8) of `bits` bits each into bytes. */
+void kern_kvq_unpack_codes(const uint8_t *src, int n, int bits, uint8_t *out);
+
+/* Randomized Walsh-Hadamard rotation of a head vector, in place: x <- H diag(signs) x
+ * / sqrt(b), applied to each block of b values, b the largest power of two dividing d
+ * (at most 1024). Orthogonal, so dot products are unchanged when both sides rotate. */
+void kern_kvq_hadamard(float *x, int d, const float *signs);
+/* The inverse: x <- diag(signs) H x / sqrt(b). */
+void kern_kvq_hadamard_inv(float *x, int d, const float *signs);
+/* Fills signs[d] with +-1 from a fixed generator seeded by seed. */
+void kern_kvq_hadamard_signs(float *signs, int d, uint64_t seed);
+
+/* n rows of one KV head: row j starts at data + j*stride. */
+struct kern_kv_rows {
+    const uint8_t *data;
+    size_t stride; /* bytes */
+    int bits, group;
+};
+
+/* Online-softmax attention over n key/value rows in any mix of formats, for the
+ * s->n_q query heads that share the KV head (each row is read once for all of them).
+ * q: [n_q][d] f32, already scaled (and rotated like the keys). */
+void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *k,
+                              const struct kern_kv_rows *v, int n);
+
+/* "avx512", "avx2" or "scalar": the variant the KV kernels use (KVQ_SIMD forces one). */
+const char *kern_kvq_simd_level(void);
+
+#endif

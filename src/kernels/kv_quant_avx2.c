@@ -1,0 +1,72 @@
+/* AVX2 attention over packed KV rows and fast code unpacking. */
+#include <immintrin.h>
+#include <math.h>
+
+#include "kernels/kv_quant_impl.h"
+
+/* e^x for x <= 0 (x < -87 gives 0): 2^n * p(r), r = x - n ln2, |r| <= ln2/2. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.442695041f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum256(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out) {
+    int i = 0;
+    if (bits == 8) {
+        memcpy(out, src, (size_t)n);
+        return;
+    }
+    if (bits == 4) {
+        for (; i + 32 <= n; i += 32) {
+            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i / 2)));
+            x = _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16(x, 4)), _mm256_set1_epi16(0x0f0f));
+            _mm256_storeu_si256((__m256i *)(out + i), x);
+        }
+    } else if (bits == 2) {
+        for (; i + 32 <= n; i += 32) {
+            __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i / 4)));
+            x = _mm256_or_si256(_mm256_or_si256(x, _mm256_slli_epi32(x, 6)),
+                                _mm256_or_si256(_mm256_slli_epi32(x, 12), _mm256_slli_epi32(x, 18)));
+            _mm256_storeu_si256((__m256i *)(out + i), _mm256_and_si256(x, _mm256_set1_epi32(0x03030303)));
+        }
+    }
+    if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
+}
+
+#define VL 8
+#define VF __m256
+#define VZERO _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMUL _mm256_mul_ps
+#define VFMA _mm256_fmadd_ps
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, x) _mm256_storeu_ps(p, x)
+#define VU8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VF16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VSUM(x) hsum256(x)
+#define VEXP exp256
+#define FN(x) x##_avx2
+#define UNPACK kern_kvq_unpack_avx2
+#include "kernels/kv_quant_simd.inc"

@@ -1,0 +1,32 @@
+/* Shared by the scalar and SIMD variants of the KV kernels; private to src/kernels. */
+#ifndef KVQ_KERNELS_KV_QUANT_IMPL_H
+#define KVQ_KERNELS_KV_QUANT_IMPL_H
+
+#include <string.h>
+
+#include "kernels/f16.h"
+#include "kernels/kv_quant.h"
+
+#define KVQ_ATTN_BLOCK 32 /* rows per online-softmax step */
+#define KVQ_ATTN_MAXH 8   /* query heads processed together */
+
+static inline bool kvq_is_quant(int bits) { return bits < 16; }
+static inline float kvq_load_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return kvq_f16_to_f32(h);
+}
+
+/* Variants: heads [h0, h0+nh) of the state, nh <= KVQ_ATTN_MAXH. */
+void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                          const struct kern_kv_rows *v, int n);
+void kern_kvq_attn_avx2(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                        const struct kern_kv_rows *v, int n);
+void kern_kvq_attn_avx512(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                          const struct kern_kv_rows *v, int n);
+/* Fast unpackers for 2/4/8 bits (others fall back to the scalar one). */
+void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out);
+void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out);
+void kern_kvq_unpack_scalar(const uint8_t *src, int n, int bits, uint8_t *out);
+
+#endif

@@ -1,0 +1,614 @@
+/* Every cache kind as one slot store. Keys and values are rows of head_dim values in
+ * a row format (f16, f32, or packed b-bit groups: kernels/kv_quant.h), one block per
+ * KV head ([n_kv_heads][capacity][row_bytes]) so attention streams memory in order.
+ * Each slot records the position of its token.
+ *
+ *   dense / quantized: slot s holds position s; grows without bound.
+ *   rotating (max_size M, keep K): the first K tokens stay in slots [0, K); the
+ *     others share a ring [K, M) written at `idx`, like mlx-lm's RotatingKVCache.
+ *     A query at position p sees the first K tokens and the last M-K tokens <= p:
+ *     exactly what a one-token decode step sees. A multi-token append larger than
+ *     the free room first puts the slots in temporal order and keeps the last M-K-1
+ *     old tokens (so every query of the batch sees its own window), then appends;
+ *     the next append trims back to M.
+ *   quantize after N: rows are f16 until the sequence exceeds N tokens, then every
+ *     stored row is re-encoded in place (positions, offset and idx unchanged).
+ * Quantized rows are Hadamard-rotated first when the config asks for it: the query
+ * is rotated the same way, the attention output is rotated back. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "kernels/attention.h"
+#include "kernels/kv_quant.h"
+#include "kvcache/kv_cache_impl.h"
+
+
+#define HADAMARD_SEED 0x6b7671726f74ull /* "kvqrot": fixed so saved caches stay valid */
+
+struct kv_fmt {
+    int bits, group;
+    bool rot;
+    size_t row; /* bytes per row */
+};
+
+struct kv_store {
+    struct kv_fmt kf, vf;
+    int32_t cap, size, idx; /* slots allocated, in use, next ring slot */
+    int32_t *pos;           /* [cap] position of each slot */
+    uint8_t *k, *v;         /* [H][cap][row] */
+    float *signs;           /* [head_dim] Hadamard signs */
+    float *mu;              /* [2][n_kv_heads][head_dim] key and value offsets removed before quantizing */
+    bool mu_set;
+};
+
+static struct kv_fmt make_fmt(const struct kv_cache *c, int bits, int group) {
+    struct kv_fmt f = {bits, group, c->cfg.hadamard && kern_kvq_bits_quantized(bits), 0};
+    f.row = kern_kvq_row_bytes(bits, group, c->shape.head_dim);
+    return f;
+}
+static struct kv_fmt target_k(const struct kv_cache *c) { return make_fmt(c, c->cfg.k_bits, c->cfg.k_group); }
+static struct kv_fmt target_v(const struct kv_cache *c) { return make_fmt(c, c->cfg.v_bits, c->cfg.v_group); }
+/* Before conversion, a quantized side is held as f16. */
+static struct kv_fmt initial_fmt(const struct kv_cache *c, int bits, int group) {
+    if (c->cfg.quantized_start > 0 && kern_kvq_bits_quantized(bits)) return make_fmt(c, 16, group);
+    return make_fmt(c, bits, group);
+}
+static bool fmt_eq(struct kv_fmt a, struct kv_fmt b) {
+    return a.bits == b.bits && a.rot == b.rot && (!kern_kvq_bits_quantized(a.bits) || a.group == b.group);
+}
+
+static uint8_t *row_ptr(uint8_t *base, const struct kv_fmt *f, int32_t cap, int h, int32_t slot) {
+    return base + ((size_t)h * (size_t)cap + (size_t)slot) * f->row;
+}
+
+/* mu: the key offset of the row's head (NULL for values and float rows). Removing a
+ * per-channel constant from every key shifts all scores of a query by the same
+ * amount, which softmax ignores: attention needs no correction. */
+static void encode_row(const struct kv_store *st, const struct kv_fmt *f, int d, const float *x, const float *mu,
+                       uint8_t *dst) {
+    float tmp[KERN_KVQ_MAX_DIM];
+    if (mu || f->rot) {
+        for (int i = 0; i < d; i++) tmp[i] = mu ? x[i] - mu[i] : x[i];
+        if (f->rot) kern_kvq_hadamard(tmp, d, st->signs);
+        x = tmp;
+    }
+    kern_kvq_quantize_row(x, d, f->bits, f->group, dst);
+}
+
+static void decode_row(const struct kv_store *st, const struct kv_fmt *f, int d, const uint8_t *src, const float *mu,
+                       float *x) {
+    kern_kvq_dequantize_row(src, d, f->bits, f->group, x);
+    if (f->rot) kern_kvq_hadamard_inv(x, d, st->signs);
+    if (mu)
+        for (int i = 0; i < d; i++) x[i] += mu[i];
+}
+
+static bool kvq_center_enabled(int which) { return !getenv(which ? "KVQ_NO_VMEAN" : "KVQ_NO_KMEAN"); }
+
+/* The offset of a quantized side (NULL for float rows or before it is chosen). */
+static const float *side_mu(const struct kv_store *st, const struct kv_fmt *f, int which, int h, int d, int H) {
+    return kern_kvq_bits_quantized(f->bits) && st->mu_set ? st->mu + ((size_t)which * H + h) * d : NULL;
+}
+
+/* Chooses the offsets from n tokens of keys and values ([n][H][D] each; the first at
+ * position p0): their per-channel means, leaving out the first token of the sequence
+ * (an attention sink, unlike the others). A lone first token leaves them at 0. */
+static void set_mu(struct kv_cache *c, const float *k, const float *v, size_t tok_stride, int n, int32_t p0) {
+    struct kv_store *st = c->impl;
+    int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    int t0 = p0 == 0 ? 1 : 0;
+    memset(st->mu, 0, sizeof(float) * 2 * (size_t)H * D);
+    for (int w = 0; w < 2; w++) {
+        const float *x = w ? v : k;
+        float *mu = st->mu + (size_t)w * H * D;
+        if (!kvq_center_enabled(w)) continue;
+        for (int t = t0; t < n; t++)
+            for (int i = 0; i < H * D; i++) mu[i] += x[(size_t)t * tok_stride + i] / (float)(n - t0);
+    }
+    st->mu_set = true;
+}
+
+/* Reallocates to `cap` slots, keeping slots [0, size). */
+static int store_realloc(struct kv_cache *c, int32_t cap) {
+    struct kv_store *st = c->impl;
+    int H = c->shape.n_kv_heads;
+    uint8_t *nk = malloc(st->kf.row * (size_t)cap * (size_t)H);
+    uint8_t *nv = malloc(st->vf.row * (size_t)cap * (size_t)H);
+    int32_t *np = malloc(sizeof(int32_t) * (size_t)cap);
+    if (!nk || !nv || !np) {
+        free(nk);
+        free(nv);
+        free(np);
+        return kvq_error("out of memory growing the KV cache to %d tokens", cap);
+    }
+    for (int h = 0; h < H && st->size > 0; h++) {
+        memcpy(row_ptr(nk, &st->kf, cap, h, 0), row_ptr(st->k, &st->kf, st->cap, h, 0), st->kf.row * (size_t)st->size);
+        memcpy(row_ptr(nv, &st->vf, cap, h, 0), row_ptr(st->v, &st->vf, st->cap, h, 0), st->vf.row * (size_t)st->size);
+    }
+    if (st->size > 0) memcpy(np, st->pos, sizeof(int32_t) * (size_t)st->size);
+    free(st->k);
+    free(st->v);
+    free(st->pos);
+    st->k = nk;
+    st->v = nv;
+    st->pos = np;
+    st->cap = cap;
+    return 0;
+}
+
+static int store_reserve(struct kv_cache *c, int32_t need) {
+    struct kv_store *st = c->impl;
+    if (need <= st->cap) return 0;
+    int32_t cap = st->cap ? st->cap : 64;
+    while (cap < need) cap = cap > (1 << 29) ? need : cap * 2;
+    return store_realloc(c, cap);
+}
+
+static void write_slot(struct kv_cache *c, int32_t slot, int32_t pos, const float *k, const float *v) {
+    struct kv_store *st = c->impl;
+    int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    for (int h = 0; h < H; h++) {
+        encode_row(st, &st->kf, D, k + (size_t)h * D, side_mu(st, &st->kf, 0, h, D, H),
+                   row_ptr(st->k, &st->kf, st->cap, h, slot));
+        encode_row(st, &st->vf, D, v + (size_t)h * D, side_mu(st, &st->vf, 1, h, D, H),
+                   row_ptr(st->v, &st->vf, st->cap, h, slot));
+    }
+    st->pos[slot] = pos;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Puts the slots in position order (idx = size afterwards). */
+static int temporal_order(struct kv_cache *c) {
+    struct kv_store *st = c->impl;
+    bool sorted = true;
+    for (int32_t s = 1; s < st->size && sorted; s++) sorted = st->pos[s - 1] < st->pos[s];
+    if (sorted) {
+        st->idx = st->size;
+        return 0;
+    }
+    /* The order after a wrap is known: [0, keep) [idx, size) [keep, idx). */
+    int32_t keep = c->cfg.keep < st->size ? c->cfg.keep : st->size;
+    int32_t *perm = malloc(sizeof(int32_t) * (size_t)st->size);
+    int H = c->shape.n_kv_heads;
+    uint8_t *nk = malloc(st->kf.row * (size_t)st->cap * (size_t)H);
+    uint8_t *nv = malloc(st->vf.row * (size_t)st->cap * (size_t)H);
+    int32_t *np = malloc(sizeof(int32_t) * (size_t)st->cap);
+    if (!perm || !nk || !nv || !np) {
+        free(perm);
+        free(nk);
+        free(nv);
+        free(np);
+        return kvq_error("out of memory reordering the KV cache");
+    }
+    int32_t n = 0;
+    for (int32_t s = 0; s < keep; s++) perm[n++] = s;
+    for (int32_t s = st->idx; s < st->size; s++) perm[n++] = s;
+    for (int32_t s = keep; s < st->idx; s++) perm[n++] = s;
+    bool ok = true;
+    for (int32_t s = 1; s < n && ok; s++) ok = st->pos[perm[s - 1]] < st->pos[perm[s]];
+    if (!ok) { /* not the usual ring shape: sort by position */
+        uint64_t *key = malloc(sizeof(uint64_t) * (size_t)st->size);
+        if (!key) {
+            free(perm);
+            free(nk);
+            free(nv);
+            free(np);
+            return kvq_error("out of memory reordering the KV cache");
+        }
+        for (int32_t s = 0; s < st->size; s++) key[s] = (uint64_t)(uint32_t)st->pos[s] << 32 | (uint32_t)s;
+        qsort(key, (size_t)st->size, sizeof *key, cmp_u64);
+        for (int32_t s = 0; s < st->size; s++) perm[s] = (int32_t)(key[s] & 0xffffffffu);
+        free(key);
+    }
+    for (int32_t s = 0; s < st->size; s++) {
+        np[s] = st->pos[perm[s]];
+        for (int h = 0; h < H; h++) {
+            memcpy(row_ptr(nk, &st->kf, st->cap, h, s), row_ptr(st->k, &st->kf, st->cap, h, perm[s]), st->kf.row);
+            memcpy(row_ptr(nv, &st->vf, st->cap, h, s), row_ptr(st->v, &st->vf, st->cap, h, perm[s]), st->vf.row);
+        }
+    }
+    free(perm);
+    free(st->k);
+    free(st->v);
+    free(st->pos);
+    st->k = nk;
+    st->v = nv;
+    st->pos = np;
+    st->idx = st->size;
+    return 0;
+}
+
+/* With the slots in temporal order, drops the oldest tokens after the first `keep`
+ * so that at most `retain` of the others remain. */
+static void drop_oldest(struct kv_cache *c, int32_t retain) {
+    struct kv_store *st = c->impl;
+    int32_t nk = 0;
+    while (nk < st->size && st->pos[nk] < c->cfg.keep) nk++;
+    int32_t others = st->size - nk;
+    if (others <= retain) return;
+    int32_t drop = others - retain;
+    for (int h = 0; h < c->shape.n_kv_heads; h++) {
+        memmove(row_ptr(st->k, &st->kf, st->cap, h, nk), row_ptr(st->k, &st->kf, st->cap, h, nk + drop),
+                st->kf.row * (size_t)retain);
+        memmove(row_ptr(st->v, &st->vf, st->cap, h, nk), row_ptr(st->v, &st->vf, st->cap, h, nk + drop),
+                st->vf.row * (size_t)retain);
+    }
+    memmove(st->pos + nk, st->pos + nk + drop, sizeof(int32_t) * (size_t)retain);
+    st->size -= drop;
+    st->idx = st->size;
+}
+
+/* Re-encodes every stored row into new formats (same slots). */
+static int reencode(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
+    struct kv_store *st = c->impl;
+    int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    int32_t cap = st->cap;
+    uint8_t *nk = malloc(nkf.row * (size_t)(cap ? cap : 1) * (size_t)H);
+    uint8_t *nv = malloc(nvf.row * (size_t)(cap ? cap : 1) * (size_t)H);
+    if (!nk || !nv) {
+        free(nk);
+        free(nv);
+        return kvq_error("out of memory converting the KV cache");
+    }
+    size_t n_tok = (size_t)(st->size ? st->size : 1);
+    float *x = malloc(sizeof(float) * n_tok * H * D * 2);
+    if (!x) {
+        free(nk);
+        free(nv);
+        return kvq_error("out of memory converting the KV cache");
+    }
+    float *xv = x + n_tok * H * D;
+    /* decode everything, the earliest token first (slots 0 and `first` swapped) */
+    int32_t first = 0;
+    for (int32_t s = 0; s < st->size; s++)
+        if (st->pos[s] < st->pos[first]) first = s;
+#define SLOT_OF(t) ((t) == 0 ? first : (t) == first ? 0 : (t))
+    for (int32_t t = 0; t < st->size; t++)
+        for (int h = 0; h < H; h++) {
+            decode_row(st, &st->kf, D, row_ptr(st->k, &st->kf, cap, h, SLOT_OF(t)), side_mu(st, &st->kf, 0, h, D, H),
+                       x + ((size_t)t * H + h) * D);
+            decode_row(st, &st->vf, D, row_ptr(st->v, &st->vf, cap, h, SLOT_OF(t)), side_mu(st, &st->vf, 1, h, D, H),
+                       xv + ((size_t)t * H + h) * D);
+        }
+    if (!st->mu_set && st->size > 0) set_mu(c, x, xv, (size_t)H * D, st->size, st->pos[first]);
+    for (int32_t t = 0; t < st->size; t++)
+        for (int h = 0; h < H; h++) {
+            encode_row(st, &nkf, D, x + ((size_t)t * H + h) * D, side_mu(st, &nkf, 0, h, D, H),
+                       row_ptr(nk, &nkf, cap, h, SLOT_OF(t)));
+            encode_row(st, &nvf, D, xv + ((size_t)t * H + h) * D, side_mu(st, &nvf, 1, h, D, H),
+                       row_ptr(nv, &nvf, cap, h, SLOT_OF(t)));
+        }
+#undef SLOT_OF
+    free(x);
+    free(st->k);
+    free(st->v);
+    st->k = nk;
+    st->v = nv;
+    st->kf = nkf;
+    st->vf = nvf;
+    return 0;
+}
+
+static int store_to_quantized(struct kv_cache *c) {
+    struct kv_store *st = c->impl;
+    struct kv_fmt tk = target_k(c), tv = target_v(c);
+    if (fmt_eq(st->kf, tk) && fmt_eq(st->vf, tv)) return 0;
+    return reencode(c, tk, tv);
+}
+
+static int store_append(struct kv_cache *c, int n, const float *k, const float *v) {
+    struct kv_store *st = c->impl;
+    if (n <= 0) return 0;
+    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && store_to_quantized(c) != 0) return -1;
+    const size_t tok = (size_t)c->shape.n_kv_heads * c->shape.head_dim;
+    const int32_t M = c->cfg.max_size, keep = c->cfg.keep;
+    bool quant = kern_kvq_bits_quantized(st->kf.bits) || kern_kvq_bits_quantized(st->vf.bits);
+    if (!st->mu_set && quant) set_mu(c, k, v, tok, n, c->n_past);
+    if (M > 0 && n == 1 && st->size >= M) {
+        if (st->size > M) { /* back from a multi-token append: trim to the window */
+            if (temporal_order(c) != 0) return -1;
+            drop_oldest(c, M - keep - 1);
+            write_slot(c, st->size, c->n_past, k, v);
+            st->size++;
+            st->idx = st->size;
+        } else { /* in place: overwrite the oldest ring slot */
+            if (st->idx >= M) st->idx = keep;
+            write_slot(c, st->idx, c->n_past, k, v);
+            st->idx++;
+        }
+        c->n_past++;
+        return 0;
+    }
+    if (M > 0 && st->size + n > M) { /* concatenate: keep what the batch's queries see */
+        if (temporal_order(c) != 0) return -1;
+        drop_oldest(c, M - keep - 1);
+    }
+    if (store_reserve(c, st->size + n) != 0) return -1;
+    for (int t = 0; t < n; t++) write_slot(c, st->size + t, c->n_past + t, k + (size_t)t * tok, v + (size_t)t * tok);
+    st->size += n;
+    st->idx = st->size;
+    c->n_past += n;
+    return 0;
+}
+
+static void run_attn(const struct kv_cache *c, struct kern_attn_state *s, const float *qs, int kv_head, int32_t s0,
+                     int32_t n) {
+    const struct kv_store *st = c->impl;
+    const uint8_t *kb = row_ptr(st->k, &st->kf, st->cap, kv_head, s0);
+    const uint8_t *vb = row_ptr(st->v, &st->vf, st->cap, kv_head, s0);
+    if (st->kf.bits == st->vf.bits && !kern_kvq_bits_quantized(st->kf.bits)) {
+        kern_attn_accumulate(s, qs, kb, (size_t)c->shape.head_dim, vb, (size_t)c->shape.head_dim, st->kf.bits, n);
+        return;
+    }
+    struct kern_kv_rows kr = {kb, st->kf.row, st->kf.bits, st->kf.group};
+    struct kern_kv_rows vr = {vb, st->vf.row, st->vf.bits, st->vf.group};
+    kern_kvq_attn_accumulate(s, qs, &kr, &vr, n);
+}
+
+static void store_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale,
+                         float *out, float *scratch) {
+    const struct kv_store *st = c->impl;
+    const int D = c->shape.head_dim, group = c->shape.n_heads / c->shape.n_kv_heads;
+    float *qs = scratch;
+    for (int i = 0; i < group * D; i++) qs[i] = q[i] * scale;
+    if (st->kf.rot)
+        for (int h = 0; h < group; h++) kern_kvq_hadamard(qs + (size_t)h * D, D, st->signs);
+    struct kern_attn_state s;
+    kern_attn_state_init(&s, group, D, scratch + (size_t)group * D);
+    const int32_t M = c->cfg.max_size, keep = c->cfg.keep, W = c->shape.window;
+    if (M == 0) { /* slot == position */
+        int32_t hi = q_pos < st->size ? q_pos : st->size - 1;
+        int32_t lo = W > 0 && q_pos - W + 1 > 0 ? q_pos - W + 1 : 0;
+        if (hi >= lo) run_attn(c, &s, qs, kv_head, lo, hi - lo + 1);
+    } else {
+        int32_t run0 = -1;
+        for (int32_t sl = 0; sl <= st->size; sl++) {
+            bool vis = false;
+            if (sl < st->size) {
+                int32_t p = st->pos[sl];
+                vis = p <= q_pos && (p < keep || p > q_pos - (M - keep)) && (W <= 0 || p > q_pos - W);
+            }
+            if (vis && run0 < 0) run0 = sl;
+            if (!vis && run0 >= 0) {
+                run_attn(c, &s, qs, kv_head, run0, sl - run0);
+                run0 = -1;
+            }
+        }
+    }
+    kern_attn_finish(&s, out);
+    if (st->vf.rot)
+        for (int h = 0; h < group; h++) kern_kvq_hadamard_inv(out + (size_t)h * D, D, st->signs);
+    /* the value offset comes back through the softmax weights, which sum to 1 */
+    const float *vmu = side_mu(st, &st->vf, 1, kv_head, D, c->shape.n_kv_heads);
+    if (vmu && s.l[0] > 0)
+        for (int h = 0; h < group; h++)
+            for (int i = 0; i < D; i++) out[(size_t)h * D + i] += vmu[i];
+}
+
+static int store_trim(struct kv_cache *c, int n) {
+    struct kv_store *st = c->impl;
+    if (c->n_past != st->size || st->idx != st->size) return 0; /* wrapped: the window cannot go back */
+    if (n > st->size) n = st->size;
+    st->size -= n;
+    st->idx = st->size;
+    c->n_past -= n;
+    return n;
+}
+
+static void store_clear(struct kv_cache *c) {
+    struct kv_store *st = c->impl;
+    st->size = st->idx = 0;
+    c->n_past = 0;
+    st->mu_set = false;
+    struct kv_fmt ik = initial_fmt(c, c->cfg.k_bits, c->cfg.k_group), iv = initial_fmt(c, c->cfg.v_bits, c->cfg.v_group);
+    if (!fmt_eq(st->kf, ik) || !fmt_eq(st->vf, iv)) {
+        /* back to the dense phase; storage is re-made for the new row sizes */
+        free(st->k);
+        free(st->v);
+        free(st->pos);
+        st->k = st->v = NULL;
+        st->pos = NULL;
+        st->cap = 0;
+        st->kf = ik;
+        st->vf = iv;
+    }
+}
+
+static size_t store_bytes(const struct kv_cache *c) {
+    const struct kv_store *st = c->impl;
+    return (size_t)st->size * (size_t)c->shape.n_kv_heads * (st->kf.row + st->vf.row);
+}
+
+static void store_free(struct kv_cache *c) {
+    struct kv_store *st = c->impl;
+    if (st) {
+        free(st->k);
+        free(st->v);
+        free(st->pos);
+        free(st->signs);
+        free(st->mu);
+        free(st);
+    }
+    c->impl = NULL;
+}
+
+static const char *store_kind(const struct kv_cache *c) {
+    const struct kv_store *st = c->impl;
+    bool q = kern_kvq_bits_quantized(st->kf.bits) || kern_kvq_bits_quantized(st->vf.bits);
+    if (c->cfg.max_size > 0) return q ? "quantized-rotating" : "rotating";
+    return q ? "quantized" : "dense";
+}
+
+static int store_size(const struct kv_cache *c) { return ((const struct kv_store *)c->impl)->size; }
+
+static int store_read_rows(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max) {
+    const struct kv_store *st = c->impl;
+    const struct kv_fmt *f = which ? &st->vf : &st->kf;
+    const uint8_t *base = which ? st->v : st->k;
+    int D = c->shape.head_dim, n = 0;
+    /* temporal order without modifying: pick slots by increasing position */
+    int32_t last = -1;
+    while (n < max && n < st->size) {
+        int32_t best = -1;
+        for (int32_t s = 0; s < st->size; s++)
+            if (st->pos[s] > last && (best < 0 || st->pos[s] < st->pos[best])) best = s;
+        if (best < 0) break;
+        decode_row(st, f, D, row_ptr((uint8_t *)base, f, st->cap, kv_head, best),
+                   side_mu(st, f, which, kv_head, D, c->shape.n_kv_heads), out + (size_t)n * D);
+        if (pos) pos[n] = st->pos[best];
+        last = st->pos[best];
+        n++;
+    }
+    return n;
+}
+
+/* ---- serialization ----
+ * A layer section (little-endian):
+ *   u32 'KVL1', u32 kind (0 dense, 1 quantized, 2 rotating, 3 quantized-rotating)
+ *   i32 config: k_bits v_bits k_group v_group max_size keep quantized_start hadamard
+ *   i32 n_kv_heads head_dim
+ *   i32 stored formats: k_bits k_group k_rot v_bits v_group v_rot
+ *   i32 n_past size idx
+ *   i32 offsets chosen (0/1), then f32 key and value offsets [2][n_kv_heads][head_dim] if 1
+ *   i32 pos[size]; key rows [n_kv_heads][size]; value rows [n_kv_heads][size]
+ * Slots keep their order, so the ring's rotation index survives a round trip. */
+#define LAYER_MAGIC 0x314c564bu /* "KVL1" */
+
+static int kind_code(const struct kv_cache *c) {
+    const char *k = store_kind(c);
+    return !strcmp(k, "dense") ? 0 : !strcmp(k, "quantized") ? 1 : !strcmp(k, "rotating") ? 2 : 3;
+}
+
+static void store_save(const struct kv_cache *c, struct kv_buf *b) {
+    const struct kv_store *st = c->impl;
+    const struct kv_cache_config *cf = &c->cfg;
+    int32_t hdr[] = {cf->k_bits,       cf->v_bits, cf->k_group,      cf->v_group,  cf->max_size, cf->keep,
+                     cf->quantized_start, cf->hadamard, c->shape.n_kv_heads, c->shape.head_dim, st->kf.bits,
+                     st->kf.group,     st->kf.rot, st->vf.bits,      st->vf.group, st->vf.rot,   c->n_past,
+                     st->size,         st->idx};
+    kv_buf_u32(b, LAYER_MAGIC);
+    kv_buf_u32(b, (uint32_t)kind_code(c));
+    for (size_t i = 0; i < sizeof hdr / sizeof hdr[0]; i++) kv_buf_u32(b, (uint32_t)hdr[i]);
+    kv_buf_u32(b, st->mu_set);
+    size_t n_mu = 2 * (size_t)c->shape.n_kv_heads * c->shape.head_dim;
+    for (size_t i = 0; i < n_mu && st->mu_set; i++) {
+        uint32_t u;
+        memcpy(&u, &st->mu[i], 4);
+        kv_buf_u32(b, u);
+    }
+    for (int32_t s = 0; s < st->size; s++) kv_buf_u32(b, (uint32_t)st->pos[s]);
+    for (int h = 0; h < c->shape.n_kv_heads; h++)
+        kv_buf_put(b, row_ptr(st->k, &st->kf, st->cap, h, 0), st->kf.row * (size_t)st->size);
+    for (int h = 0; h < c->shape.n_kv_heads; h++)
+        kv_buf_put(b, row_ptr(st->v, &st->vf, st->cap, h, 0), st->vf.row * (size_t)st->size);
+}
+
+static int load_fail(struct kv_cache *c, const char *what) {
+    store_clear(c);
+    return kvq_error("invalid KV cache section: %s", what);
+}
+
+static int store_load(struct kv_cache *c, struct kv_reader *r) {
+    struct kv_store *st = c->impl;
+    uint32_t magic, kind;
+    int32_t h[19];
+    store_clear(c);
+    if (!kv_read_u32(r, &magic) || magic != LAYER_MAGIC) return load_fail(c, "bad layer marker");
+    if (!kv_read_u32(r, &kind) || kind > 3) return load_fail(c, "unknown cache kind");
+    for (int i = 0; i < 19; i++)
+        if (!kv_read_i32(r, &h[i])) return load_fail(c, "truncated header");
+    const struct kv_cache_config *cf = &c->cfg;
+    if (h[0] != cf->k_bits || h[1] != cf->v_bits || h[2] != cf->k_group || h[3] != cf->v_group ||
+        h[4] != cf->max_size || h[5] != cf->keep || h[6] != cf->quantized_start || h[7] != (int32_t)cf->hadamard) {
+        store_clear(c);
+        return kvq_error("the saved KV cache was made with other settings (K%d/V%d bits, groups %d/%d, max %d, keep "
+                         "%d, quantized start %d, rotation %d)",
+                         h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
+    }
+    if (h[8] != c->shape.n_kv_heads || h[9] != c->shape.head_dim) return load_fail(c, "shape differs from the model");
+    /* the stored formats must be the config's initial or final ones */
+    struct kv_fmt ik = initial_fmt(c, cf->k_bits, cf->k_group), iv = initial_fmt(c, cf->v_bits, cf->v_group);
+    struct kv_fmt tk = target_k(c), tv = target_v(c), kf, vf;
+    if (h[10] == ik.bits && h[11] == ik.group && h[12] == ik.rot) kf = ik;
+    else if (h[10] == tk.bits && h[11] == tk.group && h[12] == tk.rot) kf = tk;
+    else return load_fail(c, "key row format");
+    if (h[13] == iv.bits && h[14] == iv.group && h[15] == iv.rot) vf = iv;
+    else if (h[13] == tv.bits && h[14] == tv.group && h[15] == tv.rot) vf = tv;
+    else return load_fail(c, "value row format");
+    int32_t n_past = h[16], size = h[17], idx = h[18];
+    if (n_past < 0 || size < 0 || size > n_past || idx < 0 || idx > size) return load_fail(c, "offsets");
+    if (cf->max_size > 0 && size > cf->max_size && idx != size) return load_fail(c, "rotation index");
+    if (cf->max_size == 0 && (size != n_past || idx != size)) return load_fail(c, "offsets");
+    int32_t mu_set;
+    size_t n_mu = 2 * (size_t)c->shape.n_kv_heads * c->shape.head_dim;
+    if (!kv_read_i32(r, &mu_set) || (mu_set != 0 && mu_set != 1)) return load_fail(c, "offsets flag");
+    for (size_t i = 0; i < n_mu && mu_set; i++) {
+        uint32_t u;
+        if (!kv_read_u32(r, &u)) return load_fail(c, "truncated offsets");
+        memcpy(&st->mu[i], &u, 4);
+        if (!(fabsf(st->mu[i]) < 1e30f)) return load_fail(c, "offsets");
+    }
+    st->mu_set = mu_set;
+    size_t rows = (size_t)size * (size_t)c->shape.n_kv_heads;
+    size_t need = (size_t)size * 4 + rows * (kf.row + vf.row);
+    if (r->len - r->off < need) return load_fail(c, "truncated rows");
+    st->kf = kf;
+    st->vf = vf;
+    if (store_reserve(c, size) != 0) {
+        store_clear(c);
+        return -1;
+    }
+    for (int32_t s = 0; s < size; s++) {
+        kv_read_i32(r, &st->pos[s]);
+        if (st->pos[s] < 0 || st->pos[s] >= n_past) return load_fail(c, "token position");
+        if (cf->max_size == 0 && st->pos[s] != s) return load_fail(c, "token position");
+    }
+    for (int hh = 0; hh < c->shape.n_kv_heads; hh++) kv_read(r, row_ptr(st->k, &st->kf, st->cap, hh, 0), kf.row * (size_t)size);
+    for (int hh = 0; hh < c->shape.n_kv_heads; hh++) kv_read(r, row_ptr(st->v, &st->vf, st->cap, hh, 0), vf.row * (size_t)size);
+    st->size = size;
+    st->idx = idx;
+    c->n_past = n_past;
+    (void)kind;
+    return 0;
+}
+
+static const struct kv_cache_ops store_ops = {
+    .append = store_append,
+    .attend = store_attend,
+    .trim = store_trim,
+    .clear = store_clear,
+    .bytes = store_bytes,
+    .free = store_free,
+    .to_quantized = store_to_quantized,
+    .kind = store_kind,
+    .size = store_size,
+    .read_rows = store_read_rows,
+    .save = store_save,
+    .load = store_load,
+};
+
+int kv_store_init(struct kv_cache *c) {
+    struct kv_store *st = calloc(1, sizeof *st);
+    float *signs = malloc(sizeof(float) * (size_t)c->shape.head_dim);
+    float *mu = calloc(2 * (size_t)c->shape.n_kv_heads * c->shape.head_dim, sizeof(float));
+    if (!st || !signs || !mu) {
+        free(st);
+        free(signs);
+        free(mu);
+        return kvq_error("out of memory");
+    }
+    st->mu = mu;
+    kern_kvq_hadamard_signs(signs, c->shape.head_dim, HADAMARD_SEED);
+    st->signs = signs;
+    st->kf = initial_fmt(c, c->cfg.k_bits, c->cfg.k_group);
+    st->vf = initial_fmt(c, c->cfg.v_bits, c->cfg.v_group);
+    c->impl = st;
+    c->ops = &store_ops;
+    return 0;
+}

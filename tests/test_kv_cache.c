@@ -1,0 +1,330 @@
+/* Cache kinds on random data: quantized attention vs a float reference, rotating
+ * window semantics (keep, wrap-around, multi-token appends, temporal order), trim,
+ * quantize-after-N conversion (after wrapping, repeated), memory accounting, save and
+ * load of one cache, and config validation. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "core/error.h"
+#include "kernels/kv_quant.h"
+#include "kvcache/kv_cache.h"
+
+static uint64_t rng = 0x1234567887654321ull;
+static float gauss(void) {
+    double s = 0;
+    for (int i = 0; i < 4; i++) {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        s += (double)(rng >> 11) / 9007199254740992.0 - 0.5;
+    }
+    return (float)(s * 1.7320508);
+}
+
+#define H 2
+#define NQ 6 /* GQA 3 */
+#define D 64
+static const struct kv_shape shape = {NQ, H, D, 0};
+
+static struct kv_cache_config cfg_of(int kb, int vb, int g, int max, int keep, int qstart, bool rot) {
+    struct kv_cache_config c = {kb, vb, g, g, max, keep, qstart, rot};
+    return c;
+}
+
+/* History of all tokens appended: [n][H][D] keys and values, as the reference sees them. */
+struct hist {
+    float *k, *v;
+    int n, cap;
+};
+static void hist_add(struct hist *h, int n, const float *k, const float *v) {
+    if (h->n + n > h->cap) {
+        h->cap = (h->n + n) * 2;
+        h->k = realloc(h->k, sizeof(float) * (size_t)h->cap * H * D);
+        h->v = realloc(h->v, sizeof(float) * (size_t)h->cap * H * D);
+    }
+    memcpy(h->k + (size_t)h->n * H * D, k, sizeof(float) * (size_t)n * H * D);
+    memcpy(h->v + (size_t)h->n * H * D, v, sizeof(float) * (size_t)n * H * D);
+    h->n += n;
+}
+
+/* Reference attention of query position p over the visible history rows (the rows
+ * as the cache reconstructs them: quantization itself is test_kv_quant's job). */
+static void ref_attend(const struct hist *hs, const struct kv_cache_config *cf, int kvh, const float *q, int p,
+                       float *out) {
+    float kr[D], vr[D];
+    for (int h = 0; h < NQ / H; h++) {
+        double mx = -1e300, l = 0, acc[D] = {0};
+        double *sc = malloc(sizeof(double) * (size_t)(p + 1));
+        for (int t = 0; t <= p; t++) {
+            bool vis = cf->max_size == 0 || t < cf->keep || t > p - (cf->max_size - cf->keep);
+            sc[t] = -1e300;
+            if (!vis) continue;
+            memcpy(kr, hs->k + ((size_t)t * H + kvh) * D, sizeof kr);
+            double s = 0;
+            for (int i = 0; i < D; i++) s += (double)q[h * D + i] * kr[i];
+            sc[t] = s / sqrt(D);
+            mx = fmax(mx, sc[t]);
+        }
+        for (int t = 0; t <= p; t++) {
+            if (sc[t] < -1e299) continue;
+            double w = exp(sc[t] - mx);
+            l += w;
+            memcpy(vr, hs->v + ((size_t)t * H + kvh) * D, sizeof vr);
+            for (int i = 0; i < D; i++) acc[i] += w * vr[i];
+        }
+        for (int i = 0; i < D; i++) out[h * D + i] = (float)(acc[i] / l);
+        free(sc);
+    }
+}
+
+static float *scratch_new(void) { return malloc(sizeof(float) * kv_cache_scratch_floats(&shape)); }
+
+static void rand_tokens(int n, float *k, float *v) {
+    for (int i = 0; i < n * H * D; i++) {
+        k[i] = gauss() * ((i % D) == 3 ? 6.0f : 1.0f);
+        v[i] = gauss();
+    }
+}
+
+/* Appends tokens in batches of the given sizes and checks every query of each batch
+ * against the reference. */
+static void run_against_ref(const char *name, struct kv_cache_config cf, const int *batches, int n_batches, double tol) {
+    struct kv_cache *c = kv_cache_new(&cf, &shape);
+    CHECK(c != NULL, "%s: %s", name, kvq_last_error());
+    if (!c) return;
+    struct hist hs = {0};
+    float *scr = scratch_new(), q[NQ / H * D], got[NQ / H * D], want[NQ / H * D];
+    double worst = 0;
+    for (int b = 0; b < n_batches; b++) {
+        int n = batches[b];
+        float *k = malloc(sizeof(float) * n * H * D), *v = malloc(sizeof(float) * n * H * D);
+        rand_tokens(n, k, v);
+        int p0 = kv_cache_n_past(c);
+        CHECK(kv_cache_append(c, n, k, v) == 0, "%s append: %s", name, kvq_last_error());
+        /* the new tokens as stored: the newest n rows of each head, and close to the input */
+        float *rows = malloc(sizeof(float) * (size_t)(kv_cache_size(c) + 1) * D);
+        for (int w = 0; w < 2; w++)
+            for (int kvh = 0; kvh < H; kvh++) {
+                int m = kv_cache_read_rows(c, kvh, w, rows, NULL, kv_cache_size(c));
+                for (int t = 0; t < n; t++)
+                    for (int i = 0; i < D; i++) {
+                        float *dst = (w ? v : k) + ((size_t)t * H + kvh) * D + i;
+                        float got = rows[(size_t)(m - n + t) * D + i];
+                        CHECK(fabsf(got - *dst) < (cf.k_bits >= 16 ? 1e-6f : 3.0f), "%s: stored row", name);
+                        *dst = got;
+                    }
+            }
+        free(rows);
+        hist_add(&hs, n, k, v);
+        if (cf.max_size == 0) { /* a conversion may have re-encoded every row: take them all */
+            for (int w = 0; w < 2; w++)
+                for (int kvh = 0; kvh < H; kvh++) {
+                    float *all = malloc(sizeof(float) * (size_t)hs.n * D);
+                    int m = kv_cache_read_rows(c, kvh, w, all, NULL, hs.n);
+                    CHECK(m == hs.n, "%s: rows", name);
+                    for (int t = 0; t < m; t++)
+                        memcpy((w ? hs.v : hs.k) + ((size_t)t * H + kvh) * D, all + (size_t)t * D, sizeof(float) * D);
+                    free(all);
+                }
+        }
+        for (int t = 0; t < n; t++)
+            for (int kvh = 0; kvh < H; kvh++) {
+                for (int i = 0; i < NQ / H * D; i++) q[i] = gauss();
+                kv_cache_attend(c, kvh, q, p0 + t, 1.0f / sqrtf(D), got, scr);
+                ref_attend(&hs, &cf, kvh, q, p0 + t, want);
+                for (int i = 0; i < NQ / H * D; i++) worst = fmax(worst, fabs(got[i] - want[i]));
+            }
+        free(k);
+        free(v);
+    }
+    CHECK(worst < tol, "%s: max error vs reference %g", name, worst);
+    if (cf.max_size > 0) CHECK(kv_cache_size(c) <= cf.max_size + batches[n_batches - 1] - 1, "%s: size", name);
+    printf("%-40s %5d tokens, %4d stored, max error %.2e\n", name, kv_cache_n_past(c), kv_cache_size(c), worst);
+    free(hs.k);
+    free(hs.v);
+    free(scr);
+    kv_cache_free(c);
+}
+
+static void test_kinds_vs_reference(void) {
+    int ones[140], mixed[] = {5, 1, 1, 37, 1, 2, 64, 1, 1, 1, 20, 3, 1, 1};
+    for (int i = 0; i < 140; i++) ones[i] = 1;
+    int nm = sizeof mixed / sizeof mixed[0];
+    run_against_ref("dense f32", cfg_of(32, 32, 64, 0, 4, 0, false), mixed, nm, 1e-5);
+    run_against_ref("quantized K8V8 g64", cfg_of(8, 8, 64, 0, 4, 0, false), mixed, nm, 1e-4);
+    run_against_ref("quantized K4V2 g32", cfg_of(4, 2, 32, 0, 4, 0, false), mixed, nm, 1e-4);
+    run_against_ref("quantized K3V5 g16", cfg_of(3, 5, 16, 0, 4, 0, false), mixed, nm, 1e-4);
+    /* 100 decode steps past max-kv-size 40 with keep 4 */
+    run_against_ref("rotating f32 max 40 keep 4, 1-token", cfg_of(32, 32, 64, 40, 4, 0, false), ones, 140, 1e-5);
+    run_against_ref("rotating q4 max 40 keep 4, 1-token", cfg_of(4, 4, 64, 40, 4, 0, false), ones, 140, 1e-4);
+    run_against_ref("rotating f32 max 40 keep 4, batches", cfg_of(32, 32, 64, 40, 4, 0, false), mixed, nm, 1e-5);
+    run_against_ref("rotating K8V4 max 40 keep 4, batches", cfg_of(8, 4, 64, 40, 4, 0, false), mixed, nm, 1e-4);
+    run_against_ref("rotating q4 max 16 keep 0, batches", cfg_of(4, 4, 32, 16, 0, 0, false), mixed, nm, 1e-4);
+    run_against_ref("rotating hadamard K4V2 max 30 keep 4", cfg_of(4, 2, 32, 30, 4, 0, true), mixed, nm, 1e-4);
+    run_against_ref("quantize after 50, K8V4 hadamard", cfg_of(8, 4, 64, 0, 4, 50, true), mixed, nm, 1e-4);
+}
+
+/* Rotation: attention with hadamard matches the unrotated float attention closely at
+ * 8 bits (dot products are preserved) and a rotated cache reads back un-rotated rows. */
+static void test_rotation(void) {
+    struct kv_cache_config cf = cfg_of(8, 8, 32, 0, 4, 0, true), cd = cfg_of(32, 32, 64, 0, 4, 0, false);
+    struct kv_cache *c = kv_cache_new(&cf, &shape), *r = kv_cache_new(&cd, &shape);
+    float k[50 * H * D], v[50 * H * D], q[NQ / H * D], a[NQ / H * D], b[NQ / H * D], rows[50 * D];
+    rand_tokens(50, k, v);
+    kv_cache_append(c, 50, k, v);
+    kv_cache_append(r, 50, k, v);
+    float *scr = scratch_new();
+    for (int i = 0; i < NQ / H * D; i++) q[i] = gauss();
+    kv_cache_attend(c, 1, q, 49, 0.125f, a, scr);
+    kv_cache_attend(r, 1, q, 49, 0.125f, b, scr);
+    double e = 0;
+    for (int i = 0; i < NQ / H * D; i++) e = fmax(e, fabs(a[i] - b[i]));
+    CHECK(e < 0.03, "hadamard K8V8 vs f32 attention: %g", e);
+    int n = kv_cache_read_rows(c, 1, 0, rows, NULL, 50);
+    double re = 0;
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < D; i++) re = fmax(re, fabs(rows[t * D + i] - k[(t * H + 1) * D + i]));
+    CHECK(n == 50 && re < 0.1, "rotated rows read back: %d rows, error %g", n, re);
+    free(scr);
+    kv_cache_free(c);
+    kv_cache_free(r);
+}
+
+static void test_wrap_convert_trim_bytes(void) {
+    /* quantized-rotating built by conversion after the ring has wrapped */
+    struct kv_cache_config cf = cfg_of(4, 4, 32, 20, 4, 30, true);
+    struct kv_cache *c = kv_cache_new(&cf, &shape);
+    float k[H * D], v[H * D];
+    for (int t = 0; t < 27; t++) {
+        rand_tokens(1, k, v);
+        kv_cache_append(c, 1, k, v);
+    }
+    CHECK(!strcmp(kv_cache_kind(c), "rotating"), "dense phase kind %s", kv_cache_kind(c));
+    CHECK(kv_cache_size(c) == 20 && kv_cache_n_past(c) == 27, "wrapped: size %d n_past %d", kv_cache_size(c),
+          kv_cache_n_past(c));
+    int32_t pos[64], pos2[64];
+    float rows[64 * D], rows2[64 * D];
+    int n = kv_cache_read_rows(c, 0, 1, rows, pos, 64);
+    bool order = n == 20;
+    for (int i = 0; i < n; i++) order = order && pos[i] == (i < 4 ? i : 27 - 16 + (i - 4));
+    CHECK(order, "temporal order after wrap-around");
+    CHECK(kv_cache_trim(c, 1) == 0, "a wrapped rotating cache cannot trim");
+    size_t dense_bytes = kv_cache_bytes(c);
+    CHECK(kv_cache_to_quantized(c) == 0, "convert: %s", kvq_last_error());
+    CHECK(!strcmp(kv_cache_kind(c), "quantized-rotating"), "kind after conversion %s", kv_cache_kind(c));
+    CHECK(kv_cache_size(c) == 20 && kv_cache_n_past(c) == 27, "conversion keeps offset");
+    size_t qbytes = kv_cache_bytes(c);
+    CHECK(qbytes == 20 * kv_cache_token_bytes(&cf, &shape), "bytes %zu", qbytes);
+    CHECK(qbytes * 3 < dense_bytes, "quantized %zu vs dense %zu", qbytes, dense_bytes);
+    int n2 = kv_cache_read_rows(c, 0, 1, rows2, pos2, 64);
+    double e = 0;
+    for (int i = 0; i < n2 * D; i++) e = fmax(e, fabs(rows[i] - rows2[i]));
+    CHECK(n2 == n && !memcmp(pos, pos2, sizeof(int32_t) * n) && e < 0.6, "converted rows: error %g", e);
+    /* idempotent */
+    CHECK(kv_cache_to_quantized(c) == 0 && kv_cache_bytes(c) == qbytes, "repeated conversion");
+    kv_cache_read_rows(c, 0, 1, rows, pos, 64);
+    CHECK(!memcmp(rows, rows2, sizeof(float) * n2 * D), "repeated conversion changes nothing");
+    /* the ring keeps rotating in place after conversion (rotation index kept) */
+    for (int t = 0; t < 30; t++) {
+        rand_tokens(1, k, v);
+        CHECK(kv_cache_append(c, 1, k, v) == 0, "append after conversion");
+    }
+    n = kv_cache_read_rows(c, 0, 0, rows, pos, 64);
+    CHECK(n == 20 && pos[3] == 3 && pos[4] == 57 - 16 && pos[19] == 56, "window after conversion: %d %d %d", n,
+          pos[4], pos[19]);
+    kv_cache_free(c);
+
+    /* automatic conversion: dense until the sequence exceeds N tokens */
+    struct kv_cache_config qs = cfg_of(8, 4, 64, 0, 4, 10, false);
+    c = kv_cache_new(&qs, &shape);
+    float kk[10 * H * D], vv[10 * H * D];
+    rand_tokens(10, kk, vv);
+    kv_cache_append(c, 10, kk, vv);
+    CHECK(!strcmp(kv_cache_kind(c), "dense"), "dense at N tokens: %s", kv_cache_kind(c));
+    kv_cache_append(c, 1, kk, vv);
+    CHECK(!strcmp(kv_cache_kind(c), "quantized"), "quantized past N: %s", kv_cache_kind(c));
+    CHECK(kv_cache_bytes(c) == 11 * kv_cache_token_bytes(&qs, &shape), "bytes after conversion");
+    CHECK(kv_cache_trim(c, 3) == 3 && kv_cache_n_past(c) == 8, "trim");
+    kv_cache_clear(c);
+    CHECK(!strcmp(kv_cache_kind(c), "dense") && kv_cache_n_past(c) == 0, "clear returns to the dense phase");
+    kv_cache_free(c);
+}
+
+static void test_save_load(void) {
+    struct kv_cache_config cfs[] = {cfg_of(4, 2, 32, 24, 4, 0, true), cfg_of(16, 16, 64, 0, 4, 0, false),
+                                    cfg_of(8, 4, 64, 0, 4, 20, false), cfg_of(3, 6, 16, 30, 2, 0, false)};
+    float *scr = scratch_new();
+    for (int ci = 0; ci < 4; ci++) {
+        struct kv_cache *c = kv_cache_new(&cfs[ci], &shape), *d = kv_cache_new(&cfs[ci], &shape);
+        float k[40 * H * D], v[40 * H * D];
+        rand_tokens(40, k, v);
+        kv_cache_append(c, 13, k, v);
+        for (int t = 13; t < 40; t++) kv_cache_append(c, 1, k + t * H * D, v + t * H * D);
+        struct kv_buf b = {0};
+        kv_cache_save(c, &b);
+        CHECK(!b.oom, "save");
+        struct kv_reader r = {b.data, b.len, 0};
+        CHECK(kv_cache_load(d, &r) == 0 && r.off == b.len, "config %d load: %s", ci, kvq_last_error());
+        CHECK(kv_cache_n_past(d) == 40 && kv_cache_size(d) == kv_cache_size(c) &&
+                  !strcmp(kv_cache_kind(c), kv_cache_kind(d)) && kv_cache_bytes(c) == kv_cache_bytes(d),
+              "config %d state", ci);
+        /* continue both identically */
+        rand_tokens(5, k, v);
+        for (int t = 0; t < 5; t++) {
+            kv_cache_append(c, 1, k + t * H * D, v + t * H * D);
+            kv_cache_append(d, 1, k + t * H * D, v + t * H * D);
+        }
+        float q[NQ / H * D], a[NQ / H * D], bb[NQ / H * D];
+        for (int i = 0; i < NQ / H * D; i++) q[i] = gauss();
+        kv_cache_attend(c, 1, q, 44, 0.1f, a, scr);
+        kv_cache_attend(d, 1, q, 44, 0.1f, bb, scr);
+        CHECK(!memcmp(a, bb, sizeof a), "config %d: loaded cache attends identically", ci);
+        /* truncated and mismatched sections fail cleanly */
+        for (size_t cut = 0; cut < b.len; cut += b.len / 17 + 1) {
+            struct kv_reader t = {b.data, cut, 0};
+            CHECK(kv_cache_load(d, &t) != 0 && kv_cache_n_past(d) == 0, "truncated at %zu accepted", cut);
+        }
+        struct kv_cache_config other = cfs[ci];
+        other.k_bits = other.k_bits == 8 ? 4 : 8;
+        struct kv_cache *e = kv_cache_new(&other, &shape);
+        struct kv_reader t = {b.data, b.len, 0};
+        CHECK(e && kv_cache_load(e, &t) != 0 && strstr(kvq_last_error(), "other settings"), "other config: %s",
+              kvq_last_error());
+        kv_cache_free(e);
+        free(b.data);
+        kv_cache_free(c);
+        kv_cache_free(d);
+    }
+    free(scr);
+}
+
+static void test_validation(void) {
+    struct kv_shape s96 = {4, 2, 96, 0};
+    struct kv_cache_config c = cfg_of(4, 4, 64, 0, 4, 0, false);
+    CHECK(kv_cache_new(&c, &s96) == NULL && strstr(kvq_last_error(), "does not divide head_dim 96"), "G must divide: %s",
+          kvq_last_error());
+    c = cfg_of(7, 4, 32, 0, 4, 0, false);
+    CHECK(kv_cache_new(&c, &shape) == NULL && strstr(kvq_last_error(), "bits"), "bits 7");
+    c = cfg_of(4, 4, 24, 0, 4, 0, false);
+    CHECK(kv_cache_new(&c, &s96) == NULL && strstr(kvq_last_error(), "group size 24"), "group 24");
+    c = cfg_of(4, 4, 32, 8, 8, 0, false);
+    CHECK(kv_cache_new(&c, &shape) == NULL, "keep >= max");
+    /* memory formula: kv_heads x (head_dim x b/8 + 4 x head_dim/G), K plus V */
+    c = cfg_of(4, 2, 32, 0, 4, 0, false);
+    c.v_group = 64;
+    CHECK(kv_cache_token_bytes(&c, &shape) == (size_t)H * (D * 4 / 8 + 4 * D / 32 + D * 2 / 8 + 4 * D / 64),
+          "token bytes");
+    c = cfg_of(16, 16, 64, 0, 4, 0, false);
+    CHECK(kv_cache_token_bytes(&c, &shape) == (size_t)H * D * 4, "f16 token bytes");
+}
+
+int main(void) {
+    test_kinds_vs_reference();
+    test_rotation();
+    test_wrap_convert_trim_bytes();
+    test_save_load();
+    test_validation();
+    return check_finish();
+}

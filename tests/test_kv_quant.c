@@ -1,0 +1,208 @@
+/* Quantized KV row kernels: round trip and error bound for every bits/group pair,
+ * the Hadamard rotation, and attention on packed rows (scalar, AVX2, AVX-512)
+ * against a float reference over the dequantized rows. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kernels/f16.h"
+#include "kernels/kv_quant.h"
+#include "kernels/kv_quant_impl.h"
+
+static uint64_t rng = 88172645463325252ull;
+static double urand(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (double)(rng >> 11) / 9007199254740992.0;
+}
+static float gauss(void) {
+    double u = urand() + 1e-12, v = urand();
+    return (float)(sqrt(-2 * log(u)) * cos(6.283185307179586 * v));
+}
+
+static const int all_bits[] = {2, 3, 4, 5, 6, 8};
+static const int all_groups[] = {8, 16, 32, 64, 128};
+
+static void test_round_trip(void) {
+    const int d = 128;
+    float x[128], y[128];
+    uint8_t buf[1024];
+    for (int bi = 0; bi < 6; bi++)
+        for (int gi = 0; gi < 5; gi++) {
+            int bits = all_bits[bi], G = all_groups[gi];
+            CHECK(kern_kvq_row_bytes(bits, G, d) == (size_t)d * bits / 8 + 4 * (size_t)d / G, "row bytes");
+            double worst = 0;
+            for (int trial = 0; trial < 20; trial++) {
+                float amp = trial % 4 == 0 ? 100.0f : trial % 4 == 1 ? 0.01f : 1.0f;
+                for (int i = 0; i < d; i++) x[i] = amp * gauss() + (trial % 3 == 0 ? 5.0f : 0.0f);
+                if (trial == 7) x[3] = 40 * amp; /* an outlier */
+                if (trial == 9)
+                    for (int i = 0; i < d; i++) x[i] = 1.5f; /* constant group: scale 0 */
+                kern_kvq_quantize_row(x, d, bits, G, buf);
+                kern_kvq_dequantize_row(buf, d, bits, G, y);
+                const uint8_t *sb = buf + d * bits / 8;
+                for (int g = 0; g < d / G; g++) {
+                    float mn = x[g * G], mx = x[g * G];
+                    for (int i = g * G; i < (g + 1) * G; i++) {
+                        mn = fminf(mn, x[i]);
+                        mx = fmaxf(mx, x[i]);
+                    }
+                    uint16_t sh, bh;
+                    memcpy(&sh, sb + 4 * g, 2);
+                    memcpy(&bh, sb + 4 * g + 2, 2);
+                    float s = kvq_f16_to_f32(sh), b = kvq_f16_to_f32(bh);
+                    /* scale/2 plus the f16 rounding of scale (times the top code) and bias */
+                    float bound = s / 2 + fabsf(mx - mn) * 1e-3f + fabsf(b) * 1e-3f + 1e-6f;
+                    for (int i = g * G; i < (g + 1) * G; i++) {
+                        float e = fabsf(x[i] - y[i]);
+                        worst = fmax(worst, e / (s > 0 ? s : 1));
+                        CHECK(e <= bound, "bits %d group %d: |x - deq| = %g > %g", bits, G, e, bound);
+                    }
+                }
+            }
+            printf("bits %d group %3d: max error %.3f scale\n", bits, G, worst);
+        }
+    /* unpackers agree with the scalar one for every bit width */
+    uint8_t src[512], a[1024], b[1024];
+    for (int i = 0; i < 512; i++) src[i] = (uint8_t)(urand() * 256);
+    for (int bi = 0; bi < 6; bi++) {
+        int bits = all_bits[bi], n = 1024 * 8 / 16 / bits * 2; /* fits src */
+        n -= n % 8;
+        kern_kvq_unpack_scalar(src, n, bits, a);
+        kern_kvq_unpack_codes(src, n, bits, b);
+        CHECK(memcmp(a, b, (size_t)n) == 0, "unpack %d bits (%s)", bits, kern_kvq_simd_level());
+        if (__builtin_cpu_supports("avx2")) {
+            kern_kvq_unpack_avx2(src, n, bits, b);
+            CHECK(memcmp(a, b, (size_t)n) == 0, "unpack avx2 %d bits", bits);
+        }
+        if (__builtin_cpu_supports("avx512bw")) {
+            kern_kvq_unpack_avx512(src, n, bits, b);
+            CHECK(memcmp(a, b, (size_t)n) == 0, "unpack avx512 %d bits", bits);
+        }
+    }
+}
+
+static void test_hadamard(void) {
+    const int dims[] = {8, 64, 96, 128, 256};
+    for (int di = 0; di < 5; di++) {
+        int d = dims[di];
+        float s[256], x[256], y[256], z[256];
+        kern_kvq_hadamard_signs(s, d, 42);
+        for (int i = 0; i < d; i++) x[i] = y[i] = gauss(), z[i] = gauss();
+        double dot0 = 0, dot1 = 0, n0 = 0, n1 = 0;
+        for (int i = 0; i < d; i++) dot0 += x[i] * z[i], n0 += x[i] * x[i];
+        kern_kvq_hadamard(y, d, s);
+        kern_kvq_hadamard(z, d, s);
+        for (int i = 0; i < d; i++) dot1 += y[i] * z[i], n1 += y[i] * y[i];
+        CHECK(fabs(dot0 - dot1) < 1e-4 * (1 + fabs(dot0)) && fabs(n0 - n1) < 1e-4 * n0, "d %d: dot %g vs %g", d, dot0,
+              dot1);
+        kern_kvq_hadamard_inv(y, d, s);
+        double e = 0;
+        for (int i = 0; i < d; i++) e = fmax(e, fabs(y[i] - x[i]));
+        CHECK(e < 1e-5, "d %d: inverse error %g", d, e);
+    }
+    /* an outlier channel is spread over the block */
+    float s[128], x[128] = {0};
+    kern_kvq_hadamard_signs(s, 128, 7);
+    x[5] = 100;
+    kern_kvq_hadamard(x, 128, s);
+    float mx = 0;
+    for (int i = 0; i < 128; i++) mx = fmaxf(mx, fabsf(x[i]));
+    CHECK(fabsf(mx - 100 / sqrtf(128)) < 1e-3, "outlier spread: max %g", mx);
+}
+
+/* Float reference over dequantized rows, in double. */
+static void ref_attn(int nq, int d, const float *q, const float *K, const float *V, int n, float *out) {
+    for (int h = 0; h < nq; h++) {
+        double *sc = malloc(sizeof(double) * (size_t)n), mx = -1e300, l = 0;
+        for (int j = 0; j < n; j++) {
+            double t = 0;
+            for (int i = 0; i < d; i++) t += (double)q[h * d + i] * K[(size_t)j * d + i];
+            sc[j] = t;
+            mx = fmax(mx, t);
+        }
+        for (int j = 0; j < n; j++) l += sc[j] = exp(sc[j] - mx);
+        for (int i = 0; i < d; i++) {
+            double a = 0;
+            for (int j = 0; j < n; j++) a += sc[j] * V[(size_t)j * d + i];
+            out[h * d + i] = (float)(a / l);
+        }
+        free(sc);
+    }
+}
+
+typedef void (*attn_fn)(struct kern_attn_state *, int, int, const float *, const struct kern_kv_rows *,
+                        const struct kern_kv_rows *, int);
+
+static void test_attention(void) {
+    struct {
+        int kb, kg, vb, vg;
+    } fmts[] = {{8, 64, 8, 64}, {4, 64, 4, 64}, {4, 32, 2, 32}, {8, 128, 4, 16}, {3, 32, 5, 64}, {6, 16, 6, 16},
+                {2, 64, 2, 64}, {16, 0, 4, 64}, {8, 64, 16, 0}, {32, 0, 3, 32}, {4, 8, 4, 8}};
+    const int d = 128, ratios[] = {1, 2, 3, 4, 8, 9}, lens[] = {1, 31, 33, 200};
+    const char *names[] = {"scalar", "avx2", "avx512"};
+    attn_fn fns[] = {kern_kvq_attn_scalar, kern_kvq_attn_avx2, kern_kvq_attn_avx512};
+    bool have[] = {true, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+                   __builtin_cpu_supports("avx512bw")};
+    for (size_t fi = 0; fi < sizeof fmts / sizeof fmts[0]; fi++)
+        for (int ri = 0; ri < 6; ri++)
+            for (int li = 0; li < 4; li++) {
+                int nq = ratios[ri], n = lens[li];
+                int kb = fmts[fi].kb, kg = fmts[fi].kg, vb = fmts[fi].vb, vg = fmts[fi].vg;
+                size_t kr = kern_kvq_row_bytes(kb, kg, d), vr = kern_kvq_row_bytes(vb, vg, d);
+                uint8_t *K = malloc(kr * n), *V = malloc(vr * n);
+                float *Kd = malloc(sizeof(float) * d * n), *Vd = malloc(sizeof(float) * d * n), x[128];
+                float q[9 * 128], want[9 * 128], got[9 * 128], mem[9 * 130];
+                for (int j = 0; j < n; j++) {
+                    for (int i = 0; i < d; i++) x[i] = gauss() * (i == 7 ? 8 : 1);
+                    kern_kvq_quantize_row(x, d, kb, kg, K + kr * j);
+                    kern_kvq_dequantize_row(K + kr * j, d, kb, kg, Kd + (size_t)d * j);
+                    for (int i = 0; i < d; i++) x[i] = gauss();
+                    kern_kvq_quantize_row(x, d, vb, vg, V + vr * j);
+                    kern_kvq_dequantize_row(V + vr * j, d, vb, vg, Vd + (size_t)d * j);
+                }
+                for (int i = 0; i < nq * d; i++) q[i] = gauss() * 0.3f;
+                ref_attn(nq, d, q, Kd, Vd, n, want);
+                struct kern_kv_rows krow = {K, kr, kb, kg}, vrow = {V, vr, vb, vg};
+                bool simd_ok = (kb >= 16 || kg % 16 == 0) && (vb >= 16 || vg % 16 == 0);
+                for (int v = 0; v < 3; v++) {
+                    if (!have[v] || (v > 0 && !simd_ok)) continue;
+                    struct kern_attn_state st;
+                    kern_attn_state_init(&st, nq, d, mem);
+                    /* in two calls, as a cache with two runs of visible rows would */
+                    int cut = n / 3;
+                    for (int h0 = 0; h0 < nq; h0 += KVQ_ATTN_MAXH) {
+                        int nh = nq - h0 < KVQ_ATTN_MAXH ? nq - h0 : KVQ_ATTN_MAXH;
+                        if (cut) fns[v](&st, h0, nh, q, &krow, &vrow, cut);
+                        struct kern_kv_rows k2 = {K + kr * cut, kr, kb, kg}, v2 = {V + vr * cut, vr, vb, vg};
+                        fns[v](&st, h0, nh, q, &k2, &v2, n - cut);
+                    }
+                    kern_attn_finish(&st, got);
+                    double e = 0;
+                    for (int i = 0; i < nq * d; i++) e = fmax(e, fabs(got[i] - want[i]));
+                    CHECK(e < 2e-4, "%s K%d/%d V%d/%d group %d n %d: max error %g", names[v], kb, kg, vb, vg, nq, n, e);
+                }
+                /* the dispatcher too */
+                struct kern_attn_state st;
+                kern_attn_state_init(&st, nq, d, mem);
+                kern_kvq_attn_accumulate(&st, q, &krow, &vrow, n);
+                kern_attn_finish(&st, got);
+                double e = 0;
+                for (int i = 0; i < nq * d; i++) e = fmax(e, fabs(got[i] - want[i]));
+                CHECK(e < 2e-4, "dispatch K%d V%d group %d n %d: max error %g", kb, vb, nq, n, e);
+                free(K);
+                free(V);
+                free(Kd);
+                free(Vd);
+            }
+    printf("attention on packed rows matches the float reference (%s)\n", kern_kvq_simd_level());
+}
+
+int main(void) {
+    test_round_trip();
+    test_hadamard();
+    test_attention();
+    return check_finish();
+}
