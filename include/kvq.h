@@ -65,11 +65,16 @@ struct kvq_kv_config {
     int keep;             /* tokens kept at the start when rotating */
     int quantized_start;  /* tokens held in 16 bits before quantizing */
     bool hadamard;        /* randomized Hadamard rotation before quantizing */
+    int residual;         /* quantized: the newest R tokens (and the first `keep`) also held in f16 */
 };
 /* f16 keys and values; for quantized bits: groups of 64, Hadamard rotation on, keep 4. */
 void kvq_kv_config_default(struct kvq_kv_config *kv);
 /* Bytes one token takes in the cache of the whole model with this config. */
 size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv);
+/* The constant f16 overhead of the residual window and sinks, whole model, in bytes:
+ * a sequence of n tokens takes n x kvq_kv_token_bytes + this (once n > residual + keep;
+ * a multi-token batch's rows are held in f16 too until the next decode call). */
+size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv);
 
 /* ---- context -------------------------------------------------------------- */
 

@@ -29,7 +29,7 @@ static float gauss(void) {
 static const struct kv_shape shape = {NQ, H, D, 0};
 
 static struct kv_cache_config cfg_of(int kb, int vb, int g, int max, int keep, int qstart, bool rot) {
-    struct kv_cache_config c = {kb, vb, g, g, max, keep, qstart, rot};
+    struct kv_cache_config c = {kb, vb, g, g, max, keep, qstart, rot, 0};
     return c;
 }
 

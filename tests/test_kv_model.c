@@ -112,7 +112,8 @@ static void test_plan(struct kvq_model *m, const struct ref_prompt *refs) {
     kvq_context_free(ctx);
     ctx = new_ctx(m, &rq);
     int nb = greedy(ctx, m, r->ids, r->n_ids, b, 80 - r->n_ids, true, NULL);
-    CHECK(nb == 80 - r->n_ids && kvq_kv_bytes(ctx) == 36 * kvq_kv_token_bytes(m, &rq), "quantized rotating: %d, %zu",
+    CHECK(nb == 80 - r->n_ids && kvq_kv_bytes(ctx) == 36 * kvq_kv_token_bytes(m, &rq) + kvq_kv_window_bytes(m, &rq),
+          "quantized rotating: %d, %zu",
           nb, kvq_kv_bytes(ctx));
     kvq_context_free(ctx);
 }

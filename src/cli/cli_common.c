@@ -91,7 +91,10 @@ const char *const cli_kv_flags_help =
     "  --kv-rotation MODE       hadamard (default) | none: rotate head vectors before quantizing\n"
     "  --quantized-kv-start N   keep the first N tokens in 16 bits, then quantize\n"
     "  --max-kv-size N          rotating cache of N tokens (0: unbounded)\n"
-    "  --keep N                 tokens kept at the start of a rotating cache (default 4)\n";
+    "  --keep N                 tokens kept at the start of a rotating cache (default 4); with\n"
+    "                           --kv-residual > 0 they are also held in f16 (attention sinks)\n"
+    "  --kv-residual N          quantized caches: the newest N tokens are also held in f16 and\n"
+    "                           attention reads them from there (default 32; 0: off)\n";
 
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv) {
     const char *flag = argv[*i];
@@ -123,6 +126,8 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv) {
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->quantized_start) ? 1 : -1;
     if (strcmp(flag, "--max-kv-size") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->max_size) ? 1 : -1;
+    if (strcmp(flag, "--kv-residual") == 0)
+        return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, 1 << 20, &kv->residual) ? 1 : -1;
     if (strcmp(flag, "--keep") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->keep) ? 1 : -1;
     return 0;

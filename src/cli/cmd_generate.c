@@ -237,8 +237,9 @@ int cmd_generate(int argc, char **argv) {
     int n_steps = n_gen > 0 ? n_gen - 1 : 0;
     fprintf(stderr, "kvq: generate  %6d tokens in %9.2f ms (%8.2f tok/s)\n", n_gen, (t2 - t1) * 1e3,
             n_steps > 0 ? n_steps / (t2 - t1) : 0.0);
-    fprintf(stderr, "kvq: KV cache %s: %.2f MiB for %d tokens (%zu bytes/token)\n", cli_kv_config_name(&o.cp.kv),
-            kvq_kv_bytes(ctx) / 1048576.0, kvq_seq_len(ctx, 0), kvq_kv_token_bytes(m, &o.cp.kv));
+    fprintf(stderr, "kvq: KV cache %s: %.2f MiB for %d tokens (%zu bytes/token + %zu bytes of f16 window)\n",
+            cli_kv_config_name(&o.cp.kv), kvq_kv_bytes(ctx) / 1048576.0, kvq_seq_len(ctx, 0),
+            kvq_kv_token_bytes(m, &o.cp.kv), kvq_kv_window_bytes(m, &o.cp.kv));
     rc = 0;
 done:
     kvq_seq_extra_free(&saved);

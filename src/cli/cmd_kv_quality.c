@@ -15,7 +15,10 @@ static const char *const quality_help =
     "usage: kvq kv-quality -m MODEL -f TEXT [options] CONFIG...\n"
     "\n"
     "Compares each KV cache CONFIG against f16 keys and values. CONFIG is\n"
-    "  KBITS[,VBITS][:KGROUP[,VGROUP]][+rot][@START]   e.g. 8  8,4  4:32  4,2:64+rot  4@256\n"
+    "  KBITS[,VBITS][:KGROUP[,VGROUP]][+rot][/R][#KEEP][@START]\n"
+    "  e.g. 8  8,4  4:32  4,2:64+rot  4,2+rot/32  4+rot/32#0  4@256\n"
+    "  +rot: Hadamard rotation; /R: residual window of R f16 tokens (default 0 here);\n"
+    "  #KEEP: first tokens also held in f16 when R > 0 (default 4)\n"
     "\n"
     "  -m, --model FILE     GGUF model\n"
     "  -f, --file FILE      text to evaluate\n"
@@ -26,12 +29,23 @@ static const char *const quality_help =
 static bool parse_config(const char *spec, struct kvq_kv_config *kv) {
     kvq_kv_config_default(kv);
     kv->hadamard = false;
+    kv->residual = 0;
     char buf[128];
     snprintf(buf, sizeof buf, "%s", spec);
     char *at = strchr(buf, '@');
     if (at) {
         *at = 0;
         kv->quantized_start = atoi(at + 1);
+    }
+    char *hash = strchr(buf, '#');
+    if (hash) {
+        *hash = 0;
+        kv->keep = atoi(hash + 1);
+    }
+    char *slash = strchr(buf, '/');
+    if (slash) {
+        *slash = 0;
+        kv->residual = atoi(slash + 1);
     }
     char *plus = strchr(buf, '+');
     if (plus) {
@@ -164,13 +178,15 @@ int cmd_kv_quality(int argc, char **argv) {
     double n_tot = (double)n_chunks * n_scored;
     printf("model %s, %d chunks of %d tokens, f16-KV perplexity %.4f\n", model, n_chunks, n_ctx,
            exp(nll[n_specs] / n_tot));
-    printf("| config | bits/value K/V | mean KLD | same top-1 | PPL ratio |\n|---|---|---|---|---|\n");
+    printf("| config | bits/value K/V | mean KLD | same top-1 | PPL ratio | bytes/token | f16 window bytes |\n"
+           "|---|---|---|---|---|---|---|\n");
     for (int s = 0; s < n_specs; s++) {
         const struct kvq_kv_config *kv = &kvs[s];
         double bk = kv->k_bits >= 16 ? kv->k_bits : kv->k_bits + 32.0 / kv->k_group;
         double bv = kv->v_bits >= 16 ? kv->v_bits : kv->v_bits + 32.0 / kv->v_group;
-        printf("| %s | %.2f / %.2f | %.6f | %.2f%% | %.4f |\n", specs[s], bk, bv, kld[s] / n_tot,
-               100.0 * same[s] / n_tot, exp((nll[s] - nll[n_specs]) / n_tot));
+        printf("| %s | %.2f / %.2f | %.6f | %.2f%% | %.4f | %zu | %zu |\n", specs[s], bk, bv, kld[s] / n_tot,
+               100.0 * same[s] / n_tot, exp((nll[s] - nll[n_specs]) / n_tot), kvq_kv_token_bytes(m, kv),
+               kvq_kv_window_bytes(m, kv));
     }
     free(base);
     free(cur);

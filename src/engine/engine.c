@@ -111,6 +111,7 @@ void kvq_kv_config_default(struct kvq_kv_config *kv) {
     kv->k_bits = kv->v_bits = 16;
     kv->k_group = kv->v_group = 64;
     kv->keep = 4;
+    kv->residual = 32;
     kv->hadamard = true; /* applies to quantized rows only; lowers KLD at every width (kv-quality) */
 }
 
@@ -123,6 +124,7 @@ static void to_cache_config(const struct kvq_kv_config *kv, struct kv_cache_conf
     cc->keep = kv->keep;
     cc->quantized_start = kv->quantized_start;
     cc->hadamard = kv->hadamard;
+    cc->residual = kv->residual;
 }
 
 static struct kv_shape model_kv_shape(const struct model *m) {
@@ -135,6 +137,13 @@ size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config 
     to_cache_config(kv, &cc);
     struct kv_shape s = model_kv_shape(m->model);
     return kv_cache_token_bytes(&cc, &s) * (size_t)m->model->hp.n_layer;
+}
+
+size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv) {
+    struct kv_cache_config cc;
+    to_cache_config(kv, &cc);
+    struct kv_shape s = model_kv_shape(m->model);
+    return kv_cache_window_bytes(&cc, &s) * (size_t)m->model->hp.n_layer;
 }
 
 /* ---- context ---- */

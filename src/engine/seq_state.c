@@ -1,18 +1,20 @@
 /* Saving and loading one sequence's KV cache state (kvq_seq_save / kvq_seq_load).
  *
- * File format, version 1 (little-endian):
+ * File format, version 2 (little-endian):
  *   char  magic[8] = "KVQCACHE"
- *   u32   version = 1
+ *   u32   version = 2
  *   u64   model fingerprint (FNV-1a 64 of arch, hyperparameters and weight samples)
  *   u32   n_layer, n_head, n_head_kv, head_dim, n_vocab
- *   i32   KV config: k_bits v_bits k_group v_group max_size keep quantized_start hadamard
+ *   i32   KV config: k_bits v_bits k_group v_group max_size keep quantized_start hadamard residual
  *   i32   n_past
  *   u32   n_tokens, then i32 tokens[n_tokens]   (what the sequence holds; may be 0)
  *   u32   n_logits (0 or n_vocab), then f32 logits[n_logits] (after the last token)
  *   n_layer cache sections (kv_cache_save: kind, formats, offset, rotation index, rows)
  *   u64   FNV-1a 64 checksum of every byte before it
  * Readers check the magic, the version, the checksum, then the model and config,
- * and bound every count by the bytes actually present. */
+ * and bound every count by the bytes actually present.
+ * Version 1 files (no residual in the config, 'KVL1' layer sections without window
+ * rows) still load, as residual 0. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,7 +26,7 @@
 #include "model/model.h"
 
 #define SEQ_MAGIC "KVQCACHE"
-#define SEQ_VERSION 1u
+#define SEQ_VERSION 2u
 
 static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
     const uint8_t *b = p;
@@ -60,8 +62,8 @@ static uint64_t model_fingerprint(const struct model *m) {
 
 static void put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv) {
     int32_t v[] = {kv->k_bits, kv->v_bits, kv->k_group, kv->v_group, kv->max_size, kv->keep, kv->quantized_start,
-                   kv->hadamard};
-    for (int i = 0; i < 8; i++) kv_buf_u32(b, (uint32_t)v[i]);
+                   kv->hadamard, kv->residual};
+    for (int i = 0; i < 9; i++) kv_buf_u32(b, (uint32_t)v[i]);
 }
 
 int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, const kvq_token *tokens, int n_tokens,
@@ -142,15 +144,18 @@ static uint8_t *read_all(const char *path, size_t *len) {
 }
 
 /* Checks magic, version and checksum; leaves r after the version. */
-static int check_envelope(const char *path, const uint8_t *data, size_t len, struct kv_reader *r) {
+static int check_envelope(const char *path, const uint8_t *data, size_t len, struct kv_reader *r,
+                          uint32_t *version_out) {
     uint32_t version;
     if (len < 12 && memcmp(data, SEQ_MAGIC, len < 8 ? len : 8) == 0 && len >= 4)
         return kvq_error("'%s' is truncated", path);
     if (len < 12 || memcmp(data, SEQ_MAGIC, 8) != 0) return kvq_error("'%s' is not a kvq KV cache file", path);
     *r = (struct kv_reader){data, len, 8};
     kv_read_u32(r, &version);
-    if (version != SEQ_VERSION)
-        return kvq_error("'%s' has KV cache file version %u; this build reads version %u", path, version, SEQ_VERSION);
+    if (version != SEQ_VERSION && version != 1)
+        return kvq_error("'%s' has KV cache file version %u; this build reads versions 1 to %u", path, version,
+                         SEQ_VERSION);
+    *version_out = version;
     if (len < 12 + 8) return kvq_error("'%s' is truncated", path);
     struct kv_reader t = {data, len, len - 8};
     uint64_t sum;
@@ -160,9 +165,9 @@ static int check_envelope(const char *path, const uint8_t *data, size_t len, str
     return 0;
 }
 
-static bool read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv) {
-    int32_t v[8];
-    for (int i = 0; i < 8; i++)
+static bool read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_t version) {
+    int32_t v[9] = {0};
+    for (int i = 0; i < (version >= 2 ? 9 : 8); i++)
         if (!kv_read_i32(r, &v[i])) return false;
     kv->k_bits = v[0];
     kv->v_bits = v[1];
@@ -172,6 +177,7 @@ static bool read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv) {
     kv->keep = v[5];
     kv->quantized_start = v[6];
     kv->hadamard = v[7] != 0;
+    kv->residual = v[8];
     return true;
 }
 
@@ -182,11 +188,13 @@ int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
     struct kv_reader r;
     uint64_t fp;
     uint32_t dims[5];
-    int rc = check_envelope(path, data, len, &r);
+    uint32_t version = 0;
+    int rc = check_envelope(path, data, len, &r, &version);
     if (rc == 0) {
+        memset(kv, 0, sizeof *kv);
         bool ok = kv_read_u64(&r, &fp);
         for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(&r, &dims[i]);
-        if (!ok || !read_kv_config(&r, kv)) rc = kvq_error("'%s' is truncated", path);
+        if (!ok || !read_kv_config(&r, kv, version)) rc = kvq_error("'%s' is truncated", path);
     }
     free(data);
     return rc;
@@ -195,20 +203,20 @@ int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
 static bool same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
     return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group &&
            a->max_size == b->max_size && a->keep == b->keep && a->quantized_start == b->quantized_start &&
-           a->hadamard == b->hadamard;
+           a->hadamard == b->hadamard && a->residual == b->residual;
 }
 
 static int load_body(struct kvq_context *c, struct kv_cache **caches, const char *path, struct kv_reader *r,
-                     struct kvq_seq_extra *extra) {
+                     uint32_t version, struct kvq_seq_extra *extra) {
     const struct model *m = engine_model(c);
     const struct model_hparams *hp = &m->hp;
     uint64_t fp;
     uint32_t dims[5], n_tok, n_logits;
     int32_t n_past;
-    struct kvq_kv_config kv;
+    struct kvq_kv_config kv = {0};
     bool ok = kv_read_u64(r, &fp);
     for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(r, &dims[i]);
-    if (!ok || !read_kv_config(r, &kv) || !kv_read_i32(r, &n_past)) return kvq_error("'%s' is truncated", path);
+    if (!ok || !read_kv_config(r, &kv, version) || !kv_read_i32(r, &n_past)) return kvq_error("'%s' is truncated", path);
     if (fp != model_fingerprint(m) || dims[0] != (uint32_t)hp->n_layer || dims[1] != (uint32_t)hp->n_head ||
         dims[2] != (uint32_t)hp->n_head_kv || dims[3] != (uint32_t)hp->head_dim || dims[4] != (uint32_t)hp->n_vocab)
         return kvq_error("'%s' was written for another model (%u layers, %u/%u heads, head_dim %u, vocab %u)", path,
@@ -216,11 +224,11 @@ static int load_body(struct kvq_context *c, struct kv_cache **caches, const char
     const struct kvq_kv_config *mine = engine_kv_config(c);
     if (!same_kv(&kv, mine))
         return kvq_error("'%s' was written with another KV cache config (K%d/V%d bits, groups %d/%d, max size %d, "
-                         "keep %d, quantized start %d, rotation %d); this context uses K%d/V%d bits, groups %d/%d, "
-                         "max size %d, keep %d, quantized start %d, rotation %d",
+                         "keep %d, quantized start %d, rotation %d, residual %d); this context uses K%d/V%d bits, "
+                         "groups %d/%d, max size %d, keep %d, quantized start %d, rotation %d, residual %d",
                          path, kv.k_bits, kv.v_bits, kv.k_group, kv.v_group, kv.max_size, kv.keep, kv.quantized_start,
-                         kv.hadamard, mine->k_bits, mine->v_bits, mine->k_group, mine->v_group, mine->max_size,
-                         mine->keep, mine->quantized_start, mine->hadamard);
+                         kv.hadamard, kv.residual, mine->k_bits, mine->v_bits, mine->k_group, mine->v_group,
+                         mine->max_size, mine->keep, mine->quantized_start, mine->hadamard, mine->residual);
     if (n_past < 0 || (n_past > kvq_context_n_ctx(c) && mine->max_size == 0))
         return kvq_error("'%s' holds %d tokens, more than the context of %d", path, n_past, kvq_context_n_ctx(c));
     if (!kv_read_u32(r, &n_tok) || n_tok > (r->len - r->off) / 4) return kvq_error("'%s' is truncated", path);
@@ -270,8 +278,9 @@ int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq
     uint8_t *data = read_all(path, &len);
     if (!data) return -1;
     struct kv_reader r;
-    int rc = check_envelope(path, data, len, &r);
-    if (rc == 0) rc = load_body(c, caches, path, &r, extra);
+    uint32_t version = 0;
+    int rc = check_envelope(path, data, len, &r, &version);
+    if (rc == 0) rc = load_body(c, caches, path, &r, version, extra);
     free(data);
     if (rc != 0) {
         char msg[512];

@@ -44,6 +44,10 @@ struct kv_cache *kv_cache_new(const struct kv_cache_config *cfg, const struct kv
                   cfg->max_size, cfg->keep, cfg->quantized_start);
         return NULL;
     }
+    if (cfg->residual < 0 || cfg->residual > (1 << 20)) {
+        kvq_error("invalid KV residual window %d: expected 0 .. %d tokens", cfg->residual, 1 << 20);
+        return NULL;
+    }
     struct kv_cache *c = calloc(1, sizeof *c);
     if (!c) {
         kvq_error("out of memory");
@@ -150,4 +154,14 @@ size_t kv_cache_token_bytes(const struct kv_cache_config *cfg, const struct kv_s
     size_t per_head_k = kern_kvq_row_bytes(cfg->k_bits, cfg->k_group, shape->head_dim);
     size_t per_head_v = kern_kvq_row_bytes(cfg->v_bits, cfg->v_group, shape->head_dim);
     return (size_t)shape->n_kv_heads * (per_head_k + per_head_v);
+}
+
+/* (R + keep) f16 rows of K and V per KV head, for quantized caches with R > 0: a
+ * float side is copied in its own format so the window rows are self-contained. */
+size_t kv_cache_window_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape) {
+    if (cfg->residual <= 0 || (!kern_kvq_bits_quantized(cfg->k_bits) && !kern_kvq_bits_quantized(cfg->v_bits)))
+        return 0;
+    size_t k = (size_t)shape->head_dim * (kern_kvq_bits_quantized(cfg->k_bits) ? 16 : cfg->k_bits) / 8;
+    size_t v = (size_t)shape->head_dim * (kern_kvq_bits_quantized(cfg->v_bits) ? 16 : cfg->v_bits) / 8;
+    return (size_t)(cfg->residual + cfg->keep) * (size_t)shape->n_kv_heads * (k + v);
 }

@@ -19,6 +19,9 @@ struct kv_cache_config {
     int keep;               /* first tokens always kept when rotating */
     int quantized_start;    /* dense until the sequence holds more than this many tokens */
     bool hadamard;          /* rotate head vectors before quantizing */
+    int residual;           /* quantized caches: the newest R tokens are also held in f16
+                             * and attention reads them from there (0: off); with R > 0
+                             * the first `keep` tokens (attention sinks) are too */
 };
 
 struct kv_shape {
@@ -53,10 +56,17 @@ int32_t kv_cache_n_past(const struct kv_cache *c);
  * has wrapped cannot go back past its window). */
 int kv_cache_trim(struct kv_cache *c, int n);
 void kv_cache_clear(struct kv_cache *c);
-/* Bytes of the stored keys and values (not counting unused capacity). */
+/* Bytes of the stored keys and values (not counting unused capacity): the packed
+ * rows of every stored token plus the f16 rows the windows hold. */
 size_t kv_cache_bytes(const struct kv_cache *c);
-/* Bytes per stored token for this config (exact, per the storage format). */
+/* Bytes per stored token for this config (exact, per the packed storage format).
+ * A quantized cache with residual R > 0 holds on top of that a constant overhead of
+ * f16 rows: kv_cache_window_bytes() = (R + keep) x n_kv_heads x head_dim x 4 bytes
+ * (K and V) once the sequence is longer than R + keep; after a multi-token append the
+ * batch's own rows are also held in f16 until the next append. */
 size_t kv_cache_token_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape);
+/* That constant f16 window overhead in bytes (0 for float caches or R = 0). */
+size_t kv_cache_window_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape);
 
 /* The config and shape the cache was made with. */
 const struct kv_cache_config *kv_cache_get_config(const struct kv_cache *c);

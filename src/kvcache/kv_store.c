@@ -33,8 +33,17 @@ struct kv_fmt {
     size_t row; /* bytes per row */
 };
 
+/* f16 copies of the rows of positions [p0, p0+n), in the window formats. */
+struct kv_win {
+    int32_t p0, n, cap;
+    uint8_t *k, *v; /* [H][cap][row] */
+};
+
 struct kv_store {
     struct kv_fmt kf, vf;
+    struct kv_fmt wkf, wvf; /* window rows: f16 in the packed rows' space (rotated, centered) */
+    struct kv_win rec;      /* the newest positions (the residual window) */
+    struct kv_win sink;     /* positions [0, sinks) */
     int32_t cap, size, idx; /* slots allocated, in use, next ring slot */
     int32_t *pos;           /* [cap] position of each slot */
     uint8_t *k, *v;         /* [H][cap][row] */
@@ -57,6 +66,13 @@ static struct kv_fmt initial_fmt(const struct kv_cache *c, int bits, int group) 
 }
 static bool fmt_eq(struct kv_fmt a, struct kv_fmt b) {
     return a.bits == b.bits && a.rot == b.rot && (!kern_kvq_bits_quantized(a.bits) || a.group == b.group);
+}
+
+/* The window format of a side: f16 where the side is quantized (same rotation). */
+static struct kv_fmt window_fmt(const struct kv_cache *c, struct kv_fmt f) {
+    if (kern_kvq_bits_quantized(f.bits)) f.bits = 16;
+    f.row = kern_kvq_row_bytes(f.bits, f.group, c->shape.head_dim);
+    return f;
 }
 
 static uint8_t *row_ptr(uint8_t *base, const struct kv_fmt *f, int32_t cap, int h, int32_t slot) {
@@ -85,8 +101,6 @@ static void decode_row(const struct kv_store *st, const struct kv_fmt *f, int d,
         for (int i = 0; i < d; i++) x[i] += mu[i];
 }
 
-static bool kvq_center_enabled(int which) { return !getenv(which ? "KVQ_NO_VMEAN" : "KVQ_NO_KMEAN"); }
-
 /* The offset of a quantized side (NULL for float rows or before it is chosen). */
 static const float *side_mu(const struct kv_store *st, const struct kv_fmt *f, int which, int h, int d, int H) {
     return kern_kvq_bits_quantized(f->bits) && st->mu_set ? st->mu + ((size_t)which * H + h) * d : NULL;
@@ -94,7 +108,10 @@ static const float *side_mu(const struct kv_store *st, const struct kv_fmt *f, i
 
 /* Chooses the offsets from n tokens of keys and values ([n][H][D] each; the first at
  * position p0): their per-channel means, leaving out the first token of the sequence
- * (an attention sink, unlike the others). A lone first token leaves them at 0. */
+ * (an attention sink, unlike the others). A lone first token leaves them at 0.
+ * Offsets exist only with a residual window R > 0: they are the means of positions
+ * 1..T-1, chosen when the sequence reaches T tokens (mu_tokens), from the f16 window
+ * rows, so they do not depend on how the tokens were batched. */
 static void set_mu(struct kv_cache *c, const float *k, const float *v, size_t tok_stride, int n, int32_t p0) {
     struct kv_store *st = c->impl;
     int H = c->shape.n_kv_heads, D = c->shape.head_dim;
@@ -103,7 +120,6 @@ static void set_mu(struct kv_cache *c, const float *k, const float *v, size_t to
     for (int w = 0; w < 2; w++) {
         const float *x = w ? v : k;
         float *mu = st->mu + (size_t)w * H * D;
-        if (!kvq_center_enabled(w)) continue;
         for (int t = t0; t < n; t++)
             for (int i = 0; i < H * D; i++) mu[i] += x[(size_t)t * tok_stride + i] / (float)(n - t0);
     }
@@ -156,6 +172,96 @@ static void write_slot(struct kv_cache *c, int32_t slot, int32_t pos, const floa
                    row_ptr(st->v, &st->vf, st->cap, h, slot));
     }
     st->pos[slot] = pos;
+}
+
+/* ---- f16 windows ---- */
+
+static bool win_on(const struct kv_store *st) {
+    return kern_kvq_bits_quantized(st->kf.bits) || kern_kvq_bits_quantized(st->vf.bits);
+}
+/* First tokens held in f16 besides their packed rows (with a residual window). */
+static int32_t sink_target(const struct kv_cache *c) { return c->cfg.residual > 0 ? c->cfg.keep : 0; }
+
+static int win_reserve(struct kv_cache *c, struct kv_win *w, int32_t need) {
+    struct kv_store *st = c->impl;
+    if (need <= w->cap) return 0;
+    int H = c->shape.n_kv_heads;
+    int32_t cap = w->cap ? w->cap : 16;
+    while (cap < need) cap *= 2;
+    uint8_t *nk = malloc(st->wkf.row * (size_t)cap * (size_t)H);
+    uint8_t *nv = malloc(st->wvf.row * (size_t)cap * (size_t)H);
+    if (!nk || !nv) {
+        free(nk);
+        free(nv);
+        return kvq_error("out of memory growing the KV cache window to %d tokens", cap);
+    }
+    for (int h = 0; h < H && w->n > 0; h++) {
+        memcpy(row_ptr(nk, &st->wkf, cap, h, 0), row_ptr(w->k, &st->wkf, w->cap, h, 0), st->wkf.row * (size_t)w->n);
+        memcpy(row_ptr(nv, &st->wvf, cap, h, 0), row_ptr(w->v, &st->wvf, w->cap, h, 0), st->wvf.row * (size_t)w->n);
+    }
+    free(w->k);
+    free(w->v);
+    w->k = nk;
+    w->v = nv;
+    w->cap = cap;
+    return 0;
+}
+
+static void win_drop_front(struct kv_cache *c, struct kv_win *w, int32_t drop) {
+    struct kv_store *st = c->impl;
+    if (drop <= 0) return;
+    if (drop >= w->n) {
+        w->p0 += w->n;
+        w->n = 0;
+        return;
+    }
+    int32_t keep = w->n - drop;
+    for (int h = 0; h < c->shape.n_kv_heads; h++) {
+        memmove(row_ptr(w->k, &st->wkf, w->cap, h, 0), row_ptr(w->k, &st->wkf, w->cap, h, drop),
+                st->wkf.row * (size_t)keep);
+        memmove(row_ptr(w->v, &st->wvf, w->cap, h, 0), row_ptr(w->v, &st->wvf, w->cap, h, drop),
+                st->wvf.row * (size_t)keep);
+    }
+    w->p0 += drop;
+    w->n = keep;
+}
+
+/* Appends the row of position p0+n (capacity reserved); k, v: [H][D]. */
+static void win_put(struct kv_cache *c, struct kv_win *w, const float *k, const float *v) {
+    struct kv_store *st = c->impl;
+    int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    for (int h = 0; h < H; h++) {
+        encode_row(st, &st->wkf, D, k + (size_t)h * D, side_mu(st, &st->kf, 0, h, D, H),
+                   row_ptr(w->k, &st->wkf, w->cap, h, w->n));
+        encode_row(st, &st->wvf, D, v + (size_t)h * D, side_mu(st, &st->vf, 1, h, D, H),
+                   row_ptr(w->v, &st->wvf, w->cap, h, w->n));
+    }
+    w->n++;
+}
+
+/* Before appending n tokens at p = n_past: the sinks take the batch's positions below
+ * the sink count; the residual window drops positions older than p - R + 1 (what the
+ * batch's first query still needs) and takes the whole batch. So a query at q reads
+ * f16 rows for (q - R, q] however the tokens were batched. */
+static int windows_append(struct kv_cache *c, int n, const float *k, const float *v, size_t tok) {
+    struct kv_store *st = c->impl;
+    if (!win_on(st)) return 0;
+    const int32_t p = c->n_past, S = sink_target(c), R = c->cfg.residual;
+    int32_t ns = 0;
+    if (st->sink.n == p && p < S) {
+        ns = S - p < n ? S - p : n;
+        if (win_reserve(c, &st->sink, p + ns) != 0) return -1;
+    }
+    if (R > 0) {
+        if (st->rec.n > 0 && st->rec.p0 + st->rec.n != p) st->rec.n = 0; /* not contiguous: restart */
+        if (st->rec.n == 0) st->rec.p0 = p;
+        int32_t lo = p - R + 1 > 0 && st->mu_set ? p - R + 1 : 0; /* all kept until the offsets exist */
+        if (win_reserve(c, &st->rec, (st->rec.p0 < lo ? p - lo : st->rec.n) + n) != 0) return -1;
+        win_drop_front(c, &st->rec, lo - st->rec.p0);
+        for (int t = 0; t < n; t++) win_put(c, &st->rec, k + (size_t)t * tok, v + (size_t)t * tok);
+    }
+    for (int t = 0; t < ns; t++) win_put(c, &st->sink, k + (size_t)t * tok, v + (size_t)t * tok);
+    return 0;
 }
 
 static int cmp_u64(const void *a, const void *b) {
@@ -244,6 +350,25 @@ static void drop_oldest(struct kv_cache *c, int32_t retain) {
     st->idx = st->size;
 }
 
+/* With R > 0, the offsets are the means of positions 1..T-1, chosen when the sequence
+ * reaches T = max(R + 1, MU_TOKENS) tokens; until then every row stays in the window and
+ * queries before T read f16 rows only (0: no offsets). */
+#define MU_TOKENS 128 /* kv-quality, K4/V4 R 32: 0.00259 at 64, 0.00246 at 128, 0.00249 at 256 */
+static int32_t mu_tokens(const struct kv_cache *c) {
+    const int32_t R = c->cfg.residual, M = c->cfg.max_size;
+    int32_t T = M > 0 && M < MU_TOKENS ? M : MU_TOKENS; /* a rotating cache stays bounded */
+    return R <= 0 ? 0 : R + 1 > T ? R + 1 : T;
+}
+
+/* The slot holding position p, or -1. */
+static int32_t slot_of(const struct kv_cache *c, int32_t p) {
+    const struct kv_store *st = c->impl;
+    if (c->cfg.max_size == 0) return p < st->size ? p : -1;
+    for (int32_t s = 0; s < st->size; s++)
+        if (st->pos[s] == p) return s;
+    return -1;
+}
+
 /* Re-encodes every stored row into new formats (same slots). */
 static int reencode(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
     struct kv_store *st = c->impl;
@@ -276,7 +401,10 @@ static int reencode(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
             decode_row(st, &st->vf, D, row_ptr(st->v, &st->vf, cap, h, SLOT_OF(t)), side_mu(st, &st->vf, 1, h, D, H),
                        xv + ((size_t)t * H + h) * D);
         }
-    if (!st->mu_set && st->size > 0) set_mu(c, x, xv, (size_t)H * D, st->size, st->pos[first]);
+    /* offsets (R > 0) from positions 1..R when present, else chosen later by append */
+    const int32_t T = mu_tokens(c);
+    if (!st->mu_set && T > 0 && c->n_past >= T && c->cfg.max_size == 0 && st->pos[first] == 0)
+        set_mu(c, x, xv, (size_t)H * D, T, 0);
     for (int32_t t = 0; t < st->size; t++)
         for (int h = 0; h < H; h++) {
             encode_row(st, &nkf, D, x + ((size_t)t * H + h) * D, side_mu(st, &nkf, 0, h, D, H),
@@ -284,14 +412,36 @@ static int reencode(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
             encode_row(st, &nvf, D, xv + ((size_t)t * H + h) * D, side_mu(st, &nvf, 1, h, D, H),
                        row_ptr(nv, &nvf, cap, h, SLOT_OF(t)));
         }
-#undef SLOT_OF
-    free(x);
     free(st->k);
     free(st->v);
     st->k = nk;
     st->v = nv;
     st->kf = nkf;
     st->vf = nvf;
+    /* the windows take the f16 rows of the sinks and of the last R positions */
+    st->sink.n = st->rec.n = 0;
+    if (win_on(st)) {
+        const int32_t S = sink_target(c), R = c->cfg.residual, np = c->n_past;
+        if (S > 0 && win_reserve(c, &st->sink, S) == 0)
+            for (int32_t p = 0; p < S && p < np; p++) {
+                int32_t sl = slot_of(c, p);
+                if (sl < 0) break;
+                win_put(c, &st->sink, x + (size_t)SLOT_OF(sl) * H * D, xv + (size_t)SLOT_OF(sl) * H * D);
+            }
+        st->rec.p0 = np - R > 0 ? np - R : 0;
+        if (R > 0 && win_reserve(c, &st->rec, R) == 0)
+            for (int32_t p = st->rec.p0; p < np; p++) {
+                int32_t sl = slot_of(c, p);
+                if (sl < 0) { /* keep the window contiguous */
+                    st->rec.n = 0;
+                    st->rec.p0 = p + 1;
+                    continue;
+                }
+                win_put(c, &st->rec, x + (size_t)SLOT_OF(sl) * H * D, xv + (size_t)SLOT_OF(sl) * H * D);
+            }
+    }
+#undef SLOT_OF
+    free(x);
     return 0;
 }
 
@@ -302,14 +452,72 @@ static int store_to_quantized(struct kv_cache *c) {
     return reencode(c, tk, tv);
 }
 
+static int store_append_rows(struct kv_cache *c, int n, const float *k, const float *v, size_t tok);
+
+
+/* Sets the offsets from the residual window's f16 rows of positions 1..T-1 (it holds
+ * every position so far), then re-encodes the window, sink and packed rows of
+ * positions 0..T-1 with them from those f16 rows. */
+static void offsets_from_window(struct kv_cache *c) {
+    struct kv_store *st = c->impl;
+    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    const int32_t T = mu_tokens(c);
+    struct kv_win *w = &st->rec;
+    if (w->p0 != 0 || w->n < T) return; /* not the expected shape (e.g. after a trim): no offsets */
+    float x[KERN_KVQ_MAX_DIM];
+    memset(st->mu, 0, sizeof(float) * 2 * (size_t)H * D);
+    for (int side = 0; side < 2; side++)
+        for (int h = 0; h < H; h++) {
+            float *mu = st->mu + ((size_t)side * H + h) * D;
+            const struct kv_fmt *f = side ? &st->wvf : &st->wkf;
+            for (int32_t p = 1; p < T; p++) {
+                decode_row(st, f, D, row_ptr(side ? w->v : w->k, f, w->cap, h, p), NULL, x);
+                for (int i = 0; i < D; i++) mu[i] += x[i] / (float)(T - 1);
+            }
+        }
+    st->mu_set = true;
+    for (int side = 0; side < 2; side++) {
+        const struct kv_fmt *wf = side ? &st->wvf : &st->wkf, *pf = side ? &st->vf : &st->kf;
+        for (int h = 0; h < H; h++) {
+            const float *mu = side_mu(st, pf, side, h, D, H);
+            for (int32_t p = 0; p < T; p++) {
+                uint8_t *wr = row_ptr(side ? w->v : w->k, wf, w->cap, h, p);
+                decode_row(st, wf, D, wr, NULL, x);
+                int32_t sl = slot_of(c, p);
+                if (sl >= 0) encode_row(st, pf, D, x, mu, row_ptr(side ? st->v : st->k, pf, st->cap, h, sl));
+                if (p < st->sink.n)
+                    encode_row(st, wf, D, x, mu, row_ptr(side ? st->sink.v : st->sink.k, wf, st->sink.cap, h, p));
+                encode_row(st, wf, D, x, mu, wr);
+            }
+        }
+    }
+}
+
 static int store_append(struct kv_cache *c, int n, const float *k, const float *v) {
     struct kv_store *st = c->impl;
     if (n <= 0) return 0;
     if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && store_to_quantized(c) != 0) return -1;
     const size_t tok = (size_t)c->shape.n_kv_heads * c->shape.head_dim;
+    const int32_t T = mu_tokens(c);
+    if (!st->mu_set && win_on(st) && T > 0 && c->n_past < T && c->n_past + n > T) {
+        /* the offsets are chosen at T tokens: the part after T is encoded with them */
+        int n1 = (int)(T - c->n_past);
+        if (store_append(c, n1, k, v) != 0) return -1;
+        return store_append(c, n - n1, k + (size_t)n1 * tok, v + (size_t)n1 * tok);
+    }
+    if (windows_append(c, n, k, v, tok) != 0) return -1;
+    if (!st->mu_set && win_on(st) && T > 0 && c->n_past + n == T) {
+        int rc = store_append_rows(c, n, k, v, tok);
+        if (rc == 0) offsets_from_window(c);
+        return rc;
+    }
+    return store_append_rows(c, n, k, v, tok);
+}
+
+/* Writes the packed rows of n tokens (the windows already took them). */
+static int store_append_rows(struct kv_cache *c, int n, const float *k, const float *v, size_t tok) {
+    struct kv_store *st = c->impl;
     const int32_t M = c->cfg.max_size, keep = c->cfg.keep;
-    bool quant = kern_kvq_bits_quantized(st->kf.bits) || kern_kvq_bits_quantized(st->vf.bits);
-    if (!st->mu_set && quant) set_mu(c, k, v, tok, n, c->n_past);
     if (M > 0 && n == 1 && st->size >= M) {
         if (st->size > M) { /* back from a multi-token append: trim to the window */
             if (temporal_order(c) != 0) return -1;
@@ -337,20 +545,49 @@ static int store_append(struct kv_cache *c, int n, const float *k, const float *
     return 0;
 }
 
-static void run_attn(const struct kv_cache *c, struct kern_attn_state *s, const float *qs, int kv_head, int32_t s0,
-                     int32_t n) {
-    const struct kv_store *st = c->impl;
-    const uint8_t *kb = row_ptr(st->k, &st->kf, st->cap, kv_head, s0);
-    const uint8_t *vb = row_ptr(st->v, &st->vf, st->cap, kv_head, s0);
-    if (st->kf.bits == st->vf.bits && !kern_kvq_bits_quantized(st->kf.bits)) {
-        kern_attn_accumulate(s, qs, kb, (size_t)c->shape.head_dim, vb, (size_t)c->shape.head_dim, st->kf.bits, n);
+static void attn_rows(const struct kv_cache *c, struct kern_attn_state *s, const float *qs, const uint8_t *kb,
+                      const struct kv_fmt *kf, const uint8_t *vb, const struct kv_fmt *vf, int32_t n) {
+    if (kf->bits == vf->bits && !kern_kvq_bits_quantized(kf->bits)) {
+        kern_attn_accumulate(s, qs, kb, (size_t)c->shape.head_dim, vb, (size_t)c->shape.head_dim, kf->bits, n);
         return;
     }
-    struct kern_kv_rows kr = {kb, st->kf.row, st->kf.bits, st->kf.group};
-    struct kern_kv_rows vr = {vb, st->vf.row, st->vf.bits, st->vf.group};
+    struct kern_kv_rows kr = {kb, kf->row, kf->bits, kf->group};
+    struct kern_kv_rows vr = {vb, vf->row, vf->bits, vf->group};
     kern_kvq_attn_accumulate(s, qs, &kr, &vr, n);
 }
 
+static void run_attn(const struct kv_cache *c, struct kern_attn_state *s, const float *qs, int kv_head, int32_t s0,
+                     int32_t n) {
+    const struct kv_store *st = c->impl;
+    attn_rows(c, s, qs, row_ptr(st->k, &st->kf, st->cap, kv_head, s0), &st->kf,
+              row_ptr(st->v, &st->vf, st->cap, kv_head, s0), &st->vf, n);
+}
+
+/* Whether a query at q sees position p (rotating window, sliding-window attention). */
+static bool visible(const struct kv_cache *c, int32_t p, int32_t q) {
+    const int32_t M = c->cfg.max_size, keep = c->cfg.keep, W = c->shape.window;
+    return p <= q && (M == 0 || p < keep || p > q - (M - keep)) && (W <= 0 || p > q - W);
+}
+
+/* Attention over the window rows of positions [a, b] that q sees, in runs. */
+static void win_attn(const struct kv_cache *c, struct kern_attn_state *s, const float *qs, int kv_head,
+                     const struct kv_win *w, int32_t a, int32_t b, int32_t q) {
+    const struct kv_store *st = c->impl;
+    int32_t run0 = -1;
+    for (int32_t p = a; p <= b + 1; p++) {
+        bool vis = p <= b && visible(c, p, q);
+        if (vis && run0 < 0) run0 = p;
+        if (!vis && run0 >= 0) {
+            int32_t j = run0 - w->p0;
+            attn_rows(c, s, qs, row_ptr(w->k, &st->wkf, w->cap, kv_head, j), &st->wkf,
+                      row_ptr(w->v, &st->wvf, w->cap, kv_head, j), &st->wvf, p - run0);
+            run0 = -1;
+        }
+    }
+}
+
+/* A query at q_pos reads, in this order: the sink rows (f16), the packed rows, and
+ * the residual window's f16 rows of positions (q_pos - R, q_pos]. */
 static void store_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale,
                          float *out, float *scratch) {
     const struct kv_store *st = c->impl;
@@ -361,10 +598,22 @@ static void store_attend(const struct kv_cache *c, int kv_head, const float *q, 
         for (int h = 0; h < group; h++) kern_kvq_hadamard(qs + (size_t)h * D, D, st->signs);
     struct kern_attn_state s;
     kern_attn_state_init(&s, group, D, scratch + (size_t)group * D);
-    const int32_t M = c->cfg.max_size, keep = c->cfg.keep, W = c->shape.window;
+    const int32_t M = c->cfg.max_size, W = c->shape.window, R = c->cfg.residual;
+    const bool win = win_on(st);
+    /* packed rows serve positions [sn, ws) */
+    int32_t sn = win ? st->sink.n : 0, ws = q_pos + 1;
+    if (sn > q_pos + 1) sn = q_pos + 1;
+    if (win && R > 0 && st->rec.n > 0 && q_pos < st->rec.p0 + st->rec.n) {
+        ws = q_pos < mu_tokens(c) ? 0 : q_pos - R + 1; /* before the offsets: all f16 */
+        if (ws < st->rec.p0) ws = st->rec.p0;
+        if (ws < sn) ws = sn;
+        if (ws > q_pos + 1) ws = q_pos + 1;
+    }
+    if (sn > 0) win_attn(c, &s, qs, kv_head, &st->sink, 0, sn - 1, q_pos);
     if (M == 0) { /* slot == position */
-        int32_t hi = q_pos < st->size ? q_pos : st->size - 1;
+        int32_t hi = ws - 1 < st->size - 1 ? ws - 1 : st->size - 1;
         int32_t lo = W > 0 && q_pos - W + 1 > 0 ? q_pos - W + 1 : 0;
+        if (lo < sn) lo = sn;
         if (hi >= lo) run_attn(c, &s, qs, kv_head, lo, hi - lo + 1);
     } else {
         int32_t run0 = -1;
@@ -372,7 +621,7 @@ static void store_attend(const struct kv_cache *c, int kv_head, const float *q, 
             bool vis = false;
             if (sl < st->size) {
                 int32_t p = st->pos[sl];
-                vis = p <= q_pos && (p < keep || p > q_pos - (M - keep)) && (W <= 0 || p > q_pos - W);
+                vis = p >= sn && p < ws && visible(c, p, q_pos);
             }
             if (vis && run0 < 0) run0 = sl;
             if (!vis && run0 >= 0) {
@@ -381,6 +630,7 @@ static void store_attend(const struct kv_cache *c, int kv_head, const float *q, 
             }
         }
     }
+    if (ws <= q_pos) win_attn(c, &s, qs, kv_head, &st->rec, ws, q_pos, q_pos);
     kern_attn_finish(&s, out);
     if (st->vf.rot)
         for (int h = 0; h < group; h++) kern_kvq_hadamard_inv(out + (size_t)h * D, D, st->signs);
@@ -398,6 +648,8 @@ static int store_trim(struct kv_cache *c, int n) {
     st->size -= n;
     st->idx = st->size;
     c->n_past -= n;
+    if (st->sink.n > c->n_past) st->sink.n = c->n_past;
+    if (st->rec.p0 + st->rec.n > c->n_past) st->rec.n = c->n_past > st->rec.p0 ? c->n_past - st->rec.p0 : 0;
     return n;
 }
 
@@ -406,6 +658,7 @@ static void store_clear(struct kv_cache *c) {
     st->size = st->idx = 0;
     c->n_past = 0;
     st->mu_set = false;
+    st->sink.n = st->rec.n = st->rec.p0 = 0;
     struct kv_fmt ik = initial_fmt(c, c->cfg.k_bits, c->cfg.k_group), iv = initial_fmt(c, c->cfg.v_bits, c->cfg.v_group);
     if (!fmt_eq(st->kf, ik) || !fmt_eq(st->vf, iv)) {
         /* back to the dense phase; storage is re-made for the new row sizes */
@@ -422,7 +675,9 @@ static void store_clear(struct kv_cache *c) {
 
 static size_t store_bytes(const struct kv_cache *c) {
     const struct kv_store *st = c->impl;
-    return (size_t)st->size * (size_t)c->shape.n_kv_heads * (st->kf.row + st->vf.row);
+    size_t held = win_on(st) ? (size_t)(st->sink.n + st->rec.n) : 0;
+    return (size_t)c->shape.n_kv_heads *
+           ((size_t)st->size * (st->kf.row + st->vf.row) + held * (st->wkf.row + st->wvf.row));
 }
 
 static void store_free(struct kv_cache *c) {
@@ -433,6 +688,10 @@ static void store_free(struct kv_cache *c) {
         free(st->pos);
         free(st->signs);
         free(st->mu);
+        free(st->rec.k);
+        free(st->rec.v);
+        free(st->sink.k);
+        free(st->sink.v);
         free(st);
     }
     c->impl = NULL;
@@ -469,16 +728,22 @@ static int store_read_rows(const struct kv_cache *c, int kv_head, int which, flo
 }
 
 /* ---- serialization ----
- * A layer section (little-endian):
- *   u32 'KVL1', u32 kind (0 dense, 1 quantized, 2 rotating, 3 quantized-rotating)
- *   i32 config: k_bits v_bits k_group v_group max_size keep quantized_start hadamard
+ * A layer section, version 2 (little-endian):
+ *   u32 'KVL2', u32 kind (0 dense, 1 quantized, 2 rotating, 3 quantized-rotating)
+ *   i32 config: k_bits v_bits k_group v_group max_size keep quantized_start hadamard residual
  *   i32 n_kv_heads head_dim
  *   i32 stored formats: k_bits k_group k_rot v_bits v_group v_rot
  *   i32 n_past size idx
  *   i32 offsets chosen (0/1), then f32 key and value offsets [2][n_kv_heads][head_dim] if 1
  *   i32 pos[size]; key rows [n_kv_heads][size]; value rows [n_kv_heads][size]
- * Slots keep their order, so the ring's rotation index survives a round trip. */
-#define LAYER_MAGIC 0x314c564bu /* "KVL1" */
+ *   i32 sinks held, residual window first position, residual window rows held; then the
+ *   f16 window rows: sink keys [n_kv_heads][sinks], sink values, window keys
+ *   [n_kv_heads][rows], window values (all 0 rows for float caches)
+ * Slots keep their order, so the ring's rotation index survives a round trip.
+ * Version 1 ('KVL1') has no residual in the config and no window part: it loads as
+ * residual 0. */
+#define LAYER_MAGIC_V1 0x314c564bu /* "KVL1" */
+#define LAYER_MAGIC 0x324c564bu    /* "KVL2" */
 
 static int kind_code(const struct kv_cache *c) {
     const char *k = store_kind(c);
@@ -488,10 +753,10 @@ static int kind_code(const struct kv_cache *c) {
 static void store_save(const struct kv_cache *c, struct kv_buf *b) {
     const struct kv_store *st = c->impl;
     const struct kv_cache_config *cf = &c->cfg;
-    int32_t hdr[] = {cf->k_bits,       cf->v_bits, cf->k_group,      cf->v_group,  cf->max_size, cf->keep,
-                     cf->quantized_start, cf->hadamard, c->shape.n_kv_heads, c->shape.head_dim, st->kf.bits,
-                     st->kf.group,     st->kf.rot, st->vf.bits,      st->vf.group, st->vf.rot,   c->n_past,
-                     st->size,         st->idx};
+    int32_t hdr[] = {cf->k_bits,   cf->v_bits,          cf->k_group,       cf->v_group,  cf->max_size,
+                     cf->keep,     cf->quantized_start, cf->hadamard,      cf->residual, c->shape.n_kv_heads,
+                     c->shape.head_dim, st->kf.bits,    st->kf.group,      st->kf.rot,   st->vf.bits,
+                     st->vf.group, st->vf.rot,          c->n_past,         st->size,     st->idx};
     kv_buf_u32(b, LAYER_MAGIC);
     kv_buf_u32(b, (uint32_t)kind_code(c));
     for (size_t i = 0; i < sizeof hdr / sizeof hdr[0]; i++) kv_buf_u32(b, (uint32_t)hdr[i]);
@@ -507,6 +772,19 @@ static void store_save(const struct kv_cache *c, struct kv_buf *b) {
         kv_buf_put(b, row_ptr(st->k, &st->kf, st->cap, h, 0), st->kf.row * (size_t)st->size);
     for (int h = 0; h < c->shape.n_kv_heads; h++)
         kv_buf_put(b, row_ptr(st->v, &st->vf, st->cap, h, 0), st->vf.row * (size_t)st->size);
+    bool win = win_on(st);
+    int32_t sn = win ? st->sink.n : 0, rn = win ? st->rec.n : 0;
+    kv_buf_u32(b, (uint32_t)sn);
+    kv_buf_u32(b, (uint32_t)(rn ? st->rec.p0 : 0));
+    kv_buf_u32(b, (uint32_t)rn);
+    const struct kv_win *ws[2] = {&st->sink, &st->rec};
+    for (int w = 0; w < 2; w++) {
+        int32_t n = w ? rn : sn;
+        for (int h = 0; h < c->shape.n_kv_heads && n > 0; h++)
+            kv_buf_put(b, row_ptr(ws[w]->k, &st->wkf, ws[w]->cap, h, 0), st->wkf.row * (size_t)n);
+        for (int h = 0; h < c->shape.n_kv_heads && n > 0; h++)
+            kv_buf_put(b, row_ptr(ws[w]->v, &st->wvf, ws[w]->cap, h, 0), st->wvf.row * (size_t)n);
+    }
 }
 
 static int load_fail(struct kv_cache *c, const char *what) {
@@ -517,19 +795,27 @@ static int load_fail(struct kv_cache *c, const char *what) {
 static int store_load(struct kv_cache *c, struct kv_reader *r) {
     struct kv_store *st = c->impl;
     uint32_t magic, kind;
-    int32_t h[19];
+    int32_t hv[20], *h = hv + 1, residual = 0;
     store_clear(c);
-    if (!kv_read_u32(r, &magic) || magic != LAYER_MAGIC) return load_fail(c, "bad layer marker");
+    if (!kv_read_u32(r, &magic) || (magic != LAYER_MAGIC && magic != LAYER_MAGIC_V1))
+        return load_fail(c, "bad layer marker");
+    const bool v2 = magic == LAYER_MAGIC;
     if (!kv_read_u32(r, &kind) || kind > 3) return load_fail(c, "unknown cache kind");
-    for (int i = 0; i < 19; i++)
+    /* h[0..7]: config, h[8..18]: shape, formats and offsets (the v1 layout); v2 has
+     * the residual after the config */
+    for (int i = 0; i < 8; i++)
+        if (!kv_read_i32(r, &h[i])) return load_fail(c, "truncated header");
+    if (v2 && !kv_read_i32(r, &residual)) return load_fail(c, "truncated header");
+    for (int i = 8; i < 19; i++)
         if (!kv_read_i32(r, &h[i])) return load_fail(c, "truncated header");
     const struct kv_cache_config *cf = &c->cfg;
     if (h[0] != cf->k_bits || h[1] != cf->v_bits || h[2] != cf->k_group || h[3] != cf->v_group ||
-        h[4] != cf->max_size || h[5] != cf->keep || h[6] != cf->quantized_start || h[7] != (int32_t)cf->hadamard) {
+        h[4] != cf->max_size || h[5] != cf->keep || h[6] != cf->quantized_start || h[7] != (int32_t)cf->hadamard ||
+        residual != cf->residual) {
         store_clear(c);
         return kvq_error("the saved KV cache was made with other settings (K%d/V%d bits, groups %d/%d, max %d, keep "
-                         "%d, quantized start %d, rotation %d)",
-                         h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
+                         "%d, quantized start %d, rotation %d, residual %d)",
+                         h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], residual);
     }
     if (h[8] != c->shape.n_kv_heads || h[9] != c->shape.head_dim) return load_fail(c, "shape differs from the model");
     /* the stored formats must be the config's initial or final ones */
@@ -575,6 +861,30 @@ static int store_load(struct kv_cache *c, struct kv_reader *r) {
     st->idx = idx;
     c->n_past = n_past;
     (void)kind;
+    if (!v2) return 0; /* version 1: residual 0, the windows stay empty */
+    int32_t sn, rp0, rn;
+    if (!kv_read_i32(r, &sn) || !kv_read_i32(r, &rp0) || !kv_read_i32(r, &rn)) return load_fail(c, "truncated windows");
+    bool win = win_on(st);
+    if (sn < 0 || rn < 0 || rp0 < 0 || (!win && (sn || rn)) || sn > sink_target(c) || sn > n_past ||
+        (rn > 0 && (rp0 + rn != n_past || rn > n_past)))
+        return load_fail(c, "window rows");
+    need = ((size_t)sn + (size_t)rn) * (size_t)c->shape.n_kv_heads * (st->wkf.row + st->wvf.row);
+    if (r->len - r->off < need) return load_fail(c, "truncated window rows");
+    if (win_reserve(c, &st->sink, sn) != 0 || win_reserve(c, &st->rec, rn) != 0) {
+        store_clear(c);
+        return -1;
+    }
+    struct kv_win *ws[2] = {&st->sink, &st->rec};
+    for (int w = 0; w < 2; w++) {
+        int32_t n = w ? rn : sn;
+        for (int hh = 0; hh < c->shape.n_kv_heads && n > 0; hh++)
+            kv_read(r, row_ptr(ws[w]->k, &st->wkf, ws[w]->cap, hh, 0), st->wkf.row * (size_t)n);
+        for (int hh = 0; hh < c->shape.n_kv_heads && n > 0; hh++)
+            kv_read(r, row_ptr(ws[w]->v, &st->wvf, ws[w]->cap, hh, 0), st->wvf.row * (size_t)n);
+    }
+    st->sink.n = sn;
+    st->rec.p0 = rn ? rp0 : n_past;
+    st->rec.n = rn;
     return 0;
 }
 
@@ -608,6 +918,8 @@ int kv_store_init(struct kv_cache *c) {
     st->signs = signs;
     st->kf = initial_fmt(c, c->cfg.k_bits, c->cfg.k_group);
     st->vf = initial_fmt(c, c->cfg.v_bits, c->cfg.v_group);
+    st->wkf = window_fmt(c, target_k(c));
+    st->wvf = window_fmt(c, target_v(c));
     c->impl = st;
     c->ops = &store_ops;
     return 0;
