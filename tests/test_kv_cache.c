@@ -252,11 +252,161 @@ static void test_wrap_convert_trim_bytes(void) {
     kv_cache_free(c);
 }
 
-static void test_save_load(void) {
-    struct kv_cache_config cfs[] = {cfg_of(4, 2, 32, 24, 4, 0, true), cfg_of(16, 16, 64, 0, 4, 0, false),
-                                    cfg_of(8, 4, 64, 0, 4, 20, false), cfg_of(3, 6, 16, 30, 2, 0, false)};
+
+/* ---- residual window ---- */
+
+static void det_query(int p, int kvh, float *q) {
+    for (int i = 0; i < NQ / H * D; i++) q[i] = sinf((float)(p * 131 + kvh * 17 + i) * 0.37f);
+}
+
+/* The mean-offset point of kv_store.c: max(R + 1, min(128, max_size or 128)). */
+static int mu_point(const struct kv_cache_config *cf) {
+    int t = cf->max_size > 0 && cf->max_size < 128 ? cf->max_size : 128;
+    return cf->residual + 1 > t ? cf->residual + 1 : t;
+}
+
+/* A query at p reads f16 rows for the sinks (t < keep), the window (p - R, p] and
+ * every row before the offsets exist (p < T); dequantized rows otherwise. The
+ * reference takes the input rows for the former and read_rows for the latter. */
+static void test_residual_vs_reference(void) {
+    struct kv_cache_config cf = cfg_of(4, 2, 32, 0, 4, 0, true);
+    cf.residual = 8;
+    const int T = mu_point(&cf), batches[] = {100, 1, 1, 60, 1, 3, 20};
+    struct kv_cache *c = kv_cache_new(&cf, &shape);
+    CHECK(c != NULL, "residual cache: %s", kvq_last_error());
+    if (!c) return;
+    struct hist raw = {0};
+    float *scr = scratch_new(), q[NQ / H * D], got[NQ / H * D], want[NQ / H * D], gotq[NQ / H * D];
+    double worst = 0, worst_q = 0;
+    for (int b = 0; b < (int)(sizeof batches / sizeof batches[0]); b++) {
+        int n = batches[b], p0 = kv_cache_n_past(c);
+        float *k = malloc(sizeof(float) * n * H * D), *v = malloc(sizeof(float) * n * H * D);
+        rand_tokens(n, k, v);
+        CHECK(kv_cache_append(c, n, k, v) == 0, "residual append: %s", kvq_last_error());
+        hist_add(&raw, n, k, v);
+        struct hist deq = {0}, mix = {0};
+        hist_add(&deq, raw.n, raw.k, raw.v);
+        hist_add(&mix, raw.n, raw.k, raw.v);
+        for (int w = 0; w < 2; w++)
+            for (int kvh = 0; kvh < H; kvh++) {
+                float *all = malloc(sizeof(float) * (size_t)raw.n * D);
+                CHECK(kv_cache_read_rows(c, kvh, w, all, NULL, raw.n) == raw.n, "residual rows");
+                for (int t = 0; t < raw.n; t++)
+                    memcpy((w ? deq.v : deq.k) + ((size_t)t * H + kvh) * D, all + (size_t)t * D, sizeof(float) * D);
+                free(all);
+            }
+        for (int t = 0; t < n; t++) {
+            int p = p0 + t;
+            for (int r = 0; r <= p; r++) {
+                bool f16 = r < cf.keep || r > p - cf.residual || p < T;
+                const struct hist *src = f16 ? &raw : &deq;
+                memcpy(mix.k + (size_t)r * H * D, src->k + (size_t)r * H * D, sizeof(float) * H * D);
+                memcpy(mix.v + (size_t)r * H * D, src->v + (size_t)r * H * D, sizeof(float) * H * D);
+            }
+            for (int kvh = 0; kvh < H; kvh++) {
+                det_query(p, kvh, q);
+                kv_cache_attend(c, kvh, q, p, 1.0f / sqrtf(D), got, scr);
+                ref_attend(&mix, &cf, kvh, q, p, want);
+                ref_attend(&deq, &cf, kvh, q, p, gotq);
+                for (int i = 0; i < NQ / H * D; i++) {
+                    worst = fmax(worst, fabs(got[i] - want[i]));
+                    worst_q = fmax(worst_q, fabs(gotq[i] - want[i]));
+                }
+            }
+        }
+        free(deq.k);
+        free(deq.v);
+        free(mix.k);
+        free(mix.v);
+        free(k);
+        free(v);
+    }
+    /* f16 rounding of the window rows only; all-dequantized rows are far off */
+    CHECK(worst < 4e-3 && worst_q > 10 * worst, "residual vs reference: %g (all packed: %g)", worst, worst_q);
+    printf("%-40s %5d tokens, max error %.2e (all packed %.2e)\n", "residual 8, K4/V2 g32 rot", kv_cache_n_past(c),
+           worst, worst_q);
+    free(raw.k);
+    free(raw.v);
+    free(scr);
+    kv_cache_free(c);
+}
+
+/* One batch per chunk and one token at a time give the same attention (bit for bit
+ * where slots == positions), and kv_cache_bytes counts the packed rows plus the f16
+ * window rows held. */
+static void test_residual_batching(void) {
+    struct kv_cache_config cfs[] = {cfg_of(4, 2, 32, 0, 4, 0, true), cfg_of(8, 4, 64, 0, 2, 0, false),
+                                    cfg_of(4, 4, 32, 48, 4, 0, true), cfg_of(3, 16, 16, 0, 0, 0, true)};
+    int rs[] = {8, 16, 8, 200};
+    const int batches[] = {70, 1, 90, 5, 1, 30, 40};
     float *scr = scratch_new();
     for (int ci = 0; ci < 4; ci++) {
+        struct kv_cache_config cf = cfs[ci];
+        cf.residual = rs[ci];
+        struct kv_cache *a = kv_cache_new(&cf, &shape), *b = kv_cache_new(&cf, &shape);
+        CHECK(a && b, "residual batching %d: %s", ci, kvq_last_error());
+        if (!a || !b) return;
+        const size_t tb = kv_cache_token_bytes(&cf, &shape), wb = kv_cache_window_bytes(&cf, &shape);
+        const size_t rowb = wb / (size_t)(cf.residual + cf.keep);
+        CHECK(rowb == (size_t)H * D * (cf.v_bits == 16 ? 4 : 4), "window row bytes");
+        double worst = 0;
+        bool same = true;
+        for (int bi = 0; bi < (int)(sizeof batches / sizeof batches[0]); bi++) {
+            int n = batches[bi], p0 = kv_cache_n_past(a);
+            float *k = malloc(sizeof(float) * n * H * D), *v = malloc(sizeof(float) * n * H * D);
+            float q[NQ / H * D], oa[NQ / H * D], ob[NQ / H * D];
+            rand_tokens(n, k, v);
+            kv_cache_append(a, n, k, v);
+            for (int t = 0; t < n; t++) {
+                kv_cache_append(b, 1, k + (size_t)t * H * D, v + (size_t)t * H * D);
+                for (int kvh = 0; kvh < H; kvh++) {
+                    det_query(p0 + t, kvh, q);
+                    kv_cache_attend(b, kvh, q, p0 + t, 0.125f, ob, scr);
+                    kv_cache_attend(a, kvh, q, p0 + t, 0.125f, oa, scr);
+                    same = same && !memcmp(oa, ob, sizeof oa);
+                    for (int i = 0; i < NQ / H * D; i++) worst = fmax(worst, fabs(oa[i] - ob[i]));
+                }
+            }
+            /* exact accounting: packed rows + sinks + the window's rows */
+            int np = kv_cache_n_past(a), T = mu_point(&cf);
+            size_t sinks = (size_t)(np < cf.keep ? np : cf.keep);
+            size_t win_a = p0 < T ? (size_t)np : (size_t)(cf.residual - 1 + n < np ? cf.residual - 1 + n : np);
+            size_t win_b = (size_t)(np <= T ? np : cf.residual < np ? cf.residual : np);
+            CHECK(kv_cache_bytes(a) == (size_t)kv_cache_size(a) * tb + (sinks + win_a) * rowb,
+                  "config %d batch %d: bytes %zu", ci, bi, kv_cache_bytes(a));
+            CHECK(kv_cache_bytes(b) == (size_t)kv_cache_size(b) * tb + (sinks + win_b) * rowb,
+                  "config %d token-wise: bytes %zu", ci, kv_cache_bytes(b));
+            if (np > T && cf.residual < np) CHECK(kv_cache_bytes(b) == (size_t)kv_cache_size(b) * tb + wb, "window formula");
+            free(k);
+            free(v);
+        }
+        if (cf.max_size == 0) CHECK(same, "config %d: batch and token-wise attention differ (%g)", ci, worst);
+        CHECK(worst <= 1e-6, "config %d: batch vs token-wise %g", ci, worst);
+        /* trim keeps the window consistent; the cache keeps working */
+        CHECK(kv_cache_trim(b, 3) == (cf.max_size ? 0 : 3), "trim");
+        if (cf.max_size == 0) {
+            size_t np = (size_t)kv_cache_n_past(b);
+            CHECK(kv_cache_bytes(b) == np * tb + (size_t)(cf.keep + (cf.residual - 3 > 0 ? cf.residual - 3 : 0)) * rowb ||
+                      cf.residual >= (int)np,
+                  "bytes after trim");
+        }
+        printf("%-40s batch vs token-wise max diff %.1e%s\n", "residual batching", worst, same ? " (identical)" : "");
+        kv_cache_free(a);
+        kv_cache_free(b);
+    }
+    free(scr);
+}
+
+static void test_save_load(void) {
+    struct kv_cache_config cfs[] = {cfg_of(4, 2, 32, 24, 4, 0, true), cfg_of(16, 16, 64, 0, 4, 0, false),
+                                    cfg_of(8, 4, 64, 0, 4, 20, false), cfg_of(3, 6, 16, 30, 2, 0, false),
+                                    cfg_of(4, 2, 32, 0, 4, 0, true),   cfg_of(4, 4, 32, 24, 4, 0, true),
+                                    cfg_of(8, 4, 64, 0, 4, 20, true)};
+    cfs[4].residual = 8;  /* version 2: before the offsets' point (every row in the window) */
+    cfs[5].residual = 8;  /* rotating: offsets chosen at 24 tokens, window of 8 */
+    cfs[6].residual = 16; /* quantize after 20 */
+    float *scr = scratch_new();
+    for (int ci = 0; ci < 7; ci++) {
         struct kv_cache *c = kv_cache_new(&cfs[ci], &shape), *d = kv_cache_new(&cfs[ci], &shape);
         float k[40 * H * D], v[40 * H * D];
         rand_tokens(40, k, v);
@@ -293,6 +443,13 @@ static void test_save_load(void) {
         CHECK(e && kv_cache_load(e, &t) != 0 && strstr(kvq_last_error(), "other settings"), "other config: %s",
               kvq_last_error());
         kv_cache_free(e);
+        other = cfs[ci];
+        other.residual = other.residual ? 0 : 8;
+        e = kv_cache_new(&other, &shape);
+        t = (struct kv_reader){b.data, b.len, 0};
+        CHECK(e && kv_cache_load(e, &t) != 0 && strstr(kvq_last_error(), "residual"), "other residual: %s",
+              kvq_last_error());
+        kv_cache_free(e);
         free(b.data);
         kv_cache_free(c);
         kv_cache_free(d);
@@ -324,6 +481,8 @@ int main(void) {
     test_kinds_vs_reference();
     test_rotation();
     test_wrap_convert_trim_bytes();
+    test_residual_vs_reference();
+    test_residual_batching();
     test_save_load();
     test_validation();
     return check_finish();

@@ -151,6 +151,8 @@ const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
     else
         n = snprintf(buf, sizeof buf, "K%d/V%d g%d/%d", kv->k_bits, kv->v_bits, kv->k_group, kv->v_group);
     if (kv->hadamard && (kv->k_bits < 16 || kv->v_bits < 16)) n += snprintf(buf + n, sizeof buf - (size_t)n, " rot");
+    if (kv->residual > 0 && (kv->k_bits < 16 || kv->v_bits < 16))
+        n += snprintf(buf + n, sizeof buf - (size_t)n, " residual%d", kv->residual);
     if (kv->max_size) snprintf(buf + n, sizeof buf - (size_t)n, " win%d", kv->max_size);
     return buf;
 }

@@ -77,8 +77,9 @@ void kv_cache_attend(const struct kv_cache *c, int kv_head, const float *q, int3
 
 size_t kv_cache_scratch_floats(const struct kv_shape *shape) {
     int group = shape->n_heads / shape->n_kv_heads;
-    /* scaled (and possibly rotated) query, online-softmax state, per-group sums */
-    return (size_t)group * shape->head_dim * 2 + kern_attn_state_floats(group, shape->head_dim) + 64;
+    /* scaled (and possibly rotated) query, online-softmax state, per-group sums, and
+     * the state after the packed rows */
+    return (size_t)group * shape->head_dim * 2 + kern_attn_state_floats(group, shape->head_dim) + 64 + 2 * (size_t)group;
 }
 
 const struct kv_cache_config *kv_cache_get_config(const struct kv_cache *c) { return &c->cfg; }

@@ -231,19 +231,20 @@ static void win_put(struct kv_cache *c, struct kv_win *w, const float *k, const 
     struct kv_store *st = c->impl;
     int H = c->shape.n_kv_heads, D = c->shape.head_dim;
     for (int h = 0; h < H; h++) {
-        encode_row(st, &st->wkf, D, k + (size_t)h * D, side_mu(st, &st->kf, 0, h, D, H),
-                   row_ptr(w->k, &st->wkf, w->cap, h, w->n));
-        encode_row(st, &st->wvf, D, v + (size_t)h * D, side_mu(st, &st->vf, 1, h, D, H),
-                   row_ptr(w->v, &st->wvf, w->cap, h, w->n));
+        encode_row(st, &st->wkf, D, k + (size_t)h * D, NULL, row_ptr(w->k, &st->wkf, w->cap, h, w->n));
+        encode_row(st, &st->wvf, D, v + (size_t)h * D, NULL, row_ptr(w->v, &st->wvf, w->cap, h, w->n));
     }
     w->n++;
 }
 
 /* Before appending n tokens at p = n_past: the sinks take the batch's positions below
- * the sink count; the residual window drops positions older than p - R + 1 (what the
- * batch's first query still needs) and takes the whole batch. So a query at q reads
- * f16 rows for (q - R, q] however the tokens were batched. */
-static int windows_append(struct kv_cache *c, int n, const float *k, const float *v, size_t tok) {
+ * the sink count; the residual window drops positions older than first - R + 1 (what
+ * the batch's first query still needs; nothing before the offsets' point) and takes
+ * the whole batch. So a query at q reads f16 rows for (q - R, q] however the tokens
+ * were batched. Window rows are f16 of the (rotated) input, without the offsets. */
+static int32_t mu_tokens(const struct kv_cache *c);
+
+static int windows_append(struct kv_cache *c, int n, const float *k, const float *v, size_t tok, int32_t first) {
     struct kv_store *st = c->impl;
     if (!win_on(st)) return 0;
     const int32_t p = c->n_past, S = sink_target(c), R = c->cfg.residual;
@@ -255,7 +256,8 @@ static int windows_append(struct kv_cache *c, int n, const float *k, const float
     if (R > 0) {
         if (st->rec.n > 0 && st->rec.p0 + st->rec.n != p) st->rec.n = 0; /* not contiguous: restart */
         if (st->rec.n == 0) st->rec.p0 = p;
-        int32_t lo = p - R + 1 > 0 && st->mu_set ? p - R + 1 : 0; /* all kept until the offsets exist */
+        /* queries before the offsets' point read every row in f16: all kept until then */
+        int32_t lo = first - R + 1 > 0 && first >= mu_tokens(c) ? first - R + 1 : 0;
         if (win_reserve(c, &st->rec, (st->rec.p0 < lo ? p - lo : st->rec.n) + n) != 0) return -1;
         win_drop_front(c, &st->rec, lo - st->rec.p0);
         for (int t = 0; t < n; t++) win_put(c, &st->rec, k + (size_t)t * tok, v + (size_t)t * tok);
@@ -452,12 +454,12 @@ static int store_to_quantized(struct kv_cache *c) {
     return reencode(c, tk, tv);
 }
 
-static int store_append_rows(struct kv_cache *c, int n, const float *k, const float *v, size_t tok);
+static int store_append_rows(struct kv_cache *c, int n, const float *k, const float *v, size_t tok, int32_t first);
 
 
 /* Sets the offsets from the residual window's f16 rows of positions 1..T-1 (it holds
- * every position so far), then re-encodes the window, sink and packed rows of
- * positions 0..T-1 with them from those f16 rows. */
+ * every position so far), then re-encodes the packed rows of positions 0..T-1 with
+ * them from those f16 rows. (Window rows never carry the offsets.) */
 static void offsets_from_window(struct kv_cache *c) {
     struct kv_store *st = c->impl;
     const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
@@ -485,40 +487,40 @@ static void offsets_from_window(struct kv_cache *c) {
                 decode_row(st, wf, D, wr, NULL, x);
                 int32_t sl = slot_of(c, p);
                 if (sl >= 0) encode_row(st, pf, D, x, mu, row_ptr(side ? st->v : st->k, pf, st->cap, h, sl));
-                if (p < st->sink.n)
-                    encode_row(st, wf, D, x, mu, row_ptr(side ? st->sink.v : st->sink.k, wf, st->sink.cap, h, p));
-                encode_row(st, wf, D, x, mu, wr);
             }
         }
     }
 }
 
-static int store_append(struct kv_cache *c, int n, const float *k, const float *v) {
+/* Appends n tokens; `first` is the position of the first token of the whole batch
+ * (its queries' needs decide what may be dropped). */
+static int store_append_at(struct kv_cache *c, int n, const float *k, const float *v, int32_t first) {
     struct kv_store *st = c->impl;
-    if (n <= 0) return 0;
-    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && store_to_quantized(c) != 0) return -1;
     const size_t tok = (size_t)c->shape.n_kv_heads * c->shape.head_dim;
     const int32_t T = mu_tokens(c);
     if (!st->mu_set && win_on(st) && T > 0 && c->n_past < T && c->n_past + n > T) {
         /* the offsets are chosen at T tokens: the part after T is encoded with them */
         int n1 = (int)(T - c->n_past);
-        if (store_append(c, n1, k, v) != 0) return -1;
-        return store_append(c, n - n1, k + (size_t)n1 * tok, v + (size_t)n1 * tok);
+        if (store_append_at(c, n1, k, v, first) != 0) return -1;
+        return store_append_at(c, n - n1, k + (size_t)n1 * tok, v + (size_t)n1 * tok, first);
     }
-    if (windows_append(c, n, k, v, tok) != 0) return -1;
-    if (!st->mu_set && win_on(st) && T > 0 && c->n_past + n == T) {
-        int rc = store_append_rows(c, n, k, v, tok);
-        if (rc == 0) offsets_from_window(c);
-        return rc;
-    }
-    return store_append_rows(c, n, k, v, tok);
+    if (windows_append(c, n, k, v, tok, first) != 0) return -1;
+    int rc = store_append_rows(c, n, k, v, tok, first);
+    if (rc == 0 && !st->mu_set && win_on(st) && T > 0 && c->n_past == T) offsets_from_window(c);
+    return rc;
+}
+
+static int store_append(struct kv_cache *c, int n, const float *k, const float *v) {
+    if (n <= 0) return 0;
+    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && store_to_quantized(c) != 0) return -1;
+    return store_append_at(c, n, k, v, c->n_past);
 }
 
 /* Writes the packed rows of n tokens (the windows already took them). */
-static int store_append_rows(struct kv_cache *c, int n, const float *k, const float *v, size_t tok) {
+static int store_append_rows(struct kv_cache *c, int n, const float *k, const float *v, size_t tok, int32_t first) {
     struct kv_store *st = c->impl;
-    const int32_t M = c->cfg.max_size, keep = c->cfg.keep;
-    if (M > 0 && n == 1 && st->size >= M) {
+    const int32_t M = c->cfg.max_size, keep = c->cfg.keep, earlier = c->n_past - first; /* same batch */
+    if (M > 0 && n == 1 && st->size >= M && earlier == 0) {
         if (st->size > M) { /* back from a multi-token append: trim to the window */
             if (temporal_order(c) != 0) return -1;
             drop_oldest(c, M - keep - 1);
@@ -535,7 +537,7 @@ static int store_append_rows(struct kv_cache *c, int n, const float *k, const fl
     }
     if (M > 0 && st->size + n > M) { /* concatenate: keep what the batch's queries see */
         if (temporal_order(c) != 0) return -1;
-        drop_oldest(c, M - keep - 1);
+        drop_oldest(c, M - keep - 1 + earlier);
     }
     if (store_reserve(c, st->size + n) != 0) return -1;
     for (int t = 0; t < n; t++) write_slot(c, st->size + t, c->n_past + t, k + (size_t)t * tok, v + (size_t)t * tok);
@@ -609,7 +611,6 @@ static void store_attend(const struct kv_cache *c, int kv_head, const float *q, 
         if (ws < sn) ws = sn;
         if (ws > q_pos + 1) ws = q_pos + 1;
     }
-    if (sn > 0) win_attn(c, &s, qs, kv_head, &st->sink, 0, sn - 1, q_pos);
     if (M == 0) { /* slot == position */
         int32_t hi = ws - 1 < st->size - 1 ? ws - 1 : st->size - 1;
         int32_t lo = W > 0 && q_pos - W + 1 > 0 ? q_pos - W + 1 : 0;
@@ -630,15 +631,33 @@ static void store_attend(const struct kv_cache *c, int kv_head, const float *q, 
             }
         }
     }
+    /* The packed keys lack the key offset: their scores are short of q.mu, the same
+     * for all of them, so adding it to the running max makes them comparable with
+     * the f16 rows (which carry no offset). The packed values lack the value offset:
+     * it comes back weighted by the packed rows' share of the softmax mass. */
+    const float *kmu = side_mu(st, &st->kf, 0, kv_head, D, c->shape.n_kv_heads);
+    const float *vmu = side_mu(st, &st->vf, 1, kv_head, D, c->shape.n_kv_heads);
+    float *pm = scratch + (size_t)group * D * 2 + kern_attn_state_floats(group, D) + 64, *pl = pm + group;
+    for (int h = 0; h < group; h++) {
+        if (kmu && s.l[h] > 0) {
+            float dot = 0;
+            for (int i = 0; i < D; i++) dot += q[(size_t)h * D + i] * kmu[i];
+            s.m[h] += dot * scale;
+        }
+        pm[h] = s.m[h];
+        pl[h] = s.l[h];
+    }
+    if (sn > 0) win_attn(c, &s, qs, kv_head, &st->sink, 0, sn - 1, q_pos);
     if (ws <= q_pos) win_attn(c, &s, qs, kv_head, &st->rec, ws, q_pos, q_pos);
     kern_attn_finish(&s, out);
     if (st->vf.rot)
         for (int h = 0; h < group; h++) kern_kvq_hadamard_inv(out + (size_t)h * D, D, st->signs);
-    /* the value offset comes back through the softmax weights, which sum to 1 */
-    const float *vmu = side_mu(st, &st->vf, 1, kv_head, D, c->shape.n_kv_heads);
-    if (vmu && s.l[0] > 0)
-        for (int h = 0; h < group; h++)
-            for (int i = 0; i < D; i++) out[(size_t)h * D + i] += vmu[i];
+    if (vmu)
+        for (int h = 0; h < group; h++) {
+            if (!(pl[h] > 0) || !(s.l[h] > 0)) continue;
+            float share = pl[h] * expf(pm[h] - s.m[h]) / s.l[h];
+            for (int i = 0; i < D; i++) out[(size_t)h * D + i] += share * vmu[i];
+        }
 }
 
 static int store_trim(struct kv_cache *c, int n) {
