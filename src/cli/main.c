@@ -7,6 +7,10 @@
 static const struct cli_command commands[] = {
     {"generate", "generate text from a prompt", cmd_generate},
     {"tokenize", "print the token ids of a text", cmd_tokenize},
+    {"perplexity", "perplexity and KL divergence over a text (llama-perplexity conventions)", cmd_perplexity},
+    {"passkey", "long-context pass-key retrieval accuracy", cmd_passkey},
+    {"bench", "prefill/decode speed and memory per KV config, depth and batch", cmd_bench},
+    {"gen-model", "write a random-weight GGUF model of a real shape", cmd_gen_model},
 };
 
 static void usage(FILE *out) {

@@ -1,0 +1,2 @@
+#include "cli/cli.h"
+int cmd_passkey(int argc, char **argv) { (void)argc; (void)argv; return cli_fail("not yet"); }
