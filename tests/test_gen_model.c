@@ -12,6 +12,7 @@
 #include "check.h"
 #include "core/dtype.h"
 #include "gguf/gguf.h"
+#include "kernels/f16.h"
 #include "kvq.h"
 
 /* Qwen2.5-0.5B: embeddings 151936 x 896 (tied); per layer q/o 896x896, k/v 896x128,
@@ -82,6 +83,94 @@ static void check_model(const char *bin, const char *dir, const char *type, int 
     remove(path);
 }
 
+/* Independent decoders of the ggml block layouts (from the GGUF spec), to check the
+ * quantizers against the f16 file of the same seed (the same random values). */
+static float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return kvq_f16_to_f32(h);
+}
+
+static void decode_row(uint32_t type, const uint8_t *p, float *y, int n) {
+    if (type == KVQ_F16)
+        for (int i = 0; i < n; i++) y[i] = h2f(p + 2 * i);
+    else if (type == KVQ_Q8_0)
+        for (int b = 0; b < n / 32; b++)
+            for (int i = 0; i < 32; i++) y[32 * b + i] = h2f(p + 34 * b) * (int8_t)p[34 * b + 2 + i];
+    else if (type == KVQ_Q4_0)
+        for (int b = 0; b < n / 32; b++)
+            for (int i = 0; i < 16; i++) {
+                const uint8_t *blk = p + 18 * b;
+                y[32 * b + i] = h2f(blk) * ((blk[2 + i] & 15) - 8);
+                y[32 * b + i + 16] = h2f(blk) * ((blk[2 + i] >> 4) - 8);
+            }
+    else if (type == KVQ_Q4_K)
+        for (int b = 0; b < n / 256; b++) {
+            const uint8_t *blk = p + 144 * b, *sc = blk + 4, *qs = blk + 16;
+            float d = h2f(blk), dmin = h2f(blk + 2);
+            for (int j = 0; j < 8; j++) {
+                int s, m;
+                if (j < 4) s = sc[j] & 63, m = sc[j + 4] & 63;
+                else s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+                for (int i = 0; i < 32; i++) {
+                    uint8_t q = qs[32 * (j / 2) + i];
+                    q = j % 2 ? q >> 4 : q & 15;
+                    y[256 * b + 32 * j + i] = d * s * q - dmin * m;
+                }
+            }
+        }
+}
+
+/* Relative RMS error of tensor `name` in file `path` against the f16 file. */
+static double quant_error(const char *f16_path, const char *path, const char *name, uint32_t want_type) {
+    struct gguf_file *a = gguf_open(f16_path), *b = gguf_open(path);
+    double err = -1;
+    const struct gguf_tensor *ta = a ? gguf_find_tensor(a, name) : NULL, *tb = b ? gguf_find_tensor(b, name) : NULL;
+    CHECK(ta && tb && tb->type == want_type && ta->ne[0] == tb->ne[0] && ta->ne[1] == tb->ne[1], "%s in %s: type %u",
+          name, path, tb ? tb->type : 999);
+    if (ta && tb && tb->type == want_type) {
+        int n = (int)ta->ne[0];
+        float *x = malloc(sizeof(float) * (size_t)n * 2), *y = x + n;
+        double se = 0, ss = 0;
+        size_t rba = kvq_dtype_row_bytes(ta->type, (uint64_t)n), rbb = kvq_dtype_row_bytes(tb->type, (uint64_t)n);
+        for (uint64_t r = 0; r < ta->ne[1]; r += 7) {
+            decode_row(ta->type, (const uint8_t *)ta->data + r * rba, x, n);
+            decode_row(tb->type, (const uint8_t *)tb->data + r * rbb, y, n);
+            for (int i = 0; i < n; i++) se += (double)(x[i] - y[i]) * (x[i] - y[i]), ss += (double)x[i] * x[i];
+        }
+        err = sqrt(se / ss);
+        double std = sqrt(ss / (double)n / (double)((ta->ne[1] + 6) / 7));
+        CHECK(fabs(std * sqrt((double)n) - 1) < 0.05, "%s: std %g, expected 1/sqrt(%d)", name, std, n);
+        free(x);
+    }
+    gguf_close(a);
+    gguf_close(b);
+    return err;
+}
+
+static void check_quantizers(const char *bin, const char *dir) {
+    static const char *const types[] = {"f16", "q8_0", "q4_0", "q4_k"};
+    char path[4][512], cmd[3072];
+    for (int i = 0; i < 4; i++) {
+        snprintf(path[i], sizeof path[i], "%s/q-%s.gguf", dir, types[i]);
+        snprintf(cmd, sizeof cmd, "'%s' gen-model --shape qwen2.5-0.5b --type %s -o '%s' --seed 3 --layers 1 2>/dev/null",
+                 bin, types[i], path[i]);
+        CHECK(system(cmd) == 0, "%s", cmd);
+    }
+    /* ffn_down rows are 4864 = 19 x 256 values: every type applies; attn_q rows are 896:
+     * q4_k falls back to q8_0. Bounds: q8_0 ~0.5%, 4-bit ~10% relative RMS error. */
+    double e8 = quant_error(path[0], path[1], "blk.0.ffn_down.weight", KVQ_Q8_0);
+    double e40 = quant_error(path[0], path[2], "blk.0.ffn_down.weight", KVQ_Q4_0);
+    double e4k = quant_error(path[0], path[3], "blk.0.ffn_down.weight", KVQ_Q4_K);
+    double e4kq = quant_error(path[0], path[3], "blk.0.attn_q.weight", KVQ_Q8_0);
+    printf("relative RMS error: q8_0 %.4f, q4_0 %.4f, q4_k %.4f, q4_k fallback (q8_0) %.4f\n", e8, e40, e4k, e4kq);
+    CHECK(e8 >= 0 && e8 < 0.01, "q8_0 error %g", e8);
+    CHECK(e40 >= 0 && e40 < 0.15, "q4_0 error %g", e40);
+    CHECK(e4k >= 0 && e4k < 0.15, "q4_k error %g", e4k);
+    CHECK(e4kq >= 0 && e4kq < 0.01, "q4_k fallback error %g", e4kq);
+    for (int i = 0; i < 4; i++) remove(path[i]);
+}
+
 int main(void) {
     const char *bin = getenv("KVQ_BIN");
     if (!bin || access(bin, X_OK) != 0) {
@@ -95,6 +184,7 @@ int main(void) {
     }
     check_model(bin, dir, "q8_0", 0, KVQ_Q8_0);
     check_model(bin, dir, "f16", 2, KVQ_F16);
+    check_quantizers(bin, dir);
     rmdir(dir);
     return check_finish();
 }
