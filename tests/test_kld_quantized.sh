@@ -18,7 +18,7 @@ trap 'rm -rf "$TMP"' EXIT
 rc=$?
 if [ $rc -ne 0 ]; then
     if grep -qi "not available\|not supported\|quantized" "$TMP/err"; then
-        echo "SKIP: this build refuses quantized KV caches ($(head -1 "$TMP/err")); runs once the kvcache branch lands"
+        echo "SKIP: this build refuses quantized KV caches ($(grep "^kvq: " "$TMP/err" | tail -1)); runs once the kvcache branch lands"
         exit 77
     fi
     cat "$TMP/err"; echo "FAIL: 2-bit run exited $rc"; exit 1

@@ -1,17 +1,20 @@
 /* kvq passkey: long-context fact recall.
  *
- * Each trial's prompt, for a total length of L tokens (BOS included):
- *   BOS + tok(INTRO) + filler[0:pos] + tok(NEEDLE) + filler[pos:] + tok(QUESTION)
+ * Each trial's prompt, for a total length of L tokens (BOS included), is the
+ * concatenation of separately tokenized parts:
+ *   BOS + tok(INTRO "\n") + filler[0:pos] + tok("\n" NEEDLE "\n") + filler[pos:] + tok("\n" QUESTION)
  * INTRO    = "There is a pass key hidden in this text. Find it and remember it."
  * NEEDLE   = "The pass key is K. Remember it. K is the pass key."   (K: 5 random digits)
  * QUESTION = "What is the pass key? The pass key is"
  * The filler is a run of tokens of the filler text (tokenized once, without BOS),
  * starting at a random offset, as long as L needs; pos is uniform over the filler.
- * Each part is tokenized on its own, so with a SentencePiece tokenizer each starts
- * as a new word (the parts are joined by a space); --format newline ends the intro
- * and the needle with a newline and starts the needle and question on a new line.
  * Then 8 tokens are generated greedily; a trial succeeds when K appears in them.
- * All trials of one length run together as separate sequences. */
+ * All trials of one length run together as separate sequences.
+ *
+ * The newline joins ("--format newline", the default) reproduce the Hugging Face
+ * reference for tinydoc (100% at 512 tokens); joining the parts with spaces only
+ * ("--format space": each part tokenized on its own, so a SentencePiece tokenizer
+ * starts each as a new word) scored 85% (17/20) at 512. */
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,7 +36,8 @@ static const char *const passkey_help =
     "      --lengths LIST   prompt lengths in tokens, BOS included (default 512,1024,2048,4000)\n"
     "      --trials N       trials per length (default 20)\n"
     "      --seed S         seed for keys, filler offsets and needle positions (default 1)\n"
-    "      --format F       space (default) | newline: how the parts are joined\n"
+    "      --format F       newline (default): intro, needle and question on their own\n"
+    "                       lines; space: parts joined by spaces only\n"
     "  -t, --threads N      threads (default: all cores)\n"
     "  -b, --batch-size N   tokens per forward pass (default 512)\n"
     "  -v, --verbose        print each trial's key, position and answer\n"
@@ -71,6 +75,7 @@ static int parse_args(int argc, char **argv, struct pk_opts *o) {
     kvq_context_params_default(&o->cp);
     o->trials = 20;
     o->seed = 1;
+    o->newline = true;
     parse_lengths("512,1024,2048,4000", o);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -95,7 +100,8 @@ static int parse_args(int argc, char **argv, struct pk_opts *o) {
         else if (!strcmp(a, "--seed")) ok = cli_parse_u64(a, v, &o->seed);
         else if (!strcmp(a, "--format")) {
             if (!strcmp(v, "newline")) o->newline = true;
-            else if (strcmp(v, "space") != 0) return cli_fail("invalid value '%s' for --format: expected space or newline", v);
+            else if (!strcmp(v, "space")) o->newline = false;
+            else return cli_fail("invalid value '%s' for --format: expected space or newline", v);
         } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
         else if (!strcmp(a, "-b") || !strcmp(a, "--batch-size")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->cp.n_batch);
         else return cli_fail("unknown option '%s' for passkey (see 'kvq passkey --help')", a);
