@@ -19,5 +19,10 @@ else
     echo "FAIL: '$correct'/10 at 512 tokens, expected >= 9"
     exit 1
 fi
-err=$("$BIN" passkey -m "$MODEL" --lengths 100000 --trials 1 2>&1 >/dev/null)
-if echo "$err" | grep -q "^kvq: "; then echo "ok: clear error: $err"; else echo "FAIL: no clear error for an oversized length: $err"; exit 1; fi
+err=$("$BIN" passkey -m "$MODEL" -f "$TEXT" --lengths 1000000 --trials 1 2>&1 >/dev/null)
+rc=$?
+if [ $rc -eq 1 ] && echo "$err" | grep -q "^kvq: length 1000000 does not fit"; then
+    echo "ok: clear error for a length longer than the filler"
+else
+    echo "FAIL: rc $rc, no clear error for an oversized length: $err"; exit 1
+fi
