@@ -20,6 +20,10 @@ int cmd_tokenize(int argc, char **argv);
 int cmd_kv_quality(int argc, char **argv);
 int cmd_cache_prompt(int argc, char **argv);
 int cmd_bench_kv_cache(int argc, char **argv);
+int cmd_perplexity(int argc, char **argv);
+int cmd_passkey(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+int cmd_gen_model(int argc, char **argv);
 
 /* Prints "kvq: <message>" on stderr; returns 1 (the exit code for usage/input errors). */
 int cli_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -49,5 +53,11 @@ const char *cli_kv_config_name(const struct kvq_kv_config *kv);
 char *cli_read_file(const char *path, size_t *len);
 /* Monotonic time in seconds. */
 double cli_now(void);
+
+/* Tokenizes text (add_special: BOS as the model's metadata says; special-token text is
+ * not parsed); returns a malloc'd array, NULL with an error printed. */
+kvq_token *cli_tokenize(const struct kvq_model *m, const char *text, size_t len, bool add_special, int *n_out);
+/* True when the model's tokenizer puts BOS in front of a text. */
+bool cli_model_adds_bos(const struct kvq_model *m);
 
 #endif

@@ -194,3 +194,34 @@ double cli_now(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
+
+kvq_token *cli_tokenize(const struct kvq_model *m, const char *text, size_t len, bool add_special, int *n_out) {
+    int cap = (int)(len < INT_MAX / 2 ? len : INT_MAX / 2) + 8;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        kvq_token *toks = malloc(sizeof *toks * (size_t)cap);
+        if (!toks) {
+            cli_fail("out of memory for %d tokens", cap);
+            return NULL;
+        }
+        int n = kvq_tokenize(m, text, len, add_special, false, toks, cap);
+        if (n < 0) {
+            free(toks);
+            cli_fail("cannot tokenize: %s", kvq_last_error());
+            return NULL;
+        }
+        if (n <= cap) {
+            *n_out = n;
+            return toks;
+        }
+        free(toks);
+        cap = n;
+    }
+    cli_fail("cannot tokenize: the token count changed between attempts");
+    return NULL;
+}
+
+bool cli_model_adds_bos(const struct kvq_model *m) {
+    kvq_token t[4];
+    int n = kvq_tokenize(m, "a", 1, true, false, t, 4);
+    return n > 0 && n <= 4 && kvq_token_bos(m) >= 0 && t[0] == kvq_token_bos(m);
+}

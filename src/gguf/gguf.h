@@ -125,8 +125,8 @@ void gguf_writer_add_arr(struct gguf_writer *w, const char *key, enum gguf_type 
                          const void *data, uint64_t n);
 void gguf_writer_add_str_arr(struct gguf_writer *w, const char *key, const char *const *strs, uint64_t n);
 /* Declares a tensor; its bytes are produced later by the fill callback, in
- * declaration order, so multi-GB files never sit in memory. If fill is NULL,
- * data (nbytes long) is copied at write time. */
+ * declaration order, so multi-GB files never sit in memory. A tensor declared with
+ * data (non-NULL) has its bytes copied from there at write time instead. */
 typedef int (*gguf_fill_fn)(void *user, uint64_t tensor_index, void *dst, uint64_t nbytes);
 void gguf_writer_add_tensor(struct gguf_writer *w, const char *name, uint32_t n_dims,
                             const uint64_t *ne, uint32_t type, const void *data);

@@ -1,0 +1,80 @@
+#!/bin/bash
+# kvq perplexity (fast): 4 chunks of 256 tokens of wikitext-2 on tinydoc-f16 with
+# llama-perplexity's conventions; KL divergence of a run against its own base is 0
+# with 100% same top token; a base file refuses a different chunk size, text or model
+# and a corrupt file; usage errors are one clear line.
+#
+# Reference: 63.54 (+/- 9.73) is kvq's value for this setting, pinned after the full
+# 40 x 1024 run reproduced llama-perplexity's 84.19 (test_perplexity_full.sh).
+set -u
+BIN=${KVQ_BIN:?KVQ_BIN must name the kvq binary}
+SHARED=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
+MODEL=$SHARED/models/tinydoc-f16.gguf
+TEXT=$SHARED/data/wikitext2-test.txt
+if [ ! -r "$MODEL" ] || [ ! -r "$TEXT" ]; then
+    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $SHARED"
+    exit 77
+fi
+TMP=$(mktemp -d /tmp/kvq_ppl_XXXXXX)
+trap 'rm -rf "$TMP"' EXIT
+fail=0
+check() { # check DESCRIPTION COMMAND...
+    local what=$1; shift
+    if "$@"; then echo "ok: $what"; else echo "FAIL: $what"; fail=1; fi
+}
+
+# 1. PPL, 4 chunks of 256.
+"$BIN" perplexity -m "$MODEL" -f "$TEXT" -c 256 --chunks 4 -t 2 >"$TMP/ppl.out" 2>"$TMP/ppl.err"
+rc=$?
+cat "$TMP/ppl.out"
+check "perplexity exits 0" [ $rc -eq 0 ]
+ppl=$(sed -n 's/^Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\)$/\1 \2/p' "$TMP/ppl.out")
+check "Final estimate line present ($ppl)" [ -n "$ppl" ]
+check "PPL 63.54 +/- 0.3, error 9.73 +/- 0.3" awk -v v="$ppl" 'BEGIN { split(v, a, " "); exit !(a[1] > 63.24 && a[1] < 63.84 && a[2] > 9.43 && a[2] < 10.03) }'
+
+# 2. KLD of a run against itself: base (2 chunks of 256), then compare.
+"$BIN" perplexity -m "$MODEL" -f "$TEXT" -c 256 --chunks 2 -t 2 --kl-divergence-base "$TMP/base.kld" >"$TMP/base.out" 2>&1
+check "base file written" [ -s "$TMP/base.kld" ]
+"$BIN" perplexity -m "$MODEL" -t 2 --kl-divergence-base "$TMP/base.kld" --kl-divergence >"$TMP/kld.out" 2>"$TMP/kld.err"
+rc=$?
+cat "$TMP/kld.out" "$TMP/kld.err"
+check "kl-divergence exits 0" [ $rc -eq 0 ]
+kld=$(sed -n 's/^Mean    KLD: *\([-0-9.e]*\) .*/\1/p' "$TMP/kld.out")
+top=$(sed -n 's/^Same top p: *\([0-9.]*\) .*/\1/p' "$TMP/kld.out")
+maxk=$(sed -n 's/^Maximum KLD: *\([-0-9.e]*\).*/\1/p' "$TMP/kld.out")
+check "self KLD mean ~ 0 ($kld)" awk -v k="$kld" 'BEGIN { exit !(k != "" && k > -1e-4 && k < 1e-4) }'
+check "self KLD max small ($maxk)" awk -v k="$maxk" 'BEGIN { exit !(k != "" && k < 1e-3) }'
+check "same top p 100% ($top)" [ "$top" = "100.000" ]
+for label in "Mean PPL(Q)" "Mean PPL(base)" "Mean PPL(Q)/PPL(base)" "Median  KLD" "99.0%   KLD" "99.9%   KLD" \
+             "Maximum KLD" "Mean    Δp" "RMS Δp" "Same top p"; do
+    check "label '$label'" grep -qF "$label" "$TMP/kld.out"
+done
+
+# 3. A base file refuses what does not match it.
+expect_error() { # expect_error DESCRIPTION PATTERN COMMAND...
+    local what=$1 pat=$2; shift 2
+    local out; out=$("$@" 2>&1 >/dev/null); local rc=$?
+    if [ $rc -eq 1 ] && echo "$out" | grep -q "^kvq: .*$pat"; then echo "ok: $what"; else echo "FAIL: $what (rc $rc: $out)"; fail=1; fi
+}
+expect_error "other chunk size refused" "written with -c 256" \
+    "$BIN" perplexity -m "$MODEL" -c 512 --kl-divergence-base "$TMP/base.kld" --kl-divergence
+printf 'Some other text entirely. %.0s' $(seq 1 400) >"$TMP/other.txt"
+expect_error "other text refused" "does not tokenize to the tokens" \
+    "$BIN" perplexity -m "$MODEL" -f "$TMP/other.txt" --kl-divergence-base "$TMP/base.kld" --kl-divergence
+expect_error "more chunks than stored refused" "holds 2 chunks" \
+    "$BIN" perplexity -m "$MODEL" --chunks 3 --kl-divergence-base "$TMP/base.kld" --kl-divergence
+head -c 100000 "$TMP/base.kld" >"$TMP/trunc.kld"
+expect_error "truncated base refused" "truncated or corrupt" \
+    "$BIN" perplexity -m "$MODEL" --kl-divergence-base "$TMP/trunc.kld" --kl-divergence
+echo "not a base file at all" >"$TMP/junk.kld"
+expect_error "foreign file refused" "not a kvq KL-divergence base file" \
+    "$BIN" perplexity -m "$MODEL" --kl-divergence-base "$TMP/junk.kld" --kl-divergence
+STORIES=$SHARED/models/stories260K.gguf
+if [ -r "$STORIES" ]; then
+    expect_error "other model refused" "vocabulary of 8192 tokens" \
+        "$BIN" perplexity -m "$STORIES" --kl-divergence-base "$TMP/base.kld" --kl-divergence
+fi
+expect_error "missing text" "needs a text" "$BIN" perplexity -m "$MODEL"
+expect_error "kl without base" "needs the base file" "$BIN" perplexity -m "$MODEL" --kl-divergence
+expect_error "bad -c" "invalid value 'x' for -c" "$BIN" perplexity -m "$MODEL" -f "$TEXT" -c x
+exit $fail

@@ -1,0 +1,26 @@
+#!/bin/bash
+# kvq perplexity, full reference run: tinydoc-f16 on wikitext-2, -c 1024 --chunks 40,
+# full-precision KV: 84.2 +/- 0.5 (llama-perplexity: 84.19). ~41k tokens of evaluation:
+# slow with the scalar stub kernels, so it runs only with KVQ_SLOW_TESTS=1.
+set -u
+if [ "${KVQ_SLOW_TESTS:-0}" != 1 ]; then
+    echo "SKIP: the 40 x 1024 perplexity run is slow; set KVQ_SLOW_TESTS=1 to run it"
+    exit 77
+fi
+BIN=${KVQ_BIN:?KVQ_BIN must name the kvq binary}
+SHARED=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
+MODEL=$SHARED/models/tinydoc-f16.gguf
+TEXT=$SHARED/data/wikitext2-test.txt
+if [ ! -r "$MODEL" ] || [ ! -r "$TEXT" ]; then
+    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $SHARED"
+    exit 77
+fi
+out=$("$BIN" perplexity -m "$MODEL" -f "$TEXT" -c 1024 --chunks 40) || { echo "FAIL: perplexity exited $?"; exit 1; }
+echo "$out"
+ppl=$(echo "$out" | sed -n 's/^Final estimate: PPL = \([0-9.]*\) .*/\1/p')
+if awk -v p="$ppl" 'BEGIN { exit !(p != "" && p > 83.7 && p < 84.7) }'; then
+    echo "ok: PPL $ppl within 84.2 +/- 0.5"
+else
+    echo "FAIL: PPL '$ppl', expected 84.2 +/- 0.5 (llama-perplexity 84.19)"
+    exit 1
+fi
