@@ -56,7 +56,8 @@ double cli_now(void);
 
 /* Tokenizes text (add_special: BOS as the model's metadata says; special-token text is
  * not parsed); returns a malloc'd array, NULL with an error printed. */
-kvq_token *cli_tokenize(const struct kvq_model *m, const char *text, size_t len, bool add_special, int *n_out);
+kvq_token *cli_tokenize(const struct kvq_model *m, const char *text, size_t len, bool add_special, bool parse_special,
+                        int *n_out);
 /* True when the model's tokenizer puts BOS in front of a text. */
 bool cli_model_adds_bos(const struct kvq_model *m);
 

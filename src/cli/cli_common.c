@@ -195,7 +195,8 @@ double cli_now(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-kvq_token *cli_tokenize(const struct kvq_model *m, const char *text, size_t len, bool add_special, int *n_out) {
+kvq_token *cli_tokenize(const struct kvq_model *m, const char *text, size_t len, bool add_special, bool parse_special,
+                        int *n_out) {
     int cap = (int)(len < INT_MAX / 2 ? len : INT_MAX / 2) + 8;
     for (int attempt = 0; attempt < 2; attempt++) {
         kvq_token *toks = malloc(sizeof *toks * (size_t)cap);
@@ -203,7 +204,7 @@ kvq_token *cli_tokenize(const struct kvq_model *m, const char *text, size_t len,
             cli_fail("out of memory for %d tokens", cap);
             return NULL;
         }
-        int n = kvq_tokenize(m, text, len, add_special, false, toks, cap);
+        int n = kvq_tokenize(m, text, len, add_special, parse_special, toks, cap);
         if (n < 0) {
             free(toks);
             cli_fail("cannot tokenize: %s", kvq_last_error());

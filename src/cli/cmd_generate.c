@@ -94,33 +94,6 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
     return 0;
 }
 
-/* Tokenizes text with the model's BOS handling; returns a malloc'd array. */
-static kvq_token *tokenize_prompt(const struct kvq_model *m, const char *text, size_t len, int *n_out) {
-    int cap = (int)(len < INT_MAX / 2 ? len : INT_MAX / 2) + 8;
-    kvq_token *toks = malloc(sizeof *toks * (size_t)cap);
-    int n = toks ? kvq_tokenize(m, text, len, true, true, toks, cap) : -1;
-    if (n < 0 || n > cap) {
-        free(toks);
-        cli_fail("cannot tokenize the prompt: %s", kvq_last_error());
-        return NULL;
-    }
-    *n_out = n;
-    return toks;
-}
-
-/* Text that continues a cached prompt: no BOS. */
-static kvq_token *tokenize_more(const struct kvq_model *m, const char *text, size_t len, int *n_out) {
-    kvq_token *toks = malloc(sizeof *toks * (len + 8));
-    int n = toks ? kvq_tokenize(m, text, len, false, true, toks, (int)len + 8) : -1;
-    if (n < 0 || n > (int)len + 8) {
-        free(toks);
-        cli_fail("cannot tokenize the prompt: %s", kvq_last_error());
-        return NULL;
-    }
-    *n_out = n;
-    return toks;
-}
-
 /* Feeds the prompt in n_batch pieces, showing progress on a terminal. */
 static int prefill(struct kvq_context *ctx, const kvq_token *toks, int n, int n_batch, int *last) {
     bool tty = isatty(STDERR_FILENO);
@@ -157,7 +130,8 @@ int cmd_generate(int argc, char **argv) {
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     int n_prompt;
-    toks = o.prompt_cache ? tokenize_more(m, text, len, &n_prompt) : tokenize_prompt(m, text, len, &n_prompt);
+    /* Text that continues a cached prompt gets no BOS. */
+    toks = cli_tokenize(m, text, len, !o.prompt_cache, true, &n_prompt);
     if (!toks) goto done;
     if (n_prompt == 0 && !o.prompt_cache) {
         cli_fail("the prompt is empty");

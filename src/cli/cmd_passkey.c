@@ -163,9 +163,9 @@ int cmd_passkey(int argc, char **argv) {
     const char *intro_s = o.newline ? "There is a pass key hidden in this text. Find it and remember it.\n"
                                     : "There is a pass key hidden in this text. Find it and remember it.";
     const char *question_s = o.newline ? "\nWhat is the pass key? The pass key is" : "What is the pass key? The pass key is";
-    if (!(filler = cli_tokenize(m, text, len, false, &n_filler))) goto done;
-    if (!(intro = cli_tokenize(m, intro_s, strlen(intro_s), true, &n_intro))) goto done;
-    if (!(question = cli_tokenize(m, question_s, strlen(question_s), false, &n_question))) goto done;
+    if (!(filler = cli_tokenize(m, text, len, false, false, &n_filler))) goto done;
+    if (!(intro = cli_tokenize(m, intro_s, strlen(intro_s), true, false, &n_intro))) goto done;
+    if (!(question = cli_tokenize(m, question_s, strlen(question_s), false, false, &n_question))) goto done;
     tr = calloc((size_t)o.trials, sizeof *tr);
     if (!tr) {
         cli_fail("out of memory");
@@ -190,7 +190,7 @@ int cmd_passkey(int argc, char **argv) {
                                                           : "The pass key is %d. Remember it. %d is the pass key.",
                      x->key, x->key);
             int n_needle;
-            kvq_token *needle = cli_tokenize(m, needle_s, strlen(needle_s), false, &n_needle);
+            kvq_token *needle = cli_tokenize(m, needle_s, strlen(needle_s), false, false, &n_needle);
             if (!needle) goto done;
             int nf = L - n_intro - n_needle - n_question;
             if (nf < 0 || nf > n_filler) {

@@ -446,7 +446,7 @@ int cmd_perplexity(int argc, char **argv) {
             size_t len;
             int nt2;
             text = cli_read_file(o.file, &len);
-            kvq_token *t2 = text ? cli_tokenize(m, text, len, true, &nt2) : NULL;
+            kvq_token *t2 = text ? cli_tokenize(m, text, len, true, false, &nt2) : NULL;
             if (!t2) goto done;
             bool same = nt2 >= n_tok && memcmp(t2, toks, (size_t)n_tok * sizeof *toks) == 0;
             free(t2);
@@ -462,7 +462,7 @@ int cmd_perplexity(int argc, char **argv) {
         size_t len;
         text = cli_read_file(o.file, &len);
         if (!text) goto done;
-        toks = cli_tokenize(m, text, len, true, &n_tok);
+        toks = cli_tokenize(m, text, len, true, false, &n_tok);
         if (!toks) goto done;
         int n_max = n_tok / n_ctx;
         if (n_max < 1) {

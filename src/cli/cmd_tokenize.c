@@ -43,13 +43,10 @@ int cmd_tokenize(int argc, char **argv) {
         free(buf);
         return cli_fail("%s", kvq_last_error());
     }
-    int cap = (int)len + 8;
-    kvq_token *ids = malloc(sizeof *ids * (size_t)cap);
-    int n = ids ? kvq_tokenize(m, buf, len, bos, parse_special, ids, cap) : -1;
-    int rc = 0;
-    if (n < 0 || n > cap) {
-        rc = cli_fail("cannot tokenize: %s", kvq_last_error());
-    } else {
+    int n, rc = 1;
+    kvq_token *ids = cli_tokenize(m, buf, len, bos, parse_special, &n);
+    if (ids) {
+        rc = 0;
         putchar('[');
         for (int i = 0; i < n; i++) printf(i ? ", %d" : "%d", ids[i]);
         puts("]");
