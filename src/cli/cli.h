@@ -17,7 +17,6 @@ struct cli_command {
 
 int cmd_generate(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
-int cmd_kv_quality(int argc, char **argv);
 int cmd_cache_prompt(int argc, char **argv);
 int cmd_bench_kv_cache(int argc, char **argv);
 int cmd_perplexity(int argc, char **argv);
@@ -44,6 +43,14 @@ const char *cli_flag_value(int argc, char **argv, int *i);
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv);
 /* Help text for those flags. */
 extern const char *const cli_kv_flags_help;
+/* A whole KV config in one word, for commands that compare several:
+ *   f16 | f32 | BITS | KBITS,VBITS  then optional suffixes
+ *   :gG or :gGK,GV (group size), :rot / :norot (Hadamard rotation), :rN (residual
+ *   f16 window), :qsN (quantized-kv-start)       e.g. 8,4  4:g32  4,2:r0:norot
+ * Unset fields keep kvq_kv_config_default's values. False with an error printed. */
+bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv);
+extern const char *const cli_kv_spec_help;
+
 /* Checks flag combinations after parsing; false with an error printed. */
 bool cli_kv_config_check(const struct kvq_kv_config *kv);
 /* "f16", "K8/V4 g64" ... for reports. */

@@ -133,6 +133,43 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv) {
     return 0;
 }
 
+/* Runs one KV flag through the flag parser (same rules and messages). */
+static bool kv_flag(const char *flag, const char *value, struct kvq_kv_config *kv) {
+    char *args[] = {(char *)"kvq", (char *)flag, (char *)value};
+    int i = 1;
+    return cli_parse_kv_flag(3, args, &i, kv) == 1;
+}
+
+const char *const cli_kv_spec_help =
+    "KV config SPEC: f16 | f32 | BITS | KBITS,VBITS (bits as for --kv-bits), then optional\n"
+    "  suffixes :gG or :gGK,GV (group size), :rot or :norot (Hadamard rotation), :rN\n"
+    "  (residual f16 window of N tokens), :qsN (quantized-kv-start); unset parts take the\n"
+    "  --kv-* defaults. e.g. 8,4   4:g32   4,2:r0:norot\n";
+
+bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", spec);
+    kvq_kv_config_default(kv);
+    char *save = NULL, *part = strtok_r(buf, ":", &save);
+    if (!part) return cli_fail("empty KV config"), false;
+    const char *bits = !strcmp(part, "f16") ? "16" : !strcmp(part, "f32") ? "32" : part;
+    if (!kv_flag("--kv-bits", bits, kv)) return false;
+    while ((part = strtok_r(NULL, ":", &save))) {
+        bool ok;
+        if (part[0] == 'g') ok = kv_flag("--kv-group-size", part + 1, kv);
+        else if (!strcmp(part, "rot")) ok = kv_flag("--kv-rotation", "hadamard", kv);
+        else if (!strcmp(part, "norot")) ok = kv_flag("--kv-rotation", "none", kv);
+        else if (!strncmp(part, "qs", 2)) ok = kv_flag("--quantized-kv-start", part + 2, kv);
+        else if (part[0] == 'r') ok = kv_flag("--kv-residual", part + 1, kv);
+        else {
+            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :gG, :rot, :norot, :rN or :qsN)", part, spec);
+            return false;
+        }
+        if (!ok) return false;
+    }
+    return cli_kv_config_check(kv);
+}
+
 bool cli_kv_config_check(const struct kvq_kv_config *kv) {
     if (kv->max_size > 0 && kv->keep >= kv->max_size) {
         cli_fail("--keep (%d) must be smaller than --max-kv-size (%d)", kv->keep, kv->max_size);

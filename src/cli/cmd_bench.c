@@ -31,11 +31,8 @@ static const char *const bench_help =
     "  -n N                 decode steps (default 128)\n"
     "  -d LIST              depths: tokens already in the cache (default 0)\n"
     "  -b LIST              batches: sequences decoding together (default 1)\n"
-    "  --kv SPEC            a KV config; repeat for several (default f16). SPEC:\n"
-    "                         f16 | f32 | BITS | KBITS,VBITS   (bits as for --kv-bits: 2..8)\n"
-    "                         optional suffixes: :gG or :gGK,GV (group size, as --kv-group-size),\n"
-    "                         :rot (Hadamard rotation), :qsN (first N tokens in 16 bits)\n"
-    "                         e.g. --kv f16 --kv 8 --kv 8,4 --kv 4:g32:rot\n"
+    "  --kv SPEC            a KV config; repeat for several (default f16), e.g.\n"
+    "                       --kv f16 --kv 8 --kv 8,4 --kv 4:g32 (SPEC is described below)\n"
     "  -t, --threads N      threads (default: all cores)\n"
     "  --batch-size N       tokens per forward pass (default 512)\n"
     "  -r, --reps N         repetitions (default 3)\n"
@@ -88,33 +85,9 @@ static bool parse_list(const char *flag, const char *v, long min, long max, int 
 }
 
 /* Runs one KV flag through the shared parser (same rules and messages as the flags). */
-static bool kv_flag(const char *flag, const char *value, struct kvq_kv_config *kv) {
-    char *args[] = {(char *)"bench", (char *)flag, (char *)value};
-    int i = 1;
-    return cli_parse_kv_flag(3, args, &i, kv) == 1;
-}
-
 static bool parse_kv_spec(const char *spec, struct kv_spec *out) {
-    char buf[128];
-    snprintf(buf, sizeof buf, "%s", spec);
     snprintf(out->name, sizeof out->name, "%s", spec);
-    kvq_kv_config_default(&out->kv);
-    char *save = NULL, *part = strtok_r(buf, ":", &save);
-    if (!part) return cli_fail("empty --kv value"), false;
-    const char *bits = !strcmp(part, "f16") ? "16" : !strcmp(part, "f32") ? "32" : part;
-    if (!kv_flag("--kv-bits", bits, &out->kv)) return false;
-    while ((part = strtok_r(NULL, ":", &save))) {
-        bool ok;
-        if (part[0] == 'g') ok = kv_flag("--kv-group-size", part + 1, &out->kv);
-        else if (!strcmp(part, "rot")) ok = kv_flag("--kv-rotation", "hadamard", &out->kv);
-        else if (!strncmp(part, "qs", 2)) ok = kv_flag("--quantized-kv-start", part + 2, &out->kv);
-        else {
-            cli_fail("invalid --kv suffix ':%s' in '%s' (expected :gG, :gGK,GV, :rot or :qsN)", part, spec);
-            return false;
-        }
-        if (!ok) return false;
-    }
-    return cli_kv_config_check(&out->kv);
+    return cli_parse_kv_spec(spec, &out->kv);
 }
 
 static int parse_args(int argc, char **argv, struct bench_opts *o) {
@@ -128,6 +101,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(bench_help, stdout);
+            fputs(cli_kv_spec_help, stdout);
             exit(0);
         }
         if (!strcmp(a, "--json")) {

@@ -9,7 +9,6 @@ static const struct cli_command commands[] = {
     {"tokenize", "print the token ids of a text", cmd_tokenize},
     {"cache-prompt", "save the KV cache state after a prompt to a file", cmd_cache_prompt},
     {"bench-kv-cache", "memory, error and speed of the KV cache formats", cmd_bench_kv_cache},
-    {"kv-quality", "KL divergence of quantized vs f16 KV over a text", cmd_kv_quality},
     {"perplexity", "perplexity and KL divergence over a text (llama-perplexity conventions)", cmd_perplexity},
     {"passkey", "long-context pass-key retrieval accuracy", cmd_passkey},
     {"bench", "prefill/decode speed and memory per KV config, depth and batch", cmd_bench},
