@@ -41,8 +41,15 @@ INLINE void store_tile(float *y, int64_t ys, int R, int T, __m512 acc[4][4]) {
 
 /* ---- Q8_0 / Q4_0 weights x pair-format activations ----------------------- */
 
+/* Software prefetch for matvec (few tokens): weights stream from L3/DRAM once per
+ * token and the hardware prefetcher alone leaves the loads latency-bound. Each row
+ * of a tile prefetches the same offset PF_TILES tiles ahead (rows are contiguous). */
+#ifndef PF_TILES
+#define PF_TILES 4
+#endif
+
 INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w, size_t wrb,
-                       const uint8_t *xa, size_t xrb, int64_t nb, float *y, int64_t ys) {
+                       const uint8_t *xa, size_t xrb, int64_t nb, float *y, int64_t ys, size_t pfd) {
     const int64_t np = (nb + 1) / 2;
     const size_t bbytes = q4 ? 18 : 34;
     /* Lane maps: which block (0/1) each int32 lane of the vpdpbusd result belongs to. */
@@ -64,6 +71,14 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
         const int full = 2 * p + 1 < nb;
         __m512i wv[4];
         __m512 ws[4];
+        if (pfd) {
+            UNROLL
+            for (int r = 0; r < R; r++) {
+                const char *pf = (const char *)w + (size_t)r * wrb + (size_t)(2 * p) * bbytes + pfd;
+                _mm_prefetch(pf, _MM_HINT_T0);
+                _mm_prefetch(pf + 64, _MM_HINT_T0);
+            }
+        }
         UNROLL
         for (int r = 0; r < R; r++) {
             const uint8_t *b0 = w + (size_t)r * wrb + (size_t)(2 * p) * bbytes;
@@ -323,6 +338,7 @@ static void mm_pairs(const struct kern_matmul_args *a, int64_t r0, int64_t r1, c
     const int64_t nb = a->k / 32;
     const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
     int64_t chunk = r1 - r0;
+    const size_t pf4 = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0, pf1 = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0;
     if (a->n_tok > 4) {
         chunk = (int64_t)(32768 / (wrb ? wrb : 1)) & ~(int64_t)3;
         if (chunk < 4) chunk = 4;
@@ -337,16 +353,16 @@ static void mm_pairs(const struct kern_matmul_args *a, int64_t r0, int64_t r1, c
             for (; r + 4 <= re; r += 4) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALL4(TT)                                                                          \
-    if (q4) tile_pairs(1, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride);                \
-    else tile_pairs(0, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
+    if (q4) tile_pairs(1, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf4);                \
+    else tile_pairs(0, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf4)
                 DISPATCH_T(CALL4)
 #undef CALL4
             }
             for (; r < re; r++) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALL1(TT)                                                                          \
-    if (q4) tile_pairs(1, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride);                \
-    else tile_pairs(0, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
+    if (q4) tile_pairs(1, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf1);                \
+    else tile_pairs(0, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf1)
                 DISPATCH_T(CALL1)
 #undef CALL1
             }
