@@ -392,6 +392,12 @@ int main(int argc, char **argv) {
     printf("kernels: %s\n", kern_simd_level());
     if (cold) {
         bench_decode_cold(KVQ_Q8_0);
+        if (argc > 2 || getenv("KVQ_BENCH_ALL_TYPES")) {
+            bench_decode_cold(KVQ_Q4_0);
+            bench_decode_cold(KVQ_Q4_K);
+            bench_decode_cold(KVQ_Q6_K);
+            bench_decode_cold(KVQ_F16);
+        }
         bench_attention_cold();
         bench_kvq_attention_cold();
         return 0;

@@ -121,7 +121,7 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
 /* ---- Q4_K / Q6_K weights x Q8_K-format activations ------------------------ */
 
 INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
-                     int64_t ys) {
+                     int64_t ys, size_t pfd) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m512 acc[4];
     __m256 macc[4];
@@ -131,6 +131,11 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
         macc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < nsb; b++, w += 144) {
+        if (pfd) {
+            _mm_prefetch((const char *)w + pfd, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 128, _MM_HINT_T0);
+        }
         /* 6-bit scales/mins of the 8 sub-blocks (see kern_q4k_scale_min), unpacked
          * in general registers: bytes 0-3 scales 0-3 (+ top bits of 4-7), 4-7 mins
          * 0-3 (+ top bits), 8-11 low nibbles: scales 4-7, high nibbles: mins 4-7 */
@@ -177,7 +182,7 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
 }
 
 INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
-                     int64_t ys) {
+                     int64_t ys, size_t pfd) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i m30 = _mm512_set1_epi8(0x30);
     __m512 acc[4];
@@ -188,6 +193,12 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
         cacc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < nsb; b++, w += 210) {
+        if (pfd) {
+            _mm_prefetch((const char *)w + pfd, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 192, _MM_HINT_T0);
+        }
         __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
         __m512i sc16 = _mm512_castsi256_si512(sc16y);
         __m512i wv[4], sv[4];
@@ -241,7 +252,7 @@ INLINE __m512 load_w16(uint32_t wtype, const uint8_t *p, __mmask16 m) {
 }
 
 INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uint8_t *w, size_t wrb,
-                       const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys) {
+                       const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys, size_t pfd) {
     const size_t es = wtype == KVQ_F32 ? 4 : 2;
     __m512 acc[4][4];
     UNROLL
@@ -250,6 +261,10 @@ INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uin
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
+        if (pfd && (i * (int64_t)es) % 64 == 0) {
+            UNROLL
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)w + (size_t)r * wrb + (size_t)i * es + pfd, _MM_HINT_T0);
+        }
         __m512 wv[4];
         UNROLL
         for (int r = 0; r < R; r++) wv[r] = load_w16(wtype, w + (size_t)r * wrb + (size_t)i * es, 0xFFFF);
@@ -374,6 +389,7 @@ static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) 
     const int64_t nsb = a->k / 256;
     const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
     const int q6 = a->wtype == KVQ_Q6_K;
+    const size_t pfk = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0; /* same distance as mm_pairs */
     int64_t chunk = r1 - r0;
     if (a->n_tok > 4) {
         chunk = (int64_t)(32768 / (wrb ? wrb : 1));
@@ -388,8 +404,8 @@ static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) 
             for (int64_t r = rc; r < re; r++) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALLK(TT)                                                    \
-    if (q6) tile_q6k(TT, w, xa, xrb, nsb, yt + r, a->y_stride);       \
-    else tile_q4k(TT, w, xa, xrb, nsb, yt + r, a->y_stride)
+    if (q6) tile_q6k(TT, w, xa, xrb, nsb, yt + r, a->y_stride, pfk);       \
+    else tile_q4k(TT, w, xa, xrb, nsb, yt + r, a->y_stride, pfk)
                 DISPATCH_T(CALLK)
 #undef CALLK
             }
@@ -400,6 +416,7 @@ static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) 
 static void mm_float(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
     const uint32_t wt = a->wtype;
+    const size_t pff = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0;
     int64_t chunk = r1 - r0;
     if (a->n_tok > 4) {
         chunk = (int64_t)(65536 / (wrb ? wrb : 1)) & ~(int64_t)3;
@@ -415,18 +432,18 @@ static void mm_float(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
             for (; r + 4 <= re; r += 4) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALLF4(TT)                                                                          \
-    if (wt == KVQ_F16) tile_float(KVQ_F16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride);   \
-    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride); \
-    else tile_float(KVQ_F32, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride)
+    if (wt == KVQ_F16) tile_float(KVQ_F16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff);   \
+    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff); \
+    else tile_float(KVQ_F32, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff)
                 DISPATCH_T(CALLF4)
 #undef CALLF4
             }
             for (; r < re; r++) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALLF1(TT)                                                                          \
-    if (wt == KVQ_F16) tile_float(KVQ_F16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride);   \
-    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride); \
-    else tile_float(KVQ_F32, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride)
+    if (wt == KVQ_F16) tile_float(KVQ_F16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff);   \
+    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff); \
+    else tile_float(KVQ_F32, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff)
                 DISPATCH_T(CALLF1)
 #undef CALLF1
             }
