@@ -1,10 +1,13 @@
 /* Micro-benchmark of the compute kernels (not a test): matvec / matmul at the
  * tinydoc shapes for every weight type, a simulated tinydoc-q8_0 decode token,
  * and attention at depths 512 / 4096. Single thread.
- * Usage: bench_kernels [scalar|avx2|avx512] */
+ * Usage: bench_kernels [scalar|avx2|avx512] [cold]
+ * "cold": decode token and attention over working sets larger than the caches
+ * (mean time, GB/s), the way generate meets them. */
 #include "core/dtype.h"
 #include "kernels/attention.h"
 #include "kernels/f16.h"
+#include "kernels/kv_quant.h"
 #include "kernels/matmul.h"
 #include "kernels/matmul_impl.h"
 
@@ -240,7 +243,143 @@ static void bench_attention(void) {
     }
 }
 
+/* ---- cold mode: working sets larger than the caches, as in a real decode ---- */
+
+/* One tinydoc-q8_0 decode token per iteration over 4 copies of the weight set
+ * (about 100 MB, > L3), rotating: the weights stream from DRAM as in generate. */
+static void bench_decode_cold(uint32_t type) {
+    enum { L = 6, NM = 7 * L + 1, COPIES = 4 };
+    struct shape layer[] = {{512, 512}, {256, 512}, {256, 512}, {512, 512}, {1536, 512}, {1536, 512}, {512, 1536}};
+    struct shape s[NM];
+    uint8_t *w[COPIES][NM];
+    size_t total = 0;
+    for (int i = 0; i < NM; i++) {
+        s[i] = i < 7 * L ? layer[i % 7] : (struct shape){8192, 512};
+        size_t rb = kvq_dtype_row_bytes(type, (uint64_t)s[i].k);
+        total += rb * (size_t)s[i].rows;
+        for (int c = 0; c < COPIES; c++) {
+            w[c][i] = malloc(rb * (size_t)s[i].rows);
+            fill_weights(type, w[c][i], s[i].rows, s[i].k);
+        }
+    }
+    float x[1536], y[8192];
+    for (int i = 0; i < 1536; i++) x[i] = (float)(rnd() % 2000) / 1000.0f - 1.0f;
+    static uint8_t xa[1536 * 4];
+    const int iters = 200;
+    double sum = 0, best = 1e30;
+    for (int it = 0; it < iters + 4; it++) {
+        double t0 = now();
+        for (int i = 0; i < NM; i++) {
+            kern_act_prepare(type, x, xa, s[i].k);
+            struct kern_matmul_args a = {type, w[it % COPIES][i], kvq_dtype_row_bytes(type, (uint64_t)s[i].k), s[i].k,
+                                         xa, kern_act_row_bytes(type, s[i].k), 1, y, s[i].rows};
+            kern_matmul(&a, 0, s[i].rows);
+        }
+        double dt = now() - t0;
+        if (it >= 4) {
+            sum += dt;
+            if (dt < best) best = dt;
+        }
+    }
+    double t = sum / iters;
+    printf("COLD decode token (%s, %d copies x %.1f MB rotating, 1 thread): mean %.3f ms = %.1f GB/s = %.0f tok/s"
+           " (best %.3f ms = %.1f GB/s)\n",
+           kvq_dtype_name(type), COPIES, total * 1e-6, t * 1e3, total / t * 1e-9, 1.0 / t, best * 1e3,
+           total / best * 1e-9);
+    for (int c = 0; c < COPIES; c++)
+        for (int i = 0; i < NM; i++) free(w[c][i]);
+}
+
+/* Attention at depth 4096 over 12 separate (layer, kv-head) K/V blocks, rotating
+ * (24 MB f16 / 48 MB f32 > L2): each call streams its block from L3/DRAM. */
+static void bench_attention_cold(void) {
+    enum { NB = 12 };
+    const int n_q = 2, d = 128, n = 4096;
+    for (int f = 0; f < 2; f++) {
+        size_t es = f ? 4 : 2, bytes = (size_t)n * d * es;
+        uint8_t *k[NB], *v[NB];
+        for (int b = 0; b < NB; b++) {
+            k[b] = malloc(bytes);
+            v[b] = malloc(bytes);
+            for (size_t i = 0; i < (size_t)n * d; i++) {
+                float a = (float)(rnd() % 2000) / 1000.0f - 1.0f, c = (float)(rnd() % 2000) / 1000.0f - 1.0f;
+                if (f) { memcpy(k[b] + 4 * i, &a, 4); memcpy(v[b] + 4 * i, &c, 4); }
+                else { uint16_t ha = kvq_f32_to_f16(a), hc = kvq_f32_to_f16(c); memcpy(k[b] + 2 * i, &ha, 2); memcpy(v[b] + 2 * i, &hc, 2); }
+            }
+        }
+        float q[2 * 128], out[2 * 128], mem[2 * 130];
+        for (int i = 0; i < n_q * d; i++) q[i] = ((float)(rnd() % 2000) / 1000.0f - 1.0f) * 0.1f;
+        const int rounds = 30;
+        double t0 = 0;
+        for (int it = 0; it < (rounds + 1) * NB; it++) {
+            if (it == NB) t0 = now(); /* first round warms up */
+            struct kern_attn_state st;
+            kern_attn_state_init(&st, n_q, d, mem);
+            kern_attn_accumulate(&st, q, k[it % NB], d, v[it % NB], d, f ? 32 : 16, n);
+            kern_attn_finish(&st, out);
+        }
+        double t = (now() - t0) / (rounds * NB);
+        printf("COLD attention %s n_q=%d d=%d depth %d, %d blocks rotating (%.0f MB): %8.2f us/call  %6.1f GB/s"
+               "  (x12 = %.0f us/token)\n",
+               f ? "f32" : "f16", n_q, d, n, NB, NB * 2.0 * bytes * 1e-6, t * 1e6, 2.0 * bytes / t * 1e-9,
+               12 * t * 1e6);
+        for (int b = 0; b < NB; b++) {
+            free(k[b]);
+            free(v[b]);
+        }
+    }
+}
+
+/* Same, over quantized rows (kern_kvq_attn_accumulate) at 4 and 8 bits, group 32. */
+static void bench_kvq_attention_cold(void) {
+    enum { NB = 12 };
+    const int n_q = 2, d = 128, n = 4096, group = 32;
+    const int bitss[][2] = {{4, 4}, {8, 4}, {8, 8}};
+    for (size_t bi = 0; bi < sizeof bitss / sizeof bitss[0]; bi++) {
+        int kb = bitss[bi][0], vb = bitss[bi][1];
+        size_t krb = kern_kvq_row_bytes(kb, group, d), vrb = kern_kvq_row_bytes(vb, group, d);
+        uint8_t *k[NB], *v[NB];
+        float row[128];
+        for (int b = 0; b < NB; b++) {
+            k[b] = malloc(krb * n);
+            v[b] = malloc(vrb * n);
+            for (int j = 0; j < n; j++) {
+                for (int i = 0; i < d; i++) row[i] = (float)(rnd() % 2000) / 1000.0f - 1.0f;
+                kern_kvq_quantize_row(row, d, kb, group, k[b] + (size_t)j * krb);
+                for (int i = 0; i < d; i++) row[i] = (float)(rnd() % 2000) / 1000.0f - 1.0f;
+                kern_kvq_quantize_row(row, d, vb, group, v[b] + (size_t)j * vrb);
+            }
+        }
+        float q[2 * 128], out[2 * 128], mem[2 * 130];
+        for (int i = 0; i < n_q * d; i++) q[i] = ((float)(rnd() % 2000) / 1000.0f - 1.0f) * 0.1f;
+        const int rounds = 30;
+        double t0 = 0;
+        for (int it = 0; it < (rounds + 1) * NB; it++) {
+            if (it == NB) t0 = now();
+            struct kern_attn_state st;
+            kern_attn_state_init(&st, n_q, d, mem);
+            struct kern_kv_rows kr = {k[it % NB], krb, kb, group}, vr = {v[it % NB], vrb, vb, group};
+            kern_kvq_attn_accumulate(&st, q, &kr, &vr, n);
+            kern_attn_finish(&st, out);
+        }
+        double t = (now() - t0) / (rounds * NB);
+        double bytes = (double)(krb + vrb) * n;
+        printf("COLD kvq attention K%d/V%d n_q=%d d=%d depth %d, %d blocks (%.0f MB): %8.2f us/call  %6.1f GB/s"
+               "  (x12 = %.0f us/token)\n",
+               kb, vb, n_q, d, n, NB, NB * bytes * 1e-6, t * 1e6, bytes / t * 1e-9, 12 * t * 1e6);
+        for (int b = 0; b < NB; b++) {
+            free(k[b]);
+            free(v[b]);
+        }
+    }
+}
+
 int main(int argc, char **argv) {
+    int cold = 0;
+    if (argc > 1 && strcmp(argv[argc - 1], "cold") == 0) {
+        cold = 1;
+        argc--;
+    }
     if (argc > 1) {
         enum kern_level l = strcmp(argv[1], "scalar") == 0 ? KERN_SCALAR
                           : strcmp(argv[1], "avx2") == 0   ? KERN_AVX2
@@ -251,6 +390,18 @@ int main(int argc, char **argv) {
         }
     }
     printf("kernels: %s\n", kern_simd_level());
+    if (cold) {
+        bench_decode_cold(KVQ_Q8_0);
+        if (argc > 2 || getenv("KVQ_BENCH_ALL_TYPES")) {
+            bench_decode_cold(KVQ_Q4_0);
+            bench_decode_cold(KVQ_Q4_K);
+            bench_decode_cold(KVQ_Q6_K);
+            bench_decode_cold(KVQ_F16);
+        }
+        bench_attention_cold();
+        bench_kvq_attention_cold();
+        return 0;
+    }
     bench_decode(KVQ_Q8_0);
     bench_attention();
     bench_matmul();

@@ -41,8 +41,15 @@ INLINE void store_tile(float *y, int64_t ys, int R, int T, __m512 acc[4][4]) {
 
 /* ---- Q8_0 / Q4_0 weights x pair-format activations ----------------------- */
 
+/* Software prefetch for matvec (few tokens): weights stream from L3/DRAM once per
+ * token and the hardware prefetcher alone leaves the loads latency-bound. Each row
+ * of a tile prefetches the same offset PF_TILES tiles ahead (rows are contiguous). */
+#ifndef PF_TILES
+#define PF_TILES 4
+#endif
+
 INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w, size_t wrb,
-                       const uint8_t *xa, size_t xrb, int64_t nb, float *y, int64_t ys) {
+                       const uint8_t *xa, size_t xrb, int64_t nb, float *y, int64_t ys, size_t pfd) {
     const int64_t np = (nb + 1) / 2;
     const size_t bbytes = q4 ? 18 : 34;
     /* Lane maps: which block (0/1) each int32 lane of the vpdpbusd result belongs to. */
@@ -64,6 +71,14 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
         const int full = 2 * p + 1 < nb;
         __m512i wv[4];
         __m512 ws[4];
+        if (pfd) {
+            UNROLL
+            for (int r = 0; r < R; r++) {
+                const char *pf = (const char *)w + (size_t)r * wrb + (size_t)(2 * p) * bbytes + pfd;
+                _mm_prefetch(pf, _MM_HINT_T0);
+                _mm_prefetch(pf + 64, _MM_HINT_T0);
+            }
+        }
         UNROLL
         for (int r = 0; r < R; r++) {
             const uint8_t *b0 = w + (size_t)r * wrb + (size_t)(2 * p) * bbytes;
@@ -106,7 +121,7 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
 /* ---- Q4_K / Q6_K weights x Q8_K-format activations ------------------------ */
 
 INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
-                     int64_t ys) {
+                     int64_t ys, size_t pfd) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m512 acc[4];
     __m256 macc[4];
@@ -116,6 +131,11 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
         macc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < nsb; b++, w += 144) {
+        if (pfd) {
+            _mm_prefetch((const char *)w + pfd, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 128, _MM_HINT_T0);
+        }
         /* 6-bit scales/mins of the 8 sub-blocks (see kern_q4k_scale_min), unpacked
          * in general registers: bytes 0-3 scales 0-3 (+ top bits of 4-7), 4-7 mins
          * 0-3 (+ top bits), 8-11 low nibbles: scales 4-7, high nibbles: mins 4-7 */
@@ -162,7 +182,7 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
 }
 
 INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
-                     int64_t ys) {
+                     int64_t ys, size_t pfd) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i m30 = _mm512_set1_epi8(0x30);
     __m512 acc[4];
@@ -173,6 +193,12 @@ INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
         cacc[t] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < nsb; b++, w += 210) {
+        if (pfd) {
+            _mm_prefetch((const char *)w + pfd, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)w + pfd + 192, _MM_HINT_T0);
+        }
         __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192)));
         __m512i sc16 = _mm512_castsi256_si512(sc16y);
         __m512i wv[4], sv[4];
@@ -226,7 +252,7 @@ INLINE __m512 load_w16(uint32_t wtype, const uint8_t *p, __mmask16 m) {
 }
 
 INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uint8_t *w, size_t wrb,
-                       const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys) {
+                       const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys, size_t pfd) {
     const size_t es = wtype == KVQ_F32 ? 4 : 2;
     __m512 acc[4][4];
     UNROLL
@@ -235,6 +261,10 @@ INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uin
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) {
+        if (pfd && (i * (int64_t)es) % 64 == 0) {
+            UNROLL
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)w + (size_t)r * wrb + (size_t)i * es + pfd, _MM_HINT_T0);
+        }
         __m512 wv[4];
         UNROLL
         for (int r = 0; r < R; r++) wv[r] = load_w16(wtype, w + (size_t)r * wrb + (size_t)i * es, 0xFFFF);
@@ -323,6 +353,7 @@ static void mm_pairs(const struct kern_matmul_args *a, int64_t r0, int64_t r1, c
     const int64_t nb = a->k / 32;
     const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
     int64_t chunk = r1 - r0;
+    const size_t pf4 = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0, pf1 = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0;
     if (a->n_tok > 4) {
         chunk = (int64_t)(32768 / (wrb ? wrb : 1)) & ~(int64_t)3;
         if (chunk < 4) chunk = 4;
@@ -337,16 +368,16 @@ static void mm_pairs(const struct kern_matmul_args *a, int64_t r0, int64_t r1, c
             for (; r + 4 <= re; r += 4) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALL4(TT)                                                                          \
-    if (q4) tile_pairs(1, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride);                \
-    else tile_pairs(0, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
+    if (q4) tile_pairs(1, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf4);                \
+    else tile_pairs(0, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf4)
                 DISPATCH_T(CALL4)
 #undef CALL4
             }
             for (; r < re; r++) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALL1(TT)                                                                          \
-    if (q4) tile_pairs(1, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride);                \
-    else tile_pairs(0, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
+    if (q4) tile_pairs(1, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf1);                \
+    else tile_pairs(0, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf1)
                 DISPATCH_T(CALL1)
 #undef CALL1
             }
@@ -358,6 +389,7 @@ static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) 
     const int64_t nsb = a->k / 256;
     const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
     const int q6 = a->wtype == KVQ_Q6_K;
+    const size_t pfk = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0; /* same distance as mm_pairs */
     int64_t chunk = r1 - r0;
     if (a->n_tok > 4) {
         chunk = (int64_t)(32768 / (wrb ? wrb : 1));
@@ -372,8 +404,8 @@ static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) 
             for (int64_t r = rc; r < re; r++) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALLK(TT)                                                    \
-    if (q6) tile_q6k(TT, w, xa, xrb, nsb, yt + r, a->y_stride);       \
-    else tile_q4k(TT, w, xa, xrb, nsb, yt + r, a->y_stride)
+    if (q6) tile_q6k(TT, w, xa, xrb, nsb, yt + r, a->y_stride, pfk);       \
+    else tile_q4k(TT, w, xa, xrb, nsb, yt + r, a->y_stride, pfk)
                 DISPATCH_T(CALLK)
 #undef CALLK
             }
@@ -384,6 +416,7 @@ static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) 
 static void mm_float(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
     const uint32_t wt = a->wtype;
+    const size_t pff = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0;
     int64_t chunk = r1 - r0;
     if (a->n_tok > 4) {
         chunk = (int64_t)(65536 / (wrb ? wrb : 1)) & ~(int64_t)3;
@@ -399,18 +432,18 @@ static void mm_float(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
             for (; r + 4 <= re; r += 4) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALLF4(TT)                                                                          \
-    if (wt == KVQ_F16) tile_float(KVQ_F16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride);   \
-    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride); \
-    else tile_float(KVQ_F32, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride)
+    if (wt == KVQ_F16) tile_float(KVQ_F16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff);   \
+    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff); \
+    else tile_float(KVQ_F32, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff)
                 DISPATCH_T(CALLF4)
 #undef CALLF4
             }
             for (; r < re; r++) {
                 const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
 #define CALLF1(TT)                                                                          \
-    if (wt == KVQ_F16) tile_float(KVQ_F16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride);   \
-    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride); \
-    else tile_float(KVQ_F32, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride)
+    if (wt == KVQ_F16) tile_float(KVQ_F16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff);   \
+    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff); \
+    else tile_float(KVQ_F32, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff)
                 DISPATCH_T(CALLF1)
 #undef CALLF1
             }
