@@ -140,7 +140,9 @@ static void test_attention(void) {
     struct {
         int kb, kg, vb, vg;
     } fmts[] = {{8, 64, 8, 64}, {4, 64, 4, 64}, {4, 32, 2, 32}, {8, 128, 4, 16}, {3, 32, 5, 64}, {6, 16, 6, 16},
-                {2, 64, 2, 64}, {16, 0, 4, 64}, {8, 64, 16, 0}, {32, 0, 3, 32}, {4, 8, 4, 8}};
+                {2, 64, 2, 64}, {16, 0, 4, 64}, {8, 64, 16, 0}, {32, 0, 3, 32}, {4, 8, 4, 8},
+                /* the AVX-512 fast path: 4/8-bit K and V, groups of 32..128 */
+                {4, 32, 4, 32}, {8, 32, 4, 128}, {4, 128, 8, 32}, {8, 128, 8, 128}};
     const int d = 128, ratios[] = {1, 2, 3, 4, 8, 9}, lens[] = {1, 31, 33, 200};
     const char *names[] = {"scalar", "avx2", "avx512"};
     attn_fn fns[] = {kern_kvq_attn_scalar, kern_kvq_attn_avx2, kern_kvq_attn_avx512};

@@ -59,6 +59,334 @@ void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
 #define VF16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define VSUM(x) _mm512_reduce_add_ps(x)
 #define VEXP exp512
-#define FN(x) x##_avx512
+#define FN(x) x##_avx512g /* generic body; the fast path below dispatches to it */
 #define UNPACK kern_kvq_unpack_avx512
 #include "kernels/kv_quant_simd.inc"
+
+void kern_kvq_attn_avx512g(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                           const struct kern_kv_rows *v, int n);
+
+/* ---- Fast path: K and V both 4- or 8-bit, groups % 32 == 0, d % 64 == 0 ----
+ * The generic body is compute-bound (one row at a time, scalar f16 scales, a horizontal
+ * sum per row). Here 4 rows are scored at once with independent accumulators, scales
+ * and biases are converted 8 groups per vcvtph2ps, the bias term rides in the same
+ * accumulator (sbv * [0,qsum_g,...]) and 16 rows share one transposed reduction.
+ *
+ * 4-bit codes: a 16-byte load zero-extended to 16 dwords gives the even values (low
+ * nibbles) and the odd values (high nibbles) of 32 consecutive values. Rather than
+ * interleave per row, q and the V accumulator are kept in that "code order" per 32
+ * values for the whole call (groups are multiples of 32, so a group stays a group). */
+
+/* -O2 keeps the small fixed loops below rolled, which puts the accumulator arrays in
+ * memory: unroll them explicitly. */
+#define UNR _Pragma("GCC unroll 16")
+#define FQ 4     /* rows scored together */
+#define FMAXH 4 /* heads per fast-path pass */
+
+static void to_code_order(const float *x, float *y, int d) {
+    for (int c = 0; c < d; c += 32)
+        for (int i = 0; i < 16; i++) {
+            y[c + i] = x[c + 2 * i];
+            y[c + 16 + i] = x[c + 2 * i + 1];
+        }
+}
+static void from_code_order(const float *y, float *x, int d) {
+    for (int c = 0; c < d; c += 32)
+        for (int i = 0; i < 16; i++) {
+            x[c + 2 * i] = y[c + i];
+            x[c + 2 * i + 1] = y[c + 16 + i];
+        }
+}
+
+/* 4 row accumulators -> one vector whose every 128-bit lane holds [a,b,c,d] partials. */
+static inline __m512 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+}
+/* 4 reduce4 results (16 rows) -> the 16 row sums in order. */
+static inline __m512 reduce16(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
+    __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x44), _mm512_shuffle_f32x4(x0, x1, 0xEE));
+    __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x44), _mm512_shuffle_f32x4(x2, x3, 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xDD));
+}
+
+static inline __m512i zx16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512 lo4(__m512i z) { return _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15))); }
+static inline __m512 hi4(__m512i z) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4)); }
+/* scales/biases of groups g0..g0+7 (fewer past the end): lanes [s0,b0,s1,b1,...] */
+static inline __m512 sb8(const uint8_t *sb, int g0, int ng) {
+    const int c = ng - g0 < 8 ? ng - g0 : 8;
+    const uint8_t *p = sb + 4 * g0;
+    /* exact-size loads: a masked load whose masked-off tail crosses a page is very slow */
+    switch (c) {
+    case 8: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    case 4: return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p)));
+    case 2: return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)p)));
+    case 1: {
+        int32_t t;
+        memcpy(&t, p, 4);
+        return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_cvtsi32_si128(t)));
+    }
+    default: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << (2 * c)) - 1), p));
+    }
+}
+
+static inline void pf_row(const uint8_t *p, size_t bytes) {
+    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+    _mm_prefetch((const char *)p + bytes - 1, _MM_HINT_T0);
+}
+
+/* Partial scores of FQ rows for NH heads: out[h] as reduce4 leaves them.
+ * qp: [NH][d] q in the K code order; qb: [NH][ng8][16] = [0,qsum_g,...] per 8 groups. */
+INLINE void fq_scores(const int KB, const int NH, const float *qp, const __m512 *qb, int d, int G,
+                      const uint8_t *const rows[FQ], __m512 *out) {
+    const int ng = d / G, ng8 = (ng + 7) / 8;
+    const size_t cbytes = (size_t)d * KB / 8;
+    __m512 acc[FQ][FMAXH];
+    UNR
+    for (int r = 0; r < FQ; r++)
+        UNR
+        for (int h = 0; h < NH; h++) acc[r][h] = _mm512_setzero_ps();
+    for (int gc = 0; gc < ng; gc += 8) {
+        __m512 sbv[FQ];
+        UNR
+        for (int r = 0; r < FQ; r++) {
+            sbv[r] = sb8(rows[r] + cbytes, gc, ng);
+            UNR
+            for (int h = 0; h < NH; h++) acc[r][h] = _mm512_fmadd_ps(sbv[r], qb[h * ng8 + gc / 8], acc[r][h]);
+        }
+        const int ge = gc + 8 < ng ? gc + 8 : ng;
+        for (int g = gc; g < ge; g++) {
+            const __m512i bi = _mm512_set1_epi32(2 * (g - gc));
+            __m512 sc[FQ];
+            UNR
+            for (int r = 0; r < FQ; r++) sc[r] = _mm512_permutexvar_ps(bi, sbv[r]);
+            for (int c = g * G; c < (g + 1) * G; c += 32) {
+                __m512 q0[FMAXH], q1[FMAXH];
+                UNR
+                for (int h = 0; h < NH; h++) {
+                    q0[h] = _mm512_loadu_ps(qp + (size_t)h * d + c);
+                    q1[h] = _mm512_loadu_ps(qp + (size_t)h * d + c + 16);
+                }
+                UNR
+                for (int r = 0; r < FQ; r++) {
+                    __m512 x0, x1;
+                    if (KB == 4) {
+                        const __m512i z = zx16(rows[r] + c / 2);
+                        x0 = _mm512_mul_ps(lo4(z), sc[r]);
+                        x1 = _mm512_mul_ps(hi4(z), sc[r]);
+                    } else {
+                        x0 = _mm512_mul_ps(_mm512_cvtepi32_ps(zx16(rows[r] + c)), sc[r]);
+                        x1 = _mm512_mul_ps(_mm512_cvtepi32_ps(zx16(rows[r] + c + 16)), sc[r]);
+                    }
+                    UNR
+                    for (int h = 0; h < NH; h++) {
+                        acc[r][h] = _mm512_fmadd_ps(x0, q0[h], acc[r][h]);
+                        acc[r][h] = _mm512_fmadd_ps(x1, q1[h], acc[r][h]);
+                    }
+                }
+            }
+        }
+    }
+    UNR
+    for (int h = 0; h < NH; h++) out[h] = reduce4(acc[0][h], acc[1][h], acc[2][h], acc[3][h]);
+}
+
+#define FB KVQ_ATTN_BLOCK /* rows per softmax step (a multiple of 16) */
+#define F_PF_ROWS 48      /* prefetch distance: K and V rows this far ahead */
+
+INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn_state *s, int h0, const float *q,
+                      const struct kern_kv_rows *k, const struct kern_kv_rows *v, int n) {
+    const int d = s->d, KG = k->group, VG = v->group;
+    const int kng = d / KG, kng8 = (kng + 7) / 8, vng = d / VG, vng8 = (vng + 7) / 8;
+    const size_t kcb = (size_t)d * KB / 8, vcb = (size_t)d * VB / 8;
+    const size_t krb = kcb + 4 * (size_t)kng, vrb = vcb + 4 * (size_t)vng;
+    float qp[FMAXH * KERN_KVQ_MAX_DIM] __attribute__((aligned(64)));
+    float accp[FMAXH * KERN_KVQ_MAX_DIM] __attribute__((aligned(64)));
+    __m512 qb[FMAXH * KERN_KVQ_MAX_DIM / 256];
+    float sc[FMAXH][FB] __attribute__((aligned(64)));
+    /* per row and head: p * [s0,b0,s1,b1,...] of V, 8 groups per vector */
+    __m512 w[FB][FMAXH][KERN_KVQ_MAX_DIM / 256];
+    UNR
+    for (int h = 0; h < NH; h++) {
+        const float *qh = q + (size_t)(h0 + h) * d;
+        float *ah = s->acc + (size_t)(h0 + h) * d;
+        if (KB == 4) to_code_order(qh, qp + (size_t)h * d, d);
+        else memcpy(qp + (size_t)h * d, qh, sizeof(float) * (size_t)d);
+        if (VB == 4) to_code_order(ah, accp + (size_t)h * d, d);
+        else memcpy(accp + (size_t)h * d, ah, sizeof(float) * (size_t)d);
+        /* sum of q per K group, once per call: the bias term is bias_g * qsum_g */
+        float lanes[16 * (KERN_KVQ_MAX_DIM / 256)] __attribute__((aligned(64)));
+        memset(lanes, 0, sizeof(float) * 16 * (size_t)kng8);
+        for (int g = 0; g < kng; g++) {
+            float t = 0;
+            for (int i = g * KG; i < (g + 1) * KG; i++) t += qh[i];
+            lanes[16 * (g / 8) + 2 * (g % 8) + 1] = t;
+        }
+        for (int c = 0; c < kng8; c++) qb[h * kng8 + c] = _mm512_load_ps(lanes + 16 * c);
+    }
+    for (int j0 = 0; j0 < n; j0 += FB) {
+        const int nj = n - j0 < FB ? n - j0 : FB;
+        /* scores: FQ rows at a time, 16 rows per transposed reduction */
+        for (int j16 = 0; j16 < nj; j16 += 16) {
+            __m512 part[4][FMAXH];
+            UNR
+            for (int qd = 0; qd < 4; qd++) {
+                const uint8_t *rows[FQ];
+                UNR
+                for (int r = 0; r < FQ; r++) {
+                    int j = j16 + 4 * qd + r;
+                    j = j < nj ? j : nj - 1; /* past the end: repeat the last row, score unused */
+                    rows[r] = k->data + (size_t)(j0 + j) * k->stride;
+                    /* rows stream from L3/DRAM: fetch K and V well ahead */
+                    pf_row(rows[r] + F_PF_ROWS * k->stride, krb);
+                    pf_row(v->data + (size_t)(j0 + j + F_PF_ROWS) * v->stride, vrb);
+                }
+                fq_scores(KB, NH, qp, qb, d, KG, rows, part[qd]);
+            }
+            UNR
+            for (int h = 0; h < NH; h++) {
+                const __m512 r16 = reduce16(part[0][h], part[1][h], part[2][h], part[3][h]);
+                if (nj - j16 >= 16) _mm512_store_ps(&sc[h][j16], r16);
+                else _mm512_mask_storeu_ps(&sc[h][j16], (__mmask16)((1u << (nj - j16)) - 1), r16);
+            }
+        }
+        /* online softmax over the block */
+        UNR
+        for (int h = 0; h < NH; h++) {
+            float mx = sc[h][0];
+            for (int j = 1; j < nj; j++) mx = sc[h][j] > mx ? sc[h][j] : mx;
+            float *m = &s->m[h0 + h], *l = &s->l[h0 + h];
+            if (mx > *m) {
+                const float alpha = expf(*m - mx);
+                *l *= alpha;
+                float *a = accp + (size_t)h * d;
+                const __m512 va = _mm512_set1_ps(alpha);
+                for (int i = 0; i < d; i += 16) _mm512_store_ps(a + i, _mm512_mul_ps(_mm512_load_ps(a + i), va));
+                *m = mx;
+            }
+            const __m512 mv = _mm512_set1_ps(*m);
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < nj; j += 16) {
+                const __mmask16 mk = nj - j >= 16 ? 0xffff : (__mmask16)((1u << (nj - j)) - 1);
+                __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, &sc[h][j]), mv));
+                p = _mm512_maskz_mov_ps(mk, p);
+                _mm512_mask_storeu_ps(&sc[h][j], mk, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            *l += _mm512_reduce_add_ps(sum);
+        }
+        /* V: acc += sum_j (p_j*scale_g) * code + sum_j p_j*bias_g, the bias once per group */
+        __m512 bsum[FMAXH][KERN_KVQ_MAX_DIM / 256];
+        for (int c = 0; c < vng8; c++) {
+            /* chunk outer, rows inner: the bias sums stay in registers */
+            __m512 bs[FMAXH];
+            UNR
+            for (int h = 0; h < NH; h++) bs[h] = _mm512_setzero_ps();
+            for (int j = 0; j < nj; j++) {
+                const __m512 sbv = sb8(v->data + (size_t)(j0 + j) * v->stride + vcb, 8 * c, vng);
+                UNR
+                for (int h = 0; h < NH; h++) {
+                    const __m512 t = _mm512_mul_ps(sbv, _mm512_set1_ps(sc[h][j]));
+                    w[j][h][c] = t;
+                    bs[h] = _mm512_add_ps(bs[h], t);
+                }
+            }
+            UNR
+            for (int h = 0; h < NH; h++) bsum[h][c] = bs[h];
+        }
+        for (int c0 = 0; c0 < d; c0 += 64) {
+            /* weight lane of each 16-value vector: (group / 8, 2 * (group % 8)) */
+            int wc[4], wl[4];
+            UNR
+            for (int t = 0; t < 4; t++) {
+                const int g = (c0 + 16 * t) / VG;
+                wc[t] = g / 8;
+                wl[t] = 2 * (g % 8);
+            }
+            __m512 a[FMAXH][4];
+            UNR
+            for (int h = 0; h < NH; h++)
+                UNR
+                for (int t = 0; t < 4; t++) a[h][t] = _mm512_load_ps(accp + (size_t)h * d + c0 + 16 * t);
+            for (int j = 0; j < nj; j++) {
+                const uint8_t *r = v->data + (size_t)(j0 + j) * v->stride;
+                __m512 x[4];
+                if (VB == 4) {
+                    const __m512i z0 = zx16(r + c0 / 2), z1 = zx16(r + c0 / 2 + 16);
+                    x[0] = lo4(z0);
+                    x[1] = hi4(z0);
+                    x[2] = lo4(z1);
+                    x[3] = hi4(z1);
+                } else {
+                    UNR
+                    for (int t = 0; t < 4; t++) x[t] = _mm512_cvtepi32_ps(zx16(r + c0 + 16 * t));
+                }
+                UNR
+                for (int h = 0; h < NH; h++) {
+                    const float *wj = (const float *)&w[j][h][0];
+                    UNR
+                    for (int t = 0; t < 4; t++)
+                        a[h][t] = _mm512_fmadd_ps(x[t], _mm512_set1_ps(wj[16 * wc[t] + wl[t]]), a[h][t]);
+                }
+            }
+            UNR
+            for (int h = 0; h < NH; h++)
+                UNR
+                for (int t = 0; t < 4; t++) _mm512_store_ps(accp + (size_t)h * d + c0 + 16 * t, a[h][t]);
+        }
+        UNR
+        for (int h = 0; h < NH; h++) {
+            const float *bs = (const float *)&bsum[h][0];
+            float *a = accp + (size_t)h * d;
+            for (int g = 0; g < vng; g++) {
+                const __m512 b = _mm512_set1_ps(bs[16 * (g / 8) + 2 * (g % 8) + 1]);
+                for (int i = g * VG; i < (g + 1) * VG; i += 16) _mm512_store_ps(a + i, _mm512_add_ps(_mm512_load_ps(a + i), b));
+            }
+        }
+    }
+    UNR
+    for (int h = 0; h < NH; h++) {
+        float *ah = s->acc + (size_t)(h0 + h) * d;
+        if (VB == 4) from_code_order(accp + (size_t)h * d, ah, d);
+        else memcpy(ah, accp + (size_t)h * d, sizeof(float) * (size_t)d);
+    }
+}
+
+#define FAST_NH(KB, VB)                                                                                                \
+    static void fast_##KB##_##VB(int nh, struct kern_attn_state *s, int h0, const float *q,                           \
+                                 const struct kern_kv_rows *k, const struct kern_kv_rows *v, int n) {                 \
+        if (nh == 4) fast_attn(KB, VB, 4, s, h0, q, k, v, n);                                                          \
+        else if (nh == 2) fast_attn(KB, VB, 2, s, h0, q, k, v, n);                                                     \
+        else fast_attn(KB, VB, 1, s, h0, q, k, v, n);                                                                  \
+    }
+FAST_NH(4, 4)
+FAST_NH(4, 8)
+FAST_NH(8, 4)
+FAST_NH(8, 8)
+
+void kern_kvq_attn_avx512(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                          const struct kern_kv_rows *v, int n) {
+    const int d = s->d;
+    const bool fast = d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) &&
+                      (v->bits == 4 || v->bits == 8) && k->group % 32 == 0 && v->group % 32 == 0 &&
+                      d % k->group == 0 && d % v->group == 0;
+    if (!fast) {
+        kern_kvq_attn_avx512g(s, h0, nh, q, k, v, n);
+        return;
+    }
+    /* heads in runs of 4, 2, 1: each run reads the rows once */
+    while (nh > 0) {
+        const int c = nh >= 4 ? 4 : nh >= 2 ? 2 : 1;
+        if (k->bits == 4) {
+            if (v->bits == 4) fast_4_4(c, s, h0, q, k, v, n);
+            else fast_4_8(c, s, h0, q, k, v, n);
+        } else {
+            if (v->bits == 4) fast_8_4(c, s, h0, q, k, v, n);
+            else fast_8_8(c, s, h0, q, k, v, n);
+        }
+        h0 += c;
+        nh -= c;
+    }
+}
