@@ -381,7 +381,9 @@ static void test_residual_batching(void) {
             free(v);
         }
         if (cf.max_size == 0) CHECK(same, "config %d: batch and token-wise attention differ (%g)", ci, worst);
-        CHECK(worst <= 1e-6, "config %d: batch vs token-wise %g", ci, worst);
+        /* rotating slots split the rows into different runs, which round differently
+         * (the fast kernels add the V bias once per block of rows) */
+        CHECK(worst <= 1e-5, "config %d: batch vs token-wise %g", ci, worst);
         /* trim keeps the window consistent; the cache keeps working */
         CHECK(kv_cache_trim(b, 3) == (cf.max_size ? 0 : 3), "trim");
         if (cf.max_size == 0) {
