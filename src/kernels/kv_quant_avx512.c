@@ -207,7 +207,9 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
     __m512 qb[FMAXH * KERN_KVQ_MAX_DIM / 256];
     float sc[FMAXH][FB] __attribute__((aligned(64)));
     /* per row and head: p * [s0,b0,s1,b1,...] of V, 8 groups per vector */
-    __m512 w[FB][FMAXH][KERN_KVQ_MAX_DIM / 256];
+    /* packed densely, (j * NH + h) * vng8 + c: a padded [FB][FMAXH][..] layout puts the
+     * rows 1 KB apart, all in a few L1 sets, and evicts the prefetched V rows */
+    __m512 w[FB * FMAXH * (KERN_KVQ_MAX_DIM / 256)];
     UNR
     for (int h = 0; h < NH; h++) {
         const float *qh = q + (size_t)(h0 + h) * d;
@@ -289,7 +291,7 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
                 UNR
                 for (int h = 0; h < NH; h++) {
                     const __m512 t = _mm512_mul_ps(sbv, _mm512_set1_ps(sc[h][j]));
-                    w[j][h][c] = t;
+                    w[((size_t)j * NH + h) * vng8 + c] = t;
                     bs[h] = _mm512_add_ps(bs[h], t);
                 }
             }
@@ -325,7 +327,7 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
                 }
                 UNR
                 for (int h = 0; h < NH; h++) {
-                    const float *wj = (const float *)&w[j][h][0];
+                    const float *wj = (const float *)&w[((size_t)j * NH + h) * vng8];
                     UNR
                     for (int t = 0; t < 4; t++)
                         a[h][t] = _mm512_fmadd_ps(x[t], _mm512_set1_ps(wj[16 * wc[t] + wl[t]]), a[h][t]);
