@@ -389,8 +389,8 @@ static kvq_token *read_base(FILE *f, const char *path, struct kld_header *h, uin
     }
     for (size_t i = 0; i < nt; i++)
         if (toks[i] < 0 || toks[i] >= info->n_vocab) {
-            free(toks);
             cli_fail("'%s' holds token %d outside the vocabulary", path, toks[i]);
+            free(toks);
             return NULL;
         }
     return toks;
