@@ -126,29 +126,43 @@ static void set_mu(struct kv_cache *c, const float *k, const float *v, size_t to
     st->mu_set = true;
 }
 
+/* Copies the first `used` rows of every head of a [H][old_cap][row] block into a
+ * new [H][cap][row] block; NULL when out of memory. */
+static uint8_t *regrow_heads(const uint8_t *old, size_t row, int H, int32_t old_cap, int32_t cap, int32_t used) {
+    uint8_t *nb = malloc(row * (size_t)cap * (size_t)H);
+    if (nb && used > 0)
+        for (int h = 0; h < H; h++) memcpy(nb + row * (size_t)cap * h, old + row * (size_t)old_cap * h, row * (size_t)used);
+    return nb;
+}
+
+/* Reallocates a K/V pair of head blocks to `cap` rows, keeping the first `used`. */
+static int regrow_kv(uint8_t **k, uint8_t **v, size_t k_row, size_t v_row, int H, int32_t old_cap, int32_t cap,
+                     int32_t used) {
+    uint8_t *nk = regrow_heads(*k, k_row, H, old_cap, cap, used);
+    uint8_t *nv = regrow_heads(*v, v_row, H, old_cap, cap, used);
+    if (!nk || !nv) {
+        free(nk);
+        free(nv);
+        return kvq_error("out of memory growing the KV cache to %d tokens", cap);
+    }
+    free(*k);
+    free(*v);
+    *k = nk;
+    *v = nv;
+    return 0;
+}
+
 /* Reallocates to `cap` slots, keeping slots [0, size). */
 static int store_realloc(struct kv_cache *c, int32_t cap) {
     struct kv_store *st = c->impl;
-    int H = c->shape.n_kv_heads;
-    uint8_t *nk = malloc(st->kf.row * (size_t)cap * (size_t)H);
-    uint8_t *nv = malloc(st->vf.row * (size_t)cap * (size_t)H);
     int32_t *np = malloc(sizeof(int32_t) * (size_t)cap);
-    if (!nk || !nv || !np) {
-        free(nk);
-        free(nv);
+    if (!np) return kvq_error("out of memory growing the KV cache to %d tokens", cap);
+    if (regrow_kv(&st->k, &st->v, st->kf.row, st->vf.row, c->shape.n_kv_heads, st->cap, cap, st->size) != 0) {
         free(np);
-        return kvq_error("out of memory growing the KV cache to %d tokens", cap);
-    }
-    for (int h = 0; h < H && st->size > 0; h++) {
-        memcpy(row_ptr(nk, &st->kf, cap, h, 0), row_ptr(st->k, &st->kf, st->cap, h, 0), st->kf.row * (size_t)st->size);
-        memcpy(row_ptr(nv, &st->vf, cap, h, 0), row_ptr(st->v, &st->vf, st->cap, h, 0), st->vf.row * (size_t)st->size);
+        return -1;
     }
     if (st->size > 0) memcpy(np, st->pos, sizeof(int32_t) * (size_t)st->size);
-    free(st->k);
-    free(st->v);
     free(st->pos);
-    st->k = nk;
-    st->v = nv;
     st->pos = np;
     st->cap = cap;
     return 0;
@@ -185,24 +199,9 @@ static int32_t sink_target(const struct kv_cache *c) { return c->cfg.residual > 
 static int win_reserve(struct kv_cache *c, struct kv_win *w, int32_t need) {
     struct kv_store *st = c->impl;
     if (need <= w->cap) return 0;
-    int H = c->shape.n_kv_heads;
     int32_t cap = w->cap ? w->cap : 16;
     while (cap < need) cap *= 2;
-    uint8_t *nk = malloc(st->wkf.row * (size_t)cap * (size_t)H);
-    uint8_t *nv = malloc(st->wvf.row * (size_t)cap * (size_t)H);
-    if (!nk || !nv) {
-        free(nk);
-        free(nv);
-        return kvq_error("out of memory growing the KV cache window to %d tokens", cap);
-    }
-    for (int h = 0; h < H && w->n > 0; h++) {
-        memcpy(row_ptr(nk, &st->wkf, cap, h, 0), row_ptr(w->k, &st->wkf, w->cap, h, 0), st->wkf.row * (size_t)w->n);
-        memcpy(row_ptr(nv, &st->wvf, cap, h, 0), row_ptr(w->v, &st->wvf, w->cap, h, 0), st->wvf.row * (size_t)w->n);
-    }
-    free(w->k);
-    free(w->v);
-    w->k = nk;
-    w->v = nv;
+    if (regrow_kv(&w->k, &w->v, st->wkf.row, st->wvf.row, c->shape.n_kv_heads, w->cap, cap, w->n) != 0) return -1;
     w->cap = cap;
     return 0;
 }
