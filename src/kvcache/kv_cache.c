@@ -12,6 +12,10 @@
 static bool is_float_bits(int b) { return b == 16 || b == 32; }
 
 struct kv_cache *kv_cache_new(const struct kv_cache_config *cfg, const struct kv_shape *shape) {
+    return kv_cache_new_in(NULL, cfg, shape);
+}
+
+struct kv_cache *kv_cache_new_in(struct kv_pool *pool, const struct kv_cache_config *cfg, const struct kv_shape *shape) {
     if (shape->n_kv_heads <= 0 || shape->head_dim <= 0 || shape->n_heads % shape->n_kv_heads != 0) {
         kvq_error("invalid attention shape: %d heads, %d KV heads, head_dim %d", shape->n_heads, shape->n_kv_heads,
                   shape->head_dim);
@@ -55,7 +59,7 @@ struct kv_cache *kv_cache_new(const struct kv_cache_config *cfg, const struct kv
     }
     c->cfg = *cfg;
     c->shape = *shape;
-    if (kv_store_init(c) != 0) {
+    if (kv_store_init(c, pool) != 0) {
         free(c);
         return NULL;
     }
@@ -146,6 +150,20 @@ bool kv_read_u64(struct kv_reader *r, uint64_t *v) {
 
 int32_t kv_cache_n_past(const struct kv_cache *c) { return c->n_past; }
 int kv_cache_trim(struct kv_cache *c, int n) { return n <= 0 ? 0 : c->ops->trim(c, n); }
+int kv_cache_keep_prefix(struct kv_cache *c, int n) { return c->ops->keep_prefix(c, n); }
+
+int kv_cache_fork(struct kv_cache *dst, const struct kv_cache *src) {
+    if (dst == src) return 0;
+    const struct kv_cache_config *a = &dst->cfg, *b = &src->cfg;
+    bool same = a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group &&
+                a->v_group == b->v_group && a->max_size == b->max_size && a->keep == b->keep &&
+                a->quantized_start == b->quantized_start && a->hadamard == b->hadamard && a->residual == b->residual &&
+                dst->shape.n_heads == src->shape.n_heads && dst->shape.n_kv_heads == src->shape.n_kv_heads &&
+                dst->shape.head_dim == src->shape.head_dim && dst->shape.window == src->shape.window;
+    if (!same)
+        return kvq_error("cannot share KV blocks between caches of different configs");
+    return dst->ops->fork(dst, src);
+}
 void kv_cache_clear(struct kv_cache *c) { c->ops->clear(c); }
 size_t kv_cache_bytes(const struct kv_cache *c) { return c->ops->bytes(c); }
 

@@ -32,10 +32,28 @@ struct kv_shape {
 };
 
 struct kv_cache;
+struct kv_pool;
 
-/* Validates the config against the shape; NULL with kvq_last_error() if invalid. */
+/* Validates the config against the shape; NULL with kvq_last_error() if invalid.
+ * The cache takes its blocks from pool (kv_pool.h), which must outlive it. */
+struct kv_cache *kv_cache_new_in(struct kv_pool *pool, const struct kv_cache_config *cfg, const struct kv_shape *shape);
+/* The same with a private pool without a budget. */
 struct kv_cache *kv_cache_new(const struct kv_cache_config *cfg, const struct kv_shape *shape);
 void kv_cache_free(struct kv_cache *c);
+struct kv_pool *kv_cache_pool(const struct kv_cache *c);
+
+/* dst becomes a copy of src (same pool, config and shape), sharing all its blocks and
+ * windows: each side copies a shared block or window only when it first writes to
+ * it. 0, or -1 with an error (dst then unchanged or empty). */
+int kv_cache_fork(struct kv_cache *dst, const struct kv_cache *src);
+/* Keeps the first n tokens. Fails (nothing changed) when a rotating window no longer
+ * holds a row that a query at n would see. */
+int kv_cache_keep_prefix(struct kv_cache *c, int n);
+/* At most how many bytes of new blocks appending n tokens takes from the pool (a
+ * caller checks a whole batch against the budget before writing anything). */
+size_t kv_cache_append_bytes(const struct kv_cache *c, int n);
+/* Bytes of the f16 windows held outside the pool, shared ones split among holders. */
+size_t kv_cache_window_memory(const struct kv_cache *c);
 
 /* Appends n tokens at positions n_past .. n_past+n-1.
  * k, v: [n][n_kv_heads][head_dim] f32 (keys after RoPE). 0 or -1 on error. */
@@ -52,12 +70,12 @@ size_t kv_cache_scratch_floats(const struct kv_shape *shape);
 
 /* Number of tokens the sequence has seen (the next position). */
 int32_t kv_cache_n_past(const struct kv_cache *c);
-/* Removes the newest n tokens; returns how many were removed (a rotating cache that
- * has wrapped cannot go back past its window). */
+/* Removes the newest n tokens; returns how many were removed (0 when a rotating
+ * window no longer holds what the shorter sequence needs). */
 int kv_cache_trim(struct kv_cache *c, int n);
 void kv_cache_clear(struct kv_cache *c);
-/* Bytes of the stored keys and values (not counting unused capacity): the packed
- * rows of every stored token plus the f16 rows the windows hold. */
+/* Bytes of the held keys and values (kv_cache_size() rows, not whole blocks) plus
+ * the f16 rows the windows hold. The memory taken is the pool's (kv_pool_used). */
 size_t kv_cache_bytes(const struct kv_cache *c);
 /* Bytes per stored token for this config (exact, per the packed storage format).
  * A quantized cache with residual R > 0 holds on top of that a constant overhead of
@@ -73,7 +91,8 @@ const struct kv_cache_config *kv_cache_get_config(const struct kv_cache *c);
 /* "dense", "quantized", "rotating" or "quantized-rotating": what the cache stores now
  * (a --quantized-kv-start cache reports dense until it converts). */
 const char *kv_cache_kind(const struct kv_cache *c);
-/* Tokens stored now (a rotating cache holds at most about max_size of them). */
+/* Tokens held now: those a query of the latest batch or after it can still see (a
+ * rotating cache holds at most max_size - 1 + the latest batch's size of them). */
 int kv_cache_size(const struct kv_cache *c);
 /* Converts the stored tokens to the config's quantized format now, in place (the
  * handle stays the same; offset and rotation index are kept). Does nothing when

@@ -9,6 +9,8 @@ struct kv_cache_ops {
     void (*attend)(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale, float *out,
                    float *scratch);
     int (*trim)(struct kv_cache *c, int n);
+    int (*keep_prefix)(struct kv_cache *c, int32_t n);
+    int (*fork)(struct kv_cache *dst, const struct kv_cache *src);
     void (*clear)(struct kv_cache *c);
     size_t (*bytes)(const struct kv_cache *c);
     void (*free)(struct kv_cache *c);
@@ -28,8 +30,10 @@ struct kv_cache {
     void *impl; /* the kind's own state */
 };
 
-/* Every kind (dense, quantized, rotating, quantized rotating, quantize-after-N)
- * lives in kv_store.c: a slot store whose row format and layout vary. */
-int kv_store_init(struct kv_cache *c);
+/* Every kind (dense, quantized, rotating, quantized rotating, quantize-after-N) is
+ * one block store (kv_store.h) whose row formats and windows vary. pool: NULL for a
+ * private pool without a budget. */
+struct kv_pool;
+int kv_store_init(struct kv_cache *c, struct kv_pool *pool);
 
 #endif

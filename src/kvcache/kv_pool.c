@@ -1,0 +1,110 @@
+/* KV block pool: budget accounting, refcounts and per-size free lists. */
+#include "kvcache/kv_pool.h"
+
+#include <stdlib.h>
+
+#include "core/error.h"
+
+#define POOL_CLASSES 16   /* distinct block sizes (formats x layer shapes) */
+#define FREE_LIST_MAX 256 /* blocks kept per size beyond that are returned to the OS */
+
+struct size_class {
+    size_t bytes;
+    struct kv_block *free;
+    int n_free;
+};
+
+struct kv_pool {
+    size_t budget, used;
+    int64_t n_blocks;
+    int n_classes;
+    struct size_class cls[POOL_CLASSES];
+};
+
+struct kv_pool *kv_pool_new(size_t budget) {
+    struct kv_pool *p = calloc(1, sizeof *p);
+    if (!p) {
+        kvq_error("out of memory");
+        return NULL;
+    }
+    p->budget = budget;
+    return p;
+}
+
+static void block_release(struct kv_block *b) {
+    free(b->data);
+    free(b);
+}
+
+void kv_pool_free(struct kv_pool *p) {
+    if (!p) return;
+    for (int i = 0; i < p->n_classes; i++)
+        for (struct kv_block *b = p->cls[i].free, *n; b; b = n) {
+            n = b->next;
+            block_release(b);
+        }
+    free(p);
+}
+
+static int class_of(struct kv_pool *p, size_t bytes) {
+    for (int i = 0; i < p->n_classes; i++)
+        if (p->cls[i].bytes == bytes) return i;
+    if (p->n_classes == POOL_CLASSES) return kvq_error("too many KV block sizes in one context");
+    p->cls[p->n_classes].bytes = bytes;
+    return p->n_classes++;
+}
+
+struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
+    if (!kv_pool_fits(p, bytes)) {
+        kvq_error("KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more", p->used, p->budget,
+                  bytes);
+        return NULL;
+    }
+    int ci = class_of(p, bytes);
+    if (ci < 0) return NULL;
+    struct size_class *sc = &p->cls[ci];
+    struct kv_block *b = sc->free;
+    if (b) {
+        sc->free = b->next;
+        sc->n_free--;
+    } else {
+        b = malloc(sizeof *b);
+        void *data = NULL;
+        if (!b || posix_memalign(&data, 64, bytes ? bytes : 64) != 0) {
+            free(b);
+            kvq_error("out of memory for a KV block of %zu bytes", bytes);
+            return NULL;
+        }
+        b->data = data;
+        b->cls = (uint32_t)ci;
+    }
+    b->refs = 1;
+    b->next = NULL;
+    p->used += bytes;
+    p->n_blocks++;
+    return b;
+}
+
+void kv_block_ref(struct kv_block *b) { b->refs++; }
+
+void kv_block_unref(struct kv_pool *p, struct kv_block *b) {
+    if (!b || --b->refs > 0) return;
+    struct size_class *sc = &p->cls[b->cls];
+    p->used -= sc->bytes;
+    p->n_blocks--;
+    if (sc->n_free >= FREE_LIST_MAX) {
+        block_release(b);
+        return;
+    }
+    b->next = sc->free;
+    sc->free = b;
+    sc->n_free++;
+}
+
+size_t kv_block_bytes(const struct kv_pool *p, const struct kv_block *b) { return p->cls[b->cls].bytes; }
+size_t kv_pool_budget(const struct kv_pool *p) { return p->budget; }
+size_t kv_pool_used(const struct kv_pool *p) { return p->used; }
+int64_t kv_pool_blocks(const struct kv_pool *p) { return p->n_blocks; }
+bool kv_pool_fits(const struct kv_pool *p, size_t bytes) {
+    return p->budget == 0 || (p->used <= p->budget && bytes <= p->budget - p->used);
+}

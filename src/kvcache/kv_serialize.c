@@ -1,0 +1,237 @@
+/* Saving and loading one cache.
+ *
+ * A layer section, version 2 (little-endian):
+ *   u32 'KVL2', u32 kind (0 dense, 1 quantized, 2 rotating, 3 quantized-rotating)
+ *   i32 config: k_bits v_bits k_group v_group max_size keep quantized_start hadamard residual
+ *   i32 n_kv_heads head_dim
+ *   i32 stored formats: k_bits k_group k_rot v_bits v_group v_rot
+ *   i32 n_past size idx
+ *   i32 offsets chosen (0/1), then f32 key and value offsets [2][n_kv_heads][head_dim] if 1
+ *   i32 pos[size]; key rows [n_kv_heads][size]; value rows [n_kv_heads][size]
+ *   i32 sinks held, residual window first position, residual window rows held; then the
+ *   f16 window rows: sink keys [n_kv_heads][sinks], sink values, window keys
+ *   [n_kv_heads][rows], window values (all 0 rows for float caches)
+ * The rows are the held positions in order (idx = size). Files written before the
+ * paged cache may hold a rotating cache's slots in ring order: every row is placed at
+ * its position, so any order loads.
+ * Version 1 ('KVL1') has no residual in the config and no window part: it loads as
+ * residual 0. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "kvcache/kv_store.h"
+
+#define LAYER_MAGIC_V1 0x314c564bu /* "KVL1" */
+#define LAYER_MAGIC 0x324c564bu    /* "KVL2" */
+
+static int kind_code(const struct kv_cache *c) {
+    const char *k = kv_store_kind(c);
+    return !strcmp(k, "dense") ? 0 : !strcmp(k, "quantized") ? 1 : !strcmp(k, "rotating") ? 2 : 3;
+}
+
+void kv_store_save(const struct kv_cache *c, struct kv_buf *b) {
+    const struct kv_store *st = store_of(c);
+    const struct kv_cache_config *cf = &c->cfg;
+    const int H = c->shape.n_kv_heads;
+    int32_t size = 0;
+    for (int32_t p = 0; p < c->n_past; p++) size += kv_held(c, p);
+    int32_t hdr[] = {cf->k_bits,   cf->v_bits,          cf->k_group,       cf->v_group,  cf->max_size,
+                     cf->keep,     cf->quantized_start, cf->hadamard,      cf->residual, H,
+                     c->shape.head_dim, st->kf.bits,    st->kf.group,      st->kf.rot,   st->vf.bits,
+                     st->vf.group, st->vf.rot,          c->n_past,         size,         size};
+    kv_buf_u32(b, LAYER_MAGIC);
+    kv_buf_u32(b, (uint32_t)kind_code(c));
+    for (size_t i = 0; i < sizeof hdr / sizeof hdr[0]; i++) kv_buf_u32(b, (uint32_t)hdr[i]);
+    kv_buf_u32(b, st->mu_set);
+    size_t n_mu = 2 * (size_t)H * c->shape.head_dim;
+    for (size_t i = 0; i < n_mu && st->mu_set; i++) {
+        uint32_t u;
+        memcpy(&u, &st->mu[i], 4);
+        kv_buf_u32(b, u);
+    }
+    for (int32_t p = 0; p < c->n_past; p++)
+        if (kv_held(c, p)) kv_buf_u32(b, (uint32_t)p);
+    for (int side = 0; side < 2; side++)
+        for (int h = 0; h < H; h++)
+            for (int32_t p = 0; p < c->n_past; p++)
+                if (kv_held(c, p))
+                    kv_buf_put(b, kv_block_row(c, kv_store_block(st, p), side, h, p), side ? st->vf.row : st->kf.row);
+    bool win = kv_win_on(st);
+    int32_t sn = win ? st->sink->n : 0, rn = win ? st->rec->n : 0;
+    kv_buf_u32(b, (uint32_t)sn);
+    kv_buf_u32(b, (uint32_t)(rn ? st->rec->p0 : 0));
+    kv_buf_u32(b, (uint32_t)rn);
+    const struct kv_win *ws[2] = {st->sink, st->rec};
+    for (int w = 0; w < 2; w++) {
+        int32_t n = w ? rn : sn;
+        for (int side = 0; side < 2; side++)
+            for (int h = 0; h < H && n > 0; h++) {
+                const struct kv_fmt *f = side ? &st->wvf : &st->wkf;
+                kv_buf_put(b, kv_win_row(ws[w], f, side, h, 0), f->row * (size_t)n);
+            }
+    }
+}
+
+static int load_fail(struct kv_cache *c, const char *what) {
+    kv_store_clear(c);
+    return kvq_error("invalid KV cache section: %s", what);
+}
+
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Places the rows of positions pos[0..size) (each holding a key row per head, then a
+ * value row per head, at rows_k/rows_v) into fresh blocks. */
+static int place_rows(struct kv_cache *c, const int32_t *pos, int32_t size, const uint8_t *rows_k,
+                      const uint8_t *rows_v) {
+    struct kv_store *st = store_of(c);
+    const int H = c->shape.n_kv_heads;
+    int32_t *sorted = malloc(sizeof(int32_t) * (size_t)(size ? size : 1));
+    if (!sorted) return kvq_error("out of memory");
+    memcpy(sorted, pos, sizeof(int32_t) * (size_t)size);
+    qsort(sorted, (size_t)size, sizeof *sorted, cmp_i32);
+    int rc = 0;
+    for (int32_t i = 1; i < size && rc == 0; i++)
+        if (sorted[i] == sorted[i - 1]) rc = kvq_error("invalid KV cache section: repeated token position");
+    /* the first block past the kept ones starts the table's sliding part */
+    for (int32_t i = 0; i < size && rc == 0; i++)
+        if (sorted[i] / KV_BLOCK_TOKENS >= st->nkb) {
+            st->base = sorted[i] / KV_BLOCK_TOKENS - st->nkb;
+            break;
+        }
+    free(sorted);
+    if (rc != 0) return rc;
+    for (int32_t s = 0; s < size; s++) {
+        struct kv_block *b = kv_store_block(st, pos[s]);
+        if (!b) {
+            /* allocate the block of this position (the table grows as needed) */
+            int32_t saved = c->n_past;
+            c->n_past = pos[s];
+            rc = kv_store_reserve_rows(c, 1);
+            c->n_past = saved;
+            if (rc != 0) return rc;
+            b = kv_store_block(st, pos[s]);
+        }
+        for (int h = 0; h < H; h++) {
+            memcpy(kv_block_row(c, b, 0, h, pos[s]), rows_k + ((size_t)h * size + s) * st->kf.row, st->kf.row);
+            memcpy(kv_block_row(c, b, 1, h, pos[s]), rows_v + ((size_t)h * size + s) * st->vf.row, st->vf.row);
+        }
+    }
+    return 0;
+}
+
+int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
+    struct kv_store *st = store_of(c);
+    uint32_t magic, kind;
+    int32_t hv[20], *h = hv + 1, residual = 0;
+    kv_store_clear(c);
+    if (!kv_read_u32(r, &magic) || (magic != LAYER_MAGIC && magic != LAYER_MAGIC_V1))
+        return load_fail(c, "bad layer marker");
+    const bool v2 = magic == LAYER_MAGIC;
+    if (!kv_read_u32(r, &kind) || kind > 3) return load_fail(c, "unknown cache kind");
+    /* h[0..7]: config, h[8..18]: shape, formats and offsets (the v1 layout); v2 has
+     * the residual after the config */
+    for (int i = 0; i < 8; i++)
+        if (!kv_read_i32(r, &h[i])) return load_fail(c, "truncated header");
+    if (v2 && !kv_read_i32(r, &residual)) return load_fail(c, "truncated header");
+    for (int i = 8; i < 19; i++)
+        if (!kv_read_i32(r, &h[i])) return load_fail(c, "truncated header");
+    const struct kv_cache_config *cf = &c->cfg;
+    if (h[0] != cf->k_bits || h[1] != cf->v_bits || h[2] != cf->k_group || h[3] != cf->v_group ||
+        h[4] != cf->max_size || h[5] != cf->keep || h[6] != cf->quantized_start || h[7] != (int32_t)cf->hadamard ||
+        residual != cf->residual) {
+        kv_store_clear(c);
+        return kvq_error("the saved KV cache was made with other settings (K%d/V%d bits, groups %d/%d, max %d, keep "
+                         "%d, quantized start %d, rotation %d, residual %d)",
+                         h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], residual);
+    }
+    if (h[8] != c->shape.n_kv_heads || h[9] != c->shape.head_dim) return load_fail(c, "shape differs from the model");
+    /* the stored formats must be the config's initial or final ones */
+    struct kv_fmt ik = kv_fmt_initial(c, 0), iv = kv_fmt_initial(c, 1);
+    struct kv_fmt tk = kv_fmt_target(c, 0), tv = kv_fmt_target(c, 1), kf, vf;
+    if (h[10] == ik.bits && h[11] == ik.group && h[12] == ik.rot) kf = ik;
+    else if (h[10] == tk.bits && h[11] == tk.group && h[12] == tk.rot) kf = tk;
+    else return load_fail(c, "key row format");
+    if (h[13] == iv.bits && h[14] == iv.group && h[15] == iv.rot) vf = iv;
+    else if (h[13] == tv.bits && h[14] == tv.group && h[15] == tv.rot) vf = tv;
+    else return load_fail(c, "value row format");
+    int32_t n_past = h[16], size = h[17], idx = h[18];
+    if (n_past < 0 || size < 0 || size > n_past || idx < 0 || idx > size) return load_fail(c, "offsets");
+    if (cf->max_size == 0 && c->shape.window <= 0 && (size != n_past || idx != size)) return load_fail(c, "offsets");
+    int32_t mu_set;
+    size_t n_mu = 2 * (size_t)c->shape.n_kv_heads * c->shape.head_dim;
+    if (!kv_read_i32(r, &mu_set) || (mu_set != 0 && mu_set != 1)) return load_fail(c, "offsets flag");
+    for (size_t i = 0; i < n_mu && mu_set; i++) {
+        uint32_t u;
+        if (!kv_read_u32(r, &u)) return load_fail(c, "truncated offsets");
+        memcpy(&st->mu[i], &u, 4);
+        if (!(fabsf(st->mu[i]) < 1e30f)) return load_fail(c, "offsets");
+    }
+    st->mu_set = mu_set;
+    size_t rows = (size_t)size * (size_t)c->shape.n_kv_heads;
+    size_t need = (size_t)size * 4 + rows * (kf.row + vf.row);
+    if (r->len - r->off < need) return load_fail(c, "truncated rows");
+    st->kf = kf;
+    st->vf = vf;
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)(size ? size : 1));
+    if (!pos) {
+        kv_store_clear(c);
+        return kvq_error("out of memory");
+    }
+    int32_t pmin = n_past;
+    for (int32_t s = 0; s < size; s++) {
+        kv_read_i32(r, &pos[s]);
+        bool bad = pos[s] < 0 || pos[s] >= n_past || (cf->max_size == 0 && c->shape.window <= 0 && pos[s] != s);
+        if (bad) {
+            free(pos);
+            return load_fail(c, "token position");
+        }
+        if (pos[s] >= (cf->max_size > 0 ? cf->keep : 0) && pos[s] < pmin) pmin = pos[s];
+    }
+    const uint8_t *rows_k = r->data + r->off, *rows_v = rows_k + rows * kf.row;
+    r->off += rows * (kf.row + vf.row);
+    int rc = place_rows(c, pos, size, rows_k, rows_v);
+    free(pos);
+    if (rc != 0) {
+        kv_store_clear(c);
+        return -1;
+    }
+    c->n_past = n_past;
+    /* held from the earliest query that still sees the oldest row */
+    int32_t a = n_past > 0 ? n_past - 1 : 0;
+    if (cf->max_size > 0 && pmin < n_past && pmin + (cf->max_size - cf->keep) - 1 < a)
+        a = pmin + (cf->max_size - cf->keep) - 1;
+    if (c->shape.window > 0 && pmin < n_past && pmin + c->shape.window - 1 < a) a = pmin + c->shape.window - 1;
+    st->last_first = a > 0 ? a : 0;
+    (void)kind;
+    if (!v2) return 0; /* version 1: residual 0, the windows stay empty */
+    int32_t sn, rp0, rn;
+    if (!kv_read_i32(r, &sn) || !kv_read_i32(r, &rp0) || !kv_read_i32(r, &rn)) return load_fail(c, "truncated windows");
+    bool win = kv_win_on(st);
+    if (sn < 0 || rn < 0 || rp0 < 0 || (!win && (sn || rn)) || sn > kv_sink_target(c) || sn > n_past ||
+        (rn > 0 && (rn > n_past || rp0 != n_past - rn)))
+        return load_fail(c, "window rows");
+    need = ((size_t)sn + (size_t)rn) * (size_t)c->shape.n_kv_heads * (st->wkf.row + st->wvf.row);
+    if (r->len - r->off < need) return load_fail(c, "truncated window rows");
+    if (kv_win_reserve(c, &st->sink, sn) != 0 || kv_win_reserve(c, &st->rec, rn) != 0) {
+        kv_store_clear(c);
+        return -1;
+    }
+    struct kv_win *ws[2] = {st->sink, st->rec};
+    for (int w = 0; w < 2; w++) {
+        int32_t n = w ? rn : sn;
+        for (int side = 0; side < 2; side++)
+            for (int hh = 0; hh < c->shape.n_kv_heads && n > 0; hh++) {
+                const struct kv_fmt *f = side ? &st->wvf : &st->wkf;
+                kv_read(r, kv_win_row(ws[w], f, side, hh, 0), f->row * (size_t)n);
+            }
+    }
+    st->sink->n = sn;
+    st->rec->p0 = rn ? rp0 : n_past;
+    st->rec->n = rn;
+    return 0;
+}
