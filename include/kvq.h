@@ -84,6 +84,8 @@ struct kvq_context_params {
     int n_batch;   /* max tokens per forward pass (longer batches are split) */
     int n_threads; /* <= 0: one per CPU */
     struct kvq_kv_config kv;
+    size_t kv_budget_bytes; /* KV blocks in use at once, all sequences and held prefixes
+                             * (0: what n_ctx tokens of each of the n_seq sequences need) */
 };
 void kvq_context_params_default(struct kvq_context_params *p);
 struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p);
@@ -104,11 +106,39 @@ const float *kvq_get_logits(const struct kvq_context *c, int i);
 
 /* Tokens held by a sequence (its next position). */
 int kvq_seq_len(const struct kvq_context *c, int seq);
-/* Removes the last n tokens of a sequence; returns how many were removed. */
+/* Removes the last n tokens of a sequence; returns how many were removed (0 when a
+ * rotating window no longer holds what the shorter sequence would see). */
 int kvq_seq_trim(struct kvq_context *c, int seq, int n);
+/* Keeps the first n tokens of a sequence (0, or -1 with nothing changed). */
+int kvq_seq_keep_prefix(struct kvq_context *c, int seq, int n);
 void kvq_seq_clear(struct kvq_context *c, int seq);
-/* Bytes held by the KV caches of all sequences. */
+/* dst becomes a copy of src without copying: both share src's KV blocks, and each
+ * copies a shared block only when it first writes into it (the partly filled last
+ * one). Memory grows only by what they then append on their own. 0 or -1. */
+int kvq_seq_fork(struct kvq_context *c, int src, int dst);
+
+/* KV memory: bytes of the KV blocks in use (a block shared by several sequences or
+ * held prefixes counts once) plus the f16 windows of quantized caches. The budget
+ * bounds the blocks; a kvq_decode that would exceed it fails before writing anything
+ * and every sequence stays as it was. */
 size_t kvq_kv_bytes(const struct kvq_context *c);
+size_t kvq_kv_budget(const struct kvq_context *c);
+/* KV blocks in use (0 once every sequence is cleared and every prefix freed). */
+int64_t kvq_kv_blocks(const struct kvq_context *c);
+
+/* ---- held prefixes ---------------------------------------------------------- */
+
+/* A sequence's KV state held outside any sequence slot: it shares the sequence's
+ * blocks (nothing is copied) and keeps them alive after the slot moves on, so it can
+ * be attached to any sequence later (what a prefix cache keeps). Owned by the caller;
+ * free every prefix before its context. */
+struct kvq_prefix;
+struct kvq_prefix *kvq_prefix_hold(struct kvq_context *c, int seq);
+/* The sequence becomes the held state (sharing its blocks); kvq_seq_keep_prefix then
+ * shortens it to the part a new prompt has in common with it. 0 or -1. */
+int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p);
+int kvq_prefix_len(const struct kvq_prefix *p);
+void kvq_prefix_free(struct kvq_prefix *p);
 
 /* ---- saving and loading a sequence's KV cache ----------------------------- */
 
@@ -132,6 +162,10 @@ int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, cons
                     const float *logits);
 int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq_seq_extra *extra);
 void kvq_seq_extra_free(struct kvq_seq_extra *e);
+/* The same for a held prefix: a file kvq_seq_load_ex can read, and back. */
+int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_token *tokens, int n_tokens,
+                    const float *logits);
+struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra);
 /* Reads the KV config a saved file was written with (to make a matching context). */
 int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv);
 

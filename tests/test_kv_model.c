@@ -107,12 +107,14 @@ static void test_plan(struct kvq_model *m, const struct ref_prompt *refs) {
     CHECK(na == 80 - r->n_ids && same >= 36 - r->n_ids - 1, "rotating f16: %d tokens, equal to full for %d", na, same);
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
-    CHECK(kvq_seq_len(ctx, 0) == 80 && kvq_kv_bytes(ctx) == 36 * kvq_kv_token_bytes(m, &rf), "rotating bytes %zu",
-          kvq_kv_bytes(ctx));
+    /* whole blocks of 64 tokens: the one of the kept first tokens and the window's */
+    CHECK(kvq_seq_len(ctx, 0) == 80 && kvq_kv_bytes(ctx) == 2 * 64 * kvq_kv_token_bytes(m, &rf) &&
+              kvq_kv_blocks(ctx) == 2 * info.n_layer,
+          "rotating bytes %zu", kvq_kv_bytes(ctx));
     kvq_context_free(ctx);
     ctx = new_ctx(m, &rq);
     int nb = greedy(ctx, m, r->ids, r->n_ids, b, 80 - r->n_ids, true, NULL);
-    CHECK(nb == 80 - r->n_ids && kvq_kv_bytes(ctx) == 36 * kvq_kv_token_bytes(m, &rq) + kvq_kv_window_bytes(m, &rq),
+    CHECK(nb == 80 - r->n_ids && kvq_kv_bytes(ctx) == 2 * 64 * kvq_kv_token_bytes(m, &rq) + kvq_kv_window_bytes(m, &rq),
           "quantized rotating: %d, %zu",
           nb, kvq_kv_bytes(ctx));
     kvq_context_free(ctx);

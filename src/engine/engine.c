@@ -6,6 +6,8 @@
 #include "core/threadpool.h"
 #include "gguf/gguf.h"
 #include "kvcache/kv_cache.h"
+#include "kvcache/kv_pool.h"
+#include "engine/engine_internal.h"
 #include "kvq.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
@@ -20,7 +22,9 @@ struct kvq_context {
     struct kvq_context_params p;
     struct kvq_pool *pool;
     struct forward *fwd;
-    struct kv_cache **caches; /* [n_seq][n_layer] */
+    struct kv_pool *kv_pool;   /* every KV block of the context's sequences and prefixes */
+    struct kv_cache **caches;  /* [n_seq][n_layer] */
+    struct kvq_prefix *prefixes; /* held prefixes, to count their windows and free leftovers */
     /* Logits of the last batch: row_of[i] is the row of batch token i, or -1. */
     float *logits;
     size_t logits_cap; /* rows */
@@ -30,6 +34,15 @@ struct kvq_context {
     /* Reordering scratch: the batch grouped by sequence. */
     int32_t *order;
     int order_cap;
+    int *count;               /* [n_seq + 1] tokens per sequence in the batch */
+    int32_t *chunk_tokens;    /* [2 * n_batch]: a forward pass's tokens, then its logit rows */
+    struct fwd_seq *chunk_seqs; /* [n_batch] */
+};
+
+struct kvq_prefix {
+    struct kvq_context *c;
+    struct kv_cache **caches; /* [n_layer] */
+    struct kvq_prefix *prev, *next;
 };
 
 struct kvq_model *kvq_model_load(const char *path) {
@@ -155,6 +168,38 @@ void kvq_context_params_default(struct kvq_context_params *p) {
     kvq_kv_config_default(&p->kv);
 }
 
+/* Caches for one sequence, [n_layer], with blocks from the context's pool. */
+static struct kv_cache **new_caches(const struct kvq_context *c) {
+    const struct model *m = c->m->model;
+    struct kv_cache **cs = calloc((size_t)m->hp.n_layer, sizeof *cs);
+    if (!cs) {
+        kvq_error("out of memory");
+        return NULL;
+    }
+    struct kv_cache_config cc;
+    to_cache_config(&c->p.kv, &cc);
+    struct kv_shape shape = model_kv_shape(m);
+    for (int il = 0; il < m->hp.n_layer; il++)
+        if (!(cs[il] = kv_cache_new_in(c->kv_pool, &cc, &shape))) {
+            while (il-- > 0) kv_cache_free(cs[il]);
+            free(cs);
+            return NULL;
+        }
+    return cs;
+}
+
+/* What n_ctx tokens of every sequence take in whole blocks (a rotating cache holds
+ * its window and a batch). */
+static size_t default_budget(const struct kvq_context *c) {
+    const struct model *m = c->m->model;
+    struct kv_cache_config cc;
+    to_cache_config(&c->p.kv, &cc);
+    struct kv_shape shape = model_kv_shape(m);
+    int n = c->p.n_ctx;
+    if (cc.max_size > 0 && cc.max_size + c->p.n_batch < n) n = cc.max_size + c->p.n_batch;
+    return kv_cache_budget_bytes(&cc, &shape, n) * (size_t)m->hp.n_layer * (size_t)c->p.n_seq;
+}
+
 struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p) {
     const struct model_hparams *hp = &m->model->hp;
     if (p->n_seq <= 0 || p->n_seq > 4096) {
@@ -173,20 +218,24 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     c->m = m;
     c->p = *p;
     if (c->p.n_ctx == 0) c->p.n_ctx = hp->n_ctx_train;
+    if (c->p.kv_budget_bytes == 0) c->p.kv_budget_bytes = default_budget(c);
     c->pool = kvq_pool_new(p->n_threads);
     c->fwd = forward_new(m->model, p->n_batch);
+    c->kv_pool = kv_pool_new(c->p.kv_budget_bytes);
     c->caches = calloc((size_t)p->n_seq * hp->n_layer, sizeof *c->caches);
-    if (!c->pool || !c->fwd || !c->caches) {
+    c->count = calloc((size_t)p->n_seq + 1, sizeof *c->count);
+    c->chunk_tokens = malloc(sizeof(int32_t) * (size_t)p->n_batch * 2);
+    c->chunk_seqs = malloc(sizeof *c->chunk_seqs * (size_t)p->n_batch);
+    if (!c->pool || !c->fwd || !c->kv_pool || !c->caches || !c->count || !c->chunk_tokens || !c->chunk_seqs) {
         if (!c->fwd && kvq_last_error()[0]) goto fail;
         kvq_error("out of memory");
         goto fail;
     }
-    struct kv_cache_config cc;
-    to_cache_config(&p->kv, &cc);
-    struct kv_shape shape = model_kv_shape(m->model);
-    for (int i = 0; i < p->n_seq * hp->n_layer; i++) {
-        c->caches[i] = kv_cache_new(&cc, &shape);
-        if (!c->caches[i]) goto fail;
+    for (int s = 0; s < p->n_seq; s++) {
+        struct kv_cache **cs = new_caches(c);
+        if (!cs) goto fail;
+        memcpy(c->caches + (size_t)s * hp->n_layer, cs, sizeof *cs * (size_t)hp->n_layer);
+        free(cs);
     }
     return c;
 fail:
@@ -194,16 +243,25 @@ fail:
     return NULL;
 }
 
+static void free_caches(struct kv_cache **cs, int n) {
+    if (cs)
+        for (int i = 0; i < n; i++) kv_cache_free(cs[i]);
+}
+
 void kvq_context_free(struct kvq_context *c) {
     if (!c) return;
-    if (c->caches)
-        for (int i = 0; i < c->p.n_seq * c->m->model->hp.n_layer; i++) kv_cache_free(c->caches[i]);
+    while (c->prefixes) kvq_prefix_free(c->prefixes);
+    free_caches(c->caches, c->p.n_seq * c->m->model->hp.n_layer);
     free(c->caches);
+    kv_pool_free(c->kv_pool);
     forward_free(c->fwd);
     if (c->pool) kvq_pool_free(c->pool);
     free(c->logits);
     free(c->row_of);
     free(c->order);
+    free(c->count);
+    free(c->chunk_tokens);
+    free(c->chunk_seqs);
     free(c);
 }
 
@@ -213,16 +271,33 @@ static struct kv_cache **seq_caches(const struct kvq_context *c, int seq) {
     return c->caches + (size_t)seq * c->m->model->hp.n_layer;
 }
 
+static int check_seq(const struct kvq_context *c, int seq) {
+    return seq < 0 || seq >= c->p.n_seq ? kvq_error("sequence %d does not exist (0..%d)", seq, c->p.n_seq - 1) : 0;
+}
+
 int kvq_seq_len(const struct kvq_context *c, int seq) {
-    if (seq < 0 || seq >= c->p.n_seq) return kvq_error("sequence %d does not exist (0..%d)", seq, c->p.n_seq - 1);
+    if (check_seq(c, seq) != 0) return -1;
     return kv_cache_n_past(seq_caches(c, seq)[0]);
 }
 
+int kvq_seq_keep_prefix(struct kvq_context *c, int seq, int n) {
+    if (check_seq(c, seq) != 0) return -1;
+    if (n < 0) return kvq_error("cannot keep %d tokens", n);
+    struct kv_cache **cs = seq_caches(c, seq);
+    const int L = c->m->model->hp.n_layer;
+    for (int il = 0; il < L; il++) /* all or nothing */
+        if (kv_cache_can_keep_prefix(cs[il], n) != 0) return -1;
+    for (int il = 0; il < L; il++)
+        if (kv_cache_keep_prefix(cs[il], n) != 0) return -1;
+    return 0;
+}
+
 int kvq_seq_trim(struct kvq_context *c, int seq, int n) {
-    if (seq < 0 || seq >= c->p.n_seq) return kvq_error("sequence %d does not exist (0..%d)", seq, c->p.n_seq - 1);
-    int removed = 0;
-    for (int il = 0; il < c->m->model->hp.n_layer; il++) removed = kv_cache_trim(seq_caches(c, seq)[il], n);
-    return removed;
+    if (check_seq(c, seq) != 0) return -1;
+    int len = kvq_seq_len(c, seq);
+    if (n <= 0) return 0;
+    if (n > len) n = len;
+    return kvq_seq_keep_prefix(c, seq, len - n) == 0 ? n : 0;
 }
 
 void kvq_seq_clear(struct kvq_context *c, int seq) {
@@ -230,10 +305,79 @@ void kvq_seq_clear(struct kvq_context *c, int seq) {
     for (int il = 0; il < c->m->model->hp.n_layer; il++) kv_cache_clear(seq_caches(c, seq)[il]);
 }
 
+/* dst's caches become copies of src's, sharing blocks; dst is emptied on failure. */
+static int fork_caches(struct kv_cache **dst, struct kv_cache *const *src, int n_layer) {
+    for (int il = 0; il < n_layer; il++)
+        if (kv_cache_fork(dst[il], src[il]) != 0) {
+            for (int j = 0; j < n_layer; j++) kv_cache_clear(dst[j]);
+            return -1;
+        }
+    return 0;
+}
+
+int kvq_seq_fork(struct kvq_context *c, int src, int dst) {
+    if (check_seq(c, src) != 0 || check_seq(c, dst) != 0) return -1;
+    return fork_caches(seq_caches(c, dst), seq_caches(c, src), c->m->model->hp.n_layer);
+}
+
 size_t kvq_kv_bytes(const struct kvq_context *c) {
-    size_t total = 0;
-    for (int i = 0; i < c->p.n_seq * c->m->model->hp.n_layer; i++) total += kv_cache_bytes(c->caches[i]);
+    size_t total = kv_pool_used(c->kv_pool);
+    const int L = c->m->model->hp.n_layer;
+    for (int i = 0; i < c->p.n_seq * L; i++) total += kv_cache_window_memory(c->caches[i]);
+    for (const struct kvq_prefix *p = c->prefixes; p; p = p->next)
+        for (int il = 0; il < L; il++) total += kv_cache_window_memory(p->caches[il]);
     return total;
+}
+
+size_t kvq_kv_budget(const struct kvq_context *c) { return kv_pool_budget(c->kv_pool); }
+int64_t kvq_kv_blocks(const struct kvq_context *c) { return kv_pool_blocks(c->kv_pool); }
+
+/* ---- held prefixes ---- */
+
+struct kvq_prefix *engine_prefix_new(struct kvq_context *c) {
+    struct kvq_prefix *p = calloc(1, sizeof *p);
+    if (!p || !(p->caches = new_caches(c))) {
+        free(p);
+        if (!p) kvq_error("out of memory");
+        return NULL;
+    }
+    p->c = c;
+    p->next = c->prefixes;
+    if (c->prefixes) c->prefixes->prev = p;
+    c->prefixes = p;
+    return p;
+}
+
+struct kv_cache **engine_prefix_caches(const struct kvq_prefix *p) { return p->caches; }
+struct kvq_context *engine_prefix_context(const struct kvq_prefix *p) { return p->c; }
+
+struct kvq_prefix *kvq_prefix_hold(struct kvq_context *c, int seq) {
+    if (check_seq(c, seq) != 0) return NULL;
+    struct kvq_prefix *p = engine_prefix_new(c);
+    if (p && fork_caches(p->caches, seq_caches(c, seq), c->m->model->hp.n_layer) != 0) {
+        kvq_prefix_free(p);
+        return NULL;
+    }
+    return p;
+}
+
+int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p) {
+    if (check_seq(c, seq) != 0) return -1;
+    if (p->c != c) return kvq_error("a held prefix attaches only to sequences of its own context");
+    return fork_caches(seq_caches(c, seq), p->caches, c->m->model->hp.n_layer);
+}
+
+int kvq_prefix_len(const struct kvq_prefix *p) { return kv_cache_n_past(p->caches[0]); }
+
+void kvq_prefix_free(struct kvq_prefix *p) {
+    if (!p) return;
+    struct kvq_context *c = p->c;
+    if (p->prev) p->prev->next = p->next;
+    else c->prefixes = p->next;
+    if (p->next) p->next->prev = p->prev;
+    free_caches(p->caches, c->m->model->hp.n_layer);
+    free(p->caches);
+    free(p);
 }
 
 static int grow(void **p, int *cap, int need, size_t elem) {
@@ -245,39 +389,39 @@ static int grow(void **p, int *cap, int need, size_t elem) {
     return 0;
 }
 
-/* Checks a batch and groups its tokens by sequence (stable), into c->order. */
+/* Checks a batch and groups its tokens by sequence (stable), into c->order; c->count
+ * ends as the prefix sums of tokens per sequence ([s] is where sequence s ends). */
 static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
     int n = b->n_tokens;
     if (n <= 0) return kvq_error("empty batch");
     if (grow((void **)&c->order, &c->order_cap, n, sizeof *c->order)) return -1;
-    int n_seq = c->p.n_seq;
-    int *count = calloc((size_t)n_seq + 1, sizeof *count);
-    if (!count) return kvq_error("out of memory");
+    int n_seq = c->p.n_seq, *count = c->count;
+    memset(count, 0, sizeof *count * ((size_t)n_seq + 1));
     for (int i = 0; i < n; i++) {
         int s = b->seq_ids ? b->seq_ids[i] : 0;
-        if (s < 0 || s >= n_seq) {
-            free(count);
-            return kvq_error("batch token %d names sequence %d (0..%d)", i, s, n_seq - 1);
-        }
-        if (b->tokens[i] < 0 || b->tokens[i] >= c->m->model->hp.n_vocab) {
-            free(count);
+        if (s < 0 || s >= n_seq) return kvq_error("batch token %d names sequence %d (0..%d)", i, s, n_seq - 1);
+        if (b->tokens[i] < 0 || b->tokens[i] >= c->m->model->hp.n_vocab)
             return kvq_error("token id %d is outside the vocabulary (0..%d)", b->tokens[i],
                              c->m->model->hp.n_vocab - 1);
-        }
         count[s + 1]++;
     }
+    /* the whole batch must fit the context and the KV budget before anything is written */
+    size_t need = 0;
     for (int s = 0; s < n_seq; s++) {
-        int len = kv_cache_n_past(seq_caches(c, s)[0]);
-        if (count[s + 1] > 0 && c->p.kv.max_size == 0 && len + count[s + 1] > c->p.n_ctx) {
-            int have = count[s + 1];
-            free(count);
+        if (count[s + 1] == 0) continue;
+        struct kv_cache **cs = seq_caches(c, s);
+        int len = kv_cache_n_past(cs[0]);
+        if (c->p.kv.max_size == 0 && len + count[s + 1] > c->p.n_ctx)
             return kvq_error("context full: sequence %d holds %d tokens, %d more would exceed the context of %d", s,
-                             len, have, c->p.n_ctx);
-        }
-        count[s + 1] += count[s];
+                             len, count[s + 1], c->p.n_ctx);
+        for (int il = 0; il < c->m->model->hp.n_layer; il++) need += kv_cache_append_bytes(cs[il], count[s + 1]);
     }
+    if (!kv_pool_fits(c->kv_pool, need))
+        return kvq_error("KV cache budget exhausted: the batch needs up to %zu more bytes, %zu of %zu are in use "
+                         "(raise the KV budget or free sequences)",
+                         need, kv_pool_used(c->kv_pool), kv_pool_budget(c->kv_pool));
+    for (int s = 0; s < n_seq; s++) count[s + 1] += count[s];
     for (int i = 0; i < n; i++) c->order[count[b->seq_ids ? b->seq_ids[i] : 0]++] = i;
-    free(count);
     return 0;
 }
 
@@ -301,14 +445,8 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
 
     /* Forward passes over chunks of at most n_batch tokens of the grouped batch. */
     int chunk = c->p.n_batch;
-    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)chunk * 2);
-    struct fwd_seq *seqs = malloc(sizeof *seqs * (size_t)chunk);
-    if (!tokens || !seqs) {
-        free(tokens);
-        free(seqs);
-        return kvq_error("out of memory");
-    }
-    int32_t *logit_rows = tokens + chunk;
+    int32_t *tokens = c->chunk_tokens, *logit_rows = tokens + chunk;
+    struct fwd_seq *seqs = c->chunk_seqs;
     int rc = 0;
     for (int start = 0; start < n && rc == 0; start += chunk) {
         int len = n - start < chunk ? n - start : chunk;
@@ -348,8 +486,6 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
             free(tmp);
         }
     }
-    free(tokens);
-    free(seqs);
     return rc;
 }
 

@@ -66,10 +66,8 @@ static void put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv) {
     for (int i = 0; i < 9; i++) kv_buf_u32(b, (uint32_t)v[i]);
 }
 
-int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, const kvq_token *tokens, int n_tokens,
-                    const float *logits) {
-    struct kv_cache **caches = engine_seq_caches(c, seq);
-    if (!caches) return -1;
+static int save_caches(const struct kvq_context *c, struct kv_cache *const *caches, const char *path,
+                       const kvq_token *tokens, int n_tokens, const float *logits) {
     const struct model *m = engine_model(c);
     const struct model_hparams *hp = &m->hp;
     if (n_tokens < 0 || (n_tokens > 0 && !tokens)) return kvq_error("invalid token list");
@@ -106,6 +104,17 @@ int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, cons
     free(b.data);
     if (!ok) return kvq_error("cannot write '%s'", path);
     return 0;
+}
+
+int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, const kvq_token *tokens, int n_tokens,
+                    const float *logits) {
+    struct kv_cache **caches = engine_seq_caches(c, seq);
+    return caches ? save_caches(c, caches, path, tokens, n_tokens, logits) : -1;
+}
+
+int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_token *tokens, int n_tokens,
+                    const float *logits) {
+    return save_caches(engine_prefix_context(p), engine_prefix_caches(p), path, tokens, n_tokens, logits);
 }
 
 int kvq_seq_save(const struct kvq_context *c, int seq, const char *path) {
@@ -270,10 +279,10 @@ static int load_body(struct kvq_context *c, struct kv_cache **caches, const char
     return rc;
 }
 
-int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq_seq_extra *extra) {
+/* Loads the file into caches [n_layer]; on failure they are emptied. */
+static int load_caches(struct kvq_context *c, struct kv_cache **caches, const char *path,
+                       struct kvq_seq_extra *extra) {
     if (extra) memset(extra, 0, sizeof *extra);
-    struct kv_cache **caches = engine_seq_caches(c, seq);
-    if (!caches) return -1;
     size_t len;
     uint8_t *data = read_all(path, &len);
     if (!data) return -1;
@@ -285,10 +294,25 @@ int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq
     if (rc != 0) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", kvq_last_error());
-        kvq_seq_clear(c, seq);
+        for (int il = 0; il < engine_model(c)->hp.n_layer; il++) kv_cache_clear(caches[il]);
         kvq_error("%s", msg);
     }
     return rc;
+}
+
+int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq_seq_extra *extra) {
+    if (extra) memset(extra, 0, sizeof *extra);
+    struct kv_cache **caches = engine_seq_caches(c, seq);
+    return caches ? load_caches(c, caches, path, extra) : -1;
+}
+
+struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra) {
+    struct kvq_prefix *p = engine_prefix_new(c);
+    if (p && load_caches(c, engine_prefix_caches(p), path, extra) != 0) {
+        kvq_prefix_free(p);
+        return NULL;
+    }
+    return p;
 }
 
 int kvq_seq_load(struct kvq_context *c, int seq, const char *path) { return kvq_seq_load_ex(c, seq, path, NULL); }

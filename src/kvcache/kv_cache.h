@@ -49,6 +49,11 @@ int kv_cache_fork(struct kv_cache *dst, const struct kv_cache *src);
 /* Keeps the first n tokens. Fails (nothing changed) when a rotating window no longer
  * holds a row that a query at n would see. */
 int kv_cache_keep_prefix(struct kv_cache *c, int n);
+/* 0 when keep_prefix(c, n) would succeed, else -1 with the reason. */
+int kv_cache_can_keep_prefix(const struct kv_cache *c, int n);
+/* Bytes of blocks a cache of n_tokens held tokens takes (whole blocks, plus the
+ * f16 copy while a quantize-after-N cache converts). */
+size_t kv_cache_budget_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape, int n_tokens);
 /* At most how many bytes of new blocks appending n tokens takes from the pool (a
  * caller checks a whole batch against the budget before writing anything). */
 size_t kv_cache_append_bytes(const struct kv_cache *c, int n);

@@ -394,11 +394,9 @@ static int store_append(struct kv_cache *c, int n, const float *k, const float *
 
 /* Keeps the first n positions. A rotating or sliding-window cache can go back only
  * while it still holds every row a query at n would see. */
-static int store_keep_prefix(struct kv_cache *c, int32_t n) {
-    struct kv_store *st = store_of(c);
-    if (n < 0) n = 0;
-    if (n >= c->n_past) return 0;
-    for (int32_t p = n - 1; p >= 0; p--) {
+int kv_cache_can_keep_prefix(const struct kv_cache *c, int32_t n) {
+    const struct kv_store *st = store_of(c);
+    for (int32_t p = (n < c->n_past ? n : c->n_past) - 1; p >= 0; p--) {
         if (!kv_visible(c, p, n)) {
             if (c->cfg.max_size > 0 && p >= c->cfg.keep) p = c->cfg.keep; /* skip to the kept tokens */
             continue;
@@ -406,6 +404,14 @@ static int store_keep_prefix(struct kv_cache *c, int32_t n) {
         if (!kv_store_block(st, p))
             return kvq_error("cannot go back to %d tokens: the rotating window no longer holds position %d", n, p);
     }
+    return 0;
+}
+
+static int store_keep_prefix(struct kv_cache *c, int32_t n) {
+    struct kv_store *st = store_of(c);
+    if (n < 0) n = 0;
+    if (n >= c->n_past) return 0;
+    if (kv_cache_can_keep_prefix(c, n) != 0) return -1;
     if (kv_win_own(c, &st->sink) != 0 || kv_win_own(c, &st->rec) != 0) return -1;
     release_from(c, (n + B - 1) / B);
     c->n_past = n;
@@ -496,6 +502,15 @@ static size_t store_bytes(const struct kv_cache *c) {
     const struct kv_store *st = store_of(c);
     size_t held = kv_win_on(st) ? kv_win_bytes(c, st->sink) + kv_win_bytes(c, st->rec) : 0;
     return (size_t)c->shape.n_kv_heads * (size_t)store_size(c) * (st->kf.row + st->vf.row) + held;
+}
+
+size_t kv_cache_budget_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape, int n_tokens) {
+    struct kv_cache c = {.cfg = *cfg, .shape = *shape};
+    struct kv_fmt ik = kv_fmt_initial(&c, 0), iv = kv_fmt_initial(&c, 1), tk = kv_fmt_target(&c, 0),
+                  tv = kv_fmt_target(&c, 1);
+    size_t per = kv_block_size(&c, &tk, &tv);
+    if (!kv_fmt_eq(ik, tk) || !kv_fmt_eq(iv, tv)) per += kv_block_size(&c, &ik, &iv); /* both during conversion */
+    return per * (size_t)((n_tokens + B - 1) / B + 1);
 }
 
 size_t kv_cache_window_memory(const struct kv_cache *c) {
