@@ -515,7 +515,9 @@ size_t kv_cache_budget_bytes(const struct kv_cache_config *cfg, const struct kv_
 
 size_t kv_cache_window_memory(const struct kv_cache *c) {
     const struct kv_store *st = store_of(c);
-    return kv_win_bytes(c, st->sink) / (size_t)st->sink->refs + kv_win_bytes(c, st->rec) / (size_t)st->rec->refs;
+    /* rounded up, so that the holders' shares add up to at least the window */
+    return (kv_win_bytes(c, st->sink) + (size_t)st->sink->refs - 1) / (size_t)st->sink->refs +
+           (kv_win_bytes(c, st->rec) + (size_t)st->rec->refs - 1) / (size_t)st->rec->refs;
 }
 
 struct kv_pool *kv_cache_pool(const struct kv_cache *c) { return store_of(c)->pool; }
