@@ -74,6 +74,31 @@ void kv_store_save(const struct kv_cache *c, struct kv_buf *b) {
     }
 }
 
+/* True when n rows of format f hold only finite floats: f16/f32 values, or the
+ * f16 scale and bias of every group of a packed row. A checksum-correct file can
+ * still carry a NaN, which attention would spread to every later token. */
+static bool rows_finite(const uint8_t *p, const struct kv_fmt *f, int d, size_t n) {
+    size_t skip = 0, halves = (size_t)d; /* f16 rows: every value */
+    if (f->bits == 32) {
+        for (size_t i = 0; i < n * (size_t)d; i++) {
+            float x;
+            memcpy(&x, p + 4 * i, 4);
+            if (!isfinite(x)) return false;
+        }
+        return true;
+    }
+    if (f->bits != 16) { /* packed: codes, then the groups' scales and biases */
+        skip = (size_t)d * (size_t)f->bits / 8;
+        halves = 2 * (size_t)(d / f->group);
+    }
+    for (size_t r = 0; r < n; r++, p += f->row)
+        for (size_t i = 0; i < halves; i++) {
+            uint16_t h = (uint16_t)(p[skip + 2 * i] | p[skip + 2 * i + 1] << 8);
+            if ((h & 0x7c00) == 0x7c00) return false; /* exponent all ones: inf or NaN */
+        }
+    return true;
+}
+
 static int load_fail(struct kv_cache *c, const char *what) {
     kv_store_clear(c);
     return kvq_error("invalid KV cache section: %s", what);
@@ -177,6 +202,7 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
     if (r->len - r->off < need) return load_fail(c, "truncated rows");
     st->kf = kf;
     st->vf = vf;
+    if (kind != (uint32_t)kind_code(c)) return load_fail(c, "cache kind differs from its formats");
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)(size ? size : 1));
     if (!pos) {
         kv_store_clear(c);
@@ -194,6 +220,10 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
     }
     const uint8_t *rows_k = r->data + r->off, *rows_v = rows_k + rows * kf.row;
     r->off += rows * (kf.row + vf.row);
+    if (!rows_finite(rows_k, &kf, c->shape.head_dim, rows) || !rows_finite(rows_v, &vf, c->shape.head_dim, rows)) {
+        free(pos);
+        return load_fail(c, "non-finite values in the rows");
+    }
     int rc = place_rows(c, pos, size, rows_k, rows_v);
     free(pos);
     if (rc != 0) {
@@ -207,13 +237,12 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
         a = pmin + (cf->max_size - cf->keep) - 1;
     if (c->shape.window > 0 && pmin < n_past && pmin + c->shape.window - 1 < a) a = pmin + c->shape.window - 1;
     st->last_first = a > 0 ? a : 0;
-    (void)kind;
     if (!v2) return 0; /* version 1: residual 0, the windows stay empty */
     int32_t sn, rp0, rn;
     if (!kv_read_i32(r, &sn) || !kv_read_i32(r, &rp0) || !kv_read_i32(r, &rn)) return load_fail(c, "truncated windows");
     bool win = kv_win_on(st);
     if (sn < 0 || rn < 0 || rp0 < 0 || (!win && (sn || rn)) || sn > kv_sink_target(c) || sn > n_past ||
-        (rn > 0 && (rn > n_past || rp0 != n_past - rn)))
+        (rn > 0 && (rn > n_past || rp0 != n_past - rn))) /* no rp0 + rn: it can overflow */
         return load_fail(c, "window rows");
     need = ((size_t)sn + (size_t)rn) * (size_t)c->shape.n_kv_heads * (st->wkf.row + st->wvf.row);
     if (r->len - r->off < need) return load_fail(c, "truncated window rows");
@@ -228,6 +257,8 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
             for (int hh = 0; hh < c->shape.n_kv_heads && n > 0; hh++) {
                 const struct kv_fmt *f = side ? &st->wvf : &st->wkf;
                 kv_read(r, kv_win_row(ws[w], f, side, hh, 0), f->row * (size_t)n);
+                if (!rows_finite(kv_win_row(ws[w], f, side, hh, 0), f, c->shape.head_dim, (size_t)n))
+                    return load_fail(c, "non-finite values in the window rows");
             }
     }
     st->sink->n = sn;
