@@ -3,7 +3,7 @@
 #include <string.h>
 
 #include "core/error.h"
-#include "core/threadpool.h"
+#include "backend/backend.h"
 #include "gguf/gguf.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
@@ -20,7 +20,7 @@ struct kvq_model {
 struct kvq_context {
     struct kvq_model *m;
     struct kvq_context_params p;
-    struct kvq_pool *pool;
+    struct backend *be;       /* where the forward pass runs and the KV blocks live */
     struct forward *fwd;
     struct kv_pool *kv_pool;   /* every KV block of the context's sequences and prefixes */
     struct kv_cache **caches;  /* [n_seq][n_layer] */
@@ -219,14 +219,14 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     c->p = *p;
     if (c->p.n_ctx == 0) c->p.n_ctx = hp->n_ctx_train;
     if (c->p.kv_budget_bytes == 0) c->p.kv_budget_bytes = default_budget(c);
-    c->pool = kvq_pool_new(p->n_threads);
-    c->fwd = forward_new(m->model, p->n_batch);
-    c->kv_pool = kv_pool_new(c->p.kv_budget_bytes);
+    c->be = backend_cpu_new(p->n_threads);
+    c->fwd = c->be ? forward_new(m->model, c->be, p->n_batch) : NULL;
+    c->kv_pool = c->be ? c->be->ops->kv_pool_new(c->be, c->p.kv_budget_bytes) : NULL;
     c->caches = calloc((size_t)p->n_seq * hp->n_layer, sizeof *c->caches);
     c->count = calloc((size_t)p->n_seq + 1, sizeof *c->count);
     c->chunk_tokens = malloc(sizeof(int32_t) * (size_t)p->n_batch * 2);
     c->chunk_seqs = malloc(sizeof *c->chunk_seqs * (size_t)p->n_batch);
-    if (!c->pool || !c->fwd || !c->kv_pool || !c->caches || !c->count || !c->chunk_tokens || !c->chunk_seqs) {
+    if (!c->be || !c->fwd || !c->kv_pool || !c->caches || !c->count || !c->chunk_tokens || !c->chunk_seqs) {
         if (!c->fwd && kvq_last_error()[0]) goto fail;
         kvq_error("out of memory");
         goto fail;
@@ -255,7 +255,7 @@ void kvq_context_free(struct kvq_context *c) {
     free(c->caches);
     kv_pool_free(c->kv_pool);
     forward_free(c->fwd);
-    if (c->pool) kvq_pool_free(c->pool);
+    if (c->be) c->be->ops->free(c->be);
     free(c->logits);
     free(c->row_of);
     free(c->order);
@@ -472,14 +472,14 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         for (int r = 0; r < fb.n_logits; r++)
             if (c->row_of[c->order[start + logit_rows[r]]] != first_row + r) in_order = false;
         if (in_order) {
-            rc = forward_run(c->fwd, c->pool, &fb, dst);
+            rc = forward_run(c->fwd, &fb, dst);
         } else {
             float *tmp = malloc(sizeof(float) * (size_t)fb.n_logits * n_vocab);
             if (!tmp) {
                 rc = kvq_error("out of memory");
                 break;
             }
-            rc = forward_run(c->fwd, c->pool, &fb, tmp);
+            rc = forward_run(c->fwd, &fb, tmp);
             for (int r = 0; r < fb.n_logits && rc == 0; r++)
                 memcpy(c->logits + (size_t)c->row_of[c->order[start + logit_rows[r]]] * n_vocab,
                        tmp + (size_t)r * n_vocab, sizeof(float) * n_vocab);

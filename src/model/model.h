@@ -10,7 +10,7 @@
 
 struct gguf_file;
 struct kv_cache;
-struct kvq_pool;
+struct backend;
 
 enum model_arch { ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3 };
 /* Which elements RoPE rotates together: (2i, 2i+1) or (i, i + rope_dim/2). */
@@ -79,11 +79,11 @@ struct fwd_batch {
 
 struct forward;
 
-/* Scratch for batches of up to max_tokens tokens. */
-struct forward *forward_new(const struct model *m, int max_tokens);
+/* Buffers (in the backend's memory) for batches of up to max_tokens tokens. */
+struct forward *forward_new(const struct model *m, struct backend *be, int max_tokens);
 void forward_free(struct forward *f);
 /* Runs the batch, appends its K/V to the caches, writes logits
  * [n_logits][n_vocab]. 0, or -1 with kvq_last_error() (e.g. cache full). */
-int forward_run(struct forward *f, struct kvq_pool *pool, const struct fwd_batch *b, float *logits);
+int forward_run(struct forward *f, const struct fwd_batch *b, float *logits);
 
 #endif

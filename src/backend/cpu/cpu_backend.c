@@ -1,0 +1,412 @@
+/* The CPU backend: host buffers, weights read in place from the mapped file, and
+ * every operation split over a thread pool. Matrix products split their output rows
+ * among threads, per-token work (norms, RoPE, activation quantization) splits the
+ * tokens, attention splits (token, KV head) pairs. Fewer than 4 tokens of per-token
+ * work run on the calling thread: waking the pool costs more than the work. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/threadpool.h"
+#include "kernels/matmul.h"
+#include "kvcache/kv_cache.h"
+#include "kvcache/kv_pool.h"
+#include "model/model.h"
+
+/* Activation buffers for up to this many distinct weight types per input. */
+#define MAX_ACT_TYPES 3
+
+struct act_set {
+    int n;
+    uint32_t types[MAX_ACT_TYPES];
+    uint8_t *bufs[MAX_ACT_TYPES];
+    size_t row_bytes[MAX_ACT_TYPES];
+};
+
+struct cpu_backend {
+    struct backend base;
+    struct kvq_pool *pool;
+    uint8_t *act_mem[MAX_ACT_TYPES]; /* prepared activations of one matmul input */
+    size_t act_cap;
+    float *attn_scratch; /* per thread */
+    size_t attn_scratch_floats;
+    int attn_scratch_threads;
+};
+
+static struct cpu_backend *cpu(struct backend *b) { return (struct cpu_backend *)b; }
+
+/* Runs fn(arg, t) over t in [0, n) on the pool, or inline for few tokens. */
+typedef void (*token_fn)(const void *arg, int t);
+struct token_task {
+    const void *arg;
+    token_fn fn;
+    int n;
+};
+static void token_task_run(void *p, int ith, int nth) {
+    struct token_task *tt = p;
+    long b, e;
+    kvq_split(tt->n, ith, nth, &b, &e);
+    for (long t = b; t < e; t++) tt->fn(tt->arg, (int)t);
+}
+static void for_each_token(struct cpu_backend *cb, int n, token_fn fn, const void *arg) {
+    struct token_task tt = {arg, fn, n};
+    if (n < 4) token_task_run(&tt, 0, 1);
+    else kvq_pool_run(cb->pool, token_task_run, &tt);
+}
+
+/* ---- matrix products ---------------------------------------------------- */
+
+/* Bytes of the largest prepared row of k values over every weight type. */
+static size_t max_act_row_bytes(int64_t k) {
+    static const uint32_t types[] = {0, 1, 2, 8, 12, 14, 30};
+    size_t best = 0;
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        size_t b = kern_act_row_bytes(types[i], k);
+        if (b > best) best = b;
+    }
+    return best;
+}
+
+static int ensure_act(struct cpu_backend *cb, size_t bytes) {
+    if (bytes <= cb->act_cap) return 0;
+    for (int i = 0; i < MAX_ACT_TYPES; i++) {
+        free(cb->act_mem[i]);
+        cb->act_mem[i] = malloc(bytes);
+        if (!cb->act_mem[i]) {
+            cb->act_cap = 0;
+            return kvq_error("out of memory for activations");
+        }
+    }
+    cb->act_cap = bytes;
+    return 0;
+}
+
+/* Which prepared forms of an input [n][k] the given weights need. */
+static void act_plan(struct cpu_backend *cb, struct act_set *as, const struct be_matmul *jobs, int n_jobs, int64_t k) {
+    as->n = 0;
+    for (int i = 0; i < n_jobs; i++) {
+        int j = 0;
+        while (j < as->n && as->types[j] != jobs[i].w->type) j++;
+        if (j == as->n) {
+            as->types[j] = jobs[i].w->type;
+            as->bufs[j] = cb->act_mem[j];
+            as->row_bytes[j] = kern_act_row_bytes(jobs[i].w->type, k);
+            as->n++;
+        }
+    }
+}
+
+static int act_index(const struct act_set *as, uint32_t type) {
+    for (int j = 0; j < as->n; j++)
+        if (as->types[j] == type) return j;
+    return 0;
+}
+
+struct act_arg {
+    const struct act_set *as;
+    const float *x;
+    int64_t k, x_stride;
+};
+static void act_prepare_token(const void *p, int t) {
+    const struct act_arg *a = p;
+    for (int j = 0; j < a->as->n; j++)
+        kern_act_prepare(a->as->types[j], a->x + (size_t)t * a->x_stride, a->as->bufs[j] + (size_t)t * a->as->row_bytes[j],
+                         a->k);
+}
+
+struct mm_task {
+    const struct act_set *as;
+    int n_tok, n_jobs;
+    const struct be_matmul *jobs;
+};
+
+/* Rows per thread are rounded to a multiple of this, so kernels see whole tiles. */
+#define MM_ROW_ALIGN 16
+
+static void mm_task_run(void *p, int ith, int nth) {
+    const struct mm_task *mt = p;
+    for (int j = 0; j < mt->n_jobs; j++) {
+        const struct be_matmul *job = &mt->jobs[j];
+        const struct weight *w = job->w;
+        int ai = act_index(mt->as, w->type);
+        long chunks = (long)((w->rows + MM_ROW_ALIGN - 1) / MM_ROW_ALIGN), b, e;
+        kvq_split(chunks, ith, nth, &b, &e);
+        int64_t r0 = b * MM_ROW_ALIGN, r1 = e * MM_ROW_ALIGN;
+        if (r1 > w->rows) r1 = w->rows;
+        if (r0 >= r1) continue;
+        struct kern_matmul_args a = {
+            .wtype = w->type, .w = w->data, .w_row_bytes = w->row_bytes, .k = w->cols,
+            .xa = mt->as->bufs[ai], .xa_row_bytes = mt->as->row_bytes[ai], .n_tok = mt->n_tok,
+            .y = job->y, .y_stride = w->rows,
+        };
+        kern_matmul(&a, r0, r1);
+        if (job->bias)
+            for (int t = 0; t < mt->n_tok; t++)
+                for (int64_t r = r0; r < r1; r++) job->y[(size_t)t * w->rows + r] += job->bias[r];
+    }
+}
+
+static void cpu_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs,
+                       const struct be_matmul *jobs) {
+    struct cpu_backend *cb = cpu(b);
+    int64_t k = jobs[0].w->cols; /* the act buffers were sized by cpu_reserve */
+    struct act_set as;
+    act_plan(cb, &as, jobs, n_jobs, k);
+    struct act_arg aa = {&as, x, k, x_stride};
+    for_each_token(cb, n, act_prepare_token, &aa);
+    struct mm_task mt = {&as, n, n_jobs, jobs};
+    kvq_pool_run(cb->pool, mm_task_run, &mt);
+}
+
+/* ---- per-token operations ------------------------------------------------ */
+
+static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
+    double ss = 0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float s = (float)(1.0 / sqrt(ss / n + eps));
+    for (int i = 0; i < n; i++) out[i] = x[i] * s * w[i];
+}
+
+struct embed_arg {
+    const struct weight *e;
+    const int32_t *tokens;
+    float scale, *x;
+};
+static void embed_token(const void *p, int t) {
+    const struct embed_arg *a = p;
+    const struct weight *e = a->e;
+    float *x = a->x + (size_t)t * e->cols;
+    kern_dequantize_row(e->type, (const uint8_t *)e->data + (size_t)a->tokens[t] * e->row_bytes, x, e->cols);
+    if (a->scale != 1.0f)
+        for (int64_t i = 0; i < e->cols; i++) x[i] *= a->scale;
+}
+static void cpu_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x) {
+    struct embed_arg a = {e, tokens, scale, x};
+    for_each_token(cpu(b), n, embed_token, &a);
+}
+
+struct norm_arg {
+    const float *x;
+    float *add, *out;
+    const int32_t *rows;
+    const float *post, *w;
+    int dim;
+    float eps;
+};
+static void norm_token(const void *p, int t) {
+    const struct norm_arg *a = p;
+    int r = a->rows ? a->rows[t] : t;
+    rmsnorm(a->out + (size_t)t * a->dim, a->x + (size_t)r * a->dim, a->w, a->dim, a->eps);
+}
+static void cpu_rmsnorm(struct backend *b, const float *x, const int32_t *rows, const float *w, int n, int dim,
+                        float eps, float *out) {
+    struct norm_arg a = {.x = x, .rows = rows, .w = w, .dim = dim, .eps = eps, .out = out};
+    for_each_token(cpu(b), n, norm_token, &a);
+}
+
+static void add_norm_token(const void *p, int t) {
+    const struct norm_arg *a = p;
+    float *x = (float *)a->x + (size_t)t * a->dim, *add = a->add + (size_t)t * a->dim;
+    if (a->post) rmsnorm(add, add, a->post, a->dim, a->eps);
+    for (int i = 0; i < a->dim; i++) x[i] += add[i];
+    if (a->w) rmsnorm(a->out + (size_t)t * a->dim, x, a->w, a->dim, a->eps);
+}
+static void cpu_add_norm(struct backend *b, float *x, float *add, const float *post, const float *w, int n, int dim,
+                         float eps, float *out) {
+    struct norm_arg a = {.x = x, .add = add, .post = post, .w = w, .dim = dim, .eps = eps, .out = out};
+    for_each_token(cpu(b), n, add_norm_token, &a);
+}
+
+struct rope_table_arg {
+    const int32_t *pos;
+    const float *inv_freq;
+    float linear;
+    int half;
+    float *cos, *sin;
+};
+static void rope_table_token(const void *p, int t) {
+    const struct rope_table_arg *a = p;
+    float pos = (float)a->pos[t] / a->linear;
+    for (int i = 0; i < a->half; i++) {
+        float theta = pos * a->inv_freq[i];
+        a->cos[(size_t)t * a->half + i] = cosf(theta);
+        a->sin[(size_t)t * a->half + i] = sinf(theta);
+    }
+}
+static void cpu_rope_table(struct backend *b, const int32_t *pos, int n, const float *inv_freq, float linear,
+                           int half, float *cos, float *sin) {
+    struct rope_table_arg a = {pos, inv_freq, linear, half, cos, sin};
+    for_each_token(cpu(b), n, rope_table_token, &a);
+}
+
+static void rope_apply(float *vec, const float *cs, const float *sn, int half, enum rope_pairing pairing) {
+    if (pairing == ROPE_ADJACENT) {
+        for (int i = 0; i < half; i++) {
+            float a = vec[2 * i], b = vec[2 * i + 1];
+            vec[2 * i] = a * cs[i] - b * sn[i];
+            vec[2 * i + 1] = a * sn[i] + b * cs[i];
+        }
+    } else {
+        for (int i = 0; i < half; i++) {
+            float a = vec[i], b = vec[i + half];
+            vec[i] = a * cs[i] - b * sn[i];
+            vec[i + half] = a * sn[i] + b * cs[i];
+        }
+    }
+}
+
+static void qk_rope_token(const void *p, int t) {
+    const struct be_rope *r = p;
+    const int D = r->head_dim;
+    float *q = r->q + (size_t)t * r->n_head * D, *k = r->k + (size_t)t * r->n_kv * D;
+    const float *cs = r->cos + (size_t)t * r->half, *sn = r->sin + (size_t)t * r->half;
+    for (int h = 0; h < r->n_head; h++) {
+        if (r->q_norm) rmsnorm(q + h * D, q + h * D, r->q_norm, D, r->eps);
+        rope_apply(q + h * D, cs, sn, r->half, (enum rope_pairing)r->pairing);
+    }
+    for (int h = 0; h < r->n_kv; h++) {
+        if (r->k_norm) rmsnorm(k + h * D, k + h * D, r->k_norm, D, r->eps);
+        rope_apply(k + h * D, cs, sn, r->half, (enum rope_pairing)r->pairing);
+    }
+}
+static void cpu_qk_rope(struct backend *b, const struct be_rope *r, int n) { for_each_token(cpu(b), n, qk_rope_token, r); }
+
+struct glu_arg {
+    enum be_glu act;
+    const float *gate, *up;
+    int n_ff;
+    float *out;
+};
+static void glu_token(const void *p, int t) {
+    const struct glu_arg *a = p;
+    const int n = a->n_ff;
+    const float *g = a->gate + (size_t)t * n, *u = a->up + (size_t)t * n;
+    float *out = a->out + (size_t)t * n;
+    if (a->act == BE_GLU_SILU) {
+        for (int i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        return;
+    }
+    const float c = 0.7978845608f; /* sqrt(2/pi): GELU's tanh approximation */
+    for (int i = 0; i < n; i++) out[i] = 0.5f * g[i] * (1.0f + tanhf(c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+}
+static void cpu_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff,
+                    float *out) {
+    struct glu_arg a = {act, gate, up, n_ff, out};
+    for_each_token(cpu(b), n, glu_token, &a);
+}
+
+/* ---- KV cache and attention ---------------------------------------------- */
+
+static int cpu_kv_append(struct backend *b, struct kv_cache *c, int n, const float *k, const float *v) {
+    (void)b;
+    return kv_cache_append(c, n, k, v);
+}
+
+struct attn_task {
+    struct cpu_backend *cb;
+    const struct be_attention *a;
+    int n;
+};
+static void attn_task_run(void *p, int ith, int nth) {
+    const struct attn_task *at = p;
+    const struct be_attention *a = at->a;
+    const int D = a->head_dim, group = a->n_head / a->n_kv, q_dim = a->n_head * D;
+    float *scratch = at->cb->attn_scratch + (size_t)ith * at->cb->attn_scratch_floats;
+    long b, e;
+    kvq_split((long)at->n * a->n_kv, ith, nth, &b, &e);
+    for (long item = b; item < e; item++) {
+        int t = (int)(item / a->n_kv), h = (int)(item % a->n_kv);
+        size_t off = (size_t)t * q_dim + (size_t)h * group * D;
+        kv_cache_attend(a->caches[t], h, a->q + off, a->pos[t], a->scale, a->out + off, scratch);
+    }
+}
+
+static void cpu_attention(struct backend *b, const struct be_attention *a, int n) {
+    struct cpu_backend *cb = cpu(b);
+    struct kv_shape shape = {a->n_head, a->n_kv, a->head_dim, 0};
+    size_t floats = kv_cache_scratch_floats(&shape);
+    int nth = kvq_pool_size(cb->pool);
+    if (floats > cb->attn_scratch_floats || nth > cb->attn_scratch_threads) { /* once, at the first batch */
+        free(cb->attn_scratch);
+        cb->attn_scratch = malloc(sizeof(float) * floats * (size_t)nth);
+        cb->attn_scratch_floats = cb->attn_scratch ? floats : 0;
+        cb->attn_scratch_threads = cb->attn_scratch ? nth : 0;
+        if (!cb->attn_scratch) return;
+    }
+    struct attn_task at = {cb, a, n};
+    kvq_pool_run(cb->pool, attn_task_run, &at);
+}
+
+/* ---- memory --------------------------------------------------------------- */
+
+static int cpu_reserve(struct backend *b, int max_tokens, int64_t widest) {
+    return ensure_act(cpu(b), max_act_row_bytes(widest) * (size_t)max_tokens);
+}
+
+static void *cpu_alloc(struct backend *b, size_t bytes) {
+    (void)b;
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) kvq_error("out of memory (%zu bytes)", bytes);
+    return p;
+}
+static void cpu_release(struct backend *b, void *p) {
+    (void)b;
+    free(p);
+}
+static int cpu_upload_weight(struct backend *b, struct weight *w) {
+    (void)b;
+    (void)w;
+    return 0;
+}
+static struct kv_pool *cpu_kv_pool_new(struct backend *b, size_t budget) {
+    (void)b;
+    return kv_pool_new(budget);
+}
+static void cpu_sync(struct backend *b) { (void)b; }
+
+static void cpu_free(struct backend *b) {
+    struct cpu_backend *cb = cpu(b);
+    if (!cb) return;
+    if (cb->pool) kvq_pool_free(cb->pool);
+    for (int i = 0; i < MAX_ACT_TYPES; i++) free(cb->act_mem[i]);
+    free(cb->attn_scratch);
+    free(cb);
+}
+
+static const struct backend_ops cpu_ops = {
+    .name = "cpu",
+    .free = cpu_free,
+    .reserve = cpu_reserve,
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .upload_weight = cpu_upload_weight,
+    .kv_pool_new = cpu_kv_pool_new,
+    .matmul = cpu_matmul,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .add_norm = cpu_add_norm,
+    .rope_table = cpu_rope_table,
+    .qk_rope = cpu_qk_rope,
+    .glu = cpu_glu,
+    .kv_append = cpu_kv_append,
+    .attention = cpu_attention,
+    .sync = cpu_sync,
+};
+
+struct backend *backend_cpu_new(int n_threads) {
+    struct cpu_backend *cb = calloc(1, sizeof *cb);
+    if (!cb) {
+        kvq_error("out of memory");
+        return NULL;
+    }
+    cb->base.ops = &cpu_ops;
+    cb->pool = kvq_pool_new(n_threads);
+    if (!cb->pool) {
+        free(cb);
+        kvq_error("cannot start %d threads", n_threads);
+        return NULL;
+    }
+    return &cb->base;
+}
