@@ -38,9 +38,9 @@ bool cli_is_one_of(const char *s, const char *const *list);
 const char *cli_flag_value(int argc, char **argv, int *i);
 
 /* KV cache flags (--kv-bits, --kv-group-size, --max-kv-size, --keep,
- * --quantized-kv-start, --kv-rotation, --cache-type-k/-v). Returns 1 when argv[*i] was
+ * --quantized-kv-start, --kv-rotation, --kv-residual, --kv-budget-mb). Returns 1 when argv[*i] was
  * one of them (consumed, advancing *i), 0 when it was not, -1 on a bad value. */
-int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv);
+int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *cp);
 /* Help text for those flags. */
 extern const char *const cli_kv_flags_help;
 /* A whole KV config in one word, for commands that compare several:

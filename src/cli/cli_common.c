@@ -94,11 +94,20 @@ const char *const cli_kv_flags_help =
     "  --keep N                 tokens kept at the start of a rotating cache (default 4); with\n"
     "                           --kv-residual > 0 they are also held in f16 (attention sinks)\n"
     "  --kv-residual N          quantized caches: the newest N tokens are also held in f16 and\n"
-    "                           attention reads them from there (default 32; 0: off)\n";
+    "                           attention reads them from there (default 32; 0: off)\n"
+    "  --kv-budget-mb N         KV blocks in use at once, all sequences (default: what the context\n"
+    "                           needs); a batch that would exceed it fails with an error\n";
 
-int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv) {
+int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *cp) {
+    struct kvq_kv_config *kv = &cp->kv;
     const char *flag = argv[*i];
     const char *v;
+    if (strcmp(flag, "--kv-budget-mb") == 0) {
+        int mb;
+        if (!(v = cli_flag_value(argc, argv, i)) || !cli_parse_int(flag, v, 0, 1 << 24, &mb)) return -1;
+        cp->kv_budget_bytes = (size_t)mb << 20;
+        return 1;
+    }
     if (strcmp(flag, "--kv-bits") == 0) {
         if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 2, 32, &kv->k_bits, &kv->v_bits)) return -1;
         if (!valid_bits(kv->k_bits) || !valid_bits(kv->v_bits)) {
@@ -137,7 +146,10 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv) {
 static bool kv_flag(const char *flag, const char *value, struct kvq_kv_config *kv) {
     char *args[] = {(char *)"kvq", (char *)flag, (char *)value};
     int i = 1;
-    return cli_parse_kv_flag(3, args, &i, kv) == 1;
+    struct kvq_context_params cp = {.kv = *kv};
+    if (cli_parse_kv_flag(3, args, &i, &cp) != 1) return false;
+    *kv = cp.kv;
+    return true;
 }
 
 const char *const cli_kv_spec_help =

@@ -28,7 +28,7 @@ int cmd_cache_prompt(int argc, char **argv) {
     kvq_context_params_default(&cp);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
-        int kv = cli_parse_kv_flag(argc, argv, &i, &cp.kv);
+        int kv = cli_parse_kv_flag(argc, argv, &i, &cp);
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {

@@ -52,7 +52,7 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
     o->n_predict = 128;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
-        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp.kv);
+        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp);
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {

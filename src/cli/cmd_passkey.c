@@ -79,7 +79,7 @@ static int parse_args(int argc, char **argv, struct pk_opts *o) {
     parse_lengths("512,1024,2048,4000", o);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
-        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp.kv);
+        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp);
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {

@@ -82,7 +82,7 @@ static int parse_args(int argc, char **argv, struct ppl_opts *o) {
     o->n_chunks = -1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
-        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp.kv);
+        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp);
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
