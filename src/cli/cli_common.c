@@ -263,3 +263,16 @@ bool cli_model_adds_bos(const struct kvq_model *m) {
     int n = kvq_tokenize(m, "a", 1, true, false, t, 4);
     return n > 0 && n <= 4 && kvq_token_bos(m) >= 0 && t[0] == kvq_token_bos(m);
 }
+
+void cli_print_kv_layer_kinds(const struct kvq_context *ctx) {
+    struct kvq_kv_layer_kind k[8];
+    int n = kvq_kv_layer_kinds(ctx, k, 8);
+    if (n > 8) n = 8;
+    for (int i = 0; i < n && n > 1; i++) {
+        char what[64] = "global", holds[48] = "every token";
+        if (k[i].window > 0) snprintf(what, sizeof what, "sliding (window %d)", k[i].window);
+        if (k[i].max_size > 0) snprintf(holds, sizeof holds, "at most %d tokens", k[i].max_size);
+        fprintf(stderr, "kvq:   %d %s layer%s, %s cache of %s: %zu bytes (%.2f MiB)\n", k[i].n_layers, what,
+                k[i].n_layers == 1 ? "" : "s", k[i].kind, holds, k[i].bytes, k[i].bytes / 1048576.0);
+    }
+}

@@ -52,6 +52,23 @@ fail:
     return NULL;
 }
 
+struct kvq_model *kvq_model_load_vocab(const char *path) {
+    struct kvq_model *m = calloc(1, sizeof *m);
+    if (!m) {
+        kvq_error("out of memory");
+        return NULL;
+    }
+    struct gguf_file *f = gguf_open(path);
+    if (!f) goto fail;
+    m->tok = tokenizer_from_gguf(f); /* copies what it needs */
+    gguf_close(f);
+    if (!m->tok) goto fail;
+    return m;
+fail:
+    kvq_model_free(m);
+    return NULL;
+}
+
 void kvq_model_free(struct kvq_model *m) {
     if (!m) return;
     tokenizer_free(m->tok);
@@ -60,6 +77,12 @@ void kvq_model_free(struct kvq_model *m) {
 }
 
 void kvq_model_get_info(const struct kvq_model *m, struct kvq_model_info *info) {
+    if (!m->model) { /* vocabulary only */
+        memset(info, 0, sizeof *info);
+        info->arch = info->weight_type = "none";
+        info->n_vocab = tokenizer_n_vocab(m->tok);
+        return;
+    }
     const struct model_hparams *hp = &m->model->hp;
     info->arch = hp->arch_name;
     info->weight_type = model_weight_type_name(m->model);
@@ -127,23 +150,41 @@ static void to_cache_config(const struct kvq_kv_config *kv, struct kv_cache_conf
     cc->residual = kv->residual;
 }
 
-static struct kv_shape model_kv_shape(const struct model *m) {
-    struct kv_shape s = {m->hp.n_head, m->hp.n_head_kv, m->hp.head_dim, m->hp.sliding_window};
-    return s;
+/* The cache of layer il: the user's config, narrowed on a sliding layer to what the
+ * layer attends. A sliding layer of window W is a rotating cache of W tokens without
+ * kept tokens (it attends exactly (p - W, p]); a smaller --max-kv-size wins, with its
+ * --keep, as on the global layers (the tighter window, like mlx-lm's hybrid caches). */
+static void layer_cache_setup(const struct model *m, int il, const struct kvq_kv_config *kv,
+                              struct kv_cache_config *cc, struct kv_shape *s) {
+    int window = m->layer_attn[il].window;
+    to_cache_config(kv, cc);
+    *s = (struct kv_shape){m->hp.n_head, m->hp.n_head_kv, m->hp.head_dim, window};
+    if (window > 0 && (cc->max_size == 0 || cc->max_size > window)) {
+        cc->max_size = window;
+        cc->keep = 0;
+    }
 }
 
 size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv) {
-    struct kv_cache_config cc;
-    to_cache_config(kv, &cc);
-    struct kv_shape s = model_kv_shape(m->model);
-    return kv_cache_token_bytes(&cc, &s) * (size_t)m->model->hp.n_layer;
+    size_t total = 0;
+    for (int il = 0; m->model && il < m->model->hp.n_layer; il++) {
+        struct kv_cache_config cc;
+        struct kv_shape s;
+        layer_cache_setup(m->model, il, kv, &cc, &s);
+        total += kv_cache_token_bytes(&cc, &s);
+    }
+    return total;
 }
 
 size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv) {
-    struct kv_cache_config cc;
-    to_cache_config(kv, &cc);
-    struct kv_shape s = model_kv_shape(m->model);
-    return kv_cache_window_bytes(&cc, &s) * (size_t)m->model->hp.n_layer;
+    size_t total = 0;
+    for (int il = 0; m->model && il < m->model->hp.n_layer; il++) {
+        struct kv_cache_config cc;
+        struct kv_shape s;
+        layer_cache_setup(m->model, il, kv, &cc, &s);
+        total += kv_cache_window_bytes(&cc, &s);
+    }
+    return total;
 }
 
 /* ---- context ---- */
@@ -156,6 +197,10 @@ void kvq_context_params_default(struct kvq_context_params *p) {
 }
 
 struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p) {
+    if (!m->model) {
+        kvq_error("the model was loaded for its vocabulary only");
+        return NULL;
+    }
     const struct model_hparams *hp = &m->model->hp;
     if (p->n_seq <= 0 || p->n_seq > 4096) {
         kvq_error("number of sequences must be 1..4096 (got %d)", p->n_seq);
@@ -181,10 +226,10 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
         kvq_error("out of memory");
         goto fail;
     }
-    struct kv_cache_config cc;
-    to_cache_config(&p->kv, &cc);
-    struct kv_shape shape = model_kv_shape(m->model);
     for (int i = 0; i < p->n_seq * hp->n_layer; i++) {
+        struct kv_cache_config cc;
+        struct kv_shape shape;
+        layer_cache_setup(m->model, i % hp->n_layer, &p->kv, &cc, &shape);
         c->caches[i] = kv_cache_new(&cc, &shape);
         if (!c->caches[i]) goto fail;
     }
@@ -234,6 +279,26 @@ size_t kvq_kv_bytes(const struct kvq_context *c) {
     size_t total = 0;
     for (int i = 0; i < c->p.n_seq * c->m->model->hp.n_layer; i++) total += kv_cache_bytes(c->caches[i]);
     return total;
+}
+
+int kvq_kv_layer_kinds(const struct kvq_context *c, struct kvq_kv_layer_kind *out, int max) {
+    const struct model *m = c->m->model;
+    int n = 0;
+    struct kvq_kv_layer_kind g[8]; /* kinds x (sliding or not): few */
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const struct kv_cache *kc = c->caches[il];
+        const char *kind = kv_cache_kind(kc);
+        int window = m->layer_attn[il].window, max_size = kv_cache_get_config(kc)->max_size, j = 0;
+        while (j < n && !(!strcmp(g[j].kind, kind) && g[j].window == window && g[j].max_size == max_size)) j++;
+        if (j == n) {
+            if (n == (int)(sizeof g / sizeof g[0])) continue;
+            g[n++] = (struct kvq_kv_layer_kind){kind, window, max_size, 0, 0};
+        }
+        g[j].n_layers++;
+        for (int s = 0; s < c->p.n_seq; s++) g[j].bytes += kv_cache_bytes(seq_caches(c, s)[il]);
+    }
+    for (int j = 0; j < n && j < max; j++) out[j] = g[j];
+    return n;
 }
 
 static int grow(void **p, int *cap, int need, size_t elem) {

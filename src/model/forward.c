@@ -29,7 +29,7 @@ struct forward {
     int max_tokens;
     int q_dim, kv_dim, half_rope;
     float *x, *xn, *q, *k, *v, *attn, *tmp, *gate, *up;
-    float *rope_cos, *rope_sin; /* [T][rope_dim/2] */
+    float *rope_cos, *rope_sin; /* [n_rope_sets][T][rope_dim/2] */
     int32_t *pos;               /* [T] */
     struct kv_cache **tok_cache; /* [T]: this layer's cache of the token's sequence */
     uint8_t *act_mem[MAX_ACT_TYPES];
@@ -71,8 +71,8 @@ struct forward *forward_new(const struct model *m, int max_tokens) {
     f->tmp = malloc(sizeof(float) * T * hp->n_embd);
     f->gate = malloc(sizeof(float) * T * hp->n_ff);
     f->up = malloc(sizeof(float) * T * hp->n_ff);
-    f->rope_cos = malloc(sizeof(float) * T * f->half_rope);
-    f->rope_sin = malloc(sizeof(float) * T * f->half_rope);
+    f->rope_cos = malloc(sizeof(float) * T * f->half_rope * (size_t)m->n_rope_sets);
+    f->rope_sin = malloc(sizeof(float) * T * f->half_rope * (size_t)m->n_rope_sets);
     f->pos = malloc(sizeof(int32_t) * T);
     f->tok_cache = malloc(sizeof(struct kv_cache *) * T);
     f->act_cap = max_act_row_bytes(widest) * T;
@@ -252,31 +252,29 @@ static void attn_norm_token(struct forward *f, const void *p, int t) {
     rmsnorm(f->xn + (size_t)t * d, f->x + (size_t)t * d, a->w, d, f->m->hp.rms_eps);
 }
 
-/* Adds the attention output to the residual, then normalizes for the FFN. */
-static void residual_norm_token(struct forward *f, const void *p, int t) {
-    const struct norm_arg *a = p;
+/* Adds the block output (f->tmp, normalized first by `post` when the model has
+ * post-norms: Gemma) to the residual; then, with `w`, normalizes for the FFN. */
+struct residual_arg {
+    const float *post, *w;
+};
+static void residual_token(struct forward *f, const void *p, int t) {
+    const struct residual_arg *a = p;
     int d = f->m->hp.n_embd;
-    float *x = f->x + (size_t)t * d;
-    const float *add = f->tmp + (size_t)t * d;
+    float *x = f->x + (size_t)t * d, *add = f->tmp + (size_t)t * d;
+    if (a->post) rmsnorm(add, add, a->post, d, f->m->hp.rms_eps);
     for (int i = 0; i < d; i++) x[i] += add[i];
-    rmsnorm(f->xn + (size_t)t * d, x, a->w, d, f->m->hp.rms_eps);
-}
-
-static void residual_add_token(struct forward *f, const void *p, int t) {
-    (void)p;
-    int d = f->m->hp.n_embd;
-    float *x = f->x + (size_t)t * d;
-    const float *add = f->tmp + (size_t)t * d;
-    for (int i = 0; i < d; i++) x[i] += add[i];
+    if (a->w) rmsnorm(f->xn + (size_t)t * d, x, a->w, d, f->m->hp.rms_eps);
 }
 
 /* Per-head q/k norms (qwen3) and RoPE for one token's queries and keys. */
 static void qk_rope_token(struct forward *f, const void *p, int t) {
-    const struct layer_weights *L = p;
+    const int *il = p;
+    const struct layer_weights *L = &f->m->layers[*il];
     const struct model_hparams *hp = &f->m->hp;
     int D = hp->head_dim;
     float *q = f->q + (size_t)t * f->q_dim, *k = f->k + (size_t)t * f->kv_dim;
-    const float *cs = f->rope_cos + (size_t)t * f->half_rope, *sn = f->rope_sin + (size_t)t * f->half_rope;
+    size_t row = ((size_t)f->m->layer_attn[*il].rope_set * f->max_tokens + (size_t)t) * f->half_rope;
+    const float *cs = f->rope_cos + row, *sn = f->rope_sin + row;
     for (int h = 0; h < hp->n_head; h++) {
         if (L->q_norm) rmsnorm(q + h * D, q + h * D, L->q_norm, D, hp->rms_eps);
         rope_apply(q + h * D, cs, sn, f->half_rope, hp->rope_pairing);
@@ -295,6 +293,16 @@ static void swiglu_token(struct forward *f, const void *p, int t) {
     for (int i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* Gemma's FFN: GELU (tanh approximation) of the gate times up. */
+static void geglu_token(struct forward *f, const void *p, int t) {
+    (void)p;
+    int n = f->m->hp.n_ff;
+    const float *g = f->gate + (size_t)t * n, *u = f->up + (size_t)t * n;
+    float *out = f->xn + (size_t)t * n;
+    const float c = 0.7978845608f; /* sqrt(2/pi) */
+    for (int i = 0; i < n; i++) out[i] = 0.5f * g[i] * (1.0f + tanhf(c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+}
+
 struct attn_task {
     struct forward *f;
     int n_tok;
@@ -304,7 +312,7 @@ static void attn_task_run(void *p, int ith, int nth) {
     struct forward *f = at->f;
     const struct model_hparams *hp = &f->m->hp;
     int D = hp->head_dim, group = hp->n_head / hp->n_head_kv;
-    float scale = 1.0f / sqrtf((float)D);
+    float scale = hp->attn_scale;
     float *scratch = f->attn_scratch + (size_t)ith * f->attn_scratch_floats;
     long b, e;
     kvq_split((long)at->n_tok * hp->n_head_kv, ith, nth, &b, &e);
@@ -336,7 +344,7 @@ static int run_layer(struct forward *f, struct kvq_pool *pool, const struct fwd_
     for_each_token(f, pool, n, attn_norm_token, &na);
     struct mm_job qkv[3] = {{&L->wq, f->q, L->bq}, {&L->wk, f->k, L->bk}, {&L->wv, f->v, L->bv}};
     matmul_multi(f, pool, f->xn, hp->n_embd, n, 3, qkv);
-    for_each_token(f, pool, n, qk_rope_token, L);
+    for_each_token(f, pool, n, qk_rope_token, &il);
 
     for (int s = 0; s < b->n_seqs; s++) {
         const struct fwd_seq *sq = &b->seqs[s];
@@ -350,32 +358,39 @@ static int run_layer(struct forward *f, struct kvq_pool *pool, const struct fwd_
 
     struct mm_job o = {&L->wo, f->tmp, NULL};
     matmul_multi(f, pool, f->attn, f->q_dim, n, 1, &o);
-    struct norm_arg fa = {L->ffn_norm, NULL};
-    for_each_token(f, pool, n, residual_norm_token, &fa);
+    struct residual_arg ra = {L->post_attn_norm, L->ffn_norm};
+    for_each_token(f, pool, n, residual_token, &ra);
     struct mm_job gu[2] = {{&L->w_gate, f->gate, NULL}, {&L->w_up, f->up, NULL}};
     matmul_multi(f, pool, f->xn, hp->n_embd, n, 2, gu);
-    for_each_token(f, pool, n, swiglu_token, NULL);
+    for_each_token(f, pool, n, hp->ffn_act == FFN_GELU_TANH ? geglu_token : swiglu_token, NULL);
     struct mm_job down = {&L->w_down, f->tmp, NULL};
     matmul_multi(f, pool, f->xn, hp->n_ff, n, 1, &down);
-    for_each_token(f, pool, n, residual_add_token, NULL);
+    struct residual_arg fa = {L->post_ffn_norm, NULL};
+    for_each_token(f, pool, n, residual_token, &fa);
     return 0;
 }
 
 static void embed_token(struct forward *f, const void *p, int t) {
     const int32_t *tokens = p;
     const struct weight *e = &f->m->tok_embd;
-    kern_dequantize_row(e->type, (const uint8_t *)e->data + (size_t)tokens[t] * e->row_bytes,
-                        f->x + (size_t)t * f->m->hp.n_embd, e->cols);
+    float *x = f->x + (size_t)t * f->m->hp.n_embd, s = f->m->hp.embd_scale;
+    kern_dequantize_row(e->type, (const uint8_t *)e->data + (size_t)tokens[t] * e->row_bytes, x, e->cols);
+    if (s != 1.0f)
+        for (int64_t i = 0; i < e->cols; i++) x[i] *= s;
 }
 
 static void rope_table_token(struct forward *f, const void *p, int t) {
     (void)p;
-    const struct model_hparams *hp = &f->m->hp;
-    float pos = (float)f->pos[t] / hp->rope_linear_factor;
-    for (int i = 0; i < f->half_rope; i++) {
-        float theta = pos * f->m->rope_inv_freq[i];
-        f->rope_cos[(size_t)t * f->half_rope + i] = cosf(theta);
-        f->rope_sin[(size_t)t * f->half_rope + i] = sinf(theta);
+    const struct model *m = f->m;
+    for (int set = 0; set < m->n_rope_sets; set++) {
+        float pos = (float)f->pos[t] / m->rope_linear_factor[set];
+        const float *inv = m->rope_inv_freq + (size_t)set * f->half_rope;
+        size_t row = ((size_t)set * f->max_tokens + (size_t)t) * f->half_rope;
+        for (int i = 0; i < f->half_rope; i++) {
+            float theta = pos * inv[i];
+            f->rope_cos[row + i] = cosf(theta);
+            f->rope_sin[row + i] = sinf(theta);
+        }
     }
 }
 
