@@ -69,6 +69,8 @@ struct kvq_kv_config {
     int quantized_start;  /* tokens held in 16 bits before quantizing */
     bool hadamard;        /* randomized Hadamard rotation before quantizing */
     int residual;         /* quantized: the newest R tokens (and the first `keep`) also held in f16 */
+    bool swa_full;        /* sliding-window layers keep every token like global ones (their
+                           * attention still spans the window): an all-global cache, to compare */
 };
 /* f16 keys and values; for quantized bits: groups of 64, Hadamard rotation on, keep 4. */
 void kvq_kv_config_default(struct kvq_kv_config *kv);

@@ -94,7 +94,9 @@ const char *const cli_kv_flags_help =
     "  --keep N                 tokens kept at the start of a rotating cache (default 4); with\n"
     "                           --kv-residual > 0 they are also held in f16 (attention sinks)\n"
     "  --kv-residual N          quantized caches: the newest N tokens are also held in f16 and\n"
-    "                           attention reads them from there (default 32; 0: off)\n";
+    "                           attention reads them from there (default 32; 0: off)\n"
+    "  --swa-full               sliding-window layers (Gemma 3) keep every token, as global layers\n"
+    "                           do (same output, more memory: to compare)\n";
 
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv) {
     const char *flag = argv[*i];
@@ -128,6 +130,10 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_kv_config *kv) {
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->max_size) ? 1 : -1;
     if (strcmp(flag, "--kv-residual") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, 1 << 20, &kv->residual) ? 1 : -1;
+    if (strcmp(flag, "--swa-full") == 0) {
+        kv->swa_full = true;
+        return 1;
+    }
     if (strcmp(flag, "--keep") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->keep) ? 1 : -1;
     return 0;
@@ -143,8 +149,8 @@ static bool kv_flag(const char *flag, const char *value, struct kvq_kv_config *k
 const char *const cli_kv_spec_help =
     "KV config SPEC: f16 | f32 | BITS | KBITS,VBITS (bits as for --kv-bits), then optional\n"
     "  suffixes :gG or :gGK,GV (group size), :rot or :norot (Hadamard rotation), :rN\n"
-    "  (residual f16 window of N tokens), :qsN (quantized-kv-start); unset parts take the\n"
-    "  --kv-* defaults. e.g. 8,4   4:g32   4,2:r0:norot\n";
+    "  (residual f16 window of N tokens), :qsN (quantized-kv-start), :swafull (--swa-full);\n"
+    "  unset parts take the --kv-* defaults. e.g. 8,4   4:g32   4,2:r0:norot\n";
 
 bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
     char buf[128];
@@ -160,9 +166,10 @@ bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
         else if (!strcmp(part, "rot")) ok = kv_flag("--kv-rotation", "hadamard", kv);
         else if (!strcmp(part, "norot")) ok = kv_flag("--kv-rotation", "none", kv);
         else if (!strncmp(part, "qs", 2)) ok = kv_flag("--quantized-kv-start", part + 2, kv);
+        else if (!strcmp(part, "swafull")) ok = kv_flag("--swa-full", NULL, kv);
         else if (part[0] == 'r') ok = kv_flag("--kv-residual", part + 1, kv);
         else {
-            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :gG, :rot, :norot, :rN or :qsN)", part, spec);
+            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :gG, :rot, :norot, :rN, :qsN or :swafull)", part, spec);
             return false;
         }
         if (!ok) return false;
@@ -190,7 +197,8 @@ const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
     if (kv->hadamard && (kv->k_bits < 16 || kv->v_bits < 16)) n += snprintf(buf + n, sizeof buf - (size_t)n, " rot");
     if (kv->residual > 0 && (kv->k_bits < 16 || kv->v_bits < 16))
         n += snprintf(buf + n, sizeof buf - (size_t)n, " residual%d", kv->residual);
-    if (kv->max_size) snprintf(buf + n, sizeof buf - (size_t)n, " win%d", kv->max_size);
+    if (kv->max_size) n += snprintf(buf + n, sizeof buf - (size_t)n, " win%d", kv->max_size);
+    if (kv->swa_full) snprintf(buf + n, sizeof buf - (size_t)n, " swa-full");
     return buf;
 }
 

@@ -159,7 +159,7 @@ static void layer_cache_setup(const struct model *m, int il, const struct kvq_kv
     int window = m->layer_attn[il].window;
     to_cache_config(kv, cc);
     *s = (struct kv_shape){m->hp.n_head, m->hp.n_head_kv, m->hp.head_dim, window};
-    if (window > 0 && (cc->max_size == 0 || cc->max_size > window)) {
+    if (window > 0 && !kv->swa_full && (cc->max_size == 0 || cc->max_size > window)) {
         cc->max_size = window;
         cc->keep = 0;
     }
