@@ -69,6 +69,7 @@ static char *load_json(const char *dir) {
 void refs_load_dir(const char *dir, struct ref_prompt out[REFS_PROMPTS]) {
     char *json = load_json(dir);
     const char *p = strstr(json, "\"prompts\"");
+    memset(out, 0, sizeof(struct ref_prompt) * REFS_PROMPTS); /* ids past n_next read as 0, not stack garbage */
     for (int i = 0; i < REFS_PROMPTS; i++) {
         p = strstr(p, "\"text\"");
         parse_string(p, "\"text\":", out[i].text, sizeof out[i].text);

@@ -230,12 +230,11 @@ struct model *model_load(const char *path) {
         return NULL;
     }
     m->file = gguf_open(path);
-    if (!m->file) goto fail;
+    if (!m->file || read_hparams(m->file, &m->hp) != 0) goto fail;
     if (gguf_n_tensors(m->file) == 0) {
         kvq_error("'%s' holds no weights (a vocabulary-only file: only 'kvq tokenize' can use it)", path);
         goto fail;
     }
-    if (read_hparams(m->file, &m->hp) != 0) goto fail;
     struct model_hparams *hp = &m->hp;
     const struct gguf_value *tokens = gguf_get_arr(m->file, "tokenizer.ggml.tokens", GGUF_TYPE_STRING);
     hp->n_vocab = tokens ? (int)tokens->arr.n : 0;
