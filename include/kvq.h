@@ -110,7 +110,8 @@ const float *kvq_get_logits(const struct kvq_context *c, int i);
 
 /* Tokens held by a sequence (its next position). */
 int kvq_seq_len(const struct kvq_context *c, int seq);
-/* Removes the last n tokens of a sequence; returns how many were removed. */
+/* Removes the last n tokens of a sequence; returns how many were removed (0 once a
+ * rotating or sliding-window cache of the sequence has dropped tokens). */
 int kvq_seq_trim(struct kvq_context *c, int seq, int n);
 void kvq_seq_clear(struct kvq_context *c, int seq);
 /* Bytes held by the KV caches of all sequences. */

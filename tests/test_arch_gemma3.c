@@ -109,6 +109,8 @@ static void check_round_trip(struct kvq_model *m, const struct ref_long *r, int 
     int n = 700; /* past the window: the rings have wrapped */
     struct kvq_batch batch = {.n_tokens = n, .tokens = r->ids};
     CHECK(kvq_decode(a, &batch) == 0, "decode: %s", kvq_last_error());
+    /* the sliding layers dropped tokens: trimming removes nothing rather than part */
+    CHECK(kvq_seq_trim(a, 0, 1) == 0 && kvq_seq_len(a, 0) == n, "trim past the window");
     int nk = kvq_kv_layer_kinds(a, k, 8);
     CHECK(nk == 2, "two layer kinds, got %d", nk);
     CHECK(nk == 2 && k[0].window == 512 && k[0].n_layers == 5 && !strcmp(k[0].kind, "quantized-rotating") &&

@@ -265,8 +265,13 @@ int kvq_seq_len(const struct kvq_context *c, int seq) {
 
 int kvq_seq_trim(struct kvq_context *c, int seq, int n) {
     if (seq < 0 || seq >= c->p.n_seq) return kvq_error("sequence %d does not exist (0..%d)", seq, c->p.n_seq - 1);
+    struct kv_cache **caches = seq_caches(c, seq);
+    /* All layers or none: a rotating cache that dropped tokens (a sliding layer past
+     * its window) cannot go back, and the layers must keep one length. */
+    for (int il = 0; il < c->m->model->hp.n_layer; il++)
+        if (n > 0 && kv_cache_size(caches[il]) < kv_cache_n_past(caches[il])) return 0;
     int removed = 0;
-    for (int il = 0; il < c->m->model->hp.n_layer; il++) removed = kv_cache_trim(seq_caches(c, seq)[il], n);
+    for (int il = 0; il < c->m->model->hp.n_layer; il++) removed = kv_cache_trim(caches[il], n);
     return removed;
 }
 
