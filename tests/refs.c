@@ -1,10 +1,12 @@
 #include "refs.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
+#include "kvq.h"
 
 static char *slurp(const char *path, long *size) {
     FILE *f = fopen(path, "rb");
@@ -130,4 +132,34 @@ void refs_long_free(struct ref_long *r) {
 
 float *refs_long_logits(const struct ref_long *r, int n_vocab) {
     return read_logits(r->dir, r->logits_file, r->n_logits, n_vocab);
+}
+
+static int argmax_of(const float *x, int n) {
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
+int refs_check_logits(struct kvq_context *ctx, const struct ref_prompt *r, int n_vocab, const char *label) {
+    float *want = refs_logits(r, n_vocab);
+    CHECK(want != NULL, "%s: reference logits %s", label, r->logits_file);
+    bool all[REFS_MAX_IDS];
+    for (int t = 0; t < r->n_ids; t++) all[t] = true;
+    struct kvq_batch b = {.n_tokens = r->n_ids, .tokens = r->ids, .logits = all};
+    int rc = kvq_decode(ctx, &b);
+    CHECK(rc == 0, "%s: decode: %s", label, kvq_last_error());
+    double max_err = 0;
+    int same = 0;
+    for (int t = 0; t < r->n_ids && want && rc == 0; t++) {
+        const float *got = kvq_get_logits(ctx, t), *ref = want + (size_t)t * n_vocab;
+        for (int v = 0; v < n_vocab; v++) max_err = fmax(max_err, fabs(got[v] - ref[v]));
+        same += argmax_of(got, n_vocab) == argmax_of(ref, n_vocab);
+    }
+    printf("%s: max |logit - HF| = %.2e over %d positions, argmax agrees at %d/%d\n", label, max_err, r->n_ids, same,
+           r->n_ids);
+    CHECK(max_err < 1e-2, "%s: logits differ from HF by %g", label, max_err);
+    CHECK(same == r->n_ids, "%s: argmax differs at %d positions", label, r->n_ids - same);
+    free(want);
+    return rc;
 }

@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+struct kvq_context;
+
 #define REFS_MAX_IDS 64
 #define REFS_PROMPTS 4
 
@@ -38,5 +40,9 @@ void refs_long_free(struct ref_long *r);
 float *refs_long_logits(const struct ref_long *r, int n_vocab);
 /* Reads logits_N.f32 ([n_ids][n_vocab]); caller frees. */
 float *refs_logits(const struct ref_prompt *p, int n_vocab);
+/* Decodes the prompt into sequence 0 of ctx with logits at every position and
+ * CHECKs them against the reference: max |dlogit| < 1e-2, the same argmax everywhere.
+ * Returns the decode's result (the logits are there to read when 0). */
+int refs_check_logits(struct kvq_context *ctx, const struct ref_prompt *p, int n_vocab, const char *label);
 
 #endif

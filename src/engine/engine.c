@@ -165,26 +165,25 @@ static void layer_cache_setup(const struct model *m, int il, const struct kvq_kv
     }
 }
 
-size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv) {
+/* Sums a per-layer size over the layers, each with its own cache config. */
+static size_t sum_layers(const struct kvq_model *m, const struct kvq_kv_config *kv,
+                         size_t (*per_layer)(const struct kv_cache_config *, const struct kv_shape *)) {
     size_t total = 0;
     for (int il = 0; m->model && il < m->model->hp.n_layer; il++) {
         struct kv_cache_config cc;
         struct kv_shape s;
         layer_cache_setup(m->model, il, kv, &cc, &s);
-        total += kv_cache_token_bytes(&cc, &s);
+        total += per_layer(&cc, &s);
     }
     return total;
 }
 
+size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv) {
+    return sum_layers(m, kv, kv_cache_token_bytes);
+}
+
 size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv) {
-    size_t total = 0;
-    for (int il = 0; m->model && il < m->model->hp.n_layer; il++) {
-        struct kv_cache_config cc;
-        struct kv_shape s;
-        layer_cache_setup(m->model, il, kv, &cc, &s);
-        total += kv_cache_window_bytes(&cc, &s);
-    }
-    return total;
+    return sum_layers(m, kv, kv_cache_window_bytes);
 }
 
 /* ---- context ---- */
