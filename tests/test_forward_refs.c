@@ -1,6 +1,5 @@
 /* The forward pass against Hugging Face transformers on tinydoc: logits at every
  * position of four prompts, and greedy continuations, for f16 and q8_0 weights. */
-#include <math.h>
 #include <stdlib.h>
 
 #include "check.h"
