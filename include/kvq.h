@@ -26,10 +26,13 @@ const char *kvq_last_error(void);
 /* ---- model ---------------------------------------------------------------- */
 
 struct kvq_model *kvq_model_load(const char *path);
+/* Loads only the tokenizer of a GGUF file, which may hold no weights (llama.cpp's
+ * vocabulary-only files). Such a model supports the tokenizer functions only. */
+struct kvq_model *kvq_model_load_vocab(const char *path);
 void kvq_model_free(struct kvq_model *m);
 
 struct kvq_model_info {
-    const char *arch;        /* "llama", "qwen2", "qwen3" */
+    const char *arch;        /* "llama", "qwen2", "qwen3", "gemma3" */
     const char *weight_type; /* e.g. "q8_0" */
     int n_vocab, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
     uint64_t n_params;
@@ -66,10 +69,13 @@ struct kvq_kv_config {
     int quantized_start;  /* tokens held in 16 bits before quantizing */
     bool hadamard;        /* randomized Hadamard rotation before quantizing */
     int residual;         /* quantized: the newest R tokens (and the first `keep`) also held in f16 */
+    bool swa_full;        /* sliding-window layers keep every token like global ones (their
+                           * attention still spans the window): an all-global cache, to compare */
 };
 /* f16 keys and values; for quantized bits: groups of 64, Hadamard rotation on, keep 4. */
 void kvq_kv_config_default(struct kvq_kv_config *kv);
-/* Bytes one token takes in the cache of the whole model with this config. */
+/* Bytes one token takes in the cache of the whole model with this config (summed
+ * over layers; a sliding-window layer stops growing at its window). */
 size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv);
 /* The constant f16 overhead of the residual window and sinks, whole model, in bytes:
  * a sequence of n tokens takes n x kvq_kv_token_bytes + this (once n > residual + keep;
@@ -139,6 +145,17 @@ struct kvq_prefix *kvq_prefix_hold(struct kvq_context *c, int seq);
 int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p);
 int kvq_prefix_len(const struct kvq_prefix *p);
 void kvq_prefix_free(struct kvq_prefix *p);
+/* The layers grouped by cache kind, for reports on hybrid models (Gemma 3: sliding
+ * layers keep a rotating window, global layers everything). */
+struct kvq_kv_layer_kind {
+    const char *kind; /* "dense", "quantized", "rotating", "quantized-rotating" (now) */
+    int window;       /* the model's sliding window of these layers; 0 = global */
+    int max_size;     /* their cache's rotating size; 0 = unbounded */
+    int n_layers;
+    size_t bytes; /* held now by these layers, all sequences */
+};
+/* Writes up to max groups; returns how many there are. */
+int kvq_kv_layer_kinds(const struct kvq_context *c, struct kvq_kv_layer_kind *out, int max);
 
 /* ---- saving and loading a sequence's KV cache ----------------------------- */
 

@@ -1,6 +1,5 @@
 /* The forward pass against Hugging Face transformers on tinydoc: logits at every
  * position of four prompts, and greedy continuations, for f16 and q8_0 weights. */
-#include <math.h>
 #include <stdlib.h>
 
 #include "check.h"
@@ -46,24 +45,9 @@ static void check_model(const char *file, const struct ref_prompt *refs, bool co
         struct kvq_context *ctx = kvq_context_new(m, &cp);
         CHECK(ctx != NULL, "context: %s", kvq_last_error());
         if (compare_logits) {
-            float *want = refs_logits(r, info.n_vocab);
-            CHECK(want != NULL, "reference logits for prompt %d", i);
-            bool all[REFS_MAX_IDS];
-            for (int t = 0; t < r->n_ids; t++) all[t] = true;
-            struct kvq_batch b = {.n_tokens = r->n_ids, .tokens = r->ids, .logits = all};
-            CHECK(kvq_decode(ctx, &b) == 0, "decode: %s", kvq_last_error());
-            double max_err = 0;
-            int argmax_same = 0;
-            for (int t = 0; t < r->n_ids && want; t++) {
-                const float *got = kvq_get_logits(ctx, t), *ref = want + (size_t)t * info.n_vocab;
-                for (int v = 0; v < info.n_vocab; v++) max_err = fmax(max_err, fabs(got[v] - ref[v]));
-                argmax_same += argmax(got, info.n_vocab) == argmax(ref, info.n_vocab);
-            }
-            printf("%s prompt %d: max |logit - HF| = %.2e over %d positions, argmax agrees at %d/%d\n", file, i,
-                   max_err, r->n_ids, argmax_same, r->n_ids);
-            CHECK(max_err < 1e-2, "prompt %d: logits differ from HF by %g", i, max_err);
-            CHECK(argmax_same == r->n_ids, "prompt %d: argmax differs at %d positions", i, r->n_ids - argmax_same);
-            free(want);
+            char label[96];
+            snprintf(label, sizeof label, "%s prompt %d", file, i);
+            refs_check_logits(ctx, r, info.n_vocab, label);
             kvq_seq_clear(ctx, 0);
         }
         int32_t got[REFS_MAX_IDS];

@@ -56,6 +56,10 @@ bool cli_kv_config_check(const struct kvq_kv_config *kv);
 /* "f16", "K8/V4 g64" ... for reports. */
 const char *cli_kv_config_name(const struct kvq_kv_config *kv);
 
+/* Prints to stderr the KV bytes of each layer kind when the model's layers differ
+ * (hybrid sliding-window models); nothing for uniform models. */
+void cli_print_kv_layer_kinds(const struct kvq_context *ctx);
+
 /* Reads a whole file into a NUL-terminated buffer (caller frees); NULL with an error printed. */
 char *cli_read_file(const char *path, size_t *len);
 /* Monotonic time in seconds. */

@@ -96,7 +96,9 @@ const char *const cli_kv_flags_help =
     "  --kv-residual N          quantized caches: the newest N tokens are also held in f16 and\n"
     "                           attention reads them from there (default 32; 0: off)\n"
     "  --kv-budget-mb N         KV blocks in use at once, all sequences (default: what the context\n"
-    "                           needs); a batch that would exceed it fails with an error\n";
+    "                           needs); a batch that would exceed it fails with an error\n"
+    "  --swa-full               sliding-window layers (Gemma 3) keep every token, as global layers\n"
+    "                           do (same output, more memory: to compare)\n";
 
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *cp) {
     struct kvq_kv_config *kv = &cp->kv;
@@ -137,6 +139,10 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->max_size) ? 1 : -1;
     if (strcmp(flag, "--kv-residual") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, 1 << 20, &kv->residual) ? 1 : -1;
+    if (strcmp(flag, "--swa-full") == 0) {
+        kv->swa_full = true;
+        return 1;
+    }
     if (strcmp(flag, "--keep") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->keep) ? 1 : -1;
     return 0;
@@ -155,8 +161,8 @@ static bool kv_flag(const char *flag, const char *value, struct kvq_kv_config *k
 const char *const cli_kv_spec_help =
     "KV config SPEC: f16 | f32 | BITS | KBITS,VBITS (bits as for --kv-bits), then optional\n"
     "  suffixes :gG or :gGK,GV (group size), :rot or :norot (Hadamard rotation), :rN\n"
-    "  (residual f16 window of N tokens), :qsN (quantized-kv-start); unset parts take the\n"
-    "  --kv-* defaults. e.g. 8,4   4:g32   4,2:r0:norot\n";
+    "  (residual f16 window of N tokens), :qsN (quantized-kv-start), :swafull (--swa-full);\n"
+    "  unset parts take the --kv-* defaults. e.g. 8,4   4:g32   4,2:r0:norot\n";
 
 bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
     char buf[128];
@@ -172,9 +178,10 @@ bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
         else if (!strcmp(part, "rot")) ok = kv_flag("--kv-rotation", "hadamard", kv);
         else if (!strcmp(part, "norot")) ok = kv_flag("--kv-rotation", "none", kv);
         else if (!strncmp(part, "qs", 2)) ok = kv_flag("--quantized-kv-start", part + 2, kv);
+        else if (!strcmp(part, "swafull")) ok = kv_flag("--swa-full", NULL, kv);
         else if (part[0] == 'r') ok = kv_flag("--kv-residual", part + 1, kv);
         else {
-            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :gG, :rot, :norot, :rN or :qsN)", part, spec);
+            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :gG, :rot, :norot, :rN, :qsN or :swafull)", part, spec);
             return false;
         }
         if (!ok) return false;
@@ -202,7 +209,8 @@ const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
     if (kv->hadamard && (kv->k_bits < 16 || kv->v_bits < 16)) n += snprintf(buf + n, sizeof buf - (size_t)n, " rot");
     if (kv->residual > 0 && (kv->k_bits < 16 || kv->v_bits < 16))
         n += snprintf(buf + n, sizeof buf - (size_t)n, " residual%d", kv->residual);
-    if (kv->max_size) snprintf(buf + n, sizeof buf - (size_t)n, " win%d", kv->max_size);
+    if (kv->max_size) n += snprintf(buf + n, sizeof buf - (size_t)n, " win%d", kv->max_size);
+    if (kv->swa_full) snprintf(buf + n, sizeof buf - (size_t)n, " swa-full");
     return buf;
 }
 
@@ -274,4 +282,17 @@ bool cli_model_adds_bos(const struct kvq_model *m) {
     kvq_token t[4];
     int n = kvq_tokenize(m, "a", 1, true, false, t, 4);
     return n > 0 && n <= 4 && kvq_token_bos(m) >= 0 && t[0] == kvq_token_bos(m);
+}
+
+void cli_print_kv_layer_kinds(const struct kvq_context *ctx) {
+    struct kvq_kv_layer_kind k[8];
+    int n = kvq_kv_layer_kinds(ctx, k, 8);
+    if (n > 8) n = 8;
+    for (int i = 0; i < n && n > 1; i++) {
+        char what[64] = "global", holds[48] = "every token";
+        if (k[i].window > 0) snprintf(what, sizeof what, "sliding (window %d)", k[i].window);
+        if (k[i].max_size > 0) snprintf(holds, sizeof holds, "at most %d tokens", k[i].max_size);
+        fprintf(stderr, "kvq:   %d %s layer%s, %s cache of %s: %zu bytes (%.2f MiB)\n", k[i].n_layers, what,
+                k[i].n_layers == 1 ? "" : "s", k[i].kind, holds, k[i].bytes, k[i].bytes / 1048576.0);
+    }
 }

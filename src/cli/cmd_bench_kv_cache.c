@@ -72,6 +72,15 @@ static int from_model(const char *model, const char *file, int seq, struct data 
     cp.kv.k_bits = cp.kv.v_bits = 32;
     struct kvq_context *ctx = kvq_context_new(m, &cp);
     int rc = ctx ? 0 : -1;
+    /* every layer must hold all S rows: sliding-window layers hold only their window */
+    struct kvq_kv_layer_kind kinds[8];
+    int nk = ctx ? kvq_kv_layer_kinds(ctx, kinds, 8) : 0;
+    for (int i = 0; i < nk && i < 8; i++)
+        if (kinds[i].max_size > 0 && kinds[i].max_size < n) {
+            fprintf(stderr, "kvq: using %d tokens: the model's sliding layers hold only their window\n",
+                    kinds[i].max_size);
+            n = kinds[i].max_size;
+        }
     for (int i = 0; i < n && rc == 0; i += 512) {
         struct kvq_batch b = {.n_tokens = n - i < 512 ? n - i : 512, .tokens = toks + i};
         rc = kvq_decode(ctx, &b);

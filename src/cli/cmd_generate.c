@@ -214,6 +214,7 @@ int cmd_generate(int argc, char **argv) {
     fprintf(stderr, "kvq: KV cache %s: %.2f MiB for %d tokens (%zu bytes/token + %zu bytes of f16 window)\n",
             cli_kv_config_name(&o.cp.kv), kvq_kv_bytes(ctx) / 1048576.0, kvq_seq_len(ctx, 0),
             kvq_kv_token_bytes(m, &o.cp.kv), kvq_kv_window_bytes(m, &o.cp.kv));
+    cli_print_kv_layer_kinds(ctx);
     rc = 0;
 done:
     kvq_seq_extra_free(&saved);

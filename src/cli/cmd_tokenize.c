@@ -38,7 +38,8 @@ int cmd_tokenize(int argc, char **argv) {
     char *buf = file ? cli_read_file(file, &len) : strdup(text);
     if (!buf) return 1;
     if (!file) len = strlen(buf);
-    struct kvq_model *m = kvq_model_load(model);
+    /* the tokenizer is all it needs: vocabulary-only files work too */
+    struct kvq_model *m = kvq_model_load_vocab(model);
     if (!m) {
         free(buf);
         return cli_fail("%s", kvq_last_error());

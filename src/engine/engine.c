@@ -65,6 +65,23 @@ fail:
     return NULL;
 }
 
+struct kvq_model *kvq_model_load_vocab(const char *path) {
+    struct kvq_model *m = calloc(1, sizeof *m);
+    if (!m) {
+        kvq_error("out of memory");
+        return NULL;
+    }
+    struct gguf_file *f = gguf_open(path);
+    if (!f) goto fail;
+    m->tok = tokenizer_from_gguf(f); /* copies what it needs */
+    gguf_close(f);
+    if (!m->tok) goto fail;
+    return m;
+fail:
+    kvq_model_free(m);
+    return NULL;
+}
+
 void kvq_model_free(struct kvq_model *m) {
     if (!m) return;
     tokenizer_free(m->tok);
@@ -73,6 +90,12 @@ void kvq_model_free(struct kvq_model *m) {
 }
 
 void kvq_model_get_info(const struct kvq_model *m, struct kvq_model_info *info) {
+    if (!m->model) { /* vocabulary only */
+        memset(info, 0, sizeof *info);
+        info->arch = info->weight_type = "none";
+        info->n_vocab = tokenizer_n_vocab(m->tok);
+        return;
+    }
     const struct model_hparams *hp = &m->model->hp;
     info->arch = hp->arch_name;
     info->weight_type = model_weight_type_name(m->model);
@@ -140,23 +163,40 @@ static void to_cache_config(const struct kvq_kv_config *kv, struct kv_cache_conf
     cc->residual = kv->residual;
 }
 
-static struct kv_shape model_kv_shape(const struct model *m) {
-    struct kv_shape s = {m->hp.n_head, m->hp.n_head_kv, m->hp.head_dim, m->hp.sliding_window};
-    return s;
+/* The cache of layer il: the user's config, narrowed on a sliding layer to what the
+ * layer attends. A sliding layer of window W is a rotating cache of W tokens without
+ * kept tokens (it attends exactly (p - W, p]); a smaller --max-kv-size wins, with its
+ * --keep, as on the global layers (the tighter window, like mlx-lm's hybrid caches). */
+static void layer_cache_setup(const struct model *m, int il, const struct kvq_kv_config *kv,
+                              struct kv_cache_config *cc, struct kv_shape *s) {
+    int window = m->layer_attn[il].window;
+    to_cache_config(kv, cc);
+    *s = (struct kv_shape){m->hp.n_head, m->hp.n_head_kv, m->hp.head_dim, window};
+    if (window > 0 && !kv->swa_full && (cc->max_size == 0 || cc->max_size > window)) {
+        cc->max_size = window;
+        cc->keep = 0;
+    }
+}
+
+/* Sums a per-layer size over the layers, each with its own cache config. */
+static size_t sum_layers(const struct kvq_model *m, const struct kvq_kv_config *kv,
+                         size_t (*per_layer)(const struct kv_cache_config *, const struct kv_shape *)) {
+    size_t total = 0;
+    for (int il = 0; m->model && il < m->model->hp.n_layer; il++) {
+        struct kv_cache_config cc;
+        struct kv_shape s;
+        layer_cache_setup(m->model, il, kv, &cc, &s);
+        total += per_layer(&cc, &s);
+    }
+    return total;
 }
 
 size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv) {
-    struct kv_cache_config cc;
-    to_cache_config(kv, &cc);
-    struct kv_shape s = model_kv_shape(m->model);
-    return kv_cache_token_bytes(&cc, &s) * (size_t)m->model->hp.n_layer;
+    return sum_layers(m, kv, kv_cache_token_bytes);
 }
 
 size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv) {
-    struct kv_cache_config cc;
-    to_cache_config(kv, &cc);
-    struct kv_shape s = model_kv_shape(m->model);
-    return kv_cache_window_bytes(&cc, &s) * (size_t)m->model->hp.n_layer;
+    return sum_layers(m, kv, kv_cache_window_bytes);
 }
 
 /* ---- context ---- */
@@ -176,15 +216,16 @@ static struct kv_cache **new_caches(const struct kvq_context *c) {
         kvq_error("out of memory");
         return NULL;
     }
-    struct kv_cache_config cc;
-    to_cache_config(&c->p.kv, &cc);
-    struct kv_shape shape = model_kv_shape(m);
-    for (int il = 0; il < m->hp.n_layer; il++)
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        struct kv_cache_config cc;
+        struct kv_shape shape;
+        layer_cache_setup(m, il, &c->p.kv, &cc, &shape);
         if (!(cs[il] = kv_cache_new_in(c->kv_pool, &cc, &shape))) {
             while (il-- > 0) kv_cache_free(cs[il]);
             free(cs);
             return NULL;
         }
+    }
     return cs;
 }
 
@@ -192,15 +233,23 @@ static struct kv_cache **new_caches(const struct kvq_context *c) {
  * its window and a batch). */
 static size_t default_budget(const struct kvq_context *c) {
     const struct model *m = c->m->model;
-    struct kv_cache_config cc;
-    to_cache_config(&c->p.kv, &cc);
-    struct kv_shape shape = model_kv_shape(m);
-    int n = c->p.n_ctx;
-    if (cc.max_size > 0 && cc.max_size + c->p.n_batch < n) n = cc.max_size + c->p.n_batch;
-    return kv_cache_budget_bytes(&cc, &shape, n) * (size_t)m->hp.n_layer * (size_t)c->p.n_seq;
+    size_t per_seq = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        struct kv_cache_config cc;
+        struct kv_shape shape;
+        layer_cache_setup(m, il, &c->p.kv, &cc, &shape);
+        int n = c->p.n_ctx;
+        if (cc.max_size > 0 && cc.max_size + c->p.n_batch < n) n = cc.max_size + c->p.n_batch;
+        per_seq += kv_cache_budget_bytes(&cc, &shape, n);
+    }
+    return per_seq * (size_t)c->p.n_seq;
 }
 
 struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p) {
+    if (!m->model) {
+        kvq_error("the model was loaded for its vocabulary only");
+        return NULL;
+    }
     const struct model_hparams *hp = &m->model->hp;
     if (p->n_seq <= 0 || p->n_seq > 4096) {
         kvq_error("number of sequences must be 1..4096 (got %d)", p->n_seq);
@@ -380,6 +429,26 @@ void kvq_prefix_free(struct kvq_prefix *p) {
     free(p);
 }
 
+int kvq_kv_layer_kinds(const struct kvq_context *c, struct kvq_kv_layer_kind *out, int max) {
+    const struct model *m = c->m->model;
+    int n = 0;
+    struct kvq_kv_layer_kind g[8]; /* kinds x (sliding or not): few */
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const struct kv_cache *kc = c->caches[il];
+        const char *kind = kv_cache_kind(kc);
+        int window = m->layer_attn[il].window, max_size = kv_cache_get_config(kc)->max_size, j = 0;
+        while (j < n && !(!strcmp(g[j].kind, kind) && g[j].window == window && g[j].max_size == max_size)) j++;
+        if (j == n) {
+            if (n == (int)(sizeof g / sizeof g[0])) continue;
+            g[n++] = (struct kvq_kv_layer_kind){kind, window, max_size, 0, 0};
+        }
+        g[j].n_layers++;
+        for (int s = 0; s < c->p.n_seq; s++) g[j].bytes += kv_cache_bytes(seq_caches(c, s)[il]);
+    }
+    for (int j = 0; j < n && j < max; j++) out[j] = g[j];
+    return n;
+}
+
 static int grow(void **p, int *cap, int need, size_t elem) {
     if (need <= *cap) return 0;
     void *q = realloc(*p, (size_t)need * elem);
@@ -414,7 +483,7 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
         if (c->p.kv.max_size == 0 && len + count[s + 1] > c->p.n_ctx)
             return kvq_error("context full: sequence %d holds %d tokens, %d more would exceed the context of %d", s,
                              len, count[s + 1], c->p.n_ctx);
-        for (int il = 0; il < c->m->model->hp.n_layer; il++) need += kv_cache_append_bytes(cs[il], count[s + 1]);
+        for (int il = 0; il < c->m->model->hp.n_layer; il++) need += kv_cache_append_bytes(cs[il], count[s + 1], c->p.n_batch);
     }
     if (!kv_pool_fits(c->kv_pool, need))
         return kvq_error("KV cache budget exhausted: the batch needs up to %zu more bytes, %zu of %zu are in use "

@@ -1,11 +1,12 @@
 /* Saving and loading one sequence's KV cache state (kvq_seq_save / kvq_seq_load).
  *
- * File format, version 2 (little-endian):
+ * File format, version 3 (little-endian):
  *   char  magic[8] = "KVQCACHE"
  *   u32   version = 2
  *   u64   model fingerprint (FNV-1a 64 of arch, hyperparameters and weight samples)
  *   u32   n_layer, n_head, n_head_kv, head_dim, n_vocab
  *   i32   KV config: k_bits v_bits k_group v_group max_size keep quantized_start hadamard residual
+ *         flags (bit 0: swa_full)
  *   i32   n_past
  *   u32   n_tokens, then i32 tokens[n_tokens]   (what the sequence holds; may be 0)
  *   u32   n_logits (0 or n_vocab), then f32 logits[n_logits] (after the last token)
@@ -13,8 +14,10 @@
  *   u64   FNV-1a 64 checksum of every byte before it
  * Readers check the magic, the version, the checksum, then the model and config,
  * and bound every count by the bytes actually present.
- * Version 1 files (no residual in the config, 'KVL1' layer sections without window
- * rows) still load, as residual 0. */
+ * Each layer section holds that layer's own cache config (a sliding-window layer's
+ * rotating size), so per-layer kinds are recorded and compared layer by layer.
+ * Version 2 files (no flags) load as flags 0; version 1 files (no residual in the
+ * config, 'KVL1' layer sections without window rows) also as residual 0. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,7 +29,7 @@
 #include "model/model.h"
 
 #define SEQ_MAGIC "KVQCACHE"
-#define SEQ_VERSION 2u
+#define SEQ_VERSION 3u
 
 static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
     const uint8_t *b = p;
@@ -62,8 +65,8 @@ static uint64_t model_fingerprint(const struct model *m) {
 
 static void put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv) {
     int32_t v[] = {kv->k_bits, kv->v_bits, kv->k_group, kv->v_group, kv->max_size, kv->keep, kv->quantized_start,
-                   kv->hadamard, kv->residual};
-    for (int i = 0; i < 9; i++) kv_buf_u32(b, (uint32_t)v[i]);
+                   kv->hadamard, kv->residual, kv->swa_full ? 1 : 0};
+    for (int i = 0; i < 10; i++) kv_buf_u32(b, (uint32_t)v[i]);
 }
 
 static int save_caches(const struct kvq_context *c, struct kv_cache *const *caches, const char *path,
@@ -161,7 +164,7 @@ static int check_envelope(const char *path, const uint8_t *data, size_t len, str
     if (len < 12 || memcmp(data, SEQ_MAGIC, 8) != 0) return kvq_error("'%s' is not a kvq KV cache file", path);
     *r = (struct kv_reader){data, len, 8};
     kv_read_u32(r, &version);
-    if (version != SEQ_VERSION && version != 1)
+    if (version < 1 || version > SEQ_VERSION)
         return kvq_error("'%s' has KV cache file version %u; this build reads versions 1 to %u", path, version,
                          SEQ_VERSION);
     *version_out = version;
@@ -175,8 +178,8 @@ static int check_envelope(const char *path, const uint8_t *data, size_t len, str
 }
 
 static bool read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_t version) {
-    int32_t v[9] = {0};
-    for (int i = 0; i < (version >= 2 ? 9 : 8); i++)
+    int32_t v[10] = {0};
+    for (int i = 0; i < (version >= 3 ? 10 : version == 2 ? 9 : 8); i++)
         if (!kv_read_i32(r, &v[i])) return false;
     kv->k_bits = v[0];
     kv->v_bits = v[1];
@@ -187,6 +190,7 @@ static bool read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32
     kv->quantized_start = v[6];
     kv->hadamard = v[7] != 0;
     kv->residual = v[8];
+    kv->swa_full = (v[9] & 1) != 0;
     return true;
 }
 
@@ -212,7 +216,7 @@ int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
 static bool same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
     return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group &&
            a->max_size == b->max_size && a->keep == b->keep && a->quantized_start == b->quantized_start &&
-           a->hadamard == b->hadamard && a->residual == b->residual;
+           a->hadamard == b->hadamard && a->residual == b->residual && a->swa_full == b->swa_full;
 }
 
 static int load_body(struct kvq_context *c, struct kv_cache **caches, const char *path, struct kv_reader *r,
@@ -233,11 +237,13 @@ static int load_body(struct kvq_context *c, struct kv_cache **caches, const char
     const struct kvq_kv_config *mine = engine_kv_config(c);
     if (!same_kv(&kv, mine))
         return kvq_error("'%s' was written with another KV cache config (K%d/V%d bits, groups %d/%d, max size %d, "
-                         "keep %d, quantized start %d, rotation %d, residual %d); this context uses K%d/V%d bits, "
-                         "groups %d/%d, max size %d, keep %d, quantized start %d, rotation %d, residual %d",
+                         "keep %d, quantized start %d, rotation %d, residual %d, swa-full %d); this context uses K%d/V%d "
+                         "bits, groups %d/%d, max size %d, keep %d, quantized start %d, rotation %d, residual %d, "
+                         "swa-full %d",
                          path, kv.k_bits, kv.v_bits, kv.k_group, kv.v_group, kv.max_size, kv.keep, kv.quantized_start,
-                         kv.hadamard, kv.residual, mine->k_bits, mine->v_bits, mine->k_group, mine->v_group,
-                         mine->max_size, mine->keep, mine->quantized_start, mine->hadamard, mine->residual);
+                         kv.hadamard, kv.residual, kv.swa_full, mine->k_bits, mine->v_bits, mine->k_group,
+                         mine->v_group, mine->max_size, mine->keep, mine->quantized_start, mine->hadamard,
+                         mine->residual, mine->swa_full);
     if (n_past < 0 || (n_past > kvq_context_n_ctx(c) && mine->max_size == 0))
         return kvq_error("'%s' holds %d tokens, more than the context of %d", path, n_past, kvq_context_n_ctx(c));
     if (!kv_read_u32(r, &n_tok) || n_tok > (r->len - r->off) / 4) return kvq_error("'%s' is truncated", path);

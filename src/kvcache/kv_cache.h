@@ -54,9 +54,10 @@ int kv_cache_can_keep_prefix(const struct kv_cache *c, int n);
 /* Bytes of blocks a cache of n_tokens held tokens takes (whole blocks, plus the
  * f16 copy while a quantize-after-N cache converts). */
 size_t kv_cache_budget_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape, int n_tokens);
-/* At most how many bytes of new blocks appending n tokens takes from the pool (a
- * caller checks a whole batch against the budget before writing anything). */
-size_t kv_cache_append_bytes(const struct kv_cache *c, int n);
+/* At most how many bytes of new blocks appending n tokens, in appends of at most
+ * `chunk` tokens, takes from the pool (a caller checks a whole batch against the
+ * budget before writing anything). */
+size_t kv_cache_append_bytes(const struct kv_cache *c, int n, int chunk);
 /* Bytes of the f16 windows held outside the pool, shared ones split among holders. */
 size_t kv_cache_window_memory(const struct kv_cache *c);
 

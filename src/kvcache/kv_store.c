@@ -154,7 +154,7 @@ void kv_store_write_row(struct kv_cache *c, int32_t p, const float *k, const flo
 
 /* Bytes of new blocks an append of n tokens may take: the blocks it writes that are
  * new or shared, and every block again when it converts the format. */
-size_t kv_cache_append_bytes(const struct kv_cache *c, int n) {
+size_t kv_cache_append_bytes(const struct kv_cache *c, int n, int chunk) {
     const struct kv_store *st = store_of(c);
     if (n <= 0) return 0;
     struct kv_fmt kf = st->kf, vf = st->vf;
@@ -177,6 +177,16 @@ size_t kv_cache_append_bytes(const struct kv_cache *c, int n) {
             const struct kv_block *b = kv_store_block(st, L * B);
             n_new += b && b->refs > 1;
         }
+    /* a window gives blocks back before each append of at most `chunk` tokens: the
+     * cache never holds more than the window, a chunk and the kept first tokens */
+    int32_t win = c->cfg.max_size > 0 ? c->cfg.max_size : 0;
+    if (c->shape.window > 0 && (win == 0 || c->shape.window < win)) win = c->shape.window;
+    if (win > 0 && chunk > 0) {
+        size_t cap = (size_t)((win + chunk - 1 + B - 1) / B + 1 + st->nkb), held = 0;
+        for (int32_t i = 0; i < st->n_blk; i++) held += st->blk[i] != NULL;
+        size_t room = cap > held ? cap - held : 0;
+        if (n_new > room) n_new = room + 1; /* + the copy of a shared block */
+    }
     return convert + n_new * per;
 }
 

@@ -17,7 +17,7 @@ struct forward {
     int q_dim, kv_dim, half_rope;
     /* activations in backend memory */
     float *x, *xn, *q, *k, *v, *attn, *tmp, *gate, *up;
-    float *rope_cos, *rope_sin; /* [T][rope_dim/2] */
+    float *rope_cos, *rope_sin; /* [n_rope_sets][T][rope_dim/2] */
     /* host-side step parameters */
     int32_t *pos;                /* [T] */
     struct kv_cache **tok_cache; /* [T]: this layer's cache of the token's sequence */
@@ -39,8 +39,8 @@ struct forward *forward_new(const struct model *m, struct backend *be, int max_t
     if (f->q_dim > widest) widest = f->q_dim;
     float **bufs[] = {&f->x, &f->xn, &f->q, &f->k, &f->v, &f->attn, &f->tmp, &f->gate, &f->up, &f->rope_cos, &f->rope_sin};
     size_t sizes[] = {(size_t)hp->n_embd, (size_t)widest, (size_t)f->q_dim, (size_t)f->kv_dim, (size_t)f->kv_dim,
-                      (size_t)f->q_dim, (size_t)hp->n_embd, (size_t)hp->n_ff, (size_t)hp->n_ff, (size_t)f->half_rope,
-                      (size_t)f->half_rope};
+                      (size_t)f->q_dim, (size_t)hp->n_embd, (size_t)hp->n_ff, (size_t)hp->n_ff,
+                      (size_t)f->half_rope * (size_t)m->n_rope_sets, (size_t)f->half_rope * (size_t)m->n_rope_sets};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (!(*bufs[i] = be->ops->alloc(be, sizeof(float) * T * sizes[i]))) goto fail;
     f->pos = malloc(sizeof(int32_t) * T);
@@ -75,8 +75,9 @@ static int run_layer(struct forward *f, const struct fwd_batch *b, int il) {
     op->rmsnorm(be, f->x, NULL, L->attn_norm, n, hp->n_embd, hp->rms_eps, f->xn);
     struct be_matmul qkv[3] = {{&L->wq, f->q, L->bq}, {&L->wk, f->k, L->bk}, {&L->wv, f->v, L->bv}};
     op->matmul(be, f->xn, hp->n_embd, n, 3, qkv);
+    size_t table = (size_t)f->m->layer_attn[il].rope_set * f->max_tokens * f->half_rope;
     struct be_rope rope = {f->q, f->k, hp->n_head, hp->n_head_kv, D, L->q_norm, L->k_norm, hp->rms_eps,
-                           f->rope_cos, f->rope_sin, f->half_rope, (int)hp->rope_pairing};
+                           f->rope_cos + table, f->rope_sin + table, f->half_rope, (int)hp->rope_pairing};
     op->qk_rope(be, &rope, n);
 
     for (int s = 0; s < b->n_seqs; s++) {
@@ -86,19 +87,18 @@ static int run_layer(struct forward *f, const struct fwd_batch *b, int il) {
         if (op->kv_append(be, c, sq->n, f->k + off, f->v + off) != 0) return -1;
         for (int t = sq->first; t < sq->first + sq->n; t++) f->tok_cache[t] = c;
     }
-    struct be_attention at = {f->q, f->attn, f->tok_cache, f->pos, hp->n_head, hp->n_head_kv, D,
-                              1.0f / sqrtf((float)D)};
+    struct be_attention at = {f->q, f->attn, f->tok_cache, f->pos, hp->n_head, hp->n_head_kv, D, hp->attn_scale};
     op->attention(be, &at, n);
 
     struct be_matmul o = {&L->wo, f->tmp, NULL};
     op->matmul(be, f->attn, f->q_dim, n, 1, &o);
-    op->add_norm(be, f->x, f->tmp, NULL, L->ffn_norm, n, hp->n_embd, hp->rms_eps, f->xn);
+    op->add_norm(be, f->x, f->tmp, L->post_attn_norm, L->ffn_norm, n, hp->n_embd, hp->rms_eps, f->xn);
     struct be_matmul gu[2] = {{&L->w_gate, f->gate, NULL}, {&L->w_up, f->up, NULL}};
     op->matmul(be, f->xn, hp->n_embd, n, 2, gu);
-    op->glu(be, BE_GLU_SILU, f->gate, f->up, n, hp->n_ff, f->xn);
+    op->glu(be, hp->ffn_act == FFN_GELU_TANH ? BE_GLU_GELU_TANH : BE_GLU_SILU, f->gate, f->up, n, hp->n_ff, f->xn);
     struct be_matmul down = {&L->w_down, f->tmp, NULL};
     op->matmul(be, f->xn, hp->n_ff, n, 1, &down);
-    op->add_norm(be, f->x, f->tmp, NULL, NULL, n, hp->n_embd, hp->rms_eps, NULL);
+    op->add_norm(be, f->x, f->tmp, L->post_ffn_norm, NULL, n, hp->n_embd, hp->rms_eps, NULL);
     return 0;
 }
 
@@ -131,9 +131,12 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
         int32_t p0 = kv_cache_n_past(b->seqs[s].caches[0]);
         for (int i = 0; i < b->seqs[s].n; i++) f->pos[b->seqs[s].first + i] = p0 + i;
     }
-    op->embed(be, &f->m->tok_embd, b->tokens, n, 1.0f, f->x);
-    op->rope_table(be, f->pos, n, f->m->rope_inv_freq, hp->rope_linear_factor, f->half_rope, f->rope_cos,
-                   f->rope_sin);
+    op->embed(be, &f->m->tok_embd, b->tokens, n, hp->embd_scale, f->x);
+    for (int set = 0; set < f->m->n_rope_sets; set++) { /* Gemma: local and global RoPE */
+        size_t table = (size_t)set * f->max_tokens * f->half_rope;
+        op->rope_table(be, f->pos, n, f->m->rope_inv_freq + (size_t)set * f->half_rope,
+                       f->m->rope_linear_factor[set], f->half_rope, f->rope_cos + table, f->rope_sin + table);
+    }
     for (int il = 0; il < hp->n_layer; il++) {
         if (run_layer(f, b, il) != 0) {
             /* Keep the sequences consistent: drop what the layers appended so far. */

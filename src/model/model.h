@@ -12,9 +12,11 @@ struct gguf_file;
 struct kv_cache;
 struct backend;
 
-enum model_arch { ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3 };
+enum model_arch { ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA3 };
 /* Which elements RoPE rotates together: (2i, 2i+1) or (i, i + rope_dim/2). */
 enum rope_pairing { ROPE_ADJACENT, ROPE_HALVES };
+/* The FFN's gate activation: SwiGLU (Llama, Qwen) or GELU-tanh (Gemma). */
+enum ffn_act { FFN_SILU, FFN_GELU_TANH };
 
 struct model_hparams {
     enum model_arch arch;
@@ -26,8 +28,20 @@ struct model_hparams {
     int rope_dim;
     enum rope_pairing rope_pairing;
     float rope_linear_factor; /* positions are divided by it (1 = none) */
-    int sliding_window;       /* 0 = full attention */
+    int sliding_window;       /* span of the sliding layers; 0 = full attention */
+    float embd_scale;         /* embeddings are multiplied by it (Gemma: sqrt(n_embd)) */
+    float attn_scale;         /* query scale before softmax */
+    enum ffn_act ffn_act;
 };
+
+/* Attention facts that vary per layer (Gemma 3: five sliding layers, then one global
+ * with its own RoPE base and scaling). Uniform models have one set for every layer. */
+struct layer_attn {
+    int window;   /* sliding-window span in tokens; 0 = global */
+    int rope_set; /* index of the layer's RoPE frequencies in model->rope_inv_freq */
+};
+
+#define MODEL_MAX_ROPE_SETS 2
 
 /* A weight matrix: rows of `cols` values of one GGUF type, row-major. */
 struct weight {
@@ -39,7 +53,8 @@ struct weight {
 
 struct layer_weights {
     const float *attn_norm, *ffn_norm;
-    const float *q_norm, *k_norm; /* qwen3; NULL otherwise */
+    const float *q_norm, *k_norm; /* qwen3, gemma3; NULL otherwise */
+    const float *post_attn_norm, *post_ffn_norm; /* gemma3: norms of the block outputs */
     const float *bq, *bk, *bv;    /* qwen2; NULL otherwise */
     struct weight wq, wk, wv, wo, w_gate, w_up, w_down;
 };
@@ -50,7 +65,10 @@ struct model {
     struct weight tok_embd, output;
     const float *output_norm;
     struct layer_weights *layers;
-    float *rope_inv_freq; /* [rope_dim / 2] */
+    struct layer_attn *layer_attn; /* [n_layer] */
+    int n_rope_sets;
+    float *rope_inv_freq; /* [n_rope_sets][rope_dim / 2] */
+    float rope_linear_factor[MODEL_MAX_ROPE_SETS]; /* positions are divided by it, per set */
     uint64_t n_params;
     size_t weight_bytes;
 };

@@ -13,6 +13,7 @@ static bool arch_from_name(const char *name, enum model_arch *arch) {
     if (strcmp(name, "llama") == 0 || strcmp(name, "mistral") == 0) *arch = ARCH_LLAMA;
     else if (strcmp(name, "qwen2") == 0) *arch = ARCH_QWEN2;
     else if (strcmp(name, "qwen3") == 0) *arch = ARCH_QWEN3;
+    else if (strcmp(name, "gemma3") == 0) *arch = ARCH_GEMMA3;
     else return false;
     return true;
 }
@@ -41,7 +42,7 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
     if (!gguf_get_str(f, "general.architecture", hp->arch_name, sizeof hp->arch_name))
         return kvq_error("model has no general.architecture");
     if (!arch_from_name(hp->arch_name, &hp->arch))
-        return kvq_error("unsupported architecture '%s' (supported: llama, mistral, qwen2, qwen3)", hp->arch_name);
+        return kvq_error("unsupported architecture '%s' (supported: llama, mistral, qwen2, qwen3, gemma3)", hp->arch_name);
     const char *a = hp->arch_name;
     if (get_int(f, a, "embedding_length", &hp->n_embd, true) || get_int(f, a, "block_count", &hp->n_layer, true) ||
         get_int(f, a, "feed_forward_length", &hp->n_ff, true) ||
@@ -72,6 +73,10 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
     hp->rope_base = 10000.0f;
     get_float(f, a, "rope.freq_base", &hp->rope_base);
     hp->rope_pairing = hp->arch == ARCH_LLAMA ? ROPE_ADJACENT : ROPE_HALVES;
+    /* key_length is the query scale's dimension too (Gemma 3 writes it explicitly) */
+    hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
+    hp->embd_scale = hp->arch == ARCH_GEMMA3 ? sqrtf((float)hp->n_embd) : 1.0f;
+    hp->ffn_act = hp->arch == ARCH_GEMMA3 ? FFN_GELU_TANH : FFN_SILU;
     hp->rope_linear_factor = 1.0f;
     char key[128], scaling[32] = "";
     snprintf(key, sizeof key, "%s.rope.scaling.type", a);
@@ -82,7 +87,29 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
     } else if (scaling[0] && strcmp(scaling, "none") != 0 && strcmp(scaling, "llama3") != 0) {
         return kvq_error("unsupported rope scaling '%s' (supported: none, linear, llama3)", scaling);
     }
-    if (get_int(f, a, "attention.sliding_window", &hp->sliding_window, false)) return -1;
+    if (get_int(f, a, "attention.sliding_window", &hp->sliding_window, hp->arch == ARCH_GEMMA3)) return -1;
+    if (hp->arch == ARCH_GEMMA3 && hp->sliding_window <= 0)
+        return kvq_error("invalid %s.attention.sliding_window %d", a, hp->sliding_window);
+    return 0;
+}
+
+/* Gemma 3: five sliding layers then one global, repeating; sliding layers use RoPE
+ * base 10000 without scaling. Neither is in the file: llama.cpp hard-codes both. */
+#define GEMMA3_PATTERN 6
+#define GEMMA3_LOCAL_ROPE_BASE 10000.0f
+
+static int init_layer_attn(struct model *m) {
+    const struct model_hparams *hp = &m->hp;
+    m->layer_attn = calloc((size_t)hp->n_layer, sizeof *m->layer_attn);
+    if (!m->layer_attn) return kvq_error("out of memory");
+    m->n_rope_sets = hp->arch == ARCH_GEMMA3 ? 2 : 1;
+    for (int il = 0; il < hp->n_layer; il++) {
+        struct layer_attn *la = &m->layer_attn[il];
+        bool local = hp->arch == ARCH_GEMMA3 && il % GEMMA3_PATTERN < GEMMA3_PATTERN - 1;
+        /* other models: the file's window (if any) applies to every layer */
+        la->window = hp->arch == ARCH_GEMMA3 ? (local ? hp->sliding_window : 0) : hp->sliding_window;
+        la->rope_set = local ? 1 : 0;
+    }
     return 0;
 }
 
@@ -91,9 +118,15 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
 static int init_rope(struct model *m) {
     const struct model_hparams *hp = &m->hp;
     int n = hp->rope_dim / 2;
-    m->rope_inv_freq = malloc(sizeof(float) * (size_t)n);
+    m->rope_inv_freq = malloc(sizeof(float) * (size_t)n * (size_t)m->n_rope_sets);
     if (!m->rope_inv_freq) return kvq_error("out of memory");
     for (int i = 0; i < n; i++) m->rope_inv_freq[i] = (float)(1.0 / pow(hp->rope_base, (2.0 * i) / hp->rope_dim));
+    m->rope_linear_factor[0] = hp->rope_linear_factor;
+    if (m->n_rope_sets > 1) { /* Gemma 3's sliding layers: local base, no scaling */
+        for (int i = 0; i < n; i++)
+            m->rope_inv_freq[n + i] = (float)(1.0 / pow(GEMMA3_LOCAL_ROPE_BASE, (2.0 * i) / hp->rope_dim));
+        m->rope_linear_factor[1] = 1.0f;
+    }
 
     const struct gguf_tensor *t = gguf_find_tensor(m->file, "rope_freqs.weight");
     if (t) {
@@ -180,9 +213,11 @@ static int load_layer(struct model *m, int il) {
         find_vector(m, NAME("attn_k.bias"), kv_dim, has_bias, &L->bk) ||
         find_vector(m, NAME("attn_v.bias"), kv_dim, has_bias, &L->bv))
         return -1;
-    bool has_qk_norm = hp->arch == ARCH_QWEN3;
+    bool has_qk_norm = hp->arch == ARCH_QWEN3 || hp->arch == ARCH_GEMMA3, gemma = hp->arch == ARCH_GEMMA3;
     if (find_vector(m, NAME("attn_q_norm.weight"), hp->head_dim, has_qk_norm, &L->q_norm) ||
-        find_vector(m, NAME("attn_k_norm.weight"), hp->head_dim, has_qk_norm, &L->k_norm))
+        find_vector(m, NAME("attn_k_norm.weight"), hp->head_dim, has_qk_norm, &L->k_norm) ||
+        find_vector(m, NAME("post_attention_norm.weight"), hp->n_embd, gemma, &L->post_attn_norm) ||
+        find_vector(m, NAME("post_ffw_norm.weight"), hp->n_embd, gemma, &L->post_ffn_norm))
         return -1;
 #undef NAME
     return 0;
@@ -196,6 +231,10 @@ struct model *model_load(const char *path) {
     }
     m->file = gguf_open(path);
     if (!m->file || read_hparams(m->file, &m->hp) != 0) goto fail;
+    if (gguf_n_tensors(m->file) == 0) {
+        kvq_error("'%s' holds no weights (a vocabulary-only file: only 'kvq tokenize' can use it)", path);
+        goto fail;
+    }
     struct model_hparams *hp = &m->hp;
     const struct gguf_value *tokens = gguf_get_arr(m->file, "tokenizer.ggml.tokens", GGUF_TYPE_STRING);
     hp->n_vocab = tokens ? (int)tokens->arr.n : 0;
@@ -218,7 +257,7 @@ struct model *model_load(const char *path) {
     }
     for (int il = 0; il < hp->n_layer; il++)
         if (load_layer(m, il) != 0) goto fail;
-    if (init_rope(m) != 0) goto fail;
+    if (init_layer_attn(m) != 0 || init_rope(m) != 0) goto fail;
     return m;
 fail:
     model_free(m);
@@ -230,6 +269,7 @@ void model_free(struct model *m) {
     gguf_close(m->file);
     free(m->layers);
     free(m->rope_inv_freq);
+    free(m->layer_attn);
     free(m);
 }
 
