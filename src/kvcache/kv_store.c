@@ -59,7 +59,7 @@ static bool block_dead(const struct kv_cache *c, int32_t L, int32_t first) {
 
 void kv_store_release_before(struct kv_cache *c, int32_t first) {
     struct kv_store *st = store_of(c);
-    if (c->cfg.max_size == 0 && c->shape.window <= 0) return;
+    if (c->cfg.max_size == 0) return; /* a sliding window alone masks but keeps every row (--swa-full) */
     for (int32_t i = 0; i < st->nkb && i < st->n_blk; i++)
         if (st->blk[i] && block_dead(c, i, first)) {
             kv_block_unref(st->pool, st->blk[i]);
@@ -179,13 +179,14 @@ size_t kv_cache_append_bytes(const struct kv_cache *c, int n, int chunk) {
         }
     /* a window gives blocks back before each append of at most `chunk` tokens: the
      * cache never holds more than the window, a chunk and the kept first tokens */
-    int32_t win = c->cfg.max_size > 0 ? c->cfg.max_size : 0;
-    if (c->shape.window > 0 && (win == 0 || c->shape.window < win)) win = c->shape.window;
+    int32_t win = c->cfg.max_size;
     if (win > 0 && chunk > 0) {
         size_t cap = (size_t)((win + chunk - 1 + B - 1) / B + 1 + st->nkb), held = 0;
         for (int32_t i = 0; i < st->n_blk; i++) held += st->blk[i] != NULL;
         size_t room = cap > held ? cap - held : 0;
-        if (n_new > room) n_new = room + 1; /* + the copy of a shared block */
+        const struct kv_block *last = kv_store_block(st, c->n_past / B * B);
+        room += last && last->refs > 1; /* a shared block is copied, the original stays */
+        if (n_new > room) n_new = room;
     }
     return convert + n_new * per;
 }

@@ -8,7 +8,9 @@
  *   dense / quantized: every position is kept.
  *   rotating (max_size M, keep K): a query at p sees the first K positions and the
  *     last M-K positions <= p, like mlx-lm's RotatingKVCache; blocks older than the
- *     first query of a batch can see are released.
+ *     first query of a batch can see are released. (A sliding-window layer is a
+ *     rotating cache of its window; the model's window alone, shape.window, only
+ *     masks: with --swa-full every row stays.)
  *   quantize after N: rows are f16 until the sequence exceeds N tokens, then every
  *     block is re-encoded into new blocks of the quantized format.
  * Quantized caches also hold f16 copies of the first `keep` positions (sinks) and of
