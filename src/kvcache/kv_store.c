@@ -805,6 +805,31 @@ static void store_save(const struct kv_cache *c, struct kv_buf *b) {
     }
 }
 
+/* True when n rows of format f hold only finite floats: f16/f32 values, or the
+ * f16 scale and bias of every group of a packed row. A checksum-correct file can
+ * still carry a NaN, which attention would spread to every later token. */
+static bool rows_finite(const uint8_t *p, const struct kv_fmt *f, int d, size_t n) {
+    size_t skip = 0, halves = (size_t)d; /* f16 rows: every value */
+    if (f->bits == 32) {
+        for (size_t i = 0; i < n * (size_t)d; i++) {
+            float x;
+            memcpy(&x, p + 4 * i, 4);
+            if (!isfinite(x)) return false;
+        }
+        return true;
+    }
+    if (f->bits != 16) { /* packed: codes, then the groups' scales and biases */
+        skip = (size_t)d * (size_t)f->bits / 8;
+        halves = 2 * (size_t)(d / f->group);
+    }
+    for (size_t r = 0; r < n; r++, p += f->row)
+        for (size_t i = 0; i < halves; i++) {
+            uint16_t h = (uint16_t)(p[skip + 2 * i] | p[skip + 2 * i + 1] << 8);
+            if ((h & 0x7c00) == 0x7c00) return false; /* exponent all ones: inf or NaN */
+        }
+    return true;
+}
+
 static int load_fail(struct kv_cache *c, const char *what) {
     store_clear(c);
     return kvq_error("invalid KV cache section: %s", what);
@@ -864,6 +889,7 @@ static int store_load(struct kv_cache *c, struct kv_reader *r) {
     if (r->len - r->off < need) return load_fail(c, "truncated rows");
     st->kf = kf;
     st->vf = vf;
+    if (kind != (uint32_t)kind_code(c)) return load_fail(c, "cache kind differs from its formats");
     if (store_reserve(c, size) != 0) {
         store_clear(c);
         return -1;
@@ -875,16 +901,19 @@ static int store_load(struct kv_cache *c, struct kv_reader *r) {
     }
     for (int hh = 0; hh < c->shape.n_kv_heads; hh++) kv_read(r, row_ptr(st->k, &st->kf, st->cap, hh, 0), kf.row * (size_t)size);
     for (int hh = 0; hh < c->shape.n_kv_heads; hh++) kv_read(r, row_ptr(st->v, &st->vf, st->cap, hh, 0), vf.row * (size_t)size);
+    for (int hh = 0; hh < c->shape.n_kv_heads; hh++)
+        if (!rows_finite(row_ptr(st->k, &kf, st->cap, hh, 0), &kf, c->shape.head_dim, (size_t)size) ||
+            !rows_finite(row_ptr(st->v, &vf, st->cap, hh, 0), &vf, c->shape.head_dim, (size_t)size))
+            return load_fail(c, "non-finite values in the rows");
     st->size = size;
     st->idx = idx;
     c->n_past = n_past;
-    (void)kind;
     if (!v2) return 0; /* version 1: residual 0, the windows stay empty */
     int32_t sn, rp0, rn;
     if (!kv_read_i32(r, &sn) || !kv_read_i32(r, &rp0) || !kv_read_i32(r, &rn)) return load_fail(c, "truncated windows");
     bool win = win_on(st);
     if (sn < 0 || rn < 0 || rp0 < 0 || (!win && (sn || rn)) || sn > sink_target(c) || sn > n_past ||
-        (rn > 0 && (rp0 + rn != n_past || rn > n_past)))
+        (rn > 0 && (rn > n_past || rp0 != n_past - rn))) /* no rp0 + rn: it can overflow */
         return load_fail(c, "window rows");
     need = ((size_t)sn + (size_t)rn) * (size_t)c->shape.n_kv_heads * (st->wkf.row + st->wvf.row);
     if (r->len - r->off < need) return load_fail(c, "truncated window rows");
@@ -899,6 +928,10 @@ static int store_load(struct kv_cache *c, struct kv_reader *r) {
             kv_read(r, row_ptr(ws[w]->k, &st->wkf, ws[w]->cap, hh, 0), st->wkf.row * (size_t)n);
         for (int hh = 0; hh < c->shape.n_kv_heads && n > 0; hh++)
             kv_read(r, row_ptr(ws[w]->v, &st->wvf, ws[w]->cap, hh, 0), st->wvf.row * (size_t)n);
+        for (int hh = 0; hh < c->shape.n_kv_heads && n > 0; hh++)
+            if (!rows_finite(row_ptr(ws[w]->k, &st->wkf, ws[w]->cap, hh, 0), &st->wkf, c->shape.head_dim, (size_t)n) ||
+                !rows_finite(row_ptr(ws[w]->v, &st->wvf, ws[w]->cap, hh, 0), &st->wvf, c->shape.head_dim, (size_t)n))
+                return load_fail(c, "non-finite values in the window rows");
     }
     st->sink.n = sn;
     st->rec.p0 = rn ? rp0 : n_past;
