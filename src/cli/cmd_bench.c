@@ -91,6 +91,8 @@ static bool parse_kv_spec(const char *spec, struct kv_spec *out) {
     return cli_parse_kv_spec(spec, &out->kv);
 }
 
+static const char *const bench_value_flags[] = {"-m", "--model", "-p", "-n", "-d", "-b", "--kv", "-t", "--threads", "--batch-size", "-r", "--reps", "--plot", NULL};
+
 static int parse_args(int argc, char **argv, struct bench_opts *o) {
     o->p = 512;
     o->n = 128;
@@ -109,7 +111,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o) {
             o->json = true;
             continue;
         }
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, bench_value_flags, "bench"))) return 1;
         bool ok = true;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "-p")) ok = cli_parse_int(a, v, 1, 1 << 20, &o->p);

@@ -67,9 +67,7 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
             o->ignore_eos = true;
             continue;
         }
-        if (!cli_is_one_of(a, generate_value_flags))
-            return cli_fail("unknown option '%s' for generate (see 'kvq generate --help')", a);
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, generate_value_flags, "generate"))) return 1;
         bool ok = true;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) o->prompt = v;

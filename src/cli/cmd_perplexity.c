@@ -78,6 +78,8 @@ struct ppl_opts {
     struct kvq_context_params cp;
 };
 
+static const char *const perplexity_value_flags[] = {"-m", "--model", "-f", "--file", "-c", "--ctx-size", "--chunks", "--parallel", "-t", "--threads", "-b", "--batch-size", "--kl-divergence-base", NULL};
+
 static int parse_args(int argc, char **argv, struct ppl_opts *o) {
     kvq_context_params_default(&o->cp);
     o->n_ctx = 1024;
@@ -96,7 +98,7 @@ static int parse_args(int argc, char **argv, struct ppl_opts *o) {
             o->kl = true;
             continue;
         }
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, perplexity_value_flags, "perplexity"))) return 1;
         bool ok = true;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->file = v;
