@@ -786,9 +786,9 @@ static void store_save(const struct kv_cache *c, struct kv_buf *b) {
         kv_buf_u32(b, u);
     }
     for (int32_t s = 0; s < st->size; s++) kv_buf_u32(b, (uint32_t)st->pos[s]);
-    for (int h = 0; h < c->shape.n_kv_heads; h++)
+    for (int h = 0; h < c->shape.n_kv_heads && st->size > 0; h++) /* an empty store may have no blocks */
         kv_buf_put(b, row_ptr(st->k, &st->kf, st->cap, h, 0), st->kf.row * (size_t)st->size);
-    for (int h = 0; h < c->shape.n_kv_heads; h++)
+    for (int h = 0; h < c->shape.n_kv_heads && st->size > 0; h++) /* an empty store may have no blocks */
         kv_buf_put(b, row_ptr(st->v, &st->vf, st->cap, h, 0), st->vf.row * (size_t)st->size);
     bool win = win_on(st);
     int32_t sn = win ? st->sink.n : 0, rn = win ? st->rec.n : 0;
@@ -899,9 +899,10 @@ static int store_load(struct kv_cache *c, struct kv_reader *r) {
         if (st->pos[s] < 0 || st->pos[s] >= n_past) return load_fail(c, "token position");
         if (cf->max_size == 0 && st->pos[s] != s) return load_fail(c, "token position");
     }
-    for (int hh = 0; hh < c->shape.n_kv_heads; hh++) kv_read(r, row_ptr(st->k, &st->kf, st->cap, hh, 0), kf.row * (size_t)size);
-    for (int hh = 0; hh < c->shape.n_kv_heads; hh++) kv_read(r, row_ptr(st->v, &st->vf, st->cap, hh, 0), vf.row * (size_t)size);
-    for (int hh = 0; hh < c->shape.n_kv_heads; hh++)
+    /* size > 0: an empty store may have no blocks, and NULL + 0 is undefined */
+    for (int hh = 0; hh < c->shape.n_kv_heads && size > 0; hh++) kv_read(r, row_ptr(st->k, &st->kf, st->cap, hh, 0), kf.row * (size_t)size);
+    for (int hh = 0; hh < c->shape.n_kv_heads && size > 0; hh++) kv_read(r, row_ptr(st->v, &st->vf, st->cap, hh, 0), vf.row * (size_t)size);
+    for (int hh = 0; hh < c->shape.n_kv_heads && size > 0; hh++)
         if (!rows_finite(row_ptr(st->k, &kf, st->cap, hh, 0), &kf, c->shape.head_dim, (size_t)size) ||
             !rows_finite(row_ptr(st->v, &vf, st->cap, hh, 0), &vf, c->shape.head_dim, (size_t)size))
             return load_fail(c, "non-finite values in the rows");
