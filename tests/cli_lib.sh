@@ -1,5 +1,21 @@
-# Helpers shared by the command-line tests (sourced; needs $tmp, a scratch folder).
+# Helpers shared by the command-line tests (sourced): $kvq, $shared, a scratch
+# folder $tmp removed at exit, and assertions counted in $passed / $failed.
+kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
+shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
 passed=0 failed=0
+
+# need_asset FILE...: skips the test (exit 77) with a message when one is missing.
+need_asset() {
+  local f
+  for f in "$@"; do
+    if [ ! -f "$f" ]; then
+      echo "SKIP: $f is missing (set KVQ_SHARED_DIR to the shared folder)"
+      exit 77
+    fi
+  done
+}
 
 # expect_error DESCRIPTION PATTERN -- command...: exit code 1..125 (not a signal),
 # exactly one stderr line, matching PATTERN.

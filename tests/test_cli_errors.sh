@@ -1,17 +1,10 @@
 #!/usr/bin/env bash
 # Bad input gets one clear line on stderr and a non-zero exit, never a crash.
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
-shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
-model=$shared/models/tinydoc-q8_0.gguf
-if [ ! -f "$model" ]; then
-  echo "SKIP: $model is missing (set KVQ_SHARED_DIR to the shared folder)"
-  exit 77
-fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 # shellcheck source=tests/cli_lib.sh
 . "$(dirname "$0")/cli_lib.sh"
+model=$shared/models/tinydoc-q8_0.gguf
+need_asset "$model"
 
 head -c 100000 "$model" >"$tmp/truncated.gguf"
 printf 'this is not a model' >"$tmp/text.gguf"

@@ -3,17 +3,10 @@
 # (a char device as output path), lost stdout is an error, flags are bounded by
 # what they can mean, messages are right, and silent surprises are refused.
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
-shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
-model=$shared/models/stories260K.gguf
-if [ ! -f "$model" ]; then
-  echo "SKIP: $model is missing (set KVQ_SHARED_DIR to the shared folder)"
-  exit 77
-fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 # shellcheck source=tests/cli_lib.sh
 . "$(dirname "$0")/cli_lib.sh"
+model=$shared/models/stories260K.gguf
+need_asset "$model"
 printf 'Once upon a time there was a little girl who liked to play in the park with her dog. %.0s' 1 2 3 4 5 6 \
   >"$tmp/text.txt"
 
