@@ -79,6 +79,11 @@ expect_ok "--kv-bits equal to the cache's" -- "$kvq" generate -m "$model" --prom
 n_cached=$("$kvq" tokenize -m "$model" -p "Once upon a time there was" | tr -cd , | wc -c)
 expect_error "cached tokens count against the context" "holds $((n_cached + 1)) tokens" -- "$kvq" generate -m "$model" \
   --prompt-cache "$tmp/c.kvq" -c $((n_cached + 2)) -p " a"
+# error paths free what they took (LeakSanitizer in the sanitizer build: a report would add lines)
+expect_error "bench-kv-cache bad bits" "invalid bits '7'" -- "$kvq" bench-kv-cache --bits 16,7 --layers 1 --seq-len 8 \
+  --heads 1 --head-dim 64 --repeat 1
+expect_error "bench-kv-cache group > head_dim" "does not divide" -- "$kvq" bench-kv-cache --bits 4 --layers 1 \
+  --seq-len 8 --heads 1 --head-dim 64 --group-size 128 --repeat 1
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
