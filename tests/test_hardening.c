@@ -4,7 +4,9 @@
  *  - saved caches: a NaN in an f16 row, a NaN scale in a packed row, the residual
  *    window's first position = INT_MAX, a non-finite logit;
  *  - GGUF: a changed tensor type byte (a gap or an overlap), overlapping tensors,
- *    rms epsilon negative / NaN / inf, block_count = 2^30.
+ *    rms epsilon negative / NaN / inf, block_count = 2^30;
+ *  - the activation quantizer fed NaN and inf (every SIMD level): codes in range,
+ *    NaN lanes 0, no undefined conversion (UBSan in the sanitizer build).
  * Each crafted case is first checked to be non-vacuous (the untouched file, saved
  * the same way, loads). */
 #include <limits.h>
@@ -15,8 +17,10 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
+#include "kernels/matmul_impl.h"
 #include "kvq.h"
 
 static char tmpdir[] = "/tmp/kvq_hardening_XXXXXX";
@@ -278,7 +282,38 @@ static void test_model_metadata(const char *model_path) {
     free(d);
 }
 
+static void test_act_quantizer_nan(void) {
+    float x[256];
+    for (int i = 0; i < 256; i++) x[i] = (float)((i * 7) % 23) - 11.0f;
+    x[3] = __builtin_nanf("");
+    x[40] = __builtin_inff();
+    x[41] = -__builtin_inff();
+    static const enum kern_level levels[] = {KERN_SCALAR, KERN_AVX2, KERN_AVX512};
+    int tried = 0;
+    enum kern_level orig = kern_level_get();
+    for (int li = 0; li < 3; li++) {
+        if (kern_level_set(levels[li]) != 0) continue;
+        tried++;
+        struct kern_pair pairs[4];
+        kern_act_prepare(KVQ_Q8_0, x, pairs, 128);
+        CHECK(pairs[0].q[3] == 0, "level %d: NaN lane quantized to %d, expected 0", li, pairs[0].q[3]);
+        int32_t sum = 0;
+        for (int i = 32; i < 64; i++) sum += pairs[0].q[i];
+        CHECK(pairs[0].c[1] == -128 * sum, "level %d: block sum %d does not match its codes", li, pairs[0].c[1]);
+        CHECK(pairs[1].q[0] >= -127 && pairs[1].q[0] <= 127 && pairs[1].d[0] > 0, "level %d: a finite block", li);
+        struct kern_q8k q8k;
+        kern_act_prepare(KVQ_Q6_K, x, &q8k, 256);
+        CHECK(q8k.q[3] == 0, "level %d: Q8_K NaN lane quantized to %d", li, q8k.q[3]);
+        int bs = 0;
+        for (int i = 0; i < 16; i++) bs += q8k.q[i];
+        CHECK(q8k.bsums[0] == bs, "level %d: Q8_K bsum %d, codes sum to %d", li, q8k.bsums[0], bs);
+    }
+    kern_level_set(orig);
+    CHECK(tried > 0, "no SIMD level could be selected");
+}
+
 int main(void) {
+    test_act_quantizer_nan();
     const char *mp = require_shared("models/stories260K.gguf");
     if (!mkdtemp(tmpdir)) return 1;
     model = kvq_model_load(mp);
