@@ -9,7 +9,8 @@
  * Build (clang): cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DKVQ_FUZZ=ON -DKVQ_SANITIZE=ON
  *                cmake --build build-fuzz --target fuzz_seq_cache
  * Seeds: files from `kvq cache-prompt -m ../shared/models/stories260K.gguf` (several
- * --kv-bits), any number; the target strips their checksum itself when it is valid.
+ * --kv-bits) without their last 8 bytes (`head -c -8`): with the checksum left on, every
+ * mutant would carry 8 stray bytes and stop at "trailing bytes", never loading.
  * Model: KVQ_FUZZ_MODEL, default ../shared/models/stories260K.gguf. */
 #include <stdint.h>
 #include <stdio.h>
@@ -46,12 +47,6 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size > (1u << 22)) return 0;
-    /* a seed that still carries a valid checksum is used as the payload it covers */
-    if (size >= 28 && fnv1a(data, size - 8) == ((uint64_t)data[size - 1] << 56 | (uint64_t)data[size - 2] << 48 |
-                                                 (uint64_t)data[size - 3] << 40 | (uint64_t)data[size - 4] << 32 |
-                                                 (uint64_t)data[size - 5] << 24 | (uint64_t)data[size - 6] << 16 |
-                                                 (uint64_t)data[size - 7] << 8 | data[size - 8]))
-        size -= 8;
     uint64_t sum = fnv1a(data, size);
     FILE *f = fopen(path, "wb");
     if (!f) abort();
