@@ -34,9 +34,9 @@ static int finish_stdout(int rc) {
         bad = true;
         err = errno;
     }
-    if (bad) {
+    if (bad && rc == 0) { /* a failed command has already said why */
         fprintf(stderr, "kvq: cannot write the output: %s\n", err ? strerror(err) : "write error");
-        return rc ? rc : 1;
+        return 1;
     }
     return rc;
 }
