@@ -1,39 +1,10 @@
 #!/usr/bin/env bash
 # Bad input gets one clear line on stderr and a non-zero exit, never a crash.
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
-shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
 model=$shared/models/tinydoc-q8_0.gguf
-if [ ! -f "$model" ]; then
-  echo "SKIP: $model is missing (set KVQ_SHARED_DIR to the shared folder)"
-  exit 77
-fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-passed=0 failed=0
-
-# expect_error DESCRIPTION PATTERN -- command...: exit code 1..125 (not a signal),
-# exactly one stderr line, matching PATTERN.
-expect_error() {
-  local what=$1 pattern=$2
-  shift 3
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local rc=$? lines
-  lines=$(wc -l <"$tmp/err")
-  if [ "$rc" -ge 1 ] && [ "$rc" -lt 126 ] && [ "$lines" -eq 1 ] && grep -q -- "$pattern" "$tmp/err"; then
-    passed=$((passed + 1))
-  else
-    failed=$((failed + 1))
-    echo "FAIL: $what (exit $rc, $lines stderr lines):"; cat "$tmp/err"
-  fi
-}
-
-expect_ok() {
-  local what=$1
-  shift 2
-  if "$@" >"$tmp/out" 2>"$tmp/err"; then passed=$((passed + 1)); else
-    failed=$((failed + 1)); echo "FAIL: $what"; cat "$tmp/err"; fi
-}
+need_asset "$model"
 
 head -c 100000 "$model" >"$tmp/truncated.gguf"
 printf 'this is not a model' >"$tmp/text.gguf"

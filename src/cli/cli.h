@@ -36,6 +36,9 @@ bool cli_parse_float(const char *flag, const char *value, double min, double max
 bool cli_is_one_of(const char *s, const char *const *list);
 /* The value after flag argv[*i] (advancing *i); NULL with an error if missing. */
 const char *cli_flag_value(int argc, char **argv, int *i);
+/* The same for a command's own options: an option not in `known` (NULL-terminated)
+ * is reported as unknown for `cmd`, even as the last argument. */
+const char *cli_option_value(int argc, char **argv, int *i, const char *const *known, const char *cmd);
 
 /* KV cache flags (--kv-bits, --kv-group-size, --max-kv-size, --keep,
  * --quantized-kv-start, --kv-rotation, --kv-residual, --kv-budget-mb). Returns 1 when argv[*i] was

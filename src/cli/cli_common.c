@@ -1,3 +1,4 @@
+#include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <stdarg.h>
@@ -34,7 +35,7 @@ bool cli_parse_u64(const char *flag, const char *value, uint64_t *out) {
     char *end;
     errno = 0;
     unsigned long long v = strtoull(value, &end, 10);
-    if (errno || end == value || *end || value[0] == '-') {
+    if (errno || end == value || *end || !isdigit((unsigned char)value[0])) { /* strtoull takes " -1" */
         cli_fail("invalid value '%s' for %s: expected a non-negative integer", value, flag);
         return false;
     }
@@ -66,6 +67,14 @@ const char *cli_flag_value(int argc, char **argv, int *i) {
         return NULL;
     }
     return argv[++*i];
+}
+
+const char *cli_option_value(int argc, char **argv, int *i, const char *const *known, const char *cmd) {
+    if (!cli_is_one_of(argv[*i], known)) {
+        cli_fail("unknown option '%s' for %s (see 'kvq %s --help')", argv[*i], cmd, cmd);
+        return NULL;
+    }
+    return cli_flag_value(argc, argv, i);
 }
 
 static bool valid_bits(int b) { return b == 2 || b == 3 || b == 4 || b == 5 || b == 6 || b == 8 || b == 16 || b == 32; }

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "core/outfile.h"
 
 static const char *const bench_help =
     "usage: kvq bench -m MODEL [-p 512] [-n 128] [-d 0,4096,16384] [-b 1,4,16] [--kv SPEC ...]\n"
@@ -90,6 +91,8 @@ static bool parse_kv_spec(const char *spec, struct kv_spec *out) {
     return cli_parse_kv_spec(spec, &out->kv);
 }
 
+static const char *const bench_value_flags[] = {"-m", "--model", "-p", "-n", "-d", "-b", "--kv", "-t", "--threads", "--batch-size", "-r", "--reps", "--plot", NULL};
+
 static int parse_args(int argc, char **argv, struct bench_opts *o) {
     o->p = 512;
     o->n = 128;
@@ -108,7 +111,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o) {
             o->json = true;
             continue;
         }
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, bench_value_flags, "bench"))) return 1;
         bool ok = true;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "-p")) ok = cli_parse_int(a, v, 1, 1 << 20, &o->p);
@@ -242,8 +245,9 @@ static void json_str(FILE *f, const char *s) {
 /* ---- SVG plot: decode tok/s vs depth, one line per config (and batch). ---- */
 
 static int write_plot(const char *path, const struct bench_opts *o, struct result *res, const char *model_name) {
-    FILE *f = fopen(path, "w");
-    if (!f) return cli_fail("cannot create '%s'", path);
+    struct kvq_outfile out;
+    FILE *f = kvq_outfile_open(&out, path);
+    if (!f) return cli_fail("%s", kvq_last_error());
     const int W = 720, H = 440, L = 70, R = 200, T = 40, Bm = 50;
     double xmax = 0, ymax = 0;
     for (int di = 0; di < o->n_depths; di++) xmax = o->depths[di] > xmax ? o->depths[di] : xmax;
@@ -307,8 +311,7 @@ static int write_plot(const char *path, const struct bench_opts *o, struct resul
             fprintf(f, " (batch %d)</text>\n", o->batches[bi]);
         }
     fprintf(f, "</svg>\n");
-    if (fclose(f) != 0) return cli_fail("cannot write '%s'", path);
-    return 0;
+    return kvq_outfile_commit(&out) != 0 ? cli_fail("%s", kvq_last_error()) : 0;
 }
 
 int cmd_bench(int argc, char **argv) {

@@ -61,9 +61,15 @@ static int from_model(const char *model, const char *file, int seq, struct data 
     }
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
-    kvq_token *toks = malloc(sizeof(kvq_token) * (len + 8));
-    int n = kvq_tokenize(m, text, len, true, false, toks, (int)len + 8);
+    kvq_token *toks = len < (1u << 28) ? malloc(sizeof(kvq_token) * (len + 8)) : NULL;
+    int n = toks ? kvq_tokenize(m, text, len, true, false, toks, (int)len + 8) : -1;
     free(text);
+    if (n <= 0 || n > (int)len + 8) {
+        cli_fail("cannot tokenize '%s': %s", file, n == 0 ? "it is empty" : toks ? kvq_last_error() : "out of memory");
+        kvq_model_free(m);
+        free(toks);
+        return -1;
+    }
     if (n > seq) n = seq;
     struct kvq_context_params cp;
     kvq_context_params_default(&cp);
@@ -95,6 +101,12 @@ static int from_model(const char *model, const char *file, int seq, struct data 
         size_t total = (size_t)d->L * d->H * d->S * d->D;
         d->k = malloc(sizeof(float) * total);
         d->v = malloc(sizeof(float) * total);
+        if (!d->k || !d->v) {
+            kvq_context_free(ctx);
+            kvq_model_free(m);
+            free(toks);
+            return cli_fail("out of memory for %zu values", total);
+        }
         struct kv_cache **caches = engine_seq_caches(ctx, 0);
         for (int l = 0; l < d->L; l++)
             for (int h = 0; h < d->H; h++) {
@@ -141,6 +153,8 @@ static double time_attention(const struct data *d, const uint8_t *kb, const uint
     return best;
 }
 
+static const char *const bench_kv_cache_value_flags[] = {"--layers", "--seq-len", "--heads", "--head-dim", "--group-size", "--repeat", "--bits", "--from-model", "-f", "--file", "--rotation", NULL};
+
 int cmd_bench_kv_cache(int argc, char **argv) {
     int L = 32, S = 512, H = 32, D = 128, G = 64, repeat = 3;
     bool rot = false;
@@ -151,7 +165,7 @@ int cmd_bench_kv_cache(int argc, char **argv) {
             fputs(bench_help, stdout);
             return 0;
         }
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, bench_kv_cache_value_flags, "bench-kv-cache"))) return 1;
         bool ok = true;
         if (!strcmp(a, "--layers")) ok = cli_parse_int(a, v, 1, 1024, &L);
         else if (!strcmp(a, "--seq-len")) ok = cli_parse_int(a, v, 1, 1 << 20, &S);
@@ -168,21 +182,40 @@ int cmd_bench_kv_cache(int argc, char **argv) {
         } else return cli_fail("unknown option '%s' for bench-kv-cache (see 'kvq bench-kv-cache --help')", a);
         if (!ok) return 1;
     }
+    char list[128];
+    snprintf(list, sizeof list, "%s", bits_list);
+    for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) { /* all checked before any allocation */
+        int bits = atoi(tok);
+        if (bits != 16 && bits != 32 && !kern_kvq_bits_quantized(bits)) return cli_fail("invalid bits '%s'", tok);
+    }
+    if (model && !file) return cli_fail("--from-model needs a text: -f FILE");
     struct data d = {L, H, S, D, NULL, NULL};
+    int rc = 1;
+    float *signs = NULL, *q = NULL, *x = NULL;
+    uint8_t *kb = NULL, *vb = NULL;
     if (model) {
-        if (!file) return cli_fail("--from-model needs a text: -f FILE");
-        if (from_model(model, file, S, &d) != 0) return 1;
+        if (from_model(model, file, S, &d) != 0) goto done;
     } else {
         size_t total = (size_t)L * H * S * D;
         d.k = malloc(sizeof(float) * total);
         d.v = malloc(sizeof(float) * total);
-        if (!d.k || !d.v) return cli_fail("out of memory for %zu values", total);
+        if (!d.k || !d.v) {
+            cli_fail("out of memory for %zu values", total);
+            goto done;
+        }
         uint64_t s = 0x9e3779b97f4a7c15ull;
         for (size_t i = 0; i < total; i++) d.k[i] = gauss(&s), d.v[i] = gauss(&s);
     }
-    if (d.D % G != 0) return cli_fail("group size %d does not divide head_dim %d", G, d.D);
+    if (d.D % G != 0) {
+        cli_fail("group size %d does not divide head_dim %d", G, d.D);
+        goto done;
+    }
     size_t n_rows = (size_t)d.L * d.H * d.S;
-    float *signs = malloc(sizeof(float) * d.D), *q = malloc(sizeof(float) * d.D), *x = malloc(sizeof(float) * d.D);
+    signs = malloc(sizeof(float) * d.D), q = malloc(sizeof(float) * d.D), x = malloc(sizeof(float) * d.D);
+    if (!signs || !q || !x) {
+        cli_fail("out of memory");
+        goto done;
+    }
     kern_kvq_hadamard_signs(signs, d.D, 1);
     uint64_t s = 42;
     for (int i = 0; i < d.D; i++) q[i] = gauss(&s) / sqrtf((float)d.D);
@@ -192,14 +225,15 @@ int cmd_bench_kv_cache(int argc, char **argv) {
     printf("| mode | memory MiB | vs f16 | mean abs err | max abs err | quantize ms | dequantize ms | attention ms | "
            "f16 attention ms |\n|---|---|---|---|---|---|---|---|---|\n");
     double f16_attn = -1;
-    char list[128];
     snprintf(list, sizeof list, "%s", bits_list);
     for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
         int bits = atoi(tok);
-        if (bits != 16 && bits != 32 && !kern_kvq_bits_quantized(bits)) return cli_fail("invalid bits '%s'", tok);
         size_t row = kern_kvq_row_bytes(bits, G, d.D);
-        uint8_t *kb = malloc(row * n_rows), *vb = malloc(row * n_rows);
-        if (!kb || !vb) return cli_fail("out of memory");
+        kb = malloc(row * n_rows), vb = malloc(row * n_rows);
+        if (!kb || !vb) {
+            cli_fail("out of memory");
+            goto done;
+        }
         double t0 = cli_now();
         for (size_t r = 0; r < n_rows; r++)
             for (int w = 0; w < 2; w++) {
@@ -233,6 +267,12 @@ int cmd_bench_kv_cache(int argc, char **argv) {
             } else {
                 size_t r16 = (size_t)d.D * 2;
                 uint8_t *k16 = malloc(r16 * n_rows), *v16 = malloc(r16 * n_rows);
+                if (!k16 || !v16) {
+                    free(k16);
+                    free(v16);
+                    cli_fail("out of memory");
+                    goto done;
+                }
                 for (size_t r = 0; r < n_rows; r++) {
                     kern_kvq_quantize_row(d.k + r * d.D, d.D, 16, G, k16 + r * r16);
                     kern_kvq_quantize_row(d.v + r * d.D, d.D, 16, G, v16 + r * r16);
@@ -251,11 +291,16 @@ int cmd_bench_kv_cache(int argc, char **argv) {
         fflush(stdout);
         free(kb);
         free(vb);
+        kb = vb = NULL;
     }
+    rc = 0;
+done:
+    free(kb);
+    free(vb);
     free(signs);
     free(q);
     free(x);
     free(d.k);
     free(d.v);
-    return 0;
+    return rc;
 }

@@ -22,6 +22,8 @@ static const char *const cache_prompt_help =
     "  -b, --batch-size N   prompt tokens per forward pass (default 512)\n"
     "  -h, --help           this text\n";
 
+static const char *const cache_prompt_value_flags[] = {"-m", "--model", "-p", "--prompt", "-f", "--file", "-o", "--output", "-c", "--ctx-size", "-t", "--threads", "-b", "--batch-size", NULL};
+
 int cmd_cache_prompt(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *prompt_file = NULL, *out = NULL;
     struct kvq_context_params cp;
@@ -36,7 +38,7 @@ int cmd_cache_prompt(int argc, char **argv) {
             fputs(cli_kv_flags_help, stdout);
             return 0;
         }
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, cache_prompt_value_flags, "cache-prompt"))) return 1;
         bool ok = true;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) prompt = v;

@@ -282,6 +282,8 @@ static void add_t(struct gen *g, const char *name, uint32_t n_dims, uint64_t ne0
     t->init = init;
 }
 
+static const char *const gen_model_value_flags[] = {"--shape", "--type", "-o", "--output", "--seed", "-t", "--threads", "--layers", NULL};
+
 int cmd_gen_model(int argc, char **argv) {
     const char *shape_name = NULL, *type_name = NULL, *out = NULL;
     uint64_t seed = 1;
@@ -292,7 +294,7 @@ int cmd_gen_model(int argc, char **argv) {
             fputs(gen_model_help, stdout);
             return 0;
         }
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, gen_model_value_flags, "gen-model"))) return 1;
         bool ok = true;
         if (!strcmp(a, "--shape")) shape_name = v;
         else if (!strcmp(a, "--type")) type_name = v;

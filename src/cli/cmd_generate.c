@@ -1,5 +1,6 @@
 /* kvq generate: continue a prompt, printing only the generated text on stdout and
  * timing lines on stderr. */
+#include <errno.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,10 +51,12 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
     kvq_context_params_default(&o->cp);
     kvq_sampler_params_default(&o->sp);
     o->n_predict = 128;
+    bool kv_given = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp);
         if (kv < 0) return 1;
+        kv_given |= kv > 0;
         if (kv > 0) continue;
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             fputs(generate_help, stdout);
@@ -64,9 +67,7 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
             o->ignore_eos = true;
             continue;
         }
-        if (!cli_is_one_of(a, generate_value_flags))
-            return cli_fail("unknown option '%s' for generate (see 'kvq generate --help')", a);
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, generate_value_flags, "generate"))) return 1;
         bool ok = true;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) o->prompt = v;
@@ -87,7 +88,17 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
     }
     if (!o->model) return cli_fail("generate needs a model: -m FILE");
     if (o->prompt_cache && !o->prompt && !o->prompt_file) o->prompt = "";
-    if (o->prompt_cache && kvq_seq_file_kv_config(o->prompt_cache, &o->cp.kv) != 0) return cli_fail("%s", kvq_last_error());
+    if (o->prompt_cache) {
+        struct kvq_kv_config asked = o->cp.kv;
+        if (kvq_seq_file_kv_config(o->prompt_cache, &o->cp.kv) != 0) return cli_fail("%s", kvq_last_error());
+        /* the cache's settings apply: a different explicit one would be silently ignored */
+        if (kv_given && memcmp(&asked, &o->cp.kv, sizeof asked) != 0) {
+            char theirs[96];
+            snprintf(theirs, sizeof theirs, "%s", cli_kv_config_name(&o->cp.kv));
+            return cli_fail("'%s' was saved with KV cache %s, not %s: drop the --kv-* options (its settings apply)",
+                            o->prompt_cache, theirs, cli_kv_config_name(&asked));
+        }
+    }
     if (!o->prompt && !o->prompt_file) return cli_fail("generate needs a prompt: -p TEXT or -f FILE");
     if (o->prompt && o->prompt_file) return cli_fail("give either -p or -f, not both");
     if (!cli_kv_config_check(&o->cp.kv)) return 1;
@@ -108,6 +119,19 @@ static int prefill(struct kvq_context *ctx, const kvq_token *toks, int n, int n_
     return 0;
 }
 
+/* The text of one token; the buffer grows for long vocabulary entries (the
+ * detokenizer leaves its state as it was when the buffer is too small). */
+static int feed_piece(struct kvq_detok *dt, kvq_token t, char **buf, int *cap) {
+    for (;;) {
+        int w = kvq_detok_feed(dt, t, *buf, *cap);
+        if (w >= 0 || *cap >= (1 << 26)) return w;
+        char *nb = realloc(*buf, (size_t)*cap * 4);
+        if (!nb) return w;
+        *buf = nb;
+        *cap *= 4;
+    }
+}
+
 int cmd_generate(int argc, char **argv) {
     struct generate_opts o = {0};
     if (parse_args(argc, argv, &o) != 0) return 1;
@@ -122,6 +146,7 @@ int cmd_generate(int argc, char **argv) {
     struct kvq_detok *dt = NULL;
     kvq_token *toks = NULL;
     struct kvq_seq_extra saved = {0};
+    char *piece = NULL;
     struct kvq_model *m = kvq_model_load(o.model);
     if (!m) {
         cli_fail("%s", kvq_last_error());
@@ -133,7 +158,7 @@ int cmd_generate(int argc, char **argv) {
     /* Text that continues a cached prompt gets no BOS. */
     toks = cli_tokenize(m, text, len, !o.prompt_cache, true, &n_prompt);
     if (!toks) goto done;
-    if (n_prompt == 0 && !o.prompt_cache) {
+    if ((n_prompt == 0 || len == 0) && !o.prompt_cache) { /* BOS alone is no prompt */
         cli_fail("the prompt is empty");
         goto done;
     }
@@ -165,6 +190,13 @@ int cmd_generate(int argc, char **argv) {
             cli_fail("'%s' holds no logits: give more prompt text with -p", o.prompt_cache);
             goto done;
         }
+        int n_cached = kvq_seq_len(ctx, 0);
+        if (o.cp.kv.max_size == 0 && n_cached + n_prompt >= n_ctx) { /* fail before evaluating anything */
+            cli_fail("'%s' holds %d tokens and the prompt adds %d, more than the context of %d allows (use -c to "
+                     "raise it)",
+                     o.prompt_cache, n_cached, n_prompt, n_ctx);
+            goto done;
+        }
     }
     for (int i = 0; i < n_prompt; i++) kvq_sampler_accept(smp, toks[i]);
 
@@ -174,17 +206,28 @@ int cmd_generate(int argc, char **argv) {
     if (n_prompt > 0) pending = NULL;
     double t1 = cli_now();
     int n_gen = 0;
-    char piece[256];
+    int piece_cap = 256;
+    piece = malloc((size_t)piece_cap);
     bool stopped_by_ctx = false;
+    if (!piece) {
+        cli_fail("out of memory");
+        goto done;
+    }
     while (o.n_predict < 0 || n_gen < o.n_predict) {
         kvq_token t = kvq_sampler_sample(smp, pending ? pending : kvq_get_logits(ctx, last));
         pending = NULL;
         last = 0;
         if (!o.ignore_eos && kvq_token_is_eog(m, t)) break;
         kvq_sampler_accept(smp, t);
-        int w = kvq_detok_feed(dt, t, piece, sizeof piece);
-        fwrite(piece, 1, (size_t)(w < (int)sizeof piece ? w : (int)sizeof piece), stdout);
-        fflush(stdout);
+        int w = feed_piece(dt, t, &piece, &piece_cap);
+        if (w < 0) {
+            cli_fail("cannot detokenize token %d: %s", t, kvq_last_error());
+            goto done;
+        }
+        if (fwrite(piece, 1, (size_t)w, stdout) != (size_t)w || fflush(stdout) != 0) {
+            cli_fail("cannot write the output: %s", strerror(errno));
+            goto done;
+        }
         n_gen++;
         if (o.n_predict >= 0 && n_gen >= o.n_predict) break;
         if (o.cp.kv.max_size == 0 && kvq_seq_len(ctx, 0) >= n_ctx) {
@@ -197,10 +240,12 @@ int cmd_generate(int argc, char **argv) {
             goto done;
         }
     }
-    int w = kvq_detok_flush(dt, piece, sizeof piece);
-    fwrite(piece, 1, (size_t)w, stdout);
-    fputc('\n', stdout);
-    fflush(stdout);
+    int w = kvq_detok_flush(dt, piece, piece_cap);
+    if (w < 0 || fwrite(piece, 1, (size_t)w, stdout) != (size_t)w || fputc('\n', stdout) == EOF ||
+        fflush(stdout) != 0) {
+        cli_fail("cannot write the output: %s", w < 0 ? kvq_last_error() : strerror(errno));
+        goto done;
+    }
     double t2 = cli_now();
     if (stopped_by_ctx) fprintf(stderr, "kvq: stopped: the context of %d tokens is full\n", n_ctx);
     fprintf(stderr, "kvq: model %s (%s, %s), %d threads\n", o.model, info.arch, info.weight_type,
@@ -217,6 +262,7 @@ int cmd_generate(int argc, char **argv) {
     cli_print_kv_layer_kinds(ctx);
     rc = 0;
 done:
+    free(piece);
     kvq_seq_extra_free(&saved);
     kvq_detok_free(dt);
     kvq_sampler_free(smp);

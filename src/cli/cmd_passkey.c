@@ -71,6 +71,8 @@ static bool parse_lengths(const char *v, struct pk_opts *o) {
     return true;
 }
 
+static const char *const passkey_value_flags[] = {"-m", "--model", "-f", "--file", "--lengths", "--trials", "--seed", "--format", "-t", "--threads", "-b", "--batch-size", NULL};
+
 static int parse_args(int argc, char **argv, struct pk_opts *o) {
     kvq_context_params_default(&o->cp);
     o->trials = 20;
@@ -91,7 +93,7 @@ static int parse_args(int argc, char **argv, struct pk_opts *o) {
             o->verbose = true;
             continue;
         }
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, passkey_value_flags, "passkey"))) return 1;
         bool ok = true;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->file = v;

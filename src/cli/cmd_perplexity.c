@@ -25,9 +25,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "core/outfile.h"
 
 static const char *const perplexity_help =
     "usage: kvq perplexity -m MODEL -f TEXT [-c 1024] [--chunks N] [options] [cache flags]\n"
@@ -76,6 +78,8 @@ struct ppl_opts {
     struct kvq_context_params cp;
 };
 
+static const char *const perplexity_value_flags[] = {"-m", "--model", "-f", "--file", "-c", "--ctx-size", "--chunks", "--parallel", "-t", "--threads", "-b", "--batch-size", "--kl-divergence-base", NULL};
+
 static int parse_args(int argc, char **argv, struct ppl_opts *o) {
     kvq_context_params_default(&o->cp);
     o->n_ctx = 1024;
@@ -94,7 +98,7 @@ static int parse_args(int argc, char **argv, struct ppl_opts *o) {
             o->kl = true;
             continue;
         }
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, perplexity_value_flags, "perplexity"))) return 1;
         bool ok = true;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
         else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->file = v;
@@ -112,6 +116,11 @@ static int parse_args(int argc, char **argv, struct ppl_opts *o) {
     if (!o->model) return cli_fail("perplexity needs a model: -m FILE");
     if (o->kl && !o->kl_base) return cli_fail("--kl-divergence needs the base file: --kl-divergence-base FILE");
     if (!o->kl && !o->file) return cli_fail("perplexity needs a text: -f FILE");
+    struct stat sb, sf;
+    if (!o->kl && o->kl_base && stat(o->kl_base, &sb) == 0 && stat(o->file, &sf) == 0 && sb.st_dev == sf.st_dev &&
+        sb.st_ino == sf.st_ino)
+        return cli_fail("--kl-divergence-base '%s' is the text file itself: writing it would replace the text",
+                        o->kl_base);
     if (o->cp.kv.max_size > 0) return cli_fail("perplexity needs the whole chunk in the cache: drop --max-kv-size");
     if (!cli_kv_config_check(&o->cp.kv)) return 1;
     return 0;
@@ -406,6 +415,7 @@ int cmd_perplexity(int argc, char **argv) {
     bool *batch_logits = NULL;
     unsigned char *rec = NULL;
     FILE *bf = NULL;
+    struct kvq_outfile bout = {0};
     struct kvq_context *ctx = NULL;
     struct kld_stats st = {0};
     bool write_base = o.kl_base && !o.kl;
@@ -497,9 +507,8 @@ int cmd_perplexity(int argc, char **argv) {
         goto done;
     }
     if (write_base) {
-        bf = fopen(o.kl_base, "wb");
-        if (!bf) {
-            cli_fail("cannot create '%s'", o.kl_base);
+        if (!(bf = kvq_outfile_open(&bout, o.kl_base))) {
+            cli_fail("%s", kvq_last_error());
             goto done;
         }
         memcpy(h.magic, KLD_MAGIC, 8);
@@ -622,18 +631,17 @@ int cmd_perplexity(int argc, char **argv) {
     fprintf(stderr, "kvq: %ld tokens scored, %d evaluated in %.2f s (%.1f tok/s)\n", count, n_chunk * n_ctx, el,
             n_chunk * n_ctx / el);
     if (write_base) {
-        if (fclose(bf) != 0) {
-            bf = NULL;
-            cli_fail("cannot write '%s'", o.kl_base);
+        bf = NULL;
+        if (kvq_outfile_commit(&bout) != 0) {
+            cli_fail("%s", kvq_last_error());
             goto done;
         }
-        bf = NULL;
         fprintf(stderr, "kvq: wrote the base distributions to %s\n", o.kl_base);
     }
     rc = 0;
 done:
-    if (bf) fclose(bf);
-    if (rc != 0 && write_base && h.magic[0]) remove(o.kl_base); /* no half-written base files */
+    if (write_base) kvq_outfile_abort(&bout); /* a failed run leaves the path as it was */
+    else if (bf) fclose(bf);
     free(st.kld_values);
     free(st.dp_values);
     free(rec);

@@ -25,9 +25,7 @@ int cmd_tokenize(int argc, char **argv) {
         }
         if (!strcmp(a, "--no-bos")) { bos = false; continue; }
         if (!strcmp(a, "--no-parse-special")) { parse_special = false; continue; }
-        if (!cli_is_one_of(a, tokenize_value_flags))
-            return cli_fail("unknown option '%s' for tokenize (see 'kvq tokenize --help')", a);
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        if (!(v = cli_option_value(argc, argv, &i, tokenize_value_flags, "tokenize"))) return 1;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) text = v;
         else file = v;

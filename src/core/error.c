@@ -2,14 +2,20 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 static _Thread_local char last_error[512];
 
 int kvq_error(const char *fmt, ...) {
+    /* Formatted aside first: callers often wrap the previous message
+     * (kvq_error("'%s': %s", path, kvq_last_error())), and vsnprintf into the
+     * buffer it reads from would garble it. */
+    char msg[sizeof last_error];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    memcpy(last_error, msg, sizeof msg);
     return -1;
 }
 

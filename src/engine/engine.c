@@ -259,6 +259,15 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
         kvq_error("invalid context parameters: n_ctx %d, n_batch %d", p->n_ctx, p->n_batch);
         return NULL;
     }
+    /* A residual window or sink count beyond the context can never fill: refuse it
+     * rather than report (and plan for) memory that is never used. */
+    int n_ctx = p->n_ctx ? p->n_ctx : hp->n_ctx_train;
+    bool quant = p->kv.k_bits < 16 || p->kv.v_bits < 16;
+    if (quant && p->kv.residual > 0 && (p->kv.residual > n_ctx || p->kv.keep > n_ctx)) {
+        kvq_error("KV residual window %d and keep %d must not exceed the context of %d tokens", p->kv.residual,
+                  p->kv.keep, n_ctx);
+        return NULL;
+    }
     struct kvq_context *c = calloc(1, sizeof *c);
     if (!c) {
         kvq_error("out of memory");

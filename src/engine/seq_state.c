@@ -19,11 +19,14 @@
  * Version 2 files (no flags) load as flags 0; version 1 files (no residual in the
  * config, 'KVL1' layer sections without window rows) also as residual 0. */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "core/error.h"
+#include "core/outfile.h"
 #include "engine/engine_internal.h"
 #include "kvcache/kv_cache.h"
 #include "model/model.h"
@@ -97,16 +100,19 @@ static int save_caches(const struct kvq_context *c, struct kv_cache *const *cach
         return kvq_error("out of memory saving the KV cache");
     }
     kv_buf_u64(&b, fnv1a(FNV_INIT, b.data, b.len));
-    FILE *f = fopen(path, "wb");
+    struct kvq_outfile out; /* a temporary renamed into place: never a partial file */
+    FILE *f = kvq_outfile_open(&out, path);
     if (!f) {
         free(b.data);
-        return kvq_error("cannot create '%s': %s", path, strerror(errno));
+        return -1;
     }
     bool ok = !b.oom && fwrite(b.data, 1, b.len, f) == b.len;
-    ok = (fclose(f) == 0) && ok;
     free(b.data);
-    if (!ok) return kvq_error("cannot write '%s'", path);
-    return 0;
+    if (!ok) {
+        kvq_outfile_abort(&out);
+        return kvq_error("cannot write '%s': %s", path, strerror(errno));
+    }
+    return kvq_outfile_commit(&out);
 }
 
 int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, const kvq_token *tokens, int n_tokens,
@@ -129,6 +135,12 @@ static uint8_t *read_all(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) {
         kvq_error("cannot open '%s': %s", path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) { /* ftell of a directory says LONG_MAX */
+        fclose(f);
+        kvq_error("'%s' is not a regular file", path);
         return NULL;
     }
     long size = -1;
@@ -230,10 +242,15 @@ static int load_body(struct kvq_context *c, struct kv_cache **caches, const char
     bool ok = kv_read_u64(r, &fp);
     for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(r, &dims[i]);
     if (!ok || !read_kv_config(r, &kv, version) || !kv_read_i32(r, &n_past)) return kvq_error("'%s' is truncated", path);
-    if (fp != model_fingerprint(m) || dims[0] != (uint32_t)hp->n_layer || dims[1] != (uint32_t)hp->n_head ||
-        dims[2] != (uint32_t)hp->n_head_kv || dims[3] != (uint32_t)hp->head_dim || dims[4] != (uint32_t)hp->n_vocab)
-        return kvq_error("'%s' was written for another model (%u layers, %u/%u heads, head_dim %u, vocab %u)", path,
-                         dims[0], dims[1], dims[2], dims[3], dims[4]);
+    if (dims[0] != (uint32_t)hp->n_layer || dims[1] != (uint32_t)hp->n_head || dims[2] != (uint32_t)hp->n_head_kv ||
+        dims[3] != (uint32_t)hp->head_dim || dims[4] != (uint32_t)hp->n_vocab)
+        return kvq_error("'%s' was written for another model (%u layers, %u/%u heads, head_dim %u, vocab %u; this one "
+                         "has %d layers, %d/%d heads, head_dim %d, vocab %d)",
+                         path, dims[0], dims[1], dims[2], dims[3], dims[4], hp->n_layer, hp->n_head, hp->n_head_kv,
+                         hp->head_dim, hp->n_vocab);
+    if (fp != model_fingerprint(m)) /* same shape: listing it would not tell the models apart */
+        return kvq_error("'%s' was written for another model of the same shape (other weights or hyperparameters)",
+                         path);
     const struct kvq_kv_config *mine = engine_kv_config(c);
     if (!same_kv(&kv, mine))
         return kvq_error("'%s' was written with another KV cache config (K%d/V%d bits, groups %d/%d, max size %d, "
@@ -244,7 +261,8 @@ static int load_body(struct kvq_context *c, struct kv_cache **caches, const char
                          kv.hadamard, kv.residual, kv.swa_full, mine->k_bits, mine->v_bits, mine->k_group,
                          mine->v_group, mine->max_size, mine->keep, mine->quantized_start, mine->hadamard,
                          mine->residual, mine->swa_full);
-    if (n_past < 0 || (n_past > kvq_context_n_ctx(c) && mine->max_size == 0))
+    /* a rotating cache may hold a long past, but positions must stay far from INT_MAX */
+    if (n_past < 0 || n_past > (1 << 30) || (n_past > kvq_context_n_ctx(c) && mine->max_size == 0))
         return kvq_error("'%s' holds %d tokens, more than the context of %d", path, n_past, kvq_context_n_ctx(c));
     if (!kv_read_u32(r, &n_tok) || n_tok > (r->len - r->off) / 4) return kvq_error("'%s' is truncated", path);
     kvq_token *toks = malloc(sizeof(kvq_token) * (n_tok ? n_tok : 1));
@@ -267,6 +285,11 @@ static int load_body(struct kvq_context *c, struct kv_cache **caches, const char
         uint32_t u;
         kv_read_u32(r, &u);
         memcpy(&logits[i], &u, 4);
+        if (!isfinite(logits[i])) { /* the sampler would pick from NaNs */
+            free(toks);
+            free(logits);
+            return kvq_error("'%s' holds a non-finite logit (token %u)", path, i);
+        }
     }
     int rc = 0;
     for (int il = 0; il < hp->n_layer && rc == 0; il++) {

@@ -245,6 +245,36 @@ static bool validate_tensor(const struct gguf_file *f, struct gguf_tensor *t) {
     return true;
 }
 
+static int cmp_offset(const void *a, const void *b) {
+    const struct gguf_tensor *x = *(const struct gguf_tensor *const *)a, *y = *(const struct gguf_tensor *const *)b;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* As llama.cpp: the tensors tile the data section, each at the aligned end of the
+ * one before. A changed type byte or shape changes a tensor's size, so it would
+ * overlap its neighbour or leave a gap: the file is refused instead of reading
+ * one tensor's bytes as another's. */
+static bool check_layout(struct gguf_file *f) {
+    if (f->n_tensors == 0) return true;
+    const struct gguf_tensor **by_off = track_alloc(f, f->n_tensors, sizeof *by_off);
+    if (!by_off) return false;
+    for (uint64_t i = 0; i < f->n_tensors; i++) by_off[i] = &f->tensors[i];
+    qsort(by_off, (size_t)f->n_tensors, sizeof *by_off, cmp_offset);
+    uint64_t expect = 0;
+    for (uint64_t i = 0; i < f->n_tensors; i++) {
+        const struct gguf_tensor *t = by_off[i];
+        if (t->offset != expect) {
+            kvq_error("gguf: tensor '%.*s' starts at offset %llu, expected %llu (%s the tensor before it: its type or "
+                      "shape does not match the data)",
+                      (int)(t->name.len > 200 ? 200 : t->name.len), t->name.ptr, (unsigned long long)t->offset,
+                      (unsigned long long)expect, t->offset < expect ? "overlaps" : "leaves a gap after");
+            return false;
+        }
+        expect = (t->offset + t->nbytes + f->alignment - 1) / f->alignment * f->alignment;
+    }
+    return true;
+}
+
 static bool parse(struct gguf_file *f) {
     struct reader r = {f, 0};
     char magic[4];
@@ -306,7 +336,7 @@ static bool parse(struct gguf_file *f) {
             }
         }
     }
-    return true;
+    return check_layout(f);
 }
 
 struct gguf_file *gguf_open_memory(const void *data, size_t size) {

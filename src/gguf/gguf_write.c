@@ -14,6 +14,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/outfile.h"
 #include "gguf/gguf.h"
 
 struct wkv {
@@ -288,10 +289,11 @@ int gguf_writer_write(struct gguf_writer *w, const char *path, gguf_fill_fn fill
         free(h.p);
         return kvq_error("gguf: out of memory while building the header");
     }
-    FILE *f = fopen(path, "wb");
+    struct kvq_outfile out;
+    FILE *f = kvq_outfile_open(&out, path);
     if (!f) {
         free(h.p);
-        return kvq_error("gguf: cannot create '%s': %s", path, strerror(errno));
+        return kvq_error("gguf: %s", kvq_last_error());
     }
     int rc = write_all(f, h.p, h.n, path);
     free(h.p);
@@ -328,7 +330,8 @@ int gguf_writer_write(struct gguf_writer *w, const char *path, gguf_fill_fn fill
         pos += k;
     }
     free(tmp);
-    if (fclose(f) != 0 && rc == 0) rc = kvq_error("gguf: cannot write '%s': %s", path, strerror(errno));
-    if (rc != 0) remove(path);
+    /* a failed write leaves the path as it was (no partial file, no removed device) */
+    if (rc != 0) kvq_outfile_abort(&out);
+    else if (kvq_outfile_commit(&out) != 0) rc = kvq_error("gguf: %s", kvq_last_error());
     return rc;
 }

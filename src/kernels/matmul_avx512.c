@@ -275,9 +275,14 @@ INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uin
 
 /* ---- activation preparation ------------------------------------------------ */
 
-/* 16 values -> int8 (round to nearest even, as the scalar code); returns their sum. */
+/* 16 values -> int8 (round to nearest even, as the scalar code); returns their sum.
+ * NaN lanes become 0 and the rest is clamped to +-127 like the scalar q8_code: an
+ * unclamped NaN or inf converts to INT_MIN and overflows the sum. */
 INLINE int32_t quant16(__m512 x, __m512 id, int8_t *dst) {
-    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(x, id));
+    __m512 v = _mm512_mul_ps(x, id);
+    v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+    __m512i q = _mm512_cvtps_epi32(v);
     _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(q));
     return _mm512_reduce_add_epi32(q);
 }

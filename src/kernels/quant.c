@@ -9,6 +9,10 @@
 /* Round to nearest, ties to even: the same as the SIMD conversions, so every
  * level prepares bit-identical activations. */
 static inline int kern_round(float v) { return (int)rintf(v); }
+/* An int8 code of v = x / d: NaN (a NaN or inf activation) gives 0 and the rest is
+ * clamped, so no conversion is undefined and sums cannot overflow; in-range values
+ * round exactly as before (the SIMD quantizers do the same). */
+static inline int q8_code(float v) { return v != v ? 0 : kern_round(v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v); }
 
 size_t kern_act_row_bytes(uint32_t wtype, int64_t k) {
     switch (wtype) {
@@ -34,7 +38,7 @@ static float quant_block32(const float *x, int8_t *q, int32_t *sum) {
     float id = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t s = 0;
     for (int i = 0; i < 32; i++) {
-        int v = kern_round(x[i] * id);
+        int v = q8_code(x[i] * id);
         q[i] = (int8_t)v;
         s += v;
     }
@@ -80,7 +84,7 @@ static void prepare_q8k(const float *x, struct kern_q8k *dst, int64_t k) {
         for (int g = 0; g < 16; g++) {
             int s = 0;
             for (int i = 0; i < 16; i++) {
-                int v = kern_round(xb[g * 16 + i] * id);
+                int v = q8_code(xb[g * 16 + i] * id);
                 o->q[g * 16 + i] = (int8_t)v;
                 s += v;
             }

@@ -42,7 +42,8 @@ struct kv_cache *kv_cache_new_in(struct kv_pool *pool, const struct kv_cache_con
             return NULL;
         }
     }
-    if (cfg->max_size < 0 || cfg->keep < 0 || cfg->quantized_start < 0 ||
+    /* keep is bounded like the window: residual + keep must not overflow */
+    if (cfg->max_size < 0 || cfg->keep < 0 || cfg->keep > (1 << 30) || cfg->quantized_start < 0 ||
         (cfg->max_size > 0 && cfg->keep >= cfg->max_size)) {
         kvq_error("invalid rotating cache: max size %d, keep %d (keep must be smaller), quantized start %d",
                   cfg->max_size, cfg->keep, cfg->quantized_start);
@@ -182,5 +183,5 @@ size_t kv_cache_window_bytes(const struct kv_cache_config *cfg, const struct kv_
         return 0;
     size_t k = (size_t)shape->head_dim * (kern_kvq_bits_quantized(cfg->k_bits) ? 16 : cfg->k_bits) / 8;
     size_t v = (size_t)shape->head_dim * (kern_kvq_bits_quantized(cfg->v_bits) ? 16 : cfg->v_bits) / 8;
-    return (size_t)(cfg->residual + cfg->keep) * (size_t)shape->n_kv_heads * (k + v);
+    return ((size_t)cfg->residual + (size_t)cfg->keep) * (size_t)shape->n_kv_heads * (k + v);
 }

@@ -32,10 +32,14 @@ static int get_int(const struct gguf_file *f, const char *arch, const char *suff
     return required ? kvq_error("model metadata %s is missing", key) : 0;
 }
 
-static void get_float(const struct gguf_file *f, const char *arch, const char *suffix, float *out) {
+/* Every float hyperparameter read here (epsilons, rope bases and factors) is a
+ * finite positive number; a negative, NaN or inf one would run and print garbage. */
+static int get_float(const struct gguf_file *f, const char *arch, const char *suffix, float *out) {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    gguf_get_f32(f, key, out);
+    if (gguf_get_f32(f, key, out) && !(isfinite(*out) && *out > 0))
+        return kvq_error("model metadata %s = %g: expected a finite positive number", key, (double)*out);
+    return 0;
 }
 
 static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
@@ -69,9 +73,10 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
     if (hp->rope_dim <= 0 || hp->rope_dim > hp->head_dim || hp->rope_dim % 2 != 0)
         return kvq_error("invalid rope.dimension_count %d", hp->rope_dim);
     hp->rms_eps = 1e-5f;
-    get_float(f, a, "attention.layer_norm_rms_epsilon", &hp->rms_eps);
     hp->rope_base = 10000.0f;
-    get_float(f, a, "rope.freq_base", &hp->rope_base);
+    if (get_float(f, a, "attention.layer_norm_rms_epsilon", &hp->rms_eps) ||
+        get_float(f, a, "rope.freq_base", &hp->rope_base))
+        return -1;
     hp->rope_pairing = hp->arch == ARCH_LLAMA ? ROPE_ADJACENT : ROPE_HALVES;
     /* key_length is the query scale's dimension too (Gemma 3 writes it explicitly) */
     hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
@@ -82,8 +87,7 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
     snprintf(key, sizeof key, "%s.rope.scaling.type", a);
     gguf_get_str(f, key, scaling, sizeof scaling);
     if (strcmp(scaling, "linear") == 0) {
-        get_float(f, a, "rope.scaling.factor", &hp->rope_linear_factor);
-        if (!(hp->rope_linear_factor > 0)) return kvq_error("invalid rope.scaling.factor");
+        if (get_float(f, a, "rope.scaling.factor", &hp->rope_linear_factor)) return -1;
     } else if (scaling[0] && strcmp(scaling, "none") != 0 && strcmp(scaling, "llama3") != 0) {
         return kvq_error("unsupported rope scaling '%s' (supported: none, linear, llama3)", scaling);
     }
@@ -142,10 +146,9 @@ static int init_rope(struct model *m) {
     /* Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between. */
     float factor = 8, low = 1, high = 4;
     int orig_ctx = 8192;
-    get_float(m->file, hp->arch_name, "rope.scaling.factor", &factor);
-    get_float(m->file, hp->arch_name, "rope.scaling.low_freq_factor", &low);
-    get_float(m->file, hp->arch_name, "rope.scaling.high_freq_factor", &high);
-    if (get_int(m->file, hp->arch_name, "rope.scaling.original_context_length", &orig_ctx, false)) return -1;
+    if (get_float(m->file, hp->arch_name, "rope.scaling.factor", &factor) ||
+        get_float(m->file, hp->arch_name, "rope.scaling.low_freq_factor", &low) ||
+        get_float(m->file, hp->arch_name, "rope.scaling.high_freq_factor", &high) || get_int(m->file, hp->arch_name, "rope.scaling.original_context_length", &orig_ctx, false)) return -1;
     double low_wavelen = orig_ctx / low, high_wavelen = orig_ctx / high;
     for (int i = 0; i < n; i++) {
         double f = m->rope_inv_freq[i], wavelen = 2 * M_PI / f;
@@ -250,6 +253,13 @@ struct model *model_load(const char *path) {
         find_weight(m, "output.weight", hp->n_embd, hp->n_vocab, false, &m->output))
         goto fail;
     if (!m->output.data) m->output = m->tok_embd; /* tied embeddings */
+    /* every layer has several tensors: a block_count beyond the tensor count is a
+     * lie that would otherwise size the layer table (2^30 layers: 360 GB) */
+    if ((uint64_t)hp->n_layer > gguf_n_tensors(m->file)) {
+        kvq_error("model metadata %s.block_count = %d, but the file holds only %llu tensors", hp->arch_name,
+                  hp->n_layer, (unsigned long long)gguf_n_tensors(m->file));
+        goto fail;
+    }
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
     if (!m->layers) {
         kvq_error("out of memory");
