@@ -306,3 +306,33 @@ void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float
         }
     }
 }
+
+void kern_kvq_attn_accumulate_runs(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *kf,
+                                   const struct kern_kv_rows *vf, const struct kern_kv_run *runs, int n_runs) {
+    const bool dense = kf->bits == vf->bits && !kvq_is_quant(kf->bits);
+    if (!dense && level() == LVL_AVX512 && s->d % 16 == 0) {
+        bool done = true;
+        for (int h0 = 0; h0 < s->n_q && done; h0 += KVQ_ATTN_MAXH) {
+            int nh = s->n_q - h0 < KVQ_ATTN_MAXH ? s->n_q - h0 : KVQ_ATTN_MAXH;
+            done = kern_kvq_attn_avx512_runs(s, h0, nh, q, kf, vf, runs, n_runs);
+        }
+        if (done) return;
+    }
+    for (int i = 0; i < n_runs; i++) {
+        /* the next run lies elsewhere in memory: start fetching its first rows now,
+         * while this one is scored (the kernels prefetch only within a run) */
+        if (i + 1 < n_runs)
+            for (int j = 0; j < 16 && j < runs[i + 1].n; j++) {
+                for (size_t b = 0; b < kf->stride; b += 64) __builtin_prefetch(runs[i + 1].k + j * kf->stride + b);
+                for (size_t b = 0; b < vf->stride; b += 64) __builtin_prefetch(runs[i + 1].v + j * vf->stride + b);
+            }
+        if (dense) {
+            kern_attn_accumulate(s, q, runs[i].k, kf->stride * 8 / (size_t)kf->bits, runs[i].v,
+                                 vf->stride * 8 / (size_t)vf->bits, kf->bits, runs[i].n);
+            continue;
+        }
+        struct kern_kv_rows k = {runs[i].k, kf->stride, kf->bits, kf->group};
+        struct kern_kv_rows v = {runs[i].v, vf->stride, vf->bits, vf->group};
+        kern_kvq_attn_accumulate(s, q, &k, &v, runs[i].n);
+    }
+}

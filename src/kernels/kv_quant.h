@@ -55,6 +55,18 @@ struct kern_kv_rows {
 void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *k,
                               const struct kern_kv_rows *v, int n);
 
+/* n rows of keys and values of one KV head at k and v (strides and formats given
+ * separately): one block of a paged cache. */
+struct kern_kv_run {
+    const uint8_t *k, *v;
+    int n;
+};
+/* The same attention over several runs in order, as if their rows were one sequence:
+ * the per-call setup (query layout, sums) is paid once. kf, vf give the strides and
+ * formats (their data is ignored). f16/f32 keys and values of equal width, too. */
+void kern_kvq_attn_accumulate_runs(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *kf,
+                                   const struct kern_kv_rows *vf, const struct kern_kv_run *runs, int n_runs);
+
 /* "avx512", "avx2" or "scalar": the variant the KV kernels use (KVQ_SIMD forces one). */
 const char *kern_kvq_simd_level(void);
 

@@ -197,7 +197,9 @@ INLINE void fq_scores(const int KB, const int NH, const float *qp, const __m512 
 #define F_PF_ROWS 48      /* prefetch distance: K and V rows this far ahead */
 
 INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn_state *s, int h0, const float *q,
-                      const struct kern_kv_rows *k, const struct kern_kv_rows *v, int n) {
+                      const struct kern_kv_rows *kf, const struct kern_kv_rows *vf, const struct kern_kv_run *runs,
+                      int n_runs) {
+    const struct kern_kv_rows *k = kf, *v = vf;
     const int d = s->d, KG = k->group, VG = v->group;
     const int kng = d / KG, kng8 = (kng + 7) / 8, vng = d / VG, vng8 = (vng + 7) / 8;
     const size_t kcb = (size_t)d * KB / 8, vcb = (size_t)d * VB / 8;
@@ -228,6 +230,10 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
         }
         for (int c = 0; c < kng8; c++) qb[h * kng8 + c] = _mm512_load_ps(lanes + 16 * c);
     }
+    for (int ri = 0; ri < n_runs; ri++) {
+    /* the rows of this run; prefetches past its end fetch the next run's first rows */
+    const struct kern_kv_run *run = &runs[ri], *next = ri + 1 < n_runs ? &runs[ri + 1] : run;
+    const int n = run->n;
     for (int j0 = 0; j0 < n; j0 += FB) {
         const int nj = n - j0 < FB ? n - j0 : FB;
         /* scores: FQ rows at a time, 16 rows per transposed reduction */
@@ -240,10 +246,16 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
                 for (int r = 0; r < FQ; r++) {
                     int j = j16 + 4 * qd + r;
                     j = j < nj ? j : nj - 1; /* past the end: repeat the last row, score unused */
-                    rows[r] = k->data + (size_t)(j0 + j) * k->stride;
+                    rows[r] = run->k + (size_t)(j0 + j) * k->stride;
                     /* rows stream from L3/DRAM: fetch K and V well ahead */
-                    pf_row(rows[r] + F_PF_ROWS * k->stride, krb);
-                    pf_row(v->data + (size_t)(j0 + j + F_PF_ROWS) * v->stride, vrb);
+                    const int pj = j0 + j + F_PF_ROWS;
+                    if (pj < n) {
+                        pf_row(run->k + (size_t)pj * k->stride, krb);
+                        pf_row(run->v + (size_t)pj * v->stride, vrb);
+                    } else if (pj - n < next->n && next != run) {
+                        pf_row(next->k + (size_t)(pj - n) * k->stride, krb);
+                        pf_row(next->v + (size_t)(pj - n) * v->stride, vrb);
+                    }
                 }
                 fq_scores(KB, NH, qp, qb, d, KG, rows, part[qd]);
             }
@@ -287,7 +299,7 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
             UNR
             for (int h = 0; h < NH; h++) bs[h] = _mm512_setzero_ps();
             for (int j = 0; j < nj; j++) {
-                const __m512 sbv = sb8(v->data + (size_t)(j0 + j) * v->stride + vcb, 8 * c, vng);
+                const __m512 sbv = sb8(run->v + (size_t)(j0 + j) * v->stride + vcb, 8 * c, vng);
                 UNR
                 for (int h = 0; h < NH; h++) {
                     const __m512 t = _mm512_mul_ps(sbv, _mm512_set1_ps(sc[h][j]));
@@ -313,7 +325,7 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
                 UNR
                 for (int t = 0; t < 4; t++) a[h][t] = _mm512_load_ps(accp + (size_t)h * d + c0 + 16 * t);
             for (int j = 0; j < nj; j++) {
-                const uint8_t *r = v->data + (size_t)(j0 + j) * v->stride;
+                const uint8_t *r = run->v + (size_t)(j0 + j) * v->stride;
                 __m512 x[4];
                 if (VB == 4) {
                     const __m512i z0 = zx16(r + c0 / 2), z1 = zx16(r + c0 / 2 + 16);
@@ -348,6 +360,7 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
             }
         }
     }
+    }
     UNR
     for (int h = 0; h < NH; h++) {
         float *ah = s->acc + (size_t)(h0 + h) * d;
@@ -358,10 +371,11 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
 
 #define FAST_NH(KB, VB)                                                                                                \
     static void fast_##KB##_##VB(int nh, struct kern_attn_state *s, int h0, const float *q,                           \
-                                 const struct kern_kv_rows *k, const struct kern_kv_rows *v, int n) {                 \
-        if (nh == 4) fast_attn(KB, VB, 4, s, h0, q, k, v, n);                                                          \
-        else if (nh == 2) fast_attn(KB, VB, 2, s, h0, q, k, v, n);                                                     \
-        else fast_attn(KB, VB, 1, s, h0, q, k, v, n);                                                                  \
+                                 const struct kern_kv_rows *k, const struct kern_kv_rows *v,                          \
+                                 const struct kern_kv_run *runs, int n_runs) {                                        \
+        if (nh == 4) fast_attn(KB, VB, 4, s, h0, q, k, v, runs, n_runs);                                               \
+        else if (nh == 2) fast_attn(KB, VB, 2, s, h0, q, k, v, runs, n_runs);                                          \
+        else fast_attn(KB, VB, 1, s, h0, q, k, v, runs, n_runs);                                                       \
     }
 FAST_NH(4, 4)
 FAST_NH(8, 4)
@@ -369,22 +383,37 @@ FAST_NH(8, 4)
  * (about 70 or 170-190 us/call at depth 4096 depending on where the buffers land, against
  * 120-140 generic), cause not found yet. The VB == 8 code below is kept for that work. */
 
-void kern_kvq_attn_avx512(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
-                          const struct kern_kv_rows *v, int n) {
-    const int d = s->d;
-    const bool fast = d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) &&
-                      v->bits == 4 && k->group % 32 == 0 && v->group % 32 == 0 &&
-                      d % k->group == 0 && d % v->group == 0;
-    if (!fast) {
-        kern_kvq_attn_avx512g(s, h0, nh, q, k, v, n);
-        return;
-    }
-    /* heads in runs of 4, 2, 1: each run reads the rows once */
+/* The fast path takes this format pair (K 4/8-bit, V 4-bit, groups of 32k). */
+static bool fast_ok(int d, const struct kern_kv_rows *k, const struct kern_kv_rows *v) {
+    return d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) && v->bits == 4 &&
+           k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 && d % v->group == 0;
+}
+
+/* Heads in runs of 4, 2, 1: each run of heads reads the rows once. */
+static void fast_heads(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                       const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
     while (nh > 0) {
         const int c = nh >= 4 ? 4 : nh >= 2 ? 2 : 1;
-        if (k->bits == 4) fast_4_4(c, s, h0, q, k, v, n);
-        else fast_8_4(c, s, h0, q, k, v, n);
+        if (k->bits == 4) fast_4_4(c, s, h0, q, k, v, runs, n_runs);
+        else fast_8_4(c, s, h0, q, k, v, runs, n_runs);
         h0 += c;
         nh -= c;
     }
+}
+
+void kern_kvq_attn_avx512(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                          const struct kern_kv_rows *v, int n) {
+    if (!fast_ok(s->d, k, v)) {
+        kern_kvq_attn_avx512g(s, h0, nh, q, k, v, n);
+        return;
+    }
+    const struct kern_kv_run run = {k->data, v->data, n};
+    fast_heads(s, h0, nh, q, k, v, &run, 1);
+}
+
+bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                               const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
+    if (!fast_ok(s->d, k, v)) return false;
+    fast_heads(s, h0, nh, q, k, v, runs, n_runs);
+    return true;
 }

@@ -24,6 +24,10 @@ void kern_kvq_attn_avx2(struct kern_attn_state *s, int h0, int nh, const float *
                         const struct kern_kv_rows *v, int n);
 void kern_kvq_attn_avx512(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                           const struct kern_kv_rows *v, int n);
+/* Several runs with one setup, for the formats its fast path takes; false for others
+ * (the caller then loops over the runs). */
+bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                               const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs);
 /* Fast unpackers for 2/4/8 bits (others fall back to the scalar one). */
 void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out);
 void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out);

@@ -19,19 +19,31 @@ static void attn_rows(const struct kv_cache *c, struct kern_attn_state *s, const
     kern_kvq_attn_accumulate(s, qs, &kr, &vr, n);
 }
 
-/* Packed rows of positions [a, b], a block at a time. */
+/* Packed rows of positions [a, b]: one run per block, handed to the kernel in
+ * batches so that its setup is paid once per batch, not once per block. */
+#define RUNS_PER_CALL 64
 static void attn_blocks(const struct kv_cache *c, struct kern_attn_state *s, const float *qs, int kv_head, int32_t a,
                         int32_t b) {
     const struct kv_store *st = store_of(c);
+    const struct kern_kv_rows kf = {NULL, st->kf.row, st->kf.bits, st->kf.group};
+    const struct kern_kv_rows vf = {NULL, st->vf.row, st->vf.bits, st->vf.group};
+    struct kern_kv_run runs[RUNS_PER_CALL];
+    int n = 0;
     for (int32_t p = a; p <= b;) {
         int32_t e = (p / KV_BLOCK_TOKENS + 1) * KV_BLOCK_TOKENS - 1;
         if (e > b) e = b;
         const struct kv_block *blk = kv_store_block(st, p);
-        if (blk)
-            attn_rows(c, s, qs, kv_block_row(c, blk, 0, kv_head, p), &st->kf, kv_block_row(c, blk, 1, kv_head, p),
-                      &st->vf, e - p + 1);
+        if (blk) {
+            runs[n++] = (struct kern_kv_run){kv_block_row(c, blk, 0, kv_head, p), kv_block_row(c, blk, 1, kv_head, p),
+                                             e - p + 1};
+            if (n == RUNS_PER_CALL) {
+                kern_kvq_attn_accumulate_runs(s, qs, &kf, &vf, runs, n);
+                n = 0;
+            }
+        }
         p = e + 1;
     }
+    if (n > 0) kern_kvq_attn_accumulate_runs(s, qs, &kf, &vf, runs, n);
 }
 
 /* Attention over the window rows of positions [a, b] that q sees, in runs. */
