@@ -142,7 +142,9 @@ static void test_attention(void) {
     } fmts[] = {{8, 64, 8, 64}, {4, 64, 4, 64}, {4, 32, 2, 32}, {8, 128, 4, 16}, {3, 32, 5, 64}, {6, 16, 6, 16},
                 {2, 64, 2, 64}, {16, 0, 4, 64}, {8, 64, 16, 0}, {32, 0, 3, 32}, {4, 8, 4, 8},
                 /* the AVX-512 fast path: 4/8-bit K and V, groups of 32..128 */
-                {4, 32, 4, 32}, {8, 32, 4, 128}, {4, 128, 8, 32}, {8, 128, 8, 128}};
+                {4, 32, 4, 32}, {8, 32, 4, 128}, {4, 128, 8, 32}, {8, 128, 8, 128},
+                /* float rows on both sides: the runs entry point takes the float kernel */
+                {16, 0, 16, 0}, {32, 0, 32, 0}};
     const int d = 128, ratios[] = {1, 2, 3, 4, 8, 9}, lens[] = {1, 31, 33, 200};
     const char *names[] = {"scalar", "avx2", "avx512"};
     attn_fn fns[] = {kern_kvq_attn_scalar, kern_kvq_attn_avx2, kern_kvq_attn_avx512};
@@ -194,6 +196,33 @@ static void test_attention(void) {
                 double e = 0;
                 for (int i = 0; i < nq * d; i++) e = fmax(e, fabs(got[i] - want[i]));
                 CHECK(e < 2e-4, "dispatch K%d V%d group %d n %d: max error %g", kb, vb, nq, n, e);
+                /* the rows split into runs as a paged cache holds them (blocks of any size) */
+                struct kern_kv_run runs[8];
+                const int sizes[] = {1, 7, 64, 5, 40};
+                int nr = 0;
+                for (int j = 0; j < n; nr++) {
+                    int m = nr == 7 || sizes[nr % 5] > n - j ? n - j : sizes[nr % 5];
+                    runs[nr] = (struct kern_kv_run){K + kr * j, V + vr * j, m};
+                    j += m;
+                }
+                kern_attn_state_init(&st, nq, d, mem);
+                kern_kvq_attn_accumulate_runs(&st, q, &krow, &vrow, runs, nr);
+                kern_attn_finish(&st, got);
+                e = 0;
+                for (int i = 0; i < nq * d; i++) e = fmax(e, fabs(got[i] - want[i]));
+                CHECK(e < 2e-4, "runs K%d V%d group %d n %d (%d runs): max error %g", kb, vb, nq, n, nr, e);
+                if (have[2]) { /* the AVX-512 fast path's own run loop, where it applies */
+                    kern_attn_state_init(&st, nq, d, mem);
+                    bool fast = true;
+                    for (int h0 = 0; h0 < nq && fast; h0 += KVQ_ATTN_MAXH) {
+                        int nh = nq - h0 < KVQ_ATTN_MAXH ? nq - h0 : KVQ_ATTN_MAXH;
+                        fast = kern_kvq_attn_avx512_runs(&st, h0, nh, q, &krow, &vrow, runs, nr);
+                    }
+                    kern_attn_finish(&st, got);
+                    e = 0;
+                    for (int i = 0; i < nq * d; i++) e = fmax(e, fabs(got[i] - want[i]));
+                    CHECK(!fast || e < 2e-4, "avx512 runs K%d V%d group %d n %d: max error %g", kb, vb, nq, n, e);
+                }
                 free(K);
                 free(V);
                 free(Kd);
