@@ -521,7 +521,8 @@ size_t kv_cache_budget_bytes(const struct kv_cache_config *cfg, const struct kv_
                   tv = kv_fmt_target(&c, 1);
     size_t per = kv_block_size(&c, &tk, &tv);
     if (!kv_fmt_eq(ik, tk) || !kv_fmt_eq(iv, tv)) per += kv_block_size(&c, &ik, &iv); /* both during conversion */
-    return per * (size_t)((n_tokens + B - 1) / B + 1);
+    int32_t kept = cfg->max_size > 0 && cfg->keep > 0 ? (cfg->keep + B - 1) / B : 0; /* a rotating cache's first block */
+    return per * (size_t)((n_tokens + B - 1) / B + 1 + kept);
 }
 
 size_t kv_cache_window_memory(const struct kv_cache *c) {
