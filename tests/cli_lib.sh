@@ -46,3 +46,7 @@ check() {
   shift
   if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: $what"; fi
 }
+
+# ok / bad DESCRIPTION: count a result decided by the caller.
+ok() { passed=$((passed + 1)); echo "ok: $1"; }
+bad() { failed=$((failed + 1)); echo "FAIL: $1"; }

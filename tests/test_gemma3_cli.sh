@@ -4,19 +4,11 @@
 # sliding layers (and with --swa-full's full ones); generate reports the KV bytes
 # of each layer kind. (test_gemma3_slow.sh: passkey and perplexity.)
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
-shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
 model=$shared/models/tinygemma3-f16.gguf
 text=$shared/data/wikitext2-test.txt
-if [ ! -f "$model" ] || [ ! -f "$text" ]; then
-  echo "SKIP: tinygemma3-f16.gguf or wikitext2-test.txt missing under $shared"
-  exit 77
-fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-passed=0 failed=0
-ok() { passed=$((passed + 1)); echo "ok: $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL: $1"; }
+need_asset "$model" "$text"
 
 head -c 3000 "$text" >"$tmp/prompt.txt" # ~650 tokens: past the window
 "$kvq" generate -m "$model" -f "$tmp/prompt.txt" -n 24 --temp 0 --ignore-eos -t 2 --kv-bits 4 >"$tmp/direct.txt" 2>"$tmp/gen.err"

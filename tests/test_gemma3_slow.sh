@@ -3,17 +3,11 @@
 # 512-token sliding window with 4-bit KV (only the global layer sees it), and
 # perplexity on one chunk matches the transformers run's first chunk.
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
-shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
 model=$shared/models/tinygemma3-f16.gguf
 text=$shared/data/wikitext2-test.txt
-if [ ! -f "$model" ] || [ ! -f "$text" ]; then
-  echo "SKIP: tinygemma3-f16.gguf or wikitext2-test.txt missing under $shared"
-  exit 77
-fi
-passed=0 failed=0
-ok() { passed=$((passed + 1)); echo "ok: $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL: $1"; }
+need_asset "$model" "$text"
 
 out=$("$kvq" passkey -m "$model" -f "$text" --lengths 1024 --trials 4 -t 2 --kv-bits 4)
 correct=$(echo "$out" | awk -F'|' '$2 ~ /^ *1024 *$/ { gsub(/ /, "", $4); print $4 }')

@@ -3,16 +3,10 @@
 # tokenizer metadata, no tensors) and matches llama.cpp's expected ids; a command
 # that needs weights refuses such a file with one clear line.
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
-shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
 vocab=$shared/tokenizer-tests/ggml-vocab-llama-spm.gguf
-if [ ! -f "$vocab" ]; then
-  echo "SKIP: $vocab missing"
-  exit 77
-fi
-passed=0 failed=0
-ok() { passed=$((passed + 1)); echo "ok: $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL: $1"; }
+need_asset "$vocab"
 
 # first case of ggml-vocab-llama-spm.gguf.inp/.out (llama.cpp's test vectors, no BOS)
 got=$("$kvq" tokenize -m "$vocab" --no-bos -p "ied 4 ½ months" 2>&1)
