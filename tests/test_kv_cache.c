@@ -9,6 +9,7 @@
 #include "check.h"
 #include "core/error.h"
 #include "kernels/kv_quant.h"
+#include "kernels/kv_quant_impl.h"
 #include "kvcache/kv_cache.h"
 
 static uint64_t rng = 0x1234567887654321ull;
@@ -493,6 +494,9 @@ static void test_validation(void) {
 }
 
 int main(void) {
+    /* this file checks which rows each query sees against a float reference; the
+     * int8-query scoring of the AVX-512 fast path is test_kv_quant's (exactly) */
+    kern_kvq_use_vnni(0);
     test_kinds_vs_reference();
     test_rotation();
     test_wrap_convert_trim_bytes();

@@ -193,6 +193,111 @@ INLINE void fq_scores(const int KB, const int NH, const float *qp, const __m512 
     for (int h = 0; h < NH; h++) out[h] = reduce4(acc[0][h], acc[1][h], acc[2][h], acc[3][h]);
 }
 
+/* ---- VNNI scoring: the query as int8, the key codes as unsigned bytes ----
+ * q is rounded once per call to int8 with one scale per head (sq = max|q| / 127), so
+ * a score is sq * sum_g scale_g * (q8 . codes)_g + sum_g bias_g * qsum_g (the bias
+ * term from the float q). vpdpbusd sums 4 byte products per int32 lane: a 64-byte
+ * chunk of codes is 16 lanes of 4 (8-bit) or 8 (4-bit: low nibbles against the even
+ * values of q, high nibbles against the odd ones) consecutive values. A lane never
+ * straddles a group (groups are multiples of 32 values), so each lane takes its
+ * group's scale, permuted out of the same 8-group [s, b] vector the bias term uses.
+ * Error: each q value moves by at most sq/2 (tests/test_kv_quant.c checks against
+ * attention with the rounded query). */
+#define VNNI_MAX_CHUNKS (KERN_KVQ_MAX_DIM * 8 / 512)
+
+static int vnni_wanted = 1;
+void kern_kvq_use_vnni(int on) { vnni_wanted = on; }
+
+static int has_vnni(void) {
+    static int v = -1;
+    if (v < 0) v = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+    return v && vnni_wanted;
+}
+
+struct vnni_q {
+    int8_t q[FMAXH][KERN_KVQ_MAX_DIM] __attribute__((aligned(64))); /* per chunk: natural (8-bit) or evens|odds (4-bit) */
+    float sq[FMAXH];
+    __m512i lane_idx[VNNI_MAX_CHUNKS]; /* per chunk: the [s, b] lane of each int32 lane's group */
+    int win[VNNI_MAX_CHUNKS];          /* per chunk: its 8-group window */
+};
+
+/* Rounds q of NH heads to int8 and lays it out for KB-bit codes. */
+static void vnni_prepare(struct vnni_q *v, const int KB, const int NH, const float *q, int d, int G) {
+    const int vpc = 512 / KB; /* values per 64-byte chunk */
+    for (int h = 0; h < NH; h++) {
+        const float *qh = q + (size_t)h * d;
+        float amax = 0;
+        for (int i = 0; i < d; i++) amax = fabsf(qh[i]) > amax ? fabsf(qh[i]) : amax;
+        const float sq = amax > 0 ? amax / 127.0f : 1.0f;
+        v->sq[h] = sq;
+        for (int c = 0; c < d; c += vpc)
+            for (int i = 0; i < vpc; i++) {
+                const int8_t x = (int8_t)lrintf(qh[c + i] / sq);
+                if (KB == 8) v->q[h][c + i] = x;
+                else v->q[h][c + (i & 1) * 64 + i / 2] = x; /* evens then odds */
+            }
+    }
+    for (int t = 0; t < d / vpc; t++) {
+        int32_t idx[16];
+        v->win[t] = (t * vpc / G) / 8;
+        for (int j = 0; j < 16; j++) idx[j] = 2 * ((t * vpc + j * vpc / 16) / G - 8 * v->win[t]);
+        v->lane_idx[t] = _mm512_loadu_si512(idx);
+    }
+}
+
+/* The same partial scores as fq_scores, from int8 q: out[h] as reduce4 leaves them.
+ * qbs: fq_scores's bias vectors divided by the head's sq (everything is scaled by sq
+ * at the end). */
+INLINE void fq_scores_vnni(const int KB, const int NH, const struct vnni_q *v, const __m512 *qbs, int d, int G,
+                           const uint8_t *const rows[FQ], __m512 *out) {
+    const int ng = d / G, ng8 = (ng + 7) / 8, n_chunk = d * KB / 512;
+    const size_t cbytes = (size_t)d * KB / 8;
+    __m512 acc[FQ][FMAXH], sbv[FQ];
+    UNR
+    for (int r = 0; r < FQ; r++) {
+        sbv[r] = _mm512_setzero_ps(); /* set at chunk 0 (window 0) */
+        UNR
+        for (int h = 0; h < NH; h++) acc[r][h] = _mm512_setzero_ps();
+    }
+    int w = -1;
+    for (int t = 0; t < n_chunk; t++) {
+        if (v->win[t] != w) { /* the next 8 groups' scales and biases; their bias term */
+            w = v->win[t];
+            UNR
+            for (int r = 0; r < FQ; r++) {
+                sbv[r] = sb8(rows[r] + cbytes, 8 * w, ng);
+                UNR
+                for (int h = 0; h < NH; h++) acc[r][h] = _mm512_fmadd_ps(sbv[r], qbs[h * ng8 + w], acc[r][h]);
+            }
+        }
+        UNR
+        for (int r = 0; r < FQ; r++) {
+            const __m512 ls = _mm512_permutexvar_ps(v->lane_idx[t], sbv[r]);
+            const __m512i x = _mm512_loadu_si512(rows[r] + 64 * t);
+            if (KB == 4) {
+                const __m512i m = _mm512_set1_epi8(15);
+                const __m512i lo = _mm512_and_si512(x, m), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m);
+                UNR
+                for (int h = 0; h < NH; h++) {
+                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                     _mm512_load_si512(v->q[h] + 128 * t));
+                    ia = _mm512_dpbusd_epi32(ia, hi, _mm512_load_si512(v->q[h] + 128 * t + 64));
+                    acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), ls, acc[r][h]);
+                }
+            } else {
+                UNR
+                for (int h = 0; h < NH; h++) {
+                    const __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x, _mm512_load_si512(v->q[h] + 64 * t));
+                    acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), ls, acc[r][h]);
+                }
+            }
+        }
+    }
+    UNR
+    for (int h = 0; h < NH; h++)
+        out[h] = _mm512_mul_ps(reduce4(acc[0][h], acc[1][h], acc[2][h], acc[3][h]), _mm512_set1_ps(v->sq[h]));
+}
+
 #define FB KVQ_ATTN_BLOCK /* rows per softmax step (a multiple of 16) */
 #define F_PF_ROWS 48      /* prefetch distance: K and V rows this far ahead */
 
@@ -230,6 +335,16 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
         }
         for (int c = 0; c < kng8; c++) qb[h * kng8 + c] = _mm512_load_ps(lanes + 16 * c);
     }
+    /* integer scoring where the CPU has VNNI and the codes fill whole 64-byte chunks */
+    const bool vnni = has_vnni() && (d * KB) % 512 == 0;
+    struct vnni_q vq;
+    __m512 qbs[FMAXH * KERN_KVQ_MAX_DIM / 256];
+    if (vnni) {
+        vnni_prepare(&vq, KB, NH, q + (size_t)h0 * d, d, KG);
+        UNR
+        for (int h = 0; h < NH; h++)
+            for (int c = 0; c < kng8; c++) qbs[h * kng8 + c] = _mm512_div_ps(qb[h * kng8 + c], _mm512_set1_ps(vq.sq[h]));
+    }
     for (int ri = 0; ri < n_runs; ri++) {
     /* the rows of this run; prefetches past its end fetch the next run's first rows */
     const struct kern_kv_run *run = &runs[ri], *next = ri + 1 < n_runs ? &runs[ri + 1] : run;
@@ -257,7 +372,8 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
                         pf_row(next->v + (size_t)(pj - n) * v->stride, vrb);
                     }
                 }
-                fq_scores(KB, NH, qp, qb, d, KG, rows, part[qd]);
+                if (vnni) fq_scores_vnni(KB, NH, &vq, qbs, d, KG, rows, part[qd]);
+                else fq_scores(KB, NH, qp, qb, d, KG, rows, part[qd]);
             }
             UNR
             for (int h = 0; h < NH; h++) {
