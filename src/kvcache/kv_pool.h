@@ -1,5 +1,5 @@
 /* A pool of KV blocks with a byte budget. A block holds KV_BLOCK_TOKENS consecutive
- * tokens of one layer (all KV heads, keys then values) in that layer's row format;
+ * tokens of one layer (for each KV head: its keys, then its values) in that layer's row format;
  * caches hold blocks by reference, so sequences that share a prefix share its blocks.
  *
  * Blocks are refcounted: kv_block_unref() returns a block to the pool when the last

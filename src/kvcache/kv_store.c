@@ -26,11 +26,13 @@ struct kv_block *kv_store_block(const struct kv_store *st, int32_t p) {
     return e ? *e : NULL;
 }
 
+/* A block is [head][keys B rows, values B rows]: attention of one KV head reads one
+ * contiguous stretch per block. */
 uint8_t *kv_block_row(const struct kv_cache *c, const struct kv_block *b, int side, int h, int32_t p) {
     const struct kv_store *st = store_of(c);
-    size_t r = (size_t)h * B + (size_t)(p % B);
-    if (!side) return b->data + r * st->kf.row;
-    return b->data + (size_t)c->shape.n_kv_heads * B * st->kf.row + r * st->vf.row;
+    uint8_t *head = b->data + (size_t)h * B * (st->kf.row + st->vf.row);
+    if (!side) return head + (size_t)(p % B) * st->kf.row;
+    return head + (size_t)B * st->kf.row + (size_t)(p % B) * st->vf.row;
 }
 
 bool kv_visible(const struct kv_cache *c, int32_t p, int32_t q) {
