@@ -381,10 +381,10 @@ int main(int argc, char **argv) {
         argc--;
     }
     if (argc > 1) {
-        enum kern_level l = strcmp(argv[1], "scalar") == 0 ? KERN_SCALAR
-                          : strcmp(argv[1], "avx2") == 0   ? KERN_AVX2
-                                                           : KERN_AVX512;
-        if (kern_level_set(l) != 0) {
+        enum kvq_simd l = strcmp(argv[1], "scalar") == 0 ? KVQ_SIMD_SCALAR
+                          : strcmp(argv[1], "avx2") == 0   ? KVQ_SIMD_AVX2
+                                                           : KVQ_SIMD_AVX512;
+        if (kvq_simd_force(l) != 0) {
             fprintf(stderr, "level %s not available\n", argv[1]);
             return 1;
         }

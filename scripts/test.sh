@@ -9,6 +9,13 @@ jobs=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"
+# The kernels and what runs on them again at each lower SIMD level the CPU is
+# forced down to (every level must agree with the float references).
+simd_tests='test_kernels|test_kv_quant|test_kv_cache|test_batch|test_forward_refs|test_kv_model|test_paged$'
+for level in scalar avx2; do
+  echo "== KVQ_SIMD=$level"
+  KVQ_SIMD=$level ctest --test-dir build --output-on-failure -j "$jobs" -R "$simd_tests"
+done
 
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVQ_SANITIZE=ON -DCMAKE_C_FLAGS_DEBUG="-O1 -g" >/dev/null
 cmake --build build-asan -j "$jobs"

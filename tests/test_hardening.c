@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "core/cpu.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
@@ -296,11 +297,11 @@ static void test_act_quantizer_nan(void) {
     x[3] = __builtin_nanf("");
     x[40] = __builtin_inff();
     x[41] = -__builtin_inff();
-    static const enum kern_level levels[] = {KERN_SCALAR, KERN_AVX2, KERN_AVX512};
+    static const enum kvq_simd levels[] = {KVQ_SIMD_SCALAR, KVQ_SIMD_AVX2, KVQ_SIMD_AVX512};
     int tried = 0;
-    enum kern_level orig = kern_level_get();
+    enum kvq_simd orig = kvq_simd_level();
     for (int li = 0; li < 3; li++) {
-        if (kern_level_set(levels[li]) != 0) continue;
+        if (kvq_simd_force(levels[li]) != 0) continue;
         tried++;
         struct kern_pair pairs[4];
         kern_act_prepare(KVQ_Q8_0, x, pairs, 128);
@@ -316,7 +317,7 @@ static void test_act_quantizer_nan(void) {
         for (int i = 0; i < 16; i++) bs += q8k.q[i];
         CHECK(q8k.bsums[0] == bs, "level %d: Q8_K bsum %d, codes sum to %d", li, q8k.bsums[0], bs);
     }
-    kern_level_set(orig);
+    kvq_simd_force(orig);
     CHECK(tried > 0, "no SIMD level could be selected");
 }
 

@@ -26,7 +26,7 @@ static int irand(int lo, int hi) { return lo + (int)(rnd() % (uint32_t)(hi - lo 
 
 static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
 
-static const enum kern_level all_levels[] = {KERN_SCALAR, KERN_AVX2, KERN_AVX512};
+static const enum kvq_simd all_levels[] = {KVQ_SIMD_SCALAR, KVQ_SIMD_AVX2, KVQ_SIMD_AVX512};
 static const char *level_name[] = {"scalar", "avx2", "avx512"};
 
 /* ---- hand-built blocks: pack known integers, check the documented formula ---- */
@@ -215,7 +215,7 @@ static void test_matmul_case(uint32_t type, int64_t k, int M, int n_tok) {
     struct kern_matmul_args a = {.wtype = type, .w = w, .w_row_bytes = wrb, .k = k, .xa = xa,
                                  .xa_row_bytes = xrb, .n_tok = n_tok, .y = y, .y_stride = ys};
     for (size_t li = 0; li < 3; li++) {
-        if (kern_level_set(all_levels[li]) != 0) continue;
+        if (kvq_simd_force(all_levels[li]) != 0) continue;
         for (int64_t i = 0; i < n_tok * ys; i++) y[i] = NAN;
         /* odd row ranges, not multiples of the register tile */
         const int64_t cuts[] = {0, 1, 6, 7, 22, M};
@@ -240,7 +240,7 @@ static void test_matmul_case(uint32_t type, int64_t k, int M, int n_tok) {
         CHECK(bad_scalar == 0, "matmul %s %s k=%d n_tok=%d: %d outputs differ from scalar", kvq_dtype_name(type),
               level_name[li], (int)k, n_tok, bad_scalar);
     }
-    kern_level_set(KERN_SCALAR);
+    kvq_simd_force(kvq_simd_max());
     free(w);
     free(wd);
     free(x);
@@ -274,15 +274,15 @@ static void test_prepare_levels(void) {
         for (int i = 0; i < k; i++) x[i] = i % 5 == 0 ? (float)(i % 11) * 0.5f : frand() * 10.0f; /* some ties */
         const size_t rb = kern_act_row_bytes(qtypes[ti], k);
         uint8_t *ref = malloc(rb), *out = malloc(rb);
-        kern_level_set(KERN_SCALAR);
+        kvq_simd_force(KVQ_SIMD_SCALAR);
         kern_act_prepare(qtypes[ti], x, ref, k);
         for (size_t li = 1; li < 3; li++) {
-            if (kern_level_set(all_levels[li]) != 0) continue;
+            if (kvq_simd_force(all_levels[li]) != 0) continue;
             kern_act_prepare(qtypes[ti], x, out, k);
             CHECK(memcmp(ref, out, rb) == 0, "prepare %s at %s differs from scalar", kvq_dtype_name(qtypes[ti]),
                   level_name[li]);
         }
-        kern_level_set(KERN_SCALAR);
+        kvq_simd_force(kvq_simd_max());
         free(ref);
         free(out);
     }
@@ -403,7 +403,7 @@ static void test_attention_case(int n_q, int d, int n, int f16) {
     float *mem = malloc(sizeof(float) * kern_attn_state_floats(n_q, d));
     float *out = malloc(sizeof(float) * (size_t)(n_q * d));
     for (size_t li = 0; li < 3; li++) {
-        if (kern_level_set(all_levels[li]) != 0) continue;
+        if (kvq_simd_force(all_levels[li]) != 0) continue;
         struct kern_attn_state st;
         kern_attn_state_init(&st, n_q, d, mem);
         const size_t es = f16 ? 2 : 4;
@@ -422,7 +422,7 @@ static void test_attention_case(int n_q, int d, int n, int f16) {
         CHECK(worst < 2e-5, "attention %s f%d n_q=%d d=%d n=%d: max error %.3g", level_name[li], f16 ? 16 : 32,
               n_q, d, n, worst);
     }
-    kern_level_set(KERN_SCALAR);
+    kvq_simd_force(kvq_simd_max());
     /* no rows: zeros */
     {
         struct kern_attn_state st;

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "core/cpu.h"
 #include "kernels/f16.h"
 #include "kernels/kv_quant.h"
 #include "kernels/kv_quant_impl.h"
@@ -73,11 +74,11 @@ static void test_round_trip(void) {
         kern_kvq_unpack_scalar(src, n, bits, a);
         kern_kvq_unpack_codes(src, n, bits, b);
         CHECK(memcmp(a, b, (size_t)n) == 0, "unpack %d bits (%s)", bits, kern_kvq_simd_level());
-        if (__builtin_cpu_supports("avx2")) {
+        if (kvq_simd_available(KVQ_SIMD_AVX2)) {
             kern_kvq_unpack_avx2(src, n, bits, b);
             CHECK(memcmp(a, b, (size_t)n) == 0, "unpack avx2 %d bits", bits);
         }
-        if (__builtin_cpu_supports("avx512bw")) {
+        if (kvq_simd_available(KVQ_SIMD_AVX512)) {
             kern_kvq_unpack_avx512(src, n, bits, b);
             CHECK(memcmp(a, b, (size_t)n) == 0, "unpack avx512 %d bits", bits);
         }
@@ -192,8 +193,7 @@ static void test_attention(void) {
     const int d = 128, ratios[] = {1, 2, 3, 4, 8, 9}, lens[] = {1, 31, 33, 200};
     const char *names[] = {"scalar", "avx2", "avx512"};
     attn_fn fns[] = {kern_kvq_attn_scalar, kern_kvq_attn_avx2, kern_kvq_attn_avx512};
-    bool have[] = {true, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
-                   __builtin_cpu_supports("avx512bw")};
+    bool have[] = {true, kvq_simd_available(KVQ_SIMD_AVX2), kvq_simd_available(KVQ_SIMD_AVX512)};
     for (size_t fi = 0; fi < sizeof fmts / sizeof fmts[0]; fi++)
         for (int ri = 0; ri < 6; ri++)
             for (int li = 0; li < 4; li++) {

@@ -37,7 +37,7 @@ void kern_attn_finish(const struct kern_attn_state *s, float *out) {
 void kern_attn_accumulate(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
                           const void *v, size_t v_stride, int elem_bits, int n) {
     if (n <= 0) return;
-    if (kern_level_get() == KERN_AVX512)
+    if (kvq_simd_level() == KVQ_SIMD_AVX512)
         kern_attn_accumulate_avx512(s, q, k, k_stride, v, v_stride, elem_bits, n);
     else
         kern_attn_accumulate_scalar(s, q, k, k_stride, v, v_stride, elem_bits, n);

@@ -1,9 +1,9 @@
 /* Quantized KV rows: packing, Hadamard rotation, dispatch and the scalar attention. */
 #include <math.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/cpu.h"
 #include "kernels/kv_quant_impl.h"
 
 bool kern_kvq_bits_quantized(int bits) {
@@ -156,47 +156,13 @@ void kern_kvq_hadamard_signs(float *signs, int d, uint64_t seed) {
 
 /* ---- dispatch ---- */
 
-enum { LVL_UNSET = -1, LVL_SCALAR, LVL_AVX2, LVL_AVX512 };
-static _Atomic int kvq_level = LVL_UNSET;
-
-static int detect_level(void) {
-    int best = LVL_SCALAR;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    /* f16c comes with every AVX2 CPU (clang 14 cannot test it by name) */
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        best = LVL_AVX2;
-    if (best == LVL_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl"))
-        best = LVL_AVX512;
-#endif
-    const char *env = getenv("KVQ_SIMD");
-    if (env) {
-        int want = !strcmp(env, "scalar") ? LVL_SCALAR : !strcmp(env, "avx2") ? LVL_AVX2
-                                                         : !strcmp(env, "avx512") ? LVL_AVX512 : best;
-        if (want < best) best = want;
-    }
-    return best;
-}
-
-static int level(void) {
-    int l = atomic_load_explicit(&kvq_level, memory_order_relaxed);
-    if (l == LVL_UNSET) {
-        l = detect_level();
-        atomic_store_explicit(&kvq_level, l, memory_order_relaxed);
-    }
-    return l;
-}
-
-const char *kern_kvq_simd_level(void) {
-    static const char *const names[] = {"scalar", "avx2", "avx512"};
-    return names[level()];
-}
+/* kept for callers that print it; the level is the engine-wide one (core/cpu.h) */
+const char *kern_kvq_simd_level(void) { return kvq_simd_name(kvq_simd_level()); }
 
 void kern_kvq_unpack_codes(const uint8_t *src, int n, int bits, uint8_t *out) {
-    switch (level()) {
-    case LVL_AVX512: kern_kvq_unpack_avx512(src, n, bits, out); break;
-    case LVL_AVX2: kern_kvq_unpack_avx2(src, n, bits, out); break;
+    switch (kvq_simd_level()) {
+    case KVQ_SIMD_AVX512: kern_kvq_unpack_avx512(src, n, bits, out); break;
+    case KVQ_SIMD_AVX2: kern_kvq_unpack_avx2(src, n, bits, out); break;
     default: kern_kvq_unpack_scalar(src, n, bits, out); break;
     }
 }
@@ -207,11 +173,11 @@ void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const s
     /* The SIMD variants need whole vectors per group. */
     int simd_ok = s->d % 16 == 0 && (!kvq_is_quant(k->bits) || k->group % 16 == 0) &&
                   (!kvq_is_quant(v->bits) || v->group % 16 == 0);
-    int l = simd_ok ? level() : LVL_SCALAR;
+    const enum kvq_simd l = simd_ok ? kvq_simd_level() : KVQ_SIMD_SCALAR;
     for (int h0 = 0; h0 < s->n_q; h0 += KVQ_ATTN_MAXH) {
         int nh = s->n_q - h0 < KVQ_ATTN_MAXH ? s->n_q - h0 : KVQ_ATTN_MAXH;
-        if (l == LVL_AVX512) kern_kvq_attn_avx512(s, h0, nh, q, k, v, n);
-        else if (l == LVL_AVX2) kern_kvq_attn_avx2(s, h0, nh, q, k, v, n);
+        if (l == KVQ_SIMD_AVX512) kern_kvq_attn_avx512(s, h0, nh, q, k, v, n);
+        else if (l == KVQ_SIMD_AVX2) kern_kvq_attn_avx2(s, h0, nh, q, k, v, n);
         else kern_kvq_attn_scalar(s, h0, nh, q, k, v, n);
     }
 }
@@ -310,7 +276,7 @@ void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float
 void kern_kvq_attn_accumulate_runs(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *kf,
                                    const struct kern_kv_rows *vf, const struct kern_kv_run *runs, int n_runs) {
     const bool dense = kf->bits == vf->bits && !kvq_is_quant(kf->bits);
-    if (!dense && level() == LVL_AVX512 && s->d % 16 == 0) {
+    if (!dense && kvq_simd_level() == KVQ_SIMD_AVX512 && s->d % 16 == 0) {
         bool done = true;
         for (int h0 = 0; h0 < s->n_q && done; h0 += KVQ_ATTN_MAXH) {
             int nh = s->n_q - h0 < KVQ_ATTN_MAXH ? s->n_q - h0 : KVQ_ATTN_MAXH;

@@ -205,14 +205,10 @@ INLINE void fq_scores(const int KB, const int NH, const float *qp, const __m512 
  * attention with the rounded query). */
 #define VNNI_MAX_CHUNKS (KERN_KVQ_MAX_DIM * 8 / 512)
 
+/* The AVX-512 level includes VNNI (core/cpu.c checks it); tests may turn it off. */
 static int vnni_wanted = 1;
 void kern_kvq_use_vnni(int on) { vnni_wanted = on; }
-
-static int has_vnni(void) {
-    static int v = -1;
-    if (v < 0) v = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
-    return v && vnni_wanted;
-}
+static int has_vnni(void) { return vnni_wanted; }
 
 struct vnni_q {
     int8_t q[FMAXH][KERN_KVQ_MAX_DIM] __attribute__((aligned(64))); /* per chunk: natural (8-bit) or evens|odds (4-bit) */

@@ -1,95 +1,19 @@
 /* Dispatch of the matrix kernels to the best SIMD level, and the scalar
  * reference implementation (used on CPUs without AVX2 and by the tests). */
+#include "core/cpu.h"
 #include "core/dtype.h"
 #include "kernels/f16.h"
 #include "kernels/matmul_impl.h"
 
-#include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
 
-/* ---- level selection ---------------------------------------------------- */
-
-static atomic_int g_level = -1;
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-
-/* CPUID feature bits plus the OS support check (XGETBV) for the register state. */
-static int cpu_level(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return KERN_SCALAR;
-    const int fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
-    if (!osxsave || !avx) return KERN_SCALAR;
-    unsigned xlo, xhi;
-    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-    (void)xhi;
-    if ((xlo & 0x6) != 0x6) return KERN_SCALAR;
-    if (__get_cpuid_max(0, NULL) < 7) return KERN_SCALAR;
-    __cpuid_count(7, 0, a, b, c, d);
-    const int avx2 = (b >> 5) & 1;
-    const int avx512 = ((b >> 16) & 1) && ((b >> 17) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1) && ((c >> 11) & 1);
-    if (!(avx2 && fma && f16c)) return KERN_SCALAR;
-    if (avx512 && (xlo & 0xE0) == 0xE0) return KERN_AVX512;
-    return KERN_AVX2;
-}
-#else
-static int cpu_level(void) { return KERN_SCALAR; }
-#endif
-
-int kern_level_available(enum kern_level level) {
-    static atomic_int cached = -1;
-    int l = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (l < 0) {
-        l = cpu_level();
-        atomic_store_explicit(&cached, l, memory_order_relaxed);
-    }
-    return (int)level <= l;
-}
-
-static int detect_level(void) {
-    int best = kern_level_available(KERN_AVX512) ? KERN_AVX512
-             : kern_level_available(KERN_AVX2)   ? KERN_AVX2
-                                                 : KERN_SCALAR;
-    const char *env = getenv("KVQ_SIMD");
-    if (env && *env) {
-        int want = best;
-        if (strcmp(env, "scalar") == 0) want = KERN_SCALAR;
-        else if (strcmp(env, "avx2") == 0) want = KERN_AVX2;
-        else if (strcmp(env, "avx512") == 0) want = KERN_AVX512;
-        if (want < best) best = want; /* never pick a level the CPU lacks */
-    }
-    return best;
-}
-
-enum kern_level kern_level_get(void) {
-    int l = atomic_load_explicit(&g_level, memory_order_relaxed);
-    if (l < 0) {
-        l = detect_level();
-        atomic_store_explicit(&g_level, l, memory_order_relaxed);
-    }
-    return (enum kern_level)l;
-}
-
-int kern_level_set(enum kern_level level) {
-    if (!kern_level_available(level)) return -1;
-    atomic_store_explicit(&g_level, (int)level, memory_order_relaxed);
-    return 0;
-}
-
-const char *kern_simd_level(void) {
-    switch (kern_level_get()) {
-    case KERN_AVX512: return "avx512";
-    case KERN_AVX2: return "avx2";
-    default: return "scalar";
-    }
-}
+const char *kern_simd_level(void) { return kvq_simd_name(kvq_simd_level()); }
 
 void kern_matmul(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     if (r0 >= r1 || a->n_tok <= 0) return;
-    switch (kern_level_get()) {
-    case KERN_AVX512: kern_matmul_avx512(a, r0, r1); break;
-    case KERN_AVX2: kern_matmul_avx2(a, r0, r1); break;
+    switch (kvq_simd_level()) {
+    case KVQ_SIMD_AVX512: kern_matmul_avx512(a, r0, r1); break;
+    case KVQ_SIMD_AVX2: kern_matmul_avx2(a, r0, r1); break;
     default: kern_matmul_scalar(a, r0, r1); break;
     }
 }

@@ -3,6 +3,7 @@
 #ifndef KVQ_KERNELS_MATMUL_IMPL_H
 #define KVQ_KERNELS_MATMUL_IMPL_H
 
+#include "core/cpu.h"
 #include "kernels/attention.h"
 #include "kernels/matmul.h"
 
@@ -34,7 +35,6 @@ struct kern_q8k {
     int32_t pad;
 };
 
-enum kern_level { KERN_SCALAR = 0, KERN_AVX2 = 1, KERN_AVX512 = 2 };
 
 typedef void (*kern_matmul_fn)(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
 typedef void (*kern_attn_fn)(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
@@ -53,13 +53,6 @@ void kern_attn_accumulate_scalar(struct kern_attn_state *s, const float *q, cons
 void kern_attn_accumulate_avx512(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
                                  const void *v, size_t v_stride, int elem_bits, int n);
 
-/* True when the CPU can run that level. */
-int kern_level_available(enum kern_level level);
-/* The level in use (chosen on first use from KVQ_SIMD / the CPU). */
-enum kern_level kern_level_get(void);
-/* Forces a level (tests and benchmarks only; not thread-safe with running kernels).
- * Returns -1 when the CPU cannot run it. */
-int kern_level_set(enum kern_level level);
 
 /* Attention processes heads in groups of at most this many per pass over K/V. */
 #define KERN_ATTN_MAX_GROUP 16

@@ -1,0 +1,72 @@
+/* CPU feature detection (CPUID + XGETBV) and the KVQ_SIMD override. */
+#include "core/cpu.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+
+static enum kvq_simd cpu_detect(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return KVQ_SIMD_SCALAR;
+    const unsigned fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave || !avx || !fma || !f16c) return KVQ_SIMD_SCALAR;
+    unsigned xlo, xhi;
+    __asm__ volatile("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
+    (void)xhi;
+    if ((xlo & 0x6) != 0x6) return KVQ_SIMD_SCALAR; /* xmm + ymm state */
+    if (__get_cpuid_max(0, NULL) < 7) return KVQ_SIMD_SCALAR;
+    __cpuid_count(7, 0, a, b, c, d);
+    if (!((b >> 5) & 1)) return KVQ_SIMD_SCALAR; /* avx2 */
+    /* exactly the flags *_avx512.c are compiled with: F(16) DQ(17) BW(30) VL(31), VNNI(ecx 11) */
+    const unsigned need_b = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);
+    const int avx512 = (b & need_b) == need_b && ((c >> 11) & 1);
+    if (avx512 && (xlo & 0xE0) == 0xE0) return KVQ_SIMD_AVX512; /* opmask + zmm state */
+    return KVQ_SIMD_AVX2;
+}
+#else
+static enum kvq_simd cpu_detect(void) { return KVQ_SIMD_SCALAR; }
+#endif
+
+static atomic_int g_max = -1, g_level = -1;
+
+enum kvq_simd kvq_simd_max(void) {
+    int l = atomic_load_explicit(&g_max, memory_order_relaxed);
+    if (l < 0) {
+        l = (int)cpu_detect();
+        const char *env = getenv("KVQ_SIMD");
+        int cap = l;
+        if (env && strcmp(env, "scalar") == 0) cap = KVQ_SIMD_SCALAR;
+        else if (env && strcmp(env, "avx2") == 0) cap = KVQ_SIMD_AVX2;
+        if (cap < l) l = cap; /* never above what the CPU runs */
+        atomic_store_explicit(&g_max, l, memory_order_relaxed);
+    }
+    return (enum kvq_simd)l;
+}
+
+int kvq_simd_available(enum kvq_simd level) { return (int)level <= (int)kvq_simd_max(); }
+
+enum kvq_simd kvq_simd_level(void) {
+    int l = atomic_load_explicit(&g_level, memory_order_relaxed);
+    if (l < 0) {
+        l = (int)kvq_simd_max();
+        atomic_store_explicit(&g_level, l, memory_order_relaxed);
+    }
+    return (enum kvq_simd)l;
+}
+
+int kvq_simd_force(enum kvq_simd level) {
+    if (!kvq_simd_available(level)) return -1;
+    atomic_store_explicit(&g_level, (int)level, memory_order_relaxed);
+    return 0;
+}
+
+const char *kvq_simd_name(enum kvq_simd level) {
+    switch (level) {
+    case KVQ_SIMD_AVX512: return "avx512";
+    case KVQ_SIMD_AVX2: return "avx2";
+    default: return "scalar";
+    }
+}

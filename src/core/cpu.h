@@ -1,0 +1,27 @@
+/* The one CPU feature detector of the engine: which SIMD level the kernels may use.
+ * Every kernel family dispatches on kvq_simd_level(); a level is only reported when
+ * the CPU has every feature its kernel files are compiled with (see CMakeLists.txt)
+ * and the OS saves the register state (XGETBV). */
+#ifndef KVQ_CORE_CPU_H
+#define KVQ_CORE_CPU_H
+
+enum kvq_simd {
+    KVQ_SIMD_SCALAR = 0,
+    KVQ_SIMD_AVX2 = 1,   /* AVX2 + FMA + F16C, OS saves ymm */
+    KVQ_SIMD_AVX512 = 2, /* the above + AVX-512 F/BW/VL/DQ/VNNI, OS saves zmm and opmasks */
+};
+
+/* Best level this CPU runs, capped by the environment variable KVQ_SIMD
+ * (scalar|avx2|avx512) read once: a capped level counts as unavailable, so forcing
+ * KVQ_SIMD=avx2 makes the process behave as on an AVX2-only machine. */
+enum kvq_simd kvq_simd_max(void);
+/* True when level <= kvq_simd_max(). */
+int kvq_simd_available(enum kvq_simd level);
+/* The level kernels use now (kvq_simd_max() unless forced). */
+enum kvq_simd kvq_simd_level(void);
+/* Forces a level (tests and benchmarks; not while kernels run). -1 if unavailable. */
+int kvq_simd_force(enum kvq_simd level);
+/* "scalar", "avx2" or "avx512". */
+const char *kvq_simd_name(enum kvq_simd level);
+
+#endif
