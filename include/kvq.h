@@ -39,6 +39,10 @@ struct kvq_model_info {
     size_t weight_bytes;
 };
 void kvq_model_get_info(const struct kvq_model *m, struct kvq_model_info *info);
+/* A string from the model file's metadata (e.g. "tokenizer.chat_template") copied
+ * NUL-terminated into buf; returns its length (retry with a larger buffer when that
+ * is >= size), -1 when the key is missing or not a string. */
+int kvq_model_meta_str(const struct kvq_model *m, const char *key, char *buf, size_t size);
 
 /* ---- tokenizer ------------------------------------------------------------ */
 

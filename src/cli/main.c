@@ -15,6 +15,7 @@ static const struct cli_command commands[] = {
     {"passkey", "long-context pass-key retrieval accuracy", cmd_passkey},
     {"bench", "prefill/decode speed and memory per KV config, depth and batch", cmd_bench},
     {"gen-model", "write a random-weight GGUF model of a real shape", cmd_gen_model},
+    {"serve", "OpenAI-compatible HTTP server with continuous batching and a prefix cache", cmd_serve},
 };
 
 static void usage(FILE *out) {

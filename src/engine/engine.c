@@ -111,6 +111,17 @@ void kvq_model_get_info(const struct kvq_model *m, struct kvq_model_info *info) 
     info->weight_bytes = m->model->weight_bytes;
 }
 
+int kvq_model_meta_str(const struct kvq_model *m, const char *key, char *buf, size_t size) {
+    const struct gguf_value *v = gguf_find(m->model->file, key);
+    if (!v || v->type != GGUF_TYPE_STRING || v->str.len > INT32_MAX) return -1;
+    if (size > 0) {
+        size_t n = v->str.len < size ? v->str.len : size - 1;
+        memcpy(buf, v->str.ptr, n);
+        buf[n] = '\0';
+    }
+    return (int)v->str.len;
+}
+
 /* ---- tokenizer ---- */
 
 int kvq_tokenize(const struct kvq_model *m, const char *text, size_t len, bool add_special, bool parse_special,

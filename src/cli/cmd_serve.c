@@ -1,0 +1,236 @@
+/* kvq serve: an OpenAI-compatible HTTP server (src/server) over one context whose
+ * sequences are batched together; this file only reads flags and wires it up. */
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "server/chat_template.h"
+#include "server/http.h"
+#include "server/prefix_cache.h"
+#include "server/scheduler.h"
+
+static const char *const serve_help =
+    "usage: kvq serve -m MODEL [options]\n"
+    "\n"
+    "Serves the model over HTTP with OpenAI's API: POST /v1/chat/completions and\n"
+    "/v1/completions (\"stream\": true for Server-Sent Events), GET /v1/models, /health,\n"
+    "/metrics (Prometheus). Requests are batched together, one forward pass per step.\n"
+    "\n"
+    "  -m, --model FILE           GGUF model\n"
+    "  --host ADDR                address to listen on (default 127.0.0.1)\n"
+    "  --port N                   port (default 8080; 0: any free port, printed at start)\n"
+    "  --max-num-seqs N           sequences decoded together (default 16; also --parallel, -np)\n"
+    "  -c, --ctx-size N           tokens per sequence, prompt and answer (default: the model's)\n"
+    "  -t, --threads N            threads (default: all cores)\n"
+    "  --kv-budget-mb N           KV memory for all sequences and cached prefixes; requests wait\n"
+    "                             when it is full (default: a full context per sequence plus the\n"
+    "                             prefix cache)\n"
+    "  -ctk, --cache-type-k T     llama.cpp's spelling of key bits: f16, f32, q8_0, q6_K, q5_0,\n"
+    "  -ctv, --cache-type-v T     q5_1, q4_0, q4_1 (or a number of bits)\n"
+    "  --prefix-cache-mb N        prefix cache size (default 256; 0: off)\n"
+    "  --prefix-cache-dir DIR     keep prefix-cache entries in DIR and reload them at start\n"
+    "  --prefix-cache-bits B      accepted; entries are kept in the live cache format for now\n"
+    "  --prefix-cache-min-tokens N  accepted (for the cache-format conversion to come)\n"
+    "  --api-key KEY              require 'Authorization: Bearer KEY' (also $KVQ_API_KEY)\n"
+    "  --chat-template NAME|FILE  chatml, llama2, llama3, mistral, gemma, phi3, zephyr, or a\n"
+    "                             Jinja template file to recognise (default: the model's)\n"
+    "  --alias NAME               the model name /v1/models reports (default: the file's name)\n"
+    "  --max-queue N              requests waiting beyond the running ones, then 503 (default 256)\n"
+    "  --prefill-chunk N          prompt tokens per sequence per step (default 256)\n"
+    "  --step-tokens N            tokens per step, decode and prefill together (default 512)\n"
+    "  --max-body-mb N            request body limit (default 8)\n"
+    "  -h, --help                 this text\n";
+
+static const char *const serve_value_flags[] = {
+    "-m", "--model", "--host", "--port", "--max-num-seqs", "--parallel", "-np", "-c", "--ctx-size", "-t",
+    "--threads", "--kv-budget-mb", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v", "--prefix-cache-mb",
+    "--prefix-cache-dir", "--prefix-cache-bits", "--prefix-cache-min-tokens", "--api-key", "--chat-template",
+    "--alias", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", NULL};
+
+struct serve_opts {
+    const char *model, *host, *api_key, *chat_template, *alias, *cache_dir;
+    int port, kv_budget_mb, cache_mb, cache_bits, cache_min_tokens, max_body_mb;
+    struct kvq_context_params cp;
+    struct sched_params sp;
+};
+
+/* llama.cpp's cache type names to bits. */
+static bool cache_type_bits(const char *flag, const char *v, int *bits) {
+    static const struct {
+        const char *name;
+        int bits;
+    } types[] = {{"f16", 16}, {"bf16", 16}, {"f32", 32}, {"q8_0", 8}, {"q6_K", 6}, {"q5_0", 5},
+                 {"q5_1", 5}, {"q4_0", 4},  {"q4_1", 4}, {"iq4_nl", 4}, {"q3_K", 3}, {"q2_K", 2}};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+        if (!strcmp(v, types[i].name)) return *bits = types[i].bits, true;
+    int b;
+    if (!cli_parse_int(flag, v, 2, 32, &b)) return false;
+    if (b != 2 && b != 3 && b != 4 && b != 5 && b != 6 && b != 8 && b != 16 && b != 32) {
+        cli_fail("invalid value '%s' for %s: expected f16, f32, q8_0, q6_K, q5_0, q4_0, ... or bits", v, flag);
+        return false;
+    }
+    *bits = b;
+    return true;
+}
+
+static int parse_args(int argc, char **argv, struct serve_opts *o) {
+    kvq_context_params_default(&o->cp);
+    o->host = "127.0.0.1";
+    o->port = 8080;
+    o->cache_mb = 256;
+    o->cache_bits = 8;
+    o->cache_min_tokens = 256;
+    o->max_body_mb = 8;
+    o->api_key = getenv("KVQ_API_KEY");
+    o->sp = (struct sched_params){.max_seqs = 16, .max_queue = 256, .prefill_chunk = 256, .step_tokens = 512};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp.kv);
+        if (kv < 0) return 1;
+        if (kv > 0) continue;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(serve_help, stdout);
+            fputs(cli_kv_flags_help, stdout);
+            exit(0);
+        }
+        if (!cli_is_one_of(a, serve_value_flags))
+            return cli_fail("unknown option '%s' for serve (see 'kvq serve --help')", a);
+        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
+        bool ok = true;
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
+        else if (!strcmp(a, "--host")) o->host = v;
+        else if (!strcmp(a, "--api-key")) o->api_key = v;
+        else if (!strcmp(a, "--chat-template")) o->chat_template = v;
+        else if (!strcmp(a, "--alias")) o->alias = v;
+        else if (!strcmp(a, "--prefix-cache-dir")) o->cache_dir = v;
+        else if (!strcmp(a, "--port")) ok = cli_parse_int(a, v, 0, 65535, &o->port);
+        else if (!strcmp(a, "--max-num-seqs") || !strcmp(a, "--parallel") || !strcmp(a, "-np"))
+            ok = cli_parse_int(a, v, 1, 1024, &o->sp.max_seqs);
+        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cp.n_ctx);
+        else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
+        else if (!strcmp(a, "--kv-budget-mb")) ok = cli_parse_int(a, v, 1, 1 << 24, &o->kv_budget_mb);
+        else if (!strcmp(a, "-ctk") || !strcmp(a, "--cache-type-k")) ok = cache_type_bits(a, v, &o->cp.kv.k_bits);
+        else if (!strcmp(a, "-ctv") || !strcmp(a, "--cache-type-v")) ok = cache_type_bits(a, v, &o->cp.kv.v_bits);
+        else if (!strcmp(a, "--prefix-cache-mb")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cache_mb);
+        else if (!strcmp(a, "--prefix-cache-bits")) ok = cache_type_bits(a, v, &o->cache_bits);
+        else if (!strcmp(a, "--prefix-cache-min-tokens")) ok = cli_parse_int(a, v, 0, INT_MAX, &o->cache_min_tokens);
+        else if (!strcmp(a, "--max-queue")) ok = cli_parse_int(a, v, 0, 1 << 20, &o->sp.max_queue);
+        else if (!strcmp(a, "--prefill-chunk")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->sp.prefill_chunk);
+        else if (!strcmp(a, "--step-tokens")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->sp.step_tokens);
+        else if (!strcmp(a, "--max-body-mb")) ok = cli_parse_int(a, v, 1, 1 << 12, &o->max_body_mb);
+        if (!ok) return 1;
+    }
+    if (!o->model) return cli_fail("serve needs a model: -m FILE");
+    if (o->api_key && !*o->api_key) return cli_fail("--api-key must not be empty");
+    if (!cli_kv_config_check(&o->cp.kv)) return 1;
+    if (o->sp.prefill_chunk > o->sp.step_tokens) o->sp.prefill_chunk = o->sp.step_tokens;
+    return 0;
+}
+
+/* The chat template: a family name, a template file to recognise, or the model's own. */
+static enum chat_family pick_template(const struct kvq_model *m, const char *choice) {
+    enum chat_family f = CHAT_UNKNOWN;
+    char *text = NULL;
+    if (choice && (f = chat_family_from_name(choice)) != CHAT_UNKNOWN) return f;
+    if (choice) {
+        text = cli_read_file(choice, NULL);
+        if (!text) {
+            cli_fail("--chat-template '%s' is neither a known name (chatml, llama2, llama3, mistral, gemma, phi3, "
+                     "zephyr) nor a readable file",
+                     choice);
+            exit(1);
+        }
+    } else {
+        int n = kvq_model_meta_str(m, "tokenizer.chat_template", NULL, 0);
+        if (n >= 0 && (text = malloc((size_t)n + 1))) kvq_model_meta_str(m, "tokenizer.chat_template", text, (size_t)n + 1);
+    }
+    if (text) f = chat_template_detect(text);
+    if (f == CHAT_UNKNOWN)
+        fprintf(stderr, "kvq serve: warning: %s; using ChatML\n",
+                text ? "the chat template matches no known family" : "the model has no chat template");
+    free(text);
+    return f == CHAT_UNKNOWN ? CHAT_CHATML : f;
+}
+
+int cmd_serve(int argc, char **argv) {
+    struct serve_opts o = {0};
+    if (parse_args(argc, argv, &o) != 0) return 1;
+    struct kvq_model *m = kvq_model_load(o.model);
+    if (!m) return cli_fail("%s", kvq_last_error());
+    int rc = 1;
+    struct kvq_context *ctx = NULL;
+    struct prefix_cache *pc = NULL;
+    struct sched *s = NULL;
+    struct http_server *h = NULL;
+    enum chat_family chat = pick_template(m, o.chat_template);
+
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    o.cp.n_seq = o.sp.max_seqs;
+    o.cp.n_batch = o.sp.step_tokens + o.sp.max_seqs; /* a step is never split into several passes */
+    int n_ctx = o.cp.n_ctx ? o.cp.n_ctx : info.n_ctx_train;
+    size_t cache_bytes = (size_t)o.cache_mb << 20;
+    if (o.kv_budget_mb) o.cp.kv_budget_bytes = (size_t)o.kv_budget_mb << 20;
+    else /* a full context per sequence, and room for the prefix cache on top */
+        o.cp.kv_budget_bytes = (kvq_kv_token_bytes(m, &o.cp.kv) * (((size_t)n_ctx + 63) / 64 * 64) +
+                                kvq_kv_window_bytes(m, &o.cp.kv)) * (size_t)o.sp.max_seqs + cache_bytes;
+    ctx = kvq_context_new(m, &o.cp);
+    if (!ctx) {
+        cli_fail("%s", kvq_last_error());
+        goto done;
+    }
+    if (o.cache_mb > 0) {
+        if (o.cache_bits != 16 && (o.cp.kv.k_bits != o.cache_bits || o.cp.kv.v_bits != o.cache_bits))
+            fprintf(stderr, "kvq serve: note: --prefix-cache-bits is not implemented yet; entries keep the live "
+                            "cache format (%s)\n", cli_kv_config_name(&o.cp.kv));
+        pc = prefix_cache_new(ctx, m, &o.cp.kv, cache_bytes, o.cache_dir);
+        if (!pc) {
+            cli_fail("out of memory");
+            goto done;
+        }
+    }
+    /* signals go to the main thread only (sigwait below), SIGPIPE nowhere */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    s = sched_start(m, ctx, pc, &o.sp);
+    if (!s) {
+        cli_fail("cannot start the scheduler");
+        goto done;
+    }
+    const char *base = strrchr(o.model, '/') ? strrchr(o.model, '/') + 1 : o.model;
+    char model_id[256];
+    snprintf(model_id, sizeof model_id, "%s", o.alias ? o.alias : base);
+    char *dot = o.alias ? NULL : strstr(model_id, ".gguf");
+    if (dot && dot[5] == '\0') *dot = '\0';
+    struct http_params hp = {.host = o.host, .port = o.port, .api_key = o.api_key,
+                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = 10,
+                             .model = m, .chat = chat, .sched = s};
+    h = http_start(&hp);
+    if (!h) goto done;
+    fprintf(stderr,
+            "kvq serve: model %s (%s), KV %s, %d sequences of %d tokens, KV budget %.1f MiB, prefix cache %d MiB, "
+            "chat template %s\n",
+            model_id, info.weight_type, cli_kv_config_name(&o.cp.kv), o.sp.max_seqs, kvq_context_n_ctx(ctx),
+            kvq_kv_budget(ctx) / 1048576.0, o.cache_mb, chat_family_name(chat));
+    fprintf(stderr, "kvq serve: listening on http://%s:%d\n", o.host, http_port(h));
+    int sig;
+    sigwait(&sigs, &sig);
+    fprintf(stderr, "kvq serve: stopping (signal %d)\n", sig);
+    rc = 0;
+done:
+    sched_stop(s);  /* running requests end with an error, so connection threads finish */
+    http_stop(h);
+    sched_free(s);
+    prefix_cache_free(pc);
+    kvq_context_free(ctx);
+    kvq_model_free(m);
+    return rc;
+}

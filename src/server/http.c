@@ -1,0 +1,463 @@
+#include "server/http.h"
+
+#include <arpa/inet.h>
+#include <limits.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <poll.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "server/openai_json.h"
+#include "server/strbuf.h"
+
+struct http_server {
+    struct http_params p;
+    struct MHD_Daemon *d;
+    int port;
+    long started;
+    atomic_ullong n_http, n_errors, next_id;
+};
+
+/* Per connection: the request body as it arrives. */
+struct conn_state {
+    struct strbuf body;
+    bool too_big;
+};
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- responses ---- */
+
+static enum MHD_Result respond(struct http_server *h, struct MHD_Connection *c, unsigned status, const char *type,
+                               const char *body) {
+    if (!body) status = 500, type = "application/json", body = "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\"}}";
+    if (status >= 400) atomic_fetch_add(&h->n_errors, 1);
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(body), (void *)body, MHD_RESPMEM_MUST_COPY);
+    if (!r) return MHD_NO;
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+    if (status == 401) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    if (status == 503 || status == 429) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, "1");
+    enum MHD_Result ret = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+static enum MHD_Result respond_json(struct http_server *h, struct MHD_Connection *c, unsigned status, char *json) {
+    enum MHD_Result ret = respond(h, c, status, "application/json", json);
+    free(json);
+    return ret;
+}
+
+static enum MHD_Result respond_error(struct http_server *h, struct MHD_Connection *c, const struct oai_error *e) {
+    return respond_json(h, c, (unsigned)e->status, oai_error_json(e));
+}
+
+static enum MHD_Result fail(struct http_server *h, struct MHD_Connection *c, int status, const char *type,
+                            const char *param, const char *code, const char *msg) {
+    struct oai_error e;
+    oai_error_set(&e, status, type, param, code, "%s", msg);
+    return respond_error(h, c, &e);
+}
+
+/* True when the client closed its end: the socket polls readable or hung up and a
+ * peek reads end-of-file. (Nothing else reads from it while a request runs.) */
+static bool client_gone(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci) return false;
+    struct pollfd pfd = {.fd = ci->connect_fd, .events = POLLIN | POLLRDHUP};
+    if (poll(&pfd, 1, 0) <= 0) return false;
+    if (pfd.revents & (POLLHUP | POLLERR | POLLRDHUP)) return true;
+    char b;
+    return recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+/* ---- requests to prompts ---- */
+
+static int tokenize(const struct kvq_model *m, const char *text, kvq_token **out) {
+    size_t len = strlen(text);
+    int cap = (int)(len < INT_MAX / 2 ? len : INT_MAX / 2) + 8;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        kvq_token *t = malloc(sizeof *t * (size_t)cap);
+        if (!t) return -1;
+        int n = kvq_tokenize(m, text, len, true, true, t, cap);
+        if (n >= 0 && n <= cap) {
+            *out = t;
+            return n;
+        }
+        free(t);
+        if (n < 0) return -1;
+        cap = n;
+    }
+    return -1;
+}
+
+/* The prompt's tokens: chat messages through the template (its leading BOS text is
+ * dropped: the tokenizer adds BOS as the model's metadata says), or the raw prompt. */
+static int prompt_tokens(struct http_server *h, const struct oai_request *q, kvq_token **out, struct oai_error *e) {
+    char *text = q->kind == OAI_CHAT ? chat_template_render(h->p.chat, q->messages, q->n_messages,
+                                                            chat_family_bos(h->p.chat), chat_family_eos(h->p.chat))
+                                     : strdup(q->prompt);
+    if (!text) {
+        oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        return -1;
+    }
+    const char *bos = chat_family_bos(h->p.chat), *t = text;
+    if (q->kind == OAI_CHAT && *bos && strncmp(t, bos, strlen(bos)) == 0) t += strlen(bos);
+    int n = tokenize(h->p.model, t, out);
+    free(text);
+    if (n < 0) oai_error_set(e, 400, "invalid_request_error", NULL, NULL, "cannot tokenize the prompt: %s", kvq_last_error());
+    else if (n == 0) {
+        free(*out);
+        oai_error_set(e, 400, "invalid_request_error", q->kind == OAI_CHAT ? "messages" : "prompt", NULL,
+                      "the prompt is empty");
+        n = -1;
+    }
+    return n;
+}
+
+/* ---- streams ---- */
+
+struct stream {
+    struct http_server *h;
+    struct MHD_Connection *conn;
+    struct sched_req *r;
+    enum oai_kind kind;
+    char id[48];
+    long created;
+    bool include_usage, first_sent, finished;
+    struct strbuf out; /* SSE bytes not yet handed to MHD */
+    size_t out_off, text_off;
+    double last_write;
+};
+
+static void sse_event(struct stream *st, char *json) {
+    if (!json) {
+        st->out.oom = true;
+        return;
+    }
+    strbuf_add(&st->out, "data: ");
+    strbuf_add(&st->out, json);
+    strbuf_add(&st->out, "\n\n");
+    free(json);
+}
+
+/* Turns what the scheduler produced into SSE events; false when the stream is over. */
+static void stream_fill(struct stream *st) {
+    const char *model = st->h->p.model_id;
+    if (!st->first_sent) {
+        st->first_sent = true;
+        if (st->kind == OAI_CHAT) { /* clients take the role from the first chunk */
+            sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, true, "", 0, NULL));
+            return;
+        }
+    }
+    struct strbuf text = {0};
+    struct sched_result res;
+    bool done = sched_req_wait(st->r, 100, &st->text_off, &text, &res);
+    if (text.oom) st->out.oom = true;
+    if (done && res.error_status) {
+        if (text.len) sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.s, text.len, NULL));
+        struct oai_error e;
+        oai_error_set(&e, res.error_status, res.error_status >= 500 ? "server_error" : "invalid_request_error",
+                      NULL, NULL, "%s", res.error_msg);
+        sse_event(st, oai_error_json(&e));
+        atomic_fetch_add(&st->h->n_errors, 1);
+    } else if (done) {
+        /* the last content chunk carries finish_reason */
+        sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.len ? text.s : NULL, text.len,
+                                     res.finish_reason));
+        if (st->include_usage) {
+            struct oai_usage u = {res.prompt_tokens, res.completion_tokens, res.cached_tokens};
+            sse_event(st, oai_usage_chunk_json(st->kind, st->id, st->created, model, &u));
+        }
+    } else if (text.len) {
+        sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.s, text.len, NULL));
+    }
+    if (done) {
+        strbuf_add(&st->out, "data: [DONE]\n\n");
+        st->finished = true;
+    }
+    strbuf_free(&text);
+}
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    (void)pos;
+    struct stream *st = cls;
+    for (;;) {
+        if (st->out.oom) return MHD_CONTENT_READER_END_WITH_ERROR;
+        if (st->out_off < st->out.len) {
+            size_t n = st->out.len - st->out_off < max ? st->out.len - st->out_off : max;
+            memcpy(buf, st->out.s + st->out_off, n);
+            st->out_off += n;
+            if (st->out_off == st->out.len) st->out.len = st->out_off = 0;
+            st->last_write = now_s();
+            return (ssize_t)n;
+        }
+        if (st->finished) return MHD_CONTENT_READER_END_OF_STREAM;
+        stream_fill(st);
+        if (st->out.len) continue;
+        /* nothing new after a short wait: is the client still there? */
+        if (client_gone(st->conn)) {
+            sched_req_cancel(st->r);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+        if (now_s() - st->last_write >= st->h->p.ping_seconds) strbuf_add(&st->out, ": ping\n\n");
+    }
+}
+
+static void stream_free(void *cls) {
+    struct stream *st = cls;
+    if (!st->finished) sched_req_cancel(st->r); /* the client left early: free its sequence now */
+    sched_req_release(st->r);
+    strbuf_free(&st->out);
+    free(st);
+}
+
+/* ---- endpoints ---- */
+
+static enum MHD_Result completions(struct http_server *h, struct MHD_Connection *c, enum oai_kind kind,
+                                   struct conn_state *cs) {
+    struct oai_request q;
+    struct oai_error e;
+    if (oai_parse_request(cs->body.s ? cs->body.s : "", cs->body.len, kind, &q, &e) != 0) return respond_error(h, c, &e);
+    kvq_token *toks = NULL;
+    int n = prompt_tokens(h, &q, &toks, &e);
+    if (n < 0) {
+        oai_request_free(&q);
+        return respond_error(h, c, &e);
+    }
+    unsigned long long id = atomic_fetch_add(&h->next_id, 1);
+    if (!q.has_seed) q.gen.sampling.seed = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ id;
+    struct sched_req *r = sched_req_new(toks, n, &q.gen, q.cache_key);
+    bool stream = q.stream, include_usage = q.include_usage;
+    oai_request_free(&q);
+    if (!r) {
+        free(toks);
+        return fail(h, c, 500, "server_error", NULL, NULL, "out of memory");
+    }
+    int status;
+    char msg[256];
+    if (sched_submit(h->p.sched, r, &status, msg, sizeof msg) != 0) {
+        sched_req_release(r);
+        return fail(h, c, status, status >= 500 ? "server_error" : "invalid_request_error", NULL,
+                    status == 400 ? "context_length_exceeded" : NULL, msg);
+    }
+    char rid[48];
+    snprintf(rid, sizeof rid, "%s-%llx%08lx", kind == OAI_CHAT ? "chatcmpl" : "cmpl", id, (unsigned long)time(NULL));
+    long created = (long)time(NULL);
+    if (stream) {
+        struct stream *st = calloc(1, sizeof *st);
+        if (!st) {
+            sched_req_cancel(r);
+            sched_req_release(r);
+            return fail(h, c, 500, "server_error", NULL, NULL, "out of memory");
+        }
+        *st = (struct stream){.h = h, .conn = c, .r = r, .kind = kind, .created = created,
+                              .include_usage = include_usage, .last_write = now_s()};
+        memcpy(st->id, rid, sizeof rid);
+        struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, st, stream_free);
+        if (!resp) {
+            stream_free(st);
+            return MHD_NO;
+        }
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+        enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_OK, resp);
+        MHD_destroy_response(resp);
+        return ret;
+    }
+    struct strbuf text = {0};
+    size_t off = 0;
+    struct sched_result res;
+    while (!sched_req_wait(r, 100, &off, &text, &res)) {
+        if (client_gone(c)) {
+            sched_req_cancel(r);
+            sched_req_release(r);
+            strbuf_free(&text);
+            return MHD_NO;
+        }
+    }
+    sched_req_release(r);
+    enum MHD_Result ret;
+    if (res.error_status) {
+        ret = fail(h, c, res.error_status, res.error_status >= 500 ? "server_error" : "invalid_request_error", NULL,
+                   NULL, res.error_msg);
+    } else {
+        struct oai_usage u = {res.prompt_tokens, res.completion_tokens, res.cached_tokens};
+        ret = respond_json(h, c, 200,
+                           text.oom ? NULL
+                                    : oai_response_json(kind, rid, created, h->p.model_id, text.s ? text.s : "",
+                                                        text.len, res.finish_reason, &u));
+    }
+    strbuf_free(&text);
+    return ret;
+}
+
+static void metric(struct strbuf *b, const char *name, const char *type, const char *help, double v) {
+    strbuf_printf(b, "# HELP kvq_%s %s\n# TYPE kvq_%s %s\nkvq_%s %.17g\n", name, help, name, type, name, v);
+}
+
+static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) {
+    struct sched_stats s;
+    sched_get_stats(h->p.sched, &s);
+    struct strbuf b = {0};
+    metric(&b, "http_requests_total", "counter", "HTTP requests received.", (double)atomic_load(&h->n_http));
+    metric(&b, "http_errors_total", "counter", "HTTP requests answered with an error.", (double)atomic_load(&h->n_errors));
+    metric(&b, "requests_total", "counter", "Generation requests accepted by the scheduler.", (double)s.requests);
+    metric(&b, "prompt_tokens_total", "counter", "Prompt tokens of started requests.", (double)s.prompt_tokens);
+    metric(&b, "generated_tokens_total", "counter", "Tokens generated.", (double)s.generated_tokens);
+    metric(&b, "decode_tokens_per_second", "gauge", "Tokens generated per second over the last second.", s.decode_tok_s);
+    metric(&b, "queue_length", "gauge", "Requests waiting for a sequence or KV memory.", s.queued);
+    metric(&b, "running_sequences", "gauge", "Sequences being prefilled or decoded.", s.running);
+    metric(&b, "kv_bytes_in_use", "gauge", "KV cache bytes in use (shared blocks once).", (double)s.kv_bytes);
+    metric(&b, "kv_budget_bytes", "gauge", "KV cache byte budget.", (double)s.kv_budget);
+    metric(&b, "kv_blocks_in_use", "gauge", "KV blocks in use.", (double)s.kv_blocks);
+    metric(&b, "prefix_cache_hits_total", "counter", "Requests that reused a cached prefix.", (double)s.cache_hits);
+    metric(&b, "prefix_cache_misses_total", "counter", "Requests that found no cached prefix.", (double)s.cache_misses);
+    metric(&b, "prefix_cache_tokens_total", "counter", "Prompt tokens taken from the prefix cache.", (double)s.cached_tokens);
+    metric(&b, "prefix_cache_bytes", "gauge", "Bytes of prefix-cache entries.", (double)s.cache_bytes);
+    metric(&b, "prefix_cache_entries", "gauge", "Prefix-cache entries.", s.cache_entries);
+    char *text = strbuf_take(&b);
+    enum MHD_Result ret = respond(h, c, 200, "text/plain; version=0.0.4", text);
+    free(text);
+    return ret;
+}
+
+/* Collapses repeated slashes and drops a trailing one (clients send //v1//models). */
+static void normalize(const char *url, char *out, size_t size) {
+    size_t n = 0;
+    for (const char *p = url; *p && n + 1 < size; p++)
+        if (*p != '/' || n == 0 || out[n - 1] != '/') out[n++] = *p;
+    if (n > 1 && out[n - 1] == '/') n--;
+    out[n] = '\0';
+}
+
+static bool authorized(const struct http_server *h, struct MHD_Connection *c) {
+    if (!h->p.api_key) return true;
+    const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+    if (!a || strncmp(a, "Bearer ", 7) != 0) return false;
+    a += 7;
+    /* compare in time independent of where they differ */
+    size_t la = strlen(a), lk = strlen(h->p.api_key);
+    unsigned diff = (unsigned)(la != lk);
+    for (size_t i = 0; i < la && i < lk; i++) diff |= (unsigned char)(a[i] ^ h->p.api_key[i]);
+    return diff == 0;
+}
+
+static enum MHD_Result route(struct http_server *h, struct MHD_Connection *c, const char *url, const char *method,
+                             struct conn_state *cs) {
+    char path[256];
+    normalize(url, path, sizeof path);
+    bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), post = !strcmp(method, "POST");
+    if (!strcmp(path, "/health") || !strcmp(path, "/v1/health"))
+        return get ? respond(h, c, 200, "application/json", "{\"status\":\"ok\"}")
+                   : fail(h, c, 405, "invalid_request_error", NULL, NULL, "use GET for /health");
+    if (!authorized(h, c))
+        return fail(h, c, 401, "invalid_request_error", NULL, "invalid_api_key",
+                    "Incorrect API key provided (send it as 'Authorization: Bearer KEY')");
+    if (cs->too_big) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "the request body is larger than the limit of %zu bytes", h->p.max_body);
+        return fail(h, c, 413, "invalid_request_error", NULL, NULL, msg);
+    }
+    enum oai_kind kind;
+    if (!strcmp(path, "/v1/chat/completions") || !strcmp(path, "/chat/completions")) kind = OAI_CHAT;
+    else if (!strcmp(path, "/v1/completions") || !strcmp(path, "/completions")) kind = OAI_COMPLETION;
+    else if (!strcmp(path, "/v1/models") || !strcmp(path, "/models")) {
+        if (!get) return fail(h, c, 405, "invalid_request_error", NULL, NULL, "use GET for /v1/models");
+        return respond_json(h, c, 200, oai_models_json(h->p.model_id, h->started));
+    } else if (!strcmp(path, "/metrics")) {
+        if (!get) return fail(h, c, 405, "invalid_request_error", NULL, NULL, "use GET for /metrics");
+        return metrics(h, c);
+    } else {
+        char msg[300];
+        snprintf(msg, sizeof msg, "unknown endpoint %s %s", method, path);
+        return fail(h, c, 404, "invalid_request_error", NULL, "not_found", msg);
+    }
+    if (!post) return fail(h, c, 405, "invalid_request_error", NULL, NULL, "use POST for completions");
+    return completions(h, c, kind, cs);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                                  const char *version, const char *upload, size_t *upload_size, void **con_cls) {
+    (void)version;
+    struct http_server *h = cls;
+    struct conn_state *cs = *con_cls;
+    if (!cs) { /* headers only: refuse a declared oversized body before reading it */
+        if (!(cs = calloc(1, sizeof *cs))) return MHD_NO;
+        *con_cls = cs;
+        atomic_fetch_add(&h->n_http, 1);
+        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl && strtoull(cl, NULL, 10) > h->p.max_body) cs->too_big = true;
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        if (!cs->too_big && cs->body.len + *upload_size > h->p.max_body) {
+            cs->too_big = true;
+            strbuf_free(&cs->body);
+        }
+        if (!cs->too_big) strbuf_addn(&cs->body, upload, *upload_size);
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (cs->body.oom) return fail(h, c, 500, "server_error", NULL, NULL, "out of memory");
+    return route(h, c, url, method, cs);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode code) {
+    (void)cls, (void)c, (void)code;
+    struct conn_state *cs = *con_cls;
+    if (!cs) return;
+    strbuf_free(&cs->body);
+    free(cs);
+    *con_cls = NULL;
+}
+
+struct http_server *http_start(const struct http_params *p) {
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV}, *ai;
+    char port[16];
+    snprintf(port, sizeof port, "%d", p->port);
+    int rc = getaddrinfo(p->host, port, &hints, &ai);
+    if (rc != 0) {
+        fprintf(stderr, "kvq serve: cannot resolve host '%s': %s\n", p->host, gai_strerror(rc));
+        return NULL;
+    }
+    struct http_server *h = calloc(1, sizeof *h);
+    if (!h) {
+        freeaddrinfo(ai);
+        return NULL;
+    }
+    h->p = *p;
+    h->started = (long)time(NULL);
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    h->d = MHD_start_daemon(flags, (uint16_t)p->port, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_END);
+    freeaddrinfo(ai);
+    if (!h->d) {
+        fprintf(stderr, "kvq serve: cannot listen on %s:%d (in use, or not an address of this machine)\n", p->host,
+                p->port);
+        free(h);
+        return NULL;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
+    h->port = di ? di->port : p->port;
+    return h;
+}
+
+int http_port(const struct http_server *h) { return h->port; }
+
+void http_stop(struct http_server *h) {
+    if (!h) return;
+    MHD_stop_daemon(h->d);
+    free(h);
+}

@@ -1,0 +1,33 @@
+/* The HTTP side of kvq serve (libmicrohttpd, a thread per connection): routing,
+ * the API key, body limits, the OpenAI endpoints, SSE streams, /health and
+ * /metrics. Requests go to the scheduler; the engine is never called from here
+ * except to tokenize. */
+#ifndef KVQ_SERVER_HTTP_H
+#define KVQ_SERVER_HTTP_H
+
+#include <stddef.h>
+
+#include "kvq.h"
+#include "server/chat_template.h"
+#include "server/scheduler.h"
+
+struct http_params {
+    const char *host; /* numeric address or "localhost" */
+    int port;         /* 0: any free port (http_port() says which) */
+    const char *api_key; /* NULL: no key needed */
+    size_t max_body;  /* request body limit in bytes */
+    const char *model_id; /* the name /v1/models reports */
+    int ping_seconds; /* ": ping" on a stream idle this long */
+    const struct kvq_model *model;
+    enum chat_family chat;
+    struct sched *sched;
+};
+
+struct http_server;
+/* NULL with a message on stderr when the address cannot be bound. */
+struct http_server *http_start(const struct http_params *p);
+int http_port(const struct http_server *h);
+/* Stops accepting, waits for the connection threads, frees. */
+void http_stop(struct http_server *h);
+
+#endif

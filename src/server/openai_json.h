@@ -1,0 +1,57 @@
+/* OpenAI request bodies to generation parameters, and the response, stream chunk
+ * and error objects back to JSON text (jansson). Pure functions: no engine calls. */
+#ifndef KVQ_SERVER_OPENAI_JSON_H
+#define KVQ_SERVER_OPENAI_JSON_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "server/chat_template.h"
+#include "server/scheduler.h"
+
+enum oai_kind { OAI_CHAT, OAI_COMPLETION };
+
+struct oai_request {
+    enum oai_kind kind;
+    struct chat_message *messages; /* chat: strings owned here */
+    int n_messages;
+    char *prompt; /* completion */
+    struct gen_params gen;
+    bool stream, include_usage;
+    bool has_seed; /* else the caller picks a fresh seed */
+    char *cache_key; /* prompt_cache_key, or NULL */
+};
+
+/* An OpenAI error: HTTP status and the fields of {"error": {...}}. */
+struct oai_error {
+    int status;
+    const char *type;  /* "invalid_request_error", "authentication_error", "server_error", ... */
+    const char *param; /* the offending field, or NULL */
+    const char *code;  /* e.g. "context_length_exceeded", or NULL */
+    char message[256];
+};
+void oai_error_set(struct oai_error *e, int status, const char *type, const char *param, const char *code,
+                   const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+
+/* Parses and checks a body; 0, or -1 with e filled (a 400 naming the field). */
+int oai_parse_request(const char *body, size_t len, enum oai_kind kind, struct oai_request *r, struct oai_error *e);
+void oai_request_free(struct oai_request *r);
+
+struct oai_usage {
+    int prompt_tokens, completion_tokens, cached_tokens;
+};
+
+/* The JSON texts (malloc'd; NULL when out of memory). */
+char *oai_error_json(const struct oai_error *e);
+char *oai_response_json(enum oai_kind kind, const char *id, long created, const char *model, const char *text,
+                        size_t text_len, const char *finish_reason, const struct oai_usage *u);
+/* One stream chunk: chat chunks carry delta.role when first, delta.content when text
+ * is non-NULL; finish_reason NULL while running. */
+char *oai_chunk_json(enum oai_kind kind, const char *id, long created, const char *model, bool first,
+                     const char *text, size_t text_len, const char *finish_reason);
+/* The include_usage chunk: choices [] and usage. */
+char *oai_usage_chunk_json(enum oai_kind kind, const char *id, long created, const char *model,
+                           const struct oai_usage *u);
+char *oai_models_json(const char *model, long created);
+
+#endif

@@ -1,0 +1,608 @@
+#include "server/scheduler.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "server/prefix_cache.h"
+
+struct sched_req {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    /* set before submit, read-only afterwards */
+    kvq_token *tokens;
+    int n_tokens;
+    struct gen_params gp;
+    char *cache_key;
+    /* under mu: what the HTTP thread reads */
+    struct strbuf text; /* generated text; bytes past `published` may still become a stop string */
+    size_t published;
+    bool cancelled, done;
+    struct sched_result res;
+    /* scheduler thread only */
+    struct sched_req *next; /* queue link */
+    int slot, prefilled, n_gen, batch_pos, chunk;
+    kvq_token *fed; /* tokens the sequence holds: the prompt, then generated ones */
+    int n_fed, fed_cap;
+    kvq_token pending; /* sampled, to be fed next step */
+    bool has_pending;
+    size_t reserve; /* KV bytes the request may grow to */
+    uint64_t order; /* admission order */
+    struct kvq_sampler *smp;
+    struct kvq_detok *dt;
+};
+
+struct sched {
+    struct kvq_model *m;
+    struct kvq_context *c;
+    struct prefix_cache *pc;
+    struct sched_params p;
+    pthread_t thread;
+    bool started;
+    pthread_mutex_t mu; /* queue, stop flag, stats */
+    pthread_cond_t cv;
+    bool stop;
+    struct sched_req *head, *tail;
+    int queued;
+    struct sched_stats st;
+    /* scheduler thread only */
+    struct sched_req **slots; /* [max_seqs] */
+    int running, n_ctx, n_vocab;
+    uint64_t admitted;
+    size_t token_bytes, window_bytes, margin;
+    kvq_token *b_tok;
+    int32_t *b_seq;
+    bool *b_logits;
+    double rate_t0;
+    uint64_t rate_tokens;
+};
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- requests ---- */
+
+struct sched_req *sched_req_new(kvq_token *tokens, int n_tokens, struct gen_params *gp, const char *cache_key) {
+    struct sched_req *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    if (cache_key && !(r->cache_key = strdup(cache_key))) {
+        free(r);
+        return NULL;
+    }
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&r->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    r->refs = 1;
+    r->tokens = tokens;
+    r->n_tokens = n_tokens;
+    r->gp = *gp;
+    memset(gp, 0, sizeof *gp); /* the request owns the stop strings now */
+    r->slot = -1;
+    r->res.prompt_tokens = n_tokens;
+    return r;
+}
+
+void sched_req_release(struct sched_req *r) {
+    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    bool last = --r->refs == 0;
+    pthread_mutex_unlock(&r->mu);
+    if (!last) return;
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    free(r->tokens);
+    free(r->fed);
+    free(r->cache_key);
+    gen_params_free(&r->gp);
+    strbuf_free(&r->text);
+    kvq_sampler_free(r->smp);
+    kvq_detok_free(r->dt);
+    free(r);
+}
+
+void sched_req_cancel(struct sched_req *r) {
+    pthread_mutex_lock(&r->mu);
+    r->cancelled = true;
+    pthread_mutex_unlock(&r->mu);
+}
+
+static bool is_cancelled(struct sched_req *r) {
+    pthread_mutex_lock(&r->mu);
+    bool c = r->cancelled;
+    pthread_mutex_unlock(&r->mu);
+    return c;
+}
+
+bool sched_req_wait(struct sched_req *r, int timeout_ms, size_t *offset, struct strbuf *out, struct sched_result *res) {
+    pthread_mutex_lock(&r->mu);
+    if (r->published <= *offset && !r->done && timeout_ms > 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        ts.tv_sec += timeout_ms / 1000 + ts.tv_nsec / 1000000000L;
+        ts.tv_nsec %= 1000000000L;
+        pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+    }
+    if (r->published > *offset) {
+        strbuf_addn(out, r->text.s + *offset, r->published - *offset);
+        *offset = r->published;
+    }
+    *res = r->res;
+    bool done = r->done && *offset == r->published;
+    pthread_mutex_unlock(&r->mu);
+    return done;
+}
+
+/* Appends generated text and publishes what can no longer turn into a stop string;
+ * returns true when a stop string appeared (the text is cut before it). */
+static bool add_text(struct sched_req *r, const char *piece, int len) {
+    const struct gen_params *g = &r->gp;
+    bool stopped = false;
+    pthread_mutex_lock(&r->mu);
+    struct strbuf *t = &r->text;
+    size_t old = t->len;
+    strbuf_add_utf8(t, piece, (size_t)len);
+    size_t hold = 0;
+    for (int i = 0; i < g->n_stop && t->s; i++) {
+        size_t sl = strlen(g->stop[i]);
+        size_t from = old >= sl ? old - sl + 1 : 0; /* a match must end in the new text */
+        if (from > t->len) from = t->len;
+        char *hit = memmem(t->s + from, t->len - from, g->stop[i], sl);
+        if (hit) { /* later stop strings search only the text before this cut */
+            t->len = (size_t)(hit - t->s);
+            t->s[t->len] = '\0';
+            stopped = true;
+        }
+    }
+    for (int i = 0; i < g->n_stop && !stopped && t->s; i++) {
+        /* the longest tail of the text that starts this stop string stays unpublished */
+        size_t sl = strlen(g->stop[i]);
+        for (size_t k = sl - 1; k > hold; k--)
+            if (k <= t->len && memcmp(t->s + t->len - k, g->stop[i], k) == 0) {
+                hold = k;
+                break;
+            }
+    }
+    size_t pub = t->len - hold;
+    if (pub > r->published || stopped) r->published = pub < t->len ? pub : t->len;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return stopped;
+}
+
+/* Marks the request finished (reason, or an error) and publishes all its text. */
+static void end_request(struct sched_req *r, const char *reason, int status, const char *msg) {
+    pthread_mutex_lock(&r->mu);
+    r->res.finish_reason = reason;
+    r->res.completion_tokens = r->n_gen;
+    if (status) {
+        r->res.error_status = status;
+        snprintf(r->res.error_msg, sizeof r->res.error_msg, "%s", msg);
+    }
+    r->published = r->text.len;
+    r->done = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* ---- memory accounting ---- */
+
+static size_t est_bytes(const struct sched *s, int n_tokens) {
+    return s->token_bytes * (((size_t)n_tokens + 63) / 64 * 64) + s->window_bytes;
+}
+
+/* The most tokens a request's sequence can reach. */
+static int final_len(const struct sched *s, const struct sched_req *r) {
+    long n = r->gp.max_tokens < 0 ? s->n_ctx : (long)r->n_tokens + r->gp.max_tokens;
+    return n > s->n_ctx ? s->n_ctx : (int)n;
+}
+
+/* True when the KV bytes in use plus what running requests may still grow by plus
+ * what r may take stay within the budget. */
+static bool fits(const struct sched *s, const struct sched_req *r) {
+    size_t need = kvq_kv_bytes(s->c) + r->reserve + s->margin;
+    for (int i = 0; i < s->p.max_seqs; i++) {
+        const struct sched_req *o = s->slots[i];
+        if (!o) continue;
+        size_t now = est_bytes(s, kvq_seq_len(s->c, o->slot));
+        if (o->reserve > now) need += o->reserve - now;
+    }
+    return need <= kvq_kv_budget(s->c);
+}
+
+/* ---- the scheduler ---- */
+
+int sched_n_ctx(const struct sched *s) { return s->n_ctx; }
+
+int sched_submit(struct sched *s, struct sched_req *r, int *status, char *msg, size_t msg_size) {
+    if (r->n_tokens >= s->n_ctx) {
+        *status = 400;
+        snprintf(msg, msg_size, "the prompt has %d tokens; this server's context holds %d (prompt and answer)",
+                 r->n_tokens, s->n_ctx);
+        return -1;
+    }
+    size_t need = est_bytes(s, r->n_tokens + 1) + s->margin;
+    if (need > kvq_kv_budget(s->c)) {
+        *status = 400;
+        snprintf(msg, msg_size, "the prompt of %d tokens needs %zu bytes of KV cache, more than the budget of %zu",
+                 r->n_tokens, need, kvq_kv_budget(s->c));
+        return -1;
+    }
+    r->reserve = est_bytes(s, final_len(s, r));
+    if (r->reserve + s->margin > kvq_kv_budget(s->c)) r->reserve = kvq_kv_budget(s->c) - s->margin;
+    pthread_mutex_lock(&s->mu);
+    int rc = 0;
+    if (s->stop || s->queued >= s->p.max_queue) {
+        *status = 503;
+        snprintf(msg, msg_size, s->stop ? "the server is shutting down"
+                                        : "the server is busy: %d requests are waiting; retry later", s->queued);
+        rc = -1;
+    } else {
+        pthread_mutex_lock(&r->mu);
+        r->refs++; /* the scheduler's */
+        pthread_mutex_unlock(&r->mu);
+        r->next = NULL;
+        if (s->tail) s->tail->next = r;
+        else s->head = r;
+        s->tail = r;
+        s->queued++;
+        s->st.requests++;
+        s->st.queued = s->queued;
+        pthread_cond_signal(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+static struct sched_req *queue_pop(struct sched *s) {
+    struct sched_req *r = s->head;
+    if (r) {
+        s->head = r->next;
+        if (!s->head) s->tail = NULL;
+        s->queued--;
+    }
+    return r;
+}
+
+/* Frees the request's sequence (storing it in the prefix cache when it ended well). */
+static void retire(struct sched *s, struct sched_req *r, bool store) {
+    if (store && s->pc && r->n_fed == kvq_seq_len(s->c, r->slot))
+        prefix_cache_store(s->pc, r->slot, r->cache_key, r->fed, r->n_fed);
+    kvq_seq_clear(s->c, r->slot);
+    s->slots[r->slot] = NULL;
+    s->running--;
+    r->slot = -1;
+    sched_req_release(r);
+}
+
+static void finish(struct sched *s, struct sched_req *r, const char *reason) {
+    char piece[256];
+    int w = kvq_detok_flush(r->dt, piece, sizeof piece);
+    if (w > 0 && add_text(r, piece, w < (int)sizeof piece ? w : (int)sizeof piece)) reason = "stop";
+    end_request(r, reason, 0, NULL);
+    retire(s, r, true);
+}
+
+static void fail(struct sched *s, struct sched_req *r, int status, const char *msg) {
+    fprintf(stderr, "kvq serve: request failed: %s\n", msg);
+    end_request(r, NULL, status, msg);
+    retire(s, r, false);
+}
+
+static bool push_fed(struct sched_req *r, kvq_token t) {
+    if (r->n_fed == r->fed_cap) {
+        int cap = r->fed_cap ? r->fed_cap * 2 : 64;
+        kvq_token *f = realloc(r->fed, sizeof *f * (size_t)cap);
+        if (!f) return false;
+        r->fed = f;
+        r->fed_cap = cap;
+    }
+    r->fed[r->n_fed++] = t;
+    return true;
+}
+
+/* Puts a queued request into a free slot: sampler, detokenizer, prefix-cache lookup. */
+static void start(struct sched *s, struct sched_req *r, int slot) {
+    r->slot = slot;
+    r->order = ++s->admitted;
+    s->slots[slot] = r;
+    s->running++;
+    r->smp = kvq_sampler_new(&r->gp.sampling, s->n_vocab);
+    r->dt = kvq_detok_new(s->m);
+    r->fed_cap = r->n_tokens + 64;
+    r->fed = malloc(sizeof *r->fed * (size_t)r->fed_cap);
+    if (!r->smp || !r->dt || !r->fed) {
+        fail(s, r, 500, "out of memory");
+        return;
+    }
+    memcpy(r->fed, r->tokens, sizeof *r->fed * (size_t)r->n_tokens);
+    r->n_fed = r->n_tokens;
+    for (int i = 0; i < r->n_tokens; i++) kvq_sampler_accept(r->smp, r->tokens[i]);
+    int cached = 0;
+    if (s->pc) {
+        /* the last prompt token is always computed: its logits give the first answer token */
+        cached = prefix_cache_fetch(s->pc, slot, r->cache_key, r->tokens, r->n_tokens - 1);
+        fprintf(stderr, "kvq serve: cache_fetch %s cached=%d new=%d\n", cached ? "HIT" : "MISS", cached,
+                r->n_tokens - cached);
+    }
+    r->prefilled = cached;
+    pthread_mutex_lock(&r->mu);
+    r->res.cached_tokens = cached;
+    pthread_mutex_unlock(&r->mu);
+    pthread_mutex_lock(&s->mu);
+    if (s->pc) (cached ? s->st.cache_hits++ : s->st.cache_misses++);
+    s->st.cached_tokens += (uint64_t)cached;
+    s->st.prompt_tokens += (uint64_t)r->n_tokens;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static int free_slot(const struct sched *s) {
+    for (int i = 0; i < s->p.max_seqs; i++)
+        if (!s->slots[i]) return i;
+    return -1;
+}
+
+/* Moves queued requests into free slots while their KV needs fit (evicting prefix-cache
+ * entries first); with nothing running, the head request always starts. */
+static void admit(struct sched *s) {
+    for (;;) {
+        int slot = free_slot(s);
+        if (slot < 0) return;
+        pthread_mutex_lock(&s->mu);
+        struct sched_req *r = s->head;
+        pthread_mutex_unlock(&s->mu);
+        if (!r) return;
+        if (!is_cancelled(r)) {
+            while (!fits(s, r) && prefix_cache_evict_one(s->pc)) {
+            }
+            if (s->running > 0 && !fits(s, r)) return; /* back-pressure: wait for memory */
+        }
+        pthread_mutex_lock(&s->mu);
+        queue_pop(s);
+        pthread_mutex_unlock(&s->mu);
+        if (is_cancelled(r)) {
+            end_request(r, NULL, 499, "the client went away");
+            sched_req_release(r);
+            continue;
+        }
+        start(s, r, slot);
+    }
+}
+
+/* Samples the token after logits row i of request r, and feeds its text out. */
+static void next_token(struct sched *s, struct sched_req *r, const float *logits) {
+    kvq_token t = kvq_sampler_sample(r->smp, logits);
+    if (kvq_token_is_eog(s->m, t)) {
+        finish(s, r, "stop");
+        return;
+    }
+    kvq_sampler_accept(r->smp, t);
+    r->n_gen++;
+    char piece[256];
+    int w = kvq_detok_feed(r->dt, t, piece, sizeof piece);
+    if (w > 0 && add_text(r, piece, w < (int)sizeof piece ? w : (int)sizeof piece)) {
+        finish(s, r, "stop");
+        return;
+    }
+    if ((r->gp.max_tokens >= 0 && r->n_gen >= r->gp.max_tokens) || kvq_seq_len(s->c, r->slot) + 1 > s->n_ctx) {
+        finish(s, r, "length");
+        return;
+    }
+    r->pending = t;
+    r->has_pending = true;
+}
+
+/* Builds one batch: a decode token per decoding sequence, then whole prefill chunks
+ * (min(left, prefill_chunk) tokens, so a prompt is cut the same way however many
+ * others run) while the step has room; at least one chunk per step. */
+static int build_batch(struct sched *s) {
+    int n = 0;
+    for (int i = 0; i < s->p.max_seqs; i++) {
+        struct sched_req *r = s->slots[i];
+        if (!r) continue;
+        r->batch_pos = -1;
+        r->chunk = 0;
+        if (!r->has_pending) continue;
+        s->b_tok[n] = r->pending;
+        s->b_seq[n] = r->slot;
+        s->b_logits[n] = true;
+        r->batch_pos = n++;
+    }
+    bool any_prefill = false;
+    for (int i = 0; i < s->p.max_seqs; i++) {
+        struct sched_req *r = s->slots[i];
+        if (!r || r->has_pending || r->prefilled >= r->n_tokens) continue;
+        int left = r->n_tokens - r->prefilled;
+        int chunk = left < s->p.prefill_chunk ? left : s->p.prefill_chunk;
+        if (any_prefill && n + chunk > s->p.step_tokens) continue;
+        for (int j = 0; j < chunk; j++) {
+            s->b_tok[n + j] = r->tokens[r->prefilled + j];
+            s->b_seq[n + j] = r->slot;
+            s->b_logits[n + j] = false;
+        }
+        n += chunk;
+        r->chunk = chunk;
+        if (chunk == left) {
+            s->b_logits[n - 1] = true;
+            r->batch_pos = n - 1;
+        }
+        any_prefill = true;
+    }
+    return n;
+}
+
+/* The youngest running request, to give way when memory runs out. */
+static struct sched_req *youngest(struct sched *s) {
+    struct sched_req *y = NULL;
+    for (int i = 0; i < s->p.max_seqs; i++)
+        if (s->slots[i] && (!y || s->slots[i]->order > y->order)) y = s->slots[i];
+    return y;
+}
+
+static void step(struct sched *s) {
+    for (int i = 0; i < s->p.max_seqs; i++)
+        if (s->slots[i] && is_cancelled(s->slots[i])) {
+            fprintf(stderr, "kvq serve: client went away; sequence %d freed\n", i);
+            end_request(s->slots[i], NULL, 499, "the client went away");
+            retire(s, s->slots[i], false);
+        }
+    admit(s);
+    if (s->running == 0) return;
+    int n = build_batch(s);
+    if (n == 0) return;
+    struct kvq_batch b = {.n_tokens = n, .tokens = s->b_tok, .seq_ids = s->b_seq, .logits = s->b_logits};
+    if (kvq_decode(s->c, &b) != 0) {
+        /* nothing was written: give memory back (prefix cache first, then the youngest
+         * request) and try again next step */
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", kvq_last_error());
+        if (strstr(msg, "budget")) {
+            if (!prefix_cache_evict_one(s->pc)) {
+                struct sched_req *y = youngest(s);
+                fail(s, y, 503, "the KV cache budget is exhausted by other requests; retry later");
+            }
+            return;
+        }
+        for (int i = 0; i < s->p.max_seqs; i++)
+            if (s->slots[i] && (s->slots[i]->chunk || s->slots[i]->has_pending)) fail(s, s->slots[i], 500, msg);
+        return;
+    }
+    int sampled = 0;
+    for (int i = 0; i < s->p.max_seqs; i++) {
+        struct sched_req *r = s->slots[i];
+        if (!r) continue;
+        if (r->has_pending) {
+            r->has_pending = false;
+            if (!push_fed(r, r->pending)) {
+                fail(s, r, 500, "out of memory");
+                continue;
+            }
+        }
+        r->prefilled += r->chunk;
+        if (r->batch_pos >= 0) {
+            next_token(s, r, kvq_get_logits(s->c, r->batch_pos));
+            sampled++;
+        }
+    }
+    double t = now_s();
+    s->rate_tokens += (uint64_t)sampled;
+    pthread_mutex_lock(&s->mu);
+    s->st.generated_tokens += (uint64_t)sampled;
+    if (t - s->rate_t0 >= 1.0) {
+        s->st.decode_tok_s = s->rate_tokens / (t - s->rate_t0);
+        s->rate_t0 = t;
+        s->rate_tokens = 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void update_stats(struct sched *s) {
+    int entries;
+    size_t bytes;
+    prefix_cache_usage(s->pc, &entries, &bytes);
+    pthread_mutex_lock(&s->mu);
+    s->st.queued = s->queued;
+    s->st.running = s->running;
+    s->st.kv_bytes = kvq_kv_bytes(s->c);
+    s->st.kv_budget = kvq_kv_budget(s->c);
+    s->st.kv_blocks = kvq_kv_blocks(s->c);
+    s->st.cache_entries = entries;
+    s->st.cache_bytes = bytes;
+    if (s->running == 0) s->st.decode_tok_s = 0;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void *run(void *arg) {
+    struct sched *s = arg;
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        while (!s->stop && s->queued == 0 && s->running == 0) {
+            s->rate_t0 = now_s();
+            s->rate_tokens = 0;
+            pthread_cond_wait(&s->cv, &s->mu);
+        }
+        bool stop = s->stop;
+        pthread_mutex_unlock(&s->mu);
+        if (stop) break;
+        step(s);
+        update_stats(s);
+    }
+    return NULL;
+}
+
+struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct prefix_cache *pc,
+                          const struct sched_params *p) {
+    struct sched *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->m = m;
+    s->c = c;
+    s->pc = pc;
+    s->p = *p;
+    s->n_ctx = kvq_context_n_ctx(c);
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    s->n_vocab = info.n_vocab;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    int cap = p->step_tokens + p->max_seqs + p->prefill_chunk;
+    s->slots = calloc((size_t)p->max_seqs, sizeof *s->slots);
+    s->b_tok = malloc(sizeof *s->b_tok * (size_t)cap);
+    s->b_seq = malloc(sizeof *s->b_seq * (size_t)cap);
+    s->b_logits = malloc(sizeof *s->b_logits * (size_t)cap);
+    if (!s->slots || !s->b_tok || !s->b_seq || !s->b_logits) {
+        sched_free(s);
+        return NULL;
+    }
+    update_stats(s);
+    if (pthread_create(&s->thread, NULL, run, s) != 0) {
+        sched_free(s);
+        return NULL;
+    }
+    s->started = true;
+    return s;
+}
+
+void sched_stop(struct sched *s) {
+    if (!s || !s->started) return;
+    pthread_mutex_lock(&s->mu);
+    s->stop = true;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thread, NULL);
+    s->started = false;
+    for (int i = 0; i < s->p.max_seqs; i++)
+        if (s->slots[i]) fail(s, s->slots[i], 503, "the server is shutting down");
+    struct sched_req *r;
+    while ((r = queue_pop(s))) {
+        end_request(r, NULL, 503, "the server is shutting down");
+        sched_req_release(r);
+    }
+}
+
+void sched_free(struct sched *s) {
+    if (!s) return;
+    sched_stop(s);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s->slots);
+    free(s->b_tok);
+    free(s->b_seq);
+    free(s->b_logits);
+    free(s);
+}
+
+void sched_get_stats(struct sched *s, struct sched_stats *st) {
+    pthread_mutex_lock(&s->mu);
+    *st = s->st;
+    pthread_mutex_unlock(&s->mu);
+}

@@ -1,0 +1,81 @@
+/* The scheduler: one thread that owns the kvq_context and runs continuous batching.
+ * Each step is ONE kvq_decode with a decode token for every running sequence plus
+ * bounded chunks of prompts being prefilled; requests join and leave between steps.
+ * HTTP threads hand requests over through a small locked queue and read the text
+ * back from the request; every engine call happens on the scheduler thread. */
+#ifndef KVQ_SERVER_SCHEDULER_H
+#define KVQ_SERVER_SCHEDULER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvq.h"
+#include "server/strbuf.h"
+
+#define GEN_MAX_STOP 4
+
+/* What a request asks the generator for (parsed from the JSON body). */
+struct gen_params {
+    int max_tokens; /* -1: until end of text or context */
+    struct kvq_sampler_params sampling;
+    char *stop[GEN_MAX_STOP];
+    int n_stop;
+};
+
+struct prefix_cache;
+
+struct sched_params {
+    int max_seqs;       /* sequences decoded together */
+    int max_queue;      /* waiting requests beyond that (then 503) */
+    int prefill_chunk;  /* prompt tokens per sequence per step */
+    int step_tokens;    /* tokens per step (decode tokens + prefill chunks) */
+};
+
+struct sched_stats {
+    uint64_t requests, prompt_tokens, generated_tokens, cached_tokens;
+    uint64_t cache_hits, cache_misses;
+    int queued, running, cache_entries;
+    size_t kv_bytes, kv_budget, cache_bytes;
+    int64_t kv_blocks;
+    double decode_tok_s; /* over the last busy second */
+};
+
+struct sched;
+struct sched_req;
+
+/* The context must have n_seq >= p->max_seqs; pc may be NULL (no prefix cache). The
+ * scheduler uses both from its own thread until sched_stop(). */
+struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct prefix_cache *pc,
+                          const struct sched_params *p);
+/* Stops the thread; requests still queued or running end with an error (503), and
+ * later submits are refused. sched_free() then frees it (after the HTTP threads end). */
+void sched_stop(struct sched *s);
+void sched_free(struct sched *s);
+int sched_n_ctx(const struct sched *s);
+void sched_get_stats(struct sched *s, struct sched_stats *st);
+
+/* A request takes ownership of tokens (malloc'd) and of the strings in gp; the
+ * caller holds one reference. cache_key namespaces prefix-cache entries (may be NULL). */
+struct sched_req *sched_req_new(kvq_token *tokens, int n_tokens, struct gen_params *gp, const char *cache_key);
+/* 0, or -1 with *status / msg (503: queue full or stopping; 400: can never fit). */
+int sched_submit(struct sched *s, struct sched_req *r, int *status, char *msg, size_t msg_size);
+
+struct sched_result {
+    const char *finish_reason; /* "stop", "length", or NULL while running */
+    int prompt_tokens, cached_tokens, completion_tokens;
+    int error_status; /* non-zero: the request failed with error_msg */
+    char error_msg[256];
+};
+/* Waits up to timeout_ms for new text; appends what arrived since *offset to out
+ * (advancing *offset) and fills res. True once the request has ended (all its text
+ * has then been handed out). */
+bool sched_req_wait(struct sched_req *r, int timeout_ms, size_t *offset, struct strbuf *out, struct sched_result *res);
+/* The client is gone: the scheduler frees the sequence at its next step. */
+void sched_req_cancel(struct sched_req *r);
+void sched_req_release(struct sched_req *r);
+
+/* Frees what gp owns. */
+void gen_params_free(struct gen_params *gp);
+
+#endif
