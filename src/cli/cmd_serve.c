@@ -89,7 +89,7 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
     o->sp = (struct sched_params){.max_seqs = 16, .max_queue = 256, .prefill_chunk = 256, .step_tokens = 512};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
-        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp.kv);
+        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp);
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
