@@ -12,7 +12,7 @@ void oai_error_set(struct oai_error *e, int status, const char *type, const char
                    const char *fmt, ...) {
     e->status = status;
     e->type = type;
-    e->param = param;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
     e->code = code;
     va_list ap;
     va_start(ap, fmt);
@@ -272,9 +272,20 @@ static char *dump(json_t *root) {
     return s;
 }
 
+/* Text cut at a byte limit (message, param) made valid UTF-8 again; malloc'd. */
+static char *clean_utf8(const char *s) {
+    struct strbuf b = {0};
+    strbuf_add_utf8(&b, s, strlen(s));
+    return strbuf_take(&b);
+}
+
 char *oai_error_json(const struct oai_error *e) {
-    return dump(json_pack("{s:{s:s, s:s, s:s?, s:s?}}", "error", "message", e->message, "type",
-                          e->type ? e->type : "invalid_request_error", "param", e->param, "code", e->code));
+    char *msg = clean_utf8(e->message), *param = e->param[0] ? clean_utf8(e->param) : NULL;
+    char *s = dump(json_pack("{s:{s:s, s:s, s:s?, s:s?}}", "error", "message", msg ? msg : "", "type",
+                             e->type ? e->type : "invalid_request_error", "param", param, "code", e->code));
+    free(msg);
+    free(param);
+    return s;
 }
 
 static json_t *usage_json(const struct oai_usage *u) {

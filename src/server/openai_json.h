@@ -26,7 +26,7 @@ struct oai_request {
 struct oai_error {
     int status;
     const char *type;  /* "invalid_request_error", "authentication_error", "server_error", ... */
-    const char *param; /* the offending field, or NULL */
+    char param[64];    /* the offending field, or "" (a copy: keys die with their JSON) */
     const char *code;  /* e.g. "context_length_exceeded", or NULL */
     char message[256];
 };

@@ -1,0 +1,173 @@
+// Client side of tests/test_server.sh: node client.mjs MODE PORT [ARGS]. Prints
+// "ok: ..." / "FAIL: ..." lines; exits 1 when anything failed.
+import { readFileSync } from 'node:fs';
+
+const [mode, port, ...args] = process.argv.slice(2);
+const base = `http://127.0.0.1:${port}`;
+let failed = 0;
+const ok = (cond, what, detail = '') => {
+  if (cond) console.log(`ok: ${what}`);
+  else { failed++; console.log(`FAIL: ${what} ${detail}`); }
+};
+
+async function post(path, body) {
+  const r = await fetch(base + path, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+  return { status: r.status, json: await r.json() };
+}
+
+async function metrics() {
+  const text = await (await fetch(base + '/metrics')).text();
+  const m = {};
+  for (const line of text.split('\n')) if (line && !line.startsWith('#')) { const [k, v] = line.split(' '); m[k] = Number(v); }
+  return m;
+}
+
+// The official client: chat, completions, streaming, usage, errors.
+async function official(key) {
+  const { default: OpenAI } = await import('openai');
+  const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: key, maxRetries: 0, timeout: 60000 });
+  const models = await client.models.list();
+  const model = models.data[0]?.id;
+  ok(model === 'tinydoc-q8_0', 'models.list names the model', model);
+
+  const messages = [{ role: 'system', content: 'You answer questions about PostgreSQL.' },
+                    { role: 'user', content: 'How do I create an index?' }];
+  const chat = await client.chat.completions.create({ model, messages, max_tokens: 12, temperature: 0 });
+  const content = chat.choices[0].message.content;
+  ok(typeof content === 'string' && chat.choices[0].message.role === 'assistant', 'chat completion has content');
+  ok(['stop', 'length'].includes(chat.choices[0].finish_reason), 'chat finish_reason', chat.choices[0].finish_reason);
+  const u = chat.usage;
+  ok(u.prompt_tokens > 10 && u.completion_tokens > 0 && u.total_tokens === u.prompt_tokens + u.completion_tokens &&
+     typeof u.prompt_tokens_details.cached_tokens === 'number', 'chat usage', JSON.stringify(u));
+
+  const stream = await client.chat.completions.create({ model, messages, max_tokens: 12, temperature: 0, stream: true,
+                                                       stream_options: { include_usage: true } });
+  let text = '', first = null, finish = null, usage = null, chunks = 0;
+  for await (const c of stream) {
+    chunks++;
+    if (first === null) first = c;
+    if (c.usage) { usage = c.usage; ok(c.choices.length === 0, 'usage chunk has choices []'); continue; }
+    text += c.choices[0].delta.content ?? '';
+    if (c.choices[0].finish_reason) finish = c.choices[0].finish_reason;
+  }
+  ok(first?.choices[0]?.delta?.role === 'assistant', 'first stream chunk carries the role');
+  ok(text === content, 'streamed chat text equals the non-streamed one', JSON.stringify([text, content]));
+  ok(finish === chat.choices[0].finish_reason, 'stream finish_reason', finish);
+  ok(usage && usage.completion_tokens === u.completion_tokens && usage.prompt_tokens === u.prompt_tokens,
+     'stream usage', JSON.stringify(usage));
+
+  const prompt = 'PostgreSQL supports several index types, including B-tree, hash, GiST and GIN. To create an index, use';
+  const comp = await client.completions.create({ model, prompt, max_tokens: 20, temperature: 0 });
+  const ctext = comp.choices[0].text;
+  ok(ctext.length > 0 && comp.usage.completion_tokens > 0, 'completion', JSON.stringify(comp.choices[0]));
+  let stext = '', susage = null;
+  for await (const c of await client.completions.create({ model, prompt, max_tokens: 20, temperature: 0, stream: true,
+                                                         stream_options: { include_usage: true } })) {
+    if (c.usage) susage = c.usage;
+    else stext += c.choices[0].text;
+  }
+  ok(stext === ctext, 'streamed completion equals the non-streamed one', JSON.stringify([stext, ctext]));
+  ok(susage?.completion_tokens === comp.usage.completion_tokens, 'completion stream usage');
+
+  // a stop string inside the greedy text cuts it there
+  const words = ctext.trim().split(/\s+/);
+  if (words.length >= 3) {
+    const stop = words[2];
+    const cut = await client.completions.create({ model, prompt, max_tokens: 20, temperature: 0, stop: [stop] });
+    ok(cut.choices[0].text === ctext.slice(0, ctext.indexOf(stop)) && cut.choices[0].finish_reason === 'stop',
+       'stop string cuts the text', JSON.stringify([stop, cut.choices[0].text]));
+    let st = '';
+    for await (const c of await client.completions.create({ model, prompt, max_tokens: 20, temperature: 0, stop, stream: true }))
+      st += c.choices[0].text;
+    ok(st === cut.choices[0].text, 'streamed stop string cuts the same', JSON.stringify(st));
+  }
+  const seeded = [];
+  for (let i = 0; i < 2; i++)
+    seeded.push((await client.completions.create({ model, prompt, max_tokens: 12, temperature: 0.9, top_p: 0.9, seed: 7 })).choices[0].text);
+  ok(seeded[0] === seeded[1], 'same seed, same sampled text');
+
+  for (const [what, fn, status] of [
+    ['n > 1 is a 400', () => client.completions.create({ model, prompt, n: 2 }), 400],
+    ['bad temperature is a 400', () => client.chat.completions.create({ model, messages, temperature: 5 }), 400],
+    ['wrong API key is a 401', () => new OpenAI({ baseURL: `${base}/v1`, apiKey: 'wrong', maxRetries: 0 }).models.list(), 401],
+  ]) {
+    try { await fn(); ok(false, what, 'no error'); }
+    catch (e) { ok(e.status === status && typeof e.message === 'string' && e.error?.message, what, `${e.status} ${e.message}`); }
+  }
+}
+
+const prompts = (() => {
+  const words = readFileSync(args[0] ?? '/dev/null', 'utf8').split(/\s+/).filter(Boolean);
+  return [3, 40, 7, 300, 120, 17, 500, 64].map((n, i) => words.slice(i * 50, i * 50 + n).join(' '));
+});
+
+async function complete(prompt, max_tokens = 24) {
+  const r = await post('/v1/completions', { prompt, max_tokens, temperature: 0 });
+  if (r.status !== 200) throw new Error(JSON.stringify(r.json));
+  return r.json.choices[0].text;
+}
+
+// 8 greedy requests of different lengths at once give what each gives alone.
+async function concurrent() {
+  const ps = prompts();
+  const alone = [];
+  for (const p of ps) alone.push(await complete(p));
+  const together = await Promise.all(ps.map((p) => complete(p)));
+  ok(alone.every((t) => t.length > 0), 'every answer has text');
+  for (let i = 0; i < ps.length; i++)
+    ok(together[i] === alone[i], `concurrent request ${i} equals its run alone`, JSON.stringify([together[i], alone[i]]));
+}
+
+// One request with a long shared prefix: prints {"text", "cached"} for the shell to compare.
+async function prefix() {
+  const body = readFileSync(args[0], 'utf8');
+  const r = await post('/v1/chat/completions', {
+    messages: [{ role: 'system', content: body }, { role: 'user', content: args[1] }], max_tokens: 24, temperature: 0,
+  });
+  if (r.status !== 200) { console.log(`FAIL: ${JSON.stringify(r.json)}`); process.exit(1); }
+  console.log(JSON.stringify({ text: r.json.choices[0].message.content, cached: r.json.usage.prompt_tokens_details.cached_tokens,
+                               prompt: r.json.usage.prompt_tokens }));
+}
+
+// 32 streams, a third of them dropped mid-stream: the rest complete, memory comes back.
+async function disconnect() {
+  const ps = prompts();
+  const run = async (i) => {
+    const ac = new AbortController();
+    const r = await fetch(base + '/v1/chat/completions', {
+      method: 'POST', signal: ac.signal, headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ messages: [{ role: 'user', content: ps[i % ps.length] }], max_tokens: 40, temperature: 0, stream: true }),
+    });
+    const reader = r.body.getReader();
+    const dec = new TextDecoder();
+    let text = '', events = 0;
+    for (;;) {
+      let chunk;
+      try { chunk = await reader.read(); } catch (e) { return { aborted: true }; }
+      if (chunk.done) break;
+      text += dec.decode(chunk.value, { stream: true });
+      events = text.split('\n\n').length - 1;
+      if (i % 3 === 0 && events >= 3) { ac.abort(); return { aborted: true }; }
+    }
+    return { i, aborted: false, done: text.includes('data: [DONE]'), finished: /"finish_reason":"(stop|length)"/.test(text) };
+  };
+  const results = await Promise.all([...Array(32).keys()].map(run));
+  const kept = results.filter((r) => !r.aborted);
+  ok(results.filter((r) => r.aborted).length === 11, 'a third of the streams were dropped');
+  ok(kept.length === 21 && kept.every((r) => r.done && r.finished), 'every other stream completed',
+     JSON.stringify(kept));
+  let m;
+  for (let t = 0; t < 100; t++) {
+    m = await metrics();
+    if (m.kvq_running_sequences === 0 && m.kvq_queue_length === 0 && m.kvq_kv_blocks_in_use === 0) break;
+    await new Promise((res) => setTimeout(res, 100));
+  }
+  ok(m.kvq_running_sequences === 0 && m.kvq_queue_length === 0, 'no request left running or queued', JSON.stringify(m));
+  ok(m.kvq_kv_blocks_in_use === 0 && m.kvq_kv_bytes_in_use === 0, 'KV blocks in use back to zero', JSON.stringify(m));
+  ok(typeof (await complete('The kernel', 4)) === 'string', 'the server still answers');
+}
+
+const modes = { official: () => official(args[0]), concurrent, prefix, disconnect };
+try { await modes[mode](); }
+catch (e) { failed++; console.log(`FAIL: ${mode}: ${e.stack ?? e}`); }
+process.exit(failed ? 1 : 0);

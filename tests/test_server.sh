@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# kvq serve end to end, on loopback: the official openai npm client (chat,
+# completions, streaming, usage); curl for bad requests (each a 4xx in OpenAI's
+# error shape while the server keeps serving); 8 concurrent greedy requests with
+# --kv-bits 8,4 equal to the same requests one at a time; a prefix-cache hit
+# (cached_tokens > 0, same text as with the cache off) and a hit from disk after a
+# restart; 32 streams of which a third disconnect, with KV blocks back to zero.
+set -u
+kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
+here=$(cd "$(dirname "$0")" && pwd)
+shared=${KVQ_SHARED_DIR:-$here/../../shared}
+model=$shared/models/tinydoc-q8_0.gguf
+text=$shared/data/wikitext2-test.txt
+if [ ! -f "$model" ] || [ ! -f "$text" ]; then
+  echo "SKIP: tinydoc-q8_0.gguf or wikitext2-test.txt missing under $shared"
+  exit 77
+fi
+for tool in curl node npm; do
+  command -v $tool >/dev/null || { echo "SKIP: $tool is not installed"; exit 77; }
+done
+# The official client, installed once into tests/server/node_modules (ignored by git).
+if [ ! -d "$here/server/node_modules/openai" ]; then
+  if ! timeout 180 npm install --prefix "$here/server" --no-audit --no-fund --no-package-lock --silent >/dev/null 2>&1; then
+    echo "SKIP: cannot install the openai npm package (no registry?)"
+    exit 77
+  fi
+fi
+
+tmp=$(mktemp -d)
+srv_pid=""
+trap '[ -n "$srv_pid" ] && kill -TERM $srv_pid 2>/dev/null; wait; rm -rf "$tmp"' EXIT
+passed=0 failed=0
+ok() { passed=$((passed + 1)); echo "ok: $1"; }
+bad() { failed=$((failed + 1)); echo "FAIL: $1"; }
+
+start_server() { # NAME ARGS...: starts kvq serve on a free port, sets port and srv_pid
+  local name=$1; shift
+  "$kvq" serve -m "$model" --host 127.0.0.1 --port 0 -t 2 "$@" >"$tmp/$name.log" 2>&1 &
+  srv_pid=$!
+  port=""
+  for _ in $(seq 300); do
+    port=$(grep -o 'listening on http://[0-9.]*:[0-9]*' "$tmp/$name.log" | sed 's/.*://')
+    [ -n "$port" ] && return 0
+    kill -0 $srv_pid 2>/dev/null || break
+    sleep 0.1
+  done
+  bad "server $name did not start"; cat "$tmp/$name.log"
+  exit 1
+}
+stop_server() {
+  kill -TERM $srv_pid
+  if wait $srv_pid; then ok "server stops cleanly on SIGTERM"; else bad "server exit status $? on SIGTERM"; fi
+  srv_pid=""
+}
+client() { # MODE ARGS...: runs the node client, counting its ok/FAIL lines
+  node "$here/server/client.mjs" "$1" "$port" "${@:2}" >"$tmp/client.out" 2>&1
+  cat "$tmp/client.out"
+  passed=$((passed + $(grep -c '^ok:' "$tmp/client.out")))
+  failed=$((failed + $(grep -c '^FAIL:' "$tmp/client.out")))
+}
+
+# ---- the official client, and bad requests -------------------------------------
+start_server main --api-key sekrit -c 1024 --max-body-mb 1
+client official sekrit
+expect() { # DESCRIPTION STATUS CURL-ARGS...: an OpenAI error object with that status
+  local what=$1 want=$2; shift 2
+  local got
+  got=$(curl -s -o "$tmp/body" -w '%{http_code}' "$@")
+  if [ "$got" = "$want" ] && jq -e '.error.message | type == "string"' "$tmp/body" >/dev/null 2>&1 &&
+     jq -e '.error | has("type") and has("param") and has("code")' "$tmp/body" >/dev/null; then ok "$what"
+  else bad "$what (HTTP $got)"; cat "$tmp/body"; echo; fi
+}
+url=http://127.0.0.1:$port
+auth=(-H "Authorization: Bearer sekrit" -H "Content-Type: application/json")
+expect "malformed JSON is a 400" 400 "${auth[@]}" -d '{"prompt": "a",' "$url/v1/completions"
+expect "a body that is not an object is a 400" 400 "${auth[@]}" -d '"hello"' "$url/v1/completions"
+expect "max_tokens as a string is a 400" 400 "${auth[@]}" -d '{"prompt":"a","max_tokens":"5"}' "$url/v1/completions"
+expect "messages as a string is a 400" 400 "${auth[@]}" -d '{"messages":"hi"}' "$url/v1/chat/completions"
+expect "an unknown field is a 400" 400 "${auth[@]}" -d '{"prompt":"a","frobnicate":1}' "$url/v1/completions"
+expect "n > 1 is a 400" 400 "${auth[@]}" -d '{"prompt":"a","n":3}' "$url/v1/completions"
+expect "invalid UTF-8 is a 400" 400 "${auth[@]}" --data-binary $'{"prompt":"\xff\xfe"}' "$url/v1/completions"
+head -c 3000000 "$text" | tr -d '"\\\n' | tr -c '[:print:]' ' ' >"$tmp/long.txt"
+printf '{"prompt":"%s"}' "$(head -c 20000 "$tmp/long.txt")" >"$tmp/long.json"
+expect "a prompt longer than the context is a 400" 400 "${auth[@]}" --data-binary @"$tmp/long.json" "$url/v1/completions"
+grep -q context_length_exceeded "$tmp/body" && ok "...with code context_length_exceeded" || bad "no context_length_exceeded code"
+printf '{"prompt":"%s"}' "$(head -c 1500000 "$tmp/long.txt")" >"$tmp/huge.json"
+expect "a body over --max-body-mb is a 413" 413 "${auth[@]}" --data-binary @"$tmp/huge.json" "$url/v1/completions"
+expect "a wrong API key is a 401" 401 -H "Authorization: Bearer nope" "$url/v1/models"
+expect "a missing API key is a 401" 401 -d '{"prompt":"a"}' "$url/v1/completions"
+expect "an unknown path is a 404" 404 "${auth[@]}" "$url/v1/engines"
+expect "GET on completions is a 405" 405 "${auth[@]}" "$url/v1/completions"
+code=$(curl -s -o "$tmp/body" -w '%{http_code}' "${auth[@]}" "http://127.0.0.1:$port//v1//models/")
+[ "$code" = 200 ] && grep -q tinydoc "$tmp/body" && ok "//v1//models routes" || bad "//v1//models: $code"
+code=$(curl -s -o /dev/null -w '%{http_code}' "$url/health")
+[ "$code" = 200 ] && ok "/health needs no key" || bad "/health: $code"
+curl -s "${auth[@]}" "$url/metrics" >"$tmp/metrics"
+for m in requests_total prompt_tokens_total generated_tokens_total queue_length running_sequences kv_bytes_in_use \
+         kv_budget_bytes prefix_cache_hits_total prefix_cache_misses_total prefix_cache_tokens_total prefix_cache_bytes; do
+  grep -q "^kvq_$m " "$tmp/metrics" || bad "/metrics lacks kvq_$m"
+done
+ok "/metrics has the kvq_ series"
+code=$(curl -s -o "$tmp/body" -w '%{http_code}' "${auth[@]}" -d '{"prompt":"The kernel","max_tokens":4}' "$url/v1/completions")
+[ "$code" = 200 ] && ok "still serving after the bad requests" || bad "after bad requests: $code"
+stop_server
+
+# ---- continuous batching with a quantized cache ---------------------------------
+start_server batch --kv-bits 8,4 --max-num-seqs 8 --prefix-cache-mb 0 -c 2048
+client concurrent "$text"
+stop_server
+
+# ---- prefix cache: hit in memory, same text as without, hit from disk -------------
+head -c 4000 "$text" | tr -s ' \n' ' ' >"$tmp/prefix.txt" # about 1500 tokens
+start_server nocache --prefix-cache-mb 0
+client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/ref.json"
+stop_server
+start_server cache --prefix-cache-dir "$tmp/pc"
+client prefix "$tmp/prefix.txt" "Which play did he star in?" >/dev/null
+client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/hit.json"
+stop_server
+cached=$(jq .cached "$tmp/hit.json")
+prompt_n=$(jq .prompt "$tmp/hit.json")
+[ "$cached" -gt 1000 ] 2>/dev/null && ok "second request hits the prefix cache ($cached of $prompt_n tokens)" || bad "no hit: $(cat "$tmp/hit.json")"
+grep -q "cache_fetch HIT cached=$cached new=$((prompt_n - cached))" "$tmp/cache.log" && ok "cache_fetch HIT log line" || bad "no cache_fetch HIT line"
+grep -q "cache_store tokens=" "$tmp/cache.log" && ok "cache_store log line" || bad "no cache_store line"
+[ "$(jq .text "$tmp/hit.json")" = "$(jq .text "$tmp/ref.json")" ] && ok "same greedy text with and without the cache" ||
+  bad "cache changed the text: $(jq .text "$tmp/hit.json") vs $(jq .text "$tmp/ref.json")"
+ls "$tmp"/pc/*.kvq >/dev/null 2>&1 && ok "entries persisted" || bad "no files in --prefix-cache-dir"
+echo garbage >"$tmp/pc/0000000000000000-0123456789abcdef.kvq" # a corrupt entry is skipped, not loaded
+start_server disk --prefix-cache-dir "$tmp/pc"
+client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/disk.json"
+stop_server
+[ "$(jq .cached "$tmp/disk.json")" -gt 1000 ] 2>/dev/null && ok "hit from disk after a restart" || bad "no hit from disk: $(cat "$tmp/disk.json")"
+[ "$(jq .text "$tmp/disk.json")" = "$(jq .text "$tmp/ref.json")" ] && ok "same text from the disk entry" || bad "disk entry changed the text"
+grep -q "skipping .*0123456789abcdef.kvq" "$tmp/disk.log" && ok "corrupt entry skipped with a log line" || bad "corrupt entry not reported"
+
+# ---- disconnects --------------------------------------------------------------------
+start_server drop --prefix-cache-mb 0 --max-num-seqs 8 -c 2048
+client disconnect "$text"
+stop_server
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

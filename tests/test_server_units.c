@@ -1,0 +1,182 @@
+/* kvq serve's pure parts: chat templates per family against the strings their
+ * reference Jinja templates render, family detection by markers, OpenAI request
+ * parsing (accepted fields, and one clear 400 per bad field), response JSON, and
+ * the UTF-8 cleaning of generated text. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "server/chat_template.h"
+#include "server/openai_json.h"
+#include "server/strbuf.h"
+
+static const struct chat_message conv[] = {
+    {"system", "You are helpful."},
+    {"user", "Hello"},
+    {"assistant", "Hi there"},
+    {"user", "How are you?"},
+};
+
+static void expect_render(enum chat_family f, const char *expected) {
+    char *got = chat_template_render(f, conv, 4, chat_family_bos(f), chat_family_eos(f));
+    CHECK(got && strcmp(got, expected) == 0, "%s renders\n%s\nexpected\n%s", chat_family_name(f), got ? got : "(null)",
+          expected);
+    free(got);
+}
+
+static void test_templates(void) {
+    expect_render(CHAT_CHATML, "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+                               "<|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>user\nHow are you?<|im_end|>\n"
+                               "<|im_start|>assistant\n");
+    expect_render(CHAT_LLAMA3,
+                  "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are helpful.<|eot_id|>"
+                  "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+                  "<|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>"
+                  "<|start_header_id|>user<|end_header_id|>\n\nHow are you?<|eot_id|>"
+                  "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    expect_render(CHAT_LLAMA2, "<s>[INST] <<SYS>>\nYou are helpful.\n<</SYS>>\n\nHello [/INST] Hi there </s>"
+                               "<s>[INST] How are you? [/INST]");
+    expect_render(CHAT_MISTRAL, "<s>[INST] You are helpful.\n\nHello [/INST]Hi there</s>[INST] How are you? [/INST]");
+    expect_render(CHAT_GEMMA, "<bos><start_of_turn>user\nYou are helpful.\n\nHello<end_of_turn>\n"
+                              "<start_of_turn>model\nHi there<end_of_turn>\n<start_of_turn>user\nHow are you?"
+                              "<end_of_turn>\n<start_of_turn>model\n");
+    expect_render(CHAT_PHI3, "<|system|>\nYou are helpful.<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there"
+                             "<|end|>\n<|user|>\nHow are you?<|end|>\n<|assistant|>\n");
+    expect_render(CHAT_ZEPHYR, "<|system|>\nYou are helpful.</s>\n<|user|>\nHello</s>\n<|assistant|>\nHi there</s>\n"
+                               "<|user|>\nHow are you?</s>\n<|assistant|>\n");
+
+    /* templates that trim content (Llama 2 and 3, Gemma) and ones that do not (ChatML) */
+    const struct chat_message padded[] = {{"user", "  Hi \n"}};
+    char *s = chat_template_render(CHAT_LLAMA3, padded, 1, "", "");
+    CHECK(s && !strcmp(s, "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                          "<|start_header_id|>assistant<|end_header_id|>\n\n"), "llama3 trims: %s", s);
+    free(s);
+    s = chat_template_render(CHAT_LLAMA2, padded, 1, "<s>", "</s>");
+    CHECK(s && !strcmp(s, "<s>[INST] Hi [/INST]"), "llama2 strips: %s", s);
+    free(s);
+    s = chat_template_render(CHAT_CHATML, padded, 1, "", "");
+    CHECK(s && !strcmp(s, "<|im_start|>user\n  Hi \n<|im_end|>\n<|im_start|>assistant\n"), "chatml keeps: %s", s);
+    free(s);
+
+    /* detection from marker strings of real templates (abridged) */
+    CHECK(chat_template_detect("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'") ==
+              CHAT_CHATML, "chatml");
+    CHECK(chat_template_detect("{{ bos_token }}{% set content = '<|start_header_id|>' + message['role'] %}") ==
+              CHAT_LLAMA3, "llama3");
+    CHECK(chat_template_detect("{% set content = '<<SYS>>\\n' + system_message %}{{ bos_token + '[INST] ' }}") ==
+              CHAT_LLAMA2, "llama2");
+    CHECK(chat_template_detect("{{ bos_token }}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] "
+                               "+ ' [/INST]' }}") == CHAT_MISTRAL, "mistral");
+    CHECK(chat_template_detect("{{ '<start_of_turn>' + role + '\\n' }}") == CHAT_GEMMA, "gemma");
+    CHECK(chat_template_detect("{{'<|user|>' + '\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>'}}") ==
+              CHAT_PHI3, "phi3");
+    CHECK(chat_template_detect("{{ '<|user|>\\n' + message['content'] + eos_token }}{{ '<|assistant|>' }}") ==
+              CHAT_ZEPHYR, "zephyr");
+    CHECK(chat_template_detect("{{ messages }}") == CHAT_UNKNOWN, "unknown");
+    for (int f = 0; f < CHAT_UNKNOWN; f++)
+        CHECK((int)chat_family_from_name(chat_family_name((enum chat_family)f)) == f, "name round trip %d", f);
+    CHECK(chat_family_from_name("jinja") == CHAT_UNKNOWN, "unknown name");
+}
+
+static int parse(enum oai_kind kind, const char *body, struct oai_request *r, struct oai_error *e) {
+    return oai_parse_request(body, strlen(body), kind, r, e);
+}
+
+static void expect_400(enum oai_kind kind, const char *body, const char *param) {
+    struct oai_request r;
+    struct oai_error e;
+    int rc = parse(kind, body, &r, &e);
+    CHECK(rc == -1 && e.status == 400, "%s: rc %d status %d", body, rc, e.status);
+    CHECK(rc == 0 || !strcmp(e.param, param ? param : ""), "%s: param '%s'", body, e.param);
+    CHECK(rc == 0 || e.message[0], "%s: a message", body);
+    if (rc == 0) oai_request_free(&r);
+}
+
+static void test_parse(void) {
+    struct oai_request r;
+    struct oai_error e;
+    int rc = parse(OAI_CHAT,
+                   "{\"model\":\"x\",\"messages\":[{\"role\":\"system\",\"content\":\"S\"},{\"role\":\"user\","
+                   "\"content\":[{\"type\":\"text\",\"text\":\"a\"},{\"type\":\"text\",\"text\":\"b\"}]}],"
+                   "\"max_completion_tokens\":7,\"temperature\":0,\"top_p\":0.5,\"top_k\":3,\"min_p\":0.1,"
+                   "\"stop\":[\"x\",\"yz\"],\"seed\":42,\"n\":1,\"stream\":true,"
+                   "\"stream_options\":{\"include_usage\":true},\"prompt_cache_key\":\"k\",\"user\":\"u\","
+                   "\"presence_penalty\":0,\"logprobs\":false}",
+                   &r, &e);
+    CHECK(rc == 0, "full chat request: %s", e.message);
+    if (rc == 0) {
+        CHECK(r.n_messages == 2 && !strcmp(r.messages[1].content, "ab") && !strcmp(r.messages[0].role, "system"),
+              "messages");
+        CHECK(r.gen.max_tokens == 7 && r.gen.sampling.temp == 0 && r.gen.sampling.top_k == 3, "numbers");
+        CHECK(r.gen.sampling.top_p == 0.5f && r.gen.sampling.min_p == 0.1f && r.gen.sampling.seed == 42, "sampling");
+        CHECK(r.gen.n_stop == 2 && !strcmp(r.gen.stop[1], "yz"), "stop list");
+        CHECK(r.stream && r.include_usage && r.has_seed && !strcmp(r.cache_key, "k"), "flags");
+        oai_request_free(&r);
+    }
+    rc = parse(OAI_COMPLETION, "{\"prompt\":[\"hello\"],\"stop\":\"\\n\",\"max_tokens\":null}", &r, &e);
+    CHECK(rc == 0 && !strcmp(r.prompt, "hello") && r.gen.n_stop == 1 && r.gen.max_tokens == 16 && !r.stream,
+          "completion request: %s", e.message);
+    if (rc == 0) oai_request_free(&r);
+
+    expect_400(OAI_CHAT, "{\"messages\":", NULL);                                      /* malformed */
+    expect_400(OAI_CHAT, "[1,2]", NULL);                                               /* not an object */
+    expect_400(OAI_CHAT, "{}", "messages");                                            /* missing */
+    expect_400(OAI_CHAT, "{\"messages\":[]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", "messages");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"n\":2}", "n");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":\"10\"}", "max_tokens");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":0}", "max_tokens");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"temperature\":3}", "temperature");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"top_p\":\"x\"}", "top_p");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stop\":[\"a\",\"b\",\"c\",\"d\",\"e\"]}", "stop");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stop\":[1]}", "stop");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stream\":1}", "stream");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", "stream_options");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"frobnicate\":true}", "frobnicate");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":true}", "logprobs");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"prompt\":\"b\"}", NULL);           /* duplicate key */
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"\\u0000\"}", NULL);                       /* NUL in a string */
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"\xff\"}", NULL);                          /* invalid UTF-8 */
+    expect_400(OAI_COMPLETION, "{\"prompt\":[1,2,3]}", "prompt");
+    expect_400(OAI_CHAT, "{\"prompt\":\"a\"}", "prompt"); /* a completion field on chat */
+}
+
+static void test_json_out(void) {
+    struct oai_error e;
+    oai_error_set(&e, 401, "invalid_request_error", NULL, "invalid_api_key", "bad %s", "key");
+    char *s = oai_error_json(&e);
+    CHECK(s && !strcmp(s, "{\"error\":{\"message\":\"bad key\",\"type\":\"invalid_request_error\",\"param\":null,"
+                          "\"code\":\"invalid_api_key\"}}"), "error json: %s", s);
+    free(s);
+    struct oai_usage u = {10, 3, 4};
+    s = oai_response_json(OAI_CHAT, "id1", 5, "m", "hi", 2, "length", &u);
+    CHECK(s && strstr(s, "\"message\":{\"role\":\"assistant\",\"content\":\"hi\"}") &&
+              strstr(s, "\"finish_reason\":\"length\"") && strstr(s, "\"total_tokens\":13") &&
+              strstr(s, "\"prompt_tokens_details\":{\"cached_tokens\":4}"), "chat response: %s", s);
+    free(s);
+    s = oai_chunk_json(OAI_CHAT, "id1", 5, "m", true, "", 0, NULL);
+    CHECK(s && strstr(s, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}") && strstr(s, "\"finish_reason\":null"),
+          "first chunk: %s", s);
+    free(s);
+    s = oai_usage_chunk_json(OAI_COMPLETION, "id1", 5, "m", &u);
+    CHECK(s && strstr(s, "\"choices\":[]") && strstr(s, "\"usage\""), "usage chunk: %s", s);
+    free(s);
+}
+
+static void test_utf8(void) {
+    struct strbuf b = {0};
+    strbuf_add_utf8(&b, "a\xc3\xa9" "b\xff" "c\xe2\x82" "d\xed\xa0\x80", 13);
+    char *s = strbuf_take(&b);
+    CHECK(s && !strcmp(s, "a\xc3\xa9" "b\xef\xbf\xbd" "c\xef\xbf\xbd\xef\xbf\xbd" "d\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"),
+          "utf8 cleaned: %s", s);
+    free(s);
+}
+
+int main(void) {
+    test_templates();
+    test_parse();
+    test_json_out();
+    test_utf8();
+    return check_finish();
+}
