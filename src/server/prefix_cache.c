@@ -222,7 +222,7 @@ static void load_dir(struct prefix_cache *pc) {
         f[n++] = (struct found){path, ns, st.st_mtime};
     }
     closedir(d);
-    qsort(f, (size_t)n, sizeof *f, newest_first);
+    if (n > 1) qsort(f, (size_t)n, sizeof *f, newest_first);
     int loaded = 0;
     for (int i = 0; i < n; i++) {
         struct kvq_seq_extra extra = {0};

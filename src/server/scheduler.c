@@ -242,7 +242,8 @@ int sched_submit(struct sched *s, struct sched_req *r, int *status, char *msg, s
     if (r->reserve + s->margin > kvq_kv_budget(s->c)) r->reserve = kvq_kv_budget(s->c) - s->margin;
     pthread_mutex_lock(&s->mu);
     int rc = 0;
-    if (s->stop || s->queued >= s->p.max_queue) {
+    /* max_queue counts requests that must wait: those beyond the free slots */
+    if (s->stop || s->queued - (s->p.max_seqs - s->st.running) >= s->p.max_queue) {
         *status = 503;
         snprintf(msg, msg_size, s->stop ? "the server is shutting down"
                                         : "the server is busy: %d requests are waiting; retry later", s->queued);
@@ -317,6 +318,9 @@ static void start(struct sched *s, struct sched_req *r, int slot) {
     r->order = ++s->admitted;
     s->slots[slot] = r;
     s->running++;
+    pthread_mutex_lock(&s->mu);
+    s->st.running = s->running;
+    pthread_mutex_unlock(&s->mu);
     r->smp = kvq_sampler_new(&r->gp.sampling, s->n_vocab);
     r->dt = kvq_detok_new(s->m);
     r->fed_cap = r->n_tokens + 64;
@@ -552,6 +556,14 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     s->n_vocab = info.n_vocab;
+    s->token_bytes = kvq_kv_token_bytes(m, &p->kv);
+    s->window_bytes = kvq_kv_window_bytes(m, &p->kv);
+    if (p->kv.k_bits < 16 || p->kv.v_bits < 16) {
+        /* a quantized cache holds a step's new rows in f16 too until the next step */
+        struct kvq_kv_config f16;
+        kvq_kv_config_default(&f16);
+        s->margin = kvq_kv_token_bytes(m, &f16) * (size_t)(p->step_tokens + p->max_seqs);
+    }
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     int cap = p->step_tokens + p->max_seqs + p->prefill_chunk;
