@@ -493,6 +493,10 @@ static void step(struct sched *s) {
             }
         }
         r->prefilled += r->chunk;
+        /* a prompt just done is held at once (sharing its blocks), so requests that
+         * arrive while this one decodes reuse it; the whole sequence replaces it later */
+        if (s->pc && r->chunk > 0 && r->prefilled == r->n_tokens && kvq_seq_len(s->c, r->slot) == r->n_tokens)
+            prefix_cache_store(s->pc, r->slot, r->cache_key, r->tokens, r->n_tokens);
         if (r->batch_pos >= 0) {
             next_token(s, r, kvq_get_logits(s->c, r->batch_pos));
             sampled++;
