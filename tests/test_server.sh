@@ -108,6 +108,39 @@ start_server batch --kv-bits 8,4 --max-num-seqs 8 --prefix-cache-mb 0 -c 2048
 client concurrent "$text"
 stop_server
 
+# ---- back-pressure: a small KV budget makes requests wait, never corrupts them ------
+start_server budget --kv-budget-mb 8 --max-num-seqs 8 --prefix-cache-mb 0 -c 2048
+client concurrent "$text"
+url=http://127.0.0.1:$port
+printf '{"prompt":"%s","max_tokens":4}' "$(head -c 4000 "$tmp/long.txt")" >"$tmp/big.json"
+expect "a prompt that can never fit the KV budget is a 400" 400 --data-binary @"$tmp/big.json" "$url/v1/completions"
+grep -q "budget" "$tmp/body" && ok "...saying why" || bad "no reason given: $(cat "$tmp/body")"
+stop_server
+
+# ---- a full queue is a 503; a waiting stream gets ': ping' --------------------------
+start_server limits --max-num-seqs 1 --max-queue 1 --ping-interval 1 --prefix-cache-mb 0
+url=http://127.0.0.1:$port
+metric() { curl -s "$url/metrics" | awk -v m="kvq_$1" '$1 == m {print $2}'; }
+wait_metric() { # NAME VALUE: up to 30 s
+  for _ in $(seq 300); do [ "$(metric "$1")" = "$2" ] && return 0; sleep 0.1; done
+  return 1
+}
+printf '{"prompt":"%s","max_tokens":400,"temperature":0,"stream":true}' "$(head -c 8000 "$tmp/long.txt")" >"$tmp/a.json"
+curl -sN "$url/v1/completions" --data-binary @"$tmp/a.json" >"$tmp/a.out" & a_pid=$!
+wait_metric running_sequences 1 || bad "the first request never ran"
+curl -sN "$url/v1/completions" -d '{"prompt":"The kernel","max_tokens":8,"stream":true}' >"$tmp/b.out" & b_pid=$!
+wait_metric queue_length 1 || bad "the second request never queued"
+expect "a request beyond --max-queue is a 503" 503 -d '{"prompt":"x","max_tokens":1}' "$url/v1/completions"
+for _ in $(seq 100); do grep -q '^: ping' "$tmp/b.out" && break; sleep 0.1; done
+grep -q '^: ping' "$tmp/b.out" && ok "a waiting stream gets ': ping' comments" || bad "no ping on a waiting stream"
+kill $a_pid; wait $a_pid 2>/dev/null # the client leaves: its sequence is freed, the waiting one runs
+wait $b_pid
+grep -q '^data: \[DONE\]' "$tmp/b.out" && ok "the waiting stream then completes" || bad "waiting stream: $(cat "$tmp/b.out")"
+wait_metric running_sequences 0 && wait_metric kv_blocks_in_use 0 && ok "idle again with no KV blocks in use" ||
+  bad "blocks left: $(metric kv_blocks_in_use)"
+grep -q "client went away" "$tmp/limits.log" && ok "the dropped client's sequence was freed" || bad "no 'client went away' line"
+stop_server
+
 # ---- prefix cache: hit in memory, same text as without, hit from disk -------------
 head -c 4000 "$text" | tr -s ' \n' ' ' >"$tmp/prefix.txt" # about 1500 tokens
 start_server nocache --prefix-cache-mb 0

@@ -173,7 +173,27 @@ static void test_utf8(void) {
     free(s);
 }
 
+/* kvq_model_meta_str, which the server reads tokenizer.chat_template with. */
+static void test_meta(void) {
+    const char *path = shared_path("models/tinydoc-q8_0.gguf");
+    if (!path) {
+        printf("note: ../shared missing, kvq_model_meta_str not checked\n");
+        return;
+    }
+    struct kvq_model *m = kvq_model_load(path);
+    CHECK(m != NULL, "load: %s", kvq_last_error());
+    if (!m) return;
+    char buf[16];
+    CHECK(kvq_model_meta_str(m, "general.architecture", buf, sizeof buf) == 5 && !strcmp(buf, "llama"), "arch");
+    CHECK(kvq_model_meta_str(m, "general.architecture", buf, 3) == 5 && !strcmp(buf, "ll"), "cut to the buffer");
+    CHECK(kvq_model_meta_str(m, "general.architecture", NULL, 0) == 5, "length only");
+    CHECK(kvq_model_meta_str(m, "no.such.key", buf, sizeof buf) == -1, "missing key");
+    CHECK(kvq_model_meta_str(m, "llama.block_count", buf, sizeof buf) == -1, "not a string");
+    kvq_model_free(m);
+}
+
 int main(void) {
+    test_meta();
     test_templates();
     test_parse();
     test_json_out();

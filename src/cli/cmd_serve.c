@@ -43,17 +43,18 @@ static const char *const serve_help =
     "  --prefill-chunk N          prompt tokens per sequence per step (default 256)\n"
     "  --step-tokens N            tokens per step, decode and prefill together (default 512)\n"
     "  --max-body-mb N            request body limit (default 8)\n"
+    "  --ping-interval S          ': ping' comment on a stream idle S seconds (default 10)\n"
     "  -h, --help                 this text\n";
 
 static const char *const serve_value_flags[] = {
     "-m", "--model", "--host", "--port", "--max-num-seqs", "--parallel", "-np", "-c", "--ctx-size", "-t",
     "--threads", "--kv-budget-mb", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v", "--prefix-cache-mb",
     "--prefix-cache-dir", "--prefix-cache-bits", "--prefix-cache-min-tokens", "--api-key", "--chat-template",
-    "--alias", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", NULL};
+    "--alias", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval", NULL};
 
 struct serve_opts {
     const char *model, *host, *api_key, *chat_template, *alias, *cache_dir;
-    int port, kv_budget_mb, cache_mb, cache_bits, cache_min_tokens, max_body_mb;
+    int port, kv_budget_mb, cache_mb, cache_bits, cache_min_tokens, max_body_mb, ping;
     struct kvq_context_params cp;
     struct sched_params sp;
 };
@@ -85,6 +86,7 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
     o->cache_bits = 8;
     o->cache_min_tokens = 256;
     o->max_body_mb = 8;
+    o->ping = 10;
     o->api_key = getenv("KVQ_API_KEY");
     o->sp = (struct sched_params){.max_seqs = 16, .max_queue = 256, .prefill_chunk = 256, .step_tokens = 512};
     for (int i = 1; i < argc; i++) {
@@ -122,6 +124,7 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
         else if (!strcmp(a, "--prefill-chunk")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->sp.prefill_chunk);
         else if (!strcmp(a, "--step-tokens")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->sp.step_tokens);
         else if (!strcmp(a, "--max-body-mb")) ok = cli_parse_int(a, v, 1, 1 << 12, &o->max_body_mb);
+        else if (!strcmp(a, "--ping-interval")) ok = cli_parse_int(a, v, 1, 3600, &o->ping);
         if (!ok) return 1;
     }
     if (!o->model) return cli_fail("serve needs a model: -m FILE");
@@ -200,6 +203,7 @@ int cmd_serve(int argc, char **argv) {
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
+    o.sp.kv = o.cp.kv;
     s = sched_start(m, ctx, pc, &o.sp);
     if (!s) {
         cli_fail("cannot start the scheduler");
@@ -211,7 +215,7 @@ int cmd_serve(int argc, char **argv) {
     char *dot = o.alias ? NULL : strstr(model_id, ".gguf");
     if (dot && dot[5] == '\0') *dot = '\0';
     struct http_params hp = {.host = o.host, .port = o.port, .api_key = o.api_key,
-                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = 10,
+                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping,
                              .model = m, .chat = chat, .sched = s};
     h = http_start(&hp);
     if (!h) goto done;

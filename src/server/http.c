@@ -5,6 +5,7 @@
 #include <microhttpd.h>
 #include <netdb.h>
 #include <poll.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -422,6 +423,14 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, en
     *con_cls = NULL;
 }
 
+/* libmicrohttpd's own messages (e.g. a client gone mid-response), marked as such. */
+static void mhd_log(void *cls, const char *fmt, va_list ap) {
+    (void)cls;
+    fputs("kvq serve: http: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    if (!*fmt || fmt[strlen(fmt) - 1] != '\n') fputc('\n', stderr);
+}
+
 struct http_server *http_start(const struct http_params *p) {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV}, *ai;
     char port[16];
@@ -440,8 +449,9 @@ struct http_server *http_start(const struct http_params *p) {
     h->started = (long)time(NULL);
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    h->d = MHD_start_daemon(flags, (uint16_t)p->port, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_END);
+    h->d = MHD_start_daemon(flags, (uint16_t)p->port, NULL, NULL, on_request, h, MHD_OPTION_EXTERNAL_LOGGER, mhd_log,
+                            NULL, MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
+                            MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!h->d) {
         fprintf(stderr, "kvq serve: cannot listen on %s:%d (in use, or not an address of this machine)\n", p->host,

@@ -242,7 +242,8 @@ int sched_submit(struct sched *s, struct sched_req *r, int *status, char *msg, s
     if (r->reserve + s->margin > kvq_kv_budget(s->c)) r->reserve = kvq_kv_budget(s->c) - s->margin;
     pthread_mutex_lock(&s->mu);
     int rc = 0;
-    if (s->stop || s->queued >= s->p.max_queue) {
+    /* max_queue counts requests that must wait: those beyond the free slots */
+    if (s->stop || s->queued - (s->p.max_seqs - s->st.running) >= s->p.max_queue) {
         *status = 503;
         snprintf(msg, msg_size, s->stop ? "the server is shutting down"
                                         : "the server is busy: %d requests are waiting; retry later", s->queued);
@@ -317,6 +318,9 @@ static void start(struct sched *s, struct sched_req *r, int slot) {
     r->order = ++s->admitted;
     s->slots[slot] = r;
     s->running++;
+    pthread_mutex_lock(&s->mu);
+    s->st.running = s->running;
+    pthread_mutex_unlock(&s->mu);
     r->smp = kvq_sampler_new(&r->gp.sampling, s->n_vocab);
     r->dt = kvq_detok_new(s->m);
     r->fed_cap = r->n_tokens + 64;
@@ -489,6 +493,10 @@ static void step(struct sched *s) {
             }
         }
         r->prefilled += r->chunk;
+        /* a prompt just done is held at once (sharing its blocks), so requests that
+         * arrive while this one decodes reuse it; the whole sequence replaces it later */
+        if (s->pc && r->chunk > 0 && r->prefilled == r->n_tokens && kvq_seq_len(s->c, r->slot) == r->n_tokens)
+            prefix_cache_store(s->pc, r->slot, r->cache_key, r->tokens, r->n_tokens);
         if (r->batch_pos >= 0) {
             next_token(s, r, kvq_get_logits(s->c, r->batch_pos));
             sampled++;
@@ -552,6 +560,14 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     s->n_vocab = info.n_vocab;
+    s->token_bytes = kvq_kv_token_bytes(m, &p->kv);
+    s->window_bytes = kvq_kv_window_bytes(m, &p->kv);
+    if (p->kv.k_bits < 16 || p->kv.v_bits < 16) {
+        /* a quantized cache holds a step's new rows in f16 too until the next step */
+        struct kvq_kv_config f16;
+        kvq_kv_config_default(&f16);
+        s->margin = kvq_kv_token_bytes(m, &f16) * (size_t)(p->step_tokens + p->max_seqs);
+    }
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     int cap = p->step_tokens + p->max_seqs + p->prefill_chunk;

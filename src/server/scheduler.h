@@ -27,9 +27,10 @@ struct prefix_cache;
 
 struct sched_params {
     int max_seqs;       /* sequences decoded together */
-    int max_queue;      /* waiting requests beyond that (then 503) */
+    int max_queue;      /* requests that may wait for a slot or memory (then 503) */
     int prefill_chunk;  /* prompt tokens per sequence per step */
     int step_tokens;    /* tokens per step (decode tokens + prefill chunks) */
+    struct kvq_kv_config kv; /* the context's, to estimate what requests will take */
 };
 
 struct sched_stats {

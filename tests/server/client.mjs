@@ -98,7 +98,7 @@ async function official(key) {
 
 const prompts = (() => {
   const words = readFileSync(args[0] ?? '/dev/null', 'utf8').split(/\s+/).filter(Boolean);
-  return [3, 40, 7, 300, 120, 17, 500, 64].map((n, i) => words.slice(i * 50, i * 50 + n).join(' '));
+  return [3, 40, 7, 260, 120, 17, 300, 64].map((n, i) => words.slice(i * 50, i * 50 + n).join(' '));
 });
 
 async function complete(prompt, max_tokens = 24) {
@@ -131,7 +131,8 @@ async function prefix() {
 
 // 32 streams, a third of them dropped mid-stream: the rest complete, memory comes back.
 async function disconnect() {
-  const ps = prompts();
+  const words = readFileSync(args[0], 'utf8').split(/\s+/).filter(Boolean);
+  const ps = [...Array(8).keys()].map((i) => words.slice(i * 40, i * 40 + 10 + 5 * i).join(' '));
   const run = async (i) => {
     const ac = new AbortController();
     const r = await fetch(base + '/v1/chat/completions', {

@@ -1,0 +1,146 @@
+/* kvq serve's prefix cache on tinydoc: a fetch attaches the longest common prefix
+ * among the entries (token by token: a prompt that diverges mid-entry gets only the
+ * shared part, and the logits after it equal a fresh prefill); namespaces keep
+ * entries apart; longer entries replace the prefixes they cover; the byte budget
+ * evicts the least recently used; a folder round trip reloads entries and skips
+ * a corrupt file; every block goes back once the cache is freed. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "kvq.h"
+#include "server/prefix_cache.h"
+
+static struct kvq_model *model;
+static int V;
+
+static void prefill(struct kvq_context *c, int seq, const kvq_token *t, int n) {
+    int32_t *ids = malloc(sizeof *ids * (size_t)n);
+    for (int i = 0; i < n; i++) ids[i] = seq;
+    struct kvq_batch b = {.n_tokens = n, .tokens = t, .seq_ids = ids};
+    CHECK(kvq_decode(c, &b) == 0, "decode: %s", kvq_last_error());
+    free(ids);
+}
+
+/* The logits after feeding t[from..n) to seq (which holds t[0..from)). */
+static float *finish(struct kvq_context *c, int seq, const kvq_token *t, int from, int n) {
+    prefill(c, seq, t + from, n - from);
+    float *l = malloc(sizeof *l * (size_t)V);
+    memcpy(l, kvq_get_logits(c, n - from - 1), sizeof *l * (size_t)V);
+    return l;
+}
+
+int main(void) {
+    const char *path = require_shared("models/tinydoc-q8_0.gguf");
+    model = kvq_model_load(path);
+    CHECK(model != NULL, "load: %s", kvq_last_error());
+    if (!model) return check_finish();
+    struct kvq_model_info info;
+    kvq_model_get_info(model, &info);
+    V = info.n_vocab;
+    struct kvq_context_params cp;
+    kvq_context_params_default(&cp);
+    cp.n_ctx = 1024;
+    cp.n_seq = 2;
+    cp.n_threads = 2;
+    struct kvq_context *c = kvq_context_new(model, &cp);
+    CHECK(c != NULL, "context: %s", kvq_last_error());
+    if (!c) return check_finish();
+
+    /* token ids from a fixed pseudo-random walk over the vocabulary (content does not matter) */
+    enum { N = 300 };
+    kvq_token a[N], b[N];
+    uint32_t x = 12345;
+    for (int i = 0; i < N; i++) a[i] = b[i] = (kvq_token)((x = x * 1103515245u + 12345u) >> 8) % (V - 3) + 3;
+    for (int i = 200; i < N; i++) b[i] = (a[i] + 1) % (V - 3) + 3; /* b diverges from a at 200 */
+
+    struct prefix_cache *pc = prefix_cache_new(c, model, &cp.kv, (size_t)64 << 20, NULL);
+    CHECK(prefix_cache_fetch(pc, 0, NULL, a, N - 1) == 0, "empty cache misses");
+    prefill(c, 0, a, 250);
+    prefix_cache_store(pc, 0, NULL, a, 250);
+    kvq_seq_clear(c, 0);
+
+    /* b shares 200 tokens with the entry: exactly those are attached */
+    int got = prefix_cache_fetch(pc, 1, NULL, b, N - 1);
+    CHECK(got == 200 && kvq_seq_len(c, 1) == 200, "longest common prefix: %d", got);
+    float *hit = finish(c, 1, b, got, N);
+    kvq_seq_clear(c, 1);
+    float *fresh = finish(c, 1, b, 0, N);
+    kvq_seq_clear(c, 1);
+    double d = 0;
+    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - fresh[i]));
+    CHECK(d == 0, "logits after a hit equal a fresh prefill (max diff %g)", d);
+    free(hit);
+    free(fresh);
+
+    CHECK(prefix_cache_fetch(pc, 1, "tenant", b, N - 1) == 0 && kvq_seq_len(c, 1) == 0, "other namespace misses");
+    CHECK(prefix_cache_fetch(pc, 1, NULL, a, 100) == 100, "max_use bounds the hit");
+    kvq_seq_clear(c, 1);
+
+    /* a longer sequence replaces the entry it extends */
+    int entries;
+    size_t bytes;
+    prefill(c, 0, a, N);
+    prefix_cache_store(pc, 0, NULL, a, N);
+    kvq_seq_clear(c, 0);
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(entries == 1, "the longer entry replaced the shorter: %d entries", entries);
+    CHECK(prefix_cache_fetch(pc, 1, NULL, a, N - 1) == N - 1, "hit on the longer entry");
+    kvq_seq_clear(c, 1);
+    prefix_cache_free(pc);
+    CHECK(kvq_kv_blocks(c) == 0, "blocks back after free: %lld", (long long)kvq_kv_blocks(c));
+
+    /* the budget holds one entry of 300 tokens: storing a second evicts the older */
+    size_t one = kvq_kv_token_bytes(model, &cp.kv) * 320 + kvq_kv_window_bytes(model, &cp.kv);
+    char dir[] = "/tmp/kvq_pc_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    pc = prefix_cache_new(c, model, &cp.kv, one + one / 2, dir);
+    prefill(c, 0, a, N);
+    prefix_cache_store(pc, 0, NULL, a, N);
+    kvq_seq_clear(c, 0);
+    prefill(c, 0, b, N);
+    prefix_cache_store(pc, 0, NULL, b, N);
+    kvq_seq_clear(c, 0);
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(entries == 1 && bytes <= one + one / 2, "LRU eviction: %d entries, %zu bytes", entries, bytes);
+    CHECK(prefix_cache_fetch(pc, 1, NULL, b, N - 1) == N - 1, "the newer entry stays");
+    kvq_seq_clear(c, 1);
+    CHECK(prefix_cache_fetch(pc, 1, NULL, a, N - 1) == 200, "the older one was evicted (only b's 200 shared)");
+    kvq_seq_clear(c, 1);
+    prefix_cache_free(pc);
+
+    /* reload from the folder, with a corrupt file beside the entry */
+    char junk[64];
+    snprintf(junk, sizeof junk, "%s/0000000000000000-00000000000000ff.kvq", dir);
+    FILE *f = fopen(junk, "wb");
+    if (f) {
+        fputs("not a cache file", f);
+        fclose(f);
+    }
+    pc = prefix_cache_new(c, model, &cp.kv, one + one / 2, dir);
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(entries == 1, "one entry reloaded, the corrupt file skipped: %d", entries);
+    got = prefix_cache_fetch(pc, 1, NULL, b, N - 1);
+    CHECK(got == N - 1, "hit from the reloaded entry: %d", got);
+    hit = finish(c, 1, b, got, N);
+    kvq_seq_clear(c, 1);
+    fresh = finish(c, 1, b, 0, N);
+    kvq_seq_clear(c, 1);
+    d = 0;
+    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - fresh[i]));
+    CHECK(d == 0, "logits after a disk hit equal a fresh prefill (max diff %g)", d);
+    free(hit);
+    free(fresh);
+    prefix_cache_free(pc);
+    CHECK(kvq_kv_blocks(c) == 0, "blocks back after free: %lld", (long long)kvq_kv_blocks(c));
+
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0, "cleanup");
+    kvq_context_free(c);
+    kvq_model_free(model);
+    return check_finish();
+}
