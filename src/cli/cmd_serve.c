@@ -48,13 +48,13 @@ static const char *const serve_help =
 
 static const char *const serve_value_flags[] = {
     "-m", "--model", "--host", "--port", "--max-num-seqs", "--parallel", "-np", "-c", "--ctx-size", "-t",
-    "--threads", "--kv-budget-mb", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v", "--prefix-cache-mb",
+    "--threads", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v", "--prefix-cache-mb",
     "--prefix-cache-dir", "--prefix-cache-bits", "--prefix-cache-min-tokens", "--api-key", "--chat-template",
     "--alias", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval", NULL};
 
 struct serve_opts {
     const char *model, *host, *api_key, *chat_template, *alias, *cache_dir;
-    int port, kv_budget_mb, cache_mb, cache_bits, cache_min_tokens, max_body_mb, ping;
+    int port, cache_mb, cache_bits, cache_min_tokens, max_body_mb, ping;
     struct kvq_context_params cp;
     struct sched_params sp;
 };
@@ -114,7 +114,6 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
             ok = cli_parse_int(a, v, 1, 1024, &o->sp.max_seqs);
         else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cp.n_ctx);
         else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
-        else if (!strcmp(a, "--kv-budget-mb")) ok = cli_parse_int(a, v, 1, 1 << 24, &o->kv_budget_mb);
         else if (!strcmp(a, "-ctk") || !strcmp(a, "--cache-type-k")) ok = cache_type_bits(a, v, &o->cp.kv.k_bits);
         else if (!strcmp(a, "-ctv") || !strcmp(a, "--cache-type-v")) ok = cache_type_bits(a, v, &o->cp.kv.v_bits);
         else if (!strcmp(a, "--prefix-cache-mb")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cache_mb);
@@ -177,8 +176,7 @@ int cmd_serve(int argc, char **argv) {
     o.cp.n_batch = o.sp.step_tokens + o.sp.max_seqs; /* a step is never split into several passes */
     int n_ctx = o.cp.n_ctx ? o.cp.n_ctx : info.n_ctx_train;
     size_t cache_bytes = (size_t)o.cache_mb << 20;
-    if (o.kv_budget_mb) o.cp.kv_budget_bytes = (size_t)o.kv_budget_mb << 20;
-    else /* a full context per sequence, and room for the prefix cache on top */
+    if (!o.cp.kv_budget_bytes) /* --kv-budget-mb: none; a full context per sequence, and room for the prefix cache on top */
         o.cp.kv_budget_bytes = (kvq_kv_token_bytes(m, &o.cp.kv) * (((size_t)n_ctx + 63) / 64 * 64) +
                                 kvq_kv_window_bytes(m, &o.cp.kv)) * (size_t)o.sp.max_seqs + cache_bytes;
     ctx = kvq_context_new(m, &o.cp);
