@@ -88,11 +88,16 @@ size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config
 
 /* ---- context -------------------------------------------------------------- */
 
+/* KVQ_DEVICE_CUDA: weights, activations and a device copy of the KV cache on the
+ * first NVIDIA GPU (a kvq built with -DKVQ_CUDA=ON); the KV policy stays on the host. */
+enum kvq_device { KVQ_DEVICE_CPU, KVQ_DEVICE_CUDA };
+
 struct kvq_context_params {
     int n_ctx;     /* max tokens per sequence (0: the model's training context) */
     int n_seq;     /* sequences the context can hold */
     int n_batch;   /* max tokens per forward pass (longer batches are split) */
     int n_threads; /* <= 0: one per CPU */
+    enum kvq_device device; /* where the model runs (KVQ_DEVICE_CPU by default) */
     struct kvq_kv_config kv;
     size_t kv_budget_bytes; /* KV blocks in use at once, all sequences and held prefixes
                              * (0: what n_ctx tokens of each of the n_seq sequences need) */

@@ -2,16 +2,18 @@
  * activation buffers, weights and KV caches. forward.c says what a layer computes;
  * a backend says how and where.
  *
- * The CPU backend (cpu/cpu_backend.c) is the first implementation: buffers are host
- * memory, weights stay in the mapped GGUF file, work is split over a thread pool.
- * A CUDA backend plugs in as a second table: alloc returns device memory (the forward
+ * The CPU backend (cpu/cpu_backend.c): buffers are host memory, weights stay in the
+ * mapped GGUF file, work is split over a thread pool.
+ * The CUDA backend (cuda/cuda_backend.c): alloc returns device memory (the forward
  * pass never touches activations itself, it only passes them between operations),
- * upload_weight copies each tensor to the device in its GGUF type, kv_pool_alloc
- * places the KV blocks of the context's pool in device memory, and attention reads
- * the caches' block tables there; sync is where the host waits for the device. */
+ * upload_weight and upload_vector copy the model to the device (ops then name a weight
+ * by its host descriptor), kv_pool_new mirrors the KV blocks in device memory, and
+ * attention reads the caches' block tables there; sync is where the host waits.
+ * Host arrays (tokens, positions, rows, caches) are passed as host pointers. */
 #ifndef KVQ_BACKEND_H
 #define KVQ_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -49,10 +51,17 @@ struct be_attention {
 
 enum be_glu { BE_GLU_SILU, BE_GLU_GELU_TANH };
 
+/* One sequence's share of a batch's new keys and values: tokens [first, first + n). */
+struct be_kv_append {
+    struct kv_cache *cache;
+    int first, n;
+};
+
 struct backend;
 
 struct backend_ops {
     const char *name;
+    bool host_memory; /* activations are host memory (else read them with download) */
     void (*free)(struct backend *b);
     /* Sizes internal scratch for batches of up to max_tokens tokens whose widest
      * matmul input has `widest` values (so no step allocates). 0 or -1. */
@@ -60,8 +69,12 @@ struct backend_ops {
     /* Activation memory (freed with release). */
     void *(*alloc)(struct backend *b, size_t bytes);
     void (*release)(struct backend *b, void *p);
-    /* Makes a weight usable by the backend (CPU: the mapped file as it is). */
-    int (*upload_weight)(struct backend *b, struct weight *w);
+    /* Makes a weight, or a vector of n floats (norms, biases, RoPE frequencies),
+     * usable by the backend (CPU: the host memory as it is). 0 or -1. */
+    int (*upload_weight)(struct backend *b, const struct weight *w);
+    int (*upload_vector)(struct backend *b, const float *v, int64_t n);
+    /* Copies bytes of activation memory to the host (after the work writing them). */
+    void (*download)(struct backend *b, void *dst, const void *src, size_t bytes);
     /* Where the KV pool's blocks live: NULL for host memory. */
     struct kv_pool *(*kv_pool_new)(struct backend *b, size_t budget);
     /* Up to 3 products sharing the input x [n][x_stride]. */
@@ -81,8 +94,9 @@ struct backend_ops {
     void (*qk_rope)(struct backend *b, const struct be_rope *r, int n);
     /* out[t] = act(gate[t]) * up[t], n_ff values per token. */
     void (*glu)(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff, float *out);
-    /* Appends n tokens' keys and values [n][n_kv * D] to one sequence's cache of a layer. */
-    int (*kv_append)(struct backend *b, struct kv_cache *c, int n, const float *k, const float *v);
+    /* Appends each sequence's keys and values (k, v: [batch tokens][n_kv * D]) to its
+     * cache of one layer. 0, or -1 with an error (a cache full). */
+    int (*kv_append)(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k, const float *v);
     void (*attention)(struct backend *b, const struct be_attention *a, int n);
     /* Waits until every operation issued has finished. */
     void (*sync)(struct backend *b);
@@ -94,5 +108,7 @@ struct backend {
 
 /* The CPU backend with n_threads workers (<= 0: one per CPU). NULL with an error. */
 struct backend *backend_cpu_new(int n_threads);
+/* The CUDA backend on the first GPU. NULL with an error (none, or built without CUDA). */
+struct backend *backend_cuda_new(void);
 
 #endif

@@ -41,9 +41,12 @@ const char *cli_flag_value(int argc, char **argv, int *i);
  * is reported as unknown for `cmd`, even as the last argument. */
 const char *cli_option_value(int argc, char **argv, int *i, const char *const *known, const char *cmd);
 
-/* KV cache flags (--kv-bits, --kv-group-size, --max-kv-size, --keep,
- * --quantized-kv-start, --kv-rotation, --kv-residual, --kv-budget-mb). Returns 1 when argv[*i] was
- * one of them (consumed, advancing *i), 0 when it was not, -1 on a bad value. */
+/* --device cpu|cuda, and llama.cpp's -ngl N (N > 0: cuda). */
+bool cli_is_device_flag(const char *flag);
+bool cli_parse_device(const char *flag, const char *value, enum kvq_device *out);
+/* Context flags (--kv-bits, --kv-group-size, --max-kv-size, --keep,
+ * --quantized-kv-start, --kv-rotation, --kv-residual, --kv-budget-mb, --device). Returns 1 when
+ * argv[*i] was one of them (consumed, advancing *i), 0 when it was not, -1 on a bad value. */
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *cp);
 /* Help text for those flags. */
 extern const char *const cli_kv_flags_help;

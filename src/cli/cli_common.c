@@ -107,7 +107,31 @@ const char *const cli_kv_flags_help =
     "  --kv-budget-mb N         KV blocks in use at once, all sequences (default: what the context\n"
     "                           needs); a batch that would exceed it fails with an error\n"
     "  --swa-full               sliding-window layers (Gemma 3) keep every token, as global layers\n"
-    "                           do (same output, more memory: to compare)\n";
+    "                           do (same output, more memory: to compare)\n"
+    "Device:\n"
+    "  --device cpu|cuda        where the model runs (default cpu; cuda needs a kvq built with\n"
+    "                           -DKVQ_CUDA=ON); -ngl N (N > 0) means cuda, as in llama.cpp\n";
+
+bool cli_is_device_flag(const char *flag) {
+    return !strcmp(flag, "--device") || !strcmp(flag, "-ngl") || !strcmp(flag, "--n-gpu-layers") ||
+           !strcmp(flag, "--gpu-layers");
+}
+
+bool cli_parse_device(const char *flag, const char *v, enum kvq_device *out) {
+    if (strcmp(flag, "--device") != 0) { /* llama.cpp's -ngl: any layer on the GPU puts the model there */
+        int n;
+        if (!cli_parse_int(flag, v, 0, INT_MAX, &n)) return false;
+        *out = n > 0 ? KVQ_DEVICE_CUDA : KVQ_DEVICE_CPU;
+        return true;
+    }
+    if (strcmp(v, "cpu") == 0) *out = KVQ_DEVICE_CPU;
+    else if (strcmp(v, "cuda") == 0) *out = KVQ_DEVICE_CUDA;
+    else {
+        cli_fail("invalid value '%s' for --device: expected cpu or cuda", v);
+        return false;
+    }
+    return true;
+}
 
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *cp) {
     struct kvq_kv_config *kv = &cp->kv;
@@ -119,6 +143,8 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *
         cp->kv_budget_bytes = (size_t)mb << 20;
         return 1;
     }
+    if (cli_is_device_flag(flag))
+        return (v = cli_flag_value(argc, argv, i)) && cli_parse_device(flag, v, &cp->device) ? 1 : -1;
     if (strcmp(flag, "--kv-bits") == 0) {
         if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 2, 32, &kv->k_bits, &kv->v_bits)) return -1;
         if (!valid_bits(kv->k_bits) || !valid_bits(kv->v_bits)) {

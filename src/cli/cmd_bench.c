@@ -36,6 +36,7 @@ static const char *const bench_help =
     "                       --kv f16 --kv 8 --kv 8,4 --kv 4:g32 (SPEC is described below)\n"
     "  -t, --threads N      threads (default: all cores)\n"
     "  --batch-size N       tokens per forward pass (default 512)\n"
+    "  --device cpu|cuda    where the model runs (default cpu; also -ngl N)\n"
     "  -r, --reps N         repetitions (default 3)\n"
     "  --json               JSON instead of the Markdown table\n"
     "  --plot FILE.svg      also write an SVG plot of decode tok/s vs depth per config\n"
@@ -61,6 +62,7 @@ struct result {
 struct bench_opts {
     const char *model, *plot;
     int p, n, reps, n_threads, n_batch;
+    enum kvq_device device;
     int depths[MAX_LIST], n_depths, batches[MAX_LIST], n_batches;
     struct kv_spec kvs[MAX_LIST];
     int n_kvs;
@@ -91,7 +93,7 @@ static bool parse_kv_spec(const char *spec, struct kv_spec *out) {
     return cli_parse_kv_spec(spec, &out->kv);
 }
 
-static const char *const bench_value_flags[] = {"-m", "--model", "-p", "-n", "-d", "-b", "--kv", "-t", "--threads", "--batch-size", "-r", "--reps", "--plot", NULL};
+static const char *const bench_value_flags[] = {"-m", "--model", "-p", "-n", "-d", "-b", "--kv", "-t", "--threads", "--batch-size", "-r", "--reps", "--plot", "--device", "-ngl", "--n-gpu-layers", "--gpu-layers", NULL};
 
 static int parse_args(int argc, char **argv, struct bench_opts *o) {
     o->p = 512;
@@ -123,6 +125,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o) {
             ok = parse_kv_spec(v, &o->kvs[o->n_kvs++]);
         } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->n_threads);
         else if (!strcmp(a, "--batch-size")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->n_batch);
+        else if (cli_is_device_flag(a)) ok = cli_parse_device(a, v, &o->device);
         else if (!strcmp(a, "-r") || !strcmp(a, "--reps")) ok = cli_parse_int(a, v, 1, 1000, &o->reps);
         else if (!strcmp(a, "--plot")) o->plot = v;
         else return cli_fail("unknown option '%s' for bench (see 'kvq bench --help')", a);
@@ -168,6 +171,7 @@ static int measure(struct kvq_model *m, const struct bench_opts *o, const struct
     cp.n_seq = B;
     cp.n_batch = o->n_batch;
     cp.n_threads = o->n_threads;
+    cp.device = o->device;
     cp.kv = ks->kv;
     struct kvq_context *ctx = kvq_context_new(m, &cp);
     if (!ctx) return cli_fail("--kv %s: %s", ks->name, kvq_last_error());
@@ -398,8 +402,9 @@ int cmd_bench(int argc, char **argv) {
         }
         printf("  ]\n}\n");
     } else {
-        printf("model %s (%s, %s, %.3f B params), %d threads, p %d, n %d, median of %d reps\n\n", o.model, info.arch,
-               info.weight_type, info.n_params / 1e9, threads, o.p, o.n, o.reps);
+        printf("model %s (%s, %s, %.3f B params), %s, p %d, n %d, median of %d reps\n\n", o.model, info.arch,
+               info.weight_type, info.n_params / 1e9, o.device == KVQ_DEVICE_CUDA ? "cuda" : "cpu", o.p, o.n, o.reps);
+        if (o.device != KVQ_DEVICE_CUDA) printf("%d threads\n\n", threads);
         printf("| kv | depth | batch | prefill tok/s | decode tok/s | KV MiB | KV bytes/token | RSS MiB | peak RSS MiB |\n");
         printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for (int i = 0; i < nres; i++) {

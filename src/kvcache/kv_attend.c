@@ -66,16 +66,8 @@ static void win_attn(const struct kv_cache *c, struct kern_attn_state *s, const 
 static int32_t max32(int32_t a, int32_t b) { return a > b ? a : b; }
 static int32_t min32(int32_t a, int32_t b) { return a < b ? a : b; }
 
-void kv_store_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale, float *out,
-                     float *scratch) {
+void kv_cache_query_plan(const struct kv_cache *c, int32_t q_pos, struct kv_query_plan *p) {
     const struct kv_store *st = store_of(c);
-    const int D = c->shape.head_dim, group = c->shape.n_heads / c->shape.n_kv_heads;
-    float *qs = scratch;
-    for (int i = 0; i < group * D; i++) qs[i] = q[i] * scale;
-    if (st->kf.rot)
-        for (int h = 0; h < group; h++) kern_kvq_hadamard(qs + (size_t)h * D, D, st->signs);
-    struct kern_attn_state s;
-    kern_attn_state_init(&s, group, D, scratch + (size_t)group * D);
     const int32_t M = c->cfg.max_size, W = c->shape.window, R = c->cfg.residual;
     const bool win = kv_win_on(st);
     /* packed rows serve positions [sn, ws) */
@@ -88,10 +80,29 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *q, int3
     }
     const int32_t K = M > 0 ? c->cfg.keep : 0;
     const int32_t wlo = W > 0 ? q_pos - W + 1 : 0, mlo = M > 0 ? q_pos - (M - K) + 1 : 0;
-    int32_t a1 = max32(sn, wlo), b1 = min32(K, ws) - 1;                    /* the kept first tokens */
-    int32_t a2 = max32(max32(max32(sn, wlo), max32(mlo, K)), 0), b2 = ws - 1; /* the window before q */
-    if (a1 <= b1) attn_blocks(c, &s, qs, kv_head, a1, b1);
-    if (a2 <= b2) attn_blocks(c, &s, qs, kv_head, a2, b2);
+    p->a1 = max32(sn, wlo);                                  /* the kept first tokens */
+    p->b1 = min32(K, ws) - 1;
+    p->a2 = max32(max32(max32(sn, wlo), max32(mlo, K)), 0); /* the window before q */
+    p->b2 = ws - 1;
+    p->sinks = sn;
+    p->ws = ws;
+}
+
+void kv_store_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale, float *out,
+                     float *scratch) {
+    const struct kv_store *st = store_of(c);
+    const int D = c->shape.head_dim, group = c->shape.n_heads / c->shape.n_kv_heads;
+    float *qs = scratch;
+    for (int i = 0; i < group * D; i++) qs[i] = q[i] * scale;
+    if (st->kf.rot)
+        for (int h = 0; h < group; h++) kern_kvq_hadamard(qs + (size_t)h * D, D, st->signs);
+    struct kern_attn_state s;
+    kern_attn_state_init(&s, group, D, scratch + (size_t)group * D);
+    struct kv_query_plan plan;
+    kv_cache_query_plan(c, q_pos, &plan);
+    const int32_t sn = plan.sinks, ws = plan.ws;
+    if (plan.a1 <= plan.b1) attn_blocks(c, &s, qs, kv_head, plan.a1, plan.b1);
+    if (plan.a2 <= plan.b2) attn_blocks(c, &s, qs, kv_head, plan.a2, plan.b2);
     /* The packed keys lack the key offset: their scores are short of q.mu, the same
      * for all of them, so adding it to the running max makes them comparable with
      * the f16 rows (which carry no offset). The packed values lack the value offset:
@@ -109,7 +120,7 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *q, int3
         pl[h] = s.l[h];
     }
     if (sn > 0) win_attn(c, &s, qs, kv_head, st->sink, 0, sn - 1, q_pos);
-    if (ws <= q_pos) win_attn(c, &s, qs, kv_head, rec, ws, q_pos, q_pos);
+    if (ws <= q_pos) win_attn(c, &s, qs, kv_head, st->rec, ws, q_pos, q_pos);
     kern_attn_finish(&s, out);
     if (st->vf.rot)
         for (int h = 0; h < group; h++) kern_kvq_hadamard_inv(out + (size_t)h * D, D, st->signs);

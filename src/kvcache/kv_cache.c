@@ -8,6 +8,7 @@
 #include "kernels/attention.h"
 #include "kernels/kv_quant.h"
 #include "kvcache/kv_cache_impl.h"
+#include "kvcache/kv_pool.h"
 
 static bool is_float_bits(int b) { return b == 16 || b == 32; }
 
@@ -69,6 +70,8 @@ struct kv_cache *kv_cache_new_in(struct kv_pool *pool, const struct kv_cache_con
 
 void kv_cache_free(struct kv_cache *c) {
     if (!c) return;
+    const struct kv_pool_mirror *m = c->mirror ? kv_pool_get_mirror(kv_cache_pool(c)) : NULL;
+    if (m) m->cache_free(m->ctx, c->mirror);
     c->ops->free(c);
     free(c);
 }
@@ -88,15 +91,22 @@ size_t kv_cache_scratch_floats(const struct kv_shape *shape) {
 }
 
 const struct kv_cache_config *kv_cache_get_config(const struct kv_cache *c) { return &c->cfg; }
+const struct kv_shape *kv_cache_get_shape(const struct kv_cache *c) { return &c->shape; }
 const char *kv_cache_kind(const struct kv_cache *c) { return c->ops->kind(c); }
 int kv_cache_size(const struct kv_cache *c) { return c->ops->size(c); }
-int kv_cache_to_quantized(struct kv_cache *c) { return c->ops->to_quantized(c); }
+int kv_cache_to_quantized(struct kv_cache *c) {
+    c->epoch++;
+    return c->ops->to_quantized(c);
+}
 int kv_cache_read_rows(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max) {
     if (kv_head < 0 || kv_head >= c->shape.n_kv_heads || max <= 0) return 0;
     return c->ops->read_rows(c, kv_head, which, out, pos, max);
 }
 void kv_cache_save(const struct kv_cache *c, struct kv_buf *b) { c->ops->save(c, b); }
-int kv_cache_load(struct kv_cache *c, struct kv_reader *r) { return c->ops->load(c, r); }
+int kv_cache_load(struct kv_cache *c, struct kv_reader *r) {
+    c->epoch++;
+    return c->ops->load(c, r);
+}
 
 /* ---- little-endian buffers ---- */
 
@@ -150,8 +160,14 @@ bool kv_read_u64(struct kv_reader *r, uint64_t *v) {
 }
 
 int32_t kv_cache_n_past(const struct kv_cache *c) { return c->n_past; }
-int kv_cache_trim(struct kv_cache *c, int n) { return n <= 0 ? 0 : c->ops->trim(c, n); }
-int kv_cache_keep_prefix(struct kv_cache *c, int n) { return c->ops->keep_prefix(c, n); }
+int kv_cache_trim(struct kv_cache *c, int n) {
+    c->epoch++;
+    return n <= 0 ? 0 : c->ops->trim(c, n);
+}
+int kv_cache_keep_prefix(struct kv_cache *c, int n) {
+    c->epoch++;
+    return c->ops->keep_prefix(c, n);
+}
 
 int kv_cache_fork(struct kv_cache *dst, const struct kv_cache *src) {
     if (dst == src) return 0;
@@ -163,9 +179,13 @@ int kv_cache_fork(struct kv_cache *dst, const struct kv_cache *src) {
                 dst->shape.head_dim == src->shape.head_dim && dst->shape.window == src->shape.window;
     if (!same)
         return kvq_error("cannot share KV blocks between caches of different configs");
+    dst->epoch++;
     return dst->ops->fork(dst, src);
 }
-void kv_cache_clear(struct kv_cache *c) { c->ops->clear(c); }
+void kv_cache_clear(struct kv_cache *c) {
+    c->epoch++;
+    c->ops->clear(c);
+}
 size_t kv_cache_bytes(const struct kv_cache *c) { return c->ops->bytes(c); }
 
 /* kv_heads x (head_dim x b/8 + 4 x head_dim/G) for K plus the same for V: the row

@@ -94,6 +94,7 @@ size_t kv_cache_window_bytes(const struct kv_cache_config *cfg, const struct kv_
 
 /* The config and shape the cache was made with. */
 const struct kv_cache_config *kv_cache_get_config(const struct kv_cache *c);
+const struct kv_shape *kv_cache_get_shape(const struct kv_cache *c);
 /* "dense", "quantized", "rotating" or "quantized-rotating": what the cache stores now
  * (a --quantized-kv-start cache reports dense until it converts). */
 const char *kv_cache_kind(const struct kv_cache *c);
@@ -110,6 +111,47 @@ int kv_cache_to_quantized(struct kv_cache *c);
  * which: 0 keys, 1 values. out: [max][head_dim]; pos (may be NULL): [max] positions.
  * Returns the number of rows written. */
 int kv_cache_read_rows(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max);
+
+/* ---- for device backends (kv_view.c) ----
+ * A GPU backend keeps a device copy of the cache's blocks (a mirrored pool, kv_pool.h)
+ * and of its f16 windows, and attends there; the policy (positions, windows, block
+ * tables, conversion, save/load) stays here, on the host rows. */
+
+/* The layout a device needs to read a cache. Valid until the cache next changes. */
+struct kv_view {
+    int k_bits, k_group, v_bits, v_group; /* the blocks' row formats (kv_quant.h) */
+    bool k_rot, v_rot;                    /* rows Hadamard-rotated (signs below) */
+    size_t k_row, v_row;                  /* bytes of a key / value row in a block */
+    size_t head_bytes;                    /* a head's stretch of a block: B key rows, then B value rows */
+    /* block table: position p is in blk[L < nkb ? L : L - base], L = p / KV_BLOCK_TOKENS */
+    struct kv_block *const *blk;
+    int32_t n_blk, nkb, base;
+    bool windows;      /* quantized: f16 rows of the sinks and the newest positions */
+    size_t win_row;    /* bytes of an f16 window row */
+    int32_t win_span;  /* at most how many positions below a query's own batch it reads from the window */
+    int32_t sinks;     /* sink positions [0, sinks) held in f16 */
+    const float *mu;   /* key and value offsets [2][n_kv_heads][head_dim], or NULL */
+    const float *signs; /* [head_dim] */
+};
+void kv_cache_view(const struct kv_cache *c, struct kv_view *v);
+
+/* What a query at q reads, in this order: packed rows of positions [a1, b1] and
+ * [a2, b2] (empty when a > b), the f16 sink rows [0, sinks) and the f16 window rows
+ * [ws, q]; window rows count only where visible (kv_cache_visible). */
+struct kv_query_plan {
+    int32_t a1, b1, a2, b2, sinks, ws;
+};
+void kv_cache_query_plan(const struct kv_cache *c, int32_t q, struct kv_query_plan *p);
+/* Whether a query at q sees position p (rotating window, sliding window, causality). */
+bool kv_cache_visible(const struct kv_cache *c, int32_t p, int32_t q);
+/* The f16 window row of position p (a sink, else the residual window), or NULL when
+ * no window holds it. side 0 keys, 1 values. */
+const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, int32_t p);
+/* Changes whenever the windows or offsets change other than by appending (trim, fork,
+ * load, conversion, offsets chosen): a device copy of them must then be rebuilt. */
+uint32_t kv_cache_epoch(const struct kv_cache *c);
+/* The backend's state for this cache (NULL at first); the pool's mirror frees it. */
+void **kv_cache_mirror(struct kv_cache *c);
 
 /* Serialization of one cache (self-describing section; see kv_store.c). */
 struct kv_buf {

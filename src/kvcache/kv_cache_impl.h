@@ -27,7 +27,9 @@ struct kv_cache {
     struct kv_cache_config cfg;
     struct kv_shape shape;
     int32_t n_past;
-    void *impl; /* the kind's own state */
+    void *impl;     /* the kind's own state */
+    uint32_t epoch; /* kv_cache_epoch() */
+    void *mirror;   /* a device backend's state (kv_cache_mirror()) */
 };
 
 /* Every kind (dense, quantized, rotating, quantized rotating, quantize-after-N) is

@@ -19,6 +19,11 @@ struct kv_pool {
     int64_t n_blocks;
     int n_classes;
     struct size_class cls[POOL_CLASSES];
+    bool mirrored;
+    struct kv_pool_mirror mirror;
+    struct kv_block **dirty, **taken; /* blocks written since the last take, and the last taken list */
+    int n_dirty, cap_dirty, n_taken;
+    bool dirty_lost;
 };
 
 struct kv_pool *kv_pool_new(size_t budget) {
@@ -31,8 +36,56 @@ struct kv_pool *kv_pool_new(size_t budget) {
     return p;
 }
 
-static void block_release(struct kv_block *b) {
-    free(b->data);
+struct kv_pool *kv_pool_new_mirrored(size_t budget, const struct kv_pool_mirror *m) {
+    struct kv_pool *p = kv_pool_new(budget);
+    if (p) {
+        p->mirrored = true;
+        p->mirror = *m;
+    }
+    return p;
+}
+
+const struct kv_pool_mirror *kv_pool_get_mirror(const struct kv_pool *p) { return p->mirrored ? &p->mirror : NULL; }
+
+void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t hi) {
+    if (!p->mirrored) return;
+    if (b->dirty_lo == b->dirty_hi) {
+        b->dirty_lo = lo;
+        b->dirty_hi = hi;
+    } else {
+        if (lo < b->dirty_lo) b->dirty_lo = lo;
+        if (hi > b->dirty_hi) b->dirty_hi = hi;
+    }
+    if (b->listed) return;
+    if (p->n_dirty == p->cap_dirty) { /* grows with the blocks in use, then stays */
+        int cap = p->cap_dirty ? 2 * p->cap_dirty : 256;
+        struct kv_block **d = realloc(p->dirty, sizeof *d * (size_t)cap), **t = realloc(p->taken, sizeof *t * (size_t)cap);
+        if (d) p->dirty = d;
+        if (t) p->taken = t;
+        if (!d || !t) {
+            p->dirty_lost = true; /* reported by the next take: a row would be missed */
+            return;
+        }
+        p->cap_dirty = cap;
+    }
+    p->dirty[p->n_dirty++] = b;
+    b->listed = true;
+}
+
+int kv_pool_take_dirty(struct kv_pool *p, struct kv_block ***blocks) {
+    if (p->dirty_lost) return kvq_error("out of memory tracking the KV rows to copy to the device");
+    struct kv_block **t = p->taken;
+    p->taken = p->dirty;
+    p->dirty = t;
+    p->n_taken = p->n_dirty;
+    p->n_dirty = 0;
+    for (int i = 0; i < p->n_taken; i++) p->taken[i]->listed = false;
+    *blocks = p->taken;
+    return p->n_taken;
+}
+
+static void block_release(const struct kv_pool *p, struct kv_block *b) {
+    if (!p->mirrored) free(b->data); /* a mirror's arenas own theirs */
     free(b);
 }
 
@@ -41,8 +94,10 @@ void kv_pool_free(struct kv_pool *p) {
     for (int i = 0; i < p->n_classes; i++)
         for (struct kv_block *b = p->cls[i].free, *n; b; b = n) {
             n = b->next;
-            block_release(b);
+            block_release(p, b);
         }
+    free(p->dirty);
+    free(p->taken);
     free(p);
 }
 
@@ -68,9 +123,16 @@ struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
         sc->free = b->next;
         sc->n_free--;
     } else {
-        b = malloc(sizeof *b);
+        b = calloc(1, sizeof *b);
         void *data = NULL;
-        if (!b || posix_memalign(&data, 64, bytes ? bytes : 64) != 0) {
+        bool ok = b != NULL;
+        if (ok && p->mirrored) {
+            ok = (data = p->mirror.host_alloc(p->mirror.ctx, bytes)) && (b->dev = p->mirror.dev_alloc(p->mirror.ctx, bytes));
+        } else if (ok) {
+            ok = posix_memalign(&data, 64, bytes ? bytes : 64) == 0;
+        }
+        if (!ok) {
+            if (!p->mirrored) free(data);
             free(b);
             kvq_error("out of memory for a KV block of %zu bytes", bytes);
             return NULL;
@@ -82,6 +144,7 @@ struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
     b->next = NULL;
     p->used += bytes;
     p->n_blocks++;
+    kv_block_touch(p, b, 0, KV_BLOCK_TOKENS); /* new contents: the whole block is copied */
     return b;
 }
 
@@ -92,8 +155,8 @@ void kv_block_unref(struct kv_pool *p, struct kv_block *b) {
     struct size_class *sc = &p->cls[b->cls];
     p->used -= sc->bytes;
     p->n_blocks--;
-    if (sc->n_free >= FREE_LIST_MAX) {
-        block_release(b);
+    if (sc->n_free >= FREE_LIST_MAX && !p->mirrored) {
+        block_release(p, b);
         return;
     }
     b->next = sc->free;

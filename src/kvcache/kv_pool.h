@@ -7,8 +7,9 @@
  * so a steady decode loop allocates nothing. The pool is used from one thread at a
  * time (appends and forks run on the caller's thread, never inside pool tasks).
  *
- * This is where a GPU backend plugs in: blocks of a CUDA context will live in device
- * memory, with the same budget and refcounts; only kv_block data pointers change. */
+ * A GPU backend mirrors the pool (kv_pool_new_mirrored): every block then also has a
+ * device copy, the host rows stay the ones the cache policy reads and writes, and the
+ * pool lists the rows written since the backend last copied them over. */
 #ifndef KVQ_KVCACHE_POOL_H
 #define KVQ_KVCACHE_POOL_H
 
@@ -27,12 +28,37 @@ struct kv_block {
     uint32_t cls;          /* size class in the pool */
     struct kv_block *next; /* free list link */
     uint8_t *data;         /* 64-byte aligned, pool-owned */
+    /* mirrored pools only */
+    void *dev;                  /* the device copy */
+    int32_t dirty_lo, dirty_hi; /* token rows [lo, hi) written since the last copy */
+    bool listed;                /* on the pool's dirty list */
 };
 
 struct kv_pool;
 
 /* budget: the most bytes of blocks in use at once (0: no limit). */
 struct kv_pool *kv_pool_new(size_t budget);
+
+/* Memory of a mirrored pool, from its backend. Both allocators hand out memory that
+ * lives as long as the backend (arenas): a mirrored pool never frees block memory,
+ * it keeps freed blocks for reuse. NULL from either: out of memory. */
+struct kv_pool_mirror {
+    void *ctx;
+    void *(*host_alloc)(void *ctx, size_t bytes); /* host rows (pinned for fast copies) */
+    void *(*dev_alloc)(void *ctx, size_t bytes);
+    /* Called when a cache whose kv_cache_mirror() is set is freed. */
+    void (*cache_free)(void *ctx, void *mirror);
+};
+struct kv_pool *kv_pool_new_mirrored(size_t budget, const struct kv_pool_mirror *m);
+/* The pool's mirror (NULL for a host-only pool). */
+const struct kv_pool_mirror *kv_pool_get_mirror(const struct kv_pool *p);
+/* Marks token rows [lo, hi) of b as written (no-op for host-only pools). */
+void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t hi);
+/* Hands out the blocks written since the last call (*blocks: valid until the next
+ * call). Entries with refs == 0 were freed since and need no copy; the caller copies
+ * the others' dirty rows and resets dirty_lo = dirty_hi = 0. -1 with an error when
+ * the list could not grow (some written rows are unknown). */
+int kv_pool_take_dirty(struct kv_pool *p, struct kv_block ***blocks);
 void kv_pool_free(struct kv_pool *p);
 
 /* A block of `bytes` with one reference; NULL with an error when the budget would be

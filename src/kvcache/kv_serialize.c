@@ -141,6 +141,7 @@ static int place_rows(struct kv_cache *c, const int32_t *pos, int32_t size, cons
             if (rc != 0) return rc;
             b = kv_store_block(st, pos[s]);
         }
+        kv_block_touch(st->pool, b, pos[s] % KV_BLOCK_TOKENS, pos[s] % KV_BLOCK_TOKENS + 1);
         for (int h = 0; h < H; h++) {
             memcpy(kv_block_row(c, b, 0, h, pos[s]), rows_k + ((size_t)h * size + s) * st->kf.row, st->kf.row);
             memcpy(kv_block_row(c, b, 1, h, pos[s]), rows_v + ((size_t)h * size + s) * st->vf.row, st->vf.row);

@@ -147,7 +147,8 @@ int kv_store_reserve_rows(struct kv_cache *c, int32_t n) {
 void kv_store_write_row(struct kv_cache *c, int32_t p, const float *k, const float *v) {
     const struct kv_store *st = store_of(c);
     const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
-    const struct kv_block *b = kv_store_block(st, p);
+    struct kv_block *b = kv_store_block(st, p);
+    kv_block_touch(st->pool, b, p % B, p % B + 1);
     for (int h = 0; h < H; h++) {
         kv_encode_row(st, &st->kf, D, k + (size_t)h * D, kv_side_mu(st, &st->kf, 0, h, D, H), kv_block_row(c, b, 0, h, p));
         kv_encode_row(st, &st->vf, D, v + (size_t)h * D, kv_side_mu(st, &st->vf, 1, h, D, H), kv_block_row(c, b, 1, h, p));
@@ -338,6 +339,7 @@ static int store_to_quantized(struct kv_cache *c) {
     struct kv_store *st = store_of(c);
     struct kv_fmt tk = kv_fmt_target(c, 0), tv = kv_fmt_target(c, 1);
     if (kv_fmt_eq(st->kf, tk) && kv_fmt_eq(st->vf, tv)) return 0;
+    c->epoch++; /* new windows */
     return reencode(c, tk, tv);
 }
 
@@ -364,14 +366,17 @@ static int offsets_from_window(struct kv_cache *c) {
             }
         }
     st->mu_set = true;
+    c->epoch++; /* offsets chosen */
     for (int side = 0; side < 2; side++) {
         const struct kv_fmt *wf = side ? &st->wvf : &st->wkf, *pf = side ? &st->vf : &st->kf;
         for (int h = 0; h < H; h++) {
             const float *mu = kv_side_mu(st, pf, side, h, D, H);
             for (int32_t p = 0; p < T; p++) {
                 kv_decode_row(st, wf, D, kv_win_row(w, wf, side, h, p), NULL, x);
-                const struct kv_block *b = kv_store_block(st, p);
-                if (b) kv_encode_row(st, pf, D, x, mu, kv_block_row(c, b, side, h, p));
+                struct kv_block *b = kv_store_block(st, p);
+                if (!b) continue;
+                kv_block_touch(st->pool, b, p % B, p % B + 1);
+                kv_encode_row(st, pf, D, x, mu, kv_block_row(c, b, side, h, p));
             }
         }
     }

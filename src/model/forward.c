@@ -18,10 +18,35 @@ struct forward {
     /* activations in backend memory */
     float *x, *xn, *q, *k, *v, *attn, *tmp, *gate, *up;
     float *rope_cos, *rope_sin; /* [n_rope_sets][T][rope_dim/2] */
+    float *logits;              /* [T][n_vocab] when activations are not host memory */
     /* host-side step parameters */
     int32_t *pos;                /* [T] */
     struct kv_cache **tok_cache; /* [T]: this layer's cache of the token's sequence */
+    struct be_kv_append *append; /* [T] */
 };
+
+/* Hands every weight and vector of the model to the backend. */
+static int upload_model(const struct model *m, struct backend *be) {
+    const struct backend_ops *op = be->ops;
+    const struct model_hparams *hp = &m->hp;
+    int rc = op->upload_weight(be, &m->tok_embd) | op->upload_weight(be, &m->output) |
+             op->upload_vector(be, m->output_norm, hp->n_embd) |
+             op->upload_vector(be, m->rope_inv_freq, (int64_t)m->n_rope_sets * (hp->rope_dim / 2));
+    for (int il = 0; il < hp->n_layer && rc == 0; il++) {
+        const struct layer_weights *L = &m->layers[il];
+        const struct weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) rc |= op->upload_weight(be, ws[i]);
+        const float *norms[] = {L->attn_norm, L->ffn_norm, L->post_attn_norm, L->post_ffn_norm};
+        for (size_t i = 0; i < sizeof norms / sizeof norms[0]; i++)
+            if (norms[i]) rc |= op->upload_vector(be, norms[i], hp->n_embd);
+        if (L->q_norm) rc |= op->upload_vector(be, L->q_norm, hp->head_dim);
+        if (L->k_norm) rc |= op->upload_vector(be, L->k_norm, hp->head_dim);
+        if (L->bq) rc |= op->upload_vector(be, L->bq, (int64_t)hp->n_head * hp->head_dim);
+        if (L->bk) rc |= op->upload_vector(be, L->bk, (int64_t)hp->n_head_kv * hp->head_dim);
+        if (L->bv) rc |= op->upload_vector(be, L->bv, (int64_t)hp->n_head_kv * hp->head_dim);
+    }
+    return rc ? -1 : 0;
+}
 
 struct forward *forward_new(const struct model *m, struct backend *be, int max_tokens) {
     const struct model_hparams *hp = &m->hp;
@@ -43,10 +68,12 @@ struct forward *forward_new(const struct model *m, struct backend *be, int max_t
                       (size_t)f->half_rope * (size_t)m->n_rope_sets, (size_t)f->half_rope * (size_t)m->n_rope_sets};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (!(*bufs[i] = be->ops->alloc(be, sizeof(float) * T * sizes[i]))) goto fail;
+    if (!be->ops->host_memory && !(f->logits = be->ops->alloc(be, sizeof(float) * T * (size_t)hp->n_vocab))) goto fail;
     f->pos = malloc(sizeof(int32_t) * T);
     f->tok_cache = malloc(sizeof(struct kv_cache *) * T);
-    if (!f->pos || !f->tok_cache) goto oom;
-    if (be->ops->reserve(be, max_tokens, widest) != 0) goto fail;
+    f->append = malloc(sizeof *f->append * T);
+    if (!f->pos || !f->tok_cache || !f->append) goto oom;
+    if (be->ops->reserve(be, max_tokens, widest) != 0 || upload_model(m, be) != 0) goto fail;
     return f;
 oom:
     kvq_error("out of memory allocating buffers for %d tokens", max_tokens);
@@ -60,8 +87,10 @@ void forward_free(struct forward *f) {
     float *bufs[] = {f->x, f->xn, f->q, f->k, f->v, f->attn, f->tmp, f->gate, f->up, f->rope_cos, f->rope_sin};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) f->be->ops->release(f->be, bufs[i]);
+    if (f->logits) f->be->ops->release(f->be, f->logits);
     free(f->pos);
     free(f->tok_cache);
+    free(f->append);
     free(f);
 }
 
@@ -82,11 +111,10 @@ static int run_layer(struct forward *f, const struct fwd_batch *b, int il) {
 
     for (int s = 0; s < b->n_seqs; s++) {
         const struct fwd_seq *sq = &b->seqs[s];
-        struct kv_cache *c = sq->caches[il];
-        size_t off = (size_t)sq->first * f->kv_dim;
-        if (op->kv_append(be, c, sq->n, f->k + off, f->v + off) != 0) return -1;
-        for (int t = sq->first; t < sq->first + sq->n; t++) f->tok_cache[t] = c;
+        f->append[s] = (struct be_kv_append){sq->caches[il], sq->first, sq->n};
+        for (int t = sq->first; t < sq->first + sq->n; t++) f->tok_cache[t] = sq->caches[il];
     }
+    if (op->kv_append(be, f->append, b->n_seqs, f->k, f->v) != 0) return -1;
     struct be_attention at = {f->q, f->attn, f->tok_cache, f->pos, hp->n_head, hp->n_head_kv, D, hp->attn_scale};
     op->attention(be, &at, n);
 
@@ -150,8 +178,9 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
     }
     if (b->n_logits > 0) {
         op->rmsnorm(be, f->x, b->logit_rows, f->m->output_norm, b->n_logits, hp->n_embd, hp->rms_eps, f->xn);
-        struct be_matmul out = {&f->m->output, logits, NULL};
+        struct be_matmul out = {&f->m->output, f->logits ? f->logits : logits, NULL};
         op->matmul(be, f->xn, hp->n_embd, b->n_logits, 1, &out);
+        if (f->logits) op->download(be, logits, f->logits, sizeof(float) * (size_t)b->n_logits * hp->n_vocab);
     }
     op->sync(be);
     return 0;

@@ -299,9 +299,17 @@ static void cpu_glu(struct backend *b, enum be_glu act, const float *gate, const
 
 /* ---- KV cache and attention ---------------------------------------------- */
 
-static int cpu_kv_append(struct backend *b, struct kv_cache *c, int n, const float *k, const float *v) {
+static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
+                         const float *v) {
     (void)b;
-    return kv_cache_append(c, n, k, v);
+    if (n_seqs <= 0) return 0;
+    const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
+    size_t tok = (size_t)sh->n_kv_heads * sh->head_dim;
+    for (int s = 0; s < n_seqs; s++) {
+        size_t off = (size_t)seqs[s].first * tok;
+        if (kv_cache_append(seqs[s].cache, seqs[s].n, k + off, v + off) != 0) return -1;
+    }
+    return 0;
 }
 
 struct attn_task {
@@ -355,10 +363,20 @@ static void cpu_release(struct backend *b, void *p) {
     (void)b;
     free(p);
 }
-static int cpu_upload_weight(struct backend *b, struct weight *w) {
+static int cpu_upload_weight(struct backend *b, const struct weight *w) {
     (void)b;
     (void)w;
     return 0;
+}
+static int cpu_upload_vector(struct backend *b, const float *v, int64_t n) {
+    (void)b;
+    (void)v;
+    (void)n;
+    return 0;
+}
+static void cpu_download(struct backend *b, void *dst, const void *src, size_t bytes) {
+    (void)b;
+    memcpy(dst, src, bytes);
 }
 static struct kv_pool *cpu_kv_pool_new(struct backend *b, size_t budget) {
     (void)b;
@@ -377,11 +395,14 @@ static void cpu_free(struct backend *b) {
 
 static const struct backend_ops cpu_ops = {
     .name = "cpu",
+    .host_memory = true,
     .free = cpu_free,
     .reserve = cpu_reserve,
     .alloc = cpu_alloc,
     .release = cpu_release,
     .upload_weight = cpu_upload_weight,
+    .upload_vector = cpu_upload_vector,
+    .download = cpu_download,
     .kv_pool_new = cpu_kv_pool_new,
     .matmul = cpu_matmul,
     .embed = cpu_embed,

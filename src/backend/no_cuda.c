@@ -1,0 +1,12 @@
+/* Builds without -DKVQ_CUDA=ON: asking for the CUDA backend is a clear error. */
+#include "backend/backend.h"
+#include "core/error.h"
+
+#ifndef KVQ_HAVE_CUDA
+struct backend *backend_cuda_new(void) {
+    kvq_error("this kvq was built without CUDA: configure with -DKVQ_CUDA=ON to use --device cuda");
+    return NULL;
+}
+#else
+typedef int kvq_cuda_is_built; /* the real one is cuda/cuda_backend.c */
+#endif

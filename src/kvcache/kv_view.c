@@ -1,0 +1,35 @@
+/* A cache's layout as a device backend reads it (kv_cache.h, "for device backends"). */
+#include "kernels/kv_quant.h"
+#include "kvcache/kv_store.h"
+
+void kv_cache_view(const struct kv_cache *c, struct kv_view *v) {
+    const struct kv_store *st = store_of(c);
+    const int32_t R = c->cfg.residual, T = mu_tokens(c);
+    *v = (struct kv_view){
+        .k_bits = st->kf.bits, .k_group = st->kf.group, .v_bits = st->vf.bits, .v_group = st->vf.group,
+        .k_rot = st->kf.rot, .v_rot = st->vf.rot, .k_row = st->kf.row, .v_row = st->vf.row,
+        .head_bytes = (size_t)KV_BLOCK_TOKENS * (st->kf.row + st->vf.row),
+        .blk = st->blk, .n_blk = st->n_blk, .nkb = st->nkb, .base = st->base,
+        .windows = kv_win_on(st), .win_row = st->wkf.row,
+        /* before the offsets every row is read in f16; after, the newest R */
+        .win_span = R > 0 ? (T > R ? T : R) : 0,
+        .sinks = kv_sink_target(c),
+        .mu = st->mu_set ? st->mu : NULL,
+        .signs = st->signs,
+    };
+}
+
+bool kv_cache_visible(const struct kv_cache *c, int32_t p, int32_t q) { return kv_visible(c, p, q); }
+
+const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, int32_t p) {
+    const struct kv_store *st = store_of(c);
+    const struct kv_fmt *f = side ? &st->wvf : &st->wkf;
+    if (!kv_win_on(st)) return NULL;
+    if (p >= 0 && p < st->sink->n) return kv_win_row(st->sink, f, side, h, p);
+    const struct kv_win *w = st->rec;
+    if (p >= w->p0 && p < w->p0 + w->n) return kv_win_row(w, f, side, h, p - w->p0);
+    return NULL;
+}
+
+uint32_t kv_cache_epoch(const struct kv_cache *c) { return c->epoch; }
+void **kv_cache_mirror(struct kv_cache *c) { return &c->mirror; }
