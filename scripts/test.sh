@@ -17,6 +17,16 @@ for level in scalar avx2; do
   KVQ_SIMD=$level ctest --test-dir build --output-on-failure -j "$jobs" -R "$simd_tests"
 done
 
+# The CUDA backend is compiled wherever nvcc is (CI has it, without a GPU) so it
+# cannot rot; its test skips without a GPU (run it on a GPU machine).
+nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
+if [ -n "$nvcc" ]; then
+  echo "== CUDA backend ($nvcc)"
+  cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DKVQ_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
+  cmake --build build-cuda -j "$jobs"
+  ctest --test-dir build-cuda --output-on-failure -R 'test_cuda$'
+fi
+
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVQ_SANITIZE=ON -DCMAKE_C_FLAGS_DEBUG="-O1 -g" >/dev/null
 cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \

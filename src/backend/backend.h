@@ -98,8 +98,9 @@ struct backend_ops {
      * cache of one layer. 0, or -1 with an error (a cache full). */
     int (*kv_append)(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k, const float *v);
     void (*attention)(struct backend *b, const struct be_attention *a, int n);
-    /* Waits until every operation issued has finished. */
-    void (*sync)(struct backend *b);
+    /* Waits until every operation issued has finished. 0, or -1 with the error of
+     * an operation since the last sync. */
+    int (*sync)(struct backend *b);
 };
 
 struct backend {

@@ -149,6 +149,16 @@ static int check_batch(const struct forward *f, const struct fwd_batch *b) {
     return 0;
 }
 
+/* Keeps the sequences consistent after a failure: drops what layers [0, n_layers)
+ * appended in this batch. */
+static void undo_appends(struct forward *f, const struct fwd_batch *b, int n_layers) {
+    for (int s = 0; s < b->n_seqs; s++)
+        for (int j = 0; j < n_layers; j++) {
+            struct kv_cache *c = b->seqs[s].caches[j];
+            kv_cache_trim(c, kv_cache_n_past(c) - f->pos[b->seqs[s].first]);
+        }
+}
+
 int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
     const struct backend_ops *op = f->be->ops;
     struct backend *be = f->be;
@@ -167,12 +177,7 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
     }
     for (int il = 0; il < hp->n_layer; il++) {
         if (run_layer(f, b, il) != 0) {
-            /* Keep the sequences consistent: drop what the layers appended so far. */
-            for (int s = 0; s < b->n_seqs; s++)
-                for (int j = 0; j <= il; j++) {
-                    struct kv_cache *c = b->seqs[s].caches[j];
-                    kv_cache_trim(c, kv_cache_n_past(c) - f->pos[b->seqs[s].first]);
-                }
+            undo_appends(f, b, il + 1);
             return -1;
         }
     }
@@ -182,6 +187,9 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
         op->matmul(be, f->xn, hp->n_embd, b->n_logits, 1, &out);
         if (f->logits) op->download(be, logits, f->logits, sizeof(float) * (size_t)b->n_logits * hp->n_vocab);
     }
-    op->sync(be);
+    if (op->sync(be) != 0) {
+        undo_appends(f, b, hp->n_layer);
+        return -1;
+    }
     return 0;
 }

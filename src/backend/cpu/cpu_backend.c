@@ -382,7 +382,10 @@ static struct kv_pool *cpu_kv_pool_new(struct backend *b, size_t budget) {
     (void)b;
     return kv_pool_new(budget);
 }
-static void cpu_sync(struct backend *b) { (void)b; }
+static int cpu_sync(struct backend *b) {
+    (void)b;
+    return 0;
+}
 
 static void cpu_free(struct backend *b) {
     struct cpu_backend *cb = cpu(b);

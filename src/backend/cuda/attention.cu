@@ -1,0 +1,331 @@
+/* Split-K attention over a paged KV cache whose rows may be packed (kv_quant.h's row
+ * format), for query tokens of different sequences and lengths in one launch.
+ *
+ * A block takes one (token, KV head, up to 8 query heads of its group) and one split
+ * of the rows that token reads, so each K/V row is read once for all the query heads
+ * that share it. Lanes work in subgroups of D/8: a subgroup holds one row, each lane
+ * 8 of its values, decoded straight from the packed codes (scale * code + bias per
+ * group). Every subgroup keeps its own online softmax; the block merges its
+ * subgroups, and a second kernel merges the splits with a log-sum-exp, applies the
+ * inverse rotation of the values and adds the value offset weighted by the packed
+ * rows' share of the softmax mass (the float path of kv_attend.c, exactly). */
+#include <cuda_fp16.h>
+#include <math.h>
+
+#include "backend/cuda/cuda_kernels.h"
+
+#define WARPS 4
+#define HEADS_MAX 8 /* query heads per block */
+#define MAX_SPLITS 32
+#define BT 64 /* tokens per KV block (kv_pool.h) */
+
+static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
+/* Values [e0, e0 + 8) of a row of D values in `bits` (BITS when known at compile time). */
+template <int BITS>
+static __device__ __forceinline__ void load8(const uint8_t *row, int e0, int D, int bits, int group, float v[8]) {
+    const int b = BITS ? BITS : bits;
+    if (b == 16) {
+        uint4 u = *(const uint4 *)(row + e0 * 2);
+        const __half2 *h = (const __half2 *)&u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(h[i]);
+            v[2 * i] = f.x;
+            v[2 * i + 1] = f.y;
+        }
+        return;
+    }
+    if (b == 32) {
+        float4 x = *(const float4 *)(row + e0 * 4), y = *(const float4 *)(row + e0 * 4 + 16);
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w, v[4] = y.x, v[5] = y.y, v[6] = y.z, v[7] = y.w;
+        return;
+    }
+    const uint8_t *c = row + (e0 / 8) * b; /* 8 codes take `b` bytes, LSB first */
+    uint64_t w = 0;
+    if (BITS == 4) {
+        w = *(const uint32_t *)c;
+    } else if (BITS == 8) {
+        w = (uint64_t)*(const uint32_t *)c | (uint64_t)*(const uint32_t *)(c + 4) << 32;
+    } else {
+        for (int i = 0; i < b; i++) w |= (uint64_t)c[i] << (8 * i);
+    }
+    const uint8_t *sb = row + D * b / 8 + 4 * (e0 / group);
+    const float sc = h2f(*(const uint16_t *)sb), bias = h2f(*(const uint16_t *)(sb + 2));
+    const uint32_t mask = (1u << b) - 1;
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = sc * (float)((uint32_t)(w >> (b * i)) & mask) + bias;
+}
+
+static __device__ __forceinline__ bool visible(int32_t p, int32_t q, const cuk_attn_tok &t) {
+    return p <= q && (t.max_size == 0 || p < t.keep || p > q - (t.max_size - t.keep)) &&
+           (t.window <= 0 || p > q - t.window);
+}
+
+/* HMAX: query heads per block (the group's, rounded up to a power of two, at most 8). */
+template <int D, int KB, int VB, int HMAX>
+__global__ void __launch_bounds__(WARPS * 32) attn_split(const cuk_attn_args a, int n_splits, int n_hch) {
+    constexpr int LPR = D / 8, RPW = 32 / LPR, SUBS = WARPS * RPW;
+    constexpr int PER = (HMAX * D + WARPS * 32 - 1) / (WARPS * 32);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPR, e0 = (lane % LPR) * 8;
+    int item = blockIdx.x;
+    const int hc = item % n_hch;
+    item /= n_hch;
+    const int kvh = item % a.n_kv, ti = item / a.n_kv, split = blockIdx.y;
+    const int group = a.n_head / a.n_kv, h0 = kvh * group + hc * HMAX;
+    const int G = min(HMAX, group - hc * HMAX);
+    const int t = a.tok_index[ti];
+    const cuk_attn_tok tk = a.toks[ti];
+    const float *mu = (const float *)tk.mu;
+
+    __shared__ float qs[HMAX][D];
+    __shared__ float qmu[HMAX];
+    __shared__ float sm_m[SUBS][HMAX], sm_l[SUBS][HMAX], sm_lp[SUBS][HMAX];
+    __shared__ float sm_acc[SUBS][HMAX][D];
+
+    for (int i = threadIdx.x; i < HMAX * D; i += blockDim.x) {
+        int g = i / D, d = i % D;
+        qs[g][d] = g < G ? a.q[((size_t)t * a.n_head + h0 + g) * D + d] * a.scale : 0.0f;
+    }
+    __syncthreads();
+    /* packed keys lack the key offset: their scores are short of q.mu (before rotation) */
+    const bool k_quant = a.k_bits < 16; /* offsets apply to quantized sides only */
+    for (int g = warp; g < HMAX; g += WARPS) {
+        float s = 0;
+        if (mu && k_quant && g < G)
+            for (int d = lane; d < D; d += 32) s += qs[g][d] * mu[(size_t)kvh * D + d];
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) qmu[g] = s;
+    }
+    if (a.k_rot) { /* q <- H diag(signs) q / sqrt(D), like the keys */
+        float r[PER];
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            int i = threadIdx.x + k * WARPS * 32, d = i % D;
+            if (i < HMAX * D) r[k] = qs[i / D][d] * a.signs[d];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < PER; k++) {
+            int i = threadIdx.x + k * WARPS * 32;
+            if (i < HMAX * D) qs[i / D][i % D] = r[k];
+        }
+        for (int len = 1; len < D; len <<= 1) {
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < PER; k++) {
+                int i = threadIdx.x + k * WARPS * 32, g = i / D, d = i % D;
+                if (i >= HMAX * D) break;
+                float x = qs[g][d], y = qs[g][d ^ len];
+                r[k] = (d & len) ? y - x : x + y;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < PER; k++) {
+                int i = threadIdx.x + k * WARPS * 32;
+                if (i >= HMAX * D) break;
+                qs[i / D][i % D] = r[k] * (len == D / 2 ? rsqrtf((float)D) : 1.0f);
+            }
+        }
+    }
+    __syncthreads();
+
+    float qr[HMAX][8], m[HMAX], l[HMAX], lp[HMAX], acc[HMAX][8];
+#pragma unroll
+    for (int g = 0; g < HMAX; g++) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            qr[g][i] = qs[g][e0 + i];
+            acc[g][i] = 0;
+        }
+        m[g] = -INFINITY;
+        l[g] = lp[g] = 0;
+    }
+    const int n1 = max(0, tk.b1 - tk.a1 + 1), n2 = max(0, tk.b2 - tk.a2 + 1), ns = tk.sinks;
+    const int nw = max(0, tk.q_pos - tk.ws + 1), np = n1 + n2, N = np + ns + nw;
+    const int chunk = (N + n_splits - 1) / n_splits, v0 = split * chunk, v1 = min(N, v0 + chunk);
+    const uint64_t *table = (const uint64_t *)(a.staging + tk.table);
+
+    for (int vb = v0; vb < v1; vb += SUBS) {
+        const int v = vb + warp * RPW + sub;
+        bool valid = v < v1;
+        const bool packed = v < np;
+        const uint8_t *kp = nullptr, *vp = nullptr;
+        if (valid) {
+            if (packed) {
+                const int p = v < n1 ? tk.a1 + v : tk.a2 + v - n1;
+                const int L = p / BT, e = L < tk.nkb ? L : L - tk.base;
+                const uint8_t *hb = (const uint8_t *)table[e] + (size_t)kvh * a.head_bytes;
+                kp = hb + (size_t)(p % BT) * a.k_row;
+                vp = hb + (size_t)BT * a.k_row + (size_t)(p % BT) * a.v_row;
+            } else {
+                const bool sink = v < np + ns;
+                const int p = sink ? v - np : tk.ws + (v - np - ns);
+                valid = visible(p, tk.q_pos, tk);
+                const int cap = sink ? tk.sink_cap : tk.ring_cap, slot = sink ? p : p % cap;
+                const uint8_t *base = (const uint8_t *)(sink ? tk.sink : tk.ring);
+                kp = base + ((size_t)kvh * cap + slot) * a.win_row;
+                vp = base + ((size_t)(a.n_kv + kvh) * cap + slot) * a.win_row;
+            }
+        }
+        float kv[8] = {0, 0, 0, 0, 0, 0, 0, 0}, vv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (valid) {
+            if (packed) {
+                load8<KB>(kp, e0, D, a.k_bits, a.k_group, kv);
+                load8<VB>(vp, e0, D, a.v_bits, a.v_group, vv);
+            } else {
+                load8<16>(kp, e0, D, 16, 0, kv);
+                load8<16>(vp, e0, D, 16, 0, vv);
+            }
+        }
+        float s[HMAX];
+#pragma unroll
+        for (int g = 0; g < HMAX; g++) {
+            float x = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) x += qr[g][i] * kv[i];
+            s[g] = x;
+        }
+#pragma unroll
+        for (int o = LPR / 2; o > 0; o >>= 1)
+#pragma unroll
+            for (int g = 0; g < HMAX; g++) s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
+        if (!valid) continue;
+#pragma unroll
+        for (int g = 0; g < HMAX; g++) {
+            if (g >= G) break;
+            const float sc = s[g] + (packed ? qmu[g] : 0.0f);
+            const float mn = fmaxf(m[g], sc), c = __expf(m[g] - mn), pr = __expf(sc - mn);
+            l[g] = l[g] * c + pr;
+            lp[g] = lp[g] * c + (packed ? pr : 0.0f);
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * c + pr * vv[i];
+            m[g] = mn;
+        }
+    }
+
+    const int sid = warp * RPW + sub;
+#pragma unroll
+    for (int g = 0; g < HMAX; g++) {
+        if (lane % LPR == 0) {
+            sm_m[sid][g] = m[g];
+            sm_l[sid][g] = l[g];
+            sm_lp[sid][g] = lp[g];
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) sm_acc[sid][g][e0 + i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        float M = -INFINITY;
+        for (int j = 0; j < SUBS; j++) M = fmaxf(M, sm_m[j][g]);
+        float L = 0, LP = 0, A = 0;
+        for (int j = 0; j < SUBS; j++) {
+            const float w = sm_m[j][g] == -INFINITY ? 0.0f : __expf(sm_m[j][g] - M);
+            L += sm_l[j][g] * w;
+            LP += sm_lp[j][g] * w;
+            A += sm_acc[j][g][d] * w;
+        }
+        float *part = a.partial + ((size_t)(ti * a.n_head + h0 + g) * n_splits + split) * (D + 4);
+        part[4 + d] = A;
+        if (d == 0) {
+            part[0] = M;
+            part[1] = L;
+            part[2] = LP;
+        }
+    }
+}
+
+template <int D>
+__global__ void attn_combine(const cuk_attn_args a, int n_splits) {
+    const int ti = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, d = threadIdx.x;
+    const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
+    const cuk_attn_tok tk = a.toks[ti];
+    const float *part = a.partial + (size_t)(ti * a.n_head + h) * n_splits * (D + 4);
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, part[(size_t)s * (D + 4)]);
+    float L = 0, LP = 0, A = 0;
+    for (int s = 0; s < n_splits; s++) {
+        const float *ps = part + (size_t)s * (D + 4);
+        const float w = ps[0] == -INFINITY ? 0.0f : __expf(ps[0] - M);
+        L += ps[1] * w;
+        LP += ps[2] * w;
+        A += ps[4 + d] * w;
+    }
+    float o = L > 0 ? A / L : 0.0f;
+    if (a.v_rot) { /* o <- diag(signs) H o / sqrt(D) */
+        __shared__ float x[D];
+        x[d] = o;
+        for (int len = 1; len < D; len <<= 1) {
+            __syncthreads();
+            const float u = x[d], w = x[d ^ len];
+            __syncthreads();
+            x[d] = (d & len) ? w - u : u + w;
+        }
+        __syncthreads();
+        o = x[d] * rsqrtf((float)D) * a.signs[d];
+    }
+    const float *mu = (const float *)tk.mu;
+    if (mu && a.v_bits < 16 && L > 0) o += LP / L * mu[(size_t)(a.n_kv + kvh) * D + d];
+    a.out[((size_t)t * a.n_head + h) * D + d] = o;
+}
+
+static int heads_per_block(const cuk_attn_args *a) {
+    const int group = a->n_head / a->n_kv;
+    return group >= 8 ? 8 : group >= 4 ? 4 : group >= 2 ? 2 : 1;
+}
+
+static int splits_for(const cuk_attn_args *a) {
+    const int hb = heads_per_block(a), n_hch = (a->n_head / a->n_kv + hb - 1) / hb;
+    const long items = (long)a->n * a->n_kv * n_hch;
+    long s = (4L * a->n_sm + items - 1) / items;
+    long by_rows = (a->max_rows + 63) / 64;
+    if (s > by_rows) s = by_rows;
+    if (s > MAX_SPLITS) s = MAX_SPLITS;
+    return s < 1 ? 1 : (int)s;
+}
+
+template <int D, int KB, int VB>
+static void launch(cudaStream_t s, const cuk_attn_args *a) {
+    const int hb = heads_per_block(a), n_hch = (a->n_head / a->n_kv + hb - 1) / hb, n_splits = splits_for(a);
+    dim3 grid((unsigned)(a->n * a->n_kv * n_hch), (unsigned)n_splits);
+    switch (hb) {
+    case 1: attn_split<D, KB, VB, 1><<<grid, WARPS * 32, 0, s>>>(*a, n_splits, n_hch); break;
+    case 2: attn_split<D, KB, VB, 2><<<grid, WARPS * 32, 0, s>>>(*a, n_splits, n_hch); break;
+    case 4: attn_split<D, KB, VB, 4><<<grid, WARPS * 32, 0, s>>>(*a, n_splits, n_hch); break;
+    default: attn_split<D, KB, VB, 8><<<grid, WARPS * 32, 0, s>>>(*a, n_splits, n_hch); break;
+    }
+    attn_combine<D><<<(unsigned)(a->n * a->n_head), D, 0, s>>>(*a, n_splits);
+}
+
+template <int D>
+static void launch_formats(cudaStream_t s, const cuk_attn_args *a) {
+    const int kb = a->k_bits, vb = a->v_bits;
+    /* packed rows must sit on 4-byte boundaries for the word loads of 4 and 8 bits */
+    const bool aligned = a->k_row % 4 == 0 && a->v_row % 4 == 0 && a->head_bytes % 16 == 0;
+    if (kb == 16 && vb == 16) launch<D, 16, 16>(s, a);
+    else if (aligned && kb == 8 && vb == 8) launch<D, 8, 8>(s, a);
+    else if (aligned && kb == 8 && vb == 4) launch<D, 8, 4>(s, a);
+    else if (aligned && kb == 4 && vb == 4) launch<D, 4, 4>(s, a);
+    else launch<D, 0, 0>(s, a);
+}
+
+extern "C" int cuk_attention_head_dim_supported(int head_dim) {
+    return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+extern "C" size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, int n_sm) {
+    /* n x splits <= n + 4 n_sm (splits_for) */
+    return ((size_t)n + 4 * (size_t)n_sm) * (size_t)n_head * (size_t)(head_dim + 4);
+}
+
+extern "C" void cuk_attention(cudaStream_t s, const cuk_attn_args *a) {
+    if (a->n <= 0) return;
+    switch (a->head_dim) {
+    case 64: launch_formats<64>(s, a); break;
+    case 128: launch_formats<128>(s, a); break;
+    case 256: launch_formats<256>(s, a); break;
+    default: break; /* refused when the backend starts */
+    }
+}

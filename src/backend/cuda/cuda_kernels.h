@@ -1,0 +1,101 @@
+/* The CUDA kernels behind the CUDA backend: C entry points that launch work on a
+ * stream. Every pointer is device memory unless it says host; nothing here waits
+ * for the GPU or allocates. Launch errors surface at the backend's next check. */
+#ifndef KVQ_BACKEND_CUDA_KERNELS_H
+#define KVQ_BACKEND_CUDA_KERNELS_H
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A weight matrix in device memory, rows of `cols` values in its GGUF type. */
+struct cuk_weight {
+    uint32_t type;
+    const uint8_t *data;
+    int64_t rows, cols;
+    size_t row_bytes;
+};
+
+/* Types with device kernels: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K. */
+int cuk_type_supported(uint32_t type);
+
+/* Tokens at most the matrix-vector kernels take; wider inputs go through
+ * cuk_dequantize + a GEMM. */
+#define CUK_MATVEC_MAX 16
+/* y[t][rows] = x[t][cols] W^T (+ bias) for t < n <= CUK_MATVEC_MAX; x rows x_stride apart. */
+void cuk_matvec(cudaStream_t s, const struct cuk_weight *w, const float *x, int64_t x_stride, int n, float *y,
+                const float *bias);
+/* Rows [r0, r1) of w as f32 into out[r1 - r0][cols]. */
+void cuk_dequantize(cudaStream_t s, const struct cuk_weight *w, int64_t r0, int64_t r1, float *out);
+/* y[t][rows] += bias[rows] for t < n. */
+void cuk_add_bias(cudaStream_t s, float *y, const float *bias, int n, int64_t rows);
+
+/* x[t] = scale * row tokens[t] of e. */
+void cuk_embed(cudaStream_t s, const struct cuk_weight *e, const int32_t *tokens, int n, float scale, float *x);
+/* out[i] = RMSNorm(x[rows ? rows[i] : i]) * w. */
+void cuk_rmsnorm(cudaStream_t s, const float *x, const int32_t *rows, const float *w, int n, int dim, float eps,
+                 float *out);
+/* x[t] += post ? RMSNorm(add[t]) * post : add[t]; then out[t] = RMSNorm(x[t]) * w when w. */
+void cuk_add_norm(cudaStream_t s, float *x, float *add, const float *post, const float *w, int n, int dim, float eps,
+                  float *out);
+void cuk_rope_table(cudaStream_t s, const int32_t *pos, int n, const float *inv_freq, float linear, int half,
+                    float *cos, float *sin);
+/* Per-head RMSNorm (when q_norm/k_norm) and RoPE; pairing as enum rope_pairing. */
+void cuk_qk_rope(cudaStream_t s, float *q, float *k, int n, int n_head, int n_kv, int head_dim, const float *q_norm,
+                 const float *k_norm, float eps, const float *cos, const float *sin, int half, int pairing);
+/* out = act(gate) * up; act 0 SiLU, 1 GELU (tanh). */
+void cuk_glu(cudaStream_t s, int act, const float *gate, const float *up, int n, int n_ff, float *out);
+
+/* Copies `bytes` from staging + src to dst, for each of n copies. */
+struct cuk_copy {
+    uint64_t dst;
+    uint32_t src, bytes;
+};
+void cuk_scatter(cudaStream_t s, const struct cuk_copy *copies, int n, const uint8_t *staging);
+
+/* ---- attention over a paged, possibly quantized KV cache ----
+ * One query token of one sequence. It reads, in order: packed block rows of
+ * positions [a1, b1] and [a2, b2], f16 sink rows [0, sinks), f16 window rows
+ * [ws, q_pos]; window rows only where visible (rotating window, sliding window). */
+struct cuk_attn_tok {
+    int32_t q_pos, a1, b1, a2, b2, sinks, ws;
+    int32_t max_size, keep, window; /* visibility of window rows (kv_visible) */
+    int32_t nkb, base;              /* block of position p: table[L < nkb ? L : L - base], L = p / 64 */
+    uint32_t table;                 /* offset of the block table (device addresses) in the staging buffer */
+    int32_t ring_cap, sink_cap;     /* window rows: ring[side][h][p % ring_cap], sink[side][h][p] */
+    uint64_t ring, sink;            /* f16 rows of win_row bytes */
+    uint64_t mu;                    /* key and value offsets [2][n_kv][D] f32, or 0 */
+};
+
+/* What all tokens of one launch share: the row formats and the model's shape. */
+struct cuk_attn_args {
+    int k_bits, k_group, v_bits, v_group, k_rot, v_rot;
+    size_t k_row, v_row, head_bytes, win_row;
+    int n_head, n_kv, head_dim;
+    float scale;
+    const float *signs; /* [head_dim] Hadamard signs */
+    const float *q;     /* [n][n_head][D] */
+    float *out;         /* [n][n_head][D] */
+    const uint8_t *staging;
+    const struct cuk_attn_tok *toks; /* in staging */
+    const int32_t *tok_index;        /* in staging: the batch token of each launch token */
+    int n;                           /* tokens of this launch */
+    int max_rows;                    /* the most rows any of them reads */
+    float *partial;                  /* scratch: cuk_attention_scratch_floats() */
+    int n_sm;
+};
+/* Floats of scratch cuk_attention needs for n tokens on n_sm multiprocessors. */
+size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, int n_sm);
+/* Head dims the attention kernels take (64, 128, 256). */
+int cuk_attention_head_dim_supported(int head_dim);
+void cuk_attention(cudaStream_t s, const struct cuk_attn_args *a);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,222 @@
+/* Products with weights in their GGUF types, read in place on the device.
+ *
+ * Decode (up to CUK_MATVEC_MAX tokens): one warp per output row, each lane decoding 8
+ * consecutive weights at a time (consecutive lanes read consecutive bytes) and
+ * multiplying them with every token's inputs, which stay in L1/L2. Wider batches
+ * dequantize a band of rows to f32 for a GEMM (cuda_backend.c). Block layouts are
+ * ggml's (the GGUF types), as in src/kernels/quant.c. */
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#include "backend/cuda/cuda_kernels.h"
+#include "core/dtype.h"
+
+#define ROWS_PER_BLOCK 4
+
+static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+static __device__ __forceinline__ uint16_t ld16(const uint8_t *p) { return *(const uint16_t *)p; }
+
+/* 8 bytes at a 2-byte aligned address. */
+static __device__ __forceinline__ uint64_t ld64_2(const uint8_t *p) {
+    const uint16_t *h = (const uint16_t *)p;
+    return (uint64_t)h[0] | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 32 | (uint64_t)h[3] << 48;
+}
+
+/* Weights [8c, 8c + 8) of a row. */
+template <uint32_t T>
+static __device__ __forceinline__ void wload8(const uint8_t *row, int64_t c, float w[8]) {
+    if (T == KVQ_F32) {
+        const float4 *p = (const float4 *)(row + c * 32);
+        float4 a = p[0], b = p[1];
+        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+    } else if (T == KVQ_F16) {
+        uint4 u = *(const uint4 *)(row + c * 16);
+        const __half2 *h = (const __half2 *)&u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(h[i]);
+            w[2 * i] = f.x, w[2 * i + 1] = f.y;
+        }
+    } else if (T == KVQ_BF16) {
+        uint4 u = *(const uint4 *)(row + c * 16);
+        const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __bfloat1622float2(h[i]);
+            w[2 * i] = f.x, w[2 * i + 1] = f.y;
+        }
+    } else if (T == KVQ_Q8_0) { /* 34 bytes: f16 d, 32 int8 */
+        const uint8_t *b = row + (c / 4) * 34;
+        const float d = h2f(ld16(b));
+        uint64_t q = ld64_2(b + 2 + (c % 4) * 8);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = d * (float)(int8_t)(q >> (8 * i));
+    } else if (T == KVQ_Q4_0) { /* 18 bytes: f16 d, 16 bytes; byte j: value j low, j + 16 high */
+        const uint8_t *b = row + (c / 4) * 18;
+        const int sub = (int)(c % 4);
+        const float d = h2f(ld16(b));
+        uint64_t q = ld64_2(b + 2 + (sub % 2) * 8) >> ((sub / 2) * 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = d * (float)((int)((q >> (8 * i)) & 15) - 8);
+    } else if (T == KVQ_Q4_K) { /* 144 bytes: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes */
+        const uint8_t *b = row + (c / 32) * 144;
+        const int e = (int)(c % 32) * 8, pair = e / 64, hi = (e % 64) / 32, l0 = e % 32, j = 2 * pair + hi;
+        const uint8_t *sc = b + 4;
+        int s, m;
+        if (j < 4) {
+            s = sc[j] & 63;
+            m = sc[j + 4] & 63;
+        } else {
+            s = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+            m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        }
+        const float d = h2f(ld16(b)) * (float)s, mn = h2f(ld16(b + 2)) * (float)m;
+        uint64_t q = ld64_2(b + 16 + pair * 32 + l0) >> (hi * 4);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = d * (float)((q >> (8 * i)) & 15) - mn;
+    } else if (T == KVQ_Q6_K) { /* 210 bytes: ql[128], qh[64], int8 scales[16], f16 d */
+        const uint8_t *b = row + (c / 32) * 210;
+        const int e = (int)(c % 32) * 8, h = e / 128, quad = (e % 128) / 32, l0 = e % 32;
+        const uint8_t *ql = b + h * 64 + (quad & 1) * 32 + l0, *qh = b + 128 + h * 32 + l0;
+        const float d = h2f(ld16(b + 208)) * (float)(int8_t)b[192 + h * 8 + l0 / 16 + 2 * quad];
+        uint64_t lo = ld64_2(ql) >> ((quad / 2) * 4), hb = ld64_2(qh) >> (2 * quad);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = d * (float)((int)(((lo >> (8 * i)) & 15) | (((hb >> (8 * i)) & 3) << 4)) - 32);
+    }
+}
+
+template <uint32_t T, int NT>
+__global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
+    matvec(const uint8_t *W, size_t row_bytes, int64_t rows, int64_t cols, const float *x, int64_t x_stride, int n,
+           float *y, const float *bias) {
+    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const uint8_t *wr = W + row * row_bytes;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0;
+    const int64_t chunks = cols / 8;
+#pragma unroll 2
+    for (int64_t c = lane; c < chunks; c += 32) {
+        float w[8];
+        wload8<T>(wr, c, w);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t >= n) break;
+            const float4 *xp = (const float4 *)(x + t * x_stride + c * 8);
+            const float4 a = __ldg(xp), b = __ldg(xp + 1);
+            acc[t] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z +
+                      w[7] * b.w;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = acc[t];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0 && t < n) y[(int64_t)t * rows + row] = v + (bias ? bias[row] : 0.0f);
+    }
+}
+
+template <uint32_t T>
+static void matvec_type(cudaStream_t s, const cuk_weight *w, const float *x, int64_t x_stride, int n, float *y,
+                        const float *bias) {
+    const unsigned blocks = (unsigned)((w->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
+    const dim3 th(ROWS_PER_BLOCK * 32);
+#define MV(NT) matvec<T, NT><<<blocks, th, 0, s>>>(w->data, w->row_bytes, w->rows, w->cols, x, x_stride, n, y, bias)
+    if (n <= 1) MV(1);
+    else if (n <= 2) MV(2);
+    else if (n <= 4) MV(4);
+    else if (n <= 8) MV(8);
+    else MV(16);
+#undef MV
+}
+
+extern "C" int cuk_type_supported(uint32_t type) {
+    return type == KVQ_F32 || type == KVQ_F16 || type == KVQ_BF16 || type == KVQ_Q8_0 || type == KVQ_Q4_0 ||
+           type == KVQ_Q4_K || type == KVQ_Q6_K;
+}
+
+extern "C" void cuk_matvec(cudaStream_t s, const cuk_weight *w, const float *x, int64_t x_stride, int n, float *y,
+                           const float *bias) {
+    switch (w->type) {
+    case KVQ_F32: matvec_type<KVQ_F32>(s, w, x, x_stride, n, y, bias); break;
+    case KVQ_F16: matvec_type<KVQ_F16>(s, w, x, x_stride, n, y, bias); break;
+    case KVQ_BF16: matvec_type<KVQ_BF16>(s, w, x, x_stride, n, y, bias); break;
+    case KVQ_Q8_0: matvec_type<KVQ_Q8_0>(s, w, x, x_stride, n, y, bias); break;
+    case KVQ_Q4_0: matvec_type<KVQ_Q4_0>(s, w, x, x_stride, n, y, bias); break;
+    case KVQ_Q4_K: matvec_type<KVQ_Q4_K>(s, w, x, x_stride, n, y, bias); break;
+    case KVQ_Q6_K: matvec_type<KVQ_Q6_K>(s, w, x, x_stride, n, y, bias); break;
+    default: break; /* refused at upload */
+    }
+}
+
+/* ---- whole rows as f32 (GEMM inputs, embeddings) ---- */
+
+template <uint32_t T>
+__global__ void dequantize(const uint8_t *W, size_t row_bytes, int64_t r0, int64_t n_rows, int64_t cols, float *out) {
+    const int64_t chunks = cols / 8, total = n_rows * chunks;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / chunks, c = i % chunks;
+        float w[8];
+        wload8<T>(W + (r0 + r) * row_bytes, c, w);
+        float4 *o = (float4 *)(out + r * cols + c * 8);
+        o[0] = make_float4(w[0], w[1], w[2], w[3]);
+        o[1] = make_float4(w[4], w[5], w[6], w[7]);
+    }
+}
+
+extern "C" void cuk_dequantize(cudaStream_t s, const cuk_weight *w, int64_t r0, int64_t r1, float *out) {
+    const int64_t total = (r1 - r0) * (w->cols / 8);
+    const unsigned blocks = (unsigned)(total / 256 + 1 < 65536 ? total / 256 + 1 : 65536);
+#define DQ(T) dequantize<T><<<blocks, 256, 0, s>>>(w->data, w->row_bytes, r0, r1 - r0, w->cols, out)
+    switch (w->type) {
+    case KVQ_F32: DQ(KVQ_F32); break;
+    case KVQ_F16: DQ(KVQ_F16); break;
+    case KVQ_BF16: DQ(KVQ_BF16); break;
+    case KVQ_Q8_0: DQ(KVQ_Q8_0); break;
+    case KVQ_Q4_0: DQ(KVQ_Q4_0); break;
+    case KVQ_Q4_K: DQ(KVQ_Q4_K); break;
+    case KVQ_Q6_K: DQ(KVQ_Q6_K); break;
+    default: break;
+    }
+#undef DQ
+}
+
+template <uint32_t T>
+__global__ void embed_rows(const uint8_t *E, size_t row_bytes, int64_t cols, const int32_t *tokens, float scale,
+                           float *x) {
+    const int t = blockIdx.x;
+    const uint8_t *row = E + (int64_t)tokens[t] * row_bytes;
+    for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+        float w[8];
+        wload8<T>(row, c, w);
+#pragma unroll
+        for (int i = 0; i < 8; i++) x[(int64_t)t * cols + c * 8 + i] = w[i] * scale;
+    }
+}
+
+extern "C" void cuk_embed(cudaStream_t s, const cuk_weight *e, const int32_t *tokens, int n, float scale, float *x) {
+#define EM(T) embed_rows<T><<<(unsigned)n, 128, 0, s>>>(e->data, e->row_bytes, e->cols, tokens, scale, x)
+    switch (e->type) {
+    case KVQ_F32: EM(KVQ_F32); break;
+    case KVQ_F16: EM(KVQ_F16); break;
+    case KVQ_BF16: EM(KVQ_BF16); break;
+    case KVQ_Q8_0: EM(KVQ_Q8_0); break;
+    case KVQ_Q4_0: EM(KVQ_Q4_0); break;
+    case KVQ_Q4_K: EM(KVQ_Q4_K); break;
+    case KVQ_Q6_K: EM(KVQ_Q6_K); break;
+    default: break;
+    }
+#undef EM
+}
+
+__global__ void add_bias(float *y, const float *bias, int64_t rows, int64_t total) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] += bias[i % rows];
+}
+
+extern "C" void cuk_add_bias(cudaStream_t s, float *y, const float *bias, int n, int64_t rows) {
+    const int64_t total = (int64_t)n * rows;
+    add_bias<<<(unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096), 256, 0, s>>>(y, bias, rows, total);
+}

@@ -1,0 +1,141 @@
+/* Per-token operations of the forward pass (norms, RoPE, activations) and the
+ * scatter that places host-staged rows at their device addresses. The float math
+ * follows src/backend/cpu/cpu_backend.c. */
+#include <math.h>
+
+#include "backend/cuda/cuda_kernels.h"
+
+#define NORM_THREADS 256
+
+/* Sum over the block (NORM_THREADS threads). */
+static __device__ float block_sum(float v) {
+    __shared__ float part[NORM_THREADS / 32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads(); /* part[] may still be read by a previous call */
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    float s = 0;
+    for (int i = 0; i < NORM_THREADS / 32; i++) s += part[i];
+    return s;
+}
+
+static __device__ float rms_scale(const float *x, int dim, float eps) {
+    float ss = 0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += x[i] * x[i];
+    return rsqrtf(block_sum(ss) / (float)dim + eps);
+}
+
+__global__ void rmsnorm_k(const float *x, const int32_t *rows, const float *w, int dim, float eps, float *out) {
+    const int t = blockIdx.x, r = rows ? rows[t] : t;
+    const float *xr = x + (size_t)r * dim;
+    const float s = rms_scale(xr, dim, eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)t * dim + i] = xr[i] * s * w[i];
+}
+
+extern "C" void cuk_rmsnorm(cudaStream_t s, const float *x, const int32_t *rows, const float *w, int n, int dim,
+                            float eps, float *out) {
+    rmsnorm_k<<<(unsigned)n, NORM_THREADS, 0, s>>>(x, rows, w, dim, eps, out);
+}
+
+__global__ void add_norm_k(float *x, float *add, const float *post, const float *w, int dim, float eps, float *out) {
+    const int t = blockIdx.x;
+    float *xr = x + (size_t)t * dim, *ar = add + (size_t)t * dim;
+    const float ps = post ? rms_scale(ar, dim, eps) : 1.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) xr[i] += post ? ar[i] * ps * post[i] : ar[i];
+    if (!w) return;
+    __syncthreads();
+    const float s = rms_scale(xr, dim, eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)t * dim + i] = xr[i] * s * w[i];
+}
+
+extern "C" void cuk_add_norm(cudaStream_t s, float *x, float *add, const float *post, const float *w, int n, int dim,
+                             float eps, float *out) {
+    add_norm_k<<<(unsigned)n, NORM_THREADS, 0, s>>>(x, add, post, w, dim, eps, out);
+}
+
+__global__ void rope_table_k(const int32_t *pos, const float *inv_freq, float linear, int half, float *cs, float *sn) {
+    const int t = blockIdx.x;
+    const float p = (float)pos[t] / linear;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float c, s;
+        sincosf(p * inv_freq[i], &s, &c);
+        cs[(size_t)t * half + i] = c;
+        sn[(size_t)t * half + i] = s;
+    }
+}
+
+extern "C" void cuk_rope_table(cudaStream_t s, const int32_t *pos, int n, const float *inv_freq, float linear,
+                               int half, float *cos, float *sin) {
+    rope_table_k<<<(unsigned)n, 64, 0, s>>>(pos, inv_freq, linear, half, cos, sin);
+}
+
+/* One block per (token, head): optional per-head RMSNorm, then the rotation. */
+__global__ void qk_rope_k(float *q, float *k, int n_head, int n_kv, int D, const float *q_norm, const float *k_norm,
+                          float eps, const float *cs, const float *sn, int half, int pairing) {
+    const int t = blockIdx.x / (n_head + n_kv), h = blockIdx.x % (n_head + n_kv);
+    const bool is_q = h < n_head;
+    float *v = is_q ? q + ((size_t)t * n_head + h) * D : k + ((size_t)t * n_kv + (h - n_head)) * D;
+    const float *norm = is_q ? q_norm : k_norm;
+    __shared__ float x[1024];
+    __shared__ float scale;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] = v[i];
+    __syncthreads();
+    if (norm) {
+        if (threadIdx.x < 32) {
+            float ss = 0;
+            for (int i = threadIdx.x; i < D; i += 32) ss += x[i] * x[i];
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (threadIdx.x == 0) scale = rsqrtf(ss / (float)D + eps);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] = x[i] * scale * norm[i];
+        __syncthreads();
+    }
+    const float *c = cs + (size_t)t * half, *s = sn + (size_t)t * half;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const int i0 = pairing == 0 ? 2 * i : i, i1 = pairing == 0 ? 2 * i + 1 : i + half;
+        const float a = x[i0], b = x[i1];
+        x[i0] = a * c[i] - b * s[i];
+        x[i1] = a * s[i] + b * c[i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < D; i += blockDim.x) v[i] = x[i];
+}
+
+extern "C" void cuk_qk_rope(cudaStream_t s, float *q, float *k, int n, int n_head, int n_kv, int head_dim,
+                            const float *q_norm, const float *k_norm, float eps, const float *cos, const float *sin,
+                            int half, int pairing) {
+    qk_rope_k<<<(unsigned)(n * (n_head + n_kv)), 64, 0, s>>>(q, k, n_head, n_kv, head_dim, q_norm, k_norm, eps, cos,
+                                                             sin, half, pairing);
+}
+
+__global__ void glu_k(int act, const float *gate, const float *up, int64_t total, float *out) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        float a;
+        if (act == 0) a = g / (1.0f + expf(-g));
+        else a = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+        out[i] = a * up[i];
+    }
+}
+
+extern "C" void cuk_glu(cudaStream_t s, int act, const float *gate, const float *up, int n, int n_ff, float *out) {
+    const int64_t total = (int64_t)n * n_ff;
+    glu_k<<<(unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096), 256, 0, s>>>(act, gate, up, total, out);
+}
+
+__global__ void scatter_k(const cuk_copy *copies, const uint8_t *staging) {
+    const cuk_copy c = copies[blockIdx.x];
+    uint8_t *dst = (uint8_t *)c.dst;
+    const uint8_t *src = staging + c.src;
+    if ((c.dst | c.src | c.bytes) % 4 == 0) {
+        for (uint32_t i = threadIdx.x; i < c.bytes / 4; i += blockDim.x)
+            ((uint32_t *)dst)[i] = ((const uint32_t *)src)[i];
+    } else {
+        for (uint32_t i = threadIdx.x; i < c.bytes; i += blockDim.x) dst[i] = src[i];
+    }
+}
+
+extern "C" void cuk_scatter(cudaStream_t s, const cuk_copy *copies, int n, const uint8_t *staging) {
+    if (n > 0) scatter_k<<<(unsigned)n, 128, 0, s>>>(copies, staging);
+}
