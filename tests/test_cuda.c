@@ -314,7 +314,8 @@ static void fill_rows(uint32_t type, uint8_t *w, size_t bytes) {
     }
 }
 
-/* cuk_matvec against the CPU's dequantization and a double dot product. */
+/* cuk_matvec against the CPU's dequantization and a double dot product (of the
+ * int8-rounded inputs for Q4_0 and Q8_0, which the kernels multiply with dp4a). */
 static void test_matvec(void) {
     const uint32_t types[] = {KVQ_F32, KVQ_F16, KVQ_BF16, KVQ_Q8_0, KVQ_Q4_0, KVQ_Q4_K, KVQ_Q6_K};
     const int rows = 37, cols = 512, ns[] = {1, 3, 16};
@@ -328,16 +329,30 @@ static void test_matvec(void) {
         for (int i = 0; i < 16 * cols; i++) x[i] = frnd();
         uint8_t *dw;
         float *dx, *dy;
+        struct cuk_xq xq;
         cudaMalloc((void **)&dw, bytes);
         cudaMalloc((void **)&dx, sizeof(float) * 16 * cols);
         cudaMalloc((void **)&dy, sizeof(float) * 16 * rows);
-        cudaMemcpy(dw, w, bytes, cudaMemcpyHostToDevice);
+        cudaMalloc((void **)&xq.q, 16 * cols);
+        cudaMalloc((void **)&xq.dsum, sizeof(float2) * 16 * cols / 32);
         cudaMemcpy(dx, x, sizeof(float) * 16 * cols, cudaMemcpyHostToDevice);
-        struct cuk_weight cw = {type, dw, rows, cols, rb};
+        struct cuk_weight cw = {type, dw, rows, cols, rb, NULL};
+        if (cuk_repacked(type)) {
+            uint8_t *packed = malloc(bytes);
+            size_t codes = cuk_repacked_row_bytes(type, cols) * rows;
+            cuk_repack(type, w, rows, cols, packed, (uint16_t *)(packed + codes));
+            cudaMemcpy(dw, packed, bytes, cudaMemcpyHostToDevice);
+            cw.row_bytes = cuk_repacked_row_bytes(type, cols);
+            cw.scales = (const uint16_t *)(dw + codes);
+            free(packed);
+        } else {
+            cudaMemcpy(dw, w, bytes, cudaMemcpyHostToDevice);
+        }
         for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
             int n = ns[k];
             cudaMemset(dy, 0xff, sizeof(float) * 16 * rows); /* NaN: every output must be written */
-            cuk_matvec(NULL, &cw, dx, cols, n, dy, NULL);
+            if (cuk_repacked(type)) cuk_quantize_x(NULL, dx, cols, n, cols, &xq);
+            cuk_matvec(NULL, &cw, dx, cols, &xq, n, dy, NULL);
             CHECK(cudaDeviceSynchronize() == cudaSuccess, "%s: matvec launch", kvq_dtype_name(type));
             cudaMemcpy(y, dy, sizeof(float) * (size_t)n * rows, cudaMemcpyDeviceToHost);
             double err = 0, scale = 0;
@@ -345,19 +360,31 @@ static void test_matvec(void) {
                 kern_dequantize_row(type, w + (size_t)r * rb, row, cols);
                 for (int t = 0; t < n; t++) {
                     double ref = 0, mag = 0;
-                    for (int c = 0; c < cols; c++) ref += (double)row[c] * x[(size_t)t * cols + c], mag += fabs(row[c] * x[(size_t)t * cols + c]);
+                    const float *xt = x + (size_t)t * cols;
+                    for (int c = 0; c < cols; c++) {
+                        double xv = xt[c];
+                        if (cuk_repacked(type)) { /* the input as the kernel rounds it: int8 per block of 32 */
+                            float amax = 0;
+                            for (int i = c / 32 * 32; i < c / 32 * 32 + 32; i++) amax = fmaxf(amax, fabsf(xt[i]));
+                            xv = amax > 0 ? rintf(xt[c] * (127.0f / amax)) * (double)(amax / 127.0f) : 0;
+                        }
+                        ref += (double)row[c] * xv;
+                        mag += fabs(row[c] * xv);
+                    }
                     double got = y[(size_t)t * rows + r];
                     err = fmax(err, isfinite(got) ? fabs(got - ref) : INFINITY);
                     scale = fmax(scale, mag);
                 }
             }
+            const double tol = 1e-5 * scale + 1e-6;
             printf("matvec %-5s n=%2d: max error %.2e of a magnitude sum %.2e\n", kvq_dtype_name(type), n, err, scale);
-            CHECK(err <= 1e-5 * scale + 1e-6, "%s n=%d: matvec differs from the CPU dequantization by %g",
-                  kvq_dtype_name(type), n, err);
+            CHECK(err <= tol, "%s n=%d: matvec differs from the CPU dequantization by %g", kvq_dtype_name(type), n, err);
         }
         cudaFree(dw);
         cudaFree(dx);
         cudaFree(dy);
+        cudaFree(xq.q);
+        cudaFree(xq.dsum);
         free(w);
         free(x);
         free(y);

@@ -73,6 +73,7 @@ struct cuda_backend {
     struct dev_entry *ents;
     int n_ents, cap_ents;
     float *deq;
+    struct cuk_xq xq; /* int8 inputs of the repacked types' matrix-vector kernels */
     float *part;
     size_t part_floats;
     float *signs; /* Hadamard signs of head size signs_dim */
@@ -99,11 +100,10 @@ static struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backen
 /* KVQ_CUDA_PROFILE=1: each operation waits for the GPU before and after itself and
  * its time is added up per kind, printed when the backend is freed (a measurement
  * aid: the waits serialize what normally overlaps). */
-enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_ROPE, P_GLU, P_EMBED, P_KV_APPEND, P_ATTN_HOST, P_ATTN_GPU, P_N };
-static const char *const prof_names[P_N] = {"matvec",    "gemm (dequantize + TF32)", "norms",
-                                            "rope",      "glu",                      "embed",
-                                            "kv_append (read back + host encode)", "attention: host plan + uploads",
-                                            "attention: kernels"};
+enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_ROPE, P_GLU, P_EMBED, P_KV_READ, P_KV_ENCODE, P_ATTN_HOST, P_ATTN_GPU, P_N };
+static const char *const prof_names[P_N] = {"matvec", "gemm (dequantize + TF32)", "norms", "rope", "glu", "embed",
+                                            "kv_append: read back (wait included)", "kv_append: host encode",
+                                            "attention: host plan + uploads", "attention: kernels"};
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -216,8 +216,21 @@ static int cuda_upload_weight(struct backend *b, const struct weight *w) {
         return kvq_error("the CUDA backend cannot multiply %s weights of %lld columns", kvq_dtype_name(w->type),
                          (long long)w->cols);
     struct dev_entry *e;
-    if (add_entry(cb, w, sizeof *w, w->data, w->row_bytes * (size_t)w->rows, &e) != 0) return -1;
-    if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, w->row_bytes};
+    if (!cuk_repacked(w->type)) {
+        if (add_entry(cb, w, sizeof *w, w->data, w->row_bytes * (size_t)w->rows, &e) != 0) return -1;
+        if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, w->row_bytes, NULL};
+        return 0;
+    }
+    /* codes, then the scales, in one device allocation */
+    const size_t rb = cuk_repacked_row_bytes(w->type, w->cols), codes = rb * (size_t)w->rows;
+    const size_t bytes = codes + sizeof(uint16_t) * (size_t)w->rows * (size_t)(w->cols / 32);
+    uint8_t *host = malloc(bytes);
+    if (!host) return kvq_error("out of memory repacking a weight of %zu bytes", bytes);
+    cuk_repack(w->type, w->data, w->rows, w->cols, host, (uint16_t *)(host + codes));
+    int rc = add_entry(cb, w, sizeof *w, host, bytes, &e);
+    free(host);
+    if (rc != 0) return -1;
+    if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, rb, (const uint16_t *)(e->dev + codes)};
     return 0;
 }
 
@@ -382,7 +395,12 @@ static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
     (void)widest;
     cb->max_tokens = max_tokens;
     if (max_tokens > CUK_MATVEC_MAX && !cb->deq && !(cb->deq = cuda_alloc(b, sizeof(float) * DEQ_FLOATS))) return -1;
-    return 0;
+    const size_t n = (size_t)(max_tokens < CUK_MATVEC_MAX ? max_tokens : CUK_MATVEC_MAX);
+    cudaFree(cb->xq.q);
+    cudaFree(cb->xq.dsum);
+    cb->xq.q = cuda_alloc(b, n * (size_t)widest);
+    cb->xq.dsum = cuda_alloc(b, sizeof(float2) * n * (size_t)(widest / 32 + 1));
+    return cb->xq.q && cb->xq.dsum ? 0 : -1;
 }
 
 /* ---- dense operations ----------------------------------------------------- */
@@ -390,13 +408,18 @@ static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
 static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs,
                         const struct be_matmul *jobs) {
     struct cuda_backend *cb = cuda(b);
+    bool quantized_x = false; /* the jobs share x: rounded to int8 once for all */
     for (int j = 0; j < n_jobs; j++) {
         const struct cuk_weight *w = dev_weight(cb, jobs[j].w);
         const float *bias = dev_vec(cb, jobs[j].bias);
         if (!w) return;
         double t0 = prof_begin(cb);
         if (n <= CUK_MATVEC_MAX) {
-            cuk_matvec(cb->stream, w, x, x_stride, n, jobs[j].y, bias);
+            if (cuk_repacked(w->type) && !quantized_x) {
+                cuk_quantize_x(cb->stream, x, x_stride, n, w->cols, &cb->xq);
+                quantized_x = true;
+            }
+            cuk_matvec(cb->stream, w, x, x_stride, &cb->xq, n, jobs[j].y, bias);
             prof_end(cb, P_MATVEC, t0);
             continue;
         }
@@ -503,11 +526,13 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
     ck(cb, cudaMemcpyAsync(kh, k, sizeof(float) * floats, cudaMemcpyDeviceToHost, cb->stream), "reading keys");
     ck(cb, cudaMemcpyAsync(vh, v, sizeof(float) * floats, cudaMemcpyDeviceToHost, cb->stream), "reading values");
     if (wait_stream(cb) != 0) return -1;
+    prof_end(cb, P_KV_READ, t0);
+    t0 = prof_begin(cb);
     for (int s = 0; s < n_seqs; s++) {
         size_t off = (size_t)seqs[s].first * tok;
         if (kv_cache_append(seqs[s].cache, seqs[s].n, kh + off, vh + off) != 0) return -1;
     }
-    prof_end(cb, P_KV_APPEND, t0);
+    prof_end(cb, P_KV_ENCODE, t0);
     return 0;
 }
 
@@ -742,6 +767,8 @@ static void cuda_free(struct backend *b) {
     for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
     free(cb->ents);
     cudaFree(cb->deq);
+    cudaFree(cb->xq.q);
+    cudaFree(cb->xq.dsum);
     cudaFree(cb->part);
     cudaFree(cb->signs);
     cudaFreeHost(cb->stage_h);

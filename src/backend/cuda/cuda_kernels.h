@@ -12,13 +12,31 @@
 extern "C" {
 #endif
 
-/* A weight matrix in device memory, rows of `cols` values in its GGUF type. */
+/* A weight matrix in device memory, rows of `cols` values in its GGUF type. Q4_0
+ * and Q8_0 are repacked at upload (cuk_repack): `data` then holds each row's codes
+ * without the blocks' scales (16 or 32 bytes per 32 values, 16-byte aligned loads)
+ * and `scales` the f16 scales [rows][cols / 32]. */
 struct cuk_weight {
     uint32_t type;
     const uint8_t *data;
     int64_t rows, cols;
-    size_t row_bytes;
+    size_t row_bytes; /* of `data` */
+    const uint16_t *scales;
 };
+
+/* Whether a type is repacked, and the repacking of rows (host memory, the
+ * GGUF layout in) into codes[rows][row code bytes] and scales[rows][cols / 32]. */
+int cuk_repacked(uint32_t type);
+size_t cuk_repacked_row_bytes(uint32_t type, int64_t cols);
+void cuk_repack(uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes, uint16_t *scales);
+
+/* Inputs of the repacked types' kernels: x rounded to int8 in blocks of 32, with
+ * each block's scale and the sum of its codes (as the CPU's q8 activations). */
+struct cuk_xq {
+    int8_t *q;    /* [n][k] */
+    float2 *dsum; /* [n][k / 32]: scale, sum of codes */
+};
+void cuk_quantize_x(cudaStream_t s, const float *x, int64_t x_stride, int n, int64_t k, const struct cuk_xq *xq);
 
 /* Types with device kernels: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K. */
 int cuk_type_supported(uint32_t type);
@@ -26,9 +44,10 @@ int cuk_type_supported(uint32_t type);
 /* Tokens at most the matrix-vector kernels take; wider inputs go through
  * cuk_dequantize + a GEMM. */
 #define CUK_MATVEC_MAX 16
-/* y[t][rows] = x[t][cols] W^T (+ bias) for t < n <= CUK_MATVEC_MAX; x rows x_stride apart. */
-void cuk_matvec(cudaStream_t s, const struct cuk_weight *w, const float *x, int64_t x_stride, int n, float *y,
-                const float *bias);
+/* y[t][rows] = x[t][cols] W^T (+ bias) for t < n <= CUK_MATVEC_MAX; x rows x_stride apart.
+ * Repacked types read xq (cuk_quantize_x of the same x) instead of x. */
+void cuk_matvec(cudaStream_t s, const struct cuk_weight *w, const float *x, int64_t x_stride, const struct cuk_xq *xq,
+                int n, float *y, const float *bias);
 /* Rows [r0, r1) of w as f32 into out[r1 - r0][cols]. */
 void cuk_dequantize(cudaStream_t s, const struct cuk_weight *w, int64_t r0, int64_t r1, float *out);
 /* y[t][rows] += bias[rows] for t < n. */

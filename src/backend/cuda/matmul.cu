@@ -7,6 +7,7 @@
  * ggml's (the GGUF types), as in src/kernels/quant.c. */
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <string.h>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "core/dtype.h"
@@ -22,10 +23,29 @@ static __device__ __forceinline__ uint64_t ld64_2(const uint8_t *p) {
     return (uint64_t)h[0] | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 32 | (uint64_t)h[3] << 48;
 }
 
-/* Weights [8c, 8c + 8) of a row. */
+/* Weights [8c, 8c + 8) of row r. */
 template <uint32_t T>
-static __device__ __forceinline__ void wload8(const uint8_t *row, int64_t c, float w[8]) {
-    if (T == KVQ_F32) {
+static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, int64_t c, float w[8]) {
+    const uint8_t *row = W.data + r * W.row_bytes;
+    if (T == KVQ_Q8_0) { /* repacked: 32 codes per block, scales apart */
+        const float d = h2f(W.scales[r * (W.cols / 32) + c / 4]);
+        const uint2 q = *(const uint2 *)(row + c * 8);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w[i] = d * (float)(int8_t)(q.x >> (8 * i));
+            w[4 + i] = d * (float)(int8_t)(q.y >> (8 * i));
+        }
+    } else if (T == KVQ_Q4_0) { /* repacked: 16 bytes per block; byte j: value j low, j + 16 high */
+        const float d = h2f(W.scales[r * (W.cols / 32) + c / 4]);
+        const int sub = (int)(c % 4);
+        const uint2 q = *(const uint2 *)(row + (c / 4) * 16 + (sub % 2) * 8);
+        const int sh = (sub / 2) * 4;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w[i] = d * (float)((int)((q.x >> (8 * i + sh)) & 15) - 8);
+            w[4 + i] = d * (float)((int)((q.y >> (8 * i + sh)) & 15) - 8);
+        }
+    } else if (T == KVQ_F32) {
         const float4 *p = (const float4 *)(row + c * 32);
         float4 a = p[0], b = p[1];
         w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
@@ -45,19 +65,6 @@ static __device__ __forceinline__ void wload8(const uint8_t *row, int64_t c, flo
             float2 f = __bfloat1622float2(h[i]);
             w[2 * i] = f.x, w[2 * i + 1] = f.y;
         }
-    } else if (T == KVQ_Q8_0) { /* 34 bytes: f16 d, 32 int8 */
-        const uint8_t *b = row + (c / 4) * 34;
-        const float d = h2f(ld16(b));
-        uint64_t q = ld64_2(b + 2 + (c % 4) * 8);
-#pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = d * (float)(int8_t)(q >> (8 * i));
-    } else if (T == KVQ_Q4_0) { /* 18 bytes: f16 d, 16 bytes; byte j: value j low, j + 16 high */
-        const uint8_t *b = row + (c / 4) * 18;
-        const int sub = (int)(c % 4);
-        const float d = h2f(ld16(b));
-        uint64_t q = ld64_2(b + 2 + (sub % 2) * 8) >> ((sub / 2) * 4);
-#pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = d * (float)((int)((q >> (8 * i)) & 15) - 8);
     } else if (T == KVQ_Q4_K) { /* 144 bytes: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes */
         const uint8_t *b = row + (c / 32) * 144;
         const int e = (int)(c % 32) * 8, pair = e / 64, hi = (e % 64) / 32, l0 = e % 32, j = 2 * pair + hi;
@@ -87,12 +94,10 @@ static __device__ __forceinline__ void wload8(const uint8_t *row, int64_t c, flo
 
 template <uint32_t T, int NT>
 __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
-    matvec(const uint8_t *W, size_t row_bytes, int64_t rows, int64_t cols, const float *x, int64_t x_stride, int n,
-           float *y, const float *bias) {
-    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;
+    matvec(const cuk_weight W, const float *x, int64_t x_stride, int n, float *y, const float *bias) {
+    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, rows = W.rows, cols = W.cols;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
-    const uint8_t *wr = W + row * row_bytes;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0;
@@ -100,7 +105,7 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
 #pragma unroll 2
     for (int64_t c = lane; c < chunks; c += 32) {
         float w[8];
-        wload8<T>(wr, c, w);
+        wload8<T>(W, row, c, w);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             if (t >= n) break;
@@ -123,7 +128,7 @@ static void matvec_type(cudaStream_t s, const cuk_weight *w, const float *x, int
                         const float *bias) {
     const unsigned blocks = (unsigned)((w->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
     const dim3 th(ROWS_PER_BLOCK * 32);
-#define MV(NT) matvec<T, NT><<<blocks, th, 0, s>>>(w->data, w->row_bytes, w->rows, w->cols, x, x_stride, n, y, bias)
+#define MV(NT) matvec<T, NT><<<blocks, th, 0, s>>>(*w, x, x_stride, n, y, bias)
     if (n <= 1) MV(1);
     else if (n <= 2) MV(2);
     else if (n <= 4) MV(4);
@@ -132,19 +137,130 @@ static void matvec_type(cudaStream_t s, const cuk_weight *w, const float *x, int
 #undef MV
 }
 
+/* ---- repacked Q4_0 / Q8_0 on int8 inputs ----
+ * A warp per row; lane l takes blocks l, l + 32, ...: 16 or 32 bytes of codes (one
+ * or two 16-byte loads), the block's f16 scale, and per token the 32 int8 inputs
+ * (two 16-byte loads) for dp4a: 8 instructions per block and token. */
+
+extern "C" int cuk_repacked(uint32_t type) { return type == KVQ_Q4_0 || type == KVQ_Q8_0; }
+extern "C" size_t cuk_repacked_row_bytes(uint32_t type, int64_t cols) {
+    return (size_t)(cols / 32) * (type == KVQ_Q4_0 ? 16 : 32);
+}
+extern "C" void cuk_repack(uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
+                           uint16_t *scales) {
+    const int64_t nb = cols / 32;
+    const size_t bb = type == KVQ_Q4_0 ? 18 : 34, cb = bb - 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + ((size_t)r * nb + b) * bb;
+            memcpy(scales + r * nb + b, blk, 2);
+            memcpy(codes + ((size_t)r * nb + b) * cb, blk + 2, cb);
+        }
+}
+
+__global__ void quantize_x(const float *x, int64_t x_stride, int64_t k, int8_t *q, float2 *dsum) {
+    /* a warp per block of 32 inputs: lane i takes input i */
+    const int64_t nb = k / 32, blk = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32, t = blockIdx.y;
+    if (blk >= nb) return;
+    const float v = x[t * x_stride + blk * 32 + lane];
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int c = __float2int_rn(fminf(fmaxf(v * id, -127.0f), 127.0f));
+    q[t * k + blk * 32 + lane] = (int8_t)c;
+    int sum = c;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) dsum[t * nb + blk] = make_float2(amax / 127.0f, (float)sum);
+}
+
+extern "C" void cuk_quantize_x(cudaStream_t s, const float *x, int64_t x_stride, int n, int64_t k, const cuk_xq *xq) {
+    const int64_t nb = k / 32;
+    dim3 grid((unsigned)((nb * 32 + 255) / 256), (unsigned)n);
+    quantize_x<<<grid, 256, 0, s>>>(x, x_stride, k, xq->q, xq->dsum);
+}
+
+template <uint32_t T, int NT>
+__global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
+    matvec_q(const cuk_weight W, const int8_t *xq, const float2 *xd, int n, float *y, const float *bias) {
+    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, rows = W.rows;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const int64_t nb = W.cols / 32;
+    const uint8_t *codes = W.data + row * W.row_bytes;
+    const uint16_t *sc = W.scales + row * nb;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0;
+#pragma unroll 4
+    for (int64_t b = lane; b < nb; b += 32) {
+        int wq[8];
+        if (T == KVQ_Q4_0) {
+            const uint4 u = *(const uint4 *)(codes + b * 16);
+            const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                wq[i] = (int)(w4[i] & 0x0F0F0F0Fu);            /* values 4i .. 4i+3 */
+                wq[4 + i] = (int)((w4[i] >> 4) & 0x0F0F0F0Fu); /* values 16+4i .. */
+            }
+        } else {
+            const uint4 u0 = *(const uint4 *)(codes + b * 32), u1 = *(const uint4 *)(codes + b * 32 + 16);
+            wq[0] = (int)u0.x, wq[1] = (int)u0.y, wq[2] = (int)u0.z, wq[3] = (int)u0.w;
+            wq[4] = (int)u1.x, wq[5] = (int)u1.y, wq[6] = (int)u1.z, wq[7] = (int)u1.w;
+        }
+        const float d = h2f(sc[b]);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t >= n) break;
+            const int4 *xp = (const int4 *)(xq + (int64_t)t * W.cols + b * 32);
+            const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+            int isum = 0;
+            isum = __dp4a(wq[0], x0.x, isum);
+            isum = __dp4a(wq[1], x0.y, isum);
+            isum = __dp4a(wq[2], x0.z, isum);
+            isum = __dp4a(wq[3], x0.w, isum);
+            isum = __dp4a(wq[4], x1.x, isum);
+            isum = __dp4a(wq[5], x1.y, isum);
+            isum = __dp4a(wq[6], x1.z, isum);
+            isum = __dp4a(wq[7], x1.w, isum);
+            const float2 ds = xd[(int64_t)t * nb + b];
+            acc[t] += d * ds.x * (T == KVQ_Q4_0 ? (float)isum - 8.0f * ds.y : (float)isum);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = acc[t];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0 && t < n) y[(int64_t)t * rows + row] = v + (bias ? bias[row] : 0.0f);
+    }
+}
+
+template <uint32_t T>
+static void matvec_q_type(cudaStream_t s, const cuk_weight *w, const cuk_xq *xq, int n, float *y, const float *bias) {
+    const unsigned blocks = (unsigned)((w->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
+    const dim3 th(ROWS_PER_BLOCK * 32);
+#define MQ(NT) matvec_q<T, NT><<<blocks, th, 0, s>>>(*w, xq->q, xq->dsum, n, y, bias)
+    if (n <= 1) MQ(1);
+    else if (n <= 2) MQ(2);
+    else if (n <= 4) MQ(4);
+    else if (n <= 8) MQ(8);
+    else MQ(16);
+#undef MQ
+}
+
 extern "C" int cuk_type_supported(uint32_t type) {
     return type == KVQ_F32 || type == KVQ_F16 || type == KVQ_BF16 || type == KVQ_Q8_0 || type == KVQ_Q4_0 ||
            type == KVQ_Q4_K || type == KVQ_Q6_K;
 }
 
-extern "C" void cuk_matvec(cudaStream_t s, const cuk_weight *w, const float *x, int64_t x_stride, int n, float *y,
-                           const float *bias) {
+extern "C" void cuk_matvec(cudaStream_t s, const cuk_weight *w, const float *x, int64_t x_stride, const cuk_xq *xq,
+                           int n, float *y, const float *bias) {
     switch (w->type) {
+    case KVQ_Q8_0: matvec_q_type<KVQ_Q8_0>(s, w, xq, n, y, bias); return;
+    case KVQ_Q4_0: matvec_q_type<KVQ_Q4_0>(s, w, xq, n, y, bias); return;
     case KVQ_F32: matvec_type<KVQ_F32>(s, w, x, x_stride, n, y, bias); break;
     case KVQ_F16: matvec_type<KVQ_F16>(s, w, x, x_stride, n, y, bias); break;
     case KVQ_BF16: matvec_type<KVQ_BF16>(s, w, x, x_stride, n, y, bias); break;
-    case KVQ_Q8_0: matvec_type<KVQ_Q8_0>(s, w, x, x_stride, n, y, bias); break;
-    case KVQ_Q4_0: matvec_type<KVQ_Q4_0>(s, w, x, x_stride, n, y, bias); break;
     case KVQ_Q4_K: matvec_type<KVQ_Q4_K>(s, w, x, x_stride, n, y, bias); break;
     case KVQ_Q6_K: matvec_type<KVQ_Q6_K>(s, w, x, x_stride, n, y, bias); break;
     default: break; /* refused at upload */
@@ -154,12 +270,12 @@ extern "C" void cuk_matvec(cudaStream_t s, const cuk_weight *w, const float *x, 
 /* ---- whole rows as f32 (GEMM inputs, embeddings) ---- */
 
 template <uint32_t T>
-__global__ void dequantize(const uint8_t *W, size_t row_bytes, int64_t r0, int64_t n_rows, int64_t cols, float *out) {
-    const int64_t chunks = cols / 8, total = n_rows * chunks;
+__global__ void dequantize(const cuk_weight W, int64_t r0, int64_t n_rows, float *out) {
+    const int64_t cols = W.cols, chunks = cols / 8, total = n_rows * chunks;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t r = i / chunks, c = i % chunks;
         float w[8];
-        wload8<T>(W + (r0 + r) * row_bytes, c, w);
+        wload8<T>(W, r0 + r, c, w);
         float4 *o = (float4 *)(out + r * cols + c * 8);
         o[0] = make_float4(w[0], w[1], w[2], w[3]);
         o[1] = make_float4(w[4], w[5], w[6], w[7]);
@@ -169,7 +285,7 @@ __global__ void dequantize(const uint8_t *W, size_t row_bytes, int64_t r0, int64
 extern "C" void cuk_dequantize(cudaStream_t s, const cuk_weight *w, int64_t r0, int64_t r1, float *out) {
     const int64_t total = (r1 - r0) * (w->cols / 8);
     const unsigned blocks = (unsigned)(total / 256 + 1 < 65536 ? total / 256 + 1 : 65536);
-#define DQ(T) dequantize<T><<<blocks, 256, 0, s>>>(w->data, w->row_bytes, r0, r1 - r0, w->cols, out)
+#define DQ(T) dequantize<T><<<blocks, 256, 0, s>>>(*w, r0, r1 - r0, out)
     switch (w->type) {
     case KVQ_F32: DQ(KVQ_F32); break;
     case KVQ_F16: DQ(KVQ_F16); break;
@@ -184,20 +300,19 @@ extern "C" void cuk_dequantize(cudaStream_t s, const cuk_weight *w, int64_t r0, 
 }
 
 template <uint32_t T>
-__global__ void embed_rows(const uint8_t *E, size_t row_bytes, int64_t cols, const int32_t *tokens, float scale,
-                           float *x) {
+__global__ void embed_rows(const cuk_weight E, const int32_t *tokens, float scale, float *x) {
     const int t = blockIdx.x;
-    const uint8_t *row = E + (int64_t)tokens[t] * row_bytes;
+    const int64_t cols = E.cols;
     for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
         float w[8];
-        wload8<T>(row, c, w);
+        wload8<T>(E, tokens[t], c, w);
 #pragma unroll
         for (int i = 0; i < 8; i++) x[(int64_t)t * cols + c * 8 + i] = w[i] * scale;
     }
 }
 
 extern "C" void cuk_embed(cudaStream_t s, const cuk_weight *e, const int32_t *tokens, int n, float scale, float *x) {
-#define EM(T) embed_rows<T><<<(unsigned)n, 128, 0, s>>>(e->data, e->row_bytes, e->cols, tokens, scale, x)
+#define EM(T) embed_rows<T><<<(unsigned)n, 128, 0, s>>>(*e, tokens, scale, x)
     switch (e->type) {
     case KVQ_F32: EM(KVQ_F32); break;
     case KVQ_F16: EM(KVQ_F16); break;
