@@ -461,6 +461,57 @@ static void attn_case_run(struct backend *be, const struct attn_case *ac) {
     free(k), free(v), free(q), free(out), free(ref), free(scratch);
 }
 
+/* Appends through the backend (rows encoded on the device, the host's copy read back
+ * at sync) leave the cache byte for byte as host appends of the same keys and values. */
+static void test_device_append(struct backend *be, const struct attn_case *ac) {
+    struct kv_cache_config cfg = {ac->k_bits, ac->v_bits, ac->group, ac->group, ac->max_size, ac->keep, 0,
+                                  ac->rot != 0, ac->residual};
+    struct kv_shape shape = {ac->n_head, ac->n_kv, ac->D, ac->window};
+    struct kv_pool *pool = be->ops->kv_pool_new(be, 0);
+    struct kv_cache *dev = kv_cache_new_in(pool, &cfg, &shape), *host = kv_cache_new(&cfg, &shape);
+    /* chunks that end where the offsets are chosen (100 for a rotating 100, else 128): a
+     * chunk across that point is encoded without them on the device and again on the
+     * host from its f16 window rows, close to but not the bits of a host append */
+    const int H = ac->n_kv, D = ac->D, chunks[] = {40, 60, 28, 64, 1, 1, 30};
+    float *k = malloc(sizeof(float) * 64 * H * D), *v = malloc(sizeof(float) * 64 * H * D);
+    float *dk = be->ops->alloc(be, sizeof(float) * 64 * H * D), *dv = be->ops->alloc(be, sizeof(float) * 64 * H * D);
+    for (size_t c = 0; c < sizeof chunks / sizeof chunks[0] && dev && host; c++) {
+        int n = chunks[c];
+        for (int i = 0; i < n * H * D; i++) k[i] = frnd() + 0.5f * (float)(i % D == 3), v[i] = frnd();
+        cudaMemcpy(dk, k, sizeof(float) * n * H * D, cudaMemcpyHostToDevice);
+        cudaMemcpy(dv, v, sizeof(float) * n * H * D, cudaMemcpyHostToDevice);
+        struct be_kv_append ap = {dev, 0, n};
+        CHECK(be->ops->kv_append(be, &ap, 1, dk, dv) == 0 && be->ops->sync(be) == 0, "%s: device append: %s",
+              ac->name, kvq_last_error());
+        CHECK(kv_cache_append(host, n, k, v) == 0, "%s: host append", ac->name);
+    }
+    struct kv_buf a = {0}, b = {0};
+    kv_cache_save(dev, &a);
+    kv_cache_save(host, &b);
+    size_t diff = a.len == b.len ? a.len : 0;
+    for (size_t i = 0; i < a.len && i < b.len; i++)
+        if (a.data[i] != b.data[i]) {
+            diff = i;
+            break;
+        }
+    size_t n_diff = 0;
+    for (size_t i = 0; i < a.len && i < b.len; i++) n_diff += a.data[i] != b.data[i];
+    printf("device append %-36s saved caches %zu / %zu bytes, %zu differ, first at %zd", ac->name, a.len, b.len,
+           n_diff, diff == a.len ? (ssize_t)-1 : (ssize_t)diff);
+    if (diff < a.len && diff + 4 <= a.len)
+        printf(" (device %02x %02x %02x %02x, host %02x %02x %02x %02x)", a.data[diff], a.data[diff + 1],
+               a.data[diff + 2], a.data[diff + 3], b.data[diff], b.data[diff + 1], b.data[diff + 2], b.data[diff + 3]);
+    printf("\n");
+    CHECK(a.len == b.len && memcmp(a.data, b.data, a.len) == 0, "%s: device-encoded cache differs from host-encoded",
+          ac->name);
+    free(a.data), free(b.data), free(k), free(v);
+    be->ops->release(be, dk);
+    be->ops->release(be, dv);
+    kv_cache_free(dev);
+    kv_cache_free(host);
+    kv_pool_free(pool);
+}
+
 static void test_attention(void) {
     struct backend *be = backend_cuda_new();
     CHECK(be != NULL, "CUDA backend: %s", kvq_last_error());
@@ -472,6 +523,9 @@ static void test_attention(void) {
         {"K8V4 R32 offsets rotation", 128, 8, 2, 8, 4, 64, 32, 4, 0, 0, 1},
         {"K4V4 R32, GQA 8", 128, 16, 2, 4, 4, 64, 32, 4, 0, 0, 1},
         {"K8V8 R0 no rotation", 128, 4, 2, 8, 8, 32, 0, 0, 0, 0, 0},
+        {"K8V8 g64 R0 no rotation", 128, 4, 2, 8, 8, 64, 0, 0, 0, 0, 0},
+        {"K4V4 g32 R0 no rotation", 128, 4, 2, 4, 4, 32, 0, 0, 0, 0, 0},
+        {"K8V8 g32 R0 rotation", 128, 4, 2, 8, 8, 32, 0, 0, 0, 0, 1},
         {"K2V3 g32 R16, GQA 7", 64, 14, 2, 2, 3, 32, 16, 4, 0, 0, 1},
         {"K5V6 g128 D256 one KV head", 256, 4, 1, 5, 6, 128, 32, 4, 0, 0, 1},
         {"K8V4 rotating 200 keep 4", 128, 8, 2, 8, 4, 64, 32, 4, 200, 0, 1},
@@ -480,6 +534,7 @@ static void test_attention(void) {
         {"K8V16 mixed", 128, 8, 2, 8, 16, 64, 32, 4, 0, 0, 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) attn_case_run(be, &cases[i]);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_device_append(be, &cases[i]);
     be->ops->free(be);
 }
 #endif

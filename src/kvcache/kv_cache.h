@@ -147,6 +147,18 @@ bool kv_cache_visible(const struct kv_cache *c, int32_t p, int32_t q);
 /* The f16 window row of position p (a sink, else the residual window), or NULL when
  * no window holds it. side 0 keys, 1 values. */
 const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, int32_t p);
+/* Appending rows that a device encodes: kv_cache_append_begin() makes every change of
+ * appending n tokens but writing their rows (blocks reserved or released, windows
+ * moved, n_past advanced); the device writes the rows (kv_view's formats: block rows
+ * with the offsets removed and rotated, f16 window rows rotated without offsets);
+ * kv_cache_append_end() copies them into the host rows, before the cache is next
+ * used on the host. k, v: [n][n_kv_heads] block rows; wk, wv: [n][n_kv_heads] window
+ * rows (ignored without windows). Rows of positions trimmed since are skipped. When
+ * the batch reaches the offsets' point, end chooses them and encodes the rows again
+ * (the epoch changes). 0 or -1 with an error. */
+int kv_cache_append_begin(struct kv_cache *c, int n);
+int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
+                        const uint8_t *wv);
 /* Changes whenever the windows or offsets change other than by appending (trim, fork,
  * load, conversion, offsets chosen): a device copy of them must then be rebuilt. */
 uint32_t kv_cache_epoch(const struct kv_cache *c);

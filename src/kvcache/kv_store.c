@@ -410,6 +410,69 @@ static int store_append(struct kv_cache *c, int n, const float *k, const float *
     return store_append_at(c, n, k, v, c->n_past);
 }
 
+/* ---- appends whose rows a device writes (kv_cache.h) ---- */
+
+int kv_cache_append_begin(struct kv_cache *c, int n) {
+    struct kv_store *st = store_of(c);
+    if (n <= 0) return 0;
+    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && store_to_quantized(c) != 0) return -1;
+    const int32_t first = c->n_past;
+    int32_t ns;
+    kv_store_release_before(c, first);
+    if (kv_store_reserve_rows(c, n) != 0 || kv_windows_make_room(c, n, first, &ns) != 0) return -1;
+    if (kv_win_on(st)) { /* the rows are counted now, written by kv_cache_append_end */
+        if (c->cfg.residual > 0) st->rec->n += n;
+        st->sink->n += ns;
+    }
+    c->n_past += n;
+    st->last_first = first;
+    return 0;
+}
+
+int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v,
+                        const uint8_t *wk, const uint8_t *wv) {
+    struct kv_store *st = store_of(c);
+    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    if (p0 < 0 || n <= 0 || p0 + n > c->n_past) return 0; /* trimmed since: nothing to keep */
+    const bool win = kv_win_on(st);
+    for (int t = 0; t < n; t++) {
+        const int32_t p = p0 + t;
+        const struct kv_block *b = kv_store_block(st, p);
+        for (int h = 0; h < H && b; h++) {
+            memcpy(kv_block_row(c, b, 0, h, p), k + ((size_t)t * H + h) * st->kf.row, st->kf.row);
+            memcpy(kv_block_row(c, b, 1, h, p), v + ((size_t)t * H + h) * st->vf.row, st->vf.row);
+        }
+        if (!win) continue;
+        const struct kv_win *ws[2] = {p < st->sink->n ? st->sink : NULL,
+                                      p >= st->rec->p0 && p < st->rec->p0 + st->rec->n ? st->rec : NULL};
+        for (int i = 0; i < 2; i++)
+            for (int h = 0; h < H && ws[i]; h++) {
+                memcpy(kv_win_row(ws[i], &st->wkf, 0, h, p - ws[i]->p0), wk + ((size_t)t * H + h) * st->wkf.row, st->wkf.row);
+                memcpy(kv_win_row(ws[i], &st->wvf, 1, h, p - ws[i]->p0), wv + ((size_t)t * H + h) * st->wvf.row, st->wvf.row);
+            }
+    }
+    /* The offsets are chosen at T tokens (the device encoded without them): the rows
+     * from T on are encoded again with them, from their f16 window rows. */
+    const int32_t T = mu_tokens(c);
+    if (!st->mu_set && win && T > 0 && p0 < T && p0 + n >= T) {
+        if (offsets_from_window(c) != 0) return -1;
+        float x[KERN_KVQ_MAX_DIM];
+        for (int32_t p = T; st->mu_set && p < p0 + n; p++) {
+            struct kv_block *b = kv_store_block(st, p);
+            if (!b || p < st->rec->p0 || p >= st->rec->p0 + st->rec->n) continue;
+            kv_block_touch(st->pool, b, p % B, p % B + 1);
+            for (int side = 0; side < 2; side++) {
+                const struct kv_fmt *wf = side ? &st->wvf : &st->wkf, *pf = side ? &st->vf : &st->kf;
+                for (int h = 0; h < H; h++) {
+                    kv_decode_row(st, wf, D, kv_win_row(st->rec, wf, side, h, p - st->rec->p0), NULL, x);
+                    kv_encode_row(st, pf, D, x, kv_side_mu(st, pf, side, h, D, H), kv_block_row(c, b, side, h, p));
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* Keeps the first n positions. A rotating or sliding-window cache can go back only
  * while it still holds every row a query at n would see. */
 int kv_cache_can_keep_prefix(const struct kv_cache *c, int32_t n) {

@@ -99,15 +99,15 @@ void kv_win_put(struct kv_cache *c, struct kv_win *w, const float *k, const floa
 /* Before appending n tokens at p = n_past: the sinks take the batch's positions below
  * the sink count; the residual window drops positions older than first - R + 1 (what
  * the batch's first query still needs; nothing before the offsets' point) and takes
- * the whole batch. */
-int kv_windows_append(struct kv_cache *c, int n, const float *k, const float *v, size_t tok, int32_t first) {
+ * the whole batch. Makes room for those rows; *n_sink: how many go to the sinks. */
+int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, int32_t *n_sink) {
     struct kv_store *st = store_of(c);
+    *n_sink = 0;
     if (!kv_win_on(st)) return 0;
     const int32_t p = c->n_past, S = kv_sink_target(c), R = c->cfg.residual;
-    int32_t ns = 0;
     if (st->sink->n == p && p < S) {
-        ns = S - p < n ? S - p : n;
-        if (kv_win_reserve(c, &st->sink, p + ns) != 0) return -1;
+        *n_sink = S - p < n ? S - p : n;
+        if (kv_win_reserve(c, &st->sink, p + *n_sink) != 0) return -1;
     }
     if (R > 0) {
         if (kv_win_own(c, &st->rec) != 0) return -1;
@@ -117,10 +117,18 @@ int kv_windows_append(struct kv_cache *c, int n, const float *k, const float *v,
         /* queries before the offsets' point read every row in f16: all kept until then */
         int32_t lo = first - R + 1 > 0 && first >= mu_tokens(c) ? first - R + 1 : 0;
         if (kv_win_reserve(c, &st->rec, (w->p0 < lo ? p - lo : w->n) + n) != 0) return -1;
-        w = st->rec;
-        win_drop_front(c, w, lo - w->p0);
-        for (int t = 0; t < n; t++) kv_win_put(c, w, k + (size_t)t * tok, v + (size_t)t * tok);
+        win_drop_front(c, st->rec, lo - st->rec->p0);
     }
+    return 0;
+}
+
+int kv_windows_append(struct kv_cache *c, int n, const float *k, const float *v, size_t tok, int32_t first) {
+    struct kv_store *st = store_of(c);
+    int32_t ns;
+    if (kv_windows_make_room(c, n, first, &ns) != 0) return -1;
+    if (!kv_win_on(st)) return 0;
+    if (c->cfg.residual > 0)
+        for (int t = 0; t < n; t++) kv_win_put(c, st->rec, k + (size_t)t * tok, v + (size_t)t * tok);
     for (int t = 0; t < ns; t++) kv_win_put(c, st->sink, k + (size_t)t * tok, v + (size_t)t * tok);
     return 0;
 }

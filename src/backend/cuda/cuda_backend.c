@@ -63,6 +63,15 @@ struct cuda_mirror {
     bool has_mu;
 };
 
+/* One sequence's rows of one layer, encoded on the device, waiting for the host's copy. */
+struct pending_append {
+    struct kv_cache *cache;
+    int32_t p0;
+    int n;
+    size_t k, v, wk, wv; /* offsets in the read-back buffer */
+    bool windows;
+};
+
 struct cuda_backend {
     struct backend base;
     cudaStream_t stream;
@@ -82,8 +91,12 @@ struct cuda_backend {
     size_t stage_cap, stage_used;
     struct cuk_copy *copies;
     int n_copies, cap_copies;
-    float *kv_h; /* pinned: a layer's new keys and values */
-    size_t kv_h_floats;
+    /* rows the device encoded this step, for the host's copy at the next sync */
+    struct pending_append *pending;
+    int n_pending, cap_pending;
+    uint8_t *rb_d, *rb_h;
+    size_t rb_used, rb_cap, rb_h_cap;
+    int *seq_fmt, cap_seq_fmt;
     struct arena *host_arena, *dev_arena;
     /* per attention call */
     struct kv_cache **uc;
@@ -100,9 +113,9 @@ static struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backen
 /* KVQ_CUDA_PROFILE=1: each operation waits for the GPU before and after itself and
  * its time is added up per kind, printed when the backend is freed (a measurement
  * aid: the waits serialize what normally overlaps). */
-enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_ROPE, P_GLU, P_EMBED, P_KV_READ, P_KV_ENCODE, P_ATTN_HOST, P_ATTN_GPU, P_N };
+enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_ROPE, P_GLU, P_EMBED, P_KV_ENCODE, P_KV_FINISH, P_ATTN_HOST, P_ATTN_GPU, P_N };
 static const char *const prof_names[P_N] = {"matvec", "gemm (dequantize + TF32)", "norms", "rope", "glu", "embed",
-                                            "kv_append: read back (wait included)", "kv_append: host encode",
+                                            "kv_append: host plan + device encode", "sync: host copy of new KV rows",
                                             "attention: host plan + uploads", "attention: kernels"};
 static double now_s(void) {
     struct timespec ts;
@@ -505,40 +518,11 @@ static int wait_stream(struct cuda_backend *cb) {
     return 0;
 }
 
-static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
-                          const float *v) {
-    struct cuda_backend *cb = cuda(b);
-    if (n_seqs <= 0) return 0;
-    const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
-    const size_t tok = (size_t)sh->n_kv_heads * sh->head_dim;
-    const size_t n_tok = (size_t)(seqs[n_seqs - 1].first + seqs[n_seqs - 1].n), floats = n_tok * tok;
-    if (2 * floats > cb->kv_h_floats) {
-        cudaFreeHost(cb->kv_h);
-        cb->kv_h = NULL;
-        size_t want = 2 * tok * (size_t)(cb->max_tokens > 0 ? cb->max_tokens : (int)n_tok);
-        if (want < 2 * floats) want = 2 * floats;
-        if (!ck(cb, cudaMallocHost((void **)&cb->kv_h, sizeof(float) * want), "pinned memory for keys and values"))
-            return kvq_error("%s", cb->failure);
-        cb->kv_h_floats = want;
-    }
-    double t0 = prof_begin(cb);
-    float *kh = cb->kv_h, *vh = cb->kv_h + floats;
-    ck(cb, cudaMemcpyAsync(kh, k, sizeof(float) * floats, cudaMemcpyDeviceToHost, cb->stream), "reading keys");
-    ck(cb, cudaMemcpyAsync(vh, v, sizeof(float) * floats, cudaMemcpyDeviceToHost, cb->stream), "reading values");
-    if (wait_stream(cb) != 0) return -1;
-    prof_end(cb, P_KV_READ, t0);
-    t0 = prof_begin(cb);
-    for (int s = 0; s < n_seqs; s++) {
-        size_t off = (size_t)seqs[s].first * tok;
-        if (kv_cache_append(seqs[s].cache, seqs[s].n, kh + off, vh + off) != 0) return -1;
-    }
-    prof_end(cb, P_KV_ENCODE, t0);
-    return 0;
-}
-
-/* The device copy of a cache's windows, made current: rows appended since the last
+/* The device copy of a cache's windows, made current up to position `limit` (the
+ * rows from there on are being encoded on the device): rows appended since the last
  * sync, or all of them after a change that was not an append (kv_cache_epoch). */
-static struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, const struct kv_view *v) {
+static struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, const struct kv_view *v,
+                                        int32_t limit) {
     struct cuda_mirror **mp = (struct cuda_mirror **)kv_cache_mirror(c), *m = *mp;
     const struct kv_shape *sh = kv_cache_get_shape(c);
     const int H = sh->n_kv_heads, D = sh->head_dim;
@@ -561,7 +545,7 @@ static struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache
         }
         *mp = m;
     }
-    const int32_t np = kv_cache_n_past(c);
+    const int32_t np = kv_cache_n_past(c) < limit ? kv_cache_n_past(c) : limit;
     const bool full = !m->valid || m->epoch != kv_cache_epoch(c);
     int32_t lo = full ? 0 : m->synced;
     if (lo < np - m->ring_cap) lo = np - m->ring_cap;
@@ -584,7 +568,7 @@ static struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache
     }
     m->valid = true;
     m->epoch = kv_cache_epoch(c);
-    m->synced = np;
+    m->synced = kv_cache_n_past(c);
     return m;
 }
 
@@ -616,6 +600,156 @@ static int sync_blocks(struct cuda_backend *cb, struct kv_pool *pool, const stru
 static bool same_format(const struct kv_view *a, const struct kv_view *b) {
     return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group &&
            a->v_group == b->v_group && a->k_rot == b->k_rot && a->v_rot == b->v_rot;
+}
+
+/* The Hadamard signs on the device: the same for every cache of a head size (a fixed seed). */
+static int ensure_signs(struct cuda_backend *cb, int D, const float *host) {
+    if (cb->signs_dim == D) return 0;
+    cudaFree(cb->signs);
+    cb->signs = NULL;
+    cb->signs_dim = 0;
+    if (!ck(cb, cudaMalloc((void **)&cb->signs, sizeof(float) * (size_t)D), "device memory") ||
+        !ck(cb, cudaMemcpy(cb->signs, host, sizeof(float) * (size_t)D, cudaMemcpyHostToDevice), "signs"))
+        return -1;
+    cb->signs_dim = D;
+    return 0;
+}
+
+/* Room for `bytes` more of read-back rows this step (device; kept across a resize). */
+static size_t readback_alloc(struct cuda_backend *cb, size_t bytes) {
+    size_t off = (cb->rb_used + 15) & ~(size_t)15;
+    if (off + bytes > cb->rb_cap) {
+        size_t cap = cb->rb_cap ? 2 * cb->rb_cap : (size_t)16 << 20;
+        while (cap < off + bytes) cap *= 2;
+        uint8_t *d = NULL;
+        if (!ck(cb, cudaMalloc((void **)&d, cap), "device memory for new KV rows")) return (size_t)-1;
+        if (cb->rb_used) ck(cb, cudaMemcpyAsync(d, cb->rb_d, cb->rb_used, cudaMemcpyDeviceToDevice, cb->stream), "KV rows");
+        ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream");
+        cudaFree(cb->rb_d);
+        cb->rb_d = d;
+        cb->rb_cap = cap;
+    }
+    cb->rb_used = off + bytes;
+    return off;
+}
+
+/* The layer's new keys and values, encoded into the device cache; the host's copy of
+ * the rows follows at the next sync (kv_cache_append_begin / _end). */
+static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
+                          const float *v) {
+    struct cuda_backend *cb = cuda(b);
+    if (n_seqs <= 0 || cb->failed) return cb->failed ? kvq_error("%s", cb->failure) : 0;
+    double t0 = prof_begin(cb);
+    const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
+    const int H = sh->n_kv_heads, D = sh->head_dim;
+    if (!cuk_attention_head_dim_supported(D))
+        return kvq_error("the CUDA backend takes head sizes 64, 128 and 256, not %d", D);
+    if (cb->n_pending + n_seqs > cb->cap_pending) {
+        int cap = 2 * (cb->n_pending + n_seqs);
+        struct pending_append *pa = realloc(cb->pending, sizeof *pa * (size_t)cap);
+        if (!pa) return kvq_error("out of memory");
+        cb->pending = pa;
+        cb->cap_pending = cap;
+    }
+    for (int s = 0; s < n_seqs; s++) {
+        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n) != 0) {
+            cb->n_pending = 0; /* the forward pass drops this batch's rows */
+            return -1;
+        }
+    }
+    const size_t from = cb->stage_used;
+    size_t toks_off = stage_alloc(cb, sizeof(struct cuk_enc_tok) * (size_t)(seqs[n_seqs - 1].first + seqs[n_seqs - 1].n));
+    if (toks_off == (size_t)-1) return kvq_error("%s", cb->failure);
+    struct kv_view views[MAX_FORMATS];
+    int n_fmt = 0, k_tok = 0;
+    int first[MAX_FORMATS + 1] = {0};
+    if (n_seqs > cb->cap_seq_fmt) {
+        free(cb->seq_fmt);
+        cb->seq_fmt = malloc(sizeof(int) * (size_t)n_seqs);
+        cb->cap_seq_fmt = cb->seq_fmt ? n_seqs : 0;
+        if (!cb->seq_fmt) return kvq_error("out of memory");
+    }
+    /* windows of each cache up to this batch, then its encode descriptors, grouped by format */
+    for (int pass = 0; pass < 2; pass++) {
+        for (int f = 0; f < (pass ? n_fmt : 1); f++) {
+            if (pass) first[f] = k_tok;
+            for (int s = 0; s < n_seqs; s++) {
+                struct kv_cache *c = seqs[s].cache;
+                struct kv_view v;
+                kv_cache_view(c, &v);
+                const int32_t p0 = kv_cache_n_past(c) - seqs[s].n;
+                if (!pass) {
+                    int g = 0;
+                    while (g < n_fmt && !same_format(&views[g], &v)) g++;
+                    if (g == n_fmt) {
+                        if (n_fmt == MAX_FORMATS) return kvq_error("more than 4 KV formats in one batch");
+                        views[n_fmt++] = v;
+                    }
+                    cb->seq_fmt[s] = g;
+                    continue;
+                }
+                if (cb->seq_fmt[s] != f) continue;
+                struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, p0) : NULL;
+                if (v.windows && !m) return kvq_error("%s", cb->failure);
+                const size_t n = (size_t)seqs[s].n, kb = n * H * v.k_row, vb = n * H * v.v_row,
+                             wb = v.windows ? n * H * v.win_row : 0;
+                size_t rb = readback_alloc(cb, kb + vb + 2 * wb);
+                if (rb == (size_t)-1) return kvq_error("%s", cb->failure);
+                cb->pending[cb->n_pending++] = (struct pending_append){c, p0, seqs[s].n, rb, rb + kb, rb + kb + vb,
+                                                                       rb + kb + vb + wb, v.windows};
+                for (int i = 0; i < seqs[s].n; i++, k_tok++) {
+                    const int32_t p = p0 + i, L = p / KV_BLOCK_TOKENS, e = L < v.nkb ? L : L - v.base;
+                    struct cuk_enc_tok *tk = (struct cuk_enc_tok *)(cb->stage_h + toks_off) + k_tok;
+                    *tk = (struct cuk_enc_tok){
+                        .t = seqs[s].first + i, .p = p, .block = (uint64_t)(uintptr_t)v.blk[e]->dev,
+                        .ring = m ? (uint64_t)(uintptr_t)m->win : 0,
+                        .sink = m ? (uint64_t)(uintptr_t)(m->win + 2 * (size_t)H * m->ring_cap * m->win_row) : 0,
+                        .ring_cap = m ? m->ring_cap : 1, .sink_cap = m ? m->sink_cap : 1, .sinks = v.sinks,
+                        .mu = m && m->has_mu ? (uint64_t)(uintptr_t)m->mu : 0,
+                        .rb_k = (uint32_t)(rb + (size_t)i * H * v.k_row),
+                        .rb_v = (uint32_t)(rb + kb + (size_t)i * H * v.v_row),
+                        .rb_wk = (uint32_t)(rb + kb + vb + (size_t)i * H * v.win_row),
+                        .rb_wv = (uint32_t)(rb + kb + vb + wb + (size_t)i * H * v.win_row),
+                    };
+                }
+            }
+        }
+    }
+    first[n_fmt] = k_tok;
+    /* blocks made or copied by the appends (and anything else changed on the host) first:
+     * the encode below writes over their new rows */
+    if (sync_blocks(cb, kv_cache_pool(seqs[0].cache), &views[0], H, n_fmt == 1) != 0) return -1;
+    flush_copies(cb, from);
+    if (ensure_signs(cb, D, views[0].signs) != 0) return kvq_error("%s", cb->failure);
+    for (int f = 0; f < n_fmt; f++) {
+        const struct kv_view *vw = &views[f];
+        struct cuk_enc_args args = {
+            .k_bits = vw->k_bits, .k_group = vw->k_group, .v_bits = vw->v_bits, .v_group = vw->v_group,
+            .k_rot = vw->k_rot, .v_rot = vw->v_rot, .windows = vw->windows, .k_row = vw->k_row, .v_row = vw->v_row,
+            .head_bytes = vw->head_bytes, .win_row = vw->win_row, .n_kv = H, .head_dim = D, .k = k, .v = v,
+            .signs = cb->signs, .toks = (const struct cuk_enc_tok *)(cb->stage_d + toks_off) + first[f],
+            .n = first[f + 1] - first[f], .readback = cb->rb_d,
+        };
+        cuk_kv_encode(cb->stream, &args);
+    }
+    prof_end(cb, P_KV_ENCODE, t0);
+    return cb->failed ? kvq_error("%s", cb->failure) : 0;
+}
+
+/* After the step: the host's copy of the rows the device encoded. */
+static int finish_appends(struct cuda_backend *cb) {
+    int rc = 0;
+    double t0 = prof_begin(cb);
+    for (int i = 0; i < cb->n_pending && rc == 0; i++) {
+        const struct pending_append *pa = &cb->pending[i];
+        const uint8_t *h = cb->rb_h;
+        rc = kv_cache_append_end(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v, pa->windows ? h + pa->wk : NULL,
+                                 pa->windows ? h + pa->wv : NULL);
+    }
+    cb->n_pending = 0;
+    cb->rb_used = 0;
+    prof_end(cb, P_KV_FINISH, t0);
+    return rc;
 }
 
 static void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
@@ -660,7 +794,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
         struct kv_view v;
         kv_cache_view(c, &v);
         cb->uc[nu] = c;
-        cb->uc_mirror[nu] = v.windows ? sync_windows(cb, c, &v) : NULL;
+        cb->uc_mirror[nu] = v.windows ? sync_windows(cb, c, &v, kv_cache_n_past(c)) : NULL;
         uint64_t *table = NULL;
         size_t off = stage_alloc(cb, sizeof(uint64_t) * (size_t)(v.n_blk > 0 ? v.n_blk : 1));
         if (off == (size_t)-1 || (v.windows && !cb->uc_mirror[nu])) return;
@@ -720,15 +854,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
     }
     first[n_fmt] = k;
     flush_copies(cb, from);
-    if (cb->signs_dim != D) { /* the same for every cache of this head size (a fixed seed) */
-        cudaFree(cb->signs);
-        cb->signs = NULL;
-        cb->signs_dim = 0;
-        if (!ck(cb, cudaMalloc((void **)&cb->signs, sizeof(float) * (size_t)D), "device memory") ||
-            !ck(cb, cudaMemcpy(cb->signs, views[0].signs, sizeof(float) * (size_t)D, cudaMemcpyHostToDevice), "signs"))
-            return;
-        cb->signs_dim = D;
-    }
+    if (ensure_signs(cb, D, views[0].signs) != 0) return;
     const float *signs = cb->signs;
     prof_end(cb, P_ATTN_HOST, t0);
     t0 = prof_begin(cb);
@@ -749,7 +875,24 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
     prof_end(cb, P_ATTN_GPU, t0);
 }
 
-static int cuda_sync(struct backend *b) { return wait_stream(cuda(b)); }
+static int cuda_sync(struct backend *b) {
+    struct cuda_backend *cb = cuda(b);
+    if (cb->n_pending && cb->rb_used > cb->rb_h_cap) {
+        ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream");
+        cudaFreeHost(cb->rb_h);
+        cb->rb_h = NULL;
+        cb->rb_h_cap = 0;
+        if (ck(cb, cudaMallocHost((void **)&cb->rb_h, cb->rb_cap), "pinned memory for new KV rows")) cb->rb_h_cap = cb->rb_cap;
+    }
+    if (cb->n_pending && cb->rb_h)
+        ck(cb, cudaMemcpyAsync(cb->rb_h, cb->rb_d, cb->rb_used, cudaMemcpyDeviceToHost, cb->stream), "reading new KV rows");
+    if (wait_stream(cb) != 0) {
+        cb->n_pending = 0;
+        cb->rb_used = 0;
+        return -1;
+    }
+    return finish_appends(cb);
+}
 
 static void cuda_free(struct backend *b) {
     struct cuda_backend *cb = cuda(b);
@@ -773,7 +916,10 @@ static void cuda_free(struct backend *b) {
     cudaFree(cb->signs);
     cudaFreeHost(cb->stage_h);
     cudaFree(cb->stage_d);
-    cudaFreeHost(cb->kv_h);
+    cudaFree(cb->rb_d);
+    cudaFreeHost(cb->rb_h);
+    free(cb->pending);
+    free(cb->seq_fmt);
     free(cb->copies);
     free(cb->uc);
     free(cb->uc_table);

@@ -107,6 +107,30 @@ struct cuk_attn_args {
     float *partial;                  /* scratch: cuk_attention_scratch_floats() */
     int n_sm;
 };
+/* ---- appending to the cache on the device ----
+ * Each new token's key and value rows, encoded as kv_cache.c does on the host (offsets
+ * removed, Hadamard rotation, kv_quant.h's packing; bit for bit), written into its KV
+ * block, into the f16 windows, and into a read-back buffer for the host's copy. */
+struct cuk_enc_tok {
+    int32_t t, p;                   /* the batch token and its position */
+    uint64_t block;                 /* device address of the block holding p */
+    uint64_t ring, sink;            /* f16 windows as in cuk_attn_tok (0: none) */
+    int32_t ring_cap, sink_cap, sinks; /* p < sinks: a sink row too */
+    uint64_t mu;                    /* offsets [2][n_kv][D], or 0 */
+    uint32_t rb_k, rb_v, rb_wk, rb_wv; /* byte offsets of its rows [n_kv][row] in the read-back buffer */
+};
+struct cuk_enc_args {
+    int k_bits, k_group, v_bits, v_group, k_rot, v_rot, windows;
+    size_t k_row, v_row, head_bytes, win_row;
+    int n_kv, head_dim;
+    const float *k, *v; /* [batch tokens][n_kv][D] */
+    const float *signs;
+    const struct cuk_enc_tok *toks;
+    int n;
+    uint8_t *readback;
+};
+void cuk_kv_encode(cudaStream_t s, const struct cuk_enc_args *a);
+
 /* Floats of scratch cuk_attention needs for n tokens on n_sm multiprocessors. */
 size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, int n_sm);
 /* Head dims the attention kernels take (64, 128, 256). */

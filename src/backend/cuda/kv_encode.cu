@@ -1,0 +1,141 @@
+/* New keys and values into the paged cache, encoded on the device exactly as the
+ * host encodes them (kvcache/kv_rows.c, kernels/kv_quant.c): the offset removed, the
+ * Hadamard rotation (signs, the butterflies in the same order, 1/sqrt(D)), per group
+ * scale = f16((max - min) / (2^bits - 1)), bias = f16(min), code = floor((x - bias)
+ * / scale + 0.5) clamped, codes packed LSB first. Arithmetic that the host does in
+ * separate roundings is written with _rn intrinsics so nvcc does not fuse it.
+ * A block of D threads per (token, KV head, side), one value per thread. */
+#include <cuda_fp16.h>
+
+#include "backend/cuda/cuda_kernels.h"
+
+#define BT 64 /* tokens per KV block (kv_pool.h) */
+
+/* H diag(signs) v / sqrt(D) of the block's values (thread i holds v). */
+template <int D>
+static __device__ float hadamard(float v, const float *signs, float *buf) {
+    const int i = threadIdx.x;
+    buf[i] = v * signs[i];
+    for (int len = 1; len < D; len <<= 1) {
+        __syncthreads();
+        const float a = buf[i], b = buf[i ^ len];
+        __syncthreads();
+        buf[i] = (i & len) ? __fsub_rn(b, a) : __fadd_rn(a, b);
+    }
+    __syncthreads();
+    const float r = buf[i] * (1.0f / sqrtf((float)D));
+    __syncthreads();
+    return r;
+}
+
+/* f16 bits of x, rounded to nearest even, in integer arithmetic as kernels/f16.h does
+ * (the same bits as the host, whatever the compiler does with half intrinsics). */
+static __device__ uint16_t f16_bits(float f) {
+    const uint32_t x = __float_as_uint(f), sign = (x >> 16) & 0x8000, absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (absx > 0x7f800000u ? 0x200 : 0));
+    if (absx >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);
+    if (absx < 0x38800000u) {
+        if (absx < 0x33000000u) return (uint16_t)sign;
+        const uint32_t e = absx >> 23, m = (absx & 0x7fffff) | 0x800000, shift = 126 - e;
+        uint32_t half = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t h = (absx - 0x38000000u) >> 13;
+    const uint32_t rem = absx & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+}
+
+static __device__ uint16_t f16_sat(float x) { return f16_bits(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
+
+template <int D>
+__global__ void kv_encode(const cuk_enc_args a) {
+    const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, ti = blockIdx.x / (2 * a.n_kv), i = threadIdx.x;
+    const cuk_enc_tok tk = a.toks[ti];
+    const int bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group, rot = side ? a.v_rot : a.k_rot;
+    const size_t row = side ? a.v_row : a.k_row;
+    const bool quant = bits < 16;
+    __shared__ float buf[D];
+    __shared__ uint8_t codes[D];
+    __shared__ float gsc[D], gbi[D];
+    const float x = (side ? a.v : a.k)[((size_t)tk.t * a.n_kv + h) * D + i];
+
+    if (a.windows) { /* f16 of the rotated input, without the offset */
+        const float y = rot ? hadamard<D>(x, a.signs, buf) : x;
+        const __half hy = __ushort_as_half(f16_bits(y));
+        const size_t hs = (size_t)side * a.n_kv + h;
+        if (tk.ring)
+            ((__half *)((uint8_t *)tk.ring + (hs * tk.ring_cap + tk.p % tk.ring_cap) * a.win_row))[i] = hy;
+        if (tk.sink && tk.p < tk.sinks) ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[i] = hy;
+        ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[i] = hy;
+    }
+
+    uint8_t *dst = (uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
+                   (size_t)(tk.p % BT) * row;
+    uint8_t *rb = a.readback + (side ? tk.rb_v : tk.rb_k) + (size_t)h * row;
+    float z = x;
+    if (quant && tk.mu) z = __fsub_rn(x, ((const float *)tk.mu)[((size_t)side * a.n_kv + h) * D + i]);
+    if (rot) z = hadamard<D>(z, a.signs, buf);
+    if (bits == 32) {
+        ((float *)dst)[i] = z;
+        ((float *)rb)[i] = z;
+        return;
+    }
+    if (bits == 16) {
+        const __half hz = __ushort_as_half(f16_bits(z));
+        ((__half *)dst)[i] = hz;
+        ((__half *)rb)[i] = hz;
+        return;
+    }
+    /* the row is assembled in shared memory, then copied out byte by byte */
+    const int qmax = (1 << bits) - 1, n_groups = D / group, code_bytes = D * bits / 8;
+    __shared__ __align__(4) uint8_t out[D + 4 * (D / 8)];
+    buf[i] = z;
+    __syncthreads();
+    if (i < n_groups) {
+        float mn = buf[i * group], mx = mn;
+        for (int j = 1; j < group; j++) {
+            const float v = buf[i * group + j];
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+        }
+        const uint16_t sh = f16_sat(__fdiv_rn(__fsub_rn(mx, mn), (float)qmax)), bh = f16_sat(mn);
+        gsc[i] = __half2float(__ushort_as_half(sh));
+        gbi[i] = __half2float(__ushort_as_half(bh));
+        ((uint16_t *)(out + code_bytes))[2 * i] = sh; /* code_bytes is even */
+        ((uint16_t *)(out + code_bytes))[2 * i + 1] = bh;
+    }
+    __syncthreads();
+    {
+        const float sf = gsc[i / group], bf = gbi[i / group], inv = sf > 0 ? __fdiv_rn(1.0f, sf) : 0.0f;
+        const float t = floorf(__fadd_rn(__fmul_rn(__fsub_rn(z, bf), inv), 0.5f));
+        codes[i] = (uint8_t)(t < 0 ? 0 : t > (float)qmax ? qmax : (int)t);
+    }
+    __syncthreads();
+    for (int j = i; j < code_bytes; j += D) { /* byte j holds bits [8j, 8j + 8) of the codes, LSB first */
+        uint32_t byte = 0;
+        for (int b = 0; b < 8; b++) {
+            const int bit = 8 * j + b;
+            byte |= (uint32_t)((codes[bit / bits] >> (bit % bits)) & 1) << b;
+        }
+        out[j] = (uint8_t)byte;
+    }
+    __syncthreads();
+    for (int j = i; j < (int)row; j += D) {
+        dst[j] = out[j];
+        rb[j] = out[j];
+    }
+}
+
+extern "C" void cuk_kv_encode(cudaStream_t s, const cuk_enc_args *a) {
+    if (a->n <= 0) return;
+    const unsigned blocks = (unsigned)(a->n * a->n_kv * 2);
+    switch (a->head_dim) {
+    case 64: kv_encode<64><<<blocks, 64, 0, s>>>(*a); break;
+    case 128: kv_encode<128><<<blocks, 128, 0, s>>>(*a); break;
+    case 256: kv_encode<256><<<blocks, 256, 0, s>>>(*a); break;
+    default: break; /* refused by the backend */
+    }
+}
