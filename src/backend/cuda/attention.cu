@@ -16,7 +16,8 @@
 
 #define WARPS 4
 #define HEADS_MAX 8 /* query heads per block */
-#define MAX_SPLITS 32
+#define MAX_SPLITS 128
+#define BLOCKS_PER_SM 8 /* splits are chosen to give the chip about this many blocks per multiprocessor */
 #define BT 64 /* tokens per KV block (kv_pool.h) */
 
 static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
@@ -64,7 +65,7 @@ static __device__ __forceinline__ bool visible(int32_t p, int32_t q, const cuk_a
 
 /* HMAX: query heads per block (the group's, rounded up to a power of two, at most 8). */
 template <int D, int KB, int VB, int HMAX>
-__global__ void __launch_bounds__(WARPS * 32) attn_split(const cuk_attn_args a, int n_splits, int n_hch) {
+__global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(const cuk_attn_args a, int n_splits, int n_hch) {
     constexpr int LPR = D / 8, RPW = 32 / LPR, SUBS = WARPS * RPW;
     constexpr int PER = (HMAX * D + WARPS * 32 - 1) / (WARPS * 32);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPR, e0 = (lane % LPR) * 8;
@@ -146,61 +147,87 @@ __global__ void __launch_bounds__(WARPS * 32) attn_split(const cuk_attn_args a, 
     const int chunk = (N + n_splits - 1) / n_splits, v0 = split * chunk, v1 = min(N, v0 + chunk);
     const uint64_t *table = (const uint64_t *)(a.staging + tk.table);
 
-    for (int vb = v0; vb < v1; vb += SUBS) {
-        const int v = vb + warp * RPW + sub;
-        bool valid = v < v1;
-        const bool packed = v < np;
-        const uint8_t *kp = nullptr, *vp = nullptr;
-        if (valid) {
-            if (packed) {
-                const int p = v < n1 ? tk.a1 + v : tk.a2 + v - n1;
-                const int L = p / BT, e = L < tk.nkb ? L : L - tk.base;
-                const uint8_t *hb = (const uint8_t *)table[e] + (size_t)kvh * a.head_bytes;
-                kp = hb + (size_t)(p % BT) * a.k_row;
-                vp = hb + (size_t)BT * a.k_row + (size_t)(p % BT) * a.v_row;
-            } else {
-                const bool sink = v < np + ns;
-                const int p = sink ? v - np : tk.ws + (v - np - ns);
-                valid = visible(p, tk.q_pos, tk);
-                const int cap = sink ? tk.sink_cap : tk.ring_cap, slot = sink ? p : p % cap;
-                const uint8_t *base = (const uint8_t *)(sink ? tk.sink : tk.ring);
-                kp = base + ((size_t)kvh * cap + slot) * a.win_row;
-                vp = base + ((size_t)(a.n_kv + kvh) * cap + slot) * a.win_row;
+    /* RB rows per subgroup per step: their loads are in flight together, and one
+     * rescale of the running sums serves them all */
+    constexpr int RB = 2;
+    for (int vb = v0; vb < v1; vb += SUBS * RB) {
+        bool valid[RB], packed[RB];
+        float kv[RB][8], vv[RB][8];
+#pragma unroll
+        for (int r = 0; r < RB; r++) {
+            const int v = vb + r * SUBS + warp * RPW + sub;
+            valid[r] = v < v1;
+            packed[r] = v < np;
+            const uint8_t *kp = nullptr, *vp = nullptr;
+            if (valid[r]) {
+                if (packed[r]) {
+                    const int p = v < n1 ? tk.a1 + v : tk.a2 + v - n1;
+                    const int L = p / BT, e = L < tk.nkb ? L : L - tk.base;
+                    const uint8_t *hb = (const uint8_t *)table[e] + (size_t)kvh * a.head_bytes;
+                    kp = hb + (size_t)(p % BT) * a.k_row;
+                    vp = hb + (size_t)BT * a.k_row + (size_t)(p % BT) * a.v_row;
+                } else {
+                    const bool sink = v < np + ns;
+                    const int p = sink ? v - np : tk.ws + (v - np - ns);
+                    valid[r] = visible(p, tk.q_pos, tk);
+                    const int cap = sink ? tk.sink_cap : tk.ring_cap, slot = sink ? p : p % cap;
+                    const uint8_t *base = (const uint8_t *)(sink ? tk.sink : tk.ring);
+                    kp = base + ((size_t)kvh * cap + slot) * a.win_row;
+                    vp = base + ((size_t)(a.n_kv + kvh) * cap + slot) * a.win_row;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; i++) kv[r][i] = vv[r][i] = 0;
+            if (valid[r]) {
+                if (packed[r]) {
+                    load8<KB>(kp, e0, D, a.k_bits, a.k_group, kv[r]);
+                    load8<VB>(vp, e0, D, a.v_bits, a.v_group, vv[r]);
+                } else {
+                    load8<16>(kp, e0, D, 16, 0, kv[r]);
+                    load8<16>(vp, e0, D, 16, 0, vv[r]);
+                }
             }
         }
-        float kv[8] = {0, 0, 0, 0, 0, 0, 0, 0}, vv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        if (valid) {
-            if (packed) {
-                load8<KB>(kp, e0, D, a.k_bits, a.k_group, kv);
-                load8<VB>(vp, e0, D, a.v_bits, a.v_group, vv);
-            } else {
-                load8<16>(kp, e0, D, 16, 0, kv);
-                load8<16>(vp, e0, D, 16, 0, vv);
+        float s[RB][HMAX];
+#pragma unroll
+        for (int r = 0; r < RB; r++)
+#pragma unroll
+            for (int g = 0; g < HMAX; g++) {
+                float x = 0;
+#pragma unroll
+                for (int i = 0; i < 8; i++) x += qr[g][i] * kv[r][i];
+                s[r][g] = x;
             }
-        }
-        float s[HMAX];
-#pragma unroll
-        for (int g = 0; g < HMAX; g++) {
-            float x = 0;
-#pragma unroll
-            for (int i = 0; i < 8; i++) x += qr[g][i] * kv[i];
-            s[g] = x;
-        }
 #pragma unroll
         for (int o = LPR / 2; o > 0; o >>= 1)
 #pragma unroll
-            for (int g = 0; g < HMAX; g++) s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
-        if (!valid) continue;
+            for (int r = 0; r < RB; r++)
+#pragma unroll
+                for (int g = 0; g < HMAX; g++) s[r][g] += __shfl_xor_sync(0xffffffffu, s[r][g], o);
 #pragma unroll
         for (int g = 0; g < HMAX; g++) {
             if (g >= G) break;
-            const float sc = s[g] + (packed ? qmu[g] : 0.0f);
-            const float mn = fmaxf(m[g], sc), c = __expf(m[g] - mn), pr = __expf(sc - mn);
-            l[g] = l[g] * c + pr;
-            lp[g] = lp[g] * c + (packed ? pr : 0.0f);
+            float mx = m[g];
 #pragma unroll
-            for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * c + pr * vv[i];
-            m[g] = mn;
+            for (int r = 0; r < RB; r++) {
+                s[r][g] = valid[r] ? s[r][g] + (packed[r] ? qmu[g] : 0.0f) : -INFINITY;
+                mx = fmaxf(mx, s[r][g]);
+            }
+            if (mx == -INFINITY) continue; /* nothing seen yet */
+            const float c = __expf(m[g] - mx);
+            l[g] *= c;
+            lp[g] *= c;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] *= c;
+#pragma unroll
+            for (int r = 0; r < RB; r++) {
+                const float pr = __expf(s[r][g] - mx); /* 0 for rows not seen */
+                l[g] += pr;
+                lp[g] += packed[r] ? pr : 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[g][i] += pr * vv[r][i];
+            }
+            m[g] = mx;
         }
     }
 
@@ -243,15 +270,31 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
     const cuk_attn_tok tk = a.toks[ti];
     const float *part = a.partial + (size_t)(ti * a.n_head + h) * n_splits * (D + 4);
-    float M = -INFINITY;
-    for (int s = 0; s < n_splits; s++) M = fmaxf(M, part[(size_t)s * (D + 4)]);
-    float L = 0, LP = 0, A = 0;
-    for (int s = 0; s < n_splits; s++) {
+    /* the splits' maxima and weights in parallel, then each
+     * value a sum over the splits with its loads independent of one another */
+    __shared__ float w[MAX_SPLITS], sl[MAX_SPLITS], slp[MAX_SPLITS];
+    __shared__ float M;
+    for (int s = d; s < n_splits; s += D) {
         const float *ps = part + (size_t)s * (D + 4);
-        const float w = ps[0] == -INFINITY ? 0.0f : __expf(ps[0] - M);
-        L += ps[1] * w;
-        LP += ps[2] * w;
-        A += ps[4 + d] * w;
+        w[s] = ps[0];
+        sl[s] = ps[1];
+        slp[s] = ps[2];
+    }
+    __syncthreads();
+    if (d == 0) {
+        float mx = -INFINITY;
+        for (int s = 0; s < n_splits; s++) mx = fmaxf(mx, w[s]);
+        M = mx;
+    }
+    __syncthreads();
+    for (int s = d; s < n_splits; s += D) w[s] = w[s] == -INFINITY ? 0.0f : __expf(w[s] - M);
+    __syncthreads();
+    float L = 0, LP = 0, A = 0;
+#pragma unroll 8
+    for (int s = 0; s < n_splits; s++) {
+        L += sl[s] * w[s];
+        LP += slp[s] * w[s];
+        A += part[(size_t)s * (D + 4) + 4 + d] * w[s];
     }
     float o = L > 0 ? A / L : 0.0f;
     if (a.v_rot) { /* o <- diag(signs) H o / sqrt(D) */
@@ -279,7 +322,7 @@ static int heads_per_block(const cuk_attn_args *a) {
 static int splits_for(const cuk_attn_args *a) {
     const int hb = heads_per_block(a), n_hch = (a->n_head / a->n_kv + hb - 1) / hb;
     const long items = (long)a->n * a->n_kv * n_hch;
-    long s = (4L * a->n_sm + items - 1) / items;
+    long s = ((long)BLOCKS_PER_SM * a->n_sm + items - 1) / items;
     long by_rows = (a->max_rows + 63) / 64;
     if (s > by_rows) s = by_rows;
     if (s > MAX_SPLITS) s = MAX_SPLITS;
@@ -316,8 +359,8 @@ extern "C" int cuk_attention_head_dim_supported(int head_dim) {
 }
 
 extern "C" size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, int n_sm) {
-    /* n x splits <= n + 4 n_sm (splits_for) */
-    return ((size_t)n + 4 * (size_t)n_sm) * (size_t)n_head * (size_t)(head_dim + 4);
+    /* n x splits <= n + BLOCKS_PER_SM n_sm (splits_for) */
+    return ((size_t)n + BLOCKS_PER_SM * (size_t)n_sm) * (size_t)n_head * (size_t)(head_dim + 4);
 }
 
 extern "C" void cuk_attention(cudaStream_t s, const cuk_attn_args *a) {
