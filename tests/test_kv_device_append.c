@@ -1,0 +1,159 @@
+/* The append split a device backend uses (kv_cache_append_begin, then the rows, then
+ * kv_cache_append_end): given the rows a host append writes, it leaves the cache
+ * byte for byte as the host append does (saved sections compared), for every cache
+ * kind; rows of positions trimmed in between are dropped; and a batch across the
+ * offsets' point ends with the offsets chosen, as on the host. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kvq.h"
+#include "kvcache/kv_cache.h"
+#include "kvcache/kv_pool.h"
+
+static uint64_t rng = 99;
+static float frnd(void) {
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((rng >> 40) % 20001) / 10000.0f - 1.0f;
+}
+
+/* The rows of positions [p0, p0 + n) of a host cache, as a device would hand them over. */
+static void rows_of(const struct kv_cache *c, int32_t p0, int n, uint8_t *k, uint8_t *v, uint8_t *wk, uint8_t *wv) {
+    struct kv_view vw;
+    kv_cache_view(c, &vw);
+    const int H = kv_cache_get_shape(c)->n_kv_heads;
+    for (int t = 0; t < n; t++) {
+        const int32_t p = p0 + t, L = p / KV_BLOCK_TOKENS, e = L < vw.nkb ? L : L - vw.base;
+        const uint8_t *blk = vw.blk[e]->data;
+        for (int h = 0; h < H; h++) {
+            const uint8_t *hb = blk + (size_t)h * vw.head_bytes;
+            memcpy(k + ((size_t)t * H + h) * vw.k_row, hb + (size_t)(p % KV_BLOCK_TOKENS) * vw.k_row, vw.k_row);
+            memcpy(v + ((size_t)t * H + h) * vw.v_row,
+                   hb + (size_t)KV_BLOCK_TOKENS * vw.k_row + (size_t)(p % KV_BLOCK_TOKENS) * vw.v_row, vw.v_row);
+            const uint8_t *rk = kv_cache_window_row(c, 0, h, p), *rv = kv_cache_window_row(c, 1, h, p);
+            if (rk) memcpy(wk + ((size_t)t * H + h) * vw.win_row, rk, vw.win_row);
+            if (rv) memcpy(wv + ((size_t)t * H + h) * vw.win_row, rv, vw.win_row);
+        }
+    }
+}
+
+static bool same_bytes(const struct kv_cache *a, const struct kv_cache *b) {
+    struct kv_buf x = {0}, y = {0};
+    kv_cache_save(a, &x);
+    kv_cache_save(b, &y);
+    bool same = !x.oom && !y.oom && x.len == y.len && memcmp(x.data, y.data, x.len) == 0;
+    free(x.data);
+    free(y.data);
+    return same;
+}
+
+struct split_case {
+    const char *name;
+    struct kv_cache_config cfg;
+    int window;
+};
+
+static void run_case(const struct split_case *sc) {
+    const struct kv_shape shape = {8, 2, 64, sc->window};
+    const int H = 2, D = 64;
+    /* chunks ending where the offsets are chosen (128, or 100 for a rotating 100) */
+    const int chunks[] = {40, 60, 28, 64, 1, 1, 30};
+    struct kv_cache *host = kv_cache_new(&sc->cfg, &shape), *split = kv_cache_new(&sc->cfg, &shape);
+    CHECK(host && split, "%s: caches: %s", sc->name, kvq_last_error());
+    if (!host || !split) return;
+    float *k = malloc(sizeof(float) * 64 * H * D), *v = malloc(sizeof(float) * 64 * H * D);
+    size_t big = (size_t)64 * H * D * 4;
+    uint8_t *rk = malloc(big), *rv = malloc(big), *rwk = malloc(big), *rwv = malloc(big);
+    bool all_same = true;
+    for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
+        int n = chunks[c];
+        for (int i = 0; i < n * H * D; i++) k[i] = frnd() + 0.5f * (float)(i % D == 5), v[i] = frnd();
+        int32_t p0 = kv_cache_n_past(host);
+        CHECK(kv_cache_append(host, n, k, v) == 0, "%s: host append", sc->name);
+        rows_of(host, p0, n, rk, rv, rwk, rwv);
+        CHECK(kv_cache_append_begin(split, n) == 0, "%s: begin: %s", sc->name, kvq_last_error());
+        CHECK(kv_cache_n_past(split) == p0 + n, "%s: begin advances the sequence", sc->name);
+        CHECK(kv_cache_append_end(split, p0, n, rk, rv, rwk, rwv) == 0, "%s: end: %s", sc->name, kvq_last_error());
+        all_same = all_same && same_bytes(host, split);
+    }
+    CHECK(all_same, "%s: begin + rows + end differs from a host append", sc->name);
+    /* a batch that failed is trimmed away, as on the host; its rows, handed over late,
+     * are dropped by end */
+    int32_t np = kv_cache_n_past(split);
+    CHECK(kv_cache_append(host, 3, k, v) == 0 && kv_cache_trim(host, 3) == 3, "%s: host append + trim", sc->name);
+    CHECK(kv_cache_append_begin(split, 3) == 0, "%s: begin", sc->name);
+    CHECK(kv_cache_trim(split, 3) == 3, "%s: trim", sc->name);
+    CHECK(kv_cache_append_end(split, np, 3, rk, rv, rwk, rwv) == 0 && kv_cache_n_past(split) == np,
+          "%s: end after a trim", sc->name);
+    CHECK(same_bytes(host, split), "%s: a dropped batch changed the cache", sc->name);
+    printf("%-34s split appends equal host appends: %s\n", sc->name, all_same ? "yes" : "NO");
+    free(k), free(v), free(rk), free(rv), free(rwk), free(rwv);
+    kv_cache_free(host);
+    kv_cache_free(split);
+}
+
+/* A batch across the offsets' point: the split append ends with the offsets chosen
+ * and every row readable (its rows from the point on come from their f16 copies). */
+static void test_across_offsets(void) {
+    const struct kv_cache_config cfg = {8, 4, 64, 64, 0, 4, 0, true, 32};
+    const struct kv_shape shape = {8, 2, 64, 0};
+    const int H = 2, D = 64, n = 150;
+    struct kv_cache *host = kv_cache_new(&cfg, &shape), *split = kv_cache_new(&cfg, &shape);
+    float *k = malloc(sizeof(float) * n * H * D), *v = malloc(sizeof(float) * n * H * D);
+    size_t big = (size_t)n * H * D * 4;
+    uint8_t *rk = malloc(big), *rv = malloc(big), *rwk = malloc(big), *rwv = malloc(big);
+    for (int i = 0; i < n * H * D; i++) k[i] = frnd() + 0.5f * (float)(i % D == 5), v[i] = frnd();
+    CHECK(kv_cache_append(host, n, k, v) == 0, "host append");
+    /* the device encodes without offsets (it has none yet): give the split cache such rows */
+    struct kv_cache_config plain = cfg;
+    plain.residual = 0;
+    struct kv_cache *unshifted = kv_cache_new(&plain, &shape);
+    CHECK(kv_cache_append(unshifted, n, k, v) == 0, "plain append");
+    rows_of(unshifted, 0, n, rk, rv, rwk, rwv);
+    CHECK(kv_cache_append_begin(split, n) == 0, "begin");
+    /* window rows: the host cache's f16 copies (f16 of the rotated input) */
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < H; h++) {
+            const uint8_t *a = kv_cache_window_row(host, 0, h, t), *b = kv_cache_window_row(host, 1, h, t);
+            struct kv_view vw;
+            kv_cache_view(host, &vw);
+            if (a) memcpy(rwk + ((size_t)t * H + h) * vw.win_row, a, vw.win_row);
+            if (b) memcpy(rwv + ((size_t)t * H + h) * vw.win_row, b, vw.win_row);
+        }
+    uint32_t epoch = kv_cache_epoch(split);
+    CHECK(kv_cache_append_end(split, 0, n, rk, rv, rwk, rwv) == 0, "end: %s", kvq_last_error());
+    struct kv_view a, b;
+    kv_cache_view(host, &a);
+    kv_cache_view(split, &b);
+    CHECK(b.mu != NULL && kv_cache_epoch(split) != epoch, "the offsets are chosen at the end of the batch");
+    double worst = 0;
+    for (int i = 0; a.mu && b.mu && i < 2 * H * D; i++) worst = fmax(worst, fabs(a.mu[i] - b.mu[i]));
+    CHECK(worst == 0, "offsets differ from the host's by %g", worst);
+    /* every row reads back close to the host cache's (f16 sources for rows >= 128) */
+    float *x = malloc(sizeof(float) * n * D), *y = malloc(sizeof(float) * n * D);
+    for (int side = 0; side < 2; side++) {
+        int na = kv_cache_read_rows(host, 1, side, x, NULL, n), nb = kv_cache_read_rows(split, 1, side, y, NULL, n);
+        double err = 0;
+        for (int i = 0; i < na * D && na == nb; i++) err = fmax(err, fabs(x[i] - y[i]));
+        CHECK(na == nb && err < 0.05, "side %d: rows differ by %g (%d vs %d rows)", side, err, na, nb);
+    }
+    free(x), free(y), free(k), free(v), free(rk), free(rv), free(rwk), free(rwv);
+    kv_cache_free(host);
+    kv_cache_free(split);
+    kv_cache_free(unshifted);
+}
+
+int main(void) {
+    static const struct split_case cases[] = {
+        {"f16", {16, 16, 64, 64, 0, 4, 0, false, 32}, 0},
+        {"K8V4 residual 32, offsets", {8, 4, 64, 64, 0, 4, 0, true, 32}, 0},
+        {"K4V2 no window, no rotation", {4, 2, 32, 32, 0, 4, 0, false, 0}, 0},
+        {"K8 rotating 200 keep 4", {8, 8, 64, 64, 200, 4, 0, true, 32}, 0},
+        {"K4V4 sliding window 100", {4, 4, 64, 64, 100, 4, 0, true, 32}, 100},
+        {"quantize after 150, K4V4", {4, 4, 64, 64, 0, 4, 150, true, 32}, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+    test_across_offsets();
+    return check_finish();
+}
