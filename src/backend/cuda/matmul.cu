@@ -14,6 +14,19 @@
 
 #define ROWS_PER_BLOCK 4
 
+/* Calls CALL(T) with T the weight type as a compile-time constant. */
+#define FOR_TYPE(type, CALL)                                                                                 \
+    switch (type) {                                                                                          \
+    case KVQ_F32: CALL(KVQ_F32); break;                                                                      \
+    case KVQ_F16: CALL(KVQ_F16); break;                                                                      \
+    case KVQ_BF16: CALL(KVQ_BF16); break;                                                                    \
+    case KVQ_Q8_0: CALL(KVQ_Q8_0); break;                                                                    \
+    case KVQ_Q4_0: CALL(KVQ_Q4_0); break;                                                                    \
+    case KVQ_Q4_K: CALL(KVQ_Q4_K); break;                                                                    \
+    case KVQ_Q6_K: CALL(KVQ_Q6_K); break;                                                                    \
+    default: break; /* refused at upload */                                                                  \
+    }
+
 static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 static __device__ __forceinline__ uint16_t ld16(const uint8_t *p) { return *(const uint16_t *)p; }
 
@@ -92,6 +105,26 @@ static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, in
     }
 }
 
+/* Sums each token's partial dot products over the warp; lane 0 writes them. */
+template <int NT>
+static __device__ __forceinline__ void store_rows(const float (&acc)[NT], int lane, int n, float *y, int64_t rows,
+                                                  int64_t row, const float *bias) {
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = acc[t];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0 && t < n) y[(int64_t)t * rows + row] = v + (bias ? bias[row] : 0.0f);
+    }
+}
+
+/* Launches KERNEL<..., NT> with NT the smallest of 1, 2, 4, 8, 16 that holds n tokens. */
+#define BY_TOKENS(n, LAUNCH)  \
+    if ((n) <= 1) LAUNCH(1);  \
+    else if ((n) <= 2) LAUNCH(2); \
+    else if ((n) <= 4) LAUNCH(4); \
+    else if ((n) <= 8) LAUNCH(8); \
+    else LAUNCH(16)
+
 template <uint32_t T, int NT>
 __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
     matvec(const cuk_weight W, const float *x, int64_t x_stride, int n, float *y, const float *bias) {
@@ -115,12 +148,7 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
                       w[7] * b.w;
         }
     }
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float v = acc[t];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0 && t < n) y[(int64_t)t * rows + row] = v + (bias ? bias[row] : 0.0f);
-    }
+    store_rows<NT>(acc, lane, n, y, rows, row, bias);
 }
 
 template <uint32_t T>
@@ -129,11 +157,7 @@ static void matvec_type(cudaStream_t s, const cuk_weight *w, const float *x, int
     const unsigned blocks = (unsigned)((w->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
     const dim3 th(ROWS_PER_BLOCK * 32);
 #define MV(NT) matvec<T, NT><<<blocks, th, 0, s>>>(*w, x, x_stride, n, y, bias)
-    if (n <= 1) MV(1);
-    else if (n <= 2) MV(2);
-    else if (n <= 4) MV(4);
-    else if (n <= 8) MV(8);
-    else MV(16);
+    BY_TOKENS(n, MV);
 #undef MV
 }
 
@@ -227,12 +251,7 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
             acc[t] += d * ds.x * (T == KVQ_Q4_0 ? (float)isum - 8.0f * ds.y : (float)isum);
         }
     }
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float v = acc[t];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0 && t < n) y[(int64_t)t * rows + row] = v + (bias ? bias[row] : 0.0f);
-    }
+    store_rows<NT>(acc, lane, n, y, rows, row, bias);
 }
 
 template <uint32_t T>
@@ -240,11 +259,7 @@ static void matvec_q_type(cudaStream_t s, const cuk_weight *w, const cuk_xq *xq,
     const unsigned blocks = (unsigned)((w->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
     const dim3 th(ROWS_PER_BLOCK * 32);
 #define MQ(NT) matvec_q<T, NT><<<blocks, th, 0, s>>>(*w, xq->q, xq->dsum, n, y, bias)
-    if (n <= 1) MQ(1);
-    else if (n <= 2) MQ(2);
-    else if (n <= 4) MQ(4);
-    else if (n <= 8) MQ(8);
-    else MQ(16);
+    BY_TOKENS(n, MQ);
 #undef MQ
 }
 
@@ -255,16 +270,14 @@ extern "C" int cuk_type_supported(uint32_t type) {
 
 extern "C" void cuk_matvec(cudaStream_t s, const cuk_weight *w, const float *x, int64_t x_stride, const cuk_xq *xq,
                            int n, float *y, const float *bias) {
-    switch (w->type) {
-    case KVQ_Q8_0: matvec_q_type<KVQ_Q8_0>(s, w, xq, n, y, bias); return;
-    case KVQ_Q4_0: matvec_q_type<KVQ_Q4_0>(s, w, xq, n, y, bias); return;
-    case KVQ_F32: matvec_type<KVQ_F32>(s, w, x, x_stride, n, y, bias); break;
-    case KVQ_F16: matvec_type<KVQ_F16>(s, w, x, x_stride, n, y, bias); break;
-    case KVQ_BF16: matvec_type<KVQ_BF16>(s, w, x, x_stride, n, y, bias); break;
-    case KVQ_Q4_K: matvec_type<KVQ_Q4_K>(s, w, x, x_stride, n, y, bias); break;
-    case KVQ_Q6_K: matvec_type<KVQ_Q6_K>(s, w, x, x_stride, n, y, bias); break;
-    default: break; /* refused at upload */
+    if (cuk_repacked(w->type)) {
+        if (w->type == KVQ_Q4_0) matvec_q_type<KVQ_Q4_0>(s, w, xq, n, y, bias);
+        else matvec_q_type<KVQ_Q8_0>(s, w, xq, n, y, bias);
+        return;
     }
+#define MV(T) matvec_type<T>(s, w, x, x_stride, n, y, bias)
+    FOR_TYPE(w->type, MV)
+#undef MV
 }
 
 /* ---- whole rows as f32 (GEMM inputs, embeddings) ---- */
@@ -286,16 +299,7 @@ extern "C" void cuk_dequantize(cudaStream_t s, const cuk_weight *w, int64_t r0, 
     const int64_t total = (r1 - r0) * (w->cols / 8);
     const unsigned blocks = (unsigned)(total / 256 + 1 < 65536 ? total / 256 + 1 : 65536);
 #define DQ(T) dequantize<T><<<blocks, 256, 0, s>>>(*w, r0, r1 - r0, out)
-    switch (w->type) {
-    case KVQ_F32: DQ(KVQ_F32); break;
-    case KVQ_F16: DQ(KVQ_F16); break;
-    case KVQ_BF16: DQ(KVQ_BF16); break;
-    case KVQ_Q8_0: DQ(KVQ_Q8_0); break;
-    case KVQ_Q4_0: DQ(KVQ_Q4_0); break;
-    case KVQ_Q4_K: DQ(KVQ_Q4_K); break;
-    case KVQ_Q6_K: DQ(KVQ_Q6_K); break;
-    default: break;
-    }
+    FOR_TYPE(w->type, DQ)
 #undef DQ
 }
 
@@ -313,16 +317,7 @@ __global__ void embed_rows(const cuk_weight E, const int32_t *tokens, float scal
 
 extern "C" void cuk_embed(cudaStream_t s, const cuk_weight *e, const int32_t *tokens, int n, float scale, float *x) {
 #define EM(T) embed_rows<T><<<(unsigned)n, 128, 0, s>>>(*e, tokens, scale, x)
-    switch (e->type) {
-    case KVQ_F32: EM(KVQ_F32); break;
-    case KVQ_F16: EM(KVQ_F16); break;
-    case KVQ_BF16: EM(KVQ_BF16); break;
-    case KVQ_Q8_0: EM(KVQ_Q8_0); break;
-    case KVQ_Q4_0: EM(KVQ_Q4_0); break;
-    case KVQ_Q4_K: EM(KVQ_Q4_K); break;
-    case KVQ_Q6_K: EM(KVQ_Q6_K); break;
-    default: break;
-    }
+    FOR_TYPE(e->type, EM)
 #undef EM
 }
 
