@@ -120,7 +120,7 @@ stop_server
 # ---- a full queue is a 503; a waiting stream gets ': ping' --------------------------
 start_server limits --max-num-seqs 1 --max-queue 1 --ping-interval 1 --prefix-cache-mb 0
 url=http://127.0.0.1:$port
-metric() { curl -s "$url/metrics" | awk -v m="kvq_$1" '$1 == m {print $2}'; }
+metric() { curl -s "http://127.0.0.1:$port/metrics" | awk -v m="kvq_$1" '$1 == m {print $2}'; }
 wait_metric() { # NAME VALUE: up to 30 s
   for _ in $(seq 300); do [ "$(metric "$1")" = "$2" ] && return 0; sleep 0.1; done
   return 1
@@ -146,9 +146,11 @@ head -c 4000 "$text" | tr -s ' \n' ' ' >"$tmp/prefix.txt" # about 1500 tokens
 start_server nocache --prefix-cache-mb 0
 client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/ref.json"
 stop_server
-start_server cache --prefix-cache-dir "$tmp/pc"
+# (--prefix-cache-bits 16: entries in the live format, so the text must be exactly the same)
+start_server cache --prefix-cache-dir "$tmp/pc" --prefix-cache-bits 16
 client prefix "$tmp/prefix.txt" "Which play did he star in?" >/dev/null
 client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/hit.json"
+bytes16=$(metric prefix_cache_bytes)
 stop_server
 cached=$(jq .cached "$tmp/hit.json")
 prompt_n=$(jq .prompt "$tmp/hit.json")
@@ -159,12 +161,34 @@ grep -q "cache_store tokens=" "$tmp/cache.log" && ok "cache_store log line" || b
   bad "cache changed the text: $(jq .text "$tmp/hit.json") vs $(jq .text "$tmp/ref.json")"
 ls "$tmp"/pc/*.kvq >/dev/null 2>&1 && ok "entries persisted" || bad "no files in --prefix-cache-dir"
 echo garbage >"$tmp/pc/0000000000000000-0123456789abcdef.kvq" # a corrupt entry is skipped, not loaded
-start_server disk --prefix-cache-dir "$tmp/pc"
+start_server disk --prefix-cache-dir "$tmp/pc" --prefix-cache-bits 16
 client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/disk.json"
 stop_server
 [ "$(jq .cached "$tmp/disk.json")" -gt 1000 ] 2>/dev/null && ok "hit from disk after a restart" || bad "no hit from disk: $(cat "$tmp/disk.json")"
 [ "$(jq .text "$tmp/disk.json")" = "$(jq .text "$tmp/ref.json")" ] && ok "same text from the disk entry" || bad "disk entry changed the text"
 grep -q "skipping .*0123456789abcdef.kvq" "$tmp/disk.log" && ok "corrupt entry skipped with a log line" || bad "corrupt entry not reported"
+grep -q "cache_write tokens=" "$tmp/cache.log" && ok "entries written by the writer thread" || bad "no cache_write line"
+
+# The default --prefix-cache-bits 8: long entries are re-encoded to 8 bits (lossy, so
+# the text is not compared: test_prefix_cache checks the logits), hit, take about
+# half the bytes, and reload from disk in that format.
+start_server q8 --prefix-cache-dir "$tmp/pc8"
+client prefix "$tmp/prefix.txt" "Which play did he star in?" >/dev/null
+client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/q8.json"
+bytes8=$(metric prefix_cache_bytes)
+stop_server
+[ "$(jq .cached "$tmp/q8.json")" -gt 1000 ] 2>/dev/null && [ "$(jq '.text | length' "$tmp/q8.json")" -gt 0 ] &&
+  ok "hit on an 8-bit entry" || bad "no 8-bit hit: $(cat "$tmp/q8.json")"
+grep -q "cache_store tokens=[0-9]* bytes=[0-9]* format=K8/V8 convert_ms=" "$tmp/q8.log" && ok "entries stored as 8 bits" ||
+  bad "no 8-bit cache_store line"
+grep -q "cache_convert fetch tokens=" "$tmp/q8.log" && ok "converted back on attach" || bad "no cache_convert fetch line"
+awk -v a="$bytes8" -v b="$bytes16" 'BEGIN { exit !(a > 0 && a < 0.6 * b) }' &&
+  ok "8-bit entries take $bytes8 bytes, f16 ones $bytes16" || bad "8-bit entries $bytes8 bytes vs f16 $bytes16"
+start_server q8disk --prefix-cache-dir "$tmp/pc8"
+client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/q8disk.json"
+stop_server
+[ "$(jq .cached "$tmp/q8disk.json")" -gt 1000 ] 2>/dev/null && ok "8-bit entry hits from disk after a restart" ||
+  bad "no 8-bit hit from disk: $(cat "$tmp/q8disk.json")"
 
 # ---- disconnects --------------------------------------------------------------------
 start_server drop --prefix-cache-mb 0 --max-num-seqs 8 -c 2048
