@@ -1,6 +1,7 @@
 #include "server/scheduler.h"
 
 #include <errno.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -566,8 +567,18 @@ static void update_stats(struct sched *s) {
 
 static void *run(void *arg) {
     struct sched *s = arg;
+    bool busy = false;
     for (;;) {
         pthread_mutex_lock(&s->mu);
+        if (busy && !s->stop && s->queued == 0 && s->running == 0) {
+            /* going idle after a burst: hand the memory freed since (request buffers,
+             * the connection threads' malloc arenas) back to the system, so the
+             * server's RSS falls back instead of staying at its peak */
+            pthread_mutex_unlock(&s->mu);
+            malloc_trim(0);
+            pthread_mutex_lock(&s->mu);
+        }
+        busy = true;
         while (!s->stop && s->queued == 0 && s->running == 0) {
             s->rate_t0 = now_s();
             s->rate_tokens = 0;
