@@ -70,7 +70,7 @@ int main(void) {
     struct prefix_cache *pc = prefix_cache_new(c, model, &pp);
     CHECK(prefix_cache_fetch(pc, 0, NULL, a, N - 1) == 0, "empty cache misses");
     prefill(c, 0, a, 250);
-    prefix_cache_store(pc, 0, NULL, a, 250, true);
+    prefix_cache_store(pc, 0, NULL, a, 250, true, 0);
     kvq_seq_clear(c, 0);
 
     /* b shares 200 tokens with the entry: exactly those are attached */
@@ -94,7 +94,7 @@ int main(void) {
     int entries;
     size_t bytes;
     prefill(c, 0, a, N);
-    prefix_cache_store(pc, 0, NULL, a, N, true);
+    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
     kvq_seq_clear(c, 0);
     prefix_cache_usage(pc, &entries, &bytes);
     CHECK(entries == 1, "the longer entry replaced the shorter: %d entries", entries);
@@ -110,10 +110,10 @@ int main(void) {
     pp = (struct prefix_cache_params){.kv = &cp.kv, .budget = one + one / 2, .dir = dir};
     pc = prefix_cache_new(c, model, &pp);
     prefill(c, 0, a, N);
-    prefix_cache_store(pc, 0, NULL, a, N, true);
+    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
     kvq_seq_clear(c, 0);
     prefill(c, 0, b, N);
-    prefix_cache_store(pc, 0, NULL, b, N, true);
+    prefix_cache_store(pc, 0, NULL, b, N, true, 0);
     kvq_seq_clear(c, 0);
     prefix_cache_usage(pc, &entries, &bytes);
     CHECK(entries == 1 && bytes <= one + one / 2, "LRU eviction: %d entries, %zu bytes", entries, bytes);
@@ -162,10 +162,10 @@ int main(void) {
                                       .dir = dir};
     pc = prefix_cache_new(c, model, &pp);
     prefill(c, 0, a, 100);
-    prefix_cache_store(pc, 0, "short", a, 100, true); /* under min_tokens: shares the live blocks */
+    prefix_cache_store(pc, 0, "short", a, 100, true, 0); /* under min_tokens: shares the live blocks */
     size_t before = kvq_kv_bytes(c);
     prefill(c, 0, a + 100, N - 100);
-    prefix_cache_store(pc, 0, NULL, a, N, true);
+    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
     size_t copy_bytes = kvq_kv_bytes(c) - before - (kvq_kv_token_bytes(model, &cp.kv) * 256); /* minus a's new blocks */
     kvq_seq_clear(c, 0);
     prefix_cache_usage(pc, &entries, &bytes);
@@ -195,6 +195,16 @@ int main(void) {
     printf("8-bit prefix entry: max logit difference %.4f after a hit\n", d);
     CHECK(prefix_cache_fetch(pc, 1, "short", a, N - 1) == 100, "the short entry hits");
     kvq_seq_clear(c, 1);
+    /* the hit made the entry hot: it now holds the live copy, and the next hit shares it */
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(bytes == live_bytes + kvq_kv_token_bytes(model, &cp.kv) * 128, "a hit entry turns live: %zu bytes", bytes);
+    CHECK(prefix_cache_fetch(pc, 1, NULL, a, N - 1) == N - 1, "hit again");
+    float *again = finish(c, 1, a, N - 1, N);
+    kvq_seq_clear(c, 1);
+    d = 0;
+    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - again[i]));
+    CHECK(d == 0, "the live copy gives the first hit's logits (%g)", d);
+    free(again);
     struct prefix_cache_stats pst;
     prefix_cache_stats(pc, &pst);
     CHECK(pst.converted_stores == 1 && pst.converted_fetches == 1 && pst.converted_tokens_stored == N,
@@ -210,7 +220,7 @@ int main(void) {
     /* a running sequence's entry (its prompt) stays live and shared, and is not written */
     size_t before_run = bytes;
     prefill(c, 0, b, N);
-    prefix_cache_store(pc, 0, "run", b, N, false);
+    prefix_cache_store(pc, 0, "run", b, N, false, 0);
     kvq_seq_clear(c, 0);
     prefix_cache_usage(pc, &entries, &bytes);
     CHECK(entries == 3 && bytes - before_run == live_bytes, "a running entry in the live format: %zu bytes",

@@ -150,8 +150,8 @@ stop_server
 # (--prefix-cache-bits 16: entries in the live format, so the text must be exactly the same)
 start_server cache --prefix-cache-dir "$tmp/pc" --prefix-cache-bits 16
 client prefix "$tmp/prefix.txt" "Which play did he star in?" >/dev/null
-client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/hit.json"
 bytes16=$(metric prefix_cache_bytes)
+client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/hit.json"
 stop_server
 cached=$(jq .cached "$tmp/hit.json")
 prompt_n=$(jq .prompt "$tmp/hit.json")
@@ -170,13 +170,14 @@ stop_server
 grep -q "skipping .*0123456789abcdef.kvq" "$tmp/disk.log" && ok "corrupt entry skipped with a log line" || bad "corrupt entry not reported"
 grep -q "cache_write tokens=" "$tmp/cache.log" && ok "entries written by the writer thread" || bad "no cache_write line"
 
-# The default --prefix-cache-bits 8: long entries are re-encoded to 8 bits (lossy, so
-# the text is not compared: test_prefix_cache checks the logits), hit, take about
-# half the bytes, and reload from disk in that format.
+# The default --prefix-cache-bits 8: a long entry is re-encoded to 8 bits (lossy, so
+# the text is not compared: test_prefix_cache checks the logits), takes about half the
+# bytes, hits (and then turns live: the second request shares its blocks and is kept
+# live too), and reloads from disk in the 8-bit format.
 start_server q8 --prefix-cache-dir "$tmp/pc8"
 client prefix "$tmp/prefix.txt" "Which play did he star in?" >/dev/null
-client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/q8.json"
 bytes8=$(metric prefix_cache_bytes)
+client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/q8.json"
 stop_server
 [ "$(jq .cached "$tmp/q8.json")" -gt 1000 ] 2>/dev/null && [ "$(jq '.text | length' "$tmp/q8.json")" -gt 0 ] &&
   ok "hit on an 8-bit entry" || bad "no 8-bit hit: $(cat "$tmp/q8.json")"

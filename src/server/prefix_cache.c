@@ -157,20 +157,38 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
      * common part; a rotating window that no longer holds that shorter state refuses,
      * and the request is prefilled from scratch */
     double t0 = now_ms();
-    if (kvq_prefix_attach(pc->c, seq, pc->e[best].prefix) != 0 || kvq_seq_keep_prefix(pc->c, seq, best_len) != 0 ||
-        kvq_seq_len(pc->c, seq) != best_len) {
+    if (kvq_prefix_attach(pc->c, seq, pc->e[best].prefix) != 0) {
         fprintf(stderr, "kvq serve: cannot attach a cached prefix: %s\n", kvq_last_error());
         kvq_seq_clear(pc->c, seq);
         return 0;
     }
-    if (pc->e[best].converted) {
+    struct entry *e = &pc->e[best];
+    if (e->converted) {
         double ms = now_ms() - t0;
         pc->st.converted_fetches++;
-        pc->st.converted_tokens_fetched += pc->e[best].n;
+        pc->st.converted_tokens_fetched += e->n;
         pc->st.fetch_ms += ms;
-        fprintf(stderr, "kvq serve: cache_convert fetch tokens=%d ms=%.2f\n", pc->e[best].n, ms);
+        fprintf(stderr, "kvq serve: cache_convert fetch tokens=%d ms=%.2f\n", e->n, ms);
+        /* a hit makes the entry hot: it keeps the live copy just made instead (before
+         * the cut below), so later hits share its blocks again instead of converting
+         * (the file keeps the small format; the budget is enforced at the next store) */
+        struct kvq_prefix *live = kvq_seq_len(pc->c, seq) == e->n ? kvq_prefix_hold(pc->c, seq) : NULL;
+        if (live) {
+            finish_job(pc, e); /* the writer may be reading the converted prefix */
+            kvq_prefix_free(e->prefix);
+            e->prefix = live;
+            e->converted = false;
+            pc->bytes -= e->bytes;
+            e->bytes = entry_bytes(pc, e->n, &pc->kv);
+            pc->bytes += e->bytes;
+        }
     }
-    pc->e[best].used = ++pc->clock;
+    if (kvq_seq_keep_prefix(pc->c, seq, best_len) != 0 || kvq_seq_len(pc->c, seq) != best_len) {
+        fprintf(stderr, "kvq serve: cannot attach a cached prefix: %s\n", kvq_last_error());
+        kvq_seq_clear(pc->c, seq);
+        return 0;
+    }
+    e->used = ++pc->clock;
     return best_len;
 }
 
@@ -238,9 +256,12 @@ static void persist(struct prefix_cache *pc, struct entry *e) {
     pthread_mutex_unlock(&pc->mu);
 }
 
-void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int n, bool finished) {
+void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int n, bool finished,
+                        int reused) {
     uint64_t h = ns_hash(ns);
-    bool convert = pc->convert && finished && n >= pc->min_tokens;
+    /* a sequence built on a hot cached prefix shares that prefix's blocks: held live it
+     * costs only its own tokens, converted it would be a private copy of all of them */
+    bool convert = pc->convert && finished && n >= pc->min_tokens && reused < pc->min_tokens;
     if (n <= 0 || entry_bytes(pc, n, convert ? &pc->store_kv : &pc->kv) > pc->budget) return;
     for (int i = 0; i < pc->n; i++) {
         struct entry *e = &pc->e[i];

@@ -2,8 +2,8 @@
  * held as KV prefixes together with their tokens, so a new request attaches the
  * longest cached prefix of its prompt and prefills only the rest. Entries of at
  * least min_tokens are stored in a smaller format when one is given (re-encoded on
- * store, converted back on attach); shorter ones share the sequence's blocks, no
- * copy. A byte budget with LRU eviction; optionally persisted to a folder by a
+ * store, converted back on attach; see prefix_cache_store for which); shorter ones
+ * share the sequence's blocks, no copy. A byte budget with LRU eviction; optionally persisted to a folder by a
  * writer thread (so disk writes never stall the scheduler) and reloaded at start.
  * Called from the scheduler thread only. */
 #ifndef KVQ_SERVER_PREFIX_CACHE_H
@@ -36,8 +36,12 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
 /* Holds seq's state (it holds the n tokens toks) as an entry of namespace ns.
  * finished: the sequence is done. A running one's entry (its prompt) stays in the
  * live format, sharing its blocks for free, and is not written to the folder: the
- * finished sequence replaces it, converted and written once. */
-void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int n, bool finished);
+ * finished sequence replaces it, converted and written once. reused: the tokens
+ * seq took from the cache; from min_tokens on the entry stays live (it shares that
+ * hot prefix's blocks). A converted entry that gets a hit turns live again (the copy
+ * the hit made), so a hot prefix is shared by reference, a cold one kept small. */
+void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int n, bool finished,
+                        int reused);
 /* Drops the least recently used entry (to give KV memory back); false when empty. */
 bool prefix_cache_evict_one(struct prefix_cache *pc);
 void prefix_cache_usage(const struct prefix_cache *pc, int *entries, size_t *bytes);

@@ -304,7 +304,7 @@ static struct sched_req *queue_pop(struct sched *s) {
 /* Frees the request's sequence (storing it in the prefix cache when it ended well). */
 static void retire(struct sched *s, struct sched_req *r, bool store) {
     if (store && s->pc && r->n_fed == kvq_seq_len(s->c, r->slot))
-        prefix_cache_store(s->pc, r->slot, r->cache_key, r->fed, r->n_fed, true);
+        prefix_cache_store(s->pc, r->slot, r->cache_key, r->fed, r->n_fed, true, r->res.cached_tokens);
     kvq_seq_clear(s->c, r->slot);
     s->slots[r->slot] = NULL;
     s->running--;
@@ -531,7 +531,7 @@ static void step(struct sched *s) {
         /* a prompt just done is held at once (sharing its blocks), so requests that
          * arrive while this one decodes reuse it; the whole sequence replaces it later */
         if (s->pc && r->chunk > 0 && r->prefilled == r->n_tokens && kvq_seq_len(s->c, r->slot) == r->n_tokens)
-            prefix_cache_store(s->pc, r->slot, r->cache_key, r->tokens, r->n_tokens, false);
+            prefix_cache_store(s->pc, r->slot, r->cache_key, r->tokens, r->n_tokens, false, r->res.cached_tokens);
         if (r->batch_pos >= 0) {
             next_token(s, r, kvq_get_logits(s->c, r->batch_pos));
             sampled++;
