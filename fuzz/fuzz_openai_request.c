@@ -15,6 +15,13 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+/* Token t of the fake vocabulary is the byte t (so pieces can be invalid UTF-8). */
+static int byte_piece(const void *ctx, kvq_token t, char *buf, int size) {
+    (void)ctx;
+    if (size > 0) buf[0] = (char)t;
+    return 1;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (int k = 0; k < 2; k++) {
         struct oai_request r;
@@ -29,8 +36,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                                         : NULL;
         const char *text = prompt ? prompt : r.prompt ? r.prompt : "";
         struct oai_usage u = {r.gen.max_tokens, r.gen.n_stop, r.n_messages};
-        free(oai_response_json(kind, "id", 0, "m", text, strlen(text), "stop", &u));
-        free(oai_chunk_json(kind, "id", 0, "m", true, text, strlen(text), NULL));
+        /* log-probabilities when asked for: one entry per byte of the text, its
+         * alternatives the next bytes */
+        struct lp_entry lpe[8];
+        int n_lp = 0;
+        for (size_t i = 0; r.gen.logprobs >= 0 && i < strlen(text) && n_lp < 8; i++, n_lp++) {
+            lpe[n_lp] = (struct lp_entry){.id = (unsigned char)text[i], .logprob = -(float)i, .text_start = i,
+                                          .text_end = i + 1, .n_top = r.gen.logprobs};
+            for (int j = 0; j < r.gen.logprobs; j++) lpe[n_lp].top[j] = (struct lp_top){(kvq_token)(text[i] + j), -j};
+        }
+        struct oai_logprobs lp = {lpe, n_lp, byte_piece, NULL};
+        free(oai_response_json(kind, "id", 0, "m", text, strlen(text), "stop", &u, r.gen.logprobs >= 0 ? &lp : NULL));
+        free(oai_chunk_json(kind, "id", 0, "m", true, text, strlen(text), NULL, r.gen.logprobs >= 0 ? &lp : NULL));
         free(prompt);
         oai_request_free(&r);
     }

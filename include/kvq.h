@@ -55,6 +55,10 @@ kvq_token kvq_token_bos(const struct kvq_model *m);
 kvq_token kvq_token_eos(const struct kvq_model *m);
 /* True for tokens that end a generation (EOS, end-of-turn, ...). */
 bool kvq_token_is_eog(const struct kvq_model *m, kvq_token t);
+/* The bytes token t stands for alone (byte tokens decoded, control tokens as their
+ * text), copied into buf: not NUL-terminated, possibly part of a UTF-8 sequence.
+ * Returns their count (buf holds a prefix when that is > size), -1 for a bad id. */
+int kvq_token_bytes(const struct kvq_model *m, kvq_token t, char *buf, int size);
 
 /* Streaming detokenizer: emits only complete UTF-8 sequences. */
 struct kvq_detok *kvq_detok_new(const struct kvq_model *m);
@@ -152,6 +156,12 @@ struct kvq_prefix *kvq_prefix_hold(struct kvq_context *c, int seq);
 /* The sequence becomes the held state (sharing its blocks); kvq_seq_keep_prefix then
  * shortens it to the part a new prompt has in common with it. 0 or -1. */
 int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p);
+/* kvq_prefix_hold storing the prefix in another format: kv's bits and group sizes (the
+ * rest is the context's). Its rows are re-encoded into new blocks (a copy, not shared;
+ * lossy when fewer bits); kvq_prefix_attach then re-encodes them into the context's
+ * format (again a copy). Same format as the context's (or kv NULL): kvq_prefix_hold.
+ * Owned by the caller like any prefix; NULL with an error (e.g. the KV budget). */
+struct kvq_prefix *kvq_prefix_hold_as(struct kvq_context *c, int seq, const struct kvq_kv_config *kv);
 int kvq_prefix_len(const struct kvq_prefix *p);
 void kvq_prefix_free(struct kvq_prefix *p);
 /* The layers grouped by cache kind, for reports on hybrid models (Gemma 3: sliding
@@ -188,7 +198,9 @@ int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, cons
                     const float *logits);
 int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq_seq_extra *extra);
 void kvq_seq_extra_free(struct kvq_seq_extra *e);
-/* The same for a held prefix: a file kvq_seq_load_ex can read, and back. */
+/* The same for a held prefix: a file kvq_seq_load_ex can read (when the prefix is in
+ * the context's format), and back; a prefix saved from kvq_prefix_hold_as loads in
+ * its own format. */
 int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_token *tokens, int n_tokens,
                     const float *logits);
 struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra);

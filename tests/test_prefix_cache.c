@@ -4,6 +4,7 @@
  * entries apart; longer entries replace the prefixes they cover; the byte budget
  * evicts the least recently used; a folder round trip reloads entries and skips
  * a corrupt file; every block goes back once the cache is freed. */
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +34,14 @@ static float *finish(struct kvq_context *c, int seq, const kvq_token *t, int fro
     return l;
 }
 
+static int count_files(const char *dir) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    for (struct dirent *de; d && (de = readdir(d));) n += strstr(de->d_name, ".kvq") != NULL;
+    if (d) closedir(d);
+    return n;
+}
+
 int main(void) {
     const char *path = require_shared("models/tinydoc-q8_0.gguf");
     model = kvq_model_load(path);
@@ -57,10 +66,11 @@ int main(void) {
     for (int i = 0; i < N; i++) a[i] = b[i] = (kvq_token)((x = x * 1103515245u + 12345u) >> 8) % (V - 3) + 3;
     for (int i = 200; i < N; i++) b[i] = (a[i] + 1) % (V - 3) + 3; /* b diverges from a at 200 */
 
-    struct prefix_cache *pc = prefix_cache_new(c, model, &cp.kv, (size_t)64 << 20, NULL);
+    struct prefix_cache_params pp = {.kv = &cp.kv, .budget = (size_t)64 << 20};
+    struct prefix_cache *pc = prefix_cache_new(c, model, &pp);
     CHECK(prefix_cache_fetch(pc, 0, NULL, a, N - 1) == 0, "empty cache misses");
     prefill(c, 0, a, 250);
-    prefix_cache_store(pc, 0, NULL, a, 250);
+    prefix_cache_store(pc, 0, NULL, a, 250, true, 0);
     kvq_seq_clear(c, 0);
 
     /* b shares 200 tokens with the entry: exactly those are attached */
@@ -84,7 +94,7 @@ int main(void) {
     int entries;
     size_t bytes;
     prefill(c, 0, a, N);
-    prefix_cache_store(pc, 0, NULL, a, N);
+    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
     kvq_seq_clear(c, 0);
     prefix_cache_usage(pc, &entries, &bytes);
     CHECK(entries == 1, "the longer entry replaced the shorter: %d entries", entries);
@@ -97,12 +107,13 @@ int main(void) {
     size_t one = kvq_kv_token_bytes(model, &cp.kv) * 320 + kvq_kv_window_bytes(model, &cp.kv);
     char dir[] = "/tmp/kvq_pc_XXXXXX";
     CHECK(mkdtemp(dir) != NULL, "mkdtemp");
-    pc = prefix_cache_new(c, model, &cp.kv, one + one / 2, dir);
+    pp = (struct prefix_cache_params){.kv = &cp.kv, .budget = one + one / 2, .dir = dir};
+    pc = prefix_cache_new(c, model, &pp);
     prefill(c, 0, a, N);
-    prefix_cache_store(pc, 0, NULL, a, N);
+    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
     kvq_seq_clear(c, 0);
     prefill(c, 0, b, N);
-    prefix_cache_store(pc, 0, NULL, b, N);
+    prefix_cache_store(pc, 0, NULL, b, N, true, 0);
     kvq_seq_clear(c, 0);
     prefix_cache_usage(pc, &entries, &bytes);
     CHECK(entries == 1 && bytes <= one + one / 2, "LRU eviction: %d entries, %zu bytes", entries, bytes);
@@ -120,7 +131,7 @@ int main(void) {
         fputs("not a cache file", f);
         fclose(f);
     }
-    pc = prefix_cache_new(c, model, &cp.kv, one + one / 2, dir);
+    pc = prefix_cache_new(c, model, &pp);
     prefix_cache_usage(pc, &entries, &bytes);
     CHECK(entries == 1, "one entry reloaded, the corrupt file skipped: %d", entries);
     got = prefix_cache_fetch(pc, 1, NULL, b, N - 1);
@@ -132,6 +143,96 @@ int main(void) {
     d = 0;
     for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - fresh[i]));
     CHECK(d == 0, "logits after a disk hit equal a fresh prefill (max diff %g)", d);
+    free(hit);
+    free(fresh);
+    prefix_cache_free(pc);
+    CHECK(kvq_kv_blocks(c) == 0, "blocks back after free: %lld", (long long)kvq_kv_blocks(c));
+    char cmd0[128];
+
+    /* entries of >= 256 tokens stored in 8 bits (live: f16): a copy of about half the
+     * bytes, converted back on attach; the logits after a hit stay close to a fresh
+     * prefill's; shorter entries share the live blocks; the folder keeps the format */
+    snprintf(cmd0, sizeof cmd0, "rm -f %s/*.kvq", dir);
+    CHECK(system(cmd0) == 0, "empty the folder");
+    struct kvq_kv_config q8 = cp.kv;
+    q8.k_bits = q8.v_bits = 8;
+    size_t live_bytes = kvq_kv_token_bytes(model, &cp.kv) * 320 + kvq_kv_window_bytes(model, &cp.kv);
+    size_t q8_bytes = kvq_kv_token_bytes(model, &q8) * 320 + kvq_kv_window_bytes(model, &q8);
+    pp = (struct prefix_cache_params){.kv = &cp.kv, .store_kv = &q8, .min_tokens = 256, .budget = (size_t)64 << 20,
+                                      .dir = dir};
+    pc = prefix_cache_new(c, model, &pp);
+    prefill(c, 0, a, 100);
+    prefix_cache_store(pc, 0, "short", a, 100, true, 0); /* under min_tokens: shares the live blocks */
+    size_t before = kvq_kv_bytes(c);
+    prefill(c, 0, a + 100, N - 100);
+    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
+    size_t copy_bytes = kvq_kv_bytes(c) - before - (kvq_kv_token_bytes(model, &cp.kv) * 256); /* minus a's new blocks */
+    kvq_seq_clear(c, 0);
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(entries == 2 && bytes == q8_bytes + kvq_kv_token_bytes(model, &cp.kv) * 128, "usage %zu: 8-bit %zu + short", bytes,
+          q8_bytes);
+    /* per token 8 bits + a 4-byte scale/bias per 64 values against 16 bits; the f16
+     * window (residual and sinks) comes on top */
+    CHECK(kvq_kv_token_bytes(model, &q8) * 100 < kvq_kv_token_bytes(model, &cp.kv) * 54 && q8_bytes * 10 < live_bytes * 7,
+          "8-bit entry %zu bytes vs live %zu", q8_bytes, live_bytes);
+    CHECK(copy_bytes <= q8_bytes + (size_t)kvq_kv_token_bytes(model, &q8) * 64, "the converted copy took %zu bytes (estimate %zu)",
+          copy_bytes, q8_bytes);
+    got = prefix_cache_fetch(pc, 1, NULL, a, N - 1);
+    CHECK(got == N - 1 && kvq_seq_len(c, 1) == N - 1, "hit on the converted entry: %d", got);
+    hit = finish(c, 1, a, got, N);
+    kvq_seq_clear(c, 1);
+    fresh = finish(c, 1, a, 0, N);
+    kvq_seq_clear(c, 1);
+    d = 0;
+    int am_hit = 0, am_fresh = 0;
+    for (int i = 0; i < V; i++) {
+        d = fmax(d, fabs((double)hit[i] - fresh[i]));
+        if (hit[i] > hit[am_hit]) am_hit = i;
+        if (fresh[i] > fresh[am_fresh]) am_fresh = i;
+    }
+    CHECK(d > 0 && d < 0.5 && am_hit == am_fresh, "8-bit hit: logits within %g of a fresh prefill, same argmax (%d %d)",
+          d, am_hit, am_fresh);
+    printf("8-bit prefix entry: max logit difference %.4f after a hit\n", d);
+    CHECK(prefix_cache_fetch(pc, 1, "short", a, N - 1) == 100, "the short entry hits");
+    kvq_seq_clear(c, 1);
+    /* the hit made the entry hot: it now holds the live copy, and the next hit shares it */
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(bytes == live_bytes + kvq_kv_token_bytes(model, &cp.kv) * 128, "a hit entry turns live: %zu bytes", bytes);
+    CHECK(prefix_cache_fetch(pc, 1, NULL, a, N - 1) == N - 1, "hit again");
+    float *again = finish(c, 1, a, N - 1, N);
+    kvq_seq_clear(c, 1);
+    d = 0;
+    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - again[i]));
+    CHECK(d == 0, "the live copy gives the first hit's logits (%g)", d);
+    free(again);
+    struct prefix_cache_stats pst;
+    prefix_cache_stats(pc, &pst);
+    CHECK(pst.converted_stores == 1 && pst.converted_fetches == 1 && pst.converted_tokens_stored == N,
+          "conversion counted: %d stores, %d fetches", pst.converted_stores, pst.converted_fetches);
+    printf("conversion f16 -> 8 bits on store: %.2f ms per 1000 tokens; back on attach: %.2f ms per 1000 tokens\n",
+           pst.store_ms * 1000 / pst.converted_tokens_stored, pst.fetch_ms * 1000 / pst.converted_tokens_fetched);
+    prefix_cache_free(pc); /* writes what is still queued */
+    CHECK(kvq_kv_blocks(c) == 0, "blocks back after free: %lld", (long long)kvq_kv_blocks(c));
+    pc = prefix_cache_new(c, model, &pp);
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(entries == 2 && bytes == q8_bytes + kvq_kv_token_bytes(model, &cp.kv) * 128,
+          "both entries reloaded in their formats: %d, %zu bytes", entries, bytes);
+    /* a running sequence's entry (its prompt) stays live and shared, and is not written */
+    size_t before_run = bytes;
+    prefill(c, 0, b, N);
+    prefix_cache_store(pc, 0, "run", b, N, false, 0);
+    kvq_seq_clear(c, 0);
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(entries == 3 && bytes - before_run == live_bytes, "a running entry in the live format: %zu bytes",
+          bytes - before_run);
+    CHECK(count_files(dir) == 2, "a running entry is not written: %d files", count_files(dir));
+    got = prefix_cache_fetch(pc, 1, NULL, a, N - 1);
+    float *disk = finish(c, 1, a, got, N);
+    kvq_seq_clear(c, 1);
+    d = 0;
+    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - disk[i]));
+    CHECK(got == N - 1 && d == 0, "the reloaded 8-bit entry gives the same logits as before (%d, %g)", got, d);
+    free(disk);
     free(hit);
     free(fresh);
     prefix_cache_free(pc);

@@ -2,11 +2,13 @@
  * reference Jinja templates render, family detection by markers, OpenAI request
  * parsing (accepted fields, and one clear 400 per bad field), response JSON, and
  * the UTF-8 cleaning of generated text. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
 #include "server/chat_template.h"
+#include "server/logprobs.h"
 #include "server/openai_json.h"
 #include "server/strbuf.h"
 
@@ -134,12 +136,130 @@ static void test_parse(void) {
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stream\":1}", "stream");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", "stream_options");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"frobnicate\":true}", "frobnicate");
-    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":true}", "logprobs");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"prompt\":\"b\"}", NULL);           /* duplicate key */
     expect_400(OAI_COMPLETION, "{\"prompt\":\"\\u0000\"}", NULL);                       /* NUL in a string */
     expect_400(OAI_COMPLETION, "{\"prompt\":\"\xff\"}", NULL);                          /* invalid UTF-8 */
     expect_400(OAI_COMPLETION, "{\"prompt\":[1,2,3]}", "prompt");
     expect_400(OAI_CHAT, "{\"prompt\":\"a\"}", "prompt"); /* a completion field on chat */
+}
+
+/* logprobs / top_logprobs: chat takes a boolean and 0..20 alternatives, completions
+ * the legacy integer; gen.logprobs is -1 when none are asked for. */
+static void test_parse_logprobs(void) {
+    static const struct {
+        enum oai_kind kind;
+        const char *body;
+        int want;
+    } ok[] = {
+        {OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}", -1},
+        {OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true}", 0},
+        {OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,\"top_logprobs\":20}", 20},
+        {OAI_CHAT, "{\"top_logprobs\":3,\"logprobs\":true,\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}", 3},
+        {OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":false,\"top_logprobs\":0}", -1},
+        {OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":5}", 5},
+        {OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":0}", 0},
+        {OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":null}", -1},
+        {OAI_COMPLETION, "{\"prompt\":\"a\"}", -1},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        struct oai_request r;
+        struct oai_error e;
+        int rc = parse(ok[i].kind, ok[i].body, &r, &e);
+        CHECK(rc == 0 && r.gen.logprobs == ok[i].want, "%s: rc %d logprobs %d (%s)", ok[i].body, rc,
+              rc == 0 ? r.gen.logprobs : -2, e.message);
+        if (rc == 0) oai_request_free(&r);
+    }
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,\"top_logprobs\":21}",
+               "top_logprobs");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,\"top_logprobs\":-1}",
+               "top_logprobs");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":2}", "top_logprobs");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":3}", "logprobs");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,\"top_logprobs\":1.5}",
+               "top_logprobs");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":21}", "logprobs");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":-1}", "logprobs");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":true}", "logprobs");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":\"2\"}", "logprobs");
+}
+
+/* lp_compute against values computed by hand (log-softmax in double precision). */
+static void test_logprobs_math(void) {
+    const float l[5] = {1, 2, 3, 0, 3};
+    /* log Z = log(e^1 + e^2 + 2 e^3 + e^0) = 3.937269840482335 */
+    struct lp_top top[LP_MAX_TOP];
+    float lp = lp_compute(l, 5, 0, 3, top);
+    CHECK(fabsf(lp - -2.93726984f) < 1e-5f, "chosen token 0: %.7f", lp);
+    CHECK(top[0].id == 2 && top[1].id == 4 && top[2].id == 1, "top-3 order (ties: lower id first): %d %d %d",
+          top[0].id, top[1].id, top[2].id);
+    CHECK(fabsf(top[0].logprob - -0.93726984f) < 1e-5f && fabsf(top[1].logprob - -0.93726984f) < 1e-5f &&
+              fabsf(top[2].logprob - -1.93726984f) < 1e-5f,
+          "top-3 values %.7f %.7f %.7f", top[0].logprob, top[1].logprob, top[2].logprob);
+    double total = 0;
+    lp_compute(l, 5, 0, 5, top);
+    for (int i = 0; i < 5; i++) total += exp(top[i].logprob);
+    CHECK(fabs(total - 1) < 1e-6 && top[4].id == 3, "all five sum to probability 1: %.9f", total);
+    CHECK(lp_compute(l, 5, 2, 0, top) == lp_compute(l, 5, 4, 0, top), "k = 0: just the chosen token");
+
+    /* a masked logit (-inf) is reported as OpenAI's floor, never as -inf or NaN */
+    const float m[4] = {0.5f, -1.25f, -INFINITY, 2.0f};
+    lp = lp_compute(m, 4, 2, 20, top); /* k larger than the vocabulary: clamped to 4 */
+    CHECK(lp == LP_FLOOR, "-inf logit gives %g", lp);
+    CHECK(top[0].id == 3 && fabsf(top[0].logprob - -0.23262198f) < 1e-5f && top[3].id == 2 && top[3].logprob == LP_FLOOR,
+          "top with a masked token: %d %.7f / %d %g", top[0].id, top[0].logprob, top[3].id, top[3].logprob);
+    CHECK(fabsf(lp_compute(m, 4, 1, 0, top) - -3.48262198f) < 1e-5f, "token 1");
+
+    /* a large vocabulary with big logits: the sum in double stays exact enough */
+    enum { N = 150000 };
+    float *big = malloc(sizeof *big * N);
+    for (int i = 0; i < N; i++) big[i] = 80.0f + (float)(i % 7) * 0.001f;
+    lp = lp_compute(big, N, 6, 1, top);
+    double ref = 0.006 - log(N / 7.0 * (exp(0) + exp(0.001) + exp(0.002) + exp(0.003) + exp(0.004) + exp(0.005) + exp(0.006))) ;
+    /* the reference is only close, since N is not a multiple of 7; compare loosely */
+    CHECK(isfinite(lp) && fabs(lp - ref) < 1e-4, "big vocabulary: %.7f vs %.7f", lp, ref);
+    CHECK(top[0].id == 6, "argmax of the big vocabulary: %d", top[0].id);
+    free(big);
+}
+
+/* Token t of a fake vocabulary: "t<id>", except 7: the bytes 0xe2 0x82 (part of a
+ * UTF-8 sequence). */
+static int fake_piece(const void *ctx, kvq_token t, char *buf, int size) {
+    (void)ctx;
+    char tmp[16];
+    int n = t == 7 ? 2 : snprintf(tmp, sizeof tmp, "t%d", t);
+    if (t == 7) memcpy(tmp, "\xe2\x82", 2);
+    memcpy(buf, tmp, (size_t)(n < size ? n : size));
+    return n;
+}
+
+static void test_logprobs_json(void) {
+    struct lp_entry e[2] = {
+        {.id = 5, .logprob = -0.5f, .n_top = 2, .top = {{5, -0.5f}, {9, -1.25f}}, .text_start = 0, .text_end = 2},
+        {.id = 7, .logprob = -2.0f, .n_top = 1, .top = {{3, -0.25f}}, .text_start = 2, .text_end = 5},
+    };
+    struct oai_logprobs lp = {e, 2, fake_piece, NULL};
+    struct oai_usage u = {1, 2, 0};
+    char *s = oai_response_json(OAI_CHAT, "id", 1, "m", "t5\xef\xbf\xbd", 5, "stop", &u, &lp);
+    CHECK(s && strstr(s, "\"logprobs\":{\"content\":[{\"token\":\"t5\",\"logprob\":-0.5,\"bytes\":[116,53],"
+                         "\"top_logprobs\":[{\"token\":\"t5\",\"logprob\":-0.5,\"bytes\":[116,53]},"
+                         "{\"token\":\"t9\",\"logprob\":-1.25,\"bytes\":[116,57]}]},"
+                         "{\"token\":\"\xef\xbf\xbd\xef\xbf\xbd\",\"logprob\":-2.0,\"bytes\":[226,130],"
+                         "\"top_logprobs\":[{\"token\":\"t3\",\"logprob\":-0.25,\"bytes\":[116,51]}]}],"
+                         "\"refusal\":null}"),
+          "chat logprobs: %s", s);
+    free(s);
+    s = oai_response_json(OAI_COMPLETION, "id", 1, "m", "t5", 2, "stop", &u, &lp);
+    CHECK(s && strstr(s, "\"logprobs\":{\"tokens\":[\"t5\",\"\xef\xbf\xbd\xef\xbf\xbd\"],\"token_logprobs\":[-0.5,-2.0],"
+                         "\"top_logprobs\":[{\"t5\":-0.5,\"t9\":-1.25},{\"t3\":-0.25}],\"text_offset\":[0,2]}"),
+          "completion logprobs: %s", s);
+    free(s);
+    struct oai_logprobs one = {e + 1, 1, fake_piece, NULL};
+    s = oai_chunk_json(OAI_COMPLETION, "id", 1, "m", false, "x", 1, NULL, &one);
+    CHECK(s && strstr(s, "\"text_offset\":[2]") && strstr(s, "\"text\":\"x\""), "chunk logprobs: %s", s);
+    free(s);
+    s = oai_chunk_json(OAI_CHAT, "id", 1, "m", false, "x", 1, NULL, NULL);
+    CHECK(s && strstr(s, "\"logprobs\":null"), "no logprobs asked: null: %s", s);
+    free(s);
 }
 
 static void test_json_out(void) {
@@ -150,12 +270,12 @@ static void test_json_out(void) {
                           "\"code\":\"invalid_api_key\"}}"), "error json: %s", s);
     free(s);
     struct oai_usage u = {10, 3, 4};
-    s = oai_response_json(OAI_CHAT, "id1", 5, "m", "hi", 2, "length", &u);
+    s = oai_response_json(OAI_CHAT, "id1", 5, "m", "hi", 2, "length", &u, NULL);
     CHECK(s && strstr(s, "\"message\":{\"role\":\"assistant\",\"content\":\"hi\"}") &&
               strstr(s, "\"finish_reason\":\"length\"") && strstr(s, "\"total_tokens\":13") &&
               strstr(s, "\"prompt_tokens_details\":{\"cached_tokens\":4}"), "chat response: %s", s);
     free(s);
-    s = oai_chunk_json(OAI_CHAT, "id1", 5, "m", true, "", 0, NULL);
+    s = oai_chunk_json(OAI_CHAT, "id1", 5, "m", true, "", 0, NULL, NULL);
     CHECK(s && strstr(s, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}") && strstr(s, "\"finish_reason\":null"),
           "first chunk: %s", s);
     free(s);
@@ -196,6 +316,9 @@ int main(void) {
     test_meta();
     test_templates();
     test_parse();
+    test_parse_logprobs();
+    test_logprobs_math();
+    test_logprobs_json();
     test_json_out();
     test_utf8();
     return check_finish();

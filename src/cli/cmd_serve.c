@@ -33,8 +33,11 @@ static const char *const serve_help =
     "  -ctv, --cache-type-v T     q5_1, q4_0, q4_1 (or a number of bits)\n"
     "  --prefix-cache-mb N        prefix cache size (default 256; 0: off)\n"
     "  --prefix-cache-dir DIR     keep prefix-cache entries in DIR and reload them at start\n"
-    "  --prefix-cache-bits B      accepted; entries are kept in the live cache format for now\n"
-    "  --prefix-cache-min-tokens N  accepted (for the cache-format conversion to come)\n"
+    "  --prefix-cache-bits B      bits of cached entries (default 8; 16: the live format): a side\n"
+    "                             cached with more bits than this is re-encoded on store and\n"
+    "                             back on attach (groups: --kv-group-size)\n"
+    "  --prefix-cache-min-tokens N  shorter entries keep the live format, sharing the\n"
+    "                             sequence's blocks (default 256)\n"
     "  --api-key KEY              require 'Authorization: Bearer KEY' (also $KVQ_API_KEY)\n"
     "  --chat-template NAME|FILE  chatml, llama2, llama3, mistral, gemma, phi3, zephyr, or a\n"
     "                             Jinja template file to recognise (default: the model's)\n"
@@ -185,10 +188,19 @@ int cmd_serve(int argc, char **argv) {
         goto done;
     }
     if (o.cache_mb > 0) {
-        if (o.cache_bits != 16 && (o.cp.kv.k_bits != o.cache_bits || o.cp.kv.v_bits != o.cache_bits))
-            fprintf(stderr, "kvq serve: note: --prefix-cache-bits is not implemented yet; entries keep the live "
-                            "cache format (%s)\n", cli_kv_config_name(&o.cp.kv));
-        pc = prefix_cache_new(ctx, m, &o.cp.kv, cache_bytes, o.cache_dir);
+        /* each side is cached with at most --prefix-cache-bits (never more than it lives with) */
+        struct kvq_kv_config store_kv = o.cp.kv;
+        if (o.cache_bits < store_kv.k_bits) store_kv.k_bits = o.cache_bits;
+        if (o.cache_bits < store_kv.v_bits) store_kv.v_bits = o.cache_bits;
+        struct prefix_cache_params pp = {.kv = &o.cp.kv, .store_kv = &store_kv, .min_tokens = o.cache_min_tokens,
+                                         .budget = cache_bytes, .dir = o.cache_dir};
+        if (store_kv.k_bits != o.cp.kv.k_bits || store_kv.v_bits != o.cp.kv.v_bits) {
+            /* two lines: cli_kv_config_name returns one static buffer */
+            fprintf(stderr, "kvq serve: prefix cache: entries of %d tokens or more are stored as %s", o.cache_min_tokens,
+                    cli_kv_config_name(&store_kv));
+            fprintf(stderr, " (live: %s)\n", cli_kv_config_name(&o.cp.kv));
+        }
+        pc = prefix_cache_new(ctx, m, &pp);
         if (!pc) {
             cli_fail("out of memory");
             goto done;

@@ -41,6 +41,7 @@ struct kvq_context {
 
 struct kvq_prefix {
     struct kvq_context *c;
+    struct kvq_kv_config kv;  /* its caches' config: the context's, or another format */
     struct kv_cache **caches; /* [n_layer] */
     struct kvq_prefix *prev, *next;
 };
@@ -131,6 +132,9 @@ int kvq_tokenize(const struct kvq_model *m, const char *text, size_t len, bool a
 kvq_token kvq_token_bos(const struct kvq_model *m) { return tokenizer_bos(m->tok); }
 kvq_token kvq_token_eos(const struct kvq_model *m) { return tokenizer_eos(m->tok); }
 bool kvq_token_is_eog(const struct kvq_model *m, kvq_token t) { return tokenizer_is_eog(m->tok, t); }
+int kvq_token_bytes(const struct kvq_model *m, kvq_token t, char *buf, int size) {
+    return tokenizer_token_bytes(m->tok, t, true, buf, size);
+}
 
 struct kvq_detok {
     struct tokenizer_stream s;
@@ -219,8 +223,9 @@ void kvq_context_params_default(struct kvq_context_params *p) {
     kvq_kv_config_default(&p->kv);
 }
 
-/* Caches for one sequence, [n_layer], with blocks from the context's pool. */
-static struct kv_cache **new_caches(const struct kvq_context *c) {
+/* Caches for one sequence, [n_layer], with blocks from the context's pool, in the
+ * config kv (a held prefix's may differ from the context's in format). */
+static struct kv_cache **new_caches_kv(const struct kvq_context *c, const struct kvq_kv_config *kv) {
     const struct model *m = c->m->model;
     struct kv_cache **cs = calloc((size_t)m->hp.n_layer, sizeof *cs);
     if (!cs) {
@@ -230,7 +235,7 @@ static struct kv_cache **new_caches(const struct kvq_context *c) {
     for (int il = 0; il < m->hp.n_layer; il++) {
         struct kv_cache_config cc;
         struct kv_shape shape;
-        layer_cache_setup(m, il, &c->p.kv, &cc, &shape);
+        layer_cache_setup(m, il, kv, &cc, &shape);
         if (!(cs[il] = kv_cache_new_in(c->kv_pool, &cc, &shape))) {
             while (il-- > 0) kv_cache_free(cs[il]);
             free(cs);
@@ -239,6 +244,8 @@ static struct kv_cache **new_caches(const struct kvq_context *c) {
     }
     return cs;
 }
+
+static struct kv_cache **new_caches(const struct kvq_context *c) { return new_caches_kv(c, &c->p.kv); }
 
 /* What n_ctx tokens of every sequence take in whole blocks (a rotating cache holds
  * its window and a batch). */
@@ -403,9 +410,37 @@ int64_t kvq_kv_blocks(const struct kvq_context *c) { return kv_pool_blocks(c->kv
 
 /* ---- held prefixes ---- */
 
-struct kvq_prefix *engine_prefix_new(struct kvq_context *c) {
+bool engine_prefix_kv_ok(const struct kvq_context *c, const struct kvq_kv_config *kv) {
+    const struct kvq_kv_config *k = &c->p.kv;
+    return kv->max_size == k->max_size && kv->keep == k->keep && kv->hadamard == k->hadamard &&
+           kv->residual == k->residual && kv->swa_full == k->swa_full &&
+           (kv->quantized_start == 0 || kv->quantized_start == k->quantized_start);
+}
+
+/* The context's config with another format: bits and groups from kv, stored at once. */
+static struct kvq_kv_config prefix_kv(const struct kvq_context *c, const struct kvq_kv_config *kv) {
+    struct kvq_kv_config p = c->p.kv;
+    p.k_bits = kv->k_bits;
+    p.v_bits = kv->v_bits;
+    p.k_group = kv->k_group;
+    p.v_group = kv->v_group;
+    p.quantized_start = 0;
+    return p;
+}
+
+static bool same_format(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
+    return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group &&
+           a->quantized_start == b->quantized_start;
+}
+
+struct kvq_prefix *engine_prefix_new_kv(struct kvq_context *c, const struct kvq_kv_config *kv) {
+    if (kv && !engine_prefix_kv_ok(c, kv)) {
+        kvq_error("a held prefix's KV config may differ from its context's only in bits and group sizes");
+        return NULL;
+    }
     struct kvq_prefix *p = calloc(1, sizeof *p);
-    if (!p || !(p->caches = new_caches(c))) {
+    if (p) p->kv = kv ? *kv : c->p.kv;
+    if (!p || !(p->caches = new_caches_kv(c, &p->kv))) {
         free(p);
         if (!p) kvq_error("out of memory");
         return NULL;
@@ -417,6 +452,8 @@ struct kvq_prefix *engine_prefix_new(struct kvq_context *c) {
     return p;
 }
 
+struct kvq_prefix *engine_prefix_new(struct kvq_context *c) { return engine_prefix_new_kv(c, NULL); }
+const struct kvq_kv_config *engine_prefix_kv(const struct kvq_prefix *p) { return &p->kv; }
 struct kv_cache **engine_prefix_caches(const struct kvq_prefix *p) { return p->caches; }
 struct kvq_context *engine_prefix_context(const struct kvq_prefix *p) { return p->c; }
 
@@ -430,9 +467,34 @@ struct kvq_prefix *kvq_prefix_hold(struct kvq_context *c, int seq) {
     return p;
 }
 
+/* dst's caches become src's tokens in dst's format (kv_cache_convert); dst is emptied
+ * on failure. */
+static int convert_caches(struct kv_cache **dst, struct kv_cache *const *src, int n_layer) {
+    for (int il = 0; il < n_layer; il++)
+        if (kv_cache_convert(dst[il], src[il]) != 0) {
+            for (int j = 0; j < n_layer; j++) kv_cache_clear(dst[j]);
+            return -1;
+        }
+    return 0;
+}
+
+struct kvq_prefix *kvq_prefix_hold_as(struct kvq_context *c, int seq, const struct kvq_kv_config *kv) {
+    if (!kv) return kvq_prefix_hold(c, seq);
+    if (check_seq(c, seq) != 0) return NULL;
+    struct kvq_kv_config pk = prefix_kv(c, kv);
+    if (same_format(&pk, &c->p.kv)) return kvq_prefix_hold(c, seq);
+    struct kvq_prefix *p = engine_prefix_new_kv(c, &pk);
+    if (p && convert_caches(p->caches, seq_caches(c, seq), c->m->model->hp.n_layer) != 0) {
+        kvq_prefix_free(p);
+        return NULL;
+    }
+    return p;
+}
+
 int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p) {
     if (check_seq(c, seq) != 0) return -1;
     if (p->c != c) return kvq_error("a held prefix attaches only to sequences of its own context");
+    if (!same_format(&p->kv, &c->p.kv)) return convert_caches(seq_caches(c, seq), p->caches, c->m->model->hp.n_layer);
     return fork_caches(seq_caches(c, seq), p->caches, c->m->model->hp.n_layer);
 }
 

@@ -72,8 +72,8 @@ static void put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv) {
     for (int i = 0; i < 10; i++) kv_buf_u32(b, (uint32_t)v[i]);
 }
 
-static int save_caches(const struct kvq_context *c, struct kv_cache *const *caches, const char *path,
-                       const kvq_token *tokens, int n_tokens, const float *logits) {
+static int save_caches(const struct kvq_context *c, const struct kvq_kv_config *kv, struct kv_cache *const *caches,
+                       const char *path, const kvq_token *tokens, int n_tokens, const float *logits) {
     const struct model *m = engine_model(c);
     const struct model_hparams *hp = &m->hp;
     if (n_tokens < 0 || (n_tokens > 0 && !tokens)) return kvq_error("invalid token list");
@@ -84,7 +84,7 @@ static int save_caches(const struct kvq_context *c, struct kv_cache *const *cach
     uint32_t dims[] = {(uint32_t)hp->n_layer, (uint32_t)hp->n_head, (uint32_t)hp->n_head_kv, (uint32_t)hp->head_dim,
                        (uint32_t)hp->n_vocab};
     for (int i = 0; i < 5; i++) kv_buf_u32(&b, dims[i]);
-    put_kv_config(&b, engine_kv_config(c));
+    put_kv_config(&b, kv);
     kv_buf_u32(&b, (uint32_t)kv_cache_n_past(caches[0]));
     kv_buf_u32(&b, (uint32_t)n_tokens);
     for (int i = 0; i < n_tokens; i++) kv_buf_u32(&b, (uint32_t)tokens[i]);
@@ -118,12 +118,13 @@ static int save_caches(const struct kvq_context *c, struct kv_cache *const *cach
 int kvq_seq_save_ex(const struct kvq_context *c, int seq, const char *path, const kvq_token *tokens, int n_tokens,
                     const float *logits) {
     struct kv_cache **caches = engine_seq_caches(c, seq);
-    return caches ? save_caches(c, caches, path, tokens, n_tokens, logits) : -1;
+    return caches ? save_caches(c, engine_kv_config(c), caches, path, tokens, n_tokens, logits) : -1;
 }
 
 int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_token *tokens, int n_tokens,
                     const float *logits) {
-    return save_caches(engine_prefix_context(p), engine_prefix_caches(p), path, tokens, n_tokens, logits);
+    return save_caches(engine_prefix_context(p), engine_prefix_kv(p), engine_prefix_caches(p), path, tokens, n_tokens,
+                       logits);
 }
 
 int kvq_seq_save(const struct kvq_context *c, int seq, const char *path) {
@@ -231,8 +232,8 @@ static bool same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b
            a->hadamard == b->hadamard && a->residual == b->residual && a->swa_full == b->swa_full;
 }
 
-static int load_body(struct kvq_context *c, struct kv_cache **caches, const char *path, struct kv_reader *r,
-                     uint32_t version, struct kvq_seq_extra *extra) {
+static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, struct kv_cache **caches,
+                     const char *path, struct kv_reader *r, uint32_t version, struct kvq_seq_extra *extra) {
     const struct model *m = engine_model(c);
     const struct model_hparams *hp = &m->hp;
     uint64_t fp;
@@ -251,7 +252,6 @@ static int load_body(struct kvq_context *c, struct kv_cache **caches, const char
     if (fp != model_fingerprint(m)) /* same shape: listing it would not tell the models apart */
         return kvq_error("'%s' was written for another model of the same shape (other weights or hyperparameters)",
                          path);
-    const struct kvq_kv_config *mine = engine_kv_config(c);
     if (!same_kv(&kv, mine))
         return kvq_error("'%s' was written with another KV cache config (K%d/V%d bits, groups %d/%d, max size %d, "
                          "keep %d, quantized start %d, rotation %d, residual %d, swa-full %d); this context uses K%d/V%d "
@@ -308,9 +308,9 @@ static int load_body(struct kvq_context *c, struct kv_cache **caches, const char
     return rc;
 }
 
-/* Loads the file into caches [n_layer]; on failure they are emptied. */
-static int load_caches(struct kvq_context *c, struct kv_cache **caches, const char *path,
-                       struct kvq_seq_extra *extra) {
+/* Loads the file into caches [n_layer] of config kv; on failure they are emptied. */
+static int load_caches(struct kvq_context *c, const struct kvq_kv_config *kv, struct kv_cache **caches,
+                       const char *path, struct kvq_seq_extra *extra) {
     if (extra) memset(extra, 0, sizeof *extra);
     size_t len;
     uint8_t *data = read_all(path, &len);
@@ -318,7 +318,7 @@ static int load_caches(struct kvq_context *c, struct kv_cache **caches, const ch
     struct kv_reader r;
     uint32_t version = 0;
     int rc = check_envelope(path, data, len, &r, &version);
-    if (rc == 0) rc = load_body(c, caches, path, &r, version, extra);
+    if (rc == 0) rc = load_body(c, kv, caches, path, &r, version, extra);
     free(data);
     if (rc != 0) {
         char msg[512];
@@ -332,12 +332,17 @@ static int load_caches(struct kvq_context *c, struct kv_cache **caches, const ch
 int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq_seq_extra *extra) {
     if (extra) memset(extra, 0, sizeof *extra);
     struct kv_cache **caches = engine_seq_caches(c, seq);
-    return caches ? load_caches(c, caches, path, extra) : -1;
+    return caches ? load_caches(c, engine_kv_config(c), caches, path, extra) : -1;
 }
 
 struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra) {
-    struct kvq_prefix *p = engine_prefix_new(c);
-    if (p && load_caches(c, engine_prefix_caches(p), path, extra) != 0) {
+    /* a prefix held in another format (kvq_prefix_hold_as) loads in that format */
+    struct kvq_kv_config kv;
+    if (extra) memset(extra, 0, sizeof *extra);
+    if (kvq_seq_file_kv_config(path, &kv) != 0) return NULL;
+    bool other = !same_kv(&kv, engine_kv_config(c)) && engine_prefix_kv_ok(c, &kv);
+    struct kvq_prefix *p = other ? engine_prefix_new_kv(c, &kv) : engine_prefix_new(c);
+    if (p && load_caches(c, engine_prefix_kv(p), engine_prefix_caches(p), path, extra) != 0) {
         kvq_prefix_free(p);
         return NULL;
     }

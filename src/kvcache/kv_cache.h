@@ -46,6 +46,12 @@ struct kv_pool *kv_cache_pool(const struct kv_cache *c);
  * windows: each side copies a shared block or window only when it first writes to
  * it. 0, or -1 with an error (dst then unchanged or empty). */
 int kv_cache_fork(struct kv_cache *dst, const struct kv_cache *src);
+/* dst (same pool, shape, rotating size and keep as src; its own bits and groups)
+ * becomes a copy of src's tokens in the format dst's config gives a sequence of that
+ * length: src's blocks are shared when the formats agree, else decoded and encoded
+ * into new blocks (windows and offsets rebuilt as a quantize-after-N conversion
+ * does). 0, or -1 with an error (dst then empty). */
+int kv_cache_convert(struct kv_cache *dst, const struct kv_cache *src);
 /* Keeps the first n tokens. Fails (nothing changed) when a rotating window no longer
  * holds a row that a query at n would see. */
 int kv_cache_keep_prefix(struct kv_cache *c, int n);

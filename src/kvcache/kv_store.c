@@ -561,6 +561,39 @@ static int store_fork(struct kv_cache *dst, const struct kv_cache *src) {
     return 0;
 }
 
+int kv_cache_convert(struct kv_cache *dst, const struct kv_cache *src) {
+    if (dst == src) return 0;
+    const struct kv_shape *a = &dst->shape, *b = &src->shape;
+    if (a->n_heads != b->n_heads || a->n_kv_heads != b->n_kv_heads || a->head_dim != b->head_dim ||
+        a->window != b->window || dst->cfg.max_size != src->cfg.max_size || dst->cfg.keep != src->cfg.keep)
+        return kvq_error("a KV cache converts only to another format of the same shape and window");
+    if (store_fork(dst, src) != 0) return -1; /* shares every block and window for now */
+    struct kv_store *st = store_of(dst);
+    /* what an appending sequence of this length holds: quantize-after-N is float until N */
+    bool initial = dst->cfg.quantized_start > 0 && dst->n_past <= dst->cfg.quantized_start;
+    struct kv_fmt tk = initial ? kv_fmt_initial(dst, 0) : kv_fmt_target(dst, 0);
+    struct kv_fmt tv = initial ? kv_fmt_initial(dst, 1) : kv_fmt_target(dst, 1);
+    if (kv_fmt_eq(st->kf, tk) && kv_fmt_eq(st->vf, tv)) return 0;
+    if (reencode(dst, tk, tv) != 0) {
+        kv_store_clear(dst);
+        return -1;
+    }
+    if (!kv_win_on(st)) { /* float rows need no windows: drop the ones shared with src */
+        struct kv_win *ws[2] = {kv_win_new(), kv_win_new()};
+        if (!ws[0] || !ws[1]) {
+            kv_win_unref(ws[0]);
+            kv_win_unref(ws[1]);
+            kv_store_clear(dst);
+            return kvq_error("out of memory");
+        }
+        kv_win_unref(st->sink);
+        kv_win_unref(st->rec);
+        st->sink = ws[0];
+        st->rec = ws[1];
+    }
+    return 0;
+}
+
 /* Calls fn for each held position in order (with its block present). */
 static int32_t held_positions(const struct kv_cache *c, int32_t *out, int32_t max) {
     const struct kv_store *st = store_of(c);

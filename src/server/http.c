@@ -125,6 +125,20 @@ static int prompt_tokens(struct http_server *h, const struct oai_request *q, kvq
     return n;
 }
 
+/* ---- log-probabilities ---- */
+
+static int token_piece(const void *model, kvq_token t, char *buf, int size) {
+    return kvq_token_bytes(model, t, buf, size);
+}
+
+/* The logprobs of a response or chunk: NULL when the request asked for none. */
+static const struct oai_logprobs *lp_view(struct http_server *h, bool wanted, const struct lp_list *l,
+                                          struct oai_logprobs *out) {
+    if (!wanted) return NULL;
+    *out = (struct oai_logprobs){l->v, l->n, token_piece, h->p.model};
+    return out;
+}
+
 /* ---- streams ---- */
 
 struct stream {
@@ -134,9 +148,10 @@ struct stream {
     enum oai_kind kind;
     char id[48];
     long created;
-    bool include_usage, first_sent, finished;
+    bool include_usage, logprobs, first_sent, finished;
     struct strbuf out; /* SSE bytes not yet handed to MHD */
-    size_t out_off, text_off;
+    size_t out_off;
+    struct sched_cursor cur;
     double last_write;
 };
 
@@ -157,16 +172,20 @@ static void stream_fill(struct stream *st) {
     if (!st->first_sent) {
         st->first_sent = true;
         if (st->kind == OAI_CHAT) { /* clients take the role from the first chunk */
-            sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, true, "", 0, NULL));
+            sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, true, "", 0, NULL, NULL));
             return;
         }
     }
     struct strbuf text = {0};
+    struct lp_list lps = {0};
+    struct oai_logprobs lpv;
     struct sched_result res;
-    bool done = sched_req_wait(st->r, 100, &st->text_off, &text, &res);
-    if (text.oom) st->out.oom = true;
+    bool done = sched_req_wait(st->r, 100, &st->cur, &text, st->logprobs ? &lps : NULL, &res);
+    if (text.oom || lps.oom) st->out.oom = true;
+    const struct oai_logprobs *lp = lp_view(st->h, st->logprobs, &lps, &lpv);
+    bool news = text.len || lps.n;
     if (done && res.error_status) {
-        if (text.len) sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.s, text.len, NULL));
+        if (news) sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.s, text.len, NULL, lp));
         struct oai_error e;
         oai_error_set(&e, res.error_status, res.error_status >= 500 ? "server_error" : "invalid_request_error",
                       NULL, NULL, "%s", res.error_msg);
@@ -175,19 +194,21 @@ static void stream_fill(struct stream *st) {
     } else if (done) {
         /* the last content chunk carries finish_reason */
         sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.len ? text.s : NULL, text.len,
-                                     res.finish_reason));
+                                     res.finish_reason, lp));
         if (st->include_usage) {
             struct oai_usage u = {res.prompt_tokens, res.completion_tokens, res.cached_tokens};
             sse_event(st, oai_usage_chunk_json(st->kind, st->id, st->created, model, &u));
         }
-    } else if (text.len) {
-        sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.s, text.len, NULL));
+    } else if (news) {
+        sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.len ? text.s : NULL, text.len,
+                                     NULL, lp));
     }
     if (done) {
         strbuf_add(&st->out, "data: [DONE]\n\n");
         st->finished = true;
     }
     strbuf_free(&text);
+    lp_list_free(&lps);
 }
 
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
@@ -238,8 +259,8 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     }
     unsigned long long id = atomic_fetch_add(&h->next_id, 1);
     if (!q.has_seed) q.gen.sampling.seed = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ id;
+    bool stream = q.stream, include_usage = q.include_usage, logprobs = q.gen.logprobs >= 0;
     struct sched_req *r = sched_req_new(toks, n, &q.gen, q.cache_key);
-    bool stream = q.stream, include_usage = q.include_usage;
     oai_request_free(&q);
     if (!r) {
         free(toks);
@@ -263,7 +284,7 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
             return fail(h, c, 500, "server_error", NULL, NULL, "out of memory");
         }
         *st = (struct stream){.h = h, .conn = c, .r = r, .kind = kind, .created = created,
-                              .include_usage = include_usage, .last_write = now_s()};
+                              .include_usage = include_usage, .logprobs = logprobs, .last_write = now_s()};
         memcpy(st->id, rid, sizeof rid);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, st, stream_free);
         if (!resp) {
@@ -277,13 +298,15 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
         return ret;
     }
     struct strbuf text = {0};
-    size_t off = 0;
+    struct lp_list lps = {0};
+    struct sched_cursor cur = {0};
     struct sched_result res;
-    while (!sched_req_wait(r, 100, &off, &text, &res)) {
+    while (!sched_req_wait(r, 100, &cur, &text, logprobs ? &lps : NULL, &res)) {
         if (client_gone(c)) {
             sched_req_cancel(r);
             sched_req_release(r);
             strbuf_free(&text);
+            lp_list_free(&lps);
             return MHD_NO;
         }
     }
@@ -294,12 +317,15 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
                    NULL, res.error_msg);
     } else {
         struct oai_usage u = {res.prompt_tokens, res.completion_tokens, res.cached_tokens};
+        struct oai_logprobs lpv;
         ret = respond_json(h, c, 200,
-                           text.oom ? NULL
-                                    : oai_response_json(kind, rid, created, h->p.model_id, text.s ? text.s : "",
-                                                        text.len, res.finish_reason, &u));
+                           text.oom || lps.oom
+                               ? NULL
+                               : oai_response_json(kind, rid, created, h->p.model_id, text.s ? text.s : "", text.len,
+                                                   res.finish_reason, &u, lp_view(h, logprobs, &lps, &lpv)));
     }
     strbuf_free(&text);
+    lp_list_free(&lps);
     return ret;
 }
 

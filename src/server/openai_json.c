@@ -128,10 +128,8 @@ static int check_default_only(const char *key, json_t *v, struct oai_error *e) {
     bool is_default = json_is_null(v);
     if (!strcmp(key, "frequency_penalty") || !strcmp(key, "presence_penalty"))
         is_default = is_default || (json_is_number(v) && json_number_value(v) == 0);
-    else if (!strcmp(key, "logprobs") || !strcmp(key, "echo"))
+    else if (!strcmp(key, "echo"))
         is_default = is_default || json_is_false(v);
-    else if (!strcmp(key, "top_logprobs"))
-        is_default = is_default || (json_is_integer(v) && json_integer_value(v) == 0);
     else if (!strcmp(key, "best_of"))
         is_default = is_default || (json_is_integer(v) && json_integer_value(v) == 1);
     else if (!strcmp(key, "logit_bias") || !strcmp(key, "tools"))
@@ -184,6 +182,23 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, struct
         return x == 1 ? 0 : BAD("n", "only n = 1 is supported (got %lld)", x);
     }
     if (!strcmp(key, "stop")) return get_stop(v, g, e);
+    /* chat: logprobs true/false and top_logprobs N; completions: logprobs N (the
+     * legacy field; false is taken as off, as some clients send it) */
+    if (!strcmp(key, "logprobs") && r->kind == OAI_CHAT) return get_bool(v, key, &r->logprobs, e);
+    if (!strcmp(key, "logprobs")) {
+        if (json_is_null(v) || json_is_false(v)) return 0;
+        if (!json_is_integer(v))
+            return BAD(key, "'logprobs' must be an integer from 0 to %d on /v1/completions", LP_MAX_TOP);
+        if (get_int(v, key, 0, LP_MAX_TOP, &x, e)) return -1;
+        g->logprobs = (int)x;
+        return 0;
+    }
+    if (!strcmp(key, "top_logprobs") && r->kind == OAI_CHAT) {
+        if (json_is_null(v)) return 0;
+        if (get_int(v, key, 0, LP_MAX_TOP, &x, e)) return -1;
+        r->top_logprobs = (int)x;
+        return 0;
+    }
     if (!strcmp(key, "stream")) return get_bool(v, key, &r->stream, e);
     if (!strcmp(key, "stream_options")) {
         if (json_is_null(v)) return 0;
@@ -208,9 +223,8 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, struct
         if (!json_is_string(v)) return BAD("prompt", "'prompt' must be a string (or a list of one string)");
         return get_string(v, key, &r->prompt, e);
     }
-    static const char *const defaults_only[] = {"frequency_penalty", "presence_penalty", "logprobs", "top_logprobs",
-                                                "logit_bias", "tools", "response_format", "echo", "best_of",
-                                                "suffix", NULL};
+    static const char *const defaults_only[] = {"frequency_penalty", "presence_penalty", "logit_bias", "tools",
+                                                "response_format", "echo", "best_of", "suffix", NULL};
     for (const char *const *d = defaults_only; *d; d++)
         if (!strcmp(key, *d)) return check_default_only(key, v, e);
     return BAD(key, "Unrecognized request argument supplied: %s", key);
@@ -221,6 +235,8 @@ int oai_parse_request(const char *body, size_t len, enum oai_kind kind, struct o
     memset(e, 0, sizeof *e);
     r->kind = kind;
     r->gen.max_tokens = kind == OAI_COMPLETION ? 16 : -1; /* OpenAI's defaults */
+    r->gen.logprobs = -1;
+    r->top_logprobs = -1;
     kvq_sampler_params_default(&r->gen.sampling);
     /* OpenAI's sampling defaults: temperature 1, nothing truncated */
     r->gen.sampling.temp = 1.0f;
@@ -240,6 +256,9 @@ int oai_parse_request(const char *body, size_t len, enum oai_kind kind, struct o
         }
     if (rc == 0 && kind == OAI_CHAT && !r->messages) rc = BAD("messages", "'messages' is required");
     if (rc == 0 && kind == OAI_COMPLETION && !r->prompt) rc = BAD("prompt", "'prompt' is required");
+    if (rc == 0 && kind == OAI_CHAT && r->top_logprobs > 0 && !r->logprobs)
+        rc = BAD("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    if (rc == 0 && kind == OAI_CHAT && r->logprobs) r->gen.logprobs = r->top_logprobs > 0 ? r->top_logprobs : 0;
     if (rc == 0 && r->include_usage && !r->stream)
         rc = BAD("stream_options", "'stream_options' is only allowed when 'stream' is true");
     json_decref(root);
@@ -300,14 +319,81 @@ static json_t *envelope(enum oai_kind kind, const char *id, long created, const 
                      model, "system_fingerprint", "kvq");
 }
 
+/* A token's text as a JSON string (bytes that are not valid UTF-8 become U+FFFD)
+ * and, with bytes_out, its raw bytes as a list of integers (OpenAI's "bytes"). */
+static json_t *token_text(const struct oai_logprobs *lp, kvq_token t, json_t **bytes_out) {
+    char small[128], *buf = small;
+    int n = lp->piece(lp->ctx, t, small, sizeof small);
+    if (n > (int)sizeof small && (buf = malloc((size_t)n))) lp->piece(lp->ctx, t, buf, n);
+    if (!buf) return NULL;
+    if (n < 0) n = 0;
+    struct strbuf b = {0};
+    strbuf_add_utf8(&b, buf, (size_t)n);
+    json_t *s = b.oom ? NULL : json_stringn(b.s ? b.s : "", b.len);
+    strbuf_free(&b);
+    if (bytes_out) {
+        *bytes_out = json_array();
+        for (int i = 0; i < n; i++) json_array_append_new(*bytes_out, json_integer((unsigned char)buf[i]));
+    }
+    if (buf != small) free(buf);
+    return s;
+}
+
+/* Chat's {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": null}. */
+static json_t *chat_logprobs(const struct oai_logprobs *lp) {
+    json_t *content = json_array();
+    for (int i = 0; i < lp->n; i++) {
+        const struct lp_entry *e = &lp->v[i];
+        json_t *bytes, *top = json_array();
+        json_t *tok = token_text(lp, e->id, &bytes);
+        for (int j = 0; j < e->n_top; j++) {
+            json_t *tb, *tt = token_text(lp, e->top[j].id, &tb);
+            json_array_append_new(top, json_pack("{s:o, s:f, s:o}", "token", tt, "logprob", (double)e->top[j].logprob,
+                                                 "bytes", tb));
+        }
+        json_array_append_new(content, json_pack("{s:o, s:f, s:o, s:o}", "token", tok, "logprob", (double)e->logprob,
+                                                 "bytes", bytes, "top_logprobs", top));
+    }
+    return json_pack("{s:o, s:n}", "content", content, "refusal");
+}
+
+/* The legacy completions shape: parallel lists, top_logprobs as {token: logprob}. */
+static json_t *completion_logprobs(const struct oai_logprobs *lp) {
+    json_t *tokens = json_array(), *values = json_array(), *tops = json_array(), *offsets = json_array();
+    for (int i = 0; i < lp->n; i++) {
+        const struct lp_entry *e = &lp->v[i];
+        json_array_append_new(tokens, token_text(lp, e->id, NULL));
+        json_array_append_new(values, json_real(e->logprob));
+        json_t *top = json_object();
+        for (int j = 0; j < e->n_top; j++) {
+            json_t *t = token_text(lp, e->top[j].id, NULL);
+            /* two tokens can share a text: the likelier one (listed first) stays */
+            if (t && !json_object_get(top, json_string_value(t)))
+                json_object_set_new(top, json_string_value(t), json_real(e->top[j].logprob));
+            json_decref(t);
+        }
+        json_array_append_new(tops, top);
+        json_array_append_new(offsets, json_integer((json_int_t)e->text_start));
+    }
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", values, "top_logprobs", tops,
+                     "text_offset", offsets);
+}
+
+static json_t *logprobs_json(enum oai_kind kind, const struct oai_logprobs *lp) {
+    if (!lp) return json_null();
+    return kind == OAI_CHAT ? chat_logprobs(lp) : completion_logprobs(lp);
+}
+
 char *oai_response_json(enum oai_kind kind, const char *id, long created, const char *model, const char *text,
-                        size_t text_len, const char *finish_reason, const struct oai_usage *u) {
+                        size_t text_len, const char *finish_reason, const struct oai_usage *u,
+                        const struct oai_logprobs *lp) {
     json_t *root = envelope(kind, id, created, model, false);
     json_t *choice = kind == OAI_CHAT
-                         ? json_pack("{s:i, s:{s:s, s:s%}, s:n, s:s}", "index", 0, "message", "role", "assistant",
-                                     "content", text, text_len, "logprobs", "finish_reason", finish_reason)
-                         : json_pack("{s:i, s:s%, s:n, s:s}", "index", 0, "text", text, text_len, "logprobs",
-                                     "finish_reason", finish_reason);
+                         ? json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", 0, "message", "role", "assistant",
+                                     "content", text, text_len, "logprobs", logprobs_json(kind, lp), "finish_reason",
+                                     finish_reason)
+                         : json_pack("{s:i, s:s%, s:o, s:s}", "index", 0, "text", text, text_len, "logprobs",
+                                     logprobs_json(kind, lp), "finish_reason", finish_reason);
     if (!root || !choice) {
         json_decref(root);
         json_decref(choice);
@@ -319,9 +405,9 @@ char *oai_response_json(enum oai_kind kind, const char *id, long created, const 
 }
 
 char *oai_chunk_json(enum oai_kind kind, const char *id, long created, const char *model, bool first,
-                     const char *text, size_t text_len, const char *finish_reason) {
+                     const char *text, size_t text_len, const char *finish_reason, const struct oai_logprobs *lp) {
     json_t *root = envelope(kind, id, created, model, true);
-    json_t *choice = json_pack("{s:i, s:n}", "index", 0, "logprobs");
+    json_t *choice = json_pack("{s:i, s:o}", "index", 0, "logprobs", logprobs_json(kind, lp));
     if (!root || !choice) {
         json_decref(root);
         json_decref(choice);

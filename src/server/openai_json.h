@@ -19,6 +19,8 @@ struct oai_request {
     struct gen_params gen;
     bool stream, include_usage;
     bool has_seed; /* else the caller picks a fresh seed */
+    bool logprobs;    /* chat's logprobs: true (gen.logprobs holds the count either way) */
+    int top_logprobs; /* chat's top_logprobs, -1 when absent */
     char *cache_key; /* prompt_cache_key, or NULL */
 };
 
@@ -41,14 +43,26 @@ struct oai_usage {
     int prompt_tokens, completion_tokens, cached_tokens;
 };
 
-/* The JSON texts (malloc'd; NULL when out of memory). */
+/* Log-probabilities of generated tokens for a response or chunk; piece writes a
+ * token's bytes as kvq_token_bytes does (ctx: its model). */
+struct oai_logprobs {
+    const struct lp_entry *v;
+    int n;
+    int (*piece)(const void *ctx, kvq_token t, char *buf, int size);
+    const void *ctx;
+};
+
+/* The JSON texts (malloc'd; NULL when out of memory). lp NULL: "logprobs": null;
+ * else chat's {"content": [...]} or the completions' {"tokens", "token_logprobs",
+ * "top_logprobs", "text_offset"} (offsets into the generated text). */
 char *oai_error_json(const struct oai_error *e);
 char *oai_response_json(enum oai_kind kind, const char *id, long created, const char *model, const char *text,
-                        size_t text_len, const char *finish_reason, const struct oai_usage *u);
+                        size_t text_len, const char *finish_reason, const struct oai_usage *u,
+                        const struct oai_logprobs *lp);
 /* One stream chunk: chat chunks carry delta.role when first, delta.content when text
  * is non-NULL; finish_reason NULL while running. */
 char *oai_chunk_json(enum oai_kind kind, const char *id, long created, const char *model, bool first,
-                     const char *text, size_t text_len, const char *finish_reason);
+                     const char *text, size_t text_len, const char *finish_reason, const struct oai_logprobs *lp);
 /* The include_usage chunk: choices [] and usage. */
 char *oai_usage_chunk_json(enum oai_kind kind, const char *id, long created, const char *model,
                            const struct oai_usage *u);

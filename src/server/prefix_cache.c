@@ -3,10 +3,25 @@
 #include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
+
+/* A file to write. The writer thread reads the entry's prefix and tokens, which
+ * stay alive and unchanged until the job is done: drop() takes a queued job back
+ * or waits for the one being written before it frees the entry. */
+enum job_state { JOB_QUEUED, JOB_WRITING, JOB_DONE };
+struct write_job {
+    struct write_job *next;
+    const struct kvq_prefix *p;
+    const kvq_token *toks;
+    int n;
+    const char *path; /* the entry's */
+    enum job_state state;
+};
 
 struct entry {
     uint64_t ns;    /* hash of the namespace (prompt_cache_key) */
@@ -15,16 +30,29 @@ struct entry {
     size_t bytes;
     uint64_t used;  /* LRU clock */
     struct kvq_prefix *prefix;
+    bool converted; /* held in store_kv's format */
     char *path;     /* its file, or NULL */
+    struct write_job *job; /* its write, or NULL */
 };
 
 struct prefix_cache {
     struct kvq_context *c;
-    size_t token_bytes, window_bytes, budget, bytes;
+    const struct kvq_model *m;
+    struct kvq_kv_config kv, store_kv;
+    bool convert;
+    int min_tokens;
+    size_t budget, bytes;
     char *dir;
     struct entry *e;
     int n, cap;
     uint64_t clock;
+    /* the writer thread and its queue (under mu; cv: a job queued, a job done, stop) */
+    pthread_t writer;
+    bool writer_on, stopping;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct write_job *q_head, *q_tail;
+    struct prefix_cache_stats st; /* writes and write_ms under mu */
 };
 
 static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
@@ -36,13 +64,38 @@ static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
 
 static uint64_t ns_hash(const char *ns) { return ns && *ns ? fnv1a(FNV_BASIS, ns, strlen(ns)) : 0; }
 
-/* Whole 64-token blocks of every layer plus the f16 window: what holding n tokens pins. */
-static size_t entry_bytes(const struct prefix_cache *pc, int n) {
-    return pc->token_bytes * (((size_t)n + 63) / 64 * 64) + pc->window_bytes;
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+/* Whole 64-token blocks of every layer plus the f16 window: what holding n tokens
+ * in format kv pins. */
+static size_t entry_bytes(const struct prefix_cache *pc, int n, const struct kvq_kv_config *kv) {
+    return kvq_kv_token_bytes(pc->m, kv) * (((size_t)n + 63) / 64 * 64) + kvq_kv_window_bytes(pc->m, kv);
+}
+
+/* Takes the entry's write back from the queue, or waits until it is written. */
+static void finish_job(struct prefix_cache *pc, struct entry *e) {
+    struct write_job *j = e->job;
+    if (!j) return;
+    pthread_mutex_lock(&pc->mu);
+    if (j->state == JOB_QUEUED) {
+        struct write_job **pp = &pc->q_head, *prev = NULL;
+        while (*pp != j) prev = *pp, pp = &(*pp)->next;
+        *pp = j->next;
+        if (pc->q_tail == j) pc->q_tail = prev;
+    }
+    while (j->state == JOB_WRITING) pthread_cond_wait(&pc->cv, &pc->mu);
+    pthread_mutex_unlock(&pc->mu);
+    free(j);
+    e->job = NULL;
 }
 
 static void drop(struct prefix_cache *pc, int i, bool unlink_file) {
     struct entry *e = &pc->e[i];
+    finish_job(pc, e);
     if (unlink_file && e->path) remove(e->path);
     kvq_prefix_free(e->prefix);
     free(e->tokens);
@@ -66,22 +119,23 @@ bool prefix_cache_evict_one(struct prefix_cache *pc) {
     return true;
 }
 
-/* Adds an entry (taking tokens, prefix and path), evicting LRU entries to make room. */
-static bool add(struct prefix_cache *pc, uint64_t ns, kvq_token *tokens, int n, struct kvq_prefix *p, char *path) {
-    size_t bytes = entry_bytes(pc, n);
-    if (bytes > pc->budget) return false;
-    while (pc->bytes + bytes > pc->budget && prefix_cache_evict_one(pc)) {
+/* Adds an entry (taking tokens, prefix and path), evicting LRU entries to make room;
+ * returns its index or -1. */
+static int add(struct prefix_cache *pc, struct entry e) {
+    if (e.bytes > pc->budget) return -1;
+    while (pc->bytes + e.bytes > pc->budget && prefix_cache_evict_one(pc)) {
     }
     if (pc->n == pc->cap) {
         int cap = pc->cap ? pc->cap * 2 : 16;
-        struct entry *e = realloc(pc->e, sizeof *e * (size_t)cap);
-        if (!e) return false;
-        pc->e = e;
+        struct entry *v = realloc(pc->e, sizeof *v * (size_t)cap);
+        if (!v) return -1;
+        pc->e = v;
         pc->cap = cap;
     }
-    pc->e[pc->n++] = (struct entry){ns, tokens, n, bytes, ++pc->clock, p, path};
-    pc->bytes += bytes;
-    return true;
+    e.used = ++pc->clock;
+    pc->e[pc->n] = e;
+    pc->bytes += e.bytes;
+    return pc->n++;
 }
 
 static int common_prefix(const kvq_token *a, int na, const kvq_token *b, int nb) {
@@ -99,47 +153,116 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
         if (len > best_len) best = i, best_len = len;
     }
     if (best < 0) return 0;
-    /* attach then cut back to the common part; a rotating window that no longer holds
-     * that shorter state refuses, and the request is prefilled from scratch */
-    if (kvq_prefix_attach(pc->c, seq, pc->e[best].prefix) != 0 || kvq_seq_keep_prefix(pc->c, seq, best_len) != 0 ||
-        kvq_seq_len(pc->c, seq) != best_len) {
+    /* attach (converting a stored format back to the live one) then cut back to the
+     * common part; a rotating window that no longer holds that shorter state refuses,
+     * and the request is prefilled from scratch */
+    double t0 = now_ms();
+    if (kvq_prefix_attach(pc->c, seq, pc->e[best].prefix) != 0) {
+        fprintf(stderr, "kvq serve: cannot attach a cached prefix: %s\n", kvq_last_error());
         kvq_seq_clear(pc->c, seq);
         return 0;
     }
-    pc->e[best].used = ++pc->clock;
+    struct entry *e = &pc->e[best];
+    if (e->converted) {
+        double ms = now_ms() - t0;
+        pc->st.converted_fetches++;
+        pc->st.converted_tokens_fetched += e->n;
+        pc->st.fetch_ms += ms;
+        fprintf(stderr, "kvq serve: cache_convert fetch tokens=%d ms=%.2f\n", e->n, ms);
+        /* a hit makes the entry hot: it keeps the live copy just made instead (before
+         * the cut below), so later hits share its blocks again instead of converting
+         * (the file keeps the small format; the budget is enforced at the next store) */
+        struct kvq_prefix *live = kvq_seq_len(pc->c, seq) == e->n ? kvq_prefix_hold(pc->c, seq) : NULL;
+        if (live) {
+            finish_job(pc, e); /* the writer may be reading the converted prefix */
+            kvq_prefix_free(e->prefix);
+            e->prefix = live;
+            e->converted = false;
+            pc->bytes -= e->bytes;
+            e->bytes = entry_bytes(pc, e->n, &pc->kv);
+            pc->bytes += e->bytes;
+        }
+    }
+    if (kvq_seq_keep_prefix(pc->c, seq, best_len) != 0 || kvq_seq_len(pc->c, seq) != best_len) {
+        fprintf(stderr, "kvq serve: cannot attach a cached prefix: %s\n", kvq_last_error());
+        kvq_seq_clear(pc->c, seq);
+        return 0;
+    }
+    e->used = ++pc->clock;
     return best_len;
 }
 
-/* Writes an entry to a temporary name and renames it into place, so a crash never
- * leaves a half-written entry under a name the loader reads. */
-static char *persist(struct prefix_cache *pc, const struct kvq_prefix *p, uint64_t ns, const kvq_token *toks, int n) {
-    uint64_t th = fnv1a(FNV_BASIS, toks, sizeof *toks * (size_t)n);
-    size_t len = strlen(pc->dir) + 64;
-    char *path = malloc(len), *tmp = malloc(len + 8);
-    if (!path || !tmp) goto fail;
-    snprintf(path, len, "%s/%016" PRIx64 "-%016" PRIx64 ".kvq", pc->dir, ns, th);
-    snprintf(tmp, len + 8, "%s.tmp", path);
-    if (kvq_prefix_save(p, tmp, toks, n, NULL) != 0) {
+/* Writes one entry: kvq_prefix_save writes a temporary file and renames it into
+ * place, so a crash never leaves a half-written entry under a name the loader reads;
+ * the file is checksummed and carries the model's fingerprint. Writer thread. */
+static void write_entry(struct prefix_cache *pc, const struct write_job *j) {
+    double t0 = now_ms();
+    if (kvq_prefix_save(j->p, j->path, j->toks, j->n, NULL) != 0) {
         fprintf(stderr, "kvq serve: cannot persist a prefix-cache entry: %s\n", kvq_last_error());
-        remove(tmp);
-        goto fail;
+        return;
     }
-    if (rename(tmp, path) != 0) {
-        fprintf(stderr, "kvq serve: cannot rename %s: %s\n", tmp, strerror(errno));
-        remove(tmp);
-        goto fail;
+    double ms = now_ms() - t0;
+    struct stat sb;
+    fprintf(stderr, "kvq serve: cache_write tokens=%d bytes=%lld ms=%.2f\n", j->n,
+            stat(j->path, &sb) == 0 ? (long long)sb.st_size : -1LL, ms);
+    pthread_mutex_lock(&pc->mu);
+    pc->st.writes++;
+    pc->st.write_ms += ms;
+    pthread_mutex_unlock(&pc->mu);
+}
+
+static void *writer_main(void *arg) {
+    struct prefix_cache *pc = arg;
+    pthread_mutex_lock(&pc->mu);
+    for (;;) {
+        while (!pc->q_head && !pc->stopping) pthread_cond_wait(&pc->cv, &pc->mu);
+        struct write_job *j = pc->q_head;
+        if (!j) break; /* stopping, and everything queued is written */
+        pc->q_head = j->next;
+        if (!pc->q_head) pc->q_tail = NULL;
+        j->state = JOB_WRITING;
+        pthread_mutex_unlock(&pc->mu);
+        write_entry(pc, j);
+        pthread_mutex_lock(&pc->mu);
+        j->state = JOB_DONE;
+        pthread_cond_broadcast(&pc->cv);
     }
-    free(tmp);
-    return path;
-fail:
-    free(path);
-    free(tmp);
+    pthread_mutex_unlock(&pc->mu);
     return NULL;
 }
 
-void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int n) {
+/* Queues the entry's file for the writer thread (the name is fixed now, so an
+ * eviction can remove the file). */
+static void persist(struct prefix_cache *pc, struct entry *e) {
+    uint64_t th = fnv1a(FNV_BASIS, e->tokens, sizeof *e->tokens * (size_t)e->n);
+    size_t len = strlen(pc->dir) + 64;
+    struct write_job *j = calloc(1, sizeof *j);
+    char *path = malloc(len);
+    if (!j || !path) {
+        free(j);
+        free(path);
+        fprintf(stderr, "kvq serve: cannot persist a prefix-cache entry: out of memory\n");
+        return;
+    }
+    snprintf(path, len, "%s/%016" PRIx64 "-%016" PRIx64 ".kvq", pc->dir, e->ns, th);
+    *j = (struct write_job){NULL, e->prefix, e->tokens, e->n, path, JOB_QUEUED};
+    e->path = path;
+    e->job = j;
+    pthread_mutex_lock(&pc->mu);
+    if (pc->q_tail) pc->q_tail->next = j;
+    else pc->q_head = j;
+    pc->q_tail = j;
+    pthread_cond_broadcast(&pc->cv);
+    pthread_mutex_unlock(&pc->mu);
+}
+
+void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int n, bool finished,
+                        int reused) {
     uint64_t h = ns_hash(ns);
-    if (n <= 0 || entry_bytes(pc, n) > pc->budget) return;
+    /* a sequence built on a hot cached prefix shares that prefix's blocks: held live it
+     * costs only its own tokens, converted it would be a private copy of all of them */
+    bool convert = pc->convert && finished && n >= pc->min_tokens && reused < pc->min_tokens;
+    if (n <= 0 || entry_bytes(pc, n, convert ? &pc->store_kv : &pc->kv) > pc->budget) return;
     for (int i = 0; i < pc->n; i++) {
         struct entry *e = &pc->e[i];
         if (e->ns != h) continue;
@@ -151,27 +274,53 @@ void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const 
         if (common == e->n) drop(pc, i--, true); /* the new entry covers this one */
     }
     kvq_token *copy = malloc(sizeof *copy * (size_t)n);
-    struct kvq_prefix *p = copy ? kvq_prefix_hold(pc->c, seq) : NULL;
-    if (!p) {
-        fprintf(stderr, "kvq serve: cannot hold a prefix: %s\n", copy ? kvq_last_error() : "out of memory");
-        free(copy);
+    if (!copy) {
+        fprintf(stderr, "kvq serve: cannot hold a prefix: out of memory\n");
         return;
     }
     memcpy(copy, toks, sizeof *copy * (size_t)n);
-    char *path = pc->dir ? persist(pc, p, h, toks, n) : NULL;
-    if (!add(pc, h, copy, n, p, path)) {
-        if (path) remove(path);
-        free(path);
+    double t0 = now_ms();
+    struct kvq_prefix *p = convert ? kvq_prefix_hold_as(pc->c, seq, &pc->store_kv) : NULL;
+    if (convert && !p) { /* e.g. no room in the KV budget for the copy: share the live blocks */
+        fprintf(stderr, "kvq serve: cannot convert a prefix (%s); keeping the live format\n", kvq_last_error());
+        convert = false;
+    }
+    double ms = now_ms() - t0;
+    if (!p) p = kvq_prefix_hold(pc->c, seq);
+    if (!p) {
+        fprintf(stderr, "kvq serve: cannot hold a prefix: %s\n", kvq_last_error());
+        free(copy);
+        return;
+    }
+    struct entry e = {.ns = h, .tokens = copy, .n = n, .prefix = p, .converted = convert,
+                      .bytes = entry_bytes(pc, n, convert ? &pc->store_kv : &pc->kv)};
+    int i = add(pc, e);
+    if (i < 0) {
         kvq_prefix_free(p);
         free(copy);
         return;
     }
-    fprintf(stderr, "kvq serve: cache_store tokens=%d bytes=%zu\n", n, entry_bytes(pc, n));
+    if (convert) {
+        pc->st.converted_stores++;
+        pc->st.converted_tokens_stored += n;
+        pc->st.store_ms += ms;
+    }
+    fprintf(stderr, "kvq serve: cache_store tokens=%d bytes=%zu%s", n, pc->e[i].bytes, convert ? "" : "\n");
+    if (convert)
+        fprintf(stderr, " format=K%d/V%d convert_ms=%.2f (live format: %zu bytes)\n", pc->store_kv.k_bits,
+                pc->store_kv.v_bits, ms, entry_bytes(pc, n, &pc->kv));
+    if (pc->dir && finished) persist(pc, &pc->e[i]);
 }
 
 void prefix_cache_usage(const struct prefix_cache *pc, int *entries, size_t *bytes) {
     *entries = pc ? pc->n : 0;
     *bytes = pc ? pc->bytes : 0;
+}
+
+void prefix_cache_stats(struct prefix_cache *pc, struct prefix_cache_stats *st) {
+    pthread_mutex_lock(&pc->mu);
+    *st = pc->st;
+    pthread_mutex_unlock(&pc->mu);
 }
 
 struct found {
@@ -185,9 +334,13 @@ static int newest_first(const void *a, const void *b) {
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
+static bool same_format(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
+    return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group;
+}
+
 /* Loads the folder's entries, newest first, while they fit the budget; a file that
  * does not load (corrupt, truncated, another model or KV config) is skipped with a
- * log line and left alone. */
+ * log line and left alone. Entries keep the format they were written in. */
 static void load_dir(struct prefix_cache *pc) {
     DIR *d = opendir(pc->dir);
     if (!d) {
@@ -226,15 +379,20 @@ static void load_dir(struct prefix_cache *pc) {
     int loaded = 0;
     for (int i = 0; i < n; i++) {
         struct kvq_seq_extra extra = {0};
-        struct kvq_prefix *p = kvq_prefix_load(pc->c, f[i].path, &extra);
+        struct kvq_kv_config fkv;
+        struct kvq_prefix *p = kvq_seq_file_kv_config(f[i].path, &fkv) == 0 ? kvq_prefix_load(pc->c, f[i].path, &extra)
+                                                                              : NULL;
         if (!p) {
             fprintf(stderr, "kvq serve: prefix cache: skipping %s: %s\n", f[i].path, kvq_last_error());
             free(f[i].path);
             continue;
         }
-        bool ok = extra.n_tokens > 0 && extra.n_tokens == kvq_prefix_len(p) &&
-                  pc->bytes + entry_bytes(pc, extra.n_tokens) <= pc->budget;
-        if (ok && add(pc, f[i].ns, extra.tokens, extra.n_tokens, p, f[i].path)) {
+        bool converted = !same_format(&fkv, &pc->kv);
+        size_t bytes = entry_bytes(pc, extra.n_tokens, converted ? &fkv : &pc->kv);
+        bool ok = extra.n_tokens > 0 && extra.n_tokens == kvq_prefix_len(p) && pc->bytes + bytes <= pc->budget;
+        struct entry e = {.ns = f[i].ns, .tokens = extra.tokens, .n = extra.n_tokens, .bytes = bytes, .prefix = p,
+                          .converted = converted, .path = f[i].path};
+        if (ok && add(pc, e) >= 0) {
             extra.tokens = NULL;
             loaded++;
         } else {
@@ -250,28 +408,47 @@ static void load_dir(struct prefix_cache *pc) {
 }
 
 struct prefix_cache *prefix_cache_new(struct kvq_context *c, const struct kvq_model *m,
-                                      const struct kvq_kv_config *kv, size_t budget, const char *dir) {
+                                      const struct prefix_cache_params *p) {
     struct prefix_cache *pc = calloc(1, sizeof *pc);
     if (!pc) return NULL;
     pc->c = c;
-    pc->budget = budget;
-    pc->token_bytes = kvq_kv_token_bytes(m, kv);
-    pc->window_bytes = kvq_kv_window_bytes(m, kv);
-    if (dir && !(pc->dir = strdup(dir))) {
-        free(pc);
+    pc->m = m;
+    pc->budget = p->budget;
+    pc->kv = *p->kv;
+    pc->store_kv = p->store_kv ? *p->store_kv : *p->kv;
+    pc->convert = !same_format(&pc->store_kv, &pc->kv);
+    pc->min_tokens = p->min_tokens;
+    pthread_mutex_init(&pc->mu, NULL);
+    pthread_cond_init(&pc->cv, NULL);
+    if (p->dir && !(pc->dir = strdup(p->dir))) {
+        prefix_cache_free(pc);
         return NULL;
     }
     if (pc->dir) {
         if (mkdir(pc->dir, 0755) != 0 && errno != EEXIST)
             fprintf(stderr, "kvq serve: cannot create %s: %s\n", pc->dir, strerror(errno));
         load_dir(pc);
+        if (pthread_create(&pc->writer, NULL, writer_main, pc) != 0) {
+            prefix_cache_free(pc);
+            return NULL;
+        }
+        pc->writer_on = true;
     }
     return pc;
 }
 
 void prefix_cache_free(struct prefix_cache *pc) {
     if (!pc) return;
+    if (pc->writer_on) {
+        pthread_mutex_lock(&pc->mu);
+        pc->stopping = true;
+        pthread_cond_broadcast(&pc->cv);
+        pthread_mutex_unlock(&pc->mu);
+        pthread_join(pc->writer, NULL);
+    }
     while (pc->n) drop(pc, pc->n - 1, false);
+    pthread_mutex_destroy(&pc->mu);
+    pthread_cond_destroy(&pc->cv);
     free(pc->e);
     free(pc->dir);
     free(pc);

@@ -1,6 +1,7 @@
 #include "server/scheduler.h"
 
 #include <errno.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +22,8 @@ struct sched_req {
     /* under mu: what the HTTP thread reads */
     struct strbuf text; /* generated text; bytes past `published` may still become a stop string */
     size_t published;
+    struct lp_list lp; /* per generated token when asked for; the first lp_published are handed out */
+    int lp_published;
     bool cancelled, done;
     struct sched_result res;
     /* scheduler thread only */
@@ -105,6 +108,7 @@ void sched_req_release(struct sched_req *r) {
     free(r->cache_key);
     gen_params_free(&r->gp);
     strbuf_free(&r->text);
+    lp_list_free(&r->lp);
     kvq_sampler_free(r->smp);
     kvq_detok_free(r->dt);
     free(r);
@@ -123,9 +127,11 @@ static bool is_cancelled(struct sched_req *r) {
     return c;
 }
 
-bool sched_req_wait(struct sched_req *r, int timeout_ms, size_t *offset, struct strbuf *out, struct sched_result *res) {
+bool sched_req_wait(struct sched_req *r, int timeout_ms, struct sched_cursor *cur, struct strbuf *out,
+                    struct lp_list *lp, struct sched_result *res) {
+    size_t *offset = &cur->text;
     pthread_mutex_lock(&r->mu);
-    if (r->published <= *offset && !r->done && timeout_ms > 0) {
+    if (r->published <= *offset && r->lp_published <= cur->lp && !r->done && timeout_ms > 0) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
@@ -137,21 +143,39 @@ bool sched_req_wait(struct sched_req *r, int timeout_ms, size_t *offset, struct 
         strbuf_addn(out, r->text.s + *offset, r->published - *offset);
         *offset = r->published;
     }
+    for (; cur->lp < r->lp_published; cur->lp++)
+        if (lp) lp_list_add(lp, &r->lp.v[cur->lp]);
     *res = r->res;
-    bool done = r->done && *offset == r->published;
+    bool done = r->done && *offset == r->published && cur->lp == r->lp_published;
     pthread_mutex_unlock(&r->mu);
     return done;
 }
 
-/* Appends generated text and publishes what can no longer turn into a stop string;
- * returns true when a stop string appeared (the text is cut before it). */
-static bool add_text(struct sched_req *r, const char *piece, int len) {
+/* Log-probabilities are handed out with their token's text: those whose text is
+ * published; at the end also those whose text a stop string cut only in part. */
+static void publish_lp(struct sched_req *r, bool end) {
+    while (r->lp_published < r->lp.n) {
+        const struct lp_entry *e = &r->lp.v[r->lp_published];
+        if (!(e->text_end <= r->published || (end && e->text_start < r->published))) break;
+        r->lp_published++;
+    }
+}
+
+/* Appends generated text (and its token's log-probabilities, lp may be NULL) and
+ * publishes what can no longer turn into a stop string; returns true when a stop
+ * string appeared (the text is cut before it). */
+static bool add_text(struct sched_req *r, const char *piece, int len, struct lp_entry *lp) {
     const struct gen_params *g = &r->gp;
     bool stopped = false;
     pthread_mutex_lock(&r->mu);
     struct strbuf *t = &r->text;
     size_t old = t->len;
     strbuf_add_utf8(t, piece, (size_t)len);
+    if (lp) {
+        lp->text_start = old;
+        lp->text_end = t->len;
+        lp_list_add(&r->lp, lp);
+    }
     size_t hold = 0;
     for (int i = 0; i < g->n_stop && t->s; i++) {
         size_t sl = strlen(g->stop[i]);
@@ -175,6 +199,7 @@ static bool add_text(struct sched_req *r, const char *piece, int len) {
     }
     size_t pub = t->len - hold;
     if (pub > r->published || stopped) r->published = pub < t->len ? pub : t->len;
+    publish_lp(r, false);
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
     return stopped;
@@ -190,6 +215,7 @@ static void end_request(struct sched_req *r, const char *reason, int status, con
         snprintf(r->res.error_msg, sizeof r->res.error_msg, "%s", msg);
     }
     r->published = r->text.len;
+    publish_lp(r, true);
     r->done = true;
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
@@ -278,7 +304,7 @@ static struct sched_req *queue_pop(struct sched *s) {
 /* Frees the request's sequence (storing it in the prefix cache when it ended well). */
 static void retire(struct sched *s, struct sched_req *r, bool store) {
     if (store && s->pc && r->n_fed == kvq_seq_len(s->c, r->slot))
-        prefix_cache_store(s->pc, r->slot, r->cache_key, r->fed, r->n_fed);
+        prefix_cache_store(s->pc, r->slot, r->cache_key, r->fed, r->n_fed, true, r->res.cached_tokens);
     kvq_seq_clear(s->c, r->slot);
     s->slots[r->slot] = NULL;
     s->running--;
@@ -289,7 +315,7 @@ static void retire(struct sched *s, struct sched_req *r, bool store) {
 static void finish(struct sched *s, struct sched_req *r, const char *reason) {
     char piece[256];
     int w = kvq_detok_flush(r->dt, piece, sizeof piece);
-    if (w > 0 && add_text(r, piece, w < (int)sizeof piece ? w : (int)sizeof piece)) reason = "stop";
+    if (w > 0 && add_text(r, piece, w < (int)sizeof piece ? w : (int)sizeof piece, NULL)) reason = "stop";
     end_request(r, reason, 0, NULL);
     retire(s, r, true);
 }
@@ -392,9 +418,18 @@ static void next_token(struct sched *s, struct sched_req *r, const float *logits
     }
     kvq_sampler_accept(r->smp, t);
     r->n_gen++;
+    struct lp_entry lp;
+    if (r->gp.logprobs >= 0) {
+        lp.id = t;
+        lp.n_top = r->gp.logprobs < s->n_vocab ? r->gp.logprobs : s->n_vocab;
+        lp.logprob = lp_compute(logits, s->n_vocab, t, lp.n_top, lp.top);
+    }
     char piece[256];
     int w = kvq_detok_feed(r->dt, t, piece, sizeof piece);
-    if (w > 0 && add_text(r, piece, w < (int)sizeof piece ? w : (int)sizeof piece)) {
+    /* a token with no text of its own yet (part of a UTF-8 sequence) still gets its entry */
+    if ((w > 0 || r->gp.logprobs >= 0) &&
+        add_text(r, piece, w > 0 ? (w < (int)sizeof piece ? w : (int)sizeof piece) : 0,
+                 r->gp.logprobs >= 0 ? &lp : NULL)) {
         finish(s, r, "stop");
         return;
     }
@@ -496,7 +531,7 @@ static void step(struct sched *s) {
         /* a prompt just done is held at once (sharing its blocks), so requests that
          * arrive while this one decodes reuse it; the whole sequence replaces it later */
         if (s->pc && r->chunk > 0 && r->prefilled == r->n_tokens && kvq_seq_len(s->c, r->slot) == r->n_tokens)
-            prefix_cache_store(s->pc, r->slot, r->cache_key, r->tokens, r->n_tokens);
+            prefix_cache_store(s->pc, r->slot, r->cache_key, r->tokens, r->n_tokens, false, r->res.cached_tokens);
         if (r->batch_pos >= 0) {
             next_token(s, r, kvq_get_logits(s->c, r->batch_pos));
             sampled++;
@@ -532,8 +567,18 @@ static void update_stats(struct sched *s) {
 
 static void *run(void *arg) {
     struct sched *s = arg;
+    bool busy = false;
     for (;;) {
         pthread_mutex_lock(&s->mu);
+        if (busy && !s->stop && s->queued == 0 && s->running == 0) {
+            /* going idle after a burst: hand the memory freed since (request buffers,
+             * the connection threads' malloc arenas) back to the system, so the
+             * server's RSS falls back instead of staying at its peak */
+            pthread_mutex_unlock(&s->mu);
+            malloc_trim(0);
+            pthread_mutex_lock(&s->mu);
+        }
+        busy = true;
         while (!s->stop && s->queued == 0 && s->running == 0) {
             s->rate_t0 = now_s();
             s->rate_tokens = 0;

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "kvq.h"
+#include "server/logprobs.h"
 #include "server/strbuf.h"
 
 #define GEN_MAX_STOP 4
@@ -21,6 +22,7 @@ struct gen_params {
     struct kvq_sampler_params sampling;
     char *stop[GEN_MAX_STOP];
     int n_stop;
+    int logprobs; /* -1: none; else log-probabilities with this many alternatives (0..LP_MAX_TOP) */
 };
 
 struct prefix_cache;
@@ -68,10 +70,17 @@ struct sched_result {
     int error_status; /* non-zero: the request failed with error_msg */
     char error_msg[256];
 };
-/* Waits up to timeout_ms for new text; appends what arrived since *offset to out
- * (advancing *offset) and fills res. True once the request has ended (all its text
- * has then been handed out). */
-bool sched_req_wait(struct sched_req *r, int timeout_ms, size_t *offset, struct strbuf *out, struct sched_result *res);
+/* Where a reader is in a request's output. */
+struct sched_cursor {
+    size_t text;
+    int lp;
+};
+/* Waits up to timeout_ms for new text; appends what arrived since the cursor to out,
+ * and the log-probabilities of the tokens whose text that completes to lp (may be
+ * NULL), advancing the cursor; fills res. True once the request has ended (all its
+ * output has then been handed out). */
+bool sched_req_wait(struct sched_req *r, int timeout_ms, struct sched_cursor *cur, struct strbuf *out,
+                    struct lp_list *lp, struct sched_result *res);
 /* The client is gone: the scheduler frees the sequence at its next step. */
 void sched_req_cancel(struct sched_req *r);
 void sched_req_release(struct sched_req *r);

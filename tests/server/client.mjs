@@ -86,14 +86,76 @@ async function official(key) {
     seeded.push((await client.completions.create({ model, prompt, max_tokens: 12, temperature: 0.9, top_p: 0.9, seed: 7 })).choices[0].text);
   ok(seeded[0] === seeded[1], 'same seed, same sampled text');
 
+  await logprobs(client, model, messages, prompt);
+
   for (const [what, fn, status] of [
     ['n > 1 is a 400', () => client.completions.create({ model, prompt, n: 2 }), 400],
+    ['top_logprobs 21 is a 400', () => client.chat.completions.create({ model, messages, logprobs: true, top_logprobs: 21 }), 400],
+    ['top_logprobs without logprobs is a 400', () => client.chat.completions.create({ model, messages, top_logprobs: 2 }), 400],
+    ['completions logprobs 21 is a 400', () => client.completions.create({ model, prompt, logprobs: 21 }), 400],
     ['bad temperature is a 400', () => client.chat.completions.create({ model, messages, temperature: 5 }), 400],
     ['wrong API key is a 401', () => new OpenAI({ baseURL: `${base}/v1`, apiKey: 'wrong', maxRetries: 0 }).models.list(), 401],
   ]) {
     try { await fn(); ok(false, what, 'no error'); }
     catch (e) { ok(e.status === status && typeof e.message === 'string' && e.error?.message, what, `${e.status} ${e.message}`); }
   }
+}
+
+// logprobs / top_logprobs, streamed and not, chat and legacy completions: greedy
+// tokens are the most likely ones, every value is finite and <= 0, one entry per
+// generated token, streaming gives the same entries.
+async function logprobs(client, model, messages, prompt) {
+  const finiteLp = (x) => typeof x === 'number' && Number.isFinite(x) && x <= 0;
+  const K = 5;
+  const chat = await client.chat.completions.create({ model, messages, max_tokens: 16, temperature: 0, logprobs: true, top_logprobs: K });
+  const content = chat.choices[0].logprobs?.content ?? [];
+  ok(content.length === chat.usage.completion_tokens && content.length > 0, 'chat logprobs: one entry per token',
+     `${content.length} vs ${chat.usage.completion_tokens}`);
+  ok(content.every((e) => finiteLp(e.logprob) && e.top_logprobs.length === K && e.top_logprobs.every((t) => finiteLp(t.logprob))),
+     'chat logprobs are finite, <= 0, with top_logprobs', JSON.stringify(content[0]));
+  ok(content.every((e) => e.logprob === Math.max(...e.top_logprobs.map((t) => t.logprob)) && e.token === e.top_logprobs[0].token),
+     'greedy token is the most likely of top_logprobs', JSON.stringify(content.map((e) => [e.token, e.logprob, e.top_logprobs[0]])));
+  ok(content.every((e) => e.top_logprobs.every((t, i) => i === 0 || t.logprob <= e.top_logprobs[i - 1].logprob)),
+     'top_logprobs sorted, most likely first');
+  ok(content.every((e) => Buffer.from(e.bytes).toString('utf8') === e.token || e.token.includes('\ufffd')),
+     'bytes spell the token');
+  ok(content.some((e) => e.logprob < 0) && content.every((e) => Math.exp(e.top_logprobs.reduce((a, t) => Math.max(a, t.logprob), -1e9)) <= 1),
+     'probabilities below 1 somewhere (not all one-hot)');
+  const text = chat.choices[0].message.content;
+  ok(content.map((e) => e.token).join('').trim() === text.trim(), 'chat logprob tokens spell the content',
+     JSON.stringify([content.map((e) => e.token).join(''), text]));
+  const plain = await client.chat.completions.create({ model, messages, max_tokens: 4, temperature: 0 });
+  ok(plain.choices[0].logprobs === null, 'no logprobs unless asked');
+
+  let streamed = [];
+  for await (const c of await client.chat.completions.create({ model, messages, max_tokens: 16, temperature: 0, stream: true,
+                                                              logprobs: true, top_logprobs: K }))
+    streamed = streamed.concat(c.choices[0]?.logprobs?.content ?? []);
+  ok(JSON.stringify(streamed) === JSON.stringify(content), 'streamed chat logprobs equal the non-streamed ones',
+     JSON.stringify([streamed.length, content.length]));
+
+  const comp = await client.completions.create({ model, prompt, max_tokens: 12, temperature: 0, logprobs: 3 });
+  const lp = comp.choices[0].logprobs;
+  ok(lp && lp.tokens.length === comp.usage.completion_tokens && lp.token_logprobs.length === lp.tokens.length &&
+     lp.top_logprobs.length === lp.tokens.length && lp.text_offset.length === lp.tokens.length,
+     'completion logprobs: parallel lists, one per token', JSON.stringify(lp));
+  ok(lp.token_logprobs.every(finiteLp) && lp.top_logprobs.every((d) => Object.keys(d).length >= 1 && Object.keys(d).length <= 3 &&
+     Object.values(d).every(finiteLp)), 'completion logprobs finite, <= 0, up to 3 alternatives');
+  ok(lp.top_logprobs.every((d, i) => Math.max(...Object.values(d)) === lp.token_logprobs[i] && d[lp.tokens[i]] === lp.token_logprobs[i]),
+     'completion: greedy token is the most likely');
+  ok(lp.text_offset[0] === 0 && lp.text_offset.every((o, i) => i === 0 || o >= lp.text_offset[i - 1]) &&
+     lp.text_offset.every((o) => o <= comp.choices[0].text.length), 'text_offset grows within the text', JSON.stringify(lp.text_offset));
+  let stoks = [], svals = [];
+  for await (const c of await client.completions.create({ model, prompt, max_tokens: 12, temperature: 0, logprobs: 3, stream: true })) {
+    const l = c.choices[0]?.logprobs;
+    if (l) { stoks = stoks.concat(l.tokens); svals = svals.concat(l.token_logprobs); }
+  }
+  ok(JSON.stringify([stoks, svals]) === JSON.stringify([lp.tokens, lp.token_logprobs]), 'streamed completion logprobs equal',
+     JSON.stringify([stoks, lp.tokens]));
+  // sampling at a high temperature reports the model's distribution, not the sampler's
+  const hot = await client.completions.create({ model, prompt, max_tokens: 1, temperature: 2, top_k: 1, logprobs: 1, seed: 3 });
+  ok(hot.choices[0].logprobs.token_logprobs[0] === lp.token_logprobs[0], 'logprobs ignore temperature (raw logits)',
+     JSON.stringify([hot.choices[0].logprobs, lp.token_logprobs[0]]));
 }
 
 const prompts = (() => {
