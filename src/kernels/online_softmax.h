@@ -19,9 +19,9 @@
 
 #include <math.h>
 
-#define KERN_SOFTMAX_INLINE static inline __attribute__((always_inline))
+#include "kernels/inline.h"
 
-KERN_SOFTMAX_INLINE void kern_softmax_step_scalar(float *p, int n, float *m, float *l, float *acc, int d) {
+INLINE void kern_softmax_step_scalar(float *p, int n, float *m, float *l, float *acc, int d) {
     float mx = p[0];
     for (int j = 1; j < n; j++) mx = p[j] > mx ? p[j] : mx;
     if (mx > *m) {
@@ -60,12 +60,12 @@ static inline __m256 exp256(__m256 x) {
 }
 
 /* Lanes [0, k) set, k <= 8. */
-KERN_SOFTMAX_INLINE __m256i kern_softmax_mask256(int k) {
+INLINE __m256i kern_softmax_mask256(int k) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 /* d a multiple of 8 (the AVX2 kernels require it). */
-KERN_SOFTMAX_INLINE void kern_softmax_step_avx2(float *p, int n, float *m, float *l, float *acc, int d) {
+INLINE void kern_softmax_step_avx2(float *p, int n, float *m, float *l, float *acc, int d) {
     __m256 mxv = _mm256_set1_ps(-INFINITY);
     int j = 0;
     for (; j + 8 <= n; j += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(p + j));
@@ -124,10 +124,10 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-KERN_SOFTMAX_INLINE __mmask16 kern_softmax_mask16(int k) { return k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << k) - 1); }
+INLINE __mmask16 kern_softmax_mask16(int k) { return k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << k) - 1); }
 
 /* Any d (the tail of acc is masked). */
-KERN_SOFTMAX_INLINE void kern_softmax_step_avx512(float *p, int n, float *m, float *l, float *acc, int d) {
+INLINE void kern_softmax_step_avx512(float *p, int n, float *m, float *l, float *acc, int d) {
     __m512 mxv = _mm512_set1_ps(-INFINITY);
     for (int j = 0; j < n; j += 16) {
         const __mmask16 mk = kern_softmax_mask16(n - j);
