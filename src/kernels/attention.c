@@ -2,6 +2,7 @@
 #include "kernels/attention.h"
 #include "kernels/f16.h"
 #include "kernels/matmul_impl.h"
+#include "kernels/online_softmax.h"
 
 #include <math.h>
 #include <string.h>
@@ -66,25 +67,8 @@ void kern_attn_accumulate_scalar(struct kern_attn_state *s, const float *q, cons
                 }
                 for (int h = 0; h < nh; h++) sc[h][j] = acc[h];
             }
-            /* online softmax update */
-            for (int h = 0; h < nh; h++) {
-                float mx = sc[h][0];
-                for (int j = 1; j < nj; j++) mx = sc[h][j] > mx ? sc[h][j] : mx;
-                float *m = &s->m[h0 + h], *l = &s->l[h0 + h];
-                float *a = s->acc + (size_t)(h0 + h) * d;
-                if (mx > *m) {
-                    float alpha = expf(*m - mx); /* 0 when m was -inf */
-                    *l *= alpha;
-                    for (int i = 0; i < d; i++) a[i] *= alpha;
-                    *m = mx;
-                }
-                float sum = 0.0f;
-                for (int j = 0; j < nj; j++) {
-                    sc[h][j] = expf(sc[h][j] - *m);
-                    sum += sc[h][j];
-                }
-                *l += sum;
-            }
+            for (int h = 0; h < nh; h++)
+                kern_softmax_step_scalar(sc[h], nj, &s->m[h0 + h], &s->l[h0 + h], s->acc + (size_t)(h0 + h) * d, d);
             /* values: each value row read once */
             for (int j = 0; j < nj; j++) {
                 size_t base = (size_t)(j0 + j) * v_stride;

@@ -8,7 +8,7 @@
 #include <math.h>
 
 #include "kernels/simd_avx512.h"
-#include "kernels/simd_exp.h"
+#include "kernels/online_softmax.h"
 
 INLINE __m512 load_row(const void *base, size_t off, int f16, __mmask16 m) {
     if (f16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + off));
@@ -218,36 +218,8 @@ void kern_attn_accumulate_avx512(struct kern_attn_state *s, const float *q, cons
                 for (; j + 4 <= nj; j += 4) scores4(1, 4, qg, d, k, k_stride, f16, j0, j, h, sc);
                 for (; j < nj; j++) score1(qg, d, k, k_stride, f16, j0, j, h, sc);
             }
-            /* online softmax */
-            for (h = 0; h < nh; h++) {
-                __m512 mxv = _mm512_set1_ps(-INFINITY);
-                for (int j = 0; j < nj; j += 16) {
-                    __mmask16 m = nj - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nj - j)) - 1);
-                    mxv = _mm512_mask_max_ps(mxv, m, mxv, _mm512_loadu_ps(&sc[h][j]));
-                }
-                const float mx = _mm512_reduce_max_ps(mxv);
-                float *mh = &s->m[g0 + h], *lh = &s->l[g0 + h];
-                if (mx > *mh) {
-                    const float alpha = expf(*mh - mx);
-                    *lh *= alpha;
-                    float *a = accg + (size_t)h * d;
-                    for (int i = 0; i < d; i += 16) {
-                        __mmask16 m = d - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - i)) - 1);
-                        _mm512_mask_storeu_ps(a + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_set1_ps(alpha)));
-                    }
-                    *mh = mx;
-                }
-                const __m512 mv = _mm512_set1_ps(*mh);
-                __m512 sum = _mm512_setzero_ps();
-                for (int j = 0; j < nj; j += 16) {
-                    __mmask16 m = nj - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nj - j)) - 1);
-                    __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sc[h][j]), mv));
-                    p = _mm512_maskz_mov_ps(m, p);
-                    _mm512_mask_storeu_ps(&sc[h][j], m, p);
-                    sum = _mm512_add_ps(sum, p);
-                }
-                *lh += _mm512_reduce_add_ps(sum);
-            }
+            for (h = 0; h < nh; h++)
+                kern_softmax_step_avx512(sc[h], nj, &s->m[g0 + h], &s->l[g0 + h], accg + (size_t)h * d, d);
             /* values */
             if (full) {
                 vacc_all(accg, d, nh, v, v_stride, f16, j0, nj, sc);

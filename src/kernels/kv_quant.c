@@ -5,6 +5,7 @@
 
 #include "core/cpu.h"
 #include "kernels/kv_quant_impl.h"
+#include "kernels/online_softmax.h"
 
 bool kern_kvq_bits_quantized(int bits) {
     return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
@@ -232,23 +233,8 @@ void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float
                 }
             }
         }
-        for (int h = 0; h < nh; h++) {
-            float mx = sc[h][0];
-            for (int j = 1; j < nj; j++) mx = sc[h][j] > mx ? sc[h][j] : mx;
-            float *m = &s->m[h0 + h], *l = &s->l[h0 + h], *a = s->acc + (size_t)(h0 + h) * d;
-            if (mx > *m) {
-                float alpha = expf(*m - mx);
-                *l *= alpha;
-                for (int i = 0; i < d; i++) a[i] *= alpha;
-                *m = mx;
-            }
-            float sum = 0;
-            for (int j = 0; j < nj; j++) {
-                sc[h][j] = expf(sc[h][j] - *m);
-                sum += sc[h][j];
-            }
-            *l += sum;
-        }
+        for (int h = 0; h < nh; h++)
+            kern_softmax_step_scalar(sc[h], nj, &s->m[h0 + h], &s->l[h0 + h], s->acc + (size_t)(h0 + h) * d, d);
         for (int j = 0; j < nj; j++) {
             const uint8_t *r = v->data + (size_t)(j0 + j) * v->stride;
             if (vq) {

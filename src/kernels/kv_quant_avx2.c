@@ -3,7 +3,7 @@
 #include <math.h>
 
 #include "kernels/kv_quant_impl.h"
-#include "kernels/simd_exp.h"
+#include "kernels/online_softmax.h"
 
 static inline float hsum256(__m256 x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -40,15 +40,13 @@ void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out) {
 #define VZERO _mm256_setzero_ps()
 #define VSET1(x) _mm256_set1_ps(x)
 #define VADD _mm256_add_ps
-#define VSUB _mm256_sub_ps
-#define VMUL _mm256_mul_ps
 #define VFMA _mm256_fmadd_ps
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VSTORE(p, x) _mm256_storeu_ps(p, x)
 #define VU8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define VF16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define VSUM(x) hsum256(x)
-#define VEXP exp256
+#define SOFTMAX_STEP kern_softmax_step_avx2
 #define FN(x) x##_avx2
 #define UNPACK kern_kvq_unpack_avx2
 #include "kernels/kv_quant_simd.inc"

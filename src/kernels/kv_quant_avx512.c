@@ -3,7 +3,7 @@
 #include <math.h>
 
 #include "kernels/kv_quant_impl.h"
-#include "kernels/simd_exp.h"
+#include "kernels/online_softmax.h"
 
 void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
     int i = 0;
@@ -33,15 +33,13 @@ void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
 #define VZERO _mm512_setzero_ps()
 #define VSET1(x) _mm512_set1_ps(x)
 #define VADD _mm512_add_ps
-#define VSUB _mm512_sub_ps
-#define VMUL _mm512_mul_ps
 #define VFMA _mm512_fmadd_ps
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VSTORE(p, x) _mm512_storeu_ps(p, x)
 #define VU8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define VF16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define VSUM(x) _mm512_reduce_add_ps(x)
-#define VEXP exp512
+#define SOFTMAX_STEP kern_softmax_step_avx512
 #define FN(x) x##_avx512g /* generic body; the fast path below dispatches to it */
 #define UNPACK kern_kvq_unpack_avx512
 #include "kernels/kv_quant_simd.inc"
@@ -363,29 +361,8 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
         }
         /* online softmax over the block */
         UNR
-        for (int h = 0; h < NH; h++) {
-            float mx = sc[h][0];
-            for (int j = 1; j < nj; j++) mx = sc[h][j] > mx ? sc[h][j] : mx;
-            float *m = &s->m[h0 + h], *l = &s->l[h0 + h];
-            if (mx > *m) {
-                const float alpha = expf(*m - mx);
-                *l *= alpha;
-                float *a = accp + (size_t)h * d;
-                const __m512 va = _mm512_set1_ps(alpha);
-                for (int i = 0; i < d; i += 16) _mm512_store_ps(a + i, _mm512_mul_ps(_mm512_load_ps(a + i), va));
-                *m = mx;
-            }
-            const __m512 mv = _mm512_set1_ps(*m);
-            __m512 sum = _mm512_setzero_ps();
-            for (int j = 0; j < nj; j += 16) {
-                const __mmask16 mk = nj - j >= 16 ? 0xffff : (__mmask16)((1u << (nj - j)) - 1);
-                __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, &sc[h][j]), mv));
-                p = _mm512_maskz_mov_ps(mk, p);
-                _mm512_mask_storeu_ps(&sc[h][j], mk, p);
-                sum = _mm512_add_ps(sum, p);
-            }
-            *l += _mm512_reduce_add_ps(sum);
-        }
+        for (int h = 0; h < NH; h++)
+            kern_softmax_step_avx512(sc[h], nj, &s->m[h0 + h], &s->l[h0 + h], accp + (size_t)h * d, d);
         /* V: acc += sum_j (p_j*scale_g) * code + sum_j p_j*bias_g, the bias once per group */
         __m512 bsum[FMAXH][KERN_KVQ_MAX_DIM / 256];
         for (int c = 0; c < vng8; c++) {

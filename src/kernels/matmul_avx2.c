@@ -4,17 +4,9 @@
 #include "core/dtype.h"
 #include "kernels/f16.h"
 #include "kernels/matmul_impl.h"
+#include "kernels/matmul_tiles.h"
 
 #include <immintrin.h>
-
-#define INLINE static inline __attribute__((always_inline))
-/* Small loops over tile rows/tokens/heads must become straight-line code so that
- * the accumulators live in registers. */
-#if defined(__clang__)
-#define UNROLL _Pragma("unroll")
-#else
-#define UNROLL _Pragma("GCC unroll 16")
-#endif
 
 INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -25,9 +17,11 @@ INLINE float hsum(__m256 v) {
 
 /* ---- Q8_0 / Q4_0 ------------------------------------------------------------ */
 
-INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w, size_t wrb,
-                       const uint8_t *xa, size_t xrb, int64_t nb, float *y, int64_t ys) {
-    const int64_t np = (nb + 1) / 2;
+INLINE void tile_pairs(const int q4, const struct kern_tile *tl, const int R, const int T) {
+    const uint8_t *w = tl->w, *xa = tl->xa;
+    const size_t wrb = tl->wrb, xrb = tl->xrb;
+    const int64_t nb = tl->k / 32, np = (nb + 1) / 2, ys = tl->ys;
+    float *y = tl->y;
     const size_t bbytes = q4 ? 18 : 34;
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -93,8 +87,12 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
 
 /* ---- Q4_K / Q6_K ---------------------------------------------------------- */
 
-INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
-                     int64_t ys) {
+INLINE void tile_q4k(const struct kern_tile *tl, const int R, const int T) {
+    (void)R; /* one row */
+    const uint8_t *w = tl->w, *xa = tl->xa;
+    const size_t xrb = tl->xrb;
+    const int64_t nsb = tl->k / 256, ys = tl->ys;
+    float *y = tl->y;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[4];
     float macc[4] = {0};
@@ -134,8 +132,12 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
     for (int t = 0; t < T; t++) y[t * ys] = hsum(acc[t]) + macc[t];
 }
 
-INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
-                     int64_t ys) {
+INLINE void tile_q6k(const struct kern_tile *tl, const int R, const int T) {
+    (void)R; /* one row */
+    const uint8_t *w = tl->w, *xa = tl->xa;
+    const size_t xrb = tl->xrb;
+    const int64_t nsb = tl->k / 256, ys = tl->ys;
+    float *y = tl->y;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i m30 = _mm256_set1_epi8(0x30);
     __m256 acc[4];
@@ -200,8 +202,11 @@ INLINE float wval(uint32_t wtype, const uint8_t *p) {
     return v;
 }
 
-INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uint8_t *w, size_t wrb,
-                       const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys) {
+INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const int R, const int T) {
+    const uint8_t *w = tl->w, *xa = tl->xa;
+    const size_t wrb = tl->wrb, xrb = tl->xrb;
+    const int64_t k = tl->k, ys = tl->ys;
+    float *y = tl->y;
     const size_t es = wtype == KVQ_F32 ? 4 : 2;
     __m256 acc[4][4];
     UNROLL
@@ -232,131 +237,28 @@ INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uin
     }
 }
 
-/* ---- drivers -------------------------------------------------------------- */
+/* ---- micro-kernels per weight type, and the driver ---------------------------- */
 
-#define DISPATCH_T(CALL_T)     \
-    switch (T) {               \
-    case 1: CALL_T(1); break;  \
-    case 2: CALL_T(2); break;  \
-    case 3: CALL_T(3); break;  \
-    default: CALL_T(4); break; \
-    }
+INLINE void tile_q8_0(const struct kern_tile *t, const int R, const int T) { tile_pairs(0, t, R, T); }
+INLINE void tile_q4_0(const struct kern_tile *t, const int R, const int T) { tile_pairs(1, t, R, T); }
+INLINE void tile_f32(const struct kern_tile *t, const int R, const int T) { tile_float(KVQ_F32, t, R, T); }
+INLINE void tile_f16(const struct kern_tile *t, const int R, const int T) { tile_float(KVQ_F16, t, R, T); }
+INLINE void tile_bf16(const struct kern_tile *t, const int R, const int T) { tile_float(KVQ_BF16, t, R, T); }
 
-static int64_t row_chunk(const struct kern_matmul_args *a, int64_t r0, int64_t r1, size_t bytes) {
-    if (a->n_tok <= 4) return r1 - r0;
-    int64_t c = (int64_t)(bytes / (a->w_row_bytes ? a->w_row_bytes : 1)) & ~(int64_t)3;
-    return c < 4 ? 4 : c;
-}
-
-static void mm_pairs(const struct kern_matmul_args *a, int64_t r0, int64_t r1, const int q4) {
-    const int64_t nb = a->k / 32;
-    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
-    const int64_t chunk = row_chunk(a, r0, r1, 32768);
-    for (int64_t rc = r0; rc < r1; rc += chunk) {
-        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
-        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
-            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
-            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
-            float *yt = a->y + (int64_t)t0 * a->y_stride;
-            int64_t r = rc;
-            if (T == 1) {
-                for (; r + 4 <= re; r += 4) {
-                    const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-                    if (q4) tile_pairs(1, 4, 1, w, wrb, xa, xrb, nb, yt + r, a->y_stride);
-                    else tile_pairs(0, 4, 1, w, wrb, xa, xrb, nb, yt + r, a->y_stride);
-                }
-            }
-            for (; r + 2 <= re; r += 2) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALL2(TT)                                                           \
-    if (q4) tile_pairs(1, 2, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride); \
-    else tile_pairs(0, 2, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
-                DISPATCH_T(CALL2)
-#undef CALL2
-            }
-            for (; r < re; r++) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALL1(TT)                                                           \
-    if (q4) tile_pairs(1, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride); \
-    else tile_pairs(0, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride)
-                DISPATCH_T(CALL1)
-#undef CALL1
-            }
-        }
-    }
-}
-
-static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
-    const int64_t nsb = a->k / 256;
-    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
-    const int q6 = a->wtype == KVQ_Q6_K;
-    const int64_t chunk = row_chunk(a, r0, r1, 32768);
-    for (int64_t rc = r0; rc < r1; rc += chunk) {
-        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
-        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
-            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
-            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
-            float *yt = a->y + (int64_t)t0 * a->y_stride;
-            for (int64_t r = rc; r < re; r++) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALLK(TT)                                              \
-    if (q6) tile_q6k(TT, w, xa, xrb, nsb, yt + r, a->y_stride); \
-    else tile_q4k(TT, w, xa, xrb, nsb, yt + r, a->y_stride)
-                DISPATCH_T(CALLK)
-#undef CALLK
-            }
-        }
-    }
-}
-
-#define FLOAT_TILE(WT, RR, TT) tile_float(WT, RR, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride)
-#define FLOAT_BY_TYPE(RR, TT)                                      \
-    if (wt == KVQ_F16) FLOAT_TILE(KVQ_F16, RR, TT);                \
-    else if (wt == KVQ_BF16) FLOAT_TILE(KVQ_BF16, RR, TT);         \
-    else FLOAT_TILE(KVQ_F32, RR, TT)
-
-static void mm_float(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
-    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
-    const uint32_t wt = a->wtype;
-    const int64_t chunk = row_chunk(a, r0, r1, 65536);
-    for (int64_t rc = r0; rc < r1; rc += chunk) {
-        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
-        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
-            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
-            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
-            float *yt = a->y + (int64_t)t0 * a->y_stride;
-            int64_t r = rc;
-            if (T == 1) {
-                for (; r + 4 <= re; r += 4) {
-                    const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-                    FLOAT_BY_TYPE(4, 1);
-                }
-            }
-            for (; r + 2 <= re; r += 2) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALLF2(TT) FLOAT_BY_TYPE(2, TT)
-                DISPATCH_T(CALLF2)
-#undef CALLF2
-            }
-            for (; r < re; r++) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALLF1(TT) FLOAT_BY_TYPE(1, TT)
-                DISPATCH_T(CALLF1)
-#undef CALLF1
-            }
-        }
-    }
-}
+/* 16 ymm registers: 4 rows x 1 token or 2 rows x up to 4 tokens of accumulators. */
+static const struct kern_tiling pairs_tiling = {.rows_1 = 4, .rows_n = 2, .chunk_bytes = 32768, .chunk_align = 4};
+static const struct kern_tiling kquant_tiling = {.rows_1 = 1, .rows_n = 1, .chunk_bytes = 32768, .chunk_align = 4};
+static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 2, .chunk_bytes = 65536, .chunk_align = 4};
 
 void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
-    case KVQ_Q8_0: mm_pairs(a, r0, r1, 0); break;
-    case KVQ_Q4_0: mm_pairs(a, r0, r1, 1); break;
-    case KVQ_Q4_K:
-    case KVQ_Q6_K: mm_kquant(a, r0, r1); break;
-    case KVQ_F32:
-    case KVQ_F16:
-    case KVQ_BF16: mm_float(a, r0, r1); break;
+    case KVQ_Q8_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0); break;
+    case KVQ_Q4_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0); break;
+    case KVQ_Q4_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q4k); break;
+    case KVQ_Q6_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q6k); break;
+    case KVQ_F32: kern_tile_loop(a, r0, r1, float_tiling, tile_f32); break;
+    case KVQ_F16: kern_tile_loop(a, r0, r1, float_tiling, tile_f16); break;
+    case KVQ_BF16: kern_tile_loop(a, r0, r1, float_tiling, tile_bf16); break;
     default: kern_matmul_scalar(a, r0, r1); break;
     }
 }

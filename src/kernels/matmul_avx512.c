@@ -4,6 +4,7 @@
  * quantized types, vcvtph2ps + FMA for float types). */
 #include "core/dtype.h"
 #include "kernels/matmul_impl.h"
+#include "kernels/matmul_tiles.h"
 
 #include <immintrin.h>
 #include <string.h>
@@ -31,9 +32,10 @@ INLINE void store_tile(float *y, int64_t ys, int R, int T, __m512 acc[4][4]) {
 #define PF_TILES 4
 #endif
 
-INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w, size_t wrb,
-                       const uint8_t *xa, size_t xrb, int64_t nb, float *y, int64_t ys, size_t pfd) {
-    const int64_t np = (nb + 1) / 2;
+INLINE void tile_pairs(const int q4, const struct kern_tile *tl, const int R, const int T) {
+    const uint8_t *w = tl->w, *xa = tl->xa;
+    const size_t wrb = tl->wrb, xrb = tl->xrb, pfd = tl->pfd;
+    const int64_t nb = tl->k / 32, np = (nb + 1) / 2;
     const size_t bbytes = q4 ? 18 : 34;
     /* Lane maps: which block (0/1) each int32 lane of the vpdpbusd result belongs to. */
     const __m512i sidx = q4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
@@ -98,13 +100,17 @@ INLINE void tile_pairs(const int q4, const int R, const int T, const uint8_t *w,
             }
         }
     }
-    store_tile(y, ys, R, T, acc);
+    store_tile(tl->y, tl->ys, R, T, acc);
 }
 
 /* ---- Q4_K / Q6_K weights x Q8_K-format activations ------------------------ */
 
-INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
-                     int64_t ys, size_t pfd) {
+INLINE void tile_q4k(const struct kern_tile *tl, const int R, const int T) {
+    (void)R; /* one row */
+    const uint8_t *w = tl->w, *xa = tl->xa;
+    const size_t xrb = tl->xrb, pfd = tl->pfd;
+    const int64_t nsb = tl->k / 256, ys = tl->ys;
+    float *y = tl->y;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m512 acc[4];
     __m256 macc[4];
@@ -164,8 +170,12 @@ INLINE void tile_q4k(const int T, const uint8_t *w, const uint8_t *xa, size_t xr
         y[t * ys] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(macc[t]));
 }
 
-INLINE void tile_q6k(const int T, const uint8_t *w, const uint8_t *xa, size_t xrb, int64_t nsb, float *y,
-                     int64_t ys, size_t pfd) {
+INLINE void tile_q6k(const struct kern_tile *tl, const int R, const int T) {
+    (void)R; /* one row */
+    const uint8_t *w = tl->w, *xa = tl->xa;
+    const size_t xrb = tl->xrb, pfd = tl->pfd;
+    const int64_t nsb = tl->k / 256, ys = tl->ys;
+    float *y = tl->y;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i m30 = _mm512_set1_epi8(0x30);
     __m512 acc[4];
@@ -234,8 +244,10 @@ INLINE __m512 load_w16(uint32_t wtype, const uint8_t *p, __mmask16 m) {
     }
 }
 
-INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uint8_t *w, size_t wrb,
-                       const uint8_t *xa, size_t xrb, int64_t k, float *y, int64_t ys, size_t pfd) {
+INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const int R, const int T) {
+    const uint8_t *w = tl->w, *xa = tl->xa;
+    const size_t wrb = tl->wrb, xrb = tl->xrb, pfd = tl->pfd;
+    const int64_t k = tl->k;
     const size_t es = wtype == KVQ_F32 ? 4 : 2;
     __m512 acc[4][4];
     UNROLL
@@ -270,7 +282,7 @@ INLINE void tile_float(const uint32_t wtype, const int R, const int T, const uin
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
         }
     }
-    store_tile(y, ys, R, T, acc);
+    store_tile(tl->y, tl->ys, R, T, acc);
 }
 
 /* ---- activation preparation ------------------------------------------------ */
@@ -327,127 +339,32 @@ int kern_act_prepare_avx512(uint32_t wtype, const float *x, void *dst, int64_t k
     return 0;
 }
 
-/* ---- drivers --------------------------------------------------------------- */
+/* ---- micro-kernels per weight type, and the driver ---------------------------- */
 
-#define DISPATCH_T(CALL_T)          \
-    switch (T) {                    \
-    case 1: CALL_T(1); break;       \
-    case 2: CALL_T(2); break;       \
-    case 3: CALL_T(3); break;       \
-    default: CALL_T(4); break;      \
-    }
+INLINE void tile_q8_0(const struct kern_tile *t, const int R, const int T) { tile_pairs(0, t, R, T); }
+INLINE void tile_q4_0(const struct kern_tile *t, const int R, const int T) { tile_pairs(1, t, R, T); }
+INLINE void tile_f32(const struct kern_tile *t, const int R, const int T) { tile_float(KVQ_F32, t, R, T); }
+INLINE void tile_f16(const struct kern_tile *t, const int R, const int T) { tile_float(KVQ_F16, t, R, T); }
+INLINE void tile_bf16(const struct kern_tile *t, const int R, const int T) { tile_float(KVQ_BF16, t, R, T); }
 
-static void mm_pairs(const struct kern_matmul_args *a, int64_t r0, int64_t r1, const int q4) {
-    const int64_t nb = a->k / 32;
-    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
-    int64_t chunk = r1 - r0;
-    const size_t pf4 = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0, pf1 = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0;
-    if (a->n_tok > 4) {
-        chunk = (int64_t)(32768 / (wrb ? wrb : 1)) & ~(int64_t)3;
-        if (chunk < 4) chunk = 4;
-    }
-    for (int64_t rc = r0; rc < r1; rc += chunk) {
-        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
-        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
-            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
-            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
-            float *yt = a->y + (int64_t)t0 * a->y_stride;
-            int64_t r = rc;
-            for (; r + 4 <= re; r += 4) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALL4(TT)                                                                          \
-    if (q4) tile_pairs(1, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf4);                \
-    else tile_pairs(0, 4, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf4)
-                DISPATCH_T(CALL4)
-#undef CALL4
-            }
-            for (; r < re; r++) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALL1(TT)                                                                          \
-    if (q4) tile_pairs(1, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf1);                \
-    else tile_pairs(0, 1, TT, w, wrb, xa, xrb, nb, yt + r, a->y_stride, pf1)
-                DISPATCH_T(CALL1)
-#undef CALL1
-            }
-        }
-    }
-}
-
-static void mm_kquant(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
-    const int64_t nsb = a->k / 256;
-    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
-    const int q6 = a->wtype == KVQ_Q6_K;
-    const size_t pfk = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0; /* same distance as mm_pairs */
-    int64_t chunk = r1 - r0;
-    if (a->n_tok > 4) {
-        chunk = (int64_t)(32768 / (wrb ? wrb : 1));
-        if (chunk < 1) chunk = 1;
-    }
-    for (int64_t rc = r0; rc < r1; rc += chunk) {
-        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
-        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
-            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
-            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
-            float *yt = a->y + (int64_t)t0 * a->y_stride;
-            for (int64_t r = rc; r < re; r++) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALLK(TT)                                                    \
-    if (q6) tile_q6k(TT, w, xa, xrb, nsb, yt + r, a->y_stride, pfk);       \
-    else tile_q4k(TT, w, xa, xrb, nsb, yt + r, a->y_stride, pfk)
-                DISPATCH_T(CALLK)
-#undef CALLK
-            }
-        }
-    }
-}
-
-static void mm_float(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
-    const size_t wrb = a->w_row_bytes, xrb = a->xa_row_bytes;
-    const uint32_t wt = a->wtype;
-    const size_t pff = a->n_tok <= 4 ? PF_TILES * 4 * wrb : 0;
-    int64_t chunk = r1 - r0;
-    if (a->n_tok > 4) {
-        chunk = (int64_t)(65536 / (wrb ? wrb : 1)) & ~(int64_t)3;
-        if (chunk < 4) chunk = 4;
-    }
-    for (int64_t rc = r0; rc < r1; rc += chunk) {
-        const int64_t re = rc + chunk < r1 ? rc + chunk : r1;
-        for (int t0 = 0; t0 < a->n_tok; t0 += 4) {
-            const int T = a->n_tok - t0 < 4 ? a->n_tok - t0 : 4;
-            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb;
-            float *yt = a->y + (int64_t)t0 * a->y_stride;
-            int64_t r = rc;
-            for (; r + 4 <= re; r += 4) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALLF4(TT)                                                                          \
-    if (wt == KVQ_F16) tile_float(KVQ_F16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff);   \
-    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff); \
-    else tile_float(KVQ_F32, 4, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff)
-                DISPATCH_T(CALLF4)
-#undef CALLF4
-            }
-            for (; r < re; r++) {
-                const uint8_t *w = (const uint8_t *)a->w + (size_t)r * wrb;
-#define CALLF1(TT)                                                                          \
-    if (wt == KVQ_F16) tile_float(KVQ_F16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff);   \
-    else if (wt == KVQ_BF16) tile_float(KVQ_BF16, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff); \
-    else tile_float(KVQ_F32, 1, TT, w, wrb, xa, xrb, a->k, yt + r, a->y_stride, pff)
-                DISPATCH_T(CALLF1)
-#undef CALLF1
-            }
-        }
-    }
-}
+/* 32 zmm registers: 4 rows x 4 tokens of accumulators. Matvec prefetches PF_TILES
+ * 4-row tiles ahead (the K-quant kernels, one row per tile, the same distance). */
+static const struct kern_tiling pairs_tiling = {.rows_1 = 4, .rows_n = 4, .chunk_bytes = 32768, .chunk_align = 4,
+                                                .pf_tiles = PF_TILES};
+static const struct kern_tiling kquant_tiling = {.rows_1 = 1, .rows_n = 1, .chunk_bytes = 32768, .chunk_align = 1,
+                                                 .pf_tiles = PF_TILES};
+static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 4, .chunk_bytes = 65536, .chunk_align = 4,
+                                                .pf_tiles = PF_TILES};
 
 void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
-    case KVQ_Q8_0: mm_pairs(a, r0, r1, 0); break;
-    case KVQ_Q4_0: mm_pairs(a, r0, r1, 1); break;
-    case KVQ_Q4_K:
-    case KVQ_Q6_K: mm_kquant(a, r0, r1); break;
-    case KVQ_F32:
-    case KVQ_F16:
-    case KVQ_BF16: mm_float(a, r0, r1); break;
+    case KVQ_Q8_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0); break;
+    case KVQ_Q4_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0); break;
+    case KVQ_Q4_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q4k); break;
+    case KVQ_Q6_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q6k); break;
+    case KVQ_F32: kern_tile_loop(a, r0, r1, float_tiling, tile_f32); break;
+    case KVQ_F16: kern_tile_loop(a, r0, r1, float_tiling, tile_f16); break;
+    case KVQ_BF16: kern_tile_loop(a, r0, r1, float_tiling, tile_bf16); break;
     default: kern_matmul_scalar(a, r0, r1); break;
     }
 }

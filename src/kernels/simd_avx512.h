@@ -5,14 +5,7 @@
 
 #include <immintrin.h>
 
-#define INLINE static inline __attribute__((always_inline))
-/* Small loops over tile rows/tokens/heads must become straight-line code so that
- * the accumulators live in registers. */
-#if defined(__clang__)
-#define UNROLL _Pragma("unroll")
-#else
-#define UNROLL _Pragma("GCC unroll 16")
-#endif
+#include "kernels/inline.h"
 
 /* Horizontal sums of 4 vectors: returns [sum(a), sum(b), sum(c), sum(d)]. */
 INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
