@@ -176,6 +176,10 @@ grep -q "cache_write tokens=" "$tmp/cache.log" && ok "entries written by the wri
 # live too), and reloads from disk in the 8-bit format.
 start_server q8 --prefix-cache-dir "$tmp/pc8"
 client prefix "$tmp/prefix.txt" "Which play did he star in?" >/dev/null
+for _ in $(seq 100); do # the entry is stored (converted) after the answer went out
+  grep -q "format=K8/V8" "$tmp/q8.log" && break
+  sleep 0.1
+done
 bytes8=$(metric prefix_cache_bytes)
 client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/q8.json"
 stop_server
