@@ -85,6 +85,41 @@ static void test_round_trip(void) {
     }
 }
 
+/* f16 rows (bits 16) at every SIMD level: bit-identical to the scalar kvq_f32_to_f16
+ * (round to nearest even, subnormals, overflow to inf), NaN stays NaN. */
+static void test_f16_rows(void) {
+    enum { D = 200 };
+    float x[D];
+    uint8_t row[2 * D];
+    const float special[] = {0.0f, -0.0f, 1.0f, -2.5f, 65504.0f, 65519.0f, 65520.0f, -1e6f, 1e-8f, -3e-5f,
+                             6.1e-5f, 5.96e-8f, 2.98e-8f, 2.99e-8f, 1.0f + 1.0f / 2048, 1.0f + 3.0f / 2048,
+                             INFINITY, -INFINITY, NAN};
+    const int ns = (int)(sizeof special / sizeof special[0]);
+    const enum kvq_simd levels[] = {KVQ_SIMD_SCALAR, KVQ_SIMD_AVX2, KVQ_SIMD_AVX512};
+    for (int li = 0; li < 3; li++) {
+        if (kvq_simd_force(levels[li]) != 0) continue;
+        const int dims[] = {D, 128, 24, 7};
+        for (int di = 0; di < 4; di++) {
+            const int d = dims[di];
+            for (int i = 0; i < d; i++) x[i] = i < ns ? special[i] : (float)(gauss() * pow(10, (int)(urand() * 12) - 7));
+            memset(row, 0xAB, sizeof row);
+            kern_kvq_quantize_row(x, d, 16, 0, row);
+            int bad = 0;
+            for (int i = 0; i < d; i++) {
+                uint16_t h;
+                memcpy(&h, row + 2 * i, 2);
+                const uint16_t want = kvq_f32_to_f16(x[i]);
+                if (isnan(x[i])) bad += (h & 0x7c00) != 0x7c00 || (h & 0x3ff) == 0;
+                else bad += h != want;
+            }
+            for (int i = 2 * d; i < 2 * D; i++) bad += row[i] != 0xAB; /* nothing past the row */
+            CHECK(bad == 0, "f16 row d=%d at %s: %d values differ from kvq_f32_to_f16", d, kvq_simd_name(levels[li]),
+                  bad);
+        }
+    }
+    kvq_simd_force(kvq_simd_max());
+}
+
 static void test_hadamard(void) {
     const int dims[] = {8, 64, 96, 128, 256};
     for (int di = 0; di < 5; di++) {
@@ -280,6 +315,7 @@ static void test_attention(void) {
 
 int main(void) {
     test_round_trip();
+    test_f16_rows();
     test_hadamard();
     test_attention();
     return check_finish();

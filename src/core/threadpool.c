@@ -129,3 +129,64 @@ void kvq_pool_run(struct kvq_pool *p, kvq_task_fn fn, void *arg) {
         else cpu_relax();
     }
 }
+
+/* ---- shared work items ---- */
+
+struct kvq_work_part {
+    _Alignas(64) atomic_int next; /* a line per part: its owner claims without contention */
+    int count;
+};
+
+struct kvq_work {
+    int nth;
+    struct kvq_work_part *parts;
+    int *counts;
+};
+
+struct kvq_work *kvq_work_new(int nth) {
+    struct kvq_work *w = calloc(1, sizeof *w);
+    if (!w) return NULL;
+    w->nth = nth > 0 ? nth : 1;
+    w->parts = aligned_alloc(64, sizeof *w->parts * (size_t)w->nth);
+    w->counts = calloc((size_t)w->nth, sizeof *w->counts);
+    if (!w->parts || !w->counts) {
+        kvq_work_free(w);
+        return NULL;
+    }
+    for (int i = 0; i < w->nth; i++) {
+        atomic_init(&w->parts[i].next, 0);
+        w->parts[i].count = 0;
+    }
+    return w;
+}
+
+void kvq_work_free(struct kvq_work *w) {
+    if (!w) return;
+    free(w->parts);
+    free(w->counts);
+    free(w);
+}
+
+int *kvq_work_counts(struct kvq_work *w) { return w->counts; }
+
+void kvq_work_start(struct kvq_work *w) {
+    for (int i = 0; i < w->nth; i++) {
+        w->parts[i].count = w->counts[i];
+        w->counts[i] = 0;
+        atomic_store_explicit(&w->parts[i].next, 0, memory_order_relaxed);
+    }
+}
+
+int kvq_work_next(struct kvq_work *w, int ith, int *part) {
+    for (int k = 0; k < w->nth; k++) {
+        const int p = (ith + k) % w->nth;
+        struct kvq_work_part *wp = &w->parts[p];
+        if (atomic_load_explicit(&wp->next, memory_order_relaxed) >= wp->count) continue;
+        const int s = atomic_fetch_add_explicit(&wp->next, 1, memory_order_relaxed);
+        if (s < wp->count) {
+            *part = p;
+            return s;
+        }
+    }
+    return -1;
+}

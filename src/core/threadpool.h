@@ -16,6 +16,21 @@ int kvq_pool_size(const struct kvq_pool *p);
 /* Runs fn on all threads and returns when every call has returned. Not reentrant. */
 void kvq_pool_run(struct kvq_pool *p, kvq_task_fn fn, void *arg);
 
+/* Work items of one task shared by nth threads: thread i first takes the slots of
+ * its own part i in order (no contention), then helps with what is left of the other
+ * parts, so a thread that is slower or descheduled for a while does not hold the
+ * others at the end of the task. The caller maps (part, slot) to its items. */
+struct kvq_work;
+/* For tasks of up to nth threads. NULL when out of memory. */
+struct kvq_work *kvq_work_new(int nth);
+void kvq_work_free(struct kvq_work *w);
+/* nth counts, all 0 after kvq_work_new and each kvq_work_start: the caller sets
+ * counts[i] to the slots of part i, then calls kvq_work_start before kvq_pool_run. */
+int *kvq_work_counts(struct kvq_work *w);
+void kvq_work_start(struct kvq_work *w);
+/* The next slot for thread ith (its part is *part); -1 when no slot is left. */
+int kvq_work_next(struct kvq_work *w, int ith, int *part);
+
 /* Splits [0, n) into nth nearly equal parts; part ith is [*begin, *end). */
 static inline void kvq_split(long n, int ith, int nth, long *begin, long *end) {
     long base = n / nth, extra = n % nth;

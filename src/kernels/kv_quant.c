@@ -64,9 +64,14 @@ void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *
         return;
     }
     if (bits == 16) {
-        for (int i = 0; i < d; i++) {
-            uint16_t h = kvq_f32_to_f16(x[i]);
-            memcpy(dst + 2 * i, &h, 2);
+        switch (kvq_simd_level()) {
+        case KVQ_SIMD_AVX512: kern_kvq_to_f16_avx512(x, d, dst); break;
+        case KVQ_SIMD_AVX2: kern_kvq_to_f16_avx2(x, d, dst); break;
+        default:
+            for (int i = 0; i < d; i++) {
+                uint16_t h = kvq_f32_to_f16(x[i]);
+                memcpy(dst + 2 * i, &h, 2);
+            }
         }
         return;
     }

@@ -35,6 +35,16 @@ void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out) {
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
 }
 
+void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst) {
+    int i = 0;
+    for (; i + 8 <= d; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + 2 * i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < d; i++) {
+        const uint16_t h = kvq_f32_to_f16(x[i]);
+        memcpy(dst + 2 * i, &h, 2);
+    }
+}
+
 #define VL 8
 #define VF __m256
 #define VZERO _mm256_setzero_ps()

@@ -28,6 +28,16 @@ void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
 }
 
+void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst) {
+    int i = 0;
+    for (; i + 16 <= d; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + 2 * i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    if (i < d) {
+        const __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
+        _mm256_mask_storeu_epi16(dst + 2 * i, m, _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, x + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+}
+
 #define VL 16
 #define VF __m512
 #define VZERO _mm512_setzero_ps()

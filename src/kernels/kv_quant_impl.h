@@ -31,6 +31,10 @@ void kern_kvq_use_vnni(int on);
  * (the caller then loops over the runs). */
 bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                                const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs);
+/* x[d] -> f16 row at dst (unaligned), rounding to nearest even like kvq_f32_to_f16
+ * (F16C; a NaN stays a NaN, its payload may differ). */
+void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst);
+void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst);
 /* Fast unpackers for 2/4/8 bits (others fall back to the scalar one). */
 void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out);
 void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out);

@@ -1,8 +1,13 @@
 /* The CPU backend: host buffers, weights read in place from the mapped file, and
  * every operation split over a thread pool. Matrix products split their output rows
- * among threads, per-token work (norms, RoPE, activation quantization) splits the
- * tokens, attention splits (token, KV head) pairs. Fewer than 4 tokens of per-token
- * work run on the calling thread: waking the pool costs more than the work. */
+ * into chunks, attention has one work item per (token, KV head), and per-token work
+ * (norms, RoPE, activation quantization) splits the tokens. Each thread (the
+ * caller's included) takes its own share of the chunks or items first, then helps
+ * with what the others have left (core/threadpool.h, kvq_work), so a thread that is
+ * slower or descheduled for a while (the machine shared with other work) does not
+ * hold the others at the end of the task; attention items are dealt longest first.
+ * Per-token work that is small in all runs on the calling thread: waking the pool
+ * and waiting for it costs more than the work. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,11 +38,19 @@ struct cpu_backend {
     float *attn_scratch; /* per thread */
     size_t attn_scratch_floats;
     int attn_scratch_threads;
+    int64_t *attn_order; /* [max_tokens]: tokens by decreasing position (and index) */
+    int attn_order_cap;
+    struct kvq_work *work; /* the work items of the task running on the pool */
 };
 
 static struct cpu_backend *cpu(struct backend *b) { return (struct cpu_backend *)b; }
 
-/* Runs fn(arg, t) over t in [0, n) on the pool, or inline for few tokens. */
+/* Per-token work of fewer than this many value operations in all runs on the calling
+ * thread (a 16-token decode batch's RMSNorm of 512 values, for instance). */
+#define INLINE_WORK 8192
+
+/* Runs fn(arg, t) over t in [0, n) on the pool, or inline when n tokens of `cost`
+ * value operations each are little work. */
 typedef void (*token_fn)(const void *arg, int t);
 struct token_task {
     const void *arg;
@@ -50,9 +63,9 @@ static void token_task_run(void *p, int ith, int nth) {
     kvq_split(tt->n, ith, nth, &b, &e);
     for (long t = b; t < e; t++) tt->fn(tt->arg, (int)t);
 }
-static void for_each_token(struct cpu_backend *cb, int n, token_fn fn, const void *arg) {
+static void for_each_token(struct cpu_backend *cb, int n, int64_t cost, token_fn fn, const void *arg) {
     struct token_task tt = {arg, fn, n};
-    if (n < 4) token_task_run(&tt, 0, 1);
+    if (n < 4 || (int64_t)n * cost <= INLINE_WORK) token_task_run(&tt, 0, 1);
     else kvq_pool_run(cb->pool, token_task_run, &tt);
 }
 
@@ -116,26 +129,39 @@ static void act_prepare_token(const void *p, int t) {
                          a->k);
 }
 
+/* Row chunks are a multiple of this many rows, so kernels see whole tiles. */
+#define MM_ROW_ALIGN 16
+/* Chunks per job and thread: a thread finishing early finds work left to help with. */
+#define MM_CHUNKS_PER_THREAD 4
+
+/* Thread i's part holds, of every job, the i-th of nth nearly equal runs of chunks
+ * (contiguous rows, as a static split would give it). */
 struct mm_task {
     const struct act_set *as;
-    int n_tok, n_jobs;
+    int n_tok, n_jobs, nth;
     const struct be_matmul *jobs;
+    int64_t chunk_rows[3];
+    int n_chunks[3];
+    struct kvq_work *work;
 };
-
-/* Rows per thread are rounded to a multiple of this, so kernels see whole tiles. */
-#define MM_ROW_ALIGN 16
 
 static void mm_task_run(void *p, int ith, int nth) {
     const struct mm_task *mt = p;
-    for (int j = 0; j < mt->n_jobs; j++) {
+    (void)nth;
+    int part, s;
+    while ((s = kvq_work_next(mt->work, ith, &part)) >= 0) {
+        int j = 0;
+        long b, e;
+        for (;; j++) { /* slot s of the part: which job, which chunk */
+            kvq_split(mt->n_chunks[j], part, mt->nth, &b, &e);
+            if (s < e - b) break;
+            s -= (int)(e - b);
+        }
         const struct be_matmul *job = &mt->jobs[j];
         const struct weight *w = job->w;
         int ai = act_index(mt->as, w->type);
-        long chunks = (long)((w->rows + MM_ROW_ALIGN - 1) / MM_ROW_ALIGN), b, e;
-        kvq_split(chunks, ith, nth, &b, &e);
-        int64_t r0 = b * MM_ROW_ALIGN, r1 = e * MM_ROW_ALIGN;
+        int64_t r0 = (b + s) * mt->chunk_rows[j], r1 = r0 + mt->chunk_rows[j];
         if (r1 > w->rows) r1 = w->rows;
-        if (r0 >= r1) continue;
         struct kern_matmul_args a = {
             .wtype = w->type, .w = w->data, .w_row_bytes = w->row_bytes, .k = w->cols,
             .xa = mt->as->bufs[ai], .xa_row_bytes = mt->as->row_bytes[ai], .n_tok = mt->n_tok,
@@ -155,8 +181,23 @@ static void cpu_matmul(struct backend *b, const float *x, int64_t x_stride, int 
     struct act_set as;
     act_plan(cb, &as, jobs, n_jobs, k);
     struct act_arg aa = {&as, x, k, x_stride};
-    for_each_token(cb, n, act_prepare_token, &aa);
-    struct mm_task mt = {&as, n, n_jobs, jobs};
+    for_each_token(cb, n, k * as.n, act_prepare_token, &aa);
+    const int nth = kvq_pool_size(cb->pool);
+    struct mm_task mt = {.as = &as, .n_tok = n, .n_jobs = n_jobs, .nth = nth, .jobs = jobs, .work = cb->work};
+    int *counts = kvq_work_counts(cb->work);
+    for (int j = 0; j < n_jobs; j++) {
+        const int64_t rows = jobs[j].w->rows, want = (int64_t)nth * MM_CHUNKS_PER_THREAD;
+        int64_t cr = (rows + want - 1) / want;
+        cr = (cr + MM_ROW_ALIGN - 1) / MM_ROW_ALIGN * MM_ROW_ALIGN;
+        mt.chunk_rows[j] = cr;
+        mt.n_chunks[j] = (int)((rows + cr - 1) / cr);
+        for (int i = 0; i < nth; i++) {
+            long b, e;
+            kvq_split(mt.n_chunks[j], i, nth, &b, &e);
+            counts[i] += (int)(e - b);
+        }
+    }
+    kvq_work_start(cb->work);
     kvq_pool_run(cb->pool, mm_task_run, &mt);
 }
 
@@ -184,7 +225,7 @@ static void embed_token(const void *p, int t) {
 }
 static void cpu_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x) {
     struct embed_arg a = {e, tokens, scale, x};
-    for_each_token(cpu(b), n, embed_token, &a);
+    for_each_token(cpu(b), n, e->cols, embed_token, &a);
 }
 
 struct norm_arg {
@@ -203,7 +244,7 @@ static void norm_token(const void *p, int t) {
 static void cpu_rmsnorm(struct backend *b, const float *x, const int32_t *rows, const float *w, int n, int dim,
                         float eps, float *out) {
     struct norm_arg a = {.x = x, .rows = rows, .w = w, .dim = dim, .eps = eps, .out = out};
-    for_each_token(cpu(b), n, norm_token, &a);
+    for_each_token(cpu(b), n, dim, norm_token, &a);
 }
 
 static void add_norm_token(const void *p, int t) {
@@ -216,7 +257,7 @@ static void add_norm_token(const void *p, int t) {
 static void cpu_add_norm(struct backend *b, float *x, float *add, const float *post, const float *w, int n, int dim,
                          float eps, float *out) {
     struct norm_arg a = {.x = x, .add = add, .post = post, .w = w, .dim = dim, .eps = eps, .out = out};
-    for_each_token(cpu(b), n, add_norm_token, &a);
+    for_each_token(cpu(b), n, (int64_t)dim * ((post != NULL) + (w != NULL) + 1), add_norm_token, &a);
 }
 
 struct rope_table_arg {
@@ -238,7 +279,7 @@ static void rope_table_token(const void *p, int t) {
 static void cpu_rope_table(struct backend *b, const int32_t *pos, int n, const float *inv_freq, float linear,
                            int half, float *cos, float *sin) {
     struct rope_table_arg a = {pos, inv_freq, linear, half, cos, sin};
-    for_each_token(cpu(b), n, rope_table_token, &a);
+    for_each_token(cpu(b), n, (int64_t)half * 16, rope_table_token, &a); /* cosf + sinf */
 }
 
 static void rope_apply(float *vec, const float *cs, const float *sn, int half, enum rope_pairing pairing) {
@@ -271,7 +312,10 @@ static void qk_rope_token(const void *p, int t) {
         rope_apply(k + h * D, cs, sn, r->half, (enum rope_pairing)r->pairing);
     }
 }
-static void cpu_qk_rope(struct backend *b, const struct be_rope *r, int n) { for_each_token(cpu(b), n, qk_rope_token, r); }
+static void cpu_qk_rope(struct backend *b, const struct be_rope *r, int n) {
+    const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
+    for_each_token(cpu(b), n, cost, qk_rope_token, r);
+}
 
 struct glu_arg {
     enum be_glu act;
@@ -294,7 +338,7 @@ static void glu_token(const void *p, int t) {
 static void cpu_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff,
                     float *out) {
     struct glu_arg a = {act, gate, up, n_ff, out};
-    for_each_token(cpu(b), n, glu_token, &a);
+    for_each_token(cpu(b), n, (int64_t)n_ff * 8, glu_token, &a); /* expf or tanhf */
 }
 
 /* ---- KV cache and attention ---------------------------------------------- */
@@ -317,18 +361,35 @@ struct attn_task {
     const struct be_attention *a;
     int n;
 };
+/* Items are (token, KV head) pairs, tokens in attn_order (the longest attention
+ * first), dealt round-robin to the threads' parts: each part starts with long items
+ * and ends with short ones. */
 static void attn_task_run(void *p, int ith, int nth) {
     const struct attn_task *at = p;
     const struct be_attention *a = at->a;
     const int D = a->head_dim, group = a->n_head / a->n_kv, q_dim = a->n_head * D;
     float *scratch = at->cb->attn_scratch + (size_t)ith * at->cb->attn_scratch_floats;
-    long b, e;
-    kvq_split((long)at->n * a->n_kv, ith, nth, &b, &e);
-    for (long item = b; item < e; item++) {
-        int t = (int)(item / a->n_kv), h = (int)(item % a->n_kv);
+    int part, s;
+    while ((s = kvq_work_next(at->cb->work, ith, &part)) >= 0) {
+        const int item = s * nth + part;
+        const int t = (int)(at->cb->attn_order[item / a->n_kv] & 0xffffffff), h = item % a->n_kv;
         size_t off = (size_t)t * q_dim + (size_t)h * group * D;
         kv_cache_attend(a->caches[t], h, a->q + off, a->pos[t], a->scale, a->out + off, scratch);
     }
+}
+
+static int ensure_attn_order(struct cpu_backend *cb, int n) {
+    if (n <= cb->attn_order_cap) return 0;
+    free(cb->attn_order);
+    cb->attn_order = malloc(sizeof *cb->attn_order * (size_t)n);
+    cb->attn_order_cap = cb->attn_order ? n : 0;
+    return cb->attn_order ? 0 : -1;
+}
+
+/* Decreasing keys: (position << 32 | ~token) puts equal positions in token order. */
+static int cmp_desc(const void *x, const void *y) {
+    const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return a < b ? 1 : a > b ? -1 : 0;
 }
 
 static void cpu_attention(struct backend *b, const struct be_attention *a, int n) {
@@ -343,14 +404,23 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
         cb->attn_scratch_threads = cb->attn_scratch ? nth : 0;
         if (!cb->attn_scratch) return;
     }
+    if (ensure_attn_order(cb, n) != 0) return; /* reserve sized it for max_tokens */
+    for (int t = 0; t < n; t++) cb->attn_order[t] = (int64_t)a->pos[t] << 32 | (uint32_t)(0xffffffffu - (uint32_t)t);
+    qsort(cb->attn_order, (size_t)n, sizeof *cb->attn_order, cmp_desc);
+    for (int t = 0; t < n; t++) cb->attn_order[t] = 0xffffffffu - (uint32_t)(cb->attn_order[t] & 0xffffffff);
     struct attn_task at = {cb, a, n};
+    int *counts = kvq_work_counts(cb->work);
+    for (int i = 0; i < nth; i++) counts[i] = (n * a->n_kv - i + nth - 1) / nth;
+    kvq_work_start(cb->work);
     kvq_pool_run(cb->pool, attn_task_run, &at);
 }
 
 /* ---- memory --------------------------------------------------------------- */
 
 static int cpu_reserve(struct backend *b, int max_tokens, int64_t widest) {
-    return ensure_act(cpu(b), max_act_row_bytes(widest) * (size_t)max_tokens);
+    struct cpu_backend *cb = cpu(b);
+    if (ensure_attn_order(cb, max_tokens) != 0) return kvq_error("out of memory");
+    return ensure_act(cb, max_act_row_bytes(widest) * (size_t)max_tokens);
 }
 
 static void *cpu_alloc(struct backend *b, size_t bytes) {
@@ -393,6 +463,8 @@ static void cpu_free(struct backend *b) {
     if (cb->pool) kvq_pool_free(cb->pool);
     for (int i = 0; i < MAX_ACT_TYPES; i++) free(cb->act_mem[i]);
     free(cb->attn_scratch);
+    free(cb->attn_order);
+    kvq_work_free(cb->work);
     free(cb);
 }
 
@@ -427,7 +499,9 @@ struct backend *backend_cpu_new(int n_threads) {
     }
     cb->base.ops = &cpu_ops;
     cb->pool = kvq_pool_new(n_threads);
-    if (!cb->pool) {
+    if (cb->pool) cb->work = kvq_work_new(kvq_pool_size(cb->pool));
+    if (!cb->pool || !cb->work) {
+        if (cb->pool) kvq_pool_free(cb->pool);
         free(cb);
         kvq_error("cannot start %d threads", n_threads);
         return NULL;
