@@ -101,7 +101,8 @@ static int run_layer(struct forward *f, const struct fwd_batch *b, int il) {
     const struct layer_weights *L = &f->m->layers[il];
     const int n = b->n_tokens, D = hp->head_dim;
 
-    op->rmsnorm(be, f->x, NULL, L->attn_norm, n, hp->n_embd, hp->rms_eps, f->xn);
+    if (il == 0) /* later layers get theirs from the previous layer's last add_norm */
+        op->rmsnorm(be, f->x, NULL, L->attn_norm, n, hp->n_embd, hp->rms_eps, f->xn);
     struct be_matmul qkv[3] = {{&L->wq, f->q, L->bq}, {&L->wk, f->k, L->bk}, {&L->wv, f->v, L->bv}};
     op->matmul(be, f->xn, hp->n_embd, n, 3, qkv);
     size_t table = (size_t)f->m->layer_attn[il].rope_set * f->max_tokens * f->half_rope;
@@ -126,7 +127,8 @@ static int run_layer(struct forward *f, const struct fwd_batch *b, int il) {
     op->glu(be, hp->ffn_act == FFN_GELU_TANH ? BE_GLU_GELU_TANH : BE_GLU_SILU, f->gate, f->up, n, hp->n_ff, f->xn);
     struct be_matmul down = {&L->w_down, f->tmp, NULL};
     op->matmul(be, f->xn, hp->n_ff, n, 1, &down);
-    op->add_norm(be, f->x, f->tmp, L->post_ffn_norm, NULL, n, hp->n_embd, hp->rms_eps, NULL);
+    const float *next_norm = il + 1 < hp->n_layer ? f->m->layers[il + 1].attn_norm : NULL;
+    op->add_norm(be, f->x, f->tmp, L->post_ffn_norm, next_norm, n, hp->n_embd, hp->rms_eps, next_norm ? f->xn : NULL);
     return 0;
 }
 

@@ -13,6 +13,7 @@
 #include <math.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/round_x.cuh"
 
 #define WARPS 4
 #define HEADS_MAX 8 /* query heads per block */
@@ -311,7 +312,9 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     }
     const float *mu = (const float *)tk.mu;
     if (mu && a.v_bits < 16 && L > 0) o += LP / L * mu[(size_t)(a.n_kv + kvh) * D + d];
-    a.out[((size_t)t * a.n_head + h) * D + d] = o;
+    const size_t at = ((size_t)t * a.n_head + h) * D + d;
+    a.out[at] = o;
+    if (a.xq.q) round_x32(o, a.xq.q + (at & ~(size_t)31), a.xq.dsum + at / 32); /* D threads: whole warps */
 }
 
 static int heads_per_block(const cuk_attn_args *a) {

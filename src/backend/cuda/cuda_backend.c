@@ -83,6 +83,13 @@ struct cuda_backend {
     int n_ents, cap_ents;
     float *deq;
     struct cuk_xq xq; /* int8 inputs of the repacked types' matrix-vector kernels */
+    int64_t xq_cols;  /* xq holds up to CUK_MATVEC_MAX rows of this many */
+    /* what xq holds: the rounding of xq_n rows of xq_k floats at xq_of (written by the
+     * norm or GLU that made them, so the product after it needs no rounding launch) */
+    const float *xq_of;
+    int xq_n;
+    int64_t xq_k;
+    bool any_repacked; /* a weight of a repacked type was uploaded */
     float *part;
     size_t part_floats;
     float *signs; /* Hadamard signs of head size signs_dim */
@@ -244,6 +251,7 @@ static int cuda_upload_weight(struct backend *b, const struct weight *w) {
     free(host);
     if (rc != 0) return -1;
     if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, rb, (const uint16_t *)(e->dev + codes)};
+    cb->any_repacked = true;
     return 0;
 }
 
@@ -413,29 +421,52 @@ static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
     cudaFree(cb->xq.dsum);
     cb->xq.q = cuda_alloc(b, n * (size_t)widest);
     cb->xq.dsum = cuda_alloc(b, sizeof(float2) * n * (size_t)(widest / 32 + 1));
+    cb->xq_cols = widest;
+    cb->xq_of = NULL;
     return cb->xq.q && cb->xq.dsum ? 0 : -1;
 }
 
 /* ---- dense operations ----------------------------------------------------- */
 
+/* xq for an operation writing n rows of k floats at out, which it rounds into xq as
+ * well when a product of a repacked type may read them; NULL when it need not. */
+static const struct cuk_xq *round_into_xq(struct cuda_backend *cb, const float *out, int n, int64_t k) {
+    cb->xq_of = NULL;
+    if (!out || !cb->any_repacked || n > CUK_MATVEC_MAX || k % 32 != 0 || k > cb->xq_cols || k > CUK_NORM_MAX) return NULL;
+    cb->xq_of = out;
+    cb->xq_n = n;
+    cb->xq_k = k;
+    return &cb->xq;
+}
+
 static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs,
                         const struct be_matmul *jobs) {
     struct cuda_backend *cb = cuda(b);
-    bool quantized_x = false; /* the jobs share x: rounded to int8 once for all */
+    double t0 = prof_begin(cb);
+    if (n <= CUK_MATVEC_MAX) {
+        struct cuk_matvec_job mj[CUK_MATVEC_JOBS];
+        bool repacked = false;
+        for (int j = 0; j < n_jobs && j < CUK_MATVEC_JOBS; j++) {
+            mj[j] = (struct cuk_matvec_job){dev_weight(cb, jobs[j].w), jobs[j].y, dev_vec(cb, jobs[j].bias)};
+            if (!mj[j].w) return;
+            repacked |= cuk_repacked(mj[j].w->type) != 0;
+        }
+        const int64_t k = mj[0].w->cols;
+        if (repacked && !(cb->xq_of == x && cb->xq_n == n && cb->xq_k == k && x_stride == k)) {
+            cuk_quantize_x(cb->stream, x, x_stride, n, k, &cb->xq); /* the jobs share x: rounded once */
+            cb->xq_of = x_stride == k ? x : NULL;
+            cb->xq_n = n;
+            cb->xq_k = k;
+        }
+        cuk_matvec(cb->stream, mj, n_jobs < CUK_MATVEC_JOBS ? n_jobs : CUK_MATVEC_JOBS, x, x_stride, &cb->xq, n);
+        prof_end(cb, P_MATVEC, t0);
+        return;
+    }
+    cb->xq_of = NULL;
     for (int j = 0; j < n_jobs; j++) {
         const struct cuk_weight *w = dev_weight(cb, jobs[j].w);
         const float *bias = dev_vec(cb, jobs[j].bias);
         if (!w) return;
-        double t0 = prof_begin(cb);
-        if (n <= CUK_MATVEC_MAX) {
-            if (cuk_repacked(w->type) && !quantized_x) {
-                cuk_quantize_x(cb->stream, x, x_stride, n, w->cols, &cb->xq);
-                quantized_x = true;
-            }
-            cuk_matvec(cb->stream, w, x, x_stride, &cb->xq, n, jobs[j].y, bias);
-            prof_end(cb, P_MATVEC, t0);
-            continue;
-        }
         /* wide batches: bands of rows dequantized for a TF32 GEMM (y^T = W x^T, column-major) */
         const float one = 1.0f, zero = 0.0f;
         int64_t band = (int64_t)(DEQ_FLOATS / (size_t)w->cols);
@@ -451,8 +482,8 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
                 return;
         }
         if (bias) cuk_add_bias(cb->stream, jobs[j].y, bias, n, w->rows);
-        prof_end(cb, P_GEMM, t0);
     }
+    prof_end(cb, P_GEMM, t0);
 }
 
 static void cuda_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x) {
@@ -460,6 +491,7 @@ static void cuda_embed(struct backend *b, const struct weight *e, const int32_t 
     const struct cuk_weight *w = dev_weight(cb, e);
     double t0 = prof_begin(cb);
     const int32_t *t = stage_array(cb, tokens, sizeof(int32_t) * (size_t)n);
+    cb->xq_of = NULL;
     if (w && t) cuk_embed(cb->stream, w, t, n, scale, x);
     prof_end(cb, P_EMBED, t0);
 }
@@ -471,7 +503,7 @@ static void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows,
     const float *wd = dev_vec(cb, w);
     if ((rows && !r) || !wd) return;
     double t0 = prof_begin(cb);
-    cuk_rmsnorm(cb->stream, x, r, wd, n, dim, eps, out);
+    cuk_rmsnorm(cb->stream, x, r, wd, n, dim, eps, out, round_into_xq(cb, out, n, dim));
     prof_end(cb, P_NORM, t0);
 }
 
@@ -479,7 +511,8 @@ static void cuda_add_norm(struct backend *b, float *x, float *add, const float *
                           float eps, float *out) {
     struct cuda_backend *cb = cuda(b);
     double t0 = prof_begin(cb);
-    cuk_add_norm(cb->stream, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out);
+    const struct cuk_xq *xq = round_into_xq(cb, w ? out : NULL, w ? n : 0, dim);
+    cuk_add_norm(cb->stream, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out, xq);
     prof_end(cb, P_NORM, t0);
 }
 
@@ -494,6 +527,7 @@ static void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const 
 static void cuda_qk_rope(struct backend *b, const struct be_rope *r, int n) {
     struct cuda_backend *cb = cuda(b);
     double t0 = prof_begin(cb);
+    cb->xq_of = NULL;
     cuk_qk_rope(cb->stream, r->q, r->k, n, r->n_head, r->n_kv, r->head_dim, dev_vec(cb, r->q_norm),
                 dev_vec(cb, r->k_norm), r->eps, r->cos, r->sin, r->half, r->pairing);
     prof_end(cb, P_ROPE, t0);
@@ -503,7 +537,7 @@ static void cuda_glu(struct backend *b, enum be_glu act, const float *gate, cons
                      float *out) {
     struct cuda_backend *cb = cuda(b);
     double t0 = prof_begin(cb);
-    cuk_glu(cb->stream, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out);
+    cuk_glu(cb->stream, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out, round_into_xq(cb, out, n, n_ff));
     prof_end(cb, P_GLU, t0);
 }
 
@@ -754,6 +788,7 @@ static int finish_appends(struct cuda_backend *cb) {
 
 static void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
     struct cuda_backend *cb = cuda(b);
+    cb->xq_of = NULL;
     if (n <= 0 || cb->failed) return;
     const int D = a->head_dim;
     double t0 = prof_begin(cb);
@@ -856,6 +891,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
     flush_copies(cb, from);
     if (ensure_signs(cb, D, views[0].signs) != 0) return;
     const float *signs = cb->signs;
+    const struct cuk_xq *xq = round_into_xq(cb, a->out, n, (int64_t)a->n_head * D);
     prof_end(cb, P_ATTN_HOST, t0);
     t0 = prof_begin(cb);
     for (int f = 0; f < n_fmt && !cb->failed; f++) {
@@ -869,6 +905,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
             .toks = (const struct cuk_attn_tok *)(cb->stage_d + toks_off) + first[f],
             .tok_index = (const int32_t *)(cb->stage_d + idx_off) + first[f],
             .n = first[f + 1] - first[f], .max_rows = max_rows[f], .partial = cb->part, .n_sm = cb->n_sm,
+            .xq = xq ? *xq : (struct cuk_xq){NULL, NULL},
         };
         cuk_attention(cb->stream, &args);
     }

@@ -44,10 +44,18 @@ int cuk_type_supported(uint32_t type);
 /* Tokens at most the matrix-vector kernels take; wider inputs go through
  * cuk_dequantize + a GEMM. */
 #define CUK_MATVEC_MAX 16
-/* y[t][rows] = x[t][cols] W^T (+ bias) for t < n <= CUK_MATVEC_MAX; x rows x_stride apart.
- * Repacked types read xq (cuk_quantize_x of the same x) instead of x. */
-void cuk_matvec(cudaStream_t s, const struct cuk_weight *w, const float *x, int64_t x_stride, const struct cuk_xq *xq,
-                int n, float *y, const float *bias);
+/* Products one launch takes (consecutive jobs of one weight type share a launch). */
+#define CUK_MATVEC_JOBS 3
+struct cuk_matvec_job {
+    const struct cuk_weight *w; /* host struct, device data */
+    float *y;
+    const float *bias; /* or NULL */
+};
+/* y[t][rows] = x[t][cols] W^T (+ bias) for t < n <= CUK_MATVEC_MAX, for each job (all
+ * with the same cols); x rows x_stride apart. Repacked types read xq (x rounded by
+ * cuk_quantize_x or a kernel that writes xq) instead of x. */
+void cuk_matvec(cudaStream_t s, const struct cuk_matvec_job *jobs, int n_jobs, const float *x, int64_t x_stride,
+                const struct cuk_xq *xq, int n);
 /* Rows [r0, r1) of w as f32 into out[r1 - r0][cols]. */
 void cuk_dequantize(cudaStream_t s, const struct cuk_weight *w, int64_t r0, int64_t r1, float *out);
 /* y[t][rows] += bias[rows] for t < n. */
@@ -55,19 +63,24 @@ void cuk_add_bias(cudaStream_t s, float *y, const float *bias, int n, int64_t ro
 
 /* x[t] = scale * row tokens[t] of e. */
 void cuk_embed(cudaStream_t s, const struct cuk_weight *e, const int32_t *tokens, int n, float scale, float *x);
+/* The norms and the GLU below also write their output rounded to int8 into xq (as
+ * cuk_quantize_x would, bit for bit) when xq is not NULL; dim (n_ff) then a multiple
+ * of 32. Norms take dim <= CUK_NORM_MAX. */
+#define CUK_NORM_MAX 16384
 /* out[i] = RMSNorm(x[rows ? rows[i] : i]) * w. */
 void cuk_rmsnorm(cudaStream_t s, const float *x, const int32_t *rows, const float *w, int n, int dim, float eps,
-                 float *out);
+                 float *out, const struct cuk_xq *xq);
 /* x[t] += post ? RMSNorm(add[t]) * post : add[t]; then out[t] = RMSNorm(x[t]) * w when w. */
 void cuk_add_norm(cudaStream_t s, float *x, float *add, const float *post, const float *w, int n, int dim, float eps,
-                  float *out);
+                  float *out, const struct cuk_xq *xq);
 void cuk_rope_table(cudaStream_t s, const int32_t *pos, int n, const float *inv_freq, float linear, int half,
                     float *cos, float *sin);
 /* Per-head RMSNorm (when q_norm/k_norm) and RoPE; pairing as enum rope_pairing. */
 void cuk_qk_rope(cudaStream_t s, float *q, float *k, int n, int n_head, int n_kv, int head_dim, const float *q_norm,
                  const float *k_norm, float eps, const float *cos, const float *sin, int half, int pairing);
 /* out = act(gate) * up; act 0 SiLU, 1 GELU (tanh). */
-void cuk_glu(cudaStream_t s, int act, const float *gate, const float *up, int n, int n_ff, float *out);
+void cuk_glu(cudaStream_t s, int act, const float *gate, const float *up, int n, int n_ff, float *out,
+             const struct cuk_xq *xq);
 
 /* Copies `bytes` from staging + src to dst, for each of n copies. */
 struct cuk_copy {
@@ -106,6 +119,7 @@ struct cuk_attn_args {
     int max_rows;                    /* the most rows any of them reads */
     float *partial;                  /* scratch: cuk_attention_scratch_floats() */
     int n_sm;
+    struct cuk_xq xq;                /* out rounded into it too when xq.q (n_head D a multiple of 32) */
 };
 /* ---- appending to the cache on the device ----
  * Each new token's key and value rows, encoded as kv_cache.c does on the host (offsets

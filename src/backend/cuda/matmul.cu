@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/round_x.cuh"
 #include "core/dtype.h"
 
 #define ROWS_PER_BLOCK 4
@@ -125,16 +126,37 @@ static __device__ __forceinline__ void store_rows(const float (&acc)[NT], int la
     else if ((n) <= 8) LAUNCH(8); \
     else LAUNCH(16)
 
+/* Up to CUK_MATVEC_JOBS products of one weight type in one launch: job j takes the
+ * blocks from first[j] on (one launch fills the chip better than three small ones). */
+struct mv_set {
+    cuk_weight w[CUK_MATVEC_JOBS];
+    float *y[CUK_MATVEC_JOBS];
+    const float *bias[CUK_MATVEC_JOBS];
+    unsigned first[CUK_MATVEC_JOBS];
+};
+
+/* The job of this block, and the row of this warp (-1: past the job's rows). */
+static __device__ __forceinline__ int64_t mv_row(const mv_set &S, int &j) {
+    j = 0;
+#pragma unroll
+    for (int i = 1; i < CUK_MATVEC_JOBS; i++)
+        if (blockIdx.x >= S.first[i]) j = i;
+    const int64_t row = (int64_t)(blockIdx.x - S.first[j]) * ROWS_PER_BLOCK + threadIdx.x / 32;
+    return row < S.w[j].rows ? row : -1;
+}
+
 template <uint32_t T, int NT>
 __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
-    matvec(const cuk_weight W, const float *x, int64_t x_stride, int n, float *y, const float *bias) {
-    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, rows = W.rows, cols = W.cols;
+    matvec(const mv_set S, const float *x, int64_t x_stride, int n) {
+    int j;
+    const int64_t row = mv_row(S, j);
+    if (row < 0) return;
+    const cuk_weight &W = S.w[j];
     const int lane = threadIdx.x % 32;
-    if (row >= rows) return;
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0;
-    const int64_t chunks = cols / 8;
+    const int64_t chunks = W.cols / 8;
 #pragma unroll 2
     for (int64_t c = lane; c < chunks; c += 32) {
         float w[8];
@@ -148,17 +170,7 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
                       w[7] * b.w;
         }
     }
-    store_rows<NT>(acc, lane, n, y, rows, row, bias);
-}
-
-template <uint32_t T>
-static void matvec_type(cudaStream_t s, const cuk_weight *w, const float *x, int64_t x_stride, int n, float *y,
-                        const float *bias) {
-    const unsigned blocks = (unsigned)((w->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
-    const dim3 th(ROWS_PER_BLOCK * 32);
-#define MV(NT) matvec<T, NT><<<blocks, th, 0, s>>>(*w, x, x_stride, n, y, bias)
-    BY_TOKENS(n, MV);
-#undef MV
+    store_rows<NT>(acc, lane, n, S.y[j], W.rows, row, S.bias[j]);
 }
 
 /* ---- repacked Q4_0 / Q8_0 on int8 inputs ----
@@ -183,19 +195,10 @@ extern "C" void cuk_repack(uint32_t type, const uint8_t *src, int64_t rows, int6
 }
 
 __global__ void quantize_x(const float *x, int64_t x_stride, int64_t k, int8_t *q, float2 *dsum) {
-    /* a warp per block of 32 inputs: lane i takes input i */
     const int64_t nb = k / 32, blk = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32, t = blockIdx.y;
+    const int t = blockIdx.y;
     if (blk >= nb) return;
-    const float v = x[t * x_stride + blk * 32 + lane];
-    float amax = fabsf(v);
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int c = __float2int_rn(fminf(fmaxf(v * id, -127.0f), 127.0f));
-    q[t * k + blk * 32 + lane] = (int8_t)c;
-    int sum = c;
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (lane == 0) dsum[t * nb + blk] = make_float2(amax / 127.0f, (float)sum);
+    round_x32(x[t * x_stride + blk * 32 + threadIdx.x % 32], q + t * k + blk * 32, dsum + t * nb + blk);
 }
 
 extern "C" void cuk_quantize_x(cudaStream_t s, const float *x, int64_t x_stride, int n, int64_t k, const cuk_xq *xq) {
@@ -206,10 +209,12 @@ extern "C" void cuk_quantize_x(cudaStream_t s, const float *x, int64_t x_stride,
 
 template <uint32_t T, int NT>
 __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
-    matvec_q(const cuk_weight W, const int8_t *xq, const float2 *xd, int n, float *y, const float *bias) {
-    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, rows = W.rows;
+    matvec_q(const mv_set S, const int8_t *xq, const float2 *xd, int n) {
+    int j;
+    const int64_t row = mv_row(S, j);
+    if (row < 0) return;
+    const cuk_weight &W = S.w[j];
     const int lane = threadIdx.x % 32;
-    if (row >= rows) return;
     const int64_t nb = W.cols / 32;
     const uint8_t *codes = W.data + row * W.row_bytes;
     const uint16_t *sc = W.scales + row * nb;
@@ -251,33 +256,52 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
             acc[t] += d * ds.x * (T == KVQ_Q4_0 ? (float)isum - 8.0f * ds.y : (float)isum);
         }
     }
-    store_rows<NT>(acc, lane, n, y, rows, row, bias);
+    store_rows<NT>(acc, lane, n, S.y[j], W.rows, row, S.bias[j]);
 }
 
-template <uint32_t T>
-static void matvec_q_type(cudaStream_t s, const cuk_weight *w, const cuk_xq *xq, int n, float *y, const float *bias) {
-    const unsigned blocks = (unsigned)((w->rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
-    const dim3 th(ROWS_PER_BLOCK * 32);
-#define MQ(NT) matvec_q<T, NT><<<blocks, th, 0, s>>>(*w, xq->q, xq->dsum, n, y, bias)
-    BY_TOKENS(n, MQ);
-#undef MQ
-}
 
 extern "C" int cuk_type_supported(uint32_t type) {
     return type == KVQ_F32 || type == KVQ_F16 || type == KVQ_BF16 || type == KVQ_Q8_0 || type == KVQ_Q4_0 ||
            type == KVQ_Q4_K || type == KVQ_Q6_K;
 }
 
-extern "C" void cuk_matvec(cudaStream_t s, const cuk_weight *w, const float *x, int64_t x_stride, const cuk_xq *xq,
-                           int n, float *y, const float *bias) {
-    if (cuk_repacked(w->type)) {
-        if (w->type == KVQ_Q4_0) matvec_q_type<KVQ_Q4_0>(s, w, xq, n, y, bias);
-        else matvec_q_type<KVQ_Q8_0>(s, w, xq, n, y, bias);
-        return;
+extern "C" void cuk_matvec(cudaStream_t s, const struct cuk_matvec_job *jobs, int n_jobs, const float *x,
+                           int64_t x_stride, const struct cuk_xq *xq, int n) {
+    const dim3 th(ROWS_PER_BLOCK * 32);
+    for (int j0 = 0; j0 < n_jobs;) {
+        /* one launch for this job and the next ones of its type */
+        const uint32_t T = jobs[j0].w->type;
+        mv_set S;
+        unsigned blocks = 0;
+        int nj = 0;
+        for (; nj < CUK_MATVEC_JOBS && j0 + nj < n_jobs && jobs[j0 + nj].w->type == T; nj++) {
+            S.w[nj] = *jobs[j0 + nj].w;
+            S.y[nj] = jobs[j0 + nj].y;
+            S.bias[nj] = jobs[j0 + nj].bias;
+            S.first[nj] = blocks;
+            blocks += (unsigned)((S.w[nj].rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
+        }
+        for (int i = nj; i < CUK_MATVEC_JOBS; i++) S.first[i] = ~0u;
+        j0 += nj;
+        if (T == KVQ_Q4_0 || T == KVQ_Q8_0) {
+#define MQ4(NT) matvec_q<KVQ_Q4_0, NT><<<blocks, th, 0, s>>>(S, xq->q, xq->dsum, n)
+#define MQ8(NT) matvec_q<KVQ_Q8_0, NT><<<blocks, th, 0, s>>>(S, xq->q, xq->dsum, n)
+            if (T == KVQ_Q4_0) BY_TOKENS(n, MQ4);
+            else BY_TOKENS(n, MQ8);
+#undef MQ4
+#undef MQ8
+            continue;
+        }
+#define MV_NT(NT) matvec<TT, NT><<<blocks, th, 0, s>>>(S, x, x_stride, n)
+#define MV(T_)                      \
+    {                               \
+        constexpr uint32_t TT = T_; \
+        BY_TOKENS(n, MV_NT);        \
     }
-#define MV(T) matvec_type<T>(s, w, x, x_stride, n, y, bias)
-    FOR_TYPE(w->type, MV)
+        FOR_TYPE(T, MV)
 #undef MV
+#undef MV_NT
+    }
 }
 
 /* ---- whole rows as f32 (GEMM inputs, embeddings) ---- */

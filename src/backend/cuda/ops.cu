@@ -4,8 +4,9 @@
 #include <math.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/round_x.cuh"
 
-#define NORM_THREADS 256
+#define NORM_THREADS 1024
 
 /* Sum over the block (NORM_THREADS threads). */
 static __device__ float block_sum(float v) {
@@ -19,38 +20,87 @@ static __device__ float block_sum(float v) {
     return s;
 }
 
-static __device__ float rms_scale(const float *x, int dim, float eps) {
+/* A block per token; thread i holds values i + j NORM_THREADS, j < PER, in registers,
+ * so each row is read once. A warp's values at one j are 32 consecutive ones: the
+ * block of 32 that round_x32 rounds. */
+#define FOR_PER(j, i) for (int j = 0, i = threadIdx.x; j < PER; j++, i += NORM_THREADS)
+
+template <int PER>
+static __device__ float rms_scale(const float (&v)[PER], int dim, float eps) {
     float ss = 0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += x[i] * x[i];
+#pragma unroll
+    for (int j = 0; j < PER; j++) ss += v[j] * v[j];
     return rsqrtf(block_sum(ss) / (float)dim + eps);
 }
 
-__global__ void rmsnorm_k(const float *x, const int32_t *rows, const float *w, int dim, float eps, float *out) {
+/* out row t = v * s * w (v zero past dim), rounded into xq too when q. */
+template <int PER>
+static __device__ void norm_out(const float (&v)[PER], float s, const float *w, int dim, int t, float *out, int8_t *q,
+                                float2 *dsum) {
+#pragma unroll
+    FOR_PER(j, i) {
+        const float o = i < dim ? v[j] * s * w[i] : 0.0f;
+        if (i < dim) out[(size_t)t * dim + i] = o;
+        if (q && i - (int)threadIdx.x % 32 < dim) /* the warp's block is in the row */
+            round_x32(o, q + (size_t)t * dim + (i & ~31), dsum + (size_t)t * (dim / 32) + i / 32);
+    }
+}
+
+template <int PER>
+__global__ void __launch_bounds__(NORM_THREADS) rmsnorm_k(const float *x, const int32_t *rows, const float *w, int dim,
+                                                          float eps, float *out, int8_t *q, float2 *dsum) {
     const int t = blockIdx.x, r = rows ? rows[t] : t;
     const float *xr = x + (size_t)r * dim;
-    const float s = rms_scale(xr, dim, eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)t * dim + i] = xr[i] * s * w[i];
+    float v[PER];
+#pragma unroll
+    FOR_PER(j, i) v[j] = i < dim ? xr[i] : 0.0f;
+    norm_out<PER>(v, rms_scale<PER>(v, dim, eps), w, dim, t, out, q, dsum);
 }
+
+template <int PER>
+__global__ void __launch_bounds__(NORM_THREADS) add_norm_k(float *x, const float *add, const float *post, const float *w,
+                                                           int dim, float eps, float *out, int8_t *q, float2 *dsum) {
+    const int t = blockIdx.x;
+    float *xr = x + (size_t)t * dim;
+    const float *ar = add + (size_t)t * dim;
+    float v[PER], a[PER];
+#pragma unroll
+    FOR_PER(j, i) {
+        v[j] = i < dim ? xr[i] : 0.0f;
+        a[j] = i < dim ? ar[i] : 0.0f;
+    }
+    const float ps = post ? rms_scale<PER>(a, dim, eps) : 1.0f;
+#pragma unroll
+    FOR_PER(j, i) {
+        if (i >= dim) continue;
+        v[j] += post ? a[j] * ps * post[i] : a[j];
+        xr[i] = v[j];
+    }
+    if (w) norm_out<PER>(v, rms_scale<PER>(v, dim, eps), w, dim, t, out, q, dsum);
+}
+
+/* Launches KERNEL<PER> with the fewest values per thread that hold dim. */
+#define BY_DIM(dim, LAUNCH)                           \
+    if ((dim) <= NORM_THREADS) LAUNCH(1);             \
+    else if ((dim) <= 2 * NORM_THREADS) LAUNCH(2);    \
+    else if ((dim) <= 4 * NORM_THREADS) LAUNCH(4);    \
+    else if ((dim) <= 8 * NORM_THREADS) LAUNCH(8);    \
+    else LAUNCH(16)
 
 extern "C" void cuk_rmsnorm(cudaStream_t s, const float *x, const int32_t *rows, const float *w, int n, int dim,
-                            float eps, float *out) {
-    rmsnorm_k<<<(unsigned)n, NORM_THREADS, 0, s>>>(x, rows, w, dim, eps, out);
-}
-
-__global__ void add_norm_k(float *x, float *add, const float *post, const float *w, int dim, float eps, float *out) {
-    const int t = blockIdx.x;
-    float *xr = x + (size_t)t * dim, *ar = add + (size_t)t * dim;
-    const float ps = post ? rms_scale(ar, dim, eps) : 1.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) xr[i] += post ? ar[i] * ps * post[i] : ar[i];
-    if (!w) return;
-    __syncthreads();
-    const float s = rms_scale(xr, dim, eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(size_t)t * dim + i] = xr[i] * s * w[i];
+                            float eps, float *out, const struct cuk_xq *xq) {
+#define RN(PER) rmsnorm_k<PER><<<(unsigned)n, NORM_THREADS, 0, s>>>(x, rows, w, dim, eps, out, xq ? xq->q : NULL, \
+                                                                     xq ? xq->dsum : NULL)
+    BY_DIM(dim, RN);
+#undef RN
 }
 
 extern "C" void cuk_add_norm(cudaStream_t s, float *x, float *add, const float *post, const float *w, int n, int dim,
-                             float eps, float *out) {
-    add_norm_k<<<(unsigned)n, NORM_THREADS, 0, s>>>(x, add, post, w, dim, eps, out);
+                             float eps, float *out, const struct cuk_xq *xq) {
+#define AN(PER) add_norm_k<PER><<<(unsigned)n, NORM_THREADS, 0, s>>>(x, add, post, w, dim, eps, out, \
+                                                                      xq ? xq->q : NULL, xq ? xq->dsum : NULL)
+    BY_DIM(dim, AN);
+#undef AN
 }
 
 __global__ void rope_table_k(const int32_t *pos, const float *inv_freq, float linear, int half, float *cs, float *sn) {
@@ -109,19 +159,25 @@ extern "C" void cuk_qk_rope(cudaStream_t s, float *q, float *k, int n, int n_hea
                                                              sin, half, pairing);
 }
 
-__global__ void glu_k(int act, const float *gate, const float *up, int64_t total, float *out) {
+/* Elementwise; a warp's 32 values are one block of xq (n_ff a multiple of 32 then). */
+__global__ void glu_k(int act, const float *gate, const float *up, int64_t total, float *out, int8_t *q,
+                      float2 *dsum) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
         const float g = gate[i];
         float a;
         if (act == 0) a = g / (1.0f + expf(-g));
         else a = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
-        out[i] = a * up[i];
+        const float o = a * up[i];
+        out[i] = o;
+        if (q) round_x32(o, q + (i & ~(int64_t)31), dsum + i / 32);
     }
 }
 
-extern "C" void cuk_glu(cudaStream_t s, int act, const float *gate, const float *up, int n, int n_ff, float *out) {
+extern "C" void cuk_glu(cudaStream_t s, int act, const float *gate, const float *up, int n, int n_ff, float *out,
+                        const struct cuk_xq *xq) {
     const int64_t total = (int64_t)n * n_ff;
-    glu_k<<<(unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096), 256, 0, s>>>(act, gate, up, total, out);
+    glu_k<<<(unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096), 256, 0, s>>>(
+        act, gate, up, total, out, xq ? xq->q : NULL, xq ? xq->dsum : NULL);
 }
 
 __global__ void scatter_k(const cuk_copy *copies, const uint8_t *staging) {
