@@ -13,12 +13,12 @@
 #include <math.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/round_x.cuh"
 
 #define WARPS 4
 #define HEADS_MAX 8 /* query heads per block */
 #define MAX_SPLITS 128
-#define BLOCKS_PER_SM 8 /* splits are chosen to give the chip about this many blocks per multiprocessor */
 #define BT 64 /* tokens per KV block (kv_pool.h) */
 
 static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
@@ -55,8 +55,11 @@ static __device__ __forceinline__ void load8(const uint8_t *row, int e0, int D, 
     const uint8_t *sb = row + D * b / 8 + 4 * (e0 / group);
     const float sc = h2f(*(const uint16_t *)sb), bias = h2f(*(const uint16_t *)(sb + 2));
     const uint32_t mask = (1u << b) - 1;
+    /* code as float without the conversion instruction (an eighth of the FMA rate):
+     * the code in the mantissa of 2^23, then 2^23 subtracted, exactly */
 #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = sc * (float)((uint32_t)(w >> (b * i)) & mask) + bias;
+    for (int i = 0; i < 8; i++)
+        v[i] = sc * (__uint_as_float(0x4B000000u | ((uint32_t)(w >> (b * i)) & mask)) - 8388608.0f) + bias;
 }
 
 static __device__ __forceinline__ bool visible(int32_t p, int32_t q, const cuk_attn_tok &t) {
@@ -64,11 +67,52 @@ static __device__ __forceinline__ bool visible(int32_t p, int32_t q, const cuk_a
            (t.window <= 0 || p > q - t.window);
 }
 
+/* Floats of scratch before the splits' partial results: each launch token's query
+ * heads as attn_prep_q leaves them, [n][n_head][1 + D]. */
+static __host__ __device__ size_t prep_floats(int n, int n_head, int D) { return (size_t)n * n_head * (D + 1); }
+
+/* Once per (token, query head), not in every split: q scaled, q.mu (the key offset
+ * that packed keys lack, before rotation), then q rotated as the keys are
+ * (H diag(signs) q / sqrt(D)). A block of D threads. */
+template <int D>
+__global__ void attn_prep_q(const cuk_attn_args a) {
+    griddep_release();
+    griddep_wait();
+    const int ti = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, d = threadIdx.x;
+    const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
+    const float *mu = (const float *)a.toks[ti].mu;
+    __shared__ float x[D], part[D / 32];
+    float v = a.q[((size_t)t * a.n_head + h) * D + d] * a.scale;
+    float s = mu && a.k_bits < 16 ? v * mu[(size_t)kvh * D + d] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (d % 32 == 0) part[d / 32] = s;
+    if (a.k_rot) {
+        x[d] = v * a.signs[d];
+        for (int len = 1; len < D; len <<= 1) {
+            __syncthreads();
+            const float u = x[d], w = x[d ^ len];
+            __syncthreads();
+            x[d] = (d & len) ? w - u : u + w;
+        }
+        __syncthreads();
+        v = x[d] * rsqrtf((float)D);
+    }
+    __syncthreads();
+    float *out = a.partial + ((size_t)ti * a.n_head + h) * (D + 1);
+    out[1 + d] = v;
+    if (d == 0) {
+        float q_mu = 0;
+        for (int i = 0; i < D / 32; i++) q_mu += part[i];
+        out[0] = q_mu;
+    }
+}
+
 /* HMAX: query heads per block (the group's, rounded up to a power of two, at most 8). */
 template <int D, int KB, int VB, int HMAX>
-__global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(const cuk_attn_args a, int n_splits, int n_hch) {
+__global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(const cuk_attn_args a, int n_splits, int n_hch, bool prepped) {
+    griddep_release();
+    griddep_wait();
     constexpr int LPR = D / 8, RPW = 32 / LPR, SUBS = WARPS * RPW;
-    constexpr int PER = (HMAX * D + WARPS * 32 - 1) / (WARPS * 32);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPR, e0 = (lane % LPR) * 8;
     int item = blockIdx.x;
     const int hc = item % n_hch;
@@ -76,70 +120,27 @@ __global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(cons
     const int kvh = item % a.n_kv, ti = item / a.n_kv, split = blockIdx.y;
     const int group = a.n_head / a.n_kv, h0 = kvh * group + hc * HMAX;
     const int G = min(HMAX, group - hc * HMAX);
-    const int t = a.tok_index[ti];
     const cuk_attn_tok tk = a.toks[ti];
-    const float *mu = (const float *)tk.mu;
 
-    __shared__ float qs[HMAX][D];
-    __shared__ float qmu[HMAX];
     __shared__ float sm_m[SUBS][HMAX], sm_l[SUBS][HMAX], sm_lp[SUBS][HMAX];
     __shared__ float sm_acc[SUBS][HMAX][D];
-
-    for (int i = threadIdx.x; i < HMAX * D; i += blockDim.x) {
-        int g = i / D, d = i % D;
-        qs[g][d] = g < G ? a.q[((size_t)t * a.n_head + h0 + g) * D + d] * a.scale : 0.0f;
-    }
-    __syncthreads();
-    /* packed keys lack the key offset: their scores are short of q.mu (before rotation) */
-    const bool k_quant = a.k_bits < 16; /* offsets apply to quantized sides only */
-    for (int g = warp; g < HMAX; g += WARPS) {
-        float s = 0;
-        if (mu && k_quant && g < G)
-            for (int d = lane; d < D; d += 32) s += qs[g][d] * mu[(size_t)kvh * D + d];
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (lane == 0) qmu[g] = s;
-    }
-    if (a.k_rot) { /* q <- H diag(signs) q / sqrt(D), like the keys */
-        float r[PER];
-#pragma unroll
-        for (int k = 0; k < PER; k++) {
-            int i = threadIdx.x + k * WARPS * 32, d = i % D;
-            if (i < HMAX * D) r[k] = qs[i / D][d] * a.signs[d];
-        }
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < PER; k++) {
-            int i = threadIdx.x + k * WARPS * 32;
-            if (i < HMAX * D) qs[i / D][i % D] = r[k];
-        }
-        for (int len = 1; len < D; len <<= 1) {
-            __syncthreads();
-#pragma unroll
-            for (int k = 0; k < PER; k++) {
-                int i = threadIdx.x + k * WARPS * 32, g = i / D, d = i % D;
-                if (i >= HMAX * D) break;
-                float x = qs[g][d], y = qs[g][d ^ len];
-                r[k] = (d & len) ? y - x : x + y;
-            }
-            __syncthreads();
-#pragma unroll
-            for (int k = 0; k < PER; k++) {
-                int i = threadIdx.x + k * WARPS * 32;
-                if (i >= HMAX * D) break;
-                qs[i / D][i % D] = r[k] * (len == D / 2 ? rsqrtf((float)D) : 1.0f);
-            }
-        }
-    }
-    __syncthreads();
-
+    /* q as attn_prep_q left it (scaled, rotated like the keys, and q.mu), or as it is
+     * for unrotated float keys */
+    const float *qp = prepped ? a.partial + (size_t)ti * a.n_head * (D + 1)
+                              : a.q + (size_t)a.tok_index[ti] * a.n_head * D;
+    const int q_stride = prepped ? D + 1 : D, q0 = prepped ? 1 : 0;
+    const float q_scale = prepped ? 1.0f : a.scale;
+    float qmu[HMAX];
     float qr[HMAX][8], m[HMAX], l[HMAX], lp[HMAX], acc[HMAX][8];
 #pragma unroll
     for (int g = 0; g < HMAX; g++) {
+        const float *qg = qp + (size_t)(h0 + (g < G ? g : 0)) * q_stride;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            qr[g][i] = qs[g][e0 + i];
+            qr[g][i] = g < G ? qg[q0 + e0 + i] * q_scale : 0.0f;
             acc[g][i] = 0;
         }
+        qmu[g] = g < G && prepped ? qg[0] : 0.0f;
         m[g] = -INFINITY;
         l[g] = lp[g] = 0;
     }
@@ -255,7 +256,7 @@ __global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(cons
             LP += sm_lp[j][g] * w;
             A += sm_acc[j][g][d] * w;
         }
-        float *part = a.partial + ((size_t)(ti * a.n_head + h0 + g) * n_splits + split) * (D + 4);
+        float *part = a.partial + prep_floats(a.n, a.n_head, D) + ((size_t)(ti * a.n_head + h0 + g) * n_splits + split) * (D + 4);
         part[4 + d] = A;
         if (d == 0) {
             part[0] = M;
@@ -267,10 +268,12 @@ __global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(cons
 
 template <int D>
 __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
+    griddep_release();
+    griddep_wait();
     const int ti = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, d = threadIdx.x;
     const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
     const cuk_attn_tok tk = a.toks[ti];
-    const float *part = a.partial + (size_t)(ti * a.n_head + h) * n_splits * (D + 4);
+    const float *part = a.partial + prep_floats(a.n, a.n_head, D) + (size_t)(ti * a.n_head + h) * n_splits * (D + 4);
     /* the splits' maxima and weights in parallel, then each
      * value a sum over the splits with its loads independent of one another */
     __shared__ float w[MAX_SPLITS], sl[MAX_SPLITS], slp[MAX_SPLITS];
@@ -322,27 +325,47 @@ static int heads_per_block(const cuk_attn_args *a) {
     return group >= 8 ? 8 : group >= 4 ? 4 : group >= 2 ? 2 : 1;
 }
 
-static int splits_for(const cuk_attn_args *a) {
+/* Splits of each (token, KV head, head chunk) item: as many as keep the chip's
+ * resident blocks busy in one wave (a second, partial wave would double the time),
+ * at least 64 rows each. */
+static int splits_for(const cuk_attn_args *a, int resident_per_sm) {
     const int hb = heads_per_block(a), n_hch = (a->n_head / a->n_kv + hb - 1) / hb;
     const long items = (long)a->n * a->n_kv * n_hch;
-    long s = ((long)BLOCKS_PER_SM * a->n_sm + items - 1) / items;
+    long s = (long)resident_per_sm * a->n_sm / items;
     long by_rows = (a->max_rows + 63) / 64;
     if (s > by_rows) s = by_rows;
     if (s > MAX_SPLITS) s = MAX_SPLITS;
     return s < 1 ? 1 : (int)s;
 }
 
+/* Blocks of a kernel resident on one multiprocessor (asked once per kernel). */
+template <typename K>
+static int resident(K kernel, int *cache) {
+    if (*cache == 0 && cudaOccupancyMaxActiveBlocksPerMultiprocessor(cache, kernel, WARPS * 32, 0) != cudaSuccess)
+        *cache = 1;
+    return *cache > 0 ? *cache : 1;
+}
+
+template <int D, int KB, int VB, int HMAX>
+static void launch_split(cudaStream_t s, const cuk_attn_args *a) {
+    static int per_sm;
+    const int hb = heads_per_block(a), n_hch = (a->n_head / a->n_kv + hb - 1) / hb;
+    const int n_splits = splits_for(a, resident(attn_split<D, KB, VB, HMAX>, &per_sm));
+    const bool prep = a->k_rot || a->k_bits < 16; /* packed keys may have offsets */
+    if (prep) pdl_launch(attn_prep_q<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), s, *a);
+    pdl_launch(attn_split<D, KB, VB, HMAX>, dim3((unsigned)(a->n * a->n_kv * n_hch), (unsigned)n_splits),
+               dim3(WARPS * 32), s, *a, n_splits, n_hch, prep);
+    pdl_launch(attn_combine<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), s, *a, n_splits);
+}
+
 template <int D, int KB, int VB>
 static void launch(cudaStream_t s, const cuk_attn_args *a) {
-    const int hb = heads_per_block(a), n_hch = (a->n_head / a->n_kv + hb - 1) / hb, n_splits = splits_for(a);
-    dim3 grid((unsigned)(a->n * a->n_kv * n_hch), (unsigned)n_splits);
-    switch (hb) {
-    case 1: attn_split<D, KB, VB, 1><<<grid, WARPS * 32, 0, s>>>(*a, n_splits, n_hch); break;
-    case 2: attn_split<D, KB, VB, 2><<<grid, WARPS * 32, 0, s>>>(*a, n_splits, n_hch); break;
-    case 4: attn_split<D, KB, VB, 4><<<grid, WARPS * 32, 0, s>>>(*a, n_splits, n_hch); break;
-    default: attn_split<D, KB, VB, 8><<<grid, WARPS * 32, 0, s>>>(*a, n_splits, n_hch); break;
+    switch (heads_per_block(a)) {
+    case 1: launch_split<D, KB, VB, 1>(s, a); break;
+    case 2: launch_split<D, KB, VB, 2>(s, a); break;
+    case 4: launch_split<D, KB, VB, 4>(s, a); break;
+    default: launch_split<D, KB, VB, 8>(s, a); break;
     }
-    attn_combine<D><<<(unsigned)(a->n * a->n_head), D, 0, s>>>(*a, n_splits);
 }
 
 template <int D>
@@ -362,8 +385,10 @@ extern "C" int cuk_attention_head_dim_supported(int head_dim) {
 }
 
 extern "C" size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, int n_sm) {
-    /* n x splits <= n + BLOCKS_PER_SM n_sm (splits_for) */
-    return ((size_t)n + BLOCKS_PER_SM * (size_t)n_sm) * (size_t)n_head * (size_t)(head_dim + 4);
+    /* items x splits <= max(items, resident blocks), items <= n n_head, resident
+     * <= 32 n_sm (the hardware's limit of blocks per multiprocessor) */
+    const size_t split_rows = (size_t)n * n_head > 32 * (size_t)n_sm * 8 ? (size_t)n * n_head : 32 * (size_t)n_sm * 8;
+    return prep_floats(n, n_head, head_dim) + split_rows * (size_t)(head_dim + 4);
 }
 
 extern "C" void cuk_attention(cudaStream_t s, const cuk_attn_args *a) {

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/launch.cuh"
 
 #define BT 64 /* tokens per KV block (kv_pool.h) */
 
@@ -52,6 +53,8 @@ static __device__ uint16_t f16_sat(float x) { return f16_bits(fminf(fmaxf(x, -65
 
 template <int D>
 __global__ void kv_encode(const cuk_enc_args a) {
+    griddep_release();
+    griddep_wait();
     const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, ti = blockIdx.x / (2 * a.n_kv), i = threadIdx.x;
     const cuk_enc_tok tk = a.toks[ti];
     const int bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group, rot = side ? a.v_rot : a.k_rot;
@@ -133,9 +136,9 @@ extern "C" void cuk_kv_encode(cudaStream_t s, const cuk_enc_args *a) {
     if (a->n <= 0) return;
     const unsigned blocks = (unsigned)(a->n * a->n_kv * 2);
     switch (a->head_dim) {
-    case 64: kv_encode<64><<<blocks, 64, 0, s>>>(*a); break;
-    case 128: kv_encode<128><<<blocks, 128, 0, s>>>(*a); break;
-    case 256: kv_encode<256><<<blocks, 256, 0, s>>>(*a); break;
+    case 64: pdl_launch(kv_encode<64>, dim3(blocks), dim3(64), s, *a); break;
+    case 128: pdl_launch(kv_encode<128>, dim3(blocks), dim3(128), s, *a); break;
+    case 256: pdl_launch(kv_encode<256>, dim3(blocks), dim3(256), s, *a); break;
     default: break; /* refused by the backend */
     }
 }

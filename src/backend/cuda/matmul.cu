@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/round_x.cuh"
 #include "core/dtype.h"
 
@@ -148,6 +149,8 @@ static __device__ __forceinline__ int64_t mv_row(const mv_set &S, int &j) {
 template <uint32_t T, int NT>
 __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
     matvec(const mv_set S, const float *x, int64_t x_stride, int n) {
+    griddep_release();
+    griddep_wait();
     int j;
     const int64_t row = mv_row(S, j);
     if (row < 0) return;
@@ -195,6 +198,8 @@ extern "C" void cuk_repack(uint32_t type, const uint8_t *src, int64_t rows, int6
 }
 
 __global__ void quantize_x(const float *x, int64_t x_stride, int64_t k, int8_t *q, float2 *dsum) {
+    griddep_release();
+    griddep_wait();
     const int64_t nb = k / 32, blk = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int t = blockIdx.y;
     if (blk >= nb) return;
@@ -204,12 +209,69 @@ __global__ void quantize_x(const float *x, int64_t x_stride, int64_t k, int8_t *
 extern "C" void cuk_quantize_x(cudaStream_t s, const float *x, int64_t x_stride, int n, int64_t k, const cuk_xq *xq) {
     const int64_t nb = k / 32;
     dim3 grid((unsigned)((nb * 32 + 255) / 256), (unsigned)n);
-    quantize_x<<<grid, 256, 0, s>>>(x, x_stride, k, xq->q, xq->dsum);
+    pdl_launch(quantize_x, grid, dim3(256), s, x, x_stride, k, xq->q, xq->dsum);
 }
+
+/* A lane's block of 32 codes: Q4_0 in a, Q8_0 in a and b. */
+struct qblock {
+    uint4 a, b;
+};
+
+template <uint32_t T>
+static __device__ __forceinline__ qblock load_qblock(const uint8_t *codes, int64_t b) {
+    qblock q;
+    if (T == KVQ_Q4_0) {
+        q.a = *(const uint4 *)(codes + b * 16);
+    } else {
+        q.a = *(const uint4 *)(codes + b * 32);
+        q.b = *(const uint4 *)(codes + b * 32 + 16);
+    }
+    return q;
+}
+
+/* acc[t] += block b of the row (scale d) . block b of token t's int8 inputs. */
+template <uint32_t T, int NT>
+static __device__ __forceinline__ void dot_qblock(const qblock &q, float d, int64_t b, const int8_t *xq,
+                                                  const float2 *xd, int64_t cols, int n, float (&acc)[NT]) {
+    int wq[8];
+    if (T == KVQ_Q4_0) {
+        const uint32_t w4[4] = {q.a.x, q.a.y, q.a.z, q.a.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            wq[i] = (int)(w4[i] & 0x0F0F0F0Fu);            /* values 4i .. 4i+3 */
+            wq[4 + i] = (int)((w4[i] >> 4) & 0x0F0F0F0Fu); /* values 16+4i .. */
+        }
+    } else {
+        wq[0] = (int)q.a.x, wq[1] = (int)q.a.y, wq[2] = (int)q.a.z, wq[3] = (int)q.a.w;
+        wq[4] = (int)q.b.x, wq[5] = (int)q.b.y, wq[6] = (int)q.b.z, wq[7] = (int)q.b.w;
+    }
+    const int64_t nb = cols / 32;
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        if (t >= n) break;
+        const int4 *xp = (const int4 *)(xq + (int64_t)t * cols + b * 32);
+        const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+        int isum = 0;
+        isum = __dp4a(wq[0], x0.x, isum);
+        isum = __dp4a(wq[1], x0.y, isum);
+        isum = __dp4a(wq[2], x0.z, isum);
+        isum = __dp4a(wq[3], x0.w, isum);
+        isum = __dp4a(wq[4], x1.x, isum);
+        isum = __dp4a(wq[5], x1.y, isum);
+        isum = __dp4a(wq[6], x1.z, isum);
+        isum = __dp4a(wq[7], x1.w, isum);
+        const float2 ds = xd[(int64_t)t * nb + b];
+        acc[t] += d * ds.x * (T == KVQ_Q4_0 ? (float)isum - 8.0f * ds.y : (float)isum);
+    }
+}
+
+/* Blocks of weights each lane loads before waiting for the previous kernel. */
+#define PREFETCH 4
 
 template <uint32_t T, int NT>
 __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
     matvec_q(const mv_set S, const int8_t *xq, const float2 *xd, int n) {
+    griddep_release();
     int j;
     const int64_t row = mv_row(S, j);
     if (row < 0) return;
@@ -218,47 +280,29 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
     const int64_t nb = W.cols / 32;
     const uint8_t *codes = W.data + row * W.row_bytes;
     const uint16_t *sc = W.scales + row * nb;
+    /* the weights depend on no earlier kernel: their first loads overlap its end */
+    qblock pre[PREFETCH];
+    float pre_d[PREFETCH];
+#pragma unroll
+    for (int i = 0; i < PREFETCH; i++) {
+        const int64_t b = lane + 32 * i;
+        if (b < nb) {
+            pre[i] = load_qblock<T>(codes, b);
+            pre_d[i] = h2f(sc[b]);
+        }
+    }
+    griddep_wait();
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0;
+#pragma unroll
+    for (int i = 0; i < PREFETCH; i++)
+        if (lane + 32 * i < nb) dot_qblock<T, NT>(pre[i], pre_d[i], lane + 32 * i, xq, xd, W.cols, n, acc);
 #pragma unroll 4
-    for (int64_t b = lane; b < nb; b += 32) {
-        int wq[8];
-        if (T == KVQ_Q4_0) {
-            const uint4 u = *(const uint4 *)(codes + b * 16);
-            const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                wq[i] = (int)(w4[i] & 0x0F0F0F0Fu);            /* values 4i .. 4i+3 */
-                wq[4 + i] = (int)((w4[i] >> 4) & 0x0F0F0F0Fu); /* values 16+4i .. */
-            }
-        } else {
-            const uint4 u0 = *(const uint4 *)(codes + b * 32), u1 = *(const uint4 *)(codes + b * 32 + 16);
-            wq[0] = (int)u0.x, wq[1] = (int)u0.y, wq[2] = (int)u0.z, wq[3] = (int)u0.w;
-            wq[4] = (int)u1.x, wq[5] = (int)u1.y, wq[6] = (int)u1.z, wq[7] = (int)u1.w;
-        }
-        const float d = h2f(sc[b]);
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t >= n) break;
-            const int4 *xp = (const int4 *)(xq + (int64_t)t * W.cols + b * 32);
-            const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
-            int isum = 0;
-            isum = __dp4a(wq[0], x0.x, isum);
-            isum = __dp4a(wq[1], x0.y, isum);
-            isum = __dp4a(wq[2], x0.z, isum);
-            isum = __dp4a(wq[3], x0.w, isum);
-            isum = __dp4a(wq[4], x1.x, isum);
-            isum = __dp4a(wq[5], x1.y, isum);
-            isum = __dp4a(wq[6], x1.z, isum);
-            isum = __dp4a(wq[7], x1.w, isum);
-            const float2 ds = xd[(int64_t)t * nb + b];
-            acc[t] += d * ds.x * (T == KVQ_Q4_0 ? (float)isum - 8.0f * ds.y : (float)isum);
-        }
-    }
+    for (int64_t b = lane + 32 * PREFETCH; b < nb; b += 32)
+        dot_qblock<T, NT>(load_qblock<T>(codes, b), h2f(sc[b]), b, xq, xd, W.cols, n, acc);
     store_rows<NT>(acc, lane, n, S.y[j], W.rows, row, S.bias[j]);
 }
-
 
 extern "C" int cuk_type_supported(uint32_t type) {
     return type == KVQ_F32 || type == KVQ_F16 || type == KVQ_BF16 || type == KVQ_Q8_0 || type == KVQ_Q4_0 ||
@@ -284,15 +328,15 @@ extern "C" void cuk_matvec(cudaStream_t s, const struct cuk_matvec_job *jobs, in
         for (int i = nj; i < CUK_MATVEC_JOBS; i++) S.first[i] = ~0u;
         j0 += nj;
         if (T == KVQ_Q4_0 || T == KVQ_Q8_0) {
-#define MQ4(NT) matvec_q<KVQ_Q4_0, NT><<<blocks, th, 0, s>>>(S, xq->q, xq->dsum, n)
-#define MQ8(NT) matvec_q<KVQ_Q8_0, NT><<<blocks, th, 0, s>>>(S, xq->q, xq->dsum, n)
+#define MQ4(NT) pdl_launch(matvec_q<KVQ_Q4_0, NT>, dim3(blocks), th, s, S, xq->q, xq->dsum, n)
+#define MQ8(NT) pdl_launch(matvec_q<KVQ_Q8_0, NT>, dim3(blocks), th, s, S, xq->q, xq->dsum, n)
             if (T == KVQ_Q4_0) BY_TOKENS(n, MQ4);
             else BY_TOKENS(n, MQ8);
 #undef MQ4
 #undef MQ8
             continue;
         }
-#define MV_NT(NT) matvec<TT, NT><<<blocks, th, 0, s>>>(S, x, x_stride, n)
+#define MV_NT(NT) pdl_launch(matvec<TT, NT>, dim3(blocks), th, s, S, x, x_stride, n)
 #define MV(T_)                      \
     {                               \
         constexpr uint32_t TT = T_; \

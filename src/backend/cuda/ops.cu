@@ -4,6 +4,7 @@
 #include <math.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/launch.cuh"
 #include "backend/cuda/round_x.cuh"
 
 #define NORM_THREADS 1024
@@ -49,6 +50,8 @@ static __device__ void norm_out(const float (&v)[PER], float s, const float *w, 
 template <int PER>
 __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_k(const float *x, const int32_t *rows, const float *w, int dim,
                                                           float eps, float *out, int8_t *q, float2 *dsum) {
+    griddep_release();
+    griddep_wait();
     const int t = blockIdx.x, r = rows ? rows[t] : t;
     const float *xr = x + (size_t)r * dim;
     float v[PER];
@@ -60,6 +63,8 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_k(const float *x, const 
 template <int PER>
 __global__ void __launch_bounds__(NORM_THREADS) add_norm_k(float *x, const float *add, const float *post, const float *w,
                                                            int dim, float eps, float *out, int8_t *q, float2 *dsum) {
+    griddep_release();
+    griddep_wait();
     const int t = blockIdx.x;
     float *xr = x + (size_t)t * dim;
     const float *ar = add + (size_t)t * dim;
@@ -89,16 +94,18 @@ __global__ void __launch_bounds__(NORM_THREADS) add_norm_k(float *x, const float
 
 extern "C" void cuk_rmsnorm(cudaStream_t s, const float *x, const int32_t *rows, const float *w, int n, int dim,
                             float eps, float *out, const struct cuk_xq *xq) {
-#define RN(PER) rmsnorm_k<PER><<<(unsigned)n, NORM_THREADS, 0, s>>>(x, rows, w, dim, eps, out, xq ? xq->q : NULL, \
-                                                                     xq ? xq->dsum : NULL)
+#define RN(PER)                                                                                                 \
+    pdl_launch(rmsnorm_k<PER>, dim3((unsigned)n), dim3(NORM_THREADS), s, x, rows, w, dim, eps, out, xq ? xq->q : NULL, \
+               xq ? xq->dsum : NULL)
     BY_DIM(dim, RN);
 #undef RN
 }
 
 extern "C" void cuk_add_norm(cudaStream_t s, float *x, float *add, const float *post, const float *w, int n, int dim,
                              float eps, float *out, const struct cuk_xq *xq) {
-#define AN(PER) add_norm_k<PER><<<(unsigned)n, NORM_THREADS, 0, s>>>(x, add, post, w, dim, eps, out, \
-                                                                      xq ? xq->q : NULL, xq ? xq->dsum : NULL)
+#define AN(PER)                                                                                          \
+    pdl_launch(add_norm_k<PER>, dim3((unsigned)n), dim3(NORM_THREADS), s, x, add, post, w, dim, eps, out, \
+               xq ? xq->q : NULL, xq ? xq->dsum : NULL)
     BY_DIM(dim, AN);
 #undef AN
 }
@@ -122,6 +129,8 @@ extern "C" void cuk_rope_table(cudaStream_t s, const int32_t *pos, int n, const 
 /* One block per (token, head): optional per-head RMSNorm, then the rotation. */
 __global__ void qk_rope_k(float *q, float *k, int n_head, int n_kv, int D, const float *q_norm, const float *k_norm,
                           float eps, const float *cs, const float *sn, int half, int pairing) {
+    griddep_release();
+    griddep_wait();
     const int t = blockIdx.x / (n_head + n_kv), h = blockIdx.x % (n_head + n_kv);
     const bool is_q = h < n_head;
     float *v = is_q ? q + ((size_t)t * n_head + h) * D : k + ((size_t)t * n_kv + (h - n_head)) * D;
@@ -155,13 +164,15 @@ __global__ void qk_rope_k(float *q, float *k, int n_head, int n_kv, int D, const
 extern "C" void cuk_qk_rope(cudaStream_t s, float *q, float *k, int n, int n_head, int n_kv, int head_dim,
                             const float *q_norm, const float *k_norm, float eps, const float *cos, const float *sin,
                             int half, int pairing) {
-    qk_rope_k<<<(unsigned)(n * (n_head + n_kv)), 64, 0, s>>>(q, k, n_head, n_kv, head_dim, q_norm, k_norm, eps, cos,
-                                                             sin, half, pairing);
+    pdl_launch(qk_rope_k, dim3((unsigned)(n * (n_head + n_kv))), dim3(64), s, q, k, n_head, n_kv, head_dim, q_norm,
+               k_norm, eps, cos, sin, half, pairing);
 }
 
 /* Elementwise; a warp's 32 values are one block of xq (n_ff a multiple of 32 then). */
 __global__ void glu_k(int act, const float *gate, const float *up, int64_t total, float *out, int8_t *q,
                       float2 *dsum) {
+    griddep_release();
+    griddep_wait();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
         const float g = gate[i];
         float a;
@@ -176,8 +187,8 @@ __global__ void glu_k(int act, const float *gate, const float *up, int64_t total
 extern "C" void cuk_glu(cudaStream_t s, int act, const float *gate, const float *up, int n, int n_ff, float *out,
                         const struct cuk_xq *xq) {
     const int64_t total = (int64_t)n * n_ff;
-    glu_k<<<(unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096), 256, 0, s>>>(
-        act, gate, up, total, out, xq ? xq->q : NULL, xq ? xq->dsum : NULL);
+    pdl_launch(glu_k, dim3((unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096)), dim3(256), s, act, gate, up,
+               total, out, xq ? xq->q : NULL, xq ? xq->dsum : NULL);
 }
 
 __global__ void scatter_k(const cuk_copy *copies, const uint8_t *staging) {
