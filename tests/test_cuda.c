@@ -141,6 +141,9 @@ static void test_cache_kinds(void) {
     compare_config(m, "f32", &kv, 40, 8, 8, 1e-4);
     kv_set(&kv, 8, 4);
     compare_config(m, "K8V4 (residual 32, offsets)", &kv, 300, 16, 24, 1e-4);
+    /* chunks of 100 tokens: the second crosses the offsets' point (128), where the
+     * GPU's pass ends so the rows after it are encoded with the offsets */
+    compare_config(m, "K8V4, chunks across the offsets", &kv, 300, 100, 8, 1e-3);
     kv_set(&kv, 4, 4);
     compare_config(m, "K4V4", &kv, 300, 16, 24, 1e-3);
     kv_set(&kv, 4, 2);

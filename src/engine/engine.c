@@ -599,8 +599,8 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
     int32_t *tokens = c->chunk_tokens, *logit_rows = tokens + chunk;
     struct fwd_seq *seqs = c->chunk_seqs;
     int rc = 0;
-    for (int start = 0; start < n && rc == 0; start += chunk) {
-        int len = n - start < chunk ? n - start : chunk;
+    for (int start = 0, len; start < n && rc == 0; start += len) {
+        len = n - start < chunk ? n - start : chunk;
         struct fwd_batch fb = {.n_tokens = len, .tokens = tokens, .seqs = seqs, .logit_rows = logit_rows};
         int first_row = -1;
         for (int j = 0; j < len; j++) {
@@ -610,12 +610,17 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
             if (fb.n_seqs == 0 || seqs[fb.n_seqs - 1].caches != seq_caches(c, s)) {
                 seqs[fb.n_seqs++] = (struct fwd_seq){j, 0, seq_caches(c, s)};
             }
-            seqs[fb.n_seqs - 1].n++;
+            struct fwd_seq *sq = &seqs[fb.n_seqs - 1];
+            sq->n++;
             if (c->row_of[i] >= 0) {
                 if (first_row < 0) first_row = c->row_of[i];
                 logit_rows[fb.n_logits++] = j;
             }
+            /* a device encodes the rows: end the pass where the offsets are chosen */
+            const int32_t T = c->be->ops->host_memory ? 0 : kv_cache_offsets_point(sq->caches[0]);
+            if (T > 0 && kv_cache_n_past(sq->caches[0]) + sq->n == T) len = j + 1;
         }
+        fb.n_tokens = len;
         /* Rows come out in chunk order; the batch's row numbering follows token order,
          * so write to a temporary block then scatter. */
         float *dst = c->logits + (size_t)(first_row < 0 ? 0 : first_row) * n_vocab;

@@ -165,6 +165,11 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
 int kv_cache_append_begin(struct kv_cache *c, int n);
 int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
                         const uint8_t *wv);
+/* The position at which the cache will choose its offsets (the rows from there on are
+ * encoded with them), or 0 when it will not (chosen already, or no offsets). A device
+ * backend ends a forward pass there: rows past it in the same pass would be encoded
+ * again on the host. */
+int32_t kv_cache_offsets_point(const struct kv_cache *c);
 /* Changes whenever the windows or offsets change other than by appending (trim, fork,
  * load, conversion, offsets chosen): a device copy of them must then be rebuilt. */
 uint32_t kv_cache_epoch(const struct kv_cache *c);

@@ -412,6 +412,12 @@ static int store_append(struct kv_cache *c, int n, const float *k, const float *
 
 /* ---- appends whose rows a device writes (kv_cache.h) ---- */
 
+int32_t kv_cache_offsets_point(const struct kv_cache *c) {
+    const struct kv_store *st = store_of((struct kv_cache *)c);
+    const int32_t T = mu_tokens(c);
+    return !st->mu_set && kv_win_on(st) && T > c->n_past ? T : 0;
+}
+
 int kv_cache_append_begin(struct kv_cache *c, int n) {
     struct kv_store *st = store_of(c);
     if (n <= 0) return 0;
