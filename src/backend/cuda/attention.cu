@@ -13,6 +13,7 @@
 #include <math.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/hadamard.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/round_x.cuh"
 
@@ -86,17 +87,7 @@ __global__ void attn_prep_q(const cuk_attn_args a) {
     float s = mu && a.k_bits < 16 ? v * mu[(size_t)kvh * D + d] : 0.0f;
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (d % 32 == 0) part[d / 32] = s;
-    if (a.k_rot) {
-        x[d] = v * a.signs[d];
-        for (int len = 1; len < D; len <<= 1) {
-            __syncthreads();
-            const float u = x[d], w = x[d ^ len];
-            __syncthreads();
-            x[d] = (d & len) ? w - u : u + w;
-        }
-        __syncthreads();
-        v = x[d] * rsqrtf((float)D);
-    }
+    if (a.k_rot) v = hadamard_block<D>(v * a.signs[d], x);
     __syncthreads();
     float *out = a.partial + ((size_t)ti * a.n_head + h) * (D + 1);
     out[1 + d] = v;
@@ -303,15 +294,7 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     float o = L > 0 ? A / L : 0.0f;
     if (a.v_rot) { /* o <- diag(signs) H o / sqrt(D) */
         __shared__ float x[D];
-        x[d] = o;
-        for (int len = 1; len < D; len <<= 1) {
-            __syncthreads();
-            const float u = x[d], w = x[d ^ len];
-            __syncthreads();
-            x[d] = (d & len) ? w - u : u + w;
-        }
-        __syncthreads();
-        o = x[d] * rsqrtf((float)D) * a.signs[d];
+        o = hadamard_block<D>(o, x) * a.signs[d];
     }
     const float *mu = (const float *)tk.mu;
     if (mu && a.v_bits < 16 && L > 0) o += LP / L * mu[(size_t)(a.n_kv + kvh) * D + d];

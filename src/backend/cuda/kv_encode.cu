@@ -8,26 +8,10 @@
 #include <cuda_fp16.h>
 
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/hadamard.cuh"
 #include "backend/cuda/launch.cuh"
 
 #define BT 64 /* tokens per KV block (kv_pool.h) */
-
-/* H diag(signs) v / sqrt(D) of the block's values (thread i holds v). */
-template <int D>
-static __device__ float hadamard(float v, const float *signs, float *buf) {
-    const int i = threadIdx.x;
-    buf[i] = v * signs[i];
-    for (int len = 1; len < D; len <<= 1) {
-        __syncthreads();
-        const float a = buf[i], b = buf[i ^ len];
-        __syncthreads();
-        buf[i] = (i & len) ? __fsub_rn(b, a) : __fadd_rn(a, b);
-    }
-    __syncthreads();
-    const float r = buf[i] * (1.0f / sqrtf((float)D));
-    __syncthreads();
-    return r;
-}
 
 /* f16 bits of x, rounded to nearest even, in integer arithmetic as kernels/f16.h does
  * (the same bits as the host, whatever the compiler does with half intrinsics). */
@@ -66,7 +50,7 @@ __global__ void kv_encode(const cuk_enc_args a) {
     const float x = (side ? a.v : a.k)[((size_t)tk.t * a.n_kv + h) * D + i];
 
     if (a.windows) { /* f16 of the rotated input, without the offset */
-        const float y = rot ? hadamard<D>(x, a.signs, buf) : x;
+        const float y = rot ? hadamard_block<D>(x * a.signs[i], buf) : x;
         const __half hy = __ushort_as_half(f16_bits(y));
         const size_t hs = (size_t)side * a.n_kv + h;
         if (tk.ring)
@@ -80,7 +64,7 @@ __global__ void kv_encode(const cuk_enc_args a) {
     uint8_t *rb = a.readback + (side ? tk.rb_v : tk.rb_k) + (size_t)h * row;
     float z = x;
     if (quant && tk.mu) z = __fsub_rn(x, ((const float *)tk.mu)[((size_t)side * a.n_kv + h) * D + i]);
-    if (rot) z = hadamard<D>(z, a.signs, buf);
+    if (rot) z = hadamard_block<D>(z * a.signs[i], buf);
     if (bits == 32) {
         ((float *)dst)[i] = z;
         ((float *)rb)[i] = z;
