@@ -1,13 +1,15 @@
 /* Split-K attention over a paged KV cache whose rows may be packed (kv_quant.h's row
  * format), for query tokens of different sequences and lengths in one launch.
  *
- * A block takes one (token, KV head, up to 8 query heads of its group) and one split
- * of the rows that token reads, so each K/V row is read once for all the query heads
- * that share it. Lanes work in subgroups of D/8: a subgroup holds one row, each lane
- * 8 of its values, decoded straight from the packed codes (scale * code + bias per
- * group). Every subgroup keeps its own online softmax; the block merges its
- * subgroups, and a second kernel merges the splits with a log-sum-exp, applies the
- * inverse rotation of the values and adds the value offset weighted by the packed
+ * attn_prep_q first scales each query head, rotates it as the keys are and computes
+ * q.mu, once (not in every split). A block then takes one (token, KV head, up to 8
+ * query heads of its group) and one split of the rows that token reads (as many
+ * splits as fill one wave of resident blocks), so each K/V row is read once for all
+ * the query heads that share it. Lanes work in subgroups of D/8: a subgroup holds one
+ * row, each lane 8 of its values, decoded straight from the packed codes (scale *
+ * code + bias per group). Every subgroup keeps its own online softmax; the block
+ * merges its subgroups, and attn_combine merges the splits with a log-sum-exp, applies
+ * the inverse rotation of the values and adds the value offset weighted by the packed
  * rows' share of the softmax mass (the float path of kv_attend.c, exactly). */
 #include <cuda_fp16.h>
 #include <math.h>

@@ -3,13 +3,14 @@
  * reads.
  *
  * The KV policy (positions, windows, block tables, conversion, save/load) stays on
- * the host, on the host rows of a mirrored pool (kv_pool.h): kv_append brings the
- * layer's new keys and values to the host, where the cache encodes them as on the
- * CPU; attention first copies what changed since the last step to the device (the
- * rows written into blocks, the new f16 window rows, block tables, per-token
- * plans), in one staging upload and one scatter launch, then runs the split-K
- * kernels of attention.cu. That costs one host round trip per layer; encoding on
- * the device is the next step.
+ * the host, on the host rows of a mirrored pool (kv_pool.h). kv_append makes the
+ * host's changes of an append (kv_cache_append_begin), and the device encodes the new
+ * rows into its blocks and windows (kv_encode.cu); the rows come back to the host
+ * once per step, at sync (kv_cache_append_end). What the host changed otherwise
+ * (rows of forks, trims, loads, conversions; windows after an epoch change) goes to
+ * the device in one staging upload and one scatter launch before the kernels that
+ * read it. Products of Q4_0/Q8_0 weights read inputs rounded to int8 (xq); the norm,
+ * GLU or attention that writes an input rounds it too, so no launch does that alone.
  *
  * Host data for a step goes through one pinned staging buffer, uploaded in order on
  * the backend's one stream; it is reused only after the stream has been waited for

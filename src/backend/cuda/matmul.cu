@@ -2,9 +2,11 @@
  *
  * Decode (up to CUK_MATVEC_MAX tokens): one warp per output row, each lane decoding 8
  * consecutive weights at a time (consecutive lanes read consecutive bytes) and
- * multiplying them with every token's inputs, which stay in L1/L2. Wider batches
- * dequantize a band of rows to f32 for a GEMM (cuda_backend.c). Block layouts are
- * ggml's (the GGUF types), as in src/kernels/quant.c. */
+ * multiplying them with every token's inputs, which stay in L1/L2; up to three
+ * products of one type (Q/K/V, gate/up) share a launch. Q4_0/Q8_0 are repacked at
+ * upload and multiplied with dp4a on int8 inputs. Wider batches dequantize a band of
+ * rows to f32 for a GEMM (cuda_backend.c). Block layouts are ggml's (the GGUF types),
+ * as in src/kernels/quant.c. */
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <string.h>
