@@ -119,14 +119,16 @@ grep -q "budget" "$tmp/body" && ok "...saying why" || bad "no reason given: $(ca
 stop_server
 
 # ---- a full queue is a 503; a waiting stream gets ': ping' --------------------------
-start_server limits --max-num-seqs 1 --max-queue 1 --ping-interval 1 --prefix-cache-mb 0
+# The first request must outlast the 1 s ping interval on any machine: an 8800-token
+# prompt (about 5 s of prefill here; its answer may end at once).
+start_server limits --max-num-seqs 1 --max-queue 1 --ping-interval 1 --prefix-cache-mb 0 -c 12288
 url=http://127.0.0.1:$port
 metric() { curl -s "http://127.0.0.1:$port/metrics" | awk -v m="kvq_$1" '$1 == m {print $2}'; }
 wait_metric() { # NAME VALUE: up to 30 s
   for _ in $(seq 300); do [ "$(metric "$1")" = "$2" ] && return 0; sleep 0.1; done
   return 1
 }
-printf '{"prompt":"%s","max_tokens":400,"temperature":0,"stream":true}' "$(head -c 8000 "$tmp/long.txt")" >"$tmp/a.json"
+printf '{"prompt":"%s","max_tokens":400,"temperature":0,"stream":true}' "$(head -c 24000 "$tmp/long.txt")" >"$tmp/a.json"
 curl -sN "$url/v1/completions" --data-binary @"$tmp/a.json" >"$tmp/a.out" & a_pid=$!
 wait_metric running_sequences 1 || bad "the first request never ran"
 curl -sN "$url/v1/completions" -d '{"prompt":"The kernel","max_tokens":8,"stream":true}' >"$tmp/b.out" & b_pid=$!

@@ -12,7 +12,8 @@
 
 /* A file to write. The writer thread reads the entry's prefix and tokens, which
  * stay alive and unchanged until the job is done: drop() takes a queued job back
- * or waits for the one being written before it frees the entry. */
+ * or waits for the one being written before it frees the entry; a hit that replaces
+ * the converted prefix waits until it is written. */
 enum job_state { JOB_QUEUED, JOB_WRITING, JOB_DONE };
 struct write_job {
     struct write_job *next;
@@ -76,18 +77,20 @@ static size_t entry_bytes(const struct prefix_cache *pc, int n, const struct kvq
     return kvq_kv_token_bytes(pc->m, kv) * (((size_t)n + 63) / 64 * 64) + kvq_kv_window_bytes(pc->m, kv);
 }
 
-/* Takes the entry's write back from the queue, or waits until it is written. */
-static void finish_job(struct prefix_cache *pc, struct entry *e) {
+/* Ends the entry's write: takes it back from the queue when it has not started and
+ * `cancel` (an entry being dropped), else waits until it is written. */
+static void finish_job(struct prefix_cache *pc, struct entry *e, bool cancel) {
     struct write_job *j = e->job;
     if (!j) return;
     pthread_mutex_lock(&pc->mu);
-    if (j->state == JOB_QUEUED) {
+    if (cancel && j->state == JOB_QUEUED) {
         struct write_job **pp = &pc->q_head, *prev = NULL;
         while (*pp != j) prev = *pp, pp = &(*pp)->next;
         *pp = j->next;
         if (pc->q_tail == j) pc->q_tail = prev;
+    } else {
+        while (j->state != JOB_DONE) pthread_cond_wait(&pc->cv, &pc->mu);
     }
-    while (j->state == JOB_WRITING) pthread_cond_wait(&pc->cv, &pc->mu);
     pthread_mutex_unlock(&pc->mu);
     free(j);
     e->job = NULL;
@@ -95,7 +98,7 @@ static void finish_job(struct prefix_cache *pc, struct entry *e) {
 
 static void drop(struct prefix_cache *pc, int i, bool unlink_file) {
     struct entry *e = &pc->e[i];
-    finish_job(pc, e);
+    finish_job(pc, e, true);
     if (unlink_file && e->path) remove(e->path);
     kvq_prefix_free(e->prefix);
     free(e->tokens);
@@ -174,7 +177,9 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
          * (the file keeps the small format; the budget is enforced at the next store) */
         struct kvq_prefix *live = kvq_seq_len(pc->c, seq) == e->n ? kvq_prefix_hold(pc->c, seq) : NULL;
         if (live) {
-            finish_job(pc, e); /* the writer may be reading the converted prefix */
+            /* the file keeps the converted prefix: its write finishes first (a wait of
+             * the write's time when it has not run yet) */
+            finish_job(pc, e, false);
             kvq_prefix_free(e->prefix);
             e->prefix = live;
             e->converted = false;
