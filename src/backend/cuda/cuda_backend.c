@@ -433,7 +433,7 @@ static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
  * well when a product of a repacked type may read them; NULL when it need not. */
 static const struct cuk_xq *round_into_xq(struct cuda_backend *cb, const float *out, int n, int64_t k) {
     cb->xq_of = NULL;
-    if (!out || !cb->any_repacked || n > CUK_MATVEC_MAX || k % 32 != 0 || k > cb->xq_cols || k > CUK_NORM_MAX) return NULL;
+    if (!out || !cb->any_repacked || n > CUK_MATVEC_MAX || k % 32 != 0 || k > cb->xq_cols) return NULL;
     cb->xq_of = out;
     cb->xq_n = n;
     cb->xq_k = k;
@@ -497,9 +497,21 @@ static void cuda_embed(struct backend *b, const struct weight *e, const int32_t 
     prof_end(cb, P_EMBED, t0);
 }
 
+/* The norm kernels hold a row in registers: rows up to CUK_NORM_MAX values. */
+static bool norm_dim_ok(struct cuda_backend *cb, int dim) {
+    if (dim <= CUK_NORM_MAX) return true;
+    if (!cb->failed) {
+        cb->failed = true;
+        snprintf(cb->failure, sizeof cb->failure, "the CUDA norms take rows of up to %d values, not %d", CUK_NORM_MAX,
+                 dim);
+    }
+    return false;
+}
+
 static void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows, const float *w, int n, int dim,
                          float eps, float *out) {
     struct cuda_backend *cb = cuda(b);
+    if (!norm_dim_ok(cb, dim)) return;
     const int32_t *r = rows ? stage_array(cb, rows, sizeof(int32_t) * (size_t)n) : NULL;
     const float *wd = dev_vec(cb, w);
     if ((rows && !r) || !wd) return;
@@ -511,6 +523,7 @@ static void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows,
 static void cuda_add_norm(struct backend *b, float *x, float *add, const float *post, const float *w, int n, int dim,
                           float eps, float *out) {
     struct cuda_backend *cb = cuda(b);
+    if (!norm_dim_ok(cb, dim)) return;
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = round_into_xq(cb, w ? out : NULL, w ? n : 0, dim);
     cuk_add_norm(cb->stream, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out, xq);

@@ -84,6 +84,8 @@ __global__ void __launch_bounds__(NORM_THREADS) add_norm_k(float *x, const float
     if (w) norm_out<PER>(v, rms_scale<PER>(v, dim, eps), w, dim, t, out, q, dsum);
 }
 
+static_assert(16 * NORM_THREADS == CUK_NORM_MAX, "BY_DIM's widest case is the documented limit");
+
 /* Launches KERNEL<PER> with the fewest values per thread that hold dim. */
 #define BY_DIM(dim, LAUNCH)                           \
     if ((dim) <= NORM_THREADS) LAUNCH(1);             \
