@@ -14,15 +14,14 @@
 #include <cuda_fp16.h>
 #include <math.h>
 
-#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/attention.cuh"
 #include "backend/cuda/hadamard.cuh"
-#include "backend/cuda/launch.cuh"
 #include "backend/cuda/round_x.cuh"
 
 #define WARPS 4
 #define HEADS_MAX 8 /* query heads per block */
-#define MAX_SPLITS 128
-#define BT 64 /* tokens per KV block (kv_pool.h) */
+#define MAX_SPLITS ATTN_MAX_SPLITS
+#define BT ATTN_BT
 
 static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 
@@ -65,14 +64,17 @@ static __device__ __forceinline__ void load8(const uint8_t *row, int e0, int D, 
         v[i] = sc * (__uint_as_float(0x4B000000u | ((uint32_t)(w >> (b * i)) & mask)) - 8388608.0f) + bias;
 }
 
-static __device__ __forceinline__ bool visible(int32_t p, int32_t q, const cuk_attn_tok &t) {
-    return p <= q && (t.max_size == 0 || p < t.keep || p > q - (t.max_size - t.keep)) &&
-           (t.window <= 0 || p > q - t.window);
+/* The rows a token reads (N), and the rows of each split: a multiple of the block
+ * size, so splits past the rows have nothing to do. The grid does not depend on the
+ * depth (a recorded decode step replays as it is while the cache grows). */
+static __device__ __forceinline__ void split_rows(const cuk_attn_tok &tk, int n_splits, int &N, int &chunk) {
+    const int n1 = max(0, tk.b1 - tk.a1 + 1), n2 = max(0, tk.b2 - tk.a2 + 1);
+    N = n1 + n2 + tk.sinks + max(0, tk.q_pos - tk.ws + 1);
+    chunk = ((N + n_splits - 1) / n_splits + BT - 1) / BT * BT;
 }
 
-/* Floats of scratch before the splits' partial results: each launch token's query
- * heads as attn_prep_q leaves them, [n][n_head][1 + D]. */
-static __host__ __device__ size_t prep_floats(int n, int n_head, int D) { return (size_t)n * n_head * (D + 1); }
+#define visible attn_visible
+#define prep_floats attn_prep_floats
 
 /* Once per (token, query head), not in every split: q scaled, q.mu (the key offset
  * that packed keys lack, before rotation), then q rotated as the keys are
@@ -137,10 +139,12 @@ __global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(cons
         m[g] = -INFINITY;
         l[g] = lp[g] = 0;
     }
-    const int n1 = max(0, tk.b1 - tk.a1 + 1), n2 = max(0, tk.b2 - tk.a2 + 1), ns = tk.sinks;
-    const int nw = max(0, tk.q_pos - tk.ws + 1), np = n1 + n2, N = np + ns + nw;
-    const int chunk = (N + n_splits - 1) / n_splits, v0 = split * chunk, v1 = min(N, v0 + chunk);
-    const uint64_t *table = (const uint64_t *)(a.staging + tk.table);
+    const int n1 = max(0, tk.b1 - tk.a1 + 1), n2 = max(0, tk.b2 - tk.a2 + 1), ns = tk.sinks, np = n1 + n2;
+    int N, chunk;
+    split_rows(tk, n_splits, N, chunk);
+    const int v0 = split * chunk, v1 = min(N, v0 + chunk);
+    if (v0 >= N) return; /* attn_combine reads only the splits with rows */
+    const uint64_t *table = (const uint64_t *)tk.table;
 
     /* RB rows per subgroup per step: their loads are in flight together, and one
      * rescale of the running sums serves them all */
@@ -249,12 +253,13 @@ __global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(cons
             LP += sm_lp[j][g] * w;
             A += sm_acc[j][g][d] * w;
         }
-        float *part = a.partial + prep_floats(a.n, a.n_head, D) + ((size_t)(ti * a.n_head + h0 + g) * n_splits + split) * (D + 4);
+        float *part = attn_part(a, ti, h0 + g, n_splits, split);
         part[4 + d] = A;
         if (d == 0) {
             part[0] = M;
             part[1] = L;
             part[2] = LP;
+            part[3] = (float)((N + chunk - 1) / chunk);
         }
     }
 }
@@ -266,7 +271,8 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     const int ti = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, d = threadIdx.x;
     const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
     const cuk_attn_tok tk = a.toks[ti];
-    const float *part = a.partial + prep_floats(a.n, a.n_head, D) + (size_t)(ti * a.n_head + h) * n_splits * (D + 4);
+    const float *part = attn_part(a, ti, h, n_splits, 0);
+    n_splits = (int)part[3]; /* the splits that had rows */
     /* the splits' maxima and weights in parallel, then each
      * value a sum over the splits with its loads independent of one another */
     __shared__ float w[MAX_SPLITS], sl[MAX_SPLITS], slp[MAX_SPLITS];
@@ -311,14 +317,12 @@ static int heads_per_block(const cuk_attn_args *a) {
 }
 
 /* Splits of each (token, KV head, head chunk) item: as many as keep the chip's
- * resident blocks busy in one wave (a second, partial wave would double the time),
- * at least 64 rows each. */
+ * resident blocks busy in one wave (a second, partial wave would double the time);
+ * split_rows gives each at least a block of rows. */
 static int splits_for(const cuk_attn_args *a, int resident_per_sm) {
     const int hb = heads_per_block(a), n_hch = (a->n_head / a->n_kv + hb - 1) / hb;
     const long items = (long)a->n * a->n_kv * n_hch;
     long s = (long)resident_per_sm * a->n_sm / items;
-    long by_rows = (a->max_rows + 63) / 64;
-    if (s > by_rows) s = by_rows;
     if (s > MAX_SPLITS) s = MAX_SPLITS;
     return s < 1 ? 1 : (int)s;
 }
@@ -332,37 +336,43 @@ static int resident(K kernel, int *cache) {
 }
 
 template <int D, int KB, int VB, int HMAX>
-static void launch_split(cudaStream_t s, const cuk_attn_args *a) {
+static void launch_split(cuk_queue *qu, const cuk_attn_args *a) {
     static int per_sm;
     const int hb = heads_per_block(a), n_hch = (a->n_head / a->n_kv + hb - 1) / hb;
     const int n_splits = splits_for(a, resident(attn_split<D, KB, VB, HMAX>, &per_sm));
     const bool prep = a->k_rot || a->k_bits < 16; /* packed keys may have offsets */
-    if (prep) pdl_launch(attn_prep_q<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), s, *a);
+    if (prep) pdl_launch(attn_prep_q<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a);
     pdl_launch(attn_split<D, KB, VB, HMAX>, dim3((unsigned)(a->n * a->n_kv * n_hch), (unsigned)n_splits),
-               dim3(WARPS * 32), s, *a, n_splits, n_hch, prep);
-    pdl_launch(attn_combine<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), s, *a, n_splits);
+               dim3(WARPS * 32), qu, *a, n_splits, n_hch, prep);
+    pdl_launch(attn_combine<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a, n_splits);
 }
 
 template <int D, int KB, int VB>
-static void launch(cudaStream_t s, const cuk_attn_args *a) {
+static void launch(cuk_queue *qu, const cuk_attn_args *a) {
     switch (heads_per_block(a)) {
-    case 1: launch_split<D, KB, VB, 1>(s, a); break;
-    case 2: launch_split<D, KB, VB, 2>(s, a); break;
-    case 4: launch_split<D, KB, VB, 4>(s, a); break;
-    default: launch_split<D, KB, VB, 8>(s, a); break;
+    case 1: launch_split<D, KB, VB, 1>(qu, a); break;
+    case 2: launch_split<D, KB, VB, 2>(qu, a); break;
+    case 4: launch_split<D, KB, VB, 4>(qu, a); break;
+    default: launch_split<D, KB, VB, 8>(qu, a); break;
     }
 }
 
 template <int D>
-static void launch_formats(cudaStream_t s, const cuk_attn_args *a) {
+static void launch_formats(cuk_queue *qu, const cuk_attn_args *a) {
+    if (attn_tile_takes(a)) { /* tensor cores */
+        if (attn_tile_prepped(a)) pdl_launch(attn_prep_q<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a);
+        const int n_splits = attn_tile_launch(qu, a);
+        pdl_launch(attn_combine<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a, n_splits);
+        return;
+    }
     const int kb = a->k_bits, vb = a->v_bits;
     /* packed rows must sit on 4-byte boundaries for the word loads of 4 and 8 bits */
     const bool aligned = a->k_row % 4 == 0 && a->v_row % 4 == 0 && a->head_bytes % 16 == 0;
-    if (kb == 16 && vb == 16) launch<D, 16, 16>(s, a);
-    else if (aligned && kb == 8 && vb == 8) launch<D, 8, 8>(s, a);
-    else if (aligned && kb == 8 && vb == 4) launch<D, 8, 4>(s, a);
-    else if (aligned && kb == 4 && vb == 4) launch<D, 4, 4>(s, a);
-    else launch<D, 0, 0>(s, a);
+    if (kb == 16 && vb == 16) launch<D, 16, 16>(qu, a);
+    else if (aligned && kb == 8 && vb == 8) launch<D, 8, 8>(qu, a);
+    else if (aligned && kb == 8 && vb == 4) launch<D, 8, 4>(qu, a);
+    else if (aligned && kb == 4 && vb == 4) launch<D, 4, 4>(qu, a);
+    else launch<D, 0, 0>(qu, a);
 }
 
 extern "C" int cuk_attention_head_dim_supported(int head_dim) {
@@ -376,12 +386,12 @@ extern "C" size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, 
     return prep_floats(n, n_head, head_dim) + split_rows * (size_t)(head_dim + 4);
 }
 
-extern "C" void cuk_attention(cudaStream_t s, const cuk_attn_args *a) {
+extern "C" void cuk_attention(cuk_queue *qu, const cuk_attn_args *a) {
     if (a->n <= 0) return;
     switch (a->head_dim) {
-    case 64: launch_formats<64>(s, a); break;
-    case 128: launch_formats<128>(s, a); break;
-    case 256: launch_formats<256>(s, a); break;
+    case 64: launch_formats<64>(qu, a); break;
+    case 128: launch_formats<128>(qu, a); break;
+    case 256: launch_formats<256>(qu, a); break;
     default: break; /* refused when the backend starts */
     }
 }

@@ -14,8 +14,14 @@
  *
  * Host data for a step goes through one pinned staging buffer, uploaded in order on
  * the backend's one stream; it is reused only after the stream has been waited for
- * (kv_append and sync do). Errors of operations that return nothing are kept and
- * reported by sync. */
+ * (sync does). Errors of operations that return nothing are kept and reported by sync.
+ *
+ * Decode steps (up to CUK_MATVEC_MAX tokens) are recorded rather than launched
+ * (queue.h): the staging buffer goes up in one copy at sync, then the step's launches
+ * go as a CUDA graph when an identical step came before. For that, nothing that
+ * changes from step to step is a launch argument: positions, block addresses and
+ * window rows are staged data, each cache's block table lives on the device (its
+ * mirror), and attention splits its rows on the device. */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -32,7 +38,7 @@
 #include "model/model.h"
 
 #define ARENA_CHUNK ((size_t)256 << 20) /* KV block memory is taken in chunks of this */
-#define DEQ_FLOATS ((size_t)32 << 20)   /* a band of dequantized rows for one GEMM */
+#define DEQ_BYTES ((size_t)128 << 20)   /* a band of dequantized rows for one GEMM */
 #define MAX_FORMATS 4                   /* row formats in one attention batch */
 
 /* A weight or vector the model uploaded, found by its host address. */
@@ -52,8 +58,10 @@ struct arena {
     struct arena *next;
 };
 
-/* The device copy of one cache's f16 windows and offsets. */
+/* The device copy of one cache's block table, f16 windows and offsets. */
 struct cuda_mirror {
+    uint64_t *table_d, *table_h; /* device addresses of the blocks: on the device, and as last copied there */
+    int32_t table_cap, table_n;
     bool valid;
     uint32_t epoch;
     int32_t synced; /* window rows of positions < synced are on the device */
@@ -73,17 +81,33 @@ struct pending_append {
     bool windows;
 };
 
+/* A copy to host memory, after the step's recorded work. */
+struct post_copy {
+    void *dst;
+    const void *src;
+    size_t bytes;
+};
+
 struct cuda_backend {
     struct backend base;
-    cudaStream_t stream;
+    struct cuk_queue q;
+    cudaStream_t stream; /* q.stream */
+    bool in_step;        /* work was queued since the last sync */
+    struct post_copy *post;
+    int n_post, cap_post;
+    void **dead;         /* device memory to free at the next sync (recorded work may read it) */
+    int n_dead, cap_dead;
     cublasHandle_t blas;
     int n_sm, max_tokens;
     bool failed;
     char failure[256];
     struct dev_entry *ents;
     int n_ents, cap_ents;
-    float *deq;
+    void *deq;            /* DEQ_BYTES */
+    void *x16;            /* f16 GEMM inputs: max_tokens rows of the widest input */
     struct cuk_xq xq; /* int8 inputs of the repacked types' matrix-vector kernels */
+    struct cuk_mv_scratch mv;          /* their partial sums and tile counters */
+    size_t mv_floats, mv_counters;
     int64_t xq_cols;  /* xq holds up to CUK_MATVEC_MAX rows of this many */
     /* what xq holds: the rounding of xq_n rows of xq_k floats at xq_of (written by the
      * norm or GLU that made them, so the product after it needs no rounding launch) */
@@ -96,7 +120,7 @@ struct cuda_backend {
     float *signs; /* Hadamard signs of head size signs_dim */
     int signs_dim;
     uint8_t *stage_h, *stage_d;
-    size_t stage_cap, stage_used;
+    size_t stage_cap, stage_used, stage_up; /* stage_up: bytes uploaded this step */
     struct cuk_copy *copies;
     int n_copies, cap_copies;
     /* rows the device encoded this step, for the host's copy at the next sync */
@@ -108,12 +132,16 @@ struct cuda_backend {
     struct arena *host_arena, *dev_arena;
     /* per attention call */
     struct kv_cache **uc;
-    uint32_t *uc_table;
     struct cuda_mirror **uc_mirror;
+    int *uc_chunk;
     int cap_uc;
     bool prof;
     double prof_s[16];
     long prof_n[16];
+    /* KVQ_CUDA_PROFILE=steps: per step, the host's time issuing work and its wait at sync */
+    bool prof_steps;
+    double step_end, issue_s, wait_s;
+    long steps;
 };
 
 static struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backend *)b; }
@@ -121,23 +149,23 @@ static struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backen
 /* KVQ_CUDA_PROFILE=1: each operation waits for the GPU before and after itself and
  * its time is added up per kind, printed when the backend is freed (a measurement
  * aid: the waits serialize what normally overlaps). */
-enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_ROPE, P_GLU, P_EMBED, P_KV_ENCODE, P_KV_FINISH, P_ATTN_HOST, P_ATTN_GPU, P_N };
-static const char *const prof_names[P_N] = {"matvec", "gemm (dequantize + TF32)", "norms", "rope", "glu", "embed",
+enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_ROPE, P_GLU, P_EMBED, P_KV_ENCODE, P_KV_FINISH, P_ATTN_HOST, P_ATTN_GPU, P_ISSUE, P_N };
+static const char *const prof_names[P_N] = {"matvec", "gemm (dequantize + f16/TF32)", "norms", "rope", "glu", "embed",
                                             "kv_append: host plan + device encode", "sync: host copy of new KV rows",
-                                            "attention: host plan + uploads", "attention: kernels"};
+                                            "attention: host plan + uploads", "attention: kernels",
+                                            "issuing recorded work (graphs)"};
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 static double prof_begin(struct cuda_backend *cb) {
-    if (!cb->prof) return 0;
-    cudaStreamSynchronize(cb->stream);
-    return now_s();
+    if (cb->prof) cudaStreamSynchronize(cb->stream);
+    return cb->prof || cb->prof_steps ? now_s() : 0;
 }
 static void prof_end(struct cuda_backend *cb, enum prof_op op, double t0) {
-    if (!cb->prof) return;
-    cudaStreamSynchronize(cb->stream);
+    if (!cb->prof && !cb->prof_steps) return;
+    if (cb->prof) cudaStreamSynchronize(cb->stream);
     cb->prof_s[op] += now_s() - t0;
     cb->prof_n[op]++;
 }
@@ -243,15 +271,15 @@ static int cuda_upload_weight(struct backend *b, const struct weight *w) {
         return 0;
     }
     /* codes, then the scales, in one device allocation */
-    const size_t rb = cuk_repacked_row_bytes(w->type, w->cols), codes = rb * (size_t)w->rows;
-    const size_t bytes = codes + sizeof(uint16_t) * (size_t)w->rows * (size_t)(w->cols / 32);
+    const size_t codes = cuk_repacked_code_bytes(w->type, w->rows, w->cols),
+                 bytes = cuk_repacked_bytes(w->type, w->rows, w->cols);
     uint8_t *host = malloc(bytes);
     if (!host) return kvq_error("out of memory repacking a weight of %zu bytes", bytes);
     cuk_repack(w->type, w->data, w->rows, w->cols, host, (uint16_t *)(host + codes));
     int rc = add_entry(cb, w, sizeof *w, host, bytes, &e);
     free(host);
     if (rc != 0) return -1;
-    if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, rb, (const uint16_t *)(e->dev + codes)};
+    if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, 0, (const uint16_t *)(e->dev + codes)};
     cb->any_repacked = true;
     return 0;
 }
@@ -265,9 +293,12 @@ static int cuda_upload_vector(struct backend *b, const float *v, int64_t n) {
 
 /* Room for `bytes` more at an aligned offset; the offset, or (size_t)-1. Growing
  * waits for the stream first (earlier uploads may still read the old buffer). */
+static void record_stop(struct cuda_backend *cb);
+
 static size_t stage_alloc(struct cuda_backend *cb, size_t bytes) {
     size_t off = (cb->stage_used + 15) & ~(size_t)15;
     if (off + bytes > cb->stage_cap) {
+        record_stop(cb); /* what it recorded reads the old buffer */
         size_t cap = cb->stage_cap ? cb->stage_cap : (size_t)1 << 20;
         while (cap < off + bytes) cap *= 2;
         uint8_t *h = NULL, *d = NULL;
@@ -283,6 +314,7 @@ static size_t stage_alloc(struct cuda_backend *cb, size_t bytes) {
         cb->stage_h = h;
         cb->stage_d = d;
         cb->stage_cap = cap;
+        cb->stage_up = 0; /* the new device buffer holds nothing yet */
     }
     cb->stage_used = off + bytes;
     return off;
@@ -294,20 +326,75 @@ static size_t stage_put(struct cuda_backend *cb, const void *data, size_t bytes)
     return off;
 }
 
-/* Uploads the staging bytes from `from` on. */
-static void stage_flush(struct cuda_backend *cb, size_t from) {
-    if (cb->stage_used > from)
-        ck(cb, cudaMemcpyAsync(cb->stage_d + from, cb->stage_h + from, cb->stage_used - from, cudaMemcpyHostToDevice,
-                               cb->stream),
+/* Uploads what was staged since the last upload. */
+static void stage_upload(struct cuda_backend *cb) {
+    if (cb->stage_used > cb->stage_up)
+        ck(cb, cudaMemcpyAsync(cb->stage_d + cb->stage_up, cb->stage_h + cb->stage_up, cb->stage_used - cb->stage_up,
+                               cudaMemcpyHostToDevice, cb->stream),
            "uploading step data");
+    cb->stage_up = cb->stage_used;
+}
+
+/* Before a launch that reads what was staged: uploads it now, or, while a step is
+ * recorded, when the record is issued. */
+static void stage_flush(struct cuda_backend *cb) {
+    if (!cb->q.recording) stage_upload(cb);
 }
 
 /* A host array as device memory for the next launch (NULL on failure). */
 static const void *stage_array(struct cuda_backend *cb, const void *data, size_t bytes) {
-    size_t from = cb->stage_used, off = stage_put(cb, data, bytes);
+    size_t off = stage_put(cb, data, bytes);
     if (off == (size_t)-1) return NULL;
-    stage_flush(cb, from);
+    stage_flush(cb);
     return cb->stage_d + off;
+}
+
+/* Uploads the staged data and issues the record. */
+static void issue_record(struct cuda_backend *cb) {
+    double t0 = prof_begin(cb);
+    stage_upload(cb);
+    cuk_queue_issue(&cb->q);
+    prof_end(cb, P_ISSUE, t0);
+}
+
+/* Every operation that queues work starts here. The first one of a step decides
+ * whether the step is recorded: decode-sized steps are, when graphs are on. A
+ * recorded step is issued in segments of about SEGMENT_LAUNCHES launches, so the GPU
+ * starts on the first layers while the host plans the next ones. */
+#define SEGMENT_LAUNCHES 48
+static void step_op(struct cuda_backend *cb, int n) {
+    if (!cb->in_step) {
+        cb->in_step = true;
+        cb->q.recording = cb->q.graphs && n <= CUK_MATVEC_MAX;
+    } else if (cb->q.recording && cb->q.n_ent >= SEGMENT_LAUNCHES) {
+        issue_record(cb);
+    }
+}
+
+/* Issues what the step recorded so far and queues the rest of it at once: before
+ * anything that waits for the stream or cannot be recorded. */
+static void record_stop(struct cuda_backend *cb) {
+    if (!cb->q.recording) return;
+    issue_record(cb);
+    cb->q.recording = false;
+}
+
+/* Frees device memory after the step (its recorded work may still read it). */
+static void free_after_step(struct cuda_backend *cb, void *p) {
+    if (!p) return;
+    if (cb->n_dead == cb->cap_dead) {
+        int cap = cb->cap_dead ? 2 * cb->cap_dead : 16;
+        void **d = realloc(cb->dead, sizeof *d * (size_t)cap);
+        if (!d) {
+            record_stop(cb);
+            cudaStreamSynchronize(cb->stream);
+            cudaFree(p);
+            return;
+        }
+        cb->dead = d;
+        cb->cap_dead = cap;
+    }
+    cb->dead[cb->n_dead++] = p;
 }
 
 /* Queues a copy of bytes at data to the device address dst (done by flush_copies). */
@@ -325,38 +412,42 @@ static bool copy_to(struct cuda_backend *cb, const void *dst, const void *data, 
     return true;
 }
 
-/* Uploads everything staged since `from`, then places the queued copies. */
-static void flush_copies(struct cuda_backend *cb, size_t from) {
+/* Uploads what was staged, then places the queued copies. */
+static void flush_copies(struct cuda_backend *cb) {
     size_t list = cb->n_copies ? stage_put(cb, cb->copies, sizeof *cb->copies * (size_t)cb->n_copies) : 0;
-    stage_flush(cb, from);
+    stage_flush(cb);
     if (cb->n_copies && list != (size_t)-1)
-        cuk_scatter(cb->stream, (const struct cuk_copy *)(cb->stage_d + list), cb->n_copies, cb->stage_d);
+        cuk_scatter(&cb->q, (const struct cuk_copy *)(cb->stage_d + list), cb->n_copies, cb->stage_d);
     cb->n_copies = 0;
 }
 
 /* ---- memory ------------------------------------------------------------- */
 
-static void *arena_alloc(struct cuda_backend *cb, struct arena **list, bool pinned, size_t bytes) {
-    bytes = (bytes + 255) & ~(size_t)255;
-    struct arena *a = *list;
-    if (!a || a->used + bytes > a->cap) {
-        size_t cap = bytes > ARENA_CHUNK ? bytes : ARENA_CHUNK;
-        struct arena *n = calloc(1, sizeof *n);
-        if (!n) return NULL;
-        cudaError_t st = pinned ? cudaMallocHost((void **)&n->base, cap) : cudaMalloc((void **)&n->base, cap);
-        if (st != cudaSuccess) {
-            free(n);
-            kvq_error("CUDA: no %s memory for the KV cache (%s)", pinned ? "pinned host" : "device", cudaGetErrorString(st));
-            return NULL;
-        }
-        n->cap = cap;
-        n->pinned = pinned;
-        n->next = a;
-        *list = a = n;
+/* A new chunk of cap bytes at the head of the list; false with an error. */
+static bool arena_grow(struct arena **list, bool pinned, size_t cap) {
+    struct arena *n = calloc(1, sizeof *n);
+    if (!n) return false;
+    cudaError_t st = pinned ? cudaMallocHost((void **)&n->base, cap) : cudaMalloc((void **)&n->base, cap);
+    if (st != cudaSuccess) {
+        free(n);
+        cudaGetLastError();
+        kvq_error("CUDA: no %s memory for the KV cache (%s)", pinned ? "pinned host" : "device", cudaGetErrorString(st));
+        return false;
     }
+    n->cap = cap;
+    n->pinned = pinned;
+    n->next = *list;
+    *list = n;
+    return true;
+}
+
+static void *arena_alloc(struct arena **list, bool pinned, size_t bytes) {
+    bytes = (bytes + 255) & ~(size_t)255;
+    if ((!*list || (*list)->used + bytes > (*list)->cap) && !arena_grow(list, pinned, bytes > ARENA_CHUNK ? bytes : ARENA_CHUNK))
+        return NULL;
+    struct arena *a = *list;
     void *p = a->base + a->used;
     a->used += bytes;
-    (void)cb;
     return p;
 }
 
@@ -372,23 +463,31 @@ static void arena_free(struct arena *a) {
 
 static void *host_block(void *ctx, size_t bytes) {
     struct cuda_backend *cb = ctx;
-    return arena_alloc(cb, &cb->host_arena, true, bytes);
+    return arena_alloc(&cb->host_arena, true, bytes);
 }
 static void *dev_block(void *ctx, size_t bytes) {
     struct cuda_backend *cb = ctx;
-    return arena_alloc(cb, &cb->dev_arena, false, bytes);
+    return arena_alloc(&cb->dev_arena, false, bytes);
 }
 static void mirror_free(void *ctx, void *mirror) {
     (void)ctx;
     struct cuda_mirror *m = mirror;
     if (!m) return;
+    cudaFree(m->table_d);
+    free(m->table_h);
     cudaFree(m->win);
     cudaFree(m->mu);
     free(m);
 }
 
 static struct kv_pool *cuda_kv_pool_new(struct backend *b, size_t budget) {
-    struct kv_pool_mirror m = {cuda(b), host_block, dev_block, mirror_free};
+    struct cuda_backend *cb = cuda(b);
+    struct kv_pool_mirror m = {cb, host_block, dev_block, mirror_free};
+    /* memory for the whole budget now, when it can be had: taken during decoding, a
+     * chunk (pinned host memory above all) stalls a step for tens of milliseconds */
+    const size_t have = cb->dev_arena ? cb->dev_arena->cap - cb->dev_arena->used : 0;
+    if (budget > have && budget <= ((size_t)1 << 40) && arena_grow(&cb->dev_arena, false, budget))
+        arena_grow(&cb->host_arena, true, budget); /* else grown on demand */
     return kv_pool_new_mirrored(budget, &m);
 }
 
@@ -409,14 +508,33 @@ static void cuda_release(struct backend *b, void *p) {
 
 static void cuda_download(struct backend *b, void *dst, const void *src, size_t bytes) {
     struct cuda_backend *cb = cuda(b);
-    ck(cb, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream), "reading results");
+    if (!cb->q.recording) {
+        ck(cb, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream), "reading results");
+        return;
+    }
+    if (cb->n_post == cb->cap_post) { /* after the recorded work, at sync */
+        int cap = cb->cap_post ? 2 * cb->cap_post : 8;
+        struct post_copy *p = realloc(cb->post, sizeof *p * (size_t)cap);
+        if (!p) {
+            record_stop(cb);
+            ck(cb, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream), "reading results");
+            return;
+        }
+        cb->post = p;
+        cb->cap_post = cap;
+    }
+    cb->post[cb->n_post++] = (struct post_copy){dst, src, bytes};
 }
 
 static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
     struct cuda_backend *cb = cuda(b);
-    (void)widest;
     cb->max_tokens = max_tokens;
-    if (max_tokens > CUK_MATVEC_MAX && !cb->deq && !(cb->deq = cuda_alloc(b, sizeof(float) * DEQ_FLOATS))) return -1;
+    if (max_tokens > CUK_MATVEC_MAX) {
+        cudaFree(cb->x16);
+        if ((!cb->deq && !(cb->deq = cuda_alloc(b, DEQ_BYTES))) ||
+            !(cb->x16 = cuda_alloc(b, sizeof(uint16_t) * (size_t)max_tokens * (size_t)widest)))
+            return -1;
+    }
     const size_t n = (size_t)(max_tokens < CUK_MATVEC_MAX ? max_tokens : CUK_MATVEC_MAX);
     cudaFree(cb->xq.q);
     cudaFree(cb->xq.dsum);
@@ -443,6 +561,7 @@ static const struct cuk_xq *round_into_xq(struct cuda_backend *cb, const float *
 static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs,
                         const struct be_matmul *jobs) {
     struct cuda_backend *cb = cuda(b);
+    step_op(cb, n);
     double t0 = prof_begin(cb);
     if (n <= CUK_MATVEC_MAX) {
         struct cuk_matvec_job mj[CUK_MATVEC_JOBS];
@@ -452,37 +571,69 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
             if (!mj[j].w) return;
             repacked |= cuk_repacked(mj[j].w->type) != 0;
         }
+        const int n_mj = n_jobs < CUK_MATVEC_JOBS ? n_jobs : CUK_MATVEC_JOBS;
+        size_t floats, counters;
+        cuk_matvec_scratch(mj, n_mj, n, &floats, &counters);
+        if (floats > cb->mv_floats || counters > cb->mv_counters) { /* grown, the counters zeroed */
+            free_after_step(cb, cb->mv.partial);
+            free_after_step(cb, cb->mv.counters);
+            cb->mv.partial = NULL;
+            cb->mv.counters = NULL;
+            cb->mv_floats = floats > cb->mv_floats ? floats : cb->mv_floats;
+            cb->mv_counters = counters > cb->mv_counters ? counters : cb->mv_counters;
+            if (!ck(cb, cudaMalloc((void **)&cb->mv.partial, sizeof(float) * (cb->mv_floats ? cb->mv_floats : 1)),
+                    "device memory for products") ||
+                !ck(cb, cudaMalloc((void **)&cb->mv.counters, sizeof(unsigned) * (cb->mv_counters ? cb->mv_counters : 1)),
+                    "device memory for products") ||
+                !ck(cb, cudaMemsetAsync(cb->mv.counters, 0, sizeof(unsigned) * (cb->mv_counters ? cb->mv_counters : 1), cb->stream),
+                    "zeroing counters")) {
+                cb->mv_floats = cb->mv_counters = 0;
+                return;
+            }
+        }
         const int64_t k = mj[0].w->cols;
         if (repacked && !(cb->xq_of == x && cb->xq_n == n && cb->xq_k == k && x_stride == k)) {
-            cuk_quantize_x(cb->stream, x, x_stride, n, k, &cb->xq); /* the jobs share x: rounded once */
+            cuk_quantize_x(&cb->q, x, x_stride, n, k, &cb->xq); /* the jobs share x: rounded once */
             cb->xq_of = x_stride == k ? x : NULL;
             cb->xq_n = n;
             cb->xq_k = k;
         }
-        cuk_matvec(cb->stream, mj, n_jobs < CUK_MATVEC_JOBS ? n_jobs : CUK_MATVEC_JOBS, x, x_stride, &cb->xq, n);
+        cuk_matvec(&cb->q, mj, n_mj, x, x_stride, &cb->xq, n, &cb->mv);
         prof_end(cb, P_MATVEC, t0);
         return;
     }
+    record_stop(cb); /* cuBLAS launches directly */
     cb->xq_of = NULL;
+    bool x16_made = false; /* the jobs share x: converted to f16 once */
     for (int j = 0; j < n_jobs; j++) {
         const struct cuk_weight *w = dev_weight(cb, jobs[j].w);
         const float *bias = dev_vec(cb, jobs[j].bias);
         if (!w) return;
-        /* wide batches: bands of rows dequantized for a TF32 GEMM (y^T = W x^T, column-major) */
+        /* wide batches: bands of rows dequantized for a GEMM (y^T = W x^T, column-major) on
+         * tensor cores: quantized weights with f16 operands and f32 sums (their inputs
+         * lose less in f16 than the CPU's int8 rounding); float weights in TF32, as
+         * f16 would lose small activations, and bf16 weights' range */
+        const bool f16 = w->type != KVQ_F32 && w->type != KVQ_BF16 && w->type != KVQ_F16;
+        if (f16 && !x16_made) {
+            cuk_to_half(&cb->q, x, x_stride, n, w->cols, cb->x16);
+            x16_made = true;
+        }
         const float one = 1.0f, zero = 0.0f;
-        int64_t band = (int64_t)(DEQ_FLOATS / (size_t)w->cols);
+        int64_t band = (int64_t)(DEQ_BYTES / (f16 ? 2 : 4) / (size_t)w->cols);
         if (band > w->rows) band = w->rows;
         for (int64_t r0 = 0; r0 < w->rows; r0 += band) {
             int64_t r1 = r0 + band < w->rows ? r0 + band : w->rows;
-            cuk_dequantize(cb->stream, w, r0, r1, cb->deq);
-            if (!ck_blas(cb,
-                         cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one, cb->deq,
-                                      CUDA_R_32F, (int)w->cols, x, CUDA_R_32F, (int)x_stride, &zero, jobs[j].y + r0,
-                                      CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT),
-                         "GEMM"))
-                return;
+            cuk_dequantize(&cb->q, w, r0, r1, cb->deq, f16);
+            cublasStatus_t st =
+                f16 ? cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one, cb->deq,
+                                   CUDA_R_16F, (int)w->cols, cb->x16, CUDA_R_16F, (int)w->cols, &zero, jobs[j].y + r0,
+                                   CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+                    : cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one, cb->deq,
+                                   CUDA_R_32F, (int)w->cols, x, CUDA_R_32F, (int)x_stride, &zero, jobs[j].y + r0,
+                                   CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
+            if (!ck_blas(cb, st, "GEMM")) return;
         }
-        if (bias) cuk_add_bias(cb->stream, jobs[j].y, bias, n, w->rows);
+        if (bias) cuk_add_bias(&cb->q, jobs[j].y, bias, n, w->rows);
     }
     prof_end(cb, P_GEMM, t0);
 }
@@ -490,10 +641,11 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
 static void cuda_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x) {
     struct cuda_backend *cb = cuda(b);
     const struct cuk_weight *w = dev_weight(cb, e);
+    step_op(cb, n);
     double t0 = prof_begin(cb);
     const int32_t *t = stage_array(cb, tokens, sizeof(int32_t) * (size_t)n);
     cb->xq_of = NULL;
-    if (w && t) cuk_embed(cb->stream, w, t, n, scale, x);
+    if (w && t) cuk_embed(&cb->q, w, t, n, scale, x);
     prof_end(cb, P_EMBED, t0);
 }
 
@@ -512,11 +664,12 @@ static void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows,
                          float eps, float *out) {
     struct cuda_backend *cb = cuda(b);
     if (!norm_dim_ok(cb, dim)) return;
+    step_op(cb, n);
     const int32_t *r = rows ? stage_array(cb, rows, sizeof(int32_t) * (size_t)n) : NULL;
     const float *wd = dev_vec(cb, w);
     if ((rows && !r) || !wd) return;
     double t0 = prof_begin(cb);
-    cuk_rmsnorm(cb->stream, x, r, wd, n, dim, eps, out, round_into_xq(cb, out, n, dim));
+    cuk_rmsnorm(&cb->q, x, r, wd, n, dim, eps, out, round_into_xq(cb, out, n, dim));
     prof_end(cb, P_NORM, t0);
 }
 
@@ -524,25 +677,28 @@ static void cuda_add_norm(struct backend *b, float *x, float *add, const float *
                           float eps, float *out) {
     struct cuda_backend *cb = cuda(b);
     if (!norm_dim_ok(cb, dim)) return;
+    step_op(cb, n);
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = round_into_xq(cb, w ? out : NULL, w ? n : 0, dim);
-    cuk_add_norm(cb->stream, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out, xq);
+    cuk_add_norm(&cb->q, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out, xq);
     prof_end(cb, P_NORM, t0);
 }
 
 static void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *inv_freq, float linear,
                             int half, float *cos, float *sin) {
     struct cuda_backend *cb = cuda(b);
+    step_op(cb, n);
     const int32_t *p = stage_array(cb, pos, sizeof(int32_t) * (size_t)n);
     const float *f = dev_vec(cb, inv_freq);
-    if (p && f) cuk_rope_table(cb->stream, p, n, f, linear, half, cos, sin);
+    if (p && f) cuk_rope_table(&cb->q, p, n, f, linear, half, cos, sin);
 }
 
 static void cuda_qk_rope(struct backend *b, const struct be_rope *r, int n) {
     struct cuda_backend *cb = cuda(b);
+    step_op(cb, n);
     double t0 = prof_begin(cb);
     cb->xq_of = NULL;
-    cuk_qk_rope(cb->stream, r->q, r->k, n, r->n_head, r->n_kv, r->head_dim, dev_vec(cb, r->q_norm),
+    cuk_qk_rope(&cb->q, r->q, r->k, n, r->n_head, r->n_kv, r->head_dim, dev_vec(cb, r->q_norm),
                 dev_vec(cb, r->k_norm), r->eps, r->cos, r->sin, r->half, r->pairing);
     prof_end(cb, P_ROPE, t0);
 }
@@ -550,8 +706,9 @@ static void cuda_qk_rope(struct backend *b, const struct be_rope *r, int n) {
 static void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff,
                      float *out) {
     struct cuda_backend *cb = cuda(b);
+    step_op(cb, n);
     double t0 = prof_begin(cb);
-    cuk_glu(cb->stream, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out, round_into_xq(cb, out, n, n_ff));
+    cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out, round_into_xq(cb, out, n, n_ff));
     prof_end(cb, P_GLU, t0);
 }
 
@@ -560,10 +717,52 @@ static void cuda_glu(struct backend *b, enum be_glu act, const float *gate, cons
 /* Waits for the stream; staged data may then be overwritten. */
 static int wait_stream(struct cuda_backend *cb) {
     ck(cb, cudaStreamSynchronize(cb->stream), "running the step");
+    ck(cb, cuk_queue_error(&cb->q), "a kernel launch");
     ck(cb, cudaGetLastError(), "a kernel launch");
-    cb->stage_used = 0;
+    cb->stage_used = cb->stage_up = 0;
+    cb->in_step = false;
+    for (int i = 0; i < cb->n_dead; i++) cudaFree(cb->dead[i]);
+    cb->n_dead = 0;
     if (cb->failed) return kvq_error("%s", cb->failure);
     return 0;
+}
+
+/* The backend's state of a cache (made at first use; the pool frees it with the cache). */
+static struct cuda_mirror *mirror_of(struct cuda_backend *cb, struct kv_cache *c) {
+    struct cuda_mirror **mp = (struct cuda_mirror **)kv_cache_mirror(c);
+    if (!*mp && !(*mp = calloc(1, sizeof **mp))) ck(cb, cudaErrorMemoryAllocation, "host memory");
+    return *mp;
+}
+
+/* The cache's block table on the device, made current: the entries that changed. */
+static bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const struct kv_view *v) {
+    if (v->n_blk > m->table_cap) {
+        int32_t cap = m->table_cap ? m->table_cap : 64;
+        while (cap < v->n_blk) cap *= 2;
+        uint64_t *d = NULL, *h = malloc(sizeof *h * (size_t)cap);
+        if (!h || !ck(cb, cudaMalloc((void **)&d, sizeof *d * (size_t)cap), "device memory for a block table")) {
+            free(h);
+            return ck(cb, cudaErrorMemoryAllocation, "host memory");
+        }
+        free_after_step(cb, m->table_d);
+        free(m->table_h);
+        m->table_d = d;
+        m->table_h = h;
+        m->table_cap = cap;
+        m->table_n = 0;
+    }
+    for (int32_t i = 0; i < v->n_blk;) {
+        int32_t j = i;
+        while (j < v->n_blk) { /* a run of changed entries */
+            const uint64_t a = v->blk[j] ? (uint64_t)(uintptr_t)v->blk[j]->dev : 0;
+            if (j < m->table_n && m->table_h[j] == a) break;
+            m->table_h[j++] = a;
+        }
+        if (j > i && !copy_to(cb, m->table_d + i, m->table_h + i, sizeof *m->table_h * (size_t)(j - i))) return false;
+        i = j > i ? j : i + 1;
+    }
+    m->table_n = v->n_blk;
+    return true;
 }
 
 /* The device copy of a cache's windows, made current up to position `limit` (the
@@ -571,15 +770,11 @@ static int wait_stream(struct cuda_backend *cb) {
  * sync, or all of them after a change that was not an append (kv_cache_epoch). */
 static struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, const struct kv_view *v,
                                         int32_t limit) {
-    struct cuda_mirror **mp = (struct cuda_mirror **)kv_cache_mirror(c), *m = *mp;
+    struct cuda_mirror *m = mirror_of(cb, c);
     const struct kv_shape *sh = kv_cache_get_shape(c);
     const int H = sh->n_kv_heads, D = sh->head_dim;
-    if (!m) {
-        m = calloc(1, sizeof *m);
-        if (!m) {
-            ck(cb, cudaErrorMemoryAllocation, "host memory");
-            return NULL;
-        }
+    if (!m) return NULL;
+    if (!m->win) {
         m->ring_cap = v->win_span + cb->max_tokens;
         m->sink_cap = v->sinks > 0 ? v->sinks : 1;
         m->n_kv = H;
@@ -588,10 +783,11 @@ static struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache
         size_t bytes = 2 * (size_t)H * (size_t)(m->ring_cap + m->sink_cap) * v->win_row;
         if (!ck(cb, cudaMalloc((void **)&m->win, bytes), "device memory for KV windows") ||
             !ck(cb, cudaMalloc((void **)&m->mu, sizeof(float) * 2 * (size_t)H * D), "device memory for KV offsets")) {
-            mirror_free(cb, m);
+            cudaFree(m->win);
+            m->win = NULL;
             return NULL;
         }
-        *mp = m;
+        m->valid = false;
     }
     const int32_t np = kv_cache_n_past(c) < limit ? kv_cache_n_past(c) : limit;
     const bool full = !m->valid || m->epoch != kv_cache_epoch(c);
@@ -633,7 +829,7 @@ static int sync_blocks(struct cuda_backend *cb, struct kv_pool *pool, const stru
         const size_t bytes = kv_block_bytes(pool, b);
         if (!rows || 2 * (hi - lo) >= KV_BLOCK_TOKENS || bytes != (size_t)n_kv * v->head_bytes) {
             /* most of the block (or a block of another layout): all of it, straight from pinned memory */
-            ck(cb, cudaMemcpyAsync(b->dev, b->data, bytes, cudaMemcpyHostToDevice, cb->stream), "copying KV blocks");
+            cuk_queue_copy(&cb->q, b->dev, b->data, bytes);
             continue;
         }
         for (int h = 0; h < n_kv; h++) {
@@ -670,6 +866,7 @@ static size_t readback_alloc(struct cuda_backend *cb, size_t bytes) {
         size_t cap = cb->rb_cap ? 2 * cb->rb_cap : (size_t)16 << 20;
         while (cap < off + bytes) cap *= 2;
         uint8_t *d = NULL;
+        record_stop(cb); /* what it recorded writes the old buffer */
         if (!ck(cb, cudaMalloc((void **)&d, cap), "device memory for new KV rows")) return (size_t)-1;
         if (cb->rb_used) ck(cb, cudaMemcpyAsync(d, cb->rb_d, cb->rb_used, cudaMemcpyDeviceToDevice, cb->stream), "KV rows");
         ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream");
@@ -687,6 +884,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
                           const float *v) {
     struct cuda_backend *cb = cuda(b);
     if (n_seqs <= 0 || cb->failed) return cb->failed ? kvq_error("%s", cb->failure) : 0;
+    step_op(cb, seqs[n_seqs - 1].first + seqs[n_seqs - 1].n);
     double t0 = prof_begin(cb);
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
     const int H = sh->n_kv_heads, D = sh->head_dim;
@@ -705,7 +903,6 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
             return -1;
         }
     }
-    const size_t from = cb->stage_used;
     size_t toks_off = stage_alloc(cb, sizeof(struct cuk_enc_tok) * (size_t)(seqs[n_seqs - 1].first + seqs[n_seqs - 1].n));
     if (toks_off == (size_t)-1) return kvq_error("%s", cb->failure);
     struct kv_view views[MAX_FORMATS];
@@ -767,7 +964,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
     /* blocks made or copied by the appends (and anything else changed on the host) first:
      * the encode below writes over their new rows */
     if (sync_blocks(cb, kv_cache_pool(seqs[0].cache), &views[0], H, n_fmt == 1) != 0) return -1;
-    flush_copies(cb, from);
+    flush_copies(cb);
     if (ensure_signs(cb, D, views[0].signs) != 0) return kvq_error("%s", cb->failure);
     for (int f = 0; f < n_fmt; f++) {
         const struct kv_view *vw = &views[f];
@@ -778,7 +975,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
             .signs = cb->signs, .toks = (const struct cuk_enc_tok *)(cb->stage_d + toks_off) + first[f],
             .n = first[f + 1] - first[f], .readback = cb->rb_d,
         };
-        cuk_kv_encode(cb->stream, &args);
+        cuk_kv_encode(&cb->q, &args);
     }
     prof_end(cb, P_KV_ENCODE, t0);
     return cb->failed ? kvq_error("%s", cb->failure) : 0;
@@ -804,6 +1001,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
     struct cuda_backend *cb = cuda(b);
     cb->xq_of = NULL;
     if (n <= 0 || cb->failed) return;
+    step_op(cb, n);
     const int D = a->head_dim;
     double t0 = prof_begin(cb);
     if (!cuk_attention_head_dim_supported(D)) {
@@ -811,15 +1009,14 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
         cb->failed = true;
         return;
     }
-    const size_t from = cb->stage_used;
     if (cb->cap_uc < n) {
         free(cb->uc);
-        free(cb->uc_table);
         free(cb->uc_mirror);
+        free(cb->uc_chunk);
         cb->uc = malloc(sizeof *cb->uc * (size_t)n);
-        cb->uc_table = malloc(sizeof *cb->uc_table * (size_t)n);
         cb->uc_mirror = malloc(sizeof *cb->uc_mirror * (size_t)n);
-        cb->cap_uc = cb->uc && cb->uc_table && cb->uc_mirror ? n : 0;
+        cb->uc_chunk = malloc(sizeof *cb->uc_chunk * (size_t)n);
+        cb->cap_uc = cb->uc && cb->uc_mirror && cb->uc_chunk ? n : 0;
         if (!cb->cap_uc) {
             ck(cb, cudaErrorMemoryAllocation, "host memory");
             return;
@@ -827,13 +1024,13 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
     }
     size_t need = cuk_attention_scratch_floats(cb->max_tokens > n ? cb->max_tokens : n, a->n_head, D, cb->n_sm);
     if (need > cb->part_floats) {
-        cudaFree(cb->part);
+        free_after_step(cb, cb->part);
         cb->part = NULL;
         cb->part_floats = 0;
         if (!ck(cb, cudaMalloc((void **)&cb->part, sizeof(float) * need), "device memory for attention")) return;
         cb->part_floats = need;
     }
-    /* each sequence's cache once: its windows, its block table */
+    /* each sequence's cache once: its block table, its windows */
     int nu = 0;
     struct kv_view views[MAX_FORMATS];
     int n_fmt = 0;
@@ -842,14 +1039,10 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
         struct kv_cache *c = a->caches[t];
         struct kv_view v;
         kv_cache_view(c, &v);
+        struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, kv_cache_n_past(c)) : mirror_of(cb, c);
+        if (!m || !sync_table(cb, m, &v)) return;
         cb->uc[nu] = c;
-        cb->uc_mirror[nu] = v.windows ? sync_windows(cb, c, &v, kv_cache_n_past(c)) : NULL;
-        uint64_t *table = NULL;
-        size_t off = stage_alloc(cb, sizeof(uint64_t) * (size_t)(v.n_blk > 0 ? v.n_blk : 1));
-        if (off == (size_t)-1 || (v.windows && !cb->uc_mirror[nu])) return;
-        table = (uint64_t *)(cb->stage_h + off);
-        for (int32_t i = 0; i < v.n_blk; i++) table[i] = v.blk[i] ? (uint64_t)(uintptr_t)v.blk[i]->dev : 0;
-        cb->uc_table[nu++] = (uint32_t)off;
+        cb->uc_mirror[nu++] = m;
         int f = 0;
         while (f < n_fmt && !same_format(&views[f], &v)) f++;
         if (f == n_fmt) {
@@ -865,69 +1058,106 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
         ck(cb, cudaErrorMemoryAllocation, kvq_last_error());
         return;
     }
-    /* the tokens' plans, grouped by row format */
+    /* chunks: runs of consecutive positions of one sequence (a prefill), up to
+     * chunk_max tokens, in caches without windows, which the tensor-core kernel
+     * attends together; uc_chunk[t] is the length of the chunk starting at t, else 0 */
+    const int G = a->n_head / a->n_kv, chunk_max = G == 1 || G == 2 || G == 4 || G == 8 ? 4 * (8 / G) : 1;
+    for (int t = 0; t < n;) {
+        const struct kv_cache *c = a->caches[t];
+        const bool plain = kv_cache_get_config(c)->max_size == 0 && kv_cache_get_shape(c)->window == 0;
+        int len = 1;
+        while (plain && len < chunk_max && t + len < n && a->caches[t + len] == c && a->pos[t + len] == a->pos[t] + len)
+            len++;
+        cb->uc_chunk[t] = len;
+        for (int i = 1; i < len; i++) cb->uc_chunk[t + i] = 0;
+        t += len;
+    }
+    /* the tokens' plans by row format, and in each first the single tokens, then the
+     * chunks: a launch each */
     size_t toks_off = stage_alloc(cb, sizeof(struct cuk_attn_tok) * (size_t)n);
     size_t idx_off = stage_alloc(cb, sizeof(int32_t) * (size_t)n);
-    if (toks_off == (size_t)-1 || idx_off == (size_t)-1) return;
-    int first[MAX_FORMATS + 1] = {0}, max_rows[MAX_FORMATS] = {0}, k = 0;
-    for (int f = 0; f < n_fmt; f++) {
-        first[f] = k;
-        int u = -1;
-        for (int t = 0; t < n; t++) {
-            if (u < 0 || cb->uc[u] != a->caches[t]) u++;
-            struct kv_cache *c = a->caches[t];
-            struct kv_view v;
-            kv_cache_view(c, &v);
-            if (!same_format(&views[f], &v)) continue;
-            struct kv_query_plan pl;
-            kv_cache_query_plan(c, a->pos[t], &pl);
-            const struct kv_cache_config *cfg = kv_cache_get_config(c);
-            const struct kv_shape *sh = kv_cache_get_shape(c);
-            const struct cuda_mirror *m = cb->uc_mirror[u];
-            struct cuk_attn_tok *tk = (struct cuk_attn_tok *)(cb->stage_h + toks_off) + k;
-            *tk = (struct cuk_attn_tok){
-                .q_pos = a->pos[t], .a1 = pl.a1, .b1 = pl.b1, .a2 = pl.a2, .b2 = pl.b2, .sinks = pl.sinks, .ws = pl.ws,
-                .max_size = cfg->max_size, .keep = cfg->keep, .window = sh->window,
-                .nkb = v.nkb, .base = v.base, .table = cb->uc_table[u],
-                .ring_cap = m ? m->ring_cap : 1, .sink_cap = m ? m->sink_cap : 1,
-                .ring = m ? (uint64_t)(uintptr_t)m->win : 0,
-                .sink = m ? (uint64_t)(uintptr_t)(m->win + 2 * (size_t)m->n_kv * m->ring_cap * m->win_row) : 0,
-                .mu = m && m->has_mu ? (uint64_t)(uintptr_t)m->mu : 0,
-            };
-            ((int32_t *)(cb->stage_h + idx_off))[k] = t;
-            int rows = (pl.b1 >= pl.a1 ? pl.b1 - pl.a1 + 1 : 0) + (pl.b2 >= pl.a2 ? pl.b2 - pl.a2 + 1 : 0) + pl.sinks +
-                       (a->pos[t] >= pl.ws ? a->pos[t] - pl.ws + 1 : 0);
-            if (rows > max_rows[f]) max_rows[f] = rows;
-            k++;
+    size_t grp_off = stage_alloc(cb, sizeof(struct cuk_attn_group) * (size_t)n);
+    if (toks_off == (size_t)-1 || idx_off == (size_t)-1 || grp_off == (size_t)-1) return;
+    struct {
+        int fmt, tok0, n_tok, grp0, n_grp, max_group;
+    } sets[2 * MAX_FORMATS];
+    int n_sets = 0, k = 0, ng = 0;
+    for (int f = 0; f < n_fmt; f++)
+        for (int chunks = 0; chunks < 2; chunks++) {
+            sets[n_sets].fmt = f;
+            sets[n_sets].tok0 = k;
+            sets[n_sets].grp0 = ng;
+            sets[n_sets].max_group = 1;
+            int u = -1;
+            for (int t = 0; t < n; t++) {
+                if (u < 0 || cb->uc[u] != a->caches[t]) u++;
+                const int len = cb->uc_chunk[t];
+                if (len == 0 || (len > 1) != (chunks == 1)) continue;
+                struct kv_view v;
+                kv_cache_view(a->caches[t], &v);
+                if (!same_format(&views[f], &v)) continue;
+                ((struct cuk_attn_group *)(cb->stage_h + grp_off))[ng++] =
+                    (struct cuk_attn_group){k - sets[n_sets].tok0, len};
+                if (len > sets[n_sets].max_group) sets[n_sets].max_group = len;
+                for (int i = t; i < t + len; i++, k++) {
+                    struct kv_cache *c = a->caches[i];
+                    struct kv_query_plan pl;
+                    kv_cache_query_plan(c, a->pos[i], &pl);
+                    const struct kv_cache_config *cfg = kv_cache_get_config(c);
+                    const struct kv_shape *sh = kv_cache_get_shape(c);
+                    const struct cuda_mirror *m = cb->uc_mirror[u], *w = m->win ? m : NULL;
+                    struct cuk_attn_tok *tk = (struct cuk_attn_tok *)(cb->stage_h + toks_off) + k;
+                    *tk = (struct cuk_attn_tok){
+                        .q_pos = a->pos[i], .a1 = pl.a1, .b1 = pl.b1, .a2 = pl.a2, .b2 = pl.b2, .sinks = pl.sinks,
+                        .ws = pl.ws, .max_size = cfg->max_size, .keep = cfg->keep, .window = sh->window,
+                        .nkb = v.nkb, .base = v.base, .table = (uint64_t)(uintptr_t)m->table_d,
+                        .ring_cap = w ? w->ring_cap : 1, .sink_cap = w ? w->sink_cap : 1,
+                        .ring = w ? (uint64_t)(uintptr_t)w->win : 0,
+                        .sink = w ? (uint64_t)(uintptr_t)(w->win + 2 * (size_t)w->n_kv * w->ring_cap * w->win_row) : 0,
+                        .mu = w && w->has_mu ? (uint64_t)(uintptr_t)w->mu : 0,
+                    };
+                    ((int32_t *)(cb->stage_h + idx_off))[k] = i;
+                }
+            }
+            sets[n_sets].n_tok = k - sets[n_sets].tok0;
+            sets[n_sets].n_grp = ng - sets[n_sets].grp0;
+            if (sets[n_sets].n_tok > 0) n_sets++;
         }
-    }
-    first[n_fmt] = k;
-    flush_copies(cb, from);
+    flush_copies(cb);
     if (ensure_signs(cb, D, views[0].signs) != 0) return;
     const float *signs = cb->signs;
     const struct cuk_xq *xq = round_into_xq(cb, a->out, n, (int64_t)a->n_head * D);
     prof_end(cb, P_ATTN_HOST, t0);
     t0 = prof_begin(cb);
-    for (int f = 0; f < n_fmt && !cb->failed; f++) {
-        const struct kv_view *v = &views[f];
+    for (int i = 0; i < n_sets && !cb->failed; i++) {
+        const struct kv_view *v = &views[sets[i].fmt];
         struct cuk_attn_args args = {
             .k_bits = v->k_bits, .k_group = v->k_group, .v_bits = v->v_bits, .v_group = v->v_group,
             .k_rot = v->k_rot, .v_rot = v->v_rot, .k_row = v->k_row, .v_row = v->v_row,
             .head_bytes = v->head_bytes, .win_row = v->win_row,
             .n_head = a->n_head, .n_kv = a->n_kv, .head_dim = D, .scale = a->scale,
-            .signs = signs, .q = a->q, .out = a->out, .staging = cb->stage_d,
-            .toks = (const struct cuk_attn_tok *)(cb->stage_d + toks_off) + first[f],
-            .tok_index = (const int32_t *)(cb->stage_d + idx_off) + first[f],
-            .n = first[f + 1] - first[f], .max_rows = max_rows[f], .partial = cb->part, .n_sm = cb->n_sm,
+            .signs = signs, .q = a->q, .out = a->out,
+            .toks = (const struct cuk_attn_tok *)(cb->stage_d + toks_off) + sets[i].tok0,
+            .tok_index = (const int32_t *)(cb->stage_d + idx_off) + sets[i].tok0,
+            .n = sets[i].n_tok,
+            .groups = (const struct cuk_attn_group *)(cb->stage_d + grp_off) + sets[i].grp0,
+            .n_groups = sets[i].n_grp, .max_group = sets[i].max_group,
+            .partial = cb->part, .n_sm = cb->n_sm,
             .xq = xq ? *xq : (struct cuk_xq){NULL, NULL},
         };
-        cuk_attention(cb->stream, &args);
+        cuk_attention(&cb->q, &args);
     }
     prof_end(cb, P_ATTN_GPU, t0);
 }
 
 static int cuda_sync(struct backend *b) {
     struct cuda_backend *cb = cuda(b);
+    double t_sync = cb->prof_steps ? now_s() : 0;
+    record_stop(cb);
+    for (int i = 0; i < cb->n_post; i++)
+        ck(cb, cudaMemcpyAsync(cb->post[i].dst, cb->post[i].src, cb->post[i].bytes, cudaMemcpyDeviceToHost, cb->stream),
+           "reading results");
+    cb->n_post = 0;
     if (cb->n_pending && cb->rb_used > cb->rb_h_cap) {
         ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream");
         cudaFreeHost(cb->rb_h);
@@ -942,6 +1172,15 @@ static int cuda_sync(struct backend *b) {
         cb->rb_used = 0;
         return -1;
     }
+    if (cb->prof_steps) {
+        const double t = now_s();
+        if (cb->step_end > 0) {
+            cb->issue_s += t_sync - cb->step_end;
+            cb->wait_s += t - t_sync;
+            cb->steps++;
+        }
+        cb->step_end = t;
+    }
     return finish_appends(cb);
 }
 
@@ -949,21 +1188,34 @@ static void cuda_free(struct backend *b) {
     struct cuda_backend *cb = cuda(b);
     if (!cb) return;
     if (cb->stream) cudaStreamSynchronize(cb->stream);
-    if (cb->prof) {
+    if (cb->prof || cb->prof_steps) {
         double total = 0;
         for (int i = 0; i < P_N; i++) total += cb->prof_s[i];
-        fprintf(stderr, "kvq cuda profile (%.3f s in operations):\n", total);
+        fprintf(stderr, "kvq cuda profile (%.3f s %s):\n", total, cb->prof ? "in operations" : "of host time in operations");
         for (int i = 0; i < P_N; i++)
             if (cb->prof_n[i])
                 fprintf(stderr, "  %-40s %9.3f ms %5.1f%% %8ld calls %8.1f us/call\n", prof_names[i], 1e3 * cb->prof_s[i],
                         100 * cb->prof_s[i] / total, cb->prof_n[i], 1e6 * cb->prof_s[i] / (double)cb->prof_n[i]);
     }
+    if (cb->prof_steps && cb->steps)
+        fprintf(stderr,
+                "kvq cuda steps: %ld, host issuing %.1f us/step, waiting at sync %.1f us/step; recorded steps: %ld "
+                "as graphs, %ld captured, %ld launch by launch\n",
+                cb->steps, 1e6 * cb->issue_s / (double)cb->steps, 1e6 * cb->wait_s / (double)cb->steps,
+                cb->q.n_replays, cb->q.n_captures, cb->q.n_eager);
     for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
     free(cb->ents);
     cudaFree(cb->deq);
+    cudaFree(cb->x16);
     cudaFree(cb->xq.q);
     cudaFree(cb->xq.dsum);
+    cudaFree(cb->mv.partial);
+    cudaFree(cb->mv.counters);
     cudaFree(cb->part);
+    for (int i = 0; i < cb->n_dead; i++) cudaFree(cb->dead[i]);
+    free(cb->dead);
+    free(cb->post);
+    cuk_queue_free(&cb->q);
     cudaFree(cb->signs);
     cudaFreeHost(cb->stage_h);
     cudaFree(cb->stage_d);
@@ -973,8 +1225,8 @@ static void cuda_free(struct backend *b) {
     free(cb->seq_fmt);
     free(cb->copies);
     free(cb->uc);
-    free(cb->uc_table);
     free(cb->uc_mirror);
+    free(cb->uc_chunk);
     arena_free(cb->host_arena);
     arena_free(cb->dev_arena);
     if (cb->blas) cublasDestroy(cb->blas);
@@ -1019,7 +1271,13 @@ struct backend *backend_cuda_new(void) {
     }
     cb->base.ops = &cuda_ops;
     const char *prof = getenv("KVQ_CUDA_PROFILE");
-    cb->prof = prof && *prof && strcmp(prof, "0") != 0;
+    cb->prof_steps = prof && strcmp(prof, "steps") == 0;
+    cb->prof = prof && *prof && strcmp(prof, "0") != 0 && !cb->prof_steps;
+    /* KVQ_CUDA_GRAPHS=0: decode steps launch by launch (the per-operation profile waits
+     * for each operation, so it does too) */
+    const char *graphs = getenv("KVQ_CUDA_GRAPHS");
+    cb->q.graphs = !cb->prof && !(graphs && strcmp(graphs, "0") == 0);
+    cb->q.last = -1;
     struct cudaDeviceProp prop;
     if ((st = cudaGetDeviceProperties(&prop, 0)) != cudaSuccess || (st = cudaSetDevice(0)) != cudaSuccess ||
         (st = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess) {
@@ -1027,6 +1285,7 @@ struct backend *backend_cuda_new(void) {
         cuda_free(&cb->base);
         return NULL;
     }
+    cb->q.stream = cb->stream;
     cb->n_sm = prop.multiProcessorCount;
     if (cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS) {
         kvq_error("cuBLAS: cannot start");

@@ -1,5 +1,5 @@
-/* The CUDA kernels behind the CUDA backend: C entry points that launch work on a
- * stream. Every pointer is device memory unless it says host; nothing here waits
+/* The CUDA kernels behind the CUDA backend: C entry points that queue work
+ * (queue.h: launched at once, or recorded for a CUDA graph). Every pointer is device memory unless it says host; nothing here waits
  * for the GPU or allocates. Launch errors surface at the backend's next check. */
 #ifndef KVQ_BACKEND_CUDA_KERNELS_H
 #define KVQ_BACKEND_CUDA_KERNELS_H
@@ -8,26 +8,41 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend/cuda/queue.h"
+#include "core/dtype.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 /* A weight matrix in device memory, rows of `cols` values in its GGUF type. Q4_0
- * and Q8_0 are repacked at upload (cuk_repack): `data` then holds each row's codes
- * without the blocks' scales (16 or 32 bytes per 32 values, 16-byte aligned loads)
- * and `scales` the f16 scales [rows][cols / 32]. */
+ * and Q8_0 are repacked at upload (cuk_repack) into tiles for tensor-core products
+ * (below); `data` then holds the codes and `scales` the f16 scales. */
 struct cuk_weight {
     uint32_t type;
     const uint8_t *data;
     int64_t rows, cols;
-    size_t row_bytes; /* of `data` */
+    size_t row_bytes; /* of `data` (not repacked types) */
     const uint16_t *scales;
 };
 
-/* Whether a type is repacked, and the repacking of rows (host memory, the
- * GGUF layout in) into codes[rows][row code bytes] and scales[rows][cols / 32]. */
+/* The repacked layout. Rows go in tiles of 16 (the last padded), columns in chunks of
+ * CUK_CHUNK_BLOCKS(type) blocks of 32 values (4 for Q4_0, 2 for Q8_0: 128 or 64
+ * columns; the last padded with zero blocks). A tile's chunk is 1024 bytes of codes:
+ * 16 bytes at h * 512 + lane * 16 for each lane (g = lane / 4, t = lane % 4) and half
+ * h, holding row 16 tile + g + 8 h's values 8t .. 8t+7 of each block j of the chunk:
+ * Q8_0 their 8 codes at j * 8; Q4_0 4 bytes at j * 4, byte i = code(8t + i) |
+ * code(8t + 4 + i) << 4 (codes 0..15, the value being (code - 8) * scale). So a warp's
+ * 16-byte loads are contiguous and each lane holds its mma.m16n8k32 fragments: the
+ * product runs over the block's values in the order 8t .. 8t+7 of lane t, and the
+ * inputs are read in that order too. Scales: f16, [tile][chunk][16 rows][blocks]. */
+#define CUK_CHUNK_BLOCKS(type) ((type) == KVQ_Q4_0 ? 4 : 2)
 int cuk_repacked(uint32_t type);
-size_t cuk_repacked_row_bytes(uint32_t type, int64_t cols);
+/* Bytes of the repacked codes, and of the codes and scales together. */
+size_t cuk_repacked_code_bytes(uint32_t type, int64_t rows, int64_t cols);
+size_t cuk_repacked_bytes(uint32_t type, int64_t rows, int64_t cols);
+/* Repacks rows (host memory, the GGUF layout) into codes and scales (host memory of
+ * the sizes above, zeroed here first). */
 void cuk_repack(uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes, uint16_t *scales);
 
 /* Inputs of the repacked types' kernels: x rounded to int8 in blocks of 32, with
@@ -36,13 +51,13 @@ struct cuk_xq {
     int8_t *q;    /* [n][k] */
     float2 *dsum; /* [n][k / 32]: scale, sum of codes */
 };
-void cuk_quantize_x(cudaStream_t s, const float *x, int64_t x_stride, int n, int64_t k, const struct cuk_xq *xq);
+void cuk_quantize_x(struct cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, const struct cuk_xq *xq);
 
 /* Types with device kernels: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K. */
 int cuk_type_supported(uint32_t type);
 
 /* Tokens at most the matrix-vector kernels take; wider inputs go through
- * cuk_dequantize + a GEMM. */
+ * cuk_dequantize + a GEMM (f16 operands for quantized weights; TF32 for float ones). */
 #define CUK_MATVEC_MAX 16
 /* Products one launch takes (consecutive jobs of one weight type share a launch). */
 #define CUK_MATVEC_JOBS 3
@@ -51,35 +66,45 @@ struct cuk_matvec_job {
     float *y;
     const float *bias; /* or NULL */
 };
+/* Scratch of the repacked types' products: partial sums when a tile of rows is split
+ * over several blocks, and a counter per tile (zero, and left zero). */
+struct cuk_mv_scratch {
+    float *partial;
+    unsigned *counters;
+};
+/* The floats of partial sums and the counters cuk_matvec needs for these jobs. */
+void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs, int n, size_t *floats, size_t *counters);
 /* y[t][rows] = x[t][cols] W^T (+ bias) for t < n <= CUK_MATVEC_MAX, for each job (all
  * with the same cols); x rows x_stride apart. Repacked types read xq (x rounded by
  * cuk_quantize_x or a kernel that writes xq) instead of x. */
-void cuk_matvec(cudaStream_t s, const struct cuk_matvec_job *jobs, int n_jobs, const float *x, int64_t x_stride,
-                const struct cuk_xq *xq, int n);
-/* Rows [r0, r1) of w as f32 into out[r1 - r0][cols]. */
-void cuk_dequantize(cudaStream_t s, const struct cuk_weight *w, int64_t r0, int64_t r1, float *out);
+void cuk_matvec(struct cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_jobs, const float *x, int64_t x_stride,
+                const struct cuk_xq *xq, int n, const struct cuk_mv_scratch *scratch);
+/* Rows [r0, r1) of w into out[r1 - r0][cols]: f32, or f16 (saturated) when f16. */
+void cuk_dequantize(struct cuk_queue *qu, const struct cuk_weight *w, int64_t r0, int64_t r1, void *out, int f16);
+/* x[n][k] (rows x_stride apart) as f16, saturated, into out[n][k]. */
+void cuk_to_half(struct cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out);
 /* y[t][rows] += bias[rows] for t < n. */
-void cuk_add_bias(cudaStream_t s, float *y, const float *bias, int n, int64_t rows);
+void cuk_add_bias(struct cuk_queue *qu, float *y, const float *bias, int n, int64_t rows);
 
 /* x[t] = scale * row tokens[t] of e. */
-void cuk_embed(cudaStream_t s, const struct cuk_weight *e, const int32_t *tokens, int n, float scale, float *x);
+void cuk_embed(struct cuk_queue *qu, const struct cuk_weight *e, const int32_t *tokens, int n, float scale, float *x);
 /* The norms and the GLU below also write their output rounded to int8 into xq (as
  * cuk_quantize_x would, bit for bit) when xq is not NULL; dim (n_ff) then a multiple
  * of 32. Norms take dim <= CUK_NORM_MAX. */
 #define CUK_NORM_MAX 16384
 /* out[i] = RMSNorm(x[rows ? rows[i] : i]) * w. */
-void cuk_rmsnorm(cudaStream_t s, const float *x, const int32_t *rows, const float *w, int n, int dim, float eps,
+void cuk_rmsnorm(struct cuk_queue *qu, const float *x, const int32_t *rows, const float *w, int n, int dim, float eps,
                  float *out, const struct cuk_xq *xq);
 /* x[t] += post ? RMSNorm(add[t]) * post : add[t]; then out[t] = RMSNorm(x[t]) * w when w. */
-void cuk_add_norm(cudaStream_t s, float *x, float *add, const float *post, const float *w, int n, int dim, float eps,
+void cuk_add_norm(struct cuk_queue *qu, float *x, float *add, const float *post, const float *w, int n, int dim, float eps,
                   float *out, const struct cuk_xq *xq);
-void cuk_rope_table(cudaStream_t s, const int32_t *pos, int n, const float *inv_freq, float linear, int half,
+void cuk_rope_table(struct cuk_queue *qu, const int32_t *pos, int n, const float *inv_freq, float linear, int half,
                     float *cos, float *sin);
 /* Per-head RMSNorm (when q_norm/k_norm) and RoPE; pairing as enum rope_pairing. */
-void cuk_qk_rope(cudaStream_t s, float *q, float *k, int n, int n_head, int n_kv, int head_dim, const float *q_norm,
+void cuk_qk_rope(struct cuk_queue *qu, float *q, float *k, int n, int n_head, int n_kv, int head_dim, const float *q_norm,
                  const float *k_norm, float eps, const float *cos, const float *sin, int half, int pairing);
 /* out = act(gate) * up; act 0 SiLU, 1 GELU (tanh). */
-void cuk_glu(cudaStream_t s, int act, const float *gate, const float *up, int n, int n_ff, float *out,
+void cuk_glu(struct cuk_queue *qu, int act, const float *gate, const float *up, int n, int n_ff, float *out,
              const struct cuk_xq *xq);
 
 /* Copies `bytes` from staging + src to dst, for each of n copies. */
@@ -87,7 +112,7 @@ struct cuk_copy {
     uint64_t dst;
     uint32_t src, bytes;
 };
-void cuk_scatter(cudaStream_t s, const struct cuk_copy *copies, int n, const uint8_t *staging);
+void cuk_scatter(struct cuk_queue *qu, const struct cuk_copy *copies, int n, const uint8_t *staging);
 
 /* ---- attention over a paged, possibly quantized KV cache ----
  * One query token of one sequence. It reads, in order: packed block rows of
@@ -97,10 +122,16 @@ struct cuk_attn_tok {
     int32_t q_pos, a1, b1, a2, b2, sinks, ws;
     int32_t max_size, keep, window; /* visibility of window rows (kv_visible) */
     int32_t nkb, base;              /* block of position p: table[L < nkb ? L : L - base], L = p / 64 */
-    uint32_t table;                 /* offset of the block table (device addresses) in the staging buffer */
+    uint64_t table;                 /* the block table: device addresses of the blocks */
     int32_t ring_cap, sink_cap;     /* window rows: ring[side][h][p % ring_cap], sink[side][h][p] */
     uint64_t ring, sink;            /* f16 rows of win_row bytes */
     uint64_t mu;                    /* key and value offsets [2][n_kv][D] f32, or 0 */
+};
+
+/* Launch tokens [t0, t0 + nt) that attention takes together: consecutive positions
+ * of one sequence (a prefill chunk), or a single token. */
+struct cuk_attn_group {
+    int32_t t0, nt;
 };
 
 /* What all tokens of one launch share: the row formats and the model's shape. */
@@ -112,11 +143,12 @@ struct cuk_attn_args {
     const float *signs; /* [head_dim] Hadamard signs */
     const float *q;     /* [n][n_head][D] */
     float *out;         /* [n][n_head][D] */
-    const uint8_t *staging;
-    const struct cuk_attn_tok *toks; /* in staging */
-    const int32_t *tok_index;        /* in staging: the batch token of each launch token */
+    const struct cuk_attn_tok *toks;
+    const int32_t *tok_index;        /* the batch token of each launch token */
     int n;                           /* tokens of this launch */
-    int max_rows;                    /* the most rows any of them reads */
+    const struct cuk_attn_group *groups; /* all groups of one size class: each of 1 token, or chunks */
+    int n_groups;
+    int max_group;                   /* the most tokens in a group */
     float *partial;                  /* scratch: cuk_attention_scratch_floats() */
     int n_sm;
     struct cuk_xq xq;                /* out rounded into it too when xq.q (n_head D a multiple of 32) */
@@ -143,13 +175,13 @@ struct cuk_enc_args {
     int n;
     uint8_t *readback;
 };
-void cuk_kv_encode(cudaStream_t s, const struct cuk_enc_args *a);
+void cuk_kv_encode(struct cuk_queue *qu, const struct cuk_enc_args *a);
 
 /* Floats of scratch cuk_attention needs for n tokens on n_sm multiprocessors. */
 size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, int n_sm);
 /* Head dims the attention kernels take (64, 128, 256). */
 int cuk_attention_head_dim_supported(int head_dim);
-void cuk_attention(cudaStream_t s, const struct cuk_attn_args *a);
+void cuk_attention(struct cuk_queue *qu, const struct cuk_attn_args *a);
 
 #ifdef __cplusplus
 }

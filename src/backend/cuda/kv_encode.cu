@@ -116,13 +116,13 @@ __global__ void kv_encode(const cuk_enc_args a) {
     }
 }
 
-extern "C" void cuk_kv_encode(cudaStream_t s, const cuk_enc_args *a) {
+extern "C" void cuk_kv_encode(cuk_queue *qu, const cuk_enc_args *a) {
     if (a->n <= 0) return;
     const unsigned blocks = (unsigned)(a->n * a->n_kv * 2);
     switch (a->head_dim) {
-    case 64: pdl_launch(kv_encode<64>, dim3(blocks), dim3(64), s, *a); break;
-    case 128: pdl_launch(kv_encode<128>, dim3(blocks), dim3(128), s, *a); break;
-    case 256: pdl_launch(kv_encode<256>, dim3(blocks), dim3(256), s, *a); break;
+    case 64: pdl_launch(kv_encode<64>, dim3(blocks), dim3(64), qu, *a); break;
+    case 128: pdl_launch(kv_encode<128>, dim3(blocks), dim3(128), qu, *a); break;
+    case 256: pdl_launch(kv_encode<256>, dim3(blocks), dim3(256), qu, *a); break;
     default: break; /* refused by the backend */
     }
 }

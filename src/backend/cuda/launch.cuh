@@ -10,6 +10,11 @@
 
 #include <cuda_runtime.h>
 
+#include <tuple>
+#include <utility>
+
+#include "backend/cuda/queue.h"
+
 static __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -22,19 +27,34 @@ static __device__ __forceinline__ void griddep_release() {
 #endif
 }
 
+template <typename... Params, size_t... I>
+static void queue_launch_tuple(cuk_queue *q, const void *f, dim3 grid, dim3 block, size_t smem, bool pdl,
+                               std::tuple<Params...> &t, std::index_sequence<I...>) {
+    void *args[sizeof...(Params) + 1] = {(void *)&std::get<I>(t)...};
+    const size_t sizes[sizeof...(Params) + 1] = {sizeof(Params)...};
+    cuk_queue_launch(q, f, grid, block, smem, pdl, args, sizes, (int)sizeof...(Params));
+}
+
+/* kernel<<<grid, block>>>(args...) on the queue (queue.h): launched now or recorded. */
 template <typename... Params, typename... Args>
-static void pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t s, Args... args) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+static void queue_launch(void (*kernel)(Params...), dim3 grid, dim3 block, cuk_queue *q, Args... args) {
+    std::tuple<Params...> t(static_cast<Params>(args)...);
+    queue_launch_tuple(q, (const void *)kernel, grid, block, 0, false, t, std::index_sequence_for<Params...>{});
+}
+
+/* The same with programmatic dependent launch. */
+template <typename... Params, typename... Args>
+static void pdl_launch(void (*kernel)(Params...), dim3 grid, dim3 block, cuk_queue *q, Args... args) {
+    std::tuple<Params...> t(static_cast<Params>(args)...);
+    queue_launch_tuple(q, (const void *)kernel, grid, block, 0, true, t, std::index_sequence_for<Params...>{});
+}
+
+/* The same with smem bytes of dynamic shared memory. */
+template <typename... Params, typename... Args>
+static void pdl_launch_smem(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cuk_queue *q,
+                            Args... args) {
+    std::tuple<Params...> t(static_cast<Params>(args)...);
+    queue_launch_tuple(q, (const void *)kernel, grid, block, smem, true, t, std::index_sequence_for<Params...>{});
 }
 
 #endif

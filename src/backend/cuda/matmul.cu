@@ -1,18 +1,20 @@
 /* Products with weights in their GGUF types, read in place on the device.
  *
- * Decode (up to CUK_MATVEC_MAX tokens): one warp per output row, each lane decoding 8
- * consecutive weights at a time (consecutive lanes read consecutive bytes) and
- * multiplying them with every token's inputs, which stay in L1/L2; up to three
- * products of one type (Q/K/V, gate/up) share a launch. Q4_0/Q8_0 are repacked at
- * upload and multiplied with dp4a on int8 inputs. Wider batches dequantize a band of
- * rows to f32 for a GEMM (cuda_backend.c). Block layouts are ggml's (the GGUF types),
- * as in src/kernels/quant.c. */
+ * Decode (up to CUK_MATVEC_MAX tokens): Q4_0/Q8_0 are repacked at upload into tiles
+ * for tensor-core products on int8 inputs (below); the other types go one warp per
+ * output row, each lane decoding 8 consecutive weights at a time (consecutive lanes
+ * read consecutive bytes) and multiplying them with every token's inputs, which stay
+ * in L1/L2. Up to three products of one type (Q/K/V, gate/up) share a launch. Wider
+ * batches dequantize a band of rows for a GEMM (cuda_backend.c). Block layouts are
+ * ggml's (the GGUF types), as in src/kernels/quant.c. */
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/round_x.cuh"
 #include "core/dtype.h"
 
@@ -44,23 +46,25 @@ static __device__ __forceinline__ uint64_t ld64_2(const uint8_t *p) {
 template <uint32_t T>
 static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, int64_t c, float w[8]) {
     const uint8_t *row = W.data + r * W.row_bytes;
-    if (T == KVQ_Q8_0) { /* repacked: 32 codes per block, scales apart */
-        const float d = h2f(W.scales[r * (W.cols / 32) + c / 4]);
-        const uint2 q = *(const uint2 *)(row + c * 8);
+    if (T == KVQ_Q8_0 || T == KVQ_Q4_0) { /* repacked (cuda_kernels.h): lane t of the tile holds these 8 */
+        constexpr int64_t BPC = CUK_CHUNK_BLOCKS(T);
+        const int64_t b = c / 4, nch = (W.cols / 32 + BPC - 1) / BPC, rr = r % 16, unit = (r / 16) * nch + b / BPC;
+        const uint8_t *p = W.data + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + c % 4) * 16 + (b % BPC) * (T == KVQ_Q8_0 ? 8 : 4);
+        const float d = h2f(W.scales[(unit * 16 + rr) * BPC + b % BPC]);
+        if (T == KVQ_Q8_0) {
+            const uint2 q = *(const uint2 *)p;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            w[i] = d * (float)(int8_t)(q.x >> (8 * i));
-            w[4 + i] = d * (float)(int8_t)(q.y >> (8 * i));
-        }
-    } else if (T == KVQ_Q4_0) { /* repacked: 16 bytes per block; byte j: value j low, j + 16 high */
-        const float d = h2f(W.scales[r * (W.cols / 32) + c / 4]);
-        const int sub = (int)(c % 4);
-        const uint2 q = *(const uint2 *)(row + (c / 4) * 16 + (sub % 2) * 8);
-        const int sh = (sub / 2) * 4;
+            for (int i = 0; i < 4; i++) {
+                w[i] = d * (float)(int8_t)(q.x >> (8 * i));
+                w[4 + i] = d * (float)(int8_t)(q.y >> (8 * i));
+            }
+        } else {
+            const uint32_t q = *(const uint32_t *)p;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            w[i] = d * (float)((int)((q.x >> (8 * i + sh)) & 15) - 8);
-            w[4 + i] = d * (float)((int)((q.y >> (8 * i + sh)) & 15) - 8);
+            for (int i = 0; i < 4; i++) {
+                w[i] = d * (float)((int)((q >> (8 * i)) & 15) - 8);
+                w[4 + i] = d * (float)((int)((q >> (8 * i + 4)) & 15) - 8);
+            }
         }
     } else if (T == KVQ_F32) {
         const float4 *p = (const float4 *)(row + c * 32);
@@ -178,24 +182,58 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
     store_rows<NT>(acc, lane, n, S.y[j], W.rows, row, S.bias[j]);
 }
 
-/* ---- repacked Q4_0 / Q8_0 on int8 inputs ----
- * A warp per row; lane l takes blocks l, l + 32, ...: 16 or 32 bytes of codes (one
- * or two 16-byte loads), the block's f16 scale, and per token the 32 int8 inputs
- * (two 16-byte loads) for dp4a: 8 instructions per block and token. */
+/* ---- repacked Q4_0 / Q8_0 on int8 inputs: tensor cores ----
+ * A block's 4 warps take 4 tiles of 16 rows (the layout is in cuda_kernels.h) over
+ * the same U chunks of columns: each warp loads its chunks before it waits for the
+ * previous kernel, so all weights are in flight at once, and the block stages the
+ * tokens' int8 inputs of those columns in shared memory once for its 4 tiles. Per
+ * block of 32 values and 8 tokens, one mma.m16n8k32 of the int8 codes with the
+ * inputs gives the 16 x 8 integer dot products, scaled into float sums by the row's
+ * scale and the token's (minus 8 times the inputs' sum for Q4_0, whose codes are
+ * unsigned). A row's columns are split over `slices` blocks; each writes its sums to
+ * scratch and the last one to finish adds them up in slice order (the same sums, in
+ * the same order, whichever block finishes last). U is chosen so that about MV_WARPS
+ * warps cover the launch: 16 tokens then cost little more than one. */
+#define MV_WARPS 6144
+#define MV_TILES 4 /* tiles (warps) of a block */
+
+static __device__ __forceinline__ int64_t chunks_of(uint32_t T, int64_t cols) {
+    const int64_t bpc = CUK_CHUNK_BLOCKS(T);
+    return (cols / 32 + bpc - 1) / bpc;
+}
 
 extern "C" int cuk_repacked(uint32_t type) { return type == KVQ_Q4_0 || type == KVQ_Q8_0; }
-extern "C" size_t cuk_repacked_row_bytes(uint32_t type, int64_t cols) {
-    return (size_t)(cols / 32) * (type == KVQ_Q4_0 ? 16 : 32);
+
+extern "C" size_t cuk_repacked_code_bytes(uint32_t type, int64_t rows, int64_t cols) {
+    const int64_t bpc = CUK_CHUNK_BLOCKS(type), chunks = (cols / 32 + bpc - 1) / bpc;
+    return (size_t)((rows + 15) / 16) * (size_t)chunks * 1024;
 }
+
+extern "C" size_t cuk_repacked_bytes(uint32_t type, int64_t rows, int64_t cols) {
+    const size_t codes = cuk_repacked_code_bytes(type, rows, cols);
+    return codes + codes / 1024 * 16 * (size_t)CUK_CHUNK_BLOCKS(type) * sizeof(uint16_t);
+}
+
 extern "C" void cuk_repack(uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
                            uint16_t *scales) {
-    const int64_t nb = cols / 32;
-    const size_t bb = type == KVQ_Q4_0 ? 18 : 34, cb = bb - 2;
+    const int64_t nb = cols / 32, bpc = CUK_CHUNK_BLOCKS(type), nch = (nb + bpc - 1) / bpc;
+    const size_t bb = type == KVQ_Q4_0 ? 18 : 34;
+    const size_t code_bytes = cuk_repacked_code_bytes(type, rows, cols);
+    memset(codes, 0, code_bytes);
+    memset(scales, 0, code_bytes / 1024 * 16 * (size_t)bpc * sizeof(uint16_t));
     for (int64_t r = 0; r < rows; r++)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = src + ((size_t)r * nb + b) * bb;
-            memcpy(scales + r * nb + b, blk, 2);
-            memcpy(codes + ((size_t)r * nb + b) * cb, blk + 2, cb);
+            const int64_t tile = r / 16, rr = r % 16, c = b / bpc, j = b % bpc, unit = tile * nch + c;
+            int v[32]; /* codes: 0..15 for Q4_0, signed bytes for Q8_0 */
+            for (int k = 0; k < 32; k++)
+                v[k] = type == KVQ_Q4_0 ? (k < 16 ? blk[2 + k] & 15 : blk[2 + k - 16] >> 4) : (int)(int8_t)blk[2 + k];
+            memcpy(scales + (unit * 16 + rr) * bpc + j, blk, 2);
+            for (int t = 0; t < 4; t++) {
+                uint8_t *dst = codes + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + t) * 16;
+                for (int i = 0; i < 4 && type == KVQ_Q4_0; i++) dst[j * 4 + i] = (uint8_t)(v[8 * t + i] | v[8 * t + 4 + i] << 4);
+                for (int i = 0; i < 8 && type == KVQ_Q8_0; i++) dst[j * 8 + i] = (uint8_t)v[8 * t + i];
+            }
         }
 }
 
@@ -208,102 +246,204 @@ __global__ void quantize_x(const float *x, int64_t x_stride, int64_t k, int8_t *
     round_x32(x[t * x_stride + blk * 32 + threadIdx.x % 32], q + t * k + blk * 32, dsum + t * nb + blk);
 }
 
-extern "C" void cuk_quantize_x(cudaStream_t s, const float *x, int64_t x_stride, int n, int64_t k, const cuk_xq *xq) {
+extern "C" void cuk_quantize_x(cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, const cuk_xq *xq) {
     const int64_t nb = k / 32;
     dim3 grid((unsigned)((nb * 32 + 255) / 256), (unsigned)n);
-    pdl_launch(quantize_x, grid, dim3(256), s, x, x_stride, k, xq->q, xq->dsum);
+    pdl_launch(quantize_x, grid, dim3(256), qu, x, x_stride, k, xq->q, xq->dsum);
 }
 
-/* A lane's block of 32 codes: Q4_0 in a, Q8_0 in a and b. */
-struct qblock {
-    uint4 a, b;
+/* A lane's share of one chunk: its 16 bytes of rows g and g + 8, and those rows'
+ * scales of the chunk's blocks (loaded with the codes, not when they are needed). */
+template <uint32_t T>
+struct chunk_frag {
+    uint4 lo, hi;
+    uint16_t s0[CUK_CHUNK_BLOCKS(T)], s1[CUK_CHUNK_BLOCKS(T)];
 };
 
-template <uint32_t T>
-static __device__ __forceinline__ qblock load_qblock(const uint8_t *codes, int64_t b) {
-    qblock q;
-    if (T == KVQ_Q4_0) {
-        q.a = *(const uint4 *)(codes + b * 16);
+/* A row's BPC scales of a chunk (4 or 2 halves, 8- or 4-byte aligned), in one load. */
+template <int BPC>
+static __device__ __forceinline__ void load_scales(const uint16_t *p, uint16_t (&s)[BPC]) {
+    if (BPC == 4) {
+        const uint2 v = __ldg((const uint2 *)p);
+        s[0] = (uint16_t)v.x, s[1] = (uint16_t)(v.x >> 16), s[2 % BPC] = (uint16_t)v.y, s[3 % BPC] = (uint16_t)(v.y >> 16);
     } else {
-        q.a = *(const uint4 *)(codes + b * 32);
-        q.b = *(const uint4 *)(codes + b * 32 + 16);
+        const uint32_t v = __ldg((const unsigned int *)p);
+        s[0] = (uint16_t)v, s[1 % BPC] = (uint16_t)(v >> 16);
     }
-    return q;
 }
 
-/* acc[t] += block b of the row (scale d) . block b of token t's int8 inputs. */
+template <uint32_t T>
+static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *unit, const uint16_t *sc, int64_t c,
+                                                           int lane) {
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T);
+    chunk_frag<T> f;
+    f.lo = __ldg((const uint4 *)(unit + lane * 16));
+    f.hi = __ldg((const uint4 *)(unit + 512 + lane * 16));
+    const uint16_t *s0 = sc + (c * 16 + lane / 4) * BPC;
+    load_scales<BPC>(s0, f.s0);
+    load_scales<BPC>(s0 + 8 * BPC, f.s1);
+    return f;
+}
+
+/* The sums of chunk c of the tile (scales sc: the tile's, rows g and g + 8) for the
+ * NT tokens from 0 on, from the inputs staged in shared memory (xs: [n][span] codes
+ * of the block's columns from block b0 on; ds: [n][span / 32] scales and sums);
+ * acc[nt][i]: c_i of token tile nt. */
 template <uint32_t T, int NT>
-static __device__ __forceinline__ void dot_qblock(const qblock &q, float d, int64_t b, const int8_t *xq,
-                                                  const float2 *xd, int64_t cols, int n, float (&acc)[NT]) {
-    int wq[8];
-    if (T == KVQ_Q4_0) {
-        const uint32_t w4[4] = {q.a.x, q.a.y, q.a.z, q.a.w};
+static __device__ __forceinline__ void chunk_dot(const chunk_frag<T> &f, int64_t c, int64_t nb, const int8_t *xs,
+                                                 const float2 *ds, int64_t b0, int span, int n, int lane,
+                                                 float (&acc)[NT / 8][4]) {
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T);
+    const int g = lane / 4, t = lane % 4;
+    const uint32_t lo[4] = {f.lo.x, f.lo.y, f.lo.z, f.lo.w}, hi[4] = {f.hi.x, f.hi.y, f.hi.z, f.hi.w};
+#pragma unroll
+    for (int j = 0; j < BPC; j++) {
+        const int64_t b = c * BPC + j;
+        if (b >= nb) break;
+        const int lb = (int)(b - b0); /* the block within the staged span */
+        uint32_t a0, a1, a2, a3;
+        if (T == KVQ_Q4_0) {
+            a0 = lo[j] & 0x0F0F0F0Fu, a2 = (lo[j] >> 4) & 0x0F0F0F0Fu;
+            a1 = hi[j] & 0x0F0F0F0Fu, a3 = (hi[j] >> 4) & 0x0F0F0F0Fu;
+        } else {
+            a0 = lo[2 * j], a2 = lo[2 * j + 1], a1 = hi[2 * j], a3 = hi[2 * j + 1];
+        }
+        const float d0 = h2f(f.s0[j]), d1 = h2f(f.s1[j]);
+#pragma unroll
+        for (int nt = 0; nt < NT / 8; nt++) {
+            const int tb = nt * 8 + g, t0 = nt * 8 + 2 * t, t1 = t0 + 1;
+            uint2 xb = make_uint2(0, 0);
+            if (tb < n) xb = *(const uint2 *)(xs + tb * span + lb * 32 + 8 * t);
+            int r[4] = {0, 0, 0, 0};
+            mma_s8_16832(r, a0, a1, a2, a3, xb.x, xb.y);
+            const float2 x0 = t0 < n ? ds[t0 * (span / 32) + lb] : make_float2(0, 0);
+            const float2 x1 = t1 < n ? ds[t1 * (span / 32) + lb] : make_float2(0, 0);
+            /* r - 8 sum as float without the conversion instruction (a quarter of the FMA
+             * rate): |r| < 2^22, so 1.5 * 2^23 + r is exact in a float's mantissa */
+            const float o0 = 12582912.0f + (T == KVQ_Q4_0 ? 8.0f * x0.y : 0.0f);
+            const float o1 = 12582912.0f + (T == KVQ_Q4_0 ? 8.0f * x1.y : 0.0f);
+            acc[nt][0] += d0 * x0.x * (__int_as_float(0x4B400000 + r[0]) - o0);
+            acc[nt][1] += d0 * x1.x * (__int_as_float(0x4B400000 + r[1]) - o1);
+            acc[nt][2] += d1 * x0.x * (__int_as_float(0x4B400000 + r[2]) - o0);
+            acc[nt][3] += d1 * x1.x * (__int_as_float(0x4B400000 + r[3]) - o1);
+        }
+    }
+}
+
+/* The jobs of one launch: job j's blocks start at first[j], `slices` blocks a group of
+ * MV_TILES tiles (U chunks a block); its scratch starts at scratch[j] floats, its
+ * groups' counters at group0[j]. */
+struct mma_set {
+    cuk_weight w[CUK_MATVEC_JOBS];
+    float *y[CUK_MATVEC_JOBS];
+    const float *bias[CUK_MATVEC_JOBS];
+    unsigned first[CUK_MATVEC_JOBS], slices[CUK_MATVEC_JOBS], group0[CUK_MATVEC_JOBS];
+    size_t scratch[CUK_MATVEC_JOBS];
+};
+
+#define MV_THREADS (MV_TILES * 32)
+
+template <uint32_t T, int NT, int U>
+__global__ void __launch_bounds__(MV_THREADS) matvec_mma(const mma_set set, const int8_t *xq, const float2 *xd, int n,
+                                                        float *scratch, unsigned *counters) {
+    griddep_release();
+    extern __shared__ __align__(16) uint8_t xsm[];
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T), SPAN = U * BPC * 32; /* columns of a block */
+    int j = 0;
+#pragma unroll
+    for (int i = 1; i < CUK_MATVEC_JOBS; i++)
+        if (blockIdx.x >= set.first[i]) j = i;
+    const cuk_weight &W = set.w[j];
+    const unsigned slices = set.slices[j], local = blockIdx.x - set.first[j], slice = local % slices, grp = local / slices;
+    const int64_t nb = W.cols / 32, nch = chunks_of(T, W.cols), tiles = (W.rows + 15) / 16;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t tile = (int64_t)grp * MV_TILES + warp, c0 = (int64_t)slice * U, b0 = c0 * BPC;
+    const bool live = tile < tiles;
+    const uint8_t *units = W.data + tile * nch * 1024;
+    const uint16_t *sc = W.scales + tile * nch * 16 * BPC;
+    /* the weights depend on no earlier kernel: all of this warp's are loaded first */
+    chunk_frag<T> f[U];
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (live && c0 + u < nch) f[u] = load_chunk<T>(units + (c0 + u) * 1024, sc, c0 + u, lane);
+    griddep_wait();
+    /* the inputs of these columns, once for the block: codes, then (scale, sum) pairs */
+    const int64_t cols0 = b0 * 32, ncols = min((int64_t)SPAN, W.cols - cols0);
+    int8_t *xs = (int8_t *)xsm;
+    float2 *ds = (float2 *)(xsm + (size_t)n * SPAN);
+    for (int e = threadIdx.x; e < n * SPAN / 16; e += MV_THREADS) {
+        const int tok = e / (SPAN / 16), k = (e % (SPAN / 16)) * 16;
+        if (k < ncols) *(uint4 *)(xs + tok * SPAN + k) = __ldg((const uint4 *)(xq + tok * W.cols + cols0 + k));
+    }
+    for (int e = threadIdx.x; e < n * (SPAN / 32); e += MV_THREADS) {
+        const int tok = e / (SPAN / 32), k = e % (SPAN / 32);
+        if (k < ncols / 32) ds[tok * (SPAN / 32) + k] = __ldg(xd + tok * nb + b0 + k);
+    }
+    __syncthreads();
+    float acc[NT / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < NT / 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (live && c0 + u < nch) chunk_dot<T, NT>(f[u], c0 + u, nb, xs, ds, b0, SPAN, n, lane, acc);
+
+    /* a warp's sums: (token tile nt, c_i) of each lane */
+    constexpr int VALS = NT / 8 * 4;
+    if (slices > 1) { /* the last block of the group adds the slices up, in order */
+        float *part = scratch + set.scratch[j] + (size_t)grp * slices * MV_THREADS * VALS;
+#pragma unroll
+        for (int nt = 0; nt < NT / 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) part[(slice * MV_THREADS + threadIdx.x) * VALS + nt * 4 + i] = acc[nt][i];
+        __shared__ bool last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last = atomicAdd(&counters[set.group0[j] + grp], 1u) == slices - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+#pragma unroll
+        for (int nt = 0; nt < NT / 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float v = 0;
+                for (unsigned s = 0; s < slices; s++) v += __ldcg(part + (s * MV_THREADS + threadIdx.x) * VALS + nt * 4 + i);
+                acc[nt][i] = v;
+            }
+        if (threadIdx.x == 0) counters[set.group0[j] + grp] = 0; /* ready for the next launch */
+    }
+    if (!live) return;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < NT / 8; nt++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            wq[i] = (int)(w4[i] & 0x0F0F0F0Fu);            /* values 4i .. 4i+3 */
-            wq[4 + i] = (int)((w4[i] >> 4) & 0x0F0F0F0Fu); /* values 16+4i .. */
+            const int tok = nt * 8 + 2 * t + (i & 1);
+            const int64_t row = tile * 16 + g + 8 * (i >> 1);
+            if (tok < n && row < W.rows)
+                set.y[j][(int64_t)tok * W.rows + row] = acc[nt][i] + (set.bias[j] ? set.bias[j][row] : 0.0f);
         }
-    } else {
-        wq[0] = (int)q.a.x, wq[1] = (int)q.a.y, wq[2] = (int)q.a.z, wq[3] = (int)q.a.w;
-        wq[4] = (int)q.b.x, wq[5] = (int)q.b.y, wq[6] = (int)q.b.z, wq[7] = (int)q.b.w;
-    }
-    const int64_t nb = cols / 32;
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        if (t >= n) break;
-        const int4 *xp = (const int4 *)(xq + (int64_t)t * cols + b * 32);
-        const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
-        int isum = 0;
-        isum = __dp4a(wq[0], x0.x, isum);
-        isum = __dp4a(wq[1], x0.y, isum);
-        isum = __dp4a(wq[2], x0.z, isum);
-        isum = __dp4a(wq[3], x0.w, isum);
-        isum = __dp4a(wq[4], x1.x, isum);
-        isum = __dp4a(wq[5], x1.y, isum);
-        isum = __dp4a(wq[6], x1.z, isum);
-        isum = __dp4a(wq[7], x1.w, isum);
-        const float2 ds = xd[(int64_t)t * nb + b];
-        acc[t] += d * ds.x * (T == KVQ_Q4_0 ? (float)isum - 8.0f * ds.y : (float)isum);
-    }
 }
 
-/* Blocks of weights each lane loads before waiting for the previous kernel. */
-#define PREFETCH 4
-
-template <uint32_t T, int NT>
-__global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
-    matvec_q(const mv_set S, const int8_t *xq, const float2 *xd, int n) {
-    griddep_release();
-    int j;
-    const int64_t row = mv_row(S, j);
-    if (row < 0) return;
-    const cuk_weight &W = S.w[j];
-    const int lane = threadIdx.x % 32;
-    const int64_t nb = W.cols / 32;
-    const uint8_t *codes = W.data + row * W.row_bytes;
-    const uint16_t *sc = W.scales + row * nb;
-    /* the weights depend on no earlier kernel: their first loads overlap its end */
-    qblock pre[PREFETCH];
-    float pre_d[PREFETCH];
-#pragma unroll
-    for (int i = 0; i < PREFETCH; i++) {
-        const int64_t b = lane + 32 * i;
-        if (b < nb) {
-            pre[i] = load_qblock<T>(codes, b);
-            pre_d[i] = h2f(sc[b]);
-        }
+/* Chunks a block's warps take: about MV_WARPS warps in all, up to 8 chunks each
+ * (KVQ_MV_UMAX=1|2|4 caps it, a measurement aid). */
+static int mma_chunks_per_warp(const struct cuk_weight *w, int n_jobs) {
+    static int umax;
+    if (!umax) {
+        const char *e = getenv("KVQ_MV_UMAX");
+        umax = e && (atoi(e) == 1 || atoi(e) == 2 || atoi(e) == 4) ? atoi(e) : 8;
     }
-    griddep_wait();
-    float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0;
-#pragma unroll
-    for (int i = 0; i < PREFETCH; i++)
-        if (lane + 32 * i < nb) dot_qblock<T, NT>(pre[i], pre_d[i], lane + 32 * i, xq, xd, W.cols, n, acc);
-#pragma unroll 4
-    for (int64_t b = lane + 32 * PREFETCH; b < nb; b += 32)
-        dot_qblock<T, NT>(load_qblock<T>(codes, b), h2f(sc[b]), b, xq, xd, W.cols, n, acc);
-    store_rows<NT>(acc, lane, n, S.y[j], W.rows, row, S.bias[j]);
+    int64_t units = 0;
+    for (int j = 0; j < n_jobs; j++) units += (w[j].rows + 15) / 16 * ((w[j].cols / 32 + CUK_CHUNK_BLOCKS(w[j].type) - 1) / CUK_CHUNK_BLOCKS(w[j].type));
+    int u = 1;
+    while (u < umax && units > (int64_t)MV_WARPS * u) u *= 2;
+    return u;
+}
+
+/* Shared memory of a block: n tokens' inputs of its columns. */
+static size_t mma_smem(uint32_t T, int U, int n) {
+    const size_t span = (size_t)U * CUK_CHUNK_BLOCKS(T) * 32;
+    return (size_t)n * (span + span / 32 * sizeof(float2));
 }
 
 extern "C" int cuk_type_supported(uint32_t type) {
@@ -311,34 +451,110 @@ extern "C" int cuk_type_supported(uint32_t type) {
            type == KVQ_Q4_K || type == KVQ_Q6_K;
 }
 
-extern "C" void cuk_matvec(cudaStream_t s, const struct cuk_matvec_job *jobs, int n_jobs, const float *x,
-                           int64_t x_stride, const struct cuk_xq *xq, int n) {
-    const dim3 th(ROWS_PER_BLOCK * 32);
+/* How a launch of repacked jobs splits: chunks a block (U), blocks a group of tiles,
+ * and the scratch and counters it needs. */
+static void mma_plan(const cuk_weight *w, int nj, int n, int *U, mma_set *S, unsigned *blocks, size_t *floats,
+                     unsigned *groups) {
+    *U = mma_chunks_per_warp(w, nj);
+    const size_t vals = (size_t)MV_THREADS * ((n <= 8 ? 8 : 16) / 8 * 4);
+    *blocks = 0, *floats = 0, *groups = 0;
+    for (int j = 0; j < nj; j++) {
+        const int64_t grp = ((w[j].rows + 15) / 16 + MV_TILES - 1) / MV_TILES,
+                      nch = (w[j].cols / 32 + CUK_CHUNK_BLOCKS(w[j].type) - 1) / CUK_CHUNK_BLOCKS(w[j].type);
+        const unsigned sl = (unsigned)((nch + *U - 1) / *U);
+        if (S) {
+            S->first[j] = *blocks;
+            S->slices[j] = sl;
+            S->group0[j] = *groups;
+            S->scratch[j] = *floats;
+        }
+        *blocks += (unsigned)grp * sl;
+        *groups += (unsigned)grp;
+        if (sl > 1) *floats += (size_t)grp * sl * vals;
+    }
+}
+
+extern "C" void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs, int n, size_t *floats,
+                                   size_t *counters) {
+    *floats = *counters = 0;
+    for (int j0 = 0; j0 < n_jobs;) {
+        cuk_weight w[CUK_MATVEC_JOBS];
+        int nj = 0;
+        for (; nj < CUK_MATVEC_JOBS && j0 + nj < n_jobs && jobs[j0 + nj].w->type == jobs[j0].w->type; nj++)
+            w[nj] = *jobs[j0 + nj].w;
+        j0 += nj;
+        if (!cuk_repacked(w[0].type)) continue;
+        int U;
+        unsigned blocks, groups;
+        size_t f;
+        mma_plan(w, nj, n, &U, NULL, &blocks, &f, &groups);
+        if (f > *floats) *floats = f;
+        if (groups > *counters) *counters = groups;
+    }
+}
+
+extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_jobs, const float *x,
+                           int64_t x_stride, const struct cuk_xq *xq, int n, const struct cuk_mv_scratch *scr) {
     for (int j0 = 0; j0 < n_jobs;) {
         /* one launch for this job and the next ones of its type */
         const uint32_t T = jobs[j0].w->type;
+        int nj = 0;
+        while (nj < CUK_MATVEC_JOBS && j0 + nj < n_jobs && jobs[j0 + nj].w->type == T) nj++;
+        if (cuk_repacked(T)) {
+            mma_set S;
+            cuk_weight w[CUK_MATVEC_JOBS];
+            for (int i = 0; i < nj; i++) {
+                w[i] = S.w[i] = *jobs[j0 + i].w;
+                S.y[i] = jobs[j0 + i].y;
+                S.bias[i] = jobs[j0 + i].bias;
+            }
+            int U;
+            unsigned blocks, groups;
+            size_t floats;
+            mma_plan(w, nj, n, &U, &S, &blocks, &floats, &groups);
+            for (int i = nj; i < CUK_MATVEC_JOBS; i++) S.first[i] = ~0u, S.slices[i] = 1, S.group0[i] = 0, S.scratch[i] = 0;
+            j0 += nj;
+            const size_t smem = mma_smem(T, U, n);
+#define MM(TT, NT, UU)                                                                                              \
+    do {                                                                                                            \
+        static bool big;                                                                                            \
+        if (smem > 48 * 1024 && !big)                                                                               \
+            big = cudaFuncSetAttribute(matvec_mma<TT, NT, UU>, cudaFuncAttributeMaxDynamicSharedMemorySize,         \
+                                       (int)mma_smem(TT, UU, 16)) == cudaSuccess;                                   \
+        pdl_launch_smem(matvec_mma<TT, NT, UU>, dim3(blocks), dim3(MV_THREADS), smem, qu, S, xq->q, xq->dsum, n,    \
+                        scr->partial, scr->counters);                                                               \
+    } while (0)
+#define MM_U(TT, NT)              \
+    switch (U) {                  \
+    case 1: MM(TT, NT, 1); break; \
+    case 2: MM(TT, NT, 2); break; \
+    case 4: MM(TT, NT, 4); break; \
+    default: MM(TT, NT, 8); break; \
+    }
+            if (T == KVQ_Q4_0) {
+                if (n <= 8) MM_U(KVQ_Q4_0, 8)
+                else MM_U(KVQ_Q4_0, 16)
+            } else {
+                if (n <= 8) MM_U(KVQ_Q8_0, 8)
+                else MM_U(KVQ_Q8_0, 16)
+            }
+#undef MM_U
+#undef MM
+            continue;
+        }
         mv_set S;
         unsigned blocks = 0;
-        int nj = 0;
-        for (; nj < CUK_MATVEC_JOBS && j0 + nj < n_jobs && jobs[j0 + nj].w->type == T; nj++) {
-            S.w[nj] = *jobs[j0 + nj].w;
-            S.y[nj] = jobs[j0 + nj].y;
-            S.bias[nj] = jobs[j0 + nj].bias;
-            S.first[nj] = blocks;
-            blocks += (unsigned)((S.w[nj].rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
+        for (int i = 0; i < nj; i++) {
+            S.w[i] = *jobs[j0 + i].w;
+            S.y[i] = jobs[j0 + i].y;
+            S.bias[i] = jobs[j0 + i].bias;
+            S.first[i] = blocks;
+            blocks += (unsigned)((S.w[i].rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK);
         }
         for (int i = nj; i < CUK_MATVEC_JOBS; i++) S.first[i] = ~0u;
         j0 += nj;
-        if (T == KVQ_Q4_0 || T == KVQ_Q8_0) {
-#define MQ4(NT) pdl_launch(matvec_q<KVQ_Q4_0, NT>, dim3(blocks), th, s, S, xq->q, xq->dsum, n)
-#define MQ8(NT) pdl_launch(matvec_q<KVQ_Q8_0, NT>, dim3(blocks), th, s, S, xq->q, xq->dsum, n)
-            if (T == KVQ_Q4_0) BY_TOKENS(n, MQ4);
-            else BY_TOKENS(n, MQ8);
-#undef MQ4
-#undef MQ8
-            continue;
-        }
-#define MV_NT(NT) pdl_launch(matvec<TT, NT>, dim3(blocks), th, s, S, x, x_stride, n)
+        const dim3 th(ROWS_PER_BLOCK * 32);
+#define MV_NT(NT) pdl_launch(matvec<TT, NT>, dim3(blocks), th, qu, S, x, x_stride, n)
 #define MV(T_)                      \
     {                               \
         constexpr uint32_t TT = T_; \
@@ -350,27 +566,50 @@ extern "C" void cuk_matvec(cudaStream_t s, const struct cuk_matvec_job *jobs, in
     }
 }
 
-/* ---- whole rows as f32 (GEMM inputs, embeddings) ---- */
+/* ---- whole rows as f32 or f16 (GEMM inputs, embeddings) ---- */
 
-template <uint32_t T>
-__global__ void dequantize(const cuk_weight W, int64_t r0, int64_t n_rows, float *out) {
+/* f16 of x, saturated: a value beyond f16's range becomes its largest, not inf. */
+static __device__ __forceinline__ __half sat_half(float x) { return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
+
+template <uint32_t T, typename O>
+__global__ void dequantize(const cuk_weight W, int64_t r0, int64_t n_rows, O *out) {
     const int64_t cols = W.cols, chunks = cols / 8, total = n_rows * chunks;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t r = i / chunks, c = i % chunks;
         float w[8];
         wload8<T>(W, r0 + r, c, w);
-        float4 *o = (float4 *)(out + r * cols + c * 8);
-        o[0] = make_float4(w[0], w[1], w[2], w[3]);
-        o[1] = make_float4(w[4], w[5], w[6], w[7]);
+        if (sizeof(O) == 4) {
+            float4 *o = (float4 *)(out + r * cols + c * 8);
+            o[0] = make_float4(w[0], w[1], w[2], w[3]);
+            o[1] = make_float4(w[4], w[5], w[6], w[7]);
+        } else {
+            __half2 h[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) h[k] = __halves2half2(sat_half(w[2 * k]), sat_half(w[2 * k + 1]));
+            *(uint4 *)(out + r * cols + c * 8) = *(const uint4 *)h;
+        }
     }
 }
 
-extern "C" void cuk_dequantize(cudaStream_t s, const cuk_weight *w, int64_t r0, int64_t r1, float *out) {
+extern "C" void cuk_dequantize(cuk_queue *qu, const cuk_weight *w, int64_t r0, int64_t r1, void *out, int f16) {
     const int64_t total = (r1 - r0) * (w->cols / 8);
     const unsigned blocks = (unsigned)(total / 256 + 1 < 65536 ? total / 256 + 1 : 65536);
-#define DQ(T) dequantize<T><<<blocks, 256, 0, s>>>(*w, r0, r1 - r0, out)
+#define DQ(T)                                                                                    \
+    if (f16) queue_launch(dequantize<T, __half>, dim3(blocks), dim3(256), qu, *w, r0, r1 - r0, (__half *)out); \
+    else queue_launch(dequantize<T, float>, dim3(blocks), dim3(256), qu, *w, r0, r1 - r0, (float *)out)
     FOR_TYPE(w->type, DQ)
 #undef DQ
+}
+
+__global__ void to_half(const float *x, int64_t x_stride, int64_t k, __half *out) {
+    const int64_t t = blockIdx.y;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < k; i += (int64_t)gridDim.x * blockDim.x)
+        out[t * k + i] = sat_half(x[t * x_stride + i]);
+}
+
+extern "C" void cuk_to_half(cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out) {
+    const dim3 grid((unsigned)(k / 256 + 1 < 64 ? k / 256 + 1 : 64), (unsigned)n);
+    queue_launch(to_half, grid, dim3(256), qu, x, x_stride, k, (__half *)out);
 }
 
 template <uint32_t T>
@@ -385,8 +624,8 @@ __global__ void embed_rows(const cuk_weight E, const int32_t *tokens, float scal
     }
 }
 
-extern "C" void cuk_embed(cudaStream_t s, const cuk_weight *e, const int32_t *tokens, int n, float scale, float *x) {
-#define EM(T) embed_rows<T><<<(unsigned)n, 128, 0, s>>>(*e, tokens, scale, x)
+extern "C" void cuk_embed(cuk_queue *qu, const cuk_weight *e, const int32_t *tokens, int n, float scale, float *x) {
+#define EM(T) queue_launch(embed_rows<T>, dim3((unsigned)n), dim3(128), qu, *e, tokens, scale, x)
     FOR_TYPE(e->type, EM)
 #undef EM
 }
@@ -396,7 +635,8 @@ __global__ void add_bias(float *y, const float *bias, int64_t rows, int64_t tota
         y[i] += bias[i % rows];
 }
 
-extern "C" void cuk_add_bias(cudaStream_t s, float *y, const float *bias, int n, int64_t rows) {
+extern "C" void cuk_add_bias(cuk_queue *qu, float *y, const float *bias, int n, int64_t rows) {
     const int64_t total = (int64_t)n * rows;
-    add_bias<<<(unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096), 256, 0, s>>>(y, bias, rows, total);
+    queue_launch(add_bias, dim3((unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096)), dim3(256), qu, y, bias,
+                 rows, total);
 }

@@ -9,22 +9,31 @@
 
 #define NORM_THREADS 1024
 
-/* Sum over the block (NORM_THREADS threads). */
+/* A block per token; thread i holds values i + j NORM_THREADS, j < PER, in registers,
+ * so each row is read once. A warp's values at one j are 32 consecutive ones: the
+ * block of 32 that round_x32 rounds. */
+#define FOR_PER(j, i) for (int j = 0, i = threadIdx.x; j < PER; j++, i += NORM_THREADS)
+
+/* Sum over the block (NORM_THREADS threads): each warp's sum, then every warp
+ * sums the warps' sums (a lane each), so no thread adds them up one by one. */
 static __device__ float block_sum(float v) {
     __shared__ float part[NORM_THREADS / 32];
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     __syncthreads(); /* part[] may still be read by a previous call */
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
     __syncthreads();
-    float s = 0;
-    for (int i = 0; i < NORM_THREADS / 32; i++) s += part[i];
+    float s = threadIdx.x % 32 < NORM_THREADS / 32 ? part[threadIdx.x % 32] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     return s;
 }
 
-/* A block per token; thread i holds values i + j NORM_THREADS, j < PER, in registers,
- * so each row is read once. A warp's values at one j are 32 consecutive ones: the
- * block of 32 that round_x32 rounds. */
-#define FOR_PER(j, i) for (int j = 0, i = threadIdx.x; j < PER; j++, i += NORM_THREADS)
+/* The norm weights depend on no earlier kernel: read before griddep_wait. */
+template <int PER>
+static __device__ void load_weights(const float *w, int dim, float (&wv)[PER]) {
+#pragma unroll
+    FOR_PER(j, i) wv[j] = w && i < dim ? w[i] : 0.0f;
+}
+
 
 template <int PER>
 static __device__ float rms_scale(const float (&v)[PER], int dim, float eps) {
@@ -36,11 +45,11 @@ static __device__ float rms_scale(const float (&v)[PER], int dim, float eps) {
 
 /* out row t = v * s * w (v zero past dim), rounded into xq too when q. */
 template <int PER>
-static __device__ void norm_out(const float (&v)[PER], float s, const float *w, int dim, int t, float *out, int8_t *q,
-                                float2 *dsum) {
+static __device__ void norm_out(const float (&v)[PER], float s, const float (&w)[PER], int dim, int t, float *out,
+                                int8_t *q, float2 *dsum) {
 #pragma unroll
     FOR_PER(j, i) {
-        const float o = i < dim ? v[j] * s * w[i] : 0.0f;
+        const float o = i < dim ? v[j] * s * w[j] : 0.0f;
         if (i < dim) out[(size_t)t * dim + i] = o;
         if (q && i - (int)threadIdx.x % 32 < dim) /* the warp's block is in the row */
             round_x32(o, q + (size_t)t * dim + (i & ~31), dsum + (size_t)t * (dim / 32) + i / 32);
@@ -51,19 +60,24 @@ template <int PER>
 __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_k(const float *x, const int32_t *rows, const float *w, int dim,
                                                           float eps, float *out, int8_t *q, float2 *dsum) {
     griddep_release();
+    float wv[PER];
+    load_weights<PER>(w, dim, wv);
     griddep_wait();
     const int t = blockIdx.x, r = rows ? rows[t] : t;
     const float *xr = x + (size_t)r * dim;
     float v[PER];
 #pragma unroll
     FOR_PER(j, i) v[j] = i < dim ? xr[i] : 0.0f;
-    norm_out<PER>(v, rms_scale<PER>(v, dim, eps), w, dim, t, out, q, dsum);
+    norm_out<PER>(v, rms_scale<PER>(v, dim, eps), wv, dim, t, out, q, dsum);
 }
 
 template <int PER>
 __global__ void __launch_bounds__(NORM_THREADS) add_norm_k(float *x, const float *add, const float *post, const float *w,
                                                            int dim, float eps, float *out, int8_t *q, float2 *dsum) {
     griddep_release();
+    float wv[PER], pv[PER];
+    load_weights<PER>(w, dim, wv);
+    load_weights<PER>(post, dim, pv);
     griddep_wait();
     const int t = blockIdx.x;
     float *xr = x + (size_t)t * dim;
@@ -78,10 +92,10 @@ __global__ void __launch_bounds__(NORM_THREADS) add_norm_k(float *x, const float
 #pragma unroll
     FOR_PER(j, i) {
         if (i >= dim) continue;
-        v[j] += post ? a[j] * ps * post[i] : a[j];
+        v[j] += post ? a[j] * ps * pv[j] : a[j];
         xr[i] = v[j];
     }
-    if (w) norm_out<PER>(v, rms_scale<PER>(v, dim, eps), w, dim, t, out, q, dsum);
+    if (w) norm_out<PER>(v, rms_scale<PER>(v, dim, eps), wv, dim, t, out, q, dsum);
 }
 
 static_assert(16 * NORM_THREADS == CUK_NORM_MAX, "BY_DIM's widest case is the documented limit");
@@ -94,19 +108,19 @@ static_assert(16 * NORM_THREADS == CUK_NORM_MAX, "BY_DIM's widest case is the do
     else if ((dim) <= 8 * NORM_THREADS) LAUNCH(8);    \
     else LAUNCH(16)
 
-extern "C" void cuk_rmsnorm(cudaStream_t s, const float *x, const int32_t *rows, const float *w, int n, int dim,
+extern "C" void cuk_rmsnorm(cuk_queue *qu, const float *x, const int32_t *rows, const float *w, int n, int dim,
                             float eps, float *out, const struct cuk_xq *xq) {
 #define RN(PER)                                                                                                 \
-    pdl_launch(rmsnorm_k<PER>, dim3((unsigned)n), dim3(NORM_THREADS), s, x, rows, w, dim, eps, out, xq ? xq->q : NULL, \
+    pdl_launch(rmsnorm_k<PER>, dim3((unsigned)n), dim3(NORM_THREADS), qu, x, rows, w, dim, eps, out, xq ? xq->q : NULL, \
                xq ? xq->dsum : NULL)
     BY_DIM(dim, RN);
 #undef RN
 }
 
-extern "C" void cuk_add_norm(cudaStream_t s, float *x, float *add, const float *post, const float *w, int n, int dim,
+extern "C" void cuk_add_norm(cuk_queue *qu, float *x, float *add, const float *post, const float *w, int n, int dim,
                              float eps, float *out, const struct cuk_xq *xq) {
 #define AN(PER)                                                                                          \
-    pdl_launch(add_norm_k<PER>, dim3((unsigned)n), dim3(NORM_THREADS), s, x, add, post, w, dim, eps, out, \
+    pdl_launch(add_norm_k<PER>, dim3((unsigned)n), dim3(NORM_THREADS), qu, x, add, post, w, dim, eps, out, \
                xq ? xq->q : NULL, xq ? xq->dsum : NULL)
     BY_DIM(dim, AN);
 #undef AN
@@ -123,9 +137,9 @@ __global__ void rope_table_k(const int32_t *pos, const float *inv_freq, float li
     }
 }
 
-extern "C" void cuk_rope_table(cudaStream_t s, const int32_t *pos, int n, const float *inv_freq, float linear,
+extern "C" void cuk_rope_table(cuk_queue *qu, const int32_t *pos, int n, const float *inv_freq, float linear,
                                int half, float *cos, float *sin) {
-    rope_table_k<<<(unsigned)n, 64, 0, s>>>(pos, inv_freq, linear, half, cos, sin);
+    queue_launch(rope_table_k, dim3((unsigned)n), dim3(64), qu, pos, inv_freq, linear, half, cos, sin);
 }
 
 /* One block per (token, head): optional per-head RMSNorm, then the rotation. */
@@ -163,10 +177,10 @@ __global__ void qk_rope_k(float *q, float *k, int n_head, int n_kv, int D, const
     for (int i = threadIdx.x; i < D; i += blockDim.x) v[i] = x[i];
 }
 
-extern "C" void cuk_qk_rope(cudaStream_t s, float *q, float *k, int n, int n_head, int n_kv, int head_dim,
+extern "C" void cuk_qk_rope(cuk_queue *qu, float *q, float *k, int n, int n_head, int n_kv, int head_dim,
                             const float *q_norm, const float *k_norm, float eps, const float *cos, const float *sin,
                             int half, int pairing) {
-    pdl_launch(qk_rope_k, dim3((unsigned)(n * (n_head + n_kv))), dim3(64), s, q, k, n_head, n_kv, head_dim, q_norm,
+    pdl_launch(qk_rope_k, dim3((unsigned)(n * (n_head + n_kv))), dim3(64), qu, q, k, n_head, n_kv, head_dim, q_norm,
                k_norm, eps, cos, sin, half, pairing);
 }
 
@@ -186,10 +200,10 @@ __global__ void glu_k(int act, const float *gate, const float *up, int64_t total
     }
 }
 
-extern "C" void cuk_glu(cudaStream_t s, int act, const float *gate, const float *up, int n, int n_ff, float *out,
+extern "C" void cuk_glu(cuk_queue *qu, int act, const float *gate, const float *up, int n, int n_ff, float *out,
                         const struct cuk_xq *xq) {
     const int64_t total = (int64_t)n * n_ff;
-    pdl_launch(glu_k, dim3((unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096)), dim3(256), s, act, gate, up,
+    pdl_launch(glu_k, dim3((unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096)), dim3(256), qu, act, gate, up,
                total, out, xq ? xq->q : NULL, xq ? xq->dsum : NULL);
 }
 
@@ -205,6 +219,6 @@ __global__ void scatter_k(const cuk_copy *copies, const uint8_t *staging) {
     }
 }
 
-extern "C" void cuk_scatter(cudaStream_t s, const cuk_copy *copies, int n, const uint8_t *staging) {
-    if (n > 0) scatter_k<<<(unsigned)n, 128, 0, s>>>(copies, staging);
+extern "C" void cuk_scatter(cuk_queue *qu, const cuk_copy *copies, int n, const uint8_t *staging) {
+    if (n > 0) queue_launch(scatter_k, dim3((unsigned)n), dim3(128), qu, copies, staging);
 }

@@ -1,0 +1,555 @@
+/* Attention on tensor cores over the paged cache, for the common row formats (keys
+ * and values of 4, 8 or 16 bits, head size 64 or 128, up to 8 query heads per KV
+ * head); attention.cu's kernel takes the rest.
+ *
+ * A block takes one group of query tokens (a decode token, or up to 32 consecutive
+ * tokens of a prefill chunk) with the query heads of one KV head, and one split of the
+ * rows they read, in tiles of 64 rows: a KV block of packed rows, or up to 64 f16
+ * window and sink rows. Each tile is decoded once into shared memory as f16: packed
+ * codes are small integers, exact in f16, with each row's group scales and biases
+ * beside them, so Q K^T and P V run on mma.m16n8k16 and the affine parts are applied
+ * per group in f32 (score = sum_g scale_g (q . codes_g) + bias_g sum(q_g)). Queries
+ * and softmax weights enter the products split into an f16 high part and the f16 of
+ * the remainder (rows 0-7 and 8-15 of the m16 tile), scaled by powers of two into
+ * f16's normal range, so the results carry f32-like precision. The next tile's rows
+ * are read from device memory while the current one is computed.
+ *
+ * Decode: the 4 warps share the token's rows (query heads) and split each tile's
+ * keys, then merge. Prefill: each warp takes its own query tokens and all keys, so a
+ * tile read serves the whole group. Masks (causality, the ranges of the plan, window
+ * visibility) are per query token. Results go out as attention.cu's partials. */
+#include <cuda_fp16.h>
+#include <math.h>
+
+#include "backend/cuda/attention.cuh"
+#include "backend/cuda/mma.cuh"
+
+#define TILE 64
+#define TILE_THREADS 128
+#define Q_SCALE 256.0f  /* queries times this in f16 (back out of the scores) */
+#define P_SCALE 4096.0f /* softmax weights times value scales times this in f16 */
+
+static __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+static __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+static __device__ __forceinline__ void ldsm4_t(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+static __device__ __forceinline__ void cp_async16(void *s, const void *g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(s)), "l"(g));
+}
+static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+static __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *(const uint32_t *)&h; }
+
+/* (x, y) as f16 pairs hi and lo with hi + lo = (x, y) to about 2^-22. */
+static __device__ __forceinline__ void split_h2(float x, float y, uint32_t &hi, uint32_t &lo) {
+    const __half2 h = __floats2half2_rn(x, y);
+    const float2 f = __half22float2(h);
+    hi = h2_bits(h);
+    lo = h2_bits(__floats2half2_rn(x - f.x, y - f.y));
+}
+
+/* Codes 0..255 in the bytes of w, two at a time, as f16 pairs: 0x64XX is 1024 + XX. */
+static __device__ __forceinline__ uint32_t bytes_to_h2(uint32_t w, uint32_t sel) {
+    const uint32_t v = __byte_perm(w, 0x64646464u, sel);
+    return h2_bits(__hsub2(*(const __half2 *)&v, __half2half2(__ushort_as_half(0x6400))));
+}
+
+/* 8 codes of `BITS` (the raw bytes of one unit) as 4 f16 pairs. */
+template <int BITS>
+static __device__ __forceinline__ uint4 codes_to_h8(uint2 raw) {
+    uint32_t w0, w1;
+    if (BITS == 8) {
+        w0 = raw.x, w1 = raw.y;
+    } else { /* nibbles, low first: bytes of codes 0,2,4,6 and 1,3,5,7, interleaved */
+        const uint32_t lo = raw.x & 0x0F0F0F0Fu, hi = (raw.x >> 4) & 0x0F0F0F0Fu;
+        w0 = __byte_perm(lo, hi, 0x5140);
+        w1 = __byte_perm(lo, hi, 0x7362);
+    }
+    return make_uint4(bytes_to_h2(w0, 0x5140), bytes_to_h2(w0, 0x5342), bytes_to_h2(w1, 0x5140),
+                      bytes_to_h2(w1, 0x5342));
+}
+
+/* What the block's query tokens read, together: packed rows of positions [a1, b1]
+ * and [a2, b2], f16 sink rows [0, sinks) and window rows [ws, q_max]; as tiles. */
+struct tile_plan {
+    int32_t a1, b1, a2, b2, sinks, ws, q_max;
+    int t1, t2, tw; /* tiles of each part */
+};
+
+static __device__ __forceinline__ int tiles_of(int32_t a, int32_t b) { return a <= b ? b / TILE - a / TILE + 1 : 0; }
+
+/* Shared memory of one stage: keys and values as f16 [TILE][D + 8] (the padding keeps
+ * ldmatrix free of bank conflicts), then (scale, bias) per row and group. */
+template <int D>
+static __host__ __device__ constexpr size_t stage_halves() {
+    return (size_t)2 * TILE * (D + 8);
+}
+
+/* GS: the group size of the packed sides (D for f16), so every index into the
+ * per-thread arrays is a constant and they stay in registers. */
+template <int D, int KB, int VB, int GS, int G, bool PREFILL>
+__global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a, int n_splits, bool prepped) {
+    griddep_release();
+    griddep_wait();
+    extern __shared__ __align__(16) uint8_t smem[];
+    constexpr int LD = D + 8, QW = 8 / G, NTI = PREFILL ? 8 : 2, KS = PREFILL ? 4 : 1;
+    constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
+    constexpr int KG = KB < 16 ? GS : D, VG = VB < 16 ? GS : D, nkg = D / KG, nvg = D / VG;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int kvh = blockIdx.x % a.n_kv, split = blockIdx.y;
+    const cuk_attn_group grp = a.groups[blockIdx.x / a.n_kv];
+    const size_t stage_bytes = stage_halves<D>() * 2 + (size_t)TILE * (nkg + nvg) * sizeof(float2);
+    __shared__ tile_plan sp;
+    __shared__ uint64_t s_table, s_ring, s_sink;
+    __shared__ int32_t s_nkb, s_base, s_ring_cap, s_sink_cap;
+
+    /* the group's rows, together (warp 0: a lane per token) */
+    if (warp == 0) {
+        const bool on = lane < grp.nt;
+        const cuk_attn_tok tk = a.toks[grp.t0 + (on ? lane : 0)];
+        int32_t a1 = on && tk.a1 <= tk.b1 ? tk.a1 : INT32_MAX, b1 = on && tk.a1 <= tk.b1 ? tk.b1 : -1;
+        int32_t a2 = on && tk.a2 <= tk.b2 ? tk.a2 : INT32_MAX, b2 = on && tk.a2 <= tk.b2 ? tk.b2 : -1;
+        const bool win = on && tk.ws <= tk.q_pos; /* a token's window rows [ws, q] may be none */
+        int32_t sn = on ? tk.sinks : 0, ws = win ? tk.ws : INT32_MAX, qm = win ? tk.q_pos : -1;
+        for (int o = 16; o > 0; o >>= 1) {
+            a1 = min(a1, __shfl_xor_sync(0xffffffffu, a1, o)), b1 = max(b1, __shfl_xor_sync(0xffffffffu, b1, o));
+            a2 = min(a2, __shfl_xor_sync(0xffffffffu, a2, o)), b2 = max(b2, __shfl_xor_sync(0xffffffffu, b2, o));
+            sn = max(sn, __shfl_xor_sync(0xffffffffu, sn, o)), ws = min(ws, __shfl_xor_sync(0xffffffffu, ws, o));
+            qm = max(qm, __shfl_xor_sync(0xffffffffu, qm, o));
+        }
+        if (lane == 0) {
+            if (qm < 0) ws = 0; /* no window rows */
+            const int nw = sn + max(0, qm - ws + 1);
+            sp = tile_plan{a1, b1, a2, b2, sn, ws, qm, tiles_of(a1, b1), tiles_of(a2, b2), (nw + TILE - 1) / TILE};
+            s_table = tk.table, s_ring = tk.ring, s_sink = tk.sink;
+            s_nkb = tk.nkb, s_base = tk.base, s_ring_cap = tk.ring_cap, s_sink_cap = tk.sink_cap;
+        }
+    }
+    __syncthreads();
+    const tile_plan P = sp;
+    const int T = P.t1 + P.t2 + P.tw, per = (T + n_splits - 1) / n_splits, n_eff = (T + per - 1) / per;
+    const int i0 = split * per, i1 = min(T, i0 + per);
+    if (i0 >= i1) return;
+
+    /* this thread's row: query qi of the warp, head hh (rows g hi, g + 8 lo) */
+    const int qi = PREFILL ? warp * QW + g / G : g / G, hh = g % G, h = kvh * G + hh;
+    const bool row_on = qi < grp.nt;
+    const int ti = grp.t0 + (row_on ? qi : 0);
+    const cuk_attn_tok tk = a.toks[ti];
+    /* q as attn_prep_q left it (q.mu, then q scaled and rotated), or as it is (float
+     * keys without rotation) */
+    const float *prep = a.partial + ((size_t)ti * a.n_head + h) * (D + 1);
+    const float *qv = prepped ? prep + 1 : a.q + ((size_t)a.tok_index[ti] * a.n_head + h) * D;
+    const float qmu = row_on && prepped ? prep[0] : 0.0f, q_scale = prepped ? Q_SCALE : Q_SCALE * a.scale;
+    uint32_t qa[D / 16][4];
+    float qsum[D / 16];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        const int d0 = kk * 16 + 2 * t;
+        float x0 = 0, x1 = 0, x2 = 0, x3 = 0;
+        if (row_on) x0 = qv[d0], x1 = qv[d0 + 1], x2 = qv[d0 + 8], x3 = qv[d0 + 9];
+        split_h2(x0 * q_scale, x1 * q_scale, qa[kk][0], qa[kk][1]);
+        split_h2(x2 * q_scale, x3 * q_scale, qa[kk][2], qa[kk][3]);
+        qsum[kk] = x0 + x1 + x2 + x3; /* per k-step; a key group's sum below (prepared q only) */
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        for (int o = 1; o < 4; o <<= 1) qsum[kk] += __shfl_xor_sync(0xffffffffu, qsum[kk], o);
+
+    float m = -INFINITY, l = 0, lp = 0, bsum[D / 16], o_acc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 16; i++) bsum[i] = 0;
+#pragma unroll
+    for (int i = 0; i < D / 8; i++) o_acc[i][0] = o_acc[i][1] = o_acc[i][2] = o_acc[i][3] = 0;
+
+    /* staging of the next tile's packed rows (f16 rows go straight to shared memory) */
+    uint2 rk[KU], rv[KU];
+    uint32_t rkp[2], rvp[2]; /* (scale, bias) words: at most 2 per thread and side */
+
+    /* where tile i's rows are: kind 0 packed (block head bytes, first position, its
+     * range), 1 window (first entry) */
+    auto tile_src = [&](int i, int &kind, const uint8_t *&hb, int32_t &p0, int32_t &lo, int32_t &hi) {
+        if (i < P.t1 + P.t2) {
+            const bool r1 = i < P.t1;
+            lo = r1 ? P.a1 : P.a2, hi = r1 ? P.b1 : P.b2;
+            const int32_t L = lo / TILE + (r1 ? i : i - P.t1), e = L < s_nkb ? L : L - s_base;
+            kind = 0;
+            p0 = L * TILE;
+            hb = (const uint8_t *)((const uint64_t *)s_table)[e] + (size_t)kvh * a.head_bytes;
+        } else {
+            kind = 1;
+            p0 = (i - P.t1 - P.t2) * TILE;
+            lo = 0, hi = P.sinks + max(0, P.q_max - P.ws + 1) - 1; /* entries */
+            hb = nullptr;
+        }
+    };
+    /* f16 rows (window entries, or a 16-bit side of a packed block) by cp.async; rows
+     * outside [lo, hi] zeroed */
+    auto load_f16 = [&](int kind, const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi, __half *ks, __half *vs,
+                        bool k16, bool v16) {
+        for (int u = threadIdx.x; u < TILE * D / 8; u += TILE_THREADS) {
+            const int r = u / (D / 8), c = u % (D / 8);
+            const int32_t p = p0 + r;
+            const bool in = p >= lo && p <= hi;
+            const uint8_t *kr = nullptr, *vr = nullptr;
+            if (in && kind == 1) {
+                const bool sink = p < P.sinks;
+                const int32_t pos = sink ? p : P.ws + (p - P.sinks);
+                const int32_t cap = sink ? s_sink_cap : s_ring_cap, slot = sink ? pos : pos % cap;
+                const uint8_t *base = (const uint8_t *)(sink ? s_sink : s_ring);
+                kr = base + ((size_t)kvh * cap + slot) * a.win_row;
+                vr = base + ((size_t)(a.n_kv + kvh) * cap + slot) * a.win_row;
+            } else if (in) {
+                kr = hb + (size_t)(p % TILE) * a.k_row;
+                vr = hb + (size_t)TILE * a.k_row + (size_t)(p % TILE) * a.v_row;
+            }
+            if (k16) {
+                if (in) cp_async16(ks + r * LD + c * 8, kr + c * 16);
+                else *(uint4 *)(ks + r * LD + c * 8) = make_uint4(0, 0, 0, 0);
+            }
+            if (v16) {
+                if (in) cp_async16(vs + r * LD + c * 8, vr + c * 16);
+                else *(uint4 *)(vs + r * LD + c * 8) = make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+    /* packed sides of a block: raw codes and group words into registers */
+    auto fetch_packed = [&](const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
+#pragma unroll
+        for (int k = 0; k < KU; k++) {
+            const int u = threadIdx.x + k * TILE_THREADS, r = u / (D / 8), c = u % (D / 8);
+            const bool in = p0 + r >= lo && p0 + r <= hi;
+            rk[k] = rv[k] = make_uint2(0, 0);
+            if (KB == 8 && in) rk[k] = *(const uint2 *)(hb + (size_t)r * a.k_row + c * 8);
+            if (KB == 4 && in) rk[k].x = *(const uint32_t *)(hb + (size_t)r * a.k_row + c * 4);
+            const uint8_t *vrow = hb + (size_t)TILE * a.k_row + (size_t)r * a.v_row;
+            if (VB == 8 && in) rv[k] = *(const uint2 *)(vrow + c * 8);
+            if (VB == 4 && in) rv[k].x = *(const uint32_t *)(vrow + c * 4);
+        }
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const int u = threadIdx.x + k * TILE_THREADS;
+            rkp[k] = rvp[k] = 0;
+            if (KB < 16 && u < TILE * nkg) {
+                const int r = u / nkg, gk = u % nkg;
+                if (p0 + r >= lo && p0 + r <= hi)
+                    rkp[k] = *(const uint32_t *)(hb + (size_t)r * a.k_row + D * KB / 8 + 4 * gk);
+            }
+            if (VB < 16 && u < TILE * nvg) {
+                const int r = u / nvg, gv = u % nvg;
+                if (p0 + r >= lo && p0 + r <= hi)
+                    rvp[k] = *(const uint32_t *)(hb + (size_t)TILE * a.k_row + (size_t)r * a.v_row + D * VB / 8 + 4 * gv);
+            }
+        }
+    };
+    auto store_packed = [&](__half *ks, __half *vs, float2 *kp, float2 *vp) {
+#pragma unroll
+        for (int k = 0; k < KU; k++) {
+            const int u = threadIdx.x + k * TILE_THREADS, r = u / (D / 8), c = u % (D / 8);
+            if (KB < 16) *(uint4 *)(ks + r * LD + c * 8) = codes_to_h8<KB>(rk[k]);
+            if (VB < 16) *(uint4 *)(vs + r * LD + c * 8) = codes_to_h8<VB>(rv[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            const int u = threadIdx.x + k * TILE_THREADS;
+            const __half2 kw = *(const __half2 *)&rkp[k], vw = *(const __half2 *)&rvp[k];
+            if (KB < 16 && u < TILE * nkg) kp[u] = __half22float2(kw);
+            if (VB < 16 && u < TILE * nvg) vp[u] = __half22float2(vw);
+        }
+    };
+    auto stage = [&](int s, __half *&ks, __half *&vs, float2 *&kp, float2 *&vp) {
+        uint8_t *base = smem + (size_t)s * stage_bytes;
+        ks = (__half *)base;
+        vs = ks + TILE * LD;
+        kp = (float2 *)(vs + TILE * LD);
+        vp = kp + TILE * nkg;
+    };
+    /* tile i into stage s: f16 parts by cp.async now; packed parts fetched (stored by
+     * the caller with store_packed once the stage is free) */
+    auto begin_tile = [&](int i, int s) {
+        int kind;
+        const uint8_t *hb;
+        int32_t p0, lo, hi;
+        tile_src(i, kind, hb, p0, lo, hi);
+        __half *ks, *vs;
+        float2 *kp, *vp;
+        stage(s, ks, vs, kp, vp);
+        if (kind == 1) {
+            load_f16(1, hb, p0, lo, hi, ks, vs, true, true);
+            return true; /* no packed part */
+        }
+        if (KB == 16 || VB == 16) load_f16(0, hb, p0, lo, hi, ks, vs, KB == 16, VB == 16);
+        if (KB < 16 || VB < 16) fetch_packed(hb, p0, lo, hi);
+        return !(KB < 16 || VB < 16);
+    };
+
+    bool done = begin_tile(i0, 0);
+    {
+        __half *ks, *vs;
+        float2 *kp, *vp;
+        stage(0, ks, vs, kp, vp);
+        if (!done) store_packed(ks, vs, kp, vp);
+    }
+    for (int i = i0; i < i1; i++) {
+        const int s = (i - i0) % 2;
+        cp_async_wait_all();
+        __syncthreads(); /* tile i is in stage s; stage s ^ 1 is free */
+        bool next_done = true;
+        if (i + 1 < i1) next_done = begin_tile(i + 1, s ^ 1);
+        __half *ks, *vs;
+        float2 *kp, *vp;
+        stage(s, ks, vs, kp, vp);
+        int kind;
+        const uint8_t *hb;
+        int32_t p0, lo, hi;
+        tile_src(i, kind, hb, p0, lo, hi);
+        const bool packed = kind == 0, r1 = i < P.t1;
+        const bool kq = packed && KB < 16, vq = packed && VB < 16; /* rows with groups */
+
+        /* scores of this warp's keys: key0 + 8 n + 2t + j */
+        const int key0 = PREFILL ? 0 : warp * 16;
+        float sc[NTI][2];
+#pragma unroll
+        for (int n = 0; n < NTI; n++) sc[n][0] = sc[n][1] = 0;
+#pragma unroll
+        for (int gk = 0; gk < nkg; gk++) {
+            float c[NTI][4];
+#pragma unroll
+            for (int n = 0; n < NTI; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0;
+            const int ks0 = gk * KG / 16, ks1 = ks0 + KG / 16;
+#pragma unroll
+            for (int kk = ks0; kk < ks1; kk += 2) { /* two k-steps per ldmatrix */
+#pragma unroll
+                for (int n = 0; n < NTI; n++) {
+                    uint32_t b[4];
+                    const int key = key0 + n * 8 + lane % 8, dim = kk * 16 + (lane / 8) * 8;
+                    ldsm4(b, ks + key * LD + dim);
+                    mma_f16_16816(c[n], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+                    if (kk + 1 < ks1) mma_f16_16816(c[n], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2], b[3]);
+                }
+            }
+            float qs = 0;
+#pragma unroll
+            for (int kk = ks0; kk < ks1; kk++) qs += qsum[kk];
+#pragma unroll
+            for (int n = 0; n < NTI; n++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const float dot = (c[n][j] + c[n][2 + j]) * (1.0f / Q_SCALE);
+                    /* unprepared q carries the scale in q_scale: dot is the scaled score */
+                    if (kq) {
+                        const float2 sb = kp[(key0 + n * 8 + 2 * t + j) * nkg + gk];
+                        sc[n][j] += sb.x * dot + sb.y * qs;
+                    } else {
+                        sc[n][j] += dot;
+                    }
+                }
+        }
+        /* masks, then the online softmax of this row over these keys */
+        float tmax = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < NTI; n++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int32_t p = p0 + key0 + n * 8 + 2 * t + j;
+                bool ok;
+                if (packed) {
+                    ok = r1 ? p >= tk.a1 && p <= tk.b1 : p >= tk.a2 && p <= tk.b2;
+                } else {
+                    const bool sink = p < P.sinks;
+                    const int32_t pos = sink ? p : P.ws + (p - P.sinks);
+                    ok = p <= hi && (sink ? pos < tk.sinks : pos >= tk.ws) && attn_visible(pos, tk.q_pos, tk);
+                }
+                ok &= row_on;
+                sc[n][j] = ok ? sc[n][j] + (packed ? qmu : 0.0f) : -INFINITY;
+                tmax = fmaxf(tmax, sc[n][j]);
+            }
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+        const float mn = fmaxf(m, tmax);
+        if (mn != -INFINITY) {
+            const float corr = m == -INFINITY ? 0.0f : __expf(m - mn);
+            m = mn;
+            l *= corr, lp *= corr;
+#pragma unroll
+            for (int i2 = 0; i2 < D / 16; i2++) bsum[i2] *= corr;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) o_acc[dn][e] *= corr;
+        }
+        float pr[NTI][2];
+#pragma unroll
+        for (int n = 0; n < NTI; n++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                pr[n][j] = sc[n][j] == -INFINITY ? 0.0f : __expf(sc[n][j] - m);
+                l += pr[n][j];
+                lp += packed ? pr[n][j] : 0.0f;
+            }
+        /* P V, a value group at a time: A = P x the rows' scales, in f16 hi + lo */
+#pragma unroll
+        for (int gv = 0; gv < nvg; gv++) {
+            float bs = 0;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+                float w[4]; /* keys 2t, 2t+1 of n-tile 2kk, then of 2kk + 1 */
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int n = 2 * kk + e / 2, key = key0 + n * 8 + 2 * t + e % 2;
+                    float sv = 1.0f;
+                    if (vq) {
+                        const float2 sb = vp[key * nvg + gv];
+                        sv = sb.x;
+                        bs += pr[n][e % 2] * sb.y;
+                    }
+                    w[e] = pr[n][e % 2] * sv * P_SCALE;
+                }
+                uint32_t a0, a1, a2, a3;
+                split_h2(w[0], w[1], a0, a1);
+                split_h2(w[2], w[3], a2, a3);
+                const int d0 = gv * VG, d1 = d0 + VG;
+#pragma unroll
+                for (int dn = d0 / 8; dn < d1 / 8; dn += 2) {
+                    uint32_t b[4];
+                    const int key = key0 + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, dim = dn * 8 + (lane / 16) * 8;
+                    ldsm4_t(b, vs + key * LD + dim);
+                    mma_f16_16816(o_acc[dn], a0, a1, a2, a3, b[0], b[1]);
+                    mma_f16_16816(o_acc[dn + 1], a0, a1, a2, a3, b[2], b[3]);
+                }
+            }
+            bsum[gv] += bs;
+        }
+        if (!next_done) {
+            __half *nks, *nvs;
+            float2 *nkp, *nvp;
+            stage(s ^ 1, nks, nvs, nkp, nvp);
+            store_packed(nks, nvs, nkp, nvp);
+        }
+    }
+
+    /* the row's sums over the quad's keys */
+    for (int o = 1; o < 4; o <<= 1) {
+        l += __shfl_xor_sync(0xffffffffu, l, o);
+        lp += __shfl_xor_sync(0xffffffffu, lp, o);
+#pragma unroll
+        for (int gv = 0; gv < D / 16; gv++) bsum[gv] += __shfl_xor_sync(0xffffffffu, bsum[gv], o);
+    }
+    /* out[d] = sum P v = (O_hi + O_lo) / P_SCALE + the group's bias sum */
+    float out[D / 8][2];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            out[dn][j] = (o_acc[dn][j] + o_acc[dn][2 + j]) * (1.0f / P_SCALE) + bsum[dn * 8 / VG]; /* VG >= 16 */
+
+    if (PREFILL) { /* each warp its own rows */
+        if (!row_on) return;
+        float *part = attn_part(a, ti, h, n_splits, split);
+#pragma unroll
+        for (int dn = 0; dn < D / 8; dn++) *(float2 *)(part + 4 + dn * 8 + 2 * t) = make_float2(out[dn][0], out[dn][1]);
+        if (t == 0) *(float4 *)part = make_float4(m, l, lp, split == 0 ? (float)n_eff : 0.0f);
+        return;
+    }
+    /* decode: the 4 warps' sums of the same rows merged (in the stage memory) */
+    __syncthreads();
+    float *ml = (float *)smem;                  /* [warp][8 rows][3] */
+    float *ob = ml + 4 * 8 * 3;                 /* [warp][8 rows][D] */
+    if (t == 0) ml[(warp * 8 + g) * 3] = m, ml[(warp * 8 + g) * 3 + 1] = l, ml[(warp * 8 + g) * 3 + 2] = lp;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; dn++)
+        *(float2 *)(ob + (warp * 8 + g) * D + dn * 8 + 2 * t) = make_float2(out[dn][0], out[dn][1]);
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * D; e += TILE_THREADS) { /* rows 0..G-1: the token's heads */
+        const int r = e / D, d = e % D;
+        float M = -INFINITY;
+        for (int w = 0; w < 4; w++) M = fmaxf(M, ml[(w * 8 + r) * 3]);
+        float L = 0, LP = 0, A = 0;
+        for (int w = 0; w < 4; w++) {
+            const float mw = ml[(w * 8 + r) * 3], f = mw == -INFINITY ? 0.0f : __expf(mw - M);
+            L += ml[(w * 8 + r) * 3 + 1] * f;
+            LP += ml[(w * 8 + r) * 3 + 2] * f;
+            A += ob[(w * 8 + r) * D + d] * f;
+        }
+        float *part = attn_part(a, grp.t0, kvh * G + r, n_splits, split);
+        part[4 + d] = A;
+        if (d == 0) *(float4 *)part = make_float4(M, L, LP, split == 0 ? (float)n_eff : 0.0f);
+    }
+}
+
+template <int D, int KB, int VB, int GS, int G, bool PREFILL>
+static int launch(cuk_queue *qu, const cuk_attn_args *a) {
+    static int per_sm;
+    constexpr int groups = D / (KB < 16 ? GS : D) + D / (VB < 16 ? GS : D);
+    const size_t smem = 2 * (stage_halves<D>() * 2 + (size_t)TILE * groups * sizeof(float2));
+    if (per_sm == 0) {
+        cudaFuncSetAttribute(attn_tile<D, KB, VB, GS, G, PREFILL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attn_tile<D, KB, VB, GS, G, PREFILL>, TILE_THREADS,
+                                                          smem) != cudaSuccess ||
+            per_sm < 1)
+            per_sm = 1;
+    }
+    const long items = (long)a->n_groups * a->n_kv;
+    long s = (long)per_sm * a->n_sm / items;
+    const long room = 32L * 8 * a->n_sm / ((long)a->n * a->n_head); /* cuk_attention_scratch_floats' bound */
+    if (s > room) s = room;
+    const int n_splits = s < 1 ? 1 : s > ATTN_MAX_SPLITS ? ATTN_MAX_SPLITS : (int)s;
+    pdl_launch_smem(attn_tile<D, KB, VB, GS, G, PREFILL>, dim3((unsigned)items, (unsigned)n_splits),
+                    dim3(TILE_THREADS), smem, qu, *a, n_splits, attn_tile_prepped(a));
+    return n_splits;
+}
+
+template <int D, int KB, int VB, int GS>
+static int launch_g(cuk_queue *qu, const cuk_attn_args *a) {
+    const bool pre = a->max_group > 1;
+    switch (a->n_head / a->n_kv) {
+    case 1: return pre ? launch<D, KB, VB, GS, 1, true>(qu, a) : launch<D, KB, VB, GS, 1, false>(qu, a);
+    case 2: return pre ? launch<D, KB, VB, GS, 2, true>(qu, a) : launch<D, KB, VB, GS, 2, false>(qu, a);
+    case 4: return pre ? launch<D, KB, VB, GS, 4, true>(qu, a) : launch<D, KB, VB, GS, 4, false>(qu, a);
+    default: return pre ? launch<D, KB, VB, GS, 8, true>(qu, a) : launch<D, KB, VB, GS, 8, false>(qu, a);
+    }
+}
+
+/* The packed formats with groups of 32 or 64 (the same for keys and values). */
+template <int D, int KB, int VB>
+static int launch_gs(cuk_queue *qu, const cuk_attn_args *a) {
+    const int gs = KB < 16 ? a->k_group : a->v_group;
+    return gs == 32 ? launch_g<D, KB, VB, 32>(qu, a) : launch_g<D, KB, VB, 64>(qu, a);
+}
+
+template <int D>
+static int launch_formats(cuk_queue *qu, const cuk_attn_args *a) {
+    const int kb = a->k_bits, vb = a->v_bits;
+    if (kb == 16 && vb == 16) return launch_g<D, 16, 16, D>(qu, a);
+    if (kb == 8 && vb == 8) return launch_gs<D, 8, 8>(qu, a);
+    if (kb == 8 && vb == 4) return launch_gs<D, 8, 4>(qu, a);
+    return launch_gs<D, 4, 4>(qu, a);
+}
+
+bool attn_tile_prepped(const cuk_attn_args *a) { return a->k_rot || a->k_bits < 16; }
+
+bool attn_tile_takes(const cuk_attn_args *a) {
+    const int D = a->head_dim, G = a->n_head / a->n_kv, kb = a->k_bits, vb = a->v_bits;
+    /* groups a k-step stays inside, at most 2 (scale, bias) words a thread; rows on the
+     * boundaries the loads need */
+    const bool groups_ok = (kb == 16 && vb == 16) || ((a->k_group == 32 || a->k_group == 64) && a->v_group == a->k_group &&
+                                                      TILE * (D / a->k_group) <= 2 * TILE_THREADS);
+    const bool aligned = a->k_row % 8 == 0 && a->v_row % 8 == 0 && a->head_bytes % 16 == 0 && a->win_row % 16 == 0;
+    const bool formats = (kb == 16 && vb == 16) || (kb == 8 && (vb == 8 || vb == 4)) || (kb == 4 && vb == 4);
+    return formats && groups_ok && aligned && (D == 64 || D == 128) && G * a->n_kv == a->n_head &&
+           (G == 1 || G == 2 || G == 4 || G == 8) && a->n_groups > 0 && a->max_group <= 32;
+}
+
+int attn_tile_launch(cuk_queue *qu, const cuk_attn_args *a) {
+    return a->head_dim == 64 ? launch_formats<64>(qu, a) : launch_formats<128>(qu, a);
+}

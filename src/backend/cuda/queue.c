@@ -1,0 +1,291 @@
+/* The launch queue (queue.h): a record of launches and copies, issued one by one or
+ * as a CUDA graph. A record seen a second time (by hash, among the last few issued
+ * without a graph) is captured into a graph; later identical records replay it. A
+ * step may be issued in several records (segments), so each graph remembers the one
+ * that followed it, which is compared first. */
+#include "backend/cuda/queue.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define GRAPHS_MAX 64 /* graphs kept (least recently used dropped) */
+#define RECENT CUK_QUEUE_RECENT
+
+/* One launch, or a copy (func NULL). All fields set, no padding: records compare
+ * byte for byte. */
+struct cuk_rec_entry {
+    const void *func;
+    void *dst;
+    const void *src;
+    size_t bytes;
+    uint32_t grid[3], block[3];
+    uint32_t smem, pdl, arg0, n_args; /* arguments: offs[arg0 .. arg0 + n_args) into blob */
+};
+
+struct cuk_graph {
+    uint64_t hash, used;
+    int next; /* the graph issued after this one last time, or -1 */
+    struct cuk_rec_entry *ent;
+    uint32_t *offs;
+    uint8_t *blob;
+    int n_ent, n_offs;
+    size_t blob_len;
+    cudaGraphExec_t exec;
+};
+
+static void fail(struct cuk_queue *q, cudaError_t e) {
+    if (e != cudaSuccess && q->err == cudaSuccess) q->err = e;
+}
+
+static bool grow(void **p, int *cap, int need, size_t elem) {
+    if (need <= *cap) return true;
+    int c = *cap ? *cap : 256;
+    while (c < need) c *= 2;
+    void *n = realloc(*p, elem * (size_t)c);
+    if (!n) return false;
+    *p = n;
+    *cap = c;
+    return true;
+}
+
+static struct cuk_rec_entry *new_entry(struct cuk_queue *q) {
+    if (!grow((void **)&q->ent, &q->cap_ent, q->n_ent + 1, sizeof *q->ent)) {
+        fail(q, cudaErrorMemoryAllocation);
+        return NULL;
+    }
+    struct cuk_rec_entry *e = &q->ent[q->n_ent++];
+    memset(e, 0, sizeof *e);
+    return e;
+}
+
+static void launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 block, size_t smem, bool pdl, void **args) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {0};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = q->stream;
+    cfg.attrs = pdl ? &attr : NULL;
+    cfg.numAttrs = pdl ? 1 : 0;
+    fail(q, cudaLaunchKernelExC(&cfg, func, args));
+}
+
+static void issue_one(struct cuk_queue *q, const struct cuk_rec_entry *e, const uint32_t *offs, uint8_t *blob) {
+    if (!e->func) {
+        fail(q, cudaMemcpyAsync(e->dst, e->src, e->bytes, cudaMemcpyHostToDevice, q->stream));
+        return;
+    }
+    void *args[64];
+    for (uint32_t i = 0; i < e->n_args; i++) args[i] = blob + offs[e->arg0 + i];
+    launch(q, e->func, (dim3){e->grid[0], e->grid[1], e->grid[2]}, (dim3){e->block[0], e->block[1], e->block[2]},
+           e->smem, e->pdl, args);
+}
+
+void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 block, size_t smem, bool pdl,
+                      void **args, const size_t *sizes, int n_args) {
+    if (!q->recording) {
+        launch(q, func, grid, block, smem, pdl, args);
+        return;
+    }
+    struct cuk_rec_entry *e = n_args <= 64 ? new_entry(q) : NULL;
+    if (!e) {
+        fail(q, cudaErrorInvalidValue);
+        return;
+    }
+    e->func = func;
+    e->grid[0] = grid.x, e->grid[1] = grid.y, e->grid[2] = grid.z;
+    e->block[0] = block.x, e->block[1] = block.y, e->block[2] = block.z;
+    e->smem = (uint32_t)smem;
+    e->pdl = pdl;
+    e->n_args = (uint32_t)n_args;
+    /* arguments at 16-byte aligned offsets, the gaps zeroed */
+    size_t need = q->blob_len;
+    for (int i = 0; i < n_args; i++) need = ((need + 15) & ~(size_t)15) + sizes[i];
+    if (need > q->blob_cap) {
+        size_t cap = q->blob_cap ? q->blob_cap : (size_t)1 << 16;
+        while (cap < need) cap *= 2;
+        uint8_t *b = realloc(q->blob, cap);
+        if (!b) {
+            q->n_ent--;
+            fail(q, cudaErrorMemoryAllocation);
+            return;
+        }
+        q->blob = b;
+        q->blob_cap = cap;
+    }
+    if (!grow((void **)&q->offs, &q->cap_offs, q->n_offs + n_args, sizeof *q->offs)) {
+        q->n_ent--;
+        fail(q, cudaErrorMemoryAllocation);
+        return;
+    }
+    e->arg0 = (uint32_t)q->n_offs;
+    for (int i = 0; i < n_args; i++) {
+        size_t at = (q->blob_len + 15) & ~(size_t)15;
+        memset(q->blob + q->blob_len, 0, at - q->blob_len);
+        memcpy(q->blob + at, args[i], sizes[i]);
+        q->offs[q->n_offs++] = (uint32_t)at;
+        q->blob_len = at + sizes[i];
+    }
+}
+
+void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes) {
+    if (!bytes) return;
+    if (!q->recording) {
+        fail(q, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, q->stream));
+        return;
+    }
+    struct cuk_rec_entry *e = new_entry(q);
+    if (!e) return;
+    e->dst = dst;
+    e->src = src;
+    e->bytes = bytes;
+}
+
+/* A hash of n bytes, 8 at a time (records are tens of kilobytes). */
+static uint64_t hash_bytes(uint64_t h, const void *p, size_t n) {
+    const uint8_t *b = p;
+    for (; n >= 8; n -= 8, b += 8) {
+        uint64_t w;
+        memcpy(&w, b, 8);
+        h = (h ^ w) * 0x9e3779b97f4a7c15ull;
+        h ^= h >> 29;
+    }
+    for (; n > 0; n--, b++) h = (h ^ *b) * 0x100000001b3ull;
+    return h;
+}
+
+static uint64_t record_hash(const struct cuk_queue *q) {
+    uint64_t h = hash_bytes(0xcbf29ce484222325ull, q->ent, sizeof *q->ent * (size_t)q->n_ent);
+    h = hash_bytes(h, q->offs, sizeof *q->offs * (size_t)q->n_offs);
+    return hash_bytes(h, q->blob, q->blob_len);
+}
+
+static bool same_record(const struct cuk_graph *g, const struct cuk_queue *q) {
+    return g->n_ent == q->n_ent && g->n_offs == q->n_offs && g->blob_len == q->blob_len &&
+           memcmp(g->ent, q->ent, sizeof *q->ent * (size_t)q->n_ent) == 0 &&
+           memcmp(g->offs, q->offs, sizeof *q->offs * (size_t)q->n_offs) == 0 &&
+           memcmp(g->blob, q->blob, q->blob_len) == 0;
+}
+
+static bool listed(const uint64_t *list, int n, uint64_t h) {
+    for (int i = 0; i < n; i++)
+        if (list[i] == h) return true;
+    return false;
+}
+
+static void remember(uint64_t *list, int *n, uint64_t h) {
+    if (*n == RECENT) memmove(list, list + 1, sizeof *list * (RECENT - 1));
+    else (*n)++;
+    list[*n - 1] = h;
+}
+
+static void issue_all(struct cuk_queue *q) {
+    for (int i = 0; i < q->n_ent; i++) issue_one(q, &q->ent[i], q->offs, q->blob);
+}
+
+static void graph_free(struct cuk_graph *g) {
+    if (g->exec) cudaGraphExecDestroy(g->exec);
+    free(g->ent);
+    free(g->offs);
+    free(g->blob);
+    memset(g, 0, sizeof *g);
+}
+
+/* Captures the record into a graph (not run); false when that fails (it is then to
+ * be issued launch by launch). */
+static bool capture(struct cuk_queue *q, uint64_t hash, struct cuk_graph **out) {
+    if (!q->graph && !(q->graph = calloc(GRAPHS_MAX, sizeof *q->graph))) return false;
+    struct cuk_graph *g = &q->graph[0];
+    if (q->n_graph < GRAPHS_MAX) {
+        g = &q->graph[q->n_graph];
+    } else {
+        for (int i = 1; i < GRAPHS_MAX; i++)
+            if (q->graph[i].used < g->used) g = &q->graph[i];
+        graph_free(g);
+    }
+    if (cudaStreamBeginCapture(q->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+    }
+    const cudaError_t before = q->err;
+    issue_all(q);
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(q->stream, &graph);
+    bool ok = e == cudaSuccess && q->err == before && graph;
+    q->err = before;
+    if (ok) ok = cudaGraphInstantiate(&g->exec, graph, 0) == cudaSuccess;
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError(); /* a failed capture leaves no sticky error */
+    if (ok) {
+        g->ent = malloc(sizeof *q->ent * (size_t)q->n_ent);
+        g->offs = malloc(sizeof *q->offs * (size_t)(q->n_offs ? q->n_offs : 1));
+        g->blob = malloc(q->blob_len ? q->blob_len : 1);
+        ok = g->ent && g->offs && g->blob;
+    }
+    if (!ok) {
+        graph_free(g);
+        return false;
+    }
+    memcpy(g->ent, q->ent, sizeof *q->ent * (size_t)q->n_ent);
+    memcpy(g->offs, q->offs, sizeof *q->offs * (size_t)q->n_offs);
+    memcpy(g->blob, q->blob, q->blob_len);
+    g->n_ent = q->n_ent;
+    g->n_offs = q->n_offs;
+    g->blob_len = q->blob_len;
+    g->hash = hash;
+    g->next = -1;
+    if (g == &q->graph[q->n_graph]) q->n_graph++;
+    *out = g;
+    return true;
+}
+
+void cuk_queue_issue(struct cuk_queue *q) {
+    if (q->n_ent == 0) return;
+    struct cuk_graph *g = NULL;
+    if (q->graphs) {
+        /* the graph that followed the last one, else any of the same hash */
+        const int expect = q->last >= 0 && q->last < q->n_graph ? q->graph[q->last].next : -1;
+        if (expect >= 0 && expect < q->n_graph && same_record(&q->graph[expect], q)) g = &q->graph[expect];
+        const uint64_t h = g ? g->hash : record_hash(q);
+        for (int i = 0; i < q->n_graph && !g; i++)
+            if (q->graph[i].hash == h && same_record(&q->graph[i], q)) g = &q->graph[i];
+        if (g) {
+            q->n_replays++;
+        } else if (listed(q->seen, q->n_seen, h) && !listed(q->never, q->n_never, h)) {
+            if (capture(q, h, &g)) q->n_captures++;
+            else remember(q->never, &q->n_never, h);
+        } else {
+            remember(q->seen, &q->n_seen, h);
+        }
+    }
+    if (g) {
+        const int gi = (int)(g - q->graph);
+        if (q->last >= 0 && q->last < q->n_graph) q->graph[q->last].next = gi;
+        q->last = gi;
+        g->used = ++q->clock;
+        fail(q, cudaGraphLaunch(g->exec, q->stream));
+    } else {
+        q->last = -1;
+        issue_all(q);
+        q->n_eager++;
+    }
+    q->n_ent = q->n_offs = 0;
+    q->blob_len = 0;
+}
+
+cudaError_t cuk_queue_error(struct cuk_queue *q) {
+    cudaError_t e = q->err;
+    q->err = cudaSuccess;
+    return e;
+}
+
+void cuk_queue_free(struct cuk_queue *q) {
+    for (int i = 0; i < q->n_graph; i++) graph_free(&q->graph[i]);
+    free(q->graph);
+    free(q->ent);
+    free(q->offs);
+    free(q->blob);
+    memset(q, 0, sizeof *q);
+}

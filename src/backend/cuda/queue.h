@@ -1,0 +1,65 @@
+/* Where the CUDA backend's work goes: launched on its stream at once, or recorded
+ * while a step is planned and issued at the step's end, as a CUDA graph when the same
+ * step (the same kernels, launch shapes and argument bytes, in order) was recorded
+ * before. A decode step is hundreds of small launches whose host cost exceeds their
+ * GPU time; a graph launch replaces them, and whatever changes between steps
+ * (positions, block addresses) is data the kernels read from device memory, not
+ * launch arguments. */
+#ifndef KVQ_BACKEND_CUDA_QUEUE_H
+#define KVQ_BACKEND_CUDA_QUEUE_H
+
+#include <cuda_runtime_api.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct cuk_rec_entry;
+struct cuk_graph;
+
+/* Hashes remembered of records issued without a graph (a step issues several). */
+#define CUK_QUEUE_RECENT 64
+
+struct cuk_queue {
+    cudaStream_t stream;
+    cudaError_t err;  /* the first failed launch or copy since the last cuk_queue_error() */
+    bool recording;   /* launches and copies are recorded, not issued */
+    bool graphs;      /* cuk_queue_issue may replay or capture graphs */
+    /* the record: entries, argument offsets and argument bytes */
+    struct cuk_rec_entry *ent;
+    int n_ent, cap_ent;
+    uint32_t *offs;
+    int n_offs, cap_offs;
+    uint8_t *blob;
+    size_t blob_len, blob_cap;
+    /* captured graphs, and the hashes of records issued without one lately */
+    struct cuk_graph *graph;
+    int n_graph, last; /* last: the graph issued last (-1: none, or launches) */
+    uint64_t seen[CUK_QUEUE_RECENT], never[CUK_QUEUE_RECENT];
+    int n_seen, n_never;
+    uint64_t clock;
+    long n_replays, n_captures, n_eager; /* issues of records, by how */
+};
+
+/* A kernel launch (args[i] points to argument i of sizes[i] bytes), with programmatic
+ * dependent launch (launch.cuh) when pdl. */
+void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 block, size_t smem, bool pdl,
+                      void **args, const size_t *sizes, int n_args);
+/* A copy from pinned host memory to the device; the host bytes are read when the
+ * copy runs, so they must stay as they are until then. */
+void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes);
+/* Issues the record (in order: a replayed graph, a newly captured one, or launch by
+ * launch) and empties it; recording stays as it is. */
+void cuk_queue_issue(struct cuk_queue *q);
+/* The first error since the last call (cudaSuccess if none), cleared. */
+cudaError_t cuk_queue_error(struct cuk_queue *q);
+void cuk_queue_free(struct cuk_queue *q);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
