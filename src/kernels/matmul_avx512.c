@@ -356,22 +356,10 @@ static const struct kern_tiling kquant_tiling = {.rows_1 = 1, .rows_n = 1, .chun
 static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 4, .chunk_bytes = 65536, .chunk_align = 4,
                                                 .pf_tiles = PF_TILES};
 
-/* From this many tokens the 16-row transposed tiles are faster than the row-major ones
- * (measured in batched decode: at 4 tokens the row-major tiles, with their prefetch, win). */
-#ifndef ROWS16_MIN_TOK
-#define ROWS16_MIN_TOK 5
-#endif
-
 void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
-    case KVQ_Q8_0:
-        if (a->n_tok >= ROWS16_MIN_TOK) r0 = kern_matmul_rows16_avx512(a, r0, r1);
-        kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0);
-        break;
-    case KVQ_Q4_0:
-        if (a->n_tok >= ROWS16_MIN_TOK) r0 = kern_matmul_rows16_avx512(a, r0, r1);
-        kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0);
-        break;
+    case KVQ_Q8_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0); break;
+    case KVQ_Q4_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0); break;
     case KVQ_Q4_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q4k); break;
     case KVQ_Q6_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q6k); break;
     case KVQ_F32: kern_tile_loop(a, r0, r1, float_tiling, tile_f32); break;

@@ -43,9 +43,6 @@ typedef void (*kern_attn_fn)(struct kern_attn_state *s, const float *q, const vo
 void kern_matmul_scalar(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
 void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
 void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
-/* Q8_0 / Q4_0 weights, several tokens (matmul_rows16_avx512.c): rows [r0, re) in
- * tiles of 16 rows, re the last multiple of 16 rows from r0; returns re. */
-int64_t kern_matmul_rows16_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
 
 /* SIMD activation preparation (same bytes as the scalar one); returns 0 when it
  * does not handle the type. */
