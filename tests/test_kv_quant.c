@@ -225,14 +225,17 @@ static void test_attention(void) {
                 {4, 32, 4, 32}, {8, 32, 4, 128}, {4, 128, 8, 32}, {8, 128, 8, 128},
                 /* float rows on both sides: the runs entry point takes the float kernel */
                 {16, 0, 16, 0}, {32, 0, 32, 0}};
-    const int d = 128, ratios[] = {1, 2, 3, 4, 8, 9}, lens[] = {1, 31, 33, 200};
+    const int ratios[] = {1, 2, 3, 4, 7, 8, 9}, lens[] = {1, 31, 33, 200};
     const char *names[] = {"scalar", "avx2", "avx512"};
     attn_fn fns[] = {kern_kvq_attn_scalar, kern_kvq_attn_avx2, kern_kvq_attn_avx512};
     bool have[] = {true, kvq_simd_available(KVQ_SIMD_AVX2), kvq_simd_available(KVQ_SIMD_AVX512)};
+    /* head_dim 64 too: 4-bit keys of 64 values take the two-rows-per-vector scoring */
+    for (int d = 128; d >= 64; d -= 64)
     for (size_t fi = 0; fi < sizeof fmts / sizeof fmts[0]; fi++)
-        for (int ri = 0; ri < 6; ri++)
+        for (int ri = 0; ri < 7; ri++)
             for (int li = 0; li < 4; li++) {
                 int nq = ratios[ri], n = lens[li];
+                if (d == 64 && (fmts[fi].kg > 64 || fmts[fi].vg > 64)) continue;
                 int kb = fmts[fi].kb, kg = fmts[fi].kg, vb = fmts[fi].vb, vg = fmts[fi].vg;
                 size_t kr = kern_kvq_row_bytes(kb, kg, d), vr = kern_kvq_row_bytes(vb, vg, d);
                 uint8_t *K = malloc(kr * n), *V = malloc(vr * n);

@@ -71,8 +71,9 @@ void kern_kvq_attn_avx512g(struct kern_attn_state *s, int h0, int nh, const floa
 /* -O2 keeps the small fixed loops below rolled, which puts the accumulator arrays in
  * memory: unroll them explicitly. */
 #define UNR _Pragma("GCC unroll 16")
-#define FQ 4     /* rows scored together */
-#define FMAXH 4 /* heads per fast-path pass */
+#define FMAXH 8 /* heads per fast-path pass: a GQA group of up to 8 reads the rows once */
+/* Rows scored together: 4, or 2 above 4 heads (the accumulators fit the registers). */
+#define FQ_OF(NH) ((NH) > 4 ? 2 : 4)
 
 static void to_code_order(const float *x, float *y, int d) {
     for (int c = 0; c < d; c += 32)
@@ -89,12 +90,17 @@ static void from_code_order(const float *y, float *x, int d) {
         }
 }
 
-/* 4 row accumulators -> one vector whose every 128-bit lane holds [a,b,c,d] partials. */
-static inline __m512 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+/* 2 row accumulators -> every 128-bit lane holds [a,b,a,b] partials. */
+static inline __m512 pair2(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
+/* 2 pair2 results -> every 128-bit lane holds [a,b,c,d] partials. */
+static inline __m512 join2(__m512 ab, __m512 cd) {
     return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
 }
+/* 4 row accumulators -> one vector whose every 128-bit lane holds [a,b,c,d] partials. */
+static inline __m512 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) { return join2(pair2(a, b), pair2(c, d)); }
+/* FQ (2 or 4) row accumulators of a head -> pair2 / reduce4 form. */
+#define REDUCE_FQ(FQ, acc, h)                                                                                          \
+    ((FQ) == 4 ? reduce4(acc[0][h], acc[1][h], acc[2][h], acc[3][h]) : pair2(acc[0][h], acc[1][h]))
 /* 4 reduce4 results (16 rows) -> the 16 row sums in order. */
 static inline __m512 reduce16(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
     __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x44), _mm512_shuffle_f32x4(x0, x1, 0xEE));
@@ -123,24 +129,38 @@ static inline __m512 sb8(const uint8_t *sb, int g0, int ng) {
     }
 }
 
+/* The [s, b] f16 pairs of nr consecutive rows (wf = 2 or 4 halves each, 16 / wf rows
+ * at most) side by side; zeros past them. From registers: small stores read back as
+ * a vector stall store forwarding. */
+static inline __m256i sb_rows(const uint8_t *p, size_t stride, int wf, int nr) {
+    if (wf == 4) {
+        long long x[4] = {0, 0, 0, 0};
+        for (int r = 0; r < nr; r++) memcpy(&x[r], p + (size_t)r * stride, 8);
+        return _mm256_set_epi64x(x[3], x[2], x[1], x[0]);
+    }
+    int y[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int r = 0; r < nr; r++) memcpy(&y[r], p + (size_t)r * stride, 4);
+    return _mm256_set_epi32(y[7], y[6], y[5], y[4], y[3], y[2], y[1], y[0]);
+}
+
 static inline void pf_row(const uint8_t *p, size_t bytes) {
     for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
     _mm_prefetch((const char *)p + bytes - 1, _MM_HINT_T0);
 }
 
-/* Partial scores of FQ rows for NH heads: out[h] as reduce4 leaves them.
+/* Partial scores of FQ rows for NH heads: out[h] as REDUCE_FQ leaves them.
  * qp: [NH][d] q in the K code order; qb: [NH][ng8][16] = [0,qsum_g,...] per 8 groups. */
-INLINE void fq_scores(const int KB, const int NH, const float *qp, const __m512 *qb, int d, int G,
-                      const uint8_t *const rows[FQ], __m512 *out) {
+INLINE void fq_scores(const int KB, const int NH, const int FQ, const float *qp, const __m512 *qb, int d, int G,
+                      const uint8_t *const *rows, __m512 *out) {
     const int ng = d / G, ng8 = (ng + 7) / 8;
     const size_t cbytes = (size_t)d * KB / 8;
-    __m512 acc[FQ][FMAXH];
+    __m512 acc[4][FMAXH];
     UNR
     for (int r = 0; r < FQ; r++)
         UNR
         for (int h = 0; h < NH; h++) acc[r][h] = _mm512_setzero_ps();
     for (int gc = 0; gc < ng; gc += 8) {
-        __m512 sbv[FQ];
+        __m512 sbv[4];
         UNR
         for (int r = 0; r < FQ; r++) {
             sbv[r] = sb8(rows[r] + cbytes, gc, ng);
@@ -150,7 +170,7 @@ INLINE void fq_scores(const int KB, const int NH, const float *qp, const __m512 
         const int ge = gc + 8 < ng ? gc + 8 : ng;
         for (int g = gc; g < ge; g++) {
             const __m512i bi = _mm512_set1_epi32(2 * (g - gc));
-            __m512 sc[FQ];
+            __m512 sc[4];
             UNR
             for (int r = 0; r < FQ; r++) sc[r] = _mm512_permutexvar_ps(bi, sbv[r]);
             for (int c = g * G; c < (g + 1) * G; c += 32) {
@@ -181,7 +201,7 @@ INLINE void fq_scores(const int KB, const int NH, const float *qp, const __m512 
         }
     }
     UNR
-    for (int h = 0; h < NH; h++) out[h] = reduce4(acc[0][h], acc[1][h], acc[2][h], acc[3][h]);
+    for (int h = 0; h < NH; h++) out[h] = REDUCE_FQ(FQ, acc, h);
 }
 
 /* ---- VNNI scoring: the query as int8, the key codes as unsigned bytes ----
@@ -232,14 +252,14 @@ static void vnni_prepare(struct vnni_q *v, const int KB, const int NH, const flo
     }
 }
 
-/* The same partial scores as fq_scores, from int8 q: out[h] as reduce4 leaves them.
+/* The same partial scores as fq_scores, from int8 q: out[h] as REDUCE_FQ leaves them.
  * qbs: fq_scores's bias vectors divided by the head's sq (everything is scaled by sq
  * at the end). */
-INLINE void fq_scores_vnni(const int KB, const int NH, const struct vnni_q *v, const __m512 *qbs, int d, int G,
-                           const uint8_t *const rows[FQ], __m512 *out) {
+INLINE void fq_scores_vnni(const int KB, const int NH, const int FQ, const struct vnni_q *v, const __m512 *qbs, int d,
+                           int G, const uint8_t *const *rows, __m512 *out) {
     const int ng = d / G, ng8 = (ng + 7) / 8, n_chunk = d * KB / 512;
     const size_t cbytes = (size_t)d * KB / 8;
-    __m512 acc[FQ][FMAXH], sbv[FQ];
+    __m512 acc[4][FMAXH], sbv[4];
     UNR
     for (int r = 0; r < FQ; r++) {
         sbv[r] = _mm512_setzero_ps(); /* set at chunk 0 (window 0) */
@@ -282,11 +302,163 @@ INLINE void fq_scores_vnni(const int KB, const int NH, const struct vnni_q *v, c
     }
     UNR
     for (int h = 0; h < NH; h++)
-        out[h] = _mm512_mul_ps(reduce4(acc[0][h], acc[1][h], acc[2][h], acc[3][h]), _mm512_set1_ps(v->sq[h]));
+        out[h] = _mm512_mul_ps(REDUCE_FQ(FQ, acc, h), _mm512_set1_ps(v->sq[h]));
+}
+
+/* ---- VNNI scoring of keys of 64 values, 16 rows at a time ----
+ * vpdpbusd leaves int32 lanes of partial dot products: per 4-bit row (32 code bytes,
+ * half a vector, so two rows per vector: low nibbles against the even values of q,
+ * high nibbles against the odd ones) 8 lanes of 8 values, per 8-bit row 16 lanes of
+ * 4 values. The lanes of 16 rows are added in integers down to one per (row, half:
+ * values 0-31 A, 32-63 B) before any float work, then scaled per half: far fewer
+ * vector operations per row and head than a float accumulator per row (fq_scores_vnni,
+ * whose arithmetic this is). */
+struct pair_q {
+    int8_t e[FMAXH][64] __attribute__((aligned(64))); /* 4-bit: q8 of the even values, twice; 8-bit: q8 */
+    int8_t o[FMAXH][64] __attribute__((aligned(64))); /* 4-bit: q8 of the odd values, twice */
+    float sq[FMAXH], qa[FMAXH], qb[FMAXH];            /* q scale; sum of q over halves A, B */
+};
+
+static void pair_prepare(struct pair_q *v, const int KB, const int NH, const float *q, int G) {
+    for (int h = 0; h < NH; h++) {
+        const float *qh = q + (size_t)h * 64;
+        float amax = 0, sa = 0, sb = 0;
+        for (int i = 0; i < 64; i++) {
+            amax = fabsf(qh[i]) > amax ? fabsf(qh[i]) : amax;
+            if (i < 32) sa += qh[i];
+            else sb += qh[i];
+        }
+        const float sq = amax > 0 ? amax / 127.0f : 1.0f;
+        for (int i = 0; i < 64; i++) {
+            const int8_t x = (int8_t)lrintf(qh[i] / sq);
+            int8_t *dst = i & 1 ? v->o[h] : v->e[h];
+            if (KB == 8) v->e[h][i] = x;
+            else dst[i / 2] = dst[32 + i / 2] = x;
+        }
+        v->sq[h] = sq;
+        /* one group of 64: its bias takes the sum of all of q, half B's none */
+        v->qa[h] = G == 64 ? sa + sb : sa;
+        v->qb[h] = G == 64 ? 0.0f : sb;
+    }
+}
+
+/* Sums of the lanes of 16 rows (four per 128-bit lane) for 4-bit keys: p[i] holds
+ * rows 2i, 2i+1, each as [half A: 4 lanes, half B: 4 lanes]. Returns rows 0-7 in *e
+ * and 8-15 in *f, 128-bit lane 0 rows 0,2,4,6 half A, lane 1 the same rows half B,
+ * lanes 2, 3 rows 1,3,5,7 (+8 in *f). */
+INLINE void sum_lanes4(const __m512i p[8], __m512i *e, __m512i *f) {
+    __m512i c[4];
+    UNR
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+    *e = _mm512_add_epi32(_mm512_unpacklo_epi64(c[0], c[1]), _mm512_unpackhi_epi64(c[0], c[1]));
+    *f = _mm512_add_epi32(_mm512_unpacklo_epi64(c[2], c[3]), _mm512_unpackhi_epi64(c[2], c[3]));
+}
+
+/* The same for 8-bit keys: p[r] holds row r, lanes 0-7 half A, 8-15 half B. Returns
+ * 128-bit lanes [A rows 0-3, B rows 0-3, A rows 4-7, B rows 4-7] (+8 in *f). */
+INLINE void sum_lanes8(const __m512i p[16], __m512i *e, __m512i *f) {
+    __m512i t[8], u[4];
+    UNR
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+    UNR
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    *e = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    *f = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Scores of 16 rows (rows[i], the last ones may repeat) for NH heads into sc[h][j16..]. */
+INLINE void pair_scores16(const int KB, const int NH, const struct pair_q *v, int G, const uint8_t *const rows[16],
+                          float sc[][KVQ_ATTN_BLOCK], int j16, int nv) {
+    /* per row [scale A, bias A, scale B, bias B] (one group of 64: [s, b, s, 0]), built
+     * in registers (small stores read back as a vector stall store forwarding) */
+    long long raw[16];
+    UNR
+    for (int r = 0; r < 16; r++) {
+        if (G == 64) {
+            uint32_t x;
+            memcpy(&x, rows[r] + 8 * KB, 4);
+            raw[r] = (long long)((uint64_t)x | (uint64_t)(x & 0xFFFF) << 32);
+        } else {
+            memcpy(&raw[r], rows[r] + 8 * KB, 8);
+        }
+    }
+    __m512 c[4]; /* rows 4i..4i+3 */
+    UNR
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_cvtph_ps(_mm256_set_epi64x(raw[4 * i + 3], raw[4 * i + 2], raw[4 * i + 1], raw[4 * i]));
+    /* the scales in the layout the integer sums end in (c[i] lane 4 * (row % 4) + field) */
+    const __m512i sidx = KB == 4 ? _mm512_set_epi32(30, 22, 14, 6, 28, 20, 12, 4, 26, 18, 10, 2, 24, 16, 8, 0)
+                                 : _mm512_set_epi32(30, 26, 22, 18, 28, 24, 20, 16, 14, 10, 6, 2, 12, 8, 4, 0);
+    const __m512 se = _mm512_permutex2var_ps(c[0], sidx, c[1]), sf = _mm512_permutex2var_ps(c[2], sidx, c[3]);
+    /* biases in row order */
+    const __m512i bidx = _mm512_set_epi32(29, 25, 21, 17, 13, 9, 5, 1, 29, 25, 21, 17, 13, 9, 5, 1);
+    const __mmask16 hi8 = 0xFF00;
+    const __m512 ba = _mm512_mask_blend_ps(hi8, _mm512_permutex2var_ps(c[0], bidx, c[1]), _mm512_permutex2var_ps(c[2], bidx, c[3]));
+    const __m512i bidx2 = _mm512_add_epi32(bidx, _mm512_set1_epi32(2));
+    const __m512 bb = _mm512_mask_blend_ps(hi8, _mm512_permutex2var_ps(c[0], bidx2, c[1]), _mm512_permutex2var_ps(c[2], bidx2, c[3]));
+    /* 4-bit: where row r's sum lands, (r / 8) * 8 + (r % 2) * 4 + (r % 8) / 2 */
+    const __m512i ridx = _mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512i x[16], y[8]; /* 4-bit: low and high nibbles of rows 2i, 2i+1; 8-bit: row i */
+    UNR
+    for (int i = 0; i < 8; i++) {
+        if (KB == 4) {
+            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)rows[2 * i])),
+                                                 _mm256_loadu_si256((const __m256i *)rows[2 * i + 1]), 1);
+            x[i] = _mm512_and_si512(z, m4);
+            y[i] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+        } else {
+            x[2 * i] = _mm512_loadu_si512(rows[2 * i]);
+            x[2 * i + 1] = _mm512_loadu_si512(rows[2 * i + 1]);
+        }
+    }
+    UNR
+    for (int h = 0; h < NH; h++) {
+        const __m512i qe = _mm512_load_si512(v->e[h]);
+        __m512i p[16], e, f;
+        if (KB == 4) {
+            const __m512i qo = _mm512_load_si512(v->o[h]);
+            UNR
+            for (int i = 0; i < 8; i++) p[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x[i], qe), y[i], qo);
+            sum_lanes4(p, &e, &f);
+        } else {
+            UNR
+            for (int i = 0; i < 16; i++) p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x[i], qe);
+            sum_lanes8(p, &e, &f);
+        }
+        const __m512 te = _mm512_mul_ps(_mm512_cvtepi32_ps(e), se), tf = _mm512_mul_ps(_mm512_cvtepi32_ps(f), sf);
+        /* add the halves: 4-bit gives rows in ridx order, 8-bit in row order */
+        __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(te, tf, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(te, tf, _MM_SHUFFLE(3, 1, 3, 1)));
+        if (KB == 4) t = _mm512_permutexvar_ps(ridx, t);
+        const __m512 bias = _mm512_fmadd_ps(bb, _mm512_set1_ps(v->qb[h]), _mm512_mul_ps(ba, _mm512_set1_ps(v->qa[h])));
+        const __m512 r16 = _mm512_fmadd_ps(t, _mm512_set1_ps(v->sq[h]), bias);
+        if (nv >= 16) _mm512_store_ps(&sc[h][j16], r16);
+        else _mm512_mask_storeu_ps(&sc[h][j16], (__mmask16)((1u << nv) - 1), r16);
+    }
 }
 
 #define FB KVQ_ATTN_BLOCK /* rows per softmax step (a multiple of 16) */
 #define F_PF_ROWS 48      /* prefetch distance: K and V rows this far ahead */
+
+/* Rows stream from L3/DRAM: fetch the K and V rows F_PF_ROWS past row j of the run
+ * well ahead (past its end: the next run's first rows). */
+static inline void pf_ahead(const struct kern_kv_run *run, const struct kern_kv_run *next, int j, size_t ks, size_t vs,
+                            size_t krb, size_t vrb) {
+    const int pj = j + F_PF_ROWS;
+    if (pj < run->n) {
+        pf_row(run->k + (size_t)pj * ks, krb);
+        pf_row(run->v + (size_t)pj * vs, vrb);
+    } else if (pj - run->n < next->n && next != run) {
+        pf_row(next->k + (size_t)(pj - run->n) * ks, krb);
+        pf_row(next->v + (size_t)(pj - run->n) * vs, vrb);
+    }
+}
 
 INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn_state *s, int h0, const float *q,
                       const struct kern_kv_rows *kf, const struct kern_kv_rows *vf, const struct kern_kv_run *runs,
@@ -324,6 +496,19 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
     }
     /* integer scoring where the CPU has VNNI and the codes fill whole 64-byte chunks */
     const bool vnni = has_vnni() && (d * KB) % 512 == 0;
+    /* V weights packed several rows per vector: 1 or 2 groups per row (wvf floats; with
+     * more, measured no faster than a vector per row) */
+    const bool wpack = vng == 1 || vng == 2;
+    const int wvf = 2 * vng, rpv = 16 / wvf;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i pexp = _mm512_srlv_epi32(lane, _mm512_set1_epi32(vng == 1 ? 1 : 2)); /* lane / wvf */
+    /* where row j's weights of head 0 start in w (floats), and the step per head */
+    int woff[FB];
+    const int wh = wpack ? 16 : 16 * vng8;
+    for (int j = 0; j < FB; j++) woff[j] = wpack ? (j / rpv) * NH * 16 + (j % rpv) * wvf : j * NH * 16 * vng8;
+    const bool pair = has_vnni() && d == 64;
+    struct pair_q pq;
+    if (pair) pair_prepare(&pq, KB, NH, q + (size_t)h0 * d, KG);
     struct vnni_q vq;
     __m512 qbs[FMAXH * KERN_KVQ_MAX_DIM / 256];
     if (vnni) {
@@ -340,27 +525,42 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
         const int nj = n - j0 < FB ? n - j0 : FB;
         /* scores: FQ rows at a time, 16 rows per transposed reduction */
         for (int j16 = 0; j16 < nj; j16 += 16) {
+            if (pair) {
+                const uint8_t *rows[16];
+                for (int r = 0; r < 16; r++) {
+                    const int j = j16 + r < nj ? j16 + r : nj - 1;
+                    rows[r] = run->k + (size_t)(j0 + j) * k->stride;
+                    pf_ahead(run, next, j0 + j, k->stride, v->stride, krb, vrb);
+                }
+                pair_scores16(KB, NH, &pq, KG, rows, sc, j16, nj - j16);
+                continue;
+            }
             __m512 part[4][FMAXH];
             UNR
             for (int qd = 0; qd < 4; qd++) {
-                const uint8_t *rows[FQ];
+                const uint8_t *rows[4];
                 UNR
-                for (int r = 0; r < FQ; r++) {
+                for (int r = 0; r < 4; r++) {
                     int j = j16 + 4 * qd + r;
                     j = j < nj ? j : nj - 1; /* past the end: repeat the last row, score unused */
                     rows[r] = run->k + (size_t)(j0 + j) * k->stride;
-                    /* rows stream from L3/DRAM: fetch K and V well ahead */
-                    const int pj = j0 + j + F_PF_ROWS;
-                    if (pj < n) {
-                        pf_row(run->k + (size_t)pj * k->stride, krb);
-                        pf_row(run->v + (size_t)pj * v->stride, vrb);
-                    } else if (pj - n < next->n && next != run) {
-                        pf_row(next->k + (size_t)(pj - n) * k->stride, krb);
-                        pf_row(next->v + (size_t)(pj - n) * v->stride, vrb);
-                    }
+                    pf_ahead(run, next, j0 + j, k->stride, v->stride, krb, vrb);
                 }
-                if (vnni) fq_scores_vnni(KB, NH, &vq, qbs, d, KG, rows, part[qd]);
-                else fq_scores(KB, NH, qp, qb, d, KG, rows, part[qd]);
+                if (FQ_OF(NH) == 4) {
+                    if (vnni) fq_scores_vnni(KB, NH, 4, &vq, qbs, d, KG, rows, part[qd]);
+                    else fq_scores(KB, NH, 4, qp, qb, d, KG, rows, part[qd]);
+                } else {
+                    __m512 p01[FMAXH], p23[FMAXH];
+                    if (vnni) {
+                        fq_scores_vnni(KB, NH, 2, &vq, qbs, d, KG, rows, p01);
+                        fq_scores_vnni(KB, NH, 2, &vq, qbs, d, KG, rows + 2, p23);
+                    } else {
+                        fq_scores(KB, NH, 2, qp, qb, d, KG, rows, p01);
+                        fq_scores(KB, NH, 2, qp, qb, d, KG, rows + 2, p23);
+                    }
+                    UNR
+                    for (int h = 0; h < NH; h++) part[qd][h] = join2(p01[h], p23[h]);
+                }
             }
             UNR
             for (int h = 0; h < NH; h++) {
@@ -375,7 +575,33 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
             kern_softmax_step_avx512(sc[h], nj, &s->m[h0 + h], &s->l[h0 + h], accp + (size_t)h * d, d);
         /* V: acc += sum_j (p_j*scale_g) * code + sum_j p_j*bias_g, the bias once per group */
         __m512 bsum[FMAXH][KERN_KVQ_MAX_DIM / 256];
-        for (int c = 0; c < vng8; c++) {
+        if (wpack) {
+            /* few groups: one vector holds the [s, b] of rpv rows, one multiply per head
+             * weights them all (each row's lanes times its p) */
+            __m512 bs[FMAXH];
+            UNR
+            for (int h = 0; h < NH; h++) bs[h] = _mm512_setzero_ps();
+            for (int j = 0; j < nj; j += rpv) {
+                const int nr = nj - j < rpv ? nj - j : rpv;
+                const __mmask16 live = (__mmask16)(nr == rpv ? 0xFFFF : (1u << (nr * wvf)) - 1);
+                const __m512 sbv = _mm512_cvtph_ps(sb_rows(run->v + (size_t)(j0 + j) * v->stride + vcb, v->stride, wvf, nr));
+                const __m512i pi = _mm512_add_epi32(pexp, _mm512_set1_epi32(j % 16));
+                UNR
+                for (int h = 0; h < NH; h++) {
+                    const __m512 t = _mm512_maskz_mul_ps(live, sbv, _mm512_permutexvar_ps(pi, _mm512_load_ps(&sc[h][j & ~15])));
+                    w[(size_t)(j / rpv) * NH + h] = t;
+                    bs[h] = _mm512_add_ps(bs[h], t);
+                }
+            }
+            /* fold the rows' lanes: lanes [0, wvf) end with the [s, b] sums */
+            UNR
+            for (int h = 0; h < NH; h++) {
+                for (int half = 8; half >= wvf; half /= 2)
+                    bs[h] = _mm512_add_ps(bs[h], _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(half)), bs[h]));
+                bsum[h][0] = bs[h];
+            }
+        }
+        for (int c = 0; c < vng8 && !wpack; c++) {
             /* chunk outer, rows inner: the bias sums stay in registers */
             __m512 bs[FMAXH];
             UNR
@@ -392,11 +618,13 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
             UNR
             for (int h = 0; h < NH; h++) bsum[h][c] = bs[h];
         }
-        for (int c0 = 0; c0 < d; c0 += 64) {
+        /* CG 16-value vectors per pass over the rows: NH * CG accumulators in registers */
+        const int CG = NH > 4 ? 2 : 4;
+        for (int c0 = 0; c0 < d; c0 += 16 * CG) {
             /* weight lane of each 16-value vector: (group / 8, 2 * (group % 8)) */
             int wc[4], wl[4];
             UNR
-            for (int t = 0; t < 4; t++) {
+            for (int t = 0; t < CG; t++) {
                 const int g = (c0 + 16 * t) / VG;
                 wc[t] = g / 8;
                 wl[t] = 2 * (g % 8);
@@ -405,32 +633,33 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
             UNR
             for (int h = 0; h < NH; h++)
                 UNR
-                for (int t = 0; t < 4; t++) a[h][t] = _mm512_load_ps(accp + (size_t)h * d + c0 + 16 * t);
+                for (int t = 0; t < CG; t++) a[h][t] = _mm512_load_ps(accp + (size_t)h * d + c0 + 16 * t);
             for (int j = 0; j < nj; j++) {
                 const uint8_t *r = run->v + (size_t)(j0 + j) * v->stride;
                 __m512 x[4];
                 if (VB == 4) {
-                    const __m512i z0 = zx16(r + c0 / 2), z1 = zx16(r + c0 / 2 + 16);
-                    x[0] = lo4(z0);
-                    x[1] = hi4(z0);
-                    x[2] = lo4(z1);
-                    x[3] = hi4(z1);
+                    UNR
+                    for (int t = 0; t < CG; t += 2) {
+                        const __m512i z = zx16(r + c0 / 2 + 8 * t);
+                        x[t] = lo4(z);
+                        x[t + 1] = hi4(z);
+                    }
                 } else {
                     UNR
-                    for (int t = 0; t < 4; t++) x[t] = _mm512_cvtepi32_ps(zx16(r + c0 + 16 * t));
+                    for (int t = 0; t < CG; t++) x[t] = _mm512_cvtepi32_ps(zx16(r + c0 + 16 * t));
                 }
                 UNR
                 for (int h = 0; h < NH; h++) {
-                    const float *wj = (const float *)&w[((size_t)j * NH + h) * vng8];
+                    const float *wj = (const float *)w + woff[j] + h * wh;
                     UNR
-                    for (int t = 0; t < 4; t++)
+                    for (int t = 0; t < CG; t++)
                         a[h][t] = _mm512_fmadd_ps(x[t], _mm512_set1_ps(wj[16 * wc[t] + wl[t]]), a[h][t]);
                 }
             }
             UNR
             for (int h = 0; h < NH; h++)
                 UNR
-                for (int t = 0; t < 4; t++) _mm512_store_ps(accp + (size_t)h * d + c0 + 16 * t, a[h][t]);
+                for (int t = 0; t < CG; t++) _mm512_store_ps(accp + (size_t)h * d + c0 + 16 * t, a[h][t]);
         }
         UNR
         for (int h = 0; h < NH; h++) {
@@ -455,9 +684,16 @@ INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn
     static void fast_##KB##_##VB(int nh, struct kern_attn_state *s, int h0, const float *q,                           \
                                  const struct kern_kv_rows *k, const struct kern_kv_rows *v,                          \
                                  const struct kern_kv_run *runs, int n_runs) {                                        \
-        if (nh == 4) fast_attn(KB, VB, 4, s, h0, q, k, v, runs, n_runs);                                               \
-        else if (nh == 2) fast_attn(KB, VB, 2, s, h0, q, k, v, runs, n_runs);                                          \
-        else fast_attn(KB, VB, 1, s, h0, q, k, v, runs, n_runs);                                                       \
+        switch (nh) {                                                                                                  \
+        case 8: fast_attn(KB, VB, 8, s, h0, q, k, v, runs, n_runs); break;                                             \
+        case 7: fast_attn(KB, VB, 7, s, h0, q, k, v, runs, n_runs); break;                                             \
+        case 6: fast_attn(KB, VB, 6, s, h0, q, k, v, runs, n_runs); break;                                             \
+        case 5: fast_attn(KB, VB, 5, s, h0, q, k, v, runs, n_runs); break;                                             \
+        case 4: fast_attn(KB, VB, 4, s, h0, q, k, v, runs, n_runs); break;                                             \
+        case 3: fast_attn(KB, VB, 3, s, h0, q, k, v, runs, n_runs); break;                                             \
+        case 2: fast_attn(KB, VB, 2, s, h0, q, k, v, runs, n_runs); break;                                             \
+        default: fast_attn(KB, VB, 1, s, h0, q, k, v, runs, n_runs); break;                                            \
+        }                                                                                                              \
     }
 FAST_NH(4, 4)
 FAST_NH(8, 4)
@@ -471,11 +707,11 @@ static bool fast_ok(int d, const struct kern_kv_rows *k, const struct kern_kv_ro
            k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 && d % v->group == 0;
 }
 
-/* Heads in runs of 4, 2, 1: each run of heads reads the rows once. */
+/* Up to FMAXH heads per pass: each pass reads the rows once. */
 static void fast_heads(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                        const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
     while (nh > 0) {
-        const int c = nh >= 4 ? 4 : nh >= 2 ? 2 : 1;
+        const int c = nh > FMAXH ? FMAXH : nh;
         if (k->bits == 4) fast_4_4(c, s, h0, q, k, v, runs, n_runs);
         else fast_8_4(c, s, h0, q, k, v, runs, n_runs);
         h0 += c;
