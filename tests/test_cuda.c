@@ -344,9 +344,11 @@ static void fill_rows(uint32_t type, uint8_t *w, size_t bytes) {
 }
 
 /* cuk_matvec against the CPU's dequantization and a double dot product (of the
- * int8-rounded inputs for Q4_0 and Q8_0, which the kernels multiply on tensor cores);
- * for those also cuk_dequantize of the repacked tiles against the CPU, exactly. The
- * second shape pads both the row tiles and the column chunks. */
+ * int8-rounded inputs for Q4_0 and Q8_0, which the kernels multiply on tensor cores
+ * or with dp4a); for those also cuk_dequantize of the repacked tiles against the CPU,
+ * exactly, and each token's outputs bit for bit the same whatever n (dp4a up to 4
+ * tokens, mma from 5 on). The second shape pads both the row tiles and the column
+ * chunks. */
 static void test_matvec(void) {
     /* the last one big enough that a block takes 4 chunks and a row 9 blocks */
     static const struct {
@@ -359,11 +361,11 @@ static void test_matvec(void) {
         const uint32_t type = cases[ti].type;
         const int rows = cases[ti].rows, cols = cases[ti].cols;
         const bool big = rows > 1000;
-        const int ns[] = {1, 16, 3, 9}, n_ns = big ? 2 : 4;
+        const int ns[] = {16, 1, 2, 3, 8, 9}, n_ns = big ? 3 : 6;
         size_t rb = kvq_dtype_row_bytes(type, cols), bytes = rb * rows;
         uint8_t *w = malloc(bytes);
         float *x = malloc(sizeof(float) * 16 * cols), *y = malloc(sizeof(float) * 16 * rows),
-              *row = malloc(sizeof(float) * cols);
+              *y16 = malloc(sizeof(float) * 16 * rows), *row = malloc(sizeof(float) * cols);
         fill_rows(type, w, bytes);
         for (int i = 0; i < 16 * cols; i++) x[i] = frnd();
         uint8_t *dw;
@@ -430,6 +432,11 @@ static void test_matvec(void) {
             for (int t = 0; t < n; t++)
                 for (int r = 0; r < 5; r++) same &= y2[t * 5 + r] == y[(size_t)t * rows + r];
             CHECK(same, "%s n=%d: the second job of a launch differs from the first", kvq_dtype_name(type), n);
+            if (n == 16) memcpy(y16, y, sizeof(float) * 16 * rows);
+            else if (cuk_repacked(type))
+                CHECK(memcmp(y, y16, sizeof(float) * (size_t)n * rows) == 0,
+                      "%s %dx%d: a token's outputs with n=%d differ from the same token's with n=16", kvq_dtype_name(type),
+                      rows, cols, n);
             cudaFree(scr.partial);
             cudaFree(scr.counters);
             double err = 0, scale = 0;
@@ -474,6 +481,7 @@ static void test_matvec(void) {
         free(w);
         free(x);
         free(y);
+        free(y16);
         free(row);
     }
 }
@@ -705,10 +713,11 @@ int main(void) {
         printf("SKIP: no CUDA device on this machine\n");
         return 77;
     }
-    /* KVQ_TEST_ONLY=attention: the attention kernels alone (for compute-sanitizer) */
+    /* KVQ_TEST_ONLY=attention|matvec: those kernels alone (for compute-sanitizer) */
     const char *only = getenv("KVQ_TEST_ONLY");
-    if (only && strcmp(only, "attention") == 0) {
-        test_attention();
+    if (only && (strcmp(only, "attention") == 0 || strcmp(only, "matvec") == 0)) {
+        if (strcmp(only, "attention") == 0) test_attention();
+        else test_matvec();
         return check_finish();
     }
     test_matvec();

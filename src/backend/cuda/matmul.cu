@@ -182,22 +182,29 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
     store_rows<NT>(acc, lane, n, S.y[j], W.rows, row, S.bias[j]);
 }
 
-/* ---- repacked Q4_0 / Q8_0 on int8 inputs: tensor cores ----
- * A block's 4 warps take 4 tiles of 16 rows (the layout is in cuda_kernels.h) over
- * the same U chunks of columns: each warp loads its chunks before it waits for the
- * previous kernel, so all weights are in flight at once, and the block stages the
- * tokens' int8 inputs of those columns in shared memory once for its 4 tiles. Per
- * block of 32 values and 8 tokens, one mma.m16n8k32 of the int8 codes with the
- * inputs gives the 16 x 8 integer dot products, scaled into float sums by the row's
- * scale and the token's (minus 8 times the inputs' sum for Q4_0, whose codes are
- * unsigned). A row's columns are split over `slices` blocks; each writes its sums to
- * scratch and the last one to finish adds them up in slice order (the same sums, in
- * the same order, whichever block finishes last). U is chosen so that about MV_WARPS
- * warps cover the launch: 16 tokens then cost little more than one. */
+/* ---- repacked Q4_0 / Q8_0 on int8 inputs ----
+ * A tile's columns go in slices of U chunks (U from the shapes alone, below). A
+ * block's 4 warps take 4 tiles over one slice; each warp loads its U chunks before
+ * it waits for the previous kernel, so all weights are in flight at once, and the
+ * block stages the tokens' int8 inputs of those columns in shared memory once for
+ * its 4 tiles. The last block of a tile group's slices to finish adds their sums up
+ * (scratch and a counter). The products, two ways to the same bits:
+ * - mma (3 tokens and more): one mma.m16n8k32 of a block's codes with 8 tokens'
+ *   inputs gives the 16 x 8 integer dot products.
+ * - dp4a (1 or 2 tokens, where an mma would be mostly wasted work): each lane dots
+ *   its 8 values of a block with dp4a and the 4 lanes of a row group trade partial
+ *   sums so that each ends with whole blocks' sums of a quarter of the (row, block)
+ *   pairs: a quarter of the float work. (One wave of warps, each streaming a tile 4
+ *   or 8 chunks ahead, measured 2x slower: too few bytes in flight.)
+ * Both add the same float terms in the same order, so a token's result does not
+ * depend on how many tokens share the launch: the terms of block position j of a
+ * slice's chunks (q_term) add up in chunk order, those BPC sums in j order, and the
+ * slices' sums in slice order. */
 #define MV_WARPS 6144
 #define MV_TILES 4 /* tiles (warps) of a block */
+#define MV_DP4A_MAX 2 /* tokens the dp4a kernel takes */
 
-static __device__ __forceinline__ int64_t chunks_of(uint32_t T, int64_t cols) {
+static __host__ __device__ __forceinline__ int64_t chunks_of(uint32_t T, int64_t cols) {
     const int64_t bpc = CUK_CHUNK_BLOCKS(T);
     return (cols / 32 + bpc - 1) / bpc;
 }
@@ -252,27 +259,30 @@ extern "C" void cuk_quantize_x(cuk_queue *qu, const float *x, int64_t x_stride, 
     pdl_launch(quantize_x, grid, dim3(256), qu, x, x_stride, k, xq->q, xq->dsum);
 }
 
-/* A lane's share of one chunk: its 16 bytes of rows g and g + 8, and those rows'
- * scales of the chunk's blocks (loaded with the codes, not when they are needed). */
+/* A lane's share of one chunk: its 16 bytes of rows g and g + 8, and the scales it
+ * uses (loaded with the codes, not when they are needed). mma: both rows' scales of
+ * every block; dp4a: those of its (row, block) pairs (dp4a_chunk). */
 template <uint32_t T>
 struct chunk_frag {
     uint4 lo, hi;
     uint16_t s0[CUK_CHUNK_BLOCKS(T)], s1[CUK_CHUNK_BLOCKS(T)];
 };
 
-/* A row's BPC scales of a chunk (4 or 2 halves, 8- or 4-byte aligned), in one load. */
-template <int BPC>
-static __device__ __forceinline__ void load_scales(const uint16_t *p, uint16_t (&s)[BPC]) {
-    if (BPC == 4) {
+/* A row's n consecutive scales (aligned to n halves), in one load. */
+template <int N>
+static __device__ __forceinline__ void load_scales(const uint16_t *p, uint16_t *s) {
+    if (N == 4) {
         const uint2 v = __ldg((const uint2 *)p);
-        s[0] = (uint16_t)v.x, s[1] = (uint16_t)(v.x >> 16), s[2 % BPC] = (uint16_t)v.y, s[3 % BPC] = (uint16_t)(v.y >> 16);
-    } else {
+        s[0] = (uint16_t)v.x, s[1] = (uint16_t)(v.x >> 16), s[2 % N] = (uint16_t)v.y, s[3 % N] = (uint16_t)(v.y >> 16);
+    } else if (N == 2) {
         const uint32_t v = __ldg((const unsigned int *)p);
-        s[0] = (uint16_t)v, s[1 % BPC] = (uint16_t)(v >> 16);
+        s[0] = (uint16_t)v, s[1 % N] = (uint16_t)(v >> 16);
+    } else {
+        s[0] = __ldg((const unsigned short *)p);
     }
 }
 
-template <uint32_t T>
+template <uint32_t T, bool MMA>
 static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *unit, const uint16_t *sc, int64_t c,
                                                            int lane) {
     constexpr int BPC = CUK_CHUNK_BLOCKS(T);
@@ -280,72 +290,181 @@ static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *unit, 
     f.lo = __ldg((const uint4 *)(unit + lane * 16));
     f.hi = __ldg((const uint4 *)(unit + 512 + lane * 16));
     const uint16_t *s0 = sc + (c * 16 + lane / 4) * BPC;
-    load_scales<BPC>(s0, f.s0);
-    load_scales<BPC>(s0 + 8 * BPC, f.s1);
+    if (MMA) {
+        load_scales<BPC>(s0, f.s0);
+        load_scales<BPC>(s0 + 8 * BPC, f.s1);
+    } else {
+        const int t = lane % 4;
+        load_scales<BPC / 2>(s0 + (t >> 1) * 8 * BPC + (t & 1) * (BPC / 2), f.s0);
+    }
     return f;
 }
 
-/* The sums of chunk c of the tile (scales sc: the tile's, rows g and g + 8) for the
- * NT tokens from 0 on, from the inputs staged in shared memory (xs: [n][span] codes
- * of the block's columns from block b0 on; ds: [n][span / 32] scales and sums);
- * acc[nt][i]: c_i of token tile nt. */
-template <uint32_t T, int NT>
-static __device__ __forceinline__ void chunk_dot(const chunk_frag<T> &f, int64_t c, int64_t nb, const int8_t *xs,
-                                                 const float2 *ds, int64_t b0, int span, int n, int lane,
-                                                 float (&acc)[NT / 8][4]) {
+/* c + d * xs * (the block's integer dot product r, less 8 times the inputs' code sum
+ * xsum for Q4_0, whose codes are unsigned). r - 8 xsum as float without the
+ * conversion instruction (a quarter of the FMA rate): |r| < 2^22, so 1.5 * 2^23 + r
+ * is exact in a float's mantissa. */
+template <uint32_t T>
+static __device__ __forceinline__ float q_term(float c, float d, float xs, int r, float xsum) {
+    const float o = 12582912.0f + (T == KVQ_Q4_0 ? 8.0f * xsum : 0.0f);
+    return __fmaf_rn(__fmul_rn(d, xs), __int_as_float(0x4B400000 + r) - o, c);
+}
+
+/* mma: the sums of the warp's chunks f (chunks c0 ..) for the NT tokens from 0 on,
+ * from the inputs staged in shared memory (xs: [n][span] codes of the block's
+ * columns from block b0 on; ds: [n][span / 32] scales and code sums); acc[4 nt + i]:
+ * c_i of token tile nt. */
+template <uint32_t T, int NT, int U>
+static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U], int64_t c0, int64_t nch, int64_t nb,
+                                                     const int8_t *xs, const float2 *ds, int64_t b0, int span, int n,
+                                                     int lane, float (&acc)[NT / 8 * 4]) {
     constexpr int BPC = CUK_CHUNK_BLOCKS(T);
     const int g = lane / 4, t = lane % 4;
-    const uint32_t lo[4] = {f.lo.x, f.lo.y, f.lo.z, f.lo.w}, hi[4] = {f.hi.x, f.hi.y, f.hi.z, f.hi.w};
 #pragma unroll
     for (int j = 0; j < BPC; j++) {
-        const int64_t b = c * BPC + j;
-        if (b >= nb) break;
-        const int lb = (int)(b - b0); /* the block within the staged span */
-        uint32_t a0, a1, a2, a3;
-        if (T == KVQ_Q4_0) {
-            a0 = lo[j] & 0x0F0F0F0Fu, a2 = (lo[j] >> 4) & 0x0F0F0F0Fu;
-            a1 = hi[j] & 0x0F0F0F0Fu, a3 = (hi[j] >> 4) & 0x0F0F0F0Fu;
-        } else {
-            a0 = lo[2 * j], a2 = lo[2 * j + 1], a1 = hi[2 * j], a3 = hi[2 * j + 1];
-        }
-        const float d0 = h2f(f.s0[j]), d1 = h2f(f.s1[j]);
+        float c[NT / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < NT / 8; nt++) {
-            const int tb = nt * 8 + g, t0 = nt * 8 + 2 * t, t1 = t0 + 1;
-            uint2 xb = make_uint2(0, 0);
-            if (tb < n) xb = *(const uint2 *)(xs + tb * span + lb * 32 + 8 * t);
-            int r[4] = {0, 0, 0, 0};
-            mma_s8_16832(r, a0, a1, a2, a3, xb.x, xb.y);
-            const float2 x0 = t0 < n ? ds[t0 * (span / 32) + lb] : make_float2(0, 0);
-            const float2 x1 = t1 < n ? ds[t1 * (span / 32) + lb] : make_float2(0, 0);
-            /* r - 8 sum as float without the conversion instruction (a quarter of the FMA
-             * rate): |r| < 2^22, so 1.5 * 2^23 + r is exact in a float's mantissa */
-            const float o0 = 12582912.0f + (T == KVQ_Q4_0 ? 8.0f * x0.y : 0.0f);
-            const float o1 = 12582912.0f + (T == KVQ_Q4_0 ? 8.0f * x1.y : 0.0f);
-            acc[nt][0] += d0 * x0.x * (__int_as_float(0x4B400000 + r[0]) - o0);
-            acc[nt][1] += d0 * x1.x * (__int_as_float(0x4B400000 + r[1]) - o1);
-            acc[nt][2] += d1 * x0.x * (__int_as_float(0x4B400000 + r[2]) - o0);
-            acc[nt][3] += d1 * x1.x * (__int_as_float(0x4B400000 + r[3]) - o1);
+        for (int nt = 0; nt < NT / 8; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int64_t b = (c0 + u) * BPC + j;
+            if (c0 + u >= nch || b >= nb) break;
+            const int lb = (int)(b - b0); /* the block within the staged span */
+            const uint32_t w[4] = {f[u].lo.x, f[u].lo.y, f[u].lo.z, f[u].lo.w}, h[4] = {f[u].hi.x, f[u].hi.y, f[u].hi.z, f[u].hi.w};
+            uint32_t a0, a1, a2, a3;
+            if (T == KVQ_Q4_0) {
+                a0 = w[j] & 0x0F0F0F0Fu, a2 = (w[j] >> 4) & 0x0F0F0F0Fu;
+                a1 = h[j] & 0x0F0F0F0Fu, a3 = (h[j] >> 4) & 0x0F0F0F0Fu;
+            } else {
+                a0 = w[2 * j], a2 = w[2 * j + 1], a1 = h[2 * j], a3 = h[2 * j + 1];
+            }
+            const float d0 = h2f(f[u].s0[j]), d1 = h2f(f[u].s1[j]);
+#pragma unroll
+            for (int nt = 0; nt < NT / 8; nt++) {
+                const int tb = nt * 8 + g, t0 = nt * 8 + 2 * t, t1 = t0 + 1;
+                uint2 xb = make_uint2(0, 0);
+                if (tb < n) xb = *(const uint2 *)(xs + tb * span + lb * 32 + 8 * t);
+                int r[4] = {0, 0, 0, 0};
+                mma_s8_16832(r, a0, a1, a2, a3, xb.x, xb.y);
+                const float2 x0 = t0 < n ? ds[t0 * (span / 32) + lb] : make_float2(0, 0);
+                const float2 x1 = t1 < n ? ds[t1 * (span / 32) + lb] : make_float2(0, 0);
+                c[nt][0] = q_term<T>(c[nt][0], d0, x0.x, r[0], x0.y);
+                c[nt][1] = q_term<T>(c[nt][1], d0, x1.x, r[1], x1.y);
+                c[nt][2] = q_term<T>(c[nt][2], d1, x0.x, r[2], x0.y);
+                c[nt][3] = q_term<T>(c[nt][3], d1, x1.x, r[3], x1.y);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT / 8; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[nt * 4 + i] = j == 0 ? c[nt][i] : acc[nt * 4 + i] + c[nt][i];
+    }
+}
+
+/* dp4a: adds one chunk (blocks bc ..) to lane t's chains c[tok][i] (blocks
+ * (t & 1) KL + i of row g + 8 (t >> 1), KL = BPC / 2), the inputs staged as for mma. */
+template <uint32_t T, int NT>
+static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int64_t bc, int64_t nb, const int8_t *xs,
+                                                  const float2 *ds, int64_t b0, int span, int n, int t,
+                                                  float (&c)[NT][CUK_CHUNK_BLOCKS(T) / 2]) {
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T), K = 2 * BPC, KL = K / 4;
+    const uint32_t w[8] = {f.lo.x, f.lo.y, f.lo.z, f.lo.w, f.hi.x, f.hi.y, f.hi.z, f.hi.w};
+#pragma unroll
+    for (int tok = 0; tok < NT; tok++) {
+        if (tok >= n) break;
+        int p[K]; /* this lane's part of (row k / BPC, block k % BPC) */
+#pragma unroll
+        for (int j = 0; j < BPC; j++) {
+            uint2 xv = make_uint2(0, 0);
+            if (bc + j < nb) xv = *(const uint2 *)(xs + tok * span + (int)(bc + j - b0) * 32 + 8 * t);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint32_t *q = w + 4 * h;
+                if (T == KVQ_Q4_0)
+                    p[h * BPC + j] = __dp4a((int)(q[j] & 0x0F0F0F0Fu), (int)xv.x, __dp4a((int)((q[j] >> 4) & 0x0F0F0F0Fu), (int)xv.y, 0));
+                else
+                    p[h * BPC + j] = __dp4a((int)q[2 * j], (int)xv.x, __dp4a((int)q[2 * j + 1], (int)xv.y, 0));
+            }
+        }
+        /* halve twice: lanes t ^ 2, then t ^ 1, trade the halves they do not keep */
+#pragma unroll
+        for (int k = 0; k < K / 2; k++) {
+            const bool up = t & 2;
+            const int mine = up ? p[K / 2 + k] : p[k], other = up ? p[k] : p[K / 2 + k];
+            p[k] = mine + __shfl_xor_sync(0xffffffffu, other, 2);
+        }
+#pragma unroll
+        for (int k = 0; k < K / 4; k++) {
+            const bool up = t & 1;
+            const int mine = up ? p[K / 4 + k] : p[k], other = up ? p[k] : p[K / 4 + k];
+            p[k] = mine + __shfl_xor_sync(0xffffffffu, other, 1);
+        }
+#pragma unroll
+        for (int i = 0; i < KL; i++) {
+            const int64_t b = bc + (t & 1) * KL + i;
+            if (b < nb) {
+                const float2 x = ds[tok * (span / 32) + (int)(b - b0)];
+                c[tok][i] = q_term<T>(c[tok][i], h2f(f.s0[i]), x.x, p[i], x.y);
+            }
         }
     }
 }
 
-/* The jobs of one launch: job j's blocks start at first[j], `slices` blocks a group of
- * MV_TILES tiles (U chunks a block); its scratch starts at scratch[j] floats, its
- * groups' counters at group0[j]. */
-struct mma_set {
+/* A slice's sum of a row (even lanes): its chains in block order, this lane's
+ * then its odd neighbour's. */
+template <int KL>
+static __device__ __forceinline__ float chains_sum(const float (&c)[KL]) {
+    float o[KL];
+#pragma unroll
+    for (int i = 0; i < KL; i++) o[i] = __shfl_xor_sync(0xffffffffu, c[i], 1);
+    float s = c[0];
+#pragma unroll
+    for (int i = 1; i < KL; i++) s += c[i];
+#pragma unroll
+    for (int i = 0; i < KL; i++) s += o[i];
+    return s;
+}
+
+/* dp4a: the sums of the warp's chunks as tile_sums_mma gives them, for NT <=
+ * MV_DP4A_MAX tokens; acc[tok] of row g + 8 (t >> 1), in the even lanes t. */
+template <uint32_t T, int NT, int U>
+static __device__ __forceinline__ void tile_sums_dp4a(const chunk_frag<T> (&f)[U], int64_t c0, int64_t nch, int64_t nb,
+                                                      const int8_t *xs, const float2 *ds, int64_t b0, int span,
+                                                      int n, int lane, float (&acc)[NT]) {
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T), KL = BPC / 2;
+    float c[NT][KL];
+#pragma unroll
+    for (int tok = 0; tok < NT; tok++)
+#pragma unroll
+        for (int i = 0; i < KL; i++) c[tok][i] = 0;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (c0 + u < nch) dp4a_chunk<T, NT>(f[u], (c0 + u) * BPC, nb, xs, ds, b0, span, n, lane % 4, c);
+#pragma unroll
+    for (int tok = 0; tok < NT; tok++) acc[tok] = chains_sum<KL>(c[tok]);
+}
+
+/* The jobs of one launch (q_plan): job j's blocks start at first[j], `slices` blocks
+ * a group of MV_TILES tiles (U chunks a block); its scratch starts at scratch[j]
+ * floats, its groups' counters at group0[j]. */
+struct q_set {
     cuk_weight w[CUK_MATVEC_JOBS];
     float *y[CUK_MATVEC_JOBS];
     const float *bias[CUK_MATVEC_JOBS];
     unsigned first[CUK_MATVEC_JOBS], slices[CUK_MATVEC_JOBS], group0[CUK_MATVEC_JOBS];
     size_t scratch[CUK_MATVEC_JOBS];
+    unsigned U;
 };
 
 #define MV_THREADS (MV_TILES * 32)
 
+/* Sums a lane holds: NT tokens (dp4a), or 4 per tile of 8 tokens (mma). */
+#define MV_VALS(NT) ((NT) <= MV_DP4A_MAX ? (NT) : (NT) / 8 * 4)
+
 template <uint32_t T, int NT, int U>
-__global__ void __launch_bounds__(MV_THREADS) matvec_mma(const mma_set set, const int8_t *xq, const float2 *xd, int n,
-                                                        float *scratch, unsigned *counters) {
+__global__ void __launch_bounds__(MV_THREADS) matvec_q(const q_set set, const int8_t *xq, const float2 *xd, int n,
+                                                      float *scratch, unsigned *counters) {
+    constexpr bool MMA = NT > MV_DP4A_MAX;
     griddep_release();
     extern __shared__ __align__(16) uint8_t xsm[];
     constexpr int BPC = CUK_CHUNK_BLOCKS(T), SPAN = U * BPC * 32; /* columns of a block */
@@ -365,7 +484,7 @@ __global__ void __launch_bounds__(MV_THREADS) matvec_mma(const mma_set set, cons
     chunk_frag<T> f[U];
 #pragma unroll
     for (int u = 0; u < U; u++)
-        if (live && c0 + u < nch) f[u] = load_chunk<T>(units + (c0 + u) * 1024, sc, c0 + u, lane);
+        if (live && c0 + u < nch) f[u] = load_chunk<T, MMA>(units + (c0 + u) * 1024, sc, c0 + u, lane);
     griddep_wait();
     /* the inputs of these columns, once for the block: codes, then (scale, sum) pairs */
     const int64_t cols0 = b0 * 32, ncols = min((int64_t)SPAN, W.cols - cols0);
@@ -380,21 +499,17 @@ __global__ void __launch_bounds__(MV_THREADS) matvec_mma(const mma_set set, cons
         if (k < ncols / 32) ds[tok * (SPAN / 32) + k] = __ldg(xd + tok * nb + b0 + k);
     }
     __syncthreads();
-    float acc[NT / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < NT / 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
-#pragma unroll
-    for (int u = 0; u < U; u++)
-        if (live && c0 + u < nch) chunk_dot<T, NT>(f[u], c0 + u, nb, xs, ds, b0, SPAN, n, lane, acc);
+    constexpr int VALS = MV_VALS(NT);
+    float acc[VALS] = {};
+    if (live) {
+        if constexpr (MMA) tile_sums_mma<T, NT, U>(f, c0, nch, nb, xs, ds, b0, SPAN, n, lane, acc);
+        else tile_sums_dp4a<T, NT, U>(f, c0, nch, nb, xs, ds, b0, SPAN, n, lane, acc);
+    }
 
-    /* a warp's sums: (token tile nt, c_i) of each lane */
-    constexpr int VALS = NT / 8 * 4;
     if (slices > 1) { /* the last block of the group adds the slices up, in order */
         float *part = scratch + set.scratch[j] + (size_t)grp * slices * MV_THREADS * VALS;
 #pragma unroll
-        for (int nt = 0; nt < NT / 8; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) part[(slice * MV_THREADS + threadIdx.x) * VALS + nt * 4 + i] = acc[nt][i];
+        for (int v = 0; v < VALS; v++) part[(slice * MV_THREADS + threadIdx.x) * VALS + v] = acc[v];
         __shared__ bool last;
         __threadfence();
         __syncthreads();
@@ -403,26 +518,22 @@ __global__ void __launch_bounds__(MV_THREADS) matvec_mma(const mma_set set, cons
         if (!last) return;
         __threadfence();
 #pragma unroll
-        for (int nt = 0; nt < NT / 8; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float v = 0;
-                for (unsigned s = 0; s < slices; s++) v += __ldcg(part + (s * MV_THREADS + threadIdx.x) * VALS + nt * 4 + i);
-                acc[nt][i] = v;
-            }
+        for (int v = 0; v < VALS; v++) {
+            float s = 0;
+            for (unsigned i = 0; i < slices; i++) s += __ldcg(part + (i * MV_THREADS + threadIdx.x) * VALS + v);
+            acc[v] = s;
+        }
         if (threadIdx.x == 0) counters[set.group0[j] + grp] = 0; /* ready for the next launch */
     }
     if (!live) return;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int nt = 0; nt < NT / 8; nt++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int tok = nt * 8 + 2 * t + (i & 1);
-            const int64_t row = tile * 16 + g + 8 * (i >> 1);
-            if (tok < n && row < W.rows)
-                set.y[j][(int64_t)tok * W.rows + row] = acc[nt][i] + (set.bias[j] ? set.bias[j][row] : 0.0f);
-        }
+    for (int v = 0; v < VALS; v++) {
+        /* mma: c_i of token tile v / 4; dp4a: token v of row g + 8 (t >> 1), even lanes */
+        const int tok = MMA ? v / 4 * 8 + 2 * t + (v & 1) : t & 1 ? n : v;
+        const int64_t row = tile * 16 + g + 8 * (MMA ? (v & 3) >> 1 : t >> 1);
+        if (tok < n && row < W.rows) set.y[j][(int64_t)tok * W.rows + row] = acc[v] + (set.bias[j] ? set.bias[j][row] : 0.0f);
+    }
 }
 
 /* Chunks a block's warps take: about MV_WARPS warps in all, up to 8 chunks each
@@ -451,26 +562,36 @@ extern "C" int cuk_type_supported(uint32_t type) {
            type == KVQ_Q4_K || type == KVQ_Q6_K;
 }
 
-/* How a launch of repacked jobs splits: chunks a block (U), blocks a group of tiles,
- * and the scratch and counters it needs. */
-static void mma_plan(const cuk_weight *w, int nj, int n, int *U, mma_set *S, unsigned *blocks, size_t *floats,
-                     unsigned *groups) {
-    *U = mma_chunks_per_warp(w, nj);
-    const size_t vals = (size_t)MV_THREADS * ((n <= 8 ? 8 : 16) / 8 * 4);
-    *blocks = 0, *floats = 0, *groups = 0;
-    for (int j = 0; j < nj; j++) {
-        const int64_t grp = ((w[j].rows + 15) / 16 + MV_TILES - 1) / MV_TILES,
-                      nch = (w[j].cols / 32 + CUK_CHUNK_BLOCKS(w[j].type) - 1) / CUK_CHUNK_BLOCKS(w[j].type);
-        const unsigned sl = (unsigned)((nch + *U - 1) / *U);
-        if (S) {
-            S->first[j] = *blocks;
-            S->slices[j] = sl;
-            S->group0[j] = *groups;
-            S->scratch[j] = *floats;
+/* The tokens a repacked kernel is compiled for: 1 or 2 (dp4a), 8 or 16 (mma);
+ * KVQ_MV_DP4A=0|1 caps the dp4a kernel lower (a measurement aid). */
+static int mv_tokens(int n) {
+    static int dp4a_max = -1;
+    if (dp4a_max < 0) {
+        const char *e = getenv("KVQ_MV_DP4A");
+        dp4a_max = e && (atoi(e) == 0 || atoi(e) == 1) ? atoi(e) : MV_DP4A_MAX;
+    }
+    return n <= dp4a_max ? n : n <= 8 ? 8 : 16;
+}
+
+/* How a launch of repacked jobs runs (S may be NULL): the blocks it takes, and the
+ * scratch floats and counters it needs. */
+static void q_plan(const cuk_weight *w, int nj, int n, q_set *S, unsigned *blocks, size_t *floats,
+                   unsigned *counters) {
+    const int U = mma_chunks_per_warp(w, nj);
+    const size_t vals = (size_t)MV_THREADS * MV_VALS(mv_tokens(n));
+    *blocks = 0, *floats = 0, *counters = 0;
+    if (S) S->U = (unsigned)U;
+    for (int j = 0; j < CUK_MATVEC_JOBS; j++) {
+        if (j >= nj) {
+            if (S) S->first[j] = ~0u, S->slices[j] = 1, S->group0[j] = 0, S->scratch[j] = 0;
+            continue;
         }
-        *blocks += (unsigned)grp * sl;
-        *groups += (unsigned)grp;
-        if (sl > 1) *floats += (size_t)grp * sl * vals;
+        const int64_t grp = ((w[j].rows + 15) / 16 + MV_TILES - 1) / MV_TILES;
+        const unsigned slices = (unsigned)((chunks_of(w[j].type, w[j].cols) + U - 1) / U);
+        if (S) S->first[j] = *blocks, S->slices[j] = slices, S->group0[j] = *counters, S->scratch[j] = *floats;
+        *blocks += (unsigned)grp * slices;
+        *counters += (unsigned)grp;
+        if (slices > 1) *floats += (size_t)grp * slices * vals;
     }
 }
 
@@ -484,12 +605,11 @@ extern "C" void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs
             w[nj] = *jobs[j0 + nj].w;
         j0 += nj;
         if (!cuk_repacked(w[0].type)) continue;
-        int U;
-        unsigned blocks, groups;
+        unsigned blocks, cnt;
         size_t f;
-        mma_plan(w, nj, n, &U, NULL, &blocks, &f, &groups);
+        q_plan(w, nj, n, NULL, &blocks, &f, &cnt);
         if (f > *floats) *floats = f;
-        if (groups > *counters) *counters = groups;
+        if (cnt > *counters) *counters = cnt;
     }
 }
 
@@ -501,43 +621,47 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
         int nj = 0;
         while (nj < CUK_MATVEC_JOBS && j0 + nj < n_jobs && jobs[j0 + nj].w->type == T) nj++;
         if (cuk_repacked(T)) {
-            mma_set S;
+            q_set S;
             cuk_weight w[CUK_MATVEC_JOBS];
             for (int i = 0; i < nj; i++) {
                 w[i] = S.w[i] = *jobs[j0 + i].w;
                 S.y[i] = jobs[j0 + i].y;
                 S.bias[i] = jobs[j0 + i].bias;
             }
-            int U;
-            unsigned blocks, groups;
+            unsigned blocks, cnt;
             size_t floats;
-            mma_plan(w, nj, n, &U, &S, &blocks, &floats, &groups);
-            for (int i = nj; i < CUK_MATVEC_JOBS; i++) S.first[i] = ~0u, S.slices[i] = 1, S.group0[i] = 0, S.scratch[i] = 0;
+            q_plan(w, nj, n, &S, &blocks, &floats, &cnt);
             j0 += nj;
-            const size_t smem = mma_smem(T, U, n);
+            const int nt = mv_tokens(n);
+            const size_t smem = mma_smem(T, (int)S.U, n);
 #define MM(TT, NT, UU)                                                                                              \
     do {                                                                                                            \
         static bool big;                                                                                            \
         if (smem > 48 * 1024 && !big)                                                                               \
-            big = cudaFuncSetAttribute(matvec_mma<TT, NT, UU>, cudaFuncAttributeMaxDynamicSharedMemorySize,         \
+            big = cudaFuncSetAttribute(matvec_q<TT, NT, UU>, cudaFuncAttributeMaxDynamicSharedMemorySize,         \
                                        (int)mma_smem(TT, UU, 16)) == cudaSuccess;                                   \
-        pdl_launch_smem(matvec_mma<TT, NT, UU>, dim3(blocks), dim3(MV_THREADS), smem, qu, S, xq->q, xq->dsum, n,    \
+        pdl_launch_smem(matvec_q<TT, NT, UU>, dim3(blocks), dim3(MV_THREADS), smem, qu, S, xq->q, xq->dsum, n,    \
                         scr->partial, scr->counters);                                                               \
     } while (0)
 #define MM_U(TT, NT)              \
-    switch (U) {                  \
+    switch (S.U) {                \
     case 1: MM(TT, NT, 1); break; \
     case 2: MM(TT, NT, 2); break; \
     case 4: MM(TT, NT, 4); break; \
     default: MM(TT, NT, 8); break; \
     }
-            if (T == KVQ_Q4_0) {
-                if (n <= 8) MM_U(KVQ_Q4_0, 8)
-                else MM_U(KVQ_Q4_0, 16)
-            } else {
-                if (n <= 8) MM_U(KVQ_Q8_0, 8)
-                else MM_U(KVQ_Q8_0, 16)
-            }
+#define Q(TT)                           \
+    do {                                \
+        switch (nt) {                   \
+        case 1: MM_U(TT, 1); break;     \
+        case 2: MM_U(TT, 2); break;     \
+        case 8: MM_U(TT, 8); break;     \
+        default: MM_U(TT, 16); break;   \
+        }                               \
+    } while (0)
+            if (T == KVQ_Q4_0) Q(KVQ_Q4_0);
+            else Q(KVQ_Q8_0);
+#undef Q
 #undef MM_U
 #undef MM
             continue;
