@@ -35,6 +35,10 @@ fi
 grep -q "<polyline" "$TMP/p.svg" || { echo "FAIL: SVG has no lines"; fail=1; }
 "$BIN" bench -m "$MODEL" -p 4 -n 1 -r 1 -t 2 >"$TMP/t.md" 2>/dev/null || { echo "FAIL: Markdown run"; fail=1; }
 grep -q "^| kv | depth | batch | prefill tok/s | decode tok/s |" "$TMP/t.md" || { echo "FAIL: no Markdown table"; fail=1; }
+# a one-token prompt at depth with a quantized cache (the untimed warm-up must not
+# inherit a context smaller than the cache's residual window)
+"$BIN" bench -m "$MODEL" -p 1 -n 2 -d 64 --kv 8,4 -r 1 -t 2 >"$TMP/q.md" 2>"$TMP/qerr" || { echo "FAIL: -p 1 --kv 8,4: $(cat "$TMP/qerr")"; fail=1; }
+grep -q "^| 8,4 | 64 | 1 |" "$TMP/q.md" || { echo "FAIL: -p 1 --kv 8,4 gave no row"; fail=1; }
 for spec in 7 8:x f8 "8,4:g0"; do
     err=$("$BIN" bench -m "$MODEL" --kv "$spec" 2>&1 >/dev/null)
     echo "$err" | grep -q "^kvq: invalid" || { echo "FAIL: --kv $spec: '$err'"; fail=1; }

@@ -347,13 +347,14 @@ int cmd_bench(int argc, char **argv) {
     double t_start = cli_now();
     /* Untimed warm-up of every config (page in the weights, grow the buffers, load
      * each config's kernels; past 128 tokens, where quantized caches choose their
-     * offsets) so no measurement pays for what happens once. */
+     * offsets) so no measurement pays for what happens once. Its own sizes: a short
+     * prompt (-p 1) would leave less context than a cache's residual window needs. */
     for (int ci = 0; ci < o.n_kvs; ci++) {
         double pf, dc;
         struct result warm = {0};
         struct bench_opts wo = o;
-        wo.p = o.p < 160 ? o.p : 160;
-        wo.n = o.n < 4 ? o.n : 4;
+        wo.p = 160;
+        wo.n = 4;
         if (tty) fprintf(stderr, "\rkvq: warm-up %d/%d", ci + 1, o.n_kvs);
         if (measure(m, &wo, &o.kvs[ci], 0, 1, info.n_vocab, 1, &pf, &dc, &warm) != 0) goto done;
     }

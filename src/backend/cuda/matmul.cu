@@ -537,17 +537,20 @@ __global__ void __launch_bounds__(MV_THREADS) matvec_q(const q_set set, const in
 }
 
 /* Chunks a block's warps take: about MV_WARPS warps in all, up to 8 chunks each
- * (KVQ_MV_UMAX=1|2|4 caps it, a measurement aid). */
+ * (KVQ_MV_UMAX=1|2|4 caps it and KVQ_MV_WARPS=N sets the aim, measurement aids). The
+ * shapes alone choose it: the slices decide how a token's sums add up. */
 static int mma_chunks_per_warp(const struct cuk_weight *w, int n_jobs) {
     static int umax;
+    static int64_t aim;
     if (!umax) {
-        const char *e = getenv("KVQ_MV_UMAX");
+        const char *e = getenv("KVQ_MV_UMAX"), *a = getenv("KVQ_MV_WARPS");
         umax = e && (atoi(e) == 1 || atoi(e) == 2 || atoi(e) == 4) ? atoi(e) : 8;
+        aim = a && atoi(a) >= 128 ? atoi(a) : MV_WARPS;
     }
     int64_t units = 0;
-    for (int j = 0; j < n_jobs; j++) units += (w[j].rows + 15) / 16 * ((w[j].cols / 32 + CUK_CHUNK_BLOCKS(w[j].type) - 1) / CUK_CHUNK_BLOCKS(w[j].type));
+    for (int j = 0; j < n_jobs; j++) units += (w[j].rows + 15) / 16 * chunks_of(w[j].type, w[j].cols);
     int u = 1;
-    while (u < umax && units > (int64_t)MV_WARPS * u) u *= 2;
+    while (u < umax && units > aim * u) u *= 2;
     return u;
 }
 
