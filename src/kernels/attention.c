@@ -38,8 +38,12 @@ void kern_attn_finish(const struct kern_attn_state *s, float *out) {
 void kern_attn_accumulate(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
                           const void *v, size_t v_stride, int elem_bits, int n) {
     if (n <= 0) return;
-    if (kvq_simd_level() == KVQ_SIMD_AVX512)
+    /* the SIMD kernels take whole vectors of the head size */
+    const enum kvq_simd level = kvq_simd_level();
+    if (level == KVQ_SIMD_AVX512 && s->d % 16 == 0)
         kern_attn_accumulate_avx512(s, q, k, k_stride, v, v_stride, elem_bits, n);
+    else if (level >= KVQ_SIMD_AVX2 && s->d % 8 == 0)
+        kern_attn_accumulate_avx2(s, q, k, k_stride, v, v_stride, elem_bits, n);
     else
         kern_attn_accumulate_scalar(s, q, k, k_stride, v, v_stride, elem_bits, n);
 }

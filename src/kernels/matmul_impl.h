@@ -50,8 +50,10 @@ int kern_act_prepare_avx512(uint32_t wtype, const float *x, void *dst, int64_t k
 
 void kern_attn_accumulate_scalar(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
                                  const void *v, size_t v_stride, int elem_bits, int n);
+void kern_attn_accumulate_avx2(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
+                               const void *v, size_t v_stride, int elem_bits, int n); /* d % 8 == 0 */
 void kern_attn_accumulate_avx512(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
-                                 const void *v, size_t v_stride, int elem_bits, int n);
+                                 const void *v, size_t v_stride, int elem_bits, int n); /* d % 16 == 0 */
 
 
 /* Attention processes heads in groups of at most this many per pass over K/V. */
