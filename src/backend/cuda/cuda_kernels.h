@@ -16,8 +16,8 @@ extern "C" {
 #endif
 
 /* A weight matrix in device memory, rows of `cols` values in its GGUF type. Q4_0
- * and Q8_0 are repacked at upload (cuk_repack) into tiles for tensor-core products
- * (below); `data` then holds the codes and `scales` the f16 scales. */
+ * and Q8_0 are repacked at upload (cuk_repack) into tiles for tensor-core and dp4a
+ * products (below); `data` then holds the codes and `scales` the f16 scales. */
 struct cuk_weight {
     uint32_t type;
     const uint8_t *data;

@@ -1,10 +1,10 @@
 /* Products with weights in their GGUF types, read in place on the device.
  *
  * Decode (up to CUK_MATVEC_MAX tokens): Q4_0/Q8_0 are repacked at upload into tiles
- * for tensor-core products on int8 inputs (below); the other types go one warp per
- * output row, each lane decoding 8 consecutive weights at a time (consecutive lanes
- * read consecutive bytes) and multiplying them with every token's inputs, which stay
- * in L1/L2. Up to three products of one type (Q/K/V, gate/up) share a launch. Wider
+ * for tensor-core (1-2 tokens: dp4a) products on int8 inputs (below); the other
+ * types go one warp per output row, each lane decoding 8 consecutive weights at a
+ * time (consecutive lanes read consecutive bytes) and multiplying them with every
+ * token's inputs, which stay in L1/L2. Up to three products of one type (Q/K/V, gate/up) share a launch. Wider
  * batches dequantize a band of rows for a GEMM (cuda_backend.c). Block layouts are
  * ggml's (the GGUF types), as in src/kernels/quant.c. */
 #include <cuda_fp16.h>
@@ -212,8 +212,7 @@ static __host__ __device__ __forceinline__ int64_t chunks_of(uint32_t T, int64_t
 extern "C" int cuk_repacked(uint32_t type) { return type == KVQ_Q4_0 || type == KVQ_Q8_0; }
 
 extern "C" size_t cuk_repacked_code_bytes(uint32_t type, int64_t rows, int64_t cols) {
-    const int64_t bpc = CUK_CHUNK_BLOCKS(type), chunks = (cols / 32 + bpc - 1) / bpc;
-    return (size_t)((rows + 15) / 16) * (size_t)chunks * 1024;
+    return (size_t)((rows + 15) / 16) * (size_t)chunks_of(type, cols) * 1024;
 }
 
 extern "C" size_t cuk_repacked_bytes(uint32_t type, int64_t rows, int64_t cols) {
@@ -223,7 +222,7 @@ extern "C" size_t cuk_repacked_bytes(uint32_t type, int64_t rows, int64_t cols) 
 
 extern "C" void cuk_repack(uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
                            uint16_t *scales) {
-    const int64_t nb = cols / 32, bpc = CUK_CHUNK_BLOCKS(type), nch = (nb + bpc - 1) / bpc;
+    const int64_t nb = cols / 32, bpc = CUK_CHUNK_BLOCKS(type), nch = chunks_of(type, cols);
     const size_t bb = type == KVQ_Q4_0 ? 18 : 34;
     const size_t code_bytes = cuk_repacked_code_bytes(type, rows, cols);
     memset(codes, 0, code_bytes);
@@ -536,26 +535,24 @@ __global__ void __launch_bounds__(MV_THREADS) matvec_q(const q_set set, const in
     }
 }
 
-/* Chunks a block's warps take: about MV_WARPS warps in all, up to 8 chunks each
- * (KVQ_MV_UMAX=1|2|4 caps it and KVQ_MV_WARPS=N sets the aim, measurement aids). The
- * shapes alone choose it: the slices decide how a token's sums add up. */
-static int mma_chunks_per_warp(const struct cuk_weight *w, int n_jobs) {
-    static int umax;
+/* Chunks a block's warps take (U): about MV_WARPS warps in all, up to 8 chunks each
+ * (KVQ_MV_WARPS=N aims at N warps instead, a measurement aid). The shapes alone
+ * choose it: the slices decide how a token's sums add up. */
+static int chunks_per_warp(const struct cuk_weight *w, int n_jobs) {
     static int64_t aim;
-    if (!umax) {
-        const char *e = getenv("KVQ_MV_UMAX"), *a = getenv("KVQ_MV_WARPS");
-        umax = e && (atoi(e) == 1 || atoi(e) == 2 || atoi(e) == 4) ? atoi(e) : 8;
+    if (!aim) {
+        const char *a = getenv("KVQ_MV_WARPS");
         aim = a && atoi(a) >= 128 ? atoi(a) : MV_WARPS;
     }
     int64_t units = 0;
     for (int j = 0; j < n_jobs; j++) units += (w[j].rows + 15) / 16 * chunks_of(w[j].type, w[j].cols);
     int u = 1;
-    while (u < umax && units > aim * u) u *= 2;
+    while (u < 8 && units > aim * u) u *= 2;
     return u;
 }
 
 /* Shared memory of a block: n tokens' inputs of its columns. */
-static size_t mma_smem(uint32_t T, int U, int n) {
+static size_t staged_smem(uint32_t T, int U, int n) {
     const size_t span = (size_t)U * CUK_CHUNK_BLOCKS(T) * 32;
     return (size_t)n * (span + span / 32 * sizeof(float2));
 }
@@ -580,7 +577,7 @@ static int mv_tokens(int n) {
  * scratch floats and counters it needs. */
 static void q_plan(const cuk_weight *w, int nj, int n, q_set *S, unsigned *blocks, size_t *floats,
                    unsigned *counters) {
-    const int U = mma_chunks_per_warp(w, nj);
+    const int U = chunks_per_warp(w, nj);
     const size_t vals = (size_t)MV_THREADS * MV_VALS(mv_tokens(n));
     *blocks = 0, *floats = 0, *counters = 0;
     if (S) S->U = (unsigned)U;
@@ -636,13 +633,13 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
             q_plan(w, nj, n, &S, &blocks, &floats, &cnt);
             j0 += nj;
             const int nt = mv_tokens(n);
-            const size_t smem = mma_smem(T, (int)S.U, n);
+            const size_t smem = staged_smem(T, (int)S.U, n);
 #define MM(TT, NT, UU)                                                                                              \
     do {                                                                                                            \
         static bool big;                                                                                            \
         if (smem > 48 * 1024 && !big)                                                                               \
             big = cudaFuncSetAttribute(matvec_q<TT, NT, UU>, cudaFuncAttributeMaxDynamicSharedMemorySize,         \
-                                       (int)mma_smem(TT, UU, 16)) == cudaSuccess;                                   \
+                                       (int)staged_smem(TT, UU, 16)) == cudaSuccess;                                   \
         pdl_launch_smem(matvec_q<TT, NT, UU>, dim3(blocks), dim3(MV_THREADS), smem, qu, S, xq->q, xq->dsum, n,    \
                         scr->partial, scr->counters);                                                               \
     } while (0)
