@@ -95,6 +95,12 @@ static __host__ __device__ constexpr size_t stage_halves() {
     return (size_t)2 * TILE * (D + 8);
 }
 
+/* kern_kvq_row_bytes for the formats here: codes, then (scale, bias) f16 per group. */
+template <int D, int BITS, int GS>
+static __host__ __device__ constexpr size_t row_bytes() {
+    return (size_t)D * BITS / 8 + (BITS < 16 ? 4 * (size_t)(D / GS) : 0);
+}
+
 /* GS: the group size of the packed sides (D for f16), so every index into the
  * per-thread arrays is a constant and they stay in registers. */
 template <int D, int KB, int VB, int GS, int G, bool PREFILL>
@@ -105,6 +111,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     constexpr int LD = D + 8, QW = 8 / G, NTI = PREFILL ? 8 : 2, KS = PREFILL ? 4 : 1;
     constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
     constexpr int KG = KB < 16 ? GS : D, VG = VB < 16 ? GS : D, nkg = D / KG, nvg = D / VG;
+    /* row bytes of a block's sides (kv_quant.h), so the tile's addressing is constant */
+    constexpr size_t KROW = row_bytes<D, KB, GS>(), VROW = row_bytes<D, VB, GS>(), HEAD = TILE * (KROW + VROW);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kvh = blockIdx.x % a.n_kv, split = blockIdx.y;
     const cuk_attn_group grp = a.groups[blockIdx.x / a.n_kv];
@@ -185,7 +193,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             const int32_t L = lo / TILE + (r1 ? i : i - P.t1), e = L < s_nkb ? L : L - s_base;
             kind = 0;
             p0 = L * TILE;
-            hb = (const uint8_t *)((const uint64_t *)s_table)[e] + (size_t)kvh * a.head_bytes;
+            hb = (const uint8_t *)((const uint64_t *)s_table)[e] + (size_t)kvh * HEAD;
         } else {
             kind = 1;
             p0 = (i - P.t1 - P.t2) * TILE;
@@ -210,8 +218,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
                 kr = base + ((size_t)kvh * cap + slot) * a.win_row;
                 vr = base + ((size_t)(a.n_kv + kvh) * cap + slot) * a.win_row;
             } else if (in) {
-                kr = hb + (size_t)(p % TILE) * a.k_row;
-                vr = hb + (size_t)TILE * a.k_row + (size_t)(p % TILE) * a.v_row;
+                kr = hb + (size_t)(p % TILE) * KROW;
+                vr = hb + (size_t)TILE * KROW + (size_t)(p % TILE) * VROW;
             }
             if (k16) {
                 if (in) cp_async16(ks + r * LD + c * 8, kr + c * 16);
@@ -230,9 +238,9 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             const int u = threadIdx.x + k * TILE_THREADS, r = u / (D / 8), c = u % (D / 8);
             const bool in = p0 + r >= lo && p0 + r <= hi;
             rk[k] = rv[k] = make_uint2(0, 0);
-            if (KB == 8 && in) rk[k] = *(const uint2 *)(hb + (size_t)r * a.k_row + c * 8);
-            if (KB == 4 && in) rk[k].x = *(const uint32_t *)(hb + (size_t)r * a.k_row + c * 4);
-            const uint8_t *vrow = hb + (size_t)TILE * a.k_row + (size_t)r * a.v_row;
+            if (KB == 8 && in) rk[k] = *(const uint2 *)(hb + (size_t)r * KROW + c * 8);
+            if (KB == 4 && in) rk[k].x = *(const uint32_t *)(hb + (size_t)r * KROW + c * 4);
+            const uint8_t *vrow = hb + (size_t)TILE * KROW + (size_t)r * VROW;
             if (VB == 8 && in) rv[k] = *(const uint2 *)(vrow + c * 8);
             if (VB == 4 && in) rv[k].x = *(const uint32_t *)(vrow + c * 4);
         }
@@ -243,12 +251,12 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             if (KB < 16 && u < TILE * nkg) {
                 const int r = u / nkg, gk = u % nkg;
                 if (p0 + r >= lo && p0 + r <= hi)
-                    rkp[k] = *(const uint32_t *)(hb + (size_t)r * a.k_row + D * KB / 8 + 4 * gk);
+                    rkp[k] = *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
             }
             if (VB < 16 && u < TILE * nvg) {
                 const int r = u / nvg, gv = u % nvg;
                 if (p0 + r >= lo && p0 + r <= hi)
-                    rvp[k] = *(const uint32_t *)(hb + (size_t)TILE * a.k_row + (size_t)r * a.v_row + D * VB / 8 + 4 * gv);
+                    rvp[k] = *(const uint32_t *)(hb + (size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8 + 4 * gv);
             }
         }
     };
@@ -377,7 +385,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
         const float mn = fmaxf(m, tmax);
-        if (mn != -INFINITY) {
+        if (__any_sync(0xffffffffu, mn > m) && mn != -INFINITY) { /* else every corr would be 1 */
             const float corr = m == -INFINITY ? 0.0f : __expf(m - mn);
             m = mn;
             l *= corr, lp *= corr;
@@ -544,9 +552,12 @@ bool attn_tile_takes(const cuk_attn_args *a) {
      * boundaries the loads need */
     const bool groups_ok = (kb == 16 && vb == 16) || ((a->k_group == 32 || a->k_group == 64) && a->v_group == a->k_group &&
                                                       TILE * (D / a->k_group) <= 2 * TILE_THREADS);
-    const bool aligned = a->k_row % 8 == 0 && a->v_row % 8 == 0 && a->head_bytes % 16 == 0 && a->win_row % 16 == 0;
+    const size_t k_row = (size_t)D * kb / 8 + (kb < 16 && a->k_group > 0 ? 4 * (size_t)(D / a->k_group) : 0),
+                 v_row = (size_t)D * vb / 8 + (vb < 16 && a->v_group > 0 ? 4 * (size_t)(D / a->v_group) : 0);
+    const bool rows = a->k_row == k_row && a->v_row == v_row && a->head_bytes == TILE * (k_row + v_row); /* row_bytes<> */
+    const bool aligned = k_row % 8 == 0 && v_row % 8 == 0 && a->head_bytes % 16 == 0 && a->win_row % 16 == 0;
     const bool formats = (kb == 16 && vb == 16) || (kb == 8 && (vb == 8 || vb == 4)) || (kb == 4 && vb == 4);
-    return formats && groups_ok && aligned && (D == 64 || D == 128) && G * a->n_kv == a->n_head &&
+    return formats && groups_ok && rows && aligned && (D == 64 || D == 128) && G * a->n_kv == a->n_head &&
            (G == 1 || G == 2 || G == 4 || G == 8) && a->n_groups > 0 && a->max_group <= 32;
 }
 
