@@ -346,8 +346,8 @@ static void fill_rows(uint32_t type, uint8_t *w, size_t bytes) {
 /* cuk_matvec against the CPU's dequantization and a double dot product (of the
  * int8-rounded inputs for Q4_0 and Q8_0, which the kernels multiply on tensor cores
  * or with dp4a); for those also cuk_dequantize of the repacked tiles against the CPU,
- * exactly, and each token's outputs bit for bit the same whatever n (dp4a up to 4
- * tokens, mma from 5 on). The second shape pads both the row tiles and the column
+ * exactly, and each token's outputs bit for bit the same whatever n (dp4a up to 2
+ * tokens, mma from 3 on). The second shape pads both the row tiles and the column
  * chunks. */
 static void test_matvec(void) {
     /* the last one big enough that a block takes 4 chunks and a row 9 blocks */

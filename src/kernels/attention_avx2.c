@@ -5,12 +5,7 @@
 #include <immintrin.h>
 
 #include "kernels/online_softmax.h"
-
-/* The sums of a, b, c and d in lanes 0..3. */
-INLINE __m128 hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
+#include "kernels/simd_avx2.h"
 
 #define VL 8
 #define VF __m256
@@ -22,7 +17,7 @@ INLINE __m128 hsum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
 #define VROW(base, off, f16)                                                                                  \
     ((f16) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)(base) + (off))))            \
            : _mm256_loadu_ps((const float *)(base) + (off)))
-#define VSUM4 hsum4_256
+#define VSUM4 reduce4_256
 #define VACC_CG 4 /* 2 heads x 4 vectors + 4 row vectors of 16 registers */
 #define SOFTMAX_STEP kern_softmax_step_avx2
 #define FN(x) x##_avx2

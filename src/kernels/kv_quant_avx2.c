@@ -4,13 +4,7 @@
 
 #include "kernels/kv_quant_impl.h"
 #include "kernels/online_softmax.h"
-
-static inline float hsum256(__m256 x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "kernels/simd_avx2.h"
 
 void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out) {
     int i = 0;

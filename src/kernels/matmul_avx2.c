@@ -8,12 +8,7 @@
 
 #include <immintrin.h>
 
-INLINE float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "kernels/simd_avx2.h"
 
 /* ---- Q8_0 / Q4_0 ------------------------------------------------------------ */
 
@@ -82,7 +77,7 @@ INLINE void tile_pairs(const int q4, const struct kern_tile *tl, const int R, co
     UNROLL
     for (int t = 0; t < T; t++)
         UNROLL
-        for (int r = 0; r < R; r++) y[t * ys + r] = hsum(acc[r][t]);
+        for (int r = 0; r < R; r++) y[t * ys + r] = hsum256(acc[r][t]);
 }
 
 /* ---- Q4_K / Q6_K ---------------------------------------------------------- */
@@ -129,7 +124,7 @@ INLINE void tile_q4k(const struct kern_tile *tl, const int R, const int T) {
         }
     }
     UNROLL
-    for (int t = 0; t < T; t++) y[t * ys] = hsum(acc[t]) + macc[t];
+    for (int t = 0; t < T; t++) y[t * ys] = hsum256(acc[t]) + macc[t];
 }
 
 INLINE void tile_q6k(const struct kern_tile *tl, const int R, const int T) {
@@ -179,7 +174,7 @@ INLINE void tile_q6k(const struct kern_tile *tl, const int R, const int T) {
         }
     }
     UNROLL
-    for (int t = 0; t < T; t++) y[t * ys] = hsum(acc[t]) + cacc[t];
+    for (int t = 0; t < T; t++) y[t * ys] = hsum256(acc[t]) + cacc[t];
 }
 
 /* ---- float types ------------------------------------------------------------ */
@@ -230,7 +225,7 @@ INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const i
         const float *x = (const float *)(xa + (size_t)t * xrb);
         UNROLL
         for (int r = 0; r < R; r++) {
-            float s = hsum(acc[r][t]);
+            float s = hsum256(acc[r][t]);
             for (int64_t j = i; j < k; j++) s += wval(wtype, w + (size_t)r * wrb + (size_t)j * es) * x[j];
             y[t * ys + r] = s;
         }

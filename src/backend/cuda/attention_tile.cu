@@ -23,6 +23,9 @@
 
 #include "backend/cuda/attention.cuh"
 #include "backend/cuda/mma.cuh"
+extern "C" {
+#include "kernels/kv_quant.h"
+}
 
 #define TILE 64
 #define TILE_THREADS 128
@@ -95,7 +98,7 @@ static __host__ __device__ constexpr size_t stage_halves() {
     return (size_t)2 * TILE * (D + 8);
 }
 
-/* kern_kvq_row_bytes for the formats here: codes, then (scale, bias) f16 per group. */
+/* kern_kvq_row_bytes at compile time (attn_tile_takes checks they agree). */
 template <int D, int BITS, int GS>
 static __host__ __device__ constexpr size_t row_bytes() {
     return (size_t)D * BITS / 8 + (BITS < 16 ? 4 * (size_t)(D / GS) : 0);
@@ -552,8 +555,7 @@ bool attn_tile_takes(const cuk_attn_args *a) {
      * boundaries the loads need */
     const bool groups_ok = (kb == 16 && vb == 16) || ((a->k_group == 32 || a->k_group == 64) && a->v_group == a->k_group &&
                                                       TILE * (D / a->k_group) <= 2 * TILE_THREADS);
-    const size_t k_row = (size_t)D * kb / 8 + (kb < 16 && a->k_group > 0 ? 4 * (size_t)(D / a->k_group) : 0),
-                 v_row = (size_t)D * vb / 8 + (vb < 16 && a->v_group > 0 ? 4 * (size_t)(D / a->v_group) : 0);
+    const size_t k_row = kern_kvq_row_bytes(kb, a->k_group, D), v_row = kern_kvq_row_bytes(vb, a->v_group, D);
     const bool rows = a->k_row == k_row && a->v_row == v_row && a->head_bytes == TILE * (k_row + v_row); /* row_bytes<> */
     const bool aligned = k_row % 8 == 0 && v_row % 8 == 0 && a->head_bytes % 16 == 0 && a->win_row % 16 == 0;
     const bool formats = (kb == 16 && vb == 16) || (kb == 8 && (vb == 8 || vb == 4)) || (kb == 4 && vb == 4);

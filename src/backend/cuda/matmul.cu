@@ -4,9 +4,10 @@
  * for tensor-core (1-2 tokens: dp4a) products on int8 inputs (below); the other
  * types go one warp per output row, each lane decoding 8 consecutive weights at a
  * time (consecutive lanes read consecutive bytes) and multiplying them with every
- * token's inputs, which stay in L1/L2. Up to three products of one type (Q/K/V, gate/up) share a launch. Wider
- * batches dequantize a band of rows for a GEMM (cuda_backend.c). Block layouts are
- * ggml's (the GGUF types), as in src/kernels/quant.c. */
+ * token's inputs, which stay in L1/L2. Up to three products of one type (Q/K/V,
+ * gate/up) share a launch. Wider batches dequantize a band of rows for a GEMM
+ * (cuda_backend.c). Block layouts are ggml's (the GGUF types), as in
+ * src/kernels/quant.c. */
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdlib.h>
@@ -387,16 +388,13 @@ static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int64_
         }
         /* halve twice: lanes t ^ 2, then t ^ 1, trade the halves they do not keep */
 #pragma unroll
-        for (int k = 0; k < K / 2; k++) {
-            const bool up = t & 2;
-            const int mine = up ? p[K / 2 + k] : p[k], other = up ? p[k] : p[K / 2 + k];
-            p[k] = mine + __shfl_xor_sync(0xffffffffu, other, 2);
-        }
+        for (int o = 2, half = K / 2; o >= 1; o /= 2, half /= 2) {
+            const bool up = t & o;
 #pragma unroll
-        for (int k = 0; k < K / 4; k++) {
-            const bool up = t & 1;
-            const int mine = up ? p[K / 4 + k] : p[k], other = up ? p[k] : p[K / 4 + k];
-            p[k] = mine + __shfl_xor_sync(0xffffffffu, other, 1);
+            for (int k = 0; k < half; k++) {
+                const int mine = up ? p[half + k] : p[k], other = up ? p[k] : p[half + k];
+                p[k] = mine + __shfl_xor_sync(0xffffffffu, other, o);
+            }
         }
 #pragma unroll
         for (int i = 0; i < KL; i++) {
@@ -452,7 +450,6 @@ struct q_set {
     const float *bias[CUK_MATVEC_JOBS];
     unsigned first[CUK_MATVEC_JOBS], slices[CUK_MATVEC_JOBS], group0[CUK_MATVEC_JOBS];
     size_t scratch[CUK_MATVEC_JOBS];
-    unsigned U;
 };
 
 #define MV_THREADS (MV_TILES * 32)
@@ -573,14 +570,13 @@ static int mv_tokens(int n) {
     return n <= dp4a_max ? n : n <= 8 ? 8 : 16;
 }
 
-/* How a launch of repacked jobs runs (S may be NULL): the blocks it takes, and the
- * scratch floats and counters it needs. */
-static void q_plan(const cuk_weight *w, int nj, int n, q_set *S, unsigned *blocks, size_t *floats,
-                   unsigned *counters) {
+/* How a launch of repacked jobs runs (S may be NULL): its chunks a warp (returned),
+ * the blocks it takes, and the scratch floats and counters it needs. */
+static int q_plan(const cuk_weight *w, int nj, int n, q_set *S, unsigned *blocks, size_t *floats,
+                  unsigned *counters) {
     const int U = chunks_per_warp(w, nj);
     const size_t vals = (size_t)MV_THREADS * MV_VALS(mv_tokens(n));
     *blocks = 0, *floats = 0, *counters = 0;
-    if (S) S->U = (unsigned)U;
     for (int j = 0; j < CUK_MATVEC_JOBS; j++) {
         if (j >= nj) {
             if (S) S->first[j] = ~0u, S->slices[j] = 1, S->group0[j] = 0, S->scratch[j] = 0;
@@ -593,6 +589,7 @@ static void q_plan(const cuk_weight *w, int nj, int n, q_set *S, unsigned *block
         *counters += (unsigned)grp;
         if (slices > 1) *floats += (size_t)grp * slices * vals;
     }
+    return U;
 }
 
 extern "C" void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs, int n, size_t *floats,
@@ -630,21 +627,21 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
             }
             unsigned blocks, cnt;
             size_t floats;
-            q_plan(w, nj, n, &S, &blocks, &floats, &cnt);
+            const int U = q_plan(w, nj, n, &S, &blocks, &floats, &cnt);
             j0 += nj;
             const int nt = mv_tokens(n);
-            const size_t smem = staged_smem(T, (int)S.U, n);
-#define MM(TT, NT, UU)                                                                                              \
-    do {                                                                                                            \
-        static bool big;                                                                                            \
-        if (smem > 48 * 1024 && !big)                                                                               \
-            big = cudaFuncSetAttribute(matvec_q<TT, NT, UU>, cudaFuncAttributeMaxDynamicSharedMemorySize,         \
+            const size_t smem = staged_smem(T, U, n);
+#define MM(TT, NT, UU)                                                                                                 \
+    do {                                                                                                               \
+        static bool big;                                                                                               \
+        if (smem > 48 * 1024 && !big)                                                                                  \
+            big = cudaFuncSetAttribute(matvec_q<TT, NT, UU>, cudaFuncAttributeMaxDynamicSharedMemorySize,              \
                                        (int)staged_smem(TT, UU, 16)) == cudaSuccess;                                   \
-        pdl_launch_smem(matvec_q<TT, NT, UU>, dim3(blocks), dim3(MV_THREADS), smem, qu, S, xq->q, xq->dsum, n,    \
-                        scr->partial, scr->counters);                                                               \
+        pdl_launch_smem(matvec_q<TT, NT, UU>, dim3(blocks), dim3(MV_THREADS), smem, qu, S, xq->q, xq->dsum, n,         \
+                        scr->partial, scr->counters);                                                                  \
     } while (0)
 #define MM_U(TT, NT)              \
-    switch (S.U) {                \
+    switch (U) {                  \
     case 1: MM(TT, NT, 1); break; \
     case 2: MM(TT, NT, 2); break; \
     case 4: MM(TT, NT, 4); break; \
