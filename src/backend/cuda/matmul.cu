@@ -184,12 +184,17 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
 }
 
 /* ---- repacked Q4_0 / Q8_0 on int8 inputs ----
- * A tile's columns go in slices of U chunks (U from the shapes alone, below). A
- * block's 4 warps take 4 tiles over one slice; each warp loads its U chunks before
- * it waits for the previous kernel, so all weights are in flight at once, and the
- * block stages the tokens' int8 inputs of those columns in shared memory once for
- * its 4 tiles. The last block of a tile group's slices to finish adds their sums up
- * (scratch and a counter). The products, two ways to the same bits:
+ * A tile's columns go in slices of U chunks (U from the shapes alone, below), a
+ * warp each; each warp loads its U chunks before it waits for the previous kernel,
+ * so all weights are in flight at once. Where a tile's slices fit one block (whole
+ * layout), that block's warps are those slices: it stages the tokens' int8 inputs
+ * in shared memory and adds the slices' sums up there. Otherwise (split) a block's
+ * 4 warps take 4 tiles over one slice, stage the inputs of that slice, and the last
+ * block of a tile group's slices to finish adds their sums up (scratch and a
+ * counter). Whole warps have fewer inputs to wait for and no fence or counter: with
+ * the loops below free of bounds checks where a run is whole (FULL), batch-1 decode
+ * went 377 -> 403 tok/s on the H200 (llama3-8b Q4_0), and each alone did nothing.
+ * The products, two ways to the same bits:
  * - mma (3 tokens and more): one mma.m16n8k32 of a block's codes with 8 tokens'
  *   inputs gives the 16 x 8 integer dot products.
  * - dp4a (1 or 2 tokens, where an mma would be mostly wasted work): each lane dots
@@ -282,20 +287,20 @@ static __device__ __forceinline__ void load_scales(const uint16_t *p, uint16_t *
     }
 }
 
+/* Chunk u of a warp's run: codes at w + 1024 u and scales at s + 16 BPC u, w and s
+ * this lane's first (matvec_q), so that each address is a constant offset. */
 template <uint32_t T, bool MMA>
-static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *unit, const uint16_t *sc, int64_t c,
-                                                           int lane) {
+static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *w, const uint16_t *s, int u) {
     constexpr int BPC = CUK_CHUNK_BLOCKS(T);
     chunk_frag<T> f;
-    f.lo = __ldg((const uint4 *)(unit + lane * 16));
-    f.hi = __ldg((const uint4 *)(unit + 512 + lane * 16));
-    const uint16_t *s0 = sc + (c * 16 + lane / 4) * BPC;
+    f.lo = __ldg((const uint4 *)(w + u * 1024));
+    f.hi = __ldg((const uint4 *)(w + u * 1024 + 512));
+    s += u * 16 * BPC;
     if (MMA) {
-        load_scales<BPC>(s0, f.s0);
-        load_scales<BPC>(s0 + 8 * BPC, f.s1);
+        load_scales<BPC>(s, f.s0);
+        load_scales<BPC>(s + 8 * BPC, f.s1);
     } else {
-        const int t = lane % 4;
-        load_scales<BPC / 2>(s0 + (t >> 1) * 8 * BPC + (t & 1) * (BPC / 2), f.s0);
+        load_scales<BPC / 2>(s, f.s0);
     }
     return f;
 }
@@ -310,14 +315,14 @@ static __device__ __forceinline__ float q_term(float c, float d, float xs, int r
     return __fmaf_rn(__fmul_rn(d, xs), __int_as_float(0x4B400000 + r) - o, c);
 }
 
-/* mma: the sums of the warp's chunks f (chunks c0 ..) for the NT tokens from 0 on,
- * from the inputs staged in shared memory (xs: [n][span] codes of the block's
- * columns from block b0 on; ds: [n][span / 32] scales and code sums); acc[4 nt + i]:
- * c_i of token tile nt. */
-template <uint32_t T, int NT, int U>
-static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U], int64_t c0, int64_t nch, int64_t nb,
-                                                     const int8_t *xs, const float2 *ds, int64_t b0, int span, int n,
-                                                     int lane, float (&acc)[NT / 8 * 4]) {
+/* mma: the sums of the warp's chunks f for the NT tokens from 0 on, from the inputs
+ * staged in shared memory (xs: [n][span] codes from the warp's first block on; ds:
+ * [n][span / 32] scales and code sums, likewise); vb: the valid blocks of the
+ * warp's run (FULL: all U BPC); acc[4 nt + i]: c_i of token tile nt. */
+template <uint32_t T, int NT, int U, bool FULL>
+static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U], int vb, const int8_t *xs,
+                                                     const float2 *ds, int span, int n, int lane,
+                                                     float (&acc)[NT / 8 * 4]) {
     constexpr int BPC = CUK_CHUNK_BLOCKS(T);
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -327,9 +332,8 @@ static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U]
         for (int nt = 0; nt < NT / 8; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0;
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const int64_t b = (c0 + u) * BPC + j;
-            if (c0 + u >= nch || b >= nb) break;
-            const int lb = (int)(b - b0); /* the block within the staged span */
+            const int lb = u * BPC + j; /* the block within the warp's run */
+            if (!FULL && lb >= vb) break;
             const uint32_t w[4] = {f[u].lo.x, f[u].lo.y, f[u].lo.z, f[u].lo.w}, h[4] = {f[u].hi.x, f[u].hi.y, f[u].hi.z, f[u].hi.w};
             uint32_t a0, a1, a2, a3;
             if (T == KVQ_Q4_0) {
@@ -361,14 +365,15 @@ static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U]
     }
 }
 
-/* dp4a: adds one chunk (blocks bc ..) to lane t's chains c[tok][i] (blocks
- * (t & 1) KL + i of row g + 8 (t >> 1), KL = BPC / 2), the inputs staged as for mma. */
-template <uint32_t T, int NT>
-static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int64_t bc, int64_t nb, const int8_t *xs,
-                                                  const float2 *ds, int64_t b0, int span, int n, int t,
+/* dp4a: adds chunk u of the warp's run to lane t's chains c[tok][i] (blocks
+ * (t & 1) KL + i of row g + 8 (t >> 1), KL = BPC / 2), the inputs as for mma. */
+template <uint32_t T, int NT, bool FULL>
+static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int u, int vb, const int8_t *xs,
+                                                  const float2 *ds, int span, int n, int t,
                                                   float (&c)[NT][CUK_CHUNK_BLOCKS(T) / 2]) {
     constexpr int BPC = CUK_CHUNK_BLOCKS(T), K = 2 * BPC, KL = K / 4;
     const uint32_t w[8] = {f.lo.x, f.lo.y, f.lo.z, f.lo.w, f.hi.x, f.hi.y, f.hi.z, f.hi.w};
+    const int bc = u * BPC; /* the chunk's first block within the run */
 #pragma unroll
     for (int tok = 0; tok < NT; tok++) {
         if (tok >= n) break;
@@ -376,7 +381,7 @@ static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int64_
 #pragma unroll
         for (int j = 0; j < BPC; j++) {
             uint2 xv = make_uint2(0, 0);
-            if (bc + j < nb) xv = *(const uint2 *)(xs + tok * span + (int)(bc + j - b0) * 32 + 8 * t);
+            if (FULL || bc + j < vb) xv = *(const uint2 *)(xs + tok * span + (bc + j) * 32 + 8 * t);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const uint32_t *q = w + 4 * h;
@@ -398,9 +403,9 @@ static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int64_
         }
 #pragma unroll
         for (int i = 0; i < KL; i++) {
-            const int64_t b = bc + (t & 1) * KL + i;
-            if (b < nb) {
-                const float2 x = ds[tok * (span / 32) + (int)(b - b0)];
+            const int b = bc + (t & 1) * KL + i;
+            if (FULL || b < vb) {
+                const float2 x = ds[tok * (span / 32) + b];
                 c[tok][i] = q_term<T>(c[tok][i], h2f(f.s0[i]), x.x, p[i], x.y);
             }
         }
@@ -424,10 +429,10 @@ static __device__ __forceinline__ float chains_sum(const float (&c)[KL]) {
 
 /* dp4a: the sums of the warp's chunks as tile_sums_mma gives them, for NT <=
  * MV_DP4A_MAX tokens; acc[tok] of row g + 8 (t >> 1), in the even lanes t. */
-template <uint32_t T, int NT, int U>
-static __device__ __forceinline__ void tile_sums_dp4a(const chunk_frag<T> (&f)[U], int64_t c0, int64_t nch, int64_t nb,
-                                                      const int8_t *xs, const float2 *ds, int64_t b0, int span,
-                                                      int n, int lane, float (&acc)[NT]) {
+template <uint32_t T, int NT, int U, bool FULL>
+static __device__ __forceinline__ void tile_sums_dp4a(const chunk_frag<T> (&f)[U], int vb, const int8_t *xs,
+                                                      const float2 *ds, int span, int n, int lane,
+                                                      float (&acc)[NT]) {
     constexpr int BPC = CUK_CHUNK_BLOCKS(T), KL = BPC / 2;
     float c[NT][KL];
 #pragma unroll
@@ -436,14 +441,17 @@ static __device__ __forceinline__ void tile_sums_dp4a(const chunk_frag<T> (&f)[U
         for (int i = 0; i < KL; i++) c[tok][i] = 0;
 #pragma unroll
     for (int u = 0; u < U; u++)
-        if (c0 + u < nch) dp4a_chunk<T, NT>(f[u], (c0 + u) * BPC, nb, xs, ds, b0, span, n, lane % 4, c);
+        if (FULL || u * BPC < vb) dp4a_chunk<T, NT, FULL>(f[u], u, vb, xs, ds, span, n, lane % 4, c);
 #pragma unroll
     for (int tok = 0; tok < NT; tok++) acc[tok] = chains_sum<KL>(c[tok]);
 }
 
-/* The jobs of one launch (q_plan): job j's blocks start at first[j], `slices` blocks
- * a group of MV_TILES tiles (U chunks a block); its scratch starts at scratch[j]
- * floats, its groups' counters at group0[j]. */
+/* The jobs of one launch (q_plan): job j's blocks start at first[j]. Two layouts of
+ * the same sums:
+ * - split: `slices` blocks a group of MV_TILES tiles (U chunks a block); job j's
+ *   scratch starts at scratch[j] floats, its groups' counters at group0[j].
+ * - whole (a tile's slices fit one block): one block a tile, a warp a slice, the
+ *   slices added in shared memory: no scratch, fence or counter. */
 struct q_set {
     cuk_weight w[CUK_MATVEC_JOBS];
     float *y[CUK_MATVEC_JOBS];
@@ -453,56 +461,93 @@ struct q_set {
 };
 
 #define MV_THREADS (MV_TILES * 32)
+#define MV_WHOLE_THREADS 512 /* the most a whole-layout block takes */
 
 /* Sums a lane holds: NT tokens (dp4a), or 4 per tile of 8 tokens (mma). */
 #define MV_VALS(NT) ((NT) <= MV_DP4A_MAX ? (NT) : (NT) / 8 * 4)
 
-template <uint32_t T, int NT, int U>
-__global__ void __launch_bounds__(MV_THREADS) matvec_q(const q_set set, const int8_t *xq, const float2 *xd, int n,
-                                                      float *scratch, unsigned *counters) {
+template <uint32_t T, int NT, int U, bool WHOLE>
+__global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
+    matvec_q(const q_set set, const int8_t *xq, const float2 *xd, int n, float *scratch, unsigned *counters) {
     constexpr bool MMA = NT > MV_DP4A_MAX;
     griddep_release();
     extern __shared__ __align__(16) uint8_t xsm[];
-    constexpr int BPC = CUK_CHUNK_BLOCKS(T), SPAN = U * BPC * 32; /* columns of a block */
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T);
     int j = 0;
 #pragma unroll
     for (int i = 1; i < CUK_MATVEC_JOBS; i++)
         if (blockIdx.x >= set.first[i]) j = i;
     const cuk_weight &W = set.w[j];
-    const unsigned slices = set.slices[j], local = blockIdx.x - set.first[j], slice = local % slices, grp = local / slices;
+    const unsigned slices = set.slices[j], local = blockIdx.x - set.first[j];
     const int64_t nb = W.cols / 32, nch = chunks_of(T, W.cols), tiles = (W.rows + 15) / 16;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t tile = (int64_t)grp * MV_TILES + warp, c0 = (int64_t)slice * U, b0 = c0 * BPC;
+    const unsigned slice = WHOLE ? warp : local % slices, grp = local / slices;
+    const int64_t tile = WHOLE ? local : (int64_t)grp * MV_TILES + warp, c0 = (int64_t)slice * U;
+    /* the block's columns: a slice's, or (whole) all of them */
+    const int64_t b0 = WHOLE ? 0 : c0 * BPC, SPAN = WHOLE ? nch * BPC * 32 : U * BPC * 32;
     const bool live = tile < tiles;
-    const uint8_t *units = W.data + tile * nch * 1024;
-    const uint16_t *sc = W.scales + tile * nch * 16 * BPC;
+    /* the blocks of the warp's run that exist (FULL: all, the common case, with no
+     * checks), and this lane's first codes and scales (a dp4a lane's own scales) */
+    const int vb = live ? (int)min((int64_t)U * BPC, nb - c0 * BPC) : 0, t = lane % 4;
+    const bool full = vb == U * BPC;
+    const uint8_t *wl = W.data + (tile * nch + c0) * 1024 + lane * 16;
+    const uint16_t *sl = W.scales + ((tile * nch + c0) * 16 + lane / 4) * BPC + (MMA ? 0 : (t >> 1) * 8 * BPC + (t & 1) * (BPC / 2));
     /* the weights depend on no earlier kernel: all of this warp's are loaded first */
     chunk_frag<T> f[U];
+    if (full) {
 #pragma unroll
-    for (int u = 0; u < U; u++)
-        if (live && c0 + u < nch) f[u] = load_chunk<T, MMA>(units + (c0 + u) * 1024, sc, c0 + u, lane);
+        for (int u = 0; u < U; u++) f[u] = load_chunk<T, MMA>(wl, sl, u);
+    } else {
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (u * BPC < vb) f[u] = load_chunk<T, MMA>(wl, sl, u);
+    }
     griddep_wait();
     /* the inputs of these columns, once for the block: codes, then (scale, sum) pairs */
-    const int64_t cols0 = b0 * 32, ncols = min((int64_t)SPAN, W.cols - cols0);
+    const int64_t cols0 = b0 * 32, ncols = min(SPAN, W.cols - cols0);
+    const int span = (int)SPAN;
     int8_t *xs = (int8_t *)xsm;
-    float2 *ds = (float2 *)(xsm + (size_t)n * SPAN);
-    for (int e = threadIdx.x; e < n * SPAN / 16; e += MV_THREADS) {
-        const int tok = e / (SPAN / 16), k = (e % (SPAN / 16)) * 16;
-        if (k < ncols) *(uint4 *)(xs + tok * SPAN + k) = __ldg((const uint4 *)(xq + tok * W.cols + cols0 + k));
+    float2 *ds = (float2 *)(xsm + (size_t)n * span);
+    const int threads = WHOLE ? blockDim.x : MV_THREADS;
+    for (int e = threadIdx.x; e < n * span / 16; e += threads) {
+        const int tok = e / (span / 16), k = (e % (span / 16)) * 16;
+        if (k < ncols) *(uint4 *)(xs + tok * span + k) = __ldg((const uint4 *)(xq + tok * W.cols + cols0 + k));
     }
-    for (int e = threadIdx.x; e < n * (SPAN / 32); e += MV_THREADS) {
-        const int tok = e / (SPAN / 32), k = e % (SPAN / 32);
-        if (k < ncols / 32) ds[tok * (SPAN / 32) + k] = __ldg(xd + tok * nb + b0 + k);
+    for (int e = threadIdx.x; e < n * (span / 32); e += threads) {
+        const int tok = e / (span / 32), k = e % (span / 32);
+        if (k < ncols / 32) ds[tok * (span / 32) + k] = __ldg(xd + tok * nb + b0 + k);
     }
     __syncthreads();
     constexpr int VALS = MV_VALS(NT);
     float acc[VALS] = {};
     if (live) {
-        if constexpr (MMA) tile_sums_mma<T, NT, U>(f, c0, nch, nb, xs, ds, b0, SPAN, n, lane, acc);
-        else tile_sums_dp4a<T, NT, U>(f, c0, nch, nb, xs, ds, b0, SPAN, n, lane, acc);
+        const int first = (int)(c0 * BPC - b0); /* the warp's first block among the staged */
+        const int8_t *xw = xs + first * 32;
+        const float2 *dw = ds + first;
+        if constexpr (MMA) {
+            if (full) tile_sums_mma<T, NT, U, true>(f, vb, xw, dw, span, n, lane, acc);
+            else tile_sums_mma<T, NT, U, false>(f, vb, xw, dw, span, n, lane, acc);
+        } else {
+            if (full) tile_sums_dp4a<T, NT, U, true>(f, vb, xw, dw, span, n, lane, acc);
+            else tile_sums_dp4a<T, NT, U, false>(f, vb, xw, dw, span, n, lane, acc);
+        }
     }
 
-    if (slices > 1) { /* the last block of the group adds the slices up, in order */
+    if (WHOLE && slices > 1) { /* warp 0 adds the slices up, in order, as below */
+        float *part = (float *)(ds + n * (span / 32));
+#pragma unroll
+        for (int v = 0; v < VALS; v++) part[(slice * 32 + lane) * VALS + v] = acc[v];
+        __syncthreads();
+        if (warp > 0) return;
+#pragma unroll
+        for (int v = 0; v < VALS; v++) {
+            float s = 0;
+            for (unsigned i = 0; i < slices; i++) s += part[(i * 32 + lane) * VALS + v];
+            acc[v] = s;
+        }
+    } else if (WHOLE) {
+        if (warp > 0) return;
+    } else if (slices > 1) { /* the last block of the group adds the slices up, in order */
         float *part = scratch + set.scratch[j] + (size_t)grp * slices * MV_THREADS * VALS;
 #pragma unroll
         for (int v = 0; v < VALS; v++) part[(slice * MV_THREADS + threadIdx.x) * VALS + v] = acc[v];
@@ -522,7 +567,7 @@ __global__ void __launch_bounds__(MV_THREADS) matvec_q(const q_set set, const in
         if (threadIdx.x == 0) counters[set.group0[j] + grp] = 0; /* ready for the next launch */
     }
     if (!live) return;
-    const int g = lane / 4, t = lane % 4;
+    const int g = lane / 4;
 #pragma unroll
     for (int v = 0; v < VALS; v++) {
         /* mma: c_i of token tile v / 4; dp4a: token v of row g + 8 (t >> 1), even lanes */
@@ -570,11 +615,10 @@ static int mv_tokens(int n) {
     return n <= dp4a_max ? n : n <= 8 ? 8 : 16;
 }
 
-/* How a launch of repacked jobs runs (S may be NULL): its chunks a warp (returned),
- * the blocks it takes, and the scratch floats and counters it needs. */
-static int q_plan(const cuk_weight *w, int nj, int n, q_set *S, unsigned *blocks, size_t *floats,
-                  unsigned *counters) {
-    const int U = chunks_per_warp(w, nj);
+/* How a launch of repacked jobs runs (S may be NULL), U chunks a warp and whole or
+ * split (q_set): the blocks it takes, and the scratch floats and counters it needs. */
+static void q_plan(const cuk_weight *w, int nj, int n, int U, bool whole, q_set *S, unsigned *blocks,
+                   size_t *floats, unsigned *counters) {
     const size_t vals = (size_t)MV_THREADS * MV_VALS(mv_tokens(n));
     *blocks = 0, *floats = 0, *counters = 0;
     for (int j = 0; j < CUK_MATVEC_JOBS; j++) {
@@ -582,14 +626,17 @@ static int q_plan(const cuk_weight *w, int nj, int n, q_set *S, unsigned *blocks
             if (S) S->first[j] = ~0u, S->slices[j] = 1, S->group0[j] = 0, S->scratch[j] = 0;
             continue;
         }
-        const int64_t grp = ((w[j].rows + 15) / 16 + MV_TILES - 1) / MV_TILES;
+        const int64_t tiles = (w[j].rows + 15) / 16, grp = (tiles + MV_TILES - 1) / MV_TILES;
         const unsigned slices = (unsigned)((chunks_of(w[j].type, w[j].cols) + U - 1) / U);
         if (S) S->first[j] = *blocks, S->slices[j] = slices, S->group0[j] = *counters, S->scratch[j] = *floats;
+        if (whole) {
+            *blocks += (unsigned)tiles;
+            continue;
+        }
         *blocks += (unsigned)grp * slices;
         *counters += (unsigned)grp;
         if (slices > 1) *floats += (size_t)grp * slices * vals;
     }
-    return U;
 }
 
 extern "C" void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs, int n, size_t *floats,
@@ -604,10 +651,27 @@ extern "C" void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs
         if (!cuk_repacked(w[0].type)) continue;
         unsigned blocks, cnt;
         size_t f;
-        q_plan(w, nj, n, NULL, &blocks, &f, &cnt);
+        q_plan(w, nj, n, chunks_per_warp(w, nj), false, NULL, &blocks, &f, &cnt); /* split needs the most */
         if (f > *floats) *floats = f;
         if (cnt > *counters) *counters = cnt;
     }
+}
+
+/* Shared memory of a whole-layout block (0: the split layout instead): its warps
+ * are the `slices` of one tile, all jobs' tiles cut alike, at least 2 blocks an SM
+ * (regs: the kernel's registers a thread). KVQ_MV_WHOLE=0 always splits (a
+ * measurement aid). */
+static size_t whole_smem(const cuk_weight *w, int nj, int U, int n, int vals, int regs) {
+    static int off = -1;
+    if (off < 0) off = getenv("KVQ_MV_WHOLE") && atoi(getenv("KVQ_MV_WHOLE")) == 0;
+    const int64_t nch = chunks_of(w[0].type, w[0].cols), slices = (nch + U - 1) / U;
+    for (int j = 1; j < nj; j++)
+        if (chunks_of(w[j].type, w[j].cols) != nch) return 0;
+    const size_t cols = (size_t)nch * CUK_CHUNK_BLOCKS(w[0].type) * 32;
+    const size_t smem = (size_t)n * (cols + cols / 32 * sizeof(float2)) + (size_t)slices * 32 * vals * sizeof(float);
+    if (off || slices < 2 || slices * 32 > MV_WHOLE_THREADS || 2 * slices * 32 * regs > 65536 || smem > 48 * 1024)
+        return 0;
+    return smem;
 }
 
 extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_jobs, const float *x,
@@ -625,20 +689,32 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
                 S.y[i] = jobs[j0 + i].y;
                 S.bias[i] = jobs[j0 + i].bias;
             }
-            unsigned blocks, cnt;
-            size_t floats;
-            const int U = q_plan(w, nj, n, &S, &blocks, &floats, &cnt);
             j0 += nj;
-            const int nt = mv_tokens(n);
-            const size_t smem = staged_smem(T, U, n);
+            const int U = chunks_per_warp(w, nj), nt = mv_tokens(n);
+#define MM_LAUNCH(TT, NT, UU, WH, threads, smem)                                                                      \
+    pdl_launch_smem(matvec_q<TT, NT, UU, WH>, dim3(blocks), dim3(threads), smem, qu, S, xq->q, xq->dsum, n,            \
+                    scr->partial, scr->counters)
 #define MM(TT, NT, UU)                                                                                                 \
     do {                                                                                                               \
+        static int regs;                                                                                               \
         static bool big;                                                                                               \
+        if (!regs) {                                                                                                   \
+            cudaFuncAttributes fa;                                                                                     \
+            regs = cudaFuncGetAttributes(&fa, matvec_q<TT, NT, UU, true>) == cudaSuccess ? fa.numRegs : 255;          \
+        }                                                                                                              \
+        const size_t whole = whole_smem(w, nj, UU, n, MV_VALS(NT), regs);                                             \
+        unsigned blocks, cnt;                                                                                          \
+        size_t floats;                                                                                                 \
+        q_plan(w, nj, n, UU, whole != 0, &S, &blocks, &floats, &cnt);                                                  \
+        if (whole) {                                                                                                   \
+            MM_LAUNCH(TT, NT, UU, true, S.slices[0] * 32, whole);                                                      \
+            break;                                                                                                     \
+        }                                                                                                              \
+        const size_t smem = staged_smem(TT, UU, n);                                                                    \
         if (smem > 48 * 1024 && !big)                                                                                  \
-            big = cudaFuncSetAttribute(matvec_q<TT, NT, UU>, cudaFuncAttributeMaxDynamicSharedMemorySize,              \
+            big = cudaFuncSetAttribute(matvec_q<TT, NT, UU, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,       \
                                        (int)staged_smem(TT, UU, 16)) == cudaSuccess;                                   \
-        pdl_launch_smem(matvec_q<TT, NT, UU>, dim3(blocks), dim3(MV_THREADS), smem, qu, S, xq->q, xq->dsum, n,         \
-                        scr->partial, scr->counters);                                                                  \
+        MM_LAUNCH(TT, NT, UU, false, MV_THREADS, smem);                                                                \
     } while (0)
 #define MM_U(TT, NT)              \
     switch (U) {                  \
@@ -661,6 +737,7 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
 #undef Q
 #undef MM_U
 #undef MM
+#undef MM_LAUNCH
             continue;
         }
         mv_set S;
