@@ -667,8 +667,8 @@ static size_t whole_smem(const cuk_weight *w, int nj, int U, int n, int vals, in
     const int64_t nch = chunks_of(w[0].type, w[0].cols), slices = (nch + U - 1) / U;
     for (int j = 1; j < nj; j++)
         if (chunks_of(w[j].type, w[j].cols) != nch) return 0;
-    const size_t cols = (size_t)nch * CUK_CHUNK_BLOCKS(w[0].type) * 32;
-    const size_t smem = (size_t)n * (cols + cols / 32 * sizeof(float2)) + (size_t)slices * 32 * vals * sizeof(float);
+    /* all the columns' inputs (a "slice" of nch chunks), then the slices' sums */
+    const size_t smem = staged_smem(w[0].type, (int)nch, n) + (size_t)slices * 32 * vals * sizeof(float);
     if (off || slices < 2 || slices * 32 > MV_WHOLE_THREADS || 2 * slices * 32 * regs > 65536 || smem > 48 * 1024)
         return 0;
     return smem;
