@@ -6,6 +6,7 @@
 #include "gguf/gguf.h"
 #include "kernels/attention.h"
 #include "kernels/f16.h"
+#include "kernels/activation.h"
 #include "kernels/matmul.h"
 #include "kernels/matmul_impl.h"
 
@@ -212,9 +213,16 @@ static void test_matmul_case(uint32_t type, int64_t k, int M, int n_tok) {
     const int64_t ys = M + 3;
     float *y = malloc(sizeof(float) * (size_t)(n_tok * ys));
     float *y_scalar = malloc(sizeof(float) * (size_t)(n_tok * ys));
+    float *y1 = malloc(sizeof(float) * (size_t)ys);
+    /* Q8_0/Q4_0 also in the 16-row form (3 tiles, the last one partial) */
+    const int has16 = type == KVQ_Q8_0 || type == KVQ_Q4_0;
+    void *w16 = has16 ? aligned_alloc(64, kern_rows16_bytes(type, M, k)) : NULL;
+    if (has16) kern_rows16_pack(type, w, wrb, M, k, w16);
     struct kern_matmul_args a = {.wtype = type, .w = w, .w_row_bytes = wrb, .k = k, .xa = xa,
                                  .xa_row_bytes = xrb, .n_tok = n_tok, .y = y, .y_stride = ys};
-    for (size_t li = 0; li < 3; li++) {
+    for (size_t run = 0; run < 3 * (size_t)(1 + has16); run++) {
+        const size_t li = run % 3;
+        a.w16 = run >= 3 ? w16 : NULL;
         if (kvq_simd_force(all_levels[li]) != 0) continue;
         for (int64_t i = 0; i < n_tok * ys; i++) y[i] = NAN;
         /* odd row ranges, not multiples of the register tile */
@@ -237,9 +245,23 @@ static void test_matmul_case(uint32_t type, int64_t k, int M, int n_tok) {
         CHECK(bad == 0, "matmul %s %s k=%d M=%d n_tok=%d: %d outputs outside the bound (worst %.3g x tol)",
               kvq_dtype_name(type), level_name[li], (int)k, M, n_tok, bad, worst);
         CHECK(bad_pad == 0, "matmul %s %s wrote outside [r0, r1)", kvq_dtype_name(type), level_name[li]);
-        CHECK(bad_scalar == 0, "matmul %s %s k=%d n_tok=%d: %d outputs differ from scalar", kvq_dtype_name(type),
-              level_name[li], (int)k, n_tok, bad_scalar);
+        CHECK(bad_scalar == 0, "matmul %s %s%s k=%d n_tok=%d: %d outputs differ from scalar", kvq_dtype_name(type),
+              level_name[li], a.w16 ? " 16-row" : "", (int)k, n_tok, bad_scalar);
+        /* a token's outputs do not depend on the tokens beside it: bit for bit */
+        int varies = 0;
+        for (int t = 0; t < n_tok; t++) {
+            struct kern_matmul_args one = a;
+            one.xa = xa + (size_t)t * xrb;
+            one.n_tok = 1;
+            one.y = y1;
+            for (int c = 0; c + 1 < 6; c++) kern_matmul(&one, cuts[c], cuts[c + 1]);
+            varies += memcmp(y1, y + (size_t)t * ys, sizeof(float) * (size_t)M) != 0;
+        }
+        CHECK(varies == 0, "matmul %s %s%s k=%d: %d of %d tokens differ when multiplied alone", kvq_dtype_name(type),
+              level_name[li], a.w16 ? " 16-row" : "", (int)k, varies, n_tok);
     }
+    free(w16);
+    free(y1);
     kvq_simd_force(kvq_simd_max());
     free(w);
     free(wd);
@@ -263,6 +285,28 @@ static void test_matmul(void) {
         for (int ki = 0; ki < 2; ki++)
             for (int ni = 0; ni < 4; ni++) test_matmul_case(type, ks[ki], 37, ntoks[ni]);
     }
+}
+
+/* ---- activations vs double reference --------------------------------------------- */
+
+static void test_silu_mul(void) {
+    enum { N = 1000 }; /* not a multiple of 8: the scalar tail too */
+    float g[N], u[N], out[N];
+    for (int i = 0; i < N; i++) {
+        g[i] = i < 8 ? (float[]){-200, -88.5f, -87, -20, 0, 20, 88.5f, 200}[i] : 24.0f * frand();
+        u[i] = 2.0f * frand();
+    }
+    for (size_t li = 0; li < 3; li++) {
+        if (kvq_simd_force(all_levels[li]) != 0) continue;
+        kern_silu_mul(g, u, out, N);
+        int bad = 0;
+        for (int i = 0; i < N; i++) {
+            const double ref = (double)g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+            if (!(fabs(out[i] - ref) <= 4e-7 * fabs(ref) + 1e-30)) bad++;
+        }
+        CHECK(bad == 0, "silu_mul %s: %d of %d values off the reference", level_name[li], bad, N);
+    }
+    kvq_simd_force(kvq_simd_max());
 }
 
 /* Every level must prepare byte-identical activations (same rounding). */
@@ -459,6 +503,7 @@ int main(void) {
     test_dequant_formula();
     test_prepare_levels();
     test_matmul();
+    test_silu_mul();
     test_attention();
     test_dequant_gguf();
     return check_finish();

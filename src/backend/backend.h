@@ -3,7 +3,8 @@
  * a backend says how and where.
  *
  * The CPU backend (cpu/cpu_backend.c): buffers are host memory, weights stay in the
- * mapped GGUF file, work is split over a thread pool.
+ * mapped GGUF file (Q8_0/Q4_0 products read the model's 16-row copy where the CPU
+ * kernels have that path: model_pack_rows16), work is split over a thread pool.
  * The CUDA backend (cuda/cuda_backend.c): alloc returns device memory (the forward
  * pass never touches activations itself, it only passes them between operations),
  * upload_weight and upload_vector copy the model to the device (ops then name a weight

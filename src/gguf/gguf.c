@@ -389,6 +389,13 @@ struct gguf_file *gguf_open(const char *path) {
     return f;
 }
 
+void gguf_release_pages(const struct gguf_file *f, const void *p, size_t n) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p, b = a + n;
+    const uintptr_t lo = (a + page - 1) / page * page, hi = b / page * page;
+    if (!f->mapped || a < (uintptr_t)f->base || b > (uintptr_t)f->base + f->size || hi <= lo) return;
+    madvise((void *)lo, hi - lo, MADV_DONTNEED); /* advice: failing changes nothing */
+}
+
 void gguf_close(struct gguf_file *f) {
     if (!f) return;
     for (size_t i = 0; i < f->n_allocs; i++) free(f->allocs[i]);

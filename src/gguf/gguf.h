@@ -78,6 +78,10 @@ struct gguf_file *gguf_open(const char *path);
 /* Same, over a caller-owned buffer (used by the fuzzer); the buffer must outlive the result. */
 struct gguf_file *gguf_open_memory(const void *data, size_t size);
 void gguf_close(struct gguf_file *f);
+/* The caller will not read these bytes of the file for a while: a mapped file's
+ * whole pages among them leave the process's memory (read again from the file if
+ * touched). Nothing for a caller-owned buffer. */
+void gguf_release_pages(const struct gguf_file *f, const void *p, size_t n);
 
 uint32_t gguf_version(const struct gguf_file *f);
 uint64_t gguf_alignment(const struct gguf_file *f);

@@ -18,6 +18,46 @@ void kern_matmul(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     }
 }
 
+/* ---- the 16-row form ------------------------------------------------------ */
+
+int kern_rows16_wanted(uint32_t wtype) {
+    return (wtype == KVQ_Q8_0 || wtype == KVQ_Q4_0) && kvq_simd_level() == KVQ_SIMD_AVX512;
+}
+
+static size_t rows16_code_bytes(uint32_t wtype) { return wtype == KVQ_Q4_0 ? 256 : 512; }
+
+size_t kern_rows16_tile_bytes(uint32_t wtype, int64_t k) {
+    return ((size_t)(k / 32) * (rows16_code_bytes(wtype) + 32) + 63) & ~(size_t)63;
+}
+
+size_t kern_rows16_bytes(uint32_t wtype, int64_t rows, int64_t k) {
+    return (size_t)((rows + 15) / 16) * kern_rows16_tile_bytes(wtype, k);
+}
+
+void kern_rows16_pack(uint32_t wtype, const void *w, size_t w_row_bytes, int64_t rows, int64_t k, void *dst) {
+    const int64_t nb = k / 32;
+    const size_t cb = rows16_code_bytes(wtype), bb = wtype == KVQ_Q4_0 ? 18 : 34, tb = kern_rows16_tile_bytes(wtype, k);
+    const uint32_t flip = wtype == KVQ_Q4_0 ? 0 : 0x80808080u;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        uint8_t *tile = (uint8_t *)dst + (size_t)(r0 / 16) * tb, *scales = tile + (size_t)nb * cb;
+        const int nr = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        memset(tile, 0, tb); /* padding rows and bytes */
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *codes = tile + (size_t)b * cb;
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *blk = (const uint8_t *)w + (size_t)(r0 + r) * w_row_bytes + (size_t)b * bb;
+                for (size_t j = 0; j < cb / 64; j++) {
+                    uint32_t v;
+                    memcpy(&v, blk + 2 + 4 * j, 4);
+                    v ^= flip;
+                    memcpy(codes + 64 * j + 4 * (size_t)r, &v, 4);
+                }
+                memcpy(scales + 32 * (size_t)b + 2 * (size_t)r, blk, 2);
+            }
+        }
+    }
+}
+
 /* ---- scalar reference ---------------------------------------------------- */
 
 static float dot_pairs(uint32_t wtype, const uint8_t *w, const struct kern_pair *x, int64_t k) {

@@ -31,9 +31,31 @@ struct kern_matmul_args {
     int n_tok;
     float *y;            /* output: y[t * y_stride + r] */
     int64_t y_stride;
+    const void *w16;     /* NULL, or w in 16-row form (kern_rows16_pack): used where a kernel has that path */
 };
 /* Computes output rows [r0, r1) for all tokens. */
 void kern_matmul(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
+
+/* The 16-row form of Q8_0 and Q4_0 weights, made once at load time for the
+ * AVX-512 kernel: one vector then holds 4 codes of each of 16 rows, so a token's
+ * block is 8 (Q8_0) vpdpbusd against broadcast activations for all 16 rows, and
+ * every row's result is the same sum in the same order whatever the number of
+ * tokens (exact int32 block sums, then one FMA per block in block order).
+ *   Rows in tiles of 16 (the last one zero-padded); nb = k / 32 blocks per row;
+ *   CB = 512 (Q8_0) or 256 (Q4_0) code bytes per block of a tile;
+ *   tile i at i * kern_rows16_tile_bytes = round_up(nb * (CB + 32), 64):
+ *     block b's codes at b * CB: CB / 64 vectors of 64 bytes; vector j holds at
+ *       [4r, 4r + 4) bytes [4j, 4j + 4) of row r's block codes:
+ *       Q8_0: the int8 codes + 128 (as uint8);  Q4_0: the 16 nibble bytes as stored;
+ *     block b's scales at nb * CB + 32 * b: the 16 rows' f16 d.
+ * Same bytes as the rows (plus padding). */
+/* True when this CPU's kernels have a 16-row path for weights of type wtype. */
+int kern_rows16_wanted(uint32_t wtype);
+size_t kern_rows16_tile_bytes(uint32_t wtype, int64_t k);
+size_t kern_rows16_bytes(uint32_t wtype, int64_t rows, int64_t k);
+/* Packs rows [0, rows) of w (each w_row_bytes long, k values) into dst
+ * (kern_rows16_bytes, 64-byte aligned). */
+void kern_rows16_pack(uint32_t wtype, const void *w, size_t w_row_bytes, int64_t rows, int64_t k, void *dst);
 
 /* Dequantizes one row of n values of any supported type to f32. */
 void kern_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n);

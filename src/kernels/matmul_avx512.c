@@ -339,6 +339,95 @@ int kern_act_prepare_avx512(uint32_t wtype, const float *x, void *dst, int64_t k
     return 0;
 }
 
+/* ---- Q8_0 / Q4_0 weights in 16-row form (matmul.h) ------------------------ */
+
+/* Tokens per pass over a tile's blocks: one accumulator of 16 rows each. */
+#define ROWS16_TOKENS 8
+
+static inline int32_t rd32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* y[t * ys + r] for T tokens and the tile's rows r in mask m. pf: NULL, or the
+ * next tile, prefetched a block at a time: weights come from DRAM when attention's
+ * KV rows have pushed them out of L3. */
+INLINE void rows16_tokens(const int q4, const int T, const uint8_t *tile, int64_t nb, const uint8_t *xa, size_t xrb,
+                          float *y, int64_t ys, __mmask16 m, const uint8_t *pf) {
+    const size_t cb = q4 ? 256 : 512;
+    const uint8_t *sc = tile + (size_t)nb * cb;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[ROWS16_TOKENS];
+    UNROLL
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = tile + (size_t)b * cb;
+        if (pf) { /* the next tile's block b */
+            for (size_t o = 0; o < cb; o += 64) _mm_prefetch((const char *)pf + (size_t)b * cb + o, _MM_HINT_T0);
+            _mm_prefetch((const char *)pf + (size_t)nb * cb + 32 * (size_t)b, _MM_HINT_T0);
+        }
+        __m512i w[8];
+        if (q4) {
+            UNROLL
+            for (int j = 0; j < 4; j++) {
+                const __m512i z = _mm512_load_si512((const void *)(wb + 64 * j));
+                w[j] = _mm512_and_si512(z, m4);
+                w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+            }
+        } else {
+            UNROLL
+            for (int j = 0; j < 8; j++) w[j] = _mm512_load_si512((const void *)(wb + 64 * j));
+        }
+        const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32 * b)));
+        const size_t h = (size_t)(b & 1);
+        const uint8_t *xb = xa + (size_t)(b / 2) * KERN_PAIR_BYTES;
+        UNROLL
+        for (int t = 0; t < T; t++) {
+            const uint8_t *xp = xb + (size_t)t * xrb;
+            /* two chains for latency; integer sums are exact in any order */
+            __m512i s0 = _mm512_set1_epi32(rd32(xp + 64 + 4 * h)), s1 = _mm512_setzero_si512();
+            UNROLL
+            for (int j = 0; j < 8; j++) {
+                /* the pair layout: Q8_0 block h at 32h; Q4_0 values 0-15 at 16h, 16-31 at 32 + 16h */
+                const size_t off = q4 ? (j < 4 ? 16 * h + 4 * (size_t)j : 32 + 16 * h + 4 * (size_t)(j - 4))
+                                      : 32 * h + 4 * (size_t)j;
+                const __m512i xv = _mm512_set1_epi32(rd32(xp + off));
+                if (j & 1) s1 = _mm512_dpbusd_epi32(s1, w[j], xv);
+                else s0 = _mm512_dpbusd_epi32(s0, w[j], xv);
+            }
+            float dx;
+            memcpy(&dx, xp + 72 + 4 * h, 4);
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(ws, _mm512_set1_ps(dx)),
+                                     acc[t]);
+        }
+    }
+    UNROLL
+    for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(y + t * ys, m, acc[t]);
+}
+
+static void rows16(const int q4, const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    const int64_t nb = a->k / 32, ys = a->y_stride;
+    const size_t tb = kern_rows16_tile_bytes(a->wtype, a->k), xrb = a->xa_row_bytes;
+    for (int64_t tr = r0 / 16 * 16; tr < r1; tr += 16) {
+        const uint8_t *tile = (const uint8_t *)a->w16 + (size_t)(tr / 16) * tb;
+        const int lo = r0 > tr ? (int)(r0 - tr) : 0, hi = r1 - tr < 16 ? (int)(r1 - tr) : 16;
+        const __mmask16 m = (__mmask16)((0xFFFFu >> (16 - hi)) & (0xFFFFu << lo));
+        const uint8_t *next = tr + 16 < r1 ? tile + tb : NULL;
+        for (int t0 = 0; t0 < a->n_tok; t0 += ROWS16_TOKENS) {
+            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb, *pf = t0 == 0 ? next : NULL;
+            float *y = a->y + (int64_t)t0 * ys + tr;
+            switch (a->n_tok - t0 < ROWS16_TOKENS ? a->n_tok - t0 : ROWS16_TOKENS) {
+#define ROWS16_CASE(T) \
+    case T: rows16_tokens(q4, T, tile, nb, xa, xrb, y, ys, m, pf); break;
+                ROWS16_CASE(1) ROWS16_CASE(2) ROWS16_CASE(3) ROWS16_CASE(4)
+                ROWS16_CASE(5) ROWS16_CASE(6) ROWS16_CASE(7) ROWS16_CASE(8)
+#undef ROWS16_CASE
+            }
+        }
+    }
+}
+
 /* ---- micro-kernels per weight type, and the driver ---------------------------- */
 
 INLINE void tile_q8_0(const struct kern_tile *t, const int R, const int T) { tile_pairs(0, t, R, T); }
@@ -358,8 +447,14 @@ static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 4, .chunk
 
 void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
-    case KVQ_Q8_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0); break;
-    case KVQ_Q4_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0); break;
+    case KVQ_Q8_0:
+        if (a->w16) rows16(0, a, r0, r1);
+        else kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0);
+        break;
+    case KVQ_Q4_0:
+        if (a->w16) rows16(1, a, r0, r1);
+        else kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0);
+        break;
     case KVQ_Q4_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q4k); break;
     case KVQ_Q6_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q6k); break;
     case KVQ_F32: kern_tile_loop(a, r0, r1, float_tiling, tile_f32); break;

@@ -49,6 +49,7 @@ struct weight {
     const void *data;
     int64_t rows, cols;
     size_t row_bytes;
+    void *rows16; /* NULL, or the CPU kernels' 16-row form (model_pack_rows16) */
 };
 
 struct layer_weights {
@@ -76,6 +77,10 @@ struct model {
 /* Loads a model (weights mmapped). NULL with kvq_last_error() on failure. */
 struct model *model_load(const char *path);
 void model_free(struct model *m);
+/* Makes the 16-row form of every weight the CPU kernels have that path for (once;
+ * kernels/matmul.h), which the CPU backend then multiplies with. 0, or -1 with an
+ * error (out of memory). */
+int model_pack_rows16(struct model *m);
 /* The file's name for its weight type mix, e.g. "q8_0" or "f16 (mixed)". */
 const char *model_weight_type_name(const struct model *m);
 

@@ -7,6 +7,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "gguf/gguf.h"
+#include "kernels/matmul.h"
 #include "model/model.h"
 
 static bool arch_from_name(const char *name, enum model_arch *arch) {
@@ -274,8 +275,36 @@ fail:
     return NULL;
 }
 
+/* Product weight i of the model: 7 per layer (none before the layer table exists:
+ * a refused file's n_layer may be absurd), then the output (tied or not); NULL past
+ * the last. */
+static struct weight *product_weight(struct model *m, int64_t i) {
+    const int64_t n = m->layers ? 7 * (int64_t)m->hp.n_layer : 0;
+    if (i >= n) return i == n ? &m->output : NULL;
+    struct layer_weights *L = &m->layers[i / 7];
+    struct weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+    return ws[i % 7];
+}
+
+int model_pack_rows16(struct model *m) {
+    struct weight *w;
+    for (int64_t i = 0; (w = product_weight(m, i)) != NULL; i++) {
+        if (w->rows16 || !w->data || !kern_rows16_wanted(w->type)) continue;
+        const size_t bytes = kern_rows16_bytes(w->type, w->rows, w->cols);
+        w->rows16 = aligned_alloc(64, bytes);
+        if (!w->rows16) return kvq_error("out of memory for a %zu-byte weight's 16-row form", bytes);
+        kern_rows16_pack(w->type, w->data, w->row_bytes, w->rows, w->cols, w->rows16);
+        /* the products read only the copy now (a tied output's rows are read back
+         * from the file for the embedding lookup) */
+        gguf_release_pages(m->file, w->data, w->row_bytes * (size_t)w->rows);
+    }
+    return 0;
+}
+
 void model_free(struct model *m) {
     if (!m) return;
+    struct weight *w;
+    for (int64_t i = 0; (w = product_weight(m, i)) != NULL; i++) free(w->rows16);
     gguf_close(m->file);
     free(m->layers);
     free(m->rope_inv_freq);

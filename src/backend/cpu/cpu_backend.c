@@ -1,4 +1,5 @@
-/* The CPU backend: host buffers, weights read in place from the mapped file, and
+/* The CPU backend: host buffers, weights read in place from the mapped file (or
+ * from the model's 16-row copy, see kernels/matmul.h), and
  * every operation split over a thread pool. Matrix products split their output rows
  * into chunks, attention has one work item per (token, KV head), and per-token work
  * (norms, RoPE, activation quantization) splits the tokens. Each thread (the
@@ -15,6 +16,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/threadpool.h"
+#include "kernels/activation.h"
 #include "kernels/matmul.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
@@ -165,7 +167,7 @@ static void mm_task_run(void *p, int ith, int nth) {
         struct kern_matmul_args a = {
             .wtype = w->type, .w = w->data, .w_row_bytes = w->row_bytes, .k = w->cols,
             .xa = mt->as->bufs[ai], .xa_row_bytes = mt->as->row_bytes[ai], .n_tok = mt->n_tok,
-            .y = job->y, .y_stride = w->rows,
+            .y = job->y, .y_stride = w->rows, .w16 = w->rows16,
         };
         kern_matmul(&a, r0, r1);
         if (job->bias)
@@ -329,7 +331,7 @@ static void glu_token(const void *p, int t) {
     const float *g = a->gate + (size_t)t * n, *u = a->up + (size_t)t * n;
     float *out = a->out + (size_t)t * n;
     if (a->act == BE_GLU_SILU) {
-        for (int i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        kern_silu_mul(g, u, out, n);
         return;
     }
     const float c = 0.7978845608f; /* sqrt(2/pi): GELU's tanh approximation */

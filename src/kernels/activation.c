@@ -1,0 +1,15 @@
+/* Dispatch of the activations, and the scalar versions. */
+#include <math.h>
+
+#include "core/cpu.h"
+#include "kernels/activation.h"
+
+void kern_silu_mul_scalar(const float *gate, const float *up, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+void kern_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
+    const int64_t n8 = kvq_simd_level() >= KVQ_SIMD_AVX2 ? n / 8 * 8 : 0;
+    if (n8) kern_silu_mul_avx2(gate, up, out, n8);
+    kern_silu_mul_scalar(gate + n8, up + n8, out + n8, n - n8);
+}

@@ -1,0 +1,15 @@
+/* The gated activations of feed-forward blocks, over plain float rows. The AVX2
+ * version (on AVX2 and AVX-512 CPUs) uses the kernels' e^x (online_softmax.h). */
+#ifndef KVQ_KERNELS_ACTIVATION_H
+#define KVQ_KERNELS_ACTIVATION_H
+
+#include <stdint.h>
+
+/* out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i]. */
+void kern_silu_mul(const float *gate, const float *up, float *out, int64_t n);
+
+/* Per level (tests compare them): n a multiple of 8 for AVX2. */
+void kern_silu_mul_scalar(const float *gate, const float *up, float *out, int64_t n);
+void kern_silu_mul_avx2(const float *gate, const float *up, float *out, int64_t n);
+
+#endif
