@@ -13,3 +13,11 @@ void kern_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
     if (n8) kern_silu_mul_avx2(gate, up, out, n8);
     kern_silu_mul_scalar(gate + n8, up + n8, out + n8, n - n8);
 }
+
+void kern_gelu_mul(const float *gate, const float *up, float *out, int64_t n) {
+    const float c = 0.7978845608f; /* sqrt(2/pi) */
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        out[i] = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}

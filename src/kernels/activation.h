@@ -7,6 +7,8 @@
 
 /* out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + e^-gate[i]) * up[i]. */
 void kern_silu_mul(const float *gate, const float *up, float *out, int64_t n);
+/* out[i] = gelu(gate[i]) * up[i], GELU's tanh approximation (scalar only). */
+void kern_gelu_mul(const float *gate, const float *up, float *out, int64_t n);
 
 /* Per level (tests compare them): n a multiple of 8 for AVX2. */
 void kern_silu_mul_scalar(const float *gate, const float *up, float *out, int64_t n);

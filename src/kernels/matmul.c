@@ -24,10 +24,8 @@ int kern_rows16_wanted(uint32_t wtype) {
     return (wtype == KVQ_Q8_0 || wtype == KVQ_Q4_0) && kvq_simd_level() == KVQ_SIMD_AVX512;
 }
 
-static size_t rows16_code_bytes(uint32_t wtype) { return wtype == KVQ_Q4_0 ? 256 : 512; }
-
 size_t kern_rows16_tile_bytes(uint32_t wtype, int64_t k) {
-    return ((size_t)(k / 32) * (rows16_code_bytes(wtype) + 32) + 63) & ~(size_t)63;
+    return ((size_t)(k / 32) * (kern_rows16_code_bytes(wtype == KVQ_Q4_0) + 32) + 63) & ~(size_t)63;
 }
 
 size_t kern_rows16_bytes(uint32_t wtype, int64_t rows, int64_t k) {
@@ -36,7 +34,8 @@ size_t kern_rows16_bytes(uint32_t wtype, int64_t rows, int64_t k) {
 
 void kern_rows16_pack(uint32_t wtype, const void *w, size_t w_row_bytes, int64_t rows, int64_t k, void *dst) {
     const int64_t nb = k / 32;
-    const size_t cb = rows16_code_bytes(wtype), bb = wtype == KVQ_Q4_0 ? 18 : 34, tb = kern_rows16_tile_bytes(wtype, k);
+    const size_t cb = kern_rows16_code_bytes(wtype == KVQ_Q4_0), bb = kvq_dtype_row_bytes(wtype, 32),
+                 tb = kern_rows16_tile_bytes(wtype, k);
     const uint32_t flip = wtype == KVQ_Q4_0 ? 0 : 0x80808080u;
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         uint8_t *tile = (uint8_t *)dst + (size_t)(r0 / 16) * tb, *scales = tile + (size_t)nb * cb;

@@ -355,7 +355,7 @@ static inline int32_t rd32(const uint8_t *p) {
  * KV rows have pushed them out of L3. */
 INLINE void rows16_tokens(const int q4, const int T, const uint8_t *tile, int64_t nb, const uint8_t *xa, size_t xrb,
                           float *y, int64_t ys, __mmask16 m, const uint8_t *pf) {
-    const size_t cb = q4 ? 256 : 512;
+    const size_t cb = kern_rows16_code_bytes(q4);
     const uint8_t *sc = tile + (size_t)nb * cb;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[ROWS16_TOKENS];

@@ -36,6 +36,9 @@ struct kern_q8k {
 };
 
 
+/* Code bytes of one block of a 16-row tile (matmul.h): 16 rows x 32 int8 or 4-bit codes. */
+static inline size_t kern_rows16_code_bytes(int q4) { return q4 ? 256 : 512; }
+
 typedef void (*kern_matmul_fn)(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
 typedef void (*kern_attn_fn)(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
                              const void *v, size_t v_stride, int elem_bits, int n);

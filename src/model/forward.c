@@ -34,8 +34,7 @@ static int upload_model(const struct model *m, struct backend *be) {
              op->upload_vector(be, m->rope_inv_freq, (int64_t)m->n_rope_sets * (hp->rope_dim / 2));
     for (int il = 0; il < hp->n_layer && rc == 0; il++) {
         const struct layer_weights *L = &m->layers[il];
-        const struct weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) rc |= op->upload_weight(be, ws[i]);
+        for (int i = 0; i < MODEL_LAYER_PRODUCTS; i++) rc |= op->upload_weight(be, model_layer_product(L, i));
         const float *norms[] = {L->attn_norm, L->ffn_norm, L->post_attn_norm, L->post_ffn_norm};
         for (size_t i = 0; i < sizeof norms / sizeof norms[0]; i++)
             if (norms[i]) rc |= op->upload_vector(be, norms[i], hp->n_embd);

@@ -74,6 +74,11 @@ struct model {
     size_t weight_bytes;
 };
 
+/* A layer's product weights: i in [0, MODEL_LAYER_PRODUCTS) gives q, k, v, o, gate,
+ * up, down. */
+#define MODEL_LAYER_PRODUCTS 7
+const struct weight *model_layer_product(const struct layer_weights *L, int i);
+
 /* Loads a model (weights mmapped). NULL with kvq_last_error() on failure. */
 struct model *model_load(const char *path);
 void model_free(struct model *m);

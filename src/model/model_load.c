@@ -275,15 +275,18 @@ fail:
     return NULL;
 }
 
-/* Product weight i of the model: 7 per layer (none before the layer table exists:
+const struct weight *model_layer_product(const struct layer_weights *L, int i) {
+    const struct weight *ws[MODEL_LAYER_PRODUCTS] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+    return ws[i];
+}
+
+/* Product weight i of the model: the layers' (none before the layer table exists:
  * a refused file's n_layer may be absurd), then the output (tied or not); NULL past
- * the last. */
+ * the last. Writable: the model owns them. */
 static struct weight *product_weight(struct model *m, int64_t i) {
-    const int64_t n = m->layers ? 7 * (int64_t)m->hp.n_layer : 0;
+    const int64_t n = m->layers ? MODEL_LAYER_PRODUCTS * (int64_t)m->hp.n_layer : 0;
     if (i >= n) return i == n ? &m->output : NULL;
-    struct layer_weights *L = &m->layers[i / 7];
-    struct weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-    return ws[i % 7];
+    return (struct weight *)model_layer_product(&m->layers[i / MODEL_LAYER_PRODUCTS], (int)(i % MODEL_LAYER_PRODUCTS));
 }
 
 int model_pack_rows16(struct model *m) {
@@ -316,11 +319,8 @@ const char *model_weight_type_name(const struct model *m) {
     static _Thread_local char buf[48];
     uint32_t t = m->layers[0].w_gate.type;
     bool mixed = false;
-    for (int il = 0; il < m->hp.n_layer; il++) {
-        const struct layer_weights *L = &m->layers[il];
-        const struct weight *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
-        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) mixed |= ws[i]->type != t;
-    }
+    for (int il = 0; il < m->hp.n_layer; il++)
+        for (int i = 0; i < MODEL_LAYER_PRODUCTS; i++) mixed |= model_layer_product(&m->layers[il], i)->type != t;
     snprintf(buf, sizeof buf, "%s%s", kvq_dtype_name(t), mixed ? " (mixed)" : "");
     return buf;
 }

@@ -330,12 +330,8 @@ static void glu_token(const void *p, int t) {
     const int n = a->n_ff;
     const float *g = a->gate + (size_t)t * n, *u = a->up + (size_t)t * n;
     float *out = a->out + (size_t)t * n;
-    if (a->act == BE_GLU_SILU) {
-        kern_silu_mul(g, u, out, n);
-        return;
-    }
-    const float c = 0.7978845608f; /* sqrt(2/pi): GELU's tanh approximation */
-    for (int i = 0; i < n; i++) out[i] = 0.5f * g[i] * (1.0f + tanhf(c * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+    if (a->act == BE_GLU_SILU) kern_silu_mul(g, u, out, n);
+    else kern_gelu_mul(g, u, out, n);
 }
 static void cpu_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff,
                     float *out) {
