@@ -264,6 +264,14 @@ extern "C" void cuk_quantize_x(cuk_queue *qu, const float *x, int64_t x_stride, 
     pdl_launch(quantize_x, grid, dim3(256), qu, x, x_stride, k, xq->q, xq->dsum);
 }
 
+/* Row strides of the staged inputs of n tokens (span codes each): a token's codes
+ * take span + 32 bytes and its (scale, sum) pairs span / 32 + 1. Unpadded, token
+ * rows lie a multiple of 128 bytes apart, so the 8 tokens' codes an mma's lanes read
+ * at once sat in one pair of banks (4 deep within a half-warp), and the pairs of its
+ * 4 token pairs in another: batch-16 products waited mostly on these loads. */
+static __host__ __device__ __forceinline__ int xs_stride(int span) { return span + 32; }
+static __host__ __device__ __forceinline__ int ds_stride(int span) { return span / 32 + 1; }
+
 /* A lane's share of one chunk: its 16 bytes of rows g and g + 8, and the scales it
  * uses (loaded with the codes, not when they are needed). mma: both rows' scales of
  * every block; dp4a: those of its (row, block) pairs (dp4a_chunk). */
@@ -316,9 +324,10 @@ static __device__ __forceinline__ float q_term(float c, float d, float xs, int r
 }
 
 /* mma: the sums of the warp's chunks f for the NT tokens from 0 on, from the inputs
- * staged in shared memory (xs: [n][span] codes from the warp's first block on; ds:
- * [n][span / 32] scales and code sums, likewise); vb: the valid blocks of the
- * warp's run (FULL: all U BPC); acc[4 nt + i]: c_i of token tile nt. */
+ * staged in shared memory (xs: n rows of span codes, xs_stride apart, from the
+ * warp's first block on; ds: n rows of span / 32 scales and code sums, likewise);
+ * vb: the valid blocks of the warp's run (FULL: all U BPC); acc[4 nt + i]: c_i of
+ * token tile nt. */
 template <uint32_t T, int NT, int U, bool FULL>
 static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U], int vb, const int8_t *xs,
                                                      const float2 *ds, int span, int n, int lane,
@@ -347,11 +356,11 @@ static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U]
             for (int nt = 0; nt < NT / 8; nt++) {
                 const int tb = nt * 8 + g, t0 = nt * 8 + 2 * t, t1 = t0 + 1;
                 uint2 xb = make_uint2(0, 0);
-                if (tb < n) xb = *(const uint2 *)(xs + tb * span + lb * 32 + 8 * t);
+                if (tb < n) xb = *(const uint2 *)(xs + tb * xs_stride(span) + lb * 32 + 8 * t);
                 int r[4] = {0, 0, 0, 0};
                 mma_s8_16832(r, a0, a1, a2, a3, xb.x, xb.y);
-                const float2 x0 = t0 < n ? ds[t0 * (span / 32) + lb] : make_float2(0, 0);
-                const float2 x1 = t1 < n ? ds[t1 * (span / 32) + lb] : make_float2(0, 0);
+                const float2 x0 = t0 < n ? ds[t0 * ds_stride(span) + lb] : make_float2(0, 0);
+                const float2 x1 = t1 < n ? ds[t1 * ds_stride(span) + lb] : make_float2(0, 0);
                 c[nt][0] = q_term<T>(c[nt][0], d0, x0.x, r[0], x0.y);
                 c[nt][1] = q_term<T>(c[nt][1], d0, x1.x, r[1], x1.y);
                 c[nt][2] = q_term<T>(c[nt][2], d1, x0.x, r[2], x0.y);
@@ -381,7 +390,7 @@ static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int u,
 #pragma unroll
         for (int j = 0; j < BPC; j++) {
             uint2 xv = make_uint2(0, 0);
-            if (FULL || bc + j < vb) xv = *(const uint2 *)(xs + tok * span + (bc + j) * 32 + 8 * t);
+            if (FULL || bc + j < vb) xv = *(const uint2 *)(xs + tok * xs_stride(span) + (bc + j) * 32 + 8 * t);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const uint32_t *q = w + 4 * h;
@@ -405,7 +414,7 @@ static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int u,
         for (int i = 0; i < KL; i++) {
             const int b = bc + (t & 1) * KL + i;
             if (FULL || b < vb) {
-                const float2 x = ds[tok * (span / 32) + b];
+                const float2 x = ds[tok * ds_stride(span) + b];
                 c[tok][i] = q_term<T>(c[tok][i], h2f(f.s0[i]), x.x, p[i], x.y);
             }
         }
@@ -507,15 +516,15 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
     const int64_t cols0 = b0 * 32, ncols = min(SPAN, W.cols - cols0);
     const int span = (int)SPAN;
     int8_t *xs = (int8_t *)xsm;
-    float2 *ds = (float2 *)(xsm + (size_t)n * span);
+    float2 *ds = (float2 *)(xsm + (size_t)n * xs_stride(span));
     const int threads = WHOLE ? blockDim.x : MV_THREADS;
     for (int e = threadIdx.x; e < n * span / 16; e += threads) {
         const int tok = e / (span / 16), k = (e % (span / 16)) * 16;
-        if (k < ncols) *(uint4 *)(xs + tok * span + k) = __ldg((const uint4 *)(xq + tok * W.cols + cols0 + k));
+        if (k < ncols) *(uint4 *)(xs + tok * xs_stride(span) + k) = __ldg((const uint4 *)(xq + tok * W.cols + cols0 + k));
     }
     for (int e = threadIdx.x; e < n * (span / 32); e += threads) {
         const int tok = e / (span / 32), k = e % (span / 32);
-        if (k < ncols / 32) ds[tok * (span / 32) + k] = __ldg(xd + tok * nb + b0 + k);
+        if (k < ncols / 32) ds[tok * ds_stride(span) + k] = __ldg(xd + tok * nb + b0 + k);
     }
     __syncthreads();
     constexpr int VALS = MV_VALS(NT);
@@ -534,7 +543,10 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
     }
 
     if (WHOLE && slices > 1) { /* warp 0 adds the slices up, in order, as below */
-        float *part = (float *)(ds + n * (span / 32));
+        /* mma: the sums go where the inputs were (once all are read), which keeps
+         * 8 tokens' Q/K/V and O launches whole within 48 KB */
+        float *part = MMA ? (float *)xsm : (float *)(ds + n * ds_stride(span));
+        if (MMA) __syncthreads();
 #pragma unroll
         for (int v = 0; v < VALS; v++) part[(slice * 32 + lane) * VALS + v] = acc[v];
         __syncthreads();
@@ -595,8 +607,8 @@ static int chunks_per_warp(const struct cuk_weight *w, int n_jobs) {
 
 /* Shared memory of a block: n tokens' inputs of its columns. */
 static size_t staged_smem(uint32_t T, int U, int n) {
-    const size_t span = (size_t)U * CUK_CHUNK_BLOCKS(T) * 32;
-    return (size_t)n * (span + span / 32 * sizeof(float2));
+    const int span = U * CUK_CHUNK_BLOCKS(T) * 32;
+    return (size_t)n * ((size_t)xs_stride(span) + (size_t)ds_stride(span) * sizeof(float2));
 }
 
 extern "C" int cuk_type_supported(uint32_t type) {
@@ -660,15 +672,19 @@ extern "C" void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs
 /* Shared memory of a whole-layout block (0: the split layout instead): its warps
  * are the `slices` of one tile, all jobs' tiles cut alike, at least 2 blocks an SM
  * (regs: the kernel's registers a thread). KVQ_MV_WHOLE=0 always splits (a
- * measurement aid). */
-static size_t whole_smem(const cuk_weight *w, int nj, int U, int n, int vals, int regs) {
+ * measurement aid). Over 48 KB (16 tokens) it splits: a whole layout there, given
+ * more shared memory, measured slower (batch 16: 1244-1308 against 1906-1993 tok/s,
+ * H200, llama3-8b Q4_0, depth 512). */
+static size_t whole_smem(const cuk_weight *w, int nj, int U, int n, bool mma, int vals, int regs) {
     static int off = -1;
     if (off < 0) off = getenv("KVQ_MV_WHOLE") && atoi(getenv("KVQ_MV_WHOLE")) == 0;
     const int64_t nch = chunks_of(w[0].type, w[0].cols), slices = (nch + U - 1) / U;
     for (int j = 1; j < nj; j++)
         if (chunks_of(w[j].type, w[j].cols) != nch) return 0;
-    /* all the columns' inputs (a "slice" of nch chunks), then the slices' sums */
-    const size_t smem = staged_smem(w[0].type, (int)nch, n) + (size_t)slices * 32 * vals * sizeof(float);
+    /* all the columns' inputs (a "slice" of nch chunks), then (mma: in their place)
+     * the slices' sums */
+    const size_t staged = staged_smem(w[0].type, (int)nch, n), sums = (size_t)slices * 32 * vals * sizeof(float);
+    const size_t smem = mma ? (staged > sums ? staged : sums) : staged + sums;
     if (off || slices < 2 || slices * 32 > MV_WHOLE_THREADS || 2 * slices * 32 * regs > 65536 || smem > 48 * 1024)
         return 0;
     return smem;
@@ -702,7 +718,7 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
             cudaFuncAttributes fa;                                                                                     \
             regs = cudaFuncGetAttributes(&fa, matvec_q<TT, NT, UU, true>) == cudaSuccess ? fa.numRegs : 255;          \
         }                                                                                                              \
-        const size_t whole = whole_smem(w, nj, UU, n, MV_VALS(NT), regs);                                             \
+        const size_t whole = whole_smem(w, nj, UU, n, NT > MV_DP4A_MAX, MV_VALS(NT), regs);                                             \
         unsigned blocks, cnt;                                                                                          \
         size_t floats;                                                                                                 \
         q_plan(w, nj, n, UU, whole != 0, &S, &blocks, &floats, &cnt);                                                  \
