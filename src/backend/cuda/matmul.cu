@@ -455,6 +455,28 @@ static __device__ __forceinline__ void tile_sums_dp4a(const chunk_frag<T> (&f)[U
     for (int tok = 0; tok < NT; tok++) acc[tok] = chains_sum<KL>(c[tok]);
 }
 
+/* acc[v] = the sum of the slices' values v in slice order, slice i's VALS values of
+ * this thread at part + (i * stride + me) * VALS (L2: scratch in device memory). A
+ * slice's loads go out together: one load and add at a time, 16 slices of 8 values
+ * were a chain of 128 L2 round trips that kept a group's last block, and so the
+ * kernel's tail, about 40K cycles longer (Nsight Compute: the SMs were active 40% of
+ * a 16-token Q/K/V launch). */
+template <int VALS, bool L2>
+static __device__ __forceinline__ void sum_slices(const float *part, unsigned slices, int stride, int me,
+                                                  float (&acc)[VALS]) {
+#pragma unroll
+    for (int v = 0; v < VALS; v++) acc[v] = 0;
+#pragma unroll 2
+    for (unsigned i = 0; i < slices; i++) {
+        const float *q = part + ((size_t)i * stride + me) * VALS;
+        float p[VALS];
+#pragma unroll
+        for (int v = 0; v < VALS; v++) p[v] = L2 ? __ldcg(q + v) : q[v];
+#pragma unroll
+        for (int v = 0; v < VALS; v++) acc[v] += p[v];
+    }
+}
+
 /* The jobs of one launch (q_plan): job j's blocks start at first[j]. Two layouts of
  * the same sums:
  * - split: `slices` blocks a group of MV_TILES tiles (U chunks a block); job j's
@@ -551,12 +573,7 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
         for (int v = 0; v < VALS; v++) part[(slice * 32 + lane) * VALS + v] = acc[v];
         __syncthreads();
         if (warp > 0) return;
-#pragma unroll
-        for (int v = 0; v < VALS; v++) {
-            float s = 0;
-            for (unsigned i = 0; i < slices; i++) s += part[(i * 32 + lane) * VALS + v];
-            acc[v] = s;
-        }
+        sum_slices<VALS, false>(part, slices, 32, lane, acc);
     } else if (WHOLE) {
         if (warp > 0) return;
     } else if (slices > 1) { /* the last block of the group adds the slices up, in order */
@@ -570,12 +587,7 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
         __syncthreads();
         if (!last) return;
         __threadfence();
-#pragma unroll
-        for (int v = 0; v < VALS; v++) {
-            float s = 0;
-            for (unsigned i = 0; i < slices; i++) s += __ldcg(part + (i * MV_THREADS + threadIdx.x) * VALS + v);
-            acc[v] = s;
-        }
+        sum_slices<VALS, true>(part, slices, MV_THREADS, threadIdx.x, acc);
         if (threadIdx.x == 0) counters[set.group0[j] + grp] = 0; /* ready for the next launch */
     }
     if (!live) return;
