@@ -152,7 +152,12 @@ static void test_cache_kinds(void) {
     kv_set(&kv, 4, 2);
     kv.residual = 0;
     kv.hadamard = false;
-    compare_config(m, "K4V2 no window, no rotation", &kv, 200, 16, 16, 1e-3);
+    /* 2-bit values without rotation take another code at the smallest difference in
+     * what they round: the CPU's own SIMD levels differ by up to 0.026 in KL here
+     * (kvq perplexity -c 256 --chunks 4 --kv-bits 4,2 --kv-residual 0 --kv-rotation
+     * none, scalar vs avx2 / avx512: mean KLD 7.1e-4 / 6.8e-4, max 0.026 both), so
+     * the bound is the CPU's own */
+    compare_config(m, "K4V2 no window, no rotation", &kv, 200, 16, 16, 3e-2);
     kv_set(&kv, 3, 5);
     kv.k_group = kv.v_group = 32;
     compare_config(m, "K3V5 group 32", &kv, 200, 16, 16, 1e-3);
