@@ -217,7 +217,26 @@ static void test_matmul_case(uint32_t type, int64_t k, int M, int n_tok) {
     /* Q8_0/Q4_0 also in the 16-row form (3 tiles, the last one partial) */
     const int has16 = type == KVQ_Q8_0 || type == KVQ_Q4_0;
     void *w16 = has16 ? aligned_alloc(64, kern_rows16_bytes(type, M, k)) : NULL;
-    if (has16) kern_rows16_pack(type, w, wrb, M, k, w16);
+    if (has16) {
+        kern_rows16_pack(type, w, wrb, M, k, w16);
+        /* packed in two runs of tiles (as threads pack), the same bytes */
+        const size_t tb = kern_rows16_tile_bytes(type, k), bytes = kern_rows16_bytes(type, M, k);
+        uint8_t *parts = aligned_alloc(64, bytes);
+        kern_rows16_pack(type, w, wrb, 16, k, parts);
+        kern_rows16_pack(type, w + 16 * wrb, wrb, M - 16, k, parts + tb);
+        CHECK(memcmp(parts, w16, bytes) == 0, "rows16 %s k=%d: packing in two runs differs", kvq_dtype_name(type),
+              (int)k);
+        /* each row read back from the copy: what the row dequantizes to, bit for bit */
+        int differ = 0;
+        float *row = malloc(sizeof(float) * (size_t)k);
+        for (int r = 0; r < M; r++) {
+            kern_rows16_row(type, w16, k, r, row);
+            differ += memcmp(row, wd + (size_t)r * k, sizeof(float) * (size_t)k) != 0;
+        }
+        CHECK(differ == 0, "rows16 %s k=%d: %d of %d rows read back differ", kvq_dtype_name(type), (int)k, differ, M);
+        free(row);
+        free(parts);
+    }
     struct kern_matmul_args a = {.wtype = type, .w = w, .w_row_bytes = wrb, .k = k, .xa = xa,
                                  .xa_row_bytes = xrb, .n_tok = n_tok, .y = y, .y_stride = ys};
     for (size_t run = 0; run < 3 * (size_t)(1 + has16); run++) {

@@ -57,6 +57,25 @@ void kern_rows16_pack(uint32_t wtype, const void *w, size_t w_row_bytes, int64_t
     }
 }
 
+void kern_rows16_row(uint32_t wtype, const void *w16, int64_t k, int64_t row, float *dst) {
+    const int64_t nb = k / 32;
+    const size_t cb = kern_rows16_code_bytes(wtype == KVQ_Q4_0);
+    const uint32_t flip = wtype == KVQ_Q4_0 ? 0 : 0x80808080u;
+    const uint8_t *tile = (const uint8_t *)w16 + (size_t)(row / 16) * kern_rows16_tile_bytes(wtype, k);
+    const size_t r = (size_t)(row % 16);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t blk[34]; /* the block as the file has it: d, then the codes */
+        memcpy(blk, tile + (size_t)nb * cb + 32 * (size_t)b + 2 * r, 2);
+        for (size_t j = 0; j < cb / 64; j++) {
+            uint32_t v;
+            memcpy(&v, tile + (size_t)b * cb + 64 * j + 4 * r, 4);
+            v ^= flip;
+            memcpy(blk + 2 + 4 * j, &v, 4);
+        }
+        kern_dequantize_row(wtype, blk, dst + 32 * b, 32);
+    }
+}
+
 /* ---- scalar reference ---------------------------------------------------- */
 
 static float dot_pairs(uint32_t wtype, const uint8_t *w, const struct kern_pair *x, int64_t k) {

@@ -56,6 +56,9 @@ size_t kern_rows16_bytes(uint32_t wtype, int64_t rows, int64_t k);
 /* Packs rows [0, rows) of w (each w_row_bytes long, k values) into dst
  * (kern_rows16_bytes, 64-byte aligned). */
 void kern_rows16_pack(uint32_t wtype, const void *w, size_t w_row_bytes, int64_t rows, int64_t k, void *dst);
+/* Row `row` of a 16-row form as k floats: the values kern_dequantize_row gives for
+ * the row it was packed from (embedding lookups in a tied output's copy). */
+void kern_rows16_row(uint32_t wtype, const void *w16, int64_t k, int64_t row, float *dst);
 
 /* Dequantizes one row of n values of any supported type to f32. */
 void kern_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n);

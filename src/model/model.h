@@ -49,7 +49,7 @@ struct weight {
     const void *data;
     int64_t rows, cols;
     size_t row_bytes;
-    void *rows16; /* NULL, or the CPU kernels' 16-row form (model_pack_rows16) */
+    void *rows16; /* NULL, or the CPU kernels' 16-row form (model_pack_rows16; tied tok_embd: the output's) */
 };
 
 struct layer_weights {
@@ -83,9 +83,9 @@ const struct weight *model_layer_product(const struct layer_weights *L, int i);
 struct model *model_load(const char *path);
 void model_free(struct model *m);
 /* Makes the 16-row form of every weight the CPU kernels have that path for (once;
- * kernels/matmul.h), which the CPU backend then multiplies with. 0, or -1 with an
- * error (out of memory). */
-int model_pack_rows16(struct model *m);
+ * kernels/matmul.h), which the CPU backend then multiplies with, on n_threads
+ * threads (<= 0: one per CPU). 0, or -1 with an error (out of memory). */
+int model_pack_rows16(struct model *m, int n_threads);
 /* The file's name for its weight type mix, e.g. "q8_0" or "f16 (mixed)". */
 const char *model_weight_type_name(const struct model *m);
 

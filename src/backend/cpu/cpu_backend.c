@@ -221,7 +221,10 @@ static void embed_token(const void *p, int t) {
     const struct embed_arg *a = p;
     const struct weight *e = a->e;
     float *x = a->x + (size_t)t * e->cols;
-    kern_dequantize_row(e->type, (const uint8_t *)e->data + (size_t)a->tokens[t] * e->row_bytes, x, e->cols);
+    if (e->rows16) /* a tied output's copy: the file's pages of it were released */
+        kern_rows16_row(e->type, e->rows16, e->cols, a->tokens[t], x);
+    else
+        kern_dequantize_row(e->type, (const uint8_t *)e->data + (size_t)a->tokens[t] * e->row_bytes, x, e->cols);
     if (a->scale != 1.0f)
         for (int64_t i = 0; i < e->cols; i++) x[i] *= a->scale;
 }
