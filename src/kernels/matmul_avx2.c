@@ -1,6 +1,7 @@
 /* AVX2 + FMA + F16C matrix kernels (no VNNI): vpmaddubsw/vpmaddwd for the
  * quantized types, vcvtph2ps + FMA for float types. Register tiles of up to
- * 4 rows x 1 token (decode) or 2 rows x 4 tokens (prefill). */
+ * 4 rows x 1 token (decode) or 2 rows x 4 tokens (prefill); Q4_0 in the 16-row
+ * form 16 rows x up to 4 tokens. */
 #include "core/dtype.h"
 #include "kernels/f16.h"
 #include "kernels/matmul_impl.h"
@@ -232,6 +233,101 @@ INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const i
     }
 }
 
+/* ---- Q4_0 weights in 16-row form (matmul.h) --------------------------------
+ * A 64-byte vector of a block holds 4 nibble bytes of each of 16 rows: rows 0-7 in
+ * its low 32 bytes, rows 8-15 in its high ones. Per half and token, the low and high
+ * nibbles (values 4j.. and 16 + 4j.. of the block) go through vpmaddubsw against the
+ * broadcast activation words (unsigned nibbles times int8: no saturation), then
+ * vpmaddwd sums them into the 8 rows' int32 block sums, exactly; one FMA per block
+ * and half then serves 8 rows, in block order whatever the number of tokens. Q8_0
+ * stays row-major here: its codes + 128 would saturate vpmaddubsw. */
+
+/* Tokens per pass over a tile's blocks: two accumulators (halves) each. */
+#define ROWS16_TOKENS 4
+
+/* y[t * ys + r] for T tokens and the tile's rows r in [lo, hi). pf: NULL, or the
+ * next tile, prefetched a block at a time. */
+INLINE void rows16_q4_tokens(const int T, const uint8_t *tile, int64_t nb, const uint8_t *xa, size_t xrb, float *y,
+                             int64_t ys, int lo, int hi, const uint8_t *pf) {
+    const size_t cb = kern_rows16_code_bytes(1);
+    const uint8_t *sc = tile + (size_t)nb * cb;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROWS16_TOKENS][2];
+    UNROLL
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = tile + (size_t)b * cb;
+        if (pf) { /* the next tile's block b */
+            for (size_t o = 0; o < cb; o += 64) _mm_prefetch((const char *)pf + (size_t)b * cb + o, _MM_HINT_T0);
+            _mm_prefetch((const char *)pf + (size_t)nb * cb + 32 * (size_t)b, _MM_HINT_T0);
+        }
+        const size_t h = (size_t)(b & 1);
+        const uint8_t *xb = xa + (size_t)(b / 2) * KERN_PAIR_BYTES;
+        __m256i s[ROWS16_TOKENS][2];
+        UNROLL
+        for (int t = 0; t < T; t++) { /* Q4_0's -8 per code: the pair's correction */
+            s[t][0] = s[t][1] = _mm256_set1_epi32(kern_rd32(xb + (size_t)t * xrb + 64 + 4 * h));
+        }
+        UNROLL
+        for (int j = 0; j < 4; j++) {
+            UNROLL
+            for (int half = 0; half < 2; half++) {
+                const __m256i z = _mm256_load_si256((const __m256i *)(wb + 64 * j + 32 * half));
+                const __m256i wl = _mm256_and_si256(z, m4), wh = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
+                UNROLL
+                for (int t = 0; t < T; t++) {
+                    /* the pair layout: values 0-15 of block h at 16h, 16-31 at 32 + 16h */
+                    const uint8_t *xp = xb + (size_t)t * xrb;
+                    const __m256i xl = _mm256_set1_epi32(kern_rd32(xp + 16 * h + 4 * (size_t)j)),
+                                  xh = _mm256_set1_epi32(kern_rd32(xp + 32 + 16 * h + 4 * (size_t)j));
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh));
+                    s[t][half] = _mm256_add_epi32(s[t][half], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b))),
+                     ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b + 16)));
+        UNROLL
+        for (int t = 0; t < T; t++) {
+            float dx;
+            memcpy(&dx, xb + (size_t)t * xrb + 72 + 4 * h, 4);
+            const __m256 d = _mm256_set1_ps(dx);
+            acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][0]), _mm256_mul_ps(ws0, d), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][1]), _mm256_mul_ps(ws1, d), acc[t][1]);
+        }
+    }
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(lo - 1)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), idx));
+    const __m256i m1 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(lo - 9)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(hi - 8), idx));
+    UNROLL
+    for (int t = 0; t < T; t++) {
+        _mm256_maskstore_ps(y + t * ys, m0, acc[t][0]);
+        _mm256_maskstore_ps(y + t * ys + 8, m1, acc[t][1]);
+    }
+}
+
+static void rows16_q4(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    const int64_t nb = a->k / 32, ys = a->y_stride;
+    const size_t tb = kern_rows16_tile_bytes(a->wtype, a->k), xrb = a->xa_row_bytes;
+    for (int64_t tr = r0 / 16 * 16; tr < r1; tr += 16) {
+        const uint8_t *tile = (const uint8_t *)a->w16 + (size_t)(tr / 16) * tb;
+        const int lo = r0 > tr ? (int)(r0 - tr) : 0, hi = r1 - tr < 16 ? (int)(r1 - tr) : 16;
+        const uint8_t *next = tr + 16 < r1 ? tile + tb : NULL;
+        for (int t0 = 0; t0 < a->n_tok; t0 += ROWS16_TOKENS) {
+            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb, *pf = t0 == 0 ? next : NULL;
+            float *y = a->y + (int64_t)t0 * ys + tr;
+            switch (a->n_tok - t0 < ROWS16_TOKENS ? a->n_tok - t0 : ROWS16_TOKENS) {
+            case 1: rows16_q4_tokens(1, tile, nb, xa, xrb, y, ys, lo, hi, pf); break;
+            case 2: rows16_q4_tokens(2, tile, nb, xa, xrb, y, ys, lo, hi, pf); break;
+            case 3: rows16_q4_tokens(3, tile, nb, xa, xrb, y, ys, lo, hi, pf); break;
+            default: rows16_q4_tokens(4, tile, nb, xa, xrb, y, ys, lo, hi, pf); break;
+            }
+        }
+    }
+}
+
 /* ---- micro-kernels per weight type, and the driver ---------------------------- */
 
 INLINE void tile_q8_0(const struct kern_tile *t, const int R, const int T) { tile_pairs(0, t, R, T); }
@@ -248,7 +344,10 @@ static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 2, .chunk
 void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
     case KVQ_Q8_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0); break;
-    case KVQ_Q4_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0); break;
+    case KVQ_Q4_0:
+        if (a->w16) rows16_q4(a, r0, r1);
+        else kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0);
+        break;
     case KVQ_Q4_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q4k); break;
     case KVQ_Q6_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q6k); break;
     case KVQ_F32: kern_tile_loop(a, r0, r1, float_tiling, tile_f32); break;

@@ -344,12 +344,6 @@ int kern_act_prepare_avx512(uint32_t wtype, const float *x, void *dst, int64_t k
 /* Tokens per pass over a tile's blocks: one accumulator of 16 rows each. */
 #define ROWS16_TOKENS 8
 
-static inline int32_t rd32(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 /* y[t * ys + r] for T tokens and the tile's rows r in mask m. pf: NULL, or the
  * next tile, prefetched a block at a time: weights come from DRAM when attention's
  * KV rows have pushed them out of L3. */
@@ -386,13 +380,13 @@ INLINE void rows16_tokens(const int q4, const int T, const uint8_t *tile, int64_
         for (int t = 0; t < T; t++) {
             const uint8_t *xp = xb + (size_t)t * xrb;
             /* two chains for latency; integer sums are exact in any order */
-            __m512i s0 = _mm512_set1_epi32(rd32(xp + 64 + 4 * h)), s1 = _mm512_setzero_si512();
+            __m512i s0 = _mm512_set1_epi32(kern_rd32(xp + 64 + 4 * h)), s1 = _mm512_setzero_si512();
             UNROLL
             for (int j = 0; j < 8; j++) {
                 /* the pair layout: Q8_0 block h at 32h; Q4_0 values 0-15 at 16h, 16-31 at 32 + 16h */
                 const size_t off = q4 ? (j < 4 ? 16 * h + 4 * (size_t)j : 32 + 16 * h + 4 * (size_t)(j - 4))
                                       : 32 * h + 4 * (size_t)j;
-                const __m512i xv = _mm512_set1_epi32(rd32(xp + off));
+                const __m512i xv = _mm512_set1_epi32(kern_rd32(xp + off));
                 if (j & 1) s1 = _mm512_dpbusd_epi32(s1, w[j], xv);
                 else s0 = _mm512_dpbusd_epi32(s0, w[j], xv);
             }

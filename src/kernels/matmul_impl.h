@@ -70,6 +70,12 @@ static inline uint16_t kern_rd16(const void *p) {
     return v;
 }
 
+static inline int32_t kern_rd32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 /* Q4_K: 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
 static inline void kern_q4k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     if (j < 4) {
