@@ -245,12 +245,12 @@ INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const i
 /* Tokens per pass over a tile's blocks: two accumulators (halves) each. */
 #define ROWS16_TOKENS 4
 
-/* y[t * ys + r] for T tokens and the tile's rows r in [lo, hi). pf: NULL, or the
- * next tile, prefetched a block at a time. */
-INLINE void rows16_q4_tokens(const int T, const uint8_t *tile, int64_t nb, const uint8_t *xa, size_t xrb, float *y,
-                             int64_t ys, int lo, int hi, const uint8_t *pf) {
-    const size_t cb = kern_rows16_code_bytes(1);
-    const uint8_t *sc = tile + (size_t)nb * cb;
+/* One token group of a tile (matmul_tiles.h), the next tile prefetched a block at a
+ * time. */
+INLINE void rows16_q4_0_tokens(const struct kern_rows16_tile *tl, const int T) {
+    const size_t cb = kern_rows16_code_bytes(1), xrb = tl->xrb;
+    const int64_t nb = tl->nb;
+    const uint8_t *tile = tl->tile, *xa = tl->xa, *pf = tl->pf, *sc = tile + (size_t)nb * cb;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[ROWS16_TOKENS][2];
     UNROLL
@@ -265,22 +265,27 @@ INLINE void rows16_q4_tokens(const int T, const uint8_t *tile, int64_t nb, const
         const uint8_t *xb = xa + (size_t)(b / 2) * KERN_PAIR_BYTES;
         __m256i s[ROWS16_TOKENS][2];
         UNROLL
-        for (int t = 0; t < T; t++) { /* Q4_0's -8 per code: the pair's correction */
+        for (int t = 0; t < T; t++) /* Q4_0's -8 per code: the pair's correction */
             s[t][0] = s[t][1] = _mm256_set1_epi32(kern_rd32(xb + (size_t)t * xrb + 64 + 4 * h));
-        }
         UNROLL
         for (int j = 0; j < 4; j++) {
+            __m256i wl[2], wh[2]; /* rows 0-7, 8-15: low and high nibbles */
             UNROLL
             for (int half = 0; half < 2; half++) {
                 const __m256i z = _mm256_load_si256((const __m256i *)(wb + 64 * j + 32 * half));
-                const __m256i wl = _mm256_and_si256(z, m4), wh = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
+                wl[half] = _mm256_and_si256(z, m4);
+                wh[half] = _mm256_and_si256(_mm256_srli_epi16(z, 4), m4);
+            }
+            UNROLL
+            for (int t = 0; t < T; t++) {
+                /* the pair layout: values 0-15 of block h at 16h, 16-31 at 32 + 16h */
+                const uint8_t *xp = xb + (size_t)t * xrb;
+                const __m256i xl = _mm256_set1_epi32(kern_rd32(xp + 16 * h + 4 * (size_t)j)),
+                              xh = _mm256_set1_epi32(kern_rd32(xp + 32 + 16 * h + 4 * (size_t)j));
                 UNROLL
-                for (int t = 0; t < T; t++) {
-                    /* the pair layout: values 0-15 of block h at 16h, 16-31 at 32 + 16h */
-                    const uint8_t *xp = xb + (size_t)t * xrb;
-                    const __m256i xl = _mm256_set1_epi32(kern_rd32(xp + 16 * h + 4 * (size_t)j)),
-                                  xh = _mm256_set1_epi32(kern_rd32(xp + 32 + 16 * h + 4 * (size_t)j));
-                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh));
+                for (int half = 0; half < 2; half++) {
+                    const __m256i p =
+                        _mm256_add_epi16(_mm256_maddubs_epi16(wl[half], xl), _mm256_maddubs_epi16(wh[half], xh));
                     s[t][half] = _mm256_add_epi32(s[t][half], _mm256_madd_epi16(p, ones));
                 }
             }
@@ -296,35 +301,26 @@ INLINE void rows16_q4_tokens(const int T, const uint8_t *tile, int64_t nb, const
             acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][1]), _mm256_mul_ps(ws1, d), acc[t][1]);
         }
     }
+    /* rows [lo, hi) of the tile: lanes lo..hi-1 of the two halves */
     const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m0 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(lo - 1)),
-                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), idx));
-    const __m256i m1 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(lo - 9)),
-                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(hi - 8), idx));
+    const __m256i m0 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(tl->lo - 1)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(tl->hi), idx));
+    const __m256i m1 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(tl->lo - 9)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(tl->hi - 8), idx));
     UNROLL
     for (int t = 0; t < T; t++) {
-        _mm256_maskstore_ps(y + t * ys, m0, acc[t][0]);
-        _mm256_maskstore_ps(y + t * ys + 8, m1, acc[t][1]);
+        _mm256_maskstore_ps(tl->y + t * tl->ys, m0, acc[t][0]);
+        _mm256_maskstore_ps(tl->y + t * tl->ys + 8, m1, acc[t][1]);
     }
 }
 
-static void rows16_q4(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
-    const int64_t nb = a->k / 32, ys = a->y_stride;
-    const size_t tb = kern_rows16_tile_bytes(a->wtype, a->k), xrb = a->xa_row_bytes;
-    for (int64_t tr = r0 / 16 * 16; tr < r1; tr += 16) {
-        const uint8_t *tile = (const uint8_t *)a->w16 + (size_t)(tr / 16) * tb;
-        const int lo = r0 > tr ? (int)(r0 - tr) : 0, hi = r1 - tr < 16 ? (int)(r1 - tr) : 16;
-        const uint8_t *next = tr + 16 < r1 ? tile + tb : NULL;
-        for (int t0 = 0; t0 < a->n_tok; t0 += ROWS16_TOKENS) {
-            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb, *pf = t0 == 0 ? next : NULL;
-            float *y = a->y + (int64_t)t0 * ys + tr;
-            switch (a->n_tok - t0 < ROWS16_TOKENS ? a->n_tok - t0 : ROWS16_TOKENS) {
-            case 1: rows16_q4_tokens(1, tile, nb, xa, xrb, y, ys, lo, hi, pf); break;
-            case 2: rows16_q4_tokens(2, tile, nb, xa, xrb, y, ys, lo, hi, pf); break;
-            case 3: rows16_q4_tokens(3, tile, nb, xa, xrb, y, ys, lo, hi, pf); break;
-            default: rows16_q4_tokens(4, tile, nb, xa, xrb, y, ys, lo, hi, pf); break;
-            }
-        }
+/* A group of n tokens of a tile (kern_rows16_loop). */
+static void rows16_q4_0(const struct kern_rows16_tile *t, int n) {
+    switch (n) {
+    case 1: rows16_q4_0_tokens(t, 1); break;
+    case 2: rows16_q4_0_tokens(t, 2); break;
+    case 3: rows16_q4_0_tokens(t, 3); break;
+    default: rows16_q4_0_tokens(t, 4); break;
     }
 }
 
@@ -345,7 +341,7 @@ void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1) 
     switch (a->wtype) {
     case KVQ_Q8_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0); break;
     case KVQ_Q4_0:
-        if (a->w16) rows16_q4(a, r0, r1);
+        if (a->w16) kern_rows16_loop(a, r0, r1, ROWS16_TOKENS, rows16_q4_0);
         else kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0);
         break;
     case KVQ_Q4_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q4k); break;

@@ -344,13 +344,13 @@ int kern_act_prepare_avx512(uint32_t wtype, const float *x, void *dst, int64_t k
 /* Tokens per pass over a tile's blocks: one accumulator of 16 rows each. */
 #define ROWS16_TOKENS 8
 
-/* y[t * ys + r] for T tokens and the tile's rows r in mask m. pf: NULL, or the
- * next tile, prefetched a block at a time: weights come from DRAM when attention's
- * KV rows have pushed them out of L3. */
-INLINE void rows16_tokens(const int q4, const int T, const uint8_t *tile, int64_t nb, const uint8_t *xa, size_t xrb,
-                          float *y, int64_t ys, __mmask16 m, const uint8_t *pf) {
-    const size_t cb = kern_rows16_code_bytes(q4);
-    const uint8_t *sc = tile + (size_t)nb * cb;
+/* One token group of a tile (matmul_tiles.h); the next tile is prefetched a block
+ * at a time: weights come from DRAM when attention's KV rows have pushed them out
+ * of L3. */
+INLINE void rows16_tokens(const int q4, const struct kern_rows16_tile *tl, const int T) {
+    const size_t cb = kern_rows16_code_bytes(q4), xrb = tl->xrb;
+    const int64_t nb = tl->nb;
+    const uint8_t *const tile = tl->tile, *const xa = tl->xa, *const pf = tl->pf, *const sc = tile + (size_t)nb * cb;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[ROWS16_TOKENS];
     UNROLL
@@ -396,31 +396,28 @@ INLINE void rows16_tokens(const int q4, const int T, const uint8_t *tile, int64_
                                      acc[t]);
         }
     }
+    float *const y = tl->y;
+    const int64_t ys = tl->ys;
+    const __mmask16 m = (__mmask16)((0xFFFFu >> (16 - tl->hi)) & (0xFFFFu << tl->lo));
     UNROLL
     for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(y + t * ys, m, acc[t]);
 }
 
-static void rows16(const int q4, const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
-    const int64_t nb = a->k / 32, ys = a->y_stride;
-    const size_t tb = kern_rows16_tile_bytes(a->wtype, a->k), xrb = a->xa_row_bytes;
-    for (int64_t tr = r0 / 16 * 16; tr < r1; tr += 16) {
-        const uint8_t *tile = (const uint8_t *)a->w16 + (size_t)(tr / 16) * tb;
-        const int lo = r0 > tr ? (int)(r0 - tr) : 0, hi = r1 - tr < 16 ? (int)(r1 - tr) : 16;
-        const __mmask16 m = (__mmask16)((0xFFFFu >> (16 - hi)) & (0xFFFFu << lo));
-        const uint8_t *next = tr + 16 < r1 ? tile + tb : NULL;
-        for (int t0 = 0; t0 < a->n_tok; t0 += ROWS16_TOKENS) {
-            const uint8_t *xa = (const uint8_t *)a->xa + (size_t)t0 * xrb, *pf = t0 == 0 ? next : NULL;
-            float *y = a->y + (int64_t)t0 * ys + tr;
-            switch (a->n_tok - t0 < ROWS16_TOKENS ? a->n_tok - t0 : ROWS16_TOKENS) {
-#define ROWS16_CASE(T) \
-    case T: rows16_tokens(q4, T, tile, nb, xa, xrb, y, ys, m, pf); break;
-                ROWS16_CASE(1) ROWS16_CASE(2) ROWS16_CASE(3) ROWS16_CASE(4)
-                ROWS16_CASE(5) ROWS16_CASE(6) ROWS16_CASE(7) ROWS16_CASE(8)
-#undef ROWS16_CASE
-            }
-        }
+/* A group of n tokens of a tile (kern_rows16_loop). */
+#define ROWS16_CASES(q4)                                                       \
+    switch (n) {                                                               \
+    case 1: rows16_tokens(q4, t, 1); break;                                    \
+    case 2: rows16_tokens(q4, t, 2); break;                                    \
+    case 3: rows16_tokens(q4, t, 3); break;                                    \
+    case 4: rows16_tokens(q4, t, 4); break;                                    \
+    case 5: rows16_tokens(q4, t, 5); break;                                    \
+    case 6: rows16_tokens(q4, t, 6); break;                                    \
+    case 7: rows16_tokens(q4, t, 7); break;                                    \
+    default: rows16_tokens(q4, t, 8); break;                                   \
     }
-}
+static void rows16_q8_0(const struct kern_rows16_tile *t, int n) { ROWS16_CASES(0) }
+static void rows16_q4_0(const struct kern_rows16_tile *t, int n) { ROWS16_CASES(1) }
+#undef ROWS16_CASES
 
 /* ---- micro-kernels per weight type, and the driver ---------------------------- */
 
@@ -442,11 +439,11 @@ static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 4, .chunk
 void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
     case KVQ_Q8_0:
-        if (a->w16) rows16(0, a, r0, r1);
+        if (a->w16) kern_rows16_loop(a, r0, r1, ROWS16_TOKENS, rows16_q8_0);
         else kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0);
         break;
     case KVQ_Q4_0:
-        if (a->w16) rows16(1, a, r0, r1);
+        if (a->w16) kern_rows16_loop(a, r0, r1, ROWS16_TOKENS, rows16_q4_0);
         else kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0);
         break;
     case KVQ_Q4_K: kern_tile_loop(a, r0, r1, kquant_tiling, tile_q4k); break;

@@ -1,4 +1,4 @@
-/* The tile loop of the SIMD matrix kernels, one for every ISA and weight type:
+/* The tile loops of the SIMD matrix kernels, one for every ISA and weight type:
  * it walks the output rows [r0, r1) and the tokens in register tiles of R weight
  * rows x T tokens (R in 4, 2, 1; T in 1..4) and calls the ISA file's micro-kernel
  * for each tile. Include only from the ISA files (matmul_avx2.c, matmul_avx512.c).
@@ -86,6 +86,40 @@ INLINE void kern_tile_loop(const struct kern_matmul_args *a, int64_t r0, int64_t
             if (R >= 4) r = kern_tile_rows_t(tile, &t, w, y, 4, T, r, re);
             if (R >= 2) r = kern_tile_rows_t(tile, &t, w, y, 2, T, r, re);
             kern_tile_rows_t(tile, &t, w, y, 1, T, r, re);
+        }
+    }
+}
+
+/* The walk for weights in the 16-row form (matmul.h): tiles of 16 rows, their
+ * tokens in groups of up to max_t, each group one call group(t, n) of the ISA file,
+ * which switches to a micro-kernel for n tokens (n a constant there: called through
+ * this pointer with a constant, clang merged the calls and could not unroll). */
+struct kern_rows16_tile {
+    const uint8_t *tile; /* the tile's blocks */
+    int64_t nb;          /* blocks per row */
+    const uint8_t *xa;   /* the group's first token's prepared activations */
+    size_t xrb;
+    float *y; /* y[t * ys + r] for the tile's rows r in [lo, hi) */
+    int64_t ys;
+    int lo, hi;
+    const uint8_t *pf; /* NULL, or the next tile (prefetched by the first group) */
+};
+typedef void (*kern_rows16_group_fn)(const struct kern_rows16_tile *t, int n);
+
+static inline void kern_rows16_loop(const struct kern_matmul_args *a, int64_t r0, int64_t r1, int max_t,
+                                    kern_rows16_group_fn group) {
+    const size_t tb = kern_rows16_tile_bytes(a->wtype, a->k);
+    struct kern_rows16_tile t = {.nb = a->k / 32, .xrb = a->xa_row_bytes, .ys = a->y_stride};
+    for (int64_t tr = r0 / 16 * 16; tr < r1; tr += 16) {
+        const uint8_t *tile = (const uint8_t *)a->w16 + (size_t)(tr / 16) * tb;
+        t.tile = tile;
+        t.lo = r0 > tr ? (int)(r0 - tr) : 0;
+        t.hi = r1 - tr < 16 ? (int)(r1 - tr) : 16;
+        for (int t0 = 0; t0 < a->n_tok; t0 += max_t) {
+            t.xa = (const uint8_t *)a->xa + (size_t)t0 * t.xrb;
+            t.pf = t0 == 0 && tr + 16 < r1 ? tile + tb : NULL;
+            t.y = a->y + (int64_t)t0 * t.ys + tr;
+            group(&t, a->n_tok - t0 < max_t ? a->n_tok - t0 : max_t);
         }
     }
 }
