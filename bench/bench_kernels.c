@@ -97,7 +97,7 @@ static void bench_matmul(void) {
             uint8_t *xa = malloc(xrb * NT);
             for (int t = 0; t < NT; t++) kern_act_prepare(type, x + t * k, xa + t * xrb, k);
             float *y = malloc(sizeof(float) * (size_t)(NT * rows));
-            struct kern_matmul_args a = {type, w, wrb, k, xa, xrb, 1, y, rows};
+            struct kern_matmul_args a = {type, w, wrb, k, xa, xrb, 1, y, rows, NULL};
             double tv = time_matmul(&a, rows, 0.15);
             a.n_tok = NT;
             double tm = time_matmul(&a, rows, 0.3);
@@ -147,7 +147,7 @@ static void *dec2_run(void *a_) {
             int64_t rows = p->s[i].rows, half = (rows / 2 + 15) & ~(int64_t)15;
             int64_t r0 = a->ith ? half : 0, r1 = a->ith ? rows : half;
             struct kern_matmul_args m = {p->type, p->w[i], kvq_dtype_row_bytes(p->type, (uint64_t)p->s[i].k), p->s[i].k,
-                                         p->xa, kern_act_row_bytes(p->type, p->s[i].k), 1, p->y, rows};
+                                         p->xa, kern_act_row_bytes(p->type, p->s[i].k), 1, p->y, rows, NULL};
             kern_matmul(&m, r0, r1);
             gen += 2;
             spin_barrier(&p->bar, gen);
@@ -183,7 +183,7 @@ static void bench_decode(uint32_t type) {
         for (int i = 0; i < nm; i++) {
             kern_act_prepare(type, x, xa, s[i].k);
             struct kern_matmul_args a = {type, w[i], kvq_dtype_row_bytes(type, (uint64_t)s[i].k), s[i].k, xa,
-                                         kern_act_row_bytes(type, s[i].k), 1, y, s[i].rows};
+                                         kern_act_row_bytes(type, s[i].k), 1, y, s[i].rows, NULL};
             kern_matmul(&a, 0, s[i].rows);
         }
         double dt = now() - t0;
@@ -272,7 +272,7 @@ static void bench_decode_cold(uint32_t type) {
         for (int i = 0; i < NM; i++) {
             kern_act_prepare(type, x, xa, s[i].k);
             struct kern_matmul_args a = {type, w[it % COPIES][i], kvq_dtype_row_bytes(type, (uint64_t)s[i].k), s[i].k,
-                                         xa, kern_act_row_bytes(type, s[i].k), 1, y, s[i].rows};
+                                         xa, kern_act_row_bytes(type, s[i].k), 1, y, s[i].rows, NULL};
             kern_matmul(&a, 0, s[i].rows);
         }
         double dt = now() - t0;
