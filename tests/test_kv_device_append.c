@@ -2,11 +2,14 @@
  * kv_cache_append_end): given the rows a host append writes, it leaves the cache
  * byte for byte as the host append does (saved sections compared), for every cache
  * kind; rows of positions trimmed in between are dropped; and a batch across the
- * offsets' point ends with the offsets chosen, as on the host. */
+ * offsets' point ends with the offsets chosen, as on the host. The CPU backend's
+ * append, which encodes a batch's rows on its threads through the same split, leaves
+ * every sequence's cache as kv_cache_append does. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend.h"
 #include "check.h"
 #include "kvq.h"
 #include "kvcache/kv_cache.h"
@@ -144,6 +147,46 @@ static void test_across_offsets(void) {
     kv_cache_free(unshifted);
 }
 
+/* Three sequences appended together through the CPU backend, in batches whose
+ * lengths cross the offsets' point (128), the quantize-after-N conversion and block
+ * edges, against each sequence appended alone on the host. */
+static void test_cpu_backend(const struct split_case *sc) {
+    const struct kv_shape shape = {8, 2, 64, sc->window};
+    const int H = 2, D = 64, S = 3;
+    const int steps[][3] = {{40, 1, 7}, {60, 1, 70}, {28, 1, 1}, {64, 1, 60}, {1, 1, 1}, {1, 130, 1}, {30, 2, 5}};
+    struct backend *be = backend_cpu_new(2);
+    struct kv_cache *host[3], *cpu[3];
+    for (int s = 0; s < S; s++) {
+        host[s] = kv_cache_new(&sc->cfg, &shape);
+        cpu[s] = kv_cache_new(&sc->cfg, &shape);
+    }
+    float *k = malloc(sizeof(float) * 256 * H * D), *v = malloc(sizeof(float) * 256 * H * D);
+    bool same = be != NULL;
+    for (size_t i = 0; i < sizeof steps / sizeof steps[0] && same; i++) {
+        struct be_kv_append seqs[3];
+        int n = 0;
+        for (int s = 0; s < S; s++) {
+            seqs[s] = (struct be_kv_append){cpu[s], n, steps[i][s]};
+            n += steps[i][s];
+        }
+        for (int j = 0; j < n * H * D; j++) k[j] = frnd() + 0.5f * (float)(j % D == 5), v[j] = frnd();
+        CHECK(be->ops->kv_append(be, seqs, S, k, v) == 0, "%s: backend append: %s", sc->name, kvq_last_error());
+        for (int s = 0; s < S; s++) {
+            const size_t off = (size_t)seqs[s].first * H * D;
+            CHECK(kv_cache_append(host[s], seqs[s].n, k + off, v + off) == 0, "%s: host append", sc->name);
+            same = same && same_bytes(host[s], cpu[s]);
+        }
+    }
+    CHECK(same, "%s: the CPU backend's batched append differs from host appends", sc->name);
+    printf("%-34s CPU backend appends equal host appends: %s\n", sc->name, same ? "yes" : "NO");
+    free(k), free(v);
+    for (int s = 0; s < S; s++) {
+        kv_cache_free(host[s]);
+        kv_cache_free(cpu[s]);
+    }
+    if (be) be->ops->free(be);
+}
+
 int main(void) {
     static const struct split_case cases[] = {
         {"f16", {16, 16, 64, 64, 0, 4, 0, false, 32}, 0},
@@ -152,8 +195,10 @@ int main(void) {
         {"K8 rotating 200 keep 4", {8, 8, 64, 64, 200, 4, 0, true, 32}, 0},
         {"K4V4 sliding window 100", {4, 4, 64, 64, 100, 4, 0, true, 32}, 100},
         {"quantize after 150, K4V4", {4, 4, 64, 64, 0, 4, 150, true, 32}, 0},
+        {"quantize after 50, K8V4", {8, 4, 64, 64, 0, 4, 50, true, 32}, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
     test_across_offsets();
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_cpu_backend(&cases[i]);
     return check_finish();
 }

@@ -165,6 +165,17 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
 int kv_cache_append_begin(struct kv_cache *c, int n);
 int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
                         const uint8_t *wv);
+/* The rows kv_cache_append_end() takes for one new token (after kv_cache_append_begin)
+ * from its keys and values k, v ([n_kv_heads][head_dim]): block rows kr, vr and, with
+ * a residual window, f16 window rows wk, wv ([n_kv_heads] rows of kv_view's k_row,
+ * v_row and win_row bytes). Reads the cache only: calls may run at once on several
+ * threads (a backend encoding a batch's rows in parallel). */
+void kv_cache_encode_rows(const struct kv_cache *c, const float *k, const float *v, uint8_t *kr, uint8_t *vr, uint8_t *wk,
+                          uint8_t *wv);
+/* Whether appending n tokens now through begin, kv_cache_encode_rows and end writes
+ * the bytes kv_cache_append writes: not when the append crosses the offsets' point
+ * (end encodes the rows past it again from their f16 window rows). */
+bool kv_cache_append_splits_exactly(const struct kv_cache *c, int n);
 /* The position at which the cache will choose its offsets (the rows from there on are
  * encoded with them), or 0 when it will not (chosen already, or no offsets). A device
  * backend ends a forward pass there: rows past it in the same pass would be encoded

@@ -31,5 +31,25 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
     return NULL;
 }
 
+void kv_cache_encode_rows(const struct kv_cache *c, const float *k, const float *v, uint8_t *kr, uint8_t *vr, uint8_t *wk,
+                          uint8_t *wv) {
+    const struct kv_store *st = store_of(c);
+    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    const bool win = kv_win_on(st) && c->cfg.residual > 0;
+    for (int h = 0; h < H; h++) { /* as kv_store_write_row and kv_win_put write them */
+        const float *kh = k + (size_t)h * D, *vh = v + (size_t)h * D;
+        kv_encode_row(st, &st->kf, D, kh, kv_side_mu(st, &st->kf, 0, h, D, H), kr + (size_t)h * st->kf.row);
+        kv_encode_row(st, &st->vf, D, vh, kv_side_mu(st, &st->vf, 1, h, D, H), vr + (size_t)h * st->vf.row);
+        if (!win) continue;
+        kv_encode_row(st, &st->wkf, D, kh, NULL, wk + (size_t)h * st->wkf.row);
+        kv_encode_row(st, &st->wvf, D, vh, NULL, wv + (size_t)h * st->wvf.row);
+    }
+}
+
+bool kv_cache_append_splits_exactly(const struct kv_cache *c, int n) {
+    const int32_t T = mu_tokens(c), p = c->n_past;
+    return store_of(c)->mu_set || T <= 0 || p >= T || p + n <= T;
+}
+
 uint32_t kv_cache_epoch(const struct kv_cache *c) { return c->epoch; }
 void **kv_cache_mirror(struct kv_cache *c) { return &c->mirror; }

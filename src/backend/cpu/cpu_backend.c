@@ -42,6 +42,10 @@ struct cpu_backend {
     int attn_scratch_threads;
     int64_t *attn_order; /* [max_tokens]: tokens by decreasing position (and index) */
     int attn_order_cap;
+    struct append_row *append_rows; /* [max_tokens]: an append's rows being encoded */
+    int append_rows_cap;
+    uint8_t *staging; /* their encoded bytes */
+    size_t staging_cap;
     struct kvq_work *work; /* the work items of the task running on the pool */
 };
 
@@ -344,15 +348,86 @@ static void cpu_glu(struct backend *b, enum be_glu act, const float *gate, const
 
 /* ---- KV cache and attention ---------------------------------------------- */
 
+/* One token's rows being encoded (kv_cache_encode_rows) into the append staging. */
+struct append_row {
+    const struct kv_cache *c;
+    const float *k, *v;
+    uint8_t *kr, *vr, *wk, *wv;
+};
+static void append_row_token(const void *p, int t) {
+    const struct append_row *r = (const struct append_row *)p + t;
+    kv_cache_encode_rows(r->c, r->k, r->v, r->kr, r->vr, r->wk, r->wv);
+}
+
+static int ensure_append(struct cpu_backend *cb, int n) {
+    if (n <= cb->append_rows_cap) return 0;
+    free(cb->append_rows);
+    cb->append_rows = malloc(sizeof *cb->append_rows * (size_t)n);
+    cb->append_rows_cap = cb->append_rows ? n : 0;
+    return cb->append_rows ? 0 : kvq_error("out of memory");
+}
+
+/* Bytes of staging for a sequence's n rows of each side and window (kv_cache_append_end's layout). */
+static size_t append_staging(const struct kv_view *vw, int n_kv, int n) {
+    return (size_t)n * n_kv * (vw->k_row + vw->v_row + 2 * vw->win_row);
+}
+
+/* Appends of several tokens encode their rows on the pool's threads (the rotation
+ * and packing of each row are most of an append): every cache makes its changes
+ * first (kv_cache_append_begin), the threads encode each token's rows into staging,
+ * and kv_cache_append_end copies them in: the device-append split of kv_cache.h, the
+ * same bytes as kv_cache_append where kv_cache_append_splits_exactly says so. */
 static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
                          const float *v) {
-    (void)b;
+    struct cpu_backend *cb = cpu(b);
     if (n_seqs <= 0) return 0;
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
-    size_t tok = (size_t)sh->n_kv_heads * sh->head_dim;
+    const int H = sh->n_kv_heads, n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
+    const size_t tok = (size_t)H * sh->head_dim;
+    bool split = n_tok >= 4 && kvq_pool_size(cb->pool) > 1;
+    for (int s = 0; s < n_seqs && split; s++) split = kv_cache_append_splits_exactly(seqs[s].cache, seqs[s].n);
+    if (!split) {
+        for (int s = 0; s < n_seqs; s++) {
+            size_t off = (size_t)seqs[s].first * tok;
+            if (kv_cache_append(seqs[s].cache, seqs[s].n, k + off, v + off) != 0) return -1;
+        }
+        return 0;
+    }
+    if (ensure_append(cb, n_tok) != 0) return -1;
+    size_t need = 0;
     for (int s = 0; s < n_seqs; s++) {
-        size_t off = (size_t)seqs[s].first * tok;
-        if (kv_cache_append(seqs[s].cache, seqs[s].n, k + off, v + off) != 0) return -1;
+        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n) != 0) return -1;
+        struct kv_view vw;
+        kv_cache_view(seqs[s].cache, &vw);
+        need += append_staging(&vw, H, seqs[s].n);
+    }
+    if (need > cb->staging_cap) {
+        free(cb->staging);
+        cb->staging = malloc(need);
+        cb->staging_cap = cb->staging ? need : 0;
+        if (!cb->staging) return kvq_error("out of memory encoding KV rows");
+    }
+    uint8_t *at = cb->staging;
+    for (int s = 0; s < n_seqs; s++) {
+        struct kv_view vw;
+        kv_cache_view(seqs[s].cache, &vw);
+        const int n = seqs[s].n;
+        uint8_t *kr = at, *vr = kr + (size_t)n * H * vw.k_row, *wk = vr + (size_t)n * H * vw.v_row,
+                *wv = wk + (size_t)n * H * vw.win_row;
+        for (int i = 0; i < n; i++) {
+            const size_t off = (size_t)(seqs[s].first + i) * tok, r = (size_t)i * H;
+            cb->append_rows[seqs[s].first + i] =
+                (struct append_row){seqs[s].cache, k + off, v + off, kr + r * vw.k_row, vr + r * vw.v_row,
+                                    wk + r * vw.win_row, wv + r * vw.win_row};
+        }
+        at += append_staging(&vw, H, n);
+    }
+    for_each_token(cb, n_tok, (int64_t)tok * 16, append_row_token, cb->append_rows); /* rotation + packing */
+    for (int s = 0; s < n_seqs; s++) {
+        const struct append_row *r = &cb->append_rows[seqs[s].first];
+        if (kv_cache_append_end(seqs[s].cache, kv_cache_n_past(seqs[s].cache) - seqs[s].n, seqs[s].n, r->kr, r->vr,
+                                r->wk, r->wv) != 0)
+            return -1;
     }
     return 0;
 }
@@ -420,7 +495,7 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
 
 static int cpu_reserve(struct backend *b, int max_tokens, int64_t widest) {
     struct cpu_backend *cb = cpu(b);
-    if (ensure_attn_order(cb, max_tokens) != 0) return kvq_error("out of memory");
+    if (ensure_attn_order(cb, max_tokens) != 0 || ensure_append(cb, max_tokens) != 0) return kvq_error("out of memory");
     return ensure_act(cb, max_act_row_bytes(widest) * (size_t)max_tokens);
 }
 
@@ -465,6 +540,8 @@ static void cpu_free(struct backend *b) {
     for (int i = 0; i < MAX_ACT_TYPES; i++) free(cb->act_mem[i]);
     free(cb->attn_scratch);
     free(cb->attn_order);
+    free(cb->append_rows);
+    free(cb->staging);
     kvq_work_free(cb->work);
     free(cb);
 }
