@@ -60,5 +60,5 @@ const float *kv_side_mu(const struct kv_store *st, const struct kv_fmt *f, int s
 }
 
 uint8_t *kv_win_row(const struct kv_win *w, const struct kv_fmt *f, int side, int h, int32_t j) {
-    return (side ? w->v : w->k) + ((size_t)h * (size_t)w->cap + (size_t)j) * f->row;
+    return (side ? w->v : w->k) + ((size_t)h * (size_t)w->cap + (size_t)(w->start + j)) * f->row;
 }

@@ -252,6 +252,7 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
         return -1;
     }
     struct kv_win *ws[2] = {st->sink, st->rec};
+    st->sink->start = st->rec->start = 0; /* private after the reserve: read in from slot 0 */
     for (int w = 0; w < 2; w++) {
         int32_t n = w ? rn : sn;
         for (int side = 0; side < 2; side++)

@@ -35,9 +35,12 @@ struct kv_fmt {
 };
 
 /* f16 copies of the rows of positions [p0, p0+n); shared by forks until one writes. */
+/* Rows of positions [p0, p0 + n) at slots [start, start + n) of cap per head. The
+ * residual window drops its oldest rows by moving start on, and moves its rows back
+ * to slot 0 only when an append would run past cap: not at every decode step. */
 struct kv_win {
     int32_t refs;
-    int32_t p0, n, cap;
+    int32_t p0, n, cap, start;
     uint8_t *k, *v; /* [H][cap][row] */
 };
 

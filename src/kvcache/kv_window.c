@@ -47,7 +47,7 @@ static int win_realloc(struct kv_cache *c, struct kv_win **wp, int32_t cap) {
         free(v);
         return kvq_error("out of memory growing the KV cache window to %d tokens", cap);
     }
-    *w = (struct kv_win){1, old->p0, old->n, cap, k, v};
+    *w = (struct kv_win){1, old->p0, old->n, cap, 0, k, v};
     for (int h = 0; h < H && old->n > 0; h++) {
         memcpy(kv_win_row(w, &st->wkf, 0, h, 0), kv_win_row(old, &st->wkf, 0, h, 0), st->wkf.row * (size_t)old->n);
         memcpy(kv_win_row(w, &st->wvf, 1, h, 0), kv_win_row(old, &st->wvf, 1, h, 0), st->wvf.row * (size_t)old->n);
@@ -68,21 +68,25 @@ int kv_win_reserve(struct kv_cache *c, struct kv_win **w, int32_t need) {
     return win_realloc(c, w, cap);
 }
 
-static void win_drop_front(struct kv_cache *c, struct kv_win *w, int32_t drop) {
-    const struct kv_store *st = store_of(c);
+static void win_drop_front(struct kv_win *w, int32_t drop) {
     if (drop <= 0) return;
-    if (drop >= w->n) {
-        w->p0 += w->n;
-        w->n = 0;
-        return;
-    }
-    int32_t keep = w->n - drop;
-    for (int h = 0; h < c->shape.n_kv_heads; h++) {
-        memmove(kv_win_row(w, &st->wkf, 0, h, 0), kv_win_row(w, &st->wkf, 0, h, drop), st->wkf.row * (size_t)keep);
-        memmove(kv_win_row(w, &st->wvf, 1, h, 0), kv_win_row(w, &st->wvf, 1, h, drop), st->wvf.row * (size_t)keep);
-    }
+    if (drop >= w->n) drop = w->n;
     w->p0 += drop;
-    w->n = keep;
+    w->n -= drop;
+    w->start = w->n ? w->start + drop : 0;
+}
+
+/* Room for `more` rows after the window's rows: its rows moved back to slot 0 when
+ * they would run past cap (private, cap >= n + more). */
+static void win_room_after(struct kv_cache *c, struct kv_win *w, int32_t more) {
+    const struct kv_store *st = store_of(c);
+    if (w->start + w->n + more <= w->cap) return;
+    for (int h = 0; h < c->shape.n_kv_heads; h++) {
+        uint8_t *k0 = w->k + (size_t)h * (size_t)w->cap * st->wkf.row, *v0 = w->v + (size_t)h * (size_t)w->cap * st->wvf.row;
+        memmove(k0, kv_win_row(w, &st->wkf, 0, h, 0), st->wkf.row * (size_t)w->n);
+        memmove(v0, kv_win_row(w, &st->wvf, 1, h, 0), st->wvf.row * (size_t)w->n);
+    }
+    w->start = 0;
 }
 
 /* Appends the row of position p0+n (capacity reserved, window private); k, v: [H][D]. */
@@ -113,11 +117,13 @@ int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, int32_t *n_si
         if (kv_win_own(c, &st->rec) != 0) return -1;
         struct kv_win *w = st->rec;
         if (w->n > 0 && w->p0 + w->n != p) w->n = 0; /* not contiguous: restart */
-        if (w->n == 0) w->p0 = p;
+        if (w->n == 0) w->p0 = p, w->start = 0;
         /* queries before the offsets' point read every row in f16: all kept until then */
         int32_t lo = first - R + 1 > 0 && first >= mu_tokens(c) ? first - R + 1 : 0;
-        if (kv_win_reserve(c, &st->rec, (w->p0 < lo ? p - lo : w->n) + n) != 0) return -1;
-        win_drop_front(c, st->rec, lo - st->rec->p0);
+        /* R rows to spare: the rows then move back to slot 0 once every R tokens or so */
+        if (kv_win_reserve(c, &st->rec, (w->p0 < lo ? p - lo : w->n) + n + R) != 0) return -1;
+        win_drop_front(st->rec, lo - st->rec->p0);
+        win_room_after(c, st->rec, n);
     }
     return 0;
 }
