@@ -139,6 +139,26 @@ static void test_hadamard(void) {
         for (int i = 0; i < d; i++) e = fmax(e, fabs(y[i] - x[i]));
         CHECK(e < 1e-5, "d %d: inverse error %g", d, e);
     }
+    /* every level rotates bit for bit as the scalar butterflies do (the device and the
+     * host encode the same bytes) */
+    for (int di = 0; di < 5; di++) {
+        const int d = dims[di] * 4; /* blocks of 32 to 1024 */
+        float s[1024], x[1024], want[2][1024], got[2][1024];
+        kern_kvq_hadamard_signs(s, d, 3);
+        for (int i = 0; i < d; i++) x[i] = gauss() * (i % 7 == 0 ? 50 : 1);
+        const enum kvq_simd levels[] = {KVQ_SIMD_SCALAR, KVQ_SIMD_AVX2, KVQ_SIMD_AVX512};
+        for (int li = 0; li < 3; li++) {
+            if (kvq_simd_force(levels[li]) != 0) continue;
+            memcpy(got[0], x, sizeof(float) * d);
+            kern_kvq_hadamard(got[0], d, s);
+            memcpy(got[1], got[0], sizeof(float) * d);
+            kern_kvq_hadamard_inv(got[1], d, s);
+            if (li == 0) memcpy(want, got, sizeof got);
+            CHECK(memcmp(got[0], want[0], sizeof(float) * d) == 0 && memcmp(got[1], want[1], sizeof(float) * d) == 0,
+                  "d %d: %s rotation differs from scalar", d, kvq_simd_name(levels[li]));
+        }
+        kvq_simd_force(kvq_simd_max());
+    }
     /* an outlier channel is spread over the block */
     float s[128], x[128] = {0};
     kern_kvq_hadamard_signs(s, 128, 7);

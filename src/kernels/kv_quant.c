@@ -124,6 +124,10 @@ static int hadamard_block(int d) {
 }
 
 static void fwht(float *x, int n) {
+    if (n >= 16 && kvq_simd_level() == KVQ_SIMD_AVX512) {
+        kern_kvq_fwht_avx512(x, n);
+        return;
+    }
     for (int len = 1; len < n; len <<= 1)
         for (int i = 0; i < n; i += 2 * len)
             for (int j = i; j < i + len; j++) {

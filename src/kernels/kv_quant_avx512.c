@@ -38,6 +38,28 @@ void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst) {
     }
 }
 
+void kern_kvq_fwht_avx512(float *x, int n) {
+    /* stages 1, 2, 4, 8 inside each vector: lane i meets lane i ^ m; the lower of the
+     * two takes a + c, the upper a - c (a the lower's value, c the upper's) */
+    static const __mmask16 upper[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int o = 0; o < n; o += 16) {
+        __m512 v = _mm512_loadu_ps(x + o);
+        for (int s = 0; s < 4; s++) {
+            const __m512 p = _mm512_permutexvar_ps(_mm512_xor_si512(iota, _mm512_set1_epi32(1 << s)), v);
+            v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), upper[s], p, v);
+        }
+        _mm512_storeu_ps(x + o, v);
+    }
+    for (int len = 16; len < n; len <<= 1)
+        for (int i = 0; i < n; i += 2 * len)
+            for (int j = i; j < i + len; j += 16) {
+                const __m512 a = _mm512_loadu_ps(x + j), c = _mm512_loadu_ps(x + j + len);
+                _mm512_storeu_ps(x + j, _mm512_add_ps(a, c));
+                _mm512_storeu_ps(x + j + len, _mm512_sub_ps(a, c));
+            }
+}
+
 #define VL 16
 #define VF __m512
 #define VZERO _mm512_setzero_ps()

@@ -35,6 +35,9 @@ bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const 
  * (F16C; a NaN stays a NaN, its payload may differ). */
 void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst);
 void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst);
+/* The Walsh-Hadamard butterflies of n values (n a power of two >= 16) in place, the
+ * same float additions as the scalar ones (bit for bit). */
+void kern_kvq_fwht_avx512(float *x, int n);
 /* Fast unpackers for 2/4/8 bits (others fall back to the scalar one). */
 void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out);
 void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out);
