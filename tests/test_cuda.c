@@ -647,7 +647,7 @@ static void test_device_append(struct backend *be, const struct attn_case *ac) {
         cudaMemcpy(dk, k, sizeof(float) * n * H * D, cudaMemcpyHostToDevice);
         cudaMemcpy(dv, v, sizeof(float) * n * H * D, cudaMemcpyHostToDevice);
         struct be_kv_append ap = {dev, 0, n};
-        CHECK(be->ops->kv_append(be, &ap, 1, dk, dv) == 0 && be->ops->sync(be) == 0, "%s: device append: %s",
+        CHECK(be->ops->kv_append(be, &ap, 1, dk, dv, NULL) == 0 && be->ops->sync(be) == 0, "%s: device append: %s",
               ac->name, kvq_last_error());
         CHECK(kv_cache_append(host, n, k, v) == 0, "%s: host append", ac->name);
     }

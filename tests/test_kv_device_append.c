@@ -170,7 +170,7 @@ static void test_cpu_backend(const struct split_case *sc) {
             n += steps[i][s];
         }
         for (int j = 0; j < n * H * D; j++) k[j] = frnd() + 0.5f * (float)(j % D == 5), v[j] = frnd();
-        CHECK(be->ops->kv_append(be, seqs, S, k, v) == 0, "%s: backend append: %s", sc->name, kvq_last_error());
+        CHECK(be->ops->kv_append(be, seqs, S, k, v, NULL) == 0, "%s: backend append: %s", sc->name, kvq_last_error());
         for (int s = 0; s < S; s++) {
             const size_t off = (size_t)seqs[s].first * H * D;
             CHECK(kv_cache_append(host[s], seqs[s].n, k + off, v + off) == 0, "%s: host append", sc->name);

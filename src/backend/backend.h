@@ -29,7 +29,8 @@ struct be_matmul {
     const float *bias;
 };
 
-/* Per-head RMSNorm (optional) and RoPE of the queries and keys of n tokens. */
+/* Per-head RMSNorm (optional) and RoPE of a batch's queries and keys, and the scale
+ * of the attention that reads them (a backend may prepare the queries for it). */
 struct be_rope {
     float *q, *k;                 /* [n][n_head][D], [n][n_kv][D] */
     int n_head, n_kv, head_dim;
@@ -38,6 +39,7 @@ struct be_rope {
     const float *cos, *sin;       /* [n][half]: the tables of the tokens' positions */
     int half;
     int pairing;                  /* enum rope_pairing */
+    float attn_scale;
 };
 
 /* Attention of n query tokens, token t over caches[t] at position pos[t]. */
@@ -92,12 +94,14 @@ struct backend_ops {
     /* cos/sin tables [n][half] of positions pos / linear at frequencies inv_freq[half]. */
     void (*rope_table)(struct backend *b, const int32_t *pos, int n, const float *inv_freq, float linear, int half,
                        float *cos, float *sin);
-    void (*qk_rope)(struct backend *b, const struct be_rope *r, int n);
     /* out[t] = act(gate[t]) * up[t], n_ff values per token. */
     void (*glu)(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff, float *out);
     /* Appends each sequence's keys and values (k, v: [batch tokens][n_kv * D]) to its
-     * cache of one layer. 0, or -1 with an error (a cache full). */
-    int (*kv_append)(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k, const float *v);
+     * cache of one layer; when r is given (r->k == k), first norms and rotates the
+     * batch's queries and keys in place, as one step (the CUDA backend does all of it
+     * in one launch). 0, or -1 with an error (a cache full). */
+    int (*kv_append)(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k, const float *v,
+                     const struct be_rope *r);
     void (*attention)(struct backend *b, const struct be_attention *a, int n);
     /* Waits until every operation issued has finished. 0, or -1 with the error of
      * an operation since the last sync. */

@@ -106,15 +106,15 @@ static int run_layer(struct forward *f, const struct fwd_batch *b, int il) {
     op->matmul(be, f->xn, hp->n_embd, n, 3, qkv);
     size_t table = (size_t)f->m->layer_attn[il].rope_set * f->max_tokens * f->half_rope;
     struct be_rope rope = {f->q, f->k, hp->n_head, hp->n_head_kv, D, L->q_norm, L->k_norm, hp->rms_eps,
-                           f->rope_cos + table, f->rope_sin + table, f->half_rope, (int)hp->rope_pairing};
-    op->qk_rope(be, &rope, n);
+                           f->rope_cos + table, f->rope_sin + table, f->half_rope, (int)hp->rope_pairing,
+                           hp->attn_scale};
 
     for (int s = 0; s < b->n_seqs; s++) {
         const struct fwd_seq *sq = &b->seqs[s];
         f->append[s] = (struct be_kv_append){sq->caches[il], sq->first, sq->n};
         for (int t = sq->first; t < sq->first + sq->n; t++) f->tok_cache[t] = sq->caches[il];
     }
-    if (op->kv_append(be, f->append, b->n_seqs, f->k, f->v) != 0) return -1;
+    if (op->kv_append(be, f->append, b->n_seqs, f->k, f->v, &rope) != 0) return -1;
     struct be_attention at = {f->q, f->attn, f->tok_cache, f->pos, hp->n_head, hp->n_head_kv, D, hp->attn_scale};
     op->attention(be, &at, n);
 

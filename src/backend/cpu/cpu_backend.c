@@ -321,10 +321,6 @@ static void qk_rope_token(const void *p, int t) {
         rope_apply(k + h * D, cs, sn, r->half, (enum rope_pairing)r->pairing);
     }
 }
-static void cpu_qk_rope(struct backend *b, const struct be_rope *r, int n) {
-    const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
-    for_each_token(cpu(b), n, cost, qk_rope_token, r);
-}
 
 struct glu_arg {
     enum be_glu act;
@@ -378,9 +374,14 @@ static size_t append_staging(const struct kv_view *vw, int n_kv, int n) {
  * and kv_cache_append_end copies them in: the device-append split of kv_cache.h, the
  * same bytes as kv_cache_append where kv_cache_append_splits_exactly says so. */
 static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
-                         const float *v) {
+                         const float *v, const struct be_rope *r) {
     struct cpu_backend *cb = cpu(b);
     if (n_seqs <= 0) return 0;
+    if (r) {
+        const int n = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
+        const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
+        for_each_token(cb, n, cost, qk_rope_token, r);
+    }
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
     const int H = sh->n_kv_heads, n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
     const size_t tok = (size_t)H * sh->head_dim;
@@ -562,7 +563,6 @@ static const struct backend_ops cpu_ops = {
     .rmsnorm = cpu_rmsnorm,
     .add_norm = cpu_add_norm,
     .rope_table = cpu_rope_table,
-    .qk_rope = cpu_qk_rope,
     .glu = cpu_glu,
     .kv_append = cpu_kv_append,
     .attention = cpu_attention,

@@ -1,8 +1,9 @@
 /* Split-K attention over a paged KV cache whose rows may be packed (kv_quant.h's row
  * format), for query tokens of different sequences and lengths in one launch.
  *
- * attn_prep_q first scales each query head, rotates it as the keys are and computes
- * q.mu, once (not in every split). A block then takes one (token, KV head, up to 8
+ * Each query head is first scaled, rotated as the keys are and its q.mu computed,
+ * once (not in every split): by the KV append's launch (kv_encode.cu), or else by
+ * attn_prep_q. A block then takes one (token, KV head, up to 8
  * query heads of its group) and one split of the rows that token reads (as many
  * splits as fill one wave of resident blocks), so each K/V row is read once for all
  * the query heads that share it. Lanes work in subgroups of D/8: a subgroup holds one
@@ -15,7 +16,7 @@
 #include <math.h>
 
 #include "backend/cuda/attention.cuh"
-#include "backend/cuda/hadamard.cuh"
+#include "backend/cuda/qk_prep.cuh"
 #include "backend/cuda/round_x.cuh"
 
 #define WARPS 4
@@ -74,11 +75,9 @@ static __device__ __forceinline__ void split_rows(const cuk_attn_tok &tk, int n_
 }
 
 #define visible attn_visible
-#define prep_floats attn_prep_floats
 
-/* Once per (token, query head), not in every split: q scaled, q.mu (the key offset
- * that packed keys lack, before rotation), then q rotated as the keys are
- * (H diag(signs) q / sqrt(D)). A block of D threads. */
+/* The queries' preparation (qk_prep.cuh) where the KV append did not make it: once
+ * per (token, query head), not in every split. A block of D threads. */
 template <int D>
 __global__ void attn_prep_q(const cuk_attn_args a) {
     griddep_release();
@@ -86,20 +85,17 @@ __global__ void attn_prep_q(const cuk_attn_args a) {
     const int ti = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, d = threadIdx.x;
     const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
     const float *mu = (const float *)a.toks[ti].mu;
-    __shared__ float x[D], part[D / 32];
-    float v = a.q[((size_t)t * a.n_head + h) * D + d] * a.scale;
-    float s = mu && a.k_bits < 16 ? v * mu[(size_t)kvh * D + d] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (d % 32 == 0) part[d / 32] = s;
-    if (a.k_rot) v = hadamard_block<D>(v * a.signs[d], x);
-    __syncthreads();
-    float *out = a.partial + ((size_t)ti * a.n_head + h) * (D + 1);
-    out[1 + d] = v;
-    if (d == 0) {
-        float q_mu = 0;
-        for (int i = 0; i < D / 32; i++) q_mu += part[i];
-        out[0] = q_mu;
-    }
+    __shared__ float buf[D];
+    prep_head<D>(a.q[((size_t)t * a.n_head + h) * D + d], a.scale, mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr,
+                 a.k_rot, a.signs, a.qprep + ((size_t)t * a.n_head + h) * (D + 1), buf);
+}
+
+static void launch_prep(cuk_queue *qu, const cuk_attn_args *a, int D) {
+    if (a->q_prepped) return;
+    const dim3 grid((unsigned)(a->n * a->n_head));
+    if (D == 64) pdl_launch(attn_prep_q<64>, grid, dim3(64), qu, *a);
+    else if (D == 128) pdl_launch(attn_prep_q<128>, grid, dim3(128), qu, *a);
+    else pdl_launch(attn_prep_q<256>, grid, dim3(256), qu, *a);
 }
 
 /* HMAX: query heads per block (the group's, rounded up to a power of two, at most 8). */
@@ -119,10 +115,9 @@ __global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(cons
 
     __shared__ float sm_m[SUBS][HMAX], sm_l[SUBS][HMAX], sm_lp[SUBS][HMAX];
     __shared__ float sm_acc[SUBS][HMAX][D];
-    /* q as attn_prep_q left it (scaled, rotated like the keys, and q.mu), or as it is
-     * for unrotated float keys */
-    const float *qp = prepped ? a.partial + (size_t)ti * a.n_head * (D + 1)
-                              : a.q + (size_t)a.tok_index[ti] * a.n_head * D;
+    /* q prepared (scaled, rotated like the keys, and q.mu), or as it is for unrotated
+     * float keys */
+    const float *qp = prepped ? attn_qprep(a, ti, 0) : a.q + (size_t)a.tok_index[ti] * a.n_head * D;
     const int q_stride = prepped ? D + 1 : D, q0 = prepped ? 1 : 0;
     const float q_scale = prepped ? 1.0f : a.scale;
     float qmu[HMAX];
@@ -341,7 +336,7 @@ static void launch_split(cuk_queue *qu, const cuk_attn_args *a) {
     const int hb = heads_per_block(a), n_hch = (a->n_head / a->n_kv + hb - 1) / hb;
     const int n_splits = splits_for(a, resident(attn_split<D, KB, VB, HMAX>, &per_sm));
     const bool prep = a->k_rot || a->k_bits < 16; /* packed keys may have offsets */
-    if (prep) pdl_launch(attn_prep_q<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a);
+    if (prep) launch_prep(qu, a, D);
     pdl_launch(attn_split<D, KB, VB, HMAX>, dim3((unsigned)(a->n * a->n_kv * n_hch), (unsigned)n_splits),
                dim3(WARPS * 32), qu, *a, n_splits, n_hch, prep);
     pdl_launch(attn_combine<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a, n_splits);
@@ -360,7 +355,7 @@ static void launch(cuk_queue *qu, const cuk_attn_args *a) {
 template <int D>
 static void launch_formats(cuk_queue *qu, const cuk_attn_args *a) {
     if (attn_tile_takes(a)) { /* tensor cores */
-        if (attn_tile_prepped(a)) pdl_launch(attn_prep_q<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a);
+        if (attn_tile_prepped(a)) launch_prep(qu, a, D);
         const int n_splits = attn_tile_launch(qu, a);
         pdl_launch(attn_combine<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a, n_splits);
         return;
@@ -383,8 +378,10 @@ extern "C" size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, 
     /* items x splits <= max(items, resident blocks), items <= n n_head, resident
      * <= 32 n_sm (the hardware's limit of blocks per multiprocessor) */
     const size_t split_rows = (size_t)n * n_head > 32 * (size_t)n_sm * 8 ? (size_t)n * n_head : 32 * (size_t)n_sm * 8;
-    return prep_floats(n, n_head, head_dim) + split_rows * (size_t)(head_dim + 4);
+    return split_rows * (size_t)(head_dim + 4);
 }
+
+extern "C" size_t cuk_qprep_floats(int n, int n_head, int head_dim) { return (size_t)n * n_head * (head_dim + 1); }
 
 extern "C" void cuk_attention(cuk_queue *qu, const cuk_attn_args *a) {
     if (a->n <= 0) return;

@@ -157,9 +157,9 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     const bool row_on = qi < grp.nt;
     const int ti = grp.t0 + (row_on ? qi : 0);
     const cuk_attn_tok tk = a.toks[ti];
-    /* q as attn_prep_q left it (q.mu, then q scaled and rotated), or as it is (float
-     * keys without rotation) */
-    const float *prep = a.partial + ((size_t)ti * a.n_head + h) * (D + 1);
+    /* q prepared (q.mu, then q scaled and rotated), or as it is (float keys without
+     * rotation) */
+    const float *prep = attn_qprep(a, ti, h);
     const float *qv = prepped ? prep + 1 : a.q + ((size_t)a.tok_index[ti] * a.n_head + h) * D;
     const float qmu = row_on && prepped ? prep[0] : 0.0f, q_scale = prepped ? Q_SCALE : Q_SCALE * a.scale;
     uint32_t qa[D / 16][4];

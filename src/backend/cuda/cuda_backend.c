@@ -117,6 +117,14 @@ struct cuda_backend {
     bool any_repacked; /* a weight of a repacked type was uploaded */
     float *part;
     size_t part_floats;
+    /* the queries prepared for attention (cuk_attn_args.qprep), and whose: the batch's
+     * n queries at qprep_of with scale qprep_scale, made by the KV append of this
+     * layer (NULL: none; a product writing the queries, or a sync, clears it) */
+    float *qprep;
+    size_t qprep_floats;
+    const float *qprep_of;
+    int qprep_n;
+    float qprep_scale;
     float *signs; /* Hadamard signs of head size signs_dim */
     int signs_dim;
     uint8_t *stage_h, *stage_d;
@@ -149,9 +157,9 @@ static struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backen
 /* KVQ_CUDA_PROFILE=1: each operation waits for the GPU before and after itself and
  * its time is added up per kind, printed when the backend is freed (a measurement
  * aid: the waits serialize what normally overlaps). */
-enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_ROPE, P_GLU, P_EMBED, P_KV_ENCODE, P_KV_FINISH, P_ATTN_HOST, P_ATTN_GPU, P_ISSUE, P_N };
-static const char *const prof_names[P_N] = {"matvec", "gemm (dequantize + f16/TF32)", "norms", "rope", "glu", "embed",
-                                            "kv_append: host plan + device encode", "sync: host copy of new KV rows",
+enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_GLU, P_EMBED, P_KV_ENCODE, P_KV_FINISH, P_ATTN_HOST, P_ATTN_GPU, P_ISSUE, P_N };
+static const char *const prof_names[P_N] = {"matvec", "gemm (dequantize + f16/TF32)", "norms", "glu", "embed",
+                                            "kv_append: host plan + RoPE and device encode", "sync: host copy of new KV rows",
                                             "attention: host plan + uploads", "attention: kernels",
                                             "issuing recorded work (graphs)"};
 static double now_s(void) {
@@ -562,6 +570,7 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
                         const struct be_matmul *jobs) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n);
+    cb->qprep_of = NULL; /* the products may write the queries */
     double t0 = prof_begin(cb);
     if (n <= CUK_MATVEC_MAX) {
         struct cuk_matvec_job mj[CUK_MATVEC_JOBS];
@@ -693,16 +702,6 @@ static void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const 
     if (p && f) cuk_rope_table(&cb->q, p, n, f, linear, half, cos, sin);
 }
 
-static void cuda_qk_rope(struct backend *b, const struct be_rope *r, int n) {
-    struct cuda_backend *cb = cuda(b);
-    step_op(cb, n);
-    double t0 = prof_begin(cb);
-    cb->xq_of = NULL;
-    cuk_qk_rope(&cb->q, r->q, r->k, n, r->n_head, r->n_kv, r->head_dim, dev_vec(cb, r->q_norm),
-                dev_vec(cb, r->k_norm), r->eps, r->cos, r->sin, r->half, r->pairing);
-    prof_end(cb, P_ROPE, t0);
-}
-
 static void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff,
                      float *out) {
     struct cuda_backend *cb = cuda(b);
@@ -721,6 +720,7 @@ static int wait_stream(struct cuda_backend *cb) {
     ck(cb, cudaGetLastError(), "a kernel launch");
     cb->stage_used = cb->stage_up = 0;
     cb->in_step = false;
+    cb->qprep_of = NULL;
     for (int i = 0; i < cb->n_dead; i++) cudaFree(cb->dead[i]);
     cb->n_dead = 0;
     if (cb->failed) return kvq_error("%s", cb->failure);
@@ -878,13 +878,30 @@ static size_t readback_alloc(struct cuda_backend *cb, size_t bytes) {
     return off;
 }
 
+/* Room for the prepared queries of n tokens (grown when short; the step's recorded
+ * work may still read the old buffer). false with the failure recorded. */
+static bool ensure_qprep(struct cuda_backend *cb, int n, int n_head, int D) {
+    const size_t need = cuk_qprep_floats(n > cb->max_tokens ? n : cb->max_tokens, n_head, D);
+    if (need <= cb->qprep_floats) return true;
+    free_after_step(cb, cb->qprep);
+    cb->qprep = NULL;
+    cb->qprep_floats = 0;
+    if (!ck(cb, cudaMalloc((void **)&cb->qprep, sizeof(float) * need), "device memory for attention")) return false;
+    cb->qprep_floats = need;
+    return true;
+}
+
 /* The layer's new keys and values, encoded into the device cache; the host's copy of
- * the rows follows at the next sync (kv_cache_append_begin / _end). */
+ * the rows follows at the next sync (kv_cache_append_begin / _end). With r, the same
+ * launch first norms and rotates the queries and keys, and prepares the queries for
+ * the attention that follows (cuda_attention then skips that launch). */
 static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
-                          const float *v) {
+                          const float *v, const struct be_rope *r) {
     struct cuda_backend *cb = cuda(b);
     if (n_seqs <= 0 || cb->failed) return cb->failed ? kvq_error("%s", cb->failure) : 0;
-    step_op(cb, seqs[n_seqs - 1].first + seqs[n_seqs - 1].n);
+    const int n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
+    step_op(cb, n_tok);
+    cb->qprep_of = NULL;
     double t0 = prof_begin(cb);
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
     const int H = sh->n_kv_heads, D = sh->head_dim;
@@ -966,19 +983,33 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
     if (sync_blocks(cb, kv_cache_pool(seqs[0].cache), &views[0], H, n_fmt == 1) != 0) return -1;
     flush_copies(cb);
     if (ensure_signs(cb, D, views[0].signs) != 0) return kvq_error("%s", cb->failure);
+    struct cuk_qk_rope rope = {0};
+    if (r) {
+        if (!ensure_qprep(cb, n_tok, r->n_head, D)) return kvq_error("%s", cb->failure);
+        rope = (struct cuk_qk_rope){r->q, r->n_head, dev_vec(cb, r->q_norm), dev_vec(cb, r->k_norm), r->eps, r->cos,
+                                    r->sin, r->half, r->pairing, NULL, r->attn_scale};
+    }
     for (int f = 0; f < n_fmt; f++) {
         const struct kv_view *vw = &views[f];
         struct cuk_enc_args args = {
             .k_bits = vw->k_bits, .k_group = vw->k_group, .v_bits = vw->v_bits, .v_group = vw->v_group,
             .k_rot = vw->k_rot, .v_rot = vw->v_rot, .windows = vw->windows, .k_row = vw->k_row, .v_row = vw->v_row,
-            .head_bytes = vw->head_bytes, .win_row = vw->win_row, .n_kv = H, .head_dim = D, .k = k, .v = v,
+            .head_bytes = vw->head_bytes, .win_row = vw->win_row, .n_kv = H, .head_dim = D, .k = (float *)k, .v = v,
             .signs = cb->signs, .toks = (const struct cuk_enc_tok *)(cb->stage_d + toks_off) + first[f],
-            .n = first[f + 1] - first[f], .readback = cb->rb_d,
+            .n = first[f + 1] - first[f], .readback = cb->rb_d, .rope = rope,
         };
+        /* prepared as the attention kernels read rotated or packed keys */
+        if (r && (vw->k_rot || vw->k_bits < 16)) args.rope.qprep = cb->qprep;
         cuk_kv_encode(&cb->q, &args);
     }
     prof_end(cb, P_KV_ENCODE, t0);
-    return cb->failed ? kvq_error("%s", cb->failure) : 0;
+    if (cb->failed) return kvq_error("%s", cb->failure);
+    if (r) {
+        cb->qprep_of = r->q;
+        cb->qprep_n = n_tok;
+        cb->qprep_scale = r->attn_scale;
+    }
+    return 0;
 }
 
 /* After the step: the host's copy of the rows the device encoded. */
@@ -1124,7 +1155,10 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
             if (sets[n_sets].n_tok > 0) n_sets++;
         }
     flush_copies(cb);
-    if (ensure_signs(cb, D, views[0].signs) != 0) return;
+    /* the queries as this layer's KV append prepared them (its buffer had room for n) */
+    const bool prepped = cb->qprep_of == a->q && cb->qprep_n == n && cb->qprep_scale == a->scale;
+    cb->qprep_of = NULL;
+    if (ensure_signs(cb, D, views[0].signs) != 0 || !ensure_qprep(cb, n, a->n_head, D)) return;
     const float *signs = cb->signs;
     const struct cuk_xq *xq = round_into_xq(cb, a->out, n, (int64_t)a->n_head * D);
     prof_end(cb, P_ATTN_HOST, t0);
@@ -1144,6 +1178,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
             .n_groups = sets[i].n_grp, .max_group = sets[i].max_group,
             .partial = cb->part, .n_sm = cb->n_sm,
             .xq = xq ? *xq : (struct cuk_xq){NULL, NULL},
+            .qprep = cb->qprep, .q_prepped = prepped,
         };
         cuk_attention(&cb->q, &args);
     }
@@ -1212,6 +1247,7 @@ static void cuda_free(struct backend *b) {
     cudaFree(cb->mv.partial);
     cudaFree(cb->mv.counters);
     cudaFree(cb->part);
+    cudaFree(cb->qprep);
     for (int i = 0; i < cb->n_dead; i++) cudaFree(cb->dead[i]);
     free(cb->dead);
     free(cb->post);
@@ -1250,7 +1286,6 @@ static const struct backend_ops cuda_ops = {
     .rmsnorm = cuda_rmsnorm,
     .add_norm = cuda_add_norm,
     .rope_table = cuda_rope_table,
-    .qk_rope = cuda_qk_rope,
     .glu = cuda_glu,
     .kv_append = cuda_kv_append,
     .attention = cuda_attention,

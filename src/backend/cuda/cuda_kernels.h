@@ -100,9 +100,6 @@ void cuk_add_norm(struct cuk_queue *qu, float *x, float *add, const float *post,
                   float *out, const struct cuk_xq *xq);
 void cuk_rope_table(struct cuk_queue *qu, const int32_t *pos, int n, const float *inv_freq, float linear, int half,
                     float *cos, float *sin);
-/* Per-head RMSNorm (when q_norm/k_norm) and RoPE; pairing as enum rope_pairing. */
-void cuk_qk_rope(struct cuk_queue *qu, float *q, float *k, int n, int n_head, int n_kv, int head_dim, const float *q_norm,
-                 const float *k_norm, float eps, const float *cos, const float *sin, int half, int pairing);
 /* out = act(gate) * up; act 0 SiLU, 1 GELU (tanh). */
 void cuk_glu(struct cuk_queue *qu, int act, const float *gate, const float *up, int n, int n_ff, float *out,
              const struct cuk_xq *xq);
@@ -152,11 +149,32 @@ struct cuk_attn_args {
     float *partial;                  /* scratch: cuk_attention_scratch_floats() */
     int n_sm;
     struct cuk_xq xq;                /* out rounded into it too when xq.q (n_head D a multiple of 32) */
+    /* the queries prepared for rotated or packed keys, [batch tokens][n_head][1 + D]:
+     * q.mu (the key offset that packed keys lack), then q scaled and rotated as the
+     * keys are; made here unless q_prepped (cuk_kv_encode made them) */
+    float *qprep;
+    int q_prepped;
 };
+/* Floats of cuk_attn_args.qprep for n batch tokens. */
+size_t cuk_qprep_floats(int n, int n_head, int head_dim);
 /* ---- appending to the cache on the device ----
  * Each new token's key and value rows, encoded as kv_cache.c does on the host (offsets
  * removed, Hadamard rotation, kv_quant.h's packing; bit for bit), written into its KV
- * block, into the f16 windows, and into a read-back buffer for the host's copy. */
+ * block, into the f16 windows, and into a read-back buffer for the host's copy.
+ * With rope.q, the same launch first applies the layer's per-head RMSNorm (when
+ * q_norm / k_norm) and RoPE (pairing as enum rope_pairing) to the keys it encodes and
+ * to every query head, in place, and prepares the queries for the attention kernels
+ * into rope.qprep when given (cuk_attn_args.qprep; one launch instead of three). */
+struct cuk_qk_rope {
+    float *q;                     /* [batch tokens][n_head][D], or NULL: keys as they are */
+    int n_head;
+    const float *q_norm, *k_norm; /* [D] or NULL */
+    float eps;
+    const float *cos, *sin;       /* [batch tokens][half] */
+    int half, pairing;
+    float *qprep;                 /* or NULL */
+    float scale;                  /* the attention's score scale */
+};
 struct cuk_enc_tok {
     int32_t t, p;                   /* the batch token and its position */
     uint64_t block;                 /* device address of the block holding p */
@@ -169,11 +187,13 @@ struct cuk_enc_args {
     int k_bits, k_group, v_bits, v_group, k_rot, v_rot, windows;
     size_t k_row, v_row, head_bytes, win_row;
     int n_kv, head_dim;
-    const float *k, *v; /* [batch tokens][n_kv][D] */
+    float *k;           /* [batch tokens][n_kv][D] (rotated in place with rope.q) */
+    const float *v;
     const float *signs;
     const struct cuk_enc_tok *toks;
     int n;
     uint8_t *readback;
+    struct cuk_qk_rope rope;
 };
 void cuk_kv_encode(struct cuk_queue *qu, const struct cuk_enc_args *a);
 

@@ -4,12 +4,13 @@
  * scale = f16((max - min) / (2^bits - 1)), bias = f16(min), code = floor((x - bias)
  * / scale + 0.5) clamped, codes packed LSB first. Arithmetic that the host does in
  * separate roundings is written with _rn intrinsics so nvcc does not fuse it.
- * A block of D threads per (token, KV head, side), one value per thread. */
+ * A block of D threads per (token, KV head, side), one value per thread; with RoPE,
+ * then a block per (token, query head) for the queries (qk_prep.cuh). */
 #include <cuda_fp16.h>
 
 #include "backend/cuda/cuda_kernels.h"
-#include "backend/cuda/hadamard.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/qk_prep.cuh"
 
 #define BT 64 /* tokens per KV block (kv_pool.h) */
 
@@ -35,19 +36,48 @@ static __device__ uint16_t f16_bits(float f) {
 
 static __device__ uint16_t f16_sat(float x) { return f16_bits(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
 
+/* Query head h of launch token ti: norm and RoPE in place, then prepared (qk_prep.cuh). */
+template <int D>
+static __device__ void rope_query(const cuk_enc_args &a, int ti, int h, float *buf) {
+    const cuk_qk_rope &r = a.rope;
+    const int i = threadIdx.x, t = a.toks[ti].t;
+    const size_t at = ((size_t)t * r.n_head + h) * D;
+    const float q = rope_head<D>(r.q[at + i], r.q_norm, r.eps, r.cos + (size_t)t * r.half, r.sin + (size_t)t * r.half,
+                                 r.half, r.pairing, buf);
+    r.q[at + i] = q;
+    if (!r.qprep) return;
+    const float *mu = (const float *)a.toks[ti].mu;
+    const int kvh = h / (r.n_head / a.n_kv);
+    prep_head<D>(q, r.scale, mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr, a.k_rot, a.signs,
+                 r.qprep + ((size_t)t * r.n_head + h) * (D + 1), buf);
+}
+
 template <int D>
 __global__ void kv_encode(const cuk_enc_args a) {
     griddep_release();
     griddep_wait();
+    __shared__ float buf[D];
+    const int n_rows = a.n * a.n_kv * 2;
+    if ((int)blockIdx.x >= n_rows) { /* a query head */
+        const int qb = blockIdx.x - n_rows;
+        rope_query<D>(a, qb / a.rope.n_head, qb % a.rope.n_head, buf);
+        return;
+    }
     const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, ti = blockIdx.x / (2 * a.n_kv), i = threadIdx.x;
     const cuk_enc_tok tk = a.toks[ti];
     const int bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group, rot = side ? a.v_rot : a.k_rot;
     const size_t row = side ? a.v_row : a.k_row;
     const bool quant = bits < 16;
-    __shared__ float buf[D];
     __shared__ uint8_t codes[D];
     __shared__ float gsc[D], gbi[D];
-    const float x = (side ? a.v : a.k)[((size_t)tk.t * a.n_kv + h) * D + i];
+    const size_t at = ((size_t)tk.t * a.n_kv + h) * D + i;
+    float x = (side ? a.v : a.k)[at];
+    if (!side && a.rope.q) {
+        const cuk_qk_rope &r = a.rope;
+        x = rope_head<D>(x, r.k_norm, r.eps, r.cos + (size_t)tk.t * r.half, r.sin + (size_t)tk.t * r.half, r.half,
+                         r.pairing, buf);
+        a.k[at] = x;
+    }
 
     if (a.windows) { /* f16 of the rotated input, without the offset */
         const float y = rot ? hadamard_block<D>(x * a.signs[i], buf) : x;
@@ -118,7 +148,7 @@ __global__ void kv_encode(const cuk_enc_args a) {
 
 extern "C" void cuk_kv_encode(cuk_queue *qu, const cuk_enc_args *a) {
     if (a->n <= 0) return;
-    const unsigned blocks = (unsigned)(a->n * a->n_kv * 2);
+    const unsigned blocks = (unsigned)(a->n * (a->n_kv * 2 + (a->rope.q ? a->rope.n_head : 0)));
     switch (a->head_dim) {
     case 64: pdl_launch(kv_encode<64>, dim3(blocks), dim3(64), qu, *a); break;
     case 128: pdl_launch(kv_encode<128>, dim3(blocks), dim3(128), qu, *a); break;

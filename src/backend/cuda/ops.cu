@@ -1,5 +1,5 @@
-/* Per-token operations of the forward pass (norms, RoPE, activations) and the
- * scatter that places host-staged rows at their device addresses. The float math
+/* Per-token operations of the forward pass (norms, the RoPE tables, activations;
+ * RoPE itself goes with the KV append, kv_encode.cu) and the scatter that places host-staged rows at their device addresses. The float math
  * follows src/backend/cpu/cpu_backend.c. */
 #include <math.h>
 
@@ -140,48 +140,6 @@ __global__ void rope_table_k(const int32_t *pos, const float *inv_freq, float li
 extern "C" void cuk_rope_table(cuk_queue *qu, const int32_t *pos, int n, const float *inv_freq, float linear,
                                int half, float *cos, float *sin) {
     queue_launch(rope_table_k, dim3((unsigned)n), dim3(64), qu, pos, inv_freq, linear, half, cos, sin);
-}
-
-/* One block per (token, head): optional per-head RMSNorm, then the rotation. */
-__global__ void qk_rope_k(float *q, float *k, int n_head, int n_kv, int D, const float *q_norm, const float *k_norm,
-                          float eps, const float *cs, const float *sn, int half, int pairing) {
-    griddep_release();
-    griddep_wait();
-    const int t = blockIdx.x / (n_head + n_kv), h = blockIdx.x % (n_head + n_kv);
-    const bool is_q = h < n_head;
-    float *v = is_q ? q + ((size_t)t * n_head + h) * D : k + ((size_t)t * n_kv + (h - n_head)) * D;
-    const float *norm = is_q ? q_norm : k_norm;
-    __shared__ float x[1024];
-    __shared__ float scale;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] = v[i];
-    __syncthreads();
-    if (norm) {
-        if (threadIdx.x < 32) {
-            float ss = 0;
-            for (int i = threadIdx.x; i < D; i += 32) ss += x[i] * x[i];
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            if (threadIdx.x == 0) scale = rsqrtf(ss / (float)D + eps);
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] = x[i] * scale * norm[i];
-        __syncthreads();
-    }
-    const float *c = cs + (size_t)t * half, *s = sn + (size_t)t * half;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const int i0 = pairing == 0 ? 2 * i : i, i1 = pairing == 0 ? 2 * i + 1 : i + half;
-        const float a = x[i0], b = x[i1];
-        x[i0] = a * c[i] - b * s[i];
-        x[i1] = a * s[i] + b * c[i];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < D; i += blockDim.x) v[i] = x[i];
-}
-
-extern "C" void cuk_qk_rope(cuk_queue *qu, float *q, float *k, int n, int n_head, int n_kv, int head_dim,
-                            const float *q_norm, const float *k_norm, float eps, const float *cos, const float *sin,
-                            int half, int pairing) {
-    pdl_launch(qk_rope_k, dim3((unsigned)(n * (n_head + n_kv))), dim3(64), qu, q, k, n_head, n_kv, head_dim, q_norm,
-               k_norm, eps, cos, sin, half, pairing);
 }
 
 /* Elementwise; a warp's 32 values are one block of xq (n_ff a multiple of 32 then). */

@@ -1,0 +1,68 @@
+/* A head vector of D values held by a block of D threads, one value each: its
+ * per-head RMSNorm and RoPE (the CPU backend's qk_rope, same arithmetic), and a
+ * query's preparation for the attention kernels (scaled, q.mu, rotated as the keys
+ * are). Shared by the append launch (kv_encode.cu), which does both for a layer's
+ * new queries and keys, and attn_prep_q (attention.cu) for queries it did not see. */
+#ifndef KVQ_BACKEND_CUDA_QK_PREP_CUH
+#define KVQ_BACKEND_CUDA_QK_PREP_CUH
+
+#include "backend/cuda/hadamard.cuh"
+
+/* Thread i's value of the head after RMSNorm (when norm) and RoPE of the token's
+ * cos/sin table row; x is its value before; buf: D floats of shared memory. */
+template <int D>
+static __device__ float rope_head(float x, const float *norm, float eps, const float *cs, const float *sn, int half,
+                                  int pairing, float *buf) {
+    const int i = threadIdx.x;
+    __shared__ float scale;
+    buf[i] = x;
+    __syncthreads();
+    if (norm) {
+        if (i < 32) {
+            float ss = 0;
+            for (int j = i; j < D; j += 32) ss += buf[j] * buf[j];
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (i == 0) scale = rsqrtf(ss / (float)D + eps);
+        }
+        __syncthreads();
+        x = buf[i] * scale * norm[i];
+        __syncthreads();
+        buf[i] = x;
+        __syncthreads();
+    }
+    /* the pair (i0, i1) this value belongs to (p == half: past the rotated values) */
+    const int p = pairing == 0 ? i / 2 : i < 2 * half ? i % half : half;
+    const int i0 = pairing == 0 ? 2 * p : p, i1 = pairing == 0 ? 2 * p + 1 : p + half;
+    float y = x;
+    if (p < half) {
+        const float a = buf[i0], b = buf[i1];
+        y = i == i0 ? a * cs[p] - b * sn[p] : a * sn[p] + b * cs[p];
+    }
+    __syncthreads(); /* buf is the caller's again */
+    return y;
+}
+
+/* Writes out[0] = q.mu (mu: the key offsets of the query's KV head, or NULL) and
+ * out[1 + i] = the query scaled and rotated (H diag(signs) q / sqrt(D) when rot),
+ * given thread i's value q of the head. buf: D floats of shared memory. */
+template <int D>
+static __device__ void prep_head(float q, float scale, const float *mu, bool rot, const float *signs, float *out,
+                                 float *buf) {
+    const int d = threadIdx.x;
+    __shared__ float part[D / 32];
+    float v = q * scale;
+    float s = mu ? v * mu[d] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (d % 32 == 0) part[d / 32] = s;
+    if (rot) v = hadamard_block<D>(v * signs[d], buf);
+    __syncthreads();
+    out[1 + d] = v;
+    if (d == 0) {
+        float q_mu = 0;
+        for (int i = 0; i < D / 32; i++) q_mu += part[i];
+        out[0] = q_mu;
+    }
+    __syncthreads(); /* part may be written again by the caller's next head */
+}
+
+#endif
