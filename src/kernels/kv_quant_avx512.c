@@ -121,7 +121,7 @@ struct rows16 {
 static inline struct rows16 rows16_at(const uint8_t *b, size_t s) {
     return (struct rows16){b, b + 8 * s, s, 3 * s, 5 * s, 7 * s};
 }
-static inline const uint8_t *row16(const struct rows16 *t, int r) {
+INLINE const uint8_t *row16(const struct rows16 *t, int r) {
     const uint8_t *b = r < 8 ? t->b0 : t->b8;
     switch (r % 8) {
     case 0: return b;
@@ -137,8 +137,10 @@ static inline const uint8_t *row16(const struct rows16 *t, int r) {
 
 /* Dwords k..k+7 (bytes off..off+31) of 16 rows, transposed: lane r of t[i] holds
  * dword k+i of row r. Two rows per vector, then the 8x8 dword transposes of both halves
- * (unpacks of dwords, of qwords, then 128-bit lanes picked into row order). */
-static inline void tile_cols8(const struct rows16 *rows, size_t off, __m512i t[8]) {
+ * (unpacks of dwords, of qwords, then 128-bit lanes picked into row order). Out of line:
+ * inlined, its 24 live vectors next to the heads' accumulators spill (measured up to 35%
+ * slower with 7 heads, and less steady from build to build with 2). */
+static __attribute__((noinline)) void tile_cols8(const struct rows16 *rows, size_t off, __m512i t[8]) {
     __m512i z[8], a[8], b[8];
     UNROLL
     for (int i = 0; i < 8; i++) { /* rows i | i+4 for i < 4, rows i+4 | i+8 above */
@@ -169,7 +171,7 @@ static inline void tile_cols8(const struct rows16 *rows, size_t off, __m512i t[8
 
 /* The [scale, bias] f16 pair at off of 16 rows as 16 dwords, built in registers (small
  * stores read back as a vector stall store forwarding). */
-static inline __m512i tile_sb(const struct rows16 *rows, size_t off) {
+INLINE __m512i tile_sb(const struct rows16 *rows, size_t off) {
     int32_t x[16];
     UNROLL
     for (int r = 0; r < 16; r++) memcpy(&x[r], row16(rows, r) + off, 4);
@@ -181,7 +183,7 @@ static inline __m512 sb_bias(__m512i sb) { return _mm512_cvtph_ps(_mm512_cvtepi3
 
 /* The [scale, bias] pairs of group g of 16 rows (sb: the groups' offset in a row);
  * with a multiple of 8 groups transposed 8 groups at a time, kept in c. */
-static inline __m512i tile_group_sb(const struct rows16 *rows, size_t sb, int ng, int g, __m512i c[8]) {
+INLINE __m512i tile_group_sb(const struct rows16 *rows, size_t sb, int ng, int g, __m512i c[8]) {
     if (ng % 8) return tile_sb(rows, sb + 4 * (size_t)g);
     if (g % 8 == 0) tile_cols8(rows, sb + 4 * (size_t)g, c);
     return c[g % 8];
@@ -213,16 +215,18 @@ static void fast_q_prepare(struct fast_q *f, const int KB, const int NH, const f
         const __m512 vsq = _mm512_set1_ps(sq);
         int8_t *e = (int8_t *)(f->q + (size_t)2 * h * f->w), *o = e + 4 * f->w;
         for (int i = 0; i < d; i += 32) {
-            const __m512 y0 = _mm512_div_ps(_mm512_loadu_ps(qh + i), vsq), y1 = _mm512_div_ps(_mm512_loadu_ps(qh + i + 16), vsq);
+            const __m512 y0 = _mm512_div_ps(_mm512_loadu_ps(qh + i), vsq);
+            const __m512 y1 = _mm512_div_ps(_mm512_loadu_ps(qh + i + 16), vsq);
             const __m512i x0 = _mm512_cvtps_epi32(y0), x1 = _mm512_cvtps_epi32(y1);
             if (KB == 8) {
+                /* and the second digit, (q / sq - q8) * 128 rounded (|.| <= 64; the
+                 * subtraction is exact) */
+                const __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(y0, _mm512_cvtepi32_ps(x0)), r128));
+                const __m512i r1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(y1, _mm512_cvtepi32_ps(x1)), r128));
                 _mm_storeu_si128((__m128i *)(e + i), _mm512_cvtepi32_epi8(x0));
                 _mm_storeu_si128((__m128i *)(e + i + 16), _mm512_cvtepi32_epi8(x1));
-                /* the second digit, (q / sq - q8) * 128 rounded (|.| <= 64; the subtraction is exact) */
-                _mm_storeu_si128((__m128i *)(o + i),
-                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(y0, _mm512_cvtepi32_ps(x0)), r128))));
-                _mm_storeu_si128((__m128i *)(o + i + 16),
-                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(y1, _mm512_cvtepi32_ps(x1)), r128))));
+                _mm_storeu_si128((__m128i *)(o + i), _mm512_cvtepi32_epi8(r0));
+                _mm_storeu_si128((__m128i *)(o + i + 16), _mm512_cvtepi32_epi8(r1));
             } else {
                 _mm_storeu_si128((__m128i *)(e + i / 2), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(x0, ev, x1)));
                 _mm_storeu_si128((__m128i *)(o + i / 2), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(x0, od, x1)));
@@ -237,8 +241,8 @@ static void fast_q_prepare(struct fast_q *f, const int KB, const int NH, const f
     }
 }
 
-/* Scores of 16 rows (rows[r]; past the end, repeats of the last row) for NH heads into
- * sc[h * FB + j ..]; mx[h]: their running max, lane by lane. */
+/* Scores of the 16 rows of a tile for NH heads into sc[h * FB + j ..]; mx[h]: their
+ * running max, lane by lane. */
 INLINE void tile_scores(const int KB, const int NH, const int Q2, const struct fast_q *f, const struct rows16 *rows,
                         int d, int G, float *sc, int j, __m512 *mx) {
     const int wg = G * KB / 32, w = d * KB / 32; /* dwords per group, per row */
@@ -284,8 +288,10 @@ INLINE void tile_scores(const int KB, const int NH, const int Q2, const struct f
             const __m512 sv = sb_scale(sb), bv = sb_bias(sb);
             UNROLL
             for (int h = 0; h < NH; h++) {
-                const __m512 x = Q2 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib[h]), _mm512_set1_ps(1.0f / 128), _mm512_cvtepi32_ps(ia[h]))
-                                    : _mm512_cvtepi32_ps(_mm512_add_epi32(ia[h], KB == 4 ? _mm512_srai_epi32(ib[h], 4) : ib[h]));
+                const __m512i y = _mm512_add_epi32(ia[h], KB == 4 ? _mm512_srai_epi32(ib[h], 4) : ib[h]);
+                const __m512 r = _mm512_set1_ps(1.0f / 128);
+                const __m512 x = Q2 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib[h]), r, _mm512_cvtepi32_ps(ia[h]))
+                                    : _mm512_cvtepi32_ps(y);
                 acc[h] = _mm512_fmadd_ps(x, sv, acc[h]);
                 acc[h] = _mm512_fmadd_ps(bv, _mm512_set1_ps(f->qs[h][g]), acc[h]);
                 ia[h] = ib[h] = _mm512_setzero_si512();
@@ -438,8 +444,8 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
     const int d = s->d, KG = k->group, VG = v->group, VB = v->bits, vng = d / VG;
     const size_t ks = k->stride, vs = v->stride, vcb = (size_t)d * VB / 8;
     const size_t krb = (size_t)d * KB / 8 + 4 * (size_t)(d / KG), vrb = vcb + 4 * (size_t)vng;
-    const int da = d + 16 * vng;                /* accumulator floats per head: values, then 16 bias lanes per V group */
-    const float mid = VB == 4 ? 7.5f : 127.5f;  /* the V codes' midpoint */
+    const int da = d + 16 * vng;               /* accumulator floats per head: values, 16 bias lanes per V group */
+    const float mid = VB == 4 ? 7.5f : 127.5f; /* the V codes' midpoint */
     float accp[FMAXH * (KERN_KVQ_MAX_DIM + 16 * FMAXG)] __attribute__((aligned(64)));
     float sc[FMAXH * FB] __attribute__((aligned(64)));
     /* per V group: the rows' scales, then their biases + mid * scale */
@@ -451,7 +457,8 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
     uint8_t kpart[16 * (KERN_KVQ_MAX_DIM + 4 * FMAXG)], vpart[16 * 4 * FMAXG];
     /* the heads' running max and sum (lane h), in registers for the whole call */
     const __mmask16 hm = (__mmask16)((1u << NH) - 1);
-    __m512 mrun = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), hm, s->m + h0), lrun = _mm512_maskz_loadu_ps(hm, s->l + h0);
+    __m512 mrun = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), hm, s->m + h0);
+    __m512 lrun = _mm512_maskz_loadu_ps(hm, s->l + h0);
     struct fast_q f;
     fast_q_prepare(&f, KB, NH, q + (size_t)h0 * d, d, KG);
     UNROLL
@@ -514,7 +521,8 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
             }
             const __m512 mh = _mm512_permutexvar_ps(_mm512_set1_epi32(h), mn);
             for (int j = 0; j < nj; j += 16) { /* past the block's end the weights are 0 */
-                const __m512 x = _mm512_maskz_mov_ps(kern_softmax_mask16(nj - j), exp512(_mm512_sub_ps(_mm512_load_ps(p + j), mh)));
+                const __m512 x = _mm512_maskz_mov_ps(kern_softmax_mask16(nj - j),
+                                                     exp512(_mm512_sub_ps(_mm512_load_ps(p + j), mh)));
                 _mm512_store_ps(p + j, x);
                 psum[h] = _mm512_add_ps(psum[h], x);
             }
@@ -571,7 +579,8 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
         for (int i = 0; i < d; i++) ah[v_value(VB, NH > 4 ? 2 : 4, i)] = a[i];
         for (int g = 0; g < vng; g++) {
             const __m512 b = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_load_ps(a + d + 16 * g)));
-            for (int i = g * VG; i < (g + 1) * VG; i += 16) _mm512_storeu_ps(ah + i, _mm512_add_ps(_mm512_loadu_ps(ah + i), b));
+            for (int i = g * VG; i < (g + 1) * VG; i += 16)
+                _mm512_storeu_ps(ah + i, _mm512_add_ps(_mm512_loadu_ps(ah + i), b));
         }
     }
 }
