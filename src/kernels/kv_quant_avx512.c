@@ -84,7 +84,7 @@ void kern_kvq_attn_avx512g(struct kern_attn_state *s, int h0, int nh, const floa
  * int32 lanes, plus 32768 times the codes' column sums; the sums go to the float
  * accumulator once per block. Rounding moves the result by sum_j e_j * code_j (|e_j| <=
  * step/2); its mean part mid * sum_j e_j (mid: the codes' midpoint) is taken back
- * exactly, leaving sum_j e_j * (code_j - mid): ~1e-5 of the values' range, up to 1.5e-4
+ * exactly, leaving sum_j e_j * (code_j - mid): ~1e-5 of the values' range, up to 1.8e-4
  * on tests/test_kv_quant.c's inputs (checked against exact attention, a dominant row
  * too). The bias terms p_j * bias_j (and the mid terms) are float sums in 16 lanes per
  * head and group kept after the accumulator, rescaled with it, added once per call.
