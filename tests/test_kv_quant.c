@@ -191,9 +191,10 @@ static void ref_attn(int nq, int d, const float *q, const float *K, const float 
 
 /* The AVX-512 VNNI path's definition: q rounded to int8 with one scale per head
  * (sq = max|q| / 127) against the codes, the group bias against the exact q:
- * score = sum_g scale_g * sq * (q8 . codes)_g + bias_g * sum_g(q). */
+ * score = sum_g scale_g * sq * (q8 . codes)_g + bias_g * sum_g(q). digits = 2 (8-bit keys
+ * and values) adds a second digit: q8 + r / 128, r = round((q / sq - q8) * 128). */
 static void ref_attn_vnni(int nq, int d, const float *q, const uint8_t *K, int kb, int kg, size_t kr, const float *V,
-                          int n, float *out) {
+                          int n, int digits, float *out) {
     uint8_t codes[128];
     for (int h = 0; h < nq; h++) {
         const float *qh = q + (size_t)h * d;
@@ -208,7 +209,8 @@ static void ref_attn_vnni(int nq, int d, const float *q, const uint8_t *K, int k
             for (int g = 0; g < d / kg; g++) {
                 double dot = 0, qs = 0;
                 for (int i = g * kg; i < (g + 1) * kg; i++) {
-                    dot += (double)lrintf(qh[i] / sq) * codes[i];
+                    const float y = qh[i] / sq, q8 = (float)lrintf(y);
+                    dot += (q8 + (digits == 2 ? lrintf((y - q8) * 128) / 128.0 : 0.0)) * codes[i];
                     qs += qh[i];
                 }
                 t += kvq_f16_to_f32((uint16_t)(sb[4 * g] | sb[4 * g + 1] << 8)) * sq * dot +
@@ -242,7 +244,7 @@ static void test_attention(void) {
     } fmts[] = {{8, 64, 8, 64}, {4, 64, 4, 64}, {4, 32, 2, 32}, {8, 128, 4, 16}, {3, 32, 5, 64}, {6, 16, 6, 16},
                 {2, 64, 2, 64}, {16, 0, 4, 64}, {8, 64, 16, 0}, {32, 0, 3, 32}, {4, 8, 4, 8},
                 /* the AVX-512 fast path: 4/8-bit K and V, groups of 32..128 */
-                {4, 32, 4, 32}, {8, 32, 4, 128}, {4, 128, 8, 32}, {8, 128, 8, 128},
+                {4, 32, 4, 32}, {8, 32, 4, 128}, {4, 128, 8, 32}, {8, 128, 8, 128}, {8, 32, 8, 32}, {4, 64, 8, 64},
                 /* float rows on both sides: the runs entry point takes the float kernel */
                 {16, 0, 16, 0}, {32, 0, 32, 0}};
     const int ratios[] = {1, 2, 3, 4, 7, 8, 9}, lens[] = {1, 31, 33, 200};
@@ -272,7 +274,7 @@ static void test_attention(void) {
                 for (int i = 0; i < nq * d; i++) q[i] = gauss() * 0.3f;
                 ref_attn(nq, d, q, Kd, Vd, n, want);
                 float want8[9 * 128];
-                if (kb < 16) ref_attn_vnni(nq, d, q, K, kb, kg, kr, Vd, n, want8);
+                if (kb < 16) ref_attn_vnni(nq, d, q, K, kb, kg, kr, Vd, n, kb == 8 && vb == 8 ? 2 : 1, want8);
                 else memcpy(want8, want, sizeof(float) * (size_t)nq * d);
                 struct kern_kv_rows krow = {K, kr, kb, kg}, vrow = {V, vr, vb, vg};
                 bool simd_ok = (kb >= 16 || kg % 16 == 0) && (vb >= 16 || vg % 16 == 0);
@@ -336,10 +338,63 @@ static void test_attention(void) {
     printf("attention on packed rows matches the float reference (%s)\n", kern_kvq_simd_level());
 }
 
+/* One key far above the others for head 0 (by `margin` in score), the rest spread: the
+ * fast path's per-block int16 value weights must keep the small weights (7-bit ones
+ * would round the others' share of the softmax, ~1e-3 each, to 0) and its per-block
+ * scales must survive blocks whose weights are all far below the maximum. */
+static void test_attention_dominant(void) {
+    const struct {
+        int kb, kg, vb, vg;
+    } fmts[] = {{4, 64, 4, 64}, {8, 64, 4, 64}, {8, 64, 8, 64}, {4, 32, 4, 32}, {8, 128, 4, 32}};
+    const int n = 200, dom = 150; /* blocks of 64: the dominant key in the third */
+    for (int d = 128; d >= 64; d -= 64)
+        for (size_t fi = 0; fi < sizeof fmts / sizeof fmts[0]; fi++)
+            for (int nq = 2; nq <= 7; nq += 5)
+                for (int mi = 0; mi < 2; mi++) {
+                    const float margin = mi ? 60.0f : 12.0f;
+                    int kb = fmts[fi].kb, kg = fmts[fi].kg, vb = fmts[fi].vb, vg = fmts[fi].vg;
+                    if (d % kg || d % vg) continue;
+                    size_t kr = kern_kvq_row_bytes(kb, kg, d), vr = kern_kvq_row_bytes(vb, vg, d);
+                    uint8_t *K = malloc(kr * n), *V = malloc(vr * n);
+                    float *Kd = malloc(sizeof(float) * d * n), *Vd = malloc(sizeof(float) * d * n), x[128];
+                    float q[7 * 128], want[7 * 128], want8[7 * 128], got[7 * 128], mem[7 * 130];
+                    for (int i = 0; i < nq * d; i++) q[i] = gauss() * 0.3f;
+                    double qq = 0;
+                    for (int i = 0; i < d; i++) qq += (double)q[i] * q[i];
+                    for (int j = 0; j < n; j++) {
+                        for (int i = 0; i < d; i++) x[i] = j == dom ? (float)(q[i] * margin / qq) : gauss() * 0.5f;
+                        kern_kvq_quantize_row(x, d, kb, kg, K + kr * j);
+                        kern_kvq_dequantize_row(K + kr * j, d, kb, kg, Kd + (size_t)d * j);
+                        for (int i = 0; i < d; i++) x[i] = gauss();
+                        kern_kvq_quantize_row(x, d, vb, vg, V + vr * j);
+                        kern_kvq_dequantize_row(V + vr * j, d, vb, vg, Vd + (size_t)d * j);
+                    }
+                    ref_attn(nq, d, q, Kd, Vd, n, want);
+                    ref_attn_vnni(nq, d, q, K, kb, kg, kr, Vd, n, kb == 8 && vb == 8 ? 2 : 1, want8);
+                    struct kern_kv_rows krow = {K, kr, kb, kg}, vrow = {V, vr, vb, vg};
+                    struct kern_kv_run runs[4];
+                    for (int r = 0; r < 4; r++)
+                        runs[r] = (struct kern_kv_run){K + kr * 64 * r, V + vr * 64 * r, r < 3 ? 64 : n - 192};
+                    struct kern_attn_state st;
+                    kern_attn_state_init(&st, nq, d, mem);
+                    kern_kvq_attn_accumulate_runs(&st, q, &krow, &vrow, runs, 4);
+                    kern_attn_finish(&st, got);
+                    double e = fmin(max_err(got, want, nq * d), max_err(got, want8, nq * d));
+                    CHECK(e < 2e-4, "dominant key (margin %g) d %d K%d/%d V%d/%d heads %d: max error %g", margin, d, kb,
+                          kg, vb, vg, nq, e);
+                    free(K);
+                    free(V);
+                    free(Kd);
+                    free(Vd);
+                }
+    printf("attention with a dominant key matches the float reference\n");
+}
+
 int main(void) {
     test_round_trip();
     test_f16_rows();
     test_hadamard();
     test_attention();
+    test_attention_dominant();
     return check_finish();
 }

@@ -1,4 +1,5 @@
 /* AVX-512 attention over packed KV rows and fast code unpacking. */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 
@@ -79,654 +80,555 @@ void kern_kvq_fwht_avx512(float *x, int n) {
 void kern_kvq_attn_avx512g(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                            const struct kern_kv_rows *v, int n);
 
-/* ---- Fast path: K 4- or 8-bit, V 4-bit, groups % 32 == 0, d % 64 == 0 ----
- * The generic body is compute-bound (one row at a time, scalar f16 scales, a horizontal
- * sum per row). Here 4 rows are scored at once with independent accumulators, scales
- * and biases are converted 8 groups per vcvtph2ps, the bias term rides in the same
- * accumulator (sbv * [0,qsum_g,...]) and 16 rows share one transposed reduction.
+/* ---- Fast path: K and V 4- or 8-bit, groups % 32 == 0, d % 64 == 0 ----
+ * One pass over the rows for a GQA group of up to 8 query heads, in blocks of up to 64
+ * rows (a paged cache's block; one online-softmax step each) and tiles of 16 rows.
  *
- * 4-bit codes: a 16-byte load zero-extended to 16 dwords gives the even values (low
- * nibbles) and the odd values (high nibbles) of 32 consecutive values. Rather than
- * interleave per row, q and the V accumulator are kept in that "code order" per 32
- * values for the whole call (groups are multiples of 32, so a group stays a group). */
+ * Scores: q is rounded once per call to int8 with one scale per head (sq = max|q| /
+ * 127), so a score is sq * sum_g scale_g * (q8 . codes)_g + sum_g bias_g * qsum_g (the
+ * bias term from the float q). 8-bit keys with 8-bit values add a second int8 digit, q8
+ * + r / 128 (with one digit the rounding of q was K8V8's largest error: mean KLD 4e-5
+ * instead of 7e-6 on tinydoc; a 4-bit side outweighs it). A tile's key codes are
+ * transposed to one vector per 4-byte column (lane r: row r), so vpdpbusd of a column
+ * against the broadcast q bytes of that column adds straight into the rows' int32 sums:
+ * nothing to reduce across lanes, and a group's scale and bias cost one FMA each per 16
+ * rows and head. 4-bit codes: the low nibbles against the even values of q, the high
+ * nibbles (masked in place, so 16x) against the odd ones. Error: each q value moves by
+ * at most sq/2 (sq/256 with two digits); tests/test_kv_quant.c checks against attention
+ * with the rounded query.
+ *
+ * Softmax: kern_softmax_step_avx512 for the heads side by side, their maxima, rescale
+ * factors and sums in vectors (one exp for all heads' e^(m - m') per block).
+ *
+ * Values: per block, head and V group the weights w_j = p_j * scale_j are rounded to 16
+ * bits in steps of max_j p_j * max_j scale_j / 65535, stored less 32768 as int16, and
+ * vpdpwssd adds two rows' codes (interleaved as 16-bit words) times their weights into
+ * int32 lanes, plus 32768 times the codes' column sums; the sums go to the float
+ * accumulator once per block. Rounding moves the result by sum_j e_j * code_j (|e_j| <=
+ * step/2); its mean part mid * sum_j e_j (mid: the codes' midpoint) is taken back
+ * exactly, leaving sum_j e_j * (code_j - mid): ~1e-5 of the values' range, up to 1.8e-4
+ * on tests/test_kv_quant.c's inputs (checked against exact attention, a dominant row
+ * too). The bias terms p_j * bias_j (and the mid terms) are float sums in 16 lanes per
+ * head and group kept after the accumulator, rescaled with it, added once per call.
+ * The accumulator keeps each 32 or 64 values in the order the V codes unpack to
+ * (v_value). */
 
-/* -O2 keeps the small fixed loops below rolled, which puts the accumulator arrays in
- * memory: unroll them explicitly. */
-#define UNR _Pragma("GCC unroll 16")
-#define FMAXH 8 /* heads per fast-path pass: a GQA group of up to 8 reads the rows once */
-/* Rows scored together: 4, or 2 above 4 heads (the accumulators fit the registers). */
-#define FQ_OF(NH) ((NH) > 4 ? 2 : 4)
+#define FMAXH 8       /* heads per fast-path pass: a GQA group of up to 8 reads the rows once */
+#define FB 64         /* rows per softmax block */
+#define FMAXG (KERN_KVQ_MAX_DIM / 32) /* groups per row at most */
+#define F_PF_ROWS 48  /* prefetch distance: K and V rows this far ahead */
+#define WMAX 65535.0f /* the largest V weight, in steps (stored less 32768, as int16) */
 
-static void to_code_order(const float *x, float *y, int d) {
-    for (int c = 0; c < d; c += 32)
-        for (int i = 0; i < 16; i++) {
-            y[c + i] = x[c + 2 * i];
-            y[c + 16 + i] = x[c + 2 * i + 1];
+/* The AVX-512 level includes VNNI (core/cpu.c checks it); tests may turn the fast path off. */
+static int fast_wanted = 1;
+void kern_kvq_use_fast(int on) { fast_wanted = on; }
+
+/* Where the V pass keeps a head's values: position p of the accumulator holds value
+ * v_value(VB, CV, p), a permutation within each 16 * CV values (see v_pair). */
+static inline int v_value(int VB, int CV, int p) {
+    const int n = 16 * CV, t = p % n / 16, l = p % 16; /* vector, lane */
+    int b;                                               /* the byte of the unpacked ones */
+    if (CV == 2 && VB == 4) b = (l / 4 % 2) * 8 + (l / 8) * 4 + l % 4;
+    else b = 8 * (l / 4) + l % 4 + 4 * (VB == 4 ? t / 2 : t % 2);
+    return p - p % n + (VB == 4 ? 2 * b + t % 2 : 32 * (t / 2) + b);
+}
+
+/* 16 rows at b + r * s, addressed from two bases and odd multiples of s, all in
+ * registers (an array of row pointers on the stack measured up to 2x slower: its stores
+ * alias the row loads in the store-to-load check). */
+struct rows16 {
+    const uint8_t *b0, *b8;
+    size_t s, s3, s5, s7;
+};
+static inline struct rows16 rows16_at(const uint8_t *b, size_t s) {
+    return (struct rows16){b, b + 8 * s, s, 3 * s, 5 * s, 7 * s};
+}
+INLINE const uint8_t *row16(const struct rows16 *t, int r) {
+    const uint8_t *b = r < 8 ? t->b0 : t->b8;
+    switch (r % 8) {
+    case 0: return b;
+    case 1: return b + t->s;
+    case 2: return b + 2 * t->s;
+    case 3: return b + t->s3;
+    case 4: return b + 4 * t->s;
+    case 5: return b + t->s5;
+    case 6: return b + 2 * t->s3;
+    default: return b + t->s7;
+    }
+}
+
+/* Dwords k..k+7 (bytes off..off+31) of 16 rows, transposed: lane r of t[i] holds
+ * dword k+i of row r. Two rows per vector, then the 8x8 dword transposes of both halves
+ * (unpacks of dwords, of qwords, then 128-bit lanes picked into row order). Out of line:
+ * inlined, its 24 live vectors next to the heads' accumulators spill (measured up to 35%
+ * slower with 7 heads, and less steady from build to build with 2). */
+static __attribute__((noinline)) void tile_cols8(const struct rows16 *rows, size_t off, __m512i t[8]) {
+    __m512i z[8], a[8], b[8];
+    UNROLL
+    for (int i = 0; i < 8; i++) { /* rows i | i+4 for i < 4, rows i+4 | i+8 above */
+        const int r = i < 4 ? i : i + 4;
+        z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row16(rows, r) + off))),
+                                  _mm256_loadu_si256((const __m256i *)(row16(rows, r + 4) + off)), 1);
+    }
+    UNROLL
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    UNROLL
+    for (int i = 0; i < 8; i += 4)
+        UNROLL
+        for (int j = 0; j < 2; j++) {
+            b[i + j] = _mm512_unpacklo_epi64(a[i + j], a[i + j + 2]);
+            b[i + j + 2] = _mm512_unpackhi_epi64(a[i + j], a[i + j + 2]);
         }
+    /* b[m] (rows 0-7) and b[4 + m] (8-15), 128-bit lane l: dword 4 (l % 2) + e of four rows */
+    UNROLL
+    for (int m = 0; m < 4; m++) {
+        const int e = m == 1 ? 2 : m == 2 ? 1 : m;
+        t[e] = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88);
+        t[4 + e] = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xDD);
+    }
 }
-static void from_code_order(const float *y, float *x, int d) {
-    for (int c = 0; c < d; c += 32)
-        for (int i = 0; i < 16; i++) {
-            x[c + 2 * i] = y[c + i];
-            x[c + 2 * i + 1] = y[c + 16 + i];
+
+/* The [scale, bias] f16 pair at off of 16 rows as 16 dwords, built in registers (small
+ * stores read back as a vector stall store forwarding). */
+INLINE __m512i tile_sb(const struct rows16 *rows, size_t off) {
+    int32_t x[16];
+    UNROLL
+    for (int r = 0; r < 16; r++) memcpy(&x[r], row16(rows, r) + off, 4);
+    return _mm512_set_epi32(x[15], x[14], x[13], x[12], x[11], x[10], x[9], x[8], x[7], x[6], x[5], x[4], x[3], x[2],
+                            x[1], x[0]);
+}
+static inline __m512 sb_scale(__m512i sb) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sb)); }
+static inline __m512 sb_bias(__m512i sb) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sb, 16))); }
+
+/* The [scale, bias] pairs of group g of 16 rows (sb: the groups' offset in a row);
+ * with a multiple of 8 groups transposed 8 groups at a time, kept in c. */
+INLINE __m512i tile_group_sb(const struct rows16 *rows, size_t sb, int ng, int g, __m512i c[8]) {
+    if (ng % 8) return tile_sb(rows, sb + 4 * (size_t)g);
+    if (g % 8 == 0) tile_cols8(rows, sb + 4 * (size_t)g, c);
+    return c[g % 8];
+}
+
+/* The int8 query of NH heads for KB-bit keys, once per call. */
+struct fast_q {
+    /* 4 int8 values per dword, lined up with a key row's w dwords, head h's at q + 2 * h * w:
+     * 8-bit, values 4k..4k+3 in dword k (then, at + w, the second digit); 4-bit, the even
+     * values of 8k..8k+7, then (at + w) the odd ones. Packed densely: arrays 4 KB apart
+     * share L1 sets and alias in the store-to-load check. */
+    int32_t q[FMAXH * 2 * KERN_KVQ_MAX_DIM / 4] __attribute__((aligned(64)));
+    int w;
+    float sq[FMAXH];
+    float qs[FMAXH][FMAXG]; /* per K group: sum of q / sq */
+};
+
+static void fast_q_prepare(struct fast_q *f, const int KB, const int NH, const float *q, int d, int G) {
+    const __m512 r128 = _mm512_set1_ps(128.0f);
+    const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+    f->w = d * KB / 32;
+    for (int h = 0; h < NH; h++) {
+        const float *qh = q + (size_t)h * d;
+        __m512 mx = _mm512_setzero_ps();
+        for (int i = 0; i < d; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qh + i)));
+        const float amax = _mm512_reduce_max_ps(mx), sq = amax > 0 ? amax / 127.0f : 1.0f;
+        /* q / sq rounded to nearest even, like lrintf in the tests' reference */
+        const __m512 vsq = _mm512_set1_ps(sq);
+        int8_t *e = (int8_t *)(f->q + (size_t)2 * h * f->w), *o = e + 4 * f->w;
+        for (int i = 0; i < d; i += 32) {
+            const __m512 y0 = _mm512_div_ps(_mm512_loadu_ps(qh + i), vsq);
+            const __m512 y1 = _mm512_div_ps(_mm512_loadu_ps(qh + i + 16), vsq);
+            const __m512i x0 = _mm512_cvtps_epi32(y0), x1 = _mm512_cvtps_epi32(y1);
+            if (KB == 8) {
+                /* and the second digit, (q / sq - q8) * 128 rounded (|.| <= 64; the
+                 * subtraction is exact) */
+                const __m512i r0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(y0, _mm512_cvtepi32_ps(x0)), r128));
+                const __m512i r1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(y1, _mm512_cvtepi32_ps(x1)), r128));
+                _mm_storeu_si128((__m128i *)(e + i), _mm512_cvtepi32_epi8(x0));
+                _mm_storeu_si128((__m128i *)(e + i + 16), _mm512_cvtepi32_epi8(x1));
+                _mm_storeu_si128((__m128i *)(o + i), _mm512_cvtepi32_epi8(r0));
+                _mm_storeu_si128((__m128i *)(o + i + 16), _mm512_cvtepi32_epi8(r1));
+            } else {
+                _mm_storeu_si128((__m128i *)(e + i / 2), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(x0, ev, x1)));
+                _mm_storeu_si128((__m128i *)(o + i / 2), _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(x0, od, x1)));
+            }
         }
-}
-
-/* 2 row accumulators -> every 128-bit lane holds [a,b,a,b] partials. */
-static inline __m512 pair2(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
-/* 2 pair2 results -> every 128-bit lane holds [a,b,c,d] partials. */
-static inline __m512 join2(__m512 ab, __m512 cd) {
-    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-}
-/* 4 row accumulators -> one vector whose every 128-bit lane holds [a,b,c,d] partials. */
-static inline __m512 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) { return join2(pair2(a, b), pair2(c, d)); }
-/* FQ (2 or 4) row accumulators of a head -> pair2 / reduce4 form. */
-#define REDUCE_FQ(FQ, acc, h)                                                                                          \
-    ((FQ) == 4 ? reduce4(acc[0][h], acc[1][h], acc[2][h], acc[3][h]) : pair2(acc[0][h], acc[1][h]))
-/* 4 reduce4 results (16 rows) -> the 16 row sums in order. */
-static inline __m512 reduce16(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
-    __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x44), _mm512_shuffle_f32x4(x0, x1, 0xEE));
-    __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x44), _mm512_shuffle_f32x4(x2, x3, 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xDD));
-}
-
-static inline __m512i zx16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline __m512 lo4(__m512i z) { return _mm512_cvtepi32_ps(_mm512_and_si512(z, _mm512_set1_epi32(15))); }
-static inline __m512 hi4(__m512i z) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(z, 4)); }
-/* scales/biases of groups g0..g0+7 (fewer past the end): lanes [s0,b0,s1,b1,...] */
-static inline __m512 sb8(const uint8_t *sb, int g0, int ng) {
-    const int c = ng - g0 < 8 ? ng - g0 : 8;
-    const uint8_t *p = sb + 4 * g0;
-    /* exact-size loads: a masked load whose masked-off tail crosses a page is very slow */
-    switch (c) {
-    case 8: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    case 4: return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p)));
-    case 2: return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadl_epi64((const __m128i *)p)));
-    case 1: {
-        int32_t t;
-        memcpy(&t, p, 4);
-        return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_cvtsi32_si128(t)));
-    }
-    default: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << (2 * c)) - 1), p));
+        f->sq[h] = sq;
+        for (int g = 0; g < d / G; g++) {
+            __m512 t = _mm512_setzero_ps();
+            for (int i = g * G; i < (g + 1) * G; i += 16) t = _mm512_add_ps(t, _mm512_loadu_ps(qh + i));
+            f->qs[h][g] = _mm512_reduce_add_ps(t) / sq;
+        }
     }
 }
 
-/* The [s, b] f16 pairs of nr consecutive rows (wf = 2 or 4 halves each, 16 / wf rows
- * at most) side by side; zeros past them. From registers: small stores read back as
- * a vector stall store forwarding. */
-static inline __m256i sb_rows(const uint8_t *p, size_t stride, int wf, int nr) {
-    if (wf == 4) {
-        long long x[4] = {0, 0, 0, 0};
-        for (int r = 0; r < nr; r++) memcpy(&x[r], p + (size_t)r * stride, 8);
-        return _mm256_set_epi64x(x[3], x[2], x[1], x[0]);
+/* Scores of the 16 rows of a tile for NH heads into sc[h * FB + j ..]; mx[h]: their
+ * running max, lane by lane. */
+INLINE void tile_scores(const int KB, const int NH, const int Q2, const struct fast_q *f, const struct rows16 *rows,
+                        int d, int G, float *sc, int j, __m512 *mx) {
+    const int wg = G * KB / 32, w = d * KB / 32; /* dwords per group, per row */
+    const __m512i m_lo = _mm512_set1_epi8(0x0F), m_hi = _mm512_set1_epi8((char)0xF0);
+    __m512 acc[FMAXH];
+    /* two int32 sums per head, up to 4 heads (more: one, the registers run out): 4-bit,
+     * low and (16x) high nibbles; 8-bit, even and odd columns; Q2, the two digits of q */
+    const int TWO = NH <= 4 || Q2;
+    __m512i ia[FMAXH], ib[FMAXH], sbc[8];
+    UNROLL
+    for (int h = 0; h < NH; h++) {
+        acc[h] = _mm512_setzero_ps();
+        ia[h] = ib[h] = _mm512_setzero_si512();
     }
-    int y[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int r = 0; r < nr; r++) memcpy(&y[r], p + (size_t)r * stride, 4);
-    return _mm256_set_epi32(y[7], y[6], y[5], y[4], y[3], y[2], y[1], y[0]);
+    for (int k = 0; k < w; k += 8) {
+        __m512i t[8];
+        tile_cols8(rows, 4 * (size_t)k, t);
+        UNROLL
+        for (int i = 0; i < 8; i++) {
+            UNROLL
+            for (int h = 0; h < NH; h++) {
+                const int32_t *qh = f->q + (size_t)2 * h * f->w + k + i;
+                if (KB == 4 && TWO) {
+                    ia[h] = _mm512_dpbusd_epi32(ia[h], _mm512_and_si512(t[i], m_lo), _mm512_set1_epi32(qh[0]));
+                    ib[h] = _mm512_dpbusd_epi32(ib[h], _mm512_and_si512(t[i], m_hi), _mm512_set1_epi32(qh[f->w]));
+                } else if (KB == 4) {
+                    ia[h] = _mm512_dpbusd_epi32(ia[h], _mm512_and_si512(t[i], m_lo), _mm512_set1_epi32(qh[0]));
+                    ia[h] = _mm512_dpbusd_epi32(ia[h], _mm512_and_si512(_mm512_srli_epi16(t[i], 4), m_lo),
+                                                _mm512_set1_epi32(qh[f->w]));
+                } else if (Q2) {
+                    ia[h] = _mm512_dpbusd_epi32(ia[h], t[i], _mm512_set1_epi32(qh[0]));
+                    ib[h] = _mm512_dpbusd_epi32(ib[h], t[i], _mm512_set1_epi32(qh[f->w]));
+                } else if (i % 2 && TWO) {
+                    ib[h] = _mm512_dpbusd_epi32(ib[h], t[i], _mm512_set1_epi32(qh[0]));
+                } else {
+                    ia[h] = _mm512_dpbusd_epi32(ia[h], t[i], _mm512_set1_epi32(qh[0]));
+                }
+            }
+            if (i % 4 < 3 || (k + i + 1) % wg) continue;
+            /* a group ends (every 4 dwords at least): its scale and bias */
+            const int g = (k + i) / wg;
+            const __m512i sb = tile_group_sb(rows, (size_t)d * KB / 8, d / G, g, sbc);
+            const __m512 sv = sb_scale(sb), bv = sb_bias(sb);
+            UNROLL
+            for (int h = 0; h < NH; h++) {
+                const __m512i y = _mm512_add_epi32(ia[h], KB == 4 ? _mm512_srai_epi32(ib[h], 4) : ib[h]);
+                const __m512 r = _mm512_set1_ps(1.0f / 128);
+                const __m512 x = Q2 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib[h]), r, _mm512_cvtepi32_ps(ia[h]))
+                                    : _mm512_cvtepi32_ps(y);
+                acc[h] = _mm512_fmadd_ps(x, sv, acc[h]);
+                acc[h] = _mm512_fmadd_ps(bv, _mm512_set1_ps(f->qs[h][g]), acc[h]);
+                ia[h] = ib[h] = _mm512_setzero_si512();
+            }
+        }
+    }
+    UNROLL
+    for (int h = 0; h < NH; h++) {
+        const __m512 x = _mm512_mul_ps(acc[h], _mm512_set1_ps(f->sq[h]));
+        _mm512_store_ps(sc + h * FB + j, x);
+        mx[h] = _mm512_max_ps(mx[h], x);
+    }
 }
 
-static inline void pf_row(const uint8_t *p, size_t bytes) {
+/* Lane h < 8 of the result: the max (the sum, when add) of the 16 lanes of x[h]. */
+INLINE __m512 fold8(const __m512 x[8], const int add) {
+#define FOLD(a, b) (add ? _mm512_add_ps(a, b) : _mm512_max_ps(a, b))
+    __m512 t[4], u[2];
+    UNROLL
+    for (int i = 0; i < 4; i++) /* per 128-bit lane [a, b, a, b] of x[2i], x[2i+1] */
+        t[i] = FOLD(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    UNROLL
+    for (int i = 0; i < 2; i++) /* [a, b, c, d] of x[4i..4i+3] */
+        u[i] = FOLD(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    const __m512 w = FOLD(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    return FOLD(_mm512_shuffle_f32x4(w, w, 0x88), _mm512_shuffle_f32x4(w, w, 0xDD));
+#undef FOLD
+}
+
+/* 16 * CV values (from value c0) of V rows a and b as 16-bit pairs (a's code low, b's
+ * high) in CV vectors, the bytes widened to words and interleaved 4 words at a time:
+ * CV = 4 takes 32 bytes of each row and lane 4i + j of vector t holds byte 8i + j + 4(t %
+ * 2) of them (8-bit: of the t/2-th 32 bytes; 4-bit: low nibble for even t, high for odd
+ * t, with 4(t / 2) for 4(t % 2)), so with 4-bit codes lanes 0-7 hold values of the first
+ * 32, lanes 8-15 of the second 32; CV = 2 takes 32 values, 4-bit: the 16 bytes in the
+ * lane order 0-3, 8-11, 4-7, 12-15 (low nibbles in vector 0, high in 1), 8-bit: as CV = 4. */
+INLINE void v_pair(const int VB, const int CV, const uint8_t *a, const uint8_t *b, int c0, __m512i *u) {
+    if (VB == 4 && CV == 2) {
+        const __m256i za = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(a + c0 / 2)));
+        const __m256i zb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + c0 / 2)));
+        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(za, zb)),
+                                             _mm256_unpackhi_epi16(za, zb), 1);
+        u[0] = _mm512_and_si512(x, _mm512_set1_epi16(15));
+        u[1] = _mm512_srli_epi16(x, 4);
+    } else if (VB == 4) {
+        const __m512i za = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(a + c0 / 2)));
+        const __m512i zb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + c0 / 2)));
+        const __m512i x0 = _mm512_unpacklo_epi16(za, zb), x1 = _mm512_unpackhi_epi16(za, zb);
+        const __m512i m = _mm512_set1_epi16(15);
+        u[0] = _mm512_and_si512(x0, m);
+        u[1] = _mm512_srli_epi16(x0, 4);
+        u[2] = _mm512_and_si512(x1, m);
+        u[3] = _mm512_srli_epi16(x1, 4);
+    } else {
+        UNROLL
+        for (int i = 0; i < CV / 2; i++) {
+            const __m512i za = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(a + c0 + 32 * i)));
+            const __m512i zb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + c0 + 32 * i)));
+            u[2 * i] = _mm512_unpacklo_epi16(za, zb);
+            u[2 * i + 1] = _mm512_unpackhi_epi16(za, zb);
+        }
+    }
+}
+
+/* acc[h * da + ..16 * CV) += the block's pairs of V rows from v0 (nj rows; an odd last
+ * one paired with itself, its weight 0), 16 * CV values from c0, times the weights of
+ * NH heads: wa points at head 0's int16 pairs of the first 32 values' group, wb of the
+ * second 32's (CV = 4), one head every FB / 2 dwords; sa, sb: the heads' steps for
+ * them, FMAXG apart. SPLIT: 4-bit codes whose two 32s are in different groups (lanes
+ * 8-15 take wb). Up to 4 heads take 64 values per pass, more 32 (the accumulators stay
+ * in registers): one pass over the rows unpacks each pair once, where it is used (a
+ * block's unpacked rows stored for several passes alias the rows being read in the
+ * store-to-load check: measured up to 30% slower, depending on where buffers land). */
+INLINE void v_heads(const int VB, const int NH, const int CV, const int SPLIT, const uint8_t *v0, size_t vs, int nj,
+                    int c0, const int32_t *wa, const int32_t *wb, const float *sa, const float *sb, float *acc,
+                    int da) {
+    __m512i a[FMAXH][4], cs[4]; /* cs: the codes' column sums, 16-bit per row of a pair */
+    UNROLL
+    for (int t = 0; t < CV; t++) {
+        cs[t] = _mm512_setzero_si512();
+        UNROLL
+        for (int h = 0; h < NH; h++) a[h][t] = _mm512_setzero_si512();
+    }
+    for (int p = 0; p < (nj + 1) / 2; p++) {
+        const uint8_t *r = v0 + (size_t)(2 * p) * vs;
+        __m512i x[4];
+        v_pair(VB, CV, r, 2 * p + 1 < nj ? r + vs : r, c0, x);
+        UNROLL
+        for (int t = 0; t < CV; t++) cs[t] = _mm512_add_epi16(cs[t], x[t]);
+        UNROLL
+        for (int h = 0; h < NH; h++) {
+            const int32_t *w = wa + h * (FB / 2) + p;
+            const __m512i w0 = SPLIT ? _mm512_mask_set1_epi32(_mm512_set1_epi32(*w), 0xFF00, wb[h * (FB / 2) + p])
+                                     : _mm512_set1_epi32(*w);
+            const __m512i w1 = VB == 8 && CV == 4 ? _mm512_set1_epi32(wb[h * (FB / 2) + p]) : w0;
+            UNROLL
+            for (int t = 0; t < CV; t++) a[h][t] = _mm512_dpwssd_epi32(a[h][t], x[t], t < 2 ? w0 : w1);
+        }
+    }
+    /* the weights were stored less 32768: add 32768 * the codes' column sums back */
+    UNROLL
+    for (int t = 0; t < CV; t++) cs[t] = _mm512_slli_epi32(_mm512_madd_epi16(cs[t], _mm512_set1_epi16(1)), 15);
+    UNROLL
+    for (int h = 0; h < NH; h++) {
+        const __m512 s0 = _mm512_set1_ps(sa[h * FMAXG]), s1 = _mm512_set1_ps(sb[h * FMAXG]);
+        const __m512 st = SPLIT ? _mm512_mask_mov_ps(s0, 0xFF00, s1) : s0;
+        UNROLL
+        for (int t = 0; t < CV; t++) {
+            float *y = acc + (size_t)h * da + 16 * t;
+            const __m512 x = _mm512_cvtepi32_ps(_mm512_add_epi32(a[h][t], cs[t]));
+            _mm512_store_ps(y, _mm512_fmadd_ps(x, VB == 8 && t >= 2 ? s1 : st, _mm512_load_ps(y)));
+        }
+    }
+}
+
+/* The block's values for NH heads, 16 * CV at a time. */
+INLINE void v_block(const int VB, const int NH, const int SPLIT, const uint8_t *v0, size_t vs, int nj, int d, int G,
+                    const int32_t *wq, float step[][FMAXG], float *accp, int da) {
+    const int CV = NH > 4 ? 2 : 4;
+    for (int c0 = 0; c0 < d; c0 += 16 * CV) {
+        const int ga = c0 / G, gb = (c0 + 32) / G;
+        v_heads(VB, NH, CV, SPLIT, v0, vs, nj, c0, wq + (size_t)ga * NH * (FB / 2), wq + (size_t)gb * NH * (FB / 2),
+                &step[0][ga], &step[0][gb], accp + c0, da);
+    }
+}
+
+static inline void pf_range(const uint8_t *p, size_t bytes) {
     for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
     _mm_prefetch((const char *)p + bytes - 1, _MM_HINT_T0);
 }
 
-/* Partial scores of FQ rows for NH heads: out[h] as REDUCE_FQ leaves them.
- * qp: [NH][d] q in the K code order; qb: [NH][ng8][16] = [0,qsum_g,...] per 8 groups. */
-INLINE void fq_scores(const int KB, const int NH, const int FQ, const float *qp, const __m512 *qb, int d, int G,
-                      const uint8_t *const *rows, __m512 *out) {
-    const int ng = d / G, ng8 = (ng + 7) / 8;
-    const size_t cbytes = (size_t)d * KB / 8;
-    __m512 acc[4][FMAXH];
-    UNR
-    for (int r = 0; r < FQ; r++)
-        UNR
-        for (int h = 0; h < NH; h++) acc[r][h] = _mm512_setzero_ps();
-    for (int gc = 0; gc < ng; gc += 8) {
-        __m512 sbv[4];
-        UNR
-        for (int r = 0; r < FQ; r++) {
-            sbv[r] = sb8(rows[r] + cbytes, gc, ng);
-            UNR
-            for (int h = 0; h < NH; h++) acc[r][h] = _mm512_fmadd_ps(sbv[r], qb[h * ng8 + gc / 8], acc[r][h]);
-        }
-        const int ge = gc + 8 < ng ? gc + 8 : ng;
-        for (int g = gc; g < ge; g++) {
-            const __m512i bi = _mm512_set1_epi32(2 * (g - gc));
-            __m512 sc[4];
-            UNR
-            for (int r = 0; r < FQ; r++) sc[r] = _mm512_permutexvar_ps(bi, sbv[r]);
-            for (int c = g * G; c < (g + 1) * G; c += 32) {
-                __m512 q0[FMAXH], q1[FMAXH];
-                UNR
-                for (int h = 0; h < NH; h++) {
-                    q0[h] = _mm512_loadu_ps(qp + (size_t)h * d + c);
-                    q1[h] = _mm512_loadu_ps(qp + (size_t)h * d + c + 16);
-                }
-                UNR
-                for (int r = 0; r < FQ; r++) {
-                    __m512 x0, x1;
-                    if (KB == 4) {
-                        const __m512i z = zx16(rows[r] + c / 2);
-                        x0 = _mm512_mul_ps(lo4(z), sc[r]);
-                        x1 = _mm512_mul_ps(hi4(z), sc[r]);
-                    } else {
-                        x0 = _mm512_mul_ps(_mm512_cvtepi32_ps(zx16(rows[r] + c)), sc[r]);
-                        x1 = _mm512_mul_ps(_mm512_cvtepi32_ps(zx16(rows[r] + c + 16)), sc[r]);
-                    }
-                    UNR
-                    for (int h = 0; h < NH; h++) {
-                        acc[r][h] = _mm512_fmadd_ps(x0, q0[h], acc[r][h]);
-                        acc[r][h] = _mm512_fmadd_ps(x1, q1[h], acc[r][h]);
-                    }
-                }
-            }
-        }
+/* Rows stream from L3/DRAM: fetch the K and V rows [j, j + 16) of the run (past its
+ * end: the next run's first rows) well ahead, one prefetch per 64 bytes. */
+static inline void pf_tile(const struct kern_kv_run *run, const struct kern_kv_run *next, int j, size_t ks, size_t vs,
+                           size_t krb, size_t vrb) {
+    if (j >= run->n) {
+        if (next == run) return;
+        j -= run->n;
+        run = next;
     }
-    UNR
-    for (int h = 0; h < NH; h++) out[h] = REDUCE_FQ(FQ, acc, h);
+    const int e = j + 16 < run->n ? j + 16 : run->n;
+    if (j >= e) return;
+    pf_range(run->k + (size_t)j * ks, (size_t)(e - j - 1) * ks + krb);
+    pf_range(run->v + (size_t)j * vs, (size_t)(e - j - 1) * vs + vrb);
 }
 
-/* ---- VNNI scoring: the query as int8, the key codes as unsigned bytes ----
- * q is rounded once per call to int8 with one scale per head (sq = max|q| / 127), so
- * a score is sq * sum_g scale_g * (q8 . codes)_g + sum_g bias_g * qsum_g (the bias
- * term from the float q). vpdpbusd sums 4 byte products per int32 lane: a 64-byte
- * chunk of codes is 16 lanes of 4 (8-bit) or 8 (4-bit: low nibbles against the even
- * values of q, high nibbles against the odd ones) consecutive values. A lane never
- * straddles a group (groups are multiples of 32 values), so each lane takes its
- * group's scale, permuted out of the same 8-group [s, b] vector the bias term uses.
- * Error: each q value moves by at most sq/2 (tests/test_kv_quant.c checks against
- * attention with the rounded query). */
-#define VNNI_MAX_CHUNKS (KERN_KVQ_MAX_DIM * 8 / 512)
-
-/* The AVX-512 level includes VNNI (core/cpu.c checks it); tests may turn it off. */
-static int vnni_wanted = 1;
-void kern_kvq_use_vnni(int on) { vnni_wanted = on; }
-static int has_vnni(void) { return vnni_wanted; }
-
-struct vnni_q {
-    int8_t q[FMAXH][KERN_KVQ_MAX_DIM] __attribute__((aligned(64))); /* per chunk: natural (8-bit) or evens|odds (4-bit) */
-    float sq[FMAXH];
-    __m512i lane_idx[VNNI_MAX_CHUNKS]; /* per chunk: the [s, b] lane of each int32 lane's group */
-    int win[VNNI_MAX_CHUNKS];          /* per chunk: its 8-group window */
-};
-
-/* Rounds q of NH heads to int8 and lays it out for KB-bit codes. */
-static void vnni_prepare(struct vnni_q *v, const int KB, const int NH, const float *q, int d, int G) {
-    const int vpc = 512 / KB; /* values per 64-byte chunk */
-    for (int h = 0; h < NH; h++) {
-        const float *qh = q + (size_t)h * d;
-        float amax = 0;
-        for (int i = 0; i < d; i++) amax = fabsf(qh[i]) > amax ? fabsf(qh[i]) : amax;
-        const float sq = amax > 0 ? amax / 127.0f : 1.0f;
-        v->sq[h] = sq;
-        for (int c = 0; c < d; c += vpc)
-            for (int i = 0; i < vpc; i++) {
-                const int8_t x = (int8_t)lrintf(qh[c + i] / sq);
-                if (KB == 8) v->q[h][c + i] = x;
-                else v->q[h][c + (i & 1) * 64 + i / 2] = x; /* evens then odds */
-            }
-    }
-    for (int t = 0; t < d / vpc; t++) {
-        int32_t idx[16];
-        v->win[t] = (t * vpc / G) / 8;
-        for (int j = 0; j < 16; j++) idx[j] = 2 * ((t * vpc + j * vpc / 16) / G - 8 * v->win[t]);
-        v->lane_idx[t] = _mm512_loadu_si512(idx);
-    }
-}
-
-/* The same partial scores as fq_scores, from int8 q: out[h] as REDUCE_FQ leaves them.
- * qbs: fq_scores's bias vectors divided by the head's sq (everything is scaled by sq
- * at the end). */
-INLINE void fq_scores_vnni(const int KB, const int NH, const int FQ, const struct vnni_q *v, const __m512 *qbs, int d,
-                           int G, const uint8_t *const *rows, __m512 *out) {
-    const int ng = d / G, ng8 = (ng + 7) / 8, n_chunk = d * KB / 512;
-    const size_t cbytes = (size_t)d * KB / 8;
-    __m512 acc[4][FMAXH], sbv[4];
-    UNR
-    for (int r = 0; r < FQ; r++) {
-        sbv[r] = _mm512_setzero_ps(); /* set at chunk 0 (window 0) */
-        UNR
-        for (int h = 0; h < NH; h++) acc[r][h] = _mm512_setzero_ps();
-    }
-    int w = -1;
-    for (int t = 0; t < n_chunk; t++) {
-        if (v->win[t] != w) { /* the next 8 groups' scales and biases; their bias term */
-            w = v->win[t];
-            UNR
-            for (int r = 0; r < FQ; r++) {
-                sbv[r] = sb8(rows[r] + cbytes, 8 * w, ng);
-                UNR
-                for (int h = 0; h < NH; h++) acc[r][h] = _mm512_fmadd_ps(sbv[r], qbs[h * ng8 + w], acc[r][h]);
-            }
-        }
-        UNR
-        for (int r = 0; r < FQ; r++) {
-            const __m512 ls = _mm512_permutexvar_ps(v->lane_idx[t], sbv[r]);
-            const __m512i x = _mm512_loadu_si512(rows[r] + 64 * t);
-            if (KB == 4) {
-                const __m512i m = _mm512_set1_epi8(15);
-                const __m512i lo = _mm512_and_si512(x, m), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), m);
-                UNR
-                for (int h = 0; h < NH; h++) {
-                    __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                     _mm512_load_si512(v->q[h] + 128 * t));
-                    ia = _mm512_dpbusd_epi32(ia, hi, _mm512_load_si512(v->q[h] + 128 * t + 64));
-                    acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), ls, acc[r][h]);
-                }
-            } else {
-                UNR
-                for (int h = 0; h < NH; h++) {
-                    const __m512i ia = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x, _mm512_load_si512(v->q[h] + 64 * t));
-                    acc[r][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), ls, acc[r][h]);
-                }
-            }
-        }
-    }
-    UNR
-    for (int h = 0; h < NH; h++)
-        out[h] = _mm512_mul_ps(REDUCE_FQ(FQ, acc, h), _mm512_set1_ps(v->sq[h]));
-}
-
-/* ---- VNNI scoring of keys of 64 values, 16 rows at a time ----
- * vpdpbusd leaves int32 lanes of partial dot products: per 4-bit row (32 code bytes,
- * half a vector, so two rows per vector: low nibbles against the even values of q,
- * high nibbles against the odd ones) 8 lanes of 8 values, per 8-bit row 16 lanes of
- * 4 values. The lanes of 16 rows are added in integers down to one per (row, half:
- * values 0-31 A, 32-63 B) before any float work, then scaled per half: far fewer
- * vector operations per row and head than a float accumulator per row (fq_scores_vnni,
- * whose arithmetic this is). */
-struct pair_q {
-    int8_t e[FMAXH][64] __attribute__((aligned(64))); /* 4-bit: q8 of the even values, twice; 8-bit: q8 */
-    int8_t o[FMAXH][64] __attribute__((aligned(64))); /* 4-bit: q8 of the odd values, twice */
-    float sq[FMAXH], qa[FMAXH], qb[FMAXH];            /* q scale; sum of q over halves A, B */
-};
-
-static void pair_prepare(struct pair_q *v, const int KB, const int NH, const float *q, int G) {
-    for (int h = 0; h < NH; h++) {
-        const float *qh = q + (size_t)h * 64;
-        float amax = 0, sa = 0, sb = 0;
-        for (int i = 0; i < 64; i++) {
-            amax = fabsf(qh[i]) > amax ? fabsf(qh[i]) : amax;
-            if (i < 32) sa += qh[i];
-            else sb += qh[i];
-        }
-        const float sq = amax > 0 ? amax / 127.0f : 1.0f;
-        for (int i = 0; i < 64; i++) {
-            const int8_t x = (int8_t)lrintf(qh[i] / sq);
-            int8_t *dst = i & 1 ? v->o[h] : v->e[h];
-            if (KB == 8) v->e[h][i] = x;
-            else dst[i / 2] = dst[32 + i / 2] = x;
-        }
-        v->sq[h] = sq;
-        /* one group of 64: its bias takes the sum of all of q, half B's none */
-        v->qa[h] = G == 64 ? sa + sb : sa;
-        v->qb[h] = G == 64 ? 0.0f : sb;
-    }
-}
-
-/* Sums of the lanes of 16 rows (four per 128-bit lane) for 4-bit keys: p[i] holds
- * rows 2i, 2i+1, each as [half A: 4 lanes, half B: 4 lanes]. Returns rows 0-7 in *e
- * and 8-15 in *f, 128-bit lane 0 rows 0,2,4,6 half A, lane 1 the same rows half B,
- * lanes 2, 3 rows 1,3,5,7 (+8 in *f). */
-INLINE void sum_lanes4(const __m512i p[8], __m512i *e, __m512i *f) {
-    __m512i c[4];
-    UNR
-    for (int i = 0; i < 4; i++)
-        c[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
-    *e = _mm512_add_epi32(_mm512_unpacklo_epi64(c[0], c[1]), _mm512_unpackhi_epi64(c[0], c[1]));
-    *f = _mm512_add_epi32(_mm512_unpacklo_epi64(c[2], c[3]), _mm512_unpackhi_epi64(c[2], c[3]));
-}
-
-/* The same for 8-bit keys: p[r] holds row r, lanes 0-7 half A, 8-15 half B. Returns
- * 128-bit lanes [A rows 0-3, B rows 0-3, A rows 4-7, B rows 4-7] (+8 in *f). */
-INLINE void sum_lanes8(const __m512i p[16], __m512i *e, __m512i *f) {
-    __m512i t[8], u[4];
-    UNR
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
-    UNR
-    for (int i = 0; i < 4; i++)
-        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-    *e = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    *f = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* Scores of 16 rows (rows[i], the last ones may repeat) for NH heads into sc[h][j16..]. */
-INLINE void pair_scores16(const int KB, const int NH, const struct pair_q *v, int G, const uint8_t *const rows[16],
-                          float sc[][KVQ_ATTN_BLOCK], int j16, int nv) {
-    /* per row [scale A, bias A, scale B, bias B] (one group of 64: [s, b, s, 0]), built
-     * in registers (small stores read back as a vector stall store forwarding) */
-    long long raw[16];
-    UNR
-    for (int r = 0; r < 16; r++) {
-        if (G == 64) {
-            uint32_t x;
-            memcpy(&x, rows[r] + 8 * KB, 4);
-            raw[r] = (long long)((uint64_t)x | (uint64_t)(x & 0xFFFF) << 32);
-        } else {
-            memcpy(&raw[r], rows[r] + 8 * KB, 8);
-        }
-    }
-    __m512 c[4]; /* rows 4i..4i+3 */
-    UNR
-    for (int i = 0; i < 4; i++)
-        c[i] = _mm512_cvtph_ps(_mm256_set_epi64x(raw[4 * i + 3], raw[4 * i + 2], raw[4 * i + 1], raw[4 * i]));
-    /* the scales in the layout the integer sums end in (c[i] lane 4 * (row % 4) + field) */
-    const __m512i sidx = KB == 4 ? _mm512_set_epi32(30, 22, 14, 6, 28, 20, 12, 4, 26, 18, 10, 2, 24, 16, 8, 0)
-                                 : _mm512_set_epi32(30, 26, 22, 18, 28, 24, 20, 16, 14, 10, 6, 2, 12, 8, 4, 0);
-    const __m512 se = _mm512_permutex2var_ps(c[0], sidx, c[1]), sf = _mm512_permutex2var_ps(c[2], sidx, c[3]);
-    /* biases in row order */
-    const __m512i bidx = _mm512_set_epi32(29, 25, 21, 17, 13, 9, 5, 1, 29, 25, 21, 17, 13, 9, 5, 1);
-    const __mmask16 hi8 = 0xFF00;
-    const __m512 ba = _mm512_mask_blend_ps(hi8, _mm512_permutex2var_ps(c[0], bidx, c[1]), _mm512_permutex2var_ps(c[2], bidx, c[3]));
-    const __m512i bidx2 = _mm512_add_epi32(bidx, _mm512_set1_epi32(2));
-    const __m512 bb = _mm512_mask_blend_ps(hi8, _mm512_permutex2var_ps(c[0], bidx2, c[1]), _mm512_permutex2var_ps(c[2], bidx2, c[3]));
-    /* 4-bit: where row r's sum lands, (r / 8) * 8 + (r % 2) * 4 + (r % 8) / 2 */
-    const __m512i ridx = _mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
-    const __m512i m4 = _mm512_set1_epi8(15);
-    __m512i x[16], y[8]; /* 4-bit: low and high nibbles of rows 2i, 2i+1; 8-bit: row i */
-    UNR
-    for (int i = 0; i < 8; i++) {
-        if (KB == 4) {
-            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)rows[2 * i])),
-                                                 _mm256_loadu_si256((const __m256i *)rows[2 * i + 1]), 1);
-            x[i] = _mm512_and_si512(z, m4);
-            y[i] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
-        } else {
-            x[2 * i] = _mm512_loadu_si512(rows[2 * i]);
-            x[2 * i + 1] = _mm512_loadu_si512(rows[2 * i + 1]);
-        }
-    }
-    UNR
-    for (int h = 0; h < NH; h++) {
-        const __m512i qe = _mm512_load_si512(v->e[h]);
-        __m512i p[16], e, f;
-        if (KB == 4) {
-            const __m512i qo = _mm512_load_si512(v->o[h]);
-            UNR
-            for (int i = 0; i < 8; i++) p[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x[i], qe), y[i], qo);
-            sum_lanes4(p, &e, &f);
-        } else {
-            UNR
-            for (int i = 0; i < 16; i++) p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x[i], qe);
-            sum_lanes8(p, &e, &f);
-        }
-        const __m512 te = _mm512_mul_ps(_mm512_cvtepi32_ps(e), se), tf = _mm512_mul_ps(_mm512_cvtepi32_ps(f), sf);
-        /* add the halves: 4-bit gives rows in ridx order, 8-bit in row order */
-        __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(te, tf, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(te, tf, _MM_SHUFFLE(3, 1, 3, 1)));
-        if (KB == 4) t = _mm512_permutexvar_ps(ridx, t);
-        const __m512 bias = _mm512_fmadd_ps(bb, _mm512_set1_ps(v->qb[h]), _mm512_mul_ps(ba, _mm512_set1_ps(v->qa[h])));
-        const __m512 r16 = _mm512_fmadd_ps(t, _mm512_set1_ps(v->sq[h]), bias);
-        if (nv >= 16) _mm512_store_ps(&sc[h][j16], r16);
-        else _mm512_mask_storeu_ps(&sc[h][j16], (__mmask16)((1u << nv) - 1), r16);
-    }
-}
-
-#define FB KVQ_ATTN_BLOCK /* rows per softmax step (a multiple of 16) */
-#define F_PF_ROWS 48      /* prefetch distance: K and V rows this far ahead */
-
-/* Rows stream from L3/DRAM: fetch the K and V rows F_PF_ROWS past row j of the run
- * well ahead (past its end: the next run's first rows). */
-static inline void pf_ahead(const struct kern_kv_run *run, const struct kern_kv_run *next, int j, size_t ks, size_t vs,
-                            size_t krb, size_t vrb) {
-    const int pj = j + F_PF_ROWS;
-    if (pj < run->n) {
-        pf_row(run->k + (size_t)pj * ks, krb);
-        pf_row(run->v + (size_t)pj * vs, vrb);
-    } else if (pj - run->n < next->n && next != run) {
-        pf_row(next->k + (size_t)(pj - run->n) * ks, krb);
-        pf_row(next->v + (size_t)(pj - run->n) * vs, vrb);
-    }
-}
-
-INLINE void fast_attn(const int KB, const int VB, const int NH, struct kern_attn_state *s, int h0, const float *q,
-                      const struct kern_kv_rows *kf, const struct kern_kv_rows *vf, const struct kern_kv_run *runs,
+INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int h0, const float *q,
+                      const struct kern_kv_rows *k, const struct kern_kv_rows *v, const struct kern_kv_run *runs,
                       int n_runs) {
-    const struct kern_kv_rows *k = kf, *v = vf;
-    const int d = s->d, KG = k->group, VG = v->group;
-    const int kng = d / KG, kng8 = (kng + 7) / 8, vng = d / VG, vng8 = (vng + 7) / 8;
-    const size_t kcb = (size_t)d * KB / 8, vcb = (size_t)d * VB / 8;
-    const size_t krb = kcb + 4 * (size_t)kng, vrb = vcb + 4 * (size_t)vng;
-    float qp[FMAXH * KERN_KVQ_MAX_DIM] __attribute__((aligned(64)));
-    float accp[FMAXH * KERN_KVQ_MAX_DIM] __attribute__((aligned(64)));
-    __m512 qb[FMAXH * KERN_KVQ_MAX_DIM / 256];
-    float sc[FMAXH][FB] __attribute__((aligned(64)));
-    /* per row and head: p * [s0,b0,s1,b1,...] of V, 8 groups per vector */
-    /* packed densely, (j * NH + h) * vng8 + c: a padded [FB][FMAXH][..] layout puts the
-     * rows 1 KB apart, all in a few L1 sets, and evicts the prefetched V rows */
-    __m512 w[FB * FMAXH * (KERN_KVQ_MAX_DIM / 256)];
-    UNR
+    const int d = s->d, KG = k->group, VG = v->group, VB = v->bits, vng = d / VG;
+    const size_t ks = k->stride, vs = v->stride, vcb = (size_t)d * VB / 8;
+    const size_t krb = (size_t)d * KB / 8 + 4 * (size_t)(d / KG), vrb = vcb + 4 * (size_t)vng;
+    const int da = d + 16 * vng;               /* accumulator floats per head: values, 16 bias lanes per V group */
+    const float mid = VB == 4 ? 7.5f : 127.5f; /* the V codes' midpoint */
+    float accp[FMAXH * (KERN_KVQ_MAX_DIM + 16 * FMAXG)] __attribute__((aligned(64)));
+    float sc[FMAXH * FB] __attribute__((aligned(64)));
+    /* per V group: the rows' scales, then their biases + mid * scale */
+    float vsb[FMAXG * 2 * FB] __attribute__((aligned(64)));
+    /* per V group, head and pair of rows (densely, see fast_q): the two int16 weights */
+    int32_t wq[FMAXH * FMAXG * FB / 2] __attribute__((aligned(64)));
+    float step[FMAXH][FMAXG];
+    /* a last partial tile's K rows and V scales and biases */
+    uint8_t kpart[16 * (KERN_KVQ_MAX_DIM + 4 * FMAXG)], vpart[16 * 4 * FMAXG];
+    /* the heads' running max and sum (lane h), in registers for the whole call */
+    const __mmask16 hm = (__mmask16)((1u << NH) - 1);
+    __m512 mrun = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), hm, s->m + h0);
+    __m512 lrun = _mm512_maskz_loadu_ps(hm, s->l + h0);
+    struct fast_q f;
+    fast_q_prepare(&f, KB, NH, q + (size_t)h0 * d, d, KG);
+    UNROLL
     for (int h = 0; h < NH; h++) {
-        const float *qh = q + (size_t)(h0 + h) * d;
-        float *ah = s->acc + (size_t)(h0 + h) * d;
-        if (KB == 4) to_code_order(qh, qp + (size_t)h * d, d);
-        else memcpy(qp + (size_t)h * d, qh, sizeof(float) * (size_t)d);
-        if (VB == 4) to_code_order(ah, accp + (size_t)h * d, d);
-        else memcpy(accp + (size_t)h * d, ah, sizeof(float) * (size_t)d);
-        /* sum of q per K group, once per call: the bias term is bias_g * qsum_g */
-        float lanes[16 * (KERN_KVQ_MAX_DIM / 256)] __attribute__((aligned(64)));
-        memset(lanes, 0, sizeof(float) * 16 * (size_t)kng8);
-        for (int g = 0; g < kng; g++) {
-            float t = 0;
-            for (int i = g * KG; i < (g + 1) * KG; i++) t += qh[i];
-            lanes[16 * (g / 8) + 2 * (g % 8) + 1] = t;
-        }
-        for (int c = 0; c < kng8; c++) qb[h * kng8 + c] = _mm512_load_ps(lanes + 16 * c);
-    }
-    /* integer scoring where the CPU has VNNI and the codes fill whole 64-byte chunks */
-    const bool vnni = has_vnni() && (d * KB) % 512 == 0;
-    /* V weights packed several rows per vector: 1 or 2 groups per row (wvf floats; with
-     * more, measured no faster than a vector per row) */
-    const bool wpack = vng == 1 || vng == 2;
-    const int wvf = 2 * vng, rpv = 16 / wvf;
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i pexp = _mm512_srlv_epi32(lane, _mm512_set1_epi32(vng == 1 ? 1 : 2)); /* lane / wvf */
-    /* where row j's weights of head 0 start in w (floats), and the step per head */
-    int woff[FB];
-    const int wh = wpack ? 16 : 16 * vng8;
-    for (int j = 0; j < FB; j++) woff[j] = wpack ? (j / rpv) * NH * 16 + (j % rpv) * wvf : j * NH * 16 * vng8;
-    const bool pair = has_vnni() && d == 64;
-    struct pair_q pq;
-    if (pair) pair_prepare(&pq, KB, NH, q + (size_t)h0 * d, KG);
-    struct vnni_q vq;
-    __m512 qbs[FMAXH * KERN_KVQ_MAX_DIM / 256];
-    if (vnni) {
-        vnni_prepare(&vq, KB, NH, q + (size_t)h0 * d, d, KG);
-        UNR
-        for (int h = 0; h < NH; h++)
-            for (int c = 0; c < kng8; c++) qbs[h * kng8 + c] = _mm512_div_ps(qb[h * kng8 + c], _mm512_set1_ps(vq.sq[h]));
+        const float *ah = s->acc + (size_t)(h0 + h) * d;
+        float *a = accp + (size_t)h * da;
+        for (int i = 0; i < d; i++) a[i] = ah[v_value(VB, NH > 4 ? 2 : 4, i)];
+        memset(a + d, 0, sizeof(float) * 16 * (size_t)vng);
     }
     for (int ri = 0; ri < n_runs; ri++) {
-    /* the rows of this run; prefetches past its end fetch the next run's first rows */
     const struct kern_kv_run *run = &runs[ri], *next = ri + 1 < n_runs ? &runs[ri + 1] : run;
-    const int n = run->n;
-    for (int j0 = 0; j0 < n; j0 += FB) {
-        const int nj = n - j0 < FB ? n - j0 : FB;
-        /* scores: FQ rows at a time, 16 rows per transposed reduction */
-        for (int j16 = 0; j16 < nj; j16 += 16) {
-            if (pair) {
-                const uint8_t *rows[16];
+    for (int j0 = 0; j0 < run->n; j0 += FB) {
+        const int nj = run->n - j0 < FB ? run->n - j0 : FB;
+        /* scores, and the V rows' scales and biases, 16 rows at a time */
+        __m512 smax[FMAXG], mxv[8];
+        for (int g = 0; g < vng; g++) smax[g] = _mm512_setzero_ps();
+        UNROLL
+        for (int h = 0; h < 8; h++) mxv[h] = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < nj; j += 16) {
+            pf_tile(run, next, j0 + j + F_PF_ROWS, ks, vs, krb, vrb);
+            struct rows16 kr = rows16_at(run->k + (size_t)(j0 + j) * ks, ks);
+            struct rows16 vr = rows16_at(run->v + (size_t)(j0 + j) * vs + vcb, vs);
+            if (nj - j < 16) { /* a last partial tile: its rows, then repeats of the last one */
                 for (int r = 0; r < 16; r++) {
-                    const int j = j16 + r < nj ? j16 + r : nj - 1;
-                    rows[r] = run->k + (size_t)(j0 + j) * k->stride;
-                    pf_ahead(run, next, j0 + j, k->stride, v->stride, krb, vrb);
+                    const int jr = j0 + (j + r < nj ? j + r : nj - 1);
+                    memcpy(kpart + r * krb, run->k + (size_t)jr * ks, krb);
+                    memcpy(vpart + r * 4 * vng, run->v + (size_t)jr * vs + vcb, 4 * (size_t)vng);
                 }
-                pair_scores16(KB, NH, &pq, KG, rows, sc, j16, nj - j16);
-                continue;
+                kr = rows16_at(kpart, krb);
+                vr = rows16_at(vpart, 4 * (size_t)vng);
             }
-            __m512 part[4][FMAXH];
-            UNR
-            for (int qd = 0; qd < 4; qd++) {
-                const uint8_t *rows[4];
-                UNR
-                for (int r = 0; r < 4; r++) {
-                    int j = j16 + 4 * qd + r;
-                    j = j < nj ? j : nj - 1; /* past the end: repeat the last row, score unused */
-                    rows[r] = run->k + (size_t)(j0 + j) * k->stride;
-                    pf_ahead(run, next, j0 + j, k->stride, v->stride, krb, vrb);
-                }
-                if (FQ_OF(NH) == 4) {
-                    if (vnni) fq_scores_vnni(KB, NH, 4, &vq, qbs, d, KG, rows, part[qd]);
-                    else fq_scores(KB, NH, 4, qp, qb, d, KG, rows, part[qd]);
-                } else {
-                    __m512 p01[FMAXH], p23[FMAXH];
-                    if (vnni) {
-                        fq_scores_vnni(KB, NH, 2, &vq, qbs, d, KG, rows, p01);
-                        fq_scores_vnni(KB, NH, 2, &vq, qbs, d, KG, rows + 2, p23);
-                    } else {
-                        fq_scores(KB, NH, 2, qp, qb, d, KG, rows, p01);
-                        fq_scores(KB, NH, 2, qp, qb, d, KG, rows + 2, p23);
-                    }
-                    UNR
-                    for (int h = 0; h < NH; h++) part[qd][h] = join2(p01[h], p23[h]);
-                }
-            }
-            UNR
-            for (int h = 0; h < NH; h++) {
-                const __m512 r16 = reduce16(part[0][h], part[1][h], part[2][h], part[3][h]);
-                if (nj - j16 >= 16) _mm512_store_ps(&sc[h][j16], r16);
-                else _mm512_mask_storeu_ps(&sc[h][j16], (__mmask16)((1u << (nj - j16)) - 1), r16);
-            }
-        }
-        /* online softmax over the block */
-        UNR
-        for (int h = 0; h < NH; h++)
-            kern_softmax_step_avx512(sc[h], nj, &s->m[h0 + h], &s->l[h0 + h], accp + (size_t)h * d, d);
-        /* V: acc += sum_j (p_j*scale_g) * code + sum_j p_j*bias_g, the bias once per group */
-        __m512 bsum[FMAXH][KERN_KVQ_MAX_DIM / 256];
-        if (wpack) {
-            /* few groups: one vector holds the [s, b] of rpv rows, one multiply per head
-             * weights them all (each row's lanes times its p) */
-            __m512 bs[FMAXH];
-            UNR
-            for (int h = 0; h < NH; h++) bs[h] = _mm512_setzero_ps();
-            for (int j = 0; j < nj; j += rpv) {
-                const int nr = nj - j < rpv ? nj - j : rpv;
-                const __mmask16 live = (__mmask16)(nr == rpv ? 0xFFFF : (1u << (nr * wvf)) - 1);
-                const __m512 sbv = _mm512_cvtph_ps(sb_rows(run->v + (size_t)(j0 + j) * v->stride + vcb, v->stride, wvf, nr));
-                const __m512i pi = _mm512_add_epi32(pexp, _mm512_set1_epi32(j % 16));
-                UNR
-                for (int h = 0; h < NH; h++) {
-                    const __m512 t = _mm512_maskz_mul_ps(live, sbv, _mm512_permutexvar_ps(pi, _mm512_load_ps(&sc[h][j & ~15])));
-                    w[(size_t)(j / rpv) * NH + h] = t;
-                    bs[h] = _mm512_add_ps(bs[h], t);
-                }
-            }
-            /* fold the rows' lanes: lanes [0, wvf) end with the [s, b] sums */
-            UNR
-            for (int h = 0; h < NH; h++) {
-                for (int half = 8; half >= wvf; half /= 2)
-                    bs[h] = _mm512_add_ps(bs[h], _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(half)), bs[h]));
-                bsum[h][0] = bs[h];
-            }
-        }
-        for (int c = 0; c < vng8 && !wpack; c++) {
-            /* chunk outer, rows inner: the bias sums stay in registers */
-            __m512 bs[FMAXH];
-            UNR
-            for (int h = 0; h < NH; h++) bs[h] = _mm512_setzero_ps();
-            for (int j = 0; j < nj; j++) {
-                const __m512 sbv = sb8(run->v + (size_t)(j0 + j) * v->stride + vcb, 8 * c, vng);
-                UNR
-                for (int h = 0; h < NH; h++) {
-                    const __m512 t = _mm512_mul_ps(sbv, _mm512_set1_ps(sc[h][j]));
-                    w[((size_t)j * NH + h) * vng8 + c] = t;
-                    bs[h] = _mm512_add_ps(bs[h], t);
-                }
-            }
-            UNR
-            for (int h = 0; h < NH; h++) bsum[h][c] = bs[h];
-        }
-        /* CG 16-value vectors per pass over the rows: NH * CG accumulators in registers */
-        const int CG = NH > 4 ? 2 : 4;
-        for (int c0 = 0; c0 < d; c0 += 16 * CG) {
-            /* weight lane of each 16-value vector: (group / 8, 2 * (group % 8)) */
-            int wc[4], wl[4];
-            UNR
-            for (int t = 0; t < CG; t++) {
-                const int g = (c0 + 16 * t) / VG;
-                wc[t] = g / 8;
-                wl[t] = 2 * (g % 8);
-            }
-            __m512 a[FMAXH][4];
-            UNR
-            for (int h = 0; h < NH; h++)
-                UNR
-                for (int t = 0; t < CG; t++) a[h][t] = _mm512_load_ps(accp + (size_t)h * d + c0 + 16 * t);
-            for (int j = 0; j < nj; j++) {
-                const uint8_t *r = run->v + (size_t)(j0 + j) * v->stride;
-                __m512 x[4];
-                if (VB == 4) {
-                    UNR
-                    for (int t = 0; t < CG; t += 2) {
-                        const __m512i z = zx16(r + c0 / 2 + 8 * t);
-                        x[t] = lo4(z);
-                        x[t + 1] = hi4(z);
-                    }
-                } else {
-                    UNR
-                    for (int t = 0; t < CG; t++) x[t] = _mm512_cvtepi32_ps(zx16(r + c0 + 16 * t));
-                }
-                UNR
-                for (int h = 0; h < NH; h++) {
-                    const float *wj = (const float *)w + woff[j] + h * wh;
-                    UNR
-                    for (int t = 0; t < CG; t++)
-                        a[h][t] = _mm512_fmadd_ps(x[t], _mm512_set1_ps(wj[16 * wc[t] + wl[t]]), a[h][t]);
-                }
-            }
-            UNR
-            for (int h = 0; h < NH; h++)
-                UNR
-                for (int t = 0; t < CG; t++) _mm512_store_ps(accp + (size_t)h * d + c0 + 16 * t, a[h][t]);
-        }
-        UNR
-        for (int h = 0; h < NH; h++) {
-            const float *bs = (const float *)&bsum[h][0];
-            float *a = accp + (size_t)h * d;
+            if (KB == 8 && VB == 8) tile_scores(8, NH, 1, &f, &kr, d, KG, sc, j, mxv);
+            else tile_scores(KB, NH, 0, &f, &kr, d, KG, sc, j, mxv);
+            __m512i sbc[8];
             for (int g = 0; g < vng; g++) {
-                const __m512 b = _mm512_set1_ps(bs[16 * (g / 8) + 2 * (g % 8) + 1]);
-                for (int i = g * VG; i < (g + 1) * VG; i += 16) _mm512_store_ps(a + i, _mm512_add_ps(_mm512_load_ps(a + i), b));
+                const __m512i sb = tile_group_sb(&vr, 0, vng, g, sbc);
+                const __m512 sv = sb_scale(sb);
+                _mm512_store_ps(vsb + 2 * g * FB + j, sv);
+                _mm512_store_ps(vsb + (2 * g + 1) * FB + j, _mm512_fmadd_ps(sv, _mm512_set1_ps(mid), sb_bias(sb)));
+                smax[g] = _mm512_max_ps(smax[g], sv);
             }
         }
+        /* The online-softmax step (kern_softmax_step_avx512) of the NH heads side by side:
+         * their maxima, rescale factors and sums in vectors, one exp for e^(m - m') (lanes
+         * 0-7; 0 where m was -inf) and each block's largest weight e^(max - m') (8-15). */
+        const __m512 mx = fold8(mxv, 0), mn = _mm512_max_ps(mrun, mx);
+        const __m512 e = exp512(_mm512_shuffle_f32x4(_mm512_sub_ps(mrun, mn), _mm512_sub_ps(mx, mn), 0x44));
+        const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mrun, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), e);
+        const __mmask16 grow = _mm512_mask_cmp_ps_mask(hm, mx, mrun, _CMP_GT_OQ);
+        float pmax[FMAXH], pinv[FMAXH];
+        __m512 psum[8];
+        UNROLL
+        for (int h = 0; h < 8; h++) {
+            psum[h] = _mm512_setzero_ps();
+            if (h >= NH) continue;
+            float *a = accp + (size_t)h * da, *p = sc + h * FB;
+            if (grow >> h & 1) {
+                const __m512 va = _mm512_permutexvar_ps(_mm512_set1_epi32(h), alpha);
+                for (int i = 0; i < da; i += 16) _mm512_store_ps(a + i, _mm512_mul_ps(_mm512_load_ps(a + i), va));
+            }
+            const __m512 mh = _mm512_permutexvar_ps(_mm512_set1_epi32(h), mn);
+            for (int j = 0; j < nj; j += 16) { /* past the block's end the weights are 0 */
+                const __m512 x = _mm512_maskz_mov_ps(kern_softmax_mask16(nj - j),
+                                                     exp512(_mm512_sub_ps(_mm512_load_ps(p + j), mh)));
+                _mm512_store_ps(p + j, x);
+                psum[h] = _mm512_add_ps(psum[h], x);
+            }
+            const float pm = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(8 + h), e));
+            pmax[h] = pm > FLT_MIN ? pm : FLT_MIN;
+            pinv[h] = 1.0f / pmax[h];
+        }
+        lrun = _mm512_fmadd_ps(lrun, alpha, fold8(psum, 1));
+        mrun = mn;
+        /* int16 weights per head and V group; bias sums */
+        for (int g = 0; g < vng; g++) {
+            float sm = _mm512_reduce_max_ps(smax[g]);
+            sm = sm > FLT_MIN ? sm : FLT_MIN;
+            const __m512 kg = _mm512_set1_ps(WMAX / sm);
+            __m512 bs[FMAXH];
+            __m512i wsum[FMAXH];
+            UNROLL
+            for (int h = 0; h < NH; h++) {
+                step[h][g] = pmax[h] * sm / WMAX;
+                bs[h] = _mm512_load_ps(accp + (size_t)h * da + d + 16 * g);
+                wsum[h] = _mm512_setzero_si512();
+            }
+            for (int j = 0; j < nj; j += 16) {
+                const __m512 sv = _mm512_mul_ps(_mm512_load_ps(vsb + 2 * g * FB + j), kg);
+                const __m512 bv = _mm512_load_ps(vsb + (2 * g + 1) * FB + j);
+                UNROLL
+                for (int h = 0; h < NH; h++) {
+                    const __m512 p = _mm512_load_ps(sc + h * FB + j);
+                    const __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(p, _mm512_set1_ps(pinv[h])), sv));
+                    _mm256_store_si256((__m256i *)(wq + (g * NH + h) * (FB / 2) + j / 2),
+                                       _mm512_cvtsepi32_epi16(_mm512_sub_epi32(w, _mm512_set1_epi32(32768))));
+                    wsum[h] = _mm512_add_epi32(wsum[h], w);
+                    bs[h] = _mm512_fmadd_ps(p, bv, bs[h]);
+                }
+            }
+            /* the mean part of the rounding: mid * (sum w - step * sum W) */
+            UNROLL
+            for (int h = 0; h < NH; h++)
+                _mm512_store_ps(accp + (size_t)h * da + d + 16 * g,
+                                _mm512_fnmadd_ps(_mm512_cvtepi32_ps(wsum[h]), _mm512_set1_ps(mid * step[h][g]), bs[h]));
+        }
+        const uint8_t *v0 = run->v + (size_t)j0 * vs;
+        if (VB == 8) v_block(8, NH, 0, v0, vs, nj, d, VG, wq, step, accp, da);
+        else if (VG % 64 && NH <= 4) v_block(4, NH, 1, v0, vs, nj, d, VG, wq, step, accp, da);
+        else v_block(4, NH, 0, v0, vs, nj, d, VG, wq, step, accp, da);
     }
     }
-    UNR
+    _mm512_mask_storeu_ps(s->m + h0, hm, mrun);
+    _mm512_mask_storeu_ps(s->l + h0, hm, lrun);
+    UNROLL
     for (int h = 0; h < NH; h++) {
+        const float *a = accp + (size_t)h * da;
         float *ah = s->acc + (size_t)(h0 + h) * d;
-        if (VB == 4) from_code_order(accp + (size_t)h * d, ah, d);
-        else memcpy(ah, accp + (size_t)h * d, sizeof(float) * (size_t)d);
+        for (int i = 0; i < d; i++) ah[v_value(VB, NH > 4 ? 2 : 4, i)] = a[i];
+        for (int g = 0; g < vng; g++) {
+            const __m512 b = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_load_ps(a + d + 16 * g)));
+            for (int i = g * VG; i < (g + 1) * VG; i += 16)
+                _mm512_storeu_ps(ah + i, _mm512_add_ps(_mm512_loadu_ps(ah + i), b));
+        }
     }
 }
 
-#define FAST_NH(KB, VB)                                                                                                \
-    static void fast_##KB##_##VB(int nh, struct kern_attn_state *s, int h0, const float *q,                           \
-                                 const struct kern_kv_rows *k, const struct kern_kv_rows *v,                          \
-                                 const struct kern_kv_run *runs, int n_runs) {                                        \
+#define FAST_NH(KB)                                                                                                    \
+    static void fast_##KB(int nh, struct kern_attn_state *s, int h0, const float *q, const struct kern_kv_rows *k,    \
+                          const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {                  \
         switch (nh) {                                                                                                  \
-        case 8: fast_attn(KB, VB, 8, s, h0, q, k, v, runs, n_runs); break;                                             \
-        case 7: fast_attn(KB, VB, 7, s, h0, q, k, v, runs, n_runs); break;                                             \
-        case 6: fast_attn(KB, VB, 6, s, h0, q, k, v, runs, n_runs); break;                                             \
-        case 5: fast_attn(KB, VB, 5, s, h0, q, k, v, runs, n_runs); break;                                             \
-        case 4: fast_attn(KB, VB, 4, s, h0, q, k, v, runs, n_runs); break;                                             \
-        case 3: fast_attn(KB, VB, 3, s, h0, q, k, v, runs, n_runs); break;                                             \
-        case 2: fast_attn(KB, VB, 2, s, h0, q, k, v, runs, n_runs); break;                                             \
-        default: fast_attn(KB, VB, 1, s, h0, q, k, v, runs, n_runs); break;                                            \
+        case 8: fast_attn(KB, 8, s, h0, q, k, v, runs, n_runs); break;                                                 \
+        case 7: fast_attn(KB, 7, s, h0, q, k, v, runs, n_runs); break;                                                 \
+        case 6: fast_attn(KB, 6, s, h0, q, k, v, runs, n_runs); break;                                                 \
+        case 5: fast_attn(KB, 5, s, h0, q, k, v, runs, n_runs); break;                                                 \
+        case 4: fast_attn(KB, 4, s, h0, q, k, v, runs, n_runs); break;                                                 \
+        case 3: fast_attn(KB, 3, s, h0, q, k, v, runs, n_runs); break;                                                 \
+        case 2: fast_attn(KB, 2, s, h0, q, k, v, runs, n_runs); break;                                                 \
+        default: fast_attn(KB, 1, s, h0, q, k, v, runs, n_runs); break;                                                \
         }                                                                                                              \
     }
-FAST_NH(4, 4)
-FAST_NH(8, 4)
-/* 8-bit V rows stay on the generic body for now: this V pass measured bimodal on them
- * (about 70 or 170-190 us/call at depth 4096 depending on where the buffers land, against
- * 120-140 generic), cause not found yet. The VB == 8 code below is kept for that work. */
+FAST_NH(4)
+FAST_NH(8)
 
-/* The fast path takes this format pair (K 4/8-bit, V 4-bit, groups of 32k). */
+/* The fast path takes this format pair (K and V 4/8-bit, groups of 32k). */
 static bool fast_ok(int d, const struct kern_kv_rows *k, const struct kern_kv_rows *v) {
-    return d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) && v->bits == 4 &&
-           k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 && d % v->group == 0;
+    return fast_wanted && d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) &&
+           (v->bits == 4 || v->bits == 8) && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
+           d % v->group == 0;
 }
 
 /* Up to FMAXH heads per pass: each pass reads the rows once. */
@@ -734,8 +636,8 @@ static void fast_heads(struct kern_attn_state *s, int h0, int nh, const float *q
                        const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
     while (nh > 0) {
         const int c = nh > FMAXH ? FMAXH : nh;
-        if (k->bits == 4) fast_4_4(c, s, h0, q, k, v, runs, n_runs);
-        else fast_8_4(c, s, h0, q, k, v, runs, n_runs);
+        if (k->bits == 4) fast_4(c, s, h0, q, k, v, runs, n_runs);
+        else fast_8(c, s, h0, q, k, v, runs, n_runs);
         h0 += c;
         nh -= c;
     }

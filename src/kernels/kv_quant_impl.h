@@ -24,9 +24,10 @@ void kern_kvq_attn_avx2(struct kern_attn_state *s, int h0, int nh, const float *
                         const struct kern_kv_rows *v, int n);
 void kern_kvq_attn_avx512(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                           const struct kern_kv_rows *v, int n);
-/* 0 turns the AVX-512 fast path's int8-query scoring off (tests that compare the
- * cache's logic with a float reference; not thread-safe with running kernels). */
-void kern_kvq_use_vnni(int on);
+/* 0 turns the AVX-512 fast path (int8 query, int16 value weights) off, leaving the
+ * generic float body for every format (tests that compare the cache's logic with a
+ * float reference; not thread-safe with running kernels). */
+void kern_kvq_use_fast(int on);
 /* Several runs with one setup, for the formats its fast path takes; false for others
  * (the caller then loops over the runs). */
 bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,

@@ -1,6 +1,7 @@
 /* The online-softmax step and e^x, one of each per ISA, shared by every attention
  * kernel of that ISA: the float-row kernels (attention.c, attention_avx512.c) and
- * the packed-row ones (kv_quant.c, kv_quant_simd.inc, kv_quant_avx512.c).
+ * the packed-row ones (kv_quant.c, kv_quant_simd.inc; the AVX-512 fast path in
+ * kv_quant_avx512.c does the same step for several heads side by side, with exp512).
  *
  * e^x for x <= 0: 2^n * p(r), r = x - n ln2, |r| <= ln2/2, p of degree 7; x < -87
  * gives 0 (beneath e^-87 a softmax term no longer matters). The scalar step uses
