@@ -34,10 +34,10 @@ struct kv_fmt {
     size_t row; /* bytes per row */
 };
 
-/* f16 copies of the rows of positions [p0, p0+n); shared by forks until one writes. */
-/* Rows of positions [p0, p0 + n) at slots [start, start + n) of cap per head. The
- * residual window drops its oldest rows by moving start on, and moves its rows back
- * to slot 0 only when an append would run past cap: not at every decode step. */
+/* f16 copies of the rows of positions [p0, p0 + n), at slots [start, start + n) of cap
+ * per head; shared by forks until one writes. The residual window drops its oldest
+ * rows by moving start on, and moves its rows back to slot 0 only when an append
+ * would run past cap: not at every decode step. */
 struct kv_win {
     int32_t refs;
     int32_t p0, n, cap, start;

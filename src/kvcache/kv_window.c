@@ -117,7 +117,10 @@ int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, int32_t *n_si
         if (kv_win_own(c, &st->rec) != 0) return -1;
         struct kv_win *w = st->rec;
         if (w->n > 0 && w->p0 + w->n != p) w->n = 0; /* not contiguous: restart */
-        if (w->n == 0) w->p0 = p, w->start = 0;
+        if (w->n == 0) {
+            w->p0 = p;
+            w->start = 0;
+        }
         /* queries before the offsets' point read every row in f16: all kept until then */
         int32_t lo = first - R + 1 > 0 && first >= mu_tokens(c) ? first - R + 1 : 0;
         /* R rows to spare: the rows then move back to slot 0 once every R tokens or so */

@@ -157,9 +157,11 @@ static struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backen
 /* KVQ_CUDA_PROFILE=1: each operation waits for the GPU before and after itself and
  * its time is added up per kind, printed when the backend is freed (a measurement
  * aid: the waits serialize what normally overlaps). */
-enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_GLU, P_EMBED, P_KV_ENCODE, P_KV_FINISH, P_ATTN_HOST, P_ATTN_GPU, P_ISSUE, P_N };
+enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_GLU, P_EMBED, P_KV_ENCODE, P_KV_FINISH, P_ATTN_HOST, P_ATTN_GPU, P_ISSUE,
+               P_N };
 static const char *const prof_names[P_N] = {"matvec", "gemm (dequantize + f16/TF32)", "norms", "glu", "embed",
-                                            "kv_append: host plan + RoPE and device encode", "sync: host copy of new KV rows",
+                                            "kv_append: plan, RoPE + device encode",
+                                            "sync: host copy of new KV rows",
                                             "attention: host plan + uploads", "attention: kernels",
                                             "issuing recorded work (graphs)"};
 static double now_s(void) {
@@ -986,15 +988,16 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
     struct cuk_qk_rope rope = {0};
     if (r) {
         if (!ensure_qprep(cb, n_tok, r->n_head, D)) return kvq_error("%s", cb->failure);
-        rope = (struct cuk_qk_rope){r->q, r->n_head, dev_vec(cb, r->q_norm), dev_vec(cb, r->k_norm), r->eps, r->cos,
-                                    r->sin, r->half, r->pairing, NULL, r->attn_scale};
+        rope = (struct cuk_qk_rope){.q = r->q, .k = r->k, .n_head = r->n_head, .q_norm = dev_vec(cb, r->q_norm),
+                                    .k_norm = dev_vec(cb, r->k_norm), .eps = r->eps, .cos = r->cos, .sin = r->sin,
+                                    .half = r->half, .pairing = r->pairing, .scale = r->attn_scale};
     }
     for (int f = 0; f < n_fmt; f++) {
         const struct kv_view *vw = &views[f];
         struct cuk_enc_args args = {
             .k_bits = vw->k_bits, .k_group = vw->k_group, .v_bits = vw->v_bits, .v_group = vw->v_group,
             .k_rot = vw->k_rot, .v_rot = vw->v_rot, .windows = vw->windows, .k_row = vw->k_row, .v_row = vw->v_row,
-            .head_bytes = vw->head_bytes, .win_row = vw->win_row, .n_kv = H, .head_dim = D, .k = (float *)k, .v = v,
+            .head_bytes = vw->head_bytes, .win_row = vw->win_row, .n_kv = H, .head_dim = D, .k = k, .v = v,
             .signs = cb->signs, .toks = (const struct cuk_enc_tok *)(cb->stage_d + toks_off) + first[f],
             .n = first[f + 1] - first[f], .readback = cb->rb_d, .rope = rope,
         };

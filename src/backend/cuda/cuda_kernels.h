@@ -167,6 +167,7 @@ size_t cuk_qprep_floats(int n, int n_head, int head_dim);
  * into rope.qprep when given (cuk_attn_args.qprep; one launch instead of three). */
 struct cuk_qk_rope {
     float *q;                     /* [batch tokens][n_head][D], or NULL: keys as they are */
+    float *k;                     /* where the rotated keys go: cuk_enc_args.k, [batch tokens][n_kv][D] */
     int n_head;
     const float *q_norm, *k_norm; /* [D] or NULL */
     float eps;
@@ -187,8 +188,7 @@ struct cuk_enc_args {
     int k_bits, k_group, v_bits, v_group, k_rot, v_rot, windows;
     size_t k_row, v_row, head_bytes, win_row;
     int n_kv, head_dim;
-    float *k;           /* [batch tokens][n_kv][D] (rotated in place with rope.q) */
-    const float *v;
+    const float *k, *v; /* [batch tokens][n_kv][D] (k rotated in place with rope.q) */
     const float *signs;
     const struct cuk_enc_tok *toks;
     int n;

@@ -76,7 +76,7 @@ __global__ void kv_encode(const cuk_enc_args a) {
         const cuk_qk_rope &r = a.rope;
         x = rope_head<D>(x, r.k_norm, r.eps, r.cos + (size_t)tk.t * r.half, r.sin + (size_t)tk.t * r.half, r.half,
                          r.pairing, buf);
-        a.k[at] = x;
+        r.k[at] = x;
     }
 
     if (a.windows) { /* f16 of the rotated input, without the offset */
