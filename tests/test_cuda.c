@@ -355,7 +355,7 @@ static void fill_rows(uint32_t type, uint8_t *w, size_t bytes) {
  * tokens, mma from 3 on). The second shape pads both the row tiles and the column
  * chunks. */
 static void test_matvec(void) {
-    /* the last one big enough that a block takes 4 chunks and a row 9 blocks */
+    /* the last one big enough that a block takes 8 chunks and a row 5 blocks, the last of them 1 chunk */
     static const struct {
         uint32_t type;
         int rows, cols;
