@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
  * slices' sums in slice order. */
 /* Warps a product aims at (chunks_per_warp). 1536 gives the 7-8B shapes 8 chunks a
  * warp: 16-token products then take fewer slices and add fewer partial sums, and
- * batch 16 decodes 10-17% faster than with 6144 (2 chunks for Q/K/V and O) at equal
+ * batch 16 decodes 10-22% faster than with 6144 (2 chunks for Q/K/V and O) at equal
  * batch-1 speed (H100, llama3-8b Q4_0, depth 512; KVQ_MV_WARPS alternating). */
 #define MV_WARPS 1536
 #define MV_TILES 4 /* tiles (warps) of a block */
