@@ -377,13 +377,13 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
                          const float *v, const struct be_rope *r) {
     struct cpu_backend *cb = cpu(b);
     if (n_seqs <= 0) return 0;
+    const int n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
     if (r) {
-        const int n = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
         const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
-        for_each_token(cb, n, cost, qk_rope_token, r);
+        for_each_token(cb, n_tok, cost, qk_rope_token, r);
     }
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
-    const int H = sh->n_kv_heads, n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
+    const int H = sh->n_kv_heads;
     const size_t tok = (size_t)H * sh->head_dim;
     bool split = n_tok >= 4 && kvq_pool_size(cb->pool) > 1;
     for (int s = 0; s < n_seqs && split; s++) split = kv_cache_append_splits_exactly(seqs[s].cache, seqs[s].n);

@@ -1,5 +1,5 @@
 /* A head vector of D values held by a block of D threads, one value each: its
- * per-head RMSNorm and RoPE (the CPU backend's qk_rope, same arithmetic), and a
+ * per-head RMSNorm and RoPE (the CPU backend's qk_rope_token, same arithmetic), and a
  * query's preparation for the attention kernels (scaled, q.mu, rotated as the keys
  * are). Shared by the append launch (kv_encode.cu), which does both for a layer's
  * new queries and keys, and attn_prep_q (attention.cu) for queries it did not see. */
