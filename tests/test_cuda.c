@@ -387,15 +387,16 @@ static void test_matvec(void) {
         struct cuk_weight cw = {type, dw, rows, cols, rb, NULL};
         if (cuk_repacked(type)) {
             const size_t all = cuk_repacked_bytes(type, rows, cols), codes = cuk_repacked_code_bytes(type, rows, cols);
-            uint8_t *packed = malloc(all);
-            cuk_repack(type, w, rows, cols, packed, (uint16_t *)(packed + codes));
+            uint8_t *packed;
+            cudaMalloc((void **)&packed, all);
+            cudaMemset(packed, 0x5a, all); /* the padding too must be written */
+            cudaMemcpy(dw, w, bytes, cudaMemcpyHostToDevice);
+            cuk_repack(&tq, type, dw, rows, cols, packed, (uint16_t *)(packed + codes));
             cudaFree(dw);
-            cudaMalloc((void **)&dw, all);
-            cudaMemcpy(dw, packed, all, cudaMemcpyHostToDevice);
+            dw = packed;
             cw.data = dw;
             cw.row_bytes = 0;
             cw.scales = (const uint16_t *)(dw + codes);
-            free(packed);
             /* the tiles read back row by row */
             float *dq, *dq_h = malloc(sizeof(float) * rows * cols);
             cudaMalloc((void **)&dq, sizeof(float) * rows * cols);

@@ -258,7 +258,7 @@ static int add_entry(struct cuda_backend *cb, const void *host, size_t bytes, co
     e->bytes = bytes;
     cudaError_t st = cudaMalloc((void **)&e->dev, data_bytes ? data_bytes : 1);
     if (st != cudaSuccess) return kvq_error("CUDA: no device memory for %zu bytes of weights (%s)", data_bytes, cudaGetErrorString(st));
-    st = cudaMemcpy(e->dev, data, data_bytes, cudaMemcpyHostToDevice);
+    if (data) st = cudaMemcpy(e->dev, data, data_bytes, cudaMemcpyHostToDevice);
     if (st != cudaSuccess) {
         cudaFree(e->dev);
         return kvq_error("CUDA: copying weights: %s", cudaGetErrorString(st));
@@ -280,17 +280,24 @@ static int cuda_upload_weight(struct backend *b, const struct weight *w) {
         if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, w->row_bytes, NULL};
         return 0;
     }
-    /* codes, then the scales, in one device allocation */
+    /* codes, then the scales, in one device allocation, repacked there from the rows
+     * as they are (a temporary copy) */
     const size_t codes = cuk_repacked_code_bytes(w->type, w->rows, w->cols),
-                 bytes = cuk_repacked_bytes(w->type, w->rows, w->cols);
-    uint8_t *host = malloc(bytes);
-    if (!host) return kvq_error("out of memory repacking a weight of %zu bytes", bytes);
-    cuk_repack(w->type, w->data, w->rows, w->cols, host, (uint16_t *)(host + codes));
-    int rc = add_entry(cb, w, sizeof *w, host, bytes, &e);
-    free(host);
-    if (rc != 0) return -1;
-    if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, 0, (const uint16_t *)(e->dev + codes)};
+                 bytes = cuk_repacked_bytes(w->type, w->rows, w->cols), raw_bytes = w->row_bytes * (size_t)w->rows;
+    if (add_entry(cb, w, sizeof *w, NULL, bytes, &e) != 0) return -1;
+    if (!e) return 0;
+    e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, 0, (const uint16_t *)(e->dev + codes)};
     cb->any_repacked = true;
+    uint8_t *raw = NULL;
+    cudaError_t st = cudaMalloc((void **)&raw, raw_bytes);
+    if (st == cudaSuccess) st = cudaMemcpyAsync(raw, w->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream);
+    if (st == cudaSuccess) {
+        cuk_repack(&cb->q, w->type, raw, w->rows, w->cols, e->dev, (uint16_t *)(e->dev + codes));
+        st = cuk_queue_error(&cb->q);
+    }
+    if (st == cudaSuccess) st = cudaStreamSynchronize(cb->stream);
+    cudaFree(raw);
+    if (st != cudaSuccess) return kvq_error("CUDA: repacking a weight of %zu bytes: %s", raw_bytes, cudaGetErrorString(st));
     return 0;
 }
 

@@ -41,9 +41,11 @@ int cuk_repacked(uint32_t type);
 /* Bytes of the repacked codes, and of the codes and scales together. */
 size_t cuk_repacked_code_bytes(uint32_t type, int64_t rows, int64_t cols);
 size_t cuk_repacked_bytes(uint32_t type, int64_t rows, int64_t cols);
-/* Repacks rows (host memory, the GGUF layout) into codes and scales (host memory of
- * the sizes above, zeroed here first). */
-void cuk_repack(uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes, uint16_t *scales);
+/* Repacks rows in the GGUF layout into codes and scales of the sizes above, padding
+ * included: all device memory, on the queue (the host's copy of the rows is
+ * uploaded as it is, so loading a model costs no host work per value). */
+void cuk_repack(struct cuk_queue *qu, uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
+                uint16_t *scales);
 
 /* Inputs of the repacked types' kernels: x rounded to int8 in blocks of 32, with
  * each block's scale and the sum of its codes (as the CPU's q8 activations). */

@@ -11,7 +11,6 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
@@ -230,27 +229,48 @@ extern "C" size_t cuk_repacked_bytes(uint32_t type, int64_t rows, int64_t cols) 
     return codes + codes / 1024 * 16 * (size_t)CUK_CHUNK_BLOCKS(type) * sizeof(uint16_t);
 }
 
-extern "C" void cuk_repack(uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
-                           uint16_t *scales) {
-    const int64_t nb = cols / 32, bpc = CUK_CHUNK_BLOCKS(type), nch = chunks_of(type, cols);
-    const size_t bb = type == KVQ_Q4_0 ? 18 : 34;
-    const size_t code_bytes = cuk_repacked_code_bytes(type, rows, cols);
-    memset(codes, 0, code_bytes);
-    memset(scales, 0, code_bytes / 1024 * 16 * (size_t)bpc * sizeof(uint16_t));
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = src + ((size_t)r * nb + b) * bb;
-            const int64_t tile = r / 16, rr = r % 16, c = b / bpc, j = b % bpc, unit = tile * nch + c;
-            int v[32]; /* codes: 0..15 for Q4_0, signed bytes for Q8_0 */
-            for (int k = 0; k < 32; k++)
-                v[k] = type == KVQ_Q4_0 ? (k < 16 ? blk[2 + k] & 15 : blk[2 + k - 16] >> 4) : (int)(int8_t)blk[2 + k];
-            memcpy(scales + (unit * 16 + rr) * bpc + j, blk, 2);
-            for (int t = 0; t < 4; t++) {
-                uint8_t *dst = codes + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + t) * 16;
-                for (int i = 0; i < 4 && type == KVQ_Q4_0; i++) dst[j * 4 + i] = (uint8_t)(v[8 * t + i] | v[8 * t + 4 + i] << 4);
-                for (int i = 0; i < 8 && type == KVQ_Q8_0; i++) dst[j * 8 + i] = (uint8_t)v[8 * t + i];
+/* One thread per (tile, chunk, row of the tile, block j of the chunk): that block's
+ * codes into the 4 lanes' bytes that hold them, and its scale; rows and blocks past
+ * the matrix become zeros (the padding). */
+template <uint32_t T>
+__global__ void repack_k(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes, uint16_t *scales) {
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T), BB = T == KVQ_Q4_0 ? 18 : 34;
+    const int64_t nb = cols / 32, nch = chunks_of(T, cols), i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (rows + 15) / 16 * nch * 16 * BPC) return;
+    const int j = (int)(i % BPC), rr = (int)(i / BPC % 16);
+    const int64_t unit = i / (BPC * 16), r = unit / nch * 16 + rr, b = unit % nch * BPC + j;
+    const bool in = r < rows && b < nb;
+    const uint8_t *blk = src + (in ? r * nb + b : 0) * BB;
+    scales[i] = in ? (uint16_t)(blk[0] | blk[1] << 8) : 0; /* [unit][row][block]: i itself */
+    for (int t = 0; t < 4; t++) {
+        uint8_t *dst = codes + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + t) * 16;
+        if (T == KVQ_Q4_0) { /* byte k: code(8t + k) | code(8t + 4 + k) << 4, code(e) being ggml's
+                              * nibble: the low one of byte e for e < 16, else the high one of byte e - 16 */
+            uint32_t v = 0;
+            for (int k = 0; k < 4 && in; k++) {
+                const int e0 = 8 * t + k, e1 = e0 + 4;
+                const int c0 = e0 < 16 ? blk[2 + e0] & 15 : blk[2 + e0 - 16] >> 4;
+                const int c1 = e1 < 16 ? blk[2 + e1] & 15 : blk[2 + e1 - 16] >> 4;
+                v |= (uint32_t)(c0 | c1 << 4) << (8 * k);
             }
+            *(uint32_t *)(dst + j * 4) = v;
+        } else {
+            uint2 v = make_uint2(0, 0);
+            for (int k = 0; k < 4 && in; k++) {
+                v.x |= (uint32_t)blk[2 + 8 * t + k] << (8 * k);
+                v.y |= (uint32_t)blk[2 + 8 * t + 4 + k] << (8 * k);
+            }
+            *(uint2 *)(dst + j * 8) = v;
         }
+    }
+}
+
+extern "C" void cuk_repack(cuk_queue *qu, uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
+                           uint16_t *scales) {
+    const int64_t n = (rows + 15) / 16 * chunks_of(type, cols) * 16 * CUK_CHUNK_BLOCKS(type);
+    const dim3 grid((unsigned)((n + 255) / 256)), block(256);
+    if (type == KVQ_Q4_0) queue_launch(repack_k<KVQ_Q4_0>, grid, block, qu, src, rows, cols, codes, scales);
+    else queue_launch(repack_k<KVQ_Q8_0>, grid, block, qu, src, rows, cols, codes, scales);
 }
 
 __global__ void quantize_x(const float *x, int64_t x_stride, int64_t k, int8_t *q, float2 *dsum) {
