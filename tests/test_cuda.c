@@ -680,7 +680,7 @@ static void test_device_append(struct backend *be, const struct attn_case *ac) {
 }
 
 static void test_attention(void) {
-    struct backend *be = backend_cuda_new();
+    struct backend *be = backend_cuda_new(0);
     CHECK(be != NULL, "CUDA backend: %s", kvq_last_error());
     if (!be) return;
     CHECK(be->ops->reserve(be, 64, 4096) == 0, "reserve: %s", kvq_last_error());

@@ -57,6 +57,15 @@ struct split_case {
     int window;
 };
 
+/* kv_cache_append_end, then the re-encoding parts it returns (at the offsets' point),
+ * last first: they may run in any order. */
+static int append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
+                      const uint8_t *wv, int *parts) {
+    *parts = kv_cache_append_end(c, p0, n, k, v, wk, wv);
+    for (int i = *parts - 1; i >= 0; i--) kv_cache_offsets_part(c, i);
+    return *parts < 0 ? -1 : 0;
+}
+
 static void run_case(const struct split_case *sc) {
     const struct kv_shape shape = {8, 2, 64, sc->window};
     const int H = 2, D = 64;
@@ -77,7 +86,14 @@ static void run_case(const struct split_case *sc) {
         rows_of(host, p0, n, rk, rv, rwk, rwv);
         CHECK(kv_cache_append_begin(split, n) == 0, "%s: begin: %s", sc->name, kvq_last_error());
         CHECK(kv_cache_n_past(split) == p0 + n, "%s: begin advances the sequence", sc->name);
-        CHECK(kv_cache_append_end(split, p0, n, rk, rv, rwk, rwv) == 0, "%s: end: %s", sc->name, kvq_last_error());
+        struct kv_view before, after;
+        kv_cache_view(split, &before);
+        int parts;
+        CHECK(append_end(split, p0, n, rk, rv, rwk, rwv, &parts) == 0, "%s: end: %s", sc->name, kvq_last_error());
+        /* a chunk ending at the offsets' point leaves their re-encoding in parts */
+        kv_cache_view(split, &after);
+        const bool chosen = !before.mu && after.mu;
+        CHECK(parts == (chosen ? 2 * H : 0), "%s: end at %d tokens returned %d parts", sc->name, p0 + n, parts);
         all_same = all_same && same_bytes(host, split);
     }
     CHECK(all_same, "%s: begin + rows + end differs from a host append", sc->name);
@@ -87,7 +103,8 @@ static void run_case(const struct split_case *sc) {
     CHECK(kv_cache_append(host, 3, k, v) == 0 && kv_cache_trim(host, 3) == 3, "%s: host append + trim", sc->name);
     CHECK(kv_cache_append_begin(split, 3) == 0, "%s: begin", sc->name);
     CHECK(kv_cache_trim(split, 3) == 3, "%s: trim", sc->name);
-    CHECK(kv_cache_append_end(split, np, 3, rk, rv, rwk, rwv) == 0 && kv_cache_n_past(split) == np,
+    int parts;
+    CHECK(append_end(split, np, 3, rk, rv, rwk, rwv, &parts) == 0 && parts == 0 && kv_cache_n_past(split) == np,
           "%s: end after a trim", sc->name);
     CHECK(same_bytes(host, split), "%s: a dropped batch changed the cache", sc->name);
     printf("%-34s split appends equal host appends: %s\n", sc->name, all_same ? "yes" : "NO");

@@ -3,7 +3,8 @@
 #include "core/error.h"
 
 #ifndef KVQ_HAVE_CUDA
-struct backend *backend_cuda_new(void) {
+struct backend *backend_cuda_new(int n_threads) {
+    (void)n_threads;
     kvq_error("this kvq was built without CUDA: configure with -DKVQ_CUDA=ON to use --device cuda");
     return NULL;
 }

@@ -296,7 +296,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     if (c->p.n_ctx == 0) c->p.n_ctx = hp->n_ctx_train;
     if (c->p.kv_budget_bytes == 0) c->p.kv_budget_bytes = default_budget(c);
     if (p->device != KVQ_DEVICE_CUDA && model_pack_rows16(m->model, p->n_threads) != 0) goto fail;
-    c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new() : backend_cpu_new(p->n_threads);
+    c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new(p->n_threads) : backend_cpu_new(p->n_threads);
     c->fwd = c->be ? forward_new(m->model, c->be, p->n_batch) : NULL;
     c->kv_pool = c->be ? c->be->ops->kv_pool_new(c->be, c->p.kv_budget_bytes) : NULL;
     c->caches = calloc((size_t)p->n_seq * hp->n_layer, sizeof *c->caches);

@@ -160,11 +160,16 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
  * kv_cache_append_end() copies them into the host rows, before the cache is next
  * used on the host. k, v: [n][n_kv_heads] block rows; wk, wv: [n][n_kv_heads] window
  * rows (ignored without windows). Rows of positions trimmed since are skipped. When
- * the batch reaches the offsets' point, end chooses them and encodes the rows again
- * (the epoch changes). 0 or -1 with an error. */
+ * the batch reaches the offsets' point, end chooses them (the epoch changes) and the
+ * rows before it must be encoded again: end then returns how many parts that work
+ * has, and the caller runs kv_cache_offsets_part() for each before the cache is used
+ * again. Otherwise 0; -1 with an error. */
 int kv_cache_append_begin(struct kv_cache *c, int n);
 int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
                         const uint8_t *wv);
+/* Part `part` of that work (a side and a head: an offsets vector and T rows). Parts of
+ * this cache and of others may run at once on several threads, in any order. */
+void kv_cache_offsets_part(struct kv_cache *c, int part);
 /* The rows kv_cache_append_end() takes for one new token (after kv_cache_append_begin)
  * from its keys and values k, v ([n_kv_heads][head_dim]): block rows kr, vr and, with
  * a residual window, f16 window rows wk, wv ([n_kv_heads] rows of kv_view's k_row,

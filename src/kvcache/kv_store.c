@@ -343,45 +343,57 @@ static int store_to_quantized(struct kv_cache *c) {
     return reencode(c, tk, tv);
 }
 
-/* Sets the offsets from the residual window's f16 rows of positions 1..T-1 (it holds
- * every position so far), then re-encodes the packed rows of positions 0..T-1 with
- * them from those f16 rows. (Window rows never carry the offsets.) */
-static int offsets_from_window(struct kv_cache *c) {
+/* The offsets come from the residual window's f16 rows of positions 1..T-1 (it holds
+ * every position so far), and the packed rows of positions 0..T-1 are then encoded
+ * again with them from those f16 rows. (Window rows never carry the offsets.) In two
+ * steps, so that a backend can spread the second over threads: offsets_choose makes
+ * the blocks private and marks the rows changed; each of its 2 H parts (a side and a
+ * head: offsets_part) then sets its offsets and writes its rows, touching nothing
+ * another part reads or writes. Returns the parts, 0 when the window does not have
+ * the expected shape (e.g. after a trim: no offsets), -1 on error. */
+static int offsets_choose(struct kv_cache *c) {
     struct kv_store *st = store_of(c);
-    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
     const int32_t T = mu_tokens(c);
     const struct kv_win *w = st->rec;
-    if (w->p0 != 0 || w->n < T) return 0; /* not the expected shape (e.g. after a trim): no offsets */
-    for (int32_t L = 0; L <= (T - 1) / B; L++)
+    if (w->p0 != 0 || w->n < T) return 0;
+    for (int32_t L = 0; L <= (T - 1) / B; L++) {
         if (block_private(c, L) != 0) return -1;
-    float x[KERN_KVQ_MAX_DIM];
-    memset(st->mu, 0, sizeof(float) * 2 * (size_t)H * D);
-    for (int side = 0; side < 2; side++)
-        for (int h = 0; h < H; h++) {
-            float *mu = st->mu + ((size_t)side * H + h) * D;
-            const struct kv_fmt *f = side ? &st->wvf : &st->wkf;
-            for (int32_t p = 1; p < T; p++) {
-                kv_decode_row(st, f, D, kv_win_row(w, f, side, h, p), NULL, x);
-                for (int i = 0; i < D; i++) mu[i] += x[i] / (float)(T - 1);
-            }
-        }
-    st->mu_set = true;
-    c->epoch++; /* offsets chosen */
-    for (int side = 0; side < 2; side++) {
-        const struct kv_fmt *wf = side ? &st->wvf : &st->wkf, *pf = side ? &st->vf : &st->kf;
-        for (int h = 0; h < H; h++) {
-            const float *mu = kv_side_mu(st, pf, side, h, D, H);
-            for (int32_t p = 0; p < T; p++) {
-                kv_decode_row(st, wf, D, kv_win_row(w, wf, side, h, p), NULL, x);
-                struct kv_block *b = kv_store_block(st, p);
-                if (!b) continue;
-                kv_block_touch(st->pool, b, p % B, p % B + 1);
-                kv_encode_row(st, pf, D, x, mu, kv_block_row(c, b, side, h, p));
-            }
-        }
+        struct kv_block *b = kv_store_block(st, L * B);
+        if (b) kv_block_touch(st->pool, b, 0, T - L * B < B ? T - L * B : B);
     }
-    return 0;
+    st->mu_set = true; /* each part sets its own offsets before it reads them */
+    c->epoch++;        /* offsets chosen */
+    return 2 * c->shape.n_kv_heads;
 }
+
+static void offsets_part(struct kv_cache *c, int part) {
+    struct kv_store *st = store_of(c);
+    const int H = c->shape.n_kv_heads, D = c->shape.head_dim, side = part / H, h = part % H;
+    const int32_t T = mu_tokens(c);
+    const struct kv_win *w = st->rec;
+    const struct kv_fmt *wf = side ? &st->wvf : &st->wkf, *pf = side ? &st->vf : &st->kf;
+    float *mu = st->mu + ((size_t)side * H + h) * D, x[KERN_KVQ_MAX_DIM];
+    memset(mu, 0, sizeof(float) * (size_t)D);
+    for (int32_t p = 1; p < T; p++) {
+        kv_decode_row(st, wf, D, kv_win_row(w, wf, side, h, p), NULL, x);
+        for (int i = 0; i < D; i++) mu[i] += x[i] / (float)(T - 1);
+    }
+    const float *pmu = kv_side_mu(st, pf, side, h, D, H);
+    for (int32_t p = 0; p < T; p++) {
+        struct kv_block *b = kv_store_block(st, p);
+        if (!b) continue;
+        kv_decode_row(st, wf, D, kv_win_row(w, wf, side, h, p), NULL, x);
+        kv_encode_row(st, pf, D, x, pmu, kv_block_row(c, b, side, h, p));
+    }
+}
+
+static int offsets_from_window(struct kv_cache *c) {
+    const int parts = offsets_choose(c);
+    for (int i = 0; i < parts; i++) offsets_part(c, i);
+    return parts < 0 ? -1 : 0;
+}
+
+void kv_cache_offsets_part(struct kv_cache *c, int part) { offsets_part(c, part); }
 
 /* Appends n tokens; `first` is the position of the first token of the whole batch
  * (its queries' needs decide what may be released). */
@@ -458,10 +470,16 @@ int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k,
             }
     }
     /* The offsets are chosen at T tokens (the device encoded without them): the rows
-     * from T on are encoded again with them, from their f16 window rows. */
+     * before T are encoded again with them by the caller (the parts), the rows from T
+     * on here, from their f16 window rows. */
     const int32_t T = mu_tokens(c);
+    int parts = 0;
     if (!st->mu_set && win && T > 0 && p0 < T && p0 + n >= T) {
-        if (offsets_from_window(c) != 0) return -1;
+        if ((parts = offsets_choose(c)) < 0) return -1;
+        if (p0 + n > T) { /* rows past T need the offsets now (devices end a pass at T) */
+            for (int i = 0; i < parts; i++) offsets_part(c, i);
+            parts = 0;
+        }
         float x[KERN_KVQ_MAX_DIM];
         for (int32_t p = T; st->mu_set && p < p0 + n; p++) {
             struct kv_block *b = kv_store_block(st, p);
@@ -476,7 +494,7 @@ int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k,
             }
         }
     }
-    return 0;
+    return parts;
 }
 
 /* Keeps the first n positions. A rotating or sliding-window cache can go back only

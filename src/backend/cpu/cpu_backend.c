@@ -426,9 +426,10 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
     for_each_token(cb, n_tok, (int64_t)tok * 16, append_row_token, cb->append_rows); /* rotation + packing */
     for (int s = 0; s < n_seqs; s++) {
         const struct append_row *r = &cb->append_rows[seqs[s].first];
-        if (kv_cache_append_end(seqs[s].cache, kv_cache_n_past(seqs[s].cache) - seqs[s].n, seqs[s].n, r->kr, r->vr,
-                                r->wk, r->wv) != 0)
-            return -1;
+        const int parts = kv_cache_append_end(seqs[s].cache, kv_cache_n_past(seqs[s].cache) - seqs[s].n, seqs[s].n,
+                                              r->kr, r->vr, r->wk, r->wv);
+        if (parts < 0) return -1;
+        for (int i = 0; i < parts; i++) kv_cache_offsets_part(seqs[s].cache, i); /* none: this path ends before */
     }
     return 0;
 }

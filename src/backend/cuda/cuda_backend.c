@@ -33,6 +33,7 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/threadpool.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
 #include "model/model.h"
@@ -143,6 +144,12 @@ struct cuda_backend {
     struct cuda_mirror **uc_mirror;
     int *uc_chunk;
     int cap_uc;
+    /* host threads (made at first need): the offsets' re-encoding of caches that
+     * reach their offsets point, spread over them (kv_cache_offsets_part) */
+    struct kvq_pool *pool;
+    int n_threads;
+    struct offsets_job *jobs;
+    int n_jobs, cap_jobs;
     bool prof;
     double prof_s[16];
     long prof_n[16];
@@ -1022,6 +1029,32 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
     return 0;
 }
 
+/* A cache's re-encoding at its offsets point, in parts (kv_cache_append_end). */
+struct offsets_job {
+    struct kv_cache *cache;
+    int parts;
+};
+
+static void offsets_task(void *arg, int ith, int nth) {
+    const struct cuda_backend *cb = arg;
+    long total = 0, begin, end;
+    for (int j = 0; j < cb->n_jobs; j++) total += cb->jobs[j].parts;
+    kvq_split(total, ith, nth, &begin, &end);
+    for (int j = 0, first = 0; j < cb->n_jobs; first += cb->jobs[j++].parts)
+        for (long i = begin > first ? begin : first; i < end && i < first + cb->jobs[j].parts; i++)
+            kv_cache_offsets_part(cb->jobs[j].cache, (int)(i - first));
+}
+
+/* The parts of the caches that reached their offsets point this step: 32 layers of 8
+ * KV heads re-encode 2 x 8 x 128 rows each, about 70 ms on one host thread. */
+static void run_offsets_jobs(struct cuda_backend *cb) {
+    if (cb->n_jobs == 0) return;
+    if (!cb->pool && cb->n_threads != 1) cb->pool = kvq_pool_new(cb->n_threads); /* else: this thread */
+    if (cb->pool) kvq_pool_run(cb->pool, offsets_task, cb);
+    else offsets_task(cb, 0, 1);
+    cb->n_jobs = 0;
+}
+
 /* After the step: the host's copy of the rows the device encoded. */
 static int finish_appends(struct cuda_backend *cb) {
     int rc = 0;
@@ -1029,9 +1062,23 @@ static int finish_appends(struct cuda_backend *cb) {
     for (int i = 0; i < cb->n_pending && rc == 0; i++) {
         const struct pending_append *pa = &cb->pending[i];
         const uint8_t *h = cb->rb_h;
-        rc = kv_cache_append_end(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v, pa->windows ? h + pa->wk : NULL,
-                                 pa->windows ? h + pa->wv : NULL);
+        const int parts = kv_cache_append_end(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v,
+                                              pa->windows ? h + pa->wk : NULL, pa->windows ? h + pa->wv : NULL);
+        if (parts < 0) rc = -1;
+        if (parts <= 0) continue;
+        if (cb->n_jobs == cb->cap_jobs) {
+            const int cap = cb->cap_jobs ? 2 * cb->cap_jobs : 64;
+            struct offsets_job *j = realloc(cb->jobs, sizeof *j * (size_t)cap);
+            if (!j) { /* this thread does it */
+                for (int p = 0; p < parts; p++) kv_cache_offsets_part(pa->cache, p);
+                continue;
+            }
+            cb->jobs = j;
+            cb->cap_jobs = cap;
+        }
+        cb->jobs[cb->n_jobs++] = (struct offsets_job){pa->cache, parts};
     }
+    run_offsets_jobs(cb); /* also after an error: every cache is left whole */
     cb->n_pending = 0;
     cb->rb_used = 0;
     prof_end(cb, P_KV_FINISH, t0);
@@ -1248,6 +1295,8 @@ static void cuda_free(struct backend *b) {
                 "as graphs, %ld captured, %ld launch by launch\n",
                 cb->steps, 1e6 * cb->issue_s / (double)cb->steps, 1e6 * cb->wait_s / (double)cb->steps,
                 cb->q.n_replays, cb->q.n_captures, cb->q.n_eager);
+    kvq_pool_free(cb->pool);
+    free(cb->jobs);
     for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
     free(cb->ents);
     cudaFree(cb->deq);
@@ -1302,7 +1351,7 @@ static const struct backend_ops cuda_ops = {
     .sync = cuda_sync,
 };
 
-struct backend *backend_cuda_new(void) {
+struct backend *backend_cuda_new(int n_threads) {
     int n = 0;
     cudaError_t st = cudaGetDeviceCount(&n);
     if (st != cudaSuccess || n == 0) {
@@ -1315,6 +1364,7 @@ struct backend *backend_cuda_new(void) {
         return NULL;
     }
     cb->base.ops = &cuda_ops;
+    cb->n_threads = n_threads;
     const char *prof = getenv("KVQ_CUDA_PROFILE");
     cb->prof_steps = prof && strcmp(prof, "steps") == 0;
     cb->prof = prof && *prof && strcmp(prof, "0") != 0 && !cb->prof_steps;
