@@ -348,9 +348,9 @@ static int store_to_quantized(struct kv_cache *c) {
  * again with them from those f16 rows. (Window rows never carry the offsets.) In two
  * steps, so that a backend can spread the second over threads: offsets_choose makes
  * the blocks private and marks the rows changed; each of its 2 H parts (a side and a
- * head: offsets_part) then sets its offsets and writes its rows, touching nothing
- * another part reads or writes. Returns the parts, 0 when the window does not have
- * the expected shape (e.g. after a trim: no offsets), -1 on error. */
+ * head, kv_cache_offsets_part) then sets its offsets and writes its rows, touching
+ * nothing another part reads or writes. Returns the parts, 0 when the window does not
+ * have the expected shape (e.g. after a trim: no offsets), -1 on error. */
 static int offsets_choose(struct kv_cache *c) {
     struct kv_store *st = store_of(c);
     const int32_t T = mu_tokens(c);
@@ -366,7 +366,7 @@ static int offsets_choose(struct kv_cache *c) {
     return 2 * c->shape.n_kv_heads;
 }
 
-static void offsets_part(struct kv_cache *c, int part) {
+void kv_cache_offsets_part(struct kv_cache *c, int part) {
     struct kv_store *st = store_of(c);
     const int H = c->shape.n_kv_heads, D = c->shape.head_dim, side = part / H, h = part % H;
     const int32_t T = mu_tokens(c);
@@ -389,11 +389,9 @@ static void offsets_part(struct kv_cache *c, int part) {
 
 static int offsets_from_window(struct kv_cache *c) {
     const int parts = offsets_choose(c);
-    for (int i = 0; i < parts; i++) offsets_part(c, i);
+    for (int i = 0; i < parts; i++) kv_cache_offsets_part(c, i);
     return parts < 0 ? -1 : 0;
 }
-
-void kv_cache_offsets_part(struct kv_cache *c, int part) { offsets_part(c, part); }
 
 /* Appends n tokens; `first` is the position of the first token of the whole batch
  * (its queries' needs decide what may be released). */
@@ -477,7 +475,7 @@ int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k,
     if (!st->mu_set && win && T > 0 && p0 < T && p0 + n >= T) {
         if ((parts = offsets_choose(c)) < 0) return -1;
         if (p0 + n > T) { /* rows past T need the offsets now (devices end a pass at T) */
-            for (int i = 0; i < parts; i++) offsets_part(c, i);
+            for (int i = 0; i < parts; i++) kv_cache_offsets_part(c, i);
             parts = 0;
         }
         float x[KERN_KVQ_MAX_DIM];

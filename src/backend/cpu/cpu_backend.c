@@ -429,7 +429,7 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
         const int parts = kv_cache_append_end(seqs[s].cache, kv_cache_n_past(seqs[s].cache) - seqs[s].n, seqs[s].n,
                                               r->kr, r->vr, r->wk, r->wv);
         if (parts < 0) return -1;
-        for (int i = 0; i < parts; i++) kv_cache_offsets_part(seqs[s].cache, i); /* none: this path ends before */
+        for (int i = 0; i < parts; i++) kv_cache_offsets_part(seqs[s].cache, i); /* none: splits_exactly */
     }
     return 0;
 }
