@@ -445,6 +445,12 @@ static inline void pf_range(const uint8_t *p, size_t bytes) {
     _mm_prefetch((const char *)p + bytes - 1, _MM_HINT_T0);
 }
 
+/* The same into L2 only: a whole run ahead, where L1 could not hold it. */
+static inline void pf_range_l2(const uint8_t *p, size_t bytes) {
+    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+    _mm_prefetch((const char *)p + bytes - 1, _MM_HINT_T1);
+}
+
 /* Rows stream from L3/DRAM: fetch the K and V rows [j, j + 16) of the run (past its
  * end: the next run's first rows) well ahead, one prefetch per 64 bytes. */
 static inline void pf_tile(const struct kern_kv_run *run, const struct kern_kv_run *next, int j, size_t ks, size_t vs,
@@ -492,6 +498,13 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
     }
     for (int ri = 0; ri < n_runs; ri++) {
     const struct kern_kv_run *run = &runs[ri], *next = ri + 1 < n_runs ? &runs[ri + 1] : run;
+    /* the next run whole into L2 while this one is scored (pf_tile then brings its
+     * rows on into L1): batch 16 at depth 1024 decoded 13-25% faster with K8V4 and
+     * K4V4 (tinydoc-q8_0, -t 2, 3 alternating pairs) */
+    if (next != run) {
+        pf_range_l2(next->k, (size_t)(next->n - 1) * ks + krb);
+        pf_range_l2(next->v, (size_t)(next->n - 1) * vs + vrb);
+    }
     for (int j0 = 0; j0 < run->n; j0 += FB) {
         const int nj = run->n - j0 < FB ? run->n - j0 : FB;
         /* scores, and the V rows' scales and biases, 16 rows at a time */
