@@ -501,7 +501,7 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
     /* the next run whole into L2 while this one is scored (pf_tile then brings its
      * rows on into L1): batch 16 at depth 1024 decoded 13-25% faster with K8V4 and
      * K4V4 (tinydoc-q8_0, -t 2, 3 alternating pairs) */
-    if (next != run) {
+    if (next != run && next->n > 0) {
         pf_range_l2(next->k, (size_t)(next->n - 1) * ks + krb);
         pf_range_l2(next->v, (size_t)(next->n - 1) * vs + vrb);
     }
