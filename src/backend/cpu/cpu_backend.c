@@ -350,6 +350,10 @@ struct append_row {
     const float *k, *v;
     uint8_t *kr, *vr, *wk, *wv;
 };
+/* Part t of a cache's offsets re-encoding (kv_cache_append_end); the parts write
+ * disjoint rows, so each is a task of its own. */
+static void offsets_part_token(const void *c, int t) { kv_cache_offsets_part((struct kv_cache *)c, t); }
+
 static void append_row_token(const void *p, int t) {
     const struct append_row *r = (const struct append_row *)p + t;
     kv_cache_encode_rows(r->c, r->k, r->v, r->kr, r->vr, r->wk, r->wv);
@@ -429,7 +433,8 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
         const int parts = kv_cache_append_end(seqs[s].cache, kv_cache_n_past(seqs[s].cache) - seqs[s].n, seqs[s].n,
                                               r->kr, r->vr, r->wk, r->wv);
         if (parts < 0) return -1;
-        for (int i = 0; i < parts; i++) kv_cache_offsets_part(seqs[s].cache, i); /* none: splits_exactly */
+        /* a batch ending at the offsets' point: 2 H parts of T rows each */
+        for_each_token(cb, parts, (int64_t)tok * 64, offsets_part_token, seqs[s].cache);
     }
     return 0;
 }

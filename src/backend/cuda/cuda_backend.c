@@ -80,6 +80,7 @@ struct pending_append {
     int n;
     size_t k, v, wk, wv; /* offsets in the read-back buffer */
     bool windows;
+    int parts; /* of the offsets' re-encoding that end left (kv_cache_append_end) */
 };
 
 /* A copy to host memory, after the step's recorded work. */
@@ -148,8 +149,6 @@ struct cuda_backend {
      * reach their offsets point, spread over them (kv_cache_offsets_part) */
     struct kvq_pool *pool;
     int n_threads;
-    struct offsets_job *jobs;
-    int n_jobs, cap_jobs;
     bool prof;
     double prof_s[16];
     long prof_n[16];
@@ -974,7 +973,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
                 size_t rb = readback_alloc(cb, kb + vb + 2 * wb);
                 if (rb == (size_t)-1) return kvq_error("%s", cb->failure);
                 cb->pending[cb->n_pending++] = (struct pending_append){c, p0, seqs[s].n, rb, rb + kb, rb + kb + vb,
-                                                                       rb + kb + vb + wb, v.windows};
+                                                                       rb + kb + vb + wb, v.windows, 0};
                 for (int i = 0; i < seqs[s].n; i++, k_tok++) {
                     const int32_t p = p0 + i, L = p / KV_BLOCK_TOKENS, e = L < v.nkb ? L : L - v.base;
                     struct cuk_enc_tok *tk = (struct cuk_enc_tok *)(cb->stage_h + toks_off) + k_tok;
@@ -1029,56 +1028,36 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
     return 0;
 }
 
-/* A cache's re-encoding at its offsets point, in parts (kv_cache_append_end). */
-struct offsets_job {
-    struct kv_cache *cache;
-    int parts;
-};
-
+/* The parts the appends' ends left (caches that reached their offsets point), as one
+ * list over the threads. */
 static void offsets_task(void *arg, int ith, int nth) {
     const struct cuda_backend *cb = arg;
     long total = 0, begin, end;
-    for (int j = 0; j < cb->n_jobs; j++) total += cb->jobs[j].parts;
+    for (int i = 0; i < cb->n_pending; i++) total += cb->pending[i].parts;
     kvq_split(total, ith, nth, &begin, &end);
-    for (int j = 0, first = 0; j < cb->n_jobs; first += cb->jobs[j++].parts)
-        for (long i = begin > first ? begin : first; i < end && i < first + cb->jobs[j].parts; i++)
-            kv_cache_offsets_part(cb->jobs[j].cache, (int)(i - first));
+    for (int i = 0, first = 0; i < cb->n_pending; first += cb->pending[i++].parts)
+        for (long p = begin > first ? begin : first; p < end && p < first + cb->pending[i].parts; p++)
+            kv_cache_offsets_part(cb->pending[i].cache, (int)(p - first));
 }
 
-/* The parts of the caches that reached their offsets point this step: 32 layers of 8
- * KV heads re-encode 2 x 8 x 128 rows each, about 70 ms on one host thread. */
-static void run_offsets_jobs(struct cuda_backend *cb) {
-    if (cb->n_jobs == 0) return;
-    if (!cb->pool && cb->n_threads != 1) cb->pool = kvq_pool_new(cb->n_threads); /* else: this thread */
-    if (cb->pool) kvq_pool_run(cb->pool, offsets_task, cb);
-    else offsets_task(cb, 0, 1);
-    cb->n_jobs = 0;
-}
-
-/* After the step: the host's copy of the rows the device encoded. */
+/* After the step: the host's copy of the rows the device encoded, then the offsets'
+ * re-encoding where a cache reached its point (32 layers of 8 KV heads re-encode 2 x
+ * 8 x 128 rows each, about 70 ms on one host thread). */
 static int finish_appends(struct cuda_backend *cb) {
-    int rc = 0;
+    int rc = 0, parts = 0;
     double t0 = prof_begin(cb);
-    for (int i = 0; i < cb->n_pending && rc == 0; i++) {
-        const struct pending_append *pa = &cb->pending[i];
+    for (int i = 0; i < cb->n_pending; i++) {
+        struct pending_append *pa = &cb->pending[i];
         const uint8_t *h = cb->rb_h;
-        const int parts = kv_cache_append_end(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v,
-                                              pa->windows ? h + pa->wk : NULL, pa->windows ? h + pa->wv : NULL);
-        if (parts < 0) rc = -1;
-        if (parts <= 0) continue;
-        if (cb->n_jobs == cb->cap_jobs) {
-            const int cap = cb->cap_jobs ? 2 * cb->cap_jobs : 64;
-            struct offsets_job *j = realloc(cb->jobs, sizeof *j * (size_t)cap);
-            if (!j) { /* this thread does it */
-                for (int p = 0; p < parts; p++) kv_cache_offsets_part(pa->cache, p);
-                continue;
-            }
-            cb->jobs = j;
-            cb->cap_jobs = cap;
-        }
-        cb->jobs[cb->n_jobs++] = (struct offsets_job){pa->cache, parts};
+        pa->parts = rc == 0 ? kv_cache_append_end(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v,
+                                                  pa->windows ? h + pa->wk : NULL, pa->windows ? h + pa->wv : NULL)
+                            : 0;
+        if (pa->parts < 0) rc = -1, pa->parts = 0;
+        parts += pa->parts;
     }
-    run_offsets_jobs(cb); /* also after an error: every cache is left whole */
+    if (parts > 0 && !cb->pool && cb->n_threads != 1) cb->pool = kvq_pool_new(cb->n_threads);
+    if (parts > 0 && cb->pool) kvq_pool_run(cb->pool, offsets_task, cb);
+    else if (parts > 0) offsets_task(cb, 0, 1);
     cb->n_pending = 0;
     cb->rb_used = 0;
     prof_end(cb, P_KV_FINISH, t0);
@@ -1296,7 +1275,6 @@ static void cuda_free(struct backend *b) {
                 cb->steps, 1e6 * cb->issue_s / (double)cb->steps, 1e6 * cb->wait_s / (double)cb->steps,
                 cb->q.n_replays, cb->q.n_captures, cb->q.n_eager);
     kvq_pool_free(cb->pool);
-    free(cb->jobs);
     for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
     free(cb->ents);
     cudaFree(cb->deq);
