@@ -42,16 +42,46 @@ static __device__ __forceinline__ uint64_t ld64_2(const uint8_t *p) {
     return (uint64_t)h[0] | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 32 | (uint64_t)h[3] << 48;
 }
 
+/* Q4_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
+static __device__ __forceinline__ void q4k_scale_min(int j, const uint8_t *sc, int &s, int &m) {
+    if (j < 4) {
+        s = sc[j] & 63;
+        m = sc[j + 4] & 63;
+    } else {
+        s = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+        m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+/* A repacked block's scale and bias: value = scale * code - bias (Q4_K), or scale and
+ * 0 (Q4_0, Q8_0; Q4_0's codes are offset by 8 elsewhere). s: the block's scale
+ * entry, dm: the row's Q4_K (d, dmin) entries as one word. Exact: 11 by 6 bits. */
+template <uint32_t T>
+static __device__ __forceinline__ float2 block_scale(uint16_t s, uint32_t dm) {
+    if (T != KVQ_Q4_K) return make_float2(h2f(s), 0.0f);
+    const float2 d = __half22float2(*(const __half2 *)&dm);
+    return make_float2(d.x * (float)(s & 63), d.y * (float)(s >> 8));
+}
+
 /* Weights [8c, 8c + 8) of row r. */
 template <uint32_t T>
 static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, int64_t c, float w[8]) {
     const uint8_t *row = W.data + r * W.row_bytes;
-    if (T == KVQ_Q8_0 || T == KVQ_Q4_0) { /* repacked (cuda_kernels.h): lane t of the tile holds these 8 */
-        constexpr int64_t BPC = CUK_CHUNK_BLOCKS(T);
+    if (T == KVQ_Q8_0 || T == KVQ_Q4_0 || T == KVQ_Q4_K) { /* repacked (cuda_kernels.h): lane t of the tile holds these 8 */
+        constexpr int64_t BPC = CUK_CHUNK_BLOCKS(T), SE = CUK_SCALE_ENTRIES(T);
         const int64_t b = c / 4, nch = (W.cols / 32 + BPC - 1) / BPC, rr = r % 16, unit = (r / 16) * nch + b / BPC;
         const uint8_t *p = W.data + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + c % 4) * 16 + (b % BPC) * (T == KVQ_Q8_0 ? 8 : 4);
-        const float d = h2f(W.scales[(unit * 16 + rr) * BPC + b % BPC]);
-        if (T == KVQ_Q8_0) {
+        const uint16_t *se = W.scales + (unit * 16 + rr) * SE;
+        const float d = h2f(se[b % BPC]);
+        if (T == KVQ_Q4_K) { /* as the CPU's dequantization: (d s) code - dmin m */
+            const float2 sb = block_scale<T>(se[b % BPC], (uint32_t)se[BPC] | (uint32_t)se[BPC + 1] << 16);
+            const uint32_t q = *(const uint32_t *)p;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                w[i] = __fsub_rn(__fmul_rn(sb.x, (float)((q >> (8 * i)) & 15)), sb.y);
+                w[4 + i] = __fsub_rn(__fmul_rn(sb.x, (float)((q >> (8 * i + 4)) & 15)), sb.y);
+            }
+        } else if (T == KVQ_Q8_0) {
             const uint2 q = *(const uint2 *)p;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
@@ -86,22 +116,6 @@ static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, in
             float2 f = __bfloat1622float2(h[i]);
             w[2 * i] = f.x, w[2 * i + 1] = f.y;
         }
-    } else if (T == KVQ_Q4_K) { /* 144 bytes: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes */
-        const uint8_t *b = row + (c / 32) * 144;
-        const int e = (int)(c % 32) * 8, pair = e / 64, hi = (e % 64) / 32, l0 = e % 32, j = 2 * pair + hi;
-        const uint8_t *sc = b + 4;
-        int s, m;
-        if (j < 4) {
-            s = sc[j] & 63;
-            m = sc[j + 4] & 63;
-        } else {
-            s = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
-            m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-        }
-        const float d = h2f(ld16(b)) * (float)s, mn = h2f(ld16(b + 2)) * (float)m;
-        uint64_t q = ld64_2(b + 16 + pair * 32 + l0) >> (hi * 4);
-#pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = d * (float)((q >> (8 * i)) & 15) - mn;
     } else if (T == KVQ_Q6_K) { /* 210 bytes: ql[128], qh[64], int8 scales[16], f16 d */
         const uint8_t *b = row + (c / 32) * 210;
         const int e = (int)(c % 32) * 8, h = e / 128, quad = (e % 128) / 32, l0 = e % 32;
@@ -218,7 +232,7 @@ static __host__ __device__ __forceinline__ int64_t chunks_of(uint32_t T, int64_t
     return (cols / 32 + bpc - 1) / bpc;
 }
 
-extern "C" int cuk_repacked(uint32_t type) { return type == KVQ_Q4_0 || type == KVQ_Q8_0; }
+extern "C" int cuk_repacked(uint32_t type) { return type == KVQ_Q4_0 || type == KVQ_Q8_0 || type == KVQ_Q4_K; }
 
 extern "C" size_t cuk_repacked_code_bytes(uint32_t type, int64_t rows, int64_t cols) {
     return (size_t)((rows + 15) / 16) * (size_t)chunks_of(type, cols) * 1024;
@@ -226,7 +240,7 @@ extern "C" size_t cuk_repacked_code_bytes(uint32_t type, int64_t rows, int64_t c
 
 extern "C" size_t cuk_repacked_bytes(uint32_t type, int64_t rows, int64_t cols) {
     const size_t codes = cuk_repacked_code_bytes(type, rows, cols);
-    return codes + codes / 1024 * 16 * (size_t)CUK_CHUNK_BLOCKS(type) * sizeof(uint16_t);
+    return codes + codes / 1024 * 16 * (size_t)CUK_SCALE_ENTRIES(type) * sizeof(uint16_t);
 }
 
 /* One thread per (tile, chunk, row of the tile, block j of the chunk): that block's
@@ -234,31 +248,52 @@ extern "C" size_t cuk_repacked_bytes(uint32_t type, int64_t rows, int64_t cols) 
  * the matrix become zeros (the padding). */
 template <uint32_t T>
 __global__ void repack_k(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes, uint16_t *scales) {
-    constexpr int BPC = CUK_CHUNK_BLOCKS(T), BB = T == KVQ_Q4_0 ? 18 : 34;
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T), SE = CUK_SCALE_ENTRIES(T);
     const int64_t nb = cols / 32, nch = chunks_of(T, cols), i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (rows + 15) / 16 * nch * 16 * BPC) return;
     const int j = (int)(i % BPC), rr = (int)(i / BPC % 16);
     const int64_t unit = i / (BPC * 16), r = unit / nch * 16 + rr, b = unit % nch * BPC + j;
     const bool in = r < rows && b < nb;
-    const uint8_t *blk = src + (in ? r * nb + b : 0) * BB;
-    scales[i] = in ? (uint16_t)(blk[0] | blk[1] << 8) : 0; /* [unit][row][block]: i itself */
+    uint16_t *se = scales + (unit * 16 + rr) * SE;
+    /* the block's 32 codes: code(e) */
+    const uint8_t *blk, *qs;
+    int shift = 0;
+    if (T == KVQ_Q4_K) { /* 144-byte super-blocks of 8 blocks: d, dmin, 12 bytes of 6-bit scales and
+                          * mins, then 4 x 32 bytes whose low nibbles are block 2i, high ones 2i + 1 */
+        blk = src + (in ? r * (nb / 8) + b / 8 : 0) * 144;
+        qs = blk + 16 + (b % 8 / 2) * 32;
+        shift = (int)(b % 2) * 4;
+        int sc = 0, m = 0;
+        if (in) q4k_scale_min((int)(b % 8), blk + 4, sc, m);
+        se[j] = (uint16_t)(sc | m << 8);
+        if (j == 0) se[BPC] = in ? (uint16_t)(blk[0] | blk[1] << 8) : 0, se[BPC + 1] = in ? (uint16_t)(blk[2] | blk[3] << 8) : 0;
+    } else {
+        blk = src + (in ? r * nb + b : 0) * (T == KVQ_Q4_0 ? 18 : 34);
+        qs = blk + 2;
+        se[j] = in ? (uint16_t)(blk[0] | blk[1] << 8) : 0;
+    }
     for (int t = 0; t < 4; t++) {
         uint8_t *dst = codes + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + t) * 16;
-        if (T == KVQ_Q4_0) { /* byte k: code(8t + k) | code(8t + 4 + k) << 4, code(e) being ggml's
-                              * nibble: the low one of byte e for e < 16, else the high one of byte e - 16 */
+        if (T != KVQ_Q8_0) { /* byte k: code(8t + k) | code(8t + 4 + k) << 4; Q4_0's code(e) is the low
+                              * nibble of byte e for e < 16, else the high one of byte e - 16 */
             uint32_t v = 0;
             for (int k = 0; k < 4 && in; k++) {
                 const int e0 = 8 * t + k, e1 = e0 + 4;
-                const int c0 = e0 < 16 ? blk[2 + e0] & 15 : blk[2 + e0 - 16] >> 4;
-                const int c1 = e1 < 16 ? blk[2 + e1] & 15 : blk[2 + e1 - 16] >> 4;
+                int c0, c1;
+                if (T == KVQ_Q4_K) {
+                    c0 = qs[e0] >> shift & 15, c1 = qs[e1] >> shift & 15;
+                } else {
+                    c0 = e0 < 16 ? qs[e0] & 15 : qs[e0 - 16] >> 4;
+                    c1 = e1 < 16 ? qs[e1] & 15 : qs[e1 - 16] >> 4;
+                }
                 v |= (uint32_t)(c0 | c1 << 4) << (8 * k);
             }
             *(uint32_t *)(dst + j * 4) = v;
         } else {
             uint2 v = make_uint2(0, 0);
             for (int k = 0; k < 4 && in; k++) {
-                v.x |= (uint32_t)blk[2 + 8 * t + k] << (8 * k);
-                v.y |= (uint32_t)blk[2 + 8 * t + 4 + k] << (8 * k);
+                v.x |= (uint32_t)qs[8 * t + k] << (8 * k);
+                v.y |= (uint32_t)qs[8 * t + 4 + k] << (8 * k);
             }
             *(uint2 *)(dst + j * 8) = v;
         }
@@ -270,6 +305,7 @@ extern "C" void cuk_repack(cuk_queue *qu, uint32_t type, const uint8_t *src, int
     const int64_t n = (rows + 15) / 16 * chunks_of(type, cols) * 16 * CUK_CHUNK_BLOCKS(type);
     const dim3 grid((unsigned)((n + 255) / 256)), block(256);
     if (type == KVQ_Q4_0) queue_launch(repack_k<KVQ_Q4_0>, grid, block, qu, src, rows, cols, codes, scales);
+    else if (type == KVQ_Q4_K) queue_launch(repack_k<KVQ_Q4_K>, grid, block, qu, src, rows, cols, codes, scales);
     else queue_launch(repack_k<KVQ_Q8_0>, grid, block, qu, src, rows, cols, codes, scales);
 }
 
@@ -298,11 +334,13 @@ static __host__ __device__ __forceinline__ int ds_stride(int span) { return span
 
 /* A lane's share of one chunk: its 16 bytes of rows g and g + 8, and the scales it
  * uses (loaded with the codes, not when they are needed). mma: both rows' scales of
- * every block; dp4a: those of its (row, block) pairs (dp4a_chunk). */
+ * every block; dp4a: those of its (row, block) pairs (dp4a_chunk). Q4_K: dm0, dm1
+ * the rows' (d, dmin) words (dp4a: dm0 that of its row). */
 template <uint32_t T>
 struct chunk_frag {
     uint4 lo, hi;
     uint16_t s0[CUK_CHUNK_BLOCKS(T)], s1[CUK_CHUNK_BLOCKS(T)];
+    uint32_t dm0, dm1;
 };
 
 /* A row's n consecutive scales (aligned to n halves), in one load. */
@@ -319,18 +357,31 @@ static __device__ __forceinline__ void load_scales(const uint16_t *p, uint16_t *
     }
 }
 
-/* Chunk u of a warp's run: codes at w + 1024 u and scales at s + 16 BPC u, w and s
- * this lane's first (matvec_q), so that each address is a constant offset. */
+/* Chunk u of a warp's run: codes at w + 1024 u and scales at s + 16 SE u, w and s
+ * this lane's first (matvec_q; dp4a: s at its first block's entry, dm at its row's
+ * (d, dmin)), so that each address is a constant offset. Q4_K rows' entries are 12
+ * bytes apart: 4-byte loads. */
 template <uint32_t T, bool MMA>
-static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *w, const uint16_t *s, int u) {
-    constexpr int BPC = CUK_CHUNK_BLOCKS(T);
+static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *w, const uint16_t *s, const uint16_t *dm,
+                                                           int u) {
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T), SE = CUK_SCALE_ENTRIES(T);
     chunk_frag<T> f;
     f.lo = __ldg((const uint4 *)(w + u * 1024));
     f.hi = __ldg((const uint4 *)(w + u * 1024 + 512));
-    s += u * 16 * BPC;
-    if (MMA) {
+    s += u * 16 * SE;
+    if (T == KVQ_Q4_K) {
+        dm += u * 16 * SE;
+        f.dm0 = __ldg((const unsigned int *)dm);
+        if (MMA) {
+            f.dm1 = __ldg((const unsigned int *)(dm + 8 * SE));
+            load_scales<2>(s, f.s0), load_scales<2>(s + 2, f.s0 + 2);
+            load_scales<2>(s + 8 * SE, f.s1), load_scales<2>(s + 8 * SE + 2, f.s1 + 2);
+        } else {
+            load_scales<2>(s, f.s0);
+        }
+    } else if (MMA) {
         load_scales<BPC>(s, f.s0);
-        load_scales<BPC>(s + 8 * BPC, f.s1);
+        load_scales<BPC>(s + 8 * SE, f.s1);
     } else {
         load_scales<BPC / 2>(s, f.s0);
     }
@@ -338,13 +389,15 @@ static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *w, con
 }
 
 /* c + d * xs * (the block's integer dot product r, less 8 times the inputs' code sum
- * xsum for Q4_0, whose codes are unsigned). r - 8 xsum as float without the
- * conversion instruction (a quarter of the FMA rate): |r| < 2^22, so 1.5 * 2^23 + r
- * is exact in a float's mantissa. */
+ * xsum for Q4_0, whose codes are unsigned), d the block's scale sb.x (block_scale);
+ * Q4_K then less sb.y xs xsum (its min). r - 8 xsum as float without the conversion
+ * instruction (a quarter of the FMA rate): |r| < 2^22, so 1.5 * 2^23 + r is exact in
+ * a float's mantissa. */
 template <uint32_t T>
-static __device__ __forceinline__ float q_term(float c, float d, float xs, int r, float xsum) {
+static __device__ __forceinline__ float q_term(float c, float2 sb, float xs, int r, float xsum) {
     const float o = 12582912.0f + (T == KVQ_Q4_0 ? 8.0f * xsum : 0.0f);
-    return __fmaf_rn(__fmul_rn(d, xs), __int_as_float(0x4B400000 + r) - o, c);
+    const float v = __fmaf_rn(__fmul_rn(sb.x, xs), __int_as_float(0x4B400000 + r) - o, c);
+    return T == KVQ_Q4_K ? __fmaf_rn(-__fmul_rn(sb.y, xs), xsum, v) : v;
 }
 
 /* mma: the sums of the warp's chunks f for the NT tokens from 0 on, from the inputs
@@ -369,13 +422,13 @@ static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U]
             if (!FULL && lb >= vb) break;
             const uint32_t w[4] = {f[u].lo.x, f[u].lo.y, f[u].lo.z, f[u].lo.w}, h[4] = {f[u].hi.x, f[u].hi.y, f[u].hi.z, f[u].hi.w};
             uint32_t a0, a1, a2, a3;
-            if (T == KVQ_Q4_0) {
+            if (T != KVQ_Q8_0) {
                 a0 = w[j] & 0x0F0F0F0Fu, a2 = (w[j] >> 4) & 0x0F0F0F0Fu;
                 a1 = h[j] & 0x0F0F0F0Fu, a3 = (h[j] >> 4) & 0x0F0F0F0Fu;
             } else {
                 a0 = w[2 * j], a2 = w[2 * j + 1], a1 = h[2 * j], a3 = h[2 * j + 1];
             }
-            const float d0 = h2f(f[u].s0[j]), d1 = h2f(f[u].s1[j]);
+            const float2 d0 = block_scale<T>(f[u].s0[j], f[u].dm0), d1 = block_scale<T>(f[u].s1[j], f[u].dm1);
 #pragma unroll
             for (int nt = 0; nt < NT / 8; nt++) {
                 const int tb = nt * 8 + g, t0 = nt * 8 + 2 * t, t1 = t0 + 1;
@@ -418,7 +471,7 @@ static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int u,
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const uint32_t *q = w + 4 * h;
-                if (T == KVQ_Q4_0)
+                if (T != KVQ_Q8_0)
                     p[h * BPC + j] = __dp4a((int)(q[j] & 0x0F0F0F0Fu), (int)xv.x, __dp4a((int)((q[j] >> 4) & 0x0F0F0F0Fu), (int)xv.y, 0));
                 else
                     p[h * BPC + j] = __dp4a((int)q[2 * j], (int)xv.x, __dp4a((int)q[2 * j + 1], (int)xv.y, 0));
@@ -439,7 +492,7 @@ static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int u,
             const int b = bc + (t & 1) * KL + i;
             if (FULL || b < vb) {
                 const float2 x = ds[tok * ds_stride(span) + b];
-                c[tok][i] = q_term<T>(c[tok][i], h2f(f.s0[i]), x.x, p[i], x.y);
+                c[tok][i] = q_term<T>(c[tok][i], block_scale<T>(f.s0[i], f.dm0), x.x, p[i], x.y);
             }
         }
     }
@@ -545,16 +598,18 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
     const int vb = live ? (int)min((int64_t)U * BPC, nb - c0 * BPC) : 0, t = lane % 4;
     const bool full = vb == U * BPC;
     const uint8_t *wl = W.data + (tile * nch + c0) * 1024 + lane * 16;
-    const uint16_t *sl = W.scales + ((tile * nch + c0) * 16 + lane / 4) * BPC + (MMA ? 0 : (t >> 1) * 8 * BPC + (t & 1) * (BPC / 2));
+    constexpr int SE = CUK_SCALE_ENTRIES(T);
+    const uint16_t *rs = W.scales + ((tile * nch + c0) * 16 + lane / 4 + (MMA ? 0 : (t >> 1) * 8)) * SE; /* row g's (dp4a: its row's) */
+    const uint16_t *sl = rs + (MMA ? 0 : (t & 1) * (BPC / 2)), *dl = rs + BPC;
     /* the weights depend on no earlier kernel: all of this warp's are loaded first */
     chunk_frag<T> f[U];
     if (full) {
 #pragma unroll
-        for (int u = 0; u < U; u++) f[u] = load_chunk<T, MMA>(wl, sl, u);
+        for (int u = 0; u < U; u++) f[u] = load_chunk<T, MMA>(wl, sl, dl, u);
     } else {
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (u * BPC < vb) f[u] = load_chunk<T, MMA>(wl, sl, u);
+            if (u * BPC < vb) f[u] = load_chunk<T, MMA>(wl, sl, dl, u);
     }
     griddep_wait();
     /* the inputs of these columns, once for the block: codes, then (scale, sum) pairs */
@@ -784,6 +839,7 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
         }                               \
     } while (0)
             if (T == KVQ_Q4_0) Q(KVQ_Q4_0);
+            else if (T == KVQ_Q4_K) Q(KVQ_Q4_K);
             else Q(KVQ_Q8_0);
 #undef Q
 #undef MM_U
