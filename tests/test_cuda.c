@@ -349,20 +349,21 @@ static void fill_rows(uint32_t type, uint8_t *w, size_t bytes) {
 }
 
 /* cuk_matvec against the CPU's dequantization and a double dot product (of the
- * int8-rounded inputs for Q4_0, Q8_0 and Q4_K, which the kernels multiply on tensor cores
+ * int8-rounded inputs for the repacked types, which the kernels multiply on tensor cores
  * or with dp4a); for those also cuk_dequantize of the repacked tiles against the CPU,
  * exactly, and each token's outputs bit for bit the same whatever n (dp4a up to 2
  * tokens, mma from 3 on). The second shape pads both the row tiles and the column
  * chunks. */
 static void test_matvec(void) {
-    /* the last two big enough that a block takes 8 chunks and a row 5 blocks, the last of them 1 chunk
-     * (Q4_0) or 2 (Q4_K, whose rows are super-blocks of 256 values) */
+    /* the last three big enough that a block takes 8 chunks and a row 5 blocks (Q6_K: 9), the last of
+     * them 1 chunk (Q4_0), 2 (Q4_K) or 4 (Q6_K; both have rows of super-blocks of 256 values) */
     static const struct {
         uint32_t type;
         int rows, cols;
     } cases[] = {{KVQ_F32, 37, 512},  {KVQ_F16, 37, 512},  {KVQ_BF16, 37, 512}, {KVQ_Q8_0, 37, 512},
                  {KVQ_Q4_0, 37, 512}, {KVQ_Q4_K, 37, 512}, {KVQ_Q6_K, 37, 512}, {KVQ_Q8_0, 19, 160},
-                 {KVQ_Q4_0, 19, 160}, {KVQ_Q4_0, 8200, 4128}, {KVQ_Q4_K, 8200, 4352}};
+                 {KVQ_Q4_0, 19, 160}, {KVQ_Q4_0, 8200, 4128}, {KVQ_Q4_K, 8200, 4352},
+                 {KVQ_Q6_K, 8200, 4352}};
     for (size_t ti = 0; ti < sizeof cases / sizeof cases[0]; ti++) {
         const uint32_t type = cases[ti].type;
         const int rows = cases[ti].rows, cols = cases[ti].cols;

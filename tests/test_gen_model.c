@@ -119,6 +119,16 @@ static void decode_row(uint32_t type, const uint8_t *p, float *y, int n) {
                 }
             }
         }
+    else if (type == KVQ_Q6_K) /* ql[128], qh[64], int8 scales[16], f16 d */
+        for (int b = 0; b < n / 256; b++) {
+            const uint8_t *blk = p + 210 * b;
+            for (int v = 0; v < 256; v++) {
+                const int h = v / 128, quad = v % 128 / 32, l = v % 32;
+                const int lo = blk[64 * h + 32 * (quad & 1) + l] >> (quad >= 2 ? 4 : 0) & 15;
+                const int hi = blk[128 + 32 * h + l] >> (2 * quad) & 3;
+                y[256 * b + v] = h2f(blk + 208) * (int8_t)blk[192 + v / 16] * ((lo | hi << 4) - 32);
+            }
+        }
 }
 
 /* Relative RMS error of tensor `name` in file `path` against the f16 file. */
@@ -149,13 +159,13 @@ static double quant_error(const char *f16_path, const char *path, const char *na
 }
 
 static void check_quantizers(const char *bin, const char *dir) {
-    static const char *const types[] = {"f16", "q8_0", "q4_0", "q4_k"};
-    char path[4][512], cmd[3072];
-    for (int i = 0; i < 4; i++) {
+    static const char *const types[] = {"f16", "q8_0", "q4_0", "q4_k", "q6_k", "q4_k_m"};
+    char path[6][512], cmd[4096];
+    for (int i = 0; i < 6; i++) {
         snprintf(path[i], sizeof path[i], "%s/q-%s.gguf", dir, types[i]);
         snprintf(cmd, sizeof cmd, "'%s' gen-model --shape qwen2.5-0.5b --type %s -o '%s' --seed 3 --layers 1 2>/dev/null",
                  bin, types[i], path[i]);
-        CHECK(system(cmd) == 0, "%s", cmd);
+        CHECK(system(cmd) == 0, "gen-model --type %s into %s failed", types[i], dir);
     }
     /* ffn_down rows are 4864 = 19 x 256 values: every type applies; attn_q rows are 896:
      * q4_k falls back to q8_0. Bounds: q8_0 ~0.5%, 4-bit ~10% relative RMS error. */
@@ -163,12 +173,18 @@ static void check_quantizers(const char *bin, const char *dir) {
     double e40 = quant_error(path[0], path[2], "blk.0.ffn_down.weight", KVQ_Q4_0);
     double e4k = quant_error(path[0], path[3], "blk.0.ffn_down.weight", KVQ_Q4_K);
     double e4kq = quant_error(path[0], path[3], "blk.0.attn_q.weight", KVQ_Q8_0);
-    printf("relative RMS error: q8_0 %.4f, q4_0 %.4f, q4_k %.4f, q4_k fallback (q8_0) %.4f\n", e8, e40, e4k, e4kq);
+    double e6k = quant_error(path[0], path[4], "blk.0.ffn_down.weight", KVQ_Q6_K);
+    /* q4_k_m: the one layer is the last eighth's, so its ffn_down is q6_K */
+    double e4km = quant_error(path[0], path[5], "blk.0.ffn_down.weight", KVQ_Q6_K);
+    printf("relative RMS error: q8_0 %.4f, q4_0 %.4f, q4_k %.4f, q4_k fallback (q8_0) %.4f, q6_k %.4f, q4_k_m's "
+           "ffn_down %.4f\n", e8, e40, e4k, e4kq, e6k, e4km);
     CHECK(e8 >= 0 && e8 < 0.01, "q8_0 error %g", e8);
     CHECK(e40 >= 0 && e40 < 0.15, "q4_0 error %g", e40);
     CHECK(e4k >= 0 && e4k < 0.15, "q4_k error %g", e4k);
     CHECK(e4kq >= 0 && e4kq < 0.01, "q4_k fallback error %g", e4kq);
-    for (int i = 0; i < 4; i++) remove(path[i]);
+    CHECK(e6k >= 0 && e6k < 0.04, "q6_k error %g", e6k);
+    CHECK(e4km == e6k, "q4_k_m's ffn_down error %g, its q6_k error %g", e4km, e6k);
+    for (int i = 0; i < 6; i++) remove(path[i]);
 }
 
 int main(void) {

@@ -50,9 +50,11 @@ static const char *const gen_model_help =
     "\n"
     "  --shape NAME    llama3-8b | llama3-70b | mistral-7b (v0.2: vocab 32000, theta 1e6)\n"
     "                  | qwen2.5-0.5b | qwen2.5-7b\n"
-    "  --type TYPE     f16 | q8_0 | q4_0 | q4_k: weights of the 2-D tensors (norms and\n"
-    "                  biases are f32). q4_k needs rows of a multiple of 256 values; other\n"
-    "                  tensors fall back to q8_0 (llama-quantize falls back likewise)\n"
+    "  --type TYPE     f16 | q8_0 | q4_0 | q4_k | q6_k | q4_k_m: weights of the 2-D tensors\n"
+    "                  (norms and biases are f32). q4_k_m is q4_k with q6_k for the output\n"
+    "                  and for attn_v and ffn_down in llama-quantize's Q4_K_M layers. The\n"
+    "                  k types need rows of a multiple of 256 values; other tensors fall\n"
+    "                  back to q8_0 (llama-quantize falls back likewise)\n"
     "  -o FILE         output file\n"
     "  --seed S        random seed (default 1)\n"
     "  -t, --threads N threads (default: all cores)\n"
@@ -170,6 +172,43 @@ static void quant_q4_k(const float *x, uint8_t *out, int n) {
     }
 }
 
+/* q6_K: super-blocks of 256 = 16 sub-blocks of 16: ql[128] (low 4 bits), qh[64] (high
+ * 2 bits), int8 scales[16], f16 d. x = d*sc[v/16]*(q - 32). Value v = 128h + 32quad + l:
+ * low bits in ql[64h + 32(quad & 1) + l] (the high nibble for quad >= 2), high bits
+ * 2quad.. of qh[32h + l]. Sub-block range: max |x| over 32 steps. */
+static void quant_q6_k(const float *x, uint8_t *out, int n) {
+    for (int b = 0; b < n / 256; b++, x += 256, out += 210) {
+        float scale[16], max_scale = 0;
+        for (int k = 0; k < 16; k++) {
+            float amax = 0;
+            for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(x[16 * k + i]));
+            scale[k] = amax / 31.0f;
+            max_scale = fmaxf(max_scale, scale[k]);
+        }
+        uint16_t hd = kvq_f32_to_f16(max_scale / 127.0f);
+        const float d = kvq_f16_to_f32(hd);
+        memcpy(out + 208, &hd, 2);
+        uint8_t *ql = out, *qh = out + 128, q[256];
+        int8_t *sc = (int8_t *)(out + 192);
+        for (int k = 0; k < 16; k++) {
+            int l = d > 0 ? (int)lrintf(scale[k] / d) : 0;
+            sc[k] = (int8_t)(l > 127 ? 127 : l);
+            const float sd = d * sc[k], inv = sd > 0 ? 1.0f / sd : 0;
+            for (int i = 0; i < 16; i++) {
+                int v = (int)lrintf(x[16 * k + i] * inv) + 32;
+                q[16 * k + i] = (uint8_t)(v < 0 ? 0 : v > 63 ? 63 : v);
+            }
+        }
+        memset(ql, 0, 128);
+        memset(qh, 0, 64);
+        for (int v = 0; v < 256; v++) {
+            const int h = v / 128, quad = v % 128 / 32, l = v % 32;
+            ql[64 * h + 32 * (quad & 1) + l] |= (uint8_t)((q[v] & 15) << (quad >= 2 ? 4 : 0));
+            qh[32 * h + l] |= (uint8_t)((q[v] >> 4) << (2 * quad));
+        }
+    }
+}
+
 static void quant_row(uint32_t type, const float *x, void *out, int n) {
     switch (type) {
     case KVQ_F32: memcpy(out, x, sizeof(float) * (size_t)n); break;
@@ -181,6 +220,7 @@ static void quant_row(uint32_t type, const float *x, void *out, int n) {
     case KVQ_Q8_0: quant_q8_0(x, out, n); break;
     case KVQ_Q4_0: quant_q4_0(x, out, n); break;
     case KVQ_Q4_K: quant_q4_k(x, out, n); break;
+    case KVQ_Q6_K: quant_q6_k(x, out, n); break;
     default: break;
     }
 }
@@ -267,8 +307,14 @@ static int fill_tensor(void *user, uint64_t idx, void *dst, uint64_t nbytes) {
 }
 
 static uint32_t weight_type_for(uint32_t type, uint64_t row) {
-    if (type == KVQ_Q4_K && row % 256 != 0) return KVQ_Q8_0;
+    if ((type == KVQ_Q4_K || type == KVQ_Q6_K) && row % 256 != 0) return KVQ_Q8_0;
     return type;
+}
+
+/* llama-quantize's Q4_K_M: q6_K for attn_v and ffn_down of the first and last eighth
+ * of the layers and every third one between. */
+static bool q4_k_m_more_bits(int il, int n_layer) {
+    return il < n_layer / 8 || il >= 7 * n_layer / 8 || (il - n_layer / 8) % 3 == 2;
 }
 
 static void add_t(struct gen *g, const char *name, uint32_t n_dims, uint64_t ne0, uint64_t ne1, uint32_t type,
@@ -306,7 +352,7 @@ int cmd_gen_model(int argc, char **argv) {
         if (!ok) return 1;
     }
     if (!shape_name) return cli_fail("gen-model needs --shape (llama3-8b, llama3-70b, mistral-7b, qwen2.5-0.5b, qwen2.5-7b)");
-    if (!type_name) return cli_fail("gen-model needs --type (f16, q8_0, q4_0, q4_k)");
+    if (!type_name) return cli_fail("gen-model needs --type (f16, q8_0, q4_0, q4_k, q6_k, q4_k_m)");
     if (!out) return cli_fail("gen-model needs an output file: -o FILE");
     const struct shape *sh = NULL;
     for (size_t i = 0; i < N_SHAPES; i++)
@@ -316,11 +362,14 @@ int cmd_gen_model(int argc, char **argv) {
                         shape_name);
     uint32_t type;
     int ftype; /* llama.cpp's general.file_type */
+    bool mix_m = false; /* q4_k_m */
     if (!strcmp(type_name, "f16")) type = KVQ_F16, ftype = 1;
     else if (!strcmp(type_name, "q8_0")) type = KVQ_Q8_0, ftype = 7;
     else if (!strcmp(type_name, "q4_0")) type = KVQ_Q4_0, ftype = 2;
     else if (!strcmp(type_name, "q4_k")) type = KVQ_Q4_K, ftype = 14; /* Q4_K_S: all q4_K */
-    else return cli_fail("unknown type '%s' (expected f16, q8_0, q4_0 or q4_k)", type_name);
+    else if (!strcmp(type_name, "q6_k")) type = KVQ_Q6_K, ftype = 18;
+    else if (!strcmp(type_name, "q4_k_m")) type = KVQ_Q4_K, ftype = 15, mix_m = true;
+    else return cli_fail("unknown type '%s' (expected f16, q8_0, q4_0, q4_k, q6_k or q4_k_m)", type_name);
     if (n_threads <= 0) n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n_threads > 256) n_threads = 256;
     int n_layer = n_layers > 0 ? n_layers : sh->n_layer;
@@ -407,15 +456,17 @@ int cmd_gen_model(int argc, char **argv) {
     add_t(&g, "token_embd.weight", 2, (uint64_t)sh->n_embd, (uint64_t)sh->n_vocab, type, INIT_NORMAL);
     for (int il = 0; il < n_layer; il++) {
         char n[64];
-#define T(s, dims, e0, e1, init)                                        \
-    do {                                                                \
-        snprintf(n, sizeof n, "blk.%d.%s", il, s);                      \
-        add_t(&g, n, dims, (uint64_t)(e0), (uint64_t)(e1), type, init); \
+        const uint32_t more = mix_m && q4_k_m_more_bits(il, n_layer) ? KVQ_Q6_K : type;
+#define T(s, dims, e0, e1, init) T_AS(s, dims, e0, e1, type, init)
+#define T_AS(s, dims, e0, e1, ty, init)                               \
+    do {                                                              \
+        snprintf(n, sizeof n, "blk.%d.%s", il, s);                    \
+        add_t(&g, n, dims, (uint64_t)(e0), (uint64_t)(e1), ty, init); \
     } while (0)
         T("attn_norm.weight", 1, sh->n_embd, 1, INIT_ONES);
         T("attn_q.weight", 2, sh->n_embd, nq, INIT_NORMAL);
         T("attn_k.weight", 2, sh->n_embd, nkv, INIT_NORMAL);
-        T("attn_v.weight", 2, sh->n_embd, nkv, INIT_NORMAL);
+        T_AS("attn_v.weight", 2, sh->n_embd, nkv, more, INIT_NORMAL);
         if (sh->qkv_bias) {
             T("attn_q.bias", 1, nq, 1, INIT_BIAS);
             T("attn_k.bias", 1, nkv, 1, INIT_BIAS);
@@ -425,10 +476,11 @@ int cmd_gen_model(int argc, char **argv) {
         T("ffn_norm.weight", 1, sh->n_embd, 1, INIT_ONES);
         T("ffn_gate.weight", 2, sh->n_embd, sh->n_ff, INIT_NORMAL);
         T("ffn_up.weight", 2, sh->n_embd, sh->n_ff, INIT_NORMAL);
-        T("ffn_down.weight", 2, sh->n_ff, sh->n_embd, INIT_NORMAL);
+        T_AS("ffn_down.weight", 2, sh->n_ff, sh->n_embd, more, INIT_NORMAL);
     }
     add_t(&g, "output_norm.weight", 1, (uint64_t)sh->n_embd, 1, type, INIT_ONES);
-    if (!sh->tied) add_t(&g, "output.weight", 2, (uint64_t)sh->n_embd, (uint64_t)sh->n_vocab, type, INIT_NORMAL);
+    if (!sh->tied)
+        add_t(&g, "output.weight", 2, (uint64_t)sh->n_embd, (uint64_t)sh->n_vocab, mix_m ? KVQ_Q6_K : type, INIT_NORMAL);
 
     uint64_t n_params = 0;
     int n_fallback = 0;
@@ -437,7 +489,7 @@ int cmd_gen_model(int argc, char **argv) {
         gguf_writer_add_tensor(w, t->name, t->n_dims, t->ne, t->type, NULL);
         n_params += t->ne[0] * t->ne[1];
         g.total_bytes += kvq_dtype_row_bytes(t->type, t->ne[0]) * t->ne[1];
-        n_fallback += t->n_dims == 2 && t->type != type;
+        n_fallback += t->n_dims == 2 && t->type == KVQ_Q8_0 && type != KVQ_Q8_0;
     }
     if (n_fallback)
         fprintf(stderr, "kvq: %d tensors have rows that are not a multiple of 256: written as q8_0\n", n_fallback);

@@ -16,8 +16,8 @@ extern "C" {
 #endif
 
 /* A weight matrix in device memory, rows of `cols` values in its GGUF type. Q4_0,
- * Q8_0 and Q4_K are repacked at upload (cuk_repack) into tiles for tensor-core and
- * dp4a products (below); `data` then holds the codes and `scales` the scales. */
+ * Q8_0, Q4_K and Q6_K are repacked at upload (cuk_repack) into tiles for tensor-core
+ * and dp4a products (below); `data` then holds the codes and `scales` the scales. */
 struct cuk_weight {
     uint32_t type;
     const uint8_t *data;
@@ -27,20 +27,23 @@ struct cuk_weight {
 };
 
 /* The repacked layout. Rows go in tiles of 16 (the last padded), columns in chunks of
- * CUK_CHUNK_BLOCKS(type) blocks of 32 values (4 for Q4_0 and Q4_K, 2 for Q8_0: 128
- * or 64 columns; the last padded with zero blocks). A tile's chunk is 1024 bytes of
- * codes: 16 bytes at h * 512 + lane * 16 for each lane (g = lane / 4, t = lane % 4)
- * and half h, holding row 16 tile + g + 8 h's values 8t .. 8t+7 of each block j of
- * the chunk: Q8_0 their 8 codes at j * 8; Q4_0 and Q4_K 4 bytes at j * 4, byte i =
- * code(8t + i) | code(8t + 4 + i) << 4 (codes 0..15). So a warp's 16-byte loads are
- * contiguous and each lane holds its mma.m16n8k32 fragments: the product runs over
- * the block's values in the order 8t .. 8t+7 of lane t, and the inputs are read in
- * that order too. Scales: [tile][chunk][16 rows][CUK_SCALE_ENTRIES] uint16: Q4_0 and
- * Q8_0 each block's f16 scale (value = (code - 8) * scale, Q8_0 code * scale); Q4_K
- * each block's 6-bit scale s | 6-bit min m << 8, then the super-block's f16 d and
- * dmin (value = d s code - dmin m, as ggml's Q4_K). */
-#define CUK_CHUNK_BLOCKS(type) ((type) == KVQ_Q8_0 ? 2 : 4)
-#define CUK_SCALE_ENTRIES(type) (CUK_CHUNK_BLOCKS(type) + ((type) == KVQ_Q4_K ? 2 : 0))
+ * CUK_CHUNK_BLOCKS(type) blocks of 32 values (4 for Q4_0 and Q4_K, 2 for Q8_0 and
+ * Q6_K: 128 or 64 columns; the last padded with zero blocks). A tile's chunk is 1024
+ * bytes of codes: 16 bytes at h * 512 + lane * 16 for each lane (g = lane / 4, t =
+ * lane % 4) and half h, holding row 16 tile + g + 8 h's values 8t .. 8t+7 of each
+ * block j of the chunk: Q8_0 and Q6_K their 8 int8 codes at j * 8; Q4_0 and Q4_K 4
+ * bytes at j * 4, byte i = code(8t + i) | code(8t + 4 + i) << 4 (codes 0..15). So a
+ * warp's 16-byte loads are contiguous and each lane holds its mma.m16n8k32 fragments:
+ * the product runs over the block's values in the order 8t .. 8t+7 of lane t, and the
+ * inputs are read in that order too. Scales: [tile][chunk][16 rows][CUK_SCALE_ENTRIES]
+ * uint16: Q4_0 and Q8_0 each block's f16 scale (value = (code - 8) * scale, Q8_0 code
+ * * scale); Q4_K each block's 6-bit scale s | 6-bit min m << 8, then the super-block's
+ * f16 d and dmin (value = d s code - dmin m, as ggml's Q4_K); Q6_K each block's two
+ * int8 scales (of its values 0-15 and 16-31: lanes t < 2 and t >= 2), then the
+ * super-block's f16 d and a zero (value = d scale code, the code being ggml's 6-bit
+ * one less 32). */
+#define CUK_CHUNK_BLOCKS(type) ((type) == KVQ_Q8_0 || (type) == KVQ_Q6_K ? 2 : 4)
+#define CUK_SCALE_ENTRIES(type) (CUK_CHUNK_BLOCKS(type) + ((type) == KVQ_Q4_K || (type) == KVQ_Q6_K ? 2 : 0))
 int cuk_repacked(uint32_t type);
 /* Bytes of the repacked codes, and of the codes and scales together. */
 size_t cuk_repacked_code_bytes(uint32_t type, int64_t rows, int64_t cols);

@@ -34,14 +34,6 @@
     }
 
 static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
-static __device__ __forceinline__ uint16_t ld16(const uint8_t *p) { return *(const uint16_t *)p; }
-
-/* 8 bytes at a 2-byte aligned address. */
-static __device__ __forceinline__ uint64_t ld64_2(const uint8_t *p) {
-    const uint16_t *h = (const uint16_t *)p;
-    return (uint64_t)h[0] | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 32 | (uint64_t)h[3] << 48;
-}
-
 /* Q4_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
 static __device__ __forceinline__ void q4k_scale_min(int j, const uint8_t *sc, int &s, int &m) {
     if (j < 4) {
@@ -53,11 +45,16 @@ static __device__ __forceinline__ void q4k_scale_min(int j, const uint8_t *sc, i
     }
 }
 
+/* Whether a repacked type's codes are nibbles (else int8). */
+static __host__ __device__ constexpr bool nibbles(uint32_t T) { return T == KVQ_Q4_0 || T == KVQ_Q4_K; }
+
 /* A repacked block's scale and bias: value = scale * code - bias (Q4_K), or scale and
- * 0 (Q4_0, Q8_0; Q4_0's codes are offset by 8 elsewhere). s: the block's scale
- * entry, dm: the row's Q4_K (d, dmin) entries as one word. Exact: 11 by 6 bits. */
+ * 0 (Q4_0, Q8_0; Q4_0's codes are offset by 8 elsewhere; Q6_K: d, its two int8 scales
+ * applied to the integer sums). s: the block's scale entry, dm: the row's Q4_K (d,
+ * dmin) or Q6_K (d, 0) entries as one word. Exact: 11 by 6 bits. */
 template <uint32_t T>
 static __device__ __forceinline__ float2 block_scale(uint16_t s, uint32_t dm) {
+    if (T == KVQ_Q6_K) return make_float2(h2f((uint16_t)dm), 0.0f);
     if (T != KVQ_Q4_K) return make_float2(h2f(s), 0.0f);
     const float2 d = __half22float2(*(const __half2 *)&dm);
     return make_float2(d.x * (float)(s & 63), d.y * (float)(s >> 8));
@@ -67,13 +64,21 @@ static __device__ __forceinline__ float2 block_scale(uint16_t s, uint32_t dm) {
 template <uint32_t T>
 static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, int64_t c, float w[8]) {
     const uint8_t *row = W.data + r * W.row_bytes;
-    if (T == KVQ_Q8_0 || T == KVQ_Q4_0 || T == KVQ_Q4_K) { /* repacked (cuda_kernels.h): lane t of the tile holds these 8 */
+    if (T == KVQ_Q8_0 || T == KVQ_Q4_0 || T == KVQ_Q4_K || T == KVQ_Q6_K) { /* repacked (cuda_kernels.h): lane t of the tile holds these 8 */
         constexpr int64_t BPC = CUK_CHUNK_BLOCKS(T), SE = CUK_SCALE_ENTRIES(T);
         const int64_t b = c / 4, nch = (W.cols / 32 + BPC - 1) / BPC, rr = r % 16, unit = (r / 16) * nch + b / BPC;
-        const uint8_t *p = W.data + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + c % 4) * 16 + (b % BPC) * (T == KVQ_Q8_0 ? 8 : 4);
+        const uint8_t *p = W.data + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + c % 4) * 16 + (b % BPC) * (nibbles(T) ? 4 : 8);
         const uint16_t *se = W.scales + (unit * 16 + rr) * SE;
         const float d = h2f(se[b % BPC]);
-        if (T == KVQ_Q4_K) { /* as the CPU's dequantization: (d s) code - dmin m */
+        if (T == KVQ_Q6_K) { /* as the CPU's dequantization: (d scale) code; values 8t.. are in half t / 2 */
+            const float ds = __fmul_rn(h2f(se[BPC]), (float)(int8_t)(se[b % BPC] >> (c % 4 / 2 * 8)));
+            const uint2 q = *(const uint2 *)p;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                w[i] = __fmul_rn(ds, (float)(int8_t)(q.x >> (8 * i)));
+                w[4 + i] = __fmul_rn(ds, (float)(int8_t)(q.y >> (8 * i)));
+            }
+        } else if (T == KVQ_Q4_K) { /* as the CPU's dequantization: (d s) code - dmin m */
             const float2 sb = block_scale<T>(se[b % BPC], (uint32_t)se[BPC] | (uint32_t)se[BPC + 1] << 16);
             const uint32_t q = *(const uint32_t *)p;
 #pragma unroll
@@ -116,14 +121,6 @@ static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, in
             float2 f = __bfloat1622float2(h[i]);
             w[2 * i] = f.x, w[2 * i + 1] = f.y;
         }
-    } else if (T == KVQ_Q6_K) { /* 210 bytes: ql[128], qh[64], int8 scales[16], f16 d */
-        const uint8_t *b = row + (c / 32) * 210;
-        const int e = (int)(c % 32) * 8, h = e / 128, quad = (e % 128) / 32, l0 = e % 32;
-        const uint8_t *ql = b + h * 64 + (quad & 1) * 32 + l0, *qh = b + 128 + h * 32 + l0;
-        const float d = h2f(ld16(b + 208)) * (float)(int8_t)b[192 + h * 8 + l0 / 16 + 2 * quad];
-        uint64_t lo = ld64_2(ql) >> ((quad / 2) * 4), hb = ld64_2(qh) >> (2 * quad);
-#pragma unroll
-        for (int i = 0; i < 8; i++) w[i] = d * (float)((int)(((lo >> (8 * i)) & 15) | (((hb >> (8 * i)) & 3) << 4)) - 32);
     }
 }
 
@@ -232,7 +229,9 @@ static __host__ __device__ __forceinline__ int64_t chunks_of(uint32_t T, int64_t
     return (cols / 32 + bpc - 1) / bpc;
 }
 
-extern "C" int cuk_repacked(uint32_t type) { return type == KVQ_Q4_0 || type == KVQ_Q8_0 || type == KVQ_Q4_K; }
+extern "C" int cuk_repacked(uint32_t type) {
+    return type == KVQ_Q4_0 || type == KVQ_Q8_0 || type == KVQ_Q4_K || type == KVQ_Q6_K;
+}
 
 extern "C" size_t cuk_repacked_code_bytes(uint32_t type, int64_t rows, int64_t cols) {
     return (size_t)((rows + 15) / 16) * (size_t)chunks_of(type, cols) * 1024;
@@ -267,14 +266,30 @@ __global__ void repack_k(const uint8_t *src, int64_t rows, int64_t cols, uint8_t
         if (in) q4k_scale_min((int)(b % 8), blk + 4, sc, m);
         se[j] = (uint16_t)(sc | m << 8);
         if (j == 0) se[BPC] = in ? (uint16_t)(blk[0] | blk[1] << 8) : 0, se[BPC + 1] = in ? (uint16_t)(blk[2] | blk[3] << 8) : 0;
+    } else if (T == KVQ_Q6_K) { /* 210-byte super-blocks: ql[128], qh[64], int8 scales[16], f16 d;
+                                 * block h * 4 + quad: low bits in ql[64h + 32 (quad & 1) + l], the low
+                                 * nibble for quad < 2, high bits 2 quad.. of qh[32h + l], scales 8h +
+                                 * 2 quad + l / 16 */
+        blk = src + (in ? r * (nb / 8) + b / 8 : 0) * 210;
+        const int h = (int)(b % 8 / 4), quad = (int)(b % 4);
+        qs = blk + 64 * h + 32 * (quad & 1);
+        shift = quad;
+        const uint8_t *sc = blk + 192 + 8 * h + 2 * quad;
+        se[j] = in ? (uint16_t)(sc[0] | sc[1] << 8) : 0;
+        if (j == 0) se[BPC] = in ? (uint16_t)(blk[208] | blk[209] << 8) : 0, se[BPC + 1] = 0;
     } else {
         blk = src + (in ? r * nb + b : 0) * (T == KVQ_Q4_0 ? 18 : 34);
         qs = blk + 2;
         se[j] = in ? (uint16_t)(blk[0] | blk[1] << 8) : 0;
     }
+    /* Q6_K's code e: 6 bits less 32, as int8 */
+    auto q6 = [&](int e) {
+        const int h = (int)(b % 8 / 4), lo = qs[e] >> (shift >= 2 ? 4 : 0) & 15, hi = blk[128 + 32 * h + e] >> (2 * shift) & 3;
+        return (uint32_t)(uint8_t)(int8_t)((lo | hi << 4) - 32);
+    };
     for (int t = 0; t < 4; t++) {
         uint8_t *dst = codes + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + t) * 16;
-        if (T != KVQ_Q8_0) { /* byte k: code(8t + k) | code(8t + 4 + k) << 4; Q4_0's code(e) is the low
+        if (nibbles(T)) { /* byte k: code(8t + k) | code(8t + 4 + k) << 4; Q4_0's code(e) is the low
                               * nibble of byte e for e < 16, else the high one of byte e - 16 */
             uint32_t v = 0;
             for (int k = 0; k < 4 && in; k++) {
@@ -292,8 +307,8 @@ __global__ void repack_k(const uint8_t *src, int64_t rows, int64_t cols, uint8_t
         } else {
             uint2 v = make_uint2(0, 0);
             for (int k = 0; k < 4 && in; k++) {
-                v.x |= (uint32_t)qs[8 * t + k] << (8 * k);
-                v.y |= (uint32_t)qs[8 * t + 4 + k] << (8 * k);
+                v.x |= (T == KVQ_Q6_K ? q6(8 * t + k) : qs[8 * t + k]) << (8 * k);
+                v.y |= (T == KVQ_Q6_K ? q6(8 * t + 4 + k) : qs[8 * t + 4 + k]) << (8 * k);
             }
             *(uint2 *)(dst + j * 8) = v;
         }
@@ -306,6 +321,7 @@ extern "C" void cuk_repack(cuk_queue *qu, uint32_t type, const uint8_t *src, int
     const dim3 grid((unsigned)((n + 255) / 256)), block(256);
     if (type == KVQ_Q4_0) queue_launch(repack_k<KVQ_Q4_0>, grid, block, qu, src, rows, cols, codes, scales);
     else if (type == KVQ_Q4_K) queue_launch(repack_k<KVQ_Q4_K>, grid, block, qu, src, rows, cols, codes, scales);
+    else if (type == KVQ_Q6_K) queue_launch(repack_k<KVQ_Q6_K>, grid, block, qu, src, rows, cols, codes, scales);
     else queue_launch(repack_k<KVQ_Q8_0>, grid, block, qu, src, rows, cols, codes, scales);
 }
 
@@ -335,7 +351,8 @@ static __host__ __device__ __forceinline__ int ds_stride(int span) { return span
 /* A lane's share of one chunk: its 16 bytes of rows g and g + 8, and the scales it
  * uses (loaded with the codes, not when they are needed). mma: both rows' scales of
  * every block; dp4a: those of its (row, block) pairs (dp4a_chunk). Q4_K: dm0, dm1
- * the rows' (d, dmin) words (dp4a: dm0 that of its row). */
+ * the rows' (d, dmin) words (dp4a: dm0 that of its row); Q6_K: both rows' scales and
+ * d words, dp4a too (its lanes scale their own parts of both rows). */
 template <uint32_t T>
 struct chunk_frag {
     uint4 lo, hi;
@@ -369,7 +386,11 @@ static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *w, con
     f.lo = __ldg((const uint4 *)(w + u * 1024));
     f.hi = __ldg((const uint4 *)(w + u * 1024 + 512));
     s += u * 16 * SE;
-    if (T == KVQ_Q4_K) {
+    if (T == KVQ_Q6_K) { /* s: row g's entries, 8-byte aligned */
+        const uint2 a = __ldg((const uint2 *)s), b = __ldg((const uint2 *)(s + 8 * SE));
+        f.s0[0] = (uint16_t)a.x, f.s0[1 % BPC] = (uint16_t)(a.x >> 16), f.dm0 = a.y;
+        f.s1[0] = (uint16_t)b.x, f.s1[1 % BPC] = (uint16_t)(b.x >> 16), f.dm1 = b.y;
+    } else if (T == KVQ_Q4_K) {
         dm += u * 16 * SE;
         f.dm0 = __ldg((const unsigned int *)dm);
         if (MMA) {
@@ -396,6 +417,7 @@ static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *w, con
 template <uint32_t T>
 static __device__ __forceinline__ float q_term(float c, float2 sb, float xs, int r, float xsum) {
     const float o = 12582912.0f + (T == KVQ_Q4_0 ? 8.0f * xsum : 0.0f);
+    if (T == KVQ_Q6_K) return __fmaf_rn(__fmul_rn(sb.x, xs), __int2float_rn(r), c); /* |r| < 2^24 */
     const float v = __fmaf_rn(__fmul_rn(sb.x, xs), __int_as_float(0x4B400000 + r) - o, c);
     return T == KVQ_Q4_K ? __fmaf_rn(-__fmul_rn(sb.y, xs), xsum, v) : v;
 }
@@ -422,7 +444,7 @@ static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U]
             if (!FULL && lb >= vb) break;
             const uint32_t w[4] = {f[u].lo.x, f[u].lo.y, f[u].lo.z, f[u].lo.w}, h[4] = {f[u].hi.x, f[u].hi.y, f[u].hi.z, f[u].hi.w};
             uint32_t a0, a1, a2, a3;
-            if (T != KVQ_Q8_0) {
+            if (nibbles(T)) {
                 a0 = w[j] & 0x0F0F0F0Fu, a2 = (w[j] >> 4) & 0x0F0F0F0Fu;
                 a1 = h[j] & 0x0F0F0F0Fu, a3 = (h[j] >> 4) & 0x0F0F0F0Fu;
             } else {
@@ -435,7 +457,18 @@ static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U]
                 uint2 xb = make_uint2(0, 0);
                 if (tb < n) xb = *(const uint2 *)(xs + tb * xs_stride(span) + lb * 32 + 8 * t);
                 int r[4] = {0, 0, 0, 0};
-                mma_s8_16832(r, a0, a1, a2, a3, xb.x, xb.y);
+                if (T == KVQ_Q6_K) { /* each half's sum (lanes t < 2, t >= 2) times its scale */
+                    const bool h0 = t < 2;
+                    int r1[4] = {0, 0, 0, 0};
+                    mma_s8_16832(r, h0 ? a0 : 0u, h0 ? a1 : 0u, h0 ? a2 : 0u, h0 ? a3 : 0u, xb.x, xb.y);
+                    mma_s8_16832(r1, h0 ? 0u : a0, h0 ? 0u : a1, h0 ? 0u : a2, h0 ? 0u : a3, xb.x, xb.y);
+                    const int g0 = (int8_t)f[u].s0[j], g1 = (int8_t)(f[u].s0[j] >> 8);
+                    const int e0 = (int8_t)f[u].s1[j], e1 = (int8_t)(f[u].s1[j] >> 8);
+                    r[0] = g0 * r[0] + g1 * r1[0], r[1] = g0 * r[1] + g1 * r1[1];
+                    r[2] = e0 * r[2] + e1 * r1[2], r[3] = e0 * r[3] + e1 * r1[3];
+                } else {
+                    mma_s8_16832(r, a0, a1, a2, a3, xb.x, xb.y);
+                }
                 const float2 x0 = t0 < n ? ds[t0 * ds_stride(span) + lb] : make_float2(0, 0);
                 const float2 x1 = t1 < n ? ds[t1 * ds_stride(span) + lb] : make_float2(0, 0);
                 c[nt][0] = q_term<T>(c[nt][0], d0, x0.x, r[0], x0.y);
@@ -471,10 +504,12 @@ static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int u,
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const uint32_t *q = w + 4 * h;
-                if (T != KVQ_Q8_0)
+                if (nibbles(T))
                     p[h * BPC + j] = __dp4a((int)(q[j] & 0x0F0F0F0Fu), (int)xv.x, __dp4a((int)((q[j] >> 4) & 0x0F0F0F0Fu), (int)xv.y, 0));
                 else
                     p[h * BPC + j] = __dp4a((int)q[2 * j], (int)xv.x, __dp4a((int)q[2 * j + 1], (int)xv.y, 0));
+                if (T == KVQ_Q6_K) /* times the scale of this lane's half of the block */
+                    p[h * BPC + j] *= (int)(int8_t)((h ? f.s1[j] : f.s0[j]) >> (t >> 1) * 8);
             }
         }
         /* halve twice: lanes t ^ 2, then t ^ 1, trade the halves they do not keep */
@@ -492,7 +527,8 @@ static __device__ __forceinline__ void dp4a_chunk(const chunk_frag<T> &f, int u,
             const int b = bc + (t & 1) * KL + i;
             if (FULL || b < vb) {
                 const float2 x = ds[tok * ds_stride(span) + b];
-                c[tok][i] = q_term<T>(c[tok][i], block_scale<T>(f.s0[i], f.dm0), x.x, p[i], x.y);
+                const uint32_t dm = T == KVQ_Q6_K && t >> 1 ? f.dm1 : f.dm0; /* Q6_K: both rows' */
+                c[tok][i] = q_term<T>(c[tok][i], block_scale<T>(f.s0[i], dm), x.x, p[i], x.y);
             }
         }
     }
@@ -599,8 +635,9 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
     const bool full = vb == U * BPC;
     const uint8_t *wl = W.data + (tile * nch + c0) * 1024 + lane * 16;
     constexpr int SE = CUK_SCALE_ENTRIES(T);
-    const uint16_t *rs = W.scales + ((tile * nch + c0) * 16 + lane / 4 + (MMA ? 0 : (t >> 1) * 8)) * SE; /* row g's (dp4a: its row's) */
-    const uint16_t *sl = rs + (MMA ? 0 : (t & 1) * (BPC / 2)), *dl = rs + BPC;
+    /* row g's scales (dp4a: its row's, but Q6_K's lanes read both rows) */
+    const uint16_t *rs = W.scales + ((tile * nch + c0) * 16 + lane / 4 + (MMA || T == KVQ_Q6_K ? 0 : (t >> 1) * 8)) * SE;
+    const uint16_t *sl = rs + (MMA || T == KVQ_Q6_K ? 0 : (t & 1) * (BPC / 2)), *dl = rs + BPC;
     /* the weights depend on no earlier kernel: all of this warp's are loaded first */
     chunk_frag<T> f[U];
     if (full) {
@@ -840,6 +877,7 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
     } while (0)
             if (T == KVQ_Q4_0) Q(KVQ_Q4_0);
             else if (T == KVQ_Q4_K) Q(KVQ_Q4_K);
+            else if (T == KVQ_Q6_K) Q(KVQ_Q6_K);
             else Q(KVQ_Q8_0);
 #undef Q
 #undef MM_U
