@@ -1,5 +1,5 @@
-/* The append split a device backend uses (kv_cache_append_begin, then the rows, then
- * kv_cache_append_end): given the rows a host append writes, it leaves the cache
+/* The append split a device backend uses (kv_cache_append_begin, then the rows,
+ * kv_cache_append_rows and kv_cache_append_end): given the rows a host append writes, it leaves the cache
  * byte for byte as the host append does (saved sections compared), for every cache
  * kind; rows of positions trimmed in between are dropped; and a batch across the
  * offsets' point ends with the offsets chosen, as on the host. The CPU backend's
@@ -57,11 +57,12 @@ struct split_case {
     int window;
 };
 
-/* kv_cache_append_end, then the re-encoding parts it returns (at the offsets' point),
+/* kv_cache_append_rows and _end, then the re-encoding parts it returns (at the offsets' point),
  * last first: they may run in any order. */
 static int append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
                       const uint8_t *wv, int *parts) {
-    *parts = kv_cache_append_end(c, p0, n, k, v, wk, wv);
+    kv_cache_append_rows(c, p0, n, k, v, wk, wv);
+    *parts = kv_cache_append_end(c, p0, n);
     for (int i = *parts - 1; i >= 0; i--) kv_cache_offsets_part(c, i);
     return *parts < 0 ? -1 : 0;
 }
@@ -142,7 +143,8 @@ static void test_across_offsets(void) {
             if (b) memcpy(rwv + ((size_t)t * H + h) * vw.win_row, b, vw.win_row);
         }
     uint32_t epoch = kv_cache_epoch(split);
-    CHECK(kv_cache_append_end(split, 0, n, rk, rv, rwk, rwv) == 0, "end: %s", kvq_last_error());
+    kv_cache_append_rows(split, 0, n, rk, rv, rwk, rwv);
+    CHECK(kv_cache_append_end(split, 0, n) == 0, "end: %s", kvq_last_error());
     struct kv_view a, b;
     kv_cache_view(host, &a);
     kv_cache_view(split, &b);

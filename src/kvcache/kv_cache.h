@@ -157,20 +157,23 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
  * appending n tokens but writing their rows (blocks reserved or released, windows
  * moved, n_past advanced); the device writes the rows (kv_view's formats: block rows
  * with the offsets removed and rotated, f16 window rows rotated without offsets);
- * kv_cache_append_end() copies them into the host rows, before the cache is next
- * used on the host. k, v: [n][n_kv_heads] block rows; wk, wv: [n][n_kv_heads] window
- * rows (ignored without windows). Rows of positions trimmed since are skipped. When
- * the batch reaches the offsets' point, end chooses them (the epoch changes) and the
- * rows before it must be encoded again: end then returns how many parts that work
- * has, and the caller runs kv_cache_offsets_part() for each before the cache is used
- * again. Otherwise 0; -1 with an error. */
+ * kv_cache_append_rows() copies them into the host rows (k, v: [n][n_kv_heads] block
+ * rows; wk, wv: [n][n_kv_heads] window rows, ignored without windows; rows of
+ * positions trimmed since are skipped) and touches nothing but this cache's own rows,
+ * so several caches of one pool may copy at once, on several threads. Then
+ * kv_cache_append_end(), one cache at a time, before the cache is next used on the
+ * host: when the batch reaches the offsets' point, it chooses them (the epoch changes)
+ * and the rows before it must be encoded again: end then returns how many parts that
+ * work has, and the caller runs kv_cache_offsets_part() for each before the cache is
+ * used again. Otherwise 0; -1 with an error. */
 int kv_cache_append_begin(struct kv_cache *c, int n);
-int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
-                        const uint8_t *wv);
+void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
+                          const uint8_t *wv);
+int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n);
 /* Part `part` of that work (a side and a head: an offsets vector and T rows). Parts of
  * this cache and of others may run at once on several threads, in any order. */
 void kv_cache_offsets_part(struct kv_cache *c, int part);
-/* The rows kv_cache_append_end() takes for one new token (after kv_cache_append_begin)
+/* The rows kv_cache_append_rows() takes for one new token (after kv_cache_append_begin)
  * from its keys and values k, v ([n_kv_heads][head_dim]): block rows kr, vr and, with
  * a residual window, f16 window rows wk, wv ([n_kv_heads] rows of kv_view's k_row,
  * v_row and win_row bytes). Reads the cache only: calls may run at once on several

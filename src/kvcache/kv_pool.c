@@ -144,7 +144,6 @@ struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
     b->next = NULL;
     p->used += bytes;
     p->n_blocks++;
-    kv_block_touch(p, b, 0, KV_BLOCK_TOKENS); /* new contents: the whole block is copied */
     return b;
 }
 

@@ -62,7 +62,8 @@ int kv_pool_take_dirty(struct kv_pool *p, struct kv_block ***blocks);
 void kv_pool_free(struct kv_pool *p);
 
 /* A block of `bytes` with one reference; NULL with an error when the budget would be
- * exceeded or memory is out. Its contents are undefined. */
+ * exceeded or memory is out. Its contents are undefined, and none of its rows is dirty:
+ * whoever writes rows marks them (kv_block_touch). */
 struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes);
 void kv_block_ref(struct kv_block *b);
 /* Drops one reference (NULL is fine); the last one gives the block back. */

@@ -129,8 +129,10 @@ static int block_private(struct kv_cache *c, int32_t L) {
     size_t bytes = kv_block_size(c, &st->kf, &st->vf);
     struct kv_block *nb = kv_block_new(st->pool, bytes);
     if (!nb) return -1;
-    if (*e) { /* shared: copy on write */
+    if (*e) { /* shared: copy on write (a device mirror needs all of it; a new block's
+               * rows reach the mirror as they are written) */
         memcpy(nb->data, (*e)->data, bytes);
+        kv_block_touch(st->pool, nb, 0, B);
         kv_block_unref(st->pool, *e);
     }
     *e = nb;
@@ -445,11 +447,11 @@ int kv_cache_append_begin(struct kv_cache *c, int n) {
     return 0;
 }
 
-int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v,
-                        const uint8_t *wk, const uint8_t *wv) {
-    struct kv_store *st = store_of(c);
-    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
-    if (p0 < 0 || n <= 0 || p0 + n > c->n_past) return 0; /* trimmed since: nothing to keep */
+void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v,
+                          const uint8_t *wk, const uint8_t *wv) {
+    const struct kv_store *st = store_of(c);
+    const int H = c->shape.n_kv_heads;
+    if (p0 < 0 || n <= 0 || p0 + n > c->n_past) return; /* trimmed since: nothing to keep */
     const bool win = kv_win_on(st);
     for (int t = 0; t < n; t++) {
         const int32_t p = p0 + t;
@@ -467,6 +469,13 @@ int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k,
                 memcpy(kv_win_row(ws[i], &st->wvf, 1, h, p - ws[i]->p0), wv + ((size_t)t * H + h) * st->wvf.row, st->wvf.row);
             }
     }
+}
+
+int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n) {
+    struct kv_store *st = store_of(c);
+    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    if (p0 < 0 || n <= 0 || p0 + n > c->n_past) return 0; /* trimmed since: nothing to keep */
+    const bool win = kv_win_on(st);
     /* The offsets are chosen at T tokens (the device encoded without them): the rows
      * before T are encoded again with them by the caller (the parts), the rows from T
      * on here, from their f16 window rows. */

@@ -367,7 +367,7 @@ static int ensure_append(struct cpu_backend *cb, int n) {
     return cb->append_rows ? 0 : kvq_error("out of memory");
 }
 
-/* Bytes of staging for a sequence's n rows of each side and window (kv_cache_append_end's layout). */
+/* Bytes of staging for a sequence's n rows of each side and window (kv_cache_append_rows's layout). */
 static size_t append_staging(const struct kv_view *vw, int n_kv, int n) {
     return (size_t)n * n_kv * (vw->k_row + vw->v_row + 2 * vw->win_row);
 }
@@ -375,7 +375,7 @@ static size_t append_staging(const struct kv_view *vw, int n_kv, int n) {
 /* Appends of several tokens encode their rows on the pool's threads (the rotation
  * and packing of each row are most of an append): every cache makes its changes
  * first (kv_cache_append_begin), the threads encode each token's rows into staging,
- * and kv_cache_append_end copies them in: the device-append split of kv_cache.h, the
+ * and kv_cache_append_rows copies them in: the device-append split of kv_cache.h, the
  * same bytes as kv_cache_append where kv_cache_append_splits_exactly says so. */
 static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
                          const float *v, const struct be_rope *r) {
@@ -430,8 +430,9 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
     for_each_token(cb, n_tok, (int64_t)tok * 16, append_row_token, cb->append_rows); /* rotation + packing */
     for (int s = 0; s < n_seqs; s++) {
         const struct append_row *r = &cb->append_rows[seqs[s].first];
-        const int parts = kv_cache_append_end(seqs[s].cache, kv_cache_n_past(seqs[s].cache) - seqs[s].n, seqs[s].n,
-                                              r->kr, r->vr, r->wk, r->wv);
+        const int32_t p0 = kv_cache_n_past(seqs[s].cache) - seqs[s].n;
+        kv_cache_append_rows(seqs[s].cache, p0, seqs[s].n, r->kr, r->vr, r->wk, r->wv);
+        const int parts = kv_cache_append_end(seqs[s].cache, p0, seqs[s].n);
         if (parts < 0) return -1;
         /* a batch ending at the offsets' point: 2 H parts of T rows each */
         for_each_token(cb, parts, (int64_t)tok * 64, offsets_part_token, seqs[s].cache);

@@ -6,10 +6,11 @@
  * the host, on the host rows of a mirrored pool (kv_pool.h). kv_append makes the
  * host's changes of an append (kv_cache_append_begin), and the device encodes the new
  * rows into its blocks and windows (kv_encode.cu); the rows come back to the host
- * once per step, at sync (kv_cache_append_end). What the host changed otherwise
- * (rows of forks, trims, loads, conversions; windows after an epoch change) goes to
- * the device in one staging upload and one scatter launch before the kernels that
- * read it. Products of Q4_0/Q8_0 weights read inputs rounded to int8 (xq); the norm,
+ * once per step, at sync (kv_cache_append_rows on the host threads, then
+ * kv_cache_append_end). What the host changed otherwise (rows of forks, trims, loads,
+ * conversions; windows after an epoch change) goes to the device in one staging upload
+ * and one scatter launch before the kernels that read it; new blocks' rows need not
+ * (the device writes them). Products of repacked weights read inputs rounded to int8 (xq); the norm,
  * GLU or attention that writes an input rounds it too, so no launch does that alone.
  *
  * Host data for a step goes through one pinned staging buffer, uploaded in order on
@@ -1040,24 +1041,41 @@ static void offsets_task(void *arg, int ith, int nth) {
             kv_cache_offsets_part(cb->pending[i].cache, (int)(p - first));
 }
 
-/* After the step: the host's copy of the rows the device encoded, then the offsets'
- * re-encoding where a cache reached its point (32 layers of 8 KV heads re-encode 2 x
- * 8 x 128 rows each, about 70 ms on one host thread). */
+/* The pending appends' rows into the host's copy, a share of the appends each. */
+static void rows_task(void *arg, int ith, int nth) {
+    const struct cuda_backend *cb = arg;
+    long begin, end;
+    kvq_split(cb->n_pending, ith, nth, &begin, &end);
+    for (long i = begin; i < end; i++) {
+        const struct pending_append *pa = &cb->pending[i];
+        const uint8_t *h = cb->rb_h;
+        kv_cache_append_rows(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v, pa->windows ? h + pa->wk : NULL,
+                             pa->windows ? h + pa->wv : NULL);
+    }
+}
+
+/* Runs task over the host threads (the pool made at first need), or inline. */
+static void on_host_threads(struct cuda_backend *cb, void (*task)(void *, int, int)) {
+    if (!cb->pool && cb->n_threads != 1) cb->pool = kvq_pool_new(cb->n_threads);
+    if (cb->pool) kvq_pool_run(cb->pool, task, cb);
+    else task(cb, 0, 1);
+}
+
+/* After the step: the host's copy of the rows the device encoded (a 4096-token prompt
+ * brings 0.5 GB of f16 rows: one host thread copied them at about 6 GB/s), then the
+ * offsets' re-encoding where a cache reached its point (32 layers of 8 KV heads
+ * re-encode 2 x 8 x 128 rows each, about 70 ms on one host thread). */
 static int finish_appends(struct cuda_backend *cb) {
     int rc = 0, parts = 0;
     double t0 = prof_begin(cb);
+    if (cb->n_pending > 0) on_host_threads(cb, rows_task);
     for (int i = 0; i < cb->n_pending; i++) {
         struct pending_append *pa = &cb->pending[i];
-        const uint8_t *h = cb->rb_h;
-        pa->parts = rc == 0 ? kv_cache_append_end(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v,
-                                                  pa->windows ? h + pa->wk : NULL, pa->windows ? h + pa->wv : NULL)
-                            : 0;
+        pa->parts = rc == 0 ? kv_cache_append_end(pa->cache, pa->p0, pa->n) : 0;
         if (pa->parts < 0) rc = -1, pa->parts = 0;
         parts += pa->parts;
     }
-    if (parts > 0 && !cb->pool && cb->n_threads != 1) cb->pool = kvq_pool_new(cb->n_threads);
-    if (parts > 0 && cb->pool) kvq_pool_run(cb->pool, offsets_task, cb);
-    else if (parts > 0) offsets_task(cb, 0, 1);
+    if (parts > 0) on_host_threads(cb, offsets_task);
     cb->n_pending = 0;
     cb->rb_used = 0;
     prof_end(cb, P_KV_FINISH, t0);
