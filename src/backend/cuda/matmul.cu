@@ -1,6 +1,6 @@
 /* Products with weights in their GGUF types, read in place on the device.
  *
- * Decode (up to CUK_MATVEC_MAX tokens): Q4_0/Q8_0 are repacked at upload into tiles
+ * Decode (up to CUK_MATVEC_MAX tokens): Q4_0, Q8_0, Q4_K and Q6_K are repacked at upload into tiles
  * for tensor-core (1-2 tokens: dp4a) products on int8 inputs (below); the other
  * types go one warp per output row, each lane decoding 8 consecutive weights at a
  * time (consecutive lanes read consecutive bytes) and multiplying them with every
@@ -69,7 +69,7 @@ static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, in
         const int64_t b = c / 4, nch = (W.cols / 32 + BPC - 1) / BPC, rr = r % 16, unit = (r / 16) * nch + b / BPC;
         const uint8_t *p = W.data + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + c % 4) * 16 + (b % BPC) * (nibbles(T) ? 4 : 8);
         const uint16_t *se = W.scales + (unit * 16 + rr) * SE;
-        const float d = h2f(se[b % BPC]);
+        const float d = h2f(se[b % BPC]); /* Q4_0, Q8_0 */
         if (T == KVQ_Q6_K) { /* as the CPU's dequantization: (d scale) code; values 8t.. are in half t / 2 */
             const float ds = __fmul_rn(h2f(se[BPC]), (float)(int8_t)(se[b % BPC] >> (c % 4 / 2 * 8)));
             const uint2 q = *(const uint2 *)p;
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
     store_rows<NT>(acc, lane, n, S.y[j], W.rows, row, S.bias[j]);
 }
 
-/* ---- repacked Q4_0 / Q8_0 on int8 inputs ----
+/* ---- repacked Q4_0, Q8_0, Q4_K, Q6_K on int8 inputs ----
  * A tile's columns go in slices of U chunks (U from the shapes alone, below), a
  * warp each; each warp loads its U chunks before it waits for the previous kernel,
  * so all weights are in flight at once. Where a tile's slices fit one block (whole
@@ -273,7 +273,6 @@ __global__ void repack_k(const uint8_t *src, int64_t rows, int64_t cols, uint8_t
         blk = src + (in ? r * (nb / 8) + b / 8 : 0) * 210;
         const int h = (int)(b % 8 / 4), quad = (int)(b % 4);
         qs = blk + 64 * h + 32 * (quad & 1);
-        shift = quad;
         const uint8_t *sc = blk + 192 + 8 * h + 2 * quad;
         se[j] = in ? (uint16_t)(sc[0] | sc[1] << 8) : 0;
         if (j == 0) se[BPC] = in ? (uint16_t)(blk[208] | blk[209] << 8) : 0, se[BPC + 1] = 0;
@@ -284,7 +283,7 @@ __global__ void repack_k(const uint8_t *src, int64_t rows, int64_t cols, uint8_t
     }
     /* Q6_K's code e: 6 bits less 32, as int8 */
     auto q6 = [&](int e) {
-        const int h = (int)(b % 8 / 4), lo = qs[e] >> (shift >= 2 ? 4 : 0) & 15, hi = blk[128 + 32 * h + e] >> (2 * shift) & 3;
+        const int quad = (int)(b % 4), lo = qs[e] >> (quad >= 2 ? 4 : 0) & 15, hi = blk[128 + 32 * (b % 8 / 4) + e] >> (2 * quad) & 3;
         return (uint32_t)(uint8_t)(int8_t)((lo | hi << 4) - 32);
     };
     for (int t = 0; t < 4; t++) {
