@@ -723,6 +723,8 @@ int main(void) {
         printf("SKIP: no CUDA device on this machine\n");
         return 77;
     }
+    struct cudaDeviceProp prop;
+    tq.pdl = cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major >= 9; /* as the backend launches */
     /* KVQ_TEST_ONLY=attention|matvec: those kernels alone (for compute-sanitizer) */
     const char *only = getenv("KVQ_TEST_ONLY");
     if (only && (strcmp(only, "attention") == 0 || strcmp(only, "matvec") == 0)) {

@@ -1377,6 +1377,7 @@ struct backend *backend_cuda_new(int n_threads) {
         return NULL;
     }
     cb->q.stream = cb->stream;
+    cb->q.pdl = prop.major >= 9; /* Hopper's programmatic dependent launch (an sm_80/89 build runs without) */
     cb->n_sm = prop.multiProcessorCount;
     if (cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS) {
         kvq_error("cuBLAS: cannot start");

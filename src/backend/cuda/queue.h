@@ -28,6 +28,7 @@ struct cuk_queue {
     cudaError_t err;  /* the first failed launch or copy since the last cuk_queue_error() */
     bool recording;   /* launches and copies are recorded, not issued */
     bool graphs;      /* cuk_queue_issue may replay or capture graphs */
+    bool pdl;         /* launches asked with pdl use it (compute capability 9.0 and up); else plain */
     /* the record: entries, argument offsets and argument bytes */
     struct cuk_rec_entry *ent;
     int n_ent, cap_ent;
