@@ -482,10 +482,10 @@ int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n) {
     const int32_t T = mu_tokens(c);
     int parts = 0;
     if (!st->mu_set && win && T > 0 && p0 < T && p0 + n >= T) {
-        if ((parts = offsets_choose(c)) < 0) return -1;
         if (p0 + n > T) { /* rows past T need the offsets now (devices end a pass at T) */
-            for (int i = 0; i < parts; i++) kv_cache_offsets_part(c, i);
-            parts = 0;
+            if (offsets_from_window(c) != 0) return -1;
+        } else if ((parts = offsets_choose(c)) < 0) {
+            return -1;
         }
         float x[KERN_KVQ_MAX_DIM];
         for (int32_t p = T; st->mu_set && p < p0 + n; p++) {
