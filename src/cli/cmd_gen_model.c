@@ -477,6 +477,8 @@ int cmd_gen_model(int argc, char **argv) {
         T("ffn_gate.weight", 2, sh->n_embd, sh->n_ff, INIT_NORMAL);
         T("ffn_up.weight", 2, sh->n_embd, sh->n_ff, INIT_NORMAL);
         T_AS("ffn_down.weight", 2, sh->n_ff, sh->n_embd, more, INIT_NORMAL);
+#undef T_AS
+#undef T
     }
     add_t(&g, "output_norm.weight", 1, (uint64_t)sh->n_embd, 1, type, INIT_ONES);
     if (!sh->tied)

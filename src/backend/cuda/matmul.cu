@@ -34,7 +34,8 @@
     }
 
 static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
-/* Q4_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes. */
+/* Q4_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes
+ * (kern_q4k_scale_min's, on the device). */
 static __device__ __forceinline__ void q4k_scale_min(int j, const uint8_t *sc, int &s, int &m) {
     if (j < 4) {
         s = sc[j] & 63;
@@ -69,7 +70,6 @@ static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, in
         const int64_t b = c / 4, nch = (W.cols / 32 + BPC - 1) / BPC, rr = r % 16, unit = (r / 16) * nch + b / BPC;
         const uint8_t *p = W.data + unit * 1024 + (rr / 8) * 512 + ((rr % 8) * 4 + c % 4) * 16 + (b % BPC) * (nibbles(T) ? 4 : 8);
         const uint16_t *se = W.scales + (unit * 16 + rr) * SE;
-        const float d = h2f(se[b % BPC]); /* Q4_0, Q8_0 */
         if (T == KVQ_Q6_K) { /* as the CPU's dequantization: (d scale) code; values 8t.. are in half t / 2 */
             const float ds = __fmul_rn(h2f(se[BPC]), (float)(int8_t)(se[b % BPC] >> (c % 4 / 2 * 8)));
             const uint2 q = *(const uint2 *)p;
@@ -87,6 +87,7 @@ static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, in
                 w[4 + i] = __fsub_rn(__fmul_rn(sb.x, (float)((q >> (8 * i + 4)) & 15)), sb.y);
             }
         } else if (T == KVQ_Q8_0) {
+            const float d = h2f(se[b % BPC]);
             const uint2 q = *(const uint2 *)p;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
@@ -94,6 +95,7 @@ static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, in
                 w[4 + i] = d * (float)(int8_t)(q.y >> (8 * i));
             }
         } else {
+            const float d = h2f(se[b % BPC]);
             const uint32_t q = *(const uint32_t *)p;
 #pragma unroll
             for (int i = 0; i < 4; i++) {
