@@ -22,6 +22,7 @@
 #include <math.h>
 
 #include "backend/cuda/attention.cuh"
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/mma.cuh"
 extern "C" {
 #include "kernels/kv_quant.h"
@@ -31,8 +32,6 @@ extern "C" {
 #define TILE_THREADS 128
 #define Q_SCALE 256.0f  /* queries times this in f16 (back out of the scores) */
 #define P_SCALE 4096.0f /* softmax weights times value scales times this in f16 */
-
-static __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 static __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -45,11 +44,6 @@ static __device__ __forceinline__ void ldsm4_t(uint32_t (&r)[4], const void *p) 
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(p)));
 }
-
-static __device__ __forceinline__ void cp_async16(void *s, const void *g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(s)), "l"(g));
-}
-static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 static __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *(const uint32_t *)&h; }
 

@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <stdlib.h>
 
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/mma.cuh"
@@ -656,14 +657,15 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
     int8_t *xs = (int8_t *)xsm;
     float2 *ds = (float2 *)(xsm + (size_t)n * xs_stride(span));
     const int threads = WHOLE ? blockDim.x : MV_THREADS;
-    for (int e = threadIdx.x; e < n * span / 16; e += threads) {
+    for (int e = threadIdx.x; e < n * span / 16; e += threads) { /* all in flight at once (cp_async.cuh) */
         const int tok = e / (span / 16), k = (e % (span / 16)) * 16;
-        if (k < ncols) *(uint4 *)(xs + tok * xs_stride(span) + k) = __ldg((const uint4 *)(xq + tok * W.cols + cols0 + k));
+        if (k < ncols) cp_async16(xs + tok * xs_stride(span) + k, xq + tok * W.cols + cols0 + k);
     }
     for (int e = threadIdx.x; e < n * (span / 32); e += threads) {
         const int tok = e / (span / 32), k = e % (span / 32);
-        if (k < ncols / 32) ds[tok * ds_stride(span) + k] = __ldg(xd + tok * nb + b0 + k);
+        if (k < ncols / 32) cp_async8(ds + tok * ds_stride(span) + k, xd + tok * nb + b0 + k);
     }
+    cp_async_wait_all();
     __syncthreads();
     constexpr int VALS = MV_VALS(NT);
     float acc[VALS] = {};

@@ -1,0 +1,24 @@
+/* Asynchronous copies from device to shared memory (cp.async, sm_80 and later): a
+ * thread issues all of its copies back to back, with no register waiting on any, and
+ * cp_async_wait_all() then waits for them together. A loop of load-then-store copies
+ * instead waits out one memory latency per iteration. */
+#ifndef KVQ_BACKEND_CUDA_CP_ASYNC_CUH
+#define KVQ_BACKEND_CUDA_CP_ASYNC_CUH
+
+#include <stdint.h>
+
+static __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* 16 bytes, cached in L2 only (s and g 16-byte aligned) */
+static __device__ __forceinline__ void cp_async16(void *s, const void *g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(s)), "l"(g));
+}
+
+/* 8 bytes (s and g 8-byte aligned) */
+static __device__ __forceinline__ void cp_async8(void *s, const void *g) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(s)), "l"(g));
+}
+
+static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+#endif
