@@ -1,13 +1,13 @@
 /* Products with weights in their GGUF types, read in place on the device.
  *
- * Decode (up to CUK_MATVEC_MAX tokens): Q4_0, Q8_0, Q4_K and Q6_K are repacked at upload into tiles
- * for tensor-core (1-2 tokens: dp4a) products on int8 inputs (below); the other
- * types go one warp per output row, each lane decoding 8 consecutive weights at a
- * time (consecutive lanes read consecutive bytes) and multiplying them with every
- * token's inputs, which stay in L1/L2. Up to three products of one type (Q/K/V,
- * gate/up) share a launch. Wider batches dequantize a band of rows for a GEMM
- * (cuda_backend.c). Block layouts are ggml's (the GGUF types), as in
- * src/kernels/quant.c. */
+ * Decode (up to CUK_MATVEC_MAX tokens): Q4_0, Q8_0, Q4_K and Q6_K are repacked at
+ * upload into tiles for tensor-core (1-2 tokens: dp4a) products on int8 inputs
+ * (below); the other types go one warp per output row, each lane decoding 8
+ * consecutive weights at a time (consecutive lanes read consecutive bytes) and
+ * multiplying them with every token's inputs, which stay in L1/L2. Up to three
+ * products of one type (Q/K/V, gate/up) share a launch. Wider batches dequantize a
+ * band of rows for a GEMM (cuda_backend.c). Block layouts are ggml's (the GGUF
+ * types), as in src/kernels/quant.c. */
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdlib.h>

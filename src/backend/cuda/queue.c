@@ -67,8 +67,8 @@ static void launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 block,
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = q->stream;
-    cfg.attrs = pdl && q->pdl ? &attr : NULL;
-    cfg.numAttrs = pdl && q->pdl ? 1 : 0;
+    cfg.attrs = &attr;
+    cfg.numAttrs = pdl && q->pdl; /* 0: a plain launch */
     fail(q, cudaLaunchKernelExC(&cfg, func, args));
 }
 
