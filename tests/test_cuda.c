@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "kvq.h"
@@ -234,6 +235,30 @@ static void test_batch(void) {
     }
     printf("4 sequences of lengths 5..200 batched vs alone: max |dlogit| %.2e\n", worst);
     CHECK(worst < 1e-3, "a batched sequence differs from itself alone by %g", worst);
+    /* The host's copy of the rows (what save, fork and the prefix cache read) is
+     * filed while the GPU runs, segment by segment: after batched steps recorded in
+     * several segments, a saved sequence loaded into another context decodes the
+     * same logits as the sequence in the first one. */
+    for (int step = 0; step < 12 && all; step++) {
+        for (int s = 0; s < S; s++) toks[s] = ids[(7 * step + 3 * s) % 256];
+        CHECK(kvq_decode(all, &b) == 0, "batched step %d: %s", step, kvq_last_error());
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/kvq_cuda_rows_%d.kvq", (int)getpid());
+    double moved = 0;
+    for (int s = 0; s < S && all && one; s++) {
+        kvq_seq_clear(one, 0);
+        CHECK(kvq_seq_save(all, s, path) == 0 && kvq_seq_load(one, 0, path) == 0, "save / load %d: %s", s,
+              kvq_last_error());
+        int32_t tok = 11 + s, seq = s;
+        struct kvq_batch da = {.n_tokens = 1, .tokens = &tok, .seq_ids = &seq}, d1 = {.n_tokens = 1, .tokens = &tok};
+        CHECK(kvq_decode(all, &da) == 0 && kvq_decode(one, &d1) == 0, "after load %d: %s", s, kvq_last_error());
+        const float *a = kvq_get_logits(all, 0), *o = kvq_get_logits(one, 0);
+        for (int v = 0; a && o && v < info.n_vocab; v++) moved = fmax(moved, fabs(a[v] - o[v]));
+    }
+    remove(path);
+    printf("4 sequences after 12 batched steps, saved and loaded: max |dlogit| %.2e\n", moved);
+    CHECK(moved == 0, "a sequence saved after batched GPU steps decodes differently when loaded (%g)", moved);
     kvq_context_free(all);
     kvq_context_free(one);
     kvq_model_free(m);

@@ -76,6 +76,10 @@ struct backend_ops {
      * usable by the backend (CPU: the host memory as it is). 0 or -1. */
     int (*upload_weight)(struct backend *b, const struct weight *w);
     int (*upload_vector)(struct backend *b, const float *v, int64_t n);
+    /* Host memory that downloads land in fastest (CUDA: pinned), freed with
+     * host_free. NULL with an error. */
+    void *(*host_alloc)(struct backend *b, size_t bytes);
+    void (*host_free)(struct backend *b, void *p);
     /* Copies bytes of activation memory to the host (after the work writing them). */
     void (*download)(struct backend *b, void *dst, const void *src, size_t bytes);
     /* Where the KV pool's blocks live: NULL for host memory. */

@@ -332,8 +332,10 @@ void kvq_context_free(struct kvq_context *c) {
     free(c->caches);
     kv_pool_free(c->kv_pool);
     forward_free(c->fwd);
-    if (c->be) c->be->ops->free(c->be);
-    free(c->logits);
+    if (c->be) {
+        c->be->ops->host_free(c->be, c->logits);
+        c->be->ops->free(c->be);
+    }
     free(c->row_of);
     free(c->order);
     free(c->count);
@@ -587,11 +589,14 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         bool want = b->logits ? b->logits[i] : i == n - 1;
         c->row_of[i] = want ? n_rows++ : -1;
     }
-    if ((size_t)n_rows > c->logits_cap) {
-        float *l = realloc(c->logits, sizeof(float) * (size_t)n_rows * n_vocab);
-        if (!l) return kvq_error("out of memory for %d rows of logits", n_rows);
-        c->logits = l;
-        c->logits_cap = (size_t)n_rows;
+    if ((size_t)n_rows > c->logits_cap) { /* rewritten by every decode: nothing to keep */
+        c->be->ops->host_free(c->be, c->logits);
+        c->logits = c->be->ops->host_alloc(c->be, sizeof(float) * (size_t)n_rows * n_vocab);
+        c->logits_cap = c->logits ? (size_t)n_rows : 0;
+        if (!c->logits) {
+            c->last_n_tokens = 0; /* kvq_get_logits: none */
+            return kvq_error("%d rows of logits: %s", n_rows, kvq_last_error());
+        }
     }
     c->last_n_tokens = n;
 

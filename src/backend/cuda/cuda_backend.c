@@ -74,6 +74,8 @@ struct cuda_mirror {
     bool has_mu;
 };
 
+#define ROW_COPIES 32 /* early row copies a step (the rest wait for its end) */
+
 /* One sequence's rows of one layer, encoded on the device, waiting for the host's copy. */
 struct pending_append {
     struct kv_cache *cache;
@@ -139,6 +141,12 @@ struct cuda_backend {
     int n_pending, cap_pending;
     uint8_t *rb_d, *rb_h;
     size_t rb_used, rb_cap, rb_h_cap;
+    /* rows read back early: a copy and an event after each issued segment, so the host
+     * files a segment's rows while the GPU runs the next ones; row_end[i]: the pending
+     * appends that copy i covers; [rows_from, rows_to): the appends rows_task files */
+    cudaEvent_t row_ev[ROW_COPIES];
+    int row_end[ROW_COPIES], n_row_copies, rows_copied, rows_from, rows_to;
+    size_t rb_copied;
     int *seq_fmt, cap_seq_fmt;
     struct arena *host_arena, *dev_arena;
     /* per attention call */
@@ -153,10 +161,7 @@ struct cuda_backend {
     bool prof;
     double prof_s[16];
     long prof_n[16];
-    /* KVQ_CUDA_PROFILE=steps: per step, the host's time issuing work and its wait at sync */
-    bool prof_steps;
-    double step_end, issue_s, wait_s;
-    long steps;
+    struct step_prof *steps; /* KVQ_CUDA_PROFILE=steps, else NULL */
 };
 
 static struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backend *)b; }
@@ -178,13 +183,88 @@ static double now_s(void) {
 }
 static double prof_begin(struct cuda_backend *cb) {
     if (cb->prof) cudaStreamSynchronize(cb->stream);
-    return cb->prof || cb->prof_steps ? now_s() : 0;
+    return cb->prof || cb->steps ? now_s() : 0;
 }
 static void prof_end(struct cuda_backend *cb, enum prof_op op, double t0) {
-    if (!cb->prof && !cb->prof_steps) return;
+    if (!cb->prof && !cb->steps) return;
     if (cb->prof) cudaStreamSynchronize(cb->stream);
     cb->prof_s[op] += now_s() - t0;
     cb->prof_n[op]++;
+}
+
+/* KVQ_CUDA_PROFILE=steps: where the time of recorded (decode) steps goes, as medians
+ * over the steps: the wall time from one sync's end to the next; the GPU's, from the
+ * first issued segment to the end of the step's work; the host's before that first
+ * issue; the results' copy; the host's work after the wait. The GPU idles for the
+ * difference of the first two. Events time the GPU, so nothing waits that would not. */
+enum step_stat { S_WALL, S_GPU, S_HOST_FIRST, S_RESULTS, S_HOST_AFTER, S_N };
+#define STEP_SAMPLES 8192
+struct step_prof {
+    cudaEvent_t first, end, results;
+    bool armed;            /* this step's first segment was issued: its events are set */
+    double begin, waited;  /* host times: the step's first operation, the last wait's end */
+    float v[STEP_SAMPLES][S_N];
+    long n;
+};
+
+static float elapsed_us(cudaEvent_t a, cudaEvent_t b) {
+    float ms = 0;
+    return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? 1e3f * ms : 0;
+}
+
+/* At a recorded step's first segment (t: now). */
+static void steps_first_issue(struct step_prof *sp, cudaStream_t s, double t) {
+    if (!sp || sp->armed) return;
+    cudaEventRecord(sp->first, s);
+    sp->armed = true;
+    if (sp->n < STEP_SAMPLES) sp->v[sp->n][S_HOST_FIRST] = (float)(1e6 * (t - sp->begin));
+}
+
+/* At sync: after the step's work (results: false), then after the results' copies. */
+static void steps_mark(struct step_prof *sp, cudaStream_t s, bool results) {
+    if (sp && sp->armed) cudaEventRecord(results ? sp->results : sp->end, s);
+}
+
+/* When the wait at sync ends. */
+static void steps_waited(struct step_prof *sp) {
+    if (!sp) return;
+    const double t = now_s();
+    if (sp->armed && sp->n < STEP_SAMPLES && sp->waited > 0) {
+        float *v = sp->v[sp->n];
+        v[S_WALL] = (float)(1e6 * (t - sp->waited));
+        v[S_GPU] = elapsed_us(sp->first, sp->end);
+        v[S_RESULTS] = elapsed_us(sp->end, sp->results);
+    } else {
+        sp->armed = false; /* no sample of this step */
+    }
+    sp->waited = t;
+}
+
+/* When sync returns (failed: the step's numbers are dropped). */
+static void steps_done(struct step_prof *sp, bool failed) {
+    if (!sp) return;
+    if (!failed && sp->armed) sp->v[sp->n++][S_HOST_AFTER] = (float)(1e6 * (now_s() - sp->waited));
+    sp->armed = false;
+}
+
+static int cmp_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static void steps_print(const struct step_prof *sp) {
+    static const char *const names[S_N] = {"wall", "GPU", "host before the first issue", "results' copy",
+                                           "host after the wait"};
+    float *col = sp->n > 0 ? malloc(sizeof(float) * (size_t)sp->n) : NULL;
+    if (!col) return;
+    fprintf(stderr, "kvq cuda steps, medians of %ld recorded steps (us):", sp->n);
+    for (int k = 0; k < S_N; k++) {
+        for (long i = 0; i < sp->n; i++) col[i] = sp->v[i][k];
+        qsort(col, (size_t)sp->n, sizeof(float), cmp_float);
+        fprintf(stderr, "%s %s %.1f", k ? "," : "", names[k], col[sp->n / 2]);
+    }
+    fprintf(stderr, "\n");
+    free(col);
 }
 
 /* Records the first failure; sync reports it. */
@@ -373,11 +453,36 @@ static const void *stage_array(struct cuda_backend *cb, const void *data, size_t
     return cb->stage_d + off;
 }
 
+/* No pending appends (their early copies, if any, are left unread). */
+static void drop_pending(struct cuda_backend *cb) {
+    cb->n_pending = cb->rows_copied = cb->rows_from = cb->n_row_copies = 0;
+    cb->rb_copied = 0;
+}
+
+/* After an issued segment: the rows its KV appends encoded, read back now with an
+ * event behind them (cuda_sync files them while the GPU runs on). Skipped (left for
+ * the step's end) when the pinned buffer is short; it grows at sync. Steps that are
+ * not recorded (prefill) read all their rows back at the end. */
+static void copy_new_rows(struct cuda_backend *cb) {
+    if (cb->n_pending == cb->rows_copied || !cb->rb_h || cb->rb_used > cb->rb_h_cap || cb->n_row_copies == ROW_COPIES)
+        return;
+    cudaEvent_t *ev = &cb->row_ev[cb->n_row_copies];
+    if (!*ev && !ck(cb, cudaEventCreateWithFlags(ev, cudaEventDisableTiming), "an event")) return;
+    ck(cb, cudaMemcpyAsync(cb->rb_h + cb->rb_copied, cb->rb_d + cb->rb_copied, cb->rb_used - cb->rb_copied,
+                           cudaMemcpyDeviceToHost, cb->stream),
+       "reading new KV rows");
+    ck(cb, cudaEventRecord(*ev, cb->stream), "an event");
+    cb->row_end[cb->n_row_copies++] = cb->rows_copied = cb->n_pending;
+    cb->rb_copied = cb->rb_used;
+}
+
 /* Uploads the staged data and issues the record. */
 static void issue_record(struct cuda_backend *cb) {
     double t0 = prof_begin(cb);
+    if (cb->steps) steps_first_issue(cb->steps, cb->stream, now_s());
     stage_upload(cb);
     cuk_queue_issue(&cb->q);
+    copy_new_rows(cb);
     prof_end(cb, P_ISSUE, t0);
 }
 
@@ -389,6 +494,7 @@ static void issue_record(struct cuda_backend *cb) {
 static void step_op(struct cuda_backend *cb, int n) {
     if (!cb->in_step) {
         cb->in_step = true;
+        if (cb->steps) cb->steps->begin = now_s();
         cb->q.recording = cb->q.graphs && n <= CUK_MATVEC_MAX;
     } else if (cb->q.recording && cb->q.n_ent >= SEGMENT_LAUNCHES) {
         issue_record(cb);
@@ -528,6 +634,23 @@ static void *cuda_alloc(struct backend *b, size_t bytes) {
 static void cuda_release(struct backend *b, void *p) {
     (void)b;
     cudaFree(p);
+}
+
+/* Pinned: a download into it runs at the link's speed and needs no staging copy
+ * (16 tokens' logits of a 128K vocabulary: 0.15 ms instead of 0.7 on the H100). */
+static void *cuda_host_alloc(struct backend *b, size_t bytes) {
+    (void)b;
+    void *p = NULL;
+    const cudaError_t e = cudaMallocHost(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        kvq_error("CUDA: %zu bytes of pinned host memory: %s", bytes, cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+static void cuda_host_free(struct backend *b, void *p) {
+    (void)b;
+    if (p) cudaFreeHost(p);
 }
 
 static void cuda_download(struct backend *b, void *dst, const void *src, size_t bytes) {
@@ -908,7 +1031,7 @@ static bool ensure_qprep(struct cuda_backend *cb, int n, int n_head, int D) {
 }
 
 /* The layer's new keys and values, encoded into the device cache; the host's copy of
- * the rows follows at the next sync (kv_cache_append_begin / _end). With r, the same
+ * the rows is filed during the next sync (kv_cache_append_begin / _end). With r, the same
  * launch first norms and rotates the queries and keys, and prepares the queries for
  * the attention that follows (cuda_attention then skips that launch). */
 static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
@@ -932,7 +1055,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
     }
     for (int s = 0; s < n_seqs; s++) {
         if (kv_cache_append_begin(seqs[s].cache, seqs[s].n) != 0) {
-            cb->n_pending = 0; /* the forward pass drops this batch's rows */
+            drop_pending(cb); /* the forward pass drops this batch's rows */
             return -1;
         }
     }
@@ -1045,8 +1168,8 @@ static void offsets_task(void *arg, int ith, int nth) {
 static void rows_task(void *arg, int ith, int nth) {
     const struct cuda_backend *cb = arg;
     long begin, end;
-    kvq_split(cb->n_pending, ith, nth, &begin, &end);
-    for (long i = begin; i < end; i++) {
+    kvq_split(cb->rows_to - cb->rows_from, ith, nth, &begin, &end);
+    for (long i = cb->rows_from + begin; i < cb->rows_from + end; i++) {
         const struct pending_append *pa = &cb->pending[i];
         const uint8_t *h = cb->rb_h;
         kv_cache_append_rows(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v, pa->windows ? h + pa->wk : NULL,
@@ -1061,14 +1184,22 @@ static void on_host_threads(struct cuda_backend *cb, void (*task)(void *, int, i
     else task(cb, 0, 1);
 }
 
-/* After the step: the host's copy of the rows the device encoded (a 4096-token prompt
- * brings 0.5 GB of f16 rows: one host thread copied them at about 6 GB/s), then the
- * offsets' re-encoding where a cache reached its point (32 layers of 8 KV heads
- * re-encode 2 x 8 x 128 rows each, about 70 ms on one host thread). */
+/* The rows of the pending appends up to `to` (read back) into the host's copy. */
+static void file_rows(struct cuda_backend *cb, int to) {
+    if (to <= cb->rows_from) return;
+    cb->rows_to = to;
+    on_host_threads(cb, rows_task);
+    cb->rows_from = to;
+}
+
+/* After the step: the host's copy of the rows the device encoded that no early copy
+ * took (a 4096-token prompt brings 0.5 GB of f16 rows: one host thread copied them at
+ * about 6 GB/s), then the offsets' re-encoding where a cache reached its point (32
+ * layers of 8 KV heads re-encode 2 x 8 x 128 rows each, about 70 ms on one thread). */
 static int finish_appends(struct cuda_backend *cb) {
     int rc = 0, parts = 0;
     double t0 = prof_begin(cb);
-    if (cb->n_pending > 0) on_host_threads(cb, rows_task);
+    file_rows(cb, cb->n_pending);
     for (int i = 0; i < cb->n_pending; i++) {
         struct pending_append *pa = &cb->pending[i];
         pa->parts = rc == 0 ? kv_cache_append_end(pa->cache, pa->p0, pa->n) : 0;
@@ -1076,7 +1207,7 @@ static int finish_appends(struct cuda_backend *cb) {
         parts += pa->parts;
     }
     if (parts > 0) on_host_threads(cb, offsets_task);
-    cb->n_pending = 0;
+    drop_pending(cb);
     cb->rb_used = 0;
     prof_end(cb, P_KV_FINISH, t0);
     return rc;
@@ -1241,43 +1372,49 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
 
 static int cuda_sync(struct backend *b) {
     struct cuda_backend *cb = cuda(b);
-    double t_sync = cb->prof_steps ? now_s() : 0;
     record_stop(cb);
+    steps_mark(cb->steps, cb->stream, false);
     for (int i = 0; i < cb->n_post; i++)
         ck(cb, cudaMemcpyAsync(cb->post[i].dst, cb->post[i].src, cb->post[i].bytes, cudaMemcpyDeviceToHost, cb->stream),
            "reading results");
     cb->n_post = 0;
-    if (cb->n_pending && cb->rb_used > cb->rb_h_cap) {
+    steps_mark(cb->steps, cb->stream, true);
+    /* the rows no segment's copy took: after everything, into a buffer grown now */
+    if (cb->n_pending > cb->rows_copied && cb->rb_used > cb->rb_h_cap) {
         ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream");
         cudaFreeHost(cb->rb_h);
         cb->rb_h = NULL;
         cb->rb_h_cap = 0;
         if (ck(cb, cudaMallocHost((void **)&cb->rb_h, cb->rb_cap), "pinned memory for new KV rows")) cb->rb_h_cap = cb->rb_cap;
+        cb->rows_copied = cb->n_row_copies = 0; /* the early copies went to the old buffer: all again */
+        cb->rb_copied = 0;
     }
-    if (cb->n_pending && cb->rb_h)
-        ck(cb, cudaMemcpyAsync(cb->rb_h, cb->rb_d, cb->rb_used, cudaMemcpyDeviceToHost, cb->stream), "reading new KV rows");
+    if (cb->n_pending > cb->rows_copied && cb->rb_h)
+        ck(cb, cudaMemcpyAsync(cb->rb_h + cb->rb_copied, cb->rb_d + cb->rb_copied, cb->rb_used - cb->rb_copied,
+                               cudaMemcpyDeviceToHost, cb->stream),
+           "reading new KV rows");
+    /* the segments' rows as they arrive, while the GPU runs the rest of the step: filed
+     * after the wait, they took 0.8 ms of a 16-token step (H100, llama3-8b, K4V4) */
+    for (int i = 0; i < cb->n_row_copies; i++)
+        if (!cb->failed && ck(cb, cudaEventSynchronize(cb->row_ev[i]), "running the step")) file_rows(cb, cb->row_end[i]);
+    cb->n_row_copies = 0;
     if (wait_stream(cb) != 0) {
-        cb->n_pending = 0;
+        drop_pending(cb);
         cb->rb_used = 0;
+        steps_done(cb->steps, true);
         return -1;
     }
-    if (cb->prof_steps) {
-        const double t = now_s();
-        if (cb->step_end > 0) {
-            cb->issue_s += t_sync - cb->step_end;
-            cb->wait_s += t - t_sync;
-            cb->steps++;
-        }
-        cb->step_end = t;
-    }
-    return finish_appends(cb);
+    steps_waited(cb->steps);
+    const int rc = finish_appends(cb);
+    steps_done(cb->steps, false);
+    return rc;
 }
 
 static void cuda_free(struct backend *b) {
     struct cuda_backend *cb = cuda(b);
     if (!cb) return;
     if (cb->stream) cudaStreamSynchronize(cb->stream);
-    if (cb->prof || cb->prof_steps) {
+    if (cb->prof || cb->steps) {
         double total = 0;
         for (int i = 0; i < P_N; i++) total += cb->prof_s[i];
         fprintf(stderr, "kvq cuda profile (%.3f s %s):\n", total, cb->prof ? "in operations" : "of host time in operations");
@@ -1286,12 +1423,15 @@ static void cuda_free(struct backend *b) {
                 fprintf(stderr, "  %-40s %9.3f ms %5.1f%% %8ld calls %8.1f us/call\n", prof_names[i], 1e3 * cb->prof_s[i],
                         100 * cb->prof_s[i] / total, cb->prof_n[i], 1e6 * cb->prof_s[i] / (double)cb->prof_n[i]);
     }
-    if (cb->prof_steps && cb->steps)
-        fprintf(stderr,
-                "kvq cuda steps: %ld, host issuing %.1f us/step, waiting at sync %.1f us/step; recorded steps: %ld "
-                "as graphs, %ld captured, %ld launch by launch\n",
-                cb->steps, 1e6 * cb->issue_s / (double)cb->steps, 1e6 * cb->wait_s / (double)cb->steps,
-                cb->q.n_replays, cb->q.n_captures, cb->q.n_eager);
+    if (cb->steps) {
+        fprintf(stderr, "kvq cuda: recorded steps: %ld as graphs, %ld captured, %ld launch by launch\n", cb->q.n_replays,
+                cb->q.n_captures, cb->q.n_eager);
+        steps_print(cb->steps);
+        cudaEventDestroy(cb->steps->first);
+        cudaEventDestroy(cb->steps->end);
+        cudaEventDestroy(cb->steps->results);
+        free(cb->steps);
+    }
     kvq_pool_free(cb->pool);
     for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
     free(cb->ents);
@@ -1311,6 +1451,8 @@ static void cuda_free(struct backend *b) {
     cudaFreeHost(cb->stage_h);
     cudaFree(cb->stage_d);
     cudaFree(cb->rb_d);
+    for (int i = 0; i < ROW_COPIES; i++)
+        if (cb->row_ev[i]) cudaEventDestroy(cb->row_ev[i]);
     cudaFreeHost(cb->rb_h);
     free(cb->pending);
     free(cb->seq_fmt);
@@ -1334,6 +1476,8 @@ static const struct backend_ops cuda_ops = {
     .release = cuda_release,
     .upload_weight = cuda_upload_weight,
     .upload_vector = cuda_upload_vector,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
     .download = cuda_download,
     .kv_pool_new = cuda_kv_pool_new,
     .matmul = cuda_matmul,
@@ -1362,8 +1506,13 @@ struct backend *backend_cuda_new(int n_threads) {
     cb->base.ops = &cuda_ops;
     cb->n_threads = n_threads;
     const char *prof = getenv("KVQ_CUDA_PROFILE");
-    cb->prof_steps = prof && strcmp(prof, "steps") == 0;
-    cb->prof = prof && *prof && strcmp(prof, "0") != 0 && !cb->prof_steps;
+    if (prof && strcmp(prof, "steps") == 0 && (cb->steps = calloc(1, sizeof *cb->steps)) &&
+        (cudaEventCreate(&cb->steps->first) != cudaSuccess || cudaEventCreate(&cb->steps->end) != cudaSuccess ||
+         cudaEventCreate(&cb->steps->results) != cudaSuccess)) {
+        free(cb->steps); /* (an event or two leaked: a measurement aid that failed) */
+        cb->steps = NULL;
+    }
+    cb->prof = prof && *prof && strcmp(prof, "0") != 0 && strcmp(prof, "steps") != 0;
     /* KVQ_CUDA_GRAPHS=0: decode steps launch by launch (the per-operation profile waits
      * for each operation, so it does too) */
     const char *graphs = getenv("KVQ_CUDA_GRAPHS");
