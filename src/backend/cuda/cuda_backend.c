@@ -74,7 +74,7 @@ struct cuda_mirror {
     bool has_mu;
 };
 
-#define ROW_COPIES 32 /* early row copies a step (the rest wait for its end) */
+#define ROW_COPIES 64 /* early row copies a step (the rest wait for its end) */
 
 /* One sequence's rows of one layer, encoded on the device, waiting for the host's copy. */
 struct pending_append {
@@ -141,10 +141,12 @@ struct cuda_backend {
     int n_pending, cap_pending;
     uint8_t *rb_d, *rb_h;
     size_t rb_used, rb_cap, rb_h_cap;
-    /* rows read back early: a copy and an event after each issued segment, so the host
-     * files a segment's rows while the GPU runs the next ones; row_end[i]: the pending
-     * appends that copy i covers; [rows_from, rows_to): the appends rows_task files */
-    cudaEvent_t row_ev[ROW_COPIES];
+    /* rows read back early, on their own stream: a copy after each issued segment (each
+     * KV append of a step not recorded), so the host files them while the GPU runs on;
+     * row_ev[i]: copy i done, seg_ev[i]: the work it waits for; row_end[i]: the
+     * pending appends it covers; [rows_from, rows_to): the appends rows_task files */
+    cudaStream_t copy_stream;
+    cudaEvent_t row_ev[ROW_COPIES], seg_ev[ROW_COPIES];
     int row_end[ROW_COPIES], n_row_copies, rows_copied, rows_from, rows_to;
     size_t rb_copied;
     int *seq_fmt, cap_seq_fmt;
@@ -459,19 +461,24 @@ static void drop_pending(struct cuda_backend *cb) {
     cb->rb_copied = 0;
 }
 
-/* After an issued segment: the rows its KV appends encoded, read back now with an
- * event behind them (cuda_sync files them while the GPU runs on). Skipped (left for
- * the step's end) when the pinned buffer is short; it grows at sync. Steps that are
- * not recorded (prefill) read all their rows back at the end. */
+/* After an issued segment (or a KV append not recorded): the rows encoded since the
+ * last copy, read back on the copy stream once the work so far is done, with an event
+ * behind them (cuda_sync files them while the GPU runs on; in the compute stream the
+ * copies held up the kernels behind them, 0.18 ms of a 16-token step). Skipped (left
+ * for the step's end) when the pinned buffer is short; it grows at sync. */
 static void copy_new_rows(struct cuda_backend *cb) {
-    if (cb->n_pending == cb->rows_copied || !cb->rb_h || cb->rb_used > cb->rb_h_cap || cb->n_row_copies == ROW_COPIES)
+    if (cb->n_pending == cb->rows_copied || !cb->rb_h || cb->rb_used > cb->rb_h_cap || cb->n_row_copies == ROW_COPIES ||
+        cb->failed)
         return;
-    cudaEvent_t *ev = &cb->row_ev[cb->n_row_copies];
-    if (!*ev && !ck(cb, cudaEventCreateWithFlags(ev, cudaEventDisableTiming), "an event")) return;
+    const int i = cb->n_row_copies;
+    if (!cb->row_ev[i] && !ck(cb, cudaEventCreateWithFlags(&cb->row_ev[i], cudaEventDisableTiming), "an event")) return;
+    if (!cb->seg_ev[i] && !ck(cb, cudaEventCreateWithFlags(&cb->seg_ev[i], cudaEventDisableTiming), "an event")) return;
+    ck(cb, cudaEventRecord(cb->seg_ev[i], cb->stream), "an event");
+    ck(cb, cudaStreamWaitEvent(cb->copy_stream, cb->seg_ev[i], 0), "an event");
     ck(cb, cudaMemcpyAsync(cb->rb_h + cb->rb_copied, cb->rb_d + cb->rb_copied, cb->rb_used - cb->rb_copied,
-                           cudaMemcpyDeviceToHost, cb->stream),
+                           cudaMemcpyDeviceToHost, cb->copy_stream),
        "reading new KV rows");
-    ck(cb, cudaEventRecord(*ev, cb->stream), "an event");
+    ck(cb, cudaEventRecord(cb->row_ev[i], cb->copy_stream), "an event");
     cb->row_end[cb->n_row_copies++] = cb->rows_copied = cb->n_pending;
     cb->rb_copied = cb->rb_used;
 }
@@ -855,6 +862,7 @@ static void cuda_glu(struct backend *b, enum be_glu act, const float *gate, cons
 /* Waits for the stream; staged data may then be overwritten. */
 static int wait_stream(struct cuda_backend *cb) {
     ck(cb, cudaStreamSynchronize(cb->stream), "running the step");
+    ck(cb, cudaStreamSynchronize(cb->copy_stream), "reading new KV rows");
     ck(cb, cuk_queue_error(&cb->q), "a kernel launch");
     ck(cb, cudaGetLastError(), "a kernel launch");
     cb->stage_used = cb->stage_up = 0;
@@ -1009,6 +1017,7 @@ static size_t readback_alloc(struct cuda_backend *cb, size_t bytes) {
         if (!ck(cb, cudaMalloc((void **)&d, cap), "device memory for new KV rows")) return (size_t)-1;
         if (cb->rb_used) ck(cb, cudaMemcpyAsync(d, cb->rb_d, cb->rb_used, cudaMemcpyDeviceToDevice, cb->stream), "KV rows");
         ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream");
+        ck(cb, cudaStreamSynchronize(cb->copy_stream), "waiting for the copies"); /* they read the old buffer */
         cudaFree(cb->rb_d);
         cb->rb_d = d;
         cb->rb_cap = cap;
@@ -1143,6 +1152,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
         cuk_kv_encode(&cb->q, &args);
     }
     prof_end(cb, P_KV_ENCODE, t0);
+    if (!cb->q.recording) copy_new_rows(cb); /* recorded: after the segment is issued */
     if (cb->failed) return kvq_error("%s", cb->failure);
     if (r) {
         cb->qprep_of = r->q;
@@ -1382,6 +1392,7 @@ static int cuda_sync(struct backend *b) {
     /* the rows no segment's copy took: after everything, into a buffer grown now */
     if (cb->n_pending > cb->rows_copied && cb->rb_used > cb->rb_h_cap) {
         ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream");
+        ck(cb, cudaStreamSynchronize(cb->copy_stream), "waiting for the copies");
         cudaFreeHost(cb->rb_h);
         cb->rb_h = NULL;
         cb->rb_h_cap = 0;
@@ -1414,6 +1425,7 @@ static void cuda_free(struct backend *b) {
     struct cuda_backend *cb = cuda(b);
     if (!cb) return;
     if (cb->stream) cudaStreamSynchronize(cb->stream);
+    if (cb->copy_stream) cudaStreamSynchronize(cb->copy_stream);
     if (cb->prof || cb->steps) {
         double total = 0;
         for (int i = 0; i < P_N; i++) total += cb->prof_s[i];
@@ -1451,8 +1463,10 @@ static void cuda_free(struct backend *b) {
     cudaFreeHost(cb->stage_h);
     cudaFree(cb->stage_d);
     cudaFree(cb->rb_d);
-    for (int i = 0; i < ROW_COPIES; i++)
+    for (int i = 0; i < ROW_COPIES; i++) {
         if (cb->row_ev[i]) cudaEventDestroy(cb->row_ev[i]);
+        if (cb->seg_ev[i]) cudaEventDestroy(cb->seg_ev[i]);
+    }
     cudaFreeHost(cb->rb_h);
     free(cb->pending);
     free(cb->seq_fmt);
@@ -1464,6 +1478,7 @@ static void cuda_free(struct backend *b) {
     arena_free(cb->dev_arena);
     if (cb->blas) cublasDestroy(cb->blas);
     if (cb->stream) cudaStreamDestroy(cb->stream);
+    if (cb->copy_stream) cudaStreamDestroy(cb->copy_stream);
     free(cb);
 }
 
@@ -1520,7 +1535,8 @@ struct backend *backend_cuda_new(int n_threads) {
     cb->q.last = -1;
     struct cudaDeviceProp prop;
     if ((st = cudaGetDeviceProperties(&prop, 0)) != cudaSuccess || (st = cudaSetDevice(0)) != cudaSuccess ||
-        (st = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        (st = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (st = cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking)) != cudaSuccess) {
         kvq_error("CUDA: cannot start on the device: %s", cudaGetErrorString(st));
         cuda_free(&cb->base);
         return NULL;
