@@ -143,10 +143,11 @@ struct cuda_backend {
     size_t rb_used, rb_cap, rb_h_cap;
     /* rows read back early, on their own stream: a copy after each issued segment (each
      * KV append of a step not recorded), so the host files them while the GPU runs on;
-     * row_ev[i]: copy i done, seg_ev[i]: the work it waits for; row_end[i]: the
-     * pending appends it covers; [rows_from, rows_to): the appends rows_task files */
+     * row_ev[i]: copy i done, work_ev: the work so far (a copy waits on it as it was
+     * when the copy was queued); row_end[i]: the pending appends copy i covers;
+     * [rows_from, rows_to): the appends rows_task files */
     cudaStream_t copy_stream;
-    cudaEvent_t row_ev[ROW_COPIES], seg_ev[ROW_COPIES];
+    cudaEvent_t row_ev[ROW_COPIES], work_ev;
     int row_end[ROW_COPIES], n_row_copies, rows_copied, rows_from, rows_to;
     size_t rb_copied;
     int *seq_fmt, cap_seq_fmt;
@@ -214,12 +215,12 @@ static float elapsed_us(cudaEvent_t a, cudaEvent_t b) {
     return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? 1e3f * ms : 0;
 }
 
-/* At a recorded step's first segment (t: now). */
-static void steps_first_issue(struct step_prof *sp, cudaStream_t s, double t) {
+/* At a recorded step's first segment. */
+static void steps_first_issue(struct step_prof *sp, cudaStream_t s) {
     if (!sp || sp->armed) return;
     cudaEventRecord(sp->first, s);
     sp->armed = true;
-    if (sp->n < STEP_SAMPLES) sp->v[sp->n][S_HOST_FIRST] = (float)(1e6 * (t - sp->begin));
+    if (sp->n < STEP_SAMPLES) sp->v[sp->n][S_HOST_FIRST] = (float)(1e6 * (now_s() - sp->begin));
 }
 
 /* At sync: after the step's work (results: false), then after the results' copies. */
@@ -471,10 +472,8 @@ static void copy_new_rows(struct cuda_backend *cb) {
         cb->failed)
         return;
     const int i = cb->n_row_copies;
-    if (!cb->row_ev[i] && !ck(cb, cudaEventCreateWithFlags(&cb->row_ev[i], cudaEventDisableTiming), "an event")) return;
-    if (!cb->seg_ev[i] && !ck(cb, cudaEventCreateWithFlags(&cb->seg_ev[i], cudaEventDisableTiming), "an event")) return;
-    ck(cb, cudaEventRecord(cb->seg_ev[i], cb->stream), "an event");
-    ck(cb, cudaStreamWaitEvent(cb->copy_stream, cb->seg_ev[i], 0), "an event");
+    ck(cb, cudaEventRecord(cb->work_ev, cb->stream), "an event");
+    ck(cb, cudaStreamWaitEvent(cb->copy_stream, cb->work_ev, 0), "an event");
     ck(cb, cudaMemcpyAsync(cb->rb_h + cb->rb_copied, cb->rb_d + cb->rb_copied, cb->rb_used - cb->rb_copied,
                            cudaMemcpyDeviceToHost, cb->copy_stream),
        "reading new KV rows");
@@ -486,7 +485,7 @@ static void copy_new_rows(struct cuda_backend *cb) {
 /* Uploads the staged data and issues the record. */
 static void issue_record(struct cuda_backend *cb) {
     double t0 = prof_begin(cb);
-    if (cb->steps) steps_first_issue(cb->steps, cb->stream, now_s());
+    steps_first_issue(cb->steps, cb->stream);
     stage_upload(cb);
     cuk_queue_issue(&cb->q);
     copy_new_rows(cb);
@@ -1463,10 +1462,9 @@ static void cuda_free(struct backend *b) {
     cudaFreeHost(cb->stage_h);
     cudaFree(cb->stage_d);
     cudaFree(cb->rb_d);
-    for (int i = 0; i < ROW_COPIES; i++) {
+    for (int i = 0; i < ROW_COPIES; i++)
         if (cb->row_ev[i]) cudaEventDestroy(cb->row_ev[i]);
-        if (cb->seg_ev[i]) cudaEventDestroy(cb->seg_ev[i]);
-    }
+    if (cb->work_ev) cudaEventDestroy(cb->work_ev);
     cudaFreeHost(cb->rb_h);
     free(cb->pending);
     free(cb->seq_fmt);
@@ -1506,6 +1504,13 @@ static const struct backend_ops cuda_ops = {
     .sync = cuda_sync,
 };
 
+/* n events without timing (they only order work and wake the host). */
+static cudaError_t new_events(cudaEvent_t *ev, int n) {
+    cudaError_t st = cudaSuccess;
+    for (int i = 0; i < n && st == cudaSuccess; i++) st = cudaEventCreateWithFlags(&ev[i], cudaEventDisableTiming);
+    return st;
+}
+
 struct backend *backend_cuda_new(int n_threads) {
     int n = 0;
     cudaError_t st = cudaGetDeviceCount(&n);
@@ -1536,7 +1541,8 @@ struct backend *backend_cuda_new(int n_threads) {
     struct cudaDeviceProp prop;
     if ((st = cudaGetDeviceProperties(&prop, 0)) != cudaSuccess || (st = cudaSetDevice(0)) != cudaSuccess ||
         (st = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess ||
-        (st = cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        (st = cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
+        (st = new_events(&cb->work_ev, 1)) != cudaSuccess || (st = new_events(cb->row_ev, ROW_COPIES)) != cudaSuccess) {
         kvq_error("CUDA: cannot start on the device: %s", cudaGetErrorString(st));
         cuda_free(&cb->base);
         return NULL;
