@@ -21,4 +21,10 @@ static __device__ __forceinline__ void cp_async8(void *s, const void *g) {
 
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+/* Groups: the copies a thread issued since its last commit form one; wait<N> returns
+ * once at most the N groups it committed last are still in flight. */
+static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
 #endif

@@ -1,8 +1,9 @@
 /* Products with weights in their GGUF types, read in place on the device.
  *
  * Decode (up to CUK_MATVEC_MAX tokens): Q4_0, Q8_0, Q4_K and Q6_K are repacked at
- * upload into tiles for tensor-core (1-2 tokens: dp4a) products on int8 inputs
- * (below); the other types go one warp per output row, each lane decoding 8
+ * upload into tiles for tensor-core (1-2 tokens: dp4a, streamed where a product has
+ * more tiles than fit the GPU at once) products on int8 inputs (below); the other
+ * types go one warp per output row, each lane decoding 8
  * consecutive weights at a time (consecutive lanes read consecutive bytes) and
  * multiplying them with every token's inputs, which stay in L1/L2. Up to three
  * products of one type (Q/K/V, gate/up) share a launch. Wider batches dequantize a
@@ -33,6 +34,58 @@
     case KVQ_Q6_K: CALL(KVQ_Q6_K); break;                                                                    \
     default: break; /* refused at upload */                                                                  \
     }
+
+/* Weights are read once a step, and a step reads far more of them than L2 holds:
+ * their lines are the first L2 gives up (evict_first), so that what is read again
+ * soon stays (inputs, KV rows, partial sums). One-token decode steps took 3-4% less
+ * GPU time (H100, llama3-8b Q4_0, depth 512 and 4096), 1-2% since matvec_stream's
+ * copies (which go without it) read most of the weights. */
+static __device__ __forceinline__ uint64_t weight_policy() {
+    uint64_t p;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+
+/* Loads of weight bytes (read-only while the kernel runs) with that policy; volatile,
+ * so that they stay where they are issued (before griddep_wait). */
+static __device__ __forceinline__ uint4 ldw16(const void *p, uint64_t pol) {
+    uint4 v;
+    asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(pol));
+    return v;
+}
+static __device__ __forceinline__ uint2 ldw8(const void *p, uint64_t pol) {
+    uint2 v;
+    asm volatile("ld.global.nc.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;" : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(pol));
+    return v;
+}
+static __device__ __forceinline__ uint32_t ldw4(const void *p, uint64_t pol) {
+    uint32_t v;
+    asm volatile("ld.global.nc.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol));
+    return v;
+}
+static __device__ __forceinline__ uint16_t ldw2(const void *p, uint64_t pol) {
+    uint16_t v;
+    asm volatile("ld.global.nc.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(v) : "l"(p), "l"(pol));
+    return v;
+}
+
+/* How load_chunk reads a chunk: from device memory (weight loads), or from a copy in
+ * shared memory (matvec_stream). */
+struct from_global {
+    uint64_t pol;
+    __device__ __forceinline__ uint4 v16(const void *p) const { return ldw16(p, pol); }
+    __device__ __forceinline__ uint2 v8(const void *p) const { return ldw8(p, pol); }
+    __device__ __forceinline__ uint32_t v4(const void *p) const { return ldw4(p, pol); }
+    __device__ __forceinline__ uint16_t v2(const void *p) const { return ldw2(p, pol); }
+};
+struct from_shared {
+    __device__ __forceinline__ uint4 v16(const void *p) const { return *(const uint4 *)p; }
+    __device__ __forceinline__ uint2 v8(const void *p) const { return *(const uint2 *)p; }
+    __device__ __forceinline__ uint32_t v4(const void *p) const { return *(const uint32_t *)p; }
+    __device__ __forceinline__ uint16_t v2(const void *p) const { return *(const uint16_t *)p; }
+};
 
 static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 /* Q4_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes
@@ -105,11 +158,12 @@ static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, in
             }
         }
     } else if (T == KVQ_F32) {
-        const float4 *p = (const float4 *)(row + c * 32);
-        float4 a = p[0], b = p[1];
-        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+        const uint4 a = ldw16(row + c * 32, weight_policy()), b = ldw16(row + c * 32 + 16, weight_policy());
+        const uint32_t u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) w[i] = __uint_as_float(u[i]);
     } else if (T == KVQ_F16) {
-        uint4 u = *(const uint4 *)(row + c * 16);
+        uint4 u = ldw16(row + c * 16, weight_policy());
         const __half2 *h = (const __half2 *)&u;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -117,7 +171,7 @@ static __device__ __forceinline__ void wload8(const cuk_weight &W, int64_t r, in
             w[2 * i] = f.x, w[2 * i + 1] = f.y;
         }
     } else if (T == KVQ_BF16) {
-        uint4 u = *(const uint4 *)(row + c * 16);
+        uint4 u = ldw16(row + c * 16, weight_policy());
         const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -214,7 +268,8 @@ __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
  *   its 8 values of a block with dp4a and the 4 lanes of a row group trade partial
  *   sums so that each ends with whole blocks' sums of a quarter of the (row, block)
  *   pairs: a quarter of the float work. (One wave of warps, each streaming a tile 4
- *   or 8 chunks ahead, measured 2x slower: too few bytes in flight.)
+ *   or 8 chunks ahead in registers, measured 2x slower: too few bytes in flight;
+ *   matvec_stream streams through shared memory instead.)
  * Both add the same float terms in the same order, so a token's result does not
  * depend on how many tokens share the launch: the terms of block position j of a
  * slice's chunks (q_term) add up in chunk order, those BPC sums in j order, and the
@@ -363,16 +418,16 @@ struct chunk_frag {
 };
 
 /* A row's n consecutive scales (aligned to n halves), in one load. */
-template <int N>
-static __device__ __forceinline__ void load_scales(const uint16_t *p, uint16_t *s) {
+template <int N, class LD>
+static __device__ __forceinline__ void load_scales(const uint16_t *p, uint16_t *s, const LD &ld) {
     if (N == 4) {
-        const uint2 v = __ldg((const uint2 *)p);
+        const uint2 v = ld.v8(p);
         s[0] = (uint16_t)v.x, s[1] = (uint16_t)(v.x >> 16), s[2 % N] = (uint16_t)v.y, s[3 % N] = (uint16_t)(v.y >> 16);
     } else if (N == 2) {
-        const uint32_t v = __ldg((const unsigned int *)p);
+        const uint32_t v = ld.v4(p);
         s[0] = (uint16_t)v, s[1 % N] = (uint16_t)(v >> 16);
     } else {
-        s[0] = __ldg((const unsigned short *)p);
+        s[0] = ld.v2(p);
     }
 }
 
@@ -380,33 +435,33 @@ static __device__ __forceinline__ void load_scales(const uint16_t *p, uint16_t *
  * this lane's first (matvec_q; dp4a: s at its first block's entry, dm at its row's
  * (d, dmin)), so that each address is a constant offset. Q4_K rows' entries are 12
  * bytes apart: 4-byte loads. */
-template <uint32_t T, bool MMA>
+template <uint32_t T, bool MMA, class LD>
 static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *w, const uint16_t *s, const uint16_t *dm,
-                                                           int u) {
+                                                           int u, const LD &ld) {
     constexpr int BPC = CUK_CHUNK_BLOCKS(T), SE = CUK_SCALE_ENTRIES(T);
     chunk_frag<T> f;
-    f.lo = __ldg((const uint4 *)(w + u * 1024));
-    f.hi = __ldg((const uint4 *)(w + u * 1024 + 512));
+    f.lo = ld.v16(w + u * 1024);
+    f.hi = ld.v16(w + u * 1024 + 512);
     s += u * 16 * SE;
     if (T == KVQ_Q6_K) { /* s: row g's entries, 8-byte aligned */
-        const uint2 a = __ldg((const uint2 *)s), b = __ldg((const uint2 *)(s + 8 * SE));
+        const uint2 a = ld.v8(s), b = ld.v8(s + 8 * SE);
         f.s0[0] = (uint16_t)a.x, f.s0[1 % BPC] = (uint16_t)(a.x >> 16), f.dm0 = a.y;
         f.s1[0] = (uint16_t)b.x, f.s1[1 % BPC] = (uint16_t)(b.x >> 16), f.dm1 = b.y;
     } else if (T == KVQ_Q4_K) {
         dm += u * 16 * SE;
-        f.dm0 = __ldg((const unsigned int *)dm);
+        f.dm0 = ld.v4(dm);
         if (MMA) {
-            f.dm1 = __ldg((const unsigned int *)(dm + 8 * SE));
-            load_scales<2>(s, f.s0), load_scales<2>(s + 2, f.s0 + 2);
-            load_scales<2>(s + 8 * SE, f.s1), load_scales<2>(s + 8 * SE + 2, f.s1 + 2);
+            f.dm1 = ld.v4(dm + 8 * SE);
+            load_scales<2>(s, f.s0, ld), load_scales<2>(s + 2, f.s0 + 2, ld);
+            load_scales<2>(s + 8 * SE, f.s1, ld), load_scales<2>(s + 8 * SE + 2, f.s1 + 2, ld);
         } else {
-            load_scales<2>(s, f.s0);
+            load_scales<2>(s, f.s0, ld);
         }
     } else if (MMA) {
-        load_scales<BPC>(s, f.s0);
-        load_scales<BPC>(s + 8 * SE, f.s1);
+        load_scales<BPC>(s, f.s0, ld);
+        load_scales<BPC>(s + 8 * SE, f.s1, ld);
     } else {
-        load_scales<BPC / 2>(s, f.s0);
+        load_scales<BPC / 2>(s, f.s0, ld);
     }
     return f;
 }
@@ -642,13 +697,14 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
     const uint16_t *sl = rs + (MMA || T == KVQ_Q6_K ? 0 : (t & 1) * (BPC / 2)), *dl = rs + BPC;
     /* the weights depend on no earlier kernel: all of this warp's are loaded first */
     chunk_frag<T> f[U];
+    const from_global ld = {weight_policy()};
     if (full) {
 #pragma unroll
-        for (int u = 0; u < U; u++) f[u] = load_chunk<T, MMA>(wl, sl, dl, u);
+        for (int u = 0; u < U; u++) f[u] = load_chunk<T, MMA>(wl, sl, dl, u, ld);
     } else {
 #pragma unroll
         for (int u = 0; u < U; u++)
-            if (u * BPC < vb) f[u] = load_chunk<T, MMA>(wl, sl, dl, u);
+            if (u * BPC < vb) f[u] = load_chunk<T, MMA>(wl, sl, dl, u, ld);
     }
     griddep_wait();
     /* the inputs of these columns, once for the block: codes, then (scale, sum) pairs */
@@ -717,6 +773,123 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
         const int64_t row = tile * 16 + g + 8 * (MMA ? (v & 3) >> 1 : t >> 1);
         if (tok < n && row < W.rows) set.y[j][(int64_t)tok * W.rows + row] = acc[v] + (set.bias[j] ? set.bias[j][row] : 0.0f);
     }
+}
+
+/* ---- one or two tokens, streamed ----
+ * matvec_q's warps load all of their weights, compute, and leave, and a launch runs
+ * in waves of such blocks: between one wave's loads and the next's, the DRAM idles
+ * while warps compute (down at one token: 1.7 waves, 47% of the DRAM's peak, Nsight
+ * Compute). Here a block stays for several tiles, each warp one slice of every tile
+ * (as the whole layout), and each warp keeps MV_RING chunks of its slices in flight
+ * into shared memory (cp.async): the next tile's arrive while it computes this one's.
+ * The same terms add up in the same order, so the outputs are matvec_q's bit for bit. */
+#define MV_RING 8
+
+/* A chunk in shared memory: its 1024 bytes of codes, then its 16 rows' scales. */
+static __host__ __device__ constexpr int slot_bytes(uint32_t T) { return 1024 + 32 * CUK_SCALE_ENTRIES(T); }
+
+/* Job of a tile of the launch (first[j]: job j's first tile; ~0u past the jobs). */
+static __device__ __forceinline__ int job_of(const unsigned (&first)[CUK_MATVEC_JOBS], unsigned tile) {
+    int j = 0;
+#pragma unroll
+    for (int i = 1; i < CUK_MATVEC_JOBS; i++)
+        if (tile >= first[i]) j = i;
+    return j;
+}
+
+template <uint32_t T, int NT, int U>
+__global__ void __launch_bounds__(MV_WHOLE_THREADS)
+    matvec_stream(const q_set set, const int8_t *xq, const float2 *xd, int n, unsigned tiles_all) {
+    griddep_release();
+    extern __shared__ __align__(16) uint8_t xsm[];
+    constexpr int BPC = CUK_CHUNK_BLOCKS(T), SE = CUK_SCALE_ENTRIES(T), SLOT = slot_bytes(T), KL = BPC / 2;
+    const int64_t cols = set.w[0].cols, nb = cols / 32, nch = chunks_of(T, cols); /* all jobs alike */
+    const int slices = (int)set.slices[0], warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
+    const int vb = (int)min((int64_t)U * BPC, nb - (int64_t)warp * U * BPC), nu = (vb + BPC - 1) / BPC;
+    const int span = (int)(nch * BPC * 32);
+    /* shared memory: each warp's ring of slots, the inputs, two tiles' slice sums */
+    uint8_t *ring = xsm + (size_t)warp * MV_RING * SLOT;
+    int8_t *xs = (int8_t *)(xsm + (size_t)slices * MV_RING * SLOT);
+    float2 *ds = (float2 *)((uint8_t *)xs + (size_t)n * xs_stride(span));
+    float *part = (float *)(ds + n * ds_stride(span));
+    const unsigned my_tiles = (tiles_all - blockIdx.x + gridDim.x - 1) / gridDim.x;
+    const int nq = (int)my_tiles * nu; /* the warp's chunks: nu of each of its tiles */
+    /* chunk q of the warp into its slot, as one group (empty past the last, so that
+     * each wait below counts alike). Without weight_policy(): with an L2 cache hint,
+     * ptxas (CUDA 13.0) gave some instantiations' copies an odd uniform register pair
+     * for the policy, an illegal instruction when run. */
+#define MV_ISSUE(q_)                                                                                                   \
+    do {                                                                                                               \
+        const int qi = (q_);                                                                                           \
+        if (qi < nq) {                                                                                                 \
+            const unsigned tile = blockIdx.x + (unsigned)(qi / nu) * gridDim.x;                                        \
+            const int j = job_of(set.first, tile);                                                                     \
+            const int64_t unit = (int64_t)(tile - set.first[j]) * nch + (int64_t)warp * U + qi % nu;                   \
+            uint8_t *slot = ring + (qi % MV_RING) * SLOT;                                                              \
+            const uint8_t *codes = set.w[j].data + unit * 1024;                                                        \
+            cp_async16(slot + lane * 16, codes + lane * 16);                                                           \
+            cp_async16(slot + 512 + lane * 16, codes + 512 + lane * 16);                                               \
+            if (lane < 2 * SE)                                                                                         \
+                cp_async16(slot + 1024 + lane * 16, (const uint8_t *)(set.w[j].scales + unit * 16 * SE) + lane * 16); \
+        }                                                                                                              \
+        cp_async_commit();                                                                                             \
+    } while (0)
+    /* the weights depend on no earlier kernel: the first ring is asked for first */
+    for (int q = 0; q < MV_RING; q++) MV_ISSUE(q);
+    griddep_wait();
+    for (int e = threadIdx.x; e < n * span / 16; e += blockDim.x) {
+        const int tok = e / (span / 16), k = (e % (span / 16)) * 16;
+        if (k < cols) cp_async16(xs + tok * xs_stride(span) + k, xq + tok * cols + k);
+    }
+    for (int e = threadIdx.x; e < n * (span / 32); e += blockDim.x) {
+        const int tok = e / (span / 32), k = e % (span / 32);
+        if (k < nb) cp_async8(ds + tok * ds_stride(span) + k, xd + tok * nb + k);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    /* this lane's codes and scales within a slot (load_chunk's, as matvec_q's dp4a) */
+    const int sc_off = 1024 + 2 * ((lane / 4 + (T == KVQ_Q6_K ? 0 : (t >> 1) * 8)) * SE);
+    const int8_t *xw = xs + warp * U * BPC * 32;
+    const float2 *dw = ds + warp * U * BPC;
+    for (unsigned i = 0; i < my_tiles; i++) {
+        float c[NT][KL];
+#pragma unroll
+        for (int tok = 0; tok < NT; tok++)
+#pragma unroll
+            for (int k = 0; k < KL; k++) c[tok][k] = 0;
+        for (int u = 0; u < nu; u++) {
+            const int q = (int)i * nu + u;
+            cp_async_wait<MV_RING - 1>();
+            __syncwarp(); /* the scales came by other lanes */
+            const uint8_t *slot = ring + (q % MV_RING) * SLOT;
+            const uint16_t *rs = (const uint16_t *)(slot + sc_off);
+            const chunk_frag<T> f =
+                load_chunk<T, false>(slot + lane * 16, rs + (T == KVQ_Q6_K ? 0 : (t & 1) * KL), rs + BPC, 0, from_shared{});
+            __syncwarp(); /* the slot is read: its next chunk may come */
+            MV_ISSUE(q + MV_RING);
+            if (vb == U * BPC) dp4a_chunk<T, NT, true>(f, u, vb, xw, dw, span, n, t, c);
+            else dp4a_chunk<T, NT, false>(f, u, vb, xw, dw, span, n, t, c);
+        }
+        /* the tile's slices' sums add up in order (warp 0) */
+        float acc[NT];
+#pragma unroll
+        for (int tok = 0; tok < NT; tok++) acc[tok] = chains_sum<KL>(c[tok]);
+        if (slices > 1) {
+            float *p = part + (size_t)(i % 2) * slices * 32 * NT;
+#pragma unroll
+            for (int v = 0; v < NT; v++) p[(warp * 32 + lane) * NT + v] = acc[v];
+            __syncthreads();
+            if (warp == 0) sum_slices<NT, false>(p, (unsigned)slices, 32, lane, acc);
+        }
+        const unsigned tile = blockIdx.x + i * gridDim.x;
+        const int j = job_of(set.first, tile);
+        const int64_t rows = set.w[j].rows, row = (int64_t)(tile - set.first[j]) * 16 + lane / 4 + 8 * (t >> 1);
+        if (warp == 0 && !(t & 1) && row < rows)
+#pragma unroll
+            for (int v = 0; v < NT; v++)
+                if (v < n) set.y[j][(int64_t)v * rows + row] = acc[v] + (set.bias[j] ? set.bias[j][row] : 0.0f);
+    }
+#undef MV_ISSUE
 }
 
 /* Chunks a block's warps take (U): about MV_WARPS warps in all, up to 8 chunks each
@@ -820,6 +993,55 @@ static size_t whole_smem(const cuk_weight *w, int nj, int U, int n, bool mma, in
     return smem;
 }
 
+/* Launches matvec_stream for these jobs when it takes them (one or two tokens, the
+ * jobs alike in columns, up to 16 slices, shared memory enough, more tiles than
+ * blocks fit the GPU at once): as many blocks as fit, tiles dealt round to them, so
+ * that each multiprocessor gets about as many (with fewer blocks, each taking the
+ * same number of tiles, the multiprocessors that hold one block less idled at the
+ * end: gate/up at 70% of the DRAM's peak). KVQ_MV_STREAM=0 never does (a
+ * measurement aid); KVQ_MV_STREAM_GRID=N takes at most N blocks (the tests: many
+ * tiles a block, on any GPU). */
+template <uint32_t T, int NT, int U>
+static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, const cuk_xq *xq, int n) {
+    if constexpr (NT > MV_DP4A_MAX) {
+        return false;
+    } else {
+        static int off = -1, regs, optin, per_sm_smem, n_sm, cap;
+        if (off < 0) {
+            off = getenv("KVQ_MV_STREAM") && atoi(getenv("KVQ_MV_STREAM")) == 0;
+            cap = getenv("KVQ_MV_STREAM_GRID") ? atoi(getenv("KVQ_MV_STREAM_GRID")) : 0;
+            cudaFuncAttributes fa;
+            int dev = 0;
+            if (cudaGetDevice(&dev) != cudaSuccess || cudaFuncGetAttributes(&fa, matvec_stream<T, NT, U>) != cudaSuccess ||
+                cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+                cudaDeviceGetAttribute(&per_sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
+                cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+                cudaFuncSetAttribute(matvec_stream<T, NT, U>, cudaFuncAttributeMaxDynamicSharedMemorySize, optin) !=
+                    cudaSuccess)
+                off = 1;
+            regs = off ? 0 : (fa.numRegs + 7) & ~7;
+        }
+        const int64_t nch = chunks_of(T, w[0].cols);
+        for (int j = 1; j < nj; j++)
+            if (chunks_of(T, w[j].cols) != nch) return false;
+        const int slices = (int)((nch + U - 1) / U), threads = slices * 32, span = (int)(nch * CUK_CHUNK_BLOCKS(T) * 32);
+        const size_t smem = (size_t)slices * MV_RING * slot_bytes(T) +
+                            (size_t)n * ((size_t)xs_stride(span) + (size_t)ds_stride(span) * sizeof(float2)) +
+                            (size_t)2 * slices * 32 * NT * sizeof(float);
+        if (off || threads > MV_WHOLE_THREADS || smem > (size_t)optin) return false;
+        int per_sm = per_sm_smem / (int)(smem + 1024);
+        per_sm = min(per_sm, min(2048 / threads, 65536 / (regs * threads)));
+        if (per_sm < 1) return false;
+        unsigned tiles, cnt;
+        size_t floats;
+        q_plan(w, nj, n, U, true, &S, &tiles, &floats, &cnt); /* first[j]: job j's first tile */
+        const unsigned grid = (unsigned)(cap > 0 && cap < per_sm * n_sm ? cap : per_sm * n_sm);
+        if (tiles <= grid) return false; /* a tile a block: matvec_q starts on its first chunk sooner */
+        pdl_launch_smem(matvec_stream<T, NT, U>, dim3(grid), dim3(threads), smem, qu, S, xq->q, xq->dsum, n, tiles);
+        return true;
+    }
+}
+
 extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_jobs, const float *x,
                            int64_t x_stride, const struct cuk_xq *xq, int n, const struct cuk_mv_scratch *scr) {
     for (int j0 = 0; j0 < n_jobs;) {
@@ -842,6 +1064,7 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
                     scr->partial, scr->counters)
 #define MM(TT, NT, UU)                                                                                                 \
     do {                                                                                                               \
+        if (stream_launch<TT, NT, UU>(qu, S, w, nj, xq, n)) break;                                                     \
         static int regs;                                                                                               \
         static bool big;                                                                                               \
         if (!regs) {                                                                                                   \
