@@ -744,8 +744,9 @@ int main(void) {
      * against int8-rounded queries (VNNI), an approximation the GPU does not make. */
     setenv("KVQ_SIMD", "avx2", 1);
     /* one- and two-token products streamed by 2 blocks (matvec_stream): many tiles
-     * each, the last blocks fewer, also in the models' decode steps */
-    setenv("KVQ_MV_STREAM_GRID", "2", 1);
+     * each, the last blocks fewer, also in the models' decode steps (as set outside
+     * if it is: KVQ_MV_STREAM_GRID=0 gives the backend's full grid) */
+    setenv("KVQ_MV_STREAM_GRID", "2", 0);
     int n_dev = 0;
     if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
         printf("SKIP: no CUDA device on this machine\n");
