@@ -528,16 +528,6 @@ static int cpu_upload_vector(struct backend *b, const float *v, int64_t n) {
     (void)n;
     return 0;
 }
-static void *cpu_host_alloc(struct backend *b, size_t bytes) {
-    (void)b;
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) kvq_error("out of memory for %zu bytes", bytes);
-    return p;
-}
-static void cpu_host_free(struct backend *b, void *p) {
-    (void)b;
-    free(p);
-}
 static void cpu_download(struct backend *b, void *dst, const void *src, size_t bytes) {
     (void)b;
     memcpy(dst, src, bytes);
@@ -573,8 +563,8 @@ static const struct backend_ops cpu_ops = {
     .release = cpu_release,
     .upload_weight = cpu_upload_weight,
     .upload_vector = cpu_upload_vector,
-    .host_alloc = cpu_host_alloc,
-    .host_free = cpu_host_free,
+    .host_alloc = cpu_alloc, /* activations are host memory already */
+    .host_free = cpu_release,
     .download = cpu_download,
     .kv_pool_new = cpu_kv_pool_new,
     .matmul = cpu_matmul,
