@@ -210,6 +210,25 @@ struct step_prof {
     long n;
 };
 
+static void steps_free(struct step_prof *sp) {
+    if (!sp) return;
+    cudaEvent_t *ev[] = {&sp->first, &sp->end, &sp->results};
+    for (int i = 0; i < 3; i++)
+        if (*ev[i]) cudaEventDestroy(*ev[i]);
+    free(sp);
+}
+
+/* NULL when memory or an event is short (the profile is then off). */
+static struct step_prof *steps_new(void) {
+    struct step_prof *sp = calloc(1, sizeof *sp);
+    if (sp && (cudaEventCreate(&sp->first) != cudaSuccess || cudaEventCreate(&sp->end) != cudaSuccess ||
+               cudaEventCreate(&sp->results) != cudaSuccess)) {
+        steps_free(sp);
+        return NULL;
+    }
+    return sp;
+}
+
 static float elapsed_us(cudaEvent_t a, cudaEvent_t b) {
     float ms = 0;
     return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? 1e3f * ms : 0;
@@ -858,10 +877,15 @@ static void cuda_glu(struct backend *b, enum be_glu act, const float *gate, cons
 
 /* ---- KV cache ----------------------------------------------------------- */
 
-/* Waits for the stream; staged data may then be overwritten. */
-static int wait_stream(struct cuda_backend *cb) {
+/* Waits for the work and the row copies behind it. */
+static void wait_streams(struct cuda_backend *cb) {
     ck(cb, cudaStreamSynchronize(cb->stream), "running the step");
     ck(cb, cudaStreamSynchronize(cb->copy_stream), "reading new KV rows");
+}
+
+/* The step's end: waits for the streams; staged data may then be overwritten. */
+static int end_step(struct cuda_backend *cb) {
+    wait_streams(cb);
     ck(cb, cuk_queue_error(&cb->q), "a kernel launch");
     ck(cb, cudaGetLastError(), "a kernel launch");
     cb->stage_used = cb->stage_up = 0;
@@ -1015,8 +1039,7 @@ static size_t readback_alloc(struct cuda_backend *cb, size_t bytes) {
         record_stop(cb); /* what it recorded writes the old buffer */
         if (!ck(cb, cudaMalloc((void **)&d, cap), "device memory for new KV rows")) return (size_t)-1;
         if (cb->rb_used) ck(cb, cudaMemcpyAsync(d, cb->rb_d, cb->rb_used, cudaMemcpyDeviceToDevice, cb->stream), "KV rows");
-        ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream");
-        ck(cb, cudaStreamSynchronize(cb->copy_stream), "waiting for the copies"); /* they read the old buffer */
+        wait_streams(cb); /* the copies read the old buffer */
         cudaFree(cb->rb_d);
         cb->rb_d = d;
         cb->rb_cap = cap;
@@ -1390,8 +1413,7 @@ static int cuda_sync(struct backend *b) {
     steps_mark(cb->steps, cb->stream, true);
     /* the rows no segment's copy took: after everything, into a buffer grown now */
     if (cb->n_pending > cb->rows_copied && cb->rb_used > cb->rb_h_cap) {
-        ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream");
-        ck(cb, cudaStreamSynchronize(cb->copy_stream), "waiting for the copies");
+        wait_streams(cb);
         cudaFreeHost(cb->rb_h);
         cb->rb_h = NULL;
         cb->rb_h_cap = 0;
@@ -1408,7 +1430,7 @@ static int cuda_sync(struct backend *b) {
     for (int i = 0; i < cb->n_row_copies; i++)
         if (!cb->failed && ck(cb, cudaEventSynchronize(cb->row_ev[i]), "running the step")) file_rows(cb, cb->row_end[i]);
     cb->n_row_copies = 0;
-    if (wait_stream(cb) != 0) {
+    if (end_step(cb) != 0) {
         drop_pending(cb);
         cb->rb_used = 0;
         steps_done(cb->steps, true);
@@ -1438,10 +1460,7 @@ static void cuda_free(struct backend *b) {
         fprintf(stderr, "kvq cuda: recorded steps: %ld as graphs, %ld captured, %ld launch by launch\n", cb->q.n_replays,
                 cb->q.n_captures, cb->q.n_eager);
         steps_print(cb->steps);
-        cudaEventDestroy(cb->steps->first);
-        cudaEventDestroy(cb->steps->end);
-        cudaEventDestroy(cb->steps->results);
-        free(cb->steps);
+        steps_free(cb->steps);
     }
     kvq_pool_free(cb->pool);
     for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
@@ -1526,12 +1545,7 @@ struct backend *backend_cuda_new(int n_threads) {
     cb->base.ops = &cuda_ops;
     cb->n_threads = n_threads;
     const char *prof = getenv("KVQ_CUDA_PROFILE");
-    if (prof && strcmp(prof, "steps") == 0 && (cb->steps = calloc(1, sizeof *cb->steps)) &&
-        (cudaEventCreate(&cb->steps->first) != cudaSuccess || cudaEventCreate(&cb->steps->end) != cudaSuccess ||
-         cudaEventCreate(&cb->steps->results) != cudaSuccess)) {
-        free(cb->steps); /* (an event or two leaked: a measurement aid that failed) */
-        cb->steps = NULL;
-    }
+    if (prof && strcmp(prof, "steps") == 0) cb->steps = steps_new();
     cb->prof = prof && *prof && strcmp(prof, "0") != 0 && strcmp(prof, "steps") != 0;
     /* KVQ_CUDA_GRAPHS=0: decode steps launch by launch (the per-operation profile waits
      * for each operation, so it does too) */
