@@ -259,51 +259,74 @@ __global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(cons
     }
 }
 
+/* A block of D threads per (launch token, query head). Warp 0 takes a split a lane
+ * (their maxima, weights and sums at once), then D / 4 threads sum four values each
+ * over the splits, with SB loads in flight. */
 template <int D>
 __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     griddep_release();
-    griddep_wait();
-    const int ti = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, d = threadIdx.x;
+    constexpr int SB = 16;
+    const int ti = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, d = threadIdx.x, lane = d % 32;
+    /* staged step data (uploaded before the step's kernels): read before the wait */
     const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
-    const cuk_attn_tok tk = a.toks[ti];
+    const float *mu = (const float *)a.toks[ti].mu;
+    __shared__ __align__(16) float o[D];
+    __shared__ float wt[MAX_SPLITS], ll[2];
+    griddep_wait();
     const float *part = attn_part(a, ti, h, n_splits, 0);
-    n_splits = (int)part[3]; /* the splits that had rows */
-    /* the splits' maxima and weights in parallel, then each
-     * value a sum over the splits with its loads independent of one another */
-    __shared__ float w[MAX_SPLITS], sl[MAX_SPLITS], slp[MAX_SPLITS];
-    __shared__ float M;
-    for (int s = d; s < n_splits; s += D) {
-        const float *ps = part + (size_t)s * (D + 4);
-        w[s] = ps[0];
-        sl[s] = ps[1];
-        slp[s] = ps[2];
+    const int ns = (int)part[3]; /* the splits that had rows */
+    if (d < 32) {
+        float4 ps[MAX_SPLITS / 32];
+        float m = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < MAX_SPLITS / 32; k++) {
+            const int s = lane + 32 * k;
+            ps[k] = s < ns ? *(const float4 *)(part + (size_t)s * (D + 4)) : make_float4(-INFINITY, 0, 0, 0);
+            m = fmaxf(m, ps[k].x);
+        }
+        for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        float L = 0, LP = 0;
+#pragma unroll
+        for (int k = 0; k < MAX_SPLITS / 32; k++) {
+            const float f = ps[k].x == -INFINITY ? 0.0f : __expf(ps[k].x - m);
+            if (lane + 32 * k < ns) wt[lane + 32 * k] = f;
+            L += ps[k].y * f;
+            LP += ps[k].z * f;
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            L += __shfl_xor_sync(0xffffffffu, L, off);
+            LP += __shfl_xor_sync(0xffffffffu, LP, off);
+        }
+        if (lane == 0) ll[0] = L, ll[1] = LP;
     }
     __syncthreads();
-    if (d == 0) {
-        float mx = -INFINITY;
-        for (int s = 0; s < n_splits; s++) mx = fmaxf(mx, w[s]);
-        M = mx;
+    if (d < D / 4) {
+        float4 acc = make_float4(0, 0, 0, 0);
+        for (int s0 = 0; s0 < ns; s0 += SB) {
+            float4 v[SB];
+#pragma unroll
+            for (int k = 0; k < SB; k++)
+                if (s0 + k < ns) v[k] = *(const float4 *)(part + (size_t)(s0 + k) * (D + 4) + 4 + 4 * d);
+#pragma unroll
+            for (int k = 0; k < SB; k++)
+                if (s0 + k < ns) {
+                    const float f = wt[s0 + k];
+                    acc.x += v[k].x * f, acc.y += v[k].y * f, acc.z += v[k].z * f, acc.w += v[k].w * f;
+                }
+        }
+        *(float4 *)(o + 4 * d) = acc;
     }
     __syncthreads();
-    for (int s = d; s < n_splits; s += D) w[s] = w[s] == -INFINITY ? 0.0f : __expf(w[s] - M);
-    __syncthreads();
-    float L = 0, LP = 0, A = 0;
-#pragma unroll 8
-    for (int s = 0; s < n_splits; s++) {
-        L += sl[s] * w[s];
-        LP += slp[s] * w[s];
-        A += part[(size_t)s * (D + 4) + 4 + d] * w[s];
-    }
-    float o = L > 0 ? A / L : 0.0f;
-    if (a.v_rot) { /* o <- diag(signs) H o / sqrt(D) */
+    const float L = ll[0];
+    float r = L > 0 ? o[d] / L : 0.0f;
+    if (a.v_rot) { /* r <- diag(signs) H r / sqrt(D) */
         __shared__ float x[D];
-        o = hadamard_block<D>(o, x) * a.signs[d];
+        r = hadamard_block<D>(r, x) * a.signs[d];
     }
-    const float *mu = (const float *)tk.mu;
-    if (mu && a.v_bits < 16 && L > 0) o += LP / L * mu[(size_t)(a.n_kv + kvh) * D + d];
+    if (mu && a.v_bits < 16 && L > 0) r += ll[1] / L * mu[(size_t)(a.n_kv + kvh) * D + d];
     const size_t at = ((size_t)t * a.n_head + h) * D + d;
-    a.out[at] = o;
-    if (a.xq.q) round_x32(o, a.xq.q + (at & ~(size_t)31), a.xq.dsum + at / 32); /* D threads: whole warps */
+    a.out[at] = r;
+    if (a.xq.q) round_x32(r, a.xq.q + (at & ~(size_t)31), a.xq.dsum + at / 32); /* D threads: whole warps */
 }
 
 static int heads_per_block(const cuk_attn_args *a) {

@@ -103,7 +103,6 @@ static __host__ __device__ constexpr size_t row_bytes() {
 template <int D, int KB, int VB, int GS, int G, bool PREFILL>
 __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a, int n_splits, bool prepped) {
     griddep_release();
-    griddep_wait();
     extern __shared__ __align__(16) uint8_t smem[];
     constexpr int LD = D + 8, QW = 8 / G, NTI = PREFILL ? 8 : 2, KS = PREFILL ? 4 : 1;
     constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
@@ -118,7 +117,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     __shared__ uint64_t s_table, s_ring, s_sink;
     __shared__ int32_t s_nkb, s_base, s_ring_cap, s_sink_cap;
 
-    /* the group's rows, together (warp 0: a lane per token) */
+    /* the group's rows, together (warp 0: a lane per token). The plans are staged step
+     * data, uploaded before any kernel of the step runs: read before the wait */
     if (warp == 0) {
         const bool on = lane < grp.nt;
         const cuk_attn_tok tk = a.toks[grp.t0 + (on ? lane : 0)];
@@ -155,22 +155,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * rotation) */
     const float *prep = attn_qprep(a, ti, h);
     const float *qv = prepped ? prep + 1 : a.q + ((size_t)a.tok_index[ti] * a.n_head + h) * D;
-    const float qmu = row_on && prepped ? prep[0] : 0.0f, q_scale = prepped ? Q_SCALE : Q_SCALE * a.scale;
-    uint32_t qa[D / 16][4];
-    float qsum[D / 16];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-        const int d0 = kk * 16 + 2 * t;
-        float x0 = 0, x1 = 0, x2 = 0, x3 = 0;
-        if (row_on) x0 = qv[d0], x1 = qv[d0 + 1], x2 = qv[d0 + 8], x3 = qv[d0 + 9];
-        split_h2(x0 * q_scale, x1 * q_scale, qa[kk][0], qa[kk][1]);
-        split_h2(x2 * q_scale, x3 * q_scale, qa[kk][2], qa[kk][3]);
-        qsum[kk] = x0 + x1 + x2 + x3; /* per k-step; a key group's sum below (prepared q only) */
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++)
-        for (int o = 1; o < 4; o <<= 1) qsum[kk] += __shfl_xor_sync(0xffffffffu, qsum[kk], o);
-
+    const float q_scale = prepped ? Q_SCALE : Q_SCALE * a.scale;
     float m = -INFINITY, l = 0, lp = 0, bsum[D / 16], o_acc[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 16; i++) bsum[i] = 0;
@@ -298,7 +283,24 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         return !(KB < 16 || VB < 16);
     };
 
-    bool done = begin_tile(i0, 0);
+    griddep_wait(); /* the queries and the newest rows come from the kernels before */
+    bool done = begin_tile(i0, 0); /* its loads in flight while the queries are read */
+    const float qmu = row_on && prepped ? prep[0] : 0.0f;
+    uint32_t qa[D / 16][4];
+    float qsum[D / 16];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        const int d0 = kk * 16 + 2 * t;
+        float x0 = 0, x1 = 0, x2 = 0, x3 = 0;
+        if (row_on) x0 = qv[d0], x1 = qv[d0 + 1], x2 = qv[d0 + 8], x3 = qv[d0 + 9];
+        split_h2(x0 * q_scale, x1 * q_scale, qa[kk][0], qa[kk][1]);
+        split_h2(x2 * q_scale, x3 * q_scale, qa[kk][2], qa[kk][3]);
+        qsum[kk] = x0 + x1 + x2 + x3; /* per k-step; a key group's sum below (prepared q only) */
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        for (int o = 1; o < 4; o <<= 1) qsum[kk] += __shfl_xor_sync(0xffffffffu, qsum[kk], o);
+
     {
         __half *ks, *vs;
         float2 *kp, *vp;

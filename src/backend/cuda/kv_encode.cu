@@ -36,17 +36,17 @@ static __device__ uint16_t f16_bits(float f) {
 
 static __device__ uint16_t f16_sat(float x) { return f16_bits(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
 
-/* Query head h of launch token ti: norm and RoPE in place, then prepared (qk_prep.cuh). */
+/* Query head h of token tk: norm and RoPE in place, then prepared (qk_prep.cuh). */
 template <int D>
-static __device__ void rope_query(const cuk_enc_args &a, int ti, int h, float *buf) {
+static __device__ void rope_query(const cuk_enc_args &a, const cuk_enc_tok &tk, int h, float *buf) {
     const cuk_qk_rope &r = a.rope;
-    const int i = threadIdx.x, t = a.toks[ti].t;
+    const int i = threadIdx.x, t = tk.t;
     const size_t at = ((size_t)t * r.n_head + h) * D;
     const float q = rope_head<D>(r.q[at + i], r.q_norm, r.eps, r.cos + (size_t)t * r.half, r.sin + (size_t)t * r.half,
                                  r.half, r.pairing, buf);
     r.q[at + i] = q;
     if (!r.qprep) return;
-    const float *mu = (const float *)a.toks[ti].mu;
+    const float *mu = (const float *)tk.mu;
     const int kvh = h / (r.n_head / a.n_kv);
     prep_head<D>(q, r.scale, mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr, a.k_rot, a.signs,
                  r.qprep + ((size_t)t * r.n_head + h) * (D + 1), buf);
@@ -55,16 +55,17 @@ static __device__ void rope_query(const cuk_enc_args &a, int ti, int h, float *b
 template <int D>
 __global__ void kv_encode(const cuk_enc_args a) {
     griddep_release();
-    griddep_wait();
     __shared__ float buf[D];
-    const int n_rows = a.n * a.n_kv * 2;
-    if ((int)blockIdx.x >= n_rows) { /* a query head */
-        const int qb = blockIdx.x - n_rows;
-        rope_query<D>(a, qb / a.rope.n_head, qb % a.rope.n_head, buf);
+    const int n_rows = a.n * a.n_kv * 2, qb = blockIdx.x - n_rows; /* qb >= 0: a query head */
+    /* the token's plan is staged step data (uploaded before the step's kernels): read
+     * before the wait */
+    const cuk_enc_tok tk = a.toks[qb >= 0 ? qb / a.rope.n_head : blockIdx.x / (2 * a.n_kv)];
+    griddep_wait();
+    if (qb >= 0) {
+        rope_query<D>(a, tk, qb % a.rope.n_head, buf);
         return;
     }
-    const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, ti = blockIdx.x / (2 * a.n_kv), i = threadIdx.x;
-    const cuk_enc_tok tk = a.toks[ti];
+    const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, i = threadIdx.x;
     const int bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group, rot = side ? a.v_rot : a.k_rot;
     const size_t row = side ? a.v_row : a.k_row;
     const bool quant = bits < 16;
