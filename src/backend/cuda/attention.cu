@@ -260,36 +260,43 @@ __global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(cons
 }
 
 /* A block of D threads per (launch token, query head). Warp 0 takes a split a lane
- * (their maxima, weights and sums at once), then D / 4 threads sum four values each
- * over the splits, with SB loads in flight. */
+ * (their maxima, weights and sums at once); then each thread sums four values over
+ * a quarter of the splits, with SB loads in flight. */
 template <int D>
 __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     griddep_release();
-    constexpr int SB = 16;
+    constexpr int SB = 8;
     const int ti = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, d = threadIdx.x, lane = d % 32;
     /* staged step data (uploaded before the step's kernels): read before the wait */
     const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
     const float *mu = (const float *)a.toks[ti].mu;
-    __shared__ __align__(16) float o[D];
+    __shared__ __align__(16) float o4[4 * D]; /* four partial sums of each value */
     __shared__ float wt[MAX_SPLITS], ll[2];
     griddep_wait();
     const float *part = attn_part(a, ti, h, n_splits, 0);
-    const int ns = (int)part[3]; /* the splits that had rows */
+    __shared__ int ns; /* the splits that had rows (split 0 says) */
     if (d < 32) {
+        /* every split's (M, L, LP, n) at once, then those past the ones with rows
+         * (left from earlier launches) dropped */
         float4 ps[MAX_SPLITS / 32];
+#pragma unroll
+        for (int k = 0; k < MAX_SPLITS / 32; k++)
+            ps[k] = lane + 32 * k < n_splits ? *(const float4 *)(part + (size_t)(lane + 32 * k) * (D + 4))
+                                            : make_float4(-INFINITY, 0, 0, 0);
+        const int n = (int)__shfl_sync(0xffffffffu, ps[0].w, 0);
         float m = -INFINITY;
 #pragma unroll
         for (int k = 0; k < MAX_SPLITS / 32; k++) {
-            const int s = lane + 32 * k;
-            ps[k] = s < ns ? *(const float4 *)(part + (size_t)s * (D + 4)) : make_float4(-INFINITY, 0, 0, 0);
+            if (lane + 32 * k >= n) ps[k] = make_float4(-INFINITY, 0, 0, 0);
             m = fmaxf(m, ps[k].x);
         }
+        if (lane == 0) ns = n;
         for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
         float L = 0, LP = 0;
 #pragma unroll
         for (int k = 0; k < MAX_SPLITS / 32; k++) {
             const float f = ps[k].x == -INFINITY ? 0.0f : __expf(ps[k].x - m);
-            if (lane + 32 * k < ns) wt[lane + 32 * k] = f;
+            if (lane + 32 * k < n) wt[lane + 32 * k] = f;
             L += ps[k].y * f;
             LP += ps[k].z * f;
         }
@@ -300,25 +307,26 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
         if (lane == 0) ll[0] = L, ll[1] = LP;
     }
     __syncthreads();
-    if (d < D / 4) {
+    { /* thread d: values 4 (d % (D / 4)) .. + 3 of every fourth split from d / (D / 4) */
+        const int c = d % (D / 4), s1 = d / (D / 4);
         float4 acc = make_float4(0, 0, 0, 0);
-        for (int s0 = 0; s0 < ns; s0 += SB) {
+        for (int s0 = s1; s0 < ns; s0 += 4 * SB) {
             float4 v[SB];
 #pragma unroll
             for (int k = 0; k < SB; k++)
-                if (s0 + k < ns) v[k] = *(const float4 *)(part + (size_t)(s0 + k) * (D + 4) + 4 + 4 * d);
+                if (s0 + 4 * k < ns) v[k] = *(const float4 *)(part + (size_t)(s0 + 4 * k) * (D + 4) + 4 + 4 * c);
 #pragma unroll
             for (int k = 0; k < SB; k++)
-                if (s0 + k < ns) {
-                    const float f = wt[s0 + k];
+                if (s0 + 4 * k < ns) {
+                    const float f = wt[s0 + 4 * k];
                     acc.x += v[k].x * f, acc.y += v[k].y * f, acc.z += v[k].z * f, acc.w += v[k].w * f;
                 }
         }
-        *(float4 *)(o + 4 * d) = acc;
+        *(float4 *)(o4 + s1 * D + 4 * c) = acc;
     }
     __syncthreads();
     const float L = ll[0];
-    float r = L > 0 ? o[d] / L : 0.0f;
+    float r = L > 0 ? (o4[d] + o4[D + d] + o4[2 * D + d] + o4[3 * D + d]) / L : 0.0f;
     if (a.v_rot) { /* r <- diag(signs) H r / sqrt(D) */
         __shared__ float x[D];
         r = hadamard_block<D>(r, x) * a.signs[d];

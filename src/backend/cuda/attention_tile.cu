@@ -264,13 +264,9 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         kp = (float2 *)(vs + TILE * LD);
         vp = kp + TILE * nkg;
     };
-    /* tile i into stage s: f16 parts by cp.async now; packed parts fetched (stored by
-     * the caller with store_packed once the stage is free) */
-    auto begin_tile = [&](int i, int s) {
-        int kind;
-        const uint8_t *hb;
-        int32_t p0, lo, hi;
-        tile_src(i, kind, hb, p0, lo, hi);
+    /* a tile (where tile_src says) into stage s: f16 parts by cp.async now; packed
+     * parts fetched (stored by the caller with store_packed once the stage is free) */
+    auto begin_tile = [&](int s, int kind, const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
         __half *ks, *vs;
         float2 *kp, *vp;
         stage(s, ks, vs, kp, vp);
@@ -283,8 +279,16 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         return !(KB < 16 || VB < 16);
     };
 
-    griddep_wait(); /* the queries and the newest rows come from the kernels before */
-    bool done = begin_tile(i0, 0); /* its loads in flight while the queries are read */
+    /* The first tile's block address before the wait too: block tables (and rows the
+     * host placed) come by scatter_k, which does not release the kernels after it
+     * early, so they start once it has completed. The queries and the rows kv_encode
+     * writes come from the kernels just before. */
+    int kind0;
+    const uint8_t *hb0;
+    int32_t p00, lo0, hi0;
+    tile_src(i0, kind0, hb0, p00, lo0, hi0);
+    griddep_wait();
+    bool done = begin_tile(0, kind0, hb0, p00, lo0, hi0); /* its loads in flight while the queries are read */
     const float qmu = row_on && prepped ? prep[0] : 0.0f;
     uint32_t qa[D / 16][4];
     float qsum[D / 16];
@@ -311,14 +315,17 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         const int s = (i - i0) % 2;
         cp_async_wait_all();
         __syncthreads(); /* tile i is in stage s; stage s ^ 1 is free */
-        bool next_done = true;
-        if (i + 1 < i1) next_done = begin_tile(i + 1, s ^ 1);
-        __half *ks, *vs;
-        float2 *kp, *vp;
-        stage(s, ks, vs, kp, vp);
         int kind;
         const uint8_t *hb;
         int32_t p0, lo, hi;
+        bool next_done = true;
+        if (i + 1 < i1) {
+            tile_src(i + 1, kind, hb, p0, lo, hi);
+            next_done = begin_tile(s ^ 1, kind, hb, p0, lo, hi);
+        }
+        __half *ks, *vs;
+        float2 *kp, *vp;
+        stage(s, ks, vs, kp, vp);
         tile_src(i, kind, hb, p0, lo, hi);
         const bool packed = kind == 0, r1 = i < P.t1;
         const bool kq = packed && KB < 16, vq = packed && VB < 16; /* rows with groups */
