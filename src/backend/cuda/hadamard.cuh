@@ -5,21 +5,24 @@
 #ifndef KVQ_BACKEND_CUDA_HADAMARD_CUH
 #define KVQ_BACKEND_CUDA_HADAMARD_CUH
 
-/* Thread i's value of H x / sqrt(D), given its x_i; buf: D floats of shared memory. */
+/* Thread i's value of H x / sqrt(D), given its x_i; buf: D floats of shared memory
+ * (free again on return). Butterflies of pairs in one warp by shuffles, the wider
+ * ones through buf: two barriers each instead of two for every one. */
 template <int D>
 static __device__ float hadamard_block(float x, float *buf) {
     const int i = threadIdx.x;
-    buf[i] = x;
-    for (int len = 1; len < D; len <<= 1) {
-        __syncthreads();
-        const float a = buf[i], b = buf[i ^ len];
-        __syncthreads();
-        buf[i] = (i & len) ? __fsub_rn(b, a) : __fadd_rn(a, b);
+    for (int len = 1; len < D && len < 32; len <<= 1) {
+        const float b = __shfl_xor_sync(0xffffffffu, x, len);
+        x = (i & len) ? __fsub_rn(b, x) : __fadd_rn(x, b);
     }
-    __syncthreads();
-    const float r = buf[i] * (1.0f / sqrtf((float)D));
-    __syncthreads();
-    return r;
+    for (int len = 32; len < D; len <<= 1) {
+        buf[i] = x;
+        __syncthreads();
+        const float b = buf[i ^ len];
+        __syncthreads();
+        x = (i & len) ? __fsub_rn(b, x) : __fadd_rn(x, b);
+    }
+    return x * (1.0f / sqrtf((float)D));
 }
 
 #endif
