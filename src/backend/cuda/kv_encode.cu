@@ -111,29 +111,26 @@ __global__ void kv_encode(const cuk_enc_args a) {
     const int qmax = (1 << bits) - 1, n_groups = D / group, code_bytes = D * bits / 8;
     __shared__ __align__(4) uint8_t out[D + 4 * (D / 8)];
     /* each group's min and max as the host's scan finds them (the first of equal
-     * values: -0 and 0 differ in f16), by shuffles in a warp, then across its warps */
-    __shared__ float wmn[D / 32], wmx[D / 32];
+     * values: -0 and 0 differ in f16): by shuffles over pieces of up to 32 values,
+     * then over the group's pieces in order (groups of 8 or more, so D / 8 pieces) */
+    const int piece = group < 32 ? group : 32;
+    __shared__ float pmn[D / 8], pmx[D / 8];
     float mn = z, mx = z;
     int imn = i, imx = i;
-    for (int o = 1; o < group && o < 32; o <<= 1) {
+    for (int o = 1; o < piece; o <<= 1) {
         const float a = __shfl_xor_sync(0xffffffffu, mn, o), b = __shfl_xor_sync(0xffffffffu, mx, o);
         const int ia = __shfl_xor_sync(0xffffffffu, imn, o), ib = __shfl_xor_sync(0xffffffffu, imx, o);
         if (a < mn || (a == mn && ia < imn)) mn = a, imn = ia;
         if (b > mx || (b == mx && ib < imx)) mx = b, imx = ib;
     }
-    if (i % 32 == 0) wmn[i / 32] = mn, wmx[i / 32] = mx;
-    if (group < 32 && i % group == 0) gsc[i / group] = mn, gbi[i / group] = mx; /* stand-ins, below */
+    if (i % piece == 0) pmn[i / piece] = mn, pmx[i / piece] = mx;
     __syncthreads();
     if (i < n_groups) {
-        if (group >= 32) { /* the group's warps in order: a later one wins only when below */
-            mn = wmn[i * group / 32], mx = wmx[i * group / 32];
-            for (int w = 1; w < group / 32; w++) {
-                const float a = wmn[i * group / 32 + w], b = wmx[i * group / 32 + w];
-                mn = a < mn ? a : mn;
-                mx = b > mx ? b : mx;
-            }
-        } else {
-            mn = gsc[i], mx = gbi[i];
+        const int p0 = i * (group / piece);
+        mn = pmn[p0], mx = pmx[p0];
+        for (int p = p0 + 1; p < p0 + group / piece; p++) { /* a later piece wins only when beyond */
+            mn = pmn[p] < mn ? pmn[p] : mn;
+            mx = pmx[p] > mx ? pmx[p] : mx;
         }
         const uint16_t sh = f16_sat(__fdiv_rn(__fsub_rn(mx, mn), (float)qmax)), bh = f16_sat(mn);
         gsc[i] = __half2float(__ushort_as_half(sh));
