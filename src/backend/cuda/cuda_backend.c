@@ -1221,13 +1221,13 @@ static void on_host_threads(struct cuda_backend *cb, void (*task)(void *, int, i
  * step's 32 one-token appends are a few KB: waking 15 threads for them each step
  * made a 64-token run on a 16-core host decode up to a third slower now and then
  * (a thread late to run holds the step), and never with 4 threads or 1. */
-#define ROWS_PER_THREAD 256
+#define ROWS_FOR_THREADS 256
 static void file_rows(struct cuda_backend *cb, int to) {
     if (to <= cb->rows_from) return;
     cb->rows_to = to;
     long rows = 0;
-    for (int i = cb->rows_from; i < to && rows < ROWS_PER_THREAD; i++) rows += cb->pending[i].n;
-    if (rows < ROWS_PER_THREAD) rows_task(cb, 0, 1);
+    for (int i = cb->rows_from; i < to && rows < ROWS_FOR_THREADS; i++) rows += cb->pending[i].n;
+    if (rows < ROWS_FOR_THREADS) rows_task(cb, 0, 1);
     else on_host_threads(cb, rows_task);
     cb->rows_from = to;
 }
