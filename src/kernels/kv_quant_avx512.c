@@ -440,21 +440,25 @@ INLINE void v_block(const int VB, const int NH, const int SPLIT, const uint8_t *
     }
 }
 
-static inline void pf_range(const uint8_t *p, size_t bytes) {
+/* The prefetch helpers must be INLINE (always inlined): GCC takes a function that only
+ * prefetches for one without side effects and deletes the calls to it where it does not
+ * inline it, as it once did here (the fast path ran with no prefetch at all, and a cold
+ * K8V4 row cost twice what it does now). */
+INLINE void pf_range(const uint8_t *p, size_t bytes) {
     for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
     _mm_prefetch((const char *)p + bytes - 1, _MM_HINT_T0);
 }
 
 /* The same into L2 only: a whole run ahead, where L1 could not hold it. */
-static inline void pf_range_l2(const uint8_t *p, size_t bytes) {
+INLINE void pf_range_l2(const uint8_t *p, size_t bytes) {
     for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
     _mm_prefetch((const char *)p + bytes - 1, _MM_HINT_T1);
 }
 
 /* Rows stream from L3/DRAM: fetch the K and V rows [j, j + 16) of the run (past its
  * end: the next run's first rows) well ahead, one prefetch per 64 bytes. */
-static inline void pf_tile(const struct kern_kv_run *run, const struct kern_kv_run *next, int j, size_t ks, size_t vs,
-                           size_t krb, size_t vrb) {
+INLINE void pf_tile(const struct kern_kv_run *run, const struct kern_kv_run *next, int j, size_t ks, size_t vs,
+                    size_t krb, size_t vrb) {
     if (j >= run->n) {
         if (next == run) return;
         j -= run->n;
