@@ -5,24 +5,40 @@
 #ifndef KVQ_BACKEND_CUDA_HADAMARD_CUH
 #define KVQ_BACKEND_CUDA_HADAMARD_CUH
 
-/* Thread i's value of H x / sqrt(D), given its x_i; buf: D floats of shared memory
- * (free again on return). Butterflies of pairs in one warp by shuffles, the wider
- * ones through buf: two barriers each instead of two for every one. */
+/* Thread i's values of H x / sqrt(D) for N vectors at once, given its x_i of each in
+ * x[n] (replaced); buf: N * D floats of shared memory (free again on return). The
+ * butterflies of pairs in one warp go by shuffles, the wider ones through buf: two
+ * barriers each, shared by the N vectors. */
+template <int D, int N>
+static __device__ void hadamard_blocks(float (&x)[N], float *buf) {
+    const int i = threadIdx.x;
+    for (int len = 1; len < D && len < 32; len <<= 1)
+#pragma unroll
+        for (int n = 0; n < N; n++) {
+            const float b = __shfl_xor_sync(0xffffffffu, x[n], len);
+            x[n] = (i & len) ? __fsub_rn(b, x[n]) : __fadd_rn(x[n], b);
+        }
+    for (int len = 32; len < D; len <<= 1) {
+        float b[N];
+#pragma unroll
+        for (int n = 0; n < N; n++) buf[n * D + i] = x[n];
+        __syncthreads();
+#pragma unroll
+        for (int n = 0; n < N; n++) b[n] = buf[n * D + (i ^ len)];
+        __syncthreads();
+#pragma unroll
+        for (int n = 0; n < N; n++) x[n] = (i & len) ? __fsub_rn(b[n], x[n]) : __fadd_rn(x[n], b[n]);
+    }
+#pragma unroll
+    for (int n = 0; n < N; n++) x[n] = x[n] * (1.0f / sqrtf((float)D));
+}
+
+/* One vector: thread i's value of H x / sqrt(D); buf: D floats. */
 template <int D>
 static __device__ float hadamard_block(float x, float *buf) {
-    const int i = threadIdx.x;
-    for (int len = 1; len < D && len < 32; len <<= 1) {
-        const float b = __shfl_xor_sync(0xffffffffu, x, len);
-        x = (i & len) ? __fsub_rn(b, x) : __fadd_rn(x, b);
-    }
-    for (int len = 32; len < D; len <<= 1) {
-        buf[i] = x;
-        __syncthreads();
-        const float b = buf[i ^ len];
-        __syncthreads();
-        x = (i & len) ? __fsub_rn(b, x) : __fadd_rn(x, b);
-    }
-    return x * (1.0f / sqrtf((float)D));
+    float v[1] = {x};
+    hadamard_blocks<D, 1>(v, buf);
+    return v[0];
 }
 
 #endif

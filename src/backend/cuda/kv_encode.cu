@@ -55,7 +55,7 @@ static __device__ void rope_query(const cuk_enc_args &a, const cuk_enc_tok &tk, 
 template <int D>
 __global__ void kv_encode(const cuk_enc_args a) {
     griddep_release();
-    __shared__ float buf[D];
+    __shared__ float buf[2 * D];
     const int n_rows = a.n * a.n_kv * 2, qb = blockIdx.x - n_rows; /* qb >= 0: a query head */
     /* the token's plan is staged step data (uploaded before the step's kernels): read
      * before the wait */
@@ -80,8 +80,16 @@ __global__ void kv_encode(const cuk_enc_args a) {
         r.k[at] = x;
     }
 
-    if (a.windows) { /* f16 of the rotated input, without the offset */
-        const float y = rot ? hadamard_block<D>(x * a.signs[i], buf) : x;
+    float z = x, y = x; /* y: the window's value, rotated without the offset */
+    if (quant && tk.mu) z = __fsub_rn(x, ((const float *)tk.mu)[((size_t)side * a.n_kv + h) * D + i]);
+    if (rot && a.windows) { /* both rotations through the same barriers */
+        float v[2] = {x * a.signs[i], z * a.signs[i]};
+        hadamard_blocks<D, 2>(v, buf);
+        y = v[0], z = v[1];
+    } else if (rot) {
+        z = hadamard_block<D>(z * a.signs[i], buf);
+    }
+    if (a.windows) { /* its f16 */
         const __half hy = __ushort_as_half(f16_bits(y));
         const size_t hs = (size_t)side * a.n_kv + h;
         if (tk.ring)
@@ -93,9 +101,6 @@ __global__ void kv_encode(const cuk_enc_args a) {
     uint8_t *dst = (uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
                    (size_t)(tk.p % BT) * row;
     uint8_t *rb = a.readback + (side ? tk.rb_v : tk.rb_k) + (size_t)h * row;
-    float z = x;
-    if (quant && tk.mu) z = __fsub_rn(x, ((const float *)tk.mu)[((size_t)side * a.n_kv + h) * D + i]);
-    if (rot) z = hadamard_block<D>(z * a.signs[i], buf);
     if (bits == 32) {
         ((float *)dst)[i] = z;
         ((float *)rb)[i] = z;
@@ -107,7 +112,9 @@ __global__ void kv_encode(const cuk_enc_args a) {
         ((__half *)rb)[i] = hz;
         return;
     }
-    /* the row is assembled in shared memory, then copied out byte by byte */
+    /* 4- and 8-bit rows are stored as their values are found; others are assembled in
+     * shared memory, then copied out byte by byte */
+    const bool direct = bits == 8 || bits == 4;
     const int qmax = (1 << bits) - 1, n_groups = D / group, code_bytes = D * bits / 8;
     __shared__ __align__(4) uint8_t out[D + 4 * (D / 8)];
     /* each group's min and max as the host's scan finds them (the first of equal
@@ -135,15 +142,26 @@ __global__ void kv_encode(const cuk_enc_args a) {
         const uint16_t sh = f16_sat(__fdiv_rn(__fsub_rn(mx, mn), (float)qmax)), bh = f16_sat(mn);
         gsc[i] = __half2float(__ushort_as_half(sh));
         gbi[i] = __half2float(__ushort_as_half(bh));
-        ((uint16_t *)(out + code_bytes))[2 * i] = sh; /* code_bytes is even */
-        ((uint16_t *)(out + code_bytes))[2 * i + 1] = bh;
+        /* code_bytes is even, and so are the rows' addresses */
+        uint16_t *const sb = (uint16_t *)((direct ? dst : out) + code_bytes);
+        sb[2 * i] = sh;
+        sb[2 * i + 1] = bh;
+        if (direct) {
+            ((uint16_t *)(rb + code_bytes))[2 * i] = sh;
+            ((uint16_t *)(rb + code_bytes))[2 * i + 1] = bh;
+        }
     }
     __syncthreads();
-    {
-        const float sf = gsc[i / group], bf = gbi[i / group], inv = sf > 0 ? __fdiv_rn(1.0f, sf) : 0.0f;
-        const float t = floorf(__fadd_rn(__fmul_rn(__fsub_rn(z, bf), inv), 0.5f));
-        codes[i] = (uint8_t)(t < 0 ? 0 : t > (float)qmax ? qmax : (int)t);
+    const float sf = gsc[i / group], bf = gbi[i / group], inv = sf > 0 ? __fdiv_rn(1.0f, sf) : 0.0f;
+    const float t = floorf(__fadd_rn(__fmul_rn(__fsub_rn(z, bf), inv), 0.5f));
+    const uint32_t c = (uint32_t)(t < 0 ? 0 : t > (float)qmax ? qmax : (int)t);
+    if (direct) { /* a code a byte, or two (the odd value's in the high nibble) */
+        const uint32_t hi = __shfl_down_sync(0xffffffffu, c, 1);
+        if (bits == 8) dst[i] = rb[i] = (uint8_t)c;
+        else if (i % 2 == 0) dst[i / 2] = rb[i / 2] = (uint8_t)(c | hi << 4);
+        return;
     }
+    codes[i] = (uint8_t)c;
     __syncthreads();
     for (int j = i; j < code_bytes; j += D) { /* byte j holds bits [8j, 8j + 8) of the codes, LSB first */
         uint32_t byte = 0;
