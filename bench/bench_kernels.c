@@ -290,15 +290,25 @@ static void bench_decode_cold(uint32_t type) {
         for (int i = 0; i < NM; i++) free(w[c][i]);
 }
 
-/* Attention at depth 4096 over 12 separate (layer, kv-head) K/V blocks, rotating
- * (24 MB f16 / 48 MB f32 > L2): each call streams its block from L3/DRAM. */
+/* Blocks of `bytes` for a working set of COLD_MB (at least 12, at most COLD_MAX_BLOCKS):
+ * more than a server CPU's L3, so each call streams its block from DRAM, as a batch's
+ * sequences do (a working set inside L3 hides whether the kernel prefetches). */
+#define COLD_MB 128
+#define COLD_MAX_BLOCKS 256
+static int cold_blocks(double bytes) {
+    int nb = (int)(COLD_MB * 1e6 / bytes) + 1;
+    return nb < 12 ? 12 : nb > COLD_MAX_BLOCKS ? COLD_MAX_BLOCKS : nb;
+}
+
+/* Attention at depth 4096 over separate (layer, kv-head) K/V blocks, rotating: each
+ * call streams its block from DRAM. */
 static void bench_attention_cold(void) {
-    enum { NB = 12 };
     const int n_q = 2, d = 128, n = 4096;
     for (int f = 0; f < 2; f++) {
         size_t es = f ? 4 : 2, bytes = (size_t)n * d * es;
-        uint8_t *k[NB], *v[NB];
-        for (int b = 0; b < NB; b++) {
+        const int nb = cold_blocks(2.0 * (double)bytes);
+        uint8_t *k[COLD_MAX_BLOCKS], *v[COLD_MAX_BLOCKS];
+        for (int b = 0; b < nb; b++) {
             k[b] = malloc(bytes);
             v[b] = malloc(bytes);
             for (size_t i = 0; i < (size_t)n * d; i++) {
@@ -309,68 +319,75 @@ static void bench_attention_cold(void) {
         }
         float q[2 * 128], out[2 * 128], mem[2 * 130];
         for (int i = 0; i < n_q * d; i++) q[i] = ((float)(rnd() % 2000) / 1000.0f - 1.0f) * 0.1f;
-        const int rounds = 30;
+        const int rounds = 720 / nb + 1;
         double t0 = 0;
-        for (int it = 0; it < (rounds + 1) * NB; it++) {
-            if (it == NB) t0 = now(); /* first round warms up */
+        for (int it = 0; it < (rounds + 1) * nb; it++) {
+            if (it == nb) t0 = now(); /* first round warms up */
             struct kern_attn_state st;
             kern_attn_state_init(&st, n_q, d, mem);
-            kern_attn_accumulate(&st, q, k[it % NB], d, v[it % NB], d, f ? 32 : 16, n);
+            kern_attn_accumulate(&st, q, k[it % nb], d, v[it % nb], d, f ? 32 : 16, n);
             kern_attn_finish(&st, out);
         }
-        double t = (now() - t0) / (rounds * NB);
+        double t = (now() - t0) / (rounds * nb);
         printf("COLD attention %s n_q=%d d=%d depth %d, %d blocks rotating (%.0f MB): %8.2f us/call  %6.1f GB/s"
                "  (x12 = %.0f us/token)\n",
-               f ? "f32" : "f16", n_q, d, n, NB, NB * 2.0 * bytes * 1e-6, t * 1e6, 2.0 * bytes / t * 1e-9,
+               f ? "f32" : "f16", n_q, d, n, nb, nb * 2.0 * bytes * 1e-6, t * 1e6, 2.0 * bytes / t * 1e-9,
                12 * t * 1e6);
-        for (int b = 0; b < NB; b++) {
+        for (int b = 0; b < nb; b++) {
             free(k[b]);
             free(v[b]);
         }
     }
 }
 
-/* Same, over quantized rows (kern_kvq_attn_accumulate) at 4 and 8 bits, group 32. */
+/* Same, over quantized rows at 4 and 8 bits, group 32, laid out as the paged cache lays
+ * them (kvcache/kv_pool.h): runs of 64 rows, a run's keys then its values, read by
+ * kern_kvq_attn_accumulate_runs. Short runs are what the hardware prefetchers do not
+ * follow, so this measures the kernel's own prefetching. */
 static void bench_kvq_attention_cold(void) {
-    enum { NB = 12 };
-    const int n_q = 2, d = 128, n = 4096, group = 32;
+    enum { RUN = 64 };
+    const int n_q = 2, d = 128, n = 4096, group = 32, n_runs = n / RUN;
     const int bitss[][2] = {{4, 4}, {8, 4}, {8, 8}};
     for (size_t bi = 0; bi < sizeof bitss / sizeof bitss[0]; bi++) {
         int kb = bitss[bi][0], vb = bitss[bi][1];
         size_t krb = kern_kvq_row_bytes(kb, group, d), vrb = kern_kvq_row_bytes(vb, group, d);
-        uint8_t *k[NB], *v[NB];
+        const size_t run_bytes = RUN * (krb + vrb);
+        const int nb = cold_blocks((double)run_bytes * n_runs);
+        uint8_t *kv[COLD_MAX_BLOCKS];
         float row[128];
-        for (int b = 0; b < NB; b++) {
-            k[b] = malloc(krb * n);
-            v[b] = malloc(vrb * n);
+        for (int b = 0; b < nb; b++) {
+            kv[b] = malloc(run_bytes * n_runs);
             for (int j = 0; j < n; j++) {
+                uint8_t *r = kv[b] + (size_t)(j / RUN) * run_bytes;
                 for (int i = 0; i < d; i++) row[i] = (float)(rnd() % 2000) / 1000.0f - 1.0f;
-                kern_kvq_quantize_row(row, d, kb, group, k[b] + (size_t)j * krb);
+                kern_kvq_quantize_row(row, d, kb, group, r + (size_t)(j % RUN) * krb);
                 for (int i = 0; i < d; i++) row[i] = (float)(rnd() % 2000) / 1000.0f - 1.0f;
-                kern_kvq_quantize_row(row, d, vb, group, v[b] + (size_t)j * vrb);
+                kern_kvq_quantize_row(row, d, vb, group, r + RUN * krb + (size_t)(j % RUN) * vrb);
             }
         }
         float q[2 * 128], out[2 * 128], mem[2 * 130];
         for (int i = 0; i < n_q * d; i++) q[i] = ((float)(rnd() % 2000) / 1000.0f - 1.0f) * 0.1f;
-        const int rounds = 30;
+        struct kern_kv_run runs[4096 / RUN];
+        const struct kern_kv_rows kf = {NULL, krb, kb, group}, vf = {NULL, vrb, vb, group};
+        const int rounds = 720 / nb + 1;
         double t0 = 0;
-        for (int it = 0; it < (rounds + 1) * NB; it++) {
-            if (it == NB) t0 = now();
+        for (int it = 0; it < (rounds + 1) * nb; it++) {
+            if (it == nb) t0 = now();
             struct kern_attn_state st;
             kern_attn_state_init(&st, n_q, d, mem);
-            struct kern_kv_rows kr = {k[it % NB], krb, kb, group}, vr = {v[it % NB], vrb, vb, group};
-            kern_kvq_attn_accumulate(&st, q, &kr, &vr, n);
+            for (int r = 0; r < n_runs; r++) {
+                const uint8_t *base = kv[it % nb] + (size_t)r * run_bytes;
+                runs[r] = (struct kern_kv_run){base, base + RUN * krb, RUN};
+            }
+            kern_kvq_attn_accumulate_runs(&st, q, &kf, &vf, runs, n_runs);
             kern_attn_finish(&st, out);
         }
-        double t = (now() - t0) / (rounds * NB);
-        double bytes = (double)(krb + vrb) * n;
-        printf("COLD kvq attention K%d/V%d n_q=%d d=%d depth %d, %d blocks (%.0f MB): %8.2f us/call  %6.1f GB/s"
-               "  (x12 = %.0f us/token)\n",
-               kb, vb, n_q, d, n, NB, NB * bytes * 1e-6, t * 1e6, bytes / t * 1e-9, 12 * t * 1e6);
-        for (int b = 0; b < NB; b++) {
-            free(k[b]);
-            free(v[b]);
-        }
+        double t = (now() - t0) / (rounds * nb);
+        double bytes = (double)run_bytes * n_runs;
+        printf("COLD kvq attention K%d/V%d n_q=%d d=%d depth %d in runs of %d, %d blocks (%.0f MB): %8.2f us/call"
+               "  %6.1f GB/s  (x12 = %.0f us/token)\n",
+               kb, vb, n_q, d, n, RUN, nb, nb * bytes * 1e-6, t * 1e6, bytes / t * 1e-9, 12 * t * 1e6);
+        for (int b = 0; b < nb; b++) free(kv[b]);
     }
 }
 
