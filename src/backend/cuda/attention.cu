@@ -86,8 +86,9 @@ __global__ void attn_prep_q(const cuk_attn_args a) {
     const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
     const float *mu = (const float *)a.toks[ti].mu;
     __shared__ float buf[D];
-    prep_head<D>(a.q[((size_t)t * a.n_head + h) * D + d], a.scale, mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr,
-                 a.k_rot, a.signs, a.qprep + ((size_t)t * a.n_head + h) * (D + 1), buf);
+    const prep_consts c = prep_consts_of(mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr, a.k_rot, a.signs);
+    prep_head<D>(a.q[((size_t)t * a.n_head + h) * D + d], a.scale, c, a.k_rot,
+                 a.qprep + ((size_t)t * a.n_head + h) * (D + 1), buf);
 }
 
 static void launch_prep(cuk_queue *qu, const cuk_attn_args *a, int D) {

@@ -36,20 +36,18 @@ static __device__ uint16_t f16_bits(float f) {
 
 static __device__ uint16_t f16_sat(float x) { return f16_bits(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
 
-/* Query head h of token tk: norm and RoPE in place, then prepared (qk_prep.cuh). */
+/* Query head h of token tk: norm and RoPE in place, then prepared (qk_prep.cuh) with
+ * its constants c. */
 template <int D>
-static __device__ void rope_query(const cuk_enc_args &a, const cuk_enc_tok &tk, int h, float *buf) {
+static __device__ void rope_query(const cuk_enc_args &a, const cuk_enc_tok &tk, int h, const prep_consts &c,
+                                  float *buf) {
     const cuk_qk_rope &r = a.rope;
     const int i = threadIdx.x, t = tk.t;
     const size_t at = ((size_t)t * r.n_head + h) * D;
     const float q = rope_head<D>(r.q[at + i], r.q_norm, r.eps, r.cos + (size_t)t * r.half, r.sin + (size_t)t * r.half,
                                  r.half, r.pairing, buf);
     r.q[at + i] = q;
-    if (!r.qprep) return;
-    const float *mu = (const float *)tk.mu;
-    const int kvh = h / (r.n_head / a.n_kv);
-    prep_head<D>(q, r.scale, mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr, a.k_rot, a.signs,
-                 r.qprep + ((size_t)t * r.n_head + h) * (D + 1), buf);
+    if (r.qprep) prep_head<D>(q, r.scale, c, a.k_rot, r.qprep + ((size_t)t * r.n_head + h) * (D + 1), buf);
 }
 
 template <int D>
@@ -60,15 +58,21 @@ __global__ void kv_encode(const cuk_enc_args a) {
     /* the token's plan is staged step data (uploaded before the step's kernels): read
      * before the wait */
     const cuk_enc_tok tk = a.toks[qb >= 0 ? qb / a.rope.n_head : blockIdx.x / (2 * a.n_kv)];
-    griddep_wait();
-    if (qb >= 0) {
-        rope_query<D>(a, tk, qb % a.rope.n_head, buf);
+    const float *const mu = (const float *)tk.mu;
+    if (qb >= 0) { /* so are the query's offsets and signs */
+        const int h = qb % a.rope.n_head, kvh = h / (a.rope.n_head / a.n_kv);
+        const prep_consts c = prep_consts_of(mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr, a.k_rot, a.signs);
+        griddep_wait();
+        rope_query<D>(a, tk, h, c, buf);
         return;
     }
     const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, i = threadIdx.x;
     const int bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group, rot = side ? a.v_rot : a.k_rot;
-    const size_t row = side ? a.v_row : a.k_row;
     const bool quant = bits < 16;
+    /* and the row's offset and sign */
+    const float mu_i = quant && mu ? mu[((size_t)side * a.n_kv + h) * D + i] : 0.0f, sign = rot ? a.signs[i] : 1.0f;
+    griddep_wait();
+    const size_t row = side ? a.v_row : a.k_row;
     __shared__ uint8_t codes[D];
     __shared__ float gsc[D], gbi[D];
     const size_t at = ((size_t)tk.t * a.n_kv + h) * D + i;
@@ -81,13 +85,13 @@ __global__ void kv_encode(const cuk_enc_args a) {
     }
 
     float z = x, y = x; /* y: the window's value, rotated without the offset */
-    if (quant && tk.mu) z = __fsub_rn(x, ((const float *)tk.mu)[((size_t)side * a.n_kv + h) * D + i]);
+    if (quant && mu) z = __fsub_rn(x, mu_i);
     if (rot && a.windows) { /* both rotations through the same barriers */
-        float v[2] = {x * a.signs[i], z * a.signs[i]};
+        float v[2] = {x * sign, z * sign};
         hadamard_blocks<D, 2>(v, buf);
         y = v[0], z = v[1];
     } else if (rot) {
-        z = hadamard_block<D>(z * a.signs[i], buf);
+        z = hadamard_block<D>(z * sign, buf);
     }
     if (a.windows) { /* its f16 */
         const __half hy = __ushort_as_half(f16_bits(y));

@@ -42,19 +42,31 @@ static __device__ float rope_head(float x, const float *norm, float eps, const f
     return y;
 }
 
-/* Writes out[0] = q.mu (mu: the key offsets of the query's KV head, or NULL) and
- * out[1 + i] = the query scaled and rotated (H diag(signs) q / sqrt(D) when rot),
- * given thread i's value q of the head. buf: D floats of shared memory. */
+/* Thread d's constants of a query's preparation: its key offset (when the cache has
+ * offsets; mu: those of the query's KV head) and Hadamard sign. No kernel writes them
+ * (they come by copies before a step's kernels), so they may be read before
+ * griddep_wait. */
+struct prep_consts {
+    float mu, sign;
+    bool has_mu;
+};
+static __device__ prep_consts prep_consts_of(const float *mu, bool rot, const float *signs) {
+    const int d = threadIdx.x;
+    return {mu ? mu[d] : 0.0f, rot ? signs[d] : 1.0f, mu != nullptr};
+}
+
+/* Writes out[0] = q.mu and out[1 + i] = the query scaled and rotated (H diag(signs) q /
+ * sqrt(D) when rot), given thread i's value q of the head and its constants c. buf: D
+ * floats of shared memory. */
 template <int D>
-static __device__ void prep_head(float q, float scale, const float *mu, bool rot, const float *signs, float *out,
-                                 float *buf) {
+static __device__ void prep_head(float q, float scale, const prep_consts &c, bool rot, float *out, float *buf) {
     const int d = threadIdx.x;
     __shared__ float part[D / 32];
     float v = q * scale;
-    float s = mu ? v * mu[d] : 0.0f;
+    float s = c.has_mu ? v * c.mu : 0.0f;
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (d % 32 == 0) part[d / 32] = s;
-    if (rot) v = hadamard_block<D>(v * signs[d], buf);
+    if (rot) v = hadamard_block<D>(v * c.sign, buf);
     __syncthreads();
     out[1 + d] = v;
     if (d == 0) {
