@@ -5,9 +5,10 @@
  * reads what earlier kernels wrote or writes anything: the wait returns once the
  * previous grid has completed and its writes are visible. Every kernel launched
  * this way calls griddep_release() first, which lets the next one be scheduled.
- * Before the wait a kernel may read what the host uploaded for the step (staged
- * plans; uploads precede the step's kernels) and what scatter_k placed (launched
- * without griddep_release, so the kernels after it start once it has completed). */
+ * Before the wait a kernel may read what the host copied in (staged plans, a cache's
+ * offsets, the Hadamard signs: copies precede the kernels that follow them, and no
+ * kernel writes these) and what scatter_k placed (launched without griddep_release,
+ * so the kernels after it start once it has completed). */
 #ifndef KVQ_BACKEND_CUDA_LAUNCH_CUH
 #define KVQ_BACKEND_CUDA_LAUNCH_CUH
 
