@@ -440,34 +440,27 @@ INLINE void v_block(const int VB, const int NH, const int SPLIT, const uint8_t *
     }
 }
 
-/* The prefetch helpers must be INLINE (always inlined): GCC takes a function that only
+/* Rows stream from L3/DRAM, so they are fetched well ahead, one prefetch per 64 bytes
+ * and 16 rows per tile scored: into L1 the rows F_PF_ROWS ahead, into L2 those a block
+ * further. These helpers must be INLINE (always inlined): GCC takes a function that only
  * prefetches for one without side effects and deletes the calls to it where it does not
- * inline it, as it once did here (the fast path ran with no prefetch at all, and a cold
- * K8V4 row cost twice what it does now). */
-INLINE void pf_range(const uint8_t *p, size_t bytes) {
-    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
-    _mm_prefetch((const char *)p + bytes - 1, _MM_HINT_T0);
+ * inline it, as it once did here (the fast path ran with no prefetch at all). */
+#define F_PF_L2_ROWS (F_PF_ROWS + 64)
+INLINE void pf_range(const uint8_t *p, size_t bytes, const int hint) {
+    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, hint);
+    _mm_prefetch((const char *)p + bytes - 1, hint);
 }
 
-/* The same into L2 only: a whole run ahead, where L1 could not hold it. */
-INLINE void pf_range_l2(const uint8_t *p, size_t bytes) {
-    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
-    _mm_prefetch((const char *)p + bytes - 1, _MM_HINT_T1);
-}
-
-/* Rows stream from L3/DRAM: fetch the K and V rows [j, j + 16) of the run (past its
- * end: the next run's first rows) well ahead, one prefetch per 64 bytes. */
-INLINE void pf_tile(const struct kern_kv_run *run, const struct kern_kv_run *next, int j, size_t ks, size_t vs,
-                    size_t krb, size_t vrb) {
-    if (j >= run->n) {
-        if (next == run) return;
-        j -= run->n;
-        run = next;
-    }
+/* The K and V rows [j, j + 16) counted from the start of runs[ri] (in a later run past
+ * its end; nothing past the last). */
+INLINE void pf_tile(const struct kern_kv_run *runs, int n_runs, int ri, int j, size_t ks, size_t vs, size_t krb,
+                    size_t vrb, const int hint) {
+    while (ri < n_runs && j >= runs[ri].n) j -= runs[ri++].n;
+    if (ri >= n_runs) return;
+    const struct kern_kv_run *run = &runs[ri];
     const int e = j + 16 < run->n ? j + 16 : run->n;
-    if (j >= e) return;
-    pf_range(run->k + (size_t)j * ks, (size_t)(e - j - 1) * ks + krb);
-    pf_range(run->v + (size_t)j * vs, (size_t)(e - j - 1) * vs + vrb);
+    pf_range(run->k + (size_t)j * ks, (size_t)(e - j - 1) * ks + krb, hint);
+    pf_range(run->v + (size_t)j * vs, (size_t)(e - j - 1) * vs + vrb, hint);
 }
 
 INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int h0, const float *q,
@@ -501,13 +494,10 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
         memset(a + d, 0, sizeof(float) * 16 * (size_t)vng);
     }
     for (int ri = 0; ri < n_runs; ri++) {
-    const struct kern_kv_run *run = &runs[ri], *next = ri + 1 < n_runs ? &runs[ri + 1] : run;
-    /* the next run whole into L2 while this one is scored (pf_tile then brings its
-     * rows on into L1): batch 16 at depth 1024 decoded 13-25% faster with K8V4 and
-     * K4V4 (tinydoc-q8_0, -t 2, 3 alternating pairs) */
-    if (next != run && next->n > 0) {
-        pf_range_l2(next->k, (size_t)(next->n - 1) * ks + krb);
-        pf_range_l2(next->v, (size_t)(next->n - 1) * vs + vrb);
+    const struct kern_kv_run *run = &runs[ri];
+    if (ri == 0) { /* the first rows, which no tile before them fetched */
+        for (int j = 0; j < F_PF_ROWS; j += 16) pf_tile(runs, n_runs, 0, j, ks, vs, krb, vrb, _MM_HINT_T0);
+        for (int j = F_PF_ROWS; j < F_PF_L2_ROWS; j += 16) pf_tile(runs, n_runs, 0, j, ks, vs, krb, vrb, _MM_HINT_T1);
     }
     for (int j0 = 0; j0 < run->n; j0 += FB) {
         const int nj = run->n - j0 < FB ? run->n - j0 : FB;
@@ -517,7 +507,8 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
         UNROLL
         for (int h = 0; h < 8; h++) mxv[h] = _mm512_set1_ps(-INFINITY);
         for (int j = 0; j < nj; j += 16) {
-            pf_tile(run, next, j0 + j + F_PF_ROWS, ks, vs, krb, vrb);
+            pf_tile(runs, n_runs, ri, j0 + j + F_PF_ROWS, ks, vs, krb, vrb, _MM_HINT_T0);
+            pf_tile(runs, n_runs, ri, j0 + j + F_PF_L2_ROWS, ks, vs, krb, vrb, _MM_HINT_T1);
             struct rows16 kr = rows16_at(run->k + (size_t)(j0 + j) * ks, ks);
             struct rows16 vr = rows16_at(run->v + (size_t)(j0 + j) * vs + vcb, vs);
             if (nj - j < 16) { /* a last partial tile: its rows, then repeats of the last one */
