@@ -441,7 +441,7 @@ INLINE void v_block(const int VB, const int NH, const int SPLIT, const uint8_t *
 }
 
 /* Rows stream from L3/DRAM, so they are fetched well ahead, one prefetch per 64 bytes
- * and 16 rows per tile scored: into L1 the rows F_PF_ROWS ahead, into L2 those a block
+ * and 16 rows per tile scored: into L1 the rows F_PF_ROWS ahead, into L2 those 64 rows
  * further. These helpers must be INLINE (always inlined): GCC takes a function that only
  * prefetches for one without side effects and deletes the calls to it where it does not
  * inline it, as it once did here (the fast path ran with no prefetch at all). */
