@@ -83,6 +83,15 @@ struct tile_plan {
     int t1, t2, tw; /* tiles of each part */
 };
 
+/* Where tile i of a plan comes from: kind 0, a packed block at hb (its rows p0 ..
+ * p0 + TILE - 1, of which positions [lo, hi] are read); kind 1, window entries p0 ..
+ * (entries [lo, hi] exist). */
+struct tile_at {
+    int kind;
+    const uint8_t *hb;
+    int32_t p0, lo, hi;
+};
+
 static __device__ __forceinline__ int tiles_of(int32_t a, int32_t b) { return a <= b ? b / TILE - a / TILE + 1 : 0; }
 
 /* Shared memory of one stage: keys and values as f16 [TILE][D + 8] (the padding keeps
@@ -166,22 +175,23 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     uint2 rk[KU], rv[KU];
     uint32_t rkp[2], rvp[2]; /* (scale, bias) words: at most 2 per thread and side */
 
-    /* where tile i's rows are: kind 0 packed (block head bytes, first position, its
-     * range), 1 window (first entry) */
-    auto tile_src = [&](int i, int &kind, const uint8_t *&hb, int32_t &p0, int32_t &lo, int32_t &hi) {
+    /* where tile i's rows are (tile_at) */
+    auto tile_src = [&](int i) {
+        tile_at ts;
         if (i < P.t1 + P.t2) {
             const bool r1 = i < P.t1;
-            lo = r1 ? P.a1 : P.a2, hi = r1 ? P.b1 : P.b2;
-            const int32_t L = lo / TILE + (r1 ? i : i - P.t1), e = L < s_nkb ? L : L - s_base;
-            kind = 0;
-            p0 = L * TILE;
-            hb = (const uint8_t *)((const uint64_t *)s_table)[e] + (size_t)kvh * HEAD;
+            ts.lo = r1 ? P.a1 : P.a2, ts.hi = r1 ? P.b1 : P.b2;
+            const int32_t L = ts.lo / TILE + (r1 ? i : i - P.t1), e = L < s_nkb ? L : L - s_base;
+            ts.kind = 0;
+            ts.p0 = L * TILE;
+            ts.hb = (const uint8_t *)((const uint64_t *)s_table)[e] + (size_t)kvh * HEAD;
         } else {
-            kind = 1;
-            p0 = (i - P.t1 - P.t2) * TILE;
-            lo = 0, hi = P.sinks + max(0, P.q_max - P.ws + 1) - 1; /* entries */
-            hb = nullptr;
+            ts.kind = 1;
+            ts.p0 = (i - P.t1 - P.t2) * TILE;
+            ts.lo = 0, ts.hi = P.sinks + max(0, P.q_max - P.ws + 1) - 1; /* entries */
+            ts.hb = nullptr;
         }
+        return ts;
     };
     /* f16 rows (window entries, or a 16-bit side of a packed block) by cp.async; rows
      * outside [lo, hi] zeroed */
@@ -264,18 +274,18 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         kp = (float2 *)(vs + TILE * LD);
         vp = kp + TILE * nkg;
     };
-    /* a tile (where tile_src says) into stage s: f16 parts by cp.async now; packed
-     * parts fetched (stored by the caller with store_packed once the stage is free) */
-    auto begin_tile = [&](int s, int kind, const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
+    /* tile ts into stage s: f16 parts by cp.async now; packed parts fetched (stored by
+     * the caller with store_packed once the stage is free) */
+    auto begin_tile = [&](int s, const tile_at &ts) {
         __half *ks, *vs;
         float2 *kp, *vp;
         stage(s, ks, vs, kp, vp);
-        if (kind == 1) {
-            load_f16(1, hb, p0, lo, hi, ks, vs, true, true);
+        if (ts.kind == 1) {
+            load_f16(1, ts.hb, ts.p0, ts.lo, ts.hi, ks, vs, true, true);
             return true; /* no packed part */
         }
-        if (KB == 16 || VB == 16) load_f16(0, hb, p0, lo, hi, ks, vs, KB == 16, VB == 16);
-        if (KB < 16 || VB < 16) fetch_packed(hb, p0, lo, hi);
+        if (KB == 16 || VB == 16) load_f16(0, ts.hb, ts.p0, ts.lo, ts.hi, ks, vs, KB == 16, VB == 16);
+        if (KB < 16 || VB < 16) fetch_packed(ts.hb, ts.p0, ts.lo, ts.hi);
         return !(KB < 16 || VB < 16);
     };
 
@@ -283,12 +293,9 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * host placed) come by scatter_k, which does not release the kernels after it
      * early, so they start once it has completed. The queries and the rows kv_encode
      * writes come from the kernels just before. */
-    int kind0;
-    const uint8_t *hb0;
-    int32_t p00, lo0, hi0;
-    tile_src(i0, kind0, hb0, p00, lo0, hi0);
+    const tile_at first = tile_src(i0);
     griddep_wait();
-    bool done = begin_tile(0, kind0, hb0, p00, lo0, hi0); /* its loads in flight while the queries are read */
+    bool done = begin_tile(0, first); /* its loads in flight while the queries are read */
     const float qmu = row_on && prepped ? prep[0] : 0.0f;
     uint32_t qa[D / 16][4];
     float qsum[D / 16];
@@ -315,19 +322,15 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         const int s = (i - i0) % 2;
         cp_async_wait_all();
         __syncthreads(); /* tile i is in stage s; stage s ^ 1 is free */
-        int kind;
-        const uint8_t *hb;
-        int32_t p0, lo, hi;
-        bool next_done = true;
-        if (i + 1 < i1) {
-            tile_src(i + 1, kind, hb, p0, lo, hi);
-            next_done = begin_tile(s ^ 1, kind, hb, p0, lo, hi);
-        }
+        const bool next_done = i + 1 < i1 ? begin_tile(s ^ 1, tile_src(i + 1)) : true;
         __half *ks, *vs;
         float2 *kp, *vp;
         stage(s, ks, vs, kp, vp);
-        tile_src(i, kind, hb, p0, lo, hi);
-        const bool packed = kind == 0, r1 = i < P.t1;
+        /* found again, not kept from the last iteration: held across it, the prefill
+         * kernels spill (ptxas) */
+        const tile_at ts = tile_src(i);
+        const int32_t p0 = ts.p0, hi = ts.hi;
+        const bool packed = ts.kind == 0, r1 = i < P.t1;
         const bool kq = packed && KB < 16, vq = packed && VB < 16; /* rows with groups */
 
         /* scores of this warp's keys: key0 + 8 n + 2t + j */
