@@ -98,6 +98,7 @@ struct cuda_backend {
     struct cuk_queue q;
     cudaStream_t stream; /* q.stream */
     bool in_step;        /* work was queued since the last sync */
+    bool segment_issued; /* a segment of this recorded step was issued */
     struct post_copy *post;
     int n_post, cap_post;
     void **dead;         /* device memory to free at the next sync (recorded work may read it) */
@@ -513,16 +514,21 @@ static void issue_record(struct cuda_backend *cb) {
 
 /* Every operation that queues work starts here. The first one of a step decides
  * whether the step is recorded: decode-sized steps are, when graphs are on. A
- * recorded step is issued in segments of about SEGMENT_LAUNCHES launches, so the GPU
- * starts on the first layers while the host plans the next ones. */
-#define SEGMENT_LAUNCHES 48
+ * recorded step is issued in segments, so that the GPU starts on the first layers
+ * while the host plans the next ones: a short first one (the GPU idles until it is
+ * issued), then longer ones (kernels in different graphs do not overlap as those
+ * launched with PDL within one do: about 2 us of GPU time a boundary). */
+#define SEGMENT_FIRST 12
+#define SEGMENT_LAUNCHES 96
 static void step_op(struct cuda_backend *cb, int n) {
     if (!cb->in_step) {
         cb->in_step = true;
         if (cb->steps) cb->steps->begin = now_s();
         cb->q.recording = cb->q.graphs && n <= CUK_MATVEC_MAX;
-    } else if (cb->q.recording && cb->q.n_ent >= SEGMENT_LAUNCHES) {
+        cb->segment_issued = false;
+    } else if (cb->q.recording && cb->q.n_ent >= (cb->segment_issued ? SEGMENT_LAUNCHES : SEGMENT_FIRST)) {
         issue_record(cb);
+        cb->segment_issued = true;
     }
 }
 
