@@ -69,6 +69,11 @@ struct backend_ops {
     /* Sizes internal scratch for batches of up to max_tokens tokens whose widest
      * matmul input has `widest` values (so no step allocates). 0 or -1. */
     int (*reserve)(struct backend *b, int max_tokens, int64_t widest);
+    /* Sizes what the backend keeps of the KV rows a forward pass appends, up to
+     * `bytes` in all (CUDA: the device and pinned host buffers they are read back
+     * through, which take long to make), so that no pass allocates. NULL where
+     * nothing is kept. 0 or -1. */
+    int (*reserve_kv)(struct backend *b, size_t bytes);
     /* Activation memory (freed with release). */
     void *(*alloc)(struct backend *b, size_t bytes);
     void (*release)(struct backend *b, void *p);

@@ -263,6 +263,19 @@ static size_t default_budget(const struct kvq_context *c) {
     return per_seq * (size_t)c->p.n_seq;
 }
 
+/* Bytes of the KV rows a forward pass of n_batch tokens appends at most: each token's
+ * block rows and f16 window rows in every layer (the caches' formats as made). */
+static size_t pass_kv_bytes(const struct kvq_context *c) {
+    const struct model_hparams *hp = &c->m->model->hp;
+    size_t per_token = 0;
+    for (int l = 0; l < hp->n_layer; l++) {
+        struct kv_view v;
+        kv_cache_view(c->caches[l], &v);
+        per_token += (size_t)hp->n_head_kv * (v.k_row + v.v_row + (v.windows ? 2 * v.win_row : 0));
+    }
+    return per_token * (size_t)c->p.n_batch;
+}
+
 struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p) {
     if (!m->model) {
         kvq_error("the model was loaded for its vocabulary only");
@@ -314,6 +327,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
         memcpy(c->caches + (size_t)s * hp->n_layer, cs, sizeof *cs * (size_t)hp->n_layer);
         free(cs);
     }
+    if (c->be->ops->reserve_kv && c->be->ops->reserve_kv(c->be, pass_kv_bytes(c)) != 0) goto fail;
     return c;
 fail:
     kvq_context_free(c);

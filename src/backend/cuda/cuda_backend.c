@@ -422,26 +422,33 @@ static int cuda_upload_vector(struct backend *b, const float *v, int64_t n) {
  * waits for the stream first (earlier uploads may still read the old buffer). */
 static void record_stop(struct cuda_backend *cb);
 
+/* The staging buffers at cap bytes, what they hold kept; false with the failure
+ * recorded. */
+static bool stage_grow(struct cuda_backend *cb, size_t cap) {
+    uint8_t *h = NULL, *d = NULL;
+    if (!ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream") ||
+        !ck(cb, cudaMallocHost((void **)&h, cap), "pinned staging memory") ||
+        !ck(cb, cudaMalloc((void **)&d, cap), "device staging memory")) {
+        if (h) cudaFreeHost(h);
+        return false;
+    }
+    if (cb->stage_used) memcpy(h, cb->stage_h, cb->stage_used);
+    cudaFreeHost(cb->stage_h);
+    cudaFree(cb->stage_d);
+    cb->stage_h = h;
+    cb->stage_d = d;
+    cb->stage_cap = cap;
+    cb->stage_up = 0; /* the new device buffer holds nothing yet */
+    return true;
+}
+
 static size_t stage_alloc(struct cuda_backend *cb, size_t bytes) {
     size_t off = (cb->stage_used + 15) & ~(size_t)15;
     if (off + bytes > cb->stage_cap) {
         record_stop(cb); /* what it recorded reads the old buffer */
         size_t cap = cb->stage_cap ? cb->stage_cap : (size_t)1 << 20;
         while (cap < off + bytes) cap *= 2;
-        uint8_t *h = NULL, *d = NULL;
-        if (!ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream") ||
-            !ck(cb, cudaMallocHost((void **)&h, cap), "pinned staging memory") ||
-            !ck(cb, cudaMalloc((void **)&d, cap), "device staging memory")) {
-            if (h) cudaFreeHost(h);
-            return (size_t)-1;
-        }
-        if (cb->stage_used) memcpy(h, cb->stage_h, cb->stage_used);
-        cudaFreeHost(cb->stage_h);
-        cudaFree(cb->stage_d);
-        cb->stage_h = h;
-        cb->stage_d = d;
-        cb->stage_cap = cap;
-        cb->stage_up = 0; /* the new device buffer holds nothing yet */
+        if (!stage_grow(cb, cap)) return (size_t)-1;
     }
     cb->stage_used = off + bytes;
     return off;
@@ -704,9 +711,16 @@ static void cuda_download(struct backend *b, void *dst, const void *src, size_t 
     cb->post[cb->n_post++] = (struct post_copy){dst, src, bytes};
 }
 
+/* Staging a pass may take this much a token (a 384-token pass of llama3-8b with K8V4
+ * staged 4-8 MB: plans, block tables, window rows): made at the start, since growing
+ * waits for the GPU and pins memory (slow) in the middle of a pass. */
+#define STAGE_BYTES_PER_TOKEN ((size_t)16 << 10)
+
 static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
     struct cuda_backend *cb = cuda(b);
     cb->max_tokens = max_tokens;
+    const size_t stage = STAGE_BYTES_PER_TOKEN * (size_t)max_tokens;
+    if (stage > cb->stage_cap && !stage_grow(cb, stage)) return kvq_error("%s", cb->failure);
     if (max_tokens > CUK_MATVEC_MAX) {
         cudaFree(cb->x16);
         if ((!cb->deq && !(cb->deq = cuda_alloc(b, DEQ_BYTES))) ||
@@ -1052,6 +1066,34 @@ static size_t readback_alloc(struct cuda_backend *cb, size_t bytes) {
     }
     cb->rb_used = off + bytes;
     return off;
+}
+
+/* The pinned read-back buffer at `bytes` (what it held is dropped); false with the
+ * failure recorded. */
+static bool rb_host_make(struct cuda_backend *cb, size_t bytes) {
+    cudaFreeHost(cb->rb_h);
+    cb->rb_h = NULL;
+    cb->rb_h_cap = 0;
+    if (!ck(cb, cudaMallocHost((void **)&cb->rb_h, bytes), "pinned memory for new KV rows")) return false;
+    cb->rb_h_cap = bytes;
+    return true;
+}
+
+/* The read-back buffers, device and pinned host, for a pass's rows: made here once
+ * (pinning 100 MB took 50-75 ms on an H100 machine's host, which growing them at a
+ * prompt's first passes added to its time), grown by readback_alloc and cuda_sync
+ * only where a pass appends more than the engine foresaw. */
+static int cuda_reserve_kv(struct backend *b, size_t bytes) {
+    struct cuda_backend *cb = cuda(b);
+    if (bytes > cb->rb_cap) {
+        cudaFree(cb->rb_d);
+        cb->rb_d = NULL;
+        cb->rb_cap = 0;
+        if (!ck(cb, cudaMalloc((void **)&cb->rb_d, bytes), "device memory for new KV rows")) return kvq_error("%s", cb->failure);
+        cb->rb_cap = bytes;
+    }
+    if (bytes > cb->rb_h_cap && !rb_host_make(cb, bytes)) return kvq_error("%s", cb->failure);
+    return 0;
 }
 
 /* Room for the prepared queries of n tokens (grown when short; the step's recorded
@@ -1428,10 +1470,7 @@ static int cuda_sync(struct backend *b) {
     /* the rows no segment's copy took: after everything, into a buffer grown now */
     if (cb->n_pending > cb->rows_copied && cb->rb_used > cb->rb_h_cap) {
         wait_streams(cb);
-        cudaFreeHost(cb->rb_h);
-        cb->rb_h = NULL;
-        cb->rb_h_cap = 0;
-        if (ck(cb, cudaMallocHost((void **)&cb->rb_h, cb->rb_cap), "pinned memory for new KV rows")) cb->rb_h_cap = cb->rb_cap;
+        rb_host_make(cb, cb->rb_cap);
         cb->rows_copied = cb->n_row_copies = 0; /* the early copies went to the old buffer: all again */
         cb->rb_copied = 0;
     }
@@ -1518,6 +1557,7 @@ static const struct backend_ops cuda_ops = {
     .host_memory = false,
     .free = cuda_free,
     .reserve = cuda_reserve,
+    .reserve_kv = cuda_reserve_kv,
     .alloc = cuda_alloc,
     .release = cuda_release,
     .upload_weight = cuda_upload_weight,
