@@ -373,11 +373,23 @@ static void fill_rows(uint32_t type, uint8_t *w, size_t bytes) {
     }
 }
 
+/* Scratch for cuk_matvec of these jobs, its counters zeroed (free both). */
+static struct cuk_mv_scratch mv_scratch(const struct cuk_matvec_job *jobs, int n_jobs, int n) {
+    size_t floats, counters;
+    cuk_matvec_scratch(jobs, n_jobs, n, &floats, &counters);
+    struct cuk_mv_scratch s = {NULL, NULL};
+    cudaMalloc((void **)&s.partial, sizeof(float) * (floats + 1));
+    cudaMalloc((void **)&s.counters, sizeof(unsigned) * (counters + 1));
+    cudaMemset(s.counters, 0, sizeof(unsigned) * (counters + 1));
+    return s;
+}
+
 /* cuk_matvec against the CPU's dequantization and a double dot product (of the
  * int8-rounded inputs for the repacked types, which the kernels multiply on tensor cores
  * or with dp4a); for those also cuk_dequantize of the repacked tiles against the CPU,
- * exactly, and each token's outputs bit for bit the same whatever n (dp4a up to 2
- * tokens, mma from 3 on). The second shape pads both the row tiles and the column
+ * exactly, each token's outputs bit for bit the same whatever n (dp4a up to 2
+ * tokens, mma from 3 on), and the rows computed as two slices (cuk_weight_rows, written
+ * with y_stride) bit for bit the whole product's. The second shape pads both the row tiles and the column
  * chunks. */
 static void test_matvec(void) {
     /* the last three big enough that a block takes 8 chunks and a row 5 blocks (Q6_K: 9), the last of
@@ -406,8 +418,9 @@ static void test_matvec(void) {
         cudaMalloc((void **)&dw, bytes);
         cudaMalloc((void **)&dx, sizeof(float) * 16 * cols);
         cudaMalloc((void **)&dy, sizeof(float) * 16 * rows);
-        float *dy2;
+        float *dy2, *dy3;
         cudaMalloc((void **)&dy2, sizeof(float) * 16 * 5);
+        cudaMalloc((void **)&dy3, sizeof(float) * 16 * rows);
         cudaMalloc((void **)&xq.q, 16 * cols);
         cudaMalloc((void **)&xq.dsum, sizeof(float2) * 16 * cols / 32);
         cudaMemcpy(dx, x, sizeof(float) * 16 * cols, cudaMemcpyHostToDevice);
@@ -448,13 +461,8 @@ static void test_matvec(void) {
             /* two jobs in one launch: the matrix, and its first 5 rows */
             struct cuk_weight head = cw;
             head.rows = 5;
-            const struct cuk_matvec_job jobs[2] = {{&cw, dy, NULL}, {&head, dy2, NULL}};
-            size_t floats, counters;
-            cuk_matvec_scratch(jobs, 2, n, &floats, &counters);
-            struct cuk_mv_scratch scr = {NULL, NULL};
-            cudaMalloc((void **)&scr.partial, sizeof(float) * (floats + 1));
-            cudaMalloc((void **)&scr.counters, sizeof(unsigned) * (counters + 1));
-            cudaMemset(scr.counters, 0, sizeof(unsigned) * (counters + 1));
+            const struct cuk_matvec_job jobs[2] = {{&cw, dy, NULL, 0}, {&head, dy2, NULL, 0}};
+            struct cuk_mv_scratch scr = mv_scratch(jobs, 2, n);
             cuk_matvec(&tq, jobs, 2, dx, cols, &xq, n, &scr);
             cuk_matvec(&tq, jobs, 2, dx, cols, &xq, n, &scr); /* the counters are left ready */
             CHECK(cudaDeviceSynchronize() == cudaSuccess, "%s: matvec launch", kvq_dtype_name(type));
@@ -465,6 +473,22 @@ static void test_matvec(void) {
             for (int t = 0; t < n; t++)
                 for (int r = 0; r < 5; r++) same &= y2[t * 5 + r] == y[(size_t)t * rows + r];
             CHECK(same, "%s n=%d: the second job of a launch differs from the first", kvq_dtype_name(type), n);
+            if (cuk_repacked(type) && rows > 16) { /* the rows as two slices (cuk_weight_rows) into y's layout */
+                const int64_t cut = rows / 32 * 16;
+                const struct cuk_weight lo = cuk_weight_rows(&cw, 0, cut), hi = cuk_weight_rows(&cw, cut, rows);
+                const struct cuk_matvec_job parts[2] = {{&lo, dy3, NULL, rows}, {&hi, dy3 + cut, NULL, rows}};
+                cudaMemset(dy3, 0xff, sizeof(float) * 16 * rows);
+                struct cuk_mv_scratch ps = mv_scratch(parts, 2, n);
+                cuk_matvec(&tq, parts, 2, dx, cols, &xq, n, &ps);
+                float *y3 = malloc(sizeof(float) * (size_t)n * rows);
+                CHECK(cudaMemcpy(y3, dy3, sizeof(float) * (size_t)n * rows, cudaMemcpyDeviceToHost) == cudaSuccess &&
+                          memcmp(y3, y, sizeof(float) * (size_t)n * rows) == 0,
+                      "%s %dx%d n=%d: the rows in two slices differ from the whole product", kvq_dtype_name(type), rows,
+                      cols, n);
+                free(y3);
+                cudaFree(ps.partial);
+                cudaFree(ps.counters);
+            }
             if (n == 16) memcpy(y16, y, sizeof(float) * 16 * rows);
             else if (cuk_repacked(type))
                 CHECK(memcmp(y, y16, sizeof(float) * (size_t)n * rows) == 0,
@@ -509,6 +533,7 @@ static void test_matvec(void) {
         cudaFree(dx);
         cudaFree(dy);
         cudaFree(dy2);
+        cudaFree(dy3);
         cudaFree(xq.q);
         cudaFree(xq.dsum);
         free(w);
@@ -747,6 +772,7 @@ int main(void) {
      * each, the last blocks fewer, also in the models' decode steps (as set outside
      * if it is: KVQ_MV_STREAM_GRID=0 gives the backend's full grid) */
     setenv("KVQ_MV_STREAM_GRID", "2", 0);
+    setenv("KVQ_CUDA_RESULT_SPLIT", "0", 0); /* logits in slices whatever their size */
     int n_dev = 0;
     if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
         printf("SKIP: no CUDA device on this machine\n");

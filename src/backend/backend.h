@@ -22,11 +22,14 @@ struct weight;
 struct kv_cache;
 struct kv_pool;
 
-/* y[n][w->rows] = x[n][k] W^T (+ bias[w->rows]). */
+/* y[n][w->rows] = x[n][k] W^T (+ bias[w->rows]); with host_y (a backend whose
+ * activations are not host memory), y is wanted there too, in host_alloc memory: the
+ * backend may copy parts of it while it computes the rest. */
 struct be_matmul {
     const struct weight *w;
     float *y;
     const float *bias;
+    float *host_y;
 };
 
 /* Per-head RMSNorm (optional) and RoPE of a batch's queries and keys, and the scale
@@ -64,7 +67,7 @@ struct backend;
 
 struct backend_ops {
     const char *name;
-    bool host_memory; /* activations are host memory (else read them with download) */
+    bool host_memory; /* activations are host memory (else results come by be_matmul.host_y) */
     void (*free)(struct backend *b);
     /* Sizes internal scratch for batches of up to max_tokens tokens whose widest
      * matmul input has `widest` values (so no step allocates). 0 or -1. */
@@ -81,12 +84,10 @@ struct backend_ops {
      * usable by the backend (CPU: the host memory as it is). 0 or -1. */
     int (*upload_weight)(struct backend *b, const struct weight *w);
     int (*upload_vector)(struct backend *b, const float *v, int64_t n);
-    /* Host memory that downloads land in fastest (CUDA: pinned), freed with
-     * host_free. NULL with an error. */
+    /* Host memory that results (be_matmul.host_y) land in fastest (CUDA: pinned),
+     * freed with host_free. NULL with an error. */
     void *(*host_alloc)(struct backend *b, size_t bytes);
     void (*host_free)(struct backend *b, void *p);
-    /* Copies bytes of activation memory to the host (after the work writing them). */
-    void (*download)(struct backend *b, void *dst, const void *src, size_t bytes);
     /* Where the KV pool's blocks live: NULL for host memory. */
     struct kv_pool *(*kv_pool_new)(struct backend *b, size_t budget);
     /* Up to 3 products sharing the input x [n][x_stride]. */

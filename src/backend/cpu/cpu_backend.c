@@ -528,10 +528,6 @@ static int cpu_upload_vector(struct backend *b, const float *v, int64_t n) {
     (void)n;
     return 0;
 }
-static void cpu_download(struct backend *b, void *dst, const void *src, size_t bytes) {
-    (void)b;
-    memcpy(dst, src, bytes);
-}
 static struct kv_pool *cpu_kv_pool_new(struct backend *b, size_t budget) {
     (void)b;
     return kv_pool_new(budget);
@@ -565,7 +561,6 @@ static const struct backend_ops cpu_ops = {
     .upload_vector = cpu_upload_vector,
     .host_alloc = cpu_alloc, /* activations are host memory already */
     .host_free = cpu_release,
-    .download = cpu_download,
     .kv_pool_new = cpu_kv_pool_new,
     .matmul = cpu_matmul,
     .embed = cpu_embed,

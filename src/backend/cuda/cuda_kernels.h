@@ -74,7 +74,11 @@ struct cuk_matvec_job {
     const struct cuk_weight *w; /* host struct, device data */
     float *y;
     const float *bias; /* or NULL */
+    int64_t y_stride;  /* floats from a token's outputs to the next's: 0 for w->rows (other values: repacked types) */
 };
+/* Rows [r0, r1) of a repacked weight, r0 a multiple of 16, as a weight of their own
+ * (its data in place). */
+struct cuk_weight cuk_weight_rows(const struct cuk_weight *w, int64_t r0, int64_t r1);
 /* Scratch of the repacked types' products: partial sums when a tile of rows is split
  * over several blocks, and a counter per tile (zero, and left zero). */
 struct cuk_mv_scratch {
@@ -83,9 +87,10 @@ struct cuk_mv_scratch {
 };
 /* The floats of partial sums and the counters cuk_matvec needs for these jobs. */
 void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs, int n, size_t *floats, size_t *counters);
-/* y[t][rows] = x[t][cols] W^T (+ bias) for t < n <= CUK_MATVEC_MAX, for each job (all
- * with the same cols); x rows x_stride apart. Repacked types read xq (x rounded by
- * cuk_quantize_x or a kernel that writes xq) instead of x. */
+/* y[t][rows] = x[t][cols] W^T (+ bias) for t < n <= CUK_MATVEC_MAX (token t's outputs
+ * at y + t * y_stride), for each job (all with the same cols); x rows x_stride apart.
+ * Repacked types read xq (x rounded by cuk_quantize_x or a kernel that writes xq)
+ * instead of x. */
 void cuk_matvec(struct cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_jobs, const float *x, int64_t x_stride,
                 const struct cuk_xq *xq, int n, const struct cuk_mv_scratch *scratch);
 /* Rows [r0, r1) of w into out[r1 - r0][cols]: f32, or f16 (saturated) when f16. */

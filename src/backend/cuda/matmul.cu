@@ -655,6 +655,7 @@ static __device__ __forceinline__ void sum_slices(const float *part, unsigned sl
 struct q_set {
     cuk_weight w[CUK_MATVEC_JOBS];
     float *y[CUK_MATVEC_JOBS];
+    int64_t ys[CUK_MATVEC_JOBS]; /* y's floats a token */
     const float *bias[CUK_MATVEC_JOBS];
     unsigned first[CUK_MATVEC_JOBS], slices[CUK_MATVEC_JOBS], group0[CUK_MATVEC_JOBS];
     size_t scratch[CUK_MATVEC_JOBS];
@@ -771,7 +772,7 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
         /* mma: c_i of token tile v / 4; dp4a: token v of row g + 8 (t >> 1), even lanes */
         const int tok = MMA ? v / 4 * 8 + 2 * t + (v & 1) : t & 1 ? n : v;
         const int64_t row = tile * 16 + g + 8 * (MMA ? (v & 3) >> 1 : t >> 1);
-        if (tok < n && row < W.rows) set.y[j][(int64_t)tok * W.rows + row] = acc[v] + (set.bias[j] ? set.bias[j][row] : 0.0f);
+        if (tok < n && row < W.rows) set.y[j][(int64_t)tok * set.ys[j] + row] = acc[v] + (set.bias[j] ? set.bias[j][row] : 0.0f);
     }
 }
 
@@ -887,7 +888,7 @@ __global__ void __launch_bounds__(MV_WHOLE_THREADS)
         if (warp == 0 && !(t & 1) && row < rows)
 #pragma unroll
             for (int v = 0; v < NT; v++)
-                if (v < n) set.y[j][(int64_t)v * rows + row] = acc[v] + (set.bias[j] ? set.bias[j][row] : 0.0f);
+                if (v < n) set.y[j][(int64_t)v * set.ys[j] + row] = acc[v] + (set.bias[j] ? set.bias[j][row] : 0.0f);
     }
 #undef MV_ISSUE
 }
@@ -1050,11 +1051,12 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
         int nj = 0;
         while (nj < CUK_MATVEC_JOBS && j0 + nj < n_jobs && jobs[j0 + nj].w->type == T) nj++;
         if (cuk_repacked(T)) {
-            q_set S;
+            q_set S = {};
             cuk_weight w[CUK_MATVEC_JOBS];
             for (int i = 0; i < nj; i++) {
                 w[i] = S.w[i] = *jobs[j0 + i].w;
                 S.y[i] = jobs[j0 + i].y;
+                S.ys[i] = jobs[j0 + i].y_stride ? jobs[j0 + i].y_stride : w[i].rows;
                 S.bias[i] = jobs[j0 + i].bias;
             }
             j0 += nj;
@@ -1133,6 +1135,15 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
 #undef MV
 #undef MV_NT
     }
+}
+
+extern "C" cuk_weight cuk_weight_rows(const cuk_weight *w, int64_t r0, int64_t r1) {
+    cuk_weight v = *w;
+    const int64_t at = r0 / 16 * chunks_of(w->type, w->cols); /* the first tile's first chunk */
+    v.data += at * 1024;
+    v.scales += at * 16 * CUK_SCALE_ENTRIES(w->type);
+    v.rows = r1 - r0;
+    return v;
 }
 
 /* ---- whole rows as f32 or f16 (GEMM inputs, embeddings) ---- */
