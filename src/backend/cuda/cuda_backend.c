@@ -152,7 +152,6 @@ struct cuda_backend {
     cudaStream_t copy_stream;
     cudaEvent_t row_ev[ROW_COPIES], work_ev;
     cudaEvent_t result_ev[RESULT_SLICES]; /* the slices' copies (matvec_in_slices) */
-    bool results_copied;                  /* they were issued this step */
     size_t result_split;                  /* RESULT_SPLIT_BYTES, or KVQ_CUDA_RESULT_SPLIT */
     int row_end[ROW_COPIES], n_row_copies, rows_copied, rows_from, rows_to;
     size_t rb_copied;
@@ -494,6 +493,13 @@ static void drop_pending(struct cuda_backend *cb) {
     cb->rb_copied = 0;
 }
 
+/* The copy stream's next copies wait for the work queued on the compute stream so far
+ * (copies there would hold up the kernels behind them). */
+static void copies_follow_work(struct cuda_backend *cb) {
+    ck(cb, cudaEventRecord(cb->work_ev, cb->stream), "an event");
+    ck(cb, cudaStreamWaitEvent(cb->copy_stream, cb->work_ev, 0), "an event");
+}
+
 /* After an issued segment (or a KV append not recorded): the rows encoded since the
  * last copy, read back on the copy stream once the work so far is done, with an event
  * behind them (cuda_sync files them while the GPU runs on; in the compute stream the
@@ -504,8 +510,7 @@ static void copy_new_rows(struct cuda_backend *cb) {
         cb->failed)
         return;
     const int i = cb->n_row_copies;
-    ck(cb, cudaEventRecord(cb->work_ev, cb->stream), "an event");
-    ck(cb, cudaStreamWaitEvent(cb->copy_stream, cb->work_ev, 0), "an event");
+    copies_follow_work(cb);
     ck(cb, cudaMemcpyAsync(cb->rb_h + cb->rb_copied, cb->rb_d + cb->rb_copied, cb->rb_used - cb->rb_copied,
                            cudaMemcpyDeviceToHost, cb->copy_stream),
        "reading new KV rows");
@@ -769,14 +774,12 @@ static void matvec_in_slices(struct cuda_backend *cb, const struct cuk_matvec_jo
         const struct cuk_matvec_job slice = {&w, job->y + r0, job->bias ? job->bias + r0 : NULL, rows};
         cuk_matvec(&cb->q, &slice, 1, x, x_stride, &cb->xq, n, &cb->mv);
         if (cb->q.recording) issue_record(cb); /* the slice is on the stream */
-        ck(cb, cudaEventRecord(cb->work_ev, cb->stream), "an event");
-        ck(cb, cudaStreamWaitEvent(cb->copy_stream, cb->work_ev, 0), "an event");
+        copies_follow_work(cb);
         ck(cb, cudaMemcpy2DAsync(host_y + r0, sizeof(float) * (size_t)rows, job->y + r0, sizeof(float) * (size_t)rows,
                                  sizeof(float) * (size_t)(r1 - r0), (size_t)n, cudaMemcpyDeviceToHost, cb->copy_stream),
            "reading results");
         ck(cb, cudaEventRecord(cb->result_ev[i], cb->copy_stream), "an event");
     }
-    cb->results_copied = true;
 }
 
 static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs,
@@ -1521,9 +1524,8 @@ static int cuda_sync(struct backend *b) {
     for (int i = 0; i < cb->n_row_copies; i++)
         if (!cb->failed && ck(cb, cudaEventSynchronize(cb->row_ev[i]), "running the step")) file_rows(cb, cb->row_end[i]);
     cb->n_row_copies = 0;
-    for (int i = 0; i < RESULT_SLICES && cb->results_copied; i++)
+    for (int i = 0; i < RESULT_SLICES; i++) /* done at once where no slices were copied this step */
         ck(cb, cudaEventSynchronize(cb->result_ev[i]), "reading results");
-    cb->results_copied = false;
     if (end_step(cb) != 0) {
         drop_pending(cb);
         cb->rb_used = 0;
