@@ -290,9 +290,9 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     };
 
     /* The first tile's block address before the wait too: block tables (and rows the
-     * host placed) come by scatter_k, which does not release the kernels after it
-     * early, so they start once it has completed. The queries and the rows kv_encode
-     * writes come from the kernels just before. */
+     * host placed) come by scatter_k, after which the next launch is a plain one
+     * (launch.cuh). The queries and the rows kv_encode writes come from the kernels
+     * just before. */
     const tile_at first = tile_src(i0);
     griddep_wait();
     bool done = begin_tile(0, first); /* its loads in flight while the queries are read */

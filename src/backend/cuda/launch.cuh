@@ -5,10 +5,13 @@
  * reads what earlier kernels wrote or writes anything: the wait returns once the
  * previous grid has completed and its writes are visible. Every kernel launched
  * this way calls griddep_release() first, which lets the next one be scheduled.
- * Before the wait a kernel may read what the host copied in (staged plans, a cache's
- * offsets, the Hadamard signs: copies precede the kernels that follow them, and no
- * kernel writes these) and what scatter_k placed (launched without griddep_release,
- * so the kernels after it start once it has completed). */
+ * Before the wait a kernel may read what the host copied in (staged plans, the
+ * Hadamard signs: copies precede the kernels that follow them, and no kernel writes
+ * these) and what scatter_k placed (a cache's offsets, block tables, window rows):
+ * the launch after a scatter is a plain one, which starts once the scatter's writes
+ * are visible. A kernel that merely does not release its dependents early gives no
+ * such promise: they may start as its blocks exit, before its writes are visible (an
+ * intermittent illegal address in 16-sequence prefills read a block table early). */
 #ifndef KVQ_BACKEND_CUDA_LAUNCH_CUH
 #define KVQ_BACKEND_CUDA_LAUNCH_CUH
 

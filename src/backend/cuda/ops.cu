@@ -179,5 +179,7 @@ __global__ void scatter_k(const cuk_copy *copies, const uint8_t *staging) {
 }
 
 extern "C" void cuk_scatter(cuk_queue *qu, const cuk_copy *copies, int n, const uint8_t *staging) {
-    if (n > 0) queue_launch(scatter_k, dim3((unsigned)n), dim3(128), qu, copies, staging);
+    if (n <= 0) return;
+    queue_launch(scatter_k, dim3((unsigned)n), dim3(128), qu, copies, staging);
+    cuk_queue_launch_plain_next(qu); /* what it placed is read before griddep_wait */
 }

@@ -43,9 +43,9 @@ static __device__ float rope_head(float x, const float *norm, float eps, const f
 }
 
 /* Thread d's constants of a query's preparation: its key offset (when the cache has
- * offsets; mu: those of the query's KV head) and Hadamard sign. No kernel writes them
- * (they come by copies before a step's kernels), so they may be read before
- * griddep_wait. */
+ * offsets; mu: those of the query's KV head) and Hadamard sign. They come by copies
+ * or scatter_k before the kernels that read them, so they may be read before
+ * griddep_wait (launch.cuh). */
 struct prep_consts {
     float mu, sign;
     bool has_mu;

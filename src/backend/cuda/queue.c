@@ -122,6 +122,8 @@ static bool left_out(const void *func, dim3 grid, dim3 block) {
 void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 block, size_t smem, bool pdl,
                       void **args, const size_t *sizes, int n_args) {
     if (left_out(func, grid, block)) return;
+    pdl = pdl && !q->plain_next;
+    q->plain_next = false;
     if (!q->recording) {
         launch(q, func, grid, block, smem, pdl, args);
         return;
@@ -166,6 +168,8 @@ void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 blo
         q->blob_len = at + sizes[i];
     }
 }
+
+void cuk_queue_launch_plain_next(struct cuk_queue *q) { q->plain_next = true; }
 
 void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes) {
     if (!bytes) return;

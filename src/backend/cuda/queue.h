@@ -29,6 +29,7 @@ struct cuk_queue {
     bool recording;   /* launches and copies are recorded, not issued */
     bool graphs;      /* cuk_queue_issue may replay or capture graphs */
     bool pdl;         /* launches asked with pdl use it (compute capability 9.0 and up); else plain */
+    bool plain_next;  /* the next launch is plain, whatever it asks (cuk_queue_launch_plain_next) */
     /* the record: entries, argument offsets and argument bytes */
     struct cuk_rec_entry *ent;
     int n_ent, cap_ent;
@@ -49,6 +50,9 @@ struct cuk_queue {
  * dependent launch (launch.cuh) when pdl. */
 void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 block, size_t smem, bool pdl,
                       void **args, const size_t *sizes, int n_args);
+/* Makes the next launch a plain one, after a kernel whose writes the next kernels
+ * read before their griddep_wait: only a plain launch orders them (launch.cuh). */
+void cuk_queue_launch_plain_next(struct cuk_queue *q);
 /* A copy from pinned host memory to the device; the host bytes are read when the
  * copy runs, so they must stay as they are until then. */
 void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes);
