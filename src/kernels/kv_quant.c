@@ -75,6 +75,10 @@ void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *
         }
         return;
     }
+    if ((bits == 4 || bits == 8) && group % 16 == 0 && kvq_simd_level() == KVQ_SIMD_AVX512) {
+        kern_kvq_quantize_avx512(x, d, bits, group, dst);
+        return;
+    }
     const int qmax = (1 << bits) - 1;
     uint8_t codes[KERN_KVQ_MAX_DIM];
     uint8_t *sb = dst + (size_t)d * bits / 8;
@@ -85,17 +89,23 @@ void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *
             mn = xg[i] < mn ? xg[i] : mn;
             mx = xg[i] > mx ? xg[i] : mx;
         }
-        uint16_t sh = f16_sat((mx - mn) / (float)qmax), bh = f16_sat(mn);
-        float sf = kvq_f16_to_f32(sh), bf = kvq_f16_to_f32(bh);
-        float inv = sf > 0 ? 1.0f / sf : 0.0f;
+        float bf, inv;
+        kern_kvq_group_params(mn, mx, qmax, sb + 4 * g, &bf, &inv);
         for (int i = 0; i < group; i++) {
             float t = floorf((xg[i] - bf) * inv + 0.5f);
             codes[i] = (uint8_t)(t < 0 ? 0 : t > (float)qmax ? qmax : (int)t);
         }
         pack_codes(codes, group, bits, dst + (size_t)g * group * bits / 8);
-        memcpy(sb + 4 * g, &sh, 2);
-        memcpy(sb + 4 * g + 2, &bh, 2);
     }
+}
+
+void kern_kvq_group_params(float mn, float mx, int qmax, uint8_t *sb, float *bias, float *inv) {
+    const uint16_t sh = f16_sat((mx - mn) / (float)qmax), bh = f16_sat(mn);
+    const float sf = kvq_f16_to_f32(sh);
+    *bias = kvq_f16_to_f32(bh);
+    *inv = sf > 0 ? 1.0f / sf : 0.0f;
+    memcpy(sb, &sh, 2);
+    memcpy(sb + 2, &bh, 2);
 }
 
 void kern_kvq_dequantize_row(const uint8_t *src, int d, int bits, int group, float *x) {

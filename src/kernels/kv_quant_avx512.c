@@ -39,6 +39,47 @@ void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst) {
     }
 }
 
+void kern_kvq_quantize_avx512(const float *x, int d, int bits, int group, uint8_t *dst) {
+    const int qmax = (1 << bits) - 1;
+    uint8_t *sb = dst + (size_t)d * bits / 8;
+    for (int g = 0; g < d / group; g++) {
+        const float *xg = x + (size_t)g * group;
+        __m512 vmn = _mm512_loadu_ps(xg), vmx = vmn;
+        for (int i = 16; i < group; i += 16) {
+            const __m512 v = _mm512_loadu_ps(xg + i);
+            vmn = _mm512_min_ps(vmn, v);
+            vmx = _mm512_max_ps(vmx, v);
+        }
+        float mn = _mm512_reduce_min_ps(vmn), mx = _mm512_reduce_max_ps(vmx);
+        if (mn == 0) { /* which zero (its sign goes into the bias): the scalar scan's */
+            mn = mx = xg[0];
+            for (int i = 1; i < group; i++) {
+                mn = xg[i] < mn ? xg[i] : mn;
+                mx = xg[i] > mx ? xg[i] : mx;
+            }
+        }
+        float bf, inv;
+        kern_kvq_group_params(mn, mx, qmax, sb + 4 * g, &bf, &inv);
+        /* floor((x - bias) * inv + 0.5) clamped to [0, qmax], as the scalar encoder */
+        const __m512 vb = _mm512_set1_ps(bf), vi = _mm512_set1_ps(inv), hq = _mm512_set1_ps(0.5f);
+        const __m512 top = _mm512_set1_ps((float)qmax);
+        uint8_t *out = dst + (size_t)g * group * bits / 8;
+        for (int i = 0; i < group; i += 16) {
+            __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(xg + i), vb), vi), hq);
+            t = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                            _mm512_setzero_ps()),
+                              top);
+            const __m512i c = _mm512_cvttps_epi32(t);
+            if (bits == 8) {
+                _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(c));
+            } else { /* code 2k low nibble, 2k + 1 high: dword pairs as qwords */
+                const __m512i p = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+                _mm_storel_epi64((__m128i *)(out + i / 2), _mm512_cvtepi64_epi8(p));
+            }
+        }
+    }
+}
+
 void kern_kvq_fwht_avx512(float *x, int n) {
     /* stages 1, 2, 4, 8 inside each vector: lane i meets lane i ^ m; the lower of the
      * two takes a + c, the upper a - c (a the lower's value, c the upper's) */
