@@ -79,17 +79,17 @@ void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *
         kern_kvq_quantize_avx512(x, d, bits, group, dst);
         return;
     }
+    if ((bits == 4 || bits == 8) && group % 16 == 0 && kvq_simd_level() == KVQ_SIMD_AVX2) {
+        kern_kvq_quantize_avx2(x, d, bits, group, dst);
+        return;
+    }
     const int qmax = (1 << bits) - 1;
     uint8_t codes[KERN_KVQ_MAX_DIM];
     uint8_t *sb = dst + (size_t)d * bits / 8;
     for (int g = 0; g < d / group; g++) {
         const float *xg = x + (size_t)g * group;
-        float mn = xg[0], mx = xg[0];
-        for (int i = 1; i < group; i++) {
-            mn = xg[i] < mn ? xg[i] : mn;
-            mx = xg[i] > mx ? xg[i] : mx;
-        }
-        float bf, inv;
+        float mn, mx, bf, inv;
+        kern_kvq_group_range(xg, group, &mn, &mx);
         kern_kvq_group_params(mn, mx, qmax, sb + 4 * g, &bf, &inv);
         for (int i = 0; i < group; i++) {
             float t = floorf((xg[i] - bf) * inv + 0.5f);
@@ -97,6 +97,15 @@ void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *
         }
         pack_codes(codes, group, bits, dst + (size_t)g * group * bits / 8);
     }
+}
+
+void kern_kvq_group_range(const float *x, int n, float *mn, float *mx) {
+    float a = x[0], b = x[0];
+    for (int i = 1; i < n; i++) {
+        a = x[i] < a ? x[i] : a;
+        b = x[i] > b ? x[i] : b;
+    }
+    *mn = a, *mx = b;
 }
 
 void kern_kvq_group_params(float mn, float mx, int qmax, uint8_t *sb, float *bias, float *inv) {

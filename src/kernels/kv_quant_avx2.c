@@ -39,6 +39,56 @@ void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst) {
     }
 }
 
+static float hmin256(__m256 v) {
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+/* floor((x - bias) * inv + 0.5) clamped to [0, top] for 8 values, as the scalar encoder */
+static __m256i codes8(const float *x, __m256 bias, __m256 inv, __m256 top) {
+    const __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), bias), inv), _mm256_set1_ps(0.5f));
+    return _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_floor_ps(t), _mm256_setzero_ps()), top));
+}
+
+void kern_kvq_quantize_avx2(const float *x, int d, int bits, int group, uint8_t *dst) {
+    const int qmax = (1 << bits) - 1;
+    uint8_t *sb = dst + (size_t)d * bits / 8;
+    for (int g = 0; g < d / group; g++) {
+        const float *xg = x + (size_t)g * group;
+        __m256 vmn = _mm256_loadu_ps(xg), vmx = vmn;
+        for (int i = 8; i < group; i += 8) {
+            const __m256 v = _mm256_loadu_ps(xg + i);
+            vmn = _mm256_min_ps(vmn, v);
+            vmx = _mm256_max_ps(vmx, v);
+        }
+        float mn = hmin256(vmn), mx = hmax256(vmx), bf, inv;
+        if (mn == 0) kern_kvq_group_range(xg, group, &mn, &mx); /* which zero: the scalar scan's */
+        kern_kvq_group_params(mn, mx, qmax, sb + 4 * g, &bf, &inv);
+        const __m256 vb = _mm256_set1_ps(bf), vi = _mm256_set1_ps(inv), top = _mm256_set1_ps((float)qmax);
+        uint8_t *out = dst + (size_t)g * group * bits / 8;
+        for (int i = 0; i < group; i += 16) {
+            /* 16 codes as bytes: 32-bit to 16-bit (lanes interleave the halves; the
+             * permute puts them back), then to 8-bit */
+            const __m256i w = _mm256_permute4x64_epi64(
+                _mm256_packus_epi32(codes8(xg + i, vb, vi, top), codes8(xg + i + 8, vb, vi, top)), 0xD8);
+            const __m256i b = _mm256_packus_epi16(w, w);
+            const __m128i c = _mm_unpacklo_epi64(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+            if (bits == 8)
+                _mm_storeu_si128((__m128i *)(out + i), c);
+            else /* code 2k low nibble, 2k + 1 high: c_2k + 16 c_2k+1 */
+                _mm_storel_epi64((__m128i *)(out + i / 2),
+                                 _mm_packus_epi16(_mm_maddubs_epi16(c, _mm_set1_epi16(0x1001)), _mm_setzero_si128()));
+        }
+    }
+}
+
 #define VL 8
 #define VF __m256
 #define VZERO _mm256_setzero_ps()

@@ -51,13 +51,7 @@ void kern_kvq_quantize_avx512(const float *x, int d, int bits, int group, uint8_
             vmx = _mm512_max_ps(vmx, v);
         }
         float mn = _mm512_reduce_min_ps(vmn), mx = _mm512_reduce_max_ps(vmx);
-        if (mn == 0) { /* which zero (its sign goes into the bias): the scalar scan's */
-            mn = mx = xg[0];
-            for (int i = 1; i < group; i++) {
-                mn = xg[i] < mn ? xg[i] : mn;
-                mx = xg[i] > mx ? xg[i] : mx;
-            }
-        }
+        if (mn == 0) kern_kvq_group_range(xg, group, &mn, &mx); /* which zero: the scalar scan's */
         float bf, inv;
         kern_kvq_group_params(mn, mx, qmax, sb + 4 * g, &bf, &inv);
         /* floor((x - bias) * inv + 0.5) clamped to [0, qmax], as the scalar encoder */
