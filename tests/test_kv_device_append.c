@@ -85,7 +85,7 @@ static void run_case(const struct split_case *sc) {
         int32_t p0 = kv_cache_n_past(host);
         CHECK(kv_cache_append(host, n, k, v) == 0, "%s: host append", sc->name);
         rows_of(host, p0, n, rk, rv, rwk, rwv);
-        CHECK(kv_cache_append_begin(split, n) == 0, "%s: begin: %s", sc->name, kvq_last_error());
+        CHECK(kv_cache_append_begin(split, n, kv_cache_n_past(split)) == 0, "%s: begin: %s", sc->name, kvq_last_error());
         CHECK(kv_cache_n_past(split) == p0 + n, "%s: begin advances the sequence", sc->name);
         struct kv_view before, after;
         kv_cache_view(split, &before);
@@ -102,7 +102,7 @@ static void run_case(const struct split_case *sc) {
      * are dropped by end */
     int32_t np = kv_cache_n_past(split);
     CHECK(kv_cache_append(host, 3, k, v) == 0 && kv_cache_trim(host, 3) == 3, "%s: host append + trim", sc->name);
-    CHECK(kv_cache_append_begin(split, 3) == 0, "%s: begin", sc->name);
+    CHECK(kv_cache_append_begin(split, 3, kv_cache_n_past(split)) == 0, "%s: begin", sc->name);
     CHECK(kv_cache_trim(split, 3) == 3, "%s: trim", sc->name);
     int parts;
     CHECK(append_end(split, np, 3, rk, rv, rwk, rwv, &parts) == 0 && parts == 0 && kv_cache_n_past(split) == np,
@@ -132,7 +132,7 @@ static void test_across_offsets(void) {
     struct kv_cache *unshifted = kv_cache_new(&plain, &shape);
     CHECK(kv_cache_append(unshifted, n, k, v) == 0, "plain append");
     rows_of(unshifted, 0, n, rk, rv, rwk, rwv);
-    CHECK(kv_cache_append_begin(split, n) == 0, "begin");
+    CHECK(kv_cache_append_begin(split, n, kv_cache_n_past(split)) == 0, "begin");
     /* window rows: the host cache's f16 copies (f16 of the rotated input) */
     for (int t = 0; t < n; t++)
         for (int h = 0; h < H; h++) {

@@ -165,8 +165,10 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
  * host: when the batch reaches the offsets' point, it chooses them (the epoch changes)
  * and the rows before it must be encoded again: end then returns how many parts that
  * work has, and the caller runs kv_cache_offsets_part() for each before the cache is
- * used again. Otherwise 0; -1 with an error. */
-int kv_cache_append_begin(struct kv_cache *c, int n);
+ * used again. Otherwise 0; -1 with an error. first: the position of the batch's first
+ * token (its queries decide what may be released): kv_cache_n_past() but for the
+ * second part of kv_cache_append_exact_part. */
+int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first);
 void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
                           const uint8_t *wv);
 int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n);
@@ -180,10 +182,13 @@ void kv_cache_offsets_part(struct kv_cache *c, int part);
  * threads (a backend encoding a batch's rows in parallel). */
 void kv_cache_encode_rows(const struct kv_cache *c, const float *k, const float *v, uint8_t *kr, uint8_t *vr, uint8_t *wk,
                           uint8_t *wv);
-/* Whether appending n tokens now through begin, kv_cache_encode_rows and end writes
- * the bytes kv_cache_append writes: not when the append crosses the offsets' point
- * (end encodes the rows past it again from their f16 window rows). */
-bool kv_cache_append_splits_exactly(const struct kv_cache *c, int n);
+/* How many of n tokens appended now through begin, kv_cache_encode_rows and end write
+ * the bytes kv_cache_append writes: all n; or, where the append crosses the offsets'
+ * point (end would encode the rows past it again from their f16 window rows), those
+ * before it, and the rest then appends exactly as a second part (begin's first: the
+ * first part's); 0 where neither (a conversion to quantized rows falls in the second
+ * part): kv_cache_append then. */
+int kv_cache_append_exact_part(const struct kv_cache *c, int n);
 /* The position at which the cache will choose its offsets (the rows from there on are
  * encoded with them), or 0 when it will not (chosen already, or no offsets). A device
  * backend ends a forward pass there: rows past it in the same pass would be encoded

@@ -430,11 +430,10 @@ int32_t kv_cache_offsets_point(const struct kv_cache *c) {
     return !st->mu_set && kv_win_on(st) && T > c->n_past ? T : 0;
 }
 
-int kv_cache_append_begin(struct kv_cache *c, int n) {
+int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first) {
     struct kv_store *st = store_of(c);
     if (n <= 0) return 0;
     if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && store_to_quantized(c) != 0) return -1;
-    const int32_t first = c->n_past;
     int32_t ns;
     kv_store_release_before(c, first);
     if (kv_store_reserve_rows(c, n) != 0 || kv_windows_make_room(c, n, first, &ns) != 0) return -1;

@@ -46,9 +46,15 @@ void kv_cache_encode_rows(const struct kv_cache *c, const float *k, const float 
     }
 }
 
-bool kv_cache_append_splits_exactly(const struct kv_cache *c, int n) {
-    const int32_t T = mu_tokens(c), p = c->n_past;
-    return store_of(c)->mu_set || T <= 0 || p >= T || p + n <= T;
+int kv_cache_append_exact_part(const struct kv_cache *c, int n) {
+    const struct kv_store *st = store_of(c);
+    const int32_t T = mu_tokens(c), p = c->n_past, qs = c->cfg.quantized_start;
+    if (st->mu_set || T <= 0 || p >= T || p + n <= T) return n;
+    /* kv_cache_append converts to the quantized formats before the whole append: a
+     * first part short of the conversion would be appended unconverted */
+    const bool converts = qs > 0 && p + n > qs &&
+                          !(kv_fmt_eq(st->kf, kv_fmt_target(c, 0)) && kv_fmt_eq(st->vf, kv_fmt_target(c, 1)));
+    return converts && T <= qs ? 0 : (int)(T - p);
 }
 
 uint32_t kv_cache_epoch(const struct kv_cache *c) { return c->epoch; }

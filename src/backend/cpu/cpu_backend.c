@@ -376,32 +376,20 @@ static size_t append_staging(const struct kv_view *vw, int n_kv, int n) {
  * and packing of each row are most of an append): every cache makes its changes
  * first (kv_cache_append_begin), the threads encode each token's rows into staging,
  * and kv_cache_append_rows copies them in: the device-append split of kv_cache.h, the
- * same bytes as kv_cache_append where kv_cache_append_splits_exactly says so. */
-static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
-                         const float *v, const struct be_rope *r) {
-    struct cpu_backend *cb = cpu(b);
-    if (n_seqs <= 0) return 0;
-    const int n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
-    if (r) {
-        const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
-        for_each_token(cb, n_tok, cost, qk_rope_token, r);
-    }
+ * same bytes as kv_cache_append for appends kv_cache_append_exact_part takes whole.
+ * first: the batch's first position for a second part (kv_cache_append_begin), or -1. */
+static int append_encoded(struct cpu_backend *cb, const struct be_kv_append *seqs, int n_seqs, const float *k,
+                          const float *v, int32_t first) {
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
     const int H = sh->n_kv_heads;
     const size_t tok = (size_t)H * sh->head_dim;
-    bool split = n_tok >= 4 && kvq_pool_size(cb->pool) > 1;
-    for (int s = 0; s < n_seqs && split; s++) split = kv_cache_append_splits_exactly(seqs[s].cache, seqs[s].n);
-    if (!split) {
-        for (int s = 0; s < n_seqs; s++) {
-            size_t off = (size_t)seqs[s].first * tok;
-            if (kv_cache_append(seqs[s].cache, seqs[s].n, k + off, v + off) != 0) return -1;
-        }
-        return 0;
-    }
-    if (ensure_append(cb, n_tok) != 0) return -1;
+    int m = 0;
+    for (int s = 0; s < n_seqs; s++) m += seqs[s].n;
+    if (ensure_append(cb, m) != 0) return -1;
     size_t need = 0;
     for (int s = 0; s < n_seqs; s++) {
-        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n) != 0) return -1;
+        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, first >= 0 ? first : kv_cache_n_past(seqs[s].cache)) != 0)
+            return -1;
         struct kv_view vw;
         kv_cache_view(seqs[s].cache, &vw);
         need += append_staging(&vw, H, seqs[s].n);
@@ -413,7 +401,7 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
         if (!cb->staging) return kvq_error("out of memory encoding KV rows");
     }
     uint8_t *at = cb->staging;
-    for (int s = 0; s < n_seqs; s++) {
+    for (int s = 0, j = 0; s < n_seqs; j += seqs[s++].n) {
         struct kv_view vw;
         kv_cache_view(seqs[s].cache, &vw);
         const int n = seqs[s].n;
@@ -421,21 +409,63 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
                 *wv = wk + (size_t)n * H * vw.win_row;
         for (int i = 0; i < n; i++) {
             const size_t off = (size_t)(seqs[s].first + i) * tok, r = (size_t)i * H;
-            cb->append_rows[seqs[s].first + i] =
-                (struct append_row){seqs[s].cache, k + off, v + off, kr + r * vw.k_row, vr + r * vw.v_row,
-                                    wk + r * vw.win_row, wv + r * vw.win_row};
+            cb->append_rows[j + i] = (struct append_row){seqs[s].cache,     k + off, v + off, kr + r * vw.k_row,
+                                                         vr + r * vw.v_row, wk + r * vw.win_row, wv + r * vw.win_row};
         }
         at += append_staging(&vw, H, n);
     }
-    for_each_token(cb, n_tok, (int64_t)tok * 16, append_row_token, cb->append_rows); /* rotation + packing */
-    for (int s = 0; s < n_seqs; s++) {
-        const struct append_row *r = &cb->append_rows[seqs[s].first];
+    for_each_token(cb, m, (int64_t)tok * 16, append_row_token, cb->append_rows); /* rotation + packing */
+    for (int s = 0, j = 0; s < n_seqs; j += seqs[s++].n) {
+        const struct append_row *r = &cb->append_rows[j];
         const int32_t p0 = kv_cache_n_past(seqs[s].cache) - seqs[s].n;
         kv_cache_append_rows(seqs[s].cache, p0, seqs[s].n, r->kr, r->vr, r->wk, r->wv);
         const int parts = kv_cache_append_end(seqs[s].cache, p0, seqs[s].n);
         if (parts < 0) return -1;
         /* a batch ending at the offsets' point: 2 H parts of T rows each */
         for_each_token(cb, parts, (int64_t)tok * 64, offsets_part_token, seqs[s].cache);
+    }
+    return 0;
+}
+
+/* kv_cache_append of one sequence's rows, on the calling thread. */
+static int append_here(const struct be_kv_append *sq, const float *k, const float *v) {
+    const struct kv_shape *sh = kv_cache_get_shape(sq->cache);
+    const size_t off = (size_t)sq->first * sh->n_kv_heads * sh->head_dim;
+    return kv_cache_append(sq->cache, sq->n, k + off, v + off);
+}
+
+static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
+                         const float *v, const struct be_rope *r) {
+    struct cpu_backend *cb = cpu(b);
+    if (n_seqs <= 0) return 0;
+    const int n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
+    if (r) {
+        const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
+        for_each_token(cb, n_tok, cost, qk_rope_token, r);
+    }
+    if (n_tok < 4 || kvq_pool_size(cb->pool) == 1) {
+        for (int s = 0; s < n_seqs; s++)
+            if (append_here(&seqs[s], k, v) != 0) return -1;
+        return 0;
+    }
+    bool whole = true;
+    for (int s = 0; s < n_seqs && whole; s++) whole = kv_cache_append_exact_part(seqs[s].cache, seqs[s].n) == seqs[s].n;
+    if (whole) return append_encoded(cb, seqs, n_seqs, k, v, -1);
+    /* an append crossing the offsets' point (a prompt's): a sequence at a time, its rows
+     * up to the point, then the rest with the offsets chosen there */
+    for (int s = 0; s < n_seqs; s++) {
+        struct be_kv_append part = seqs[s];
+        const int32_t first = kv_cache_n_past(part.cache);
+        part.n = kv_cache_append_exact_part(part.cache, part.n);
+        if (part.n == 0) { /* no exact part */
+            if (append_here(&seqs[s], k, v) != 0) return -1;
+            continue;
+        }
+        if (append_encoded(cb, &part, 1, k, v, first) != 0) return -1;
+        if (part.n == seqs[s].n) continue;
+        part.first += part.n;
+        part.n = seqs[s].n - part.n;
+        if (append_encoded(cb, &part, 1, k, v, first) != 0) return -1;
     }
     return 0;
 }

@@ -1174,7 +1174,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
         cb->cap_pending = cap;
     }
     for (int s = 0; s < n_seqs; s++) {
-        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n) != 0) {
+        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, kv_cache_n_past(seqs[s].cache)) != 0) {
             drop_pending(cb); /* the forward pass drops this batch's rows */
             return -1;
         }
