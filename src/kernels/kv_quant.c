@@ -159,6 +159,10 @@ static void fwht(float *x, int n) {
 void kern_kvq_hadamard(float *x, int d, const float *signs) {
     int b = hadamard_block(d);
     float norm = 1.0f / sqrtf((float)b);
+    if (b >= 16 && kvq_simd_level() == KVQ_SIMD_AVX512) {
+        kern_kvq_hadamard_avx512(x, d, b, signs, norm, false);
+        return;
+    }
     for (int i = 0; i < d; i++) x[i] *= signs[i];
     for (int o = 0; o < d; o += b) fwht(x + o, b);
     for (int i = 0; i < d; i++) x[i] *= norm;
@@ -167,6 +171,10 @@ void kern_kvq_hadamard(float *x, int d, const float *signs) {
 void kern_kvq_hadamard_inv(float *x, int d, const float *signs) {
     int b = hadamard_block(d);
     float norm = 1.0f / sqrtf((float)b);
+    if (b >= 16 && kvq_simd_level() == KVQ_SIMD_AVX512) {
+        kern_kvq_hadamard_avx512(x, d, b, signs, norm, true);
+        return;
+    }
     for (int o = 0; o < d; o += b) fwht(x + o, b);
     for (int i = 0; i < d; i++) x[i] *= norm * signs[i];
 }

@@ -74,19 +74,20 @@ void kern_kvq_quantize_avx512(const float *x, int d, int bits, int group, uint8_
     }
 }
 
-void kern_kvq_fwht_avx512(float *x, int n) {
-    /* stages 1, 2, 4, 8 inside each vector: lane i meets lane i ^ m; the lower of the
-     * two takes a + c, the upper a - c (a the lower's value, c the upper's) */
+/* The butterflies of stages 1, 2, 4, 8 inside a vector: lane i meets lane i ^ m; the
+ * lower of the two takes a + c, the upper a - c (a the lower's value, c the upper's). */
+static inline __m512 fwht16(__m512 v) {
     static const __mmask16 upper[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int o = 0; o < n; o += 16) {
-        __m512 v = _mm512_loadu_ps(x + o);
-        for (int s = 0; s < 4; s++) {
-            const __m512 p = _mm512_permutexvar_ps(_mm512_xor_si512(iota, _mm512_set1_epi32(1 << s)), v);
-            v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), upper[s], p, v);
-        }
-        _mm512_storeu_ps(x + o, v);
+    for (int s = 0; s < 4; s++) {
+        const __m512 p = _mm512_permutexvar_ps(_mm512_xor_si512(iota, _mm512_set1_epi32(1 << s)), v);
+        v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), upper[s], p, v);
     }
+    return v;
+}
+
+void kern_kvq_fwht_avx512(float *x, int n) {
+    for (int o = 0; o < n; o += 16) _mm512_storeu_ps(x + o, fwht16(_mm512_loadu_ps(x + o)));
     for (int len = 16; len < n; len <<= 1)
         for (int i = 0; i < n; i += 2 * len)
             for (int j = i; j < i + len; j += 16) {
@@ -94,6 +95,42 @@ void kern_kvq_fwht_avx512(float *x, int n) {
                 _mm512_storeu_ps(x + j, _mm512_add_ps(a, c));
                 _mm512_storeu_ps(x + j + len, _mm512_sub_ps(a, c));
             }
+}
+
+void kern_kvq_hadamard_avx512(float *x, int d, int b, const float *signs, float norm, bool inverse) {
+    const __m512 vn = _mm512_set1_ps(norm);
+    if (b > 256) { /* blocks too large for the registers: in memory */
+        if (!inverse)
+            for (int i = 0; i < d; i += 16)
+                _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(signs + i)));
+        for (int o = 0; o < d; o += b) kern_kvq_fwht_avx512(x + o, b);
+        for (int i = 0; i < d; i += 16) {
+            const __m512 f = inverse ? _mm512_mul_ps(vn, _mm512_loadu_ps(signs + i)) : vn;
+            _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), f));
+        }
+        return;
+    }
+    /* a block of up to 16 vectors in registers: the scalar code's products, butterflies
+     * and scaling, in its order */
+    for (int o = 0; o < d; o += b) {
+        __m512 v[16];
+        const int nv = b / 16;
+        for (int i = 0; i < nv; i++) {
+            const __m512 y = _mm512_loadu_ps(x + o + 16 * i);
+            v[i] = fwht16(inverse ? y : _mm512_mul_ps(y, _mm512_loadu_ps(signs + o + 16 * i)));
+        }
+        for (int len = 1; len < nv; len <<= 1)
+            for (int i = 0; i < nv; i += 2 * len)
+                for (int j = i; j < i + len; j++) {
+                    const __m512 a = v[j], c = v[j + len];
+                    v[j] = _mm512_add_ps(a, c);
+                    v[j + len] = _mm512_sub_ps(a, c);
+                }
+        for (int i = 0; i < nv; i++) {
+            const __m512 f = inverse ? _mm512_mul_ps(vn, _mm512_loadu_ps(signs + o + 16 * i)) : vn;
+            _mm512_storeu_ps(x + o + 16 * i, _mm512_mul_ps(v[i], f));
+        }
+    }
 }
 
 #define VL 16

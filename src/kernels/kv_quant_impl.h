@@ -39,6 +39,8 @@ void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst);
 /* The Walsh-Hadamard butterflies of n values (n a power of two >= 16) in place, the
  * same float additions as the scalar ones (bit for bit). */
 void kern_kvq_fwht_avx512(float *x, int n);
+/* kern_kvq_hadamard (inverse: _inv) of x[d] in blocks of b (16 to 1024), bit for bit. */
+void kern_kvq_hadamard_avx512(float *x, int d, int b, const float *signs, float norm, bool inverse);
 /* The minimum and maximum of a group, in the scalar encoder's order (so which zero, -0
  * or +0, is the minimum: its sign is the bias's). */
 void kern_kvq_group_range(const float *x, int n, float *mn, float *mx);
