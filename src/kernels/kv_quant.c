@@ -75,13 +75,12 @@ void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *
         }
         return;
     }
-    if ((bits == 4 || bits == 8) && group % 16 == 0 && kvq_simd_level() == KVQ_SIMD_AVX512) {
-        kern_kvq_quantize_avx512(x, d, bits, group, dst);
-        return;
-    }
-    if ((bits == 4 || bits == 8) && group % 16 == 0 && kvq_simd_level() == KVQ_SIMD_AVX2) {
-        kern_kvq_quantize_avx2(x, d, bits, group, dst);
-        return;
+    if ((bits == 4 || bits == 8) && group % 16 == 0) {
+        switch (kvq_simd_level()) {
+        case KVQ_SIMD_AVX512: kern_kvq_quantize_avx512g(x, d, bits, group, dst); return;
+        case KVQ_SIMD_AVX2: kern_kvq_quantize_avx2(x, d, bits, group, dst); return;
+        default: break;
+        }
     }
     const int qmax = (1 << bits) - 1;
     uint8_t codes[KERN_KVQ_MAX_DIM];
@@ -159,7 +158,7 @@ static void fwht(float *x, int n) {
 void kern_kvq_hadamard(float *x, int d, const float *signs) {
     int b = hadamard_block(d);
     float norm = 1.0f / sqrtf((float)b);
-    if (b >= 16 && kvq_simd_level() == KVQ_SIMD_AVX512) {
+    if (b >= 16 && b <= 256 && kvq_simd_level() == KVQ_SIMD_AVX512) {
         kern_kvq_hadamard_avx512(x, d, b, signs, norm, false);
         return;
     }
@@ -171,7 +170,7 @@ void kern_kvq_hadamard(float *x, int d, const float *signs) {
 void kern_kvq_hadamard_inv(float *x, int d, const float *signs) {
     int b = hadamard_block(d);
     float norm = 1.0f / sqrtf((float)b);
-    if (b >= 16 && kvq_simd_level() == KVQ_SIMD_AVX512) {
+    if (b >= 16 && b <= 256 && kvq_simd_level() == KVQ_SIMD_AVX512) {
         kern_kvq_hadamard_avx512(x, d, b, signs, norm, true);
         return;
     }

@@ -57,36 +57,18 @@ static __m256i codes8(const float *x, __m256 bias, __m256 inv, __m256 top) {
     return _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_floor_ps(t), _mm256_setzero_ps()), top));
 }
 
-void kern_kvq_quantize_avx2(const float *x, int d, int bits, int group, uint8_t *dst) {
-    const int qmax = (1 << bits) - 1;
-    uint8_t *sb = dst + (size_t)d * bits / 8;
-    for (int g = 0; g < d / group; g++) {
-        const float *xg = x + (size_t)g * group;
-        __m256 vmn = _mm256_loadu_ps(xg), vmx = vmn;
-        for (int i = 8; i < group; i += 8) {
-            const __m256 v = _mm256_loadu_ps(xg + i);
-            vmn = _mm256_min_ps(vmn, v);
-            vmx = _mm256_max_ps(vmx, v);
-        }
-        float mn = hmin256(vmn), mx = hmax256(vmx), bf, inv;
-        if (mn == 0) kern_kvq_group_range(xg, group, &mn, &mx); /* which zero: the scalar scan's */
-        kern_kvq_group_params(mn, mx, qmax, sb + 4 * g, &bf, &inv);
-        const __m256 vb = _mm256_set1_ps(bf), vi = _mm256_set1_ps(inv), top = _mm256_set1_ps((float)qmax);
-        uint8_t *out = dst + (size_t)g * group * bits / 8;
-        for (int i = 0; i < group; i += 16) {
-            /* 16 codes as bytes: 32-bit to 16-bit (lanes interleave the halves; the
-             * permute puts them back), then to 8-bit */
-            const __m256i w = _mm256_permute4x64_epi64(
-                _mm256_packus_epi32(codes8(xg + i, vb, vi, top), codes8(xg + i + 8, vb, vi, top)), 0xD8);
-            const __m256i b = _mm256_packus_epi16(w, w);
-            const __m128i c = _mm_unpacklo_epi64(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-            if (bits == 8)
-                _mm_storeu_si128((__m128i *)(out + i), c);
-            else /* code 2k low nibble, 2k + 1 high: c_2k + 16 c_2k+1 */
-                _mm_storel_epi64((__m128i *)(out + i / 2),
-                                 _mm_packus_epi16(_mm_maddubs_epi16(c, _mm_set1_epi16(0x1001)), _mm_setzero_si128()));
-        }
-    }
+/* 16 codes of x (scalar encoder's rounding) stored at out: bytes, or 4-bit pairs */
+static void codes16_avx2(const float *x, __m256 bias, __m256 inv, __m256 top, int bits, uint8_t *out) {
+    /* 32-bit to 16-bit (lanes interleave the halves; the permute puts them back), then
+     * to 8-bit */
+    const __m256i w =
+        _mm256_permute4x64_epi64(_mm256_packus_epi32(codes8(x, bias, inv, top), codes8(x + 8, bias, inv, top)), 0xD8);
+    const __m256i b = _mm256_packus_epi16(w, w);
+    const __m128i c = _mm_unpacklo_epi64(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    if (bits == 8)
+        _mm_storeu_si128((__m128i *)out, c);
+    else /* code 2k low nibble, 2k + 1 high: c_2k + 16 c_2k+1 */
+        _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(_mm_maddubs_epi16(c, _mm_set1_epi16(0x1001)), _mm_setzero_si128()));
 }
 
 #define VL 8
@@ -100,6 +82,11 @@ void kern_kvq_quantize_avx2(const float *x, int d, int bits, int group, uint8_t 
 #define VU8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define VF16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define VSUM(x) hsum256(x)
+#define VMIN _mm256_min_ps
+#define VMAX _mm256_max_ps
+#define VHMIN(x) hmin256(x)
+#define VHMAX(x) hmax256(x)
+#define CODES16 codes16_avx2
 #define SOFTMAX_STEP kern_softmax_step_avx2
 #define FN(x) x##_avx2
 #define UNPACK kern_kvq_unpack_avx2

@@ -39,38 +39,17 @@ void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst) {
     }
 }
 
-void kern_kvq_quantize_avx512(const float *x, int d, int bits, int group, uint8_t *dst) {
-    const int qmax = (1 << bits) - 1;
-    uint8_t *sb = dst + (size_t)d * bits / 8;
-    for (int g = 0; g < d / group; g++) {
-        const float *xg = x + (size_t)g * group;
-        __m512 vmn = _mm512_loadu_ps(xg), vmx = vmn;
-        for (int i = 16; i < group; i += 16) {
-            const __m512 v = _mm512_loadu_ps(xg + i);
-            vmn = _mm512_min_ps(vmn, v);
-            vmx = _mm512_max_ps(vmx, v);
-        }
-        float mn = _mm512_reduce_min_ps(vmn), mx = _mm512_reduce_max_ps(vmx);
-        if (mn == 0) kern_kvq_group_range(xg, group, &mn, &mx); /* which zero: the scalar scan's */
-        float bf, inv;
-        kern_kvq_group_params(mn, mx, qmax, sb + 4 * g, &bf, &inv);
-        /* floor((x - bias) * inv + 0.5) clamped to [0, qmax], as the scalar encoder */
-        const __m512 vb = _mm512_set1_ps(bf), vi = _mm512_set1_ps(inv), hq = _mm512_set1_ps(0.5f);
-        const __m512 top = _mm512_set1_ps((float)qmax);
-        uint8_t *out = dst + (size_t)g * group * bits / 8;
-        for (int i = 0; i < group; i += 16) {
-            __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(xg + i), vb), vi), hq);
-            t = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
-                                            _mm512_setzero_ps()),
-                              top);
-            const __m512i c = _mm512_cvttps_epi32(t);
-            if (bits == 8) {
-                _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(c));
-            } else { /* code 2k low nibble, 2k + 1 high: dword pairs as qwords */
-                const __m512i p = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
-                _mm_storel_epi64((__m128i *)(out + i / 2), _mm512_cvtepi64_epi8(p));
-            }
-        }
+/* 16 codes of x (scalar encoder's rounding) stored at out: bytes, or 4-bit pairs */
+static void codes16_avx512(const float *x, __m512 bias, __m512 inv, __m512 top, int bits, uint8_t *out) {
+    __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x), bias), inv), _mm512_set1_ps(0.5f));
+    t = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), _mm512_setzero_ps()),
+                      top);
+    const __m512i c = _mm512_cvttps_epi32(t);
+    if (bits == 8) {
+        _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(c));
+    } else { /* code 2k low nibble, 2k + 1 high: dword pairs as qwords */
+        const __m512i p = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+        _mm_storel_epi64((__m128i *)out, _mm512_cvtepi64_epi8(p));
     }
 }
 
@@ -99,17 +78,6 @@ void kern_kvq_fwht_avx512(float *x, int n) {
 
 void kern_kvq_hadamard_avx512(float *x, int d, int b, const float *signs, float norm, bool inverse) {
     const __m512 vn = _mm512_set1_ps(norm);
-    if (b > 256) { /* blocks too large for the registers: in memory */
-        if (!inverse)
-            for (int i = 0; i < d; i += 16)
-                _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(signs + i)));
-        for (int o = 0; o < d; o += b) kern_kvq_fwht_avx512(x + o, b);
-        for (int i = 0; i < d; i += 16) {
-            const __m512 f = inverse ? _mm512_mul_ps(vn, _mm512_loadu_ps(signs + i)) : vn;
-            _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), f));
-        }
-        return;
-    }
     /* a block of up to 16 vectors in registers: the scalar code's products, butterflies
      * and scaling, in its order */
     for (int o = 0; o < d; o += b) {
@@ -144,6 +112,11 @@ void kern_kvq_hadamard_avx512(float *x, int d, int b, const float *signs, float 
 #define VU8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define VF16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define VSUM(x) _mm512_reduce_add_ps(x)
+#define VMIN _mm512_min_ps
+#define VMAX _mm512_max_ps
+#define VHMIN(x) _mm512_reduce_min_ps(x)
+#define VHMAX(x) _mm512_reduce_max_ps(x)
+#define CODES16 codes16_avx512
 #define SOFTMAX_STEP kern_softmax_step_avx512
 #define FN(x) x##_avx512g /* generic body; the fast path below dispatches to it */
 #define UNPACK kern_kvq_unpack_avx512

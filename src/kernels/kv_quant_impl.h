@@ -39,7 +39,8 @@ void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst);
 /* The Walsh-Hadamard butterflies of n values (n a power of two >= 16) in place, the
  * same float additions as the scalar ones (bit for bit). */
 void kern_kvq_fwht_avx512(float *x, int n);
-/* kern_kvq_hadamard (inverse: _inv) of x[d] in blocks of b (16 to 1024), bit for bit. */
+/* kern_kvq_hadamard (inverse: _inv) of x[d] in blocks of b (16 to 256, held in
+ * registers), bit for bit. */
 void kern_kvq_hadamard_avx512(float *x, int d, int b, const float *signs, float norm, bool inverse);
 /* The minimum and maximum of a group, in the scalar encoder's order (so which zero, -0
  * or +0, is the minimum: its sign is the bias's). */
@@ -48,9 +49,9 @@ void kern_kvq_group_range(const float *x, int n, float *mn, float *mx);
  * and the bias and 1 / scale its codes are rounded with: every level's encoder. */
 void kern_kvq_group_params(float mn, float mx, int qmax, uint8_t *sb, float *bias, float *inv);
 /* kern_kvq_quantize_row of 4- and 8-bit rows, groups of a multiple of 16, byte for byte
- * (finite inputs). */
+ * (finite inputs; kv_quant_simd.inc). */
 void kern_kvq_quantize_avx2(const float *x, int d, int bits, int group, uint8_t *dst);
-void kern_kvq_quantize_avx512(const float *x, int d, int bits, int group, uint8_t *dst);
+void kern_kvq_quantize_avx512g(const float *x, int d, int bits, int group, uint8_t *dst);
 /* Fast unpackers for 2/4/8 bits (others fall back to the scalar one). */
 void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out);
 void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out);
