@@ -491,9 +491,13 @@ INLINE void v_block(const int VB, const int NH, const int SPLIT, const uint8_t *
  * prefetches for one without side effects and deletes the calls to it where it does not
  * inline it, as it once did here (the fast path ran with no prefetch at all). */
 #define F_PF_L2_ROWS (F_PF_ROWS + 64)
+INLINE void pf_line(const uint8_t *p, const int hint) { /* clang wants the hint a literal */
+    if (hint == _MM_HINT_T0) _mm_prefetch((const char *)p, _MM_HINT_T0);
+    else _mm_prefetch((const char *)p, _MM_HINT_T1);
+}
 INLINE void pf_range(const uint8_t *p, size_t bytes, const int hint) {
-    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, hint);
-    _mm_prefetch((const char *)p + bytes - 1, hint);
+    for (size_t b = 0; b < bytes; b += 64) pf_line(p + b, hint);
+    pf_line(p + bytes - 1, hint);
 }
 
 /* The K and V rows [j, j + 16) counted from the start of runs[ri] (in a later run past
