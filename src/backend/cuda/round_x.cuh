@@ -17,4 +17,23 @@ static __device__ __forceinline__ void round_x32(float v, int8_t *q, float2 *dsu
     if (lane == 0) *dsum = make_float2(amax / 127.0f, (float)sum);
 }
 
+/* The same rounding with 8 lanes a block, 4 consecutive values v each: lane l's
+ * values are codes 4 (l % 8) .. + 3 of the block at q; the group's first lane
+ * writes (scale, sum). Every lane of the warp calls it (the shuffles); those with
+ * store false write nothing. */
+static __device__ __forceinline__ void round_x4(const float (&v)[4], bool store, int8_t *q, float2 *dsum) {
+    const int sub = threadIdx.x % 8;
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int c[4], sum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) sum += c[k] = __float2int_rn(fminf(fmaxf(v[k] * id, -127.0f), 127.0f));
+    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (!store) return;
+    *(uint32_t *)(q + 4 * sub) = (uint32_t)(c[0] & 0xFF) | (uint32_t)(c[1] & 0xFF) << 8 | (uint32_t)(c[2] & 0xFF) << 16 |
+                                 (uint32_t)(c[3] & 0xFF) << 24;
+    if (sub == 0) *dsum = make_float2(amax / 127.0f, (float)sum);
+}
+
 #endif
