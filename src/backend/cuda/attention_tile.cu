@@ -81,6 +81,7 @@ static __device__ __forceinline__ uint4 codes_to_h8(uint2 raw) {
 struct tile_plan {
     int32_t a1, b1, a2, b2, sinks, ws, q_max;
     int t1, t2, tw; /* tiles of each part */
+    int32_t fresh;  /* the step's first row (cuk_attn_tok) */
 };
 
 /* Where tile i of a plan comes from: kind 0, a packed block at hb (its rows p0 ..
@@ -135,16 +136,18 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         int32_t a2 = on && tk.a2 <= tk.b2 ? tk.a2 : INT32_MAX, b2 = on && tk.a2 <= tk.b2 ? tk.b2 : -1;
         const bool win = on && tk.ws <= tk.q_pos; /* a token's window rows [ws, q] may be none */
         int32_t sn = on ? tk.sinks : 0, ws = win ? tk.ws : INT32_MAX, qm = win ? tk.q_pos : -1;
+        int32_t fr = on ? tk.fresh : INT32_MAX;
         for (int o = 16; o > 0; o >>= 1) {
             a1 = min(a1, __shfl_xor_sync(0xffffffffu, a1, o)), b1 = max(b1, __shfl_xor_sync(0xffffffffu, b1, o));
             a2 = min(a2, __shfl_xor_sync(0xffffffffu, a2, o)), b2 = max(b2, __shfl_xor_sync(0xffffffffu, b2, o));
             sn = max(sn, __shfl_xor_sync(0xffffffffu, sn, o)), ws = min(ws, __shfl_xor_sync(0xffffffffu, ws, o));
             qm = max(qm, __shfl_xor_sync(0xffffffffu, qm, o));
+            fr = min(fr, __shfl_xor_sync(0xffffffffu, fr, o));
         }
         if (lane == 0) {
             if (qm < 0) ws = 0; /* no window rows */
             const int nw = sn + max(0, qm - ws + 1);
-            sp = tile_plan{a1, b1, a2, b2, sn, ws, qm, tiles_of(a1, b1), tiles_of(a2, b2), (nw + TILE - 1) / TILE};
+            sp = tile_plan{a1, b1, a2, b2, sn, ws, qm, tiles_of(a1, b1), tiles_of(a2, b2), (nw + TILE - 1) / TILE, fr};
             s_table = tk.table, s_ring = tk.ring, s_sink = tk.sink;
             s_nkb = tk.nkb, s_base = tk.base, s_ring_cap = tk.ring_cap, s_sink_cap = tk.sink_cap;
         }
@@ -291,11 +294,15 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
 
     /* The first tile's block address before the wait too: block tables (and rows the
      * host placed) come by scatter_k, after which the next launch is a plain one
-     * (launch.cuh). The queries and the rows kv_encode writes come from the kernels
-     * just before. */
+     * (launch.cuh). The queries and the rows kv_encode writes (the step's, from
+     * P.fresh on, and window rows) come from the kernels just before; a first tile of
+     * older block rows is fetched before the wait as well, its DRAM latency under
+     * theirs (a decode step at depth 512 reads one tile a block). */
     const tile_at first = tile_src(i0);
+    const bool early = first.kind == 0 && min(first.hi, first.p0 + TILE - 1) < P.fresh;
+    bool done = early && begin_tile(0, first);
     griddep_wait();
-    bool done = begin_tile(0, first); /* its loads in flight while the queries are read */
+    if (!early) done = begin_tile(0, first); /* its loads in flight while the queries are read */
     const float qmu = row_on && prepped ? prep[0] : 0.0f;
     uint32_t qa[D / 16][4];
     float qsum[D / 16];

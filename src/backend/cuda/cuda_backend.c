@@ -1433,9 +1433,9 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
             sets[n_sets].tok0 = k;
             sets[n_sets].grp0 = ng;
             sets[n_sets].max_group = 1;
-            int u = -1;
+            int u = -1, run0 = 0; /* a sequence's tokens are consecutive: run0 its first */
             for (int t = 0; t < n; t++) {
-                if (u < 0 || cb->uc[u] != a->caches[t]) u++;
+                if (u < 0 || cb->uc[u] != a->caches[t]) u++, run0 = t;
                 const int len = cb->uc_chunk[t];
                 if (len == 0 || (len > 1) != (chunks == 1)) continue;
                 struct kv_view v;
@@ -1454,7 +1454,8 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
                     struct cuk_attn_tok *tk = (struct cuk_attn_tok *)(cb->stage_h + toks_off) + k;
                     *tk = (struct cuk_attn_tok){
                         .q_pos = a->pos[i], .a1 = pl.a1, .b1 = pl.b1, .a2 = pl.a2, .b2 = pl.b2, .sinks = pl.sinks,
-                        .ws = pl.ws, .max_size = cfg->max_size, .keep = cfg->keep, .window = sh->window,
+                        .ws = pl.ws, .fresh = a->pos[run0], .max_size = cfg->max_size, .keep = cfg->keep,
+                        .window = sh->window,
                         .nkb = v.nkb, .base = v.base, .table = (uint64_t)(uintptr_t)m->table_d,
                         .ring_cap = w ? w->ring_cap : 1, .sink_cap = w ? w->sink_cap : 1,
                         .ring = w ? (uint64_t)(uintptr_t)w->win : 0,

@@ -128,9 +128,11 @@ void cuk_scatter(struct cuk_queue *qu, const struct cuk_copy *copies, int n, con
 /* ---- attention over a paged, possibly quantized KV cache ----
  * One query token of one sequence. It reads, in order: packed block rows of
  * positions [a1, b1] and [a2, b2], f16 sink rows [0, sinks), f16 window rows
- * [ws, q_pos]; window rows only where visible (rotating window, sliding window). */
+ * [ws, q_pos]; window rows only where visible (rotating window, sliding window).
+ * Rows at positions from `fresh` on are the step's own (cuk_kv_encode writes them);
+ * older ones may be read before the kernels ahead of the attention are done. */
 struct cuk_attn_tok {
-    int32_t q_pos, a1, b1, a2, b2, sinks, ws;
+    int32_t q_pos, a1, b1, a2, b2, sinks, ws, fresh;
     int32_t max_size, keep, window; /* visibility of window rows (kv_visible) */
     int32_t nkb, base;              /* block of position p: table[L < nkb ? L : L - base], L = p / 64 */
     uint64_t table;                 /* the block table: device addresses of the blocks */
