@@ -123,9 +123,9 @@ static_assert(4 * 4 * 1024 == CUK_NORM_MAX, "BY_DIM's widest case is the documen
 
 /* Launches KERNEL<TH, PER> with the fewest threads, then values per thread, that
  * hold dim. */
-#define BY_DIM(dim, LAUNCH)                 \
-    if ((dim) <= 4 * 256) LAUNCH(256, 1);   \
-    else if ((dim) <= 8 * 256) LAUNCH(256, 2); \
+#define BY_DIM(dim, LAUNCH)                     \
+    if ((dim) <= 4 * 256) LAUNCH(256, 1);       \
+    else if ((dim) <= 8 * 256) LAUNCH(256, 2);  \
     else if ((dim) <= 16 * 256) LAUNCH(256, 4); \
     else if ((dim) <= 16 * 512) LAUNCH(512, 4); \
     else LAUNCH(1024, 4)
