@@ -155,28 +155,24 @@ static void fwht(float *x, int n) {
             }
 }
 
-void kern_kvq_hadamard(float *x, int d, const float *signs) {
-    int b = hadamard_block(d);
-    float norm = 1.0f / sqrtf((float)b);
+/* x <- H diag(signs) x / sqrt(b) in blocks of b, or (inverse) diag(signs) H x / sqrt(b):
+ * AVX-512 holds a block of up to 256 in registers, in the same order of operations. */
+static void rotate(float *x, int d, const float *signs, bool inverse) {
+    const int b = hadamard_block(d);
+    const float norm = 1.0f / sqrtf((float)b);
     if (b >= 16 && b <= 256 && kvq_simd_level() == KVQ_SIMD_AVX512) {
-        kern_kvq_hadamard_avx512(x, d, b, signs, norm, false);
+        kern_kvq_hadamard_avx512(x, d, b, signs, norm, inverse);
         return;
     }
-    for (int i = 0; i < d; i++) x[i] *= signs[i];
+    if (!inverse)
+        for (int i = 0; i < d; i++) x[i] *= signs[i];
     for (int o = 0; o < d; o += b) fwht(x + o, b);
-    for (int i = 0; i < d; i++) x[i] *= norm;
+    for (int i = 0; i < d; i++) x[i] *= inverse ? norm * signs[i] : norm;
 }
 
-void kern_kvq_hadamard_inv(float *x, int d, const float *signs) {
-    int b = hadamard_block(d);
-    float norm = 1.0f / sqrtf((float)b);
-    if (b >= 16 && b <= 256 && kvq_simd_level() == KVQ_SIMD_AVX512) {
-        kern_kvq_hadamard_avx512(x, d, b, signs, norm, true);
-        return;
-    }
-    for (int o = 0; o < d; o += b) fwht(x + o, b);
-    for (int i = 0; i < d; i++) x[i] *= norm * signs[i];
-}
+void kern_kvq_hadamard(float *x, int d, const float *signs) { rotate(x, d, signs, false); }
+
+void kern_kvq_hadamard_inv(float *x, int d, const float *signs) { rotate(x, d, signs, true); }
 
 void kern_kvq_hadamard_signs(float *signs, int d, uint64_t seed) {
     uint64_t z = seed;

@@ -4,13 +4,19 @@
 #ifndef KVQ_BACKEND_CUDA_ROUND_X_CUH
 #define KVQ_BACKEND_CUDA_ROUND_X_CUH
 
+/* A block's 1 / scale from its largest magnitude, and a value's code: one formula for
+ * both roundings below, which must give the same codes. */
+static __device__ __forceinline__ float inv_scale(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
+static __device__ __forceinline__ int code_of(float v, float id) {
+    return __float2int_rn(fminf(fmaxf(v * id, -127.0f), 127.0f));
+}
+
 /* Lane i's value v becomes q[i]; lane 0 writes the block's (scale, sum of codes). */
 static __device__ __forceinline__ void round_x32(float v, int8_t *q, float2 *dsum) {
     const int lane = threadIdx.x % 32;
     float amax = fabsf(v);
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const int c = __float2int_rn(fminf(fmaxf(v * id, -127.0f), 127.0f));
+    const int c = code_of(v, inv_scale(amax));
     q[lane] = (int8_t)c;
     int sum = c;
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -25,10 +31,10 @@ static __device__ __forceinline__ void round_x4(const float (&v)[4], bool store,
     const int sub = threadIdx.x % 8;
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
     for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float id = inv_scale(amax);
     int c[4], sum = 0;
 #pragma unroll
-    for (int k = 0; k < 4; k++) sum += c[k] = __float2int_rn(fminf(fmaxf(v[k] * id, -127.0f), 127.0f));
+    for (int k = 0; k < 4; k++) sum += c[k] = code_of(v[k], id);
     for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (!store) return;
     *(uint32_t *)(q + 4 * sub) = (uint32_t)(c[0] & 0xFF) | (uint32_t)(c[1] & 0xFF) << 8 | (uint32_t)(c[2] & 0xFF) << 16 |
