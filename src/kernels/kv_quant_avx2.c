@@ -39,18 +39,6 @@ void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst) {
     }
 }
 
-static float hmin256(__m256 v) {
-    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
-static float hmax256(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
 /* floor((x - bias) * inv + 0.5) clamped to [0, top] for 8 values, as the scalar encoder */
 static __m256i codes8(const float *x, __m256 bias, __m256 inv, __m256 top) {
     const __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), bias), inv), _mm256_set1_ps(0.5f));

@@ -42,6 +42,8 @@ INLINE void kern_softmax_step_scalar(float *p, int n, float *m, float *l, float 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "kernels/simd_avx2.h"
+
 static inline __m256 exp256(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.442695041f)),
@@ -74,10 +76,7 @@ INLINE void kern_softmax_step_avx2(float *p, int n, float *m, float *l, float *a
         const __m256i mk = kern_softmax_mask256(n - j);
         mxv = _mm256_max_ps(mxv, _mm256_blendv_ps(mxv, _mm256_maskload_ps(p + j, mk), _mm256_castsi256_ps(mk)));
     }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mxv), _mm256_extractf128_ps(mxv, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float mx = _mm_cvtss_f32(h);
+    const float mx = hmax256(mxv);
     if (mx > *m) {
         const float alpha = expf(*m - mx);
         *l *= alpha;
