@@ -1,5 +1,8 @@
 /* Token sampling: repetition penalty, then top-k, top-p and min-p filters on the
- * temperature-scaled distribution (llama.cpp's order), then a seeded draw. */
+ * temperature-scaled distribution (llama.cpp's order), then a seeded draw.
+ * A step of a large model leaves the sampler 128K logits: it finds the few candidates
+ * that can be drawn in one pass over them (sorting all of them took 13 ms a token,
+ * selecting 40 by quickselect 0.65 ms, against a step of 2-3 ms on a GPU). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,7 +18,8 @@ struct candidate {
 struct kvq_sampler {
     struct kvq_sampler_params p;
     int n_vocab;
-    struct candidate *cand;
+    struct candidate *cand; /* the candidates that can be drawn, best first */
+    float *prob, *work;     /* their weights; the logits after the penalty */
     kvq_token *history; /* ring of the last repeat_last_n tokens */
     int n_history, history_pos;
     uint64_t rng;
@@ -38,8 +42,10 @@ struct kvq_sampler *kvq_sampler_new(const struct kvq_sampler_params *p, int n_vo
     if (s->p.repeat_last_n < 0) s->p.repeat_last_n = 0;
     s->n_vocab = n_vocab;
     s->cand = malloc(sizeof *s->cand * (size_t)n_vocab);
+    s->prob = malloc(sizeof *s->prob * (size_t)n_vocab);
+    s->work = malloc(sizeof *s->work * (size_t)n_vocab);
     s->history = malloc(sizeof *s->history * (size_t)(s->p.repeat_last_n + 1));
-    if (!s->cand || !s->history) goto oom;
+    if (!s->cand || !s->prob || !s->work || !s->history) goto oom;
     s->rng = p->seed ^ 0x9e3779b97f4a7c15ull;
     return s;
 oom:
@@ -51,6 +57,8 @@ oom:
 void kvq_sampler_free(struct kvq_sampler *s) {
     if (!s) return;
     free(s->cand);
+    free(s->prob);
+    free(s->work);
     free(s->history);
     free(s);
 }
@@ -70,74 +78,123 @@ static uint64_t next_u64(uint64_t *state) {
     return z ^ (z >> 31);
 }
 
-static int by_logit_desc(const void *a, const void *b) {
-    float x = ((const struct candidate *)a)->logit, y = ((const struct candidate *)b)->logit;
-    return (x < y) - (x > y);
+/* Best first; equal logits by id, so the order does not depend on how they were found. */
+static int better_first(const void *a, const void *b) {
+    const struct candidate *x = a, *y = b;
+    if (x->logit != y->logit) return x->logit > y->logit ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
 }
 
-/* Moves the k largest candidates to c[0..k) (quickselect, any order). */
-static void select_top(struct candidate *c, int n, int k) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        float pivot = c[(lo + hi) / 2].logit;
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (c[i].logit > pivot) i++;
-            while (c[j].logit < pivot) j--;
-            if (i <= j) {
-                struct candidate t = c[i];
-                c[i++] = c[j];
-                c[j--] = t;
-            }
-        }
-        if (k - 1 <= j) hi = j;
-        else if (k - 1 >= i) lo = i;
-        else break;
+/* Min-heap order: the root is the least (of equal logits, the latest id). */
+static bool below(const struct candidate *x, const struct candidate *y) {
+    return x->logit < y->logit || (x->logit == y->logit && x->id > y->id);
+}
+
+static void sift_down(struct candidate *h, int m, int i) {
+    for (;;) {
+        int l = 2 * i + 1, r = l + 1, least = i;
+        if (l < m && below(&h[l], &h[least])) least = l;
+        if (r < m && below(&h[r], &h[least])) least = r;
+        if (least == i) return;
+        struct candidate t = h[i];
+        h[i] = h[least];
+        h[least] = t;
+        i = least;
     }
 }
 
-static kvq_token argmax(const float *logits, int n) {
+/* The largest of x[0..64) above -inf (NaN never is): eight maxima side by side, which
+ * the compiler keeps in vectors, so a pass over 128K logits skips whole blocks. */
+#define BLOCK 64
+static float block_max(const float *x) {
+    float m[8];
+    for (int j = 0; j < 8; j++) m[j] = -INFINITY;
+    for (int i = 0; i < BLOCK; i += 8)
+        for (int j = 0; j < 8; j++) m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
+    for (int w = 4; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) m[j] = m[j + w] > m[j] ? m[j + w] : m[j];
+    return m[0];
+}
+
+/* The m largest of x[0..n) (0 < m <= n; of equal values the first ones) into c[0..m),
+ * best first. One pass keeps them in a min-heap: a value enters only above its least,
+ * and blocks with none above it are passed over (a few hundred of 128K random logits
+ * enter a heap of 40). */
+static void top_m(const float *x, int n, int m, struct candidate *c) {
+    for (int i = 0; i < m; i++) c[i] = (struct candidate){x[i], i};
+    for (int i = m / 2 - 1; i >= 0; i--) sift_down(c, m, i);
+    float least = c[0].logit;
+    for (int i = m; i < n; i++) {
+        if (i % BLOCK == 0 && i + BLOCK <= n && !(block_max(x + i) > least)) {
+            i += BLOCK - 1;
+            continue;
+        }
+        if (!(x[i] > least)) continue;
+        c[0] = (struct candidate){x[i], i};
+        sift_down(c, m, 0);
+        least = c[0].logit;
+    }
+    qsort(c, (size_t)m, sizeof *c, better_first);
+}
+
+/* The first of the largest (a NaN never is), passing over blocks with nothing larger
+ * (a running maximum through memory waited for each load: 0.46 ms over 128K logits). */
+static kvq_token argmax(const float *x, int n) {
     int best = 0;
-    for (int i = 1; i < n; i++)
-        if (logits[i] > logits[best]) best = i;
+    float v = x[0];
+    for (int i = 1; i < n; i++) {
+        if (i % BLOCK == 0 && i + BLOCK <= n && !(block_max(x + i) > v)) {
+            i += BLOCK - 1;
+            continue;
+        }
+        if (x[i] > v) v = x[i], best = i;
+    }
     return best;
 }
 
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
-    int n = s->n_vocab;
-    struct candidate *c = s->cand;
-    for (int i = 0; i < n; i++) c[i] = (struct candidate){logits[i], i};
-    if (s->p.repeat_penalty != 1.0f) {
+    const int n = s->n_vocab;
+    const float *x = logits;
+    if (s->p.repeat_penalty != 1.0f && s->n_history > 0) {
+        memcpy(s->work, logits, sizeof *s->work * (size_t)n);
         for (int h = 0; h < s->n_history; h++) {
             kvq_token t = s->history[h];
             if (t < 0 || t >= n) continue;
             bool seen = false; /* penalize each token once */
             for (int j = 0; j < h; j++) seen |= s->history[j] == t;
             if (seen) continue;
-            float *l = &c[t].logit;
+            float *l = &s->work[t];
             *l = *l > 0 ? *l / s->p.repeat_penalty : *l * s->p.repeat_penalty;
         }
+        x = s->work;
     }
-    if (s->p.temp <= 0) {
-        int best = 0;
-        for (int i = 1; i < n; i++)
-            if (c[i].logit > c[best].logit) best = i;
-        return c[best].id;
-    }
-    /* With top-k on, only the k best need sorting: select them first. */
-    int k = n;
-    if (s->p.top_k > 0 && s->p.top_k < n) {
-        k = s->p.top_k;
-        select_top(c, n, k);
-    }
-    qsort(c, (size_t)k, sizeof *c, by_logit_desc);
-    float maxl = c[0].logit;
+    if (s->p.temp <= 0) return argmax(x, n);
+    struct candidate *c = s->cand;
+    float *prob = s->prob;
+    const float temp = s->p.temp;
+    /* The candidates best first, k of them: the top k; without top-k, those up to where
+     * top-p or min-p cuts (found by taking more until one does), else all. Their
+     * weights against the best, and the sum over all the top-k candidates (without
+     * top-k, over every logit). */
+    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
     double sum = 0;
-    float *prob = malloc(sizeof(float) * (size_t)k);
-    if (!prob) return argmax(logits, n);
-    for (int i = 0; i < k; i++) {
-        prob[i] = expf((c[i].logit - maxl) / s->p.temp);
-        sum += prob[i];
+    if (k < n) {
+        top_m(x, n, k, c);
+        for (int i = 0; i < k; i++) sum += prob[i] = expf((c[i].logit - c[0].logit) / temp);
+    } else {
+        const float maxl = x[argmax(x, n)];
+        for (int i = 0; i < n; i++) sum += expf((x[i] - maxl) / temp);
+        for (int m = n < 256 ? n : 256;; m = m > n / 4 ? n : 4 * m) {
+            top_m(x, n, m, c);
+            double cum = 0;
+            bool cut = false;
+            for (k = 0; k < m && !cut; k++) { /* the weights up to where a filter cuts */
+                prob[k] = expf((c[k].logit - maxl) / temp);
+                cum += prob[k] / sum;
+                cut = (s->p.top_p < 1.0f && cum >= s->p.top_p) || (s->p.min_p > 0 && prob[k] < s->p.min_p * prob[0]);
+            }
+            if (cut || m == n) break;
+        }
     }
     /* top-p: smallest prefix with cumulative probability >= top_p */
     if (s->p.top_p < 1.0f) {
@@ -167,6 +224,5 @@ kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
             break;
         }
     }
-    free(prob);
     return chosen;
 }

@@ -1,0 +1,160 @@
+/* The sampler against a plain reading of its rules (llama.cpp's order): every logit a
+ * candidate, penalty, all sorted best first (equal logits by id), top-k, top-p, min-p,
+ * then the same seeded draw. The sampler takes shortcuts over large vocabularies (a
+ * heap of the top candidates, blocks of logits passed over, a growing candidate count
+ * without top-k); each must pick exactly the reference's token. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kvq.h"
+
+struct cand {
+    float logit;
+    int id;
+};
+
+static int best_first(const void *a, const void *b) {
+    const struct cand *x = a, *y = b;
+    if (x->logit != y->logit) return x->logit > y->logit ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* The sampler's generator (a splitmix64 seeded with seed ^ the golden ratio). */
+static uint64_t draw(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int reference(const struct kvq_sampler_params *p, const float *logits, int n, const int *hist, int n_hist,
+                     uint64_t *rng) {
+    struct cand *c = malloc(sizeof *c * (size_t)n);
+    float *prob = malloc(sizeof *prob * (size_t)n);
+    for (int i = 0; i < n; i++) c[i] = (struct cand){logits[i], i};
+    if (p->repeat_penalty != 1.0f)
+        for (int h = 0; h < n_hist; h++) {
+            bool seen = false;
+            for (int j = 0; j < h; j++) seen |= hist[j] == hist[h];
+            if (seen) continue;
+            float *l = &c[hist[h]].logit;
+            *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
+        }
+    int chosen;
+    if (p->temp <= 0) {
+        chosen = 0;
+        for (int i = 1; i < n; i++)
+            if (c[i].logit > c[chosen].logit) chosen = i;
+    } else {
+        qsort(c, (size_t)n, sizeof *c, best_first);
+        int k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
+        double sum = 0;
+        for (int i = 0; i < k; i++) sum += prob[i] = expf((c[i].logit - c[0].logit) / p->temp);
+        if (p->top_p < 1.0f) {
+            double cum = 0;
+            for (int i = 0; i < k; i++)
+                if ((cum += prob[i] / sum) >= p->top_p) {
+                    k = i + 1;
+                    break;
+                }
+        }
+        if (p->min_p > 0) {
+            int keep = 1;
+            while (keep < k && prob[keep] >= p->min_p * prob[0]) keep++;
+            k = keep;
+        }
+        sum = 0;
+        for (int i = 0; i < k; i++) sum += prob[i];
+        double r = (double)(draw(rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
+        chosen = c[k - 1].id;
+        for (int i = 0; i < k; i++)
+            if ((r -= prob[i]) < 0) {
+                chosen = c[i].id;
+                break;
+            }
+    }
+    free(c);
+    free(prob);
+    return chosen;
+}
+
+static uint64_t rs = 12345;
+static double uniform(void) { return (double)(draw(&rs) >> 11) * (1.0 / 9007199254740992.0); }
+
+/* Logits like a model's (a few strong candidates over a long tail), flat ones, or
+ * rounded to 0.5 (many ties). */
+static void make_logits(float *l, int n, int kind) {
+    for (int i = 0; i < n; i++) {
+        double g = uniform() + uniform() + uniform() - 1.5;
+        l[i] = kind == 1 ? (float)(0.3 * g) : (float)(3.0 * g);
+        if (kind == 2) l[i] = roundf(l[i] * 2) / 2;
+    }
+    if (kind == 0)
+        for (int j = 0; j < 5; j++) l[(int)(uniform() * n)] += (float)(6 + 4 * uniform());
+}
+
+int main(void) {
+    const int sizes[] = {97, 512, 32000, 128256};
+    const struct kvq_sampler_params configs[] = {
+        /* temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed */
+        {0, 40, 0.95f, 0.05f, 1.0f, 64, 1},       {0, 40, 0.95f, 0.05f, 1.3f, 64, 2},
+        {0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 3},    {0.8f, 40, 0.95f, 0.05f, 1.3f, 64, 4},
+        {1.3f, 1, 1.0f, 0.0f, 1.0f, 64, 5},       {1.0f, 1000, 0.9f, 0.0f, 1.0f, 64, 6},
+        {0.7f, 0, 0.9f, 0.0f, 1.0f, 64, 7},       {0.7f, 0, 1.0f, 0.05f, 1.1f, 64, 8},
+        {1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 9},       {0.5f, 0, 0.5f, 0.1f, 1.0f, 64, 10},
+        {1.0f, 200000, 0.95f, 0.0f, 1.0f, 64, 11},
+    };
+    int hist[64];
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+        const int n = sizes[si];
+        float *l = malloc(sizeof *l * (size_t)n);
+        for (size_t ci = 0; ci < sizeof configs / sizeof configs[0]; ci++) {
+            const struct kvq_sampler_params *p = &configs[ci];
+            for (int kind = 0; kind < 3; kind++) {
+                /* flat logits without top-k keep a sixth of a large vocabulary: sorted, slow */
+                if (kind == 1 && p->top_k == 0 && n > 32000) continue;
+                struct kvq_sampler *s = kvq_sampler_new(p, n);
+                CHECK(s != NULL, "sampler: %s", kvq_last_error());
+                if (!s) continue;
+                uint64_t rng = p->seed ^ 0x9e3779b97f4a7c15ull;
+                int n_hist = 0, same = 0, steps = n > 32000 ? 4 : 12;
+                for (int t = 0; t < steps; t++) {
+                    make_logits(l, n, kind);
+                    const int got = kvq_sampler_sample(s, l);
+                    const int want = reference(p, l, n, hist, n_hist, &rng);
+                    same += got == want;
+                    if (n_hist < 64) hist[n_hist++] = want; /* the history the sampler keeps */
+                    kvq_sampler_accept(s, want);
+                    /* a repeated token, penalized once */
+                    if (t == 2 && n_hist < 64) hist[n_hist++] = want, kvq_sampler_accept(s, want);
+                }
+                CHECK(same == steps, "vocabulary %d, config %zu, logits %d: %d of %d draws as the reference", n, ci,
+                      kind, same, steps);
+                kvq_sampler_free(s);
+            }
+        }
+        free(l);
+    }
+    /* greedy: the first of equal maxima, a NaN never chosen, a maximum in the last block */
+    {
+        struct kvq_sampler_params p;
+        kvq_sampler_params_default(&p);
+        p.temp = 0;
+        const int n = 1000;
+        float *l = calloc((size_t)n, sizeof *l);
+        struct kvq_sampler *s = kvq_sampler_new(&p, n);
+        l[700] = l[300] = 2.0f;
+        l[5] = NAN;
+        CHECK(kvq_sampler_sample(s, l) == 300, "the first of equal maxima");
+        l[999] = 2.5f;
+        CHECK(kvq_sampler_sample(s, l) == 999, "a maximum in the last values");
+        l[0] = NAN;
+        CHECK(kvq_sampler_sample(s, l) == 0, "a NaN first is kept, as a plain scan keeps it");
+        kvq_sampler_free(s);
+        free(l);
+    }
+    return check_finish();
+}
