@@ -328,6 +328,25 @@ static void test_silu_mul(void) {
     kvq_simd_force(kvq_simd_max());
 }
 
+static void test_exp_shifted(void) {
+    enum { N = 1001 };
+    float x[N], out[N];
+    for (int i = 0; i < N; i++) x[i] = i < 6 ? (float[]){3.0f, 2.999f, -40, -80.5f, -200, -1e30f}[i] : 3.0f - 60 * frand();
+    for (size_t li = 0; li < 3; li++) {
+        if (kvq_simd_force(all_levels[li]) != 0) continue;
+        kern_exp_shifted(x, 3.0f, 1.25f, out, N);
+        int bad = 0;
+        for (int i = 0; i < N; i++) {
+            const float af = (x[i] - 3.0f) * 1.25f; /* the argument as the kernel rounds it */
+            const double a = af, ref = exp(a);
+            /* beneath e^-87 a weight may be 0 */
+            if (!(fabs(out[i] - ref) <= 4e-7 * ref + (a < -87 ? 2e-38 : 1e-37))) bad++;
+        }
+        CHECK(bad == 0, "exp_shifted %s: %d of %d values off the reference", level_name[li], bad, N);
+    }
+    kvq_simd_force(kvq_simd_max());
+}
+
 /* Every level must prepare byte-identical activations (same rounding). */
 static void test_prepare_levels(void) {
     const uint32_t qtypes[] = {KVQ_Q8_0, KVQ_Q4_0, KVQ_Q4_K, KVQ_Q6_K};
@@ -523,6 +542,7 @@ int main(void) {
     test_prepare_levels();
     test_matmul();
     test_silu_mul();
+    test_exp_shifted();
     test_attention();
     test_dequant_gguf();
     return check_finish();

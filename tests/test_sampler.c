@@ -1,6 +1,6 @@
 /* The sampler against a plain reading of its rules (llama.cpp's order): every logit a
  * candidate, penalty, all sorted best first (equal logits by id), top-k, top-p, min-p,
- * then the same seeded draw. The sampler takes shortcuts over large vocabularies (a
+ * then the same seeded draw (with nothing truncated, over the ids in order). The sampler takes shortcuts over large vocabularies (a
  * heap of the top candidates, blocks of logits passed over, a growing candidate count
  * without top-k); each must pick exactly the reference's token. */
 #include <math.h>
@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "kernels/activation.h"
 #include "kvq.h"
 
 struct cand {
@@ -44,7 +45,21 @@ static int reference(const struct kvq_sampler_params *p, const float *logits, in
             *l = *l > 0 ? *l / p->repeat_penalty : *l * p->repeat_penalty;
         }
     int chosen;
-    if (p->temp <= 0) {
+    const bool all = (p->top_k <= 0 || p->top_k >= n) && p->top_p >= 1.0f && p->min_p <= 0;
+    if (p->temp > 0 && all) { /* nothing truncated: the draw walks the ids in order */
+        float maxl = c[0].logit;
+        for (int i = 1; i < n; i++) maxl = c[i].logit > maxl ? c[i].logit : maxl;
+        float *pl = malloc(sizeof *pl * (size_t)n);
+        for (int i = 0; i < n; i++) pl[i] = c[i].logit;
+        kern_exp_shifted(pl, maxl, 1.0f / p->temp, prob, n); /* the sampler's e^x */
+        free(pl);
+        double sum = 0;
+        for (int i = 0; i < n; i++) sum += prob[i];
+        double r = (double)(draw(rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
+        chosen = -1;
+        for (int i = 0; i < n && chosen < 0; i++)
+            if ((r -= prob[i]) < 0) chosen = i;
+    } else if (p->temp <= 0) {
         chosen = 0;
         for (int i = 1; i < n; i++)
             if (c[i].logit > c[chosen].logit) chosen = i;
@@ -105,7 +120,7 @@ int main(void) {
         {1.3f, 1, 1.0f, 0.0f, 1.0f, 64, 5},       {1.0f, 1000, 0.9f, 0.0f, 1.0f, 64, 6},
         {0.7f, 0, 0.9f, 0.0f, 1.0f, 64, 7},       {0.7f, 0, 1.0f, 0.05f, 1.1f, 64, 8},
         {1.0f, 0, 1.0f, 0.0f, 1.0f, 64, 9},       {0.5f, 0, 0.5f, 0.1f, 1.0f, 64, 10},
-        {1.0f, 200000, 0.95f, 0.0f, 1.0f, 64, 11},
+        {1.0f, 200000, 0.95f, 0.0f, 1.0f, 64, 11},       {1.0f, 0, 1.0f, 0.0f, 1.2f, 64, 12},
     };
     int hist[64];
     for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
@@ -114,8 +129,8 @@ int main(void) {
         for (size_t ci = 0; ci < sizeof configs / sizeof configs[0]; ci++) {
             const struct kvq_sampler_params *p = &configs[ci];
             for (int kind = 0; kind < 3; kind++) {
-                /* flat logits without top-k keep a sixth of a large vocabulary: sorted, slow */
-                if (kind == 1 && p->top_k == 0 && n > 32000) continue;
+                /* flat logits without top-k keep most of a large vocabulary: all sorted, slow */
+                if (kind == 1 && p->top_k == 0 && (p->top_p < 1 || p->min_p > 0) && n > 32000) continue;
                 struct kvq_sampler *s = kvq_sampler_new(p, n);
                 CHECK(s != NULL, "sampler: %s", kvq_last_error());
                 if (!s) continue;

@@ -2,12 +2,14 @@
  * temperature-scaled distribution (llama.cpp's order), then a seeded draw.
  * A step of a large model leaves the sampler 128K logits: it finds the few candidates
  * that can be drawn in one pass over them (sorting all of them took 13 ms a token,
- * selecting 40 by quickselect 0.65 ms, against a step of 2-3 ms on a GPU). */
+ * selecting 40 by quickselect 0.65 ms, against a step of 2-3 ms on a GPU), and with
+ * nothing truncated it draws over them in id order, unsorted. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/error.h"
+#include "kernels/activation.h"
 #include "kvq.h"
 
 struct candidate {
@@ -152,6 +154,18 @@ static kvq_token argmax(const float *x, int n) {
     return best;
 }
 
+/* w[i] = e^((x[i] - max) / temp) in vectors (expf took 0.4 ms over 128K logits), and
+ * their sum. */
+static double weights(const float *x, int n, float max, float temp, float *w) {
+    kern_exp_shifted(x, max, 1.0f / temp, w, n);
+    double s[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += w[i + j];
+    for (; i < n; i++) s[0] += w[i];
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
     const int n = s->n_vocab;
     const float *x = logits;
@@ -172,20 +186,39 @@ kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
     struct candidate *c = s->cand;
     float *prob = s->prob;
     const float temp = s->p.temp;
+    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
+    const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0;
+    if (k == n && !cuts) { /* nothing truncated (OpenAI's default): a draw over all, in id order */
+        const int best = argmax(x, n);
+        const double sum = weights(x, n, x[best], temp, prob);
+        double r = (double)(next_u64(&s->rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
+        int chosen = best; /* where rounding leaves r >= 0 after all */
+        for (int i = 0; i < n; i++)
+            if ((r -= prob[i]) < 0) {
+                chosen = i;
+                break;
+            }
+        return chosen;
+    }
     /* The candidates best first, k of them: the top k; without top-k, those up to where
-     * top-p or min-p cuts (found by taking more until one does), else all. Their
+     * top-p or min-p cuts (found by taking more until one does, then all), with their
      * weights against the best, and the sum over all the top-k candidates (without
      * top-k, over every logit). */
-    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
     double sum = 0;
     if (k < n) {
         top_m(x, n, k, c);
         for (int i = 0; i < k; i++) sum += prob[i] = expf((c[i].logit - c[0].logit) / temp);
     } else {
         const float maxl = x[argmax(x, n)];
-        for (int i = 0; i < n; i++) sum += expf((x[i] - maxl) / temp);
-        for (int m = n < 256 ? n : 256;; m = m > n / 4 ? n : 4 * m) {
-            top_m(x, n, m, c);
+        sum = weights(x, n, maxl, temp, prob);
+        /* a few thousand at most by the heap; beyond, all of them sorted */
+        for (int m = n < 256 ? n : 256;; m = 4 * m > n / 8 ? n : 4 * m) {
+            if (m < n) {
+                top_m(x, n, m, c);
+            } else {
+                for (int i = 0; i < n; i++) c[i] = (struct candidate){x[i], i};
+                qsort(c, (size_t)n, sizeof *c, better_first);
+            }
             double cum = 0;
             bool cut = false;
             for (k = 0; k < m && !cut; k++) { /* the weights up to where a filter cuts */
