@@ -17,11 +17,14 @@ struct candidate {
     kvq_token id;
 };
 
+#define BLOCK 64 /* logits a pass skips or sums at once */
+
 struct kvq_sampler {
     struct kvq_sampler_params p;
     int n_vocab;
     struct candidate *cand; /* the candidates that can be drawn, best first */
     float *prob, *work;     /* their weights; the logits after the penalty */
+    double *block_sum;      /* with nothing truncated: the weights' sums by BLOCK ids */
     kvq_token *history; /* ring of the last repeat_last_n tokens */
     int n_history, history_pos;
     uint64_t rng;
@@ -46,8 +49,9 @@ struct kvq_sampler *kvq_sampler_new(const struct kvq_sampler_params *p, int n_vo
     s->cand = malloc(sizeof *s->cand * (size_t)n_vocab);
     s->prob = malloc(sizeof *s->prob * (size_t)n_vocab);
     s->work = malloc(sizeof *s->work * (size_t)n_vocab);
+    s->block_sum = malloc(sizeof *s->block_sum * (size_t)(n_vocab / BLOCK + 1));
     s->history = malloc(sizeof *s->history * (size_t)(s->p.repeat_last_n + 1));
-    if (!s->cand || !s->prob || !s->work || !s->history) goto oom;
+    if (!s->cand || !s->prob || !s->work || !s->block_sum || !s->history) goto oom;
     s->rng = p->seed ^ 0x9e3779b97f4a7c15ull;
     return s;
 oom:
@@ -61,6 +65,7 @@ void kvq_sampler_free(struct kvq_sampler *s) {
     free(s->cand);
     free(s->prob);
     free(s->work);
+    free(s->block_sum);
     free(s->history);
     free(s);
 }
@@ -105,9 +110,8 @@ static void sift_down(struct candidate *h, int m, int i) {
     }
 }
 
-/* The largest of x[0..64) above -inf (NaN never is): eight maxima side by side, which
- * the compiler keeps in vectors, so a pass over 128K logits skips whole blocks. */
-#define BLOCK 64
+/* The largest of x[0..BLOCK) above -inf (NaN never is): eight maxima side by side,
+ * which the compiler keeps in vectors, so a pass over 128K logits skips whole blocks. */
 static float block_max(const float *x) {
     float m[8];
     for (int j = 0; j < 8; j++) m[j] = -INFINITY;
@@ -154,16 +158,37 @@ static kvq_token argmax(const float *x, int n) {
     return best;
 }
 
-/* w[i] = e^((x[i] - max) / temp) in vectors (expf took 0.4 ms over 128K logits), and
- * their sum. */
-static double weights(const float *x, int n, float max, float temp, float *w) {
+/* w[i] = e^((x[i] - max) / temp) in vectors (expf took 0.4 ms over 128K logits), the
+ * sums of each BLOCK of them in bs (in floats, eight side by side), and their total. */
+static double weights(const float *x, int n, float max, float temp, float *w, double *bs) {
     kern_exp_shifted(x, max, 1.0f / temp, w, n);
-    double s[8] = {0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) s[j] += w[i + j];
-    for (; i < n; i++) s[0] += w[i];
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    double total = 0;
+    for (int b = 0; b * BLOCK < n; b++) {
+        const int e = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+        float s[8] = {0};
+        int i = b * BLOCK;
+        for (; i + 8 <= e; i += 8)
+            for (int j = 0; j < 8; j++) s[j] += w[i + j];
+        for (; i < e; i++) s[0] += w[i];
+        total += bs[b] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    }
+    return total;
+}
+
+/* The id where r (0 <= r < the total) falls among the weights, a block at a time (one
+ * subtraction after another over 128K weights took 60 us); none: fallback. */
+static int draw_index(const float *w, const double *bs, int n, double r, int fallback) {
+    for (int b = 0; b * BLOCK < n; b++) {
+        if (r >= bs[b]) {
+            r -= bs[b];
+            continue;
+        }
+        const int e = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+        for (int i = b * BLOCK; i < e; i++)
+            if ((r -= w[i]) < 0) return i;
+        r = 0; /* rounding left r past the block: the next id with a weight */
+    }
+    return fallback;
 }
 
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
@@ -190,15 +215,9 @@ kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
     const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0;
     if (k == n && !cuts) { /* nothing truncated (OpenAI's default): a draw over all, in id order */
         const int best = argmax(x, n);
-        const double sum = weights(x, n, x[best], temp, prob);
-        double r = (double)(next_u64(&s->rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
-        int chosen = best; /* where rounding leaves r >= 0 after all */
-        for (int i = 0; i < n; i++)
-            if ((r -= prob[i]) < 0) {
-                chosen = i;
-                break;
-            }
-        return chosen;
+        const double sum = weights(x, n, x[best], temp, prob, s->block_sum);
+        const double r = (double)(next_u64(&s->rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
+        return draw_index(prob, s->block_sum, n, r, best);
     }
     /* The candidates best first, k of them: the top k; without top-k, those up to where
      * top-p or min-p cuts (found by taking more until one does, then all), with their
@@ -210,7 +229,7 @@ kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
         for (int i = 0; i < k; i++) sum += prob[i] = expf((c[i].logit - c[0].logit) / temp);
     } else {
         const float maxl = x[argmax(x, n)];
-        sum = weights(x, n, maxl, temp, prob);
+        sum = weights(x, n, maxl, temp, prob, s->block_sum);
         /* a few thousand at most by the heap; beyond, all of them sorted */
         for (int m = n < 256 ? n : 256;; m = 4 * m > n / 8 ? n : 4 * m) {
             if (m < n) {
