@@ -23,8 +23,9 @@ struct kv_cache;
 struct kv_pool;
 
 /* y[n][w->rows] = x[n][k] W^T (+ bias[w->rows]); with host_y (a backend whose
- * activations are not host memory), y is wanted there too, in host_alloc memory: the
- * backend may copy parts of it while it computes the rest. */
+ * activations are not host memory), y is wanted there instead, in host_alloc memory:
+ * the backend may write it there directly, or copy parts of it while it computes the
+ * rest. */
 struct be_matmul {
     const struct weight *w;
     float *y;

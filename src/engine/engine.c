@@ -25,7 +25,8 @@ struct kvq_context {
     struct kv_pool *kv_pool;   /* every KV block of the context's sequences and prefixes */
     struct kv_cache **caches;  /* [n_seq][n_layer] */
     struct kvq_prefix *prefixes; /* held prefixes, to count their windows and free leftovers */
-    /* Logits of the last batch: row_of[i] is the row of batch token i, or -1. */
+    /* Logits of the last batch: row_of[i] is the row of batch token i, or -1 (rows in
+     * the order the passes make them: grouped by sequence, c->order). */
     float *logits;
     size_t logits_cap; /* rows */
     int *row_of;
@@ -599,7 +600,8 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
     int n = b->n_tokens, n_vocab = m->hp.n_vocab;
     int n_rows = 0;
     if (grow((void **)&c->row_of, &c->row_of_cap, n, sizeof *c->row_of)) return -1;
-    for (int i = 0; i < n; i++) {
+    for (int j = 0; j < n; j++) {
+        const int i = c->order[j];
         bool want = b->logits ? b->logits[i] : i == n - 1;
         c->row_of[i] = want ? n_rows++ : -1;
     }
@@ -641,26 +643,8 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
             if (T > 0 && kv_cache_n_past(sq->caches[0]) + sq->n == T) len = j + 1;
         }
         fb.n_tokens = len;
-        /* Rows come out in chunk order; the batch's row numbering follows token order,
-         * so write to a temporary block then scatter. */
-        float *dst = c->logits + (size_t)(first_row < 0 ? 0 : first_row) * n_vocab;
-        bool in_order = true;
-        for (int r = 0; r < fb.n_logits; r++)
-            if (c->row_of[c->order[start + logit_rows[r]]] != first_row + r) in_order = false;
-        if (in_order) {
-            rc = forward_run(c->fwd, &fb, dst);
-        } else {
-            float *tmp = malloc(sizeof(float) * (size_t)fb.n_logits * n_vocab);
-            if (!tmp) {
-                rc = kvq_error("out of memory");
-                break;
-            }
-            rc = forward_run(c->fwd, &fb, tmp);
-            for (int r = 0; r < fb.n_logits && rc == 0; r++)
-                memcpy(c->logits + (size_t)c->row_of[c->order[start + logit_rows[r]]] * n_vocab,
-                       tmp + (size_t)r * n_vocab, sizeof(float) * n_vocab);
-            free(tmp);
-        }
+        /* rows are numbered in chunk order: the pass writes them in place */
+        rc = forward_run(c->fwd, &fb, c->logits + (size_t)(first_row < 0 ? 0 : first_row) * n_vocab);
     }
     return rc;
 }

@@ -143,19 +143,12 @@ static void top_m(const float *x, int n, int m, struct candidate *c) {
     qsort(c, (size_t)m, sizeof *c, better_first);
 }
 
-/* The first of the largest (a NaN never is), passing over blocks with nothing larger
- * (a running maximum through memory waited for each load: 0.46 ms over 128K logits). */
+/* The first of the largest, by the same pass (a running maximum through memory, as
+ * greedy sampling had it, waited for each load: 0.46 ms over 128K logits). */
 static kvq_token argmax(const float *x, int n) {
-    int best = 0;
-    float v = x[0];
-    for (int i = 1; i < n; i++) {
-        if (i % BLOCK == 0 && i + BLOCK <= n && !(block_max(x + i) > v)) {
-            i += BLOCK - 1;
-            continue;
-        }
-        if (x[i] > v) v = x[i], best = i;
-    }
-    return best;
+    struct candidate c;
+    top_m(x, n, 1, &c);
+    return c.id;
 }
 
 /* w[i] = e^((x[i] - max) / temp) in vectors (expf took 0.4 ms over 128K logits), the
@@ -230,14 +223,9 @@ kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
     } else {
         const float maxl = x[argmax(x, n)];
         sum = weights(x, n, maxl, temp, prob, s->block_sum);
-        /* a few thousand at most by the heap; beyond, all of them sorted */
+        /* a few thousand by the heap; beyond, all of them (then only sorted) */
         for (int m = n < 256 ? n : 256;; m = 4 * m > n / 8 ? n : 4 * m) {
-            if (m < n) {
-                top_m(x, n, m, c);
-            } else {
-                for (int i = 0; i < n; i++) c[i] = (struct candidate){x[i], i};
-                qsort(c, (size_t)n, sizeof *c, better_first);
-            }
+            top_m(x, n, m, c);
             double cum = 0;
             bool cut = false;
             for (k = 0; k < m && !cut; k++) { /* the weights up to where a filter cuts */

@@ -153,7 +153,7 @@ struct cuda_backend {
     cudaEvent_t row_ev[ROW_COPIES], work_ev;
     cudaEvent_t result_ev[RESULT_SLICES]; /* the slices' copies (matvec_in_slices) */
     size_t result_split;                  /* RESULT_SPLIT_BYTES, or KVQ_CUDA_RESULT_SPLIT */
-    const void *mapped;                   /* the last result pointer found to be pinned (host_alloc's) */
+    bool uva; /* unified addressing: host_alloc's pinned memory has the same address on the device */
     int row_end[ROW_COPIES], n_row_copies, rows_copied, rows_from, rows_to;
     size_t rb_copied;
     int *seq_fmt, cap_seq_fmt;
@@ -719,7 +719,7 @@ static void *cuda_host_alloc(struct backend *b, size_t bytes) {
     return p;
 }
 static void cuda_host_free(struct backend *b, void *p) {
-    cuda(b)->mapped = NULL; /* it may have pointed into p */
+    (void)b;
     if (p) cudaFreeHost(p);
 }
 
@@ -781,23 +781,6 @@ static const struct cuk_xq *round_into_xq(struct cuda_backend *cb, const float *
     cb->xq_n = n;
     cb->xq_k = k;
     return &cb->xq;
-}
-
-/* Where a product may write results wanted at host_y itself: host_y when it is pinned
- * memory mapped at the same address (host_alloc's, with unified addressing), else NULL.
- * Written there as they are made, they need no copy after the step (16 us of a one-token
- * step on the H100, its 0.5 MB of logits). */
-static float *mapped_results(struct cuda_backend *cb, float *host_y) {
-    if (host_y != cb->mapped) {
-        struct cudaPointerAttributes at;
-        if (cudaPointerGetAttributes(&at, host_y) != cudaSuccess || at.type != cudaMemoryTypeHost ||
-            at.devicePointer != host_y) {
-            cudaGetLastError(); /* pageable memory is no error to keep */
-            return NULL;
-        }
-        cb->mapped = host_y;
-    }
-    return host_y;
 }
 
 /* A product whose results the host reads (the logits: 8 MB for 16 tokens of a
@@ -866,18 +849,16 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
             sizeof(float) * (size_t)n * (size_t)mj[0].w->rows >= cb->result_split) {
             matvec_in_slices(cb, &mj[0], jobs[0].host_y, x, x_stride, n);
         } else {
-            bool copy[CUK_MATVEC_JOBS] = {false};
-            for (int j = 0; j < n_mj; j++) {
-                if (!jobs[j].host_y) continue;
-                float *direct = sizeof(float) * (size_t)n * (size_t)mj[j].w->rows < cb->result_split
-                                    ? mapped_results(cb, jobs[j].host_y)
-                                    : NULL;
-                if (direct) mj[j].y = direct;
-                else copy[j] = true;
-            }
+            /* results the host wants, under the slices' size, the product writes there itself
+             * (host_alloc's pinned memory): no copy after the step (16 us of a one-token step
+             * on the H100, its 0.5 MB of logits) */
+            for (int j = 0; j < n_mj; j++)
+                if (jobs[j].host_y && cb->uva && sizeof(float) * (size_t)n * (size_t)mj[j].w->rows < cb->result_split)
+                    mj[j].y = jobs[j].host_y;
             cuk_matvec(&cb->q, mj, n_mj, x, x_stride, &cb->xq, n, &cb->mv);
             for (int j = 0; j < n_mj; j++)
-                if (copy[j]) post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)mj[j].w->rows);
+                if (jobs[j].host_y && mj[j].y != jobs[j].host_y)
+                    post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)mj[j].w->rows);
         }
         prof_end(cb, P_MATVEC, t0);
         return;
@@ -1711,6 +1692,7 @@ struct backend *backend_cuda_new(int n_threads) {
     cb->q.stream = cb->stream;
     cb->q.pdl = prop.major >= 9; /* Hopper's programmatic dependent launch (an sm_80/89 build runs without) */
     cb->n_sm = prop.multiProcessorCount;
+    cb->uva = prop.unifiedAddressing != 0;
     /* KVQ_CUDA_RESULT_SPLIT=bytes: results of that size or more come in slices (the tests
      * set 0, so that their small vocabularies take that path too) */
     const char *split = getenv("KVQ_CUDA_RESULT_SPLIT");
