@@ -262,7 +262,9 @@ __global__ void __launch_bounds__(WARPS * 32, HMAX <= 4 ? 4 : 2) attn_split(cons
 
 /* A block of D threads per (launch token, query head). Warp 0 takes a split a lane
  * (their maxima, weights and sums at once); then each thread sums four values over
- * a quarter of the splits, with SB loads in flight. */
+ * a quarter of the splits, with SB loads in flight, the first SB of them issued
+ * with warp 0's: one round trip to L2 where there are up to 4 SB splits (decode
+ * at depth 4096 and 16384 has 32 with rows), not two. */
 template <int D>
 __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     griddep_release();
@@ -275,6 +277,14 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     __shared__ float wt[MAX_SPLITS], ll[2];
     griddep_wait();
     const float *part = attn_part(a, ti, h, n_splits, 0);
+    /* thread d: values 4 (d % (D / 4)) .. + 3 of every fourth split from d / (D / 4);
+     * those of splits without rows are loaded here too, and left out below */
+    const int c = d % (D / 4), s1 = d / (D / 4);
+    float4 v[SB];
+#pragma unroll
+    for (int k = 0; k < SB; k++)
+        v[k] = s1 + 4 * k < n_splits ? *(const float4 *)(part + (size_t)(s1 + 4 * k) * (D + 4) + 4 + 4 * c)
+                                     : make_float4(0, 0, 0, 0);
     __shared__ int ns; /* the splits that had rows (split 0 says) */
     if (d < 32) {
         /* every split's (M, L, LP, n) at once, then those past the ones with rows
@@ -308,14 +318,13 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
         if (lane == 0) ll[0] = L, ll[1] = LP;
     }
     __syncthreads();
-    { /* thread d: values 4 (d % (D / 4)) .. + 3 of every fourth split from d / (D / 4) */
-        const int c = d % (D / 4), s1 = d / (D / 4);
+    {
         float4 acc = make_float4(0, 0, 0, 0);
         for (int s0 = s1; s0 < ns; s0 += 4 * SB) {
-            float4 v[SB];
+            if (s0 > s1)
 #pragma unroll
-            for (int k = 0; k < SB; k++)
-                if (s0 + 4 * k < ns) v[k] = *(const float4 *)(part + (size_t)(s0 + 4 * k) * (D + 4) + 4 + 4 * c);
+                for (int k = 0; k < SB; k++)
+                    if (s0 + 4 * k < ns) v[k] = *(const float4 *)(part + (size_t)(s0 + 4 * k) * (D + 4) + 4 + 4 * c);
 #pragma unroll
             for (int k = 0; k < SB; k++)
                 if (s0 + 4 * k < ns) {
