@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     const cuk_attn_group grp = a.groups[blockIdx.x / a.n_kv];
     const size_t stage_bytes = stage_halves<D>() * 2 + (size_t)TILE * (nkg + nvg) * sizeof(float2);
     __shared__ tile_plan sp;
-    __shared__ uint64_t s_table, s_ring, s_sink;
+    __shared__ uint64_t s_table, s_fresh_block, s_ring, s_sink;
     __shared__ int32_t s_nkb, s_base, s_ring_cap, s_sink_cap;
 
     /* the group's rows, together (warp 0: a lane per token). The plans are staged step
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             if (qm < 0) ws = 0; /* no window rows */
             const int nw = sn + max(0, qm - ws + 1);
             sp = tile_plan{a1, b1, a2, b2, sn, ws, qm, tiles_of(a1, b1), tiles_of(a2, b2), (nw + TILE - 1) / TILE, fr};
-            s_table = tk.table, s_ring = tk.ring, s_sink = tk.sink;
+            s_table = tk.table, s_fresh_block = tk.fresh_block, s_ring = tk.ring, s_sink = tk.sink;
             s_nkb = tk.nkb, s_base = tk.base, s_ring_cap = tk.ring_cap, s_sink_cap = tk.sink_cap;
         }
     }
@@ -178,7 +178,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     uint2 rk[KU], rv[KU];
     uint32_t rkp[2], rvp[2]; /* (scale, bias) words: at most 2 per thread and side */
 
-    /* where tile i's rows are (tile_at) */
+    /* where tile i's rows are (tile_at); the fresh rows' block from the plan (its table
+     * entry may be the KV encode's, cuk_attn_tok) */
     auto tile_src = [&](int i) {
         tile_at ts;
         if (i < P.t1 + P.t2) {
@@ -187,7 +188,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             const int32_t L = ts.lo / TILE + (r1 ? i : i - P.t1), e = L < s_nkb ? L : L - s_base;
             ts.kind = 0;
             ts.p0 = L * TILE;
-            ts.hb = (const uint8_t *)((const uint64_t *)s_table)[e] + (size_t)kvh * HEAD;
+            const uint64_t blk = L == P.fresh / TILE ? s_fresh_block : ((const uint64_t *)s_table)[e];
+            ts.hb = (const uint8_t *)blk + (size_t)kvh * HEAD;
         } else {
             ts.kind = 1;
             ts.p0 = (i - P.t1 - P.t2) * TILE;
@@ -297,12 +299,14 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * (launch.cuh). The queries and the rows kv_encode writes (the step's, from
      * P.fresh on, and window rows) come from the kernels just before; a first tile of
      * older block rows is fetched before the wait as well, its DRAM latency under
-     * theirs (a decode step at depth 512 reads one tile a block). */
+     * theirs (a decode step at depth 512 reads one tile a block). Another first tile
+     * is found again after the wait: the encode may have written its table entry (a
+     * prefill chunk's second block). */
     const tile_at first = tile_src(i0);
     const bool early = first.kind == 0 && min(first.hi, first.p0 + TILE - 1) < P.fresh;
     bool done = early && begin_tile(0, first);
     griddep_wait();
-    if (!early) done = begin_tile(0, first); /* its loads in flight while the queries are read */
+    if (!early) done = begin_tile(0, tile_src(i0)); /* its loads in flight while the queries are read */
     const float qmu = row_on && prepped ? prep[0] : 0.0f;
     uint32_t qa[D / 16][4];
     float qsum[D / 16];

@@ -993,6 +993,18 @@ static struct cuda_mirror *mirror_of(struct cuda_backend *cb, struct kv_cache *c
     return *mp;
 }
 
+/* Where the encode writes the table entry e of a block that position p begins (0:
+ * nowhere, sync_table uploads it): the entry past the uploaded ones, or one of them,
+ * on a table with room. The host's copy takes the address, so sync_table finds the
+ * entry current; a decode step that begins a block then issues no scatter, the same
+ * launches as other steps. */
+static uint64_t table_entry_by_encode(struct cuda_mirror *m, int32_t p, int32_t e, uint64_t block) {
+    if (!m || p % KV_BLOCK_TOKENS != 0 || e >= m->table_cap || e > m->table_n) return 0;
+    m->table_h[e] = block;
+    if (e == m->table_n) m->table_n = e + 1;
+    return (uint64_t)(uintptr_t)(m->table_d + e);
+}
+
 /* The cache's block table on the device, made current: the entries that changed. */
 static bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const struct kv_view *v) {
     if (v->n_blk > m->table_cap) {
@@ -1240,6 +1252,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
                 if (cb->seq_fmt[s] != f) continue;
                 struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, p0) : NULL;
                 if (v.windows && !m) return kvq_error("%s", cb->failure);
+                struct cuda_mirror *tm = m ? m : mirror_of(cb, c);
                 const size_t n = (size_t)seqs[s].n, kb = n * H * v.k_row, vb = n * H * v.v_row,
                              wb = v.windows ? n * H * v.win_row : 0;
                 size_t rb = readback_alloc(cb, kb + vb + 2 * wb);
@@ -1248,9 +1261,11 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
                                                                        rb + kb + vb + wb, v.windows, 0};
                 for (int i = 0; i < seqs[s].n; i++, k_tok++) {
                     const int32_t p = p0 + i, L = p / KV_BLOCK_TOKENS, e = L < v.nkb ? L : L - v.base;
+                    const uint64_t block = (uint64_t)(uintptr_t)v.blk[e]->dev;
                     struct cuk_enc_tok *tk = (struct cuk_enc_tok *)(cb->stage_h + toks_off) + k_tok;
                     *tk = (struct cuk_enc_tok){
-                        .t = seqs[s].first + i, .p = p, .block = (uint64_t)(uintptr_t)v.blk[e]->dev,
+                        .t = seqs[s].first + i, .p = p, .block = block,
+                        .table_at = table_entry_by_encode(tm, p, e, block),
                         .ring = m ? (uint64_t)(uintptr_t)m->win : 0,
                         .sink = m ? (uint64_t)(uintptr_t)(m->win + 2 * (size_t)H * m->ring_cap * m->win_row) : 0,
                         .ring_cap = m ? m->ring_cap : 1, .sink_cap = m ? m->sink_cap : 1, .sinks = v.sinks,
@@ -1476,6 +1491,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
                     struct kv_cache *c = a->caches[i];
                     struct kv_query_plan pl;
                     kv_cache_query_plan(c, a->pos[i], &pl);
+                    const int32_t fl = a->pos[run0] / KV_BLOCK_TOKENS, fe = fl < v.nkb ? fl : fl - v.base;
                     const struct kv_cache_config *cfg = kv_cache_get_config(c);
                     const struct kv_shape *sh = kv_cache_get_shape(c);
                     const struct cuda_mirror *m = cb->uc_mirror[u], *w = m->win ? m : NULL;
@@ -1485,6 +1501,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
                         .ws = pl.ws, .fresh = a->pos[run0], .max_size = cfg->max_size, .keep = cfg->keep,
                         .window = sh->window,
                         .nkb = v.nkb, .base = v.base, .table = (uint64_t)(uintptr_t)m->table_d,
+                        .fresh_block = fe >= 0 && fe < v.n_blk && v.blk[fe] ? (uint64_t)(uintptr_t)v.blk[fe]->dev : 0,
                         .ring_cap = w ? w->ring_cap : 1, .sink_cap = w ? w->sink_cap : 1,
                         .ring = w ? (uint64_t)(uintptr_t)w->win : 0,
                         .sink = w ? (uint64_t)(uintptr_t)(w->win + 2 * (size_t)w->n_kv * w->ring_cap * w->win_row) : 0,

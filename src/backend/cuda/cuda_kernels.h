@@ -130,12 +130,16 @@ void cuk_scatter(struct cuk_queue *qu, const struct cuk_copy *copies, int n, con
  * positions [a1, b1] and [a2, b2], f16 sink rows [0, sinks), f16 window rows
  * [ws, q_pos]; window rows only where visible (rotating window, sliding window).
  * Rows at positions from `fresh` on are the step's own (cuk_kv_encode writes them);
- * older ones may be read before the kernels ahead of the attention are done. */
+ * older ones may be read before the kernels ahead of the attention are done. So may
+ * table entries, except those cuk_kv_encode writes (a block the step begins: so a
+ * decode step that begins a block issues the same launches as the others, and
+ * replays their graph). */
 struct cuk_attn_tok {
     int32_t q_pos, a1, b1, a2, b2, sinks, ws, fresh;
     int32_t max_size, keep, window; /* visibility of window rows (kv_visible) */
     int32_t nkb, base;              /* block of position p: table[L < nkb ? L : L - base], L = p / 64 */
     uint64_t table;                 /* the block table: device addresses of the blocks */
+    uint64_t fresh_block;           /* the block of position `fresh` (its entry may be the encode's) */
     int32_t ring_cap, sink_cap;     /* window rows: ring[side][h][p % ring_cap], sink[side][h][p] */
     uint64_t ring, sink;            /* f16 rows of win_row bytes */
     uint64_t mu;                    /* key and value offsets [2][n_kv][D] f32, or 0 */
@@ -195,6 +199,7 @@ struct cuk_qk_rope {
 struct cuk_enc_tok {
     int32_t t, p;                   /* the batch token and its position */
     uint64_t block;                 /* device address of the block holding p */
+    uint64_t table_at;              /* its block-table entry, to write `block` into (0: the host does) */
     uint64_t ring, sink;            /* f16 windows as in cuk_attn_tok (0: none) */
     int32_t ring_cap, sink_cap, sinks; /* p < sinks: a sink row too */
     uint64_t mu;                    /* offsets [2][n_kv][D], or 0 */
