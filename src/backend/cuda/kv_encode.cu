@@ -72,7 +72,8 @@ __global__ void kv_encode(const cuk_enc_args a) {
     /* and the row's offset and sign */
     const float mu_i = quant && mu ? mu[((size_t)side * a.n_kv + h) * D + i] : 0.0f, sign = rot ? a.signs[i] : 1.0f;
     griddep_wait();
-    if (tk.table_at && blockIdx.x % (2 * a.n_kv) == 0 && i == 0) *(uint64_t *)tk.table_at = tk.block;
+    if (tk.table_at && blockIdx.x % (2 * a.n_kv) == 0 && i == 0) /* a block the step begins: its table entry */
+        *(uint64_t *)tk.table_at = tk.block;
     const size_t row = side ? a.v_row : a.k_row;
     __shared__ uint8_t codes[D];
     __shared__ float gsc[D], gbi[D];
