@@ -73,6 +73,13 @@ struct sched {
     struct kvq_pool *sampling;
     struct sched_req **draws;
     int n_draws;
+    /* requests answered this step, whose sequences go to the prefix cache once the
+     * step's other answers are out: a store may convert the sequence (about 0.13 s for
+     * 272 tokens of a Llama-3-8B on the H100 machine), which 15 requests finishing in
+     * the same step used to wait for in turn */
+    struct sched_req **to_store;
+    int n_to_store;
+    bool stores_later;
 };
 
 static double now_s(void) {
@@ -314,6 +321,10 @@ static struct sched_req *queue_pop(struct sched *s) {
 
 /* Frees the request's sequence (storing it in the prefix cache when it ended well). */
 static void retire(struct sched *s, struct sched_req *r, bool store) {
+    if (store && s->stores_later) {
+        s->to_store[s->n_to_store++] = r;
+        return;
+    }
     if (store && s->pc && r->n_fed == kvq_seq_len(s->c, r->slot))
         prefix_cache_store(s->pc, r->slot, r->cache_key, r->fed, r->n_fed, true, r->res.cached_tokens);
     kvq_seq_clear(s->c, r->slot);
@@ -564,7 +575,11 @@ static void step(struct sched *s) {
     if (s->sampling && s->n_draws > 1) kvq_pool_run(s->sampling, draw_task, s);
     else draw_task(s, 0, 1);
     const int sampled = s->n_draws;
+    s->stores_later = true;
     for (int i = 0; i < sampled; i++) next_token(s, s->draws[i]);
+    s->stores_later = false;
+    for (int i = 0; i < s->n_to_store; i++) retire(s, s->to_store[i], true);
+    s->n_to_store = 0;
     double t = now_s();
     s->rate_tokens += (uint64_t)sampled;
     pthread_mutex_lock(&s->mu);
@@ -649,6 +664,7 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     s->b_seq = malloc(sizeof *s->b_seq * (size_t)cap);
     s->b_logits = malloc(sizeof *s->b_logits * (size_t)cap);
     s->draws = malloc(sizeof *s->draws * (size_t)p->max_seqs);
+    s->to_store = malloc(sizeof *s->to_store * (size_t)p->max_seqs);
     /* a thread for every 2 sequences, up to 8 and the CPUs: 16 draws over 128K logits took
      * 2.7-3.4 ms on one thread of the H100 machine's Xeon, 0.75-0.94 on 4, 0.54 on 8 and
      * 0.47-0.51 on 16 */
@@ -656,7 +672,8 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     int n_samplers = p->max_seqs < 16 ? (p->max_seqs + 1) / 2 : 8;
     if (n_cpu > 0 && n_samplers > n_cpu) n_samplers = (int)n_cpu;
     if (n_samplers > 1) s->sampling = kvq_pool_new(n_samplers);
-    if (!s->slots || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws || (n_samplers > 1 && !s->sampling)) {
+    if (!s->slots || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws || !s->to_store ||
+        (n_samplers > 1 && !s->sampling)) {
         sched_free(s);
         return NULL;
     }
@@ -696,6 +713,7 @@ void sched_free(struct sched *s) {
     free(s->b_seq);
     free(s->b_logits);
     free(s->draws);
+    free(s->to_store);
     kvq_pool_free(s->sampling);
     free(s);
 }
