@@ -164,6 +164,9 @@ int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p
  * format (again a copy). Same format as the context's (or kv NULL): kvq_prefix_hold.
  * Owned by the caller like any prefix; NULL with an error (e.g. the KV budget). */
 struct kvq_prefix *kvq_prefix_hold_as(struct kvq_context *c, int seq, const struct kvq_kv_config *kv);
+/* kvq_prefix_hold_as of a held prefix: a new prefix in kv's format (a copy; p stays as
+ * it is). NULL with an error. */
+struct kvq_prefix *kvq_prefix_convert(const struct kvq_prefix *p, const struct kvq_kv_config *kv);
 int kvq_prefix_len(const struct kvq_prefix *p);
 void kvq_prefix_free(struct kvq_prefix *p);
 /* The layers grouped by cache kind, for reports on hybrid models (Gemma 3: sliding

@@ -166,6 +166,12 @@ int main(void) {
     size_t before = kvq_kv_bytes(c);
     prefill(c, 0, a + 100, N - 100);
     prefix_cache_store(pc, 0, NULL, a, N, true, 0);
+    /* held live (sharing the sequence's blocks) until the server is idle */
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(entries == 2 && bytes == live_bytes + kvq_kv_token_bytes(model, &cp.kv) * 128 &&
+              kvq_kv_bytes(c) - before == kvq_kv_token_bytes(model, &cp.kv) * 256 && count_files(dir) <= 1,
+          "a finished long entry waits live and unwritten (the short one: %d files): %zu bytes", count_files(dir), bytes);
+    CHECK(prefix_cache_convert_one(pc) && !prefix_cache_convert_one(pc), "one entry converted when idle");
     size_t copy_bytes = kvq_kv_bytes(c) - before - (kvq_kv_token_bytes(model, &cp.kv) * 256); /* minus a's new blocks */
     kvq_seq_clear(c, 0);
     prefix_cache_usage(pc, &entries, &bytes);

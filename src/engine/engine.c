@@ -509,6 +509,17 @@ struct kvq_prefix *kvq_prefix_hold_as(struct kvq_context *c, int seq, const stru
     return p;
 }
 
+struct kvq_prefix *kvq_prefix_convert(const struct kvq_prefix *p, const struct kvq_kv_config *kv) {
+    struct kvq_context *c = p->c;
+    const struct kvq_kv_config pk = prefix_kv(c, kv);
+    struct kvq_prefix *q = engine_prefix_new_kv(c, &pk);
+    if (q && convert_caches(q->caches, p->caches, c->m->model->hp.n_layer) != 0) {
+        kvq_prefix_free(q);
+        return NULL;
+    }
+    return q;
+}
+
 int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p) {
     if (check_seq(c, seq) != 0) return -1;
     if (p->c != c) return kvq_error("a held prefix attaches only to sequences of its own context");

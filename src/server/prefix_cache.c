@@ -32,6 +32,7 @@ struct entry {
     uint64_t used;  /* LRU clock */
     struct kvq_prefix *prefix;
     bool converted; /* held in store_kv's format */
+    bool pending;   /* held live until prefix_cache_convert_one converts (and writes) it */
     char *path;     /* its file, or NULL */
     struct write_job *job; /* its write, or NULL */
 };
@@ -147,6 +148,8 @@ static int common_prefix(const kvq_token *a, int na, const kvq_token *b, int nb)
     return i;
 }
 
+static void persist(struct prefix_cache *pc, struct entry *e);
+
 int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int max_use) {
     uint64_t h = ns_hash(ns);
     int best = -1, best_len = 0;
@@ -166,6 +169,10 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
         return 0;
     }
     struct entry *e = &pc->e[best];
+    if (e->pending) { /* hot: it stays live, as a converted entry turns live on a hit */
+        e->pending = false;
+        if (pc->dir) persist(pc, e);
+    }
     if (e->converted) {
         double ms = now_ms() - t0;
         pc->st.converted_fetches++;
@@ -261,6 +268,16 @@ static void persist(struct prefix_cache *pc, struct entry *e) {
     pthread_mutex_unlock(&pc->mu);
 }
 
+/* Counts and logs an entry just converted to store_kv's format, in ms. */
+static void log_converted(struct prefix_cache *pc, const struct entry *e, double ms) {
+    pc->st.converted_stores++;
+    pc->st.converted_tokens_stored += e->n;
+    pc->st.store_ms += ms;
+    fprintf(stderr,
+            "kvq serve: cache_store tokens=%d bytes=%zu format=K%d/V%d convert_ms=%.2f (live format: %zu bytes)\n", e->n,
+            e->bytes, pc->store_kv.k_bits, pc->store_kv.v_bits, ms, entry_bytes(pc, e->n, &pc->kv));
+}
+
 void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int n, bool finished,
                         int reused) {
     uint64_t h = ns_hash(ns);
@@ -284,6 +301,10 @@ void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const 
         return;
     }
     memcpy(copy, toks, sizeof *copy * (size_t)n);
+    /* converting takes a while (0.13 s for 272 tokens of a Llama-3-8B): held live now
+     * and converted when the server has nothing else to do, where the live entry fits */
+    const bool later = convert && entry_bytes(pc, n, &pc->kv) <= pc->budget;
+    if (later) convert = false;
     double t0 = now_ms();
     struct kvq_prefix *p = convert ? kvq_prefix_hold_as(pc->c, seq, &pc->store_kv) : NULL;
     if (convert && !p) { /* e.g. no room in the KV budget for the copy: share the live blocks */
@@ -297,7 +318,7 @@ void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const 
         free(copy);
         return;
     }
-    struct entry e = {.ns = h, .tokens = copy, .n = n, .prefix = p, .converted = convert,
+    struct entry e = {.ns = h, .tokens = copy, .n = n, .prefix = p, .converted = convert, .pending = later,
                       .bytes = entry_bytes(pc, n, convert ? &pc->store_kv : &pc->kv)};
     int i = add(pc, e);
     if (i < 0) {
@@ -305,16 +326,33 @@ void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const 
         free(copy);
         return;
     }
-    if (convert) {
-        pc->st.converted_stores++;
-        pc->st.converted_tokens_stored += n;
-        pc->st.store_ms += ms;
+    if (convert) log_converted(pc, &pc->e[i], ms);
+    else
+        fprintf(stderr, "kvq serve: cache_store tokens=%d bytes=%zu%s\n", n, pc->e[i].bytes, later ? " (to convert)" : "");
+    if (pc->dir && finished && !later) persist(pc, &pc->e[i]);
+}
+
+bool prefix_cache_convert_one(struct prefix_cache *pc) {
+    struct entry *e = NULL;
+    for (int i = 0; pc && i < pc->n; i++)
+        if (pc->e[i].pending && (!e || pc->e[i].used < e->used)) e = &pc->e[i];
+    if (!e) return false;
+    e->pending = false;
+    double t0 = now_ms();
+    struct kvq_prefix *p = kvq_prefix_convert(e->prefix, &pc->store_kv);
+    if (!p) {
+        fprintf(stderr, "kvq serve: cannot convert a prefix (%s); keeping the live format\n", kvq_last_error());
+    } else {
+        kvq_prefix_free(e->prefix);
+        e->prefix = p;
+        e->converted = true;
+        pc->bytes -= e->bytes;
+        e->bytes = entry_bytes(pc, e->n, &pc->store_kv);
+        pc->bytes += e->bytes;
+        log_converted(pc, e, now_ms() - t0);
     }
-    fprintf(stderr, "kvq serve: cache_store tokens=%d bytes=%zu%s", n, pc->e[i].bytes, convert ? "" : "\n");
-    if (convert)
-        fprintf(stderr, " format=K%d/V%d convert_ms=%.2f (live format: %zu bytes)\n", pc->store_kv.k_bits,
-                pc->store_kv.v_bits, ms, entry_bytes(pc, n, &pc->kv));
-    if (pc->dir && finished) persist(pc, &pc->e[i]);
+    if (pc->dir) persist(pc, e);
+    return true;
 }
 
 void prefix_cache_usage(const struct prefix_cache *pc, int *entries, size_t *bytes) {
@@ -444,6 +482,11 @@ struct prefix_cache *prefix_cache_new(struct kvq_context *c, const struct kvq_mo
 
 void prefix_cache_free(struct prefix_cache *pc) {
     if (!pc) return;
+    for (int i = 0; pc->dir && i < pc->n; i++) /* not converted yet: written as they are */
+        if (pc->e[i].pending) {
+            pc->e[i].pending = false;
+            persist(pc, &pc->e[i]);
+        }
     if (pc->writer_on) {
         pthread_mutex_lock(&pc->mu);
         pc->stopping = true;

@@ -36,12 +36,18 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
 /* Holds seq's state (it holds the n tokens toks) as an entry of namespace ns.
  * finished: the sequence is done. A running one's entry (its prompt) stays in the
  * live format, sharing its blocks for free, and is not written to the folder: the
- * finished sequence replaces it, converted and written once. reused: the tokens
+ * finished sequence replaces it, converted and written once (held live until
+ * prefix_cache_convert_one, where the live entry fits the budget). reused: the tokens
  * seq took from the cache; from min_tokens on the entry stays live (it shares that
  * hot prefix's blocks). A converted entry that gets a hit turns live again (the copy
- * the hit made), so a hot prefix is shared by reference, a cold one kept small. */
+ * the hit made), and so does one waiting to be converted: a hot prefix is shared by
+ * reference, a cold one kept small. */
 void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int n, bool finished,
                         int reused);
+/* Converts (then writes) the least recently used entry waiting for it: what the
+ * scheduler does when it has nothing else to do, since a conversion holds it up (0.13
+ * s for 272 tokens of a Llama-3-8B on the H100 machine). False when none waits. */
+bool prefix_cache_convert_one(struct prefix_cache *pc);
 /* Drops the least recently used entry (to give KV memory back); false when empty. */
 bool prefix_cache_evict_one(struct prefix_cache *pc);
 void prefix_cache_usage(const struct prefix_cache *pc, int *entries, size_t *bytes);

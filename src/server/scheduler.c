@@ -622,6 +622,15 @@ static void *run(void *arg) {
             pthread_mutex_lock(&s->mu);
         }
         busy = true;
+        /* nothing to run: long finished entries of the prefix cache are converted now,
+         * one at a time, new work first */
+        while (!s->stop && s->queued == 0 && s->running == 0 && s->pc) {
+            pthread_mutex_unlock(&s->mu);
+            const bool more = prefix_cache_convert_one(s->pc);
+            if (more) update_stats(s);
+            pthread_mutex_lock(&s->mu);
+            if (!more) break;
+        }
         while (!s->stop && s->queued == 0 && s->running == 0) {
             s->rate_t0 = now_s();
             s->rate_tokens = 0;
