@@ -244,6 +244,26 @@ int main(void) {
     prefix_cache_free(pc);
     CHECK(kvq_kv_blocks(c) == 0, "blocks back after free: %lld", (long long)kvq_kv_blocks(c));
 
+    /* a budget for one live and one 8-bit entry: storing the second converts the waiting
+     * first instead of evicting it */
+    pp = (struct prefix_cache_params){.kv = &cp.kv, .store_kv = &q8, .min_tokens = 256,
+                                      .budget = live_bytes + q8_bytes + q8_bytes / 2};
+    pc = prefix_cache_new(c, model, &pp);
+    prefill(c, 0, a, N);
+    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
+    kvq_seq_clear(c, 0);
+    prefill(c, 0, b, N);
+    prefix_cache_store(pc, 0, "b", b, N, true, 0);
+    kvq_seq_clear(c, 0);
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(entries == 2 && bytes == live_bytes + q8_bytes, "the waiting entry converted to make room: %d entries, %zu bytes",
+          entries, bytes);
+    CHECK(prefix_cache_convert_one(pc) && !prefix_cache_convert_one(pc), "the second waits until idle");
+    prefix_cache_usage(pc, &entries, &bytes);
+    CHECK(entries == 2 && bytes == 2 * q8_bytes, "then both are 8-bit: %zu bytes", bytes);
+    prefix_cache_free(pc);
+    CHECK(kvq_kv_blocks(c) == 0, "blocks back after free: %lld", (long long)kvq_kv_blocks(c));
+
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     CHECK(system(cmd) == 0, "cleanup");

@@ -123,11 +123,11 @@ bool prefix_cache_evict_one(struct prefix_cache *pc) {
     return true;
 }
 
-/* Adds an entry (taking tokens, prefix and path), evicting LRU entries to make room;
- * returns its index or -1. */
+/* Adds an entry (taking tokens, prefix and path), making room by converting entries
+ * that wait for it, then by evicting LRU entries; returns its index or -1. */
 static int add(struct prefix_cache *pc, struct entry e) {
     if (e.bytes > pc->budget) return -1;
-    while (pc->bytes + e.bytes > pc->budget && prefix_cache_evict_one(pc)) {
+    while (pc->bytes + e.bytes > pc->budget && (prefix_cache_convert_one(pc) || prefix_cache_evict_one(pc))) {
     }
     if (pc->n == pc->cap) {
         int cap = pc->cap ? pc->cap * 2 : 16;

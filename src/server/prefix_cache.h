@@ -46,7 +46,8 @@ void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const 
                         int reused);
 /* Converts (then writes) the least recently used entry waiting for it: what the
  * scheduler does when it has nothing else to do, since a conversion holds it up (0.13
- * s for 272 tokens of a Llama-3-8B on the H100 machine). False when none waits. */
+ * s for 272 tokens of a Llama-3-8B on the H100 machine), and what a store does before
+ * it evicts anything. False when none waits. */
 bool prefix_cache_convert_one(struct prefix_cache *pc);
 /* Drops the least recently used entry (to give KV memory back); false when empty. */
 bool prefix_cache_evict_one(struct prefix_cache *pc);
