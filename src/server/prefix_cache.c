@@ -150,6 +150,16 @@ static int common_prefix(const kvq_token *a, int na, const kvq_token *b, int nb)
 
 static void persist(struct prefix_cache *pc, struct entry *e);
 
+/* The entry's prefix becomes p, in store_kv's format when converted, else the live one. */
+static void replace_prefix(struct prefix_cache *pc, struct entry *e, struct kvq_prefix *p, bool converted) {
+    kvq_prefix_free(e->prefix);
+    e->prefix = p;
+    e->converted = converted;
+    pc->bytes -= e->bytes;
+    e->bytes = entry_bytes(pc, e->n, converted ? &pc->store_kv : &pc->kv);
+    pc->bytes += e->bytes;
+}
+
 int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int max_use) {
     uint64_t h = ns_hash(ns);
     int best = -1, best_len = 0;
@@ -187,12 +197,7 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
             /* the file keeps the converted prefix: its write finishes first (a wait of
              * the write's time when it has not run yet) */
             finish_job(pc, e, false);
-            kvq_prefix_free(e->prefix);
-            e->prefix = live;
-            e->converted = false;
-            pc->bytes -= e->bytes;
-            e->bytes = entry_bytes(pc, e->n, &pc->kv);
-            pc->bytes += e->bytes;
+            replace_prefix(pc, e, live, false);
         }
     }
     if (kvq_seq_keep_prefix(pc->c, seq, best_len) != 0 || kvq_seq_len(pc->c, seq) != best_len) {
@@ -343,12 +348,7 @@ bool prefix_cache_convert_one(struct prefix_cache *pc) {
     if (!p) {
         fprintf(stderr, "kvq serve: cannot convert a prefix (%s); keeping the live format\n", kvq_last_error());
     } else {
-        kvq_prefix_free(e->prefix);
-        e->prefix = p;
-        e->converted = true;
-        pc->bytes -= e->bytes;
-        e->bytes = entry_bytes(pc, e->n, &pc->store_kv);
-        pc->bytes += e->bytes;
+        replace_prefix(pc, e, p, true);
         log_converted(pc, e, now_ms() - t0);
     }
     if (pc->dir) persist(pc, e);
