@@ -496,28 +496,28 @@ static int convert_caches(struct kv_cache **dst, struct kv_cache *const *src, in
     return 0;
 }
 
-struct kvq_prefix *kvq_prefix_hold_as(struct kvq_context *c, int seq, const struct kvq_kv_config *kv) {
-    if (!kv) return kvq_prefix_hold(c, seq);
-    if (check_seq(c, seq) != 0) return NULL;
-    struct kvq_kv_config pk = prefix_kv(c, kv);
-    if (same_format(&pk, &c->p.kv)) return kvq_prefix_hold(c, seq);
-    struct kvq_prefix *p = engine_prefix_new_kv(c, &pk);
-    if (p && convert_caches(p->caches, seq_caches(c, seq), c->m->model->hp.n_layer) != 0) {
+/* A new prefix holding the caches src in format pk (re-encoded: a copy). */
+static struct kvq_prefix *prefix_converted(struct kvq_context *c, struct kv_cache *const *src,
+                                           const struct kvq_kv_config *pk) {
+    struct kvq_prefix *p = engine_prefix_new_kv(c, pk);
+    if (p && convert_caches(p->caches, src, c->m->model->hp.n_layer) != 0) {
         kvq_prefix_free(p);
         return NULL;
     }
     return p;
 }
 
+struct kvq_prefix *kvq_prefix_hold_as(struct kvq_context *c, int seq, const struct kvq_kv_config *kv) {
+    if (!kv) return kvq_prefix_hold(c, seq);
+    if (check_seq(c, seq) != 0) return NULL;
+    struct kvq_kv_config pk = prefix_kv(c, kv);
+    if (same_format(&pk, &c->p.kv)) return kvq_prefix_hold(c, seq);
+    return prefix_converted(c, seq_caches(c, seq), &pk);
+}
+
 struct kvq_prefix *kvq_prefix_convert(const struct kvq_prefix *p, const struct kvq_kv_config *kv) {
-    struct kvq_context *c = p->c;
-    const struct kvq_kv_config pk = prefix_kv(c, kv);
-    struct kvq_prefix *q = engine_prefix_new_kv(c, &pk);
-    if (q && convert_caches(q->caches, p->caches, c->m->model->hp.n_layer) != 0) {
-        kvq_prefix_free(q);
-        return NULL;
-    }
-    return q;
+    const struct kvq_kv_config pk = prefix_kv(p->c, kv);
+    return prefix_converted(p->c, p->caches, &pk);
 }
 
 int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p) {

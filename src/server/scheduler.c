@@ -73,13 +73,6 @@ struct sched {
     struct kvq_pool *sampling;
     struct sched_req **draws;
     int n_draws;
-    /* requests answered this step, whose sequences go to the prefix cache once the
-     * step's other answers are out: a store may convert the sequence (about 0.13 s for
-     * 272 tokens of a Llama-3-8B on the H100 machine), which 15 requests finishing in
-     * the same step used to wait for in turn */
-    struct sched_req **to_store;
-    int n_to_store;
-    bool stores_later;
 };
 
 static double now_s(void) {
@@ -321,10 +314,6 @@ static struct sched_req *queue_pop(struct sched *s) {
 
 /* Frees the request's sequence (storing it in the prefix cache when it ended well). */
 static void retire(struct sched *s, struct sched_req *r, bool store) {
-    if (store && s->stores_later) {
-        s->to_store[s->n_to_store++] = r;
-        return;
-    }
     if (store && s->pc && r->n_fed == kvq_seq_len(s->c, r->slot))
         prefix_cache_store(s->pc, r->slot, r->cache_key, r->fed, r->n_fed, true, r->res.cached_tokens);
     kvq_seq_clear(s->c, r->slot);
@@ -334,12 +323,15 @@ static void retire(struct sched *s, struct sched_req *r, bool store) {
     sched_req_release(r);
 }
 
-static void finish(struct sched *s, struct sched_req *r, const char *reason) {
+/* Answers r; step() frees its sequence once the step's other answers are out, since
+ * storing it in the prefix cache may convert it (about 0.13 s for 272 tokens of a
+ * Llama-3-8B on the H100 machine), which requests finishing in the same step used to
+ * wait for in turn. */
+static void finish(struct sched_req *r, const char *reason) {
     char piece[256];
     int w = kvq_detok_flush(r->dt, piece, sizeof piece);
     if (w > 0 && add_text(r, piece, w < (int)sizeof piece ? w : (int)sizeof piece, NULL)) reason = "stop";
     end_request(r, reason, 0, NULL);
-    retire(s, r, true);
 }
 
 static void fail(struct sched *s, struct sched_req *r, int status, const char *msg) {
@@ -454,7 +446,7 @@ static void draw_task(void *arg, int ith, int nth) {
 static void next_token(struct sched *s, struct sched_req *r) {
     const kvq_token t = r->drawn;
     if (kvq_token_is_eog(s->m, t)) {
-        finish(s, r, "stop");
+        finish(r, "stop");
         return;
     }
     kvq_sampler_accept(r->smp, t);
@@ -465,11 +457,11 @@ static void next_token(struct sched *s, struct sched_req *r) {
     if ((w > 0 || r->gp.logprobs >= 0) &&
         add_text(r, piece, w > 0 ? (w < (int)sizeof piece ? w : (int)sizeof piece) : 0,
                  r->gp.logprobs >= 0 ? &r->drawn_lp : NULL)) {
-        finish(s, r, "stop");
+        finish(r, "stop");
         return;
     }
     if ((r->gp.max_tokens >= 0 && r->n_gen >= r->gp.max_tokens) || kvq_seq_len(s->c, r->slot) + 1 > s->n_ctx) {
-        finish(s, r, "length");
+        finish(r, "length");
         return;
     }
     r->pending = t;
@@ -575,11 +567,9 @@ static void step(struct sched *s) {
     if (s->sampling && s->n_draws > 1) kvq_pool_run(s->sampling, draw_task, s);
     else draw_task(s, 0, 1);
     const int sampled = s->n_draws;
-    s->stores_later = true;
     for (int i = 0; i < sampled; i++) next_token(s, s->draws[i]);
-    s->stores_later = false;
-    for (int i = 0; i < s->n_to_store; i++) retire(s, s->to_store[i], true);
-    s->n_to_store = 0;
+    for (int i = 0; i < sampled; i++) /* answered without a next token */
+        if (!s->draws[i]->has_pending) retire(s, s->draws[i], true);
     double t = now_s();
     s->rate_tokens += (uint64_t)sampled;
     pthread_mutex_lock(&s->mu);
@@ -673,7 +663,6 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     s->b_seq = malloc(sizeof *s->b_seq * (size_t)cap);
     s->b_logits = malloc(sizeof *s->b_logits * (size_t)cap);
     s->draws = malloc(sizeof *s->draws * (size_t)p->max_seqs);
-    s->to_store = malloc(sizeof *s->to_store * (size_t)p->max_seqs);
     /* a thread for every 2 sequences, up to 8 and the CPUs: 16 draws over 128K logits took
      * 2.7-3.4 ms on one thread of the H100 machine's Xeon, 0.75-0.94 on 4, 0.54 on 8 and
      * 0.47-0.51 on 16 */
@@ -681,8 +670,7 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     int n_samplers = p->max_seqs < 16 ? (p->max_seqs + 1) / 2 : 8;
     if (n_cpu > 0 && n_samplers > n_cpu) n_samplers = (int)n_cpu;
     if (n_samplers > 1) s->sampling = kvq_pool_new(n_samplers);
-    if (!s->slots || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws || !s->to_store ||
-        (n_samplers > 1 && !s->sampling)) {
+    if (!s->slots || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws || (n_samplers > 1 && !s->sampling)) {
         sched_free(s);
         return NULL;
     }
@@ -722,7 +710,6 @@ void sched_free(struct sched *s) {
     free(s->b_seq);
     free(s->b_logits);
     free(s->draws);
-    free(s->to_store);
     kvq_pool_free(s->sampling);
     free(s);
 }
