@@ -273,6 +273,10 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     /* staged step data (uploaded before the step's kernels): read before the wait */
     const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
     const float *mu = (const float *)a.toks[ti].mu;
+    /* and so are the value offsets and signs (scatter_k, copies), so their loads are
+     * not a round trip at the end */
+    const float vmu = mu && a.v_bits < 16 ? mu[(size_t)(a.n_kv + kvh) * D + d] : 0.0f;
+    const float sign = a.v_rot ? a.signs[d] : 1.0f;
     __shared__ __align__(16) float o4[4 * D]; /* four partial sums of each value */
     __shared__ float wt[MAX_SPLITS], ll[2];
     griddep_wait();
@@ -339,9 +343,9 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     float r = L > 0 ? (o4[d] + o4[D + d] + o4[2 * D + d] + o4[3 * D + d]) / L : 0.0f;
     if (a.v_rot) { /* r <- diag(signs) H r / sqrt(D) */
         __shared__ float x[D];
-        r = hadamard_block<D>(r, x) * a.signs[d];
+        r = hadamard_block<D>(r, x) * sign;
     }
-    if (mu && a.v_bits < 16 && L > 0) r += ll[1] / L * mu[(size_t)(a.n_kv + kvh) * D + d];
+    if (mu && a.v_bits < 16 && L > 0) r += ll[1] / L * vmu;
     const size_t at = ((size_t)t * a.n_head + h) * D + d;
     a.out[at] = r;
     if (a.xq.q) round_x32(r, a.xq.q + (at & ~(size_t)31), a.xq.dsum + at / 32); /* D threads: whole warps */

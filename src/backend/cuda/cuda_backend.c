@@ -133,6 +133,10 @@ struct cuda_backend {
     const float *qprep_of;
     int qprep_n;
     float qprep_scale;
+    /* rows the step's encodes leave for cuk_kv_pack (cuk_enc_args.defer): defer_used of
+     * defer_floats taken this step */
+    float *defer;
+    size_t defer_floats, defer_used;
     float *signs; /* Hadamard signs of head size signs_dim */
     int signs_dim;
     uint8_t *stage_h, *stage_d;
@@ -977,7 +981,7 @@ static int end_step(struct cuda_backend *cb) {
     wait_streams(cb);
     ck(cb, cuk_queue_error(&cb->q), "a kernel launch");
     ck(cb, cudaGetLastError(), "a kernel launch");
-    cb->stage_used = cb->stage_up = 0;
+    cb->stage_used = cb->stage_up = cb->defer_used = 0;
     cb->in_step = false;
     cb->qprep_of = NULL;
     for (int i = 0; i < cb->n_dead; i++) cudaFree(cb->dead[i]);
@@ -1196,6 +1200,25 @@ static bool ensure_qprep(struct cuda_backend *cb, int n, int n_head, int D) {
     return true;
 }
 
+/* Room for the rows of n tokens that an encode leaves for cuk_kv_pack, this step's
+ * first free ones (grown when short: the step's recorded work may still read the old
+ * buffer); NULL with the failure recorded. */
+static float *defer_rows(struct cuda_backend *cb, int n, int H, int D) {
+    const size_t need = (size_t)n * 2 * H * D;
+    if (cb->defer_used + need > cb->defer_floats) {
+        size_t cap = cb->defer_floats ? 2 * cb->defer_floats : 64 * need;
+        while (cap < cb->defer_used + need) cap *= 2;
+        free_after_step(cb, cb->defer);
+        cb->defer = NULL;
+        cb->defer_floats = 0;
+        if (!ck(cb, cudaMalloc((void **)&cb->defer, sizeof(float) * cap), "device memory for KV rows")) return NULL;
+        cb->defer_floats = cap;
+    }
+    float *at = cb->defer + cb->defer_used;
+    cb->defer_used += need;
+    return at;
+}
+
 /* The layer's new keys and values, encoded into the device cache; the host's copy of
  * the rows is filed during the next sync (kv_cache_append_begin / _end). With r, the same
  * launch first norms and rotates the queries and keys, and prepares the queries for
@@ -1298,6 +1321,11 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
                                     .k_norm = dev_vec(cb, r->k_norm), .eps = r->eps, .cos = r->cos, .sin = r->sin,
                                     .half = r->half, .pairing = r->pairing, .scale = r->attn_scale};
     }
+    /* a recorded step whose sequences append a row each reads those rows from f16
+     * windows where the cache keeps its newest rows there (win_span): their packing can
+     * go beside the step's attention, off the chain of launches it waits for */
+    bool one_row_each = cb->q.recording;
+    for (int s = 0; s < n_seqs; s++) one_row_each = one_row_each && seqs[s].n == 1;
     for (int f = 0; f < n_fmt; f++) {
         const struct kv_view *vw = &views[f];
         struct cuk_enc_args args = {
@@ -1309,7 +1337,11 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
         };
         /* prepared as the attention kernels read rotated or packed keys */
         if (r && (vw->k_rot || vw->k_bits < 16)) args.rope.qprep = cb->qprep;
+        if (one_row_each && vw->windows && vw->win_span > 0 && (vw->k_bits < 16 || vw->v_bits < 16) &&
+            !(args.defer = defer_rows(cb, args.n, H, D)))
+            return kvq_error("%s", cb->failure);
         cuk_kv_encode(&cb->q, &args);
+        cuk_kv_pack(&cb->q, &args);
     }
     prof_end(cb, P_KV_ENCODE, t0);
     if (!cb->q.recording) copy_new_rows(cb); /* recorded: after the segment is issued */
@@ -1621,6 +1653,7 @@ static void cuda_free(struct backend *b) {
     cudaFree(cb->mv.counters);
     cudaFree(cb->part);
     cudaFree(cb->qprep);
+    cudaFree(cb->defer);
     for (int i = 0; i < cb->n_dead; i++) cudaFree(cb->dead[i]);
     free(cb->dead);
     free(cb->post);

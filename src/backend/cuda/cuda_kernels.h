@@ -215,8 +215,16 @@ struct cuk_enc_args {
     int n;
     uint8_t *readback;
     struct cuk_qk_rope rope;
+    /* NULL, or [n][2][n_kv][D]: the encode leaves the packed sides' rows here, offset
+     * and rotated, for cuk_kv_pack; for steps whose attention reads none of its own
+     * packed rows (each sequence's one new row is read from its f16 window) */
+    float *defer;
 };
 void cuk_kv_encode(struct cuk_queue *qu, const struct cuk_enc_args *a);
+/* Packs the rows cuk_kv_encode left in a->defer (the same arguments), byte for byte
+ * as it would have, beside the stream (cuk_queue_launch_side_next): off the chain of
+ * the step's dependent launches. */
+void cuk_kv_pack(struct cuk_queue *qu, const struct cuk_enc_args *a);
 
 /* Floats of scratch cuk_attention needs for n tokens on n_sm multiprocessors. */
 size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, int n_sm);

@@ -5,7 +5,11 @@
  * / scale + 0.5) clamped, codes packed LSB first. Arithmetic that the host does in
  * separate roundings is written with _rn intrinsics so nvcc does not fuse it.
  * A block of D threads per (token, KV head, side), one value per thread; with RoPE,
- * then a block per (token, query head) for the queries (qk_prep.cuh). */
+ * then a block per (token, query head) for the queries (qk_prep.cuh). Where a step's
+ * attention reads its new rows from the f16 windows (a decode step), the packing of
+ * the quantized sides is left to kv_pack, which runs beside the attention rather than
+ * before it: the barriers, divisions and stores of the packing took 3 of the launch's
+ * 5.4 us a layer, in the chain of launches every decode token waits for. */
 #include <cuda_fp16.h>
 
 #include "backend/cuda/cuda_kernels.h"
@@ -50,60 +54,13 @@ static __device__ void rope_query(const cuk_enc_args &a, const cuk_enc_tok &tk, 
     if (r.qprep) prep_head<D>(q, r.scale, c, a.k_rot, r.qprep + ((size_t)t * r.n_head + h) * (D + 1), buf);
 }
 
+/* Thread i's value z (offset and rotated) of row (token tk, KV head h, side) into the
+ * block and the read-back buffer: as it is for 32 and 16 bits, else packed. */
 template <int D>
-__global__ void kv_encode(const cuk_enc_args a) {
-    griddep_release();
-    __shared__ float buf[2 * D];
-    const int n_rows = a.n * a.n_kv * 2, qb = blockIdx.x - n_rows; /* qb >= 0: a query head */
-    /* the token's plan is staged step data (uploaded before the step's kernels): read
-     * before the wait */
-    const cuk_enc_tok tk = a.toks[qb >= 0 ? qb / a.rope.n_head : blockIdx.x / (2 * a.n_kv)];
-    const float *const mu = (const float *)tk.mu;
-    if (qb >= 0) { /* so are the query's offsets and signs */
-        const int h = qb % a.rope.n_head, kvh = h / (a.rope.n_head / a.n_kv);
-        const prep_consts c = prep_consts_of(mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr, a.k_rot, a.signs);
-        griddep_wait();
-        rope_query<D>(a, tk, h, c, buf);
-        return;
-    }
-    const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, i = threadIdx.x;
-    const int bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group, rot = side ? a.v_rot : a.k_rot;
-    const bool quant = bits < 16;
-    /* and the row's offset and sign */
-    const float mu_i = quant && mu ? mu[((size_t)side * a.n_kv + h) * D + i] : 0.0f, sign = rot ? a.signs[i] : 1.0f;
-    griddep_wait();
-    if (tk.table_at && blockIdx.x % (2 * a.n_kv) == 0 && i == 0) /* a block the step begins: its table entry */
-        *(uint64_t *)tk.table_at = tk.block;
+static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, int side, int h, float z) {
+    const int i = threadIdx.x;
+    const int bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group;
     const size_t row = side ? a.v_row : a.k_row;
-    __shared__ uint8_t codes[D];
-    __shared__ float gsc[D], gbi[D];
-    const size_t at = ((size_t)tk.t * a.n_kv + h) * D + i;
-    float x = (side ? a.v : a.k)[at];
-    if (!side && a.rope.q) {
-        const cuk_qk_rope &r = a.rope;
-        x = rope_head<D>(x, r.k_norm, r.eps, r.cos + (size_t)tk.t * r.half, r.sin + (size_t)tk.t * r.half, r.half,
-                         r.pairing, buf);
-        r.k[at] = x;
-    }
-
-    float z = x, y = x; /* y: the window's value, rotated without the offset */
-    if (quant && mu) z = __fsub_rn(x, mu_i);
-    if (rot && a.windows) { /* both rotations through the same barriers */
-        float v[2] = {x * sign, z * sign};
-        hadamard_blocks<D, 2>(v, buf);
-        y = v[0], z = v[1];
-    } else if (rot) {
-        z = hadamard_block<D>(z * sign, buf);
-    }
-    if (a.windows) { /* its f16 */
-        const __half hy = __ushort_as_half(f16_bits(y));
-        const size_t hs = (size_t)side * a.n_kv + h;
-        if (tk.ring)
-            ((__half *)((uint8_t *)tk.ring + (hs * tk.ring_cap + tk.p % tk.ring_cap) * a.win_row))[i] = hy;
-        if (tk.sink && tk.p < tk.sinks) ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[i] = hy;
-        ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[i] = hy;
-    }
-
     uint8_t *dst = (uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
                    (size_t)(tk.p % BT) * row;
     uint8_t *rb = a.readback + (side ? tk.rb_v : tk.rb_k) + (size_t)h * row;
@@ -123,6 +80,8 @@ __global__ void kv_encode(const cuk_enc_args a) {
     const bool direct = bits == 8 || bits == 4;
     const int qmax = (1 << bits) - 1, n_groups = D / group, code_bytes = D * bits / 8;
     __shared__ __align__(4) uint8_t out[D + 4 * (D / 8)];
+    __shared__ uint8_t codes[D];
+    __shared__ float gsc[D], gbi[D];
     /* each group's min and max as the host's scan finds them (the first of equal
      * values: -0 and 0 differ in f16): by shuffles over pieces of up to 32 values,
      * then over the group's pieces in order (groups of 8 or more, so D / 8 pieces) */
@@ -181,6 +140,85 @@ __global__ void kv_encode(const cuk_enc_args a) {
     for (int j = i; j < (int)row; j += D) {
         dst[j] = out[j];
         rb[j] = out[j];
+    }
+}
+
+template <int D>
+__global__ void kv_encode(const cuk_enc_args a) {
+    griddep_release();
+    __shared__ float buf[2 * D];
+    const int n_rows = a.n * a.n_kv * 2, qb = blockIdx.x - n_rows; /* qb >= 0: a query head */
+    /* the token's plan is staged step data (uploaded before the step's kernels): read
+     * before the wait */
+    const cuk_enc_tok tk = a.toks[qb >= 0 ? qb / a.rope.n_head : blockIdx.x / (2 * a.n_kv)];
+    const float *const mu = (const float *)tk.mu;
+    if (qb >= 0) { /* so are the query's offsets and signs */
+        const int h = qb % a.rope.n_head, kvh = h / (a.rope.n_head / a.n_kv);
+        const prep_consts c = prep_consts_of(mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr, a.k_rot, a.signs);
+        griddep_wait();
+        rope_query<D>(a, tk, h, c, buf);
+        return;
+    }
+    const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, i = threadIdx.x;
+    const int rot = side ? a.v_rot : a.k_rot;
+    const bool quant = (side ? a.v_bits : a.k_bits) < 16;
+    /* and the row's offset and sign */
+    const float mu_i = quant && mu ? mu[((size_t)side * a.n_kv + h) * D + i] : 0.0f, sign = rot ? a.signs[i] : 1.0f;
+    griddep_wait();
+    if (tk.table_at && blockIdx.x % (2 * a.n_kv) == 0 && i == 0) /* a block the step begins: its table entry */
+        *(uint64_t *)tk.table_at = tk.block;
+    const size_t at = ((size_t)tk.t * a.n_kv + h) * D + i;
+    float x = (side ? a.v : a.k)[at];
+    if (!side && a.rope.q) {
+        const cuk_qk_rope &r = a.rope;
+        x = rope_head<D>(x, r.k_norm, r.eps, r.cos + (size_t)tk.t * r.half, r.sin + (size_t)tk.t * r.half, r.half,
+                         r.pairing, buf);
+        r.k[at] = x;
+    }
+
+    float z = x, y = x; /* y: the window's value, rotated without the offset */
+    if (quant && mu) z = __fsub_rn(x, mu_i);
+    if (rot && a.windows) { /* both rotations through the same barriers */
+        float v[2] = {x * sign, z * sign};
+        hadamard_blocks<D, 2>(v, buf);
+        y = v[0], z = v[1];
+    } else if (rot) {
+        z = hadamard_block<D>(z * sign, buf);
+    }
+    if (a.windows) { /* its f16 */
+        const __half hy = __ushort_as_half(f16_bits(y));
+        const size_t hs = (size_t)side * a.n_kv + h;
+        if (tk.ring)
+            ((__half *)((uint8_t *)tk.ring + (hs * tk.ring_cap + tk.p % tk.ring_cap) * a.win_row))[i] = hy;
+        if (tk.sink && tk.p < tk.sinks) ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[i] = hy;
+        ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[i] = hy;
+    }
+    if (quant && a.defer) { /* packed by kv_pack, beside the step's attention */
+        a.defer[(size_t)blockIdx.x * D + i] = z;
+        return;
+    }
+    store_row<D>(a, tk, side, h, z);
+}
+
+/* A block of D threads per (token, KV head, side), as kv_encode's rows: the packed
+ * sides' rows it left in a.defer. Launched beside the stream once the encode is done
+ * (a plain dependency, not PDL: no griddep_wait). */
+template <int D>
+__global__ void kv_pack(const cuk_enc_args a) {
+    const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv;
+    if ((side ? a.v_bits : a.k_bits) >= 16) return; /* stored by the encode */
+    store_row<D>(a, a.toks[blockIdx.x / (2 * a.n_kv)], side, h, a.defer[(size_t)blockIdx.x * D + threadIdx.x]);
+}
+
+extern "C" void cuk_kv_pack(cuk_queue *qu, const cuk_enc_args *a) {
+    if (a->n <= 0 || !a->defer) return;
+    const dim3 grid((unsigned)(a->n * a->n_kv * 2));
+    cuk_queue_launch_side_next(qu);
+    switch (a->head_dim) {
+    case 64: queue_launch(kv_pack<64>, grid, dim3(64), qu, *a); break;
+    case 128: queue_launch(kv_pack<128>, grid, dim3(128), qu, *a); break;
+    case 256: queue_launch(kv_pack<256>, grid, dim3(256), qu, *a); break;
+    default: break;
     }
 }
 

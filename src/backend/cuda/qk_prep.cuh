@@ -15,6 +15,11 @@ static __device__ float rope_head(float x, const float *norm, float eps, const f
                                   int pairing, float *buf) {
     const int i = threadIdx.x;
     __shared__ float scale;
+    /* the pair (i0, i1) this value belongs to (p == half: past the rotated values); its
+     * table entries and norm weight are loaded with x, not after the barriers below */
+    const int p = pairing == 0 ? i / 2 : i < 2 * half ? i % half : half;
+    const int i0 = pairing == 0 ? 2 * p : p, i1 = pairing == 0 ? 2 * p + 1 : p + half;
+    const float c = p < half ? cs[p] : 0.0f, s = p < half ? sn[p] : 0.0f, w = norm ? norm[i] : 0.0f;
     buf[i] = x;
     __syncthreads();
     if (norm) {
@@ -25,18 +30,15 @@ static __device__ float rope_head(float x, const float *norm, float eps, const f
             if (i == 0) scale = rsqrtf(ss / (float)D + eps);
         }
         __syncthreads();
-        x = buf[i] * scale * norm[i];
+        x = buf[i] * scale * w;
         __syncthreads();
         buf[i] = x;
         __syncthreads();
     }
-    /* the pair (i0, i1) this value belongs to (p == half: past the rotated values) */
-    const int p = pairing == 0 ? i / 2 : i < 2 * half ? i % half : half;
-    const int i0 = pairing == 0 ? 2 * p : p, i1 = pairing == 0 ? 2 * p + 1 : p + half;
     float y = x;
     if (p < half) {
         const float a = buf[i0], b = buf[i1];
-        y = i == i0 ? a * cs[p] - b * sn[p] : a * sn[p] + b * cs[p];
+        y = i == i0 ? a * c - b * s : a * s + b * c;
     }
     __syncthreads(); /* buf is the caller's again */
     return y;

@@ -21,6 +21,7 @@ struct cuk_rec_entry {
     size_t bytes;
     uint32_t grid[3], block[3];
     uint32_t smem, pdl, arg0, n_args; /* arguments: offs[arg0 .. arg0 + n_args) into blob */
+    uint32_t side, pad;               /* side: beside the stream (cuk_queue_launch_side_next) */
 };
 
 struct cuk_graph {
@@ -59,7 +60,8 @@ static struct cuk_rec_entry *new_entry(struct cuk_queue *q) {
     return e;
 }
 
-static void launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 block, size_t smem, bool pdl, void **args) {
+static void launch(struct cuk_queue *q, cudaStream_t stream, const void *func, dim3 grid, dim3 block, size_t smem,
+                   bool pdl, void **args) {
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
@@ -67,7 +69,7 @@ static void launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 block,
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
-    cfg.stream = q->stream;
+    cfg.stream = stream;
     cfg.attrs = &attr;
     cfg.numAttrs = pdl && q->pdl; /* 0: a plain launch */
     fail(q, cudaLaunchKernelExC(&cfg, func, args));
@@ -80,7 +82,14 @@ static void issue_one(struct cuk_queue *q, const struct cuk_rec_entry *e, const 
     }
     void *args[64];
     for (uint32_t i = 0; i < e->n_args; i++) args[i] = blob + offs[e->arg0 + i];
-    launch(q, e->func, (dim3){e->grid[0], e->grid[1], e->grid[2]}, (dim3){e->block[0], e->block[1], e->block[2]},
+    cudaStream_t stream = q->stream;
+    if (e->side) { /* forked after the work so far (in a capture, the side stream joins it) */
+        fail(q, cudaEventRecord(q->fork_ev, q->stream));
+        fail(q, cudaStreamWaitEvent(q->side, q->fork_ev, 0));
+        stream = q->side;
+        q->side_open = true;
+    }
+    launch(q, stream, e->func, (dim3){e->grid[0], e->grid[1], e->grid[2]}, (dim3){e->block[0], e->block[1], e->block[2]},
            e->smem, e->pdl, args);
 }
 
@@ -121,11 +130,20 @@ static bool left_out(const void *func, dim3 grid, dim3 block) {
 
 void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 block, size_t smem, bool pdl,
                       void **args, const size_t *sizes, int n_args) {
+    const bool side = q->side_next && q->recording;
+    q->side_next = false;
     if (left_out(func, grid, block)) return;
-    pdl = pdl && !q->plain_next;
-    q->plain_next = false;
+    pdl = pdl && !q->plain_next && !side;
+    if (!side) q->plain_next = false;
     if (!q->recording) {
-        launch(q, func, grid, block, smem, pdl, args);
+        launch(q, q->stream, func, grid, block, smem, pdl, args);
+        return;
+    }
+    if (side && !q->side &&
+        (cudaStreamCreateWithFlags(&q->side, cudaStreamNonBlocking) != cudaSuccess ||
+         cudaEventCreateWithFlags(&q->fork_ev, cudaEventDisableTiming) != cudaSuccess ||
+         cudaEventCreateWithFlags(&q->join_ev, cudaEventDisableTiming) != cudaSuccess)) {
+        fail(q, cudaErrorMemoryAllocation);
         return;
     }
     struct cuk_rec_entry *e = n_args <= 64 ? new_entry(q) : NULL;
@@ -138,6 +156,7 @@ void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 blo
     e->block[0] = block.x, e->block[1] = block.y, e->block[2] = block.z;
     e->smem = (uint32_t)smem;
     e->pdl = pdl;
+    e->side = side;
     e->n_args = (uint32_t)n_args;
     /* arguments at 16-byte aligned offsets, the gaps zeroed */
     size_t need = q->blob_len;
@@ -170,6 +189,8 @@ void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 blo
 }
 
 void cuk_queue_launch_plain_next(struct cuk_queue *q) { q->plain_next = true; }
+
+void cuk_queue_launch_side_next(struct cuk_queue *q) { q->side_next = true; }
 
 void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
@@ -222,8 +243,14 @@ static void remember(uint64_t *list, int *n, uint64_t h) {
     list[*n - 1] = h;
 }
 
+/* The record's entries in order, then the side stream joined back. */
 static void issue_all(struct cuk_queue *q) {
     for (int i = 0; i < q->n_ent; i++) issue_one(q, &q->ent[i], q->offs, q->blob);
+    if (q->side_open) {
+        fail(q, cudaEventRecord(q->join_ev, q->side));
+        fail(q, cudaStreamWaitEvent(q->stream, q->join_ev, 0));
+        q->side_open = false;
+    }
 }
 
 static void graph_free(struct cuk_graph *g) {
@@ -323,6 +350,9 @@ cudaError_t cuk_queue_error(struct cuk_queue *q) {
 }
 
 void cuk_queue_free(struct cuk_queue *q) {
+    if (q->side) cudaStreamDestroy(q->side);
+    if (q->fork_ev) cudaEventDestroy(q->fork_ev);
+    if (q->join_ev) cudaEventDestroy(q->join_ev);
     for (int i = 0; i < q->n_graph; i++) graph_free(&q->graph[i]);
     free(q->graph);
     free(q->ent);

@@ -30,6 +30,12 @@ struct cuk_queue {
     bool graphs;      /* cuk_queue_issue may replay or capture graphs */
     bool pdl;         /* launches asked with pdl use it (compute capability 9.0 and up); else plain */
     bool plain_next;  /* the next launch is plain, whatever it asks (cuk_queue_launch_plain_next) */
+    bool side_next;   /* the next launch goes beside the stream (cuk_queue_launch_side_next) */
+    /* launches beside the stream: their stream, and the events that fork it from the
+     * stream and join it back at the end of an issued record (side_open: forked) */
+    cudaStream_t side;
+    cudaEvent_t fork_ev, join_ev;
+    bool side_open;
     /* the record: entries, argument offsets and argument bytes */
     struct cuk_rec_entry *ent;
     int n_ent, cap_ent;
@@ -53,6 +59,12 @@ void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 blo
 /* Makes the next launch a plain one, after a kernel whose writes the next kernels
  * read before their griddep_wait: only a plain launch orders them (launch.cuh). */
 void cuk_queue_launch_plain_next(struct cuk_queue *q);
+/* Makes the next launch, when recorded, run beside the stream rather than in it: after
+ * everything queued before it, and before nothing queued after it but the end of the
+ * issued record (where the stream waits for it). For work no later launch of the
+ * record reads, so that its time leaves the chain of dependent launches. Not
+ * recording, the launch goes in the stream as any other. */
+void cuk_queue_launch_side_next(struct cuk_queue *q);
 /* A copy from pinned host memory to the device; the host bytes are read when the
  * copy runs, so they must stay as they are until then. */
 void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes);
