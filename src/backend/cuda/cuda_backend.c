@@ -814,6 +814,13 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
     step_op(cb, n);
     cb->qprep_of = NULL; /* the products may write the queries */
     double t0 = prof_begin(cb);
+    /* results for the host end the step (the output product): the work before them goes
+     * out as a segment of its own, so that the rows it encoded are read back and filed
+     * while this product runs, not after the step */
+    if (cb->q.recording && cb->n_pending > cb->rows_copied && n_jobs > 0 && jobs[0].host_y) {
+        issue_record(cb);
+        cb->segment_issued = true;
+    }
     if (n <= CUK_MATVEC_MAX) {
         struct cuk_matvec_job mj[CUK_MATVEC_JOBS];
         bool repacked = false;
