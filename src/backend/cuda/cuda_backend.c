@@ -1194,32 +1194,33 @@ static int cuda_reserve_kv(struct backend *b, size_t bytes) {
     return 0;
 }
 
-/* Room for the prepared queries of n tokens (grown when short; the step's recorded
- * work may still read the old buffer). false with the failure recorded. */
-static bool ensure_qprep(struct cuda_backend *cb, int n, int n_head, int D) {
-    const size_t need = cuk_qprep_floats(n > cb->max_tokens ? n : cb->max_tokens, n_head, D);
-    if (need <= cb->qprep_floats) return true;
-    free_after_step(cb, cb->qprep);
-    cb->qprep = NULL;
-    cb->qprep_floats = 0;
-    if (!ck(cb, cudaMalloc((void **)&cb->qprep, sizeof(float) * need), "device memory for attention")) return false;
-    cb->qprep_floats = need;
+/* A device buffer of at least need floats at *buf (*have of them now): a new one when
+ * short, the old freed after the step (its recorded work may still read it). false
+ * with the failure recorded. */
+static bool grow_floats(struct cuda_backend *cb, float **buf, size_t *have, size_t need, const char *what) {
+    if (need <= *have) return true;
+    free_after_step(cb, *buf);
+    *buf = NULL;
+    *have = 0;
+    if (!ck(cb, cudaMalloc((void **)buf, sizeof(float) * need), what)) return false;
+    *have = need;
     return true;
 }
 
+/* Room for the prepared queries of n tokens. */
+static bool ensure_qprep(struct cuda_backend *cb, int n, int n_head, int D) {
+    const size_t need = cuk_qprep_floats(n > cb->max_tokens ? n : cb->max_tokens, n_head, D);
+    return grow_floats(cb, &cb->qprep, &cb->qprep_floats, need, "device memory for attention");
+}
+
 /* Room for the rows of n tokens that an encode leaves for cuk_kv_pack, this step's
- * first free ones (grown when short: the step's recorded work may still read the old
- * buffer); NULL with the failure recorded. */
+ * first free ones; NULL with the failure recorded. */
 static float *defer_rows(struct cuda_backend *cb, int n, int H, int D) {
     const size_t need = (size_t)n * 2 * H * D;
     if (cb->defer_used + need > cb->defer_floats) {
         size_t cap = cb->defer_floats ? 2 * cb->defer_floats : 64 * need;
         while (cap < cb->defer_used + need) cap *= 2;
-        free_after_step(cb, cb->defer);
-        cb->defer = NULL;
-        cb->defer_floats = 0;
-        if (!ck(cb, cudaMalloc((void **)&cb->defer, sizeof(float) * cap), "device memory for KV rows")) return NULL;
-        cb->defer_floats = cap;
+        if (!grow_floats(cb, &cb->defer, &cb->defer_floats, cap, "device memory for KV rows")) return NULL;
     }
     float *at = cb->defer + cb->defer_used;
     cb->defer_used += need;
@@ -1456,13 +1457,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
         }
     }
     size_t need = cuk_attention_scratch_floats(cb->max_tokens > n ? cb->max_tokens : n, a->n_head, D, cb->n_sm);
-    if (need > cb->part_floats) {
-        free_after_step(cb, cb->part);
-        cb->part = NULL;
-        cb->part_floats = 0;
-        if (!ck(cb, cudaMalloc((void **)&cb->part, sizeof(float) * need), "device memory for attention")) return;
-        cb->part_floats = need;
-    }
+    if (!grow_floats(cb, &cb->part, &cb->part_floats, need, "device memory for attention")) return;
     /* each sequence's cache once: its block table, its windows */
     int nu = 0;
     struct kv_view views[MAX_FORMATS];
