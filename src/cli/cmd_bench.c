@@ -20,6 +20,7 @@
 
 #include "cli/cli.h"
 #include "core/outfile.h"
+#include "core/threadpool.h"
 
 static const char *const bench_help =
     "usage: kvq bench -m MODEL [-p 512] [-n 128] [-d 0,4096,16384] [-b 1,4,16] [--kv SPEC ...]\n"
@@ -348,7 +349,7 @@ int cmd_bench(int argc, char **argv) {
         res[i].prefill = store + (size_t)i * o.reps * 2;
         res[i].decode = res[i].prefill + o.reps;
     }
-    int threads = o.n_threads > 0 ? o.n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    int threads = o.n_threads > 0 ? o.n_threads : kvq_online_cpus();
     bool tty = isatty(STDERR_FILENO);
     int total = nres * o.reps, done_n = 0;
     double t_start = cli_now();

@@ -21,6 +21,7 @@
 #include "cli/cli.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/threadpool.h"
 #include "gguf/gguf.h"
 #include "kernels/f16.h"
 
@@ -370,7 +371,7 @@ int cmd_gen_model(int argc, char **argv) {
     else if (!strcmp(type_name, "q6_k")) type = KVQ_Q6_K, ftype = 18;
     else if (!strcmp(type_name, "q4_k_m")) type = KVQ_Q4_K, ftype = 15, mix_m = true;
     else return cli_fail("unknown type '%s' (expected f16, q8_0, q4_0, q4_k, q6_k or q4_k_m)", type_name);
-    if (n_threads <= 0) n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (n_threads <= 0) n_threads = kvq_online_cpus();
     if (n_threads > 256) n_threads = 256;
     int n_layer = n_layers > 0 ? n_layers : sh->n_layer;
     int hd = sh->n_embd / sh->n_head, nq = sh->n_head * hd, nkv = sh->n_head_kv * hd;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "core/threadpool.h"
 
 static const char *const generate_help =
     "usage: kvq generate -m MODEL (-p PROMPT | -f FILE) [options]\n"
@@ -249,7 +250,7 @@ int cmd_generate(int argc, char **argv) {
     double t2 = cli_now();
     if (stopped_by_ctx) fprintf(stderr, "kvq: stopped: the context of %d tokens is full\n", n_ctx);
     fprintf(stderr, "kvq: model %s (%s, %s), %d threads\n", o.model, info.arch, info.weight_type,
-            o.cp.n_threads > 0 ? o.cp.n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN));
+            o.cp.n_threads > 0 ? o.cp.n_threads : kvq_online_cpus());
     fprintf(stderr, "kvq: prompt    %6d tokens in %9.2f ms (%8.2f tok/s)\n", n_prompt, (t1 - t0) * 1e3,
             n_prompt / (t1 - t0));
     /* The first sampled token came from the prompt's logits; the decode steps made the rest. */

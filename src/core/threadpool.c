@@ -67,7 +67,7 @@ static void *worker_main(void *p) {
     }
 }
 
-static int online_cpus(void) {
+int kvq_online_cpus(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
 }
@@ -75,7 +75,7 @@ static int online_cpus(void) {
 struct kvq_pool *kvq_pool_new(int n_threads) {
     struct kvq_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
-    p->n = n_threads > 0 ? n_threads : online_cpus();
+    p->n = n_threads > 0 ? n_threads : kvq_online_cpus();
     pthread_mutex_init(&p->mutex, NULL);
     pthread_cond_init(&p->wake, NULL);
     p->workers = calloc((size_t)p->n, sizeof *p->workers);

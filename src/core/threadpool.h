@@ -9,6 +9,8 @@ typedef void (*kvq_task_fn)(void *arg, int ith, int nth);
 
 struct kvq_pool;
 
+/* The CPUs online now (at least 1). */
+int kvq_online_cpus(void);
 /* n_threads <= 0 means one thread per online CPU. NULL on failure. */
 struct kvq_pool *kvq_pool_new(int n_threads);
 void kvq_pool_free(struct kvq_pool *p);

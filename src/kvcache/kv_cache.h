@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvcache/kv_pool.h"
+
 struct kv_cache_config {
     int k_bits, v_bits;     /* 16 or 32: dense float storage; 2..8: quantized */
     int k_group, v_group;   /* values per quantization group along head_dim */
@@ -129,7 +131,7 @@ struct kv_view {
     bool k_rot, v_rot;                    /* rows Hadamard-rotated (signs below) */
     size_t k_row, v_row;                  /* bytes of a key / value row in a block */
     size_t head_bytes;                    /* a head's stretch of a block: B key rows, then B value rows */
-    /* block table: position p is in blk[L < nkb ? L : L - base], L = p / KV_BLOCK_TOKENS */
+    /* block table: position p is in blk[kv_view_entry(v, p)] */
     struct kv_block *const *blk;
     int32_t n_blk, nkb, base;
     bool windows;      /* quantized: f16 rows of the sinks and the newest positions */
@@ -140,6 +142,12 @@ struct kv_view {
     const float *signs; /* [head_dim] */
 };
 void kv_cache_view(const struct kv_cache *c, struct kv_view *v);
+/* The block-table entry of position p, in block L = p / KV_BLOCK_TOKENS: entries below
+ * nkb are blocks 0.. (a rotating cache's kept first tokens), entry i >= nkb block i + base. */
+static inline int32_t kv_view_entry(const struct kv_view *v, int32_t p) {
+    const int32_t L = p / KV_BLOCK_TOKENS;
+    return L < v->nkb ? L : L - v->base;
+}
 
 /* What a query at q reads, in this order: packed rows of positions [a1, b1] and
  * [a2, b2] (empty when a > b), the f16 sink rows [0, sinks) and the f16 window rows

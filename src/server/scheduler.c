@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "core/threadpool.h"
 #include "server/prefix_cache.h"
@@ -666,9 +665,9 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     /* a thread for every 2 sequences, up to 8 and the CPUs: 16 draws over 128K logits took
      * 2.7-3.4 ms on one thread of the H100 machine's Xeon, 0.75-0.94 on 4, 0.54 on 8 and
      * 0.47-0.51 on 16 */
-    const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
+    const int n_cpu = kvq_online_cpus();
     int n_samplers = p->max_seqs < 16 ? (p->max_seqs + 1) / 2 : 8;
-    if (n_cpu > 0 && n_samplers > n_cpu) n_samplers = (int)n_cpu;
+    if (n_samplers > n_cpu) n_samplers = n_cpu;
     if (n_samplers > 1) s->sampling = kvq_pool_new(n_samplers);
     if (!s->slots || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws || (n_samplers > 1 && !s->sampling)) {
         sched_free(s);

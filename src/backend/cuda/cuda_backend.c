@@ -1004,12 +1004,6 @@ static struct cuda_mirror *mirror_of(struct cuda_backend *cb, struct kv_cache *c
     return *mp;
 }
 
-/* The block-table entry of position p (kv_view.blk). */
-static int32_t view_entry(const struct kv_view *v, int32_t p) {
-    const int32_t L = p / KV_BLOCK_TOKENS;
-    return L < v->nkb ? L : L - v->base;
-}
-
 /* Where the encode writes the table entry e of a block that position p begins (0:
  * nowhere, sync_table uploads it): the entry past the uploaded ones, or one of them,
  * on a table with room. The host's copy takes the address, so sync_table finds the
@@ -1297,7 +1291,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
                 cb->pending[cb->n_pending++] = (struct pending_append){c, p0, seqs[s].n, rb, rb + kb, rb + kb + vb,
                                                                        rb + kb + vb + wb, v.windows, 0};
                 for (int i = 0; i < seqs[s].n; i++, k_tok++) {
-                    const int32_t p = p0 + i, e = view_entry(&v, p);
+                    const int32_t p = p0 + i, e = kv_view_entry(&v, p);
                     const uint64_t block = (uint64_t)(uintptr_t)v.blk[e]->dev;
                     struct cuk_enc_tok *tk = (struct cuk_enc_tok *)(cb->stage_h + toks_off) + k_tok;
                     *tk = (struct cuk_enc_tok){
@@ -1531,7 +1525,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
                     struct kv_cache *c = a->caches[i];
                     struct kv_query_plan pl;
                     kv_cache_query_plan(c, a->pos[i], &pl);
-                    const int32_t fe = view_entry(&v, a->pos[run0]);
+                    const int32_t fe = kv_view_entry(&v, a->pos[run0]);
                     const struct kv_cache_config *cfg = kv_cache_get_config(c);
                     const struct kv_shape *sh = kv_cache_get_shape(c);
                     const struct cuda_mirror *m = cb->uc_mirror[u], *w = m->win ? m : NULL;
