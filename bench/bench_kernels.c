@@ -1,9 +1,13 @@
 /* Micro-benchmark of the compute kernels (not a test): matvec / matmul at the
  * tinydoc shapes for every weight type, a simulated tinydoc-q8_0 decode token,
  * and attention at depths 512 / 4096. Single thread.
- * Usage: bench_kernels [scalar|avx2|avx512] [cold]
+ * Usage: bench_kernels [scalar|avx2|avx512] [cold|ceilings]
  * "cold": decode token and attention over working sets larger than the caches
- * (mean time, GB/s), the way generate meets them. */
+ * (mean time, GB/s), the way generate meets them.
+ * "ceilings": what the machine itself allows, with 1 and 2 threads: reads from DRAM
+ * (GB/s) and, on AVX-512 VNNI, int8 multiply-adds (vpdpbusd) per second; the floors a
+ * batch's decode step is measured against. */
+#include "core/cpu.h"
 #include "core/dtype.h"
 #include "kernels/attention.h"
 #include "kernels/f16.h"
@@ -391,10 +395,102 @@ static void bench_kvq_attention_cold(void) {
     }
 }
 
+/* ---- ceilings: what two threads of this machine can read and multiply ---- */
+#define CEIL_BYTES ((size_t)512 << 20) /* far past any L3 */
+#define CEIL_DP 200000000L             /* vpdpbusd a thread */
+struct ceil_arg {
+    const uint8_t *p;
+    size_t n;
+};
+static volatile uint64_t ceil_sink; /* keeps the reads and sums */
+
+static void *ceil_read(void *arg) {
+    const struct ceil_arg *a = arg;
+    uint64_t s[8] = {0};
+    for (size_t i = 0; i < a->n; i += 64) {
+        const uint64_t *w = (const uint64_t *)(a->p + i);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) s[j] += w[j];
+    }
+    ceil_sink = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+    return NULL;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* The same with one 64-byte load a line (about 10% more from DRAM than 8-byte loads). */
+__attribute__((target("avx512f"))) static void *ceil_read512(void *arg) {
+    const struct ceil_arg *a = arg;
+    __m512i s = _mm512_setzero_si512();
+    for (size_t i = 0; i < a->n; i += 64) s = _mm512_add_epi64(s, _mm512_load_si512(a->p + i));
+    ceil_sink = (uint64_t)_mm512_reduce_add_epi64(s);
+    return NULL;
+}
+
+/* CEIL_DP vpdpbusd in 16 independent chains: enough to cover its latency on both pipes. */
+__attribute__((target("avx512f,avx512vnni"))) static void *ceil_dp(void *arg) {
+    (void)arg;
+    __m512i acc[16];
+    const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(5);
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_epi32(i);
+    for (long n = 0; n < CEIL_DP; n += 16)
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+    int32_t s = 0;
+    for (int i = 0; i < 16; i++) s += _mm512_reduce_add_epi32(acc[i]);
+    ceil_sink = (uint64_t)s;
+    return NULL;
+}
+#endif
+
+/* Seconds for fn on nt (1 or 2) threads, thread t given arg[t]. */
+static double ceil_run(void *(*fn)(void *), int nt, struct ceil_arg *arg) {
+    pthread_t th;
+    const double t0 = now();
+    if (nt > 1) pthread_create(&th, NULL, fn, &arg[1]);
+    fn(&arg[0]);
+    if (nt > 1) pthread_join(th, NULL);
+    return now() - t0;
+}
+
+static void bench_ceilings(void) {
+    uint8_t *buf = aligned_alloc(64, CEIL_BYTES);
+    if (!buf) {
+        fprintf(stderr, "ceilings: out of memory\n");
+        return;
+    }
+    for (size_t i = 0; i < CEIL_BYTES; i++) buf[i] = (uint8_t)i;
+    void *(*read)(void *) = ceil_read;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (kvq_simd_level() == KVQ_SIMD_AVX512) read = ceil_read512;
+#endif
+    for (int nt = 1; nt <= 2; nt++) {
+        struct ceil_arg a[2] = {{buf, CEIL_BYTES / nt}, {buf + CEIL_BYTES / 2, CEIL_BYTES / 2}};
+        double best = 1e30;
+        for (int it = 0; it < 4; it++) {
+            const double t = ceil_run(read, nt, a);
+            if (t < best) best = t;
+        }
+        printf("DRAM read, %d thread%s: %.1f GB/s\n", nt, nt > 1 ? "s" : "", (double)CEIL_BYTES / best * 1e-9);
+    }
+    free(buf);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (kvq_simd_level() == KVQ_SIMD_AVX512)
+        for (int nt = 1; nt <= 2; nt++) {
+            struct ceil_arg a[2] = {{NULL, 0}, {NULL, 0}};
+            printf("int8 multiply-adds (vpdpbusd), %d thread%s: %.0f G/s\n", nt, nt > 1 ? "s" : "",
+                   (double)nt * CEIL_DP * 64 / ceil_run(ceil_dp, nt, a) * 1e-9);
+        }
+#endif
+}
+
 int main(int argc, char **argv) {
-    int cold = 0;
+    int cold = 0, ceilings = 0;
     if (argc > 1 && strcmp(argv[argc - 1], "cold") == 0) {
         cold = 1;
+        argc--;
+    } else if (argc > 1 && strcmp(argv[argc - 1], "ceilings") == 0) {
+        ceilings = 1;
         argc--;
     }
     if (argc > 1) {
@@ -407,6 +503,10 @@ int main(int argc, char **argv) {
         }
     }
     printf("kernels: %s\n", kern_simd_level());
+    if (ceilings) {
+        bench_ceilings();
+        return 0;
+    }
     if (cold) {
         bench_decode_cold(KVQ_Q8_0);
         if (argc > 2 || getenv("KVQ_BENCH_ALL_TYPES")) {

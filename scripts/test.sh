@@ -8,6 +8,7 @@ jobs=$(nproc 2>/dev/null || echo 2)
 
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$jobs"
+cmake --build build -j "$jobs" --target bench_kernels # built (not run) so it cannot rot
 ctest --test-dir build --output-on-failure -j "$jobs"
 # The kernels and what runs on them again at each lower SIMD level the CPU is
 # forced down to (every level must agree with the float references).
@@ -22,6 +23,7 @@ done
 echo "== clang"
 cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang >/dev/null
 cmake --build build-clang -j "$jobs"
+cmake --build build-clang -j "$jobs" --target bench_kernels
 ctest --test-dir build-clang --output-on-failure -j "$jobs" -LE slow
 
 # The CUDA backend is compiled wherever nvcc is (CI has it, without a GPU) so it
