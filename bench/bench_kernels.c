@@ -17,6 +17,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -134,6 +135,16 @@ static void spin_barrier(atomic_int *b, int gen_target) {
     }
 }
 
+/* Seconds for fn on nt (1 or 2) threads: this one with a0, another with a1. */
+static double run_threads(void *(*fn)(void *), int nt, void *a0, void *a1) {
+    pthread_t th;
+    const double t0 = now();
+    if (nt > 1) pthread_create(&th, NULL, fn, a1);
+    fn(a0);
+    if (nt > 1) pthread_join(th, NULL);
+    return now() - t0;
+}
+
 struct dec2_arg {
     struct dec2 *p;
     int ith;
@@ -200,10 +211,7 @@ static void bench_decode(uint32_t type) {
         kern_act_prepare(type, x, xa2, 512);
         struct dec2 p = {nm, s, w, type, xa2, y, 0, 300};
         struct dec2_arg a0 = {&p, 0, 0}, a1 = {&p, 1, 0};
-        pthread_t th;
-        pthread_create(&th, NULL, dec2_run, &a1);
-        dec2_run(&a0);
-        pthread_join(th, NULL);
+        run_threads(dec2_run, 2, &a0, &a1);
         double t2 = a0.best;
         printf("decode token, 2 threads (matmuls only, best of 300): %.3f ms = %.1f GB/s = %.0f tok/s\n", t2 * 1e3,
                total / t2 * 1e-9, 1.0 / t2);
@@ -441,17 +449,12 @@ __attribute__((target("avx512f,avx512vnni"))) static void *ceil_dp(void *arg) {
     ceil_sink = (uint64_t)s;
     return NULL;
 }
+static bool ceil_avx512(void) { return kvq_simd_level() == KVQ_SIMD_AVX512; }
+#else
+#define ceil_read512 ceil_read
+static void *ceil_dp(void *arg) { return arg; }
+static bool ceil_avx512(void) { return false; }
 #endif
-
-/* Seconds for fn on nt (1 or 2) threads, thread t given arg[t]. */
-static double ceil_run(void *(*fn)(void *), int nt, struct ceil_arg *arg) {
-    pthread_t th;
-    const double t0 = now();
-    if (nt > 1) pthread_create(&th, NULL, fn, &arg[1]);
-    fn(&arg[0]);
-    if (nt > 1) pthread_join(th, NULL);
-    return now() - t0;
-}
 
 static void bench_ceilings(void) {
     uint8_t *buf = aligned_alloc(64, CEIL_BYTES);
@@ -460,28 +463,21 @@ static void bench_ceilings(void) {
         return;
     }
     for (size_t i = 0; i < CEIL_BYTES; i++) buf[i] = (uint8_t)i;
-    void *(*read)(void *) = ceil_read;
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (kvq_simd_level() == KVQ_SIMD_AVX512) read = ceil_read512;
-#endif
+    void *(*read)(void *) = ceil_avx512() ? ceil_read512 : ceil_read;
     for (int nt = 1; nt <= 2; nt++) {
         struct ceil_arg a[2] = {{buf, CEIL_BYTES / nt}, {buf + CEIL_BYTES / 2, CEIL_BYTES / 2}};
         double best = 1e30;
         for (int it = 0; it < 4; it++) {
-            const double t = ceil_run(read, nt, a);
+            const double t = run_threads(read, nt, &a[0], &a[1]);
             if (t < best) best = t;
         }
         printf("DRAM read, %d thread%s: %.1f GB/s\n", nt, nt > 1 ? "s" : "", (double)CEIL_BYTES / best * 1e-9);
     }
     free(buf);
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (kvq_simd_level() == KVQ_SIMD_AVX512)
-        for (int nt = 1; nt <= 2; nt++) {
-            struct ceil_arg a[2] = {{NULL, 0}, {NULL, 0}};
+    if (ceil_avx512())
+        for (int nt = 1; nt <= 2; nt++)
             printf("int8 multiply-adds (vpdpbusd), %d thread%s: %.0f G/s\n", nt, nt > 1 ? "s" : "",
-                   (double)nt * CEIL_DP * 64 / ceil_run(ceil_dp, nt, a) * 1e-9);
-        }
-#endif
+                   (double)nt * CEIL_DP * 64 / run_threads(ceil_dp, nt, NULL, NULL) * 1e-9);
 }
 
 int main(int argc, char **argv) {
