@@ -10,6 +10,7 @@
  * (test_attention shows the attention itself agrees to 1e-6): looser bounds there. On
  * q8_0/q4_0 weights both round their inputs to int8 in blocks of 32 and sum the
  * products exactly in integers: they differ by summation order alone again. */
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -404,15 +405,18 @@ static struct cuk_mv_scratch mv_scratch(const struct cuk_matvec_job *jobs, int n
  * with y_stride) bit for bit the whole product's. The second shape pads both the row tiles and the column
  * chunks. */
 static void test_matvec(void) {
-    /* the last three big enough that a block takes 8 chunks and a row 5 blocks (Q6_K: 9), the last of
-     * them 1 chunk (Q4_0), 2 (Q4_K) or 4 (Q6_K; both have rows of super-blocks of 256 values) */
+    /* the next three big enough that a block takes 8 chunks and a row 5 blocks (Q6_K: 9), the last of
+     * them 1 chunk (Q4_0), 2 (Q4_K) or 4 (Q6_K; both have rows of super-blocks of 256 values); the
+     * last streamed one or two tokens at a time by blocks of 4 warps, as a 7-8B model's gate/up
+     * product, whose chunks are then also held in registers (those of the last warp, whose slice
+     * ends in a partial chunk, are not) */
     static const struct {
         uint32_t type;
         int rows, cols;
     } cases[] = {{KVQ_F32, 37, 512},  {KVQ_F16, 37, 512},  {KVQ_BF16, 37, 512}, {KVQ_Q8_0, 37, 512},
                  {KVQ_Q4_0, 37, 512}, {KVQ_Q4_K, 37, 512}, {KVQ_Q6_K, 37, 512}, {KVQ_Q8_0, 19, 160},
                  {KVQ_Q4_0, 19, 160}, {KVQ_Q4_0, 8200, 4128}, {KVQ_Q4_K, 8200, 4352},
-                 {KVQ_Q6_K, 8200, 4352}};
+                 {KVQ_Q6_K, 8200, 4352}, {KVQ_Q4_0, 4000, 4064}};
     for (size_t ti = 0; ti < sizeof cases / sizeof cases[0]; ti++) {
         const uint32_t type = cases[ti].type;
         const int rows = cases[ti].rows, cols = cases[ti].cols;
@@ -500,6 +504,21 @@ static void test_matvec(void) {
                 free(y3);
                 cudaFree(ps.partial);
                 cudaFree(ps.counters);
+            }
+            if (cuk_repacked(type) && n <= 2) { /* streamed with chunks held in registers too (matmul.cu) */
+                cudaMemset(dy3, 0xff, sizeof(float) * 16 * rows);
+                const struct cuk_matvec_job held = {&cw, dy3, NULL, 0};
+                struct cuk_mv_scratch hs = mv_scratch(&held, 1, n);
+                tq.attn_rows = INT_MAX; /* as after a long attention */
+                cuk_matvec(&tq, &held, 1, dx, cols, &xq, n, &hs);
+                tq.attn_rows = 0;
+                float *y3 = malloc(sizeof(float) * (size_t)n * rows);
+                CHECK(cudaMemcpy(y3, dy3, sizeof(float) * (size_t)n * rows, cudaMemcpyDeviceToHost) == cudaSuccess &&
+                          memcmp(y3, y, sizeof(float) * (size_t)n * rows) == 0,
+                      "%s %dx%d n=%d: the product after a long attention differs", kvq_dtype_name(type), rows, cols, n);
+                free(y3);
+                cudaFree(hs.partial);
+                cudaFree(hs.counters);
             }
             if (n == 16) memcpy(y16, y, sizeof(float) * 16 * rows);
             else if (cuk_repacked(type))

@@ -1503,7 +1503,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
     struct {
         int fmt, tok0, n_tok, grp0, n_grp, max_group;
     } sets[2 * MAX_FORMATS];
-    int n_sets = 0, k = 0, ng = 0;
+    int n_sets = 0, k = 0, ng = 0, attn_rows = 0;
     for (int f = 0; f < n_fmt; f++)
         for (int chunks = 0; chunks < 2; chunks++) {
             sets[n_sets].fmt = f;
@@ -1525,6 +1525,9 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
                     struct kv_cache *c = a->caches[i];
                     struct kv_query_plan pl;
                     kv_cache_query_plan(c, a->pos[i], &pl);
+                    const int rows = (pl.b1 >= pl.a1 ? pl.b1 - pl.a1 + 1 : 0) + (pl.b2 >= pl.a2 ? pl.b2 - pl.a2 + 1 : 0) +
+                                     pl.sinks + (pl.ws <= a->pos[i] ? a->pos[i] - pl.ws + 1 : 0);
+                    if (rows > attn_rows) attn_rows = rows;
                     const int32_t fe = kv_view_entry(&v, a->pos[run0]);
                     const struct kv_cache_config *cfg = kv_cache_get_config(c);
                     const struct kv_shape *sh = kv_cache_get_shape(c);
@@ -1576,6 +1579,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
         };
         cuk_attention(&cb->q, &args);
     }
+    cb->q.attn_rows = attn_rows;
     prof_end(cb, P_ATTN_GPU, t0);
 }
 

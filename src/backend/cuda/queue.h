@@ -50,6 +50,9 @@ struct cuk_queue {
     int n_seen, n_never;
     uint64_t clock;
     long n_replays, n_captures, n_eager; /* issues of records, by how */
+    /* the most rows a token of the step's last attention read: a hint for the launches
+     * after it (matmul.cu's stream launches hold more weights the longer it ran) */
+    int attn_rows;
 };
 
 /* A kernel launch (args[i] points to argument i of sizes[i] bytes), with programmatic
