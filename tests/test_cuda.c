@@ -407,16 +407,16 @@ static struct cuk_mv_scratch mv_scratch(const struct cuk_matvec_job *jobs, int n
 static void test_matvec(void) {
     /* the next three big enough that a block takes 8 chunks and a row 5 blocks (Q6_K: 9), the last of
      * them 1 chunk (Q4_0), 2 (Q4_K) or 4 (Q6_K; both have rows of super-blocks of 256 values); the
-     * last streamed one or two tokens at a time by blocks of 4 warps, as a 7-8B model's gate/up
-     * product, whose chunks are then also held in registers (those of the last warp, whose slice
-     * ends in a partial chunk, are not) */
+     * last two streamed one or two tokens at a time by blocks of 4 warps, as a 7-8B model's gate/up
+     * product, whose chunks are then also held in registers (not the Q4_0 one's last warp's, whose
+     * slice ends in a partial chunk) */
     static const struct {
         uint32_t type;
         int rows, cols;
     } cases[] = {{KVQ_F32, 37, 512},  {KVQ_F16, 37, 512},  {KVQ_BF16, 37, 512}, {KVQ_Q8_0, 37, 512},
                  {KVQ_Q4_0, 37, 512}, {KVQ_Q4_K, 37, 512}, {KVQ_Q6_K, 37, 512}, {KVQ_Q8_0, 19, 160},
                  {KVQ_Q4_0, 19, 160}, {KVQ_Q4_0, 8200, 4128}, {KVQ_Q4_K, 8200, 4352},
-                 {KVQ_Q6_K, 8200, 4352}, {KVQ_Q4_0, 4000, 4064}};
+                 {KVQ_Q6_K, 8200, 4352}, {KVQ_Q4_0, 4000, 4064}, {KVQ_Q4_K, 4000, 4096}};
     for (size_t ti = 0; ti < sizeof cases / sizeof cases[0]; ti++) {
         const uint32_t type = cases[ti].type;
         const int rows = cases[ti].rows, cols = cases[ti].cols;
