@@ -796,6 +796,7 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
  * resident beside the O product's, cost more: 2% at 512 rows. */
 static __host__ __device__ constexpr int stash_chunks(int NT) { return NT == 1 ? 3 : 2; }
 #define MV_STASH_ROWS 2048
+#define MV_STASH_THREADS 128
 
 /* A chunk in shared memory: its 1024 bytes of codes, then its 16 rows' scales. */
 static __host__ __device__ constexpr int slot_bytes(uint32_t T) { return 1024 + 32 * CUK_SCALE_ENTRIES(T); }
@@ -811,7 +812,7 @@ static __device__ __forceinline__ int job_of(const unsigned (&first)[CUK_MATVEC_
 
 /* ST > 0: 4 warps, 5 blocks a multiprocessor; else no minimum (1 took 56 registers, not 40) */
 template <uint32_t T, int NT, int U, int ST>
-__global__ void __launch_bounds__(ST > 0 ? 128 : MV_WHOLE_THREADS, ST > 0 ? 5 : 0)
+__global__ void __launch_bounds__(ST > 0 ? MV_STASH_THREADS : MV_WHOLE_THREADS, ST > 0 ? 5 : 0)
     matvec_stream(const q_set set, const int8_t *xq, const float2 *xd, int n, unsigned tiles_all) {
     griddep_release();
     extern __shared__ __align__(16) uint8_t xsm[];
@@ -830,6 +831,14 @@ __global__ void __launch_bounds__(ST > 0 ? 128 : MV_WHOLE_THREADS, ST > 0 ? 5 : 
     /* ST > 0: the first ST chunks of the warp's second tile come into registers before
      * the wait, beside the ring (a warp whose slice is a whole ring of whole chunks) */
     const int sw = ST > 0 && U == MV_RING && vb == U * BPC ? ST : 0;
+    /* this lane's scales within a chunk's (load_chunk's, as matvec_q's dp4a) */
+    const int lane_sc = (lane / 4 + (T == KVQ_Q6_K ? 0 : (t >> 1) * 8)) * SE;
+    /* chunk q of the warp: its tile's job j and its unit of codes and scales */
+    auto unit_of = [&](int q, int &j) {
+        const unsigned tile = blockIdx.x + (unsigned)(q / nu) * gridDim.x;
+        j = job_of(set.first, tile);
+        return (int64_t)(tile - set.first[j]) * nch + (int64_t)warp * U + q % nu;
+    };
     /* chunk q of the warp into its slot, as one group (empty past the last, so that
      * each wait below counts alike). Without weight_policy(): with an L2 cache hint,
      * ptxas (CUDA 13.0) gave some instantiations' copies an odd uniform register pair
@@ -838,9 +847,8 @@ __global__ void __launch_bounds__(ST > 0 ? 128 : MV_WHOLE_THREADS, ST > 0 ? 5 : 
     do {                                                                                                               \
         const int ri = (r_), qi = ri < MV_RING ? ri : ri + sw;                                                         \
         if (qi < nq) {                                                                                                 \
-            const unsigned tile = blockIdx.x + (unsigned)(qi / nu) * gridDim.x;                                        \
-            const int j = job_of(set.first, tile);                                                                     \
-            const int64_t unit = (int64_t)(tile - set.first[j]) * nch + (int64_t)warp * U + qi % nu;                   \
+            int j;                                                                                                     \
+            const int64_t unit = unit_of(qi, j);                                                                       \
             uint8_t *slot = ring + (ri % MV_RING) * SLOT;                                                              \
             const uint8_t *codes = set.w[j].data + unit * 1024;                                                        \
             cp_async16(slot + lane * 16, codes + lane * 16);                                                           \
@@ -858,10 +866,9 @@ __global__ void __launch_bounds__(ST > 0 ? 128 : MV_WHOLE_THREADS, ST > 0 ? 5 : 
         for (int k = 0; k < ST; k++) {
             const int qi = MV_RING + k;
             if (qi < nq) {
-                const unsigned tile = blockIdx.x + (unsigned)(qi / nu) * gridDim.x;
-                const int j = job_of(set.first, tile);
-                const int64_t unit = (int64_t)(tile - set.first[j]) * nch + (int64_t)warp * U + qi % nu;
-                const uint16_t *rs = set.w[j].scales + unit * 16 * SE + (lane / 4 + (T == KVQ_Q6_K ? 0 : (t >> 1) * 8)) * SE;
+                int j;
+                const int64_t unit = unit_of(qi, j);
+                const uint16_t *rs = set.w[j].scales + unit * 16 * SE + lane_sc;
                 st[k] = load_chunk<T, false>(set.w[j].data + unit * 1024 + lane * 16,
                                              rs + (T == KVQ_Q6_K ? 0 : (t & 1) * KL), rs + BPC, 0,
                                              from_global{weight_policy()});
@@ -879,8 +886,7 @@ __global__ void __launch_bounds__(ST > 0 ? 128 : MV_WHOLE_THREADS, ST > 0 ? 5 : 
     }
     cp_async_wait_all();
     __syncthreads();
-    /* this lane's codes and scales within a slot (load_chunk's, as matvec_q's dp4a) */
-    const int sc_off = 1024 + 2 * ((lane / 4 + (T == KVQ_Q6_K ? 0 : (t >> 1) * 8)) * SE);
+    const int sc_off = 1024 + 2 * lane_sc; /* this lane's scales within a slot */
     const int8_t *xw = xs + warp * U * BPC * 32;
     const float2 *dw = ds + warp * U * BPC;
     for (unsigned i = 0; i < my_tiles; i++) {
@@ -1111,7 +1117,7 @@ static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, 
         if (per_sm < 1) return false;
         bool stash = false;
         if constexpr (U == MV_RING)
-            stash = qu->attn_rows >= stash_rows && threads <= 128 &&
+            stash = qu->attn_rows >= stash_rows && threads <= MV_STASH_THREADS &&
                     per_sm_of(stream_regs<T, NT, U, stash_chunks(NT)>(optin)) >= per_sm;
         unsigned tiles, cnt;
         size_t floats;
