@@ -12,7 +12,9 @@
  * and softmax weights enter the products split into an f16 high part and the f16 of
  * the remainder (rows 0-7 and 8-15 of the m16 tile), scaled by powers of two into
  * f16's normal range, so the results carry f32-like precision. The next tile's rows
- * are read from device memory while the current one is computed.
+ * are read from device memory while the current one is computed. A 4-bit side's
+ * dimensions sit in shared memory in nibble_pos() order, which its codes convert to
+ * in fewer instructions; queries (keys) and outputs (values) follow that order.
  *
  * Decode: the 4 warps share the token's rows (query heads) and split each tile's
  * keys, then merge. Prefill: each warp takes its own query tokens and all keys, so a
@@ -61,19 +63,40 @@ static __device__ __forceinline__ uint32_t bytes_to_h2(uint32_t w, uint32_t sel)
     return h2_bits(__hsub2(*(const __half2 *)&v, __half2half2(__ushort_as_half(0x6400))));
 }
 
-/* 8 codes of `BITS` (the raw bytes of one unit) as 4 f16 pairs. */
+/* Where a 4-bit side keeps dimension d of a unit of 8 in shared memory: codes 0,4,1,5,
+ * 2,6,3,7 of the unit, in that order (codes_to_h8), so position p holds dimension
+ * p / 2 + 4 (p % 2). The order lies within each unit of 8, so groups and k-steps
+ * keep their dimensions. */
+static __device__ __forceinline__ int nibble_pos(int d) { return (d & ~7) | (d & 3) << 1 | (d >> 2 & 1); }
+
+/* (x & mask) | 0x64006400: f16 pairs 1024 + the masked bits, one instruction. */
+static __device__ __forceinline__ uint32_t f16_of_bits(uint32_t x, uint32_t mask) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, 0x64006400, 0xEA;" : "=r"(r) : "r"(x), "r"(mask));
+    return r;
+}
+
+/* 8 codes of `BITS` (the raw bytes of one unit) as 4 f16 pairs: in order for 8 bits,
+ * in nibble_pos order for 4 (nibbles low first, so bits 0-3 and 16-19 are codes 0
+ * and 4, bits 4-7 and 20-23 codes 1 and 5 times 16). */
 template <int BITS>
 static __device__ __forceinline__ uint4 codes_to_h8(uint2 raw) {
-    uint32_t w0, w1;
-    if (BITS == 8) {
-        w0 = raw.x, w1 = raw.y;
-    } else { /* nibbles, low first: bytes of codes 0,2,4,6 and 1,3,5,7, interleaved */
-        const uint32_t lo = raw.x & 0x0F0F0F0Fu, hi = (raw.x >> 4) & 0x0F0F0F0Fu;
-        w0 = __byte_perm(lo, hi, 0x5140);
-        w1 = __byte_perm(lo, hi, 0x7362);
-    }
-    return make_uint4(bytes_to_h2(w0, 0x5140), bytes_to_h2(w0, 0x5342), bytes_to_h2(w1, 0x5140),
-                      bytes_to_h2(w1, 0x5342));
+    if (BITS == 8)
+        return make_uint4(bytes_to_h2(raw.x, 0x5140), bytes_to_h2(raw.x, 0x5342), bytes_to_h2(raw.y, 0x5140),
+                          bytes_to_h2(raw.y, 0x5342));
+    const __half2 k1024 = __half2half2(__ushort_as_half(0x6400)), sixteenth = __half2half2(__ushort_as_half(0x2C00)),
+                  minus64 = __half2half2(__ushort_as_half(0xD400)); /* (1024 + 16 c) / 16 - 64 = c */
+    const uint32_t x = raw.x, y = x >> 8, a = f16_of_bits(x, 0x000F000Fu), b = f16_of_bits(x, 0x00F000F0u),
+                   c = f16_of_bits(y, 0x000F000Fu), d = f16_of_bits(y, 0x00F000F0u);
+    return make_uint4(h2_bits(__hsub2(*(const __half2 *)&a, k1024)), h2_bits(__hfma2(*(const __half2 *)&b, sixteenth, minus64)),
+                      h2_bits(__hsub2(*(const __half2 *)&c, k1024)), h2_bits(__hfma2(*(const __half2 *)&d, sixteenth, minus64)));
+}
+
+/* 8 f16 values of a row put into nibble_pos order. */
+static __device__ __forceinline__ void to_nibble_order(__half *p) {
+    const uint4 w = *(const uint4 *)p;
+    *(uint4 *)p = make_uint4(__byte_perm(w.x, w.z, 0x5410), __byte_perm(w.x, w.z, 0x7632), __byte_perm(w.y, w.w, 0x5410),
+                             __byte_perm(w.y, w.w, 0x7632));
 }
 
 /* What the block's query tokens read, together: packed rows of positions [a1, b1]
@@ -115,6 +138,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     griddep_release();
     extern __shared__ __align__(16) uint8_t smem[];
     constexpr int LD = D + 8, QW = 8 / G, NTI = PREFILL ? 8 : 2, KS = PREFILL ? 4 : 1;
+    constexpr bool KN = KB == 4, VN = VB == 4; /* sides in nibble_pos order */
     constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
     constexpr int KG = KB < 16 ? GS : D, VG = VB < 16 ? GS : D, nkg = D / KG, nvg = D / VG;
     /* row bytes of a block's sides (kv_quant.h), so the tile's addressing is constant */
@@ -312,9 +336,10 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     float qsum[D / 16];
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
-        const int d0 = kk * 16 + 2 * t;
+        /* dimensions of positions 2t, 2t + 1 and 8 on of the k-step */
+        const int d0 = kk * 16 + (KN ? t : 2 * t), d1 = d0 + (KN ? 4 : 1);
         float x0 = 0, x1 = 0, x2 = 0, x3 = 0;
-        if (row_on) x0 = qv[d0], x1 = qv[d0 + 1], x2 = qv[d0 + 8], x3 = qv[d0 + 9];
+        if (row_on) x0 = qv[d0], x1 = qv[d1], x2 = qv[d0 + 8], x3 = qv[d1 + 8];
         split_h2(x0 * q_scale, x1 * q_scale, qa[kk][0], qa[kk][1]);
         split_h2(x2 * q_scale, x3 * q_scale, qa[kk][2], qa[kk][3]);
         qsum[kk] = x0 + x1 + x2 + x3; /* per k-step; a key group's sum below (prepared q only) */
@@ -332,6 +357,15 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     for (int i = i0; i < i1; i++) {
         const int s = (i - i0) % 2;
         cp_async_wait_all();
+        if ((KN || VN) && i >= P.t1 + P.t2) { /* f16 rows of this thread's copies (load_f16) into nibble order */
+            __half *ks, *vs;
+            float2 *kp, *vp;
+            stage(s, ks, vs, kp, vp);
+            for (int u = threadIdx.x; u < TILE * D / 8; u += TILE_THREADS) {
+                if (KN) to_nibble_order(ks + u / (D / 8) * LD + u % (D / 8) * 8);
+                if (VN) to_nibble_order(vs + u / (D / 8) * LD + u % (D / 8) * 8);
+            }
+        }
         __syncthreads(); /* tile i is in stage s; stage s ^ 1 is free */
         const bool next_done = i + 1 < i1 ? begin_tile(s ^ 1, tile_src(i + 1)) : true;
         __half *ks, *vs;
@@ -485,7 +519,10 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         if (!row_on) return;
         float *part = attn_part(a, ti, h, n_splits, split);
 #pragma unroll
-        for (int dn = 0; dn < D / 8; dn++) *(float2 *)(part + 4 + dn * 8 + 2 * t) = make_float2(out[dn][0], out[dn][1]);
+        for (int dn = 0; dn < D / 8; dn++) {
+            if (VN) part[4 + dn * 8 + t] = out[dn][0], part[4 + dn * 8 + 4 + t] = out[dn][1];
+            else *(float2 *)(part + 4 + dn * 8 + 2 * t) = make_float2(out[dn][0], out[dn][1]);
+        }
         if (t == 0) *(float4 *)part = make_float4(m, l, lp, split == 0 ? (float)n_eff : 0.0f);
         return;
     }
@@ -507,7 +544,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             const float mw = ml[(w * 8 + r) * 3], f = mw == -INFINITY ? 0.0f : __expf(mw - M);
             L += ml[(w * 8 + r) * 3 + 1] * f;
             LP += ml[(w * 8 + r) * 3 + 2] * f;
-            A += ob[(w * 8 + r) * D + d] * f;
+            A += ob[(w * 8 + r) * D + (VN ? nibble_pos(d) : d)] * f; /* ob in the values' order */
         }
         float *part = attn_part(a, grp.t0, kvh * G + r, n_splits, split);
         part[4 + d] = A;
