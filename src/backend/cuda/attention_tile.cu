@@ -362,8 +362,9 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             float2 *kp, *vp;
             stage(s, ks, vs, kp, vp);
             for (int u = threadIdx.x; u < TILE * D / 8; u += TILE_THREADS) {
-                if (KN) to_nibble_order(ks + u / (D / 8) * LD + u % (D / 8) * 8);
-                if (VN) to_nibble_order(vs + u / (D / 8) * LD + u % (D / 8) * 8);
+                const int at = u / (D / 8) * LD + u % (D / 8) * 8;
+                if (KN) to_nibble_order(ks + at);
+                if (VN) to_nibble_order(vs + at);
             }
         }
         __syncthreads(); /* tile i is in stage s; stage s ^ 1 is free */
@@ -536,7 +537,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         *(float2 *)(ob + (warp * 8 + g) * D + dn * 8 + 2 * t) = make_float2(out[dn][0], out[dn][1]);
     __syncthreads();
     for (int e = threadIdx.x; e < G * D; e += TILE_THREADS) { /* rows 0..G-1: the token's heads */
-        const int r = e / D, d = e % D;
+        const int r = e / D, d = e % D, dp = VN ? nibble_pos(d) : d; /* ob in the values' order */
         float M = -INFINITY;
         for (int w = 0; w < 4; w++) M = fmaxf(M, ml[(w * 8 + r) * 3]);
         float L = 0, LP = 0, A = 0;
@@ -544,7 +545,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             const float mw = ml[(w * 8 + r) * 3], f = mw == -INFINITY ? 0.0f : __expf(mw - M);
             L += ml[(w * 8 + r) * 3 + 1] * f;
             LP += ml[(w * 8 + r) * 3 + 2] * f;
-            A += ob[(w * 8 + r) * D + (VN ? nibble_pos(d) : d)] * f; /* ob in the values' order */
+            A += ob[(w * 8 + r) * D + dp] * f;
         }
         float *part = attn_part(a, grp.t0, kvh * G + r, n_splits, split);
         part[4 + d] = A;
