@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     const cuk_attn_group grp = a.groups[blockIdx.x / a.n_kv];
     const size_t stage_bytes = stage_halves<D>() * 2 + (size_t)TILE * (nkg + nvg) * sizeof(float2);
     __shared__ tile_plan sp;
-    __shared__ uint64_t s_table, s_fresh_block, s_ring, s_sink;
+    __shared__ uint64_t s_table, s_fresh_block, s_ring, s_sink, s_blk[2];
     __shared__ int32_t s_nkb, s_base, s_ring_cap, s_sink_cap;
 
     /* the group's rows, together (warp 0: a lane per token). The plans are staged step
@@ -202,17 +202,34 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     uint2 rk[KU], rv[KU];
     uint32_t rkp[2], rvp[2]; /* (scale, bias) words: at most 2 per thread and side */
 
-    /* where tile i's rows are (tile_at); the fresh rows' block from the plan (its table
-     * entry may be the KV encode's, cuk_attn_tok) */
-    auto tile_src = [&](int i) {
+    /* packed tile i's KV block (its index in the sequence) and that block's table entry */
+    auto block_index = [&](int i) {
+        const bool r1 = i < P.t1;
+        return (r1 ? P.a1 : P.a2) / TILE + (r1 ? i : i - P.t1);
+    };
+    auto table_entry = [&](int32_t L) { return (const uint64_t *)s_table + (L < s_nkb ? L : L - s_base); };
+    /* Thread 0 copies tile i's block address from the table into s_blk[i % 2] a tile
+     * ahead: the copy completes at the loop's cp_async_wait_all and is seen after its
+     * barrier, so no warp waits on a table read before it can ask for the tile's rows */
+    auto prefetch_block = [&](int i) {
+        if (threadIdx.x == 0 && i < i1 && i < P.t1 + P.t2 && block_index(i) != P.fresh / TILE)
+            cp_async8(&s_blk[i % 2], table_entry(block_index(i)));
+    };
+    /* where tile i's rows are (tile_at): a packed tile's block read from the table
+     * (FROM_TABLE) or from s_blk (FROM_PREFETCH), or left out (NO_BLOCK); the fresh
+     * rows' block from the plan (its table entry may be the KV encode's, cuk_attn_tok) */
+    enum { FROM_TABLE, FROM_PREFETCH, NO_BLOCK };
+    auto tile_src = [&](int i, int block_from) {
         tile_at ts;
         if (i < P.t1 + P.t2) {
             const bool r1 = i < P.t1;
+            const int32_t L = block_index(i);
             ts.lo = r1 ? P.a1 : P.a2, ts.hi = r1 ? P.b1 : P.b2;
-            const int32_t L = ts.lo / TILE + (r1 ? i : i - P.t1), e = L < s_nkb ? L : L - s_base;
             ts.kind = 0;
             ts.p0 = L * TILE;
-            const uint64_t blk = L == P.fresh / TILE ? s_fresh_block : ((const uint64_t *)s_table)[e];
+            uint64_t blk = 0;
+            if (block_from != NO_BLOCK)
+                blk = L == P.fresh / TILE ? s_fresh_block : block_from == FROM_TABLE ? *table_entry(L) : s_blk[i % 2];
             ts.hb = (const uint8_t *)blk + (size_t)kvh * HEAD;
         } else {
             ts.kind = 1;
@@ -326,11 +343,12 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * theirs (a decode step at depth 512 reads one tile a block). Another first tile
      * is found again after the wait: the encode may have written its table entry (a
      * prefill chunk's second block). */
-    const tile_at first = tile_src(i0);
+    const tile_at first = tile_src(i0, FROM_TABLE);
     const bool early = first.kind == 0 && min(first.hi, first.p0 + TILE - 1) < P.fresh;
     bool done = early && begin_tile(0, first);
     griddep_wait();
-    if (!early) done = begin_tile(0, tile_src(i0)); /* its loads in flight while the queries are read */
+    if (!early) done = begin_tile(0, tile_src(i0, FROM_TABLE)); /* its loads in flight while the queries are read */
+    prefetch_block(i0 + 1);
     const float qmu = row_on && prepped ? prep[0] : 0.0f;
     uint32_t qa[D / 16][4];
     float qsum[D / 16];
@@ -368,13 +386,14 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             }
         }
         __syncthreads(); /* tile i is in stage s; stage s ^ 1 is free */
-        const bool next_done = i + 1 < i1 ? begin_tile(s ^ 1, tile_src(i + 1)) : true;
+        const bool next_done = i + 1 < i1 ? begin_tile(s ^ 1, tile_src(i + 1, FROM_PREFETCH)) : true;
+        prefetch_block(i + 2);
         __half *ks, *vs;
         float2 *kp, *vp;
         stage(s, ks, vs, kp, vp);
         /* found again, not kept from the last iteration: held across it, the prefill
          * kernels spill (ptxas) */
-        const tile_at ts = tile_src(i);
+        const tile_at ts = tile_src(i, NO_BLOCK);
         const int32_t p0 = ts.p0, hi = ts.hi;
         const bool packed = ts.kind == 0, r1 = i < P.t1;
         const bool kq = packed && KB < 16, vq = packed && VB < 16; /* rows with groups */
