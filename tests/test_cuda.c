@@ -782,8 +782,11 @@ static void test_attention(void) {
         {"f16 sliding window 100", 256, 4, 1, 16, 16, 64, 0, 0, 0, 100, 0},
         {"K4V4 sliding window 100 (rotating)", 128, 4, 1, 4, 4, 64, 32, 4, 100, 100, 1},
         {"K8V16 mixed", 128, 8, 2, 8, 16, 64, 32, 4, 0, 0, 1},
-        /* 80 decode items: few splits of many tiles each, as a batch of 16 has */
+        /* 80 decode items: few splits of many tiles each, as a batch of 16 has (in
+         * each tile format, the next tiles' block addresses a tile ahead) */
         {"K8V4 GQA 4, 40 KV heads", 128, 160, 40, 8, 4, 64, 32, 4, 0, 0, 1},
+        {"K4V4 GQA 4, 40 KV heads", 128, 160, 40, 4, 4, 64, 32, 4, 0, 0, 1},
+        {"f16 GQA 4, 40 KV heads", 128, 160, 40, 16, 16, 64, 0, 0, 0, 0, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) attn_case_run(be, &cases[i]);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_device_append(be, &cases[i]);
