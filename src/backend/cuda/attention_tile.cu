@@ -227,10 +227,11 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             ts.lo = r1 ? P.a1 : P.a2, ts.hi = r1 ? P.b1 : P.b2;
             ts.kind = 0;
             ts.p0 = L * TILE;
-            uint64_t blk = 0;
-            if (block_from != NO_BLOCK)
-                blk = L == P.fresh / TILE ? s_fresh_block : block_from == FROM_TABLE ? *table_entry(L) : s_blk[i % 2];
-            ts.hb = (const uint8_t *)blk + (size_t)kvh * HEAD;
+            ts.hb = nullptr;
+            if (block_from != NO_BLOCK) {
+                const uint64_t blk = L == P.fresh / TILE ? s_fresh_block : block_from == FROM_TABLE ? *table_entry(L) : s_blk[i % 2];
+                ts.hb = (const uint8_t *)blk + (size_t)kvh * HEAD;
+            }
         } else {
             ts.kind = 1;
             ts.p0 = (i - P.t1 - P.t2) * TILE;
