@@ -200,7 +200,7 @@ static void test_q8_weights(void) {
     compare_config(m, "q8_0 weights, K8V4, logits written to the host", &kv, 200, 7, 16, 1e-2);
     setenv("KVQ_CUDA_RESULT_SPLIT", split, 1);
     /* decode rows packed beside the attention (cuk_kv_pack), read packed from the 9th
-     * step on. The bound is tight here: HEAD's worst step is 8.3e-3, and the CPU against
+     * step on. The bound is tight here: 2333053's worst step is 8.3e-3, and the CPU against
      * itself reaches 1.2e-2 with this cache (kvq perplexity -c 256 --chunks 2 --kv-bits
      * 4,4 --kv-residual 8, KVQ_SIMD=scalar vs avx2: mean KLD 1.6e-3); GPU changes that
      * only reorder a sum moved it to 9.6e-3 and 1.0e-2 (docs/cuda-performance.md). */
