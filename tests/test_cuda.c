@@ -81,8 +81,8 @@ static int prompt(const struct kvq_model *m, int32_t *ids, int max) {
 
 /* The next-token logits of one sequence after a prompt prefilled in chunks of
  * n_batch and `steps` greedy decode steps (the CPU's choices, so both follow one
- * path), compared at every step. */
-static void compare_config(struct kvq_model *m, const char *label, const struct kvq_kv_config *kv, int n_prompt,
+ * path), compared at every step against max_kl. Returns the mean KL of the steps. */
+static double compare_config(struct kvq_model *m, const char *label, const struct kvq_kv_config *kv, int n_prompt,
                            int n_batch, int steps, double max_kl) {
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
@@ -92,7 +92,7 @@ static void compare_config(struct kvq_model *m, const char *label, const struct 
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
     int n = prompt(m, ids, n_prompt);
     CHECK(n == n_prompt, "%s: prompt of %d tokens, got %d", label, n_prompt, n);
-    double worst_kl = 0;
+    double worst_kl = 0, sum_kl = 0;
     int agree = 0, total = 0;
     if (cpu && gpu && n == n_prompt) {
         struct kvq_batch b = {.n_tokens = n, .tokens = ids};
@@ -105,6 +105,7 @@ static void compare_config(struct kvq_model *m, const char *label, const struct 
             for (int i = 0; i < info.n_vocab; i++) finite = finite && isfinite(lg[i]);
             CHECK(finite, "%s: step %d: non-finite GPU logits", label, s);
             worst_kl = fmax(worst_kl, d);
+            sum_kl += d;
             int32_t t = argmax(lc, info.n_vocab);
             agree += t == argmax(lg, info.n_vocab);
             total++;
@@ -113,12 +114,14 @@ static void compare_config(struct kvq_model *m, const char *label, const struct 
             CHECK(rc == 0, "%s: decode: %s", label, kvq_last_error());
         }
     }
-    printf("%-34s KL(cpu || gpu) max %.2e, argmax agrees %d/%d\n", label, worst_kl, agree, total);
+    const double mean_kl = total ? sum_kl / total : INFINITY;
+    printf("%-34s KL(cpu || gpu) max %.2e, mean %.2e, argmax agrees %d/%d\n", label, worst_kl, mean_kl, agree, total);
     CHECK(worst_kl < max_kl, "%s: GPU distribution differs from the CPU's (KL %g)", label, worst_kl);
     CHECK(agree >= total - 1, "%s: argmax differs at %d of %d steps", label, total - agree, total);
     free(ids);
     kvq_context_free(cpu);
     kvq_context_free(gpu);
+    return mean_kl;
 }
 
 static void kv_set(struct kvq_kv_config *kv, int kb, int vb) {
@@ -200,13 +203,16 @@ static void test_q8_weights(void) {
     compare_config(m, "q8_0 weights, K8V4, logits written to the host", &kv, 200, 7, 16, 1e-2);
     setenv("KVQ_CUDA_RESULT_SPLIT", split, 1);
     /* decode rows packed beside the attention (cuk_kv_pack), read packed from the 9th
-     * step on. The bound is tight here: 2333053's worst step is 8.3e-3, and the CPU against
-     * itself reaches 1.2e-2 with this cache (kvq perplexity -c 256 --chunks 2 --kv-bits
-     * 4,4 --kv-residual 8, KVQ_SIMD=scalar vs avx2: mean KLD 1.6e-3); GPU changes that
-     * only reorder a sum moved it to 9.6e-3 and 1.0e-2 (docs/cuda-performance.md). */
+     * step on. With 4-bit keys and values and int8 inputs, the CPU's own SIMD levels
+     * differ by a mean KL of 1.9e-3 and a worst token of 0.11 (kvq perplexity -c 256
+     * --chunks 4 --kv-bits 4,4 --kv-residual 8, KVQ_SIMD=scalar vs avx2: 508 tokens,
+     * 99th percentile 1.1e-2), so the worst of 25 steps says little: a bound of 1e-2
+     * on it failed for a change that only reordered a sum (docs/cuda-performance.md).
+     * The mean is bounded at twice the CPU's own, the worst step at half its worst. */
     kv_set(&kv, 4, 4);
     kv.residual = 8;
-    compare_config(m, "q8_0 weights, K4V4 (residual 8)", &kv, 200, 16, 24, 1e-2);
+    const double mean = compare_config(m, "q8_0 weights, K4V4 (residual 8)", &kv, 200, 16, 24, 5e-2);
+    CHECK(mean < 4e-3, "q8_0 weights, K4V4 (residual 8): mean KL %g over the steps", mean);
     kvq_model_free(m);
 }
 
