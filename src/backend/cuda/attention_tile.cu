@@ -1,6 +1,7 @@
 /* Attention on tensor cores over the paged cache, for the common row formats (keys
  * and values of 4, 8 or 16 bits, head size 64 or 128, up to 8 query heads per KV
- * head); attention.cu's kernel takes the rest.
+ * head); attention.cu's kernel takes the rest. A token's query heads take R =
+ * cuk_attn_tile_rows() rows of the m16 tiles, those past the model's group idle.
  *
  * A block takes one group of query tokens (a decode token, or up to 32 consecutive
  * tokens of a prefill chunk) with the query heads of one KV head, and one split of the
@@ -132,12 +133,14 @@ static __host__ __device__ constexpr size_t row_bytes() {
 }
 
 /* GS: the group size of the packed sides (D for f16), so every index into the
- * per-thread arrays is a constant and they stay in registers. */
+ * per-thread arrays is a constant and they stay in registers. G: query heads a KV
+ * head, 1, 2, 4 or 8 (R = G, no idle rows), or 0 for the others (3, 5, 6, 7:
+ * R = 8, the group read from a). */
 template <int D, int KB, int VB, int GS, int G, bool PREFILL>
 __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a, int n_splits, bool prepped) {
     griddep_release();
     extern __shared__ __align__(16) uint8_t smem[];
-    constexpr int LD = D + 8, QW = 8 / G, NTI = PREFILL ? 8 : 2, KS = PREFILL ? 4 : 1;
+    constexpr int R = G > 0 ? G : 8, LD = D + 8, QW = 8 / R, NTI = PREFILL ? 8 : 2, KS = PREFILL ? 4 : 1;
     constexpr bool KN = KB == 4, VN = VB == 4; /* sides in nibble_pos order */
     constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
     constexpr int KG = KB < 16 ? GS : D, VG = VB < 16 ? GS : D, nkg = D / KG, nvg = D / VG;
@@ -183,8 +186,9 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     if (i0 >= i1) return;
 
     /* this thread's row: query qi of the warp, head hh (rows g hi, g + 8 lo) */
-    const int qi = PREFILL ? warp * QW + g / G : g / G, hh = g % G, h = kvh * G + hh;
-    const bool row_on = qi < grp.nt;
+    const int group = G > 0 ? G : a.n_head / a.n_kv;
+    const int qi = PREFILL ? warp * QW + g / R : g / R, hh = g % R, h = kvh * group + (hh < group ? hh : 0);
+    const bool row_on = qi < grp.nt && hh < group;
     const int ti = grp.t0 + (row_on ? qi : 0);
     const cuk_attn_tok tk = a.toks[ti];
     /* q prepared (q.mu, then q scaled and rotated), or as it is (float keys without
@@ -556,8 +560,9 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     for (int dn = 0; dn < D / 8; dn++)
         *(float2 *)(ob + (warp * 8 + g) * D + dn * 8 + 2 * t) = make_float2(out[dn][0], out[dn][1]);
     __syncthreads();
-    for (int e = threadIdx.x; e < G * D; e += TILE_THREADS) { /* rows 0..G-1: the token's heads */
+    for (int e = threadIdx.x; e < R * D; e += TILE_THREADS) { /* rows 0..group-1: the token's heads */
         const int r = e / D, d = e % D, dp = VN ? nibble_pos(d) : d; /* ob in the values' order */
+        if (r >= group) break;
         float M = -INFINITY;
         for (int w = 0; w < 4; w++) M = fmaxf(M, ml[(w * 8 + r) * 3]);
         float L = 0, LP = 0, A = 0;
@@ -567,7 +572,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             LP += ml[(w * 8 + r) * 3 + 2] * f;
             A += ob[(w * 8 + r) * D + dp] * f;
         }
-        float *part = attn_part(a, grp.t0, kvh * G + r, n_splits, split);
+        float *part = attn_part(a, grp.t0, kvh * group + r, n_splits, split);
         part[4 + d] = A;
         if (d == 0) *(float4 *)part = make_float4(M, L, LP, split == 0 ? (float)n_eff : 0.0f);
     }
@@ -602,7 +607,8 @@ static int launch_g(cuk_queue *qu, const cuk_attn_args *a) {
     case 1: return pre ? launch<D, KB, VB, GS, 1, true>(qu, a) : launch<D, KB, VB, GS, 1, false>(qu, a);
     case 2: return pre ? launch<D, KB, VB, GS, 2, true>(qu, a) : launch<D, KB, VB, GS, 2, false>(qu, a);
     case 4: return pre ? launch<D, KB, VB, GS, 4, true>(qu, a) : launch<D, KB, VB, GS, 4, false>(qu, a);
-    default: return pre ? launch<D, KB, VB, GS, 8, true>(qu, a) : launch<D, KB, VB, GS, 8, false>(qu, a);
+    case 8: return pre ? launch<D, KB, VB, GS, 8, true>(qu, a) : launch<D, KB, VB, GS, 8, false>(qu, a);
+    default: return pre ? launch<D, KB, VB, GS, 0, true>(qu, a) : launch<D, KB, VB, GS, 0, false>(qu, a);
     }
 }
 
@@ -625,7 +631,7 @@ static int launch_formats(cuk_queue *qu, const cuk_attn_args *a) {
 bool attn_tile_prepped(const cuk_attn_args *a) { return a->k_rot || a->k_bits < 16; }
 
 bool attn_tile_takes(const cuk_attn_args *a) {
-    const int D = a->head_dim, G = a->n_head / a->n_kv, kb = a->k_bits, vb = a->v_bits;
+    const int D = a->head_dim, kb = a->k_bits, vb = a->v_bits;
     /* groups a k-step stays inside, at most 2 (scale, bias) words a thread; rows on the
      * boundaries the loads need */
     const bool groups_ok = (kb == 16 && vb == 16) || ((a->k_group == 32 || a->k_group == 64) && a->v_group == a->k_group &&
@@ -634,8 +640,8 @@ bool attn_tile_takes(const cuk_attn_args *a) {
     const bool rows = a->k_row == k_row && a->v_row == v_row && a->head_bytes == TILE * (k_row + v_row); /* row_bytes<> */
     const bool aligned = k_row % 8 == 0 && v_row % 8 == 0 && a->head_bytes % 16 == 0 && a->win_row % 16 == 0;
     const bool formats = (kb == 16 && vb == 16) || (kb == 8 && (vb == 8 || vb == 4)) || (kb == 4 && vb == 4);
-    return formats && groups_ok && rows && aligned && (D == 64 || D == 128) && G * a->n_kv == a->n_head &&
-           (G == 1 || G == 2 || G == 4 || G == 8) && a->n_groups > 0 && a->max_group <= 32;
+    return formats && groups_ok && rows && aligned && (D == 64 || D == 128) && a->n_head % a->n_kv == 0 &&
+           cuk_attn_tile_rows(a->n_head / a->n_kv) > 0 && a->n_groups > 0 && a->max_group <= 32;
 }
 
 int attn_tile_launch(cuk_queue *qu, const cuk_attn_args *a) {

@@ -175,6 +175,13 @@ struct cuk_attn_args {
     float *qprep;
     int q_prepped;
 };
+/* Rows of the m16 tiles a token takes in the tensor-core attention kernel
+ * (attention_tile.cu): its query heads of one KV head, the model's group (n_head /
+ * n_kv) where that is 1, 2, 4 or 8; 8 for 3, 5, 6 and 7 (Llama 3.2 3B, Qwen2.5), the
+ * rows past the group idle; 0 past 8 (attention.cu's kernel takes those). */
+static inline int cuk_attn_tile_rows(int group) {
+    return group < 1 || group > 8 ? 0 : group == 1 || group == 2 || group == 4 ? group : 8;
+}
 /* Floats of cuk_attn_args.qprep for n batch tokens. */
 size_t cuk_qprep_floats(int n, int n_head, int head_dim);
 /* ---- appending to the cache on the device ----
