@@ -603,7 +603,8 @@ static int launch(cuk_queue *qu, const cuk_attn_args *a) {
 template <int D, int KB, int VB, int GS>
 static int launch_g(cuk_queue *qu, const cuk_attn_args *a) {
     const bool pre = a->max_group > 1;
-    switch (a->n_head / a->n_kv) {
+    const int group = a->n_head / a->n_kv;
+    switch (cuk_attn_tile_rows(group) == group ? group : 0) { /* 0: rows past the group idle */
     case 1: return pre ? launch<D, KB, VB, GS, 1, true>(qu, a) : launch<D, KB, VB, GS, 1, false>(qu, a);
     case 2: return pre ? launch<D, KB, VB, GS, 2, true>(qu, a) : launch<D, KB, VB, GS, 2, false>(qu, a);
     case 4: return pre ? launch<D, KB, VB, GS, 4, true>(qu, a) : launch<D, KB, VB, GS, 4, false>(qu, a);
