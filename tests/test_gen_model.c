@@ -2,7 +2,8 @@
  * temporary folder, loads through the public API with the real model's shape and
  * parameter count (494,032,768 for Qwen2.5-0.5B), its tensors have the expected
  * types, its placeholder vocabulary tokenizes, and one decode step gives finite
- * logits. Files are deleted afterwards. */
+ * logits. gemma3-4b (2 layers, q4_0) likewise, with head size 256 != n_embd / n_head
+ * and Gemma's metadata and norms. Files are deleted afterwards. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +21,28 @@
 static uint64_t qwen05_params(int n_layer) {
     uint64_t per_layer = 2ull * 896 * 896 + 2ull * 896 * 128 + 896 + 2 * 128 + 3ull * 896 * 4864 + 2 * 896;
     return 151936ull * 896 + per_layer * (uint64_t)n_layer + 896;
+}
+
+/* The placeholder vocabulary tokenizes and one decode step gives finite logits. */
+static void check_decode(struct kvq_model *m, int n_vocab) {
+    kvq_token toks[32];
+    int n = kvq_tokenize(m, "Hello, world!", 13, true, false, toks, 32);
+    CHECK(n > 2 && n <= 32 && toks[0] == kvq_token_bos(m), "tokenize: %d tokens", n);
+    struct kvq_context_params cp;
+    kvq_context_params_default(&cp);
+    cp.n_ctx = 64;
+    cp.n_threads = 2;
+    struct kvq_context *c = kvq_context_new(m, &cp);
+    CHECK(c != NULL, "context: %s", kvq_last_error());
+    if (c && n > 0 && n <= 32) {
+        struct kvq_batch b = {.n_tokens = n, .tokens = toks};
+        CHECK(kvq_decode(c, &b) == 0, "decode: %s", kvq_last_error());
+        const float *lg = kvq_get_logits(c, n - 1);
+        bool finite = lg != NULL;
+        for (int i = 0; lg && i < n_vocab; i++) finite &= isfinite(lg[i]);
+        CHECK(finite, "logits are finite");
+    }
+    kvq_context_free(c);
 }
 
 static void check_model(const char *bin, const char *dir, const char *type, int layers, uint32_t want_type) {
@@ -60,24 +83,68 @@ static void check_model(const char *bin, const char *dir, const char *type, int 
               "shape: vocab %d embd %d heads %d/%d hd %d ff %d", info.n_vocab, info.n_embd, info.n_head,
               info.n_head_kv, info.head_dim, info.n_ff);
         CHECK(!strcmp(info.arch, "qwen2"), "arch %s", info.arch);
-        kvq_token toks[32];
-        int n = kvq_tokenize(m, "Hello, world!", 13, true, false, toks, 32);
-        CHECK(n > 2 && n <= 32 && toks[0] == kvq_token_bos(m), "tokenize: %d tokens", n);
-        struct kvq_context_params cp;
-        kvq_context_params_default(&cp);
-        cp.n_ctx = 64;
-        cp.n_threads = 2;
-        struct kvq_context *c = kvq_context_new(m, &cp);
-        CHECK(c != NULL, "context: %s", kvq_last_error());
-        if (c && n > 0 && n <= 32) {
-            struct kvq_batch b = {.n_tokens = n, .tokens = toks};
-            CHECK(kvq_decode(c, &b) == 0, "decode: %s", kvq_last_error());
-            const float *lg = kvq_get_logits(c, n - 1);
-            bool finite = lg != NULL;
-            for (int i = 0; lg && i < info.n_vocab; i++) finite &= isfinite(lg[i]);
-            CHECK(finite, "logits are finite");
-        }
-        kvq_context_free(c);
+        check_decode(m, info.n_vocab);
+        kvq_model_free(m);
+    }
+    remove(path);
+}
+
+/* Gemma 3 4B (llama.cpp's GGUF): embeddings 262144 x 2560 (tied); per layer q 2560x2048,
+ * k/v 2560x1024, o 2048x2560, gate/up/down 2560x10240, four norms of 2560 and the
+ * q/k norms of 256; a final norm. Full depth (34 layers): 3,880,099,328. */
+static uint64_t gemma4b_params(int n_layer) {
+    uint64_t per_layer = 2ull * 2560 * 2048 + 2ull * 2560 * 1024 + 3ull * 2560 * 10240 + 4 * 2560 + 2 * 256;
+    return 262144ull * 2560 + per_layer * (uint64_t)n_layer + 2560;
+}
+
+static void check_gemma(const char *bin, const char *dir) {
+    char path[512], cmd[2048];
+    snprintf(path, sizeof path, "%s/gemma.gguf", dir);
+    snprintf(cmd, sizeof cmd, "'%s' gen-model --shape gemma3-4b --type q4_0 -o '%s' --seed 7 --layers 2", bin, path);
+    int rc = system(cmd);
+    CHECK(rc == 0, "'%s' exited with %d", cmd, rc);
+    if (rc != 0) return;
+
+    struct gguf_file *f = gguf_open(path);
+    CHECK(f != NULL, "gguf_open: %s", kvq_last_error());
+    if (f) {
+        const struct gguf_tensor *t = gguf_find_tensor(f, "blk.0.attn_q.weight");
+        CHECK(t && t->type == KVQ_Q4_0 && t->ne[0] == 2560 && t->ne[1] == 2048, "attn_q");
+        t = gguf_find_tensor(f, "blk.1.attn_output.weight");
+        CHECK(t && t->type == KVQ_Q4_0 && t->ne[0] == 2048 && t->ne[1] == 2560, "attn_output");
+        t = gguf_find_tensor(f, "blk.1.attn_k_norm.weight");
+        CHECK(t && t->type == KVQ_F32 && t->ne[0] == 256 && ((const float *)t->data)[0] == 1.0f, "attn_k_norm");
+        t = gguf_find_tensor(f, "blk.0.post_ffw_norm.weight");
+        CHECK(t && t->type == KVQ_F32 && t->ne[0] == 2560 && ((const float *)t->data)[2559] == 1.0f, "post_ffw_norm");
+        CHECK(gguf_find_tensor(f, "output.weight") == NULL, "tied embeddings: no output.weight");
+        uint32_t kl = 0, vl = 0, swa = 0;
+        CHECK(gguf_get_u32(f, "gemma3.attention.key_length", &kl) && kl == 256 &&
+                  gguf_get_u32(f, "gemma3.attention.value_length", &vl) && vl == 256,
+              "key/value length %u/%u", kl, vl);
+        CHECK(gguf_get_u32(f, "gemma3.attention.sliding_window", &swa) && swa == 1024, "sliding_window %u", swa);
+        float theta = 0, factor = 0, eps = 0;
+        CHECK(gguf_get_f32(f, "gemma3.rope.freq_base", &theta) && theta == 1e6f, "rope theta %g", (double)theta);
+        CHECK(gguf_get_f32(f, "gemma3.rope.scaling.factor", &factor) && factor == 8.0f, "rope factor %g", (double)factor);
+        CHECK(gguf_get_f32(f, "gemma3.attention.layer_norm_rms_epsilon", &eps) && eps == 1e-6f, "eps %g", (double)eps);
+        char s[32];
+        CHECK(gguf_get_str(f, "gemma3.rope.scaling.type", s, sizeof s) && !strcmp(s, "linear"), "rope scaling");
+        CHECK(gguf_get_str(f, "general.architecture", s, sizeof s) && !strcmp(s, "gemma3"), "architecture");
+        gguf_close(f);
+    }
+
+    struct kvq_model *m = kvq_model_load(path);
+    CHECK(m != NULL, "load %s: %s", path, kvq_last_error());
+    if (m) {
+        struct kvq_model_info info;
+        kvq_model_get_info(m, &info);
+        CHECK(info.n_params == gemma4b_params(2), "gemma3-4b: %llu parameters, expected %llu",
+              (unsigned long long)info.n_params, (unsigned long long)gemma4b_params(2));
+        CHECK(info.n_vocab == 262144 && info.n_embd == 2560 && info.n_layer == 2 && info.n_head == 8 &&
+                  info.n_head_kv == 4 && info.head_dim == 256 && info.n_ff == 10240 && info.n_ctx_train == 131072,
+              "shape: vocab %d embd %d layers %d heads %d/%d hd %d ff %d ctx %d", info.n_vocab, info.n_embd,
+              info.n_layer, info.n_head, info.n_head_kv, info.head_dim, info.n_ff, info.n_ctx_train);
+        CHECK(!strcmp(info.arch, "gemma3"), "arch %s", info.arch);
+        check_decode(m, info.n_vocab);
         kvq_model_free(m);
     }
     remove(path);
@@ -200,6 +267,7 @@ int main(void) {
     }
     check_model(bin, dir, "q8_0", 0, KVQ_Q8_0);
     check_model(bin, dir, "f16", 2, KVQ_F16);
+    check_gemma(bin, dir);
     check_quantizers(bin, dir);
     rmdir(dir);
     return check_finish();

@@ -3,7 +3,8 @@
  *
  * Weights are normal with std 1/sqrt(fan_in) (fan_in = row length), so every
  * projection roughly keeps its input's scale and activations stay finite; norm
- * weights are 1, biases 0.02 * normal. The vocabulary is a placeholder of the right
+ * weights are 1 (Gemma's too: its GGUF holds them with the +1 of Gemma's norm folded
+ * in), biases 0.02 * normal. The vocabulary is a placeholder of the right
  * size in llama.cpp's SPM form ("llama"): <unk> <s> </s>, the 256 byte tokens
  * <0x00>..<0xFF>, the printable ASCII characters and "▁", then "<pN>" placeholders.
  * Both kvq and llama.cpp load it. Data is produced tensor by tensor through the GGUF
@@ -30,15 +31,27 @@ struct shape {
     int n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, n_ctx;
     float rope_theta, rms_eps;
     bool tied, qkv_bias;
+    /* 0 for none: head_dim (key_length) when not n_embd / n_head; sliding_window;
+     * rope_linear, the factor of linear rope scaling (Gemma 3: global layers only) */
+    int head_dim, n_swa;
+    float rope_linear;
 };
 
-/* Mistral: the v0.2/v0.3 base shape with v0.2's vocabulary (32000) and rope theta 1e6. */
+/* Mistral: the v0.2/v0.3 base shape with v0.2's vocabulary (32000) and rope theta 1e6.
+ * Gemma 3 (arch gemma3: q/k norms, post-attention and post-FFN norms, GELU-tanh FFN,
+ * embeddings scaled by sqrt(n_embd)): llama.cpp's GGUF shape, its vocabulary the
+ * tokenizer's 262144 tokens (the HF embedding's 262208 rows less the unused ones the
+ * converter drops). Five sliding layers then one global, the local rope theta (10000)
+ * and the query scale 1/sqrt(head_dim) (query_pre_attn_scalar 256) are not in the
+ * file: kvq and llama.cpp hard-code them. */
 static const struct shape shapes[] = {
-    {"llama3-8b", "llama", "Meta-Llama-3-8B", 4096, 32, 32, 8, 14336, 128256, 8192, 500000.0f, 1e-5f, false, false},
-    {"llama3-70b", "llama", "Meta-Llama-3-70B", 8192, 80, 64, 8, 28672, 128256, 8192, 500000.0f, 1e-5f, false, false},
-    {"mistral-7b", "llama", "Mistral-7B-v0.2", 4096, 32, 32, 8, 14336, 32000, 32768, 1000000.0f, 1e-5f, false, false},
-    {"qwen2.5-0.5b", "qwen2", "Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, 32768, 1000000.0f, 1e-6f, true, true},
-    {"qwen2.5-7b", "qwen2", "Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, 32768, 1000000.0f, 1e-6f, false, true},
+    {"llama3-8b", "llama", "Meta-Llama-3-8B", 4096, 32, 32, 8, 14336, 128256, 8192, 500000.0f, 1e-5f, false, false, 0, 0, 0},
+    {"llama3-70b", "llama", "Meta-Llama-3-70B", 8192, 80, 64, 8, 28672, 128256, 8192, 500000.0f, 1e-5f, false, false, 0, 0, 0},
+    {"mistral-7b", "llama", "Mistral-7B-v0.2", 4096, 32, 32, 8, 14336, 32000, 32768, 1000000.0f, 1e-5f, false, false, 0, 0, 0},
+    {"qwen2.5-0.5b", "qwen2", "Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, 32768, 1000000.0f, 1e-6f, true, true, 0, 0, 0},
+    {"qwen2.5-7b", "qwen2", "Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, 32768, 1000000.0f, 1e-6f, false, true, 0, 0, 0},
+    {"gemma3-4b", "gemma3", "gemma-3-4b-pt", 2560, 34, 8, 4, 10240, 262144, 131072, 1000000.0f, 1e-6f, true, false, 256, 1024, 8.0f},
+    {"gemma3-12b", "gemma3", "gemma-3-12b-pt", 3840, 48, 16, 8, 15360, 262144, 131072, 1000000.0f, 1e-6f, true, false, 256, 1024, 8.0f},
 };
 #define N_SHAPES (sizeof shapes / sizeof shapes[0])
 
@@ -50,7 +63,8 @@ static const char *const gen_model_help =
     "kvq and llama.cpp load it; its output is noise, its speed and memory are real.\n"
     "\n"
     "  --shape NAME    llama3-8b | llama3-70b | mistral-7b (v0.2: vocab 32000, theta 1e6)\n"
-    "                  | qwen2.5-0.5b | qwen2.5-7b\n"
+    "                  | qwen2.5-0.5b | qwen2.5-7b | gemma3-4b | gemma3-12b (head size 256,\n"
+    "                  window 1024)\n"
     "  --type TYPE     f16 | q8_0 | q4_0 | q4_k | q6_k | q4_k_m: weights of the 2-D tensors\n"
     "                  (norms and biases are f32). q4_k_m is q4_k with q6_k for the output\n"
     "                  and for attn_v and ffn_down in llama-quantize's Q4_K_M layers. The\n"
@@ -352,15 +366,17 @@ int cmd_gen_model(int argc, char **argv) {
         else return cli_fail("unknown option '%s' for gen-model (see 'kvq gen-model --help')", a);
         if (!ok) return 1;
     }
-    if (!shape_name) return cli_fail("gen-model needs --shape (llama3-8b, llama3-70b, mistral-7b, qwen2.5-0.5b, qwen2.5-7b)");
+    if (!shape_name)
+        return cli_fail("gen-model needs --shape (llama3-8b, llama3-70b, mistral-7b, qwen2.5-0.5b, qwen2.5-7b, "
+                        "gemma3-4b, gemma3-12b)");
     if (!type_name) return cli_fail("gen-model needs --type (f16, q8_0, q4_0, q4_k, q6_k, q4_k_m)");
     if (!out) return cli_fail("gen-model needs an output file: -o FILE");
     const struct shape *sh = NULL;
     for (size_t i = 0; i < N_SHAPES; i++)
         if (!strcmp(shapes[i].name, shape_name)) sh = &shapes[i];
     if (!sh)
-        return cli_fail("unknown shape '%s' (expected llama3-8b, llama3-70b, mistral-7b, qwen2.5-0.5b or qwen2.5-7b)",
-                        shape_name);
+        return cli_fail("unknown shape '%s' (expected llama3-8b, llama3-70b, mistral-7b, qwen2.5-0.5b, qwen2.5-7b, "
+                        "gemma3-4b or gemma3-12b)", shape_name);
     uint32_t type;
     int ftype; /* llama.cpp's general.file_type */
     bool mix_m = false; /* q4_k_m */
@@ -374,12 +390,13 @@ int cmd_gen_model(int argc, char **argv) {
     if (n_threads <= 0) n_threads = kvq_online_cpus();
     if (n_threads > 256) n_threads = 256;
     int n_layer = n_layers > 0 ? n_layers : sh->n_layer;
-    int hd = sh->n_embd / sh->n_head, nq = sh->n_head * hd, nkv = sh->n_head_kv * hd;
+    int hd = sh->head_dim ? sh->head_dim : sh->n_embd / sh->n_head, nq = sh->n_head * hd, nkv = sh->n_head_kv * hd;
+    const bool gemma = !strcmp(sh->arch, "gemma3");
 
     struct gen g = {0};
     g.seed = seed;
     g.n_threads = n_threads;
-    g.t = calloc((size_t)n_layer * 12 + 4, sizeof *g.t);
+    g.t = calloc((size_t)n_layer * 13 + 4, sizeof *g.t);
     struct gguf_writer *w = gguf_writer_new();
     char **tok = calloc((size_t)sh->n_vocab, sizeof *tok);
     float *scores = malloc(sizeof(float) * (size_t)sh->n_vocab);
@@ -406,9 +423,18 @@ int cmd_gen_model(int argc, char **argv) {
     gguf_writer_add_u32(w, K("feed_forward_length"), (uint32_t)sh->n_ff);
     gguf_writer_add_u32(w, K("attention.head_count"), (uint32_t)sh->n_head);
     gguf_writer_add_u32(w, K("attention.head_count_kv"), (uint32_t)sh->n_head_kv);
+    if (sh->head_dim) {
+        gguf_writer_add_u32(w, K("attention.key_length"), (uint32_t)hd);
+        gguf_writer_add_u32(w, K("attention.value_length"), (uint32_t)hd);
+    }
+    if (sh->n_swa) gguf_writer_add_u32(w, K("attention.sliding_window"), (uint32_t)sh->n_swa);
     gguf_writer_add_f32(w, K("attention.layer_norm_rms_epsilon"), sh->rms_eps);
     gguf_writer_add_f32(w, K("rope.freq_base"), sh->rope_theta);
     gguf_writer_add_u32(w, K("rope.dimension_count"), (uint32_t)hd);
+    if (sh->rope_linear) {
+        gguf_writer_add_str(w, K("rope.scaling.type"), "linear");
+        gguf_writer_add_f32(w, K("rope.scaling.factor"), sh->rope_linear);
+    }
     if (!strcmp(a, "llama")) gguf_writer_add_u32(w, K("vocab_size"), (uint32_t)sh->n_vocab);
 
     /* Placeholder SPM vocabulary. */
@@ -468,16 +494,22 @@ int cmd_gen_model(int argc, char **argv) {
         T("attn_q.weight", 2, sh->n_embd, nq, INIT_NORMAL);
         T("attn_k.weight", 2, sh->n_embd, nkv, INIT_NORMAL);
         T_AS("attn_v.weight", 2, sh->n_embd, nkv, more, INIT_NORMAL);
+        if (gemma) {
+            T("attn_q_norm.weight", 1, hd, 1, INIT_ONES);
+            T("attn_k_norm.weight", 1, hd, 1, INIT_ONES);
+        }
         if (sh->qkv_bias) {
             T("attn_q.bias", 1, nq, 1, INIT_BIAS);
             T("attn_k.bias", 1, nkv, 1, INIT_BIAS);
             T("attn_v.bias", 1, nkv, 1, INIT_BIAS);
         }
         T("attn_output.weight", 2, nq, sh->n_embd, INIT_NORMAL);
+        if (gemma) T("post_attention_norm.weight", 1, sh->n_embd, 1, INIT_ONES);
         T("ffn_norm.weight", 1, sh->n_embd, 1, INIT_ONES);
         T("ffn_gate.weight", 2, sh->n_embd, sh->n_ff, INIT_NORMAL);
         T("ffn_up.weight", 2, sh->n_embd, sh->n_ff, INIT_NORMAL);
         T_AS("ffn_down.weight", 2, sh->n_ff, sh->n_embd, more, INIT_NORMAL);
+        if (gemma) T("post_ffw_norm.weight", 1, sh->n_embd, 1, INIT_ONES);
 #undef T_AS
 #undef T
     }
