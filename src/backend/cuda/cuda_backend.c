@@ -1483,7 +1483,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
     /* chunks: runs of consecutive positions of one sequence (a prefill), up to
      * chunk_max tokens, in caches without windows, which the tensor-core kernel
      * attends together; uc_chunk[t] is the length of the chunk starting at t, else 0 */
-    const int rows = cuk_attn_tile_rows(a->n_head / a->n_kv), chunk_max = rows ? 4 * (8 / rows) : 1;
+    const int chunk_max = cuk_attn_tile_chunk(a->n_head / a->n_kv, D);
     for (int t = 0; t < n;) {
         const struct kv_cache *c = a->caches[t];
         const bool plain = kv_cache_get_config(c)->max_size == 0 && kv_cache_get_shape(c)->window == 0;
