@@ -1481,14 +1481,14 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
         return;
     }
     /* chunks: runs of consecutive positions of one sequence (a prefill), up to
-     * chunk_max tokens, in caches without windows, which the tensor-core kernel
-     * attends together; uc_chunk[t] is the length of the chunk starting at t, else 0 */
+     * chunk_max tokens, which the tensor-core kernel attends together (the union of
+     * their rows, each token masked to its own: sliding and rotating windows too);
+     * uc_chunk[t] is the length of the chunk starting at t, else 0 */
     const int chunk_max = cuk_attn_tile_chunk(a->n_head / a->n_kv, D);
     for (int t = 0; t < n;) {
         const struct kv_cache *c = a->caches[t];
-        const bool plain = kv_cache_get_config(c)->max_size == 0 && kv_cache_get_shape(c)->window == 0;
         int len = 1;
-        while (plain && len < chunk_max && t + len < n && a->caches[t + len] == c && a->pos[t + len] == a->pos[t] + len)
+        while (len < chunk_max && t + len < n && a->caches[t + len] == c && a->pos[t + len] == a->pos[t] + len)
             len++;
         cb->uc_chunk[t] = len;
         for (int i = 1; i < len; i++) cb->uc_chunk[t + i] = 0;
