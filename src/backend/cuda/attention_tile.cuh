@@ -132,6 +132,15 @@ static __host__ __device__ constexpr size_t stage_halves() {
     return (size_t)2 * TILE * (D + 8);
 }
 
+/* Stages of shared memory a block cycles through: two, so that the next tile loads
+ * while one is computed; for head size 256 one (the next tile's packed codes still
+ * load into registers during the computation), so that two blocks fit a
+ * multiprocessor. */
+template <int D>
+static __host__ __device__ constexpr int n_stages() {
+    return D > 128 ? 1 : 2;
+}
+
 /* kern_kvq_row_bytes at compile time (attn_tile_takes checks they agree). */
 template <int D, int BITS, int GS>
 static __host__ __device__ constexpr size_t row_bytes() {
@@ -155,6 +164,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     constexpr int NTI = PREFILL || WD ? 8 : 2, KS = PREFILL || WD ? 4 : 1;
     constexpr bool KN = KB == 4, VN = VB == 4; /* sides in nibble_pos order */
     constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
+    constexpr int NST = n_stages<D>();
     constexpr int KG = KB < 16 ? GS : D, VG = VB < 16 ? GS : D, nkg = D / KG, nvg = D / VG;
     /* a warp's dimensions [dw0, dw0 + DW) in groups of KGW (VGW), at most a group */
     constexpr int KGW = KG < DW ? KG : DW, VGW = VG < DW ? VG : DW;
@@ -394,7 +404,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         if (!done) store_packed(ks, vs, kp, vp);
     }
     for (int i = i0; i < i1; i++) {
-        const int s = (i - i0) % 2;
+        const int s = (i - i0) % NST;
         cp_async_wait_all();
         if ((KN || VN) && i >= P.t1 + P.t2) { /* f16 rows of this thread's copies (load_f16) into nibble order */
             __half *ks, *vs;
@@ -406,8 +416,18 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
                 if (VN) to_nibble_order(vs + at);
             }
         }
-        __syncthreads(); /* tile i is in stage s; stage s ^ 1 is free */
-        const bool next_done = i + 1 < i1 ? begin_tile(s ^ 1, tile_src(i + 1, FROM_PREFETCH)) : true;
+        __syncthreads(); /* tile i is in stage s; stage s ^ 1 (of two) is free */
+        /* next_done: the next tile is in its stage, or only a store_packed away (false);
+         * next_later: one stage, the next tile's f16 rows load once this one is done */
+        bool next_done = true, next_later = false;
+        if (NST == 2) next_done = i + 1 < i1 ? begin_tile(s ^ 1, tile_src(i + 1, FROM_PREFETCH)) : true;
+        else if (i + 1 < i1 && KB < 16 && i + 1 < P.t1 + P.t2) { /* packed codes into registers now */
+            const tile_at nt = tile_src(i + 1, FROM_PREFETCH);
+            fetch_packed(nt.hb, nt.p0, nt.lo, nt.hi);
+            next_done = false;
+        } else {
+            next_later = i + 1 < i1; /* f16 rows once the stage is free */
+        }
         prefetch_block(i + 2);
         __half *ks, *vs;
         float2 *kp, *vp;
@@ -460,7 +480,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
                 }
         }
         if (WD) { /* the warps' partial scores summed, in one order, so every warp has the same */
-            float *xs = (float *)(smem + 2 * stage_bytes); /* [warp][row g][key] */
+            float *xs = (float *)(smem + NST * stage_bytes); /* [warp][row g][key] */
 #pragma unroll
             for (int n = 0; n < NTI; n++)
                 *(float2 *)(xs + (warp * 8 + g) * TILE + n * 8 + 2 * t) = make_float2(sc[n][0], sc[n][1]);
@@ -552,10 +572,18 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             }
             bsum[gw] += bs;
         }
+        if (NST == 1 && i + 1 < i1) __syncthreads(); /* every warp is done with the stage */
+        if (next_later) {
+            const tile_at nt = tile_src(i + 1, FROM_PREFETCH);
+            __half *nks, *nvs;
+            float2 *nkp, *nvp;
+            stage(0, nks, nvs, nkp, nvp);
+            load_f16(nt.kind, nt.hb, nt.p0, nt.lo, nt.hi, nks, nvs, nt.kind == 1 || KB == 16, nt.kind == 1 || VB == 16);
+        }
         if (!next_done) {
             __half *nks, *nvs;
             float2 *nkp, *nvp;
-            stage(s ^ 1, nks, nvs, nkp, nvp);
+            stage(NST == 2 ? s ^ 1 : 0, nks, nvs, nkp, nvp);
             store_packed(nks, nvs, nkp, nvp);
         }
     }
@@ -617,8 +645,8 @@ template <int D, int KB, int VB, int GS, int G, bool PREFILL>
 static int launch(cuk_queue *qu, const cuk_attn_args *a) {
     static int per_sm;
     constexpr int groups = D / (KB < 16 ? GS : D) + D / (VB < 16 ? GS : D);
-    /* two stages, then for head size 256 the warps' partial scores */
-    const size_t smem = 2 * (stage_halves<D>() * 2 + (size_t)TILE * groups * sizeof(float2)) +
+    /* the stages, then for head size 256 the warps' partial scores */
+    const size_t smem = n_stages<D>() * (stage_halves<D>() * 2 + (size_t)TILE * groups * sizeof(float2)) +
                         (D > 128 ? 4 * 8 * TILE * sizeof(float) : 0);
     if (per_sm == 0) {
         cudaFuncSetAttribute(attn_tile<D, KB, VB, GS, G, PREFILL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
