@@ -45,15 +45,20 @@ static void check_decode(struct kvq_model *m, int n_vocab) {
     kvq_context_free(c);
 }
 
-static void check_model(const char *bin, const char *dir, const char *type, int layers, uint32_t want_type) {
-    char path[512], cmd[2048];
-    snprintf(path, sizeof path, "%s/qwen-%s.gguf", dir, type);
-    char extra[32] = "";
-    if (layers) snprintf(extra, sizeof extra, " --layers %d", layers);
-    snprintf(cmd, sizeof cmd, "'%s' gen-model --shape qwen2.5-0.5b --type %s -o '%s' --seed 7%s", bin, type, path, extra);
+/* `kvq gen-model ARGS --seed 7 -o PATH`; whether it succeeded. */
+static bool gen_model(const char *bin, const char *args, const char *path) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "'%s' gen-model %s --seed 7 -o '%s'", bin, args, path);
     int rc = system(cmd);
     CHECK(rc == 0, "'%s' exited with %d", cmd, rc);
-    if (rc != 0) return;
+    return rc == 0;
+}
+
+static void check_model(const char *bin, const char *dir, const char *type, int layers, uint32_t want_type) {
+    char path[512], args[96];
+    snprintf(path, sizeof path, "%s/qwen-%s.gguf", dir, type);
+    snprintf(args, sizeof args, "--shape qwen2.5-0.5b --type %s --layers %d", type, layers ? layers : 24);
+    if (!gen_model(bin, args, path)) return;
 
     struct gguf_file *f = gguf_open(path);
     CHECK(f != NULL, "gguf_open: %s", kvq_last_error());
@@ -98,12 +103,9 @@ static uint64_t gemma4b_params(int n_layer) {
 }
 
 static void check_gemma(const char *bin, const char *dir) {
-    char path[512], cmd[2048];
+    char path[512];
     snprintf(path, sizeof path, "%s/gemma.gguf", dir);
-    snprintf(cmd, sizeof cmd, "'%s' gen-model --shape gemma3-4b --type q4_0 -o '%s' --seed 7 --layers 2", bin, path);
-    int rc = system(cmd);
-    CHECK(rc == 0, "'%s' exited with %d", cmd, rc);
-    if (rc != 0) return;
+    if (!gen_model(bin, "--shape gemma3-4b --type q4_0 --layers 2", path)) return;
 
     struct gguf_file *f = gguf_open(path);
     CHECK(f != NULL, "gguf_open: %s", kvq_last_error());
