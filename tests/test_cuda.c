@@ -693,6 +693,7 @@ static void attn_case_run(struct backend *be, const struct attn_case *ac) {
         for (int i = 0; i < t * qd; i++) q[i] = frnd();
         float *dq = be->ops->alloc(be, sizeof(float) * (size_t)t * qd), *dout = be->ops->alloc(be, sizeof(float) * (size_t)t * qd);
         cudaMemcpy(dq, q, sizeof(float) * (size_t)t * qd, cudaMemcpyHostToDevice);
+        cudaDeviceSynchronize(); /* see test_device_append */
         cudaMemset(dout, 0xff, sizeof(float) * (size_t)t * qd);
         struct be_attention at = {dq, dout, tc, pos, ac->n_head, ac->n_kv, D, 1.0f / sqrtf((float)D)};
         be->ops->attention(be, &at, t);
@@ -739,6 +740,11 @@ static void test_device_append(struct backend *be, const struct attn_case *ac) {
         for (int i = 0; i < n * H * D; i++) k[i] = frnd() + 0.5f * (float)(i % D == 3), v[i] = frnd();
         cudaMemcpy(dk, k, sizeof(float) * n * H * D, cudaMemcpyHostToDevice);
         cudaMemcpy(dv, v, sizeof(float) * n * H * D, cudaMemcpyHostToDevice);
+        /* A copy from pageable memory may return before its DMA has ended, and the
+         * backend's streams (non-blocking) do not wait for the default stream: without
+         * this the encode could read the last chunk's rows (the largest case failed so,
+         * now and then) */
+        cudaDeviceSynchronize();
         struct be_kv_append ap = {dev, 0, n};
         CHECK(be->ops->kv_append(be, &ap, 1, dk, dv, NULL) == 0 && be->ops->sync(be) == 0, "%s: device append: %s",
               ac->name, kvq_last_error());
