@@ -803,8 +803,6 @@ static void test_attention(void) {
         {"f16 sliding window 100", 256, 4, 1, 16, 16, 64, 0, 0, 0, 100, 0},
         {"K4V4 sliding window 100 (rotating)", 128, 4, 1, 4, 4, 64, 32, 4, 100, 100, 1},
         {"K8V16 mixed", 128, 8, 2, 8, 16, 64, 32, 4, 0, 0, 1},
-        /* 80 decode items: few splits of many tiles each, as a batch of 16 has (in
-         * each tile format, the next tiles' block addresses a tile ahead) */
         /* head size 256 (Gemma 3) on the tensor cores, the warps splitting the
          * dimensions: prefill chunks (GQA 2: 4 tokens a block), a group of 4 with one KV
          * head (Gemma 3 1B), groups of 32 (4 scale words a thread), idle rows */
@@ -813,6 +811,8 @@ static void test_attention(void) {
         {"K4V4 g32 D256 R32, GQA 2", 256, 4, 2, 4, 4, 32, 32, 4, 0, 0, 1},
         {"K8V8 g32 D256 sliding window 100", 256, 2, 1, 8, 8, 32, 32, 4, 100, 100, 1},
         {"K8V4 D256 R0, GQA 7", 256, 7, 1, 8, 4, 64, 0, 0, 0, 0, 0},
+        /* 80 decode items: few splits of many tiles each, as a batch of 16 has (in
+         * each tile format, the next tiles' block addresses a tile ahead) */
         {"K8V4 GQA 4, 40 KV heads", 128, 160, 40, 8, 4, 64, 32, 4, 0, 0, 1},
         {"K4V4 GQA 4, 40 KV heads", 128, 160, 40, 4, 4, 64, 32, 4, 0, 0, 1},
         {"f16 GQA 4, 40 KV heads", 128, 160, 40, 16, 16, 64, 0, 0, 0, 0, 0},

@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     /* a warp's dimensions [dw0, dw0 + DW) in groups of KGW (VGW), at most a group */
     constexpr int KGW = KG < DW ? KG : DW, VGW = VG < DW ? VG : DW;
     /* (scale, bias) words a thread stages per side */
-    constexpr int NP = TILE * (nkg > nvg ? nkg : nvg) > 2 * TILE_THREADS ? TILE * (nkg > nvg ? nkg : nvg) / TILE_THREADS : 2;
+    constexpr int NG = nkg > nvg ? nkg : nvg, NP = TILE * NG > 2 * TILE_THREADS ? TILE * NG / TILE_THREADS : 2;
     /* row bytes of a block's sides (kv_quant.h), so the tile's addressing is constant */
     constexpr size_t KROW = row_bytes<D, KB, GS>(), VROW = row_bytes<D, VB, GS>(), HEAD = TILE * (KROW + VROW);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, dw0 = WD ? warp * DW : 0;

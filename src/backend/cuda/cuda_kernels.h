@@ -176,7 +176,7 @@ struct cuk_attn_args {
     int q_prepped;
 };
 /* Rows of the m16 tiles a token takes in the tensor-core attention kernel
- * (attention_tile.cu): its query heads of one KV head, the model's group (n_head /
+ * (attention_tile.cuh): its query heads of one KV head, the model's group (n_head /
  * n_kv) where that is 1, 2, 4 or 8; 8 for 3, 5, 6 and 7 (Llama 3.2 3B, Qwen2.5), the
  * rows past the group idle; 0 past 8 (attention.cu's kernel takes those). */
 static inline int cuk_attn_tile_rows(int group) {
