@@ -173,6 +173,30 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     /* row bytes of a block's sides (kv_quant.h), so the tile's addressing is constant */
     constexpr size_t KROW = row_bytes<D, KB, GS>(), VROW = row_bytes<D, VB, GS>(), HEAD = TILE * (KROW + VROW);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, dw0 = WD ? warp * DW : 0;
+    /* Row and column of a thread's k-th unit of 8 packed values in a tile (word_at:
+     * row and group of its k-th (scale, bias) word, ng a row). Head size 256 steps
+     * the row by a constant from the thread's first unit, so that addresses are
+     * constant offsets: found per unit by signed divisions, its packed kernels took
+     * 255 registers with spills and 37% more instructions than f16's. For 64 and 128
+     * that freed registers (255 -> 210), the next kernels' blocks sat beside the
+     * decode tiles, and K8V4 steps at 16K rows ran 3% slower; they keep the
+     * divisions (docs). */
+    auto unit_at = [&](int k, int &r, int &c) {
+        if (WD) {
+            r = threadIdx.x / (D / 8) + k * (TILE_THREADS / (D / 8)), c = threadIdx.x % (D / 8);
+        } else {
+            const int u = threadIdx.x + k * TILE_THREADS;
+            r = u / (D / 8), c = u % (D / 8);
+        }
+    };
+    auto word_at = [&](int k, int ng, int &r, int &gi) {
+        if (WD) {
+            r = threadIdx.x / ng + k * (TILE_THREADS / ng), gi = threadIdx.x % ng;
+        } else {
+            const int u = threadIdx.x + k * TILE_THREADS;
+            r = u / ng, gi = u % ng;
+        }
+    };
     const int kvh = blockIdx.x % a.n_kv, split = blockIdx.y;
     const cuk_attn_group grp = a.groups[blockIdx.x / a.n_kv];
     const size_t stage_bytes = stage_halves<D>() * 2 + (size_t)TILE * (nkg + nvg) * sizeof(float2);
@@ -304,7 +328,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     auto fetch_packed = [&](const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
 #pragma unroll
         for (int k = 0; k < KU; k++) {
-            const int u = threadIdx.x + k * TILE_THREADS, r = u / (D / 8), c = u % (D / 8);
+            int r, c;
+            unit_at(k, r, c);
             const bool in = p0 + r >= lo && p0 + r <= hi;
             rk[k] = rv[k] = make_uint2(0, 0);
             if (KB == 8 && in) rk[k] = *(const uint2 *)(hb + (size_t)r * KROW + c * 8);
@@ -318,12 +343,14 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             const int u = threadIdx.x + k * TILE_THREADS;
             rkp[k] = rvp[k] = 0;
             if (KB < 16 && u < TILE * nkg) {
-                const int r = u / nkg, gk = u % nkg;
+                int r, gk;
+                word_at(k, nkg, r, gk);
                 if (p0 + r >= lo && p0 + r <= hi)
                     rkp[k] = *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
             }
             if (VB < 16 && u < TILE * nvg) {
-                const int r = u / nvg, gv = u % nvg;
+                int r, gv;
+                word_at(k, nvg, r, gv);
                 if (p0 + r >= lo && p0 + r <= hi)
                     rvp[k] = *(const uint32_t *)(hb + (size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8 + 4 * gv);
             }
@@ -332,7 +359,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     auto store_packed = [&](__half *ks, __half *vs, float2 *kp, float2 *vp) {
 #pragma unroll
         for (int k = 0; k < KU; k++) {
-            const int u = threadIdx.x + k * TILE_THREADS, r = u / (D / 8), c = u % (D / 8);
+            int r, c;
+            unit_at(k, r, c);
             if (KB < 16) *(uint4 *)(ks + r * LD + c * 8) = codes_to_h8<KB>(rk[k]);
             if (VB < 16) *(uint4 *)(vs + r * LD + c * 8) = codes_to_h8<VB>(rv[k]);
         }
