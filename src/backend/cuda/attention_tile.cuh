@@ -173,28 +173,20 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     /* row bytes of a block's sides (kv_quant.h), so the tile's addressing is constant */
     constexpr size_t KROW = row_bytes<D, KB, GS>(), VROW = row_bytes<D, VB, GS>(), HEAD = TILE * (KROW + VROW);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, dw0 = WD ? warp * DW : 0;
-    /* Row and column of a thread's k-th unit of 8 packed values in a tile (word_at:
-     * row and group of its k-th (scale, bias) word, ng a row). Head size 256 steps
-     * the row by a constant from the thread's first unit, so that addresses are
-     * constant offsets: found per unit by signed divisions, its packed kernels took
-     * 255 registers with spills and 37% more instructions than f16's. For 64 and 128
-     * that freed registers (255 -> 210), the next kernels' blocks sat beside the
-     * decode tiles, and K8V4 steps at 16K rows ran 3% slower; they keep the
-     * divisions (docs). */
-    auto unit_at = [&](int k, int &r, int &c) {
+    /* Row and column of a thread's k-th item of a tile whose rows hold n of them
+     * (units of 8 packed values, n = D / 8; (scale, bias) words, n = groups). Head
+     * size 256 steps the row by a constant from the thread's first item, so that
+     * addresses are constant offsets: found per item by signed divisions, its packed
+     * kernels took 255 registers with spills and 37% more instructions than f16's.
+     * For 64 and 128 that freed registers (255 -> 210), the next kernels' blocks sat
+     * beside the decode tiles, and K8V4 steps at 16K rows ran 3% slower; they keep
+     * the divisions (docs). */
+    auto item_at = [&](int k, int n, int &r, int &c) {
         if (WD) {
-            r = threadIdx.x / (D / 8) + k * (TILE_THREADS / (D / 8)), c = threadIdx.x % (D / 8);
+            r = threadIdx.x / n + k * (TILE_THREADS / n), c = threadIdx.x % n;
         } else {
             const int u = threadIdx.x + k * TILE_THREADS;
-            r = u / (D / 8), c = u % (D / 8);
-        }
-    };
-    auto word_at = [&](int k, int ng, int &r, int &gi) {
-        if (WD) {
-            r = threadIdx.x / ng + k * (TILE_THREADS / ng), gi = threadIdx.x % ng;
-        } else {
-            const int u = threadIdx.x + k * TILE_THREADS;
-            r = u / ng, gi = u % ng;
+            r = u / n, c = u % n;
         }
     };
     const int kvh = blockIdx.x % a.n_kv, split = blockIdx.y;
@@ -329,7 +321,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
 #pragma unroll
         for (int k = 0; k < KU; k++) {
             int r, c;
-            unit_at(k, r, c);
+            item_at(k, D / 8, r, c);
             const bool in = p0 + r >= lo && p0 + r <= hi;
             rk[k] = rv[k] = make_uint2(0, 0);
             if (KB == 8 && in) rk[k] = *(const uint2 *)(hb + (size_t)r * KROW + c * 8);
@@ -344,13 +336,13 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             rkp[k] = rvp[k] = 0;
             if (KB < 16 && u < TILE * nkg) {
                 int r, gk;
-                word_at(k, nkg, r, gk);
+                item_at(k, nkg, r, gk);
                 if (p0 + r >= lo && p0 + r <= hi)
                     rkp[k] = *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
             }
             if (VB < 16 && u < TILE * nvg) {
                 int r, gv;
-                word_at(k, nvg, r, gv);
+                item_at(k, nvg, r, gv);
                 if (p0 + r >= lo && p0 + r <= hi)
                     rvp[k] = *(const uint32_t *)(hb + (size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8 + 4 * gv);
             }
@@ -360,7 +352,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
 #pragma unroll
         for (int k = 0; k < KU; k++) {
             int r, c;
-            unit_at(k, r, c);
+            item_at(k, D / 8, r, c);
             if (KB < 16) *(uint4 *)(ks + r * LD + c * 8) = codes_to_h8<KB>(rk[k]);
             if (VB < 16) *(uint4 *)(vs + r * LD + c * 8) = codes_to_h8<VB>(rv[k]);
         }
