@@ -178,9 +178,9 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * size 256 steps the row by a constant from the thread's first item, so that
      * addresses are constant offsets: found per item by signed divisions, its packed
      * kernels took 255 registers with spills and 37% more instructions than f16's.
-     * For 64 and 128 that freed registers (255 -> 210), the next kernels' blocks sat
-     * beside the decode tiles, and K8V4 steps at 16K rows ran 3% slower; they keep
-     * the divisions (docs). */
+     * For 64 and 128 that freed registers (255 -> 210), K8V4 steps at 16K rows ran
+     * 3% slower (the next kernels' blocks, probably, beside the decode tiles); they
+     * keep the divisions (docs). */
     auto item_at = [&](int k, int n, int &r, int &c) {
         if (WD) {
             r = threadIdx.x / n + k * (TILE_THREADS / n), c = threadIdx.x % n;
