@@ -181,6 +181,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * For 64 and 128 that freed registers (255 -> 210), K8V4 steps at 16K rows ran
      * 3% slower (the next kernels' blocks, probably, beside the decode tiles); they
      * keep the divisions (docs). */
+    static_assert(!WD || (TILE_THREADS % (D / 8) == 0 && TILE_THREADS % NG == 0),
+                  "a thread's items lie a constant row step apart");
     auto item_at = [&](int k, int n, int &r, int &c) {
         if (WD) {
             r = threadIdx.x / n + k * (TILE_THREADS / n), c = threadIdx.x % n;
