@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     const int T = P.t1 + P.t2 + P.tw, per = (T + n_splits - 1) / n_splits, n_eff = (T + per - 1) / per;
     /* Decode where every split has rows: the blocks dispatched first take the last
      * tiles, the last split the fewest (the window's f16 rows). A K8V4 or K4V4 step at
-     * 4096 rows took 0.7-0.9% less GPU time (H100, llama3-8b); probably because the
+     * 4096 rows took 0.5-0.9% less GPU time (H100, llama3-8b); probably because the
      * first blocks share their multiprocessors with more of the next launches' early
      * blocks (docs). Where some splits have none, those with rows stay first: reversed
      * there too, a step at 512 took 0.6-1.5% more. */
