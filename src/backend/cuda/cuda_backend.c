@@ -100,7 +100,8 @@ struct cuda_backend {
     struct cuk_queue q;
     cudaStream_t stream; /* q.stream */
     bool in_step;        /* work was queued since the last sync */
-    bool segment_issued; /* a segment of this recorded step was issued */
+    int segments;        /* segments of this recorded step issued */
+    bool one_token;      /* this step is one token's (segment_ends) */
     struct post_copy *post;
     int n_post, cap_post;
     void **dead;         /* device memory to free at the next sync (recorded work may read it) */
@@ -558,20 +559,38 @@ static void issue_record(struct cuda_backend *cb) {
 /* Every operation that queues work starts here. The first one of a step decides
  * whether the step is recorded: decode-sized steps are, when graphs are on. A
  * recorded step is issued in segments, so that the GPU starts on the first layers
- * while the host plans the next ones: a short first one (the GPU idles until it is
- * issued), then longer ones (kernels in different graphs do not overlap as those
- * launched with PDL within one do: about 2 us of GPU time a boundary). */
+ * while the host records the next ones; but kernels in different graphs do not
+ * overlap as those launched with PDL within one do (about 2 us of GPU time a
+ * boundary, more where it keeps the next kernel from loading weights early).
+ * - Several tokens: a short first segment (the GPU idles until it is issued), then
+ *   segments of SEGMENT_LAUNCHES, so that the host, whose work grows with the
+ *   tokens, stays ahead (longer ones left the GPU waiting for 16 sequences).
+ * - One token: three segments, and the output product's (cuda_matmul). Each ends
+ *   before a GLU (the down product's blocks load their weights while it runs), the
+ *   first from SEGMENT_ONE[0] launches on (the third layer's in a 7-8B model), so
+ *   that the GPU has layers to run while the host records the next ones. A step at
+ *   512 to 4096 rows took 0.7-1.6% less GPU time than in segments of 12, then 96
+ *   (H100, llama3-8b Q4_0; docs/cuda-performance.md). */
 #define SEGMENT_FIRST 12
 #define SEGMENT_LAUNCHES 96
-static void step_op(struct cuda_backend *cb, int n) {
+static const int SEGMENT_ONE[] = {30, 90};
+static bool segment_ends(const struct cuda_backend *cb, bool glu) {
+    const int n_one = (int)(sizeof SEGMENT_ONE / sizeof *SEGMENT_ONE);
+    if (cb->one_token) return glu && cb->segments < n_one && cb->q.n_ent >= SEGMENT_ONE[cb->segments];
+    return cb->q.n_ent >= (cb->segments ? SEGMENT_LAUNCHES : SEGMENT_FIRST);
+}
+
+/* glu: the operation is a GLU (segment_ends) */
+static void step_op(struct cuda_backend *cb, int n, bool glu) {
     if (!cb->in_step) {
         cb->in_step = true;
         if (cb->steps) cb->steps->begin = now_s();
         cb->q.recording = cb->q.graphs && n <= CUK_MATVEC_MAX;
-        cb->segment_issued = false;
-    } else if (cb->q.recording && cb->q.n_ent >= (cb->segment_issued ? SEGMENT_LAUNCHES : SEGMENT_FIRST)) {
+        cb->segments = 0;
+        cb->one_token = n == 1;
+    } else if (cb->q.recording && segment_ends(cb, glu)) {
         issue_record(cb);
-        cb->segment_issued = true;
+        cb->segments++;
     }
 }
 
@@ -811,7 +830,7 @@ static void matvec_in_slices(struct cuda_backend *cb, const struct cuk_matvec_jo
 static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs,
                         const struct be_matmul *jobs) {
     struct cuda_backend *cb = cuda(b);
-    step_op(cb, n);
+    step_op(cb, n, false);
     cb->qprep_of = NULL; /* the products may write the queries */
     double t0 = prof_begin(cb);
     /* results for the host end the step (the output product): the work before them goes
@@ -819,7 +838,7 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
      * while this product runs, not after the step */
     if (cb->q.recording && cb->n_pending > cb->rows_copied && n_jobs > 0 && jobs[0].host_y) {
         issue_record(cb);
-        cb->segment_issued = true;
+        cb->segments++;
     }
     if (n <= CUK_MATVEC_MAX) {
         struct cuk_matvec_job mj[CUK_MATVEC_JOBS];
@@ -914,7 +933,7 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
 static void cuda_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x) {
     struct cuda_backend *cb = cuda(b);
     const struct cuk_weight *w = dev_weight(cb, e);
-    step_op(cb, n);
+    step_op(cb, n, false);
     double t0 = prof_begin(cb);
     const int32_t *t = stage_array(cb, tokens, sizeof(int32_t) * (size_t)n);
     cb->xq_of = NULL;
@@ -937,7 +956,7 @@ static void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows,
                          float eps, float *out) {
     struct cuda_backend *cb = cuda(b);
     if (!norm_dim_ok(cb, dim)) return;
-    step_op(cb, n);
+    step_op(cb, n, false);
     const int32_t *r = rows ? stage_array(cb, rows, sizeof(int32_t) * (size_t)n) : NULL;
     const float *wd = dev_vec(cb, w);
     if ((rows && !r) || !wd) return;
@@ -950,7 +969,7 @@ static void cuda_add_norm(struct backend *b, float *x, float *add, const float *
                           float eps, float *out) {
     struct cuda_backend *cb = cuda(b);
     if (!norm_dim_ok(cb, dim)) return;
-    step_op(cb, n);
+    step_op(cb, n, false);
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = round_into_xq(cb, w ? out : NULL, w ? n : 0, dim);
     cuk_add_norm(&cb->q, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out, xq);
@@ -960,7 +979,7 @@ static void cuda_add_norm(struct backend *b, float *x, float *add, const float *
 static void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *inv_freq, float linear,
                             int half, float *cos, float *sin) {
     struct cuda_backend *cb = cuda(b);
-    step_op(cb, n);
+    step_op(cb, n, false);
     const int32_t *p = stage_array(cb, pos, sizeof(int32_t) * (size_t)n);
     const float *f = dev_vec(cb, inv_freq);
     if (p && f) cuk_rope_table(&cb->q, p, n, f, linear, half, cos, sin);
@@ -969,7 +988,7 @@ static void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const 
 static void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff,
                      float *out) {
     struct cuda_backend *cb = cuda(b);
-    step_op(cb, n);
+    step_op(cb, n, true);
     double t0 = prof_begin(cb);
     cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out, round_into_xq(cb, out, n, n_ff));
     prof_end(cb, P_GLU, t0);
@@ -1230,7 +1249,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
     struct cuda_backend *cb = cuda(b);
     if (n_seqs <= 0 || cb->failed) return cb->failed ? kvq_error("%s", cb->failure) : 0;
     const int n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
-    step_op(cb, n_tok);
+    step_op(cb, n_tok, false);
     cb->qprep_of = NULL;
     double t0 = prof_begin(cb);
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
@@ -1429,7 +1448,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
     struct cuda_backend *cb = cuda(b);
     cb->xq_of = NULL;
     if (n <= 0 || cb->failed) return;
-    step_op(cb, n);
+    step_op(cb, n, false);
     const int D = a->head_dim;
     double t0 = prof_begin(cb);
     if (!cuk_attention_head_dim_supported(D)) {
