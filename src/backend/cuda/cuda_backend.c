@@ -569,7 +569,7 @@ static void issue_record(struct cuda_backend *cb) {
  *   before a GLU (the down product's blocks load their weights while it runs), the
  *   first from SEGMENT_ONE[0] launches on (the third layer's in a 7-8B model), so
  *   that the GPU has layers to run while the host records the next ones. A step at
- *   512 to 4096 rows took 0.7-1.6% less GPU time than in segments of 12, then 96
+ *   512 to 4096 rows took 0.6-1.6% less GPU time than in segments of 12, then 96
  *   (H100, llama3-8b Q4_0; docs/cuda-performance.md). */
 #define SEGMENT_FIRST 12
 #define SEGMENT_LAUNCHES 96
