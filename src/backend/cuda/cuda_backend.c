@@ -1029,20 +1029,19 @@ static struct cuda_mirror *mirror_of(struct cuda_backend *cb, struct kv_cache *c
 
 /* Where the encode writes the table entry e of a block that position p begins (0:
  * nowhere, sync_table uploads it): the entry past the uploaded ones, or one of them,
- * on a table with room. The host's copy takes the address, so sync_table finds the
- * entry current; a decode step that begins a block then issues no scatter, the same
- * launches as other steps. */
-static uint64_t table_entry_by_encode(struct cuda_mirror *m, int32_t p, int32_t e, uint64_t block) {
-    static const struct kv_block unknown; /* equal to no entry of a view: sync_table looks at the block */
+ * on a table with room. The host's copy takes the block and its address, so
+ * sync_table finds the entry current; a decode step that begins a block then issues
+ * no scatter, the same launches as other steps. */
+static uint64_t table_entry_by_encode(struct cuda_mirror *m, int32_t p, int32_t e, const struct kv_block *block) {
     if (!m || p % KV_BLOCK_TOKENS != 0 || e >= m->table_cap || e > m->table_n) return 0;
-    m->table_h[e] = block;
-    m->table_blk[e] = &unknown;
+    m->table_h[e] = (uint64_t)(uintptr_t)block->dev;
+    m->table_blk[e] = block;
     if (e == m->table_n) m->table_n = e + 1;
     return (uint64_t)(uintptr_t)(m->table_d + e);
 }
 
 /* The cache's block table on the device, made current: the entries that changed.
- * Entries are compared by block first: reading every block's address to compare it
+ * Entries are compared by block: reading every block's address to compare it
  * cost a step the host time of 32 tables of 512 blocks at 32K rows (about 20 ns an
  * entry with the blocks out of cache), before its first issue (docs). */
 static bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const struct kv_view *v) {
@@ -1070,10 +1069,8 @@ static bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const str
         while (j < v->n_blk) { /* a run of changed entries */
             const struct kv_block *b = v->blk[j];
             if (j < m->table_n && m->table_blk[j] == b) break;
-            const uint64_t a = b ? (uint64_t)(uintptr_t)b->dev : 0;
             m->table_blk[j] = b;
-            if (j < m->table_n && m->table_h[j] == a) break; /* table_entry_by_encode wrote it */
-            m->table_h[j++] = a;
+            m->table_h[j++] = b ? (uint64_t)(uintptr_t)b->dev : 0;
         }
         if (j > i && !copy_to(cb, m->table_d + i, m->table_h + i, sizeof *m->table_h * (size_t)(j - i))) return false;
         i = j > i ? j : i + 1;
@@ -1331,7 +1328,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
                     struct cuk_enc_tok *tk = (struct cuk_enc_tok *)(cb->stage_h + toks_off) + k_tok;
                     *tk = (struct cuk_enc_tok){
                         .t = seqs[s].first + i, .p = p, .block = block,
-                        .table_at = table_entry_by_encode(tm, p, e, block),
+                        .table_at = table_entry_by_encode(tm, p, e, v.blk[e]),
                         .ring = m ? (uint64_t)(uintptr_t)m->win : 0,
                         .sink = m ? (uint64_t)(uintptr_t)(m->win + 2 * (size_t)H * m->ring_cap * m->win_row) : 0,
                         .ring_cap = m ? m->ring_cap : 1, .sink_cap = m ? m->sink_cap : 1, .sinks = v.sinks,
