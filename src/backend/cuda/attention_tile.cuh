@@ -410,11 +410,14 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     const tile_at first = tile_src(i0, FROM_TABLE);
     const bool early = first.kind == 0 && min(first.hi, first.p0 + TILE - 1) < P.fresh;
     bool done = early && begin_tile(0, first);
-    if (early && !done && i1 - i0 == 1) { /* the tile's codes are final: stored now */
+    auto store_first = [&] { /* the first tile's packed codes into stage 0 */
         __half *ks, *vs;
         float2 *kp, *vp;
         stage(0, ks, vs, kp, vp);
         store_packed(ks, vs, kp, vp);
+    };
+    if (early && !done && i1 - i0 == 1) { /* the tile's codes are final: stored now */
+        store_first();
         done = true;
     }
     griddep_wait();
@@ -437,12 +440,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     for (int kk = 0; kk < DW / 16; kk++)
         for (int o = 1; o < 4; o <<= 1) qsum[kk] += __shfl_xor_sync(0xffffffffu, qsum[kk], o);
 
-    {
-        __half *ks, *vs;
-        float2 *kp, *vp;
-        stage(0, ks, vs, kp, vp);
-        if (!done) store_packed(ks, vs, kp, vp);
-    }
+    if (!done) store_first();
     for (int i = i0; i < i1; i++) {
         const int s = (i - i0) % NST;
         cp_async_wait_all();
