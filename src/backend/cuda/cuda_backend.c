@@ -62,9 +62,10 @@ struct arena {
 
 /* The device copy of one cache's block table, f16 windows and offsets. */
 struct cuda_mirror {
-    uint64_t *table_d, *table_h; /* device addresses of the blocks: on the device, and as last copied there */
-    /* the blocks whose addresses table_h holds: a block keeps its device copy while
-     * its pool lives, so an entry whose block is the same needs no look at it */
+    uint64_t *table_d; /* device addresses of the blocks, on the device */
+    /* the blocks whose addresses table_d holds (or will, once the step's copies are
+     * placed): a block keeps its device copy while its pool lives, so an entry whose
+     * block is the same needs no look at it */
     const struct kv_block **table_blk;
     int32_t table_cap, table_n;
     bool valid;
@@ -623,19 +624,30 @@ static void free_after_step(struct cuda_backend *cb, void *p) {
     cb->dead[cb->n_dead++] = p;
 }
 
-/* Queues a copy of bytes at data to the device address dst (done by flush_copies). */
-static bool copy_to(struct cuda_backend *cb, const void *dst, const void *data, size_t bytes) {
-    size_t off = stage_put(cb, data, bytes);
-    if (off == (size_t)-1) return false;
+/* Queues a copy of `bytes` staged bytes to the device address dst (done by
+ * flush_copies): where the caller writes them, or NULL. */
+static void *copy_space(struct cuda_backend *cb, const void *dst, size_t bytes) {
+    size_t off = stage_alloc(cb, bytes);
+    if (off == (size_t)-1) return NULL;
     if (cb->n_copies == cb->cap_copies) {
         int cap = cb->cap_copies ? 2 * cb->cap_copies : 1024;
         struct cuk_copy *c = realloc(cb->copies, sizeof *c * (size_t)cap);
-        if (!c) return ck(cb, cudaErrorMemoryAllocation, "host memory for copies");
+        if (!c) {
+            ck(cb, cudaErrorMemoryAllocation, "host memory for copies");
+            return NULL;
+        }
         cb->copies = c;
         cb->cap_copies = cap;
     }
     cb->copies[cb->n_copies++] = (struct cuk_copy){(uint64_t)(uintptr_t)dst, (uint32_t)off, (uint32_t)bytes};
-    return true;
+    return cb->stage_h + off;
+}
+
+/* Queues a copy of bytes at data to the device address dst. */
+static bool copy_to(struct cuda_backend *cb, const void *dst, const void *data, size_t bytes) {
+    void *h = copy_space(cb, dst, bytes);
+    if (h && bytes) memcpy(h, data, bytes);
+    return h != NULL;
 }
 
 /* Uploads what was staged, then places the queued copies. */
@@ -700,7 +712,6 @@ static void mirror_free(void *ctx, void *mirror) {
     struct cuda_mirror *m = mirror;
     if (!m) return;
     cudaFree(m->table_d);
-    free(m->table_h);
     free(m->table_blk);
     cudaFree(m->win);
     cudaFree(m->mu);
@@ -1029,12 +1040,11 @@ static struct cuda_mirror *mirror_of(struct cuda_backend *cb, struct kv_cache *c
 
 /* Where the encode writes the table entry e of a block that position p begins (0:
  * nowhere, sync_table uploads it): the entry past the uploaded ones, or one of them,
- * on a table with room. The host's copy takes the block and its address, so
- * sync_table finds the entry current; a decode step that begins a block then issues
- * no scatter, the same launches as other steps. */
+ * on a table with room. The mirror takes the block, so sync_table finds the entry
+ * current; a decode step that begins a block then issues no scatter, the same
+ * launches as other steps. */
 static uint64_t table_entry_by_encode(struct cuda_mirror *m, int32_t p, int32_t e, const struct kv_block *block) {
     if (!m || p % KV_BLOCK_TOKENS != 0 || e >= m->table_cap || e > m->table_n) return 0;
-    m->table_h[e] = (uint64_t)(uintptr_t)block->dev;
     m->table_blk[e] = block;
     if (e == m->table_n) m->table_n = e + 1;
     return (uint64_t)(uintptr_t)(m->table_d + e);
@@ -1048,31 +1058,30 @@ static bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const str
     if (v->n_blk > m->table_cap) {
         int32_t cap = m->table_cap ? m->table_cap : 64;
         while (cap < v->n_blk) cap *= 2;
-        uint64_t *d = NULL, *h = malloc(sizeof *h * (size_t)cap);
+        uint64_t *d = NULL;
         const struct kv_block **hb = malloc(sizeof *hb * (size_t)cap);
-        if (!h || !hb || !ck(cb, cudaMalloc((void **)&d, sizeof *d * (size_t)cap), "device memory for a block table")) {
-            free(h);
+        if (!hb || !ck(cb, cudaMalloc((void **)&d, sizeof *d * (size_t)cap), "device memory for a block table")) {
             free(hb);
             return ck(cb, cudaErrorMemoryAllocation, "host memory");
         }
         free_after_step(cb, m->table_d);
-        free(m->table_h);
         free(m->table_blk);
         m->table_d = d;
-        m->table_h = h;
         m->table_blk = hb;
         m->table_cap = cap;
         m->table_n = 0;
     }
     for (int32_t i = 0; i < v->n_blk;) {
         int32_t j = i;
-        while (j < v->n_blk) { /* a run of changed entries */
-            const struct kv_block *b = v->blk[j];
-            if (j < m->table_n && m->table_blk[j] == b) break;
-            m->table_blk[j] = b;
-            m->table_h[j++] = b ? (uint64_t)(uintptr_t)b->dev : 0;
+        while (j < v->n_blk && !(j < m->table_n && m->table_blk[j] == v->blk[j])) j++; /* a run of changed entries */
+        if (j > i) { /* their addresses, staged for the device */
+            uint64_t *a = copy_space(cb, m->table_d + i, sizeof *a * (size_t)(j - i));
+            if (!a) return false;
+            for (int32_t k = i; k < j; k++) {
+                m->table_blk[k] = v->blk[k];
+                a[k - i] = v->blk[k] ? (uint64_t)(uintptr_t)v->blk[k]->dev : 0;
+            }
         }
-        if (j > i && !copy_to(cb, m->table_d + i, m->table_h + i, sizeof *m->table_h * (size_t)(j - i))) return false;
         i = j > i ? j : i + 1;
     }
     m->table_n = v->n_blk;
