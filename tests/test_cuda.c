@@ -514,17 +514,22 @@ static void test_matvec(void) {
                 cudaFree(ps.partial);
                 cudaFree(ps.counters);
             }
-            if (cuk_repacked(type) && n <= 2) { /* streamed with chunks held in registers too (matmul.cu) */
+            /* streamed with chunks held in registers too (after a long attention), and, the
+             * product after a short one, a tile a block (where tiles fit the grid) */
+            for (int chain = 0; chain < 2 && cuk_repacked(type) && n <= 2; chain++) {
                 cudaMemset(dy3, 0xff, sizeof(float) * 16 * rows);
                 const struct cuk_matvec_job held = {&cw, dy3, NULL, 0};
                 struct cuk_mv_scratch hs = mv_scratch(&held, 1, n);
-                tq.attn_rows = INT_MAX; /* as after a long attention */
+                tq.attn_rows = chain == 0 ? INT_MAX : 0;
+                tq.after_attn = chain == 1;
                 cuk_matvec(&tq, &held, 1, dx, cols, &xq, n, &hs);
+                CHECK(!tq.after_attn, "the product after an attention leaves its mark set");
                 tq.attn_rows = 0;
                 float *y3 = malloc(sizeof(float) * (size_t)n * rows);
                 CHECK(cudaMemcpy(y3, dy3, sizeof(float) * (size_t)n * rows, cudaMemcpyDeviceToHost) == cudaSuccess &&
                           memcmp(y3, y, sizeof(float) * (size_t)n * rows) == 0,
-                      "%s %dx%d n=%d: the product after a long attention differs", kvq_dtype_name(type), rows, cols, n);
+                      "%s %dx%d n=%d: the product after a %s attention differs", kvq_dtype_name(type), rows, cols, n,
+                      chain == 0 ? "long" : "short");
                 free(y3);
                 cudaFree(hs.partial);
                 cudaFree(hs.counters);

@@ -910,6 +910,7 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
     }
     record_stop(cb); /* cuBLAS launches directly */
     cb->xq_of = NULL;
+    cb->q.after_attn = false;
     bool x16_made = false; /* the jobs share x: converted to f16 once */
     for (int j = 0; j < n_jobs; j++) {
         const struct cuk_weight *w = dev_weight(cb, jobs[j].w);
@@ -1621,6 +1622,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
         cuk_attention(&cb->q, &args);
     }
     cb->q.attn_rows = attn_rows;
+    cb->q.after_attn = true;
     prof_end(cb, P_ATTN_GPU, t0);
 }
 

@@ -785,17 +785,20 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
  * into shared memory (cp.async): the next tile's arrive while it computes this one's.
  * The same terms add up in the same order, so the outputs are matvec_q's bit for bit. */
 #define MV_RING 8
+/* The attention rows (cuk_queue.attn_rows) from which a step's attention chain counts
+ * as long for its products' launches (KVQ_MV_LONG_ATTN_ROWS=N moves it, a measurement
+ * aid): from there gate/up stashes chunks (below), and under it the product after the
+ * attention streams a tile a block (stream_launch). */
+#define MV_LONG_ATTN_ROWS 2048
 /* Chunks a warp of a 4-warp block (gate/up of the 7-8B shapes) also holds in
- * registers (ST: as many as keep 5 blocks a multiprocessor without spills), and the
- * attention rows from which a step asks for them (cuk_queue.attn_rows;
- * KVQ_MV_STASH_ROWS=N moves it, a measurement aid). Asked for before the wait, they
+ * registers (ST: as many as keep 5 blocks a multiprocessor without spills) after a
+ * long attention chain. Asked for before the wait, they
  * stream while the step's attention chain leaves the DRAM idle rather than after it,
  * when the product's own weights are all it reads: llama3-8b Q4_0 on an H100 decodes
  * 1.6-2.8% faster with f16 KV from 2K rows on, 0.4-2% with K8V4 and K4V4. With less
  * attention the chain is short, and the registers, which leave fewer of these blocks
  * resident beside the O product's, cost more: 2% at 512 rows. */
 static __host__ __device__ constexpr int stash_chunks(int NT) { return NT == 1 ? 3 : 2; }
-#define MV_STASH_ROWS 2048
 #define MV_STASH_THREADS 128
 
 /* A chunk in shared memory: its 1024 bytes of codes, then its 16 rows' scales. */
@@ -1081,19 +1084,28 @@ static int stream_regs(int optin) {
  * blocks fit the GPU at once): as many blocks as fit, tiles dealt round to them, so
  * that each multiprocessor gets about as many (with fewer blocks, each taking the
  * same number of tiles, the multiprocessors that hold one block less idled at the
- * end: gate/up at 70% of the DRAM's peak). KVQ_MV_STREAM=0 never does (a
+ * end: gate/up at 70% of the DRAM's peak). With no more tiles than that, matvec_q
+ * starts on its first chunk sooner; but the product after a short attention chain
+ * (after_attn: the O product) streams a tile a block. Its blocks take 40 registers
+ * where matvec_q's take 116 (they hold the weights), so more of them are resident
+ * beside the attention's blocks and load their whole tile while the chain leaves the
+ * DRAM idle (at 512 rows only 126-190 of matvec_q's 256 were). llama3-8b Q4_0 on an
+ * H100 took 3.4% less GPU time a step with f16 KV at 512 rows, 4.2% with K8V4, 3.3%
+ * with K4V4, and 1-2% less at 1536; from 2048 rows, where two tile blocks fill a
+ * multiprocessor, it took 2-3% more (docs). KVQ_MV_STREAM=0 never streams (a
  * measurement aid); KVQ_MV_STREAM_GRID=N takes at most N blocks (the tests: many
  * tiles a block, on any GPU). */
 template <uint32_t T, int NT, int U>
-static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, const cuk_xq *xq, int n) {
+static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, const cuk_xq *xq, int n,
+                          bool after_attn) {
     if constexpr (NT > MV_DP4A_MAX) {
         return false;
     } else {
-        static int off = -1, optin, per_sm_smem, n_sm, cap, stash_rows;
+        static int off = -1, optin, per_sm_smem, n_sm, cap, long_rows;
         if (off < 0) {
             off = getenv("KVQ_MV_STREAM") && atoi(getenv("KVQ_MV_STREAM")) == 0;
             cap = getenv("KVQ_MV_STREAM_GRID") ? atoi(getenv("KVQ_MV_STREAM_GRID")) : 0;
-            stash_rows = getenv("KVQ_MV_STASH_ROWS") ? atoi(getenv("KVQ_MV_STASH_ROWS")) : MV_STASH_ROWS;
+            long_rows = getenv("KVQ_MV_LONG_ATTN_ROWS") ? atoi(getenv("KVQ_MV_LONG_ATTN_ROWS")) : MV_LONG_ATTN_ROWS;
             int dev = 0;
             if (cudaGetDevice(&dev) != cudaSuccess ||
                 cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
@@ -1115,15 +1127,19 @@ static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, 
         };
         const int per_sm = per_sm_of(stream_regs<T, NT, U, 0>(optin));
         if (per_sm < 1) return false;
-        bool stash = false;
-        if constexpr (U == MV_RING)
-            stash = qu->attn_rows >= stash_rows && threads <= MV_STASH_THREADS &&
-                    per_sm_of(stream_regs<T, NT, U, stash_chunks(NT)>(optin)) >= per_sm;
+        const bool long_chain = qu->attn_rows >= long_rows;
         unsigned tiles, cnt;
         size_t floats;
         q_plan(w, nj, n, U, true, &S, &tiles, &floats, &cnt); /* first[j]: job j's first tile */
-        const unsigned grid = (unsigned)(cap > 0 && cap < per_sm * n_sm ? cap : per_sm * n_sm);
-        if (tiles <= grid) return false; /* a tile a block: matvec_q starts on its first chunk sooner */
+        unsigned grid = (unsigned)(cap > 0 && cap < per_sm * n_sm ? cap : per_sm * n_sm);
+        if (tiles <= grid) {
+            if (!after_attn || long_chain) return false;
+            grid = tiles;
+        }
+        bool stash = false;
+        if constexpr (U == MV_RING)
+            stash = long_chain && threads <= MV_STASH_THREADS &&
+                    per_sm_of(stream_regs<T, NT, U, stash_chunks(NT)>(optin)) >= per_sm;
         if constexpr (U == MV_RING)
             if (stash) {
                 pdl_launch_smem(matvec_stream<T, NT, U, stash_chunks(NT)>, dim3(grid), dim3(threads), smem, qu, S, xq->q, xq->dsum,
@@ -1137,6 +1153,8 @@ static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, 
 
 extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_jobs, const float *x,
                            int64_t x_stride, const struct cuk_xq *xq, int n, const struct cuk_mv_scratch *scr) {
+    const bool after_attn = qu->after_attn;
+    qu->after_attn = false;
     for (int j0 = 0; j0 < n_jobs;) {
         /* one launch for this job and the next ones of its type */
         const uint32_t T = jobs[j0].w->type;
@@ -1158,7 +1176,7 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
                     scr->partial, scr->counters)
 #define MM(TT, NT, UU)                                                                                                 \
     do {                                                                                                               \
-        if (stream_launch<TT, NT, UU>(qu, S, w, nj, xq, n)) break;                                                     \
+        if (stream_launch<TT, NT, UU>(qu, S, w, nj, xq, n, after_attn)) break;                                         \
         static int regs;                                                                                               \
         static bool big;                                                                                               \
         if (!regs) {                                                                                                   \

@@ -53,6 +53,9 @@ struct cuk_queue {
     /* the most rows a token of the step's last attention read: a hint for the launches
      * after it (matmul.cu's stream launches hold more weights the longer it ran) */
     int attn_rows;
+    /* set by an attention, taken by the product after it (cuk_matvec): its blocks may
+     * be resident beside the attention's */
+    bool after_attn;
 };
 
 /* A kernel launch (args[i] points to argument i of sizes[i] bytes), with programmatic
