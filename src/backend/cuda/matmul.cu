@@ -1136,12 +1136,9 @@ static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, 
             if (!after_attn || long_chain) return false;
             grid = tiles;
         }
-        bool stash = false;
-        if constexpr (U == MV_RING)
-            stash = long_chain && threads <= MV_STASH_THREADS &&
-                    per_sm_of(stream_regs<T, NT, U, stash_chunks(NT)>(optin)) >= per_sm;
-        if constexpr (U == MV_RING)
-            if (stash) {
+        if constexpr (U == MV_RING) /* chunks stashed in registers too, where as many blocks fit */
+            if (long_chain && threads <= MV_STASH_THREADS &&
+                per_sm_of(stream_regs<T, NT, U, stash_chunks(NT)>(optin)) >= per_sm) {
                 pdl_launch_smem(matvec_stream<T, NT, U, stash_chunks(NT)>, dim3(grid), dim3(threads), smem, qu, S, xq->q, xq->dsum,
                                 n, tiles);
                 return true;
