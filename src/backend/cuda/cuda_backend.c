@@ -300,25 +300,26 @@ static void steps_print(const struct step_prof *sp) {
     float *col = sp->n > 0 ? malloc(sizeof(float) * (size_t)sp->n) : NULL;
     if (!col) return;
     fprintf(stderr, "kvq cuda steps, medians of %ld recorded steps (us):", sp->n);
+    float med[S_N];
     for (int k = 0; k < S_N; k++) {
         for (long i = 0; i < sp->n; i++) col[i] = sp->v[i][k];
         qsort(col, (size_t)sp->n, sizeof(float), cmp_float);
-        fprintf(stderr, "%s %s %.1f", k ? "," : "", names[k], col[sp->n / 2]);
+        med[k] = col[sp->n / 2];
+        fprintf(stderr, "%s %s %.1f", k ? "," : "", names[k], med[k]);
     }
     /* the mean wall time is what a run's tokens/s sees: slow steps (a context's first,
-     * which record its graphs; those that make a new kind of step) lift it */
-    for (long i = 0; i < sp->n; i++) col[i] = sp->v[i][S_WALL];
-    qsort(col, (size_t)sp->n, sizeof(float), cmp_float);
-    const double median = col[sp->n / 2];
-    double sum = 0, excess = 0;
+     * which record its graphs; those that make a new kind of step) lift it, and the
+     * part of their excess that is GPU time tells the GPU's from the host's */
+    const double median = med[S_WALL];
+    double sum = 0, excess = 0, gpu_excess = 0;
     int slow = 0;
     for (long i = 0; i < sp->n; i++) {
         const double w = sp->v[i][S_WALL];
         sum += w;
-        if (w > 1.2 * median) slow++, excess += w - median;
+        if (w > 1.2 * median) slow++, excess += w - median, gpu_excess += sp->v[i][S_GPU] - med[S_GPU];
     }
-    fprintf(stderr, "; mean wall %.1f; %d steps over 1.2x the median, %.0f us beyond it (steps", sum / (double)sp->n,
-            slow, excess);
+    fprintf(stderr, "; mean wall %.1f; %d steps over 1.2x the median, %.0f us beyond it, %.0f of them GPU time (steps",
+            sum / (double)sp->n, slow, excess, gpu_excess);
     for (long i = 0, k = 0; i < sp->n && k < 8; i++)
         if (sp->v[i][S_WALL] > 1.2 * median) fprintf(stderr, " %ld", i), k++;
     fprintf(stderr, ")\n");
