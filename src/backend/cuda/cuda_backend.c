@@ -308,8 +308,9 @@ static void steps_print(const struct step_prof *sp) {
         fprintf(stderr, "%s %s %.1f", k ? "," : "", names[k], med[k]);
     }
     /* the mean wall time is what a run's tokens/s sees: slow steps (a context's first,
-     * which record its graphs; those that make a new kind of step) lift it, and the
-     * part of their excess that is GPU time tells the GPU's from the host's */
+     * which record its graphs; those that make a new kind of step) lift it. The part of
+     * their excess within the GPU's span is not the host's before the first issue or
+     * after the wait (the span includes the GPU's waits for later segments, though) */
     const double median = med[S_WALL];
     double sum = 0, excess = 0, gpu_excess = 0;
     int slow = 0;
@@ -318,7 +319,9 @@ static void steps_print(const struct step_prof *sp) {
         sum += w;
         if (w > 1.2 * median) slow++, excess += w - median, gpu_excess += sp->v[i][S_GPU] - med[S_GPU];
     }
-    fprintf(stderr, "; mean wall %.1f; %d steps over 1.2x the median, %.0f us beyond it, %.0f of them GPU time (steps",
+    fprintf(stderr,
+            "; mean wall %.1f; %d steps over 1.2x the median, %.0f us beyond it, %.0f of them in the GPU's span "
+            "(steps",
             sum / (double)sp->n, slow, excess, gpu_excess);
     for (long i = 0, k = 0; i < sp->n && k < 8; i++)
         if (sp->v[i][S_WALL] > 1.2 * median) fprintf(stderr, " %ld", i), k++;
