@@ -51,10 +51,11 @@ struct cuk_queue {
     uint64_t clock;
     long n_replays, n_captures, n_eager; /* issues of records, by how */
     /* the most rows a token of the step's last attention read: a hint for the launches
-     * after it (matmul.cu's stream launches hold more weights the longer it ran) */
+     * after it (matmul.cu: after a long one gate/up holds more weights, after a short
+     * one the product that reads its output streams a tile a block) */
     int attn_rows;
-    /* set by an attention, taken by the product after it (cuk_matvec): its blocks may
-     * be resident beside the attention's */
+    /* set by an attention, taken by the next product (cuk_matvec), the one that reads
+     * its output: its blocks may be resident beside the attention's */
     bool after_attn;
 };
 
