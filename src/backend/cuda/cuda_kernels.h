@@ -239,6 +239,8 @@ void cuk_kv_encode(struct cuk_queue *qu, const struct cuk_enc_args *a);
  * as it would have, beside the stream (cuk_queue_launch_side_next): off the chain of
  * the step's dependent launches. */
 void cuk_kv_pack(struct cuk_queue *qu, const struct cuk_enc_args *a);
+/* An empty kernel beside the stream (cuda_backend.c says why). */
+void cuk_idle_beside(struct cuk_queue *qu);
 
 /* Floats of scratch cuk_attention needs for n tokens on n_sm multiprocessors. */
 size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, int n_sm);
