@@ -1273,8 +1273,9 @@ static float *defer_rows(struct cuda_backend *cb, int n, int H, int D) {
  * llama3-8b Q4_0 with f16 KV took 2.5% less GPU time at 512 rows and 1.6% less at 4096
  * on an H100 (2123-2137 against 2167-2200 us), the level f16 steps also reached in a
  * process that had run a packed cache's graphs; one such graph made and launched when
- * the backend starts did not do it (docs/cuda-performance.md). KVQ_CUDA_IDLE_BESIDE=0
- * leaves it out (a measurement aid). */
+ * the backend starts did not do it; Qwen2.5-7B's took 1.5% less at 512, Gemma 3 4B's
+ * 0.4-0.7% more (docs/cuda-performance.md). KVQ_CUDA_IDLE_BESIDE=0 leaves it out (a
+ * measurement aid). */
 static bool idle_beside(void) {
     static int on = -1;
     if (on < 0) on = !(getenv("KVQ_CUDA_IDLE_BESIDE") && atoi(getenv("KVQ_CUDA_IDLE_BESIDE")) == 0);
