@@ -163,6 +163,15 @@ struct cuda_backend {
     cudaEvent_t result_ev[RESULT_SLICES]; /* the slices' copies (matvec_in_slices) */
     size_t result_split;                  /* RESULT_SPLIT_BYTES, or KVQ_CUDA_RESULT_SPLIT */
     bool uva; /* unified addressing: host_alloc's pinned memory has the same address on the device */
+    /* A one-token step's layer that packs nothing beside the stream (f16 caches;
+     * cuk_kv_pack) launches an empty kernel there instead, so that its graph has the
+     * branches a packed cache's has. Measured, not understood: with them a step of
+     * llama3-8b Q4_0 with f16 KV took 2.5% less GPU time at 512 rows and 1.6% less at
+     * 4096 on an H100, the level f16 steps also reached in a process that had run a
+     * packed cache's graphs; Qwen2.5-7B's took 1.5% less at 512, Gemma 3 4B's 0.4-0.7%
+     * more (docs/cuda-performance.md). KVQ_CUDA_IDLE_BESIDE=0 turns it off (a
+     * measurement aid). */
+    bool idle_beside;
     int row_end[ROW_COPIES], n_row_copies, rows_copied, rows_from, rows_to;
     size_t rb_copied;
     int *seq_fmt, cap_seq_fmt;
@@ -1267,21 +1276,6 @@ static float *defer_rows(struct cuda_backend *cb, int n, int H, int D) {
     return at;
 }
 
-/* Whether a one-token step's layer that packs nothing beside the stream (f16 caches;
- * cuk_kv_pack) launches an empty kernel there instead, so that its graph has the
- * branches a packed cache's has. Measured, not understood: with them a step of
- * llama3-8b Q4_0 with f16 KV took 2.5% less GPU time at 512 rows and 1.6% less at 4096
- * on an H100 (2123-2137 against 2167-2200 us), the level f16 steps also reached in a
- * process that had run a packed cache's graphs; one such graph made and launched when
- * the backend starts did not do it; Qwen2.5-7B's took 1.5% less at 512, Gemma 3 4B's
- * 0.4-0.7% more (docs/cuda-performance.md). KVQ_CUDA_IDLE_BESIDE=0 leaves it out (a
- * measurement aid). */
-static bool idle_beside(void) {
-    static int on = -1;
-    if (on < 0) on = !(getenv("KVQ_CUDA_IDLE_BESIDE") && atoi(getenv("KVQ_CUDA_IDLE_BESIDE")) == 0);
-    return on;
-}
-
 /* The layer's new keys and values, encoded into the device cache; the host's copy of
  * the rows is filed during the next sync (kv_cache_append_begin / _end). With r, the same
  * launch first norms and rotates the queries and keys, and prepares the queries for
@@ -1405,7 +1399,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
             return kvq_error("%s", cb->failure);
         cuk_kv_encode(&cb->q, &args);
         cuk_kv_pack(&cb->q, &args);
-        if (!args.defer && cb->one_token && cb->q.recording && idle_beside()) cuk_idle_beside(&cb->q);
+        if (!args.defer && cb->one_token && cb->q.recording && cb->idle_beside) cuk_idle_beside(&cb->q);
     }
     prof_end(cb, P_KV_ENCODE, t0);
     if (!cb->q.recording) copy_new_rows(cb); /* recorded: after the segment is issued */
@@ -1816,6 +1810,8 @@ struct backend *backend_cuda_new(int n_threads) {
      * set 0, so that their small vocabularies take that path too) */
     const char *split = getenv("KVQ_CUDA_RESULT_SPLIT");
     cb->result_split = split ? strtoull(split, NULL, 10) : RESULT_SPLIT_BYTES;
+    const char *idle = getenv("KVQ_CUDA_IDLE_BESIDE");
+    cb->idle_beside = !idle || atoi(idle) != 0;
     if (cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS) {
         kvq_error("cuBLAS: cannot start");
         cuda_free(&cb->base);
