@@ -172,6 +172,17 @@ struct cuda_backend {
      * more (docs/cuda-performance.md). KVQ_CUDA_IDLE_BESIDE=0 turns it off (a
      * measurement aid). */
     bool idle_beside;
+    /* The packing of a one-token step's new rows after a short attention chain
+     * (cuk_kv_pack), held from the KV append until the O product is queued, then
+     * launched beside the norm and the gate/up product after it. Launched at once,
+     * beside the attention, it shares multiprocessors with the attention's blocks,
+     * whose warps are the step's chain: a step at 512 rows took 25-50 us longer
+     * (llama3-8b Q4_0, H100; K4V4 the more, as its attention blocks leave registers
+     * for a packing block beside them). After a long chain (cuk_long_attn_rows) it
+     * still goes beside the attention: held, a step at 4096 rows took 1-3% longer
+     * (docs/cuda-performance.md). */
+    struct cuk_enc_args held_pack[MAX_FORMATS];
+    int n_held_pack;
     int row_end[ROW_COPIES], n_row_copies, rows_copied, rows_from, rows_to;
     size_t rb_copied;
     int *seq_fmt, cap_seq_fmt;
@@ -535,6 +546,7 @@ static const void *stage_array(struct cuda_backend *cb, const void *data, size_t
 static void drop_pending(struct cuda_backend *cb) {
     cb->n_pending = cb->rows_copied = cb->rows_from = cb->n_row_copies = 0;
     cb->rb_copied = 0;
+    cb->n_held_pack = 0;
 }
 
 /* The copy stream's next copies wait for the work queued on the compute stream so far
@@ -563,8 +575,16 @@ static void copy_new_rows(struct cuda_backend *cb) {
     cb->rb_copied = cb->rb_used;
 }
 
-/* Uploads the staged data and issues the record. */
+/* The packings held back (held_pack), beside the stream from here. */
+static void launch_held_packs(struct cuda_backend *cb) {
+    for (int i = 0; i < cb->n_held_pack; i++) cuk_kv_pack(&cb->q, &cb->held_pack[i]);
+    cb->n_held_pack = 0;
+}
+
+/* Uploads the staged data and issues the record (with the packings held back, so
+ * that the rows read back after it are whole). */
 static void issue_record(struct cuda_backend *cb) {
+    launch_held_packs(cb);
     double t0 = prof_begin(cb);
     steps_first_issue(cb->steps, cb->stream);
     stage_upload(cb);
@@ -999,6 +1019,7 @@ static void cuda_add_norm(struct backend *b, float *x, float *add, const float *
     struct cuda_backend *cb = cuda(b);
     if (!norm_dim_ok(cb, dim)) return;
     step_op(cb, n, false);
+    launch_held_packs(cb); /* the O product is queued (held_pack) */
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = round_into_xq(cb, w ? out : NULL, w ? n : 0, dim);
     cuk_add_norm(&cb->q, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out, xq);
@@ -1262,6 +1283,12 @@ static bool ensure_qprep(struct cuda_backend *cb, int n, int n_head, int D) {
     return grow_floats(cb, &cb->qprep, &cb->qprep_floats, need, "device memory for attention");
 }
 
+/* The rows a token at position q reads by its plan: packed ranges, sinks and window. */
+static int plan_rows(const struct kv_query_plan *pl, int32_t q) {
+    return (pl->b1 >= pl->a1 ? pl->b1 - pl->a1 + 1 : 0) + (pl->b2 >= pl->a2 ? pl->b2 - pl->a2 + 1 : 0) + pl->sinks +
+           (pl->ws <= q ? q - pl->ws + 1 : 0);
+}
+
 /* Room for the rows of n tokens that an encode leaves for cuk_kv_pack, this step's
  * first free ones; NULL with the failure recorded. */
 static float *defer_rows(struct cuda_backend *cb, int n, int H, int D) {
@@ -1380,9 +1407,18 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
     }
     /* a recorded step whose sequences append a row each reads those rows from f16
      * windows where the cache keeps its newest rows there (win_span): their packing can
-     * go beside the step's attention, off the chain of launches it waits for */
+     * go beside the step's attention, or the products after it (held_pack), off the
+     * chain of launches it waits for */
     bool one_row_each = cb->q.recording;
-    for (int s = 0; s < n_seqs; s++) one_row_each = one_row_each && seqs[s].n == 1;
+    int chain_rows = 0; /* the most rows a token's attention will read (held_pack) */
+    for (int s = 0; s < n_seqs && one_row_each; s++) {
+        one_row_each = seqs[s].n == 1;
+        const int32_t q = kv_cache_n_past(seqs[s].cache) - 1;
+        struct kv_query_plan pl;
+        kv_cache_query_plan(seqs[s].cache, q, &pl);
+        const int rows = plan_rows(&pl, q);
+        if (rows > chain_rows) chain_rows = rows;
+    }
     for (int f = 0; f < n_fmt; f++) {
         const struct kv_view *vw = &views[f];
         struct cuk_enc_args args = {
@@ -1398,7 +1434,10 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
             !(args.defer = defer_rows(cb, args.n, H, D)))
             return kvq_error("%s", cb->failure);
         cuk_kv_encode(&cb->q, &args);
-        cuk_kv_pack(&cb->q, &args);
+        if (args.defer && cb->one_token && chain_rows < cuk_long_attn_rows())
+            cb->held_pack[cb->n_held_pack++] = args;
+        else
+            cuk_kv_pack(&cb->q, &args);
         if (!args.defer && cb->one_token && cb->q.recording && cb->idle_beside) cuk_idle_beside(&cb->q);
     }
     prof_end(cb, P_KV_ENCODE, t0);
@@ -1581,8 +1620,7 @@ static void cuda_attention(struct backend *b, const struct be_attention *a, int 
                     struct kv_cache *c = a->caches[i];
                     struct kv_query_plan pl;
                     kv_cache_query_plan(c, a->pos[i], &pl);
-                    const int rows = (pl.b1 >= pl.a1 ? pl.b1 - pl.a1 + 1 : 0) + (pl.b2 >= pl.a2 ? pl.b2 - pl.a2 + 1 : 0) +
-                                     pl.sinks + (pl.ws <= a->pos[i] ? a->pos[i] - pl.ws + 1 : 0);
+                    const int rows = plan_rows(&pl, a->pos[i]);
                     if (rows > attn_rows) attn_rows = rows;
                     const int32_t fe = kv_view_entry(&v, a->pos[run0]);
                     const struct kv_cache_config *cfg = kv_cache_get_config(c);

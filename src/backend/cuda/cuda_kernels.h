@@ -93,6 +93,9 @@ void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs, int n, si
  * instead of x. */
 void cuk_matvec(struct cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_jobs, const float *x, int64_t x_stride,
                 const struct cuk_xq *xq, int n, const struct cuk_mv_scratch *scratch);
+/* The rows a token's attention reads from which the step's attention chain counts as
+ * long (cuk_queue.attn_rows): the launches around it choose their shapes by it. */
+int cuk_long_attn_rows(void);
 /* Rows [r0, r1) of w into out[r1 - r0][cols]: f32, or f16 (saturated) when f16. */
 void cuk_dequantize(struct cuk_queue *qu, const struct cuk_weight *w, int64_t r0, int64_t r1, void *out, int f16);
 /* x[n][k] (rows x_stride apart) as f16, saturated, into out[n][k]. */

@@ -788,8 +788,15 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
 /* The attention rows (cuk_queue.attn_rows) from which a step's attention chain counts
  * as long for its products' launches (KVQ_MV_LONG_ATTN_ROWS=N moves it, a measurement
  * aid): from there gate/up stashes chunks (below), and under it the product after the
- * attention streams a tile a block (stream_launch). */
+ * attention streams a tile a block (stream_launch) and the KV rows are packed beside
+ * the products after it (cuda_backend.c). */
 #define MV_LONG_ATTN_ROWS 2048
+
+extern "C" int cuk_long_attn_rows(void) {
+    static int rows = -1;
+    if (rows < 0) rows = getenv("KVQ_MV_LONG_ATTN_ROWS") ? atoi(getenv("KVQ_MV_LONG_ATTN_ROWS")) : MV_LONG_ATTN_ROWS;
+    return rows;
+}
 /* Chunks a warp of a 4-warp block (gate/up of the 7-8B shapes) also holds in
  * registers (ST: as many as keep 5 blocks a multiprocessor without spills) after a
  * long attention chain. Asked for before the wait, they
@@ -1101,11 +1108,10 @@ static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, 
     if constexpr (NT > MV_DP4A_MAX) {
         return false;
     } else {
-        static int off = -1, optin, per_sm_smem, n_sm, cap, long_rows;
+        static int off = -1, optin, per_sm_smem, n_sm, cap;
         if (off < 0) {
             off = getenv("KVQ_MV_STREAM") && atoi(getenv("KVQ_MV_STREAM")) == 0;
             cap = getenv("KVQ_MV_STREAM_GRID") ? atoi(getenv("KVQ_MV_STREAM_GRID")) : 0;
-            long_rows = getenv("KVQ_MV_LONG_ATTN_ROWS") ? atoi(getenv("KVQ_MV_LONG_ATTN_ROWS")) : MV_LONG_ATTN_ROWS;
             int dev = 0;
             if (cudaGetDevice(&dev) != cudaSuccess ||
                 cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
@@ -1127,7 +1133,7 @@ static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, 
         };
         const int per_sm = per_sm_of(stream_regs<T, NT, U, 0>(optin));
         if (per_sm < 1) return false;
-        const bool long_chain = qu->attn_rows >= long_rows;
+        const bool long_chain = qu->attn_rows >= cuk_long_attn_rows();
         unsigned tiles, cnt;
         size_t floats;
         q_plan(w, nj, n, U, true, &S, &tiles, &floats, &cnt); /* first[j]: job j's first tile */
