@@ -1434,10 +1434,12 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
             !(args.defer = defer_rows(cb, args.n, H, D)))
             return kvq_error("%s", cb->failure);
         cuk_kv_encode(&cb->q, &args);
-        if (args.defer && cb->one_token && chain_rows < cuk_long_attn_rows())
+        if (args.defer && cb->one_token && chain_rows < cuk_long_attn_rows()) {
+            if (cb->n_held_pack == MAX_FORMATS) launch_held_packs(cb); /* no norm since the last append */
             cb->held_pack[cb->n_held_pack++] = args;
-        else
+        } else {
             cuk_kv_pack(&cb->q, &args);
+        }
         if (!args.defer && cb->one_token && cb->q.recording && cb->idle_beside) cuk_idle_beside(&cb->q);
     }
     prof_end(cb, P_KV_ENCODE, t0);

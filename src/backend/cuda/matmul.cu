@@ -797,6 +797,7 @@ extern "C" int cuk_long_attn_rows(void) {
     if (rows < 0) rows = getenv("KVQ_MV_LONG_ATTN_ROWS") ? atoi(getenv("KVQ_MV_LONG_ATTN_ROWS")) : MV_LONG_ATTN_ROWS;
     return rows;
 }
+
 /* Chunks a warp of a 4-warp block (gate/up of the 7-8B shapes) also holds in
  * registers (ST: as many as keep 5 blocks a multiprocessor without spills) after a
  * long attention chain. Asked for before the wait, they
