@@ -176,7 +176,7 @@ struct cuda_backend {
      * (cuk_kv_pack), held from the KV append until the O product is queued, then
      * launched beside the norm and the gate/up product after it. Launched at once,
      * beside the attention, it shares multiprocessors with the attention's blocks,
-     * whose warps are the step's chain: a step at 512 rows took 25-50 us longer
+     * whose warps are the step's chain: a step at 512 rows took 20-60 us longer
      * (llama3-8b Q4_0, H100; K4V4 the more, as its attention blocks leave registers
      * for a packing block beside them). After a long chain (cuk_long_attn_rows) it
      * still goes beside the attention: held, a step at 4096 rows took 1-3% longer
@@ -1410,14 +1410,14 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
      * go beside the step's attention, or the products after it (held_pack), off the
      * chain of launches it waits for */
     bool one_row_each = cb->q.recording;
-    int chain_rows = 0; /* the most rows a token's attention will read (held_pack) */
-    for (int s = 0; s < n_seqs && one_row_each; s++) {
-        one_row_each = seqs[s].n == 1;
-        const int32_t q = kv_cache_n_past(seqs[s].cache) - 1;
+    for (int s = 0; s < n_seqs; s++) one_row_each = one_row_each && seqs[s].n == 1;
+    /* a one-token step's packing waits for the next norm after a short attention */
+    bool hold = false;
+    if (one_row_each && cb->one_token) {
+        const int32_t q = kv_cache_n_past(seqs[0].cache) - 1;
         struct kv_query_plan pl;
-        kv_cache_query_plan(seqs[s].cache, q, &pl);
-        const int rows = plan_rows(&pl, q);
-        if (rows > chain_rows) chain_rows = rows;
+        kv_cache_query_plan(seqs[0].cache, q, &pl);
+        hold = plan_rows(&pl, q) < cuk_long_attn_rows();
     }
     for (int f = 0; f < n_fmt; f++) {
         const struct kv_view *vw = &views[f];
@@ -1434,7 +1434,7 @@ static int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, in
             !(args.defer = defer_rows(cb, args.n, H, D)))
             return kvq_error("%s", cb->failure);
         cuk_kv_encode(&cb->q, &args);
-        if (args.defer && cb->one_token && chain_rows < cuk_long_attn_rows()) {
+        if (args.defer && hold) {
             if (cb->n_held_pack == MAX_FORMATS) launch_held_packs(cb); /* no norm since the last append */
             cb->held_pack[cb->n_held_pack++] = args;
         } else {
