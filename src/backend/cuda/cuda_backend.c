@@ -105,6 +105,7 @@ struct cuda_backend {
     cudaStream_t stream; /* q.stream */
     bool in_step;        /* work was queued since the last sync */
     int segments;        /* segments of this recorded step issued */
+    bool stage_fetch;    /* one-token steps' staged data fetched by a kernel (stage_fetch) */
     bool one_token;      /* this step is one token's (segment_ends) */
     struct post_copy *post;
     int n_post, cap_post;
@@ -581,13 +582,33 @@ static void launch_held_packs(struct cuda_backend *cb) {
     cb->n_held_pack = 0;
 }
 
+/* A one-token step's staged data read by a kernel at the head of its record, from the
+ * pinned host buffer (mapped), instead of copied before the record is issued: that
+ * small cudaMemcpyAsync took the host 3.5-11 us (H100 machine), and the GPU waits for
+ * the first segment's issue. The range ends at a 4 KB boundary, so that the record
+ * (and its graph) is the same from step to step; what the fetch reads past the staged
+ * bytes is overwritten by the next one before any launch reads it. False where it does
+ * not apply (the caller uploads as before). */
+static bool stage_fetch(struct cuda_backend *cb) {
+    const size_t cap = cb->stage_cap & ~(size_t)15;
+    if (!cb->stage_fetch || !cb->uva || !cb->q.recording || !cb->one_token || cb->stage_used <= cb->stage_up)
+        return false;
+    const size_t from = cb->stage_up & ~(size_t)15, to = (cb->stage_used + 4095) & ~(size_t)4095;
+    const size_t end = to < cap ? to : cap;
+    if (end < cb->stage_used) return false;
+    cuk_stage_fetch(&cb->q, cb->stage_d + from, cb->stage_h + from, end - from);
+    cuk_queue_last_to_front(&cb->q);
+    cb->stage_up = cb->stage_used;
+    return true;
+}
+
 /* Uploads the staged data and issues the record (with the packings held back, so
  * that the rows read back after it are whole). */
 static void issue_record(struct cuda_backend *cb) {
     launch_held_packs(cb);
     double t0 = prof_begin(cb);
     steps_first_issue(cb->steps, cb->stream);
-    stage_upload(cb);
+    if (!stage_fetch(cb)) stage_upload(cb);
     cuk_queue_issue(&cb->q);
     copy_new_rows(cb);
     prof_end(cb, P_ISSUE, t0);
@@ -602,15 +623,18 @@ static void issue_record(struct cuda_backend *cb) {
  * - Several tokens: a short first segment (the GPU idles until it is issued), then
  *   segments of SEGMENT_LAUNCHES, so that the host, whose work grows with the
  *   tokens, stays ahead (longer ones left the GPU waiting for 16 sequences).
- * - One token: three segments, and the output product's (cuda_matmul). Each ends
- *   before a GLU (the down product's blocks load their weights while it runs), the
- *   first from SEGMENT_ONE[0] launches on (the third layer's in a 7-8B model), so
- *   that the GPU has layers to run while the host records the next ones. A step at
- *   512 to 4096 rows took 0.6-1.6% less GPU time than in segments of 12, then 96
- *   (H100, llama3-8b Q4_0; docs/cuda-performance.md). */
+ * - One token: four segments, and the output product's (cuda_matmul). Each ends
+ *   before a GLU (the down product's blocks load their weights while it runs): the
+ *   first at the first GLU (layer 0's), so that the GPU starts after about 10
+ *   launches are recorded rather than 30; the next ones SEGMENT_ONE[1], then
+ *   SEGMENT_ONE[2] launches later (layers 4 and 12 in a 7-8B model), short enough
+ *   that the host records each while the GPU runs the one before. Against a first
+ *   segment of 30 launches the host's median time beyond the GPU's fell from 34-37
+ *   to 20 us a step, for 3-10 us more GPU time (H100, llama3-8b Q4_0;
+ *   docs/cuda-performance.md). */
 #define SEGMENT_FIRST 12
 #define SEGMENT_LAUNCHES 96
-static const int SEGMENT_ONE[] = {30, 90};
+static const int SEGMENT_ONE[] = {5, 40, 90};
 static bool segment_ends(const struct cuda_backend *cb, bool glu) {
     const int n_one = (int)(sizeof SEGMENT_ONE / sizeof *SEGMENT_ONE);
     if (cb->one_token) return glu && cb->segments < n_one && cb->q.n_ent >= SEGMENT_ONE[cb->segments];
@@ -1850,6 +1874,8 @@ struct backend *backend_cuda_new(int n_threads) {
      * set 0, so that their small vocabularies take that path too) */
     const char *split = getenv("KVQ_CUDA_RESULT_SPLIT");
     cb->result_split = split ? strtoull(split, NULL, 10) : RESULT_SPLIT_BYTES;
+    const char *fetch = getenv("KVQ_CUDA_STAGE_FETCH"); /* 0: copies as before (a measurement aid) */
+    cb->stage_fetch = !fetch || atoi(fetch) != 0;
     const char *idle = getenv("KVQ_CUDA_IDLE_BESIDE");
     cb->idle_beside = !idle || atoi(idle) != 0;
     if (cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS) {

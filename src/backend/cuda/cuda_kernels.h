@@ -244,6 +244,8 @@ void cuk_kv_encode(struct cuk_queue *qu, const struct cuk_enc_args *a);
 void cuk_kv_pack(struct cuk_queue *qu, const struct cuk_enc_args *a);
 /* An empty kernel beside the stream (cuda_backend.c says why). */
 void cuk_idle_beside(struct cuk_queue *qu);
+/* bytes (a multiple of 16, 16-byte aligned) from pinned host memory to dst, read by a kernel */
+void cuk_stage_fetch(struct cuk_queue *qu, void *dst, const void *src, size_t bytes);
 
 /* Floats of scratch cuk_attention needs for n tokens on n_sm multiprocessors. */
 size_t cuk_attention_scratch_floats(int n, int n_head, int head_dim, int n_sm);

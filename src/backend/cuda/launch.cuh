@@ -7,7 +7,8 @@
  * this way calls griddep_release() first, which lets the next one be scheduled.
  * Before the wait a kernel may read what the host copied in (staged plans, the
  * Hadamard signs: copies precede the kernels that follow them, and no kernel writes
- * these) and what scatter_k placed (a cache's offsets, block tables, window rows):
+ * these), what stage_fetch_k fetched (the launch after it is a plain one) and what
+ * scatter_k placed (a cache's offsets, block tables, window rows):
  * the launch after a scatter is a plain one, which starts once the scatter's writes
  * are visible. A kernel that merely does not release its dependents early gives no
  * such promise: they may start as its blocks exit, before its writes are visible (an

@@ -1,6 +1,6 @@
 /* Per-token operations of the forward pass (norms, the RoPE tables, activations;
- * RoPE itself goes with the KV append, kv_encode.cu) and the scatter that places
- * host-staged rows at their device addresses. The float math follows
+ * RoPE itself goes with the KV append, kv_encode.cu), the fetch of a step's staged
+ * bytes and the scatter that places host-staged rows at their device addresses. The float math follows
  * src/backend/cpu/cpu_backend.c. */
 #include <math.h>
 
@@ -210,4 +210,19 @@ __global__ void idle_k() {}
 extern "C" void cuk_idle_beside(cuk_queue *qu) {
     cuk_queue_launch_side_next(qu);
     queue_launch(idle_k, dim3(1), dim3(32), qu);
+}
+
+/* The host's staged bytes, read over the bus from its pinned memory (mapped), each
+ * load fetched anew (ld.global.cv) rather than from a cache an earlier step filled.
+ * Where a copy would go before the record, this runs at its head (cuda_backend.c). */
+__global__ void stage_fetch_k(uint4 *dst, const uint4 *src, unsigned n16) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += gridDim.x * blockDim.x)
+        dst[i] = __ldcv(src + i);
+}
+
+extern "C" void cuk_stage_fetch(cuk_queue *qu, void *dst, const void *src, size_t bytes) {
+    const unsigned n16 = (unsigned)(bytes / 16), blocks = (n16 + 255) / 256;
+    if (n16 == 0) return;
+    queue_launch(stage_fetch_k, dim3(blocks < 132 ? blocks : 132), dim3(256), qu, (uint4 *)dst, (const uint4 *)src,
+                 n16);
 }

@@ -192,6 +192,20 @@ void cuk_queue_launch_plain_next(struct cuk_queue *q) { q->plain_next = true; }
 
 void cuk_queue_launch_side_next(struct cuk_queue *q) { q->side_next = true; }
 
+void cuk_queue_last_to_front(struct cuk_queue *q) {
+    if (!q->recording || q->n_ent < 2) return;
+    const struct cuk_rec_entry last = q->ent[q->n_ent - 1];
+    memmove(q->ent + 1, q->ent, sizeof *q->ent * (size_t)(q->n_ent - 1));
+    q->ent[0] = last;
+    /* the next launch in the stream plain: it starts once the first one's writes are
+     * visible (launches beside the stream fork after it anyway) */
+    for (int i = 1; i < q->n_ent; i++)
+        if (!q->ent[i].side) {
+            q->ent[i].pdl = 0;
+            break;
+        }
+}
+
 void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
     if (!q->recording) {

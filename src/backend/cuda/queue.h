@@ -72,6 +72,10 @@ void cuk_queue_launch_plain_next(struct cuk_queue *q);
  * record reads, so that its time leaves the chain of dependent launches. Not
  * recording, the launch goes in the stream as any other. */
 void cuk_queue_launch_side_next(struct cuk_queue *q);
+/* Moves the last launch recorded to the front of the record, and makes the next
+ * launch in the stream a plain one, so that every launch of the record starts after
+ * it has finished: for work whose results the whole record reads. */
+void cuk_queue_last_to_front(struct cuk_queue *q);
 /* A copy from pinned host memory to the device; the host bytes are read when the
  * copy runs, so they must stay as they are until then. */
 void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes);
