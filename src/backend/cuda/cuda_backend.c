@@ -630,7 +630,7 @@ static void issue_record(struct cuda_backend *cb) {
  *   SEGMENT_ONE[2] launches later (layers 4 and 12 in a 7-8B model), short enough
  *   that the host records each while the GPU runs the one before. Against a first
  *   segment of 30 launches the host's median time beyond the GPU's fell from 34-37
- *   to 20 us a step, for 3-10 us more GPU time (H100, llama3-8b Q4_0;
+ *   to 20-25 us a step, for 0-17 us more GPU time (H100, llama3-8b Q4_0;
  *   docs/cuda-performance.md). */
 #define SEGMENT_FIRST 12
 #define SEGMENT_LAUNCHES 96

@@ -1,7 +1,7 @@
 /* Per-token operations of the forward pass (norms, the RoPE tables, activations;
  * RoPE itself goes with the KV append, kv_encode.cu), the fetch of a step's staged
- * bytes and the scatter that places host-staged rows at their device addresses. The float math follows
- * src/backend/cpu/cpu_backend.c. */
+ * bytes, and the scatter that places host-staged rows at their device addresses.
+ * The float math follows src/backend/cpu/cpu_backend.c. */
 #include <math.h>
 
 #include "backend/cuda/cuda_kernels.h"
