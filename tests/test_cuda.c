@@ -79,6 +79,18 @@ static int prompt(const struct kvq_model *m, int32_t *ids, int max) {
     return got > max ? max : got;
 }
 
+/* Where the GPU's argmax differs from the CPU's, the step must be a near tie: on the
+ * CPU's logits the GPU's choice is at most TIE_LOGITS below the CPU's. The CPU's own
+ * SIMD levels disagree so. KVQ_SIMD=scalar against AVX2, tinydoc Q8_0 with K4V4 and
+ * residual 8, a 200-token wikitext prompt, then 300 of its tokens one at a time:
+ * - the argmax differed at 7 of 301 steps, the scalar logits putting the AVX2 choice
+ *   0.02-0.11 below their own;
+ * - the gap of each of the top 5 tokens to the top one moved by up to 0.46 (median
+ *   0.13, 99th percentile 0.38), which is how far below a flipped choice may lie.
+ * A count of one differing step in 25 failed for changes that only reordered a sum
+ * (the GPU's choice 0.32 below); a quarter of the steps may differ. */
+#define TIE_LOGITS 0.5f
+
 /* The next-token logits of one sequence after a prompt prefilled in chunks of
  * n_batch and `steps` greedy decode steps (the CPU's choices, so both follow one
  * path), compared at every step against max_kl. Returns the mean KL of the steps. */
@@ -92,7 +104,7 @@ static double compare_config(struct kvq_model *m, const char *label, const struc
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
     int n = prompt(m, ids, n_prompt);
     CHECK(n == n_prompt, "%s: prompt of %d tokens, got %d", label, n_prompt, n);
-    double worst_kl = 0, sum_kl = 0;
+    double worst_kl = 0, sum_kl = 0, worst_gap = 0;
     int agree = 0, total = 0;
     if (cpu && gpu && n == n_prompt) {
         struct kvq_batch b = {.n_tokens = n, .tokens = ids};
@@ -106,8 +118,9 @@ static double compare_config(struct kvq_model *m, const char *label, const struc
             CHECK(finite, "%s: step %d: non-finite GPU logits", label, s);
             worst_kl = fmax(worst_kl, d);
             sum_kl += d;
-            int32_t t = argmax(lc, info.n_vocab);
-            agree += t == argmax(lg, info.n_vocab);
+            int32_t t = argmax(lc, info.n_vocab), tg = argmax(lg, info.n_vocab);
+            if (t == tg) agree++;
+            else worst_gap = fmax(worst_gap, lc[t] - lc[tg]);
             total++;
             b = (struct kvq_batch){.n_tokens = 1, .tokens = &t};
             if (s < steps) rc = kvq_decode(cpu, &b) | kvq_decode(gpu, &b);
@@ -115,9 +128,12 @@ static double compare_config(struct kvq_model *m, const char *label, const struc
         }
     }
     const double mean_kl = total ? sum_kl / total : INFINITY;
-    printf("%-34s KL(cpu || gpu) max %.2e, mean %.2e, argmax agrees %d/%d\n", label, worst_kl, mean_kl, agree, total);
+    printf("%-34s KL(cpu || gpu) max %.2e, mean %.2e, argmax agrees %d/%d (where not, %.3f below)\n", label,
+           worst_kl, mean_kl, agree, total, worst_gap);
     CHECK(worst_kl < max_kl, "%s: GPU distribution differs from the CPU's (KL %g)", label, worst_kl);
-    CHECK(agree >= total - 1, "%s: argmax differs at %d of %d steps", label, total - agree, total);
+    CHECK(worst_gap <= TIE_LOGITS, "%s: the GPU's argmax is %.3f below the CPU's on the CPU's logits", label,
+          worst_gap);
+    CHECK(agree >= total - total / 4, "%s: argmax differs at %d of %d steps", label, total - agree, total);
     free(ids);
     kvq_context_free(cpu);
     kvq_context_free(gpu);
