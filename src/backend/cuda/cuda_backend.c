@@ -105,7 +105,7 @@ struct cuda_backend {
     cudaStream_t stream; /* q.stream */
     bool in_step;        /* work was queued since the last sync */
     int segments;        /* segments of this recorded step issued */
-    bool stage_fetch;    /* one-token steps' staged data fetched by a kernel (stage_fetch) */
+    bool stage_fetch;    /* one-token steps' staged data fetched by a kernel (fetch_staged) */
     bool one_token;      /* this step is one token's (segment_ends) */
     struct post_copy *post;
     int n_post, cap_post;
@@ -482,10 +482,12 @@ static int cuda_upload_vector(struct backend *b, const float *v, int64_t n) {
  * waits for the stream first (earlier uploads may still read the old buffer). */
 static void record_stop(struct cuda_backend *cb);
 
-/* The staging buffers at cap bytes, what they hold kept; false with the failure
- * recorded. */
+/* The staging buffers at cap bytes (rounded up to STAGE_ROUND, fetch_staged's unit),
+ * what they hold kept; false with the failure recorded. */
+#define STAGE_ROUND 4096
 static bool stage_grow(struct cuda_backend *cb, size_t cap) {
     uint8_t *h = NULL, *d = NULL;
+    cap = (cap + STAGE_ROUND - 1) / STAGE_ROUND * STAGE_ROUND;
     if (!ck(cb, cudaStreamSynchronize(cb->stream), "waiting for the stream") ||
         !ck(cb, cudaMallocHost((void **)&h, cap), "pinned staging memory") ||
         !ck(cb, cudaMalloc((void **)&d, cap), "device staging memory")) {
@@ -585,18 +587,16 @@ static void launch_held_packs(struct cuda_backend *cb) {
 /* A one-token step's staged data read by a kernel at the head of its record, from the
  * pinned host buffer (mapped), instead of copied before the record is issued: that
  * small cudaMemcpyAsync took the host 3.5-11 us (H100 machine), and the GPU waits for
- * the first segment's issue. The range ends at a 4 KB boundary, so that the record
- * (and its graph) is the same from step to step; what the fetch reads past the staged
- * bytes is overwritten by the next one before any launch reads it. False where it does
- * not apply (the caller uploads as before). */
-static bool stage_fetch(struct cuda_backend *cb) {
-    const size_t cap = cb->stage_cap & ~(size_t)15;
+ * the first segment's issue. The range ends at a STAGE_ROUND boundary (within the
+ * buffer, stage_grow), so that the record (and its graph) is the same from step to
+ * step; what the fetch reads past the staged bytes is overwritten by the next one
+ * before any launch reads it. False where it does not apply (the caller uploads). */
+static bool fetch_staged(struct cuda_backend *cb) {
     if (!cb->stage_fetch || !cb->uva || !cb->q.recording || !cb->one_token || cb->stage_used <= cb->stage_up)
         return false;
-    const size_t from = cb->stage_up & ~(size_t)15, to = (cb->stage_used + 4095) & ~(size_t)4095;
-    const size_t end = to < cap ? to : cap;
-    if (end < cb->stage_used) return false;
-    cuk_stage_fetch(&cb->q, cb->stage_d + from, cb->stage_h + from, end - from);
+    const size_t from = cb->stage_up & ~(size_t)15;
+    const size_t to = (cb->stage_used + STAGE_ROUND - 1) / STAGE_ROUND * STAGE_ROUND;
+    cuk_stage_fetch(&cb->q, cb->stage_d + from, cb->stage_h + from, to - from);
     cuk_queue_last_to_front(&cb->q);
     cb->stage_up = cb->stage_used;
     return true;
@@ -608,7 +608,7 @@ static void issue_record(struct cuda_backend *cb) {
     launch_held_packs(cb);
     double t0 = prof_begin(cb);
     steps_first_issue(cb->steps, cb->stream);
-    if (!stage_fetch(cb)) stage_upload(cb);
+    if (!fetch_staged(cb)) stage_upload(cb);
     cuk_queue_issue(&cb->q);
     copy_new_rows(cb);
     prof_end(cb, P_ISSUE, t0);

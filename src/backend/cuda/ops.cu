@@ -220,6 +220,8 @@ __global__ void stage_fetch_k(uint4 *dst, const uint4 *src, unsigned n16) {
         dst[i] = __ldcv(src + i);
 }
 
+/* A block per 4 KB, at most one per multiprocessor of an H100: a one-token step stages
+ * a few KB, more only after a cache's windows are copied in again. */
 extern "C" void cuk_stage_fetch(cuk_queue *qu, void *dst, const void *src, size_t bytes) {
     const unsigned n16 = (unsigned)(bytes / 16), blocks = (n16 + 255) / 256;
     if (n16 == 0) return;
