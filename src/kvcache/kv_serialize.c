@@ -261,6 +261,7 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
                 kv_read(r, kv_win_row(ws[w], f, side, hh, 0), f->row * (size_t)n);
                 if (!rows_finite(kv_win_row(ws[w], f, side, hh, 0), f, c->shape.head_dim, (size_t)n))
                     return load_fail(c, "non-finite values in the window rows");
+                kv_win_mirror(ws[w], f, side, hh, 0, n);
             }
     }
     st->sink->n = sn;

@@ -34,14 +34,16 @@ struct kv_fmt {
     size_t row; /* bytes per row */
 };
 
-/* f16 copies of the rows of positions [p0, p0 + n), at slots [start, start + n) of cap
- * per head; shared by forks until one writes. The residual window drops its oldest
- * rows by moving start on, and moves its rows back to slot 0 only when an append
- * would run past cap: not at every decode step. */
+/* f16 copies of the rows of positions [p0, p0 + n) in a ring of cap slots per head:
+ * row j lies at slot start + j of 2 cap (start < cap, n <= cap), so the rows are one run
+ * however the ring has turned, and the residual window drops its oldest rows by moving
+ * start on, moving no rows. A row written at a slot s >= cap is copied to s - cap too,
+ * where it is read once start has come round below it. Shared by forks until one
+ * writes. */
 struct kv_win {
     int32_t refs;
     int32_t p0, n, cap, start;
-    uint8_t *k, *v; /* [H][cap][row] */
+    uint8_t *k, *v; /* [H][2 cap][row] */
 };
 
 struct kv_store {
@@ -76,6 +78,8 @@ void kv_decode_row(const struct kv_store *st, const struct kv_fmt *f, int d, con
 /* The offset of a quantized side (NULL for float rows or before it is chosen). */
 const float *kv_side_mu(const struct kv_store *st, const struct kv_fmt *f, int side, int h, int d, int H);
 uint8_t *kv_win_row(const struct kv_win *w, const struct kv_fmt *f, int side, int h, int32_t j);
+/* After rows [j, j + n) were written at kv_win_row: their copies below slot cap. */
+void kv_win_mirror(const struct kv_win *w, const struct kv_fmt *f, int side, int h, int32_t j, int32_t n);
 
 /* ---- kv_store.c ---- */
 size_t kv_block_size(const struct kv_cache *c, const struct kv_fmt *kf, const struct kv_fmt *vf);
