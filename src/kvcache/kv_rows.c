@@ -63,8 +63,8 @@ uint8_t *kv_win_row(const struct kv_win *w, const struct kv_fmt *f, int side, in
     return (side ? w->v : w->k) + ((size_t)h * 2 * (size_t)w->cap + (size_t)(w->start + j)) * f->row;
 }
 
-void kv_win_mirror(const struct kv_win *w, const struct kv_fmt *f, int side, int h, int32_t j, int32_t n) {
-    const int32_t below = w->cap - (w->start + j); /* rows at slots below cap have no copy */
-    if (below > 0) j += below, n -= below;
-    if (n > 0) memcpy(kv_win_row(w, f, side, h, j - w->cap), kv_win_row(w, f, side, h, j), f->row * (size_t)n);
+void kv_win_mirror(const struct kv_store *st, const struct kv_win *w, int h, int32_t j) {
+    if (w->start + j < w->cap) return; /* rows at slots below cap have no copy */
+    memcpy(kv_win_row(w, &st->wkf, 0, h, j - w->cap), kv_win_row(w, &st->wkf, 0, h, j), st->wkf.row);
+    memcpy(kv_win_row(w, &st->wvf, 1, h, j - w->cap), kv_win_row(w, &st->wvf, 1, h, j), st->wvf.row);
 }

@@ -252,7 +252,7 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
         return -1;
     }
     struct kv_win *ws[2] = {st->sink, st->rec};
-    st->sink->start = st->rec->start = 0; /* private after the reserve: read in from slot 0 */
+    st->sink->start = st->rec->start = 0; /* private after the reserve: read in from slot 0, below cap */
     for (int w = 0; w < 2; w++) {
         int32_t n = w ? rn : sn;
         for (int side = 0; side < 2; side++)
@@ -261,7 +261,6 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
                 kv_read(r, kv_win_row(ws[w], f, side, hh, 0), f->row * (size_t)n);
                 if (!rows_finite(kv_win_row(ws[w], f, side, hh, 0), f, c->shape.head_dim, (size_t)n))
                     return load_fail(c, "non-finite values in the window rows");
-                kv_win_mirror(ws[w], f, side, hh, 0, n);
             }
     }
     st->sink->n = sn;

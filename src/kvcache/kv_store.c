@@ -467,8 +467,7 @@ void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *
                 const int32_t j = p - ws[i]->p0;
                 memcpy(kv_win_row(ws[i], &st->wkf, 0, h, j), wk + ((size_t)t * H + h) * st->wkf.row, st->wkf.row);
                 memcpy(kv_win_row(ws[i], &st->wvf, 1, h, j), wv + ((size_t)t * H + h) * st->wvf.row, st->wvf.row);
-                kv_win_mirror(ws[i], &st->wkf, 0, h, j, 1);
-                kv_win_mirror(ws[i], &st->wvf, 1, h, j, 1);
+                kv_win_mirror(st, ws[i], h, j);
             }
     }
 }

@@ -78,8 +78,9 @@ void kv_decode_row(const struct kv_store *st, const struct kv_fmt *f, int d, con
 /* The offset of a quantized side (NULL for float rows or before it is chosen). */
 const float *kv_side_mu(const struct kv_store *st, const struct kv_fmt *f, int side, int h, int d, int H);
 uint8_t *kv_win_row(const struct kv_win *w, const struct kv_fmt *f, int side, int h, int32_t j);
-/* After rows [j, j + n) were written at kv_win_row: their copies below slot cap. */
-void kv_win_mirror(const struct kv_win *w, const struct kv_fmt *f, int side, int h, int32_t j, int32_t n);
+/* After head h's key and value of row j were written at kv_win_row: their copies
+ * below slot cap, where the row lies at or past it. */
+void kv_win_mirror(const struct kv_store *st, const struct kv_win *w, int h, int32_t j);
 
 /* ---- kv_store.c ---- */
 size_t kv_block_size(const struct kv_cache *c, const struct kv_fmt *kf, const struct kv_fmt *vf);

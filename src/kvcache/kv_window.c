@@ -110,7 +110,8 @@ static void win_shrink(struct kv_cache *c, struct kv_win **wp, int32_t keep) {
 /* The rows back to slots [0, n) (private window). */
 static void win_rebase(struct kv_cache *c, struct kv_win *w) {
     const struct kv_store *st = store_of(c);
-    for (int h = 0; h < c->shape.n_kv_heads && w->start > 0; h++) {
+    if (w->start == 0) return;
+    for (int h = 0; h < c->shape.n_kv_heads; h++) {
         memmove(kv_win_row(w, &st->wkf, 0, h, -w->start), kv_win_row(w, &st->wkf, 0, h, 0), st->wkf.row * (size_t)w->n);
         memmove(kv_win_row(w, &st->wvf, 1, h, -w->start), kv_win_row(w, &st->wvf, 1, h, 0), st->wvf.row * (size_t)w->n);
     }
@@ -124,8 +125,7 @@ void kv_win_put(struct kv_cache *c, struct kv_win *w, const float *k, const floa
     for (int h = 0; h < H; h++) {
         kv_encode_row(st, &st->wkf, D, k + (size_t)h * D, NULL, kv_win_row(w, &st->wkf, 0, h, w->n));
         kv_encode_row(st, &st->wvf, D, v + (size_t)h * D, NULL, kv_win_row(w, &st->wvf, 1, h, w->n));
-        kv_win_mirror(w, &st->wkf, 0, h, w->n, 1);
-        kv_win_mirror(w, &st->wvf, 1, h, w->n, 1);
+        kv_win_mirror(st, w, h, w->n);
     }
     w->n++;
 }
