@@ -605,6 +605,96 @@ static void test_matvec(void) {
     }
 }
 
+/* Wide products (17 to CUK_WIDE_MAX tokens from the packed codes) against the CPU's
+ * dequantized rows rounded to f16 times the inputs rounded to f16, in double: shapes
+ * with partial chunks, split columns (long rows, few tiles), token groups past n, a
+ * bias and a row stride wider than the rows. */
+static void test_matmul_wide(void) {
+    static const struct {
+        uint32_t type;
+        int rows, cols;
+    } cases[] = {{KVQ_Q8_0, 37, 512}, {KVQ_Q4_0, 37, 512}, {KVQ_Q4_K, 37, 512}, {KVQ_Q6_K, 37, 512},
+                 {KVQ_Q4_0, 19, 160}, {KVQ_Q8_0, 19, 160}, {KVQ_Q4_0, 300, 4128}, {KVQ_Q6_K, 100, 4352},
+                 {KVQ_Q4_K, 64, 14336}};
+    const int ns[] = {17, 40, CUK_WIDE_MAX, 130, 256}; /* past CUK_WIDE_MAX: several token groups */
+    const int n_max = 256;
+    for (size_t ti = 0; ti < sizeof cases / sizeof cases[0]; ti++) {
+        const uint32_t type = cases[ti].type;
+        const int rows = cases[ti].rows, cols = cases[ti].cols, stride = rows + 3;
+        const size_t rb = kvq_dtype_row_bytes(type, cols), bytes = rb * rows;
+        uint8_t *w = malloc(bytes);
+        float *x = malloc(sizeof(float) * n_max * cols), *y = malloc(sizeof(float) * n_max * stride),
+              *row = malloc(sizeof(float) * cols), *bias = malloc(sizeof(float) * rows);
+        double *xr = malloc(sizeof(double) * n_max * cols);
+        fill_rows(type, w, bytes);
+        for (int i = 0; i < n_max * cols; i++) x[i] = frnd();
+        for (int r = 0; r < rows; r++) bias[r] = frnd();
+        for (int i = 0; i < n_max * cols; i++) xr[i] = kvq_f16_to_f32(kvq_f32_to_f16(x[i])); /* as the kernel reads them */
+        const size_t all = cuk_repacked_bytes(type, rows, cols), codes = cuk_repacked_code_bytes(type, rows, cols);
+        uint8_t *dw, *packed;
+        float *dx, *dy, *db, *scr = NULL;
+        uint16_t *x16;
+        cudaMalloc((void **)&dw, bytes);
+        cudaMalloc((void **)&packed, all);
+        cudaMalloc((void **)&dx, sizeof(float) * n_max * cols);
+        cudaMalloc((void **)&dy, sizeof(float) * n_max * stride);
+        cudaMalloc((void **)&db, sizeof(float) * rows);
+        cudaMalloc((void **)&x16, sizeof(uint16_t) * n_max * cols);
+        cudaMemcpy(dw, w, bytes, cudaMemcpyHostToDevice);
+        cudaMemcpy(dx, x, sizeof(float) * n_max * cols, cudaMemcpyHostToDevice);
+        cudaMemcpy(db, bias, sizeof(float) * rows, cudaMemcpyHostToDevice);
+        cuk_repack(&tq, type, dw, rows, cols, packed, (uint16_t *)(packed + codes));
+        const struct cuk_weight cw = {type, packed, rows, cols, 0, (const uint16_t *)(packed + codes)};
+        for (int k = 0; k < (int)(sizeof ns / sizeof ns[0]); k++) {
+            const int n = ns[k];
+            const bool with_bias = k % 2 == 1;
+            const size_t sf = cuk_matmul_wide_scratch(&cw, n, 132);
+            cudaFree(scr);
+            scr = NULL;
+            if (sf) cudaMalloc((void **)&scr, sizeof(float) * sf);
+            cudaMemset(dy, 0xff, sizeof(float) * n_max * stride); /* NaN: every output must be written */
+            cuk_to_half(&tq, dx, cols, n, cols, x16);
+            cuk_matmul_wide(&tq, &cw, x16, n, dy, stride, with_bias ? db : NULL, scr, 132);
+            CHECK(cudaDeviceSynchronize() == cudaSuccess, "%s: wide product launch", kvq_dtype_name(type));
+            cudaMemcpy(y, dy, sizeof(float) * (size_t)n * stride, cudaMemcpyDeviceToHost);
+            double err = 0, scale = 0;
+            for (int r = 0; r < rows; r++) {
+                kern_dequantize_row(type, w + (size_t)r * rb, row, cols);
+                for (int c = 0; c < cols; c++) row[c] = kvq_f16_to_f32(kvq_f32_to_f16(row[c]));
+                for (int t = 0; t < n; t++) {
+                    double ref = with_bias ? bias[r] : 0, mag = 0;
+                    for (int c = 0; c < cols; c++) {
+                        const double xv = xr[(size_t)t * cols + c];
+                        ref += (double)row[c] * xv;
+                        mag += fabs(row[c] * xv);
+                    }
+                    const double got = y[(size_t)t * stride + r];
+                    err = fmax(err, isfinite(got) ? fabs(got - ref) : INFINITY);
+                    scale = fmax(scale, mag);
+                }
+            }
+            const double tol = 1e-5 * scale + 1e-6;
+            printf("wide %-5s %3dx%-5d n=%3d%s: max error %.2e of a magnitude sum %.2e\n", kvq_dtype_name(type), rows,
+                   cols, n, sf ? " (split)" : "", err, scale);
+            CHECK(err <= tol, "%s %dx%d n=%d: wide product differs from the CPU dequantization by %g",
+                  kvq_dtype_name(type), rows, cols, n, err);
+        }
+        cudaFree(scr);
+        cudaFree(dw);
+        cudaFree(packed);
+        cudaFree(dx);
+        cudaFree(dy);
+        cudaFree(db);
+        cudaFree(x16);
+        free(w);
+        free(x);
+        free(y);
+        free(row);
+        free(bias);
+        free(xr);
+    }
+}
+
 /* The norms and the GLU that also round their output into xq: the output against a
  * double reference, and the rounding bit for bit equal to cuk_quantize_x of it. */
 static void test_rounding_ops(void) {
@@ -864,14 +954,16 @@ int main(void) {
     }
     struct cudaDeviceProp prop;
     tq.pdl = cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major >= 9; /* as the backend launches */
-    /* KVQ_TEST_ONLY=attention|matvec: those kernels alone (for compute-sanitizer) */
+    /* KVQ_TEST_ONLY=attention|matvec|wide: those kernels alone (for compute-sanitizer) */
     const char *only = getenv("KVQ_TEST_ONLY");
-    if (only && (strcmp(only, "attention") == 0 || strcmp(only, "matvec") == 0)) {
+    if (only && (strcmp(only, "attention") == 0 || strcmp(only, "matvec") == 0 || strcmp(only, "wide") == 0)) {
         if (strcmp(only, "attention") == 0) test_attention();
+        else if (strcmp(only, "wide") == 0) test_matmul_wide();
         else test_matvec();
         return check_finish();
     }
     test_matvec();
+    test_matmul_wide();
     test_rounding_ops();
     test_attention();
     test_q8_weights();

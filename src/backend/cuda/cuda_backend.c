@@ -123,6 +123,10 @@ struct cuda_backend {
     struct cuk_mv_scratch mv;          /* their partial sums and tile counters */
     size_t mv_floats, mv_counters;
     int64_t xq_cols;  /* xq holds up to CUK_MATVEC_MAX rows of this many */
+    bool wide_on;     /* TEMPORARY KVQ_CUDA_WIDE=0: the GEMM path, for before/after runs */
+    int graph_max;    /* TEMPORARY KVQ_CUDA_GRAPH_MAX */
+    float *wide_part; /* the wide products' partial sums (split columns) */
+    size_t wide_floats;
     /* what xq holds: the rounding of xq_n rows of xq_k floats at xq_of (written by the
      * norm or GLU that made them, so the product after it needs no rounding launch) */
     const float *xq_of;
@@ -208,9 +212,9 @@ static struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backen
 /* KVQ_CUDA_PROFILE=1: each operation waits for the GPU before and after itself and
  * its time is added up per kind, printed when the backend is freed (a measurement
  * aid: the waits serialize what normally overlaps). */
-enum prof_op { P_MATVEC, P_GEMM, P_NORM, P_GLU, P_EMBED, P_KV_ENCODE, P_KV_FINISH, P_ATTN_HOST, P_ATTN_GPU, P_ISSUE,
+enum prof_op { P_MATVEC, P_WIDE, P_GEMM, P_NORM, P_GLU, P_EMBED, P_KV_ENCODE, P_KV_FINISH, P_ATTN_HOST, P_ATTN_GPU, P_ISSUE,
                P_N };
-static const char *const prof_names[P_N] = {"matvec", "gemm (dequantize + f16/TF32)", "norms", "glu", "embed",
+static const char *const prof_names[P_N] = {"matvec", "wide products (packed)", "gemm (dequantize + f16/TF32)", "norms", "glu", "embed",
                                             "kv_append: plan, RoPE + device encode",
                                             "sync: host copy of new KV rows",
                                             "attention: host plan + uploads", "attention: kernels",
@@ -646,7 +650,7 @@ static void step_op(struct cuda_backend *cb, int n, bool glu) {
     if (!cb->in_step) {
         cb->in_step = true;
         if (cb->steps) cb->steps->begin = now_s();
-        cb->q.recording = cb->q.graphs && n <= CUK_MATVEC_MAX;
+        cb->q.recording = cb->q.graphs && n <= cb->graph_max;
         cb->segments = 0;
         cb->one_token = n == 1;
     } else if (cb->q.recording && segment_ends(cb, glu)) {
@@ -899,6 +903,38 @@ static void matvec_in_slices(struct cuda_backend *cb, const struct cuk_matvec_jo
     }
 }
 
+/* Products of n <= CUK_WIDE_MAX tokens with repacked weights, from their codes (false:
+ * a weight of another type, left to the GEMM path). The jobs share x: made f16 once. */
+static bool wide_products(struct cuda_backend *cb, const float *x, int64_t x_stride, int n, int n_jobs,
+                          const struct be_matmul *jobs) {
+    const struct cuk_weight *w[8];
+    if (n_jobs < 1 || n_jobs > 8) return false;
+    size_t floats = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        w[j] = dev_weight(cb, jobs[j].w);
+        if (!w[j]) return true; /* failed: the backend says why */
+        if (!cuk_repacked(w[j]->type)) return false;
+        const size_t f = cuk_matmul_wide_scratch(w[j], n, cb->n_sm);
+        if (f > floats) floats = f;
+    }
+    if (floats > cb->wide_floats) {
+        free_after_step(cb, cb->wide_part);
+        cb->wide_floats = floats;
+        if (!ck(cb, cudaMalloc((void **)&cb->wide_part, sizeof(float) * floats), "device memory for products")) {
+            cb->wide_part = NULL;
+            cb->wide_floats = 0;
+            return true;
+        }
+    }
+    cuk_to_half(&cb->q, x, x_stride, n, w[0]->cols, cb->x16);
+    for (int j = 0; j < n_jobs; j++) {
+        cuk_matmul_wide(&cb->q, w[j], cb->x16, n, jobs[j].y, w[j]->rows, dev_vec(cb, jobs[j].bias), cb->wide_part,
+                        cb->n_sm);
+        if (jobs[j].host_y) post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)w[j]->rows);
+    }
+    return true;
+}
+
 static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs,
                         const struct be_matmul *jobs) {
     struct cuda_backend *cb = cuda(b);
@@ -963,6 +999,10 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
                     post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)mj[j].w->rows);
         }
         prof_end(cb, P_MATVEC, t0);
+        return;
+    }
+    if (n <= CUK_WIDE_MAX && cb->wide_on && wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
+        prof_end(cb, P_WIDE, t0);
         return;
     }
     record_stop(cb); /* cuBLAS launches directly */
@@ -1770,6 +1810,7 @@ static void cuda_free(struct backend *b) {
     cudaFree(cb->x16);
     cudaFree(cb->xq.q);
     cudaFree(cb->xq.dsum);
+    cudaFree(cb->wide_part);
     cudaFree(cb->mv.partial);
     cudaFree(cb->mv.counters);
     cudaFree(cb->part);
@@ -1853,6 +1894,8 @@ struct backend *backend_cuda_new(int n_threads) {
     cb->prof = prof && *prof && strcmp(prof, "0") != 0 && strcmp(prof, "steps") != 0;
     /* KVQ_CUDA_GRAPHS=0: decode steps launch by launch (the per-operation profile waits
      * for each operation, so it does too) */
+    cb->wide_on = !(getenv("KVQ_CUDA_WIDE") && atoi(getenv("KVQ_CUDA_WIDE")) == 0);
+    cb->graph_max = getenv("KVQ_CUDA_GRAPH_MAX") ? atoi(getenv("KVQ_CUDA_GRAPH_MAX")) : CUK_MATVEC_MAX;
     const char *graphs = getenv("KVQ_CUDA_GRAPHS");
     cb->q.graphs = !cb->prof && !(graphs && strcmp(graphs, "0") == 0);
     cb->q.last = -1;

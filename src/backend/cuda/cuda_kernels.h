@@ -68,6 +68,16 @@ int cuk_type_supported(uint32_t type);
 /* Tokens at most the matrix-vector kernels take; wider inputs go through
  * cuk_dequantize + a GEMM (f16 operands for quantized weights; TF32 for float ones). */
 #define CUK_MATVEC_MAX 16
+/* Tokens at most a step's products take from the packed codes (cuk_matmul_wide);
+ * wider steps (prefill chunks) dequantize bands of rows for a GEMM, which amortizes
+ * the dequantization over more tokens and measured faster from 128 tokens on. */
+#define CUK_WIDE_MAX 64
+/* y[t][rows] (rows y_stride apart) = x[t][cols] W^T (+ bias) for t < n and a
+ * repacked W, from x16 (x as cuk_to_half writes it); scratch holds
+ * cuk_matmul_wide_scratch floats. */
+void cuk_matmul_wide(struct cuk_queue *qu, const struct cuk_weight *w, const void *x16, int n, float *y,
+                     int64_t y_stride, const float *bias, float *scratch, int n_sm);
+size_t cuk_matmul_wide_scratch(const struct cuk_weight *w, int n, int n_sm);
 /* Products one launch takes (consecutive jobs of one weight type share a launch). */
 #define CUK_MATVEC_JOBS 3
 struct cuk_matvec_job {
