@@ -538,8 +538,8 @@ static char *served_model(const struct http_target *t, const struct bs_opts *o) 
 
 /* kvq_kv_bytes_in_use from /metrics: its value, -1 when the answer has none, -2 when
  * there was no answer. */
-static double kv_bytes_in_use(const struct http_target *t, const char *api_key) {
-    char *body = http_get(t, "/metrics", api_key, 2000);
+static double kv_bytes_in_use(const struct http_target *t, const struct bs_opts *o) {
+    char *body = http_get(t, "/metrics", o->api_key, o->timeout_s < 2 ? o->timeout_s * 1000 : 2000);
     if (!body) return -2;
     double v = -1;
     for (const char *p = body; p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
@@ -773,7 +773,7 @@ int cmd_bench_serve(int argc, char **argv) {
     while (atomic_load(&run.done) < o.requests) {
         double t = cli_now();
         if (poll_metrics) {
-            double v = kv_bytes_in_use(&target, o.api_key);
+            double v = kv_bytes_in_use(&target, &o);
             if (v == -1) poll_metrics = false; /* an answer without the gauge: not a kvq server */
             if (v > peak_kv) peak_kv = v;
         }
@@ -785,7 +785,7 @@ int cmd_bench_serve(int argc, char **argv) {
     }
     if (tty) fputs("\r\033[K", stderr);
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-    double last = poll_metrics ? kv_bytes_in_use(&target, o.api_key) : -1;
+    double last = poll_metrics && peak_kv >= 0 ? kv_bytes_in_use(&target, &o) : -1;
     if (last > peak_kv) peak_kv = last;
 
     struct summary s;
