@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -316,13 +317,12 @@ static void run_one(struct run *run, int i) {
     r->t_start = cli_now();
     enum http_fail f = http_do(run->target, &q, &status, err, sizeof err);
     r->t_end = cli_now();
-    enum err_kind kind = f == HTTP_FAIL_CONNECT ? ERR_CONNECT
-                         : f == HTTP_FAIL_TIMEOUT ? ERR_TIMEOUT
-                         : f == HTTP_FAIL_CLOSED ? ERR_CLOSED
-                         : f == HTTP_FAIL_PROTOCOL ? ERR_PROTOCOL
-                                                   : ERR_KINDS;
-    if (kind != ERR_KINDS) {
-    } else if (s.stream_error || s.bad_json) {
+    enum err_kind kind = ERR_KINDS;
+    if (f == HTTP_FAIL_CONNECT) kind = ERR_CONNECT;
+    else if (f == HTTP_FAIL_TIMEOUT) kind = ERR_TIMEOUT;
+    else if (f == HTTP_FAIL_CLOSED) kind = ERR_CLOSED;
+    else if (f == HTTP_FAIL_PROTOCOL) kind = ERR_PROTOCOL;
+    else if (s.stream_error || s.bad_json) {
         kind = s.stream_error ? ERR_STREAM : ERR_PROTOCOL;
         copy_text(err, sizeof err, s.err_body);
     } else if (f == HTTP_FAIL_ABORTED) {
@@ -529,6 +529,7 @@ static void print_json(const struct run *run, const struct summary *s, const cha
     json_object_set_new(j, "duration_s", json_real(s->wall));
     json_object_set_new(j, "requests_per_s", json_real(per_s(s->ok, s->wall)));
     json_object_set_new(j, "output_tokens_per_s", json_real(per_s((double)s->output_tokens, s->wall)));
+    json_object_set_new(j, "total_tokens_per_s", json_real(per_s((double)(s->prompt_tokens + s->output_tokens), s->wall)));
     json_object_set_new(j, "total_prompt_tokens", json_integer(s->prompt_tokens));
     json_object_set_new(j, "total_output_tokens", json_integer(s->output_tokens));
     json_object_set_new(j, "cached_prompt_tokens", json_integer(s->cached_tokens));
@@ -563,6 +564,7 @@ static void print_table(const struct run *run, const struct summary *s, const ch
     printf("%-22s %.2f s\n", "duration", s->wall);
     printf("%-22s %.2f\n", "requests/s", per_s(s->ok, s->wall));
     printf("%-22s %.1f\n", "output tok/s", per_s((double)s->output_tokens, s->wall));
+    printf("%-22s %.1f\n", "total tok/s", per_s((double)(s->prompt_tokens + s->output_tokens), s->wall));
     printf("%-22s %lld (%lld cached)\n", "prompt tokens", s->prompt_tokens, s->cached_tokens);
     printf("%-22s %lld", "output tokens", s->output_tokens);
     if (s->short_outputs) printf(" (%lld requests stopped before %d)", s->short_outputs, o->output_tokens);
@@ -588,18 +590,29 @@ static void print_table(const struct run *run, const struct summary *s, const ch
 
 /* ---- the command ---- */
 
+/* One socket per client plus a few: raise the soft limit on open files if needed. */
+static bool enough_files(int clients) {
+    struct rlimit rl;
+    rlim_t need = (rlim_t)clients + 32;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= need) return true;
+    rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= need ? need : rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur >= need) return true;
+    cli_fail("--concurrency %d needs %llu open files but the limit is %llu (ulimit -n)", clients,
+             (unsigned long long)need, (unsigned long long)rl.rlim_cur);
+    return false;
+}
+
 int cmd_bench_serve(int argc, char **argv) {
     struct bs_opts o;
     if (parse_args(argc, argv, &o)) return 1;
-    char url[600], err[256];
-    if (o.url) snprintf(url, sizeof url, "%s", o.url);
-    else {
-        const char *h = o.host ? o.host : "127.0.0.1";
-        bool v6 = strchr(h, ':') && h[0] != '[';
-        snprintf(url, sizeof url, "http://%s%s%s:%d", v6 ? "[" : "", h, v6 ? "]" : "", o.port >= 0 ? o.port : 8080);
-    }
+    char parts[600], err[256];
+    const char *h = o.host ? o.host : "127.0.0.1", *url = o.url ? o.url : parts;
+    bool v6 = strchr(h, ':') && h[0] != '[';
+    snprintf(parts, sizeof parts, "http://%s%.300s%s:%d", v6 ? "[" : "", h, v6 ? "]" : "", o.port >= 0 ? o.port : 8080);
+    if (!enough_files(o.concurrency < o.requests ? o.concurrency : o.requests)) return 1;
     struct http_target target;
-    if (!http_target_parse(url, &target, err, sizeof err)) return cli_fail("invalid --url '%s': %s", url, err);
+    if (!http_target_parse(url, &target, err, sizeof err))
+        return cli_fail("invalid %s '%s': %s", o.url ? "--url" : "--host", o.url ? url : h, err);
     if (!http_target_resolve(&target, err, sizeof err)) return cli_fail("%s", err);
 
     struct kvq_model *m = kvq_model_load_vocab(o.model);
@@ -614,14 +627,14 @@ int cmd_bench_serve(int argc, char **argv) {
     free(prompts);
     free(model_name);
     struct run run = {.o = &o, .target = &target, .path = o.chat ? "/v1/chat/completions" : "/v1/completions",
-                      .bodies = bodies, .res = bodies ? calloc((size_t)o.requests, sizeof *run.res) : NULL};
+                      .bodies = bodies, .res = bodies ? calloc((size_t)o.requests, sizeof *run.res) : NULL,
+                      .lock = PTHREAD_MUTEX_INITIALIZER};
     int n_threads = o.concurrency < o.requests ? o.concurrency : o.requests, started = 0, rc = 1;
     pthread_t *th = calloc((size_t)n_threads, sizeof *th);
     if (!run.res || !th) {
         if (bodies) cli_fail("out of memory");
         goto out;
     }
-    pthread_mutex_init(&run.lock, NULL);
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setstacksize(&attr, 256 << 10);
@@ -668,7 +681,6 @@ int cmd_bench_serve(int argc, char **argv) {
                         ? " (the server refuses ignore_eos/min_tokens: try --no-ignore-eos)"
                         : "");
     }
-    pthread_mutex_destroy(&run.lock);
 out:
     if (run.res)
         for (int i = 0; i < o.requests; i++) free(run.res[i].gaps);
