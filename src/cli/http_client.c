@@ -1,5 +1,6 @@
 #include "cli/http_client.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -18,6 +19,11 @@
 
 bool http_target_parse(const char *url, struct http_target *t, char *err, size_t err_size) {
     memset(t, 0, sizeof *t);
+    for (const char *c = url; *c; c++)
+        if ((unsigned char)*c <= ' ' || *c == 0x7f) {
+            snprintf(err, err_size, "the URL must not hold spaces or control characters");
+            return false;
+        }
     if (!strncasecmp(url, "https://", 8)) {
         snprintf(err, err_size, "https is not supported: bench-serve speaks plain HTTP (use http://)");
         return false;
@@ -89,11 +95,6 @@ bool http_target_parse(const char *url, struct http_target *t, char *err, size_t
     memcpy(t->base, path, base_len);
     bool v6 = strchr(t->host, ':') != NULL;
     snprintf(t->authority, sizeof t->authority, "%s%s%s:%s", v6 ? "[" : "", t->host, v6 ? "]" : "", t->port);
-    for (const char *c = url; *c; c++)
-        if ((unsigned char)*c <= ' ' || *c == 0x7f) {
-            snprintf(err, err_size, "the URL must not hold spaces or control characters");
-            return false;
-        }
     return true;
 }
 
@@ -155,7 +156,7 @@ static int connect_one(const struct addrinfo *a, int timeout_ms, int *err) {
         return -1;
     }
     if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) return fd;
-    if (errno != EINPROGRESS) {
+    if (errno != EINPROGRESS && errno != EINTR) {
         *err = errno;
         close(fd);
         return -1;
@@ -249,7 +250,7 @@ static bool read_chunked(struct conn *c, const struct http_request *r) {
         char *end;
         errno = 0;
         unsigned long long size = strtoull(line, &end, 16);
-        if (end == line || errno || (*end && *end != ';' && *end != ' ' && *end != '\t'))
+        if (!isxdigit((unsigned char)line[0]) || errno || (*end && *end != ';' && *end != ' ' && *end != '\t'))
             return failf(c, HTTP_FAIL_PROTOCOL, "%s: bad chunk size line '%.40s'", c->authority, line);
         if (size == 0) break;
         if (!pass_body(c, r, (size_t)size, false) || !read_line(c, line, sizeof line)) return false;
@@ -317,7 +318,8 @@ enum http_fail http_do(const struct http_target *t, const struct http_request *r
                          "Connection: close\r\n",
                          r->method, t->base, r->path, t->authority);
         if (r->body) n += snprintf(head + n, sizeof head - (size_t)n, "Content-Type: application/json\r\nContent-Length: %zu\r\n", r->body_len);
-        bool ok = (size_t)n < sizeof head && send_all(c, head, (size_t)n);
+        bool ok = (size_t)n < sizeof head ? send_all(c, head, (size_t)n)
+                                          : failf(c, HTTP_FAIL_PROTOCOL, "the request's path is too long");
         if (ok && r->api_key)
             ok = send_all(c, "Authorization: Bearer ", 22) && send_all(c, r->api_key, strlen(r->api_key)) &&
                  send_all(c, "\r\n", 2);
