@@ -5,7 +5,7 @@
 # a shared prefix is the same tokens in every prompt and the rest differs (the
 # server's prefix cache hits exactly that many); a closed port and a server that
 # accepts but never answers give counted errors and exit status 2 instead of a hang;
-# bad flags get one clear error.
+# bad flags get one clear error; a wrong --api-key gives counted 401s.
 #
 # --no-ignore-eos: the server does not accept ignore_eos/min_tokens yet (a 400).
 set -u
@@ -19,7 +19,7 @@ done
 srv_pid=""
 trap '[ -n "$srv_pid" ] && kill -CONT $srv_pid 2>/dev/null && kill -TERM $srv_pid 2>/dev/null; wait; rm -rf "$tmp"' EXIT
 
-"$kvq" serve -m "$model" --host 127.0.0.1 --port 0 -t 2 -c 1024 >"$tmp/server.log" 2>&1 &
+"$kvq" serve -m "$model" --host 127.0.0.1 --port 0 -t 2 -c 1024 --api-key sekrit >"$tmp/server.log" 2>&1 &
 srv_pid=$!
 port=""
 for _ in $(seq 300); do
@@ -33,7 +33,8 @@ if [ -z "$port" ]; then
   exit 1
 fi
 url=http://127.0.0.1:$port
-counter() { curl -s "$url/metrics" | sed -n "s/^kvq_$1 //p"; }
+export KVQ_API_KEY=sekrit # bench-serve's default key, as the server's
+counter() { curl -s -H "Authorization: Bearer sekrit" "$url/metrics" | sed -n "s/^kvq_$1 //p"; }
 bench() { # OUT ARGS...: bench-serve --json into $tmp/OUT.json; its exit status in $rc
   local out=$1; shift
   timeout 60 "$kvq" bench-serve -m "$model" --json "$@" >"$tmp/$out.json" 2>"$tmp/$out.err"
@@ -63,12 +64,18 @@ check "TTFT, ITL and TPOT measured" jq -e '.ttft_ms.p50 > 0 and .ttft_ms.p99 >= 
 check "peak KV bytes in use seen on /metrics" jq -e '.peak_kv_bytes_in_use > 0' "$tmp/run.json"
 check "no progress text on a non-terminal stderr" [ ! -s "$tmp/run.err" ]
 
-# the table: same run, human form
-timeout 60 "$kvq" bench-serve -m "$model" --port "$port" --concurrency 2 --requests 2 --prompt-tokens 16 \
+# the table: same run, human form, the key given as a flag
+KVQ_API_KEY= timeout 60 "$kvq" bench-serve --api-key sekrit -m "$model" --port "$port" --concurrency 2 --requests 2 --prompt-tokens 16 \
   --output-tokens 4 --no-ignore-eos >"$tmp/table.txt" 2>&1
 check "the table reports 2 of 2" grep -q "successful requests *2 of 2" "$tmp/table.txt"
 check "the table reports no errors" grep -q "^errors *none" "$tmp/table.txt"
 check "the table has TTFT" grep -q "^TTFT " "$tmp/table.txt"
+
+# ---- a wrong key: every request a 401 ----
+bench badkey --url "$url" --api-key wrong --concurrency 2 --requests 3 --prompt-tokens 16 --output-tokens 4 --no-ignore-eos
+check "wrong key: exit status 2 (got $rc)" [ "$rc" -eq 2 ]
+check "wrong key: 3 http_4xx errors with the server's message" jq -e '.errors == {"http_4xx": 3} and
+  (.error_messages.http_4xx | test("^HTTP 401: Incorrect API key"))' "$tmp/badkey.json"
 
 # ---- a shared prefix: one at a time, so requests 2 and 3 find request 1 in the prefix cache ----
 bench prefix --url "$url" --concurrency 1 --requests 3 --prompt-tokens 320 --shared-prefix-tokens 300 \
