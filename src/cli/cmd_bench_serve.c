@@ -421,7 +421,7 @@ static double kv_bytes_in_use(const struct http_target *t, const struct bs_opts 
 
 struct dist {
     double p50, p90, p99, mean;
-    int n;
+    size_t n;
 };
 
 static int cmp_double(const void *a, const void *b) {
@@ -430,19 +430,19 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 /* Percentiles as scripts/bench_serve.mjs takes them: sorted[min(n-1, floor(p/100*n))]; in ms. */
-static struct dist dist_of(double *v, int n) {
+static struct dist dist_of(double *v, size_t n) {
     struct dist d = {.n = n};
     if (!n) return d;
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    qsort(v, n, sizeof *v, cmp_double);
     double sum = 0;
-    for (int i = 0; i < n; i++) sum += v[i];
+    for (size_t i = 0; i < n; i++) sum += v[i];
     int at[3] = {50, 90, 99};
     double *out[3] = {&d.p50, &d.p90, &d.p99};
     for (int k = 0; k < 3; k++) {
-        int i = (int)floor(at[k] / 100.0 * n);
+        size_t i = (size_t)floor(at[k] / 100.0 * (double)n);
         *out[k] = v[i < n - 1 ? i : n - 1] * 1000;
     }
-    d.mean = sum / n * 1000;
+    d.mean = sum / (double)n * 1000;
     return d;
 }
 
@@ -469,8 +469,7 @@ static bool summarize(const struct run *run, double peak_kv, struct summary *s) 
     double *ttft = malloc(sizeof(double) * (size_t)o->requests), *tpot = malloc(sizeof(double) * (size_t)o->requests),
            *e2e = malloc(sizeof(double) * (size_t)o->requests), *itl = malloc(sizeof(double) * (size_t)(n_gaps + 1));
     bool ok = ttft && tpot && e2e && itl;
-    int n_ttft = 0, n_tpot = 0;
-    long long g = 0;
+    size_t n_ttft = 0, n_tpot = 0, g = 0;
     for (int i = 0; ok && i < o->requests; i++) {
         const struct req_result *r = &run->res[i];
         if (!r->ok) {
@@ -493,8 +492,8 @@ static bool summarize(const struct run *run, double peak_kv, struct summary *s) 
     if (ok) {
         s->ttft = dist_of(ttft, n_ttft);
         s->tpot = dist_of(tpot, n_tpot);
-        s->e2e = dist_of(e2e, s->ok);
-        s->itl = dist_of(itl, (int)g);
+        s->e2e = dist_of(e2e, (size_t)s->ok);
+        s->itl = dist_of(itl, g);
     }
     free(ttft), free(tpot), free(e2e), free(itl);
     if (!ok) cli_fail("out of memory");
