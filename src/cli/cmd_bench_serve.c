@@ -327,7 +327,8 @@ static void run_one(struct run *run, int i) {
         copy_text(err, sizeof err, s.err_body);
     } else if (f == HTTP_FAIL_ABORTED) {
         kind = ERR_PROTOCOL;
-        snprintf(err, sizeof err, "%s", s.oom || s.sse.oom ? "out of memory reading the stream" : "a stream line over 64 MiB");
+        if (s.oom || s.sse.oom) snprintf(err, sizeof err, "out of memory reading the stream");
+        else if (s.sse.too_long) snprintf(err, sizeof err, "a stream line over 64 MiB");
     } else if (status != 200) {
         kind = status >= 500 ? ERR_HTTP_5XX : ERR_HTTP_4XX;
         char m[400];

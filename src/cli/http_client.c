@@ -373,7 +373,7 @@ bool sse_feed(struct sse_parser *p, const char *bytes, size_t len) {
     while (len) {
         const char *nl = memchr(bytes, '\n', len);
         size_t take = nl ? (size_t)(nl - bytes) : len;
-        if (p->line_len + take + 1 > SSE_MAX_LINE) return false;
+        if (p->line_len + take + 1 > SSE_MAX_LINE) return !(p->too_long = true);
         if (!grow(&p->line, &p->line_cap, p->line_len + take + 1)) return !(p->oom = true);
         memcpy(p->line + p->line_len, bytes, take);
         p->line_len += take;

@@ -56,11 +56,11 @@ enum http_fail http_do(const struct http_target *t, const struct http_request *r
 struct sse_parser {
     char *line, *data;
     size_t line_len, line_cap, data_len, data_cap;
-    bool has_data, oom;
+    bool has_data, oom, too_long;
     bool (*on_event)(void *ctx, const char *data, size_t len);
     void *ctx;
 };
-/* False when on_event stopped, a line grew past 64 MiB, or memory ran out (oom set). */
+/* False when on_event stopped, a line grew past 64 MiB (too_long set) or memory ran out (oom set). */
 bool sse_feed(struct sse_parser *p, const char *bytes, size_t len);
 void sse_free(struct sse_parser *p);
 
