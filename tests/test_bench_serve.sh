@@ -5,7 +5,10 @@
 # a shared prefix is the same tokens in every prompt and the rest differs (the
 # server's prefix cache hits exactly that many); a closed port and a server that
 # accepts but never answers give counted errors and exit status 2 instead of a hang;
-# bad flags get one clear error; a wrong --api-key gives counted 401s.
+# bad flags get one clear error; a wrong --api-key gives counted 401s; a fake server
+# (python3) that answers garbage, a 500, a cut or unfinished stream, bad JSON or an error
+# event gives each its error kind, and one sending several tokens a chunk is counted
+# from usage.
 #
 # --no-ignore-eos: the server does not accept ignore_eos/min_tokens yet (a 400).
 set -u
@@ -16,8 +19,9 @@ need_asset "$model"
 for tool in curl jq; do
   command -v $tool >/dev/null || { echo "SKIP: $tool is not installed"; exit 77; }
 done
-srv_pid=""
-trap '[ -n "$srv_pid" ] && kill -CONT $srv_pid 2>/dev/null && kill -TERM $srv_pid 2>/dev/null; wait; rm -rf "$tmp"' EXIT
+srv_pid="" fake_pid=""
+trap '[ -n "$fake_pid" ] && kill $fake_pid 2>/dev/null
+  [ -n "$srv_pid" ] && kill -CONT $srv_pid 2>/dev/null && kill -TERM $srv_pid 2>/dev/null; wait; rm -rf "$tmp"' EXIT
 
 "$kvq" serve -m "$model" --host 127.0.0.1 --port 0 -t 2 -c 1024 --api-key sekrit >"$tmp/server.log" 2>&1 &
 srv_pid=$!
@@ -111,6 +115,80 @@ check "closed port: exit status 2, no hang (got $rc)" [ "$rc" -eq 2 ]
 check "closed port: 8 connection errors" \
   jq -e '.errors == {"connect": 8} and .failed_requests == 8 and .successful_requests == 0' "$tmp/closed.json"
 check "closed port: the reason is given" jq -e '.error_messages.connect | test("refused")' "$tmp/closed.json"
+
+# ---- a misbehaving server (python3): each failure mode by its kind ----
+if command -v python3 >/dev/null; then
+  cat >"$tmp/fake.py" <<'PY'
+import json, socket, socketserver, sys
+def chunk(obj):
+    return ("data: " + json.dumps(obj) + "\n\n").encode()
+def text(t):
+    return chunk({"choices": [{"index": 0, "text": t, "finish_reason": None}]})
+USAGE = chunk({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 6}})
+class H(socketserver.StreamRequestHandler):
+    def handle(self):
+        head = b""
+        while b"\r\n\r\n" not in head:
+            b = self.request.recv(65536)
+            if not b: return
+            head += b
+        head, body = head.split(b"\r\n\r\n", 1)
+        n = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"): n = int(line.split(b":")[1])
+        while len(body) < n: body += self.request.recv(65536)
+        if not head.startswith(b"POST"):
+            self.request.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"); return
+        mode = json.loads(body)["model"]
+        w = self.request.sendall
+        sse = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        if mode == "garbage": w(b"hello there\r\n\r\n")
+        elif mode == "http500":
+            e = json.dumps({"error": {"message": "engine on fire"}}).encode()
+            w(b"HTTP/1.1 500 Oops\r\nContent-Length: %d\r\n\r\n" % len(e) + e)
+        elif mode == "cut":  # chunked, closed inside the stream
+            c = text("one")
+            w(sse + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(c) + c + b"\r\n")
+        elif mode == "nodone":  # read until close, never [DONE]
+            w(sse + b"\r\n" + text("a") + USAGE)
+        elif mode == "badjson": w(sse + b"\r\n" + b"data: {oops\n\n")
+        elif mode == "streamerr": w(sse + b"\r\n" + text("a") + chunk({"error": {"message": "boom"}}))
+        elif mode == "multi":  # sized body, 6 tokens in 2 chunks, a ping comment, CRLF lines
+            b = b": ping\r\n\r\n" + text("abc").replace(b"\n", b"\r\n") + text("def") + USAGE + b"data: [DONE]\n\n"
+            w(sse + b"Content-Length: %d\r\n\r\n" % len(b) + b)
+class S(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+s = S(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+PY
+  python3 "$tmp/fake.py" >"$tmp/fake.port" 2>"$tmp/fake.err" &
+  fake_pid=$!
+  for _ in $(seq 50); do [ -s "$tmp/fake.port" ] && break; sleep 0.1; done
+  furl=http://127.0.0.1:$(cat "$tmp/fake.port")
+  fake() { # MODE KIND: 2 requests, both failing as KIND
+    bench "fake-$1" --url "$furl" --model-name "$1" --concurrency 2 --requests 2 --prompt-tokens 8 --output-tokens 6 --timeout 5
+    check "fake server '$1': exit 2 (got $rc) and 2 '$2' errors" [ "$rc" -eq 2 -a "$(field "fake-$1" ".errors.$2")" = 2 ]
+  }
+  fake garbage protocol
+  fake http500 http_5xx
+  fake cut closed
+  fake nodone incomplete
+  fake badjson protocol
+  fake streamerr stream_error
+  check "the server's error message is reported" jq -e '.error_messages.http_5xx == "HTTP 500: engine on fire"' \
+    "$tmp/fake-http500.json"
+  bench multi --url "$furl" --model-name multi --concurrency 2 --requests 4 --prompt-tokens 8 --output-tokens 6
+  check "several tokens a chunk: 4 successes, tokens from usage (24), 3 a chunk, no /metrics" jq -e '
+    .successful_requests == 4 and .total_output_tokens == 24 and .output_chunks == 8 and .tokens_per_chunk == 3
+    and .itl_ms.p50 >= 0 and .peak_kv_bytes_in_use == null and .short_outputs == 0' "$tmp/multi.json"
+  kill $fake_pid
+  wait $fake_pid 2>/dev/null
+  fake_pid=""
+else
+  echo "SKIP (misbehaving server part): python3 is not installed"
+fi
 
 # ---- bad flags ----
 expect_error "no model" "needs the served model" -- "$kvq" bench-serve --url "$url"
