@@ -1,7 +1,9 @@
 /* kvq bench-serve: a load generator for OpenAI-compatible servers (kvq serve, vLLM,
- * llama-server). `--concurrency` client threads, one blocking connection each (poll()
- * bounds every wait), take requests from a shared counter until `--requests` are
- * done; each streams a completion and times its SSE chunks. The main thread polls
+ * llama-server). `--concurrency` client threads take requests from a shared counter
+ * until `--requests` are done; each request is one connection (every wait on it
+ * bounded by poll()) that streams a completion and times its SSE chunks. Threads, not
+ * an event loop: at 256 clients that is 256 small stacks, and each stream's code reads
+ * top to bottom. The main thread polls
  * /metrics for kvq_kv_bytes_in_use and shows progress on a terminal.
  *
  * Metrics, as scripts/bench_serve.mjs defines them: TTFT from just before connecting
@@ -13,7 +15,6 @@
  * sorted value at floor(p/100 * n). Prompts are random whole-word tokens of the
  * model's own vocabulary (-m), sized with its tokenizer as the server counts them. */
 #include <jansson.h>
-#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
