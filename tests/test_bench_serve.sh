@@ -69,7 +69,7 @@ check "peak KV bytes in use seen on /metrics" jq -e '.peak_kv_bytes_in_use > 0' 
 check "no progress text on a non-terminal stderr" [ ! -s "$tmp/run.err" ]
 
 # the table: same run, human form, the key given as a flag
-KVQ_API_KEY= timeout 60 "$kvq" bench-serve --api-key sekrit -m "$model" --port "$port" --concurrency 2 --requests 2 --prompt-tokens 16 \
+KVQ_API_KEY='' timeout 60 "$kvq" bench-serve --api-key sekrit -m "$model" --port "$port" --concurrency 2 --requests 2 --prompt-tokens 16 \
   --output-tokens 4 --no-ignore-eos >"$tmp/table.txt" 2>&1
 check "the table reports 2 of 2" grep -q "successful requests *2 of 2" "$tmp/table.txt"
 check "the table reports no errors" grep -q "^errors *none" "$tmp/table.txt"
