@@ -24,6 +24,7 @@ int cmd_passkey(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_gen_model(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
+int cmd_bench_serve(int argc, char **argv);
 
 /* Prints "kvq: <message>" on stderr; returns 1 (the exit code for usage/input errors). */
 int cli_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -16,6 +16,7 @@ static const struct cli_command commands[] = {
     {"bench", "prefill/decode speed and memory per KV config, depth and batch", cmd_bench},
     {"gen-model", "write a random-weight GGUF model of a real shape", cmd_gen_model},
     {"serve", "OpenAI-compatible HTTP server with continuous batching and a prefix cache", cmd_serve},
+    {"bench-serve", "load generator for a running server: throughput, TTFT, ITL", cmd_bench_serve},
 };
 
 static void usage(FILE *out) {
