@@ -47,6 +47,8 @@ static const char *const serve_help =
     "  --step-tokens N            tokens per step, decode and prefill together (default 512)\n"
     "  --max-body-mb N            request body limit (default 8)\n"
     "  --ping-interval S          ': ping' comment on a stream idle S seconds (default 10)\n"
+    "  --strict-api               refuse (400) request fields beyond OpenAI's instead of ignoring\n"
+    "                             them (vLLM's and llama.cpp's extensions, unknown names)\n"
     "  -h, --help                 this text\n";
 
 static const char *const serve_value_flags[] = {
@@ -58,6 +60,7 @@ static const char *const serve_value_flags[] = {
 struct serve_opts {
     const char *model, *host, *api_key, *chat_template, *alias, *cache_dir;
     int port, cache_mb, cache_bits, cache_min_tokens, max_body_mb, ping;
+    bool strict_api;
     struct kvq_context_params cp;
     struct sched_params sp;
 };
@@ -101,6 +104,10 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
             fputs(serve_help, stdout);
             fputs(cli_kv_flags_help, stdout);
             exit(0);
+        }
+        if (!strcmp(a, "--strict-api")) {
+            o->strict_api = true;
+            continue;
         }
         if (!cli_is_one_of(a, serve_value_flags))
             return cli_fail("unknown option '%s' for serve (see 'kvq serve --help')", a);
@@ -225,7 +232,7 @@ int cmd_serve(int argc, char **argv) {
     char *dot = o.alias ? NULL : strstr(model_id, ".gguf");
     if (dot && dot[5] == '\0') *dot = '\0';
     struct http_params hp = {.host = o.host, .port = o.port, .api_key = o.api_key,
-                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping,
+                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping, .strict_api = o.strict_api,
                              .model = m, .chat = chat, .sched = s};
     h = http_start(&hp);
     if (!h) goto done;
