@@ -125,6 +125,13 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b);
 /* Logits after token i of the last batch ([n_vocab]); NULL if not requested. */
 const float *kvq_get_logits(const struct kvq_context *c, int i);
 
+/* Pooling of a text's final hidden states (after the output norm) into one vector. */
+enum kvq_pooling { KVQ_POOLING_MEAN, KVQ_POOLING_LAST };
+/* The embedding of n tokens: their final hidden states pooled (the mean, or the last
+ * token's), L2-normalized, written to out[n_embd]. Runs them through sequence seq,
+ * which is empty before and after (CPU contexts only). 0, or -1 with an error. */
+int kvq_embed(struct kvq_context *c, int seq, const kvq_token *tokens, int n, enum kvq_pooling pooling, float *out);
+
 /* Tokens held by a sequence (its next position). */
 int kvq_seq_len(const struct kvq_context *c, int seq);
 /* Removes the last n tokens of a sequence; returns how many were removed (0 when a
