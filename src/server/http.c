@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "server/llama_api.h"
 #include "server/openai_json.h"
 #include "server/strbuf.h"
 
@@ -123,27 +124,6 @@ static int check_ids(const struct http_server *h, const char *param, const kvq_t
 static char *chat_text(const struct http_server *h, const struct oai_request *q) {
     return chat_template_render(h->p.chat, q->messages, q->n_messages, chat_family_bos(h->p.chat),
                                 chat_family_eos(h->p.chat));
-}
-
-/* The text of token ids (malloc'd; NULL when out of memory). */
-static char *detokenize(const struct kvq_model *m, const kvq_token *ids, int n) {
-    struct kvq_detok *d = kvq_detok_new(m);
-    struct strbuf b = {0};
-    char piece[256];
-    for (int i = 0; d && i < n; i++) {
-        int w = kvq_detok_feed(d, ids[i], piece, sizeof piece);
-        strbuf_addn(&b, piece, (size_t)(w < (int)sizeof piece ? w : (int)sizeof piece));
-    }
-    int w = d ? kvq_detok_flush(d, piece, sizeof piece) : 0;
-    strbuf_addn(&b, piece, (size_t)(w < (int)sizeof piece ? w : (int)sizeof piece));
-    kvq_detok_free(d);
-    if (!d) b.oom = true;
-    /* JSON text must be valid UTF-8 */
-    struct strbuf u = {0};
-    if (!b.oom) strbuf_add_utf8(&u, b.s ? b.s : "", b.len);
-    else u.oom = true;
-    strbuf_free(&b);
-    return strbuf_take(&u);
 }
 
 /* Prompt p's tokens: chat messages through the template (its leading BOS text is
@@ -291,7 +271,7 @@ static int submit_choices(struct http_server *h, struct oai_request *q, unsigned
             c->r = group[i];
             if (q->echo) {
                 const struct oai_prompt *o = &q->prompts[p];
-                c->echo = o->text ? strdup(o->text) : detokenize(h->p.model, o->ids, o->n_ids);
+                c->echo = o->text ? strdup(o->text) : api_detokenize_text(h->p.model, o->ids, o->n_ids);
                 if (!c->echo) c->text.oom = true;
             }
         }
@@ -529,6 +509,22 @@ static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) 
     return ret;
 }
 
+/* llama-server's /tokenize, /detokenize and /apply-template, and /v1/embeddings. */
+static enum MHD_Result aux_endpoint(struct http_server *h, struct MHD_Connection *c, const char *path,
+                                    struct conn_state *cs) {
+    const char *body = cs->body.s ? cs->body.s : "";
+    struct oai_error e = {0};
+    char *out;
+    if (!strcmp(path, "/tokenize")) out = api_tokenize(h->p.model, body, cs->body.len, &e);
+    else if (!strcmp(path, "/detokenize")) out = api_detokenize(h->p.model, body, cs->body.len, &e);
+    else if (!strcmp(path, "/apply-template")) out = api_apply_template(h->p.chat, body, cs->body.len, h->p.strict_api, &e);
+    else if (!h->p.embedder)
+        return fail(h, c, 501, "not_supported_error", NULL, NULL,
+                    "this server does not compute embeddings: start it with --embeddings");
+    else out = api_embeddings(h->p.embedder, h->p.model_id, body, cs->body.len, h->p.strict_api, &e);
+    return out ? respond_json(h, c, 200, out) : respond_error(h, c, &e);
+}
+
 /* Collapses repeated slashes and drops a trailing one (clients send //v1//models). */
 static void normalize(const char *url, char *out, size_t size) {
     size_t n = 0;
@@ -572,6 +568,10 @@ static enum MHD_Result route(struct http_server *h, struct MHD_Connection *c, co
     else if (!strcmp(path, "/v1/models") || !strcmp(path, "/models")) {
         if (!get) return fail(h, c, 405, "invalid_request_error", NULL, NULL, "use GET for /v1/models");
         return respond_json(h, c, 200, oai_models_json(h->p.model_id, h->started));
+    } else if (!strcmp(path, "/tokenize") || !strcmp(path, "/detokenize") || !strcmp(path, "/apply-template") ||
+               !strcmp(path, "/v1/embeddings") || !strcmp(path, "/embeddings")) {
+        if (!post) return fail(h, c, 405, "invalid_request_error", NULL, NULL, "use POST for this endpoint");
+        return aux_endpoint(h, c, path, cs);
     } else if (!strcmp(path, "/metrics")) {
         if (!get) return fail(h, c, 405, "invalid_request_error", NULL, NULL, "use GET for /metrics");
         return metrics(h, c);

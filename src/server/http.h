@@ -10,6 +10,7 @@
 
 #include "kvq.h"
 #include "server/chat_template.h"
+#include "server/llama_api.h"
 #include "server/scheduler.h"
 
 struct http_params {
@@ -23,6 +24,7 @@ struct http_params {
     const struct kvq_model *model;
     enum chat_family chat;
     struct sched *sched;
+    struct embedder *embedder; /* NULL: /v1/embeddings answers 501 */
 };
 
 struct http_server;

@@ -161,28 +161,38 @@ static int get_ids(json_t *v, const char *name, int max, kvq_token **out, int *n
     return 0;
 }
 
-/* prompt: a string, a list of strings, a list of token ids, or a list of such lists. */
-static int get_prompts(json_t *v, struct oai_request *r, struct oai_error *e) {
-    const char *shape = "'prompt' must be a string, a list of strings, a list of token ids or a list of lists of them";
+/* prompt (or input): a string, a list of strings, a list of token ids, or a list of such lists. */
+static int get_prompts(json_t *v, const char *name, struct oai_prompt **out, int *n_out, struct oai_error *e) {
     bool many = json_is_array(v) && json_array_size(v) > 0 &&
                 (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0)));
     size_t n = many ? json_array_size(v) : 1;
-    if (!json_is_string(v) && !json_is_array(v)) return BAD("prompt", "%s", shape);
-    if (n > OAI_MAX_PROMPTS) return BAD("prompt", "'prompt' holds at most %d prompts", OAI_MAX_PROMPTS);
-    if (!(r->prompts = calloc(n, sizeof *r->prompts))) return BAD("prompt", "out of memory");
+    if (!json_is_string(v) && !json_is_array(v))
+        return BAD(name, "'%s' must be a string, a list of strings, a list of token ids or a list of lists of them", name);
+    if (n > OAI_MAX_PROMPTS) return BAD(name, "'%s' holds at most %d prompts", name, OAI_MAX_PROMPTS);
+    if (!(*out = calloc(n, sizeof **out))) return BAD(name, "out of memory");
     for (size_t i = 0; i < n; i++) {
         json_t *p = many ? json_array_get(v, i) : v;
-        struct oai_prompt *o = &r->prompts[r->n_prompts++];
+        struct oai_prompt *o = &(*out)[(*n_out)++];
         if (json_is_string(p)) {
-            if (get_string(p, "prompt", &o->text, e)) return -1;
+            if (get_string(p, name, &o->text, e)) return -1;
         } else if (json_is_array(p) && (!many || !json_is_array(json_array_get(p, 0)))) {
-            if (get_ids(p, "prompt", 1 << 24, &o->ids, &o->n_ids, e)) return -1;
+            if (get_ids(p, name, 1 << 24, &o->ids, &o->n_ids, e)) return -1;
         } else {
-            return BAD("prompt", "%s", shape);
+            return BAD(name, "'%s' must be a string, a list of strings, a list of token ids or a list of lists of them",
+                       name);
         }
-        if (many && json_is_string(p) != json_is_string(json_array_get(v, 0))) return BAD("prompt", "%s", shape);
+        if (many && json_is_string(p) != json_is_string(json_array_get(v, 0)))
+            return BAD(name, "'%s' must not mix strings and token ids", name);
     }
     return 0;
+}
+
+static void prompts_free(struct oai_prompt *p, int n) {
+    for (int i = 0; i < n; i++) {
+        free(p[i].text);
+        free(p[i].ids);
+    }
+    free(p);
 }
 
 /* logit_bias: OpenAI's {"token id": bias}, or llama.cpp's [[id, bias], ...] where a bias
@@ -404,7 +414,7 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, bool s
         return strlen(r->cache_key) <= 256 ? 0 : BAD(key, "'prompt_cache_key' is longer than 256 bytes");
     }
     if (r->kind == OAI_CHAT && !strcmp(key, "messages")) return get_messages(v, r, e);
-    if (r->kind == OAI_COMPLETION && !strcmp(key, "prompt")) return get_prompts(v, r, e);
+    if (r->kind == OAI_COMPLETION && !strcmp(key, "prompt")) return get_prompts(v, key, &r->prompts, &r->n_prompts, e);
     static const char *const defaults_only[] = {"tools", "response_format", "suffix", NULL};
     for (const char *const *d = defaults_only; *d; d++)
         if (!strcmp(key, *d)) return check_default_only(key, v, e);
@@ -493,11 +503,7 @@ void oai_request_free(struct oai_request *r) {
         free((char *)r->messages[i].content);
     }
     free(r->messages);
-    for (int i = 0; i < r->n_prompts; i++) {
-        free(r->prompts[i].text);
-        free(r->prompts[i].ids);
-    }
-    free(r->prompts);
+    prompts_free(r->prompts, r->n_prompts);
     free(r->cache_key);
     gen_params_free(&r->gen);
     memset(r, 0, sizeof *r);
@@ -670,6 +676,88 @@ char *oai_usage_chunk_json(enum oai_kind kind, const char *id, long created, con
     json_object_set_new(root, "choices", json_array());
     json_object_set_new(root, "usage", usage_json(u));
     return dump(root);
+}
+
+int oai_parse_embeddings(const char *body, size_t len, bool strict, struct oai_embed_request *r, struct oai_error *e) {
+    memset(r, 0, sizeof *r);
+    memset(e, 0, sizeof *e);
+    json_error_t jerr;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) return BAD(NULL, "invalid JSON body: %s (line %d, column %d)", jerr.text, jerr.line, jerr.column);
+    int rc = json_is_object(root) ? 0 : BAD(NULL, "the request body must be a JSON object");
+    const char *key;
+    json_t *v;
+    if (rc == 0) json_object_foreach(root, key, v) {
+            if (!strcmp(key, "input") || !strcmp(key, "content")) /* content: llama-server's /embedding */
+                rc = r->inputs ? BAD(key, "give 'input' once") : get_prompts(v, key, &r->inputs, &r->n_inputs, e);
+            else if (!strcmp(key, "model") || !strcmp(key, "user"))
+                rc = json_is_string(v) || json_is_null(v) ? 0 : BAD(key, "'%s' must be a string", key);
+            else if (!strcmp(key, "encoding_format")) {
+                const char *f = json_string_value(v);
+                if (json_is_null(v)) continue;
+                if (!f || (strcmp(f, "float") && strcmp(f, "base64")))
+                    rc = BAD(key, "'encoding_format' must be \"float\" or \"base64\"");
+                else r->base64 = !strcmp(f, "base64");
+            } else if (!strcmp(key, "dimensions")) {
+                long long x;
+                if (!json_is_null(v) && (rc = get_int(v, key, 1, 1 << 20, &x, e)) == 0) r->dimensions = (int)x;
+            } else {
+                rc = ignore_field(key, v, strict, e);
+            }
+            if (rc) break;
+        }
+    if (rc == 0 && !r->n_inputs) rc = BAD("input", "'input' is required");
+    json_decref(root);
+    if (rc) oai_embed_request_free(r);
+    return rc;
+}
+
+void oai_embed_request_free(struct oai_embed_request *r) {
+    prompts_free(r->inputs, r->n_inputs);
+    memset(r, 0, sizeof *r);
+}
+
+/* Little-endian float32 bytes in base64 (what OpenAI's encoding_format "base64" sends). */
+static json_t *base64_floats(const float *x, int n) {
+    static const char tab[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const size_t nb = (size_t)n * 4;
+    unsigned char *b = malloc(nb);
+    char *out = malloc((nb + 2) / 3 * 4 + 1);
+    json_t *s = NULL;
+    if (b && out) {
+        for (int i = 0; i < n; i++) {
+            uint32_t u;
+            memcpy(&u, &x[i], 4);
+            for (int k = 0; k < 4; k++) b[i * 4 + k] = (unsigned char)(u >> (8 * k));
+        }
+        size_t o = 0;
+        for (size_t i = 0; i < nb; i += 3) {
+            const uint32_t v = (uint32_t)b[i] << 16 | (i + 1 < nb ? (uint32_t)b[i + 1] << 8 : 0) | (i + 2 < nb ? b[i + 2] : 0);
+            out[o++] = tab[v >> 18 & 63];
+            out[o++] = tab[v >> 12 & 63];
+            out[o++] = i + 1 < nb ? tab[v >> 6 & 63] : '=';
+            out[o++] = i + 2 < nb ? tab[v & 63] : '=';
+        }
+        out[o] = '\0';
+        s = json_string(out);
+    }
+    free(b);
+    free(out);
+    return s;
+}
+
+char *oai_embeddings_json(const char *model, const float *vectors, int n, int dim, bool base64, int prompt_tokens) {
+    json_t *data = json_array();
+    for (int i = 0; i < n && data; i++) {
+        const float *x = vectors + (size_t)i * dim;
+        json_t *emb = base64 ? base64_floats(x, dim) : json_array();
+        for (int k = 0; !base64 && emb && k < dim; k++) json_array_append_new(emb, json_real(x[k]));
+        if (json_array_append_new(data, json_pack("{s:s, s:i, s:o}", "object", "embedding", "index", i, "embedding", emb)))
+            json_decref(exchange_null(&data));
+    }
+    if (!data) return NULL;
+    return dump(json_pack("{s:s, s:o, s:s, s:{s:i, s:i}}", "object", "list", "data", data, "model", model, "usage",
+                          "prompt_tokens", prompt_tokens, "total_tokens", prompt_tokens));
 }
 
 char *oai_models_json(const char *model, long created) {

@@ -96,4 +96,16 @@ char *oai_usage_chunk_json(enum oai_kind kind, const char *id, long created, con
                            const struct oai_usage *u);
 char *oai_models_json(const char *model, long created);
 
+/* /v1/embeddings: input as a string, strings, token ids or lists of them. */
+struct oai_embed_request {
+    struct oai_prompt *inputs;
+    int n_inputs;
+    bool base64;    /* encoding_format "base64" */
+    int dimensions; /* 0 when absent */
+};
+int oai_parse_embeddings(const char *body, size_t len, bool strict, struct oai_embed_request *r, struct oai_error *e);
+void oai_embed_request_free(struct oai_embed_request *r);
+/* The list of n vectors [n][dim] (as floats or base64) with the usage. */
+char *oai_embeddings_json(const char *model, const float *vectors, int n, int dim, bool base64, int prompt_tokens);
+
 #endif
