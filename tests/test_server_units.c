@@ -255,6 +255,41 @@ static void test_parse_logprobs(void) {
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":\"2\"}", "logprobs");
 }
 
+/* Several choices in one response and their chunks; embeddings as floats and as
+ * base64 of little-endian float32 (1.0f is 00 00 80 3f, -2.5f is 00 00 20 c0). */
+static void test_choices_and_embeddings_json(void) {
+    const struct oai_usage u = {5, 6, 1};
+    const struct oai_choice ch[2] = {{"ab", 2, "stop", NULL}, {"cde", 3, "length", NULL}};
+    char *s = oai_response_json_n(OAI_COMPLETION, "id", 1, "m", ch, 2, &u);
+    CHECK(s && strstr(s, "\"choices\":[{\"index\":0,\"text\":\"ab\",\"logprobs\":null,\"finish_reason\":\"stop\"},"
+                         "{\"index\":1,\"text\":\"cde\",\"logprobs\":null,\"finish_reason\":\"length\"}]"),
+          "two choices: %s", s);
+    free(s);
+    s = oai_chunk_json(OAI_CHAT, "id", 1, "m", 3, true, "x", 1, NULL, NULL);
+    CHECK(s && strstr(s, "\"index\":3") && strstr(s, "\"role\":\"assistant\""), "chunk of choice 3: %s", s);
+    free(s);
+    const float v[4] = {1.0f, -2.5f, 0.5f, 0.0f};
+    s = oai_embeddings_json("m", v, 2, 2, true, 7);
+    CHECK(s && strstr(s, "\"embedding\":\"AACAPwAAIMA=\"") && strstr(s, "\"embedding\":\"AAAAPwAAAAA=\"") &&
+              strstr(s, "\"index\":1") && strstr(s, "\"prompt_tokens\":7,\"total_tokens\":7"),
+          "base64 embeddings: %s", s);
+    free(s);
+    s = oai_embeddings_json("m", v, 1, 3, false, 2);
+    CHECK(s && strstr(s, "\"embedding\":[1.0,-2.5,0.5]") && strstr(s, "\"object\":\"list\""), "float embeddings: %s", s);
+    free(s);
+    struct oai_embed_request r;
+    struct oai_error e;
+    const char *body = "{\"input\":[[1,2],[3]],\"model\":\"m\",\"encoding_format\":\"base64\",\"dimensions\":512}";
+    CHECK(oai_parse_embeddings(body, strlen(body), false, &r, &e) == 0 && r.n_inputs == 2 && r.inputs[1].ids[0] == 3 &&
+              r.base64 && r.dimensions == 512, "embeddings request: %s", e.message);
+    oai_embed_request_free(&r);
+    body = "{\"input\":\"a\",\"encoding_format\":\"hex\"}";
+    CHECK(oai_parse_embeddings(body, strlen(body), false, &r, &e) == -1 && !strcmp(e.param, "encoding_format"),
+          "bad encoding_format");
+    body = "{\"model\":\"m\"}";
+    CHECK(oai_parse_embeddings(body, strlen(body), false, &r, &e) == -1 && !strcmp(e.param, "input"), "no input");
+}
+
 /* lp_compute against values computed by hand (log-softmax in double precision). */
 static void test_logprobs_math(void) {
     const float l[5] = {1, 2, 3, 0, 3};
@@ -389,6 +424,7 @@ int main(void) {
     test_templates();
     test_parse();
     test_parse_extensions();
+    test_choices_and_embeddings_json();
     test_parse_logprobs();
     test_logprobs_math();
     test_logprobs_json();

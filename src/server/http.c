@@ -84,33 +84,11 @@ static bool client_gone(struct MHD_Connection *c) {
 
 /* ---- requests to prompts ---- */
 
-static int tokenize(const struct kvq_model *m, const char *text, kvq_token **out) {
-    size_t len = strlen(text);
-    int cap = (int)(len < INT_MAX / 2 ? len : INT_MAX / 2) + 8;
-    for (int attempt = 0; attempt < 2; attempt++) {
-        kvq_token *t = malloc(sizeof *t * (size_t)cap);
-        if (!t) return -1;
-        int n = kvq_tokenize(m, text, len, true, true, t, cap);
-        if (n >= 0 && n <= cap) {
-            *out = t;
-            return n;
-        }
-        free(t);
-        if (n < 0) return -1;
-        cap = n;
-    }
-    return -1;
-}
-
-static int n_vocab(const struct http_server *h) {
-    struct kvq_model_info info;
-    kvq_model_get_info(h->p.model, &info);
-    return info.n_vocab;
-}
-
 /* Token ids of a request (prompts, logit_bias, stop_token_ids) must be in the vocabulary. */
 static int check_ids(const struct http_server *h, const char *param, const kvq_token *ids, int n, struct oai_error *e) {
-    const int nv = n_vocab(h);
+    struct kvq_model_info info;
+    kvq_model_get_info(h->p.model, &info);
+    const int nv = info.n_vocab;
     for (int i = 0; i < n; i++)
         if (ids[i] >= nv) {
             oai_error_set(e, 400, "invalid_request_error", param, NULL, "token id %d is outside the vocabulary (0..%d)",
@@ -118,12 +96,6 @@ static int check_ids(const struct http_server *h, const char *param, const kvq_t
             return -1;
         }
     return 0;
-}
-
-/* The chat prompt's text (malloc'd; NULL when out of memory). */
-static char *chat_text(const struct http_server *h, const struct oai_request *q) {
-    return chat_template_render(h->p.chat, q->messages, q->n_messages, chat_family_bos(h->p.chat),
-                                chat_family_eos(h->p.chat));
 }
 
 /* Prompt p's tokens: chat messages through the template (its leading BOS text is
@@ -141,14 +113,16 @@ static int prompt_tokens(struct http_server *h, const struct oai_request *q, int
         memcpy(*out, o->ids, sizeof **out * (size_t)o->n_ids);
         return o->n_ids;
     }
-    char *text = q->kind == OAI_CHAT ? chat_text(h, q) : strdup(q->prompts[p].text);
+    char *text = q->kind == OAI_CHAT ? chat_template_render(h->p.chat, q->messages, q->n_messages,
+                                                            chat_family_bos(h->p.chat), chat_family_eos(h->p.chat))
+                                     : strdup(q->prompts[p].text);
     if (!text) {
         oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
         return -1;
     }
     const char *bos = chat_family_bos(h->p.chat), *t = text;
     if (q->kind == OAI_CHAT && *bos && strncmp(t, bos, strlen(bos)) == 0) t += strlen(bos);
-    int n = tokenize(h->p.model, t, out);
+    int n = api_tokenize_text(h->p.model, t, strlen(t), true, true, out);
     free(text);
     if (n < 0) oai_error_set(e, 400, "invalid_request_error", NULL, NULL, "cannot tokenize the prompt: %s", kvq_last_error());
     else if (n == 0) {
@@ -221,8 +195,8 @@ static int submit_choices(struct http_server *h, struct oai_request *q, unsigned
         check_ids(h, "stop_token_ids", q->gen.stop_ids, q->gen.n_stop_ids, e))
         return -1;
     if (n_prompts * n > OAI_MAX_PROMPTS) {
-        oai_error_set(e, 400, "invalid_request_error", "n", NULL, "%d prompts x n = %d choices; at most %d in one request",
-                      n_prompts, n, OAI_MAX_PROMPTS);
+        oai_error_set(e, 400, "invalid_request_error", "n", NULL, "%d prompts x n %d = %d choices; at most %d in one request",
+                      n_prompts, n, n_prompts * n, OAI_MAX_PROMPTS);
         return -1;
     }
     struct choice *ch = calloc((size_t)(n_prompts * n), sizeof *ch);

@@ -53,8 +53,7 @@ static int flag(json_t *root, const char *key, bool def, struct oai_error *e) {
     return json_is_true(v);
 }
 
-/* Tokens of text (malloc'd in *out); -1 on error. */
-static int tokenize(const struct kvq_model *m, const char *text, size_t len, bool add, bool parse, kvq_token **out) {
+int api_tokenize_text(const struct kvq_model *m, const char *text, size_t len, bool add, bool parse, kvq_token **out) {
     int cap = (int)(len < INT_MAX / 2 ? len : INT_MAX / 2) + 8;
     for (int attempt = 0; attempt < 2; attempt++) {
         kvq_token *t = malloc(sizeof *t * (size_t)cap);
@@ -98,7 +97,7 @@ char *api_tokenize(const struct kvq_model *m, const char *body, size_t len, stru
     int n = -1;
     if (!json_is_string(content)) bad(e, "content", "'content' must be a string");
     else if (add >= 0 && parse >= 0 && pieces >= 0 &&
-             (n = tokenize(m, json_string_value(content), json_string_length(content), add, parse, &t)) < 0)
+             (n = api_tokenize_text(m, json_string_value(content), json_string_length(content), add, parse, &t)) < 0)
         oai_error_set(e, 400, "invalid_request_error", "content", NULL, "cannot tokenize: %s", kvq_last_error());
     if (n >= 0) {
         json_t *list = json_array();
@@ -216,7 +215,7 @@ char *api_embeddings(struct embedder *em, const char *model_id, const char *body
     for (int i = 0; v && i < q.n_inputs && !e->status; i++) {
         const struct oai_prompt *p = &q.inputs[i];
         kvq_token *t = NULL;
-        int n = p->ids ? p->n_ids : tokenize(em->m, p->text, strlen(p->text), true, true, &t);
+        int n = p->ids ? p->n_ids : api_tokenize_text(em->m, p->text, strlen(p->text), true, true, &t);
         const kvq_token *ids = p->ids ? p->ids : t;
         for (int j = 0; p->ids && j < n; j++)
             if (ids[j] >= info.n_vocab) n = -2;

@@ -21,6 +21,8 @@ char *api_detokenize(const struct kvq_model *m, const char *body, size_t len, st
 /* {"messages": [...]} -> {"prompt": the text the chat template makes of them}. */
 char *api_apply_template(enum chat_family chat, const char *body, size_t len, bool strict, struct oai_error *e);
 
+/* The tokens of text (kvq_tokenize's flags) in a malloc'd *out; their count, -1 on error. */
+int api_tokenize_text(const struct kvq_model *m, const char *text, size_t len, bool add, bool parse, kvq_token **out);
 /* The text of token ids, as valid UTF-8 (malloc'd; NULL when out of memory). */
 char *api_detokenize_text(const struct kvq_model *m, const kvq_token *ids, int n);
 
