@@ -138,6 +138,13 @@ fi
 # ---- continuous batching with a quantized cache ---------------------------------
 start_server batch --kv-bits 8,4 --max-num-seqs 8 --prefix-cache-mb 0 -c 2048
 client concurrent "$text"
+# n = 3 choices fork one quantized sequence: greedy, all three equal the n = 1 answer
+printf '{"prompt":"%s","max_tokens":40,"temperature":0}' "$(head -c 3000 "$tmp/long.txt")" >"$tmp/n1.json"
+sed 's/}$/,"n":3}/' "$tmp/n1.json" >"$tmp/n3.json"
+one=$(curl -s --data-binary @"$tmp/n1.json" "http://127.0.0.1:$port/v1/completions" | jq -c '[.choices[].text]')
+three=$(curl -s --data-binary @"$tmp/n3.json" "http://127.0.0.1:$port/v1/completions" | jq -c '[.choices[].text]')
+[ "$(jq -c 'unique' <<<"$three")" = "$one" ] && [ "$(jq length <<<"$three")" = 3 ] && ok "n=3 on K8V4: three copies of the n=1 text" ||
+  bad "n=3 on K8V4: $three vs $one"
 stop_server
 
 # ---- back-pressure: a small KV budget makes requests wait, never corrupts them ------
