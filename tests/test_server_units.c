@@ -210,7 +210,9 @@ static void test_parse_extensions(void) {
     expect_400_strict(OAI_COMPLETION, "{\"prompt\":\"a\",\"ignore_eos\":true}", "ignore_eos");
     expect_400_strict(OAI_COMPLETION, "{\"prompt\":\"a\",\"cache_prompt\":true}", "cache_prompt");
     expect_400_strict(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"min_tokens\":2}", "min_tokens");
-    rc = parse_as(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_k\":3,\"n\":2}", true, &r, &e);
+    expect_400_strict(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"echo\":true}", "echo");
+    rc = parse_as(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_k\":3,\"n\":2,\"echo\":false}",
+                  true, &r, &e);
     CHECK(rc == 0 && r.n == 2 && r.gen.sampling.top_k == 3, "strict still takes OpenAI's fields and top_k: %s", e.message);
     if (rc == 0) oai_request_free(&r);
 }

@@ -378,6 +378,7 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, bool s
     if (!strcmp(key, "presence_penalty")) return get_number(v, key, -2, 2, &g->presence_penalty, e);
     if (!strcmp(key, "logit_bias")) return get_logit_bias(v, g, e);
     if (!strcmp(key, "echo") && r->kind == OAI_COMPLETION) return get_bool(v, key, &r->echo, e);
+    if (!strcmp(key, "echo") && (json_is_null(v) || json_is_false(v))) return 0; /* chat's, at its default */
     if (!strcmp(key, "stop")) return get_stop(v, g, e);
     /* chat: logprobs true/false and top_logprobs N; completions: logprobs N (the
      * legacy field; false is taken as off, as some clients send it) */
