@@ -194,7 +194,7 @@ static void test_parse_extensions(void) {
     CHECK(rc == 0 && r.gen.n_bias == 2 && isinf(r.gen.bias_values[0]) && r.gen.bias_values[1] == -1 &&
               r.gen.max_tokens == -1, "llama.cpp's logit_bias pairs and n_predict");
     if (rc == 0) oai_request_free(&r);
-    rc = parse(OAI_COMPLETION, "{\"prompt\":[1,2,3]}", &r, &e);
+    rc = parse(OAI_COMPLETION, "{\"prompt\":[1,2,3],\"stop_token_ids\":[]}", &r, &e);
     CHECK(rc == 0 && r.n_prompts == 1 && r.prompts[0].n_ids == 3 && r.prompts[0].ids[2] == 3, "one prompt of ids");
     if (rc == 0) oai_request_free(&r);
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"frequency_penalty\":3}", "frequency_penalty");

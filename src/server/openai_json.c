@@ -325,7 +325,9 @@ static int parse_extension(const char *key, json_t *v, struct oai_request *r, bo
         g->max_tokens = (int)x;
         return 0;
     }
-    if (!strcmp(key, "stop_token_ids")) return json_is_null(v) ? 0 : get_ids(v, key, 256, &g->stop_ids, &g->n_stop_ids, e);
+    if (!strcmp(key, "stop_token_ids")) /* [] as vLLM's default */
+        return json_is_null(v) || (json_is_array(v) && !json_array_size(v)) ? 0
+                                                                            : get_ids(v, key, 256, &g->stop_ids, &g->n_stop_ids, e);
     if (!strcmp(key, "repetition_penalty")) return get_number(v, key, 0.01, 100, &g->sampling.repeat_penalty, e);
     return ignore_field(key, v, strict, e);
 }
