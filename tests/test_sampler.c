@@ -182,6 +182,27 @@ static void test_adjustments(void) {
               fabs(c40 / (double)N - w40 / z) < 0.01,
           "draws follow the biased softmax: %.4f %.4f %.4f vs %.4f %.4f %.4f", c10 / (double)N, c30 / (double)N,
           c40 / (double)N, w10 / z, w30 / z, w40 / z);
+    /* bans alone take another path (no copy): the same check, and greedy around them */
+    kvq_sampler_set_logit_bias(s, NULL, NULL, 0);
+    const kvq_token ban2[3] = {20, 10, 20};
+    kvq_sampler_ban(s, ban2, 3);
+    const double u30 = exp(0.0), u40 = exp(-0.5);
+    z = u30 + u40 + rest;
+    c10 = c20 = c30 = c40 = 0;
+    for (int t = 0; t < N; t++) {
+        const int got = kvq_sampler_sample(s, l);
+        c10 += got == 10, c20 += got == 20, c30 += got == 30, c40 += got == 40;
+    }
+    CHECK(c10 == 0 && c20 == 0 && fabs(c30 / (double)N - u30 / z) < 0.01 && fabs(c40 / (double)N - u40 / z) < 0.01,
+          "bans alone: %d %d %.4f %.4f vs %.4f %.4f", c10, c20, c30 / (double)N, c40 / (double)N, u30 / z, u40 / z);
+    kvq_sampler_free(s);
+    p.temp = 0;
+    s = kvq_sampler_new(&p, n);
+    kvq_sampler_ban(s, ban2, 3);
+    CHECK(kvq_sampler_sample(s, l) == 30, "greedy around bans");
+    const kvq_token ban_all_but_one[4] = {10, 20, 30, 40};
+    kvq_sampler_ban(s, ban_all_but_one, 4);
+    CHECK(kvq_sampler_sample(s, l) == 0, "greedy: the first of the equal rest (%d)", kvq_sampler_sample(s, l));
     kvq_sampler_free(s);
     free(l), free(adj), free(skip);
 }

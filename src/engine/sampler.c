@@ -281,18 +281,49 @@ static int draw_index(const float *w, const double *bs, int n, double r, int fal
     return fallback;
 }
 
+/* The first largest logit that is not banned (of the n_banned + 1 largest). */
+static kvq_token argmax_allowed(struct kvq_sampler *s, const float *x, int n) {
+    const int m = s->n_banned < n ? s->n_banned + 1 : n;
+    top_m(x, n, m, s->cand);
+    for (int i = 0; i < m; i++) {
+        bool banned = false;
+        for (int j = 0; j < s->n_banned && !banned; j++) banned = s->banned[j] == s->cand[i].id;
+        if (!banned) return s->cand[i].id;
+    }
+    return s->cand[0].id; /* everything is banned */
+}
+
+/* Takes the banned tokens' weights out of w and their blocks' sums; returns their total. */
+static double drop_banned(struct kvq_sampler *s, float *w) {
+    double dropped = 0;
+    for (int j = 0; j < s->n_banned; j++) {
+        const kvq_token t = s->banned[j];
+        s->block_sum[t / BLOCK] -= w[t];
+        dropped += w[t];
+        w[t] = 0; /* a repeated id then drops nothing more */
+    }
+    return dropped;
+}
+
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
     const int n = s->n_vocab;
-    const float *x = adjust(s, logits);
-    if (s->p.temp <= 0) return argmax(x, n);
+    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
+    const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0;
+    /* bans alone (ignore_eos, min_tokens) need no copy of the logits where nothing is
+     * truncated: greedy takes the best allowed token, a draw gives banned ones no weight
+     * (a copy of 128K logits cost about what a greedy draw does) */
+    const bool bans_only = s->n_banned > 0 && s->n_bias == 0 && !(s->p.repeat_penalty != 1.0f && s->n_history > 0) &&
+                           !((s->frequency != 0 || s->presence != 0) && s->n_seen > 0) &&
+                           (s->p.temp <= 0 || (k == n && !cuts));
+    const float *x = bans_only ? logits : adjust(s, logits);
+    if (s->p.temp <= 0) return bans_only ? argmax_allowed(s, x, n) : argmax(x, n);
     struct candidate *c = s->cand;
     float *prob = s->prob;
     const float temp = s->p.temp;
-    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
-    const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0;
     if (k == n && !cuts) { /* nothing truncated (OpenAI's default): a draw over all, in id order */
-        const int best = argmax(x, n);
-        const double sum = weights(x, n, x[best], temp, prob, s->block_sum);
+        const int best = bans_only ? argmax_allowed(s, x, n) : argmax(x, n);
+        double sum = weights(x, n, x[best], temp, prob, s->block_sum);
+        if (bans_only) sum -= drop_banned(s, prob);
         const double r = (double)(next_u64(&s->rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
         return draw_index(prob, s->block_sum, n, r, best);
     }
