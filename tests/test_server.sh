@@ -145,6 +145,19 @@ one=$(curl -s --data-binary @"$tmp/n1.json" "http://127.0.0.1:$port/v1/completio
 three=$(curl -s --data-binary @"$tmp/n3.json" "http://127.0.0.1:$port/v1/completions" | jq -c '[.choices[].text]')
 [ "$(jq -c 'unique' <<<"$three")" = "$one" ] && [ "$(jq length <<<"$three")" = 3 ] && ok "n=3 on K8V4: three copies of the n=1 text" ||
   bad "n=3 on K8V4: $three vs $one"
+# clients that leave n=4 streams and a list of n=3 choices early: every forked sequence is freed
+sed 's/}$/,"n":4,"stream":true,"max_tokens":300,"ignore_eos":true}/; s/"max_tokens":40,//' "$tmp/n1.json" >"$tmp/n4s.json"
+pids=""
+for _ in 1 2 3; do curl -sN --max-time 1.5 --data-binary @"$tmp/n4s.json" "http://127.0.0.1:$port/v1/completions" >/dev/null 2>&1 & pids="$pids $!"; done
+curl -s --max-time 0.3 -d '{"prompt":["The kernel","The module"],"n":3,"max_tokens":300,"ignore_eos":true}' \
+  "http://127.0.0.1:$port/v1/completions" >/dev/null 2>&1 & pids="$pids $!"
+wait $pids
+for _ in $(seq 100); do
+  blocks=$(curl -s "http://127.0.0.1:$port/metrics" | awk '$1 == "kvq_kv_blocks_in_use" {print $2}')
+  [ "$blocks" = 0 ] && break
+  sleep 0.1
+done
+[ "$blocks" = 0 ] && ok "choices of clients that left are freed (no KV blocks in use)" || bad "$blocks KV blocks left"
 stop_server
 
 # ---- back-pressure: a small KV budget makes requests wait, never corrupts them ------
