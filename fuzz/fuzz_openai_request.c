@@ -27,14 +27,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         struct oai_request r;
         struct oai_error e;
         enum oai_kind kind = k ? OAI_COMPLETION : OAI_CHAT;
-        if (oai_parse_request((const char *)data, size, kind, &r, &e) != 0) {
+        if (oai_parse_request((const char *)data, size, kind, size % 2 == 0, &r, &e) != 0) {
             free(oai_error_json(&e));
             continue;
         }
         char *prompt = kind == OAI_CHAT ? chat_template_render((enum chat_family)(size % CHAT_UNKNOWN), r.messages,
                                                                r.n_messages, "<s>", "</s>")
                                         : NULL;
-        const char *text = prompt ? prompt : r.prompt ? r.prompt : "";
+        const char *text = prompt ? prompt : r.n_prompts && r.prompts[0].text ? r.prompts[0].text : "";
         struct oai_usage u = {r.gen.max_tokens, r.gen.n_stop, r.n_messages};
         /* log-probabilities when asked for: one entry per byte of the text, its
          * alternatives the next bytes */
@@ -47,7 +47,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
         struct oai_logprobs lp = {lpe, n_lp, byte_piece, NULL};
         free(oai_response_json(kind, "id", 0, "m", text, strlen(text), "stop", &u, r.gen.logprobs >= 0 ? &lp : NULL));
-        free(oai_chunk_json(kind, "id", 0, "m", true, text, strlen(text), NULL, r.gen.logprobs >= 0 ? &lp : NULL));
+        free(oai_chunk_json(kind, "id", 0, "m", 0, true, text, strlen(text), NULL, r.gen.logprobs >= 0 ? &lp : NULL));
         free(prompt);
         oai_request_free(&r);
     }

@@ -125,6 +125,13 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b);
 /* Logits after token i of the last batch ([n_vocab]); NULL if not requested. */
 const float *kvq_get_logits(const struct kvq_context *c, int i);
 
+/* Pooling of a text's final hidden states (after the output norm) into one vector. */
+enum kvq_pooling { KVQ_POOLING_MEAN, KVQ_POOLING_LAST };
+/* The embedding of n tokens: their final hidden states pooled (the mean, or the last
+ * token's), L2-normalized, written to out[n_embd]. Runs them through sequence seq,
+ * which is empty before and after (CPU contexts only). 0, or -1 with an error. */
+int kvq_embed(struct kvq_context *c, int seq, const kvq_token *tokens, int n, enum kvq_pooling pooling, float *out);
+
 /* Tokens held by a sequence (its next position). */
 int kvq_seq_len(const struct kvq_context *c, int seq);
 /* Removes the last n tokens of a sequence; returns how many were removed (0 when a
@@ -230,6 +237,18 @@ void kvq_sampler_free(struct kvq_sampler *s);
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits);
 /* Records a token in the history (prompt and generated) for the repetition penalty. */
 void kvq_sampler_accept(struct kvq_sampler *s, kvq_token t);
+/* Records a generated token: in the history, as kvq_sampler_accept does, and in the
+ * counts that the frequency and presence penalties read (they see generated tokens only). */
+void kvq_sampler_accept_output(struct kvq_sampler *s, kvq_token t);
+/* OpenAI's frequency and presence penalties: before each draw, a token generated c > 0
+ * times loses c x frequency + presence from its logit. Both 0 (the default): off. */
+void kvq_sampler_set_penalties(struct kvq_sampler *s, float frequency, float presence);
+/* Adds bias[i] to the logit of ids[i] before each draw (OpenAI's logit_bias), replacing
+ * an earlier list (n = 0: none). 0, or -1 for an id outside the vocabulary or out of memory. */
+int kvq_sampler_set_logit_bias(struct kvq_sampler *s, const kvq_token *ids, const float *bias, int n);
+/* Tokens never drawn until the next call (n = 0: none), e.g. the end-of-generation
+ * tokens while an answer is shorter than asked for. 0, or -1 as above. */
+int kvq_sampler_ban(struct kvq_sampler *s, const kvq_token *ids, int n);
 
 #ifdef __cplusplus
 }

@@ -97,7 +97,118 @@ static void make_logits(float *l, int n, int kind) {
         for (int j = 0; j < 5; j++) l[(int)(uniform() * n)] += (float)(6 + 4 * uniform());
 }
 
+/* The first largest of l over the tokens not skipped. */
+static int argmax_skip(const float *l, int n, const bool *skip) {
+    int b = -1;
+    for (int i = 0; i < n; i++)
+        if (!skip[i] && (b < 0 || l[i] > l[b])) b = i;
+    return b;
+}
+
+/* logit_bias, bans and OpenAI's frequency/presence penalties against the adjusted
+ * logits computed here: greedy picks their argmax; at temperature 1 with nothing
+ * truncated the draws follow their softmax. */
+static void test_adjustments(void) {
+    struct kvq_sampler_params p;
+    kvq_sampler_params_default(&p);
+    p.temp = 0;
+    const int n = 5000;
+    float *l = malloc(sizeof *l * n), *adj = malloc(sizeof *adj * n);
+    bool *skip = calloc((size_t)n, sizeof *skip);
+    make_logits(l, n, 0);
+    struct kvq_sampler *s = kvq_sampler_new(&p, n);
+    const int best = argmax_skip(l, n, skip);
+    skip[best] = true;
+    const int second = argmax_skip(l, n, skip);
+    skip[second] = true;
+    const int third = argmax_skip(l, n, skip);
+    const kvq_token ids[2] = {best, second};
+    const float minus100[2] = {-100, -100};
+    CHECK(kvq_sampler_sample(s, l) == best, "greedy");
+    CHECK(kvq_sampler_set_logit_bias(s, ids, minus100, 1) == 0 && kvq_sampler_sample(s, l) == second,
+          "logit_bias -100 on the best gives the second");
+    CHECK(kvq_sampler_set_logit_bias(s, NULL, NULL, 0) == 0 && kvq_sampler_ban(s, ids, 2) == 0 &&
+              kvq_sampler_sample(s, l) == third, "banning the two best gives the third");
+    const float plus[1] = {l[best] - l[third] + 0.5f};
+    const kvq_token t3[1] = {third};
+    CHECK(kvq_sampler_ban(s, NULL, 0) == 0 && kvq_sampler_set_logit_bias(s, t3, plus, 1) == 0 &&
+              kvq_sampler_sample(s, l) == third, "a positive bias lifts the third above the best");
+    const kvq_token bad[1] = {n};
+    CHECK(kvq_sampler_set_logit_bias(s, bad, plus, 1) == -1 && kvq_sampler_ban(s, bad, 1) == -1,
+          "an id outside the vocabulary is refused");
+    kvq_sampler_set_logit_bias(s, NULL, NULL, 0);
+    /* penalties: the prompt's tokens do not count; generated ones c times lose c f + p */
+    const float f = 0.7f, pr = 0.4f;
+    kvq_sampler_set_penalties(s, f, pr);
+    kvq_sampler_accept(s, best);
+    CHECK(kvq_sampler_sample(s, l) == best, "a prompt token is not penalized");
+    int counts[3] = {0}, order[7] = {0, 0, 1, 2, 0, 1, 0};
+    for (int step = 0; step < 7; step++) {
+        const int t = ((const int[]){best, second, third})[order[step]];
+        kvq_sampler_accept_output(s, t);
+        counts[order[step]]++;
+        memcpy(adj, l, sizeof *adj * n);
+        for (int j = 0; j < 3; j++) {
+            const int id = ((const int[]){best, second, third})[j];
+            if (counts[j]) adj[id] -= (float)counts[j] * f + pr;
+        }
+        memset(skip, 0, (size_t)n * sizeof *skip);
+        const int want = argmax_skip(adj, n, skip);
+        CHECK(kvq_sampler_sample(s, l) == want, "penalties after %d tokens: %d", step + 1, want);
+    }
+    kvq_sampler_free(s);
+    /* temperature 1, nothing truncated: token frequencies follow the softmax of the
+     * adjusted logits (a bias of -1 on the best, +1.5 on the third, a ban on the second) */
+    for (int i = 0; i < n; i++) l[i] = -20;
+    l[10] = 1.0f, l[20] = 0.5f, l[30] = 0.0f, l[40] = -0.5f;
+    p.temp = 1;
+    p.top_k = 0, p.top_p = 1, p.min_p = 0;
+    s = kvq_sampler_new(&p, n);
+    const kvq_token bids[2] = {10, 30};
+    const float bvals[2] = {-1.0f, 1.5f};
+    const kvq_token ban20[1] = {20};
+    kvq_sampler_set_logit_bias(s, bids, bvals, 2);
+    kvq_sampler_ban(s, ban20, 1);
+    const double w10 = exp(0.0), w30 = exp(1.5), w40 = exp(-0.5);
+    double rest = (n - 4) * exp(-20.0), z = w10 + w30 + w40 + rest;
+    int c10 = 0, c20 = 0, c30 = 0, c40 = 0;
+    const int N = 40000;
+    for (int t = 0; t < N; t++) {
+        const int got = kvq_sampler_sample(s, l);
+        c10 += got == 10, c20 += got == 20, c30 += got == 30, c40 += got == 40;
+    }
+    CHECK(c20 == 0, "a banned token is never drawn (%d)", c20);
+    CHECK(fabs(c10 / (double)N - w10 / z) < 0.01 && fabs(c30 / (double)N - w30 / z) < 0.01 &&
+              fabs(c40 / (double)N - w40 / z) < 0.01,
+          "draws follow the biased softmax: %.4f %.4f %.4f vs %.4f %.4f %.4f", c10 / (double)N, c30 / (double)N,
+          c40 / (double)N, w10 / z, w30 / z, w40 / z);
+    /* bans alone take another path (no copy): the same check, and greedy around them */
+    kvq_sampler_set_logit_bias(s, NULL, NULL, 0);
+    const kvq_token ban2[3] = {20, 10, 20};
+    kvq_sampler_ban(s, ban2, 3);
+    const double u30 = exp(0.0), u40 = exp(-0.5);
+    z = u30 + u40 + rest;
+    c10 = c20 = c30 = c40 = 0;
+    for (int t = 0; t < N; t++) {
+        const int got = kvq_sampler_sample(s, l);
+        c10 += got == 10, c20 += got == 20, c30 += got == 30, c40 += got == 40;
+    }
+    CHECK(c10 == 0 && c20 == 0 && fabs(c30 / (double)N - u30 / z) < 0.01 && fabs(c40 / (double)N - u40 / z) < 0.01,
+          "bans alone: %d %d %.4f %.4f vs %.4f %.4f", c10, c20, c30 / (double)N, c40 / (double)N, u30 / z, u40 / z);
+    kvq_sampler_free(s);
+    p.temp = 0;
+    s = kvq_sampler_new(&p, n);
+    kvq_sampler_ban(s, ban2, 3);
+    CHECK(kvq_sampler_sample(s, l) == 30, "greedy around bans");
+    const kvq_token ban_all_but_one[4] = {10, 20, 30, 40};
+    kvq_sampler_ban(s, ban_all_but_one, 4);
+    CHECK(kvq_sampler_sample(s, l) == 0, "greedy: the first of the equal rest (%d)", kvq_sampler_sample(s, l));
+    kvq_sampler_free(s);
+    free(l), free(adj), free(skip);
+}
+
 int main(void) {
+    test_adjustments();
     const int sizes[] = {97, 512, 32000, 128256};
     const struct kvq_sampler_params configs[] = {
         /* temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed */

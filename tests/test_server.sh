@@ -77,8 +77,8 @@ expect "malformed JSON is a 400" 400 "${auth[@]}" -d '{"prompt": "a",' "$url/v1/
 expect "a body that is not an object is a 400" 400 "${auth[@]}" -d '"hello"' "$url/v1/completions"
 expect "max_tokens as a string is a 400" 400 "${auth[@]}" -d '{"prompt":"a","max_tokens":"5"}' "$url/v1/completions"
 expect "messages as a string is a 400" 400 "${auth[@]}" -d '{"messages":"hi"}' "$url/v1/chat/completions"
-expect "an unknown field is a 400" 400 "${auth[@]}" -d '{"prompt":"a","frobnicate":1}' "$url/v1/completions"
-expect "n > 1 is a 400" 400 "${auth[@]}" -d '{"prompt":"a","n":3}' "$url/v1/completions"
+expect "n above 128 is a 400" 400 "${auth[@]}" -d '{"prompt":"a","n":129}' "$url/v1/completions"
+expect "a malformed extension field is a 400" 400 "${auth[@]}" -d '{"prompt":"a","ignore_eos":"yes"}' "$url/v1/completions"
 expect "invalid UTF-8 is a 400" 400 "${auth[@]}" --data-binary $'{"prompt":"\xff\xfe"}' "$url/v1/completions"
 head -c 3000000 "$text" | tr -d '"\\\n' | tr -c '[:print:]' ' ' >"$tmp/long.txt"
 printf '{"prompt":"%s"}' "$(head -c 20000 "$tmp/long.txt")" >"$tmp/long.json"
@@ -104,9 +104,60 @@ code=$(curl -s -o "$tmp/body" -w '%{http_code}' "${auth[@]}" -d '{"prompt":"The 
 [ "$code" = 200 ] && ok "still serving after the bad requests" || bad "after bad requests: $code"
 stop_server
 
+# ---- the fields and endpoints beyond plain completions (tinydoc-f16 against the refs) --
+refs=$shared/refs/tinydoc
+model_f16=$shared/models/tinydoc-f16.gguf
+if [ -f "$refs/refs.json" ] && [ -f "$model_f16" ]; then
+  model_q8=$model; model=$model_f16
+  start_server ext --embeddings -c 1024
+  client extensions "$refs"
+  url=http://127.0.0.1:$port
+  for _ in 1 2; do
+    code=$(curl -s -o "$tmp/body" -w '%{http_code}' -d '{"prompt":"a","max_tokens":1,"frobnicate":1}' "$url/v1/completions")
+    [ "$code" = 200 ] && ok "an unknown field is accepted" || bad "unknown field: $code $(cat "$tmp/body")"
+  done
+  n=$(grep -c "ignoring the request field 'frobnicate' (unknown" "$tmp/ext.log")
+  [ "$n" = 1 ] && ok "...and logged once" || bad "logged $n times"
+  expect "GET on /tokenize is a 405" 405 "$url/tokenize"
+  expect "/tokenize without content is a 400" 400 -d '{"text":"a"}' "$url/tokenize"
+  expect "embeddings of an empty list is a 400" 400 -d '{"input":[]}' "$url/v1/embeddings"
+  stop_server
+  start_server strict --strict-api -c 1024
+  url=http://127.0.0.1:$port
+  expect "--strict-api: an unknown field is a 400" 400 -d '{"prompt":"a","frobnicate":1}' "$url/v1/completions"
+  expect "--strict-api: ignore_eos is a 400" 400 -d '{"prompt":"a","ignore_eos":true}' "$url/v1/completions"
+  expect "without --embeddings, /v1/embeddings is a 501" 501 -d '{"input":"a"}' "$url/v1/embeddings"
+  code=$(curl -s -o "$tmp/body" -w '%{http_code}' -d '{"prompt":"a","max_tokens":2,"n":2,"top_k":5}' "$url/v1/completions")
+  [ "$code" = 200 ] && ok "--strict-api still takes n and top_k" || bad "--strict-api: $code $(cat "$tmp/body")"
+  stop_server
+  model=$model_q8
+else
+  echo "SKIP (part): tinydoc-f16.gguf or refs/tinydoc missing under $shared"
+fi
+
 # ---- continuous batching with a quantized cache ---------------------------------
 start_server batch --kv-bits 8,4 --max-num-seqs 8 --prefix-cache-mb 0 -c 2048
 client concurrent "$text"
+# n = 3 choices fork one quantized sequence: greedy, all three equal the n = 1 answer
+printf '{"prompt":"%s","max_tokens":40,"temperature":0}' "$(head -c 3000 "$tmp/long.txt")" >"$tmp/n1.json"
+sed 's/}$/,"n":3}/' "$tmp/n1.json" >"$tmp/n3.json"
+one=$(curl -s --data-binary @"$tmp/n1.json" "http://127.0.0.1:$port/v1/completions" | jq -c '[.choices[].text]')
+three=$(curl -s --data-binary @"$tmp/n3.json" "http://127.0.0.1:$port/v1/completions" | jq -c '[.choices[].text]')
+[ "$(jq -c 'unique' <<<"$three")" = "$one" ] && [ "$(jq length <<<"$three")" = 3 ] && ok "n=3 on K8V4: three copies of the n=1 text" ||
+  bad "n=3 on K8V4: $three vs $one"
+# clients that leave n=4 streams and a list of n=3 choices early: every forked sequence is freed
+sed 's/}$/,"n":4,"stream":true,"max_tokens":300,"ignore_eos":true}/; s/"max_tokens":40,//' "$tmp/n1.json" >"$tmp/n4s.json"
+pids=""
+for _ in 1 2 3; do curl -sN --max-time 1.5 --data-binary @"$tmp/n4s.json" "http://127.0.0.1:$port/v1/completions" >/dev/null 2>&1 & pids="$pids $!"; done
+curl -s --max-time 0.3 -d '{"prompt":["The kernel","The module"],"n":3,"max_tokens":300,"ignore_eos":true}' \
+  "http://127.0.0.1:$port/v1/completions" >/dev/null 2>&1 & pids="$pids $!"
+wait $pids
+for _ in $(seq 100); do
+  blocks=$(curl -s "http://127.0.0.1:$port/metrics" | awk '$1 == "kvq_kv_blocks_in_use" {print $2}')
+  [ "$blocks" = 0 ] && break
+  sleep 0.1
+done
+[ "$blocks" = 0 ] && ok "choices of clients that left are freed (no KV blocks in use)" || bad "$blocks KV blocks left"
 stop_server
 
 # ---- back-pressure: a small KV budget makes requests wait, never corrupts them ------

@@ -80,18 +80,35 @@ static void test_templates(void) {
     CHECK(chat_family_from_name("jinja") == CHAT_UNKNOWN, "unknown name");
 }
 
-static int parse(enum oai_kind kind, const char *body, struct oai_request *r, struct oai_error *e) {
-    return oai_parse_request(body, strlen(body), kind, r, e);
+static int parse_as(enum oai_kind kind, const char *body, bool strict, struct oai_request *r, struct oai_error *e) {
+    return oai_parse_request(body, strlen(body), kind, strict, r, e);
 }
 
-static void expect_400(enum oai_kind kind, const char *body, const char *param) {
+static int parse(enum oai_kind kind, const char *body, struct oai_request *r, struct oai_error *e) {
+    return parse_as(kind, body, false, r, e);
+}
+
+static void expect_400_as(enum oai_kind kind, const char *body, bool strict, const char *param) {
     struct oai_request r;
     struct oai_error e;
-    int rc = parse(kind, body, &r, &e);
+    int rc = parse_as(kind, body, strict, &r, &e);
     CHECK(rc == -1 && e.status == 400, "%s: rc %d status %d", body, rc, e.status);
     CHECK(rc == 0 || !strcmp(e.param, param ? param : ""), "%s: param '%s'", body, e.param);
     CHECK(rc == 0 || e.message[0], "%s: a message", body);
     if (rc == 0) oai_request_free(&r);
+}
+
+static void expect_400(enum oai_kind kind, const char *body, const char *param) {
+    expect_400_as(kind, body, false, param);
+}
+
+/* With --strict-api: a 400 (else accepted). */
+static void expect_400_strict(enum oai_kind kind, const char *body, const char *param) {
+    expect_400_as(kind, body, true, param);
+    struct oai_request r;
+    struct oai_error e;
+    CHECK(parse(kind, body, &r, &e) == 0, "%s accepted without --strict-api: %s", body, e.message);
+    oai_request_free(&r);
 }
 
 static void test_parse(void) {
@@ -116,7 +133,7 @@ static void test_parse(void) {
         oai_request_free(&r);
     }
     rc = parse(OAI_COMPLETION, "{\"prompt\":[\"hello\"],\"stop\":\"\\n\",\"max_tokens\":null}", &r, &e);
-    CHECK(rc == 0 && !strcmp(r.prompt, "hello") && r.gen.n_stop == 1 && r.gen.max_tokens == 16 && !r.stream,
+    CHECK(rc == 0 && r.n_prompts == 1 && !strcmp(r.prompts[0].text, "hello") && r.gen.n_stop == 1 && r.gen.max_tokens == 16 && !r.stream,
           "completion request: %s", e.message);
     if (rc == 0) oai_request_free(&r);
 
@@ -126,7 +143,7 @@ static void test_parse(void) {
     expect_400(OAI_CHAT, "{\"messages\":[]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", "messages");
-    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"n\":2}", "n");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"n\":200}", "n");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":\"10\"}", "max_tokens");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":0}", "max_tokens");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"temperature\":3}", "temperature");
@@ -135,12 +152,69 @@ static void test_parse(void) {
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stop\":[1]}", "stop");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stream\":1}", "stream");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", "stream_options");
-    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"frobnicate\":true}", "frobnicate");
+    expect_400_strict(OAI_COMPLETION, "{\"prompt\":\"a\",\"frobnicate\":true}", "frobnicate");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"prompt\":\"b\"}", NULL);           /* duplicate key */
     expect_400(OAI_COMPLETION, "{\"prompt\":\"\\u0000\"}", NULL);                       /* NUL in a string */
     expect_400(OAI_COMPLETION, "{\"prompt\":\"\xff\"}", NULL);                          /* invalid UTF-8 */
-    expect_400(OAI_COMPLETION, "{\"prompt\":[1,2,3]}", "prompt");
+    expect_400(OAI_COMPLETION, "{\"prompt\":[1,\"a\"]}", "prompt");
+    expect_400(OAI_COMPLETION, "{\"prompt\":[\"a\",[1]]}", "prompt");
+    expect_400(OAI_COMPLETION, "{\"prompt\":[[1],[-1]]}", "prompt");
+    expect_400(OAI_COMPLETION, "{\"prompt\":[]}", "prompt");
     expect_400(OAI_CHAT, "{\"prompt\":\"a\"}", "prompt"); /* a completion field on chat */
+}
+
+/* Item by item: prompt lists and token ids, n, penalties, logit_bias, the vLLM and
+ * llama.cpp fields applied, those ignored (type-checked), unknown ones. */
+static void test_parse_extensions(void) {
+    struct oai_request r;
+    struct oai_error e;
+    int rc = parse(OAI_COMPLETION,
+                   "{\"prompt\":[\"a\",\"bc\"],\"n\":3,\"best_of\":3,\"echo\":true,\"frequency_penalty\":0.5,"
+                   "\"presence_penalty\":-1.5,\"logit_bias\":{\"7\":-100,\"12\":2.5},\"ignore_eos\":true,"
+                   "\"min_tokens\":4,\"max_tokens\":9,\"stop_token_ids\":[5,6],\"cache_prompt\":true,"
+                   "\"typical_p\":1,\"frobnicate\":{\"x\":1},\"repetition_penalty\":1.1}",
+                   &r, &e);
+    CHECK(rc == 0, "extended completion request: %s", e.message);
+    if (rc == 0) {
+        CHECK(r.n_prompts == 2 && !strcmp(r.prompts[1].text, "bc") && r.n == 3 && r.echo, "prompts, n, echo");
+        CHECK(r.gen.frequency_penalty == 0.5f && r.gen.presence_penalty == -1.5f, "penalties");
+        CHECK(r.gen.n_bias == 2 && r.gen.bias_ids[0] == 7 && r.gen.bias_values[0] == -100 && r.gen.bias_ids[1] == 12 &&
+                  r.gen.bias_values[1] == 2.5f, "logit_bias");
+        CHECK(r.gen.ignore_eos && r.gen.min_tokens == 4 && r.gen.n_stop_ids == 2 && r.gen.stop_ids[1] == 6, "vLLM fields");
+        CHECK(fabsf(r.gen.sampling.repeat_penalty - 1.1f) < 1e-6f, "repetition_penalty");
+        struct gen_params copy;
+        CHECK(gen_params_copy(&copy, &r.gen) == 0 && copy.bias_ids != r.gen.bias_ids && copy.stop_ids[0] == 5,
+              "deep copy");
+        gen_params_free(&copy);
+        oai_request_free(&r);
+    }
+    rc = parse(OAI_COMPLETION, "{\"prompt\":[[1,2,3],[4]],\"logit_bias\":[[3,false],[4,-1]],\"n_predict\":-1}", &r, &e);
+    CHECK(rc == 0 && r.n_prompts == 2 && r.prompts[0].n_ids == 3 && r.prompts[1].ids[0] == 4 && !r.prompts[0].text,
+          "token id prompts: %s", e.message);
+    CHECK(rc == 0 && r.gen.n_bias == 2 && isinf(r.gen.bias_values[0]) && r.gen.bias_values[1] == -1 &&
+              r.gen.max_tokens == -1, "llama.cpp's logit_bias pairs and n_predict");
+    if (rc == 0) oai_request_free(&r);
+    rc = parse(OAI_COMPLETION, "{\"prompt\":[1,2,3],\"stop_token_ids\":[]}", &r, &e);
+    CHECK(rc == 0 && r.n_prompts == 1 && r.prompts[0].n_ids == 3 && r.prompts[0].ids[2] == 3, "one prompt of ids");
+    if (rc == 0) oai_request_free(&r);
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"frequency_penalty\":3}", "frequency_penalty");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"x\":1}}", "logit_bias");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"5\":101}}", "logit_bias");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"best_of\":2}", "best_of");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"min_tokens\":20,\"max_tokens\":5}", "min_tokens");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"echo\":true,\"logprobs\":2}", "echo");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"ignore_eos\":1}", "ignore_eos");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"stop_token_ids\":[1.5]}", "stop_token_ids");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"typical_p\":\"x\"}", "typical_p"); /* ignored, still typed */
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"cache_prompt\":3}", "cache_prompt");
+    expect_400_strict(OAI_COMPLETION, "{\"prompt\":\"a\",\"ignore_eos\":true}", "ignore_eos");
+    expect_400_strict(OAI_COMPLETION, "{\"prompt\":\"a\",\"cache_prompt\":true}", "cache_prompt");
+    expect_400_strict(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"min_tokens\":2}", "min_tokens");
+    expect_400_strict(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"echo\":true}", "echo");
+    rc = parse_as(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_k\":3,\"n\":2,\"echo\":false}",
+                  true, &r, &e);
+    CHECK(rc == 0 && r.n == 2 && r.gen.sampling.top_k == 3, "strict still takes OpenAI's fields and top_k: %s", e.message);
+    if (rc == 0) oai_request_free(&r);
 }
 
 /* logprobs / top_logprobs: chat takes a boolean and 0..20 alternatives, completions
@@ -181,6 +255,41 @@ static void test_parse_logprobs(void) {
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":-1}", "logprobs");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":true}", "logprobs");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":\"2\"}", "logprobs");
+}
+
+/* Several choices in one response and their chunks; embeddings as floats and as
+ * base64 of little-endian float32 (1.0f is 00 00 80 3f, -2.5f is 00 00 20 c0). */
+static void test_choices_and_embeddings_json(void) {
+    const struct oai_usage u = {5, 6, 1};
+    const struct oai_choice ch[2] = {{"ab", 2, "stop", NULL}, {"cde", 3, "length", NULL}};
+    char *s = oai_response_json_n(OAI_COMPLETION, "id", 1, "m", ch, 2, &u);
+    CHECK(s && strstr(s, "\"choices\":[{\"index\":0,\"text\":\"ab\",\"logprobs\":null,\"finish_reason\":\"stop\"},"
+                         "{\"index\":1,\"text\":\"cde\",\"logprobs\":null,\"finish_reason\":\"length\"}]"),
+          "two choices: %s", s);
+    free(s);
+    s = oai_chunk_json(OAI_CHAT, "id", 1, "m", 3, true, "x", 1, NULL, NULL);
+    CHECK(s && strstr(s, "\"index\":3") && strstr(s, "\"role\":\"assistant\""), "chunk of choice 3: %s", s);
+    free(s);
+    const float v[4] = {1.0f, -2.5f, 0.5f, 0.0f};
+    s = oai_embeddings_json("m", v, 2, 2, true, 7);
+    CHECK(s && strstr(s, "\"embedding\":\"AACAPwAAIMA=\"") && strstr(s, "\"embedding\":\"AAAAPwAAAAA=\"") &&
+              strstr(s, "\"index\":1") && strstr(s, "\"prompt_tokens\":7,\"total_tokens\":7"),
+          "base64 embeddings: %s", s);
+    free(s);
+    s = oai_embeddings_json("m", v, 1, 3, false, 2);
+    CHECK(s && strstr(s, "\"embedding\":[1.0,-2.5,0.5]") && strstr(s, "\"object\":\"list\""), "float embeddings: %s", s);
+    free(s);
+    struct oai_embed_request r;
+    struct oai_error e;
+    const char *body = "{\"input\":[[1,2],[3]],\"model\":\"m\",\"encoding_format\":\"base64\",\"dimensions\":512}";
+    CHECK(oai_parse_embeddings(body, strlen(body), false, &r, &e) == 0 && r.n_inputs == 2 && r.inputs[1].ids[0] == 3 &&
+              r.base64 && r.dimensions == 512, "embeddings request: %s", e.message);
+    oai_embed_request_free(&r);
+    body = "{\"input\":\"a\",\"encoding_format\":\"hex\"}";
+    CHECK(oai_parse_embeddings(body, strlen(body), false, &r, &e) == -1 && !strcmp(e.param, "encoding_format"),
+          "bad encoding_format");
+    body = "{\"model\":\"m\"}";
+    CHECK(oai_parse_embeddings(body, strlen(body), false, &r, &e) == -1 && !strcmp(e.param, "input"), "no input");
 }
 
 /* lp_compute against values computed by hand (log-softmax in double precision). */
@@ -254,10 +363,10 @@ static void test_logprobs_json(void) {
           "completion logprobs: %s", s);
     free(s);
     struct oai_logprobs one = {e + 1, 1, fake_piece, NULL};
-    s = oai_chunk_json(OAI_COMPLETION, "id", 1, "m", false, "x", 1, NULL, &one);
+    s = oai_chunk_json(OAI_COMPLETION, "id", 1, "m", 0, false, "x", 1, NULL, &one);
     CHECK(s && strstr(s, "\"text_offset\":[2]") && strstr(s, "\"text\":\"x\""), "chunk logprobs: %s", s);
     free(s);
-    s = oai_chunk_json(OAI_CHAT, "id", 1, "m", false, "x", 1, NULL, NULL);
+    s = oai_chunk_json(OAI_CHAT, "id", 1, "m", 0, false, "x", 1, NULL, NULL);
     CHECK(s && strstr(s, "\"logprobs\":null"), "no logprobs asked: null: %s", s);
     free(s);
 }
@@ -275,7 +384,7 @@ static void test_json_out(void) {
               strstr(s, "\"finish_reason\":\"length\"") && strstr(s, "\"total_tokens\":13") &&
               strstr(s, "\"prompt_tokens_details\":{\"cached_tokens\":4}"), "chat response: %s", s);
     free(s);
-    s = oai_chunk_json(OAI_CHAT, "id1", 5, "m", true, "", 0, NULL, NULL);
+    s = oai_chunk_json(OAI_CHAT, "id1", 5, "m", 0, true, "", 0, NULL, NULL);
     CHECK(s && strstr(s, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}") && strstr(s, "\"finish_reason\":null"),
           "first chunk: %s", s);
     free(s);
@@ -316,6 +425,8 @@ int main(void) {
     test_meta();
     test_templates();
     test_parse();
+    test_parse_extensions();
+    test_choices_and_embeddings_json();
     test_parse_logprobs();
     test_logprobs_math();
     test_logprobs_json();

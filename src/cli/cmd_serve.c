@@ -18,7 +18,8 @@ static const char *const serve_help =
     "\n"
     "Serves the model over HTTP with OpenAI's API: POST /v1/chat/completions and\n"
     "/v1/completions (\"stream\": true for Server-Sent Events), GET /v1/models, /health,\n"
-    "/metrics (Prometheus). Requests are batched together, one forward pass per step.\n"
+    "/metrics (Prometheus); llama-server's POST /tokenize, /detokenize, /apply-template; and\n"
+    "POST /v1/embeddings with --embeddings. Requests are batched together, one forward pass per step.\n"
     "\n"
     "  -m, --model FILE           GGUF model\n"
     "  --host ADDR                address to listen on (default 127.0.0.1)\n"
@@ -47,17 +48,23 @@ static const char *const serve_help =
     "  --step-tokens N            tokens per step, decode and prefill together (default 512)\n"
     "  --max-body-mb N            request body limit (default 8)\n"
     "  --ping-interval S          ': ping' comment on a stream idle S seconds (default 10)\n"
+    "  --embeddings               serve POST /v1/embeddings (a context of one sequence of its own)\n"
+    "  --pooling mean|last        how embeddings pool the final hidden states (default mean)\n"
+    "  --strict-api               refuse (400) request fields beyond OpenAI's instead of ignoring\n"
+    "                             them (vLLM's and llama.cpp's extensions, unknown names)\n"
     "  -h, --help                 this text\n";
 
 static const char *const serve_value_flags[] = {
     "-m", "--model", "--host", "--port", "--max-num-seqs", "--parallel", "-np", "-c", "--ctx-size", "-t",
     "--threads", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v", "--prefix-cache-mb",
     "--prefix-cache-dir", "--prefix-cache-bits", "--prefix-cache-min-tokens", "--api-key", "--chat-template",
-    "--alias", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval", NULL};
+    "--alias", "--pooling", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval", NULL};
 
 struct serve_opts {
     const char *model, *host, *api_key, *chat_template, *alias, *cache_dir;
     int port, cache_mb, cache_bits, cache_min_tokens, max_body_mb, ping;
+    bool strict_api, embeddings;
+    enum kvq_pooling pooling;
     struct kvq_context_params cp;
     struct sched_params sp;
 };
@@ -102,6 +109,10 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
             fputs(cli_kv_flags_help, stdout);
             exit(0);
         }
+        if (!strcmp(a, "--strict-api") || !strcmp(a, "--embeddings")) {
+            *(!strcmp(a, "--embeddings") ? &o->embeddings : &o->strict_api) = true;
+            continue;
+        }
         if (!cli_is_one_of(a, serve_value_flags))
             return cli_fail("unknown option '%s' for serve (see 'kvq serve --help')", a);
         if (!(v = cli_flag_value(argc, argv, &i))) return 1;
@@ -112,6 +123,10 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
         else if (!strcmp(a, "--chat-template")) o->chat_template = v;
         else if (!strcmp(a, "--alias")) o->alias = v;
         else if (!strcmp(a, "--prefix-cache-dir")) o->cache_dir = v;
+        else if (!strcmp(a, "--pooling")) {
+            if (strcmp(v, "mean") && strcmp(v, "last")) return cli_fail("--pooling must be mean or last (got '%s')", v);
+            o->pooling = strcmp(v, "mean") ? KVQ_POOLING_LAST : KVQ_POOLING_MEAN;
+        }
         else if (!strcmp(a, "--port")) ok = cli_parse_int(a, v, 0, 65535, &o->port);
         else if (!strcmp(a, "--max-num-seqs") || !strcmp(a, "--parallel") || !strcmp(a, "-np"))
             ok = cli_parse_int(a, v, 1, 1024, &o->sp.max_seqs);
@@ -171,6 +186,7 @@ int cmd_serve(int argc, char **argv) {
     struct prefix_cache *pc = NULL;
     struct sched *s = NULL;
     struct http_server *h = NULL;
+    struct embedder *em = NULL;
     enum chat_family chat = pick_template(m, o.chat_template);
 
     struct kvq_model_info info;
@@ -206,6 +222,10 @@ int cmd_serve(int argc, char **argv) {
             goto done;
         }
     }
+    if (o.embeddings && !(em = embedder_new(m, kvq_context_n_ctx(ctx), o.cp.n_threads, o.pooling))) {
+        cli_fail("--embeddings: %s", kvq_last_error());
+        goto done;
+    }
     /* signals go to the main thread only (sigwait below), SIGPIPE nowhere */
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -225,8 +245,8 @@ int cmd_serve(int argc, char **argv) {
     char *dot = o.alias ? NULL : strstr(model_id, ".gguf");
     if (dot && dot[5] == '\0') *dot = '\0';
     struct http_params hp = {.host = o.host, .port = o.port, .api_key = o.api_key,
-                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping,
-                             .model = m, .chat = chat, .sched = s};
+                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping, .strict_api = o.strict_api,
+                             .model = m, .chat = chat, .sched = s, .embedder = em};
     h = http_start(&hp);
     if (!h) goto done;
     fprintf(stderr,
@@ -244,6 +264,7 @@ done:
     http_stop(h);
     sched_free(s);
     prefix_cache_free(pc);
+    embedder_free(em);
     kvq_context_free(ctx);
     kvq_model_free(m);
     return rc;

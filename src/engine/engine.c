@@ -1,4 +1,5 @@
 /* The public API: ties the model, tokenizer, thread pool and KV caches together. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -657,6 +658,41 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         /* rows are numbered in chunk order: the pass writes them in place */
         rc = forward_run(c->fwd, &fb, c->logits + (size_t)(first_row < 0 ? 0 : first_row) * n_vocab);
     }
+    return rc;
+}
+
+int kvq_embed(struct kvq_context *c, int seq, const kvq_token *tokens, int n, enum kvq_pooling pooling, float *out) {
+    const struct model_hparams *hp = &c->m->model->hp;
+    if (!c->be->ops->host_memory) return kvq_error("embeddings are computed on the CPU only (this context runs on %s)", c->be->ops->name);
+    if (seq < 0 || seq >= c->p.n_seq) return kvq_error("sequence %d does not exist (0..%d)", seq, c->p.n_seq - 1);
+    if (n <= 0 || n > c->p.n_ctx) return kvq_error("%d tokens to embed (1..%d)", n, c->p.n_ctx);
+    if (pooling != KVQ_POOLING_MEAN && pooling != KVQ_POOLING_LAST) return kvq_error("unknown pooling %d", (int)pooling);
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab)
+            return kvq_error("token id %d is outside the vocabulary (0..%d)", tokens[i], hp->n_vocab - 1);
+    const int chunk = c->p.n_batch, d = hp->n_embd;
+    float *h = malloc(sizeof *h * (size_t)chunk * (size_t)d);
+    double *sum = calloc((size_t)d, sizeof *sum);
+    int32_t *rows = c->chunk_tokens + chunk;
+    int rc = h && sum ? 0 : kvq_error("out of memory");
+    kvq_seq_clear(c, seq);
+    for (int start = 0, len; start < n && rc == 0; start += len) {
+        len = n - start < chunk ? n - start : chunk;
+        for (int j = 0; j < len; j++) rows[j] = j;
+        struct fwd_seq sq = {0, len, seq_caches(c, seq)};
+        struct fwd_batch fb = {.n_tokens = len, .tokens = tokens + start, .n_seqs = 1, .seqs = &sq, .n_logits = len,
+                               .logit_rows = rows, .hidden = h};
+        rc = forward_run(c->fwd, &fb, NULL);
+        for (int j = pooling == KVQ_POOLING_MEAN ? 0 : len - 1; rc == 0 && j < len; j++)
+            for (int k = 0; k < d; k++) sum[k] += h[(size_t)j * d + k];
+    }
+    kvq_seq_clear(c, seq);
+    double norm = 0;
+    for (int k = 0; rc == 0 && k < d; k++) norm += sum[k] * sum[k];
+    norm = norm > 0 ? 1.0 / sqrt(norm) : 0; /* the mean's 1/n cancels out */
+    for (int k = 0; rc == 0 && k < d; k++) out[k] = (float)(sum[k] * norm);
+    free(h);
+    free(sum);
     return rc;
 }
 

@@ -1,4 +1,5 @@
-/* Token sampling: repetition penalty, then top-k, top-p and min-p filters on the
+/* Token sampling: logit bias, repetition, frequency and presence penalties and banned
+ * tokens on a copy of the logits, then top-k, top-p and min-p filters on the
  * temperature-scaled distribution (llama.cpp's order), then a seeded draw.
  * A step of a large model leaves the sampler 128K logits: it finds the few candidates
  * that can be drawn in one pass over them (sorting all of them took 13 ms a token,
@@ -28,6 +29,14 @@ struct kvq_sampler {
     kvq_token *history; /* ring of the last repeat_last_n tokens */
     int n_history, history_pos;
     uint64_t rng;
+    /* OpenAI's penalties: counts[id] of the generated tokens, the distinct ones in `seen` */
+    float frequency, presence;
+    int *counts;
+    kvq_token *seen;
+    int n_seen;
+    kvq_token *bias_ids, *banned;
+    float *bias;
+    int n_bias, n_banned;
 };
 
 void kvq_sampler_params_default(struct kvq_sampler_params *p) {
@@ -67,6 +76,11 @@ void kvq_sampler_free(struct kvq_sampler *s) {
     free(s->work);
     free(s->block_sum);
     free(s->history);
+    free(s->counts);
+    free(s->seen);
+    free(s->bias_ids);
+    free(s->bias);
+    free(s->banned);
     free(s);
 }
 
@@ -75,6 +89,89 @@ void kvq_sampler_accept(struct kvq_sampler *s, kvq_token t) {
     s->history[s->history_pos] = t;
     s->history_pos = (s->history_pos + 1) % s->p.repeat_last_n;
     if (s->n_history < s->p.repeat_last_n) s->n_history++;
+}
+
+void kvq_sampler_accept_output(struct kvq_sampler *s, kvq_token t) {
+    kvq_sampler_accept(s, t);
+    if (t < 0 || t >= s->n_vocab) return;
+    if (!s->counts) { /* made at the first generated token: most samplers never need it */
+        s->counts = calloc((size_t)s->n_vocab, sizeof *s->counts);
+        s->seen = malloc(sizeof *s->seen * (size_t)s->n_vocab);
+        if (!s->counts || !s->seen) {
+            free(s->counts);
+            free(s->seen);
+            s->counts = NULL, s->seen = NULL;
+            return;
+        }
+    }
+    if (s->counts[t]++ == 0) s->seen[s->n_seen++] = t;
+}
+
+void kvq_sampler_set_penalties(struct kvq_sampler *s, float frequency, float presence) {
+    s->frequency = frequency;
+    s->presence = presence;
+}
+
+/* Copies n ids (checked against the vocabulary) into *dst. */
+static int copy_ids(const struct kvq_sampler *s, const kvq_token *ids, int n, kvq_token **dst) {
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= s->n_vocab)
+            return kvq_error("token id %d is outside the vocabulary (0..%d)", ids[i], s->n_vocab - 1);
+    kvq_token *d = n > 0 ? malloc(sizeof *d * (size_t)n) : NULL;
+    if (n > 0 && !d) return kvq_error("out of memory");
+    if (n > 0) memcpy(d, ids, sizeof *d * (size_t)n);
+    free(*dst);
+    *dst = d;
+    return 0;
+}
+
+int kvq_sampler_set_logit_bias(struct kvq_sampler *s, const kvq_token *ids, const float *bias, int n) {
+    float *b = n > 0 ? malloc(sizeof *b * (size_t)n) : NULL;
+    if (n > 0 && !b) return kvq_error("out of memory");
+    if (copy_ids(s, ids, n, &s->bias_ids) != 0) {
+        free(b);
+        return -1;
+    }
+    if (n > 0) memcpy(b, bias, sizeof *b * (size_t)n);
+    free(s->bias);
+    s->bias = b;
+    s->n_bias = n;
+    return 0;
+}
+
+int kvq_sampler_ban(struct kvq_sampler *s, const kvq_token *ids, int n) {
+    if (copy_ids(s, ids, n, &s->banned) != 0) return -1;
+    s->n_banned = n;
+    return 0;
+}
+
+/* The logits with bias, penalties and bans applied (in s->work), or logits as they are
+ * when none applies. */
+static const float *adjust(struct kvq_sampler *s, const float *logits) {
+    const int n = s->n_vocab;
+    const bool repeat = s->p.repeat_penalty != 1.0f && s->n_history > 0;
+    const bool openai = (s->frequency != 0 || s->presence != 0) && s->n_seen > 0;
+    if (!repeat && !openai && s->n_bias == 0 && s->n_banned == 0) return logits;
+    memcpy(s->work, logits, sizeof *s->work * (size_t)n);
+    for (int i = 0; i < s->n_bias; i++) s->work[s->bias_ids[i]] += s->bias[i];
+    if (repeat) {
+        for (int h = 0; h < s->n_history; h++) {
+            kvq_token t = s->history[h];
+            if (t < 0 || t >= n) continue;
+            bool seen = false; /* penalize each token once */
+            for (int j = 0; j < h; j++) seen |= s->history[j] == t;
+            if (seen) continue;
+            float *l = &s->work[t];
+            *l = *l > 0 ? *l / s->p.repeat_penalty : *l * s->p.repeat_penalty;
+        }
+    }
+    if (openai)
+        for (int i = 0; i < s->n_seen; i++) {
+            const kvq_token t = s->seen[i];
+            s->work[t] -= (float)s->counts[t] * s->frequency + s->presence;
+        }
+    for (int i = 0; i < s->n_banned; i++) s->work[s->banned[i]] = -INFINITY;
+    return s->work;
 }
 
 /* splitmix64: small, fast, good enough for sampling. */
@@ -184,31 +281,49 @@ static int draw_index(const float *w, const double *bs, int n, double r, int fal
     return fallback;
 }
 
+/* The first largest logit that is not banned (of the n_banned + 1 largest). */
+static kvq_token argmax_allowed(struct kvq_sampler *s, const float *x, int n) {
+    const int m = s->n_banned < n ? s->n_banned + 1 : n;
+    top_m(x, n, m, s->cand);
+    for (int i = 0; i < m; i++) {
+        bool banned = false;
+        for (int j = 0; j < s->n_banned && !banned; j++) banned = s->banned[j] == s->cand[i].id;
+        if (!banned) return s->cand[i].id;
+    }
+    return s->cand[0].id; /* everything is banned */
+}
+
+/* Takes the banned tokens' weights out of w and their blocks' sums; returns their total. */
+static double drop_banned(struct kvq_sampler *s, float *w) {
+    double dropped = 0;
+    for (int j = 0; j < s->n_banned; j++) {
+        const kvq_token t = s->banned[j];
+        s->block_sum[t / BLOCK] -= w[t];
+        dropped += w[t];
+        w[t] = 0; /* a repeated id then drops nothing more */
+    }
+    return dropped;
+}
+
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
     const int n = s->n_vocab;
-    const float *x = logits;
-    if (s->p.repeat_penalty != 1.0f && s->n_history > 0) {
-        memcpy(s->work, logits, sizeof *s->work * (size_t)n);
-        for (int h = 0; h < s->n_history; h++) {
-            kvq_token t = s->history[h];
-            if (t < 0 || t >= n) continue;
-            bool seen = false; /* penalize each token once */
-            for (int j = 0; j < h; j++) seen |= s->history[j] == t;
-            if (seen) continue;
-            float *l = &s->work[t];
-            *l = *l > 0 ? *l / s->p.repeat_penalty : *l * s->p.repeat_penalty;
-        }
-        x = s->work;
-    }
-    if (s->p.temp <= 0) return argmax(x, n);
+    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
+    const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0;
+    /* bans alone (ignore_eos, min_tokens) need no copy of the logits where nothing is
+     * truncated: greedy takes the best allowed token, a draw gives banned ones no weight
+     * (a copy of 128K logits cost about what a greedy draw does) */
+    const bool bans_only = s->n_banned > 0 && s->n_bias == 0 && !(s->p.repeat_penalty != 1.0f && s->n_history > 0) &&
+                           !((s->frequency != 0 || s->presence != 0) && s->n_seen > 0) &&
+                           (s->p.temp <= 0 || (k == n && !cuts));
+    const float *x = bans_only ? logits : adjust(s, logits);
+    if (s->p.temp <= 0) return bans_only ? argmax_allowed(s, x, n) : argmax(x, n);
     struct candidate *c = s->cand;
     float *prob = s->prob;
     const float temp = s->p.temp;
-    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
-    const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0;
     if (k == n && !cuts) { /* nothing truncated (OpenAI's default): a draw over all, in id order */
-        const int best = argmax(x, n);
-        const double sum = weights(x, n, x[best], temp, prob, s->block_sum);
+        const int best = bans_only ? argmax_allowed(s, x, n) : argmax(x, n);
+        double sum = weights(x, n, x[best], temp, prob, s->block_sum);
+        if (bans_only) sum -= drop_banned(s, prob);
         const double r = (double)(next_u64(&s->rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
         return draw_index(prob, s->block_sum, n, r, best);
     }

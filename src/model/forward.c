@@ -182,7 +182,9 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
             return -1;
         }
     }
-    if (b->n_logits > 0) {
+    if (b->n_logits > 0 && b->hidden) {
+        op->rmsnorm(be, f->x, b->logit_rows, f->m->output_norm, b->n_logits, hp->n_embd, hp->rms_eps, b->hidden);
+    } else if (b->n_logits > 0) {
         op->rmsnorm(be, f->x, b->logit_rows, f->m->output_norm, b->n_logits, hp->n_embd, hp->rms_eps, f->xn);
         struct be_matmul out = {&f->m->output, f->logits ? f->logits : logits, NULL, f->logits ? logits : NULL};
         op->matmul(be, f->xn, hp->n_embd, b->n_logits, 1, &out);

@@ -103,6 +103,8 @@ struct fwd_batch {
     const struct fwd_seq *seqs;
     int n_logits;             /* rows of logits wanted */
     const int32_t *logit_rows; /* batch indices whose logits are wanted */
+    float *hidden; /* set (a backend with host memory only): those rows' final normed hidden
+                    * states [n_logits][n_embd] go here instead of logits */
 };
 
 struct forward;

@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "server/llama_api.h"
 #include "server/openai_json.h"
 #include "server/strbuf.h"
 
@@ -83,37 +84,45 @@ static bool client_gone(struct MHD_Connection *c) {
 
 /* ---- requests to prompts ---- */
 
-static int tokenize(const struct kvq_model *m, const char *text, kvq_token **out) {
-    size_t len = strlen(text);
-    int cap = (int)(len < INT_MAX / 2 ? len : INT_MAX / 2) + 8;
-    for (int attempt = 0; attempt < 2; attempt++) {
-        kvq_token *t = malloc(sizeof *t * (size_t)cap);
-        if (!t) return -1;
-        int n = kvq_tokenize(m, text, len, true, true, t, cap);
-        if (n >= 0 && n <= cap) {
-            *out = t;
-            return n;
+/* Token ids of a request (prompts, logit_bias, stop_token_ids) must be in the vocabulary. */
+static int check_ids(const struct http_server *h, const char *param, const kvq_token *ids, int n, struct oai_error *e) {
+    struct kvq_model_info info;
+    kvq_model_get_info(h->p.model, &info);
+    const int nv = info.n_vocab;
+    for (int i = 0; i < n; i++)
+        if (ids[i] >= nv) {
+            oai_error_set(e, 400, "invalid_request_error", param, NULL, "token id %d is outside the vocabulary (0..%d)",
+                          ids[i], nv - 1);
+            return -1;
         }
-        free(t);
-        if (n < 0) return -1;
-        cap = n;
-    }
-    return -1;
+    return 0;
 }
 
-/* The prompt's tokens: chat messages through the template (its leading BOS text is
- * dropped: the tokenizer adds BOS as the model's metadata says), or the raw prompt. */
-static int prompt_tokens(struct http_server *h, const struct oai_request *q, kvq_token **out, struct oai_error *e) {
+/* Prompt p's tokens: chat messages through the template (its leading BOS text is
+ * dropped: the tokenizer adds BOS as the model's metadata says), the raw prompt, or
+ * the prompt's token ids as they are. */
+static int prompt_tokens(struct http_server *h, const struct oai_request *q, int p, kvq_token **out,
+                         struct oai_error *e) {
+    if (q->kind == OAI_COMPLETION && q->prompts[p].ids) {
+        const struct oai_prompt *o = &q->prompts[p];
+        if (check_ids(h, "prompt", o->ids, o->n_ids, e)) return -1;
+        if (!(*out = malloc(sizeof **out * (size_t)o->n_ids))) {
+            oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+            return -1;
+        }
+        memcpy(*out, o->ids, sizeof **out * (size_t)o->n_ids);
+        return o->n_ids;
+    }
     char *text = q->kind == OAI_CHAT ? chat_template_render(h->p.chat, q->messages, q->n_messages,
                                                             chat_family_bos(h->p.chat), chat_family_eos(h->p.chat))
-                                     : strdup(q->prompt);
+                                     : strdup(q->prompts[p].text);
     if (!text) {
         oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
         return -1;
     }
     const char *bos = chat_family_bos(h->p.chat), *t = text;
     if (q->kind == OAI_CHAT && *bos && strncmp(t, bos, strlen(bos)) == 0) t += strlen(bos);
-    int n = tokenize(h->p.model, t, out);
+    int n = api_tokenize_text(h->p.model, t, strlen(t), true, true, out);
     free(text);
     if (n < 0) oai_error_set(e, 400, "invalid_request_error", NULL, NULL, "cannot tokenize the prompt: %s", kvq_last_error());
     else if (n == 0) {
@@ -139,19 +148,131 @@ static const struct oai_logprobs *lp_view(struct http_server *h, bool wanted, co
     return out;
 }
 
+/* ---- choices ---- */
+
+/* One choice of a request (n per prompt, one or more prompts): its scheduler request
+ * and what has been read of it. */
+struct choice {
+    struct sched_req *r;
+    char *echo; /* completions' echo: the prompt's text, sent before the answer's */
+    struct sched_cursor cur;
+    struct sched_result res;
+    bool done;
+    struct strbuf text; /* a whole response's */
+    struct lp_list lps;
+};
+
+static void choices_free(struct choice *ch, int n, bool cancel) {
+    for (int i = 0; ch && i < n; i++) {
+        if (cancel && !ch[i].done) sched_req_cancel(ch[i].r);
+        sched_req_release(ch[i].r);
+        free(ch[i].echo);
+        strbuf_free(&ch[i].text);
+        lp_list_free(&ch[i].lps);
+    }
+    free(ch);
+}
+
+/* The usage of all choices: each prompt counted once (with its first choice). */
+static struct oai_usage usage_of(const struct choice *ch, int n, int per_prompt) {
+    struct oai_usage u = {0};
+    for (int i = 0; i < n; i++) {
+        if (i % per_prompt == 0) {
+            u.prompt_tokens += ch[i].res.prompt_tokens;
+            u.cached_tokens += ch[i].res.cached_tokens;
+        }
+        u.completion_tokens += ch[i].res.completion_tokens;
+    }
+    return u;
+}
+
+/* Tokenizes every prompt and submits n choices of each (a group sharing the prompt's
+ * KV blocks); *out holds them in OpenAI's order (prompt by prompt). 0, or -1 with e. */
+static int submit_choices(struct http_server *h, struct oai_request *q, unsigned long long id, struct choice **out,
+                          int *n_out, struct oai_error *e) {
+    const int n_prompts = q->kind == OAI_CHAT ? 1 : q->n_prompts, n = q->n;
+    if (check_ids(h, "logit_bias", q->gen.bias_ids, q->gen.n_bias, e) ||
+        check_ids(h, "stop_token_ids", q->gen.stop_ids, q->gen.n_stop_ids, e))
+        return -1;
+    if (n_prompts * n > OAI_MAX_PROMPTS) {
+        oai_error_set(e, 400, "invalid_request_error", "n", NULL, "%d prompts x n %d = %d choices; at most %d in one request",
+                      n_prompts, n, n_prompts * n, OAI_MAX_PROMPTS);
+        return -1;
+    }
+    struct choice *ch = calloc((size_t)(n_prompts * n), sizeof *ch);
+    struct sched_req **group = calloc((size_t)n, sizeof *group);
+    const uint64_t seed = q->has_seed ? q->gen.sampling.seed : (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ id;
+    int made = 0, rc = 0;
+    if (!ch || !group) {
+        oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        rc = -1;
+    }
+    for (int p = 0; p < n_prompts && rc == 0; p++) {
+        kvq_token *toks = NULL;
+        int n_tok = prompt_tokens(h, q, p, &toks, e);
+        if (n_tok < 0) {
+            rc = -1;
+            break;
+        }
+        for (int i = 0; i < n && rc == 0; i++) {
+            struct gen_params g;
+            kvq_token *t = i == 0 ? toks : malloc(sizeof *t * (size_t)n_tok);
+            if (t && i > 0) memcpy(t, toks, sizeof *t * (size_t)n_tok);
+            group[i] = NULL;
+            if (t && gen_params_copy(&g, &q->gen) == 0) {
+                g.sampling.seed = seed + (uint64_t)(p * n + i); /* choices differ, reproducibly */
+                if (!(group[i] = sched_req_new(t, n_tok, &g, q->cache_key))) gen_params_free(&g);
+            }
+            if (!group[i]) {
+                if (t != toks || i == 0) free(t);
+                for (int j = 0; j < i; j++) sched_req_release(group[j]);
+                oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+                rc = -1;
+            }
+        }
+        if (rc) break;
+        int status;
+        char msg[256];
+        if (sched_submit_group(h->p.sched, group, n, &status, msg, sizeof msg) != 0) {
+            for (int i = 0; i < n; i++) sched_req_release(group[i]);
+            oai_error_set(e, status, status >= 500 ? "server_error" : "invalid_request_error", NULL,
+                          status == 400 && strstr(msg, "context") ? "context_length_exceeded" : NULL, "%s", msg);
+            rc = -1;
+            break;
+        }
+        for (int i = 0; i < n; i++) {
+            struct choice *c = &ch[made++];
+            c->r = group[i];
+            if (q->echo) {
+                const struct oai_prompt *o = &q->prompts[p];
+                c->echo = o->text ? strdup(o->text) : api_detokenize_text(h->p.model, o->ids, o->n_ids);
+                if (!c->echo) c->text.oom = true;
+            }
+        }
+    }
+    free(group);
+    if (rc) {
+        choices_free(ch, made, true);
+        return -1;
+    }
+    *out = ch;
+    *n_out = made;
+    return 0;
+}
+
 /* ---- streams ---- */
 
 struct stream {
     struct http_server *h;
     struct MHD_Connection *conn;
-    struct sched_req *r;
+    struct choice *ch;
+    int n_choices, per_prompt;
     enum oai_kind kind;
     char id[48];
     long created;
     bool include_usage, logprobs, first_sent, finished;
     struct strbuf out; /* SSE bytes not yet handed to MHD */
     size_t out_off;
-    struct sched_cursor cur;
     double last_write;
 };
 
@@ -166,49 +287,65 @@ static void sse_event(struct stream *st, char *json) {
     free(json);
 }
 
-/* Turns what the scheduler produced into SSE events; false when the stream is over. */
+/* Turns what the scheduler produced into SSE events: a chunk per choice with news, the
+ * usage chunk and [DONE] once all have ended. Waits (briefly) on the first choice still
+ * running and takes what the others have so far. */
 static void stream_fill(struct stream *st) {
     const char *model = st->h->p.model_id;
     if (!st->first_sent) {
         st->first_sent = true;
-        if (st->kind == OAI_CHAT) { /* clients take the role from the first chunk */
-            sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, true, "", 0, NULL, NULL));
-            return;
+        bool sent = false;
+        for (int i = 0; i < st->n_choices; i++) {
+            const struct choice *c = &st->ch[i];
+            if (st->kind == OAI_CHAT) /* clients take the role from the first chunk */
+                sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, i, true, "", 0, NULL, NULL));
+            else if (c->echo)
+                sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, i, false, c->echo, strlen(c->echo),
+                                             NULL, NULL));
+            sent = sent || st->kind == OAI_CHAT || c->echo;
         }
+        if (sent) return;
     }
-    struct strbuf text = {0};
-    struct lp_list lps = {0};
-    struct oai_logprobs lpv;
-    struct sched_result res;
-    bool done = sched_req_wait(st->r, 100, &st->cur, &text, st->logprobs ? &lps : NULL, &res);
-    if (text.oom || lps.oom) st->out.oom = true;
-    const struct oai_logprobs *lp = lp_view(st->h, st->logprobs, &lps, &lpv);
-    bool news = text.len || lps.n;
-    if (done && res.error_status) {
-        if (news) sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.s, text.len, NULL, lp));
-        struct oai_error e;
-        oai_error_set(&e, res.error_status, res.error_status >= 500 ? "server_error" : "invalid_request_error",
-                      NULL, NULL, "%s", res.error_msg);
-        sse_event(st, oai_error_json(&e));
-        atomic_fetch_add(&st->h->n_errors, 1);
-    } else if (done) {
-        /* the last content chunk carries finish_reason */
-        sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.len ? text.s : NULL, text.len,
-                                     res.finish_reason, lp));
+    bool waited = false, all_done = true;
+    for (int i = 0; i < st->n_choices && !st->finished; i++) {
+        struct choice *c = &st->ch[i];
+        if (c->done) continue;
+        struct strbuf text = {0};
+        struct lp_list lps = {0};
+        struct oai_logprobs lpv;
+        bool done = sched_req_wait(c->r, waited ? 0 : 100, &c->cur, &text, st->logprobs ? &lps : NULL, &c->res);
+        waited = true;
+        if (text.oom || lps.oom) st->out.oom = true;
+        const struct oai_logprobs *lp = lp_view(st->h, st->logprobs, &lps, &lpv);
+        bool news = text.len || lps.n;
+        if (done && c->res.error_status) {
+            if (news)
+                sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, i, false, text.s, text.len, NULL, lp));
+            struct oai_error e;
+            oai_error_set(&e, c->res.error_status, c->res.error_status >= 500 ? "server_error" : "invalid_request_error",
+                          NULL, NULL, "%s", c->res.error_msg);
+            sse_event(st, oai_error_json(&e));
+            atomic_fetch_add(&st->h->n_errors, 1);
+            strbuf_add(&st->out, "data: [DONE]\n\n");
+            st->finished = true; /* stream_free cancels the other choices */
+        } else if (done || news) {
+            /* the last content chunk carries finish_reason */
+            sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, i, false, text.len ? text.s : NULL,
+                                         text.len, done ? c->res.finish_reason : NULL, lp));
+        }
+        c->done = done;
+        all_done = all_done && done;
+        strbuf_free(&text);
+        lp_list_free(&lps);
+    }
+    if (all_done && !st->finished) {
         if (st->include_usage) {
-            struct oai_usage u = {res.prompt_tokens, res.completion_tokens, res.cached_tokens};
+            struct oai_usage u = usage_of(st->ch, st->n_choices, st->per_prompt);
             sse_event(st, oai_usage_chunk_json(st->kind, st->id, st->created, model, &u));
         }
-    } else if (news) {
-        sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.len ? text.s : NULL, text.len,
-                                     NULL, lp));
-    }
-    if (done) {
         strbuf_add(&st->out, "data: [DONE]\n\n");
         st->finished = true;
     }
-    strbuf_free(&text);
-    lp_list_free(&lps);
 }
 
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
@@ -229,7 +366,7 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
         if (st->out.len) continue;
         /* nothing new after a short wait: is the client still there? */
         if (client_gone(st->conn)) {
-            sched_req_cancel(st->r);
+            for (int i = 0; i < st->n_choices; i++) sched_req_cancel(st->ch[i].r);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
         if (now_s() - st->last_write >= st->h->p.ping_seconds) strbuf_add(&st->out, ": ping\n\n");
@@ -238,8 +375,7 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
 
 static void stream_free(void *cls) {
     struct stream *st = cls;
-    if (!st->finished) sched_req_cancel(st->r); /* the client left early: free its sequence now */
-    sched_req_release(st->r);
+    choices_free(st->ch, st->n_choices, true); /* a client that left early: its sequences are freed now */
     strbuf_free(&st->out);
     free(st);
 }
@@ -250,41 +386,28 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
                                    struct conn_state *cs) {
     struct oai_request q;
     struct oai_error e;
-    if (oai_parse_request(cs->body.s ? cs->body.s : "", cs->body.len, kind, &q, &e) != 0) return respond_error(h, c, &e);
-    kvq_token *toks = NULL;
-    int n = prompt_tokens(h, &q, &toks, &e);
-    if (n < 0) {
-        oai_request_free(&q);
+    if (oai_parse_request(cs->body.s ? cs->body.s : "", cs->body.len, kind, h->p.strict_api, &q, &e) != 0)
         return respond_error(h, c, &e);
-    }
     unsigned long long id = atomic_fetch_add(&h->next_id, 1);
-    if (!q.has_seed) q.gen.sampling.seed = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ id;
+    struct choice *ch = NULL;
+    int n_ch = 0;
+    const int per_prompt = q.n;
     bool stream = q.stream, include_usage = q.include_usage, logprobs = q.gen.logprobs >= 0;
-    struct sched_req *r = sched_req_new(toks, n, &q.gen, q.cache_key);
+    int rc = submit_choices(h, &q, id, &ch, &n_ch, &e);
     oai_request_free(&q);
-    if (!r) {
-        free(toks);
-        return fail(h, c, 500, "server_error", NULL, NULL, "out of memory");
-    }
-    int status;
-    char msg[256];
-    if (sched_submit(h->p.sched, r, &status, msg, sizeof msg) != 0) {
-        sched_req_release(r);
-        return fail(h, c, status, status >= 500 ? "server_error" : "invalid_request_error", NULL,
-                    status == 400 ? "context_length_exceeded" : NULL, msg);
-    }
+    if (rc) return respond_error(h, c, &e);
     char rid[48];
     snprintf(rid, sizeof rid, "%s-%llx%08lx", kind == OAI_CHAT ? "chatcmpl" : "cmpl", id, (unsigned long)time(NULL));
     long created = (long)time(NULL);
     if (stream) {
         struct stream *st = calloc(1, sizeof *st);
         if (!st) {
-            sched_req_cancel(r);
-            sched_req_release(r);
+            choices_free(ch, n_ch, true);
             return fail(h, c, 500, "server_error", NULL, NULL, "out of memory");
         }
-        *st = (struct stream){.h = h, .conn = c, .r = r, .kind = kind, .created = created,
-                              .include_usage = include_usage, .logprobs = logprobs, .last_write = now_s()};
+        *st = (struct stream){.h = h, .conn = c, .ch = ch, .n_choices = n_ch, .per_prompt = per_prompt, .kind = kind,
+                              .created = created, .include_usage = include_usage, .logprobs = logprobs,
+                              .last_write = now_s()};
         memcpy(st->id, rid, sizeof rid);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, st, stream_free);
         if (!resp) {
@@ -297,35 +420,36 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
         MHD_destroy_response(resp);
         return ret;
     }
-    struct strbuf text = {0};
-    struct lp_list lps = {0};
-    struct sched_cursor cur = {0};
-    struct sched_result res;
-    while (!sched_req_wait(r, 100, &cur, &text, logprobs ? &lps : NULL, &res)) {
-        if (client_gone(c)) {
-            sched_req_cancel(r);
-            sched_req_release(r);
-            strbuf_free(&text);
-            lp_list_free(&lps);
-            return MHD_NO;
+    const struct sched_result *err = NULL;
+    bool oom = false;
+    for (int i = 0; i < n_ch; i++) {
+        struct choice *x = &ch[i];
+        if (x->echo) strbuf_add(&x->text, x->echo);
+        while (!(x->done = sched_req_wait(x->r, 100, &x->cur, &x->text, logprobs ? &x->lps : NULL, &x->res))) {
+            if (client_gone(c)) {
+                choices_free(ch, n_ch, true);
+                return MHD_NO;
+            }
         }
+        if (x->res.error_status && !err) err = &x->res;
+        oom = oom || x->text.oom || x->lps.oom;
     }
-    sched_req_release(r);
     enum MHD_Result ret;
-    if (res.error_status) {
-        ret = fail(h, c, res.error_status, res.error_status >= 500 ? "server_error" : "invalid_request_error", NULL,
-                   NULL, res.error_msg);
+    if (err) {
+        ret = fail(h, c, err->error_status, err->error_status >= 500 ? "server_error" : "invalid_request_error", NULL,
+                   NULL, err->error_msg);
     } else {
-        struct oai_usage u = {res.prompt_tokens, res.completion_tokens, res.cached_tokens};
-        struct oai_logprobs lpv;
-        ret = respond_json(h, c, 200,
-                           text.oom || lps.oom
-                               ? NULL
-                               : oai_response_json(kind, rid, created, h->p.model_id, text.s ? text.s : "", text.len,
-                                                   res.finish_reason, &u, lp_view(h, logprobs, &lps, &lpv)));
+        struct oai_usage u = usage_of(ch, n_ch, per_prompt);
+        struct oai_choice *oc = calloc((size_t)n_ch, sizeof *oc);
+        struct oai_logprobs *lpv = calloc((size_t)n_ch, sizeof *lpv);
+        for (int i = 0; oc && lpv && i < n_ch; i++)
+            oc[i] = (struct oai_choice){ch[i].text.s ? ch[i].text.s : "", ch[i].text.len, ch[i].res.finish_reason,
+                                        lp_view(h, logprobs, &ch[i].lps, &lpv[i])};
+        ret = respond_json(h, c, 200, oom || !oc || !lpv ? NULL : oai_response_json_n(kind, rid, created, h->p.model_id, oc, n_ch, &u));
+        free(oc);
+        free(lpv);
     }
-    strbuf_free(&text);
-    lp_list_free(&lps);
+    choices_free(ch, n_ch, false);
     return ret;
 }
 
@@ -357,6 +481,22 @@ static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) 
     enum MHD_Result ret = respond(h, c, 200, "text/plain; version=0.0.4", text);
     free(text);
     return ret;
+}
+
+/* llama-server's /tokenize, /detokenize and /apply-template, and /v1/embeddings. */
+static enum MHD_Result aux_endpoint(struct http_server *h, struct MHD_Connection *c, const char *path,
+                                    struct conn_state *cs) {
+    const char *body = cs->body.s ? cs->body.s : "";
+    struct oai_error e = {0};
+    char *out;
+    if (!strcmp(path, "/tokenize")) out = api_tokenize(h->p.model, body, cs->body.len, &e);
+    else if (!strcmp(path, "/detokenize")) out = api_detokenize(h->p.model, body, cs->body.len, &e);
+    else if (!strcmp(path, "/apply-template")) out = api_apply_template(h->p.chat, body, cs->body.len, h->p.strict_api, &e);
+    else if (!h->p.embedder)
+        return fail(h, c, 501, "not_supported_error", NULL, NULL,
+                    "this server does not compute embeddings: start it with --embeddings");
+    else out = api_embeddings(h->p.embedder, h->p.model_id, body, cs->body.len, h->p.strict_api, &e);
+    return out ? respond_json(h, c, 200, out) : respond_error(h, c, &e);
 }
 
 /* Collapses repeated slashes and drops a trailing one (clients send //v1//models). */
@@ -402,6 +542,10 @@ static enum MHD_Result route(struct http_server *h, struct MHD_Connection *c, co
     else if (!strcmp(path, "/v1/models") || !strcmp(path, "/models")) {
         if (!get) return fail(h, c, 405, "invalid_request_error", NULL, NULL, "use GET for /v1/models");
         return respond_json(h, c, 200, oai_models_json(h->p.model_id, h->started));
+    } else if (!strcmp(path, "/tokenize") || !strcmp(path, "/detokenize") || !strcmp(path, "/apply-template") ||
+               !strcmp(path, "/v1/embeddings") || !strcmp(path, "/embeddings")) {
+        if (!post) return fail(h, c, 405, "invalid_request_error", NULL, NULL, "use POST for this endpoint");
+        return aux_endpoint(h, c, path, cs);
     } else if (!strcmp(path, "/metrics")) {
         if (!get) return fail(h, c, 405, "invalid_request_error", NULL, NULL, "use GET for /metrics");
         return metrics(h, c);

@@ -5,10 +5,12 @@
 #ifndef KVQ_SERVER_HTTP_H
 #define KVQ_SERVER_HTTP_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "kvq.h"
 #include "server/chat_template.h"
+#include "server/llama_api.h"
 #include "server/scheduler.h"
 
 struct http_params {
@@ -18,9 +20,11 @@ struct http_params {
     size_t max_body;  /* request body limit in bytes */
     const char *model_id; /* the name /v1/models reports */
     int ping_seconds; /* ": ping" on a stream idle this long */
+    bool strict_api;  /* fields beyond OpenAI's are a 400 (else ignored and logged once) */
     const struct kvq_model *model;
     enum chat_family chat;
     struct sched *sched;
+    struct embedder *embedder; /* NULL: /v1/embeddings answers 501 */
 };
 
 struct http_server;

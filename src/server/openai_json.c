@@ -1,6 +1,8 @@
 #include "server/openai_json.h"
 
 #include <jansson.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -126,13 +128,7 @@ static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
 /* Fields clients send that change nothing here when left at their defaults. */
 static int check_default_only(const char *key, json_t *v, struct oai_error *e) {
     bool is_default = json_is_null(v);
-    if (!strcmp(key, "frequency_penalty") || !strcmp(key, "presence_penalty"))
-        is_default = is_default || (json_is_number(v) && json_number_value(v) == 0);
-    else if (!strcmp(key, "echo"))
-        is_default = is_default || json_is_false(v);
-    else if (!strcmp(key, "best_of"))
-        is_default = is_default || (json_is_integer(v) && json_integer_value(v) == 1);
-    else if (!strcmp(key, "logit_bias") || !strcmp(key, "tools"))
+    if (!strcmp(key, "tools"))
         is_default = is_default || (json_is_object(v) && json_object_size(v) == 0) ||
                      (json_is_array(v) && json_array_size(v) == 0);
     else if (!strcmp(key, "response_format")) {
@@ -144,7 +140,199 @@ static int check_default_only(const char *key, json_t *v, struct oai_error *e) {
     return 0;
 }
 
-static int parse_field(const char *key, json_t *v, struct oai_request *r, struct oai_error *e) {
+/* A list of token ids (non-empty, each >= 0; the vocabulary is checked where it is known). */
+static int get_ids(json_t *v, const char *name, int max, kvq_token **out, int *n_out, struct oai_error *e) {
+    size_t n = json_array_size(v);
+    if (!json_is_array(v) || n == 0) return BAD(name, "'%s' must be a non-empty list of token ids", name);
+    if (n > (size_t)max) return BAD(name, "'%s' holds at most %d token ids", name, max);
+    kvq_token *ids = malloc(sizeof *ids * n);
+    if (!ids) return BAD(name, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *x = json_array_get(v, i);
+        if (!json_is_integer(x) || json_integer_value(x) < 0 || json_integer_value(x) > INT32_MAX) {
+            free(ids);
+            return BAD(name, "'%s' must hold token ids (integers >= 0)", name);
+        }
+        ids[i] = (kvq_token)json_integer_value(x);
+    }
+    free(*out);
+    *out = ids;
+    *n_out = (int)n;
+    return 0;
+}
+
+/* prompt (or input): a string, a list of strings, a list of token ids, or a list of such lists. */
+static int get_prompts(json_t *v, const char *name, struct oai_prompt **out, int *n_out, struct oai_error *e) {
+    bool many = json_is_array(v) && json_array_size(v) > 0 &&
+                (json_is_string(json_array_get(v, 0)) || json_is_array(json_array_get(v, 0)));
+    size_t n = many ? json_array_size(v) : 1;
+    if (!json_is_string(v) && !json_is_array(v))
+        return BAD(name, "'%s' must be a string, a list of strings, a list of token ids or a list of lists of them", name);
+    if (n > OAI_MAX_PROMPTS) return BAD(name, "'%s' holds at most %d prompts", name, OAI_MAX_PROMPTS);
+    if (!(*out = calloc(n, sizeof **out))) return BAD(name, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *p = many ? json_array_get(v, i) : v;
+        struct oai_prompt *o = &(*out)[(*n_out)++];
+        if (json_is_string(p)) {
+            if (get_string(p, name, &o->text, e)) return -1;
+        } else if (json_is_array(p) && (!many || !json_is_array(json_array_get(p, 0)))) {
+            if (get_ids(p, name, 1 << 24, &o->ids, &o->n_ids, e)) return -1;
+        } else {
+            return BAD(name, "'%s' must be a string, a list of strings, a list of token ids or a list of lists of them",
+                       name);
+        }
+        if (many && json_is_string(p) != json_is_string(json_array_get(v, 0)))
+            return BAD(name, "'%s' must not mix strings and token ids", name);
+    }
+    return 0;
+}
+
+static void prompts_free(struct oai_prompt *p, int n) {
+    for (int i = 0; i < n; i++) {
+        free(p[i].text);
+        free(p[i].ids);
+    }
+    free(p);
+}
+
+/* logit_bias: OpenAI's {"token id": bias}, or llama.cpp's [[id, bias], ...] where a bias
+ * of false bans the token. Biases from -100 to 100. */
+static int get_logit_bias(json_t *v, struct gen_params *g, struct oai_error *e) {
+    if (json_is_null(v)) return 0;
+    const char *shape = "'logit_bias' must map token ids to numbers from -100 to 100";
+    size_t n = json_is_object(v) ? json_object_size(v) : json_array_size(v);
+    if (!json_is_object(v) && !json_is_array(v)) return BAD("logit_bias", "%s", shape);
+    if (n > 65536) return BAD("logit_bias", "'logit_bias' holds at most 65536 tokens");
+    if (n == 0) return 0;
+    g->bias_ids = malloc(sizeof *g->bias_ids * n);
+    g->bias_values = malloc(sizeof *g->bias_values * n);
+    if (!g->bias_ids || !g->bias_values) return BAD("logit_bias", "out of memory");
+    const char *k;
+    json_t *b, *pair;
+    size_t i;
+    if (json_is_object(v)) json_object_foreach(v, k, b) {
+            char *end;
+            long id = strtol(k, &end, 10);
+            if (!*k || *end || id < 0 || id > INT32_MAX) return BAD("logit_bias", "%s ('%.32s' is not a token id)", shape, k);
+            if (!json_is_number(b) || fabs(json_number_value(b)) > 100) return BAD("logit_bias", "%s", shape);
+            g->bias_ids[g->n_bias] = (kvq_token)id;
+            g->bias_values[g->n_bias++] = (float)json_number_value(b);
+        }
+    else json_array_foreach(v, i, pair) {
+            json_t *id = json_array_get(pair, 0);
+            b = json_array_get(pair, 1);
+            if (json_array_size(pair) != 2 || !json_is_integer(id) || json_integer_value(id) < 0 ||
+                json_integer_value(id) > INT32_MAX || !(json_is_false(b) || (json_is_number(b) && fabs(json_number_value(b)) <= 100)))
+                return BAD("logit_bias", "%s (or a list of [id, bias] pairs, false to ban)", shape);
+            g->bias_ids[g->n_bias] = (kvq_token)json_integer_value(id);
+            g->bias_values[g->n_bias++] = json_is_false(b) ? -INFINITY : (float)json_number_value(b);
+        }
+    return 0;
+}
+
+/* The JSON types a field may have (null is always allowed: it means the default). */
+enum { J_NUM = 1, J_INT = 2, J_BOOL = 4, J_STR = 8, J_ARR = 16, J_OBJ = 32 };
+
+/* Fields of vLLM's and llama.cpp's APIs this server does not apply: checked for their
+ * type, then ignored (and logged once). */
+static const struct {
+    const char *name;
+    unsigned types;
+} ignored_fields[] = {
+    /* vLLM */
+    {"use_beam_search", J_BOOL}, {"length_penalty", J_NUM}, {"include_stop_str_in_output", J_BOOL},
+    {"skip_special_tokens", J_BOOL}, {"spaces_between_special_tokens", J_BOOL}, {"truncate_prompt_tokens", J_INT},
+    {"prompt_logprobs", J_INT}, {"allowed_token_ids", J_ARR}, {"bad_words", J_ARR}, {"add_special_tokens", J_BOOL},
+    {"add_generation_prompt", J_BOOL}, {"continue_final_message", J_BOOL}, {"documents", J_ARR},
+    {"chat_template", J_STR}, {"chat_template_kwargs", J_OBJ}, {"mm_processor_kwargs", J_OBJ},
+    {"guided_json", J_STR | J_OBJ}, {"guided_regex", J_STR}, {"guided_choice", J_ARR}, {"guided_grammar", J_STR},
+    {"guided_decoding_backend", J_STR}, {"guided_whitespace_pattern", J_STR}, {"structured_outputs", J_OBJ},
+    {"priority", J_INT}, {"request_id", J_STR}, {"return_tokens_as_token_ids", J_BOOL}, {"return_token_ids", J_BOOL},
+    {"cache_salt", J_STR}, {"kv_transfer_params", J_OBJ}, {"vllm_xargs", J_OBJ}, {"logits_processors", J_ARR},
+    {"echo", J_BOOL} /* chat's: prepend the last message */,
+    /* llama.cpp */
+    {"cache_prompt", J_BOOL}, {"n_keep", J_INT}, {"n_probs", J_INT}, {"min_keep", J_INT}, {"typical_p", J_NUM},
+    {"tfs_z", J_NUM}, {"repeat_last_n", J_INT}, {"penalize_nl", J_BOOL}, {"mirostat", J_INT}, {"mirostat_tau", J_NUM},
+    {"mirostat_eta", J_NUM}, {"dynatemp_range", J_NUM}, {"dynatemp_exponent", J_NUM}, {"dry_multiplier", J_NUM},
+    {"dry_base", J_NUM}, {"dry_allowed_length", J_INT}, {"dry_penalty_last_n", J_INT},
+    {"dry_sequence_breakers", J_ARR}, {"xtc_probability", J_NUM}, {"xtc_threshold", J_NUM}, {"top_n_sigma", J_NUM},
+    {"samplers", J_ARR | J_STR}, {"grammar", J_STR}, {"json_schema", J_OBJ}, {"id_slot", J_INT},
+    {"t_max_predict_ms", J_INT}, {"t_max_prompt_ms", J_INT}, {"return_tokens", J_BOOL}, {"timings_per_token", J_BOOL},
+    {"post_sampling_probs", J_BOOL}, {"response_fields", J_ARR}, {"lora", J_ARR}, {"n_indent", J_INT},
+    {"n_cmpl", J_INT}, {"return_progress", J_BOOL}, {"reasoning_format", J_STR}, {"parse_tool_calls", J_BOOL},
+    {"thinking_forced_open", J_BOOL}, {"image_data", J_ARR}, {"multimodal_data", J_ARR}, {"input_prefix", J_STR},
+    {"input_suffix", J_STR},
+    /* OpenAI's own that change nothing here */
+    {"reasoning_effort", J_STR}, {"modalities", J_ARR}, {"audio", J_OBJ}, {"prediction", J_OBJ},
+    {"web_search_options", J_OBJ}, {"verbosity", J_STR}, {"safety_identifier", J_STR}, {"functions", J_ARR},
+    {"function_call", J_STR | J_OBJ},
+};
+
+/* Logs an ignored field's name once per process (at most 256 names are remembered:
+ * a client sending random names cannot grow memory or the log without bound). */
+static void note_ignored(const char *key, bool known) {
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    static char *seen[256];
+    static int n_seen;
+    pthread_mutex_lock(&mu);
+    bool found = false;
+    for (int i = 0; i < n_seen && !found; i++) found = !strcmp(seen[i], key);
+    if (!found && n_seen < (int)(sizeof seen / sizeof seen[0]) && (seen[n_seen] = strdup(key))) {
+        n_seen++;
+        struct strbuf name = {0};
+        strbuf_add_utf8(&name, key, strlen(key) < 64 ? strlen(key) : 64);
+        for (size_t i = 0; i < name.len; i++)
+            if ((unsigned char)name.s[i] < 0x20) name.s[i] = '?';
+        fprintf(stderr, "kvq serve: ignoring the request field '%s' (%s; logged once)\n", name.s ? name.s : "",
+                known ? "not applied by this server" : "unknown");
+        strbuf_free(&name);
+    }
+    pthread_mutex_unlock(&mu);
+}
+
+static int ignore_field(const char *key, json_t *v, bool strict, struct oai_error *e) {
+    if (strict) return BAD(key, "Unrecognized request argument supplied: %s", key);
+    for (size_t i = 0; i < sizeof ignored_fields / sizeof ignored_fields[0]; i++) {
+        if (strcmp(key, ignored_fields[i].name)) continue;
+        const unsigned t = ignored_fields[i].types;
+        bool ok = json_is_null(v) || ((t & J_NUM) && json_is_number(v)) || ((t & J_INT) && json_is_integer(v)) ||
+                  ((t & J_BOOL) && json_is_boolean(v)) || ((t & J_STR) && json_is_string(v)) ||
+                  ((t & J_ARR) && json_is_array(v)) || ((t & J_OBJ) && json_is_object(v));
+        if (!ok) return BAD(key, "'%s' has the wrong type", key);
+        note_ignored(key, true);
+        return 0;
+    }
+    note_ignored(key, false);
+    return 0;
+}
+
+/* vLLM's and llama.cpp's fields that are applied (a 400 with strict, as before them). */
+static int parse_extension(const char *key, json_t *v, struct oai_request *r, bool strict, struct oai_error *e) {
+    struct gen_params *g = &r->gen;
+    long long x;
+    if (!strcmp(key, "ignore_eos")) return strict ? ignore_field(key, v, strict, e) : get_bool(v, key, &g->ignore_eos, e);
+    if (strict) return ignore_field(key, v, strict, e);
+    if (!strcmp(key, "min_tokens")) {
+        if (json_is_null(v)) return 0;
+        if (get_int(v, key, 0, 1 << 24, &x, e)) return -1;
+        g->min_tokens = (int)x;
+        return 0;
+    }
+    if (!strcmp(key, "n_predict")) { /* llama.cpp's max_tokens; -1: no limit */
+        if (json_is_null(v)) return 0;
+        if (get_int(v, key, -1, 1 << 24, &x, e)) return -1;
+        if (x == 0) return BAD(key, "'n_predict' must be -1 or from 1 to %d", 1 << 24);
+        g->max_tokens = (int)x;
+        return 0;
+    }
+    if (!strcmp(key, "stop_token_ids")) /* [] as vLLM's default */
+        return json_is_null(v) || (json_is_array(v) && !json_array_size(v)) ? 0
+                                                                            : get_ids(v, key, 256, &g->stop_ids, &g->n_stop_ids, e);
+    if (!strcmp(key, "repetition_penalty")) return get_number(v, key, 0.01, 100, &g->sampling.repeat_penalty, e);
+    return ignore_field(key, v, strict, e);
+}
+
+static int parse_field(const char *key, json_t *v, struct oai_request *r, bool strict, struct oai_error *e) {
     struct gen_params *g = &r->gen;
     struct kvq_sampler_params *sp = &g->sampling;
     long long x;
@@ -178,9 +366,21 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, struct
     }
     if (!strcmp(key, "n")) {
         if (json_is_null(v)) return 0;
-        if (get_int(v, key, 1, 1 << 20, &x, e)) return -1;
-        return x == 1 ? 0 : BAD("n", "only n = 1 is supported (got %lld)", x);
+        if (get_int(v, key, 1, OAI_MAX_N, &x, e)) return -1;
+        r->n = (int)x;
+        return 0;
     }
+    if (!strcmp(key, "best_of")) { /* only as many as are returned */
+        if (json_is_null(v)) return 0;
+        if (get_int(v, key, 1, OAI_MAX_N, &x, e)) return -1;
+        r->best_of = (int)x;
+        return 0;
+    }
+    if (!strcmp(key, "frequency_penalty")) return get_number(v, key, -2, 2, &g->frequency_penalty, e);
+    if (!strcmp(key, "presence_penalty")) return get_number(v, key, -2, 2, &g->presence_penalty, e);
+    if (!strcmp(key, "logit_bias")) return get_logit_bias(v, g, e);
+    if (!strcmp(key, "echo") && r->kind == OAI_COMPLETION) return get_bool(v, key, &r->echo, e);
+    if (!strcmp(key, "echo") && (json_is_null(v) || json_is_false(v))) return 0; /* chat's, at its default */
     if (!strcmp(key, "stop")) return get_stop(v, g, e);
     /* chat: logprobs true/false and top_logprobs N; completions: logprobs N (the
      * legacy field; false is taken as off, as some clients send it) */
@@ -217,23 +417,21 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, struct
         return strlen(r->cache_key) <= 256 ? 0 : BAD(key, "'prompt_cache_key' is longer than 256 bytes");
     }
     if (r->kind == OAI_CHAT && !strcmp(key, "messages")) return get_messages(v, r, e);
-    if (r->kind == OAI_COMPLETION && !strcmp(key, "prompt")) {
-        if (json_is_array(v) && json_array_size(v) == 1 && json_is_string(json_array_get(v, 0)))
-            v = json_array_get(v, 0);
-        if (!json_is_string(v)) return BAD("prompt", "'prompt' must be a string (or a list of one string)");
-        return get_string(v, key, &r->prompt, e);
-    }
-    static const char *const defaults_only[] = {"frequency_penalty", "presence_penalty", "logit_bias", "tools",
-                                                "response_format", "echo", "best_of", "suffix", NULL};
+    if (r->kind == OAI_COMPLETION && !strcmp(key, "prompt")) return get_prompts(v, key, &r->prompts, &r->n_prompts, e);
+    static const char *const defaults_only[] = {"tools", "response_format", "suffix", NULL};
     for (const char *const *d = defaults_only; *d; d++)
         if (!strcmp(key, *d)) return check_default_only(key, v, e);
-    return BAD(key, "Unrecognized request argument supplied: %s", key);
+    if (!strcmp(key, "messages") || !strcmp(key, "prompt")) /* the other endpoint's */
+        return BAD(key, "Unrecognized request argument supplied: %s", key);
+    return parse_extension(key, v, r, strict, e);
 }
 
-int oai_parse_request(const char *body, size_t len, enum oai_kind kind, struct oai_request *r, struct oai_error *e) {
+int oai_parse_request(const char *body, size_t len, enum oai_kind kind, bool strict, struct oai_request *r,
+                      struct oai_error *e) {
     memset(r, 0, sizeof *r);
     memset(e, 0, sizeof *e);
     r->kind = kind;
+    r->n = 1;
     r->gen.max_tokens = kind == OAI_COMPLETION ? 16 : -1; /* OpenAI's defaults */
     r->gen.logprobs = -1;
     r->top_logprobs = -1;
@@ -252,10 +450,16 @@ int oai_parse_request(const char *body, size_t len, enum oai_kind kind, struct o
     const char *key;
     json_t *v;
     if (rc == 0) json_object_foreach(root, key, v) {
-            if ((rc = parse_field(key, v, r, e)) != 0) break;
+            if ((rc = parse_field(key, v, r, strict, e)) != 0) break;
         }
     if (rc == 0 && kind == OAI_CHAT && !r->messages) rc = BAD("messages", "'messages' is required");
-    if (rc == 0 && kind == OAI_COMPLETION && !r->prompt) rc = BAD("prompt", "'prompt' is required");
+    if (rc == 0 && kind == OAI_COMPLETION && !r->n_prompts) rc = BAD("prompt", "'prompt' is required");
+    if (rc == 0 && r->best_of && r->best_of != r->n)
+        rc = BAD("best_of", "'best_of' must equal 'n' here (%d): extra choices are not ranked", r->n);
+    if (rc == 0 && r->gen.max_tokens >= 0 && r->gen.min_tokens > r->gen.max_tokens)
+        rc = BAD("min_tokens", "'min_tokens' (%d) must not exceed 'max_tokens' (%d)", r->gen.min_tokens, r->gen.max_tokens);
+    if (rc == 0 && r->echo && r->gen.logprobs >= 0)
+        rc = BAD("echo", "'echo' together with 'logprobs' (the prompt's log-probabilities) is not supported");
     if (rc == 0 && kind == OAI_CHAT && r->top_logprobs > 0 && !r->logprobs)
         rc = BAD("top_logprobs", "'top_logprobs' needs 'logprobs': true");
     if (rc == 0 && kind == OAI_CHAT && r->logprobs) r->gen.logprobs = r->top_logprobs > 0 ? r->top_logprobs : 0;
@@ -269,6 +473,31 @@ int oai_parse_request(const char *body, size_t len, enum oai_kind kind, struct o
 void gen_params_free(struct gen_params *g) {
     for (int i = 0; i < g->n_stop; i++) free(g->stop[i]);
     g->n_stop = 0;
+    free(g->stop_ids);
+    free(g->bias_ids);
+    free(g->bias_values);
+    g->stop_ids = g->bias_ids = NULL;
+    g->bias_values = NULL;
+    g->n_stop_ids = g->n_bias = 0;
+}
+
+static void *dup_mem(const void *p, size_t bytes, bool *oom) {
+    if (!p || !bytes) return NULL;
+    void *d = malloc(bytes);
+    if (!d) *oom = true;
+    else memcpy(d, p, bytes);
+    return d;
+}
+
+int gen_params_copy(struct gen_params *dst, const struct gen_params *src) {
+    *dst = *src;
+    bool oom = false;
+    for (int i = 0; i < src->n_stop; i++) dst->stop[i] = dup_mem(src->stop[i], strlen(src->stop[i]) + 1, &oom);
+    dst->stop_ids = dup_mem(src->stop_ids, sizeof *src->stop_ids * (size_t)src->n_stop_ids, &oom);
+    dst->bias_ids = dup_mem(src->bias_ids, sizeof *src->bias_ids * (size_t)src->n_bias, &oom);
+    dst->bias_values = dup_mem(src->bias_values, sizeof *src->bias_values * (size_t)src->n_bias, &oom);
+    if (oom) gen_params_free(dst);
+    return oom ? -1 : 0;
 }
 
 void oai_request_free(struct oai_request *r) {
@@ -277,7 +506,7 @@ void oai_request_free(struct oai_request *r) {
         free((char *)r->messages[i].content);
     }
     free(r->messages);
-    free(r->prompt);
+    prompts_free(r->prompts, r->n_prompts);
     free(r->cache_key);
     gen_params_free(&r->gen);
     memset(r, 0, sizeof *r);
@@ -379,35 +608,52 @@ static json_t *completion_logprobs(const struct oai_logprobs *lp) {
                      "text_offset", offsets);
 }
 
+/* *p, which becomes NULL (a list given up on). */
+static json_t *exchange_null(json_t **p) {
+    json_t *v = *p;
+    *p = NULL;
+    return v;
+}
+
 static json_t *logprobs_json(enum oai_kind kind, const struct oai_logprobs *lp) {
     if (!lp) return json_null();
     return kind == OAI_CHAT ? chat_logprobs(lp) : completion_logprobs(lp);
 }
 
-char *oai_response_json(enum oai_kind kind, const char *id, long created, const char *model, const char *text,
-                        size_t text_len, const char *finish_reason, const struct oai_usage *u,
-                        const struct oai_logprobs *lp) {
-    json_t *root = envelope(kind, id, created, model, false);
-    json_t *choice = kind == OAI_CHAT
-                         ? json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", 0, "message", "role", "assistant",
-                                     "content", text, text_len, "logprobs", logprobs_json(kind, lp), "finish_reason",
-                                     finish_reason)
-                         : json_pack("{s:i, s:s%, s:o, s:s}", "index", 0, "text", text, text_len, "logprobs",
-                                     logprobs_json(kind, lp), "finish_reason", finish_reason);
-    if (!root || !choice) {
+char *oai_response_json_n(enum oai_kind kind, const char *id, long created, const char *model,
+                          const struct oai_choice *ch, int n, const struct oai_usage *u) {
+    json_t *root = envelope(kind, id, created, model, false), *choices = json_array();
+    for (int i = 0; i < n && root && choices; i++) {
+        const struct oai_choice *c = &ch[i];
+        json_t *choice = kind == OAI_CHAT
+                             ? json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", i, "message", "role", "assistant",
+                                         "content", c->text, c->text_len, "logprobs", logprobs_json(kind, c->lp),
+                                         "finish_reason", c->finish_reason)
+                             : json_pack("{s:i, s:s%, s:o, s:s}", "index", i, "text", c->text, c->text_len,
+                                         "logprobs", logprobs_json(kind, c->lp), "finish_reason", c->finish_reason);
+        if (json_array_append_new(choices, choice) != 0) json_decref(exchange_null(&choices));
+    }
+    if (!root || !choices) {
         json_decref(root);
-        json_decref(choice);
+        json_decref(choices);
         return NULL;
     }
-    json_object_set_new(root, "choices", json_pack("[o]", choice));
+    json_object_set_new(root, "choices", choices);
     json_object_set_new(root, "usage", usage_json(u));
     return dump(root);
 }
 
-char *oai_chunk_json(enum oai_kind kind, const char *id, long created, const char *model, bool first,
+char *oai_response_json(enum oai_kind kind, const char *id, long created, const char *model, const char *text,
+                        size_t text_len, const char *finish_reason, const struct oai_usage *u,
+                        const struct oai_logprobs *lp) {
+    const struct oai_choice c = {text, text_len, finish_reason, lp};
+    return oai_response_json_n(kind, id, created, model, &c, 1, u);
+}
+
+char *oai_chunk_json(enum oai_kind kind, const char *id, long created, const char *model, int index, bool first,
                      const char *text, size_t text_len, const char *finish_reason, const struct oai_logprobs *lp) {
     json_t *root = envelope(kind, id, created, model, true);
-    json_t *choice = json_pack("{s:i, s:o}", "index", 0, "logprobs", logprobs_json(kind, lp));
+    json_t *choice = json_pack("{s:i, s:o}", "index", index, "logprobs", logprobs_json(kind, lp));
     if (!root || !choice) {
         json_decref(root);
         json_decref(choice);
@@ -433,6 +679,88 @@ char *oai_usage_chunk_json(enum oai_kind kind, const char *id, long created, con
     json_object_set_new(root, "choices", json_array());
     json_object_set_new(root, "usage", usage_json(u));
     return dump(root);
+}
+
+int oai_parse_embeddings(const char *body, size_t len, bool strict, struct oai_embed_request *r, struct oai_error *e) {
+    memset(r, 0, sizeof *r);
+    memset(e, 0, sizeof *e);
+    json_error_t jerr;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) return BAD(NULL, "invalid JSON body: %s (line %d, column %d)", jerr.text, jerr.line, jerr.column);
+    int rc = json_is_object(root) ? 0 : BAD(NULL, "the request body must be a JSON object");
+    const char *key;
+    json_t *v;
+    if (rc == 0) json_object_foreach(root, key, v) {
+            if (!strcmp(key, "input") || !strcmp(key, "content")) /* content: llama-server's /embedding */
+                rc = r->inputs ? BAD(key, "give 'input' once") : get_prompts(v, key, &r->inputs, &r->n_inputs, e);
+            else if (!strcmp(key, "model") || !strcmp(key, "user"))
+                rc = json_is_string(v) || json_is_null(v) ? 0 : BAD(key, "'%s' must be a string", key);
+            else if (!strcmp(key, "encoding_format")) {
+                const char *f = json_string_value(v);
+                if (json_is_null(v)) continue;
+                if (!f || (strcmp(f, "float") && strcmp(f, "base64")))
+                    rc = BAD(key, "'encoding_format' must be \"float\" or \"base64\"");
+                else r->base64 = !strcmp(f, "base64");
+            } else if (!strcmp(key, "dimensions")) {
+                long long x;
+                if (!json_is_null(v) && (rc = get_int(v, key, 1, 1 << 20, &x, e)) == 0) r->dimensions = (int)x;
+            } else {
+                rc = ignore_field(key, v, strict, e);
+            }
+            if (rc) break;
+        }
+    if (rc == 0 && !r->n_inputs) rc = BAD("input", "'input' is required");
+    json_decref(root);
+    if (rc) oai_embed_request_free(r);
+    return rc;
+}
+
+void oai_embed_request_free(struct oai_embed_request *r) {
+    prompts_free(r->inputs, r->n_inputs);
+    memset(r, 0, sizeof *r);
+}
+
+/* Little-endian float32 bytes in base64 (what OpenAI's encoding_format "base64" sends). */
+static json_t *base64_floats(const float *x, int n) {
+    static const char tab[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const size_t nb = (size_t)n * 4;
+    unsigned char *b = malloc(nb);
+    char *out = malloc((nb + 2) / 3 * 4 + 1);
+    json_t *s = NULL;
+    if (b && out) {
+        for (int i = 0; i < n; i++) {
+            uint32_t u;
+            memcpy(&u, &x[i], 4);
+            for (int k = 0; k < 4; k++) b[i * 4 + k] = (unsigned char)(u >> (8 * k));
+        }
+        size_t o = 0;
+        for (size_t i = 0; i < nb; i += 3) {
+            const uint32_t v = (uint32_t)b[i] << 16 | (i + 1 < nb ? (uint32_t)b[i + 1] << 8 : 0) | (i + 2 < nb ? b[i + 2] : 0);
+            out[o++] = tab[v >> 18 & 63];
+            out[o++] = tab[v >> 12 & 63];
+            out[o++] = i + 1 < nb ? tab[v >> 6 & 63] : '=';
+            out[o++] = i + 2 < nb ? tab[v & 63] : '=';
+        }
+        out[o] = '\0';
+        s = json_string(out);
+    }
+    free(b);
+    free(out);
+    return s;
+}
+
+char *oai_embeddings_json(const char *model, const float *vectors, int n, int dim, bool base64, int prompt_tokens) {
+    json_t *data = json_array();
+    for (int i = 0; i < n && data; i++) {
+        const float *x = vectors + (size_t)i * dim;
+        json_t *emb = base64 ? base64_floats(x, dim) : json_array();
+        for (int k = 0; !base64 && emb && k < dim; k++) json_array_append_new(emb, json_real(x[k]));
+        if (json_array_append_new(data, json_pack("{s:s, s:i, s:o}", "object", "embedding", "index", i, "embedding", emb)))
+            json_decref(exchange_null(&data));
+    }
+    if (!data) return NULL;
+    return dump(json_pack("{s:s, s:o, s:s, s:{s:i, s:i}}", "object", "list", "data", data, "model", model, "usage",
+                          "prompt_tokens", prompt_tokens, "total_tokens", prompt_tokens));
 }
 
 char *oai_models_json(const char *model, long created) {

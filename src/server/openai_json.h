@@ -11,11 +11,25 @@
 
 enum oai_kind { OAI_CHAT, OAI_COMPLETION };
 
+#define OAI_MAX_PROMPTS 256 /* prompts in one completions request */
+#define OAI_MAX_N 128       /* choices per prompt */
+
+/* One prompt of a completions request: text, or token ids (used as they are). */
+struct oai_prompt {
+    char *text;
+    kvq_token *ids;
+    int n_ids;
+};
+
 struct oai_request {
     enum oai_kind kind;
     struct chat_message *messages; /* chat: strings owned here */
     int n_messages;
-    char *prompt; /* completion */
+    struct oai_prompt *prompts; /* completion: one or more */
+    int n_prompts;
+    int n;     /* choices per prompt */
+    bool echo; /* completion: the prompt's text comes before each answer's */
+    int best_of; /* 0 when absent; else it equals n */
     struct gen_params gen;
     bool stream, include_usage;
     bool has_seed; /* else the caller picks a fresh seed */
@@ -35,8 +49,12 @@ struct oai_error {
 void oai_error_set(struct oai_error *e, int status, const char *type, const char *param, const char *code,
                    const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 
-/* Parses and checks a body; 0, or -1 with e filled (a 400 naming the field). */
-int oai_parse_request(const char *body, size_t len, enum oai_kind kind, struct oai_request *r, struct oai_error *e);
+/* Parses and checks a body; 0, or -1 with e filled (a 400 naming the field). Fields
+ * this server does not use (vLLM's and llama.cpp's extensions it does not apply, and
+ * unknown ones) are ignored, each name logged once to stderr; strict: those are a 400
+ * as OpenAI's server has it (only top_k, min_p and repeat_penalty are accepted). */
+int oai_parse_request(const char *body, size_t len, enum oai_kind kind, bool strict, struct oai_request *r,
+                      struct oai_error *e);
 void oai_request_free(struct oai_request *r);
 
 struct oai_usage {
@@ -56,16 +74,38 @@ struct oai_logprobs {
  * else chat's {"content": [...]} or the completions' {"tokens", "token_logprobs",
  * "top_logprobs", "text_offset"} (offsets into the generated text). */
 char *oai_error_json(const struct oai_error *e);
+/* One choice of a response (index: its place in the list). */
+struct oai_choice {
+    const char *text;
+    size_t text_len;
+    const char *finish_reason;
+    const struct oai_logprobs *lp;
+};
+char *oai_response_json_n(enum oai_kind kind, const char *id, long created, const char *model,
+                          const struct oai_choice *ch, int n, const struct oai_usage *u);
+/* A response of one choice. */
 char *oai_response_json(enum oai_kind kind, const char *id, long created, const char *model, const char *text,
                         size_t text_len, const char *finish_reason, const struct oai_usage *u,
                         const struct oai_logprobs *lp);
-/* One stream chunk: chat chunks carry delta.role when first, delta.content when text
- * is non-NULL; finish_reason NULL while running. */
-char *oai_chunk_json(enum oai_kind kind, const char *id, long created, const char *model, bool first,
+/* One stream chunk of choice `index`: chat chunks carry delta.role when first,
+ * delta.content when text is non-NULL; finish_reason NULL while running. */
+char *oai_chunk_json(enum oai_kind kind, const char *id, long created, const char *model, int index, bool first,
                      const char *text, size_t text_len, const char *finish_reason, const struct oai_logprobs *lp);
 /* The include_usage chunk: choices [] and usage. */
 char *oai_usage_chunk_json(enum oai_kind kind, const char *id, long created, const char *model,
                            const struct oai_usage *u);
 char *oai_models_json(const char *model, long created);
+
+/* /v1/embeddings: input as a string, strings, token ids or lists of them. */
+struct oai_embed_request {
+    struct oai_prompt *inputs;
+    int n_inputs;
+    bool base64;    /* encoding_format "base64" */
+    int dimensions; /* 0 when absent */
+};
+int oai_parse_embeddings(const char *body, size_t len, bool strict, struct oai_embed_request *r, struct oai_error *e);
+void oai_embed_request_free(struct oai_embed_request *r);
+/* The list of n vectors [n][dim] (as floats or base64) with the usage. */
+char *oai_embeddings_json(const char *model, const float *vectors, int n, int dim, bool base64, int prompt_tokens);
 
 #endif

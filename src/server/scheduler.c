@@ -20,6 +20,10 @@ struct sched_req {
     int n_tokens;
     struct gen_params gp;
     char *cache_key;
+    /* n choices of one prompt: the first (the leader, group = n) prefills it, the others
+     * (leader set, holding a reference to it) then fork its sequence */
+    struct sched_req *leader;
+    int group;
     /* under mu: what the HTTP thread reads */
     struct strbuf text; /* generated text; bytes past `published` may still become a stop string */
     size_t published;
@@ -30,6 +34,7 @@ struct sched_req {
     /* scheduler thread only */
     struct sched_req *next; /* queue link */
     int slot, prefilled, n_gen, batch_pos, chunk;
+    bool forked; /* a follower that shares its leader's prompt now */
     kvq_token *fed; /* tokens the sequence holds: the prompt, then generated ones */
     int n_fed, fed_cap;
     kvq_token pending; /* sampled, to be fed next step */
@@ -60,6 +65,8 @@ struct sched {
     /* scheduler thread only */
     struct sched_req **slots; /* [max_seqs] */
     int running, n_ctx, n_vocab;
+    kvq_token *eog; /* the model's end-of-generation tokens */
+    int n_eog;
     uint64_t admitted;
     size_t token_bytes, window_bytes, margin;
     kvq_token *b_tok;
@@ -121,6 +128,7 @@ void sched_req_release(struct sched_req *r) {
     lp_list_free(&r->lp);
     kvq_sampler_free(r->smp);
     kvq_detok_free(r->dt);
+    sched_req_release(r->leader);
     free(r);
 }
 
@@ -187,7 +195,8 @@ static bool add_text(struct sched_req *r, const char *piece, int len, struct lp_
         lp_list_add(&r->lp, lp);
     }
     size_t hold = 0;
-    for (int i = 0; i < g->n_stop && t->s; i++) {
+    const int n_stop = r->n_gen >= g->min_tokens ? g->n_stop : 0; /* none before min_tokens */
+    for (int i = 0; i < n_stop && t->s; i++) {
         size_t sl = strlen(g->stop[i]);
         size_t from = old >= sl ? old - sl + 1 : 0; /* a match must end in the new text */
         if (from > t->len) from = t->len;
@@ -198,7 +207,7 @@ static bool add_text(struct sched_req *r, const char *piece, int len, struct lp_
             stopped = true;
         }
     }
-    for (int i = 0; i < g->n_stop && !stopped && t->s; i++) {
+    for (int i = 0; i < n_stop && !stopped && t->s; i++) {
         /* the longest tail of the text that starts this stop string stays unpublished */
         size_t sl = strlen(g->stop[i]);
         for (size_t k = sl - 1; k > hold; k--)
@@ -243,14 +252,27 @@ static int final_len(const struct sched *s, const struct sched_req *r) {
     return n > s->n_ctx ? s->n_ctx : (int)n;
 }
 
+/* The KV bytes a request may grow to: a follower only what it appends to the prompt
+ * it shares (and the partly filled block it copies). */
+static size_t reserve_of(const struct sched *s, const struct sched_req *r) {
+    if (!r->leader) return est_bytes(s, final_len(s, r));
+    return est_bytes(s, final_len(s, r) - r->n_tokens + 64);
+}
+
 /* True when the KV bytes in use plus what running requests may still grow by plus
- * what r may take stay within the budget. */
-static bool fits(const struct sched *s, const struct sched_req *r) {
-    size_t need = kvq_kv_bytes(s->c) + r->reserve + s->margin;
+ * what r and the g - 1 requests queued after it may take stay within the budget. */
+static bool fits(const struct sched *s, const struct sched_req *r, int g) {
+    size_t need = kvq_kv_bytes(s->c) + s->margin;
+    for (int i = 0; i < g; i++) {
+        need += r->reserve;
+        if (i + 1 < g) r = r->next;
+    }
     for (int i = 0; i < s->p.max_seqs; i++) {
         const struct sched_req *o = s->slots[i];
         if (!o) continue;
-        size_t now = est_bytes(s, kvq_seq_len(s->c, o->slot));
+        int len = kvq_seq_len(s->c, o->slot);
+        if (o->leader) len = o->forked ? len - o->n_tokens : 0;
+        size_t now = est_bytes(s, len);
         if (o->reserve > now) need += o->reserve - now;
     }
     return need <= kvq_kv_budget(s->c);
@@ -261,6 +283,17 @@ static bool fits(const struct sched *s, const struct sched_req *r) {
 int sched_n_ctx(const struct sched *s) { return s->n_ctx; }
 
 int sched_submit(struct sched *s, struct sched_req *r, int *status, char *msg, size_t msg_size) {
+    return sched_submit_group(s, &r, 1, status, msg, msg_size);
+}
+
+int sched_submit_group(struct sched *s, struct sched_req **rs, int n, int *status, char *msg, size_t msg_size) {
+    struct sched_req *r = rs[0];
+    if (n > s->p.max_seqs) {
+        *status = 400;
+        snprintf(msg, msg_size, "%d choices of one prompt run as %d sequences at once; this server runs at most %d", n,
+                 n, s->p.max_seqs);
+        return -1;
+    }
     if (r->n_tokens >= s->n_ctx) {
         *status = 400;
         snprintf(msg, msg_size, "the prompt has %d tokens; this server's context holds %d (prompt and answer)",
@@ -274,25 +307,37 @@ int sched_submit(struct sched *s, struct sched_req *r, int *status, char *msg, s
                  r->n_tokens, need, kvq_kv_budget(s->c));
         return -1;
     }
-    r->reserve = est_bytes(s, final_len(s, r));
-    if (r->reserve + s->margin > kvq_kv_budget(s->c)) r->reserve = kvq_kv_budget(s->c) - s->margin;
+    for (int i = 0; i < n; i++) {
+        if (i > 0) {
+            rs[i]->leader = r;
+            pthread_mutex_lock(&r->mu);
+            r->refs++; /* the follower's */
+            pthread_mutex_unlock(&r->mu);
+        }
+        rs[i]->group = i == 0 ? n : 0;
+        rs[i]->reserve = reserve_of(s, rs[i]);
+        if (rs[i]->reserve + s->margin > kvq_kv_budget(s->c)) rs[i]->reserve = kvq_kv_budget(s->c) - s->margin;
+    }
     pthread_mutex_lock(&s->mu);
     int rc = 0;
     /* max_queue counts requests that must wait: those beyond the free slots */
-    if (s->stop || s->queued - (s->p.max_seqs - s->st.running) >= s->p.max_queue) {
+    if (s->stop || s->queued + n - 1 - (s->p.max_seqs - s->st.running) >= s->p.max_queue) {
         *status = 503;
         snprintf(msg, msg_size, s->stop ? "the server is shutting down"
                                         : "the server is busy: %d requests are waiting; retry later", s->queued);
         rc = -1;
     } else {
-        pthread_mutex_lock(&r->mu);
-        r->refs++; /* the scheduler's */
-        pthread_mutex_unlock(&r->mu);
-        r->next = NULL;
-        if (s->tail) s->tail->next = r;
-        else s->head = r;
-        s->tail = r;
-        s->queued++;
+        for (int i = 0; i < n; i++) { /* one after another: admitted together */
+            r = rs[i];
+            pthread_mutex_lock(&r->mu);
+            r->refs++; /* the scheduler's */
+            pthread_mutex_unlock(&r->mu);
+            r->next = NULL;
+            if (s->tail) s->tail->next = r;
+            else s->head = r;
+            s->tail = r;
+            s->queued++;
+        }
         s->st.requests++;
         s->st.queued = s->queued;
         pthread_cond_signal(&s->cv);
@@ -313,7 +358,7 @@ static struct sched_req *queue_pop(struct sched *s) {
 
 /* Frees the request's sequence (storing it in the prefix cache when it ended well). */
 static void retire(struct sched *s, struct sched_req *r, bool store) {
-    if (store && s->pc && r->n_fed == kvq_seq_len(s->c, r->slot))
+    if (store && s->pc && !r->leader && r->n_fed == kvq_seq_len(s->c, r->slot))
         prefix_cache_store(s->pc, r->slot, r->cache_key, r->fed, r->n_fed, true, r->res.cached_tokens);
     kvq_seq_clear(s->c, r->slot);
     s->slots[r->slot] = NULL;
@@ -351,6 +396,28 @@ static bool push_fed(struct sched_req *r, kvq_token t) {
     return true;
 }
 
+/* What the request may not draw now: the end-of-generation tokens with ignore_eos, and
+ * those and its stop tokens while it has fewer than min_tokens. */
+static int update_bans(struct sched *s, struct sched_req *r) {
+    const struct gen_params *g = &r->gp;
+    const bool short_ = r->n_gen < g->min_tokens;
+    if (!g->ignore_eos && !short_) return kvq_sampler_ban(r->smp, NULL, 0);
+    int n = s->n_eog + (short_ ? g->n_stop_ids : 0);
+    kvq_token *ban = malloc(sizeof *ban * (size_t)(n > 0 ? n : 1));
+    if (!ban) return -1;
+    memcpy(ban, s->eog, sizeof *ban * (size_t)s->n_eog);
+    if (short_ && g->n_stop_ids) memcpy(ban + s->n_eog, g->stop_ids, sizeof *ban * (size_t)g->n_stop_ids);
+    int rc = kvq_sampler_ban(r->smp, ban, n);
+    free(ban);
+    return rc;
+}
+
+static bool is_stop_id(const struct gen_params *g, kvq_token t) {
+    for (int i = 0; i < g->n_stop_ids; i++)
+        if (g->stop_ids[i] == t) return true;
+    return false;
+}
+
 /* Puts a queued request into a free slot: sampler, detokenizer, prefix-cache lookup. */
 static void start(struct sched *s, struct sched_req *r, int slot) {
     r->slot = slot;
@@ -368,10 +435,17 @@ static void start(struct sched *s, struct sched_req *r, int slot) {
         fail(s, r, 500, "out of memory");
         return;
     }
+    kvq_sampler_set_penalties(r->smp, r->gp.frequency_penalty, r->gp.presence_penalty);
+    if (kvq_sampler_set_logit_bias(r->smp, r->gp.bias_ids, r->gp.bias_values, r->gp.n_bias) != 0 ||
+        update_bans(s, r) != 0) {
+        fail(s, r, 400, kvq_last_error());
+        return;
+    }
     memcpy(r->fed, r->tokens, sizeof *r->fed * (size_t)r->n_tokens);
     r->n_fed = r->n_tokens;
     for (int i = 0; i < r->n_tokens; i++) kvq_sampler_accept(r->smp, r->tokens[i]);
     int cached = 0;
+    if (r->leader) return; /* its prompt comes from the leader's sequence */
     if (s->pc) {
         /* the last prompt token is always computed: its logits give the first answer token */
         cached = prefix_cache_fetch(s->pc, slot, r->cache_key, r->tokens, r->n_tokens - 1);
@@ -395,30 +469,38 @@ static int free_slot(const struct sched *s) {
     return -1;
 }
 
+static int n_free_slots(const struct sched *s) {
+    return s->p.max_seqs - s->running;
+}
+
 /* Moves queued requests into free slots while their KV needs fit (evicting prefix-cache
  * entries first); with nothing running, the head request always starts. */
 static void admit(struct sched *s) {
     for (;;) {
-        int slot = free_slot(s);
-        if (slot < 0) return;
         pthread_mutex_lock(&s->mu);
         struct sched_req *r = s->head;
         pthread_mutex_unlock(&s->mu);
         if (!r) return;
-        if (!is_cancelled(r)) {
-            while (!fits(s, r) && prefix_cache_evict_one(s->pc)) {
+        /* a group (n choices) starts together; a follower at the head lost its leader */
+        const int g = r->leader ? 1 : r->group;
+        const bool drop = is_cancelled(r) || r->leader;
+        if (!drop) {
+            if (n_free_slots(s) < g) return;
+            while (!fits(s, r, g) && prefix_cache_evict_one(s->pc)) {
             }
-            if (s->running > 0 && !fits(s, r)) return; /* back-pressure: wait for memory */
+            if (s->running > 0 && !fits(s, r, g)) return; /* back-pressure: wait for memory */
         }
-        pthread_mutex_lock(&s->mu);
-        queue_pop(s);
-        pthread_mutex_unlock(&s->mu);
-        if (is_cancelled(r)) {
-            end_request(r, NULL, 499, "the client went away");
-            sched_req_release(r);
-            continue;
+        for (int i = 0; i < (drop ? 1 : g); i++) {
+            pthread_mutex_lock(&s->mu);
+            r = queue_pop(s);
+            pthread_mutex_unlock(&s->mu);
+            if (drop) {
+                end_request(r, NULL, 499, "the client went away");
+                sched_req_release(r);
+                continue;
+            }
+            start(s, r, free_slot(s));
         }
-        start(s, r, slot);
     }
 }
 
@@ -444,12 +526,16 @@ static void draw_task(void *arg, int ith, int nth) {
 /* Feeds the drawn token's text out. */
 static void next_token(struct sched *s, struct sched_req *r) {
     const kvq_token t = r->drawn;
-    if (kvq_token_is_eog(s->m, t)) {
+    if (kvq_token_is_eog(s->m, t) || is_stop_id(&r->gp, t)) {
         finish(r, "stop");
         return;
     }
-    kvq_sampler_accept(r->smp, t);
+    kvq_sampler_accept_output(r->smp, t);
     r->n_gen++;
+    if (r->n_gen == r->gp.min_tokens && update_bans(s, r) != 0) {
+        end_request(r, NULL, 500, "out of memory"); /* step() frees the sequence */
+        return;
+    }
     char piece[256];
     int w = kvq_detok_feed(r->dt, t, piece, sizeof piece);
     /* a token with no text of its own yet (part of a UTF-8 sequence) still gets its entry */
@@ -486,7 +572,7 @@ static int build_batch(struct sched *s) {
     bool any_prefill = false;
     for (int i = 0; i < s->p.max_seqs; i++) {
         struct sched_req *r = s->slots[i];
-        if (!r || r->has_pending || r->prefilled >= r->n_tokens) continue;
+        if (!r || r->has_pending || r->prefilled >= r->n_tokens || (r->leader && !r->forked)) continue;
         int left = r->n_tokens - r->prefilled;
         int chunk = left < s->p.prefill_chunk ? left : s->p.prefill_chunk;
         if (any_prefill && n + chunk > s->p.step_tokens) continue;
@@ -506,6 +592,26 @@ static int build_batch(struct sched *s) {
     return n;
 }
 
+/* Followers whose leader read its prompt in this step take its sequence (sharing its
+ * blocks) and draw from its logits. */
+static void fork_followers(struct sched *s) {
+    for (int i = 0; i < s->p.max_seqs; i++) {
+        struct sched_req *r = s->slots[i], *l = r ? r->leader : NULL;
+        if (!l || r->forked || l->slot < 0 || l->batch_pos < 0 || l->chunk == 0 || l->prefilled < l->n_tokens) continue;
+        if (kvq_seq_fork(s->c, l->slot, r->slot) != 0) {
+            fail(s, r, 500, kvq_last_error());
+            continue;
+        }
+        r->forked = true;
+        r->prefilled = r->n_tokens;
+        pthread_mutex_lock(&r->mu);
+        r->res.cached_tokens = l->res.cached_tokens;
+        pthread_mutex_unlock(&r->mu);
+        r->logits = l->logits;
+        s->draws[s->n_draws++] = r;
+    }
+}
+
 /* The youngest running request, to give way when memory runs out. */
 static struct sched_req *youngest(struct sched *s) {
     struct sched_req *y = NULL;
@@ -520,6 +626,8 @@ static void step(struct sched *s) {
             fprintf(stderr, "kvq serve: client went away; sequence %d freed\n", i);
             end_request(s->slots[i], NULL, 499, "the client went away");
             retire(s, s->slots[i], false);
+        } else if (s->slots[i] && s->slots[i]->leader && !s->slots[i]->forked && s->slots[i]->leader->slot < 0) {
+            fail(s, s->slots[i], 503, "the request's first choice failed before its prompt was read");
         }
     admit(s);
     if (s->running == 0) return;
@@ -563,6 +671,7 @@ static void step(struct sched *s) {
             s->draws[s->n_draws++] = r;
         }
     }
+    fork_followers(s);
     if (s->sampling && s->n_draws > 1) kvq_pool_run(s->sampling, draw_task, s);
     else draw_task(s, 0, 1);
     const int sampled = s->n_draws;
@@ -646,6 +755,13 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     s->n_vocab = info.n_vocab;
+    s->eog = malloc(sizeof *s->eog * (size_t)info.n_vocab);
+    if (!s->eog) {
+        free(s);
+        return NULL;
+    }
+    for (kvq_token t = 0; t < info.n_vocab; t++)
+        if (kvq_token_is_eog(m, t)) s->eog[s->n_eog++] = t;
     s->token_bytes = kvq_kv_token_bytes(m, &p->kv);
     s->window_bytes = kvq_kv_window_bytes(m, &p->kv);
     if (p->kv.k_bits < 16 || p->kv.v_bits < 16) {
@@ -709,6 +825,7 @@ void sched_free(struct sched *s) {
     free(s->b_seq);
     free(s->b_logits);
     free(s->draws);
+    free(s->eog);
     kvq_pool_free(s->sampling);
     free(s);
 }

@@ -23,6 +23,15 @@ struct gen_params {
     char *stop[GEN_MAX_STOP];
     int n_stop;
     int logprobs; /* -1: none; else log-probabilities with this many alternatives (0..LP_MAX_TOP) */
+    bool ignore_eos;  /* end-of-generation tokens are never drawn (llama.cpp's ignore_eos) */
+    int min_tokens;   /* before this many tokens, neither those nor stop_ids are drawn and stop
+                       * strings do not apply (vLLM's min_tokens) */
+    kvq_token *stop_ids; /* tokens that end the answer, left out of its text (malloc'd) */
+    int n_stop_ids;
+    float frequency_penalty, presence_penalty; /* OpenAI's, over the generated tokens */
+    kvq_token *bias_ids; /* logit_bias: bias_values[i] added to token bias_ids[i] (malloc'd) */
+    float *bias_values;
+    int n_bias;
 };
 
 struct prefix_cache;
@@ -63,6 +72,10 @@ void sched_get_stats(struct sched *s, struct sched_stats *st);
 struct sched_req *sched_req_new(kvq_token *tokens, int n_tokens, struct gen_params *gp, const char *cache_key);
 /* 0, or -1 with *status / msg (503: queue full or stopping; 400: can never fit). */
 int sched_submit(struct sched *s, struct sched_req *r, int *status, char *msg, size_t msg_size);
+/* n requests for the same prompt (n choices), submitted and started together: the first
+ * reads the prompt, the others then share its KV blocks (kvq_seq_fork) and draw their
+ * first token from the same logits. Each is answered as a request of its own. */
+int sched_submit_group(struct sched *s, struct sched_req **rs, int n, int *status, char *msg, size_t msg_size);
 
 struct sched_result {
     const char *finish_reason; /* "stop", "length", or NULL while running */
@@ -87,5 +100,7 @@ void sched_req_release(struct sched_req *r);
 
 /* Frees what gp owns. */
 void gen_params_free(struct gen_params *gp);
+/* dst becomes a deep copy of src; 0, or -1 when out of memory (dst then owns nothing). */
+int gen_params_copy(struct gen_params *dst, const struct gen_params *src);
 
 #endif

@@ -89,7 +89,7 @@ async function official(key) {
   await logprobs(client, model, messages, prompt);
 
   for (const [what, fn, status] of [
-    ['n > 1 is a 400', () => client.completions.create({ model, prompt, n: 2 }), 400],
+    ['n above 128 is a 400', () => client.completions.create({ model, prompt, n: 129 }), 400],
     ['top_logprobs 21 is a 400', () => client.chat.completions.create({ model, messages, logprobs: true, top_logprobs: 21 }), 400],
     ['top_logprobs without logprobs is a 400', () => client.chat.completions.create({ model, messages, top_logprobs: 2 }), 400],
     ['completions logprobs 21 is a 400', () => client.completions.create({ model, prompt, logprobs: 21 }), 400],
@@ -230,7 +230,172 @@ async function disconnect() {
   ok(typeof (await complete('The kernel', 4)) === 'string', 'the server still answers');
 }
 
-const modes = { official: () => official(args[0]), concurrent, prefix, disconnect };
+
+// The fields beyond plain chat and completions, on tinydoc-f16 against transformers'
+// logits and greedy continuations (../shared/refs/tinydoc): llama-server's endpoints,
+// logit_bias, penalties, stop_token_ids, ignore_eos, min_tokens, n, echo, prompt lists
+// and token ids, embeddings, extension fields.
+async function extensions(refsDir) {
+  const { default: OpenAI } = await import('openai');
+  const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: 'none', maxRetries: 0, timeout: 60000 });
+  const model = (await client.models.list()).data[0].id;
+  const refs = JSON.parse(readFileSync(`${refsDir}/refs.json`, 'utf8')).prompts;
+  const V = 8192;
+  const row = (i, k) => {
+    const b = readFileSync(`${refsDir}/logits_${i}.f32`);
+    return new Float32Array(b.buffer, b.byteOffset, b.length / 4).subarray(k * V, (k + 1) * V);
+  };
+  const argmax = (x, skip = -1) => { let m = -1; for (let v = 0; v < x.length; v++) if (v !== skip && (m < 0 || x[v] > x[m])) m = v; return m; };
+  const detok = async (tokens) => (await post('/detokenize', { tokens })).json.content;
+  const greedy = async (prompt, extra = {}) => client.completions.create({ model, prompt, temperature: 0, ...extra });
+  const J = JSON.stringify;
+
+  // llama-server's endpoints
+  for (const r of refs) {
+    const t = await post('/tokenize', { content: r.text, add_special: true });
+    ok(J(t.json.tokens) === J(r.token_ids_with_bos), `/tokenize gives transformers' ids: ${J(r.text)}`, J(t.json));
+    const d = await post('/detokenize', { tokens: r.token_ids_with_bos.slice(1) });
+    // as llama-server's: the pieces joined, SentencePiece's prefix space kept
+    ok(d.json.content === ' ' + r.text, '/detokenize gives the text back', J(d.json));
+  }
+  const wp = await post('/tokenize', { content: 'kernel é', with_pieces: true });
+  ok(wp.json.tokens.every((p) => Number.isInteger(p.id) && (typeof p.piece === 'string' || Array.isArray(p.piece))) &&
+     wp.json.tokens.map((p) => p.piece).join('').trim() === 'kernel é', '/tokenize with_pieces', J(wp.json));
+  const at = await post('/apply-template', { messages: [{ role: 'system', content: 'S' }, { role: 'user', content: 'hi' }] });
+  ok(at.json.prompt === '<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n',
+     '/apply-template renders the messages (ChatML here)', J(at.json));
+  ok((await post('/detokenize', { tokens: [V] })).status === 400, '/detokenize of an id outside the vocabulary is a 400');
+
+  // the greedy token, and the second best once logit_bias -100 takes it away
+  for (let i = 0; i < refs.length; i++) {
+    const ids = refs[i].token_ids_with_bos, last = row(i, ids.length - 1);
+    const best = argmax(last), second = argmax(last, best);
+    const a = await greedy(ids, { max_tokens: 1 });
+    const b = await greedy(ids, { max_tokens: 1, logit_bias: { [best]: -100 } });
+    ok(best === refs[i].greedy_next_ids[0] && a.choices[0].text === await detok([best]), `prompt ${i}: greedy token ${best}`,
+       J(a.choices[0].text));
+    ok(b.choices[0].text === await detok([second]), `prompt ${i}: logit_bias -100 on it gives the second best, ${second}`,
+       J([b.choices[0].text, await detok([second])]));
+  }
+
+  // prompt as token ids: the reference's greedy continuation, up to its EOS
+  const r0 = refs[0], ids0 = r0.token_ids_with_bos, next0 = r0.greedy_next_ids;
+  const g = await greedy(ids0, { max_tokens: 40 });
+  ok(g.choices[0].text === r0.greedy_next_text && g.choices[0].finish_reason === 'stop' &&
+     g.usage.completion_tokens === next0.length - 1 && g.usage.prompt_tokens === ids0.length,
+     'token-id prompt: transformers\' greedy continuation', J([g.choices[0].text, g.usage]));
+  // stop_token_ids: the fourth token of that continuation ends it
+  const s = await greedy(ids0, { max_tokens: 40, stop_token_ids: [next0[3]] });
+  ok(s.choices[0].text === await detok(next0.slice(0, 3)) && s.choices[0].finish_reason === 'stop' &&
+     s.usage.completion_tokens === 3, 'stop_token_ids ends the answer before that token', J([s.choices[0], s.usage]));
+  // ignore_eos: the same tokens, then on past the EOS to max_tokens
+  const ie = await greedy(ids0, { max_tokens: 30, ignore_eos: true });
+  ok(ie.usage.completion_tokens === 30 && ie.choices[0].finish_reason === 'length' &&
+     ie.choices[0].text.startsWith(r0.greedy_next_text), 'ignore_eos runs to max_tokens', J([ie.choices[0].text, ie.usage]));
+  const mt = await greedy(ids0, { max_tokens: 40, min_tokens: 25 });
+  ok(mt.usage.completion_tokens >= 25 && mt.choices[0].text.startsWith(r0.greedy_next_text), 'min_tokens: at least 25 tokens',
+     J(mt.usage));
+  const ms = await greedy(ids0, { max_tokens: 40, min_tokens: 6, stop_token_ids: [next0[3]], stop: [r0.greedy_next_text.slice(0, 4)] });
+  ok(ms.usage.completion_tokens >= 6 && ms.choices[0].text.startsWith(await detok(next0.slice(0, 3))),
+     'min_tokens holds off stop tokens and stop strings', J([ms.choices[0].text, ms.usage]));
+
+  // penalties: at a position k where the model's argmax is the prompt's next token t,
+  // the prompt ids[0..k] makes t the first answer token and row k + 1 the logits after
+  // it. A bias B makes t win the second step by 1.0; frequency + presence penalties of
+  // 2.0 for its one occurrence make the runner-up win by 1.0.
+  let k = -1;
+  for (let j = ids0.length - 3; j > 0 && k < 0; j--) {
+    const t = ids0[j + 1], r2 = row(0, j + 1);
+    if (argmax(row(0, j)) === t && argmax(r2) !== t) k = j;
+  }
+  if (k < 0) ok(false, 'a position for the penalty test');
+  else {
+    const t = ids0[k + 1], r2 = row(0, k + 1), other = argmax(r2, t);
+    const B = r2[other] - r2[t] + 1.0, prompt = ids0.slice(0, k + 1);
+    const run = async (extra) => (await greedy(prompt, { max_tokens: 2, logit_bias: { [t]: B }, ...extra })).choices[0].text;
+    const tt = await detok([t, t]), to = await detok([t, other]);
+    ok(await run({}) === tt, `bias ${B.toFixed(3)} repeats token ${t}`, J(await run({})));
+    ok(await run({ frequency_penalty: 1.5, presence_penalty: 0.5 }) === to, `frequency + presence penalty 2.0 give ${other} instead`);
+    ok(await run({ presence_penalty: 2.0 }) === to, 'presence penalty 2.0 alone');
+    ok(await run({ frequency_penalty: 0.5 }) === tt, 'frequency penalty 0.5 leaves it ahead');
+    ok(await run({ presence_penalty: -1.0, frequency_penalty: -1.0 }) === tt, 'negative penalties favour it');
+  }
+
+  // n = 3 at temperature 0: three equal choices, the n = 1 text; the prompt read once
+  const prompt = r0.text;
+  const one = await greedy(prompt, { max_tokens: 12 });
+  const before = (await metrics()).kvq_prompt_tokens_total;
+  const three = await greedy(prompt, { max_tokens: 12, n: 3 });
+  const after = (await metrics()).kvq_prompt_tokens_total;
+  ok(three.choices.length === 3 && three.choices.every((c, i) => c.index === i && c.text === one.choices[0].text),
+     'n=3: three choices equal to the n=1 text', J(three.choices));
+  ok(three.usage.prompt_tokens === one.usage.prompt_tokens && three.usage.completion_tokens === 3 * one.usage.completion_tokens,
+     'n=3 usage: the prompt once, the answers thrice', J(three.usage));
+  ok(after - before === one.usage.prompt_tokens, 'n=3: the prompt is read by one sequence (the others fork it)', `${after - before}`);
+  const texts = ['', '', ''];
+  for await (const c of await greedy(prompt, { max_tokens: 12, n: 3, stream: true }))
+    for (const ch of c.choices) texts[ch.index] += ch.text;
+  ok(texts.every((x) => x === one.choices[0].text), 'n=3 streamed', J(texts));
+  const messages = [{ role: 'user', content: 'How do I list files?' }];
+  const chat1 = await client.chat.completions.create({ model, messages, max_tokens: 10, temperature: 0 });
+  const chat3 = await client.chat.completions.create({ model, messages, max_tokens: 10, temperature: 0, n: 3 });
+  ok(chat3.choices.length === 3 && chat3.choices.every((c, i) => c.index === i && c.message.content === chat1.choices[0].message.content),
+     'chat n=3', J(chat3.choices));
+  const ctexts = ['', '', ''];
+  for await (const c of await client.chat.completions.create({ model, messages, max_tokens: 10, temperature: 0, n: 3, stream: true }))
+    for (const ch of c.choices) ctexts[ch.index] += ch.delta.content ?? '';
+  ok(ctexts.every((x) => x === chat1.choices[0].message.content), 'chat n=3 streamed', J(ctexts));
+  const hot = async () => (await client.completions.create({ model, prompt, max_tokens: 16, temperature: 1, n: 3, seed: 5 })).choices.map((c) => c.text);
+  const h1 = await hot(), h2 = await hot();
+  ok(new Set(h1).size > 1 && J(h1) === J(h2), 'n=3 sampled: the choices differ, the same seed repeats them', J(h1));
+
+  // echo: the prompt before the answer
+  const e = await greedy(prompt, { max_tokens: 12, echo: true });
+  ok(e.choices[0].text === prompt + one.choices[0].text, 'echo', J(e.choices[0].text));
+  let et = '';
+  for await (const c of await greedy(prompt, { max_tokens: 12, echo: true, stream: true })) et += c.choices[0].text;
+  ok(et === e.choices[0].text, 'echo streamed', J(et));
+  const eid = await greedy(ids0, { max_tokens: 2, echo: true });
+  ok(eid.choices[0].text === await detok(ids0) + (await greedy(ids0, { max_tokens: 2 })).choices[0].text, 'echo of token ids');
+
+  // a list of prompts: one choice per prompt (n each), in order
+  const ps = [refs[1].text, refs[3].text];
+  const singles = [];
+  for (const p of ps) singles.push((await greedy(p, { max_tokens: 8 })).choices[0].text);
+  const list = await greedy(ps, { max_tokens: 8, n: 2 });
+  ok(list.choices.length === 4 && list.choices.every((c, i) => c.index === i && c.text === singles[Math.floor(i / 2)]),
+     'prompt list x n=2', J(list.choices));
+  const idl = await greedy([refs[1].token_ids_with_bos, refs[3].token_ids_with_bos], { max_tokens: 8 });
+  ok(idl.choices.length === 2 && idl.choices.every((c, i) => c.text === singles[i]), 'a list of token-id prompts', J(idl.choices));
+  const lt = ['', ''];
+  for await (const c of await greedy(ps, { max_tokens: 8, stream: true })) for (const ch of c.choices) lt[ch.index] += ch.text;
+  ok(J(lt) === J(singles), 'prompt list streamed', J(lt));
+
+  // embeddings (the client asks for base64 and decodes it)
+  const emb = await client.embeddings.create({ model, input: [refs[0].text, refs[1].text] });
+  const norm = (v) => Math.sqrt(v.reduce((a, x) => a + x * x, 0));
+  ok(emb.data.length === 2 && emb.data.every((d, i) => d.index === i && d.embedding.length === 512 && Math.abs(norm(d.embedding) - 1) < 1e-5),
+     'embeddings: two unit vectors of 512', J(emb.data.map((d) => [d.index, d.embedding.length, norm(d.embedding)])));
+  ok(emb.usage.prompt_tokens === refs[0].token_ids_with_bos.length + refs[1].token_ids_with_bos.length, 'embeddings usage', J(emb.usage));
+  const fl = await post('/v1/embeddings', { input: refs[0].token_ids_with_bos, encoding_format: 'float' });
+  ok(fl.json.data[0].embedding.every((x, j) => Math.abs(x - emb.data[0].embedding[j]) < 1e-6),
+     'token-id input as floats equals the text input in base64');
+  const dot = emb.data[0].embedding.reduce((a, x, j) => a + x * emb.data[1].embedding[j], 0);
+  ok(dot < 0.999, 'different texts, different embeddings', `${dot}`);
+
+  // fields of vLLM and llama.cpp: accepted (ignored ones too), malformed ones refused
+  const x = await post('/v1/completions', { prompt, max_tokens: 2, ignore_eos: true, cache_prompt: true, typical_p: 1, frobnicate: { a: 1 } });
+  ok(x.status === 200 && x.json.usage.completion_tokens === 2, 'extension and unknown fields are accepted', J(x.json));
+  const np = await post('/v1/completions', { prompt: ids0, n_predict: 3, ignore_eos: true, temperature: 0 });
+  ok(np.json.usage?.completion_tokens === 3, "llama.cpp's n_predict", J(np.json));
+  for (const [body, param] of [[{ typical_p: 'x' }, 'typical_p'], [{ logit_bias: { [V]: 1 } }, 'logit_bias'],
+    [{ stop_token_ids: [V] }, 'stop_token_ids'], [{ prompt: [[1, V]] }, 'prompt'], [{ n: 17 }, null], [{ presence_penalty: 2.5 }, 'presence_penalty']]) {
+    const r = await post('/v1/completions', { prompt, max_tokens: 2, ...body });
+    ok(r.status === 400 && (param === null || r.json.error.param === param), `400 for ${J(body)}`, J([r.status, r.json]));
+  }
+}
+
+const modes = { official: () => official(args[0]), extensions: () => extensions(args[0]), concurrent, prefix, disconnect };
 try { await modes[mode](); }
 catch (e) { failed++; console.log(`FAIL: ${mode}: ${e.stack ?? e}`); }
 process.exit(failed ? 1 : 0);
