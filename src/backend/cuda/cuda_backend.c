@@ -123,8 +123,6 @@ struct cuda_backend {
     struct cuk_mv_scratch mv;          /* their partial sums and tile counters */
     size_t mv_floats, mv_counters;
     int64_t xq_cols;  /* xq holds up to CUK_MATVEC_MAX rows of this many */
-    bool wide_on;     /* TEMPORARY KVQ_CUDA_WIDE=0: the GEMM path, for before/after runs */
-    int graph_max;    /* TEMPORARY KVQ_CUDA_GRAPH_MAX */
     float *wide_part; /* the wide products' partial sums (split columns) */
     size_t wide_floats;
     /* what xq holds: the rounding of xq_n rows of xq_k floats at xq_of (written by the
@@ -650,7 +648,7 @@ static void step_op(struct cuda_backend *cb, int n, bool glu) {
     if (!cb->in_step) {
         cb->in_step = true;
         if (cb->steps) cb->steps->begin = now_s();
-        cb->q.recording = cb->q.graphs && n <= cb->graph_max;
+        cb->q.recording = cb->q.graphs && n <= CUK_MATVEC_MAX;
         cb->segments = 0;
         cb->one_token = n == 1;
     } else if (cb->q.recording && segment_ends(cb, glu)) {
@@ -1001,7 +999,7 @@ static void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int
         prof_end(cb, P_MATVEC, t0);
         return;
     }
-    if (n <= CUK_WIDE_MAX && cb->wide_on && wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
+    if (n <= CUK_WIDE_MAX && wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
         prof_end(cb, P_WIDE, t0);
         return;
     }
@@ -1894,8 +1892,6 @@ struct backend *backend_cuda_new(int n_threads) {
     cb->prof = prof && *prof && strcmp(prof, "0") != 0 && strcmp(prof, "steps") != 0;
     /* KVQ_CUDA_GRAPHS=0: decode steps launch by launch (the per-operation profile waits
      * for each operation, so it does too) */
-    cb->wide_on = !(getenv("KVQ_CUDA_WIDE") && atoi(getenv("KVQ_CUDA_WIDE")) == 0);
-    cb->graph_max = getenv("KVQ_CUDA_GRAPH_MAX") ? atoi(getenv("KVQ_CUDA_GRAPH_MAX")) : CUK_MATVEC_MAX;
     const char *graphs = getenv("KVQ_CUDA_GRAPHS");
     cb->q.graphs = !cb->prof && !(graphs && strcmp(graphs, "0") == 0);
     cb->q.last = -1;
