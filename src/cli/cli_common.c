@@ -95,8 +95,15 @@ static bool parse_pair(const char *flag, const char *value, long min, long max, 
 
 const char *const cli_kv_flags_help =
     "KV cache:\n"
-    "  --kv-bits B | K,V        bits per key/value: 16 or 32 (float) or 2,3,4,5,6,8 (quantized); default 16\n"
-    "  --kv-group-size G | K,V  values per quantization group: 8,16,32,64,128 (default 64)\n"
+    "  --kv-bits B | K,V[:nf|:uniform]\n"
+    "                           bits per key/value: 16 or 32 (float) or 2,3,4,5,6,8 (quantized);\n"
+    "                           default 16. 3 (or 3,3) means 4-bit keys and 3-bit values in\n"
+    "                           normal-float rows (3.56 bits a value at head_dim 128), 2 (or 2,2)\n"
+    "                           3-bit keys and 2-bit values (2.56): keys cost more than values.\n"
+    "                           :nf: normal-float rows of those bits (2-5; one scale a row);\n"
+    "                           :uniform: uniform groups (what 3,3 and 2,2 meant before)\n"
+    "  --kv-group-size G | K,V  values per quantization group of uniform rows: 8,16,32,64,128\n"
+    "                           (default 64; normal-float rows have one scale a row)\n"
     "  --kv-rotation MODE       hadamard (default) | none: rotate head vectors before quantizing\n"
     "  --quantized-kv-start N   keep the first N tokens in 16 bits, then quantize\n"
     "  --max-kv-size N          rotating cache of N tokens (0: unbounded)\n"
@@ -133,6 +140,28 @@ bool cli_parse_device(const char *flag, const char *v, enum kvq_device *out) {
     return true;
 }
 
+/* The row kinds of --kv-bits' sides: the presets 3 and 2 (the best formats measured at
+ * about that many bits a value), or nf / uniform rows as asked. */
+static bool set_kv_rows(const char *v, const char *kind, struct kvq_kv_config *kv) {
+    int *bits[2] = {&kv->k_bits, &kv->v_bits}, *group[2] = {&kv->k_group, &kv->v_group};
+    if (!kind && kv->k_bits == kv->v_bits && (kv->k_bits == 3 || kv->k_bits == 2)) {
+        kv->k_bits++;
+        kv->k_group = kv->v_group = KVQ_KV_NF;
+        return true;
+    }
+    const bool nf = kind && !strcmp(kind, "nf");
+    for (int s = 0; s < 2; s++) {
+        if (*bits[s] >= 16) continue;
+        if (nf && *bits[s] > 5) {
+            cli_fail("invalid value '%s' for --kv-bits: normal-float rows have 2 to 5 bits", v);
+            return false;
+        }
+        if (nf) *group[s] = KVQ_KV_NF;
+        else if (*group[s] == KVQ_KV_NF) *group[s] = 64;
+    }
+    return true;
+}
+
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *cp) {
     struct kvq_kv_config *kv = &cp->kv;
     const char *flag = argv[*i];
@@ -146,16 +175,27 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *
     if (cli_is_device_flag(flag))
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_device(flag, v, &cp->device) ? 1 : -1;
     if (strcmp(flag, "--kv-bits") == 0) {
-        if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 2, 32, &kv->k_bits, &kv->v_bits)) return -1;
+        if (!(v = cli_flag_value(argc, argv, i))) return -1;
+        char buf[64];
+        snprintf(buf, sizeof buf, "%s", v);
+        char *kind = strchr(buf, ':');
+        if (kind) *kind++ = '\0';
+        if (kind && strcmp(kind, "nf") != 0 && strcmp(kind, "uniform") != 0) {
+            cli_fail("invalid value '%s' for --kv-bits: the row kind after ':' must be nf or uniform", v);
+            return -1;
+        }
+        if (!parse_pair(flag, buf, 2, 32, &kv->k_bits, &kv->v_bits)) return -1;
         if (!valid_bits(kv->k_bits) || !valid_bits(kv->v_bits)) {
             cli_fail("invalid value '%s' for --kv-bits: bits must be 2, 3, 4, 5, 6, 8, 16 or 32", v);
             return -1;
         }
-        return 1;
+        return set_kv_rows(v, kind, kv) ? 1 : -1;
     }
     if (strcmp(flag, "--kv-group-size") == 0) {
-        if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 1, 1024, &kv->k_group, &kv->v_group))
-            return -1;
+        int kg, vg;
+        if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 1, 1024, &kg, &vg)) return -1;
+        if (kv->k_group != KVQ_KV_NF) kv->k_group = kg; /* normal-float rows have no groups */
+        if (kv->v_group != KVQ_KV_NF) kv->v_group = vg;
         return 1;
     }
     if (strcmp(flag, "--kv-rotation") == 0) {
@@ -195,7 +235,7 @@ static bool kv_flag(const char *flag, const char *value, struct kvq_kv_config *k
 
 const char *const cli_kv_spec_help =
     "KV config SPEC: f16 | f32 | BITS | KBITS,VBITS (bits as for --kv-bits), then optional\n"
-    "  suffixes :gG or :gGK,GV (group size), :rot or :norot (Hadamard rotation), :rN\n"
+    "  suffixes :nf or :uniform (row kind, as for --kv-bits), :gG or :gGK,GV (group size), :rot or :norot (Hadamard rotation), :rN\n"
     "  (residual f16 window of N tokens), :qsN (quantized-kv-start), :swafull (--swa-full);\n"
     "  unset parts take the --kv-* defaults. e.g. 8,4   4:g32   4,2:r0:norot\n";
 
@@ -209,14 +249,20 @@ bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
     if (!kv_flag("--kv-bits", bits, kv)) return false;
     while ((part = strtok_r(NULL, ":", &save))) {
         bool ok;
-        if (part[0] == 'g') ok = kv_flag("--kv-group-size", part + 1, kv);
+        char kb[64];
+        if (!strcmp(part, "nf") || !strcmp(part, "uniform")) {
+            snprintf(kb, sizeof kb, "%d,%d:%s", kv->k_bits, kv->v_bits, part);
+            if (!strcmp(bits, "3") || !strcmp(bits, "2")) /* the preset's own sides, not 4,3 */
+                snprintf(kb, sizeof kb, "%s,%s:%s", bits, bits, part);
+            ok = kv_flag("--kv-bits", kb, kv);
+        } else if (part[0] == 'g') ok = kv_flag("--kv-group-size", part + 1, kv);
         else if (!strcmp(part, "rot")) ok = kv_flag("--kv-rotation", "hadamard", kv);
         else if (!strcmp(part, "norot")) ok = kv_flag("--kv-rotation", "none", kv);
         else if (!strncmp(part, "qs", 2)) ok = kv_flag("--quantized-kv-start", part + 2, kv);
         else if (!strcmp(part, "swafull")) ok = kv_flag("--swa-full", NULL, kv);
         else if (part[0] == 'r') ok = kv_flag("--kv-residual", part + 1, kv);
         else {
-            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :gG, :rot, :norot, :rN, :qsN or :swafull)", part, spec);
+            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :nf, :uniform, :gG, :rot, :norot, :rN, :qsN or :swafull)", part, spec);
             return false;
         }
         if (!ok) return false;
@@ -237,7 +283,16 @@ const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
     int n;
     if (kv->k_bits >= 16 && kv->v_bits >= 16)
         n = snprintf(buf, sizeof buf, "%s", kv->k_bits == 32 ? "f32" : "f16");
-    else if (kv->k_bits == kv->v_bits && kv->k_group == kv->v_group)
+    else if (kv->k_group == KVQ_KV_NF || kv->v_group == KVQ_KV_NF) {
+        char side[2][16];
+        for (int s = 0; s < 2; s++) {
+            int b = s ? kv->v_bits : kv->k_bits, g = s ? kv->v_group : kv->k_group;
+            if (b >= 16) snprintf(side[s], sizeof side[s], "f%d", b);
+            else if (g == KVQ_KV_NF) snprintf(side[s], sizeof side[s], "%dnf", b);
+            else snprintf(side[s], sizeof side[s], "%dg%d", b, g);
+        }
+        n = snprintf(buf, sizeof buf, "K%s/V%s", side[0], side[1]);
+    } else if (kv->k_bits == kv->v_bits && kv->k_group == kv->v_group)
         n = snprintf(buf, sizeof buf, "q%d g%d", kv->k_bits, kv->k_group);
     else
         n = snprintf(buf, sizeof buf, "K%d/V%d g%d/%d", kv->k_bits, kv->v_bits, kv->k_group, kv->v_group);

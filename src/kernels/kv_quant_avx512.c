@@ -29,6 +29,28 @@ void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
 }
 
+/* Codes to level bytes: a 16-entry byte shuffle (two and a select for 5 bits). */
+void kern_kvq_nf_map_avx512(uint8_t *c, int n, int bits) {
+    const uint8_t *u = kern_kvq_nf_levels(bits);
+    uint8_t lo[16] = {0}, hi[16] = {0};
+    const int nl = 1 << bits;
+    for (int k = 0; k < nl && k < 16; k++) lo[k] = u[k];
+    for (int k = 16; k < nl; k++) hi[k - 16] = u[k];
+    const __m512i tl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lo));
+    const __m512i th = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)hi));
+    int i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const __m512i x = _mm512_loadu_si512(c + i);
+        __m512i y = _mm512_shuffle_epi8(tl, x);
+        if (bits == 5) {
+            const __mmask64 big = _mm512_cmpgt_epu8_mask(x, _mm512_set1_epi8(15));
+            y = _mm512_mask_shuffle_epi8(y, big, th, _mm512_and_si512(x, _mm512_set1_epi8(15)));
+        }
+        _mm512_storeu_si512(c + i, y);
+    }
+    for (; i < n; i++) c[i] = u[c[i]];
+}
+
 void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst) {
     int i = 0;
     for (; i + 16 <= d; i += 16)
@@ -120,6 +142,7 @@ void kern_kvq_hadamard_avx512(float *x, int d, int b, const float *signs, float 
 #define SOFTMAX_STEP kern_softmax_step_avx512
 #define FN(x) x##_avx512g /* generic body; the fast path below dispatches to it */
 #define UNPACK kern_kvq_unpack_avx512
+#define NFMAP kern_kvq_nf_map_avx512
 #include "kernels/kv_quant_simd.inc"
 
 void kern_kvq_attn_avx512g(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
@@ -681,10 +704,10 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
 FAST_NH(4)
 FAST_NH(8)
 
-/* The fast path takes this format pair (K and V 4/8-bit, groups of 32k). */
+/* The fast path takes this format pair (K and V 4/8-bit, groups of 32k; no normal-float rows). */
 static bool fast_ok(int d, const struct kern_kv_rows *k, const struct kern_kv_rows *v) {
     return fast_wanted && d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) &&
-           (v->bits == 4 || v->bits == 8) && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
+           (v->bits == 4 || v->bits == 8) && k->group > 0 && v->group > 0 && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
            d % v->group == 0;
 }
 
