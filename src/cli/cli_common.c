@@ -278,6 +278,20 @@ bool cli_kv_config_check(const struct kvq_kv_config *kv) {
     return true;
 }
 
+void cli_kv_bits(const struct kvq_model *m, const struct kvq_kv_config *kv, int n, double *rows, double *all) {
+    struct kvq_kv_config f16 = *kv;
+    f16.k_bits = f16.v_bits = 16;
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    const double values = (double)kvq_kv_token_bytes(m, &f16) / 2 * n; /* keys and values of n tokens */
+    const bool quant = kv->k_bits < 16 || kv->v_bits < 16;
+    double bytes = (double)kvq_kv_token_bytes(m, kv) * n;
+    *rows = values > 0 ? 8 * bytes / values : 0;
+    if (quant && kv->residual > 0) /* the offsets, [2][n_kv_heads][head_dim] f32 a layer */
+        bytes += (double)info.n_layer * 2 * info.n_head_kv * info.head_dim * 4 + (double)kvq_kv_window_bytes(m, kv);
+    *all = values > 0 ? 8 * bytes / values : 0;
+}
+
 const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
     static char buf[96];
     int n;
