@@ -165,6 +165,9 @@ static void test_kinds_vs_reference(void) {
     run_against_ref("rotating q4 max 16 keep 0, batches", cfg_of(4, 4, 32, 16, 0, 0, false), mixed, nm, 1e-4);
     run_against_ref("rotating hadamard K4V2 max 30 keep 4", cfg_of(4, 2, 32, 30, 4, 0, true), mixed, nm, 1e-4);
     run_against_ref("quantize after 50, K8V4 hadamard", cfg_of(8, 4, 64, 0, 4, 50, true), mixed, nm, 1e-4);
+    run_against_ref("normal-float K4V3 hadamard", cfg_of(4, 3, KERN_KVQ_NF, 0, 4, 0, true), mixed, nm, 1e-4);
+    run_against_ref("rotating normal-float K3V2 max 30 keep 4", cfg_of(3, 2, KERN_KVQ_NF, 30, 4, 0, true), mixed, nm, 1e-4);
+    run_against_ref("quantize after 50, normal-float K5V4", cfg_of(5, 4, KERN_KVQ_NF, 0, 4, 50, true), mixed, nm, 1e-4);
 }
 
 /* Rotation: attention with hadamard matches the unrotated float attention closely at
@@ -419,12 +422,15 @@ static void test_save_load(void) {
     struct kv_cache_config cfs[] = {cfg_of(4, 2, 32, 24, 4, 0, true), cfg_of(16, 16, 64, 0, 4, 0, false),
                                     cfg_of(8, 4, 64, 0, 4, 20, false), cfg_of(3, 6, 16, 30, 2, 0, false),
                                     cfg_of(4, 2, 32, 0, 4, 0, true),   cfg_of(4, 4, 32, 24, 4, 0, true),
-                                    cfg_of(8, 4, 64, 0, 4, 20, true)};
+                                    cfg_of(8, 4, 64, 0, 4, 20, true),  cfg_of(4, 3, KERN_KVQ_NF, 24, 4, 0, true),
+                                    cfg_of(3, 2, KERN_KVQ_NF, 0, 4, 20, true)};
+    cfs[7].residual = 8;  /* normal-float rows, rotating, with a window */
+    cfs[8].residual = 16; /* normal-float rows after 20 */
     cfs[4].residual = 8;  /* version 2: before the offsets' point (every row in the window) */
     cfs[5].residual = 8;  /* rotating: offsets chosen at 24 tokens, window of 8 */
     cfs[6].residual = 16; /* quantize after 20 */
     float *scr = scratch_new();
-    for (int ci = 0; ci < 7; ci++) {
+    for (int ci = 0; ci < (int)(sizeof cfs / sizeof cfs[0]); ci++) {
         struct kv_cache *c = kv_cache_new(&cfs[ci], &shape), *d = kv_cache_new(&cfs[ci], &shape);
         float k[40 * H * D], v[40 * H * D];
         rand_tokens(40, k, v);
@@ -455,7 +461,7 @@ static void test_save_load(void) {
             CHECK(kv_cache_load(d, &t) != 0 && kv_cache_n_past(d) == 0, "truncated at %zu accepted", cut);
         }
         struct kv_cache_config other = cfs[ci];
-        other.k_bits = other.k_bits == 8 ? 4 : 8;
+        other.k_bits = other.k_bits == 8 || other.k_group == KERN_KVQ_NF ? 4 + (other.k_bits == 4) : 8;
         struct kv_cache *e = kv_cache_new(&other, &shape);
         struct kv_reader t = {b.data, b.len, 0};
         CHECK(e && kv_cache_load(e, &t) != 0 && strstr(kvq_last_error(), "other settings"), "other config: %s",
