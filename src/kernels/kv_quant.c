@@ -79,11 +79,13 @@ void kern_kvq_unpack_scalar(const uint8_t *src, int n, int bits, uint8_t *out) {
 /* Squared error of x[n] coded with levels lv (centred, ascending) at scale s; the
  * codes to c when not NULL. */
 static float nf_fit(const float *x, int n, const float *lv, int nl, float s, uint8_t *c) {
-    float thr[31], e = 0;
+    float thr[32], e = 0;
     for (int k = 0; k + 1 < nl; k++) thr[k] = 0.5f * s * (lv[k] + lv[k + 1]);
+    thr[nl - 1] = INFINITY;
     for (int i = 0; i < n; i++) {
-        int k = 0;
-        while (k + 1 < nl && x[i] > thr[k]) k++;
+        int k = 0; /* binary search: the first threshold at or above x */
+        for (int step = nl / 2; step > 0; step /= 2)
+            if (x[i] > thr[k + step - 1]) k += step;
         const float d = x[i] - s * lv[k];
         e += d * d;
         if (c) c[i] = (uint8_t)k;
@@ -107,8 +109,8 @@ static void nf_quantize(const float *x, int d, int bits, uint8_t *dst) {
     for (int i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
     uint8_t c[KERN_KVQ_MAX_DIM];
     float bs = amax / lv[nl - 1], best = INFINITY;
-    for (int a = 0; a < 22; a++) {
-        const float sc = amax * (1.0f - 0.025f * (float)a) / lv[nl - 1], e = nf_fit(x, d, lv, nl, sc, NULL);
+    for (int a = 0; a < 11; a++) {
+        const float sc = amax * (1.0f - 0.05f * (float)a) / lv[nl - 1], e = nf_fit(x, d, lv, nl, sc, NULL);
         if (e < best) best = e, bs = sc;
     }
     for (int it = 0; it < 2 && amax > 0; it++) {
