@@ -77,15 +77,14 @@ void kern_kvq_unpack_scalar(const uint8_t *src, int n, int bits, uint8_t *out) {
 /* ---- normal-float rows ---- */
 
 /* Squared error of x[n] coded with levels lv (centred, ascending) at scale s; the
- * codes to c when not NULL. */
+ * codes to c when not NULL. A code is the number of level midpoints below x (no
+ * branches: the compiler vectorizes it). */
 static float nf_fit(const float *x, int n, const float *lv, int nl, float s, uint8_t *c) {
-    float thr[32], e = 0;
+    float thr[31], e = 0;
     for (int k = 0; k + 1 < nl; k++) thr[k] = 0.5f * s * (lv[k] + lv[k + 1]);
-    thr[nl - 1] = INFINITY;
     for (int i = 0; i < n; i++) {
-        int k = 0; /* binary search: the first threshold at or above x */
-        for (int step = nl / 2; step > 0; step /= 2)
-            if (x[i] > thr[k + step - 1]) k += step;
+        int k = 0;
+        for (int t = 0; t + 1 < nl; t++) k += x[i] > thr[t];
         const float d = x[i] - s * lv[k];
         e += d * d;
         if (c) c[i] = (uint8_t)k;
@@ -99,8 +98,10 @@ static uint8_t nf_scale_code(float s) {
     return e < 1 ? 1 : e > 255 ? 255 : (uint8_t)lrintf(e);
 }
 
-/* The scale: the best of a sweep of clipping points below the maximum, refined by
- * least squares on its codes, then the best of the stored scales around it. */
+/* The scale: the best of a sweep of clipping points below the row's maximum (the
+ * tails of the rotated rows are heavier than a normal's), refined by least squares on
+ * its codes (a step of Lloyd's algorithm for the scale), then the best of the stored
+ * scales around it. */
 static void nf_quantize(const float *x, int d, int bits, uint8_t *dst) {
     const int nl = 1 << bits;
     const uint8_t *u = kern_kvq_nf_levels(bits);
@@ -121,7 +122,8 @@ static void nf_quantize(const float *x, int d, int bits, uint8_t *dst) {
         if (!(e < best)) break;
         best = e, bs = sc;
     }
-    uint8_t e0 = nf_scale_code(bs), eb = e0;
+    const uint8_t e0 = nf_scale_code(bs);
+    uint8_t eb = e0;
     best = INFINITY;
     for (int t = e0 - 1; t <= e0 + 1 && e0; t++) {
         if (t < 1 || t > 255) continue;
