@@ -251,9 +251,7 @@ bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
         bool ok;
         char kb[64];
         if (!strcmp(part, "nf") || !strcmp(part, "uniform")) {
-            snprintf(kb, sizeof kb, "%d,%d:%s", kv->k_bits, kv->v_bits, part);
-            if (!strcmp(bits, "3") || !strcmp(bits, "2")) /* the preset's own sides, not 4,3 */
-                snprintf(kb, sizeof kb, "%s,%s:%s", bits, bits, part);
+            snprintf(kb, sizeof kb, "%s:%s", bits, part); /* the bits as written, not a preset's */
             ok = kv_flag("--kv-bits", kb, kv);
         } else if (part[0] == 'g') ok = kv_flag("--kv-group-size", part + 1, kv);
         else if (!strcmp(part, "rot")) ok = kv_flag("--kv-rotation", "hadamard", kv);
