@@ -80,6 +80,7 @@ void kern_kvq_unpack_scalar(const uint8_t *src, int n, int bits, uint8_t *out) {
  * codes to c when not NULL. A code is the number of level midpoints below x (no
  * branches: the compiler vectorizes it). */
 static float nf_fit(const float *x, int n, const float *lv, int nl, float s, uint8_t *c) {
+    if (n % 16 == 0 && kvq_simd_level() == KVQ_SIMD_AVX512) return kern_kvq_nf_fit_avx512(x, n, lv, nl, s, c);
     float thr[31], e = 0;
     for (int k = 0; k + 1 < nl; k++) thr[k] = 0.5f * s * (lv[k] + lv[k + 1]);
     for (int i = 0; i < n; i++) {
@@ -105,7 +106,7 @@ static uint8_t nf_scale_code(float s) {
 static void nf_quantize(const float *x, int d, int bits, uint8_t *dst) {
     const int nl = 1 << bits;
     const uint8_t *u = kern_kvq_nf_levels(bits);
-    float lv[32], amax = 0;
+    float lv[32] = {0}, amax = 0;
     for (int k = 0; k < nl; k++) lv[k] = (float)u[k] - 127.5f;
     for (int i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
     uint8_t c[KERN_KVQ_MAX_DIM];

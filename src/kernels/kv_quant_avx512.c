@@ -29,6 +29,23 @@ void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
 }
 
+float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, float s, uint8_t *c) {
+    float thr[31];
+    for (int k = 0; k + 1 < nl; k++) thr[k] = 0.5f * s * (lv[k] + lv[k + 1]);
+    const __m512 l0 = _mm512_loadu_ps(lv), l1 = nl > 16 ? _mm512_loadu_ps(lv + 16) : l0, vs = _mm512_set1_ps(s);
+    __m512 e = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        __m512i k = _mm512_setzero_si512();
+        for (int t = 0; t + 1 < nl; t++)
+            k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(xv, _mm512_set1_ps(thr[t]), _CMP_GT_OQ), k, _mm512_set1_epi32(1));
+        const __m512 d = _mm512_sub_ps(xv, _mm512_mul_ps(vs, _mm512_permutex2var_ps(l0, k, l1)));
+        e = _mm512_fmadd_ps(d, d, e);
+        if (c) _mm_storeu_si128((__m128i *)(c + i), _mm512_cvtepi32_epi8(k));
+    }
+    return _mm512_reduce_add_ps(e);
+}
+
 /* Codes to level bytes: a 16-entry byte shuffle (two and a select for 5 bits). */
 void kern_kvq_nf_map_avx512(uint8_t *c, int n, int bits) {
     const uint8_t *u = kern_kvq_nf_levels(bits);
