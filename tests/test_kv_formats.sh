@@ -3,7 +3,9 @@
 # KL divergence against the f16 run: --kv-bits 3 (K4V3 normal-float, 3.56 bits a value)
 # stays under 0.0055 and well under the uniform 3,3 rows (~0.012 here); --kv-bits 2
 # (K3V2, 2.56 bits) under 0.03 and well under uniform 2,2 (~0.085); the effective bits
-# printed count the scale bytes. Then the pass key at 4000 tokens with --kv-bits 3.
+# printed count the scale bytes. Then the pass key at 4000 tokens with --kv-bits 3 on
+# tinygemma3 (100% of 20 with full-precision KV in the reference; tinydoc finds it in only
+# 10% at that length).
 set -u
 BIN=${KVQ_BIN:?KVQ_BIN must name the kvq binary}
 SHARED=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
@@ -36,7 +38,9 @@ k2=$(kld 2) || exit 1
 grep -q "at 1024 tokens: 2.5625 in the packed rows" "$TMP/bits" || { echo "FAIL: --kv-bits 2 bits: $(cat "$TMP/bits")"; fail=1; }
 u2=$(kld 2,2:uniform) || exit 1
 check "--kv-bits 2" "$k2" "$u2" 'k > 0 && k < 0.03 && k < 0.5 * u'
-out=$("$BIN" passkey -m "$MODEL" -f "$TEXT" --lengths 4000 --trials 4 -t 2 --kv-bits 3) || { echo "FAIL: passkey exited $?"; exit 1; }
+GEMMA=$SHARED/models/tinygemma3-f16.gguf
+[ -r "$GEMMA" ] || { echo "SKIP: tinygemma3-f16.gguf missing under $SHARED (pass key)"; exit $fail; }
+out=$("$BIN" passkey -m "$GEMMA" -f "$TEXT" --lengths 4000 --trials 4 -t 2 --kv-bits 3) || { echo "FAIL: passkey exited $?"; exit 1; }
 echo "$out"
 correct=$(echo "$out" | awk -F'|' '$2 ~ /^ *4000 *$/ { gsub(/ /, "", $4); print $4 }')
 if [ -n "$correct" ] && [ "$correct" -ge 4 ]; then echo "ok: --kv-bits 3: pass key $correct/4 at 4000 tokens"
