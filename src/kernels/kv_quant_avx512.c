@@ -25,6 +25,23 @@ void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
                                 _mm512_or_si512(_mm512_slli_epi32(x, 12), _mm512_slli_epi32(x, 18)));
             _mm512_storeu_si512(out + i, _mm512_and_si512(x, _mm512_set1_epi32(0x03030303)));
         }
+    } else if (bits == 3) {
+        /* 16 codes (6 bytes) a 128-bit lane: each code's two bytes as a word, shifted
+         * right by its bit offset, masked, the words packed back to bytes */
+        const __m512i lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3));
+        const __m512i hi = _mm512_broadcast_i32x4(_mm_setr_epi8(3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6));
+        const __m512i sh = _mm512_broadcast_i32x4(_mm_setr_epi16(0, 3, 6, 1, 4, 7, 2, 5));
+        const __m512i m7 = _mm512_set1_epi16(7);
+        for (; i + 64 <= n; i += 64) {
+            const uint8_t *p = src + (size_t)i * 3 / 8;
+            __m512i x = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(0x3f, p));
+            x = _mm512_inserti32x4(x, _mm_maskz_loadu_epi8(0x3f, p + 6), 1);
+            x = _mm512_inserti32x4(x, _mm_maskz_loadu_epi8(0x3f, p + 12), 2);
+            x = _mm512_inserti32x4(x, _mm_maskz_loadu_epi8(0x3f, p + 18), 3);
+            const __m512i a = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(x, lo), sh), m7);
+            const __m512i b = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(x, hi), sh), m7);
+            _mm512_storeu_si512(out + i, _mm512_packus_epi16(a, b));
+        }
     }
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
 }
