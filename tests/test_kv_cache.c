@@ -196,6 +196,39 @@ static void test_rotation(void) {
     kv_cache_free(r);
 }
 
+/* Conversion (held prefixes in another format) into and out of normal-float rows: into
+ * K4V3 nf the rows come back close (relative RMS error of 3-bit Lloyd-Max: ~0.19), out
+ * of them into f32 exactly as the nf cache decodes them. */
+static void test_convert_nf(void) {
+    struct kv_cache_config c8 = cfg_of(8, 8, 64, 0, 4, 0, true), nf = cfg_of(4, 3, KERN_KVQ_NF, 0, 4, 0, true),
+                           f32 = cfg_of(32, 32, 64, 0, 4, 0, false);
+    c8.residual = nf.residual = 8;
+    struct kv_cache *a = kv_cache_new(&c8, &shape);
+    struct kv_cache *b = kv_cache_new_in(kv_cache_pool(a), &nf, &shape), *f = kv_cache_new_in(kv_cache_pool(a), &f32, &shape);
+    float k[40 * H * D], v[40 * H * D];
+    rand_tokens(40, k, v);
+    kv_cache_append(a, 40, k, v);
+    CHECK(kv_cache_convert(b, a) == 0 && kv_cache_n_past(b) == 40, "convert to nf: %s", kvq_last_error());
+    CHECK(kv_cache_convert(f, b) == 0 && kv_cache_n_past(f) == 40, "convert from nf: %s", kvq_last_error());
+    static float ra[40 * D], rb[40 * D], rf[40 * D];
+    for (int side = 0; side < 2; side++) {
+        int na = kv_cache_read_rows(a, 1, side, ra, NULL, 40), nb = kv_cache_read_rows(b, 1, side, rb, NULL, 40);
+        int nf2 = kv_cache_read_rows(f, 1, side, rf, NULL, 40);
+        double e = 0, x = 0, ef = 0;
+        for (int i = 0; i < 40 * D; i++) {
+            e += (ra[i] - rb[i]) * (ra[i] - rb[i]), x += ra[i] * ra[i];
+            ef = fmax(ef, fabs(rf[i] - rb[i]));
+        }
+        const double bound = side ? 0.25 : 0.13; /* values 3-bit, keys 4-bit */
+        CHECK(na == 40 && nb == 40 && nf2 == 40 && sqrt(e / x) < bound, "side %d: relative RMS error %g after nf conversion", side,
+              sqrt(e / x));
+        CHECK(ef < 1e-5, "side %d: f32 copy of the nf cache differs by %g", side, ef);
+    }
+    kv_cache_free(b);
+    kv_cache_free(f);
+    kv_cache_free(a); /* the pool's owner last */
+}
+
 static void test_wrap_convert_trim_bytes(void) {
     /* quantized-rotating built by conversion after the ring has wrapped */
     struct kv_cache_config cf = cfg_of(4, 4, 32, 20, 4, 30, true);
@@ -508,6 +541,7 @@ int main(void) {
     test_kinds_vs_reference();
     test_rotation();
     test_wrap_convert_trim_bytes();
+    test_convert_nf();
     test_residual_vs_reference();
     test_residual_batching();
     test_save_load();
