@@ -97,11 +97,9 @@ const char *const cli_kv_flags_help =
     "KV cache:\n"
     "  --kv-bits B | K,V[:nf|:uniform]\n"
     "                           bits per key/value: 16 or 32 (float) or 2,3,4,5,6,8 (quantized);\n"
-    "                           default 16. 3 (or 3,3) means 4-bit keys and 3-bit values in\n"
-    "                           normal-float rows (3.56 bits a value at head_dim 128), 2 (or 2,2)\n"
-    "                           3-bit keys and 2-bit values (2.56): keys cost more than values.\n"
-    "                           :nf: normal-float rows of those bits (2-5; one scale a row);\n"
-    "                           :uniform: uniform groups (what 3,3 and 2,2 meant before)\n"
+    "                           default 16. :nf: normal-float rows of those bits (2-5; one scale\n"
+    "                           a row; 4,3:nf and 3,2:nf are the best 3- and 2-bit caches measured,\n"
+    "                           CPU only); :uniform (the default): uniform groups\n"
     "  --kv-group-size G | K,V  values per quantization group of uniform rows: 8,16,32,64,128\n"
     "                           (default 64; normal-float rows have one scale a row)\n"
     "  --kv-rotation MODE       hadamard (default) | none: rotate head vectors before quantizing\n"
@@ -140,15 +138,11 @@ bool cli_parse_device(const char *flag, const char *v, enum kvq_device *out) {
     return true;
 }
 
-/* The row kinds of --kv-bits' sides: the presets 3 and 2 (the best formats measured at
- * about that many bits a value), or nf / uniform rows as asked. */
+/* The row kinds of --kv-bits' sides: uniform groups, or normal-float rows when asked
+ * (:nf). Normal-float stays opt-in: no GPU kernel reads it yet, and on the CPU it
+ * decodes slower than uniform rows (docs/kv-formats.md). */
 static bool set_kv_rows(const char *v, const char *kind, struct kvq_kv_config *kv) {
     int *bits[2] = {&kv->k_bits, &kv->v_bits}, *group[2] = {&kv->k_group, &kv->v_group};
-    if (!kind && kv->k_bits == kv->v_bits && (kv->k_bits == 3 || kv->k_bits == 2)) {
-        kv->k_bits++;
-        kv->k_group = kv->v_group = KVQ_KV_NF;
-        return true;
-    }
     const bool nf = kind && !strcmp(kind, "nf");
     for (int s = 0; s < 2; s++) {
         if (*bits[s] >= 16) continue;
@@ -251,7 +245,7 @@ bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
         bool ok;
         char kb[64];
         if (!strcmp(part, "nf") || !strcmp(part, "uniform")) {
-            snprintf(kb, sizeof kb, "%s:%s", bits, part); /* the bits as written, not a preset's */
+            snprintf(kb, sizeof kb, "%s:%s", bits, part);
             ok = kv_flag("--kv-bits", kb, kv);
         } else if (part[0] == 'g') ok = kv_flag("--kv-group-size", part + 1, kv);
         else if (!strcmp(part, "rot")) ok = kv_flag("--kv-rotation", "hadamard", kv);
