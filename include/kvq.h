@@ -69,9 +69,11 @@ void kvq_detok_free(struct kvq_detok *d);
 
 /* ---- KV cache settings ---------------------------------------------------- */
 
+#define KVQ_KV_NF (-1) /* a group size: normal-float rows (kernels/kv_quant.h) */
 struct kvq_kv_config {
     int k_bits, v_bits;   /* 16/32: float; 2,3,4,5,6,8: quantized */
-    int k_group, v_group; /* quantization group sizes (values along head_dim) */
+    int k_group, v_group; /* quantization group sizes (values along head_dim), or
+                           * KVQ_KV_NF: normal-float rows (bits 2..5, one scale a row) */
     int max_size;         /* rotating window in tokens (0: unbounded) */
     int keep;             /* tokens kept at the start when rotating */
     int quantized_start;  /* tokens held in 16 bits before quantizing */

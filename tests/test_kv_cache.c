@@ -165,6 +165,9 @@ static void test_kinds_vs_reference(void) {
     run_against_ref("rotating q4 max 16 keep 0, batches", cfg_of(4, 4, 32, 16, 0, 0, false), mixed, nm, 1e-4);
     run_against_ref("rotating hadamard K4V2 max 30 keep 4", cfg_of(4, 2, 32, 30, 4, 0, true), mixed, nm, 1e-4);
     run_against_ref("quantize after 50, K8V4 hadamard", cfg_of(8, 4, 64, 0, 4, 50, true), mixed, nm, 1e-4);
+    run_against_ref("normal-float K4V3 hadamard", cfg_of(4, 3, KERN_KVQ_NF, 0, 4, 0, true), mixed, nm, 1e-4);
+    run_against_ref("rotating normal-float K3V2 max 30 keep 4", cfg_of(3, 2, KERN_KVQ_NF, 30, 4, 0, true), mixed, nm, 1e-4);
+    run_against_ref("quantize after 50, normal-float K5V4", cfg_of(5, 4, KERN_KVQ_NF, 0, 4, 50, true), mixed, nm, 1e-4);
 }
 
 /* Rotation: attention with hadamard matches the unrotated float attention closely at
@@ -191,6 +194,39 @@ static void test_rotation(void) {
     free(scr);
     kv_cache_free(c);
     kv_cache_free(r);
+}
+
+/* Conversion (held prefixes in another format) into and out of normal-float rows: into
+ * K4V3 nf the rows come back close (relative RMS error of 3-bit Lloyd-Max: ~0.19), out
+ * of them into f32 exactly as the nf cache decodes them. */
+static void test_convert_nf(void) {
+    struct kv_cache_config c8 = cfg_of(8, 8, 64, 0, 4, 0, true), nf = cfg_of(4, 3, KERN_KVQ_NF, 0, 4, 0, true),
+                           f32 = cfg_of(32, 32, 64, 0, 4, 0, false);
+    c8.residual = nf.residual = 8;
+    struct kv_cache *a = kv_cache_new(&c8, &shape);
+    struct kv_cache *b = kv_cache_new_in(kv_cache_pool(a), &nf, &shape), *f = kv_cache_new_in(kv_cache_pool(a), &f32, &shape);
+    float k[40 * H * D], v[40 * H * D];
+    rand_tokens(40, k, v);
+    kv_cache_append(a, 40, k, v);
+    CHECK(kv_cache_convert(b, a) == 0 && kv_cache_n_past(b) == 40, "convert to nf: %s", kvq_last_error());
+    CHECK(kv_cache_convert(f, b) == 0 && kv_cache_n_past(f) == 40, "convert from nf: %s", kvq_last_error());
+    static float ra[40 * D], rb[40 * D], rf[40 * D];
+    for (int side = 0; side < 2; side++) {
+        int na = kv_cache_read_rows(a, 1, side, ra, NULL, 40), nb = kv_cache_read_rows(b, 1, side, rb, NULL, 40);
+        int nf2 = kv_cache_read_rows(f, 1, side, rf, NULL, 40);
+        double e = 0, x = 0, ef = 0;
+        for (int i = 0; i < 40 * D; i++) {
+            e += (ra[i] - rb[i]) * (ra[i] - rb[i]), x += ra[i] * ra[i];
+            ef = fmax(ef, fabs(rf[i] - rb[i]));
+        }
+        const double bound = side ? 0.25 : 0.13; /* values 3-bit, keys 4-bit */
+        CHECK(na == 40 && nb == 40 && nf2 == 40 && sqrt(e / x) < bound, "side %d: relative RMS error %g after nf conversion", side,
+              sqrt(e / x));
+        CHECK(ef < 1e-5, "side %d: f32 copy of the nf cache differs by %g", side, ef);
+    }
+    kv_cache_free(b);
+    kv_cache_free(f);
+    kv_cache_free(a); /* the pool's owner last */
 }
 
 static void test_wrap_convert_trim_bytes(void) {
@@ -419,12 +455,15 @@ static void test_save_load(void) {
     struct kv_cache_config cfs[] = {cfg_of(4, 2, 32, 24, 4, 0, true), cfg_of(16, 16, 64, 0, 4, 0, false),
                                     cfg_of(8, 4, 64, 0, 4, 20, false), cfg_of(3, 6, 16, 30, 2, 0, false),
                                     cfg_of(4, 2, 32, 0, 4, 0, true),   cfg_of(4, 4, 32, 24, 4, 0, true),
-                                    cfg_of(8, 4, 64, 0, 4, 20, true)};
+                                    cfg_of(8, 4, 64, 0, 4, 20, true),  cfg_of(4, 3, KERN_KVQ_NF, 24, 4, 0, true),
+                                    cfg_of(3, 2, KERN_KVQ_NF, 0, 4, 20, true)};
+    cfs[7].residual = 8;  /* normal-float rows, rotating, with a window */
+    cfs[8].residual = 16; /* normal-float rows after 20 */
     cfs[4].residual = 8;  /* version 2: before the offsets' point (every row in the window) */
     cfs[5].residual = 8;  /* rotating: offsets chosen at 24 tokens, window of 8 */
     cfs[6].residual = 16; /* quantize after 20 */
     float *scr = scratch_new();
-    for (int ci = 0; ci < 7; ci++) {
+    for (int ci = 0; ci < (int)(sizeof cfs / sizeof cfs[0]); ci++) {
         struct kv_cache *c = kv_cache_new(&cfs[ci], &shape), *d = kv_cache_new(&cfs[ci], &shape);
         float k[40 * H * D], v[40 * H * D];
         rand_tokens(40, k, v);
@@ -455,7 +494,7 @@ static void test_save_load(void) {
             CHECK(kv_cache_load(d, &t) != 0 && kv_cache_n_past(d) == 0, "truncated at %zu accepted", cut);
         }
         struct kv_cache_config other = cfs[ci];
-        other.k_bits = other.k_bits == 8 ? 4 : 8;
+        other.k_bits = other.k_bits == 8 || other.k_group == KERN_KVQ_NF ? 4 + (other.k_bits == 4) : 8;
         struct kv_cache *e = kv_cache_new(&other, &shape);
         struct kv_reader t = {b.data, b.len, 0};
         CHECK(e && kv_cache_load(e, &t) != 0 && strstr(kvq_last_error(), "other settings"), "other config: %s",
@@ -502,6 +541,7 @@ int main(void) {
     test_kinds_vs_reference();
     test_rotation();
     test_wrap_convert_trim_bytes();
+    test_convert_nf();
     test_residual_vs_reference();
     test_residual_batching();
     test_save_load();

@@ -286,6 +286,9 @@ static void test_attention(void) {
                 {2, 64, 2, 64}, {16, 0, 4, 64}, {8, 64, 16, 0}, {32, 0, 3, 32}, {4, 8, 4, 8},
                 /* the AVX-512 fast path: 4/8-bit K and V, groups of 32..128 */
                 {4, 32, 4, 32}, {8, 32, 4, 128}, {4, 128, 8, 32}, {8, 128, 8, 128}, {8, 32, 8, 32}, {4, 64, 8, 64},
+                /* normal-float rows, alone and beside uniform and float ones */
+                {4, KERN_KVQ_NF, 3, KERN_KVQ_NF}, {3, KERN_KVQ_NF, 2, KERN_KVQ_NF}, {5, KERN_KVQ_NF, 4, KERN_KVQ_NF},
+                {2, KERN_KVQ_NF, 5, KERN_KVQ_NF}, {16, 0, 3, KERN_KVQ_NF}, {4, KERN_KVQ_NF, 8, 64}, {8, 32, 2, KERN_KVQ_NF},
                 /* float rows on both sides: the runs entry point takes the float kernel */
                 {16, 0, 16, 0}, {32, 0, 32, 0}};
     const int ratios[] = {1, 2, 3, 4, 7, 8, 9}, lens[] = {1, 31, 33, 200};
@@ -315,10 +318,10 @@ static void test_attention(void) {
                 for (int i = 0; i < nq * d; i++) q[i] = gauss() * 0.3f;
                 ref_attn(nq, d, q, Kd, Vd, n, want);
                 float want8[9 * 128];
-                if (kb < 16) ref_attn_vnni(nq, d, q, K, kb, kg, kr, Vd, n, kb == 8 && vb == 8 ? 2 : 1, want8);
+                if (kb < 16 && kg > 0) ref_attn_vnni(nq, d, q, K, kb, kg, kr, Vd, n, kb == 8 && vb == 8 ? 2 : 1, want8);
                 else memcpy(want8, want, sizeof(float) * (size_t)nq * d);
                 struct kern_kv_rows krow = {K, kr, kb, kg}, vrow = {V, vr, vb, vg};
-                bool simd_ok = (kb >= 16 || kg % 16 == 0) && (vb >= 16 || vg % 16 == 0);
+                bool simd_ok = (kb >= 16 || kg < 0 || kg % 16 == 0) && (vb >= 16 || vg < 0 || vg % 16 == 0);
                 for (int v = 0; v < 3; v++) {
                     if (!have[v] || (v > 0 && !simd_ok)) continue;
                     struct kern_attn_state st;
@@ -431,8 +434,44 @@ static void test_attention_dominant(void) {
     printf("attention with a dominant key matches the float reference\n");
 }
 
+/* Normal-float rows: the byte formula, and on normal data a squared error close to the
+ * Lloyd-Max quantizer's for N(0,1) (Max 1960: 0.1175, 0.03454, 0.009497, 0.002499 for
+ * 2..5 bits), at every SIMD level (the codes map to level bytes per ISA). */
+static void test_nf_rows(void) {
+    static const double lloyd_max[6] = {0, 0, 0.1175, 0.03454, 0.009497, 0.002499};
+    const int d = 128;
+    float x[128], y[128];
+    uint8_t buf[256];
+    for (int bits = 2; bits <= 5; bits++) {
+        CHECK(kern_kvq_row_bytes(bits, KERN_KVQ_NF, d) == (size_t)d * bits / 8 + 1, "nf row bytes");
+        double err = 0, var = 0;
+        for (int trial = 0; trial < 200; trial++) {
+            const float amp = trial % 3 == 0 ? 30.0f : trial % 3 == 1 ? 0.02f : 1.0f;
+            for (int i = 0; i < d; i++) x[i] = amp * gauss();
+            kern_kvq_quantize_row(x, d, bits, KERN_KVQ_NF, buf);
+            const enum kvq_simd levels[] = {KVQ_SIMD_SCALAR, KVQ_SIMD_AVX2, KVQ_SIMD_AVX512};
+            float y0[128];
+            for (int li = 0; li < 3; li++) {
+                if (kvq_simd_force(levels[li]) != 0) continue;
+                kern_kvq_dequantize_row(buf, d, bits, KERN_KVQ_NF, li ? y : y0);
+                if (li) CHECK(memcmp(y, y0, sizeof y) == 0, "nf %d bits: level %d decodes as scalar", bits, li);
+            }
+            kvq_simd_force(kvq_simd_max());
+            for (int i = 0; i < d; i++) err += (double)(x[i] - y0[i]) * (x[i] - y0[i]) / (amp * amp), var += (double)x[i] * x[i] / (amp * amp);
+        }
+        const double rel = err / var;
+        CHECK(rel < 1.15 * lloyd_max[bits] && rel > 0.7 * lloyd_max[bits], "nf %d bits: relative squared error %g (Lloyd-Max %g)",
+              bits, rel, lloyd_max[bits]);
+    }
+    for (int i = 0; i < d; i++) x[i] = 0;
+    kern_kvq_quantize_row(x, d, 3, KERN_KVQ_NF, buf);
+    kern_kvq_dequantize_row(buf, d, 3, KERN_KVQ_NF, y);
+    CHECK(memcmp(x, y, sizeof x) == 0 && buf[d * 3 / 8] == 0, "nf zero row: scale 0, zeros back");
+}
+
 int main(void) {
     test_round_trip();
+    test_nf_rows();
     test_f16_rows();
     test_quantize_levels();
     test_hadamard();

@@ -63,6 +63,9 @@ extern const char *const cli_kv_spec_help;
 bool cli_kv_config_check(const struct kvq_kv_config *kv);
 /* "f16", "K8/V4 g64" ... for reports. */
 const char *cli_kv_config_name(const struct kvq_kv_config *kv);
+/* Effective bits a key or value of kv at n tokens of model m: the packed rows (codes,
+ * scales) alone, and all bytes (with the key/value offsets and the f16 windows). */
+void cli_kv_bits(const struct kvq_model *m, const struct kvq_kv_config *kv, int n, double *rows, double *all);
 
 /* Prints to stderr the KV bytes of each layer kind when the model's layers differ
  * (hybrid sliding-window models); nothing for uniform models. */

@@ -95,8 +95,13 @@ static bool parse_pair(const char *flag, const char *value, long min, long max, 
 
 const char *const cli_kv_flags_help =
     "KV cache:\n"
-    "  --kv-bits B | K,V        bits per key/value: 16 or 32 (float) or 2,3,4,5,6,8 (quantized); default 16\n"
-    "  --kv-group-size G | K,V  values per quantization group: 8,16,32,64,128 (default 64)\n"
+    "  --kv-bits B | K,V[:nf|:uniform]\n"
+    "                           bits per key/value: 16 or 32 (float) or 2,3,4,5,6,8 (quantized);\n"
+    "                           default 16. :nf: normal-float rows of those bits (2-5; one scale\n"
+    "                           a row; 4,3:nf and 3,2:nf are the best 3- and 2-bit caches measured,\n"
+    "                           CPU only); :uniform (the default): uniform groups\n"
+    "  --kv-group-size G | K,V  values per quantization group of uniform rows: 8,16,32,64,128\n"
+    "                           (default 64; normal-float rows have one scale a row)\n"
     "  --kv-rotation MODE       hadamard (default) | none: rotate head vectors before quantizing\n"
     "  --quantized-kv-start N   keep the first N tokens in 16 bits, then quantize\n"
     "  --max-kv-size N          rotating cache of N tokens (0: unbounded)\n"
@@ -133,6 +138,24 @@ bool cli_parse_device(const char *flag, const char *v, enum kvq_device *out) {
     return true;
 }
 
+/* The row kinds of --kv-bits' sides: uniform groups, or normal-float rows when asked
+ * (:nf). Normal-float stays opt-in: no GPU kernel reads it yet, and on the CPU it
+ * decodes slower than uniform rows (docs/kv-formats.md). */
+static bool set_kv_rows(const char *v, const char *kind, struct kvq_kv_config *kv) {
+    int *bits[2] = {&kv->k_bits, &kv->v_bits}, *group[2] = {&kv->k_group, &kv->v_group};
+    const bool nf = kind && !strcmp(kind, "nf");
+    for (int s = 0; s < 2; s++) {
+        if (*bits[s] >= 16) continue;
+        if (nf && *bits[s] > 5) {
+            cli_fail("invalid value '%s' for --kv-bits: normal-float rows have 2 to 5 bits", v);
+            return false;
+        }
+        if (nf) *group[s] = KVQ_KV_NF;
+        else if (*group[s] == KVQ_KV_NF) *group[s] = 64;
+    }
+    return true;
+}
+
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *cp) {
     struct kvq_kv_config *kv = &cp->kv;
     const char *flag = argv[*i];
@@ -146,16 +169,27 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *
     if (cli_is_device_flag(flag))
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_device(flag, v, &cp->device) ? 1 : -1;
     if (strcmp(flag, "--kv-bits") == 0) {
-        if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 2, 32, &kv->k_bits, &kv->v_bits)) return -1;
+        if (!(v = cli_flag_value(argc, argv, i))) return -1;
+        char buf[64];
+        snprintf(buf, sizeof buf, "%s", v);
+        char *kind = strchr(buf, ':');
+        if (kind) *kind++ = '\0';
+        if (kind && strcmp(kind, "nf") != 0 && strcmp(kind, "uniform") != 0) {
+            cli_fail("invalid value '%s' for --kv-bits: the row kind after ':' must be nf or uniform", v);
+            return -1;
+        }
+        if (!parse_pair(flag, buf, 2, 32, &kv->k_bits, &kv->v_bits)) return -1;
         if (!valid_bits(kv->k_bits) || !valid_bits(kv->v_bits)) {
             cli_fail("invalid value '%s' for --kv-bits: bits must be 2, 3, 4, 5, 6, 8, 16 or 32", v);
             return -1;
         }
-        return 1;
+        return set_kv_rows(v, kind, kv) ? 1 : -1;
     }
     if (strcmp(flag, "--kv-group-size") == 0) {
-        if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 1, 1024, &kv->k_group, &kv->v_group))
-            return -1;
+        int kg, vg;
+        if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 1, 1024, &kg, &vg)) return -1;
+        if (kv->k_group != KVQ_KV_NF) kv->k_group = kg; /* normal-float rows have no groups */
+        if (kv->v_group != KVQ_KV_NF) kv->v_group = vg;
         return 1;
     }
     if (strcmp(flag, "--kv-rotation") == 0) {
@@ -195,7 +229,7 @@ static bool kv_flag(const char *flag, const char *value, struct kvq_kv_config *k
 
 const char *const cli_kv_spec_help =
     "KV config SPEC: f16 | f32 | BITS | KBITS,VBITS (bits as for --kv-bits), then optional\n"
-    "  suffixes :gG or :gGK,GV (group size), :rot or :norot (Hadamard rotation), :rN\n"
+    "  suffixes :nf or :uniform (row kind, as for --kv-bits), :gG or :gGK,GV (group size), :rot or :norot (Hadamard rotation), :rN\n"
     "  (residual f16 window of N tokens), :qsN (quantized-kv-start), :swafull (--swa-full);\n"
     "  unset parts take the --kv-* defaults. e.g. 8,4   4:g32   4,2:r0:norot\n";
 
@@ -209,14 +243,18 @@ bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
     if (!kv_flag("--kv-bits", bits, kv)) return false;
     while ((part = strtok_r(NULL, ":", &save))) {
         bool ok;
-        if (part[0] == 'g') ok = kv_flag("--kv-group-size", part + 1, kv);
+        char kb[64];
+        if (!strcmp(part, "nf") || !strcmp(part, "uniform")) {
+            snprintf(kb, sizeof kb, "%s:%s", bits, part);
+            ok = kv_flag("--kv-bits", kb, kv);
+        } else if (part[0] == 'g') ok = kv_flag("--kv-group-size", part + 1, kv);
         else if (!strcmp(part, "rot")) ok = kv_flag("--kv-rotation", "hadamard", kv);
         else if (!strcmp(part, "norot")) ok = kv_flag("--kv-rotation", "none", kv);
         else if (!strncmp(part, "qs", 2)) ok = kv_flag("--quantized-kv-start", part + 2, kv);
         else if (!strcmp(part, "swafull")) ok = kv_flag("--swa-full", NULL, kv);
         else if (part[0] == 'r') ok = kv_flag("--kv-residual", part + 1, kv);
         else {
-            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :gG, :rot, :norot, :rN, :qsN or :swafull)", part, spec);
+            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :nf, :uniform, :gG, :rot, :norot, :rN, :qsN or :swafull)", part, spec);
             return false;
         }
         if (!ok) return false;
@@ -232,12 +270,35 @@ bool cli_kv_config_check(const struct kvq_kv_config *kv) {
     return true;
 }
 
+void cli_kv_bits(const struct kvq_model *m, const struct kvq_kv_config *kv, int n, double *rows, double *all) {
+    struct kvq_kv_config f16 = *kv;
+    f16.k_bits = f16.v_bits = 16;
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    const double values = (double)kvq_kv_token_bytes(m, &f16) / 2 * n; /* keys and values of n tokens */
+    const bool quant = kv->k_bits < 16 || kv->v_bits < 16;
+    double bytes = (double)kvq_kv_token_bytes(m, kv) * n;
+    *rows = values > 0 ? 8 * bytes / values : 0;
+    if (quant && kv->residual > 0) /* the offsets, [2][n_kv_heads][head_dim] f32 a layer */
+        bytes += (double)info.n_layer * 2 * info.n_head_kv * info.head_dim * 4 + (double)kvq_kv_window_bytes(m, kv);
+    *all = values > 0 ? 8 * bytes / values : 0;
+}
+
 const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
     static char buf[96];
     int n;
     if (kv->k_bits >= 16 && kv->v_bits >= 16)
         n = snprintf(buf, sizeof buf, "%s", kv->k_bits == 32 ? "f32" : "f16");
-    else if (kv->k_bits == kv->v_bits && kv->k_group == kv->v_group)
+    else if (kv->k_group == KVQ_KV_NF || kv->v_group == KVQ_KV_NF) {
+        char side[2][16];
+        for (int s = 0; s < 2; s++) {
+            int b = s ? kv->v_bits : kv->k_bits, g = s ? kv->v_group : kv->k_group;
+            if (b >= 16) snprintf(side[s], sizeof side[s], "f%d", b);
+            else if (g == KVQ_KV_NF) snprintf(side[s], sizeof side[s], "%dnf", b);
+            else snprintf(side[s], sizeof side[s], "%dg%d", b, g);
+        }
+        n = snprintf(buf, sizeof buf, "K%s/V%s", side[0], side[1]);
+    } else if (kv->k_bits == kv->v_bits && kv->k_group == kv->v_group)
         n = snprintf(buf, sizeof buf, "q%d g%d", kv->k_bits, kv->k_group);
     else
         n = snprintf(buf, sizeof buf, "K%d/V%d g%d/%d", kv->k_bits, kv->v_bits, kv->k_group, kv->v_group);

@@ -22,7 +22,8 @@ static const char *const bench_help =
     "  --seq-len N           tokens (default 512)\n"
     "  --heads N             KV heads (default 32)\n"
     "  --head-dim N          values per head (default 128)\n"
-    "  --bits LIST           modes, e.g. 16,8,4,3,2 (default 16,8,6,5,4,3,2)\n"
+    "  --bits LIST           modes, e.g. 16,8,4,3,2,4nf,3nf (default 16,8,6,5,4,3,2,5nf,4nf,3nf,2nf);\n"
+    "                        Bnf: normal-float rows of B bits (2-5; one scale a row)\n"
     "  --group-size G        values per group (default 64)\n"
     "  --rotation MODE       none | hadamard (rotate rows before quantizing)\n"
     "  --from-model MODEL    use the model's keys and values over -f TEXT instead of Gaussian data\n"
@@ -33,6 +34,12 @@ struct data {
     int L, H, S, D;
     float *k, *v; /* [L][H][S][D] */
 };
+
+/* A --bits entry of normal-float rows ("4nf"). */
+static bool mode_nf(const char *tok) {
+    size_t n = strlen(tok);
+    return n > 2 && !strcmp(tok + n - 2, "nf");
+}
 
 static float gauss(uint64_t *s) {
     double u = 0;
@@ -156,9 +163,9 @@ static double time_attention(const struct data *d, const uint8_t *kb, const uint
 static const char *const bench_kv_cache_value_flags[] = {"--layers", "--seq-len", "--heads", "--head-dim", "--group-size", "--repeat", "--bits", "--from-model", "-f", "--file", "--rotation", NULL};
 
 int cmd_bench_kv_cache(int argc, char **argv) {
-    int L = 32, S = 512, H = 32, D = 128, G = 64, repeat = 3;
+    int L = 32, S = 512, H = 32, D = 128, group = 64, repeat = 3;
     bool rot = false;
-    const char *bits_list = "16,8,6,5,4,3,2", *model = NULL, *file = NULL;
+    const char *bits_list = "16,8,6,5,4,3,2,5nf,4nf,3nf,2nf", *model = NULL, *file = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -171,7 +178,7 @@ int cmd_bench_kv_cache(int argc, char **argv) {
         else if (!strcmp(a, "--seq-len")) ok = cli_parse_int(a, v, 1, 1 << 20, &S);
         else if (!strcmp(a, "--heads")) ok = cli_parse_int(a, v, 1, 1024, &H);
         else if (!strcmp(a, "--head-dim")) ok = cli_parse_int(a, v, 8, KERN_KVQ_MAX_DIM, &D);
-        else if (!strcmp(a, "--group-size")) ok = cli_parse_int(a, v, 8, 128, &G);
+        else if (!strcmp(a, "--group-size")) ok = cli_parse_int(a, v, 8, 128, &group);
         else if (!strcmp(a, "--repeat")) ok = cli_parse_int(a, v, 1, 1000, &repeat);
         else if (!strcmp(a, "--bits")) bits_list = v;
         else if (!strcmp(a, "--from-model")) model = v;
@@ -187,6 +194,7 @@ int cmd_bench_kv_cache(int argc, char **argv) {
     for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) { /* all checked before any allocation */
         int bits = atoi(tok);
         if (bits != 16 && bits != 32 && !kern_kvq_bits_quantized(bits)) return cli_fail("invalid bits '%s'", tok);
+        if (mode_nf(tok) && !kern_kvq_nf_bits(bits)) return cli_fail("invalid bits '%s': normal-float rows have 2 to 5", tok);
     }
     if (model && !file) return cli_fail("--from-model needs a text: -f FILE");
     struct data d = {L, H, S, D, NULL, NULL};
@@ -206,8 +214,8 @@ int cmd_bench_kv_cache(int argc, char **argv) {
         uint64_t s = 0x9e3779b97f4a7c15ull;
         for (size_t i = 0; i < total; i++) d.k[i] = gauss(&s), d.v[i] = gauss(&s);
     }
-    if (d.D % G != 0) {
-        cli_fail("group size %d does not divide head_dim %d", G, d.D);
+    if (d.D % group != 0) {
+        cli_fail("group size %d does not divide head_dim %d", group, d.D);
         goto done;
     }
     size_t n_rows = (size_t)d.L * d.H * d.S;
@@ -221,13 +229,14 @@ int cmd_bench_kv_cache(int argc, char **argv) {
     for (int i = 0; i < d.D; i++) q[i] = gauss(&s) / sqrtf((float)d.D);
     size_t f16_bytes = n_rows * d.D * 2 * 2;
     printf("bench-kv-cache: %d layers x %d heads x %d tokens x head_dim %d, group %d%s, kernels %s, 1 thread\n", d.L,
-           d.H, d.S, d.D, G, rot ? ", hadamard" : "", kern_kvq_simd_level());
-    printf("| mode | memory MiB | vs f16 | mean abs err | max abs err | quantize ms | dequantize ms | attention ms | "
-           "f16 attention ms |\n|---|---|---|---|---|---|---|---|---|\n");
+           d.H, d.S, d.D, group, rot ? ", hadamard" : "", kern_kvq_simd_level());
+    printf("| mode | bits per value | memory MiB | vs f16 | mean abs err | max abs err | quantize ms | dequantize ms | "
+           "attention ms | f16 attention ms |\n|---|---|---|---|---|---|---|---|---|---|\n");
     double f16_attn = -1;
     snprintf(list, sizeof list, "%s", bits_list);
     for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
         int bits = atoi(tok);
+        const int G = mode_nf(tok) ? KERN_KVQ_NF : group;
         size_t row = kern_kvq_row_bytes(bits, G, d.D);
         kb = malloc(row * n_rows), vb = malloc(row * n_rows);
         if (!kb || !vb) {
@@ -285,8 +294,9 @@ int cmd_bench_kv_cache(int argc, char **argv) {
         double ta = bits == 16 ? f16_attn : time_attention(&d, kb, vb, row, bits, G, q, repeat);
         size_t bytes = row * n_rows * 2;
         char name[32];
-        snprintf(name, sizeof name, bits >= 16 ? "f%d" : "q%d g%d", bits, G);
-        printf("| %s | %.1f | %.2fx | %.5f | %.4f | %.1f | %.1f | %.2f | %.2f |\n", name, bytes / 1048576.0,
+        if (G == KERN_KVQ_NF) snprintf(name, sizeof name, "nf%d", bits);
+        else snprintf(name, sizeof name, bits >= 16 ? "f%d" : "q%d g%d", bits, G);
+        printf("| %s | %.4f | %.1f | %.2fx | %.5f | %.4f | %.1f | %.1f | %.2f | %.2f |\n", name, 8.0 * row / d.D, bytes / 1048576.0,
                (double)f16_bytes / bytes, err_sum / (2.0 * n_rows * d.D), err_max, tq, tdq, ta, f16_attn);
         fflush(stdout);
         free(kb);

@@ -541,6 +541,11 @@ int cmd_perplexity(int argc, char **argv) {
 
     fprintf(stderr, "kvq: %d tokens, %d chunks of %d (%d scored each), %d in parallel, KV %s\n", n_tok, n_chunk, n_ctx,
             n_scored, n_par, cli_kv_config_name(&o.cp.kv));
+    double bits_rows, bits_all;
+    cli_kv_bits(m, &o.cp.kv, n_ctx, &bits_rows, &bits_all);
+    printf("KV bits per value at %d tokens: %.4f in the packed rows (codes and scales), %.4f with the offsets and "
+           "the f16 windows\n",
+           n_ctx, bits_rows, bits_all);
     bool tty = isatty(STDERR_FILENO);
     double nll = 0, nll2 = 0, t0 = cli_now();
     long count = 0;

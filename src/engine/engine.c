@@ -301,6 +301,11 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
                   p->kv.keep, n_ctx);
         return NULL;
     }
+    if (p->device == KVQ_DEVICE_CUDA && quant && (p->kv.k_group == KVQ_KV_NF || p->kv.v_group == KVQ_KV_NF)) {
+        kvq_error("the CUDA backend has no attention for normal-float KV rows (--kv-bits 3, 2 or :nf): use "
+                  "uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu");
+        return NULL;
+    }
     struct kvq_context *c = calloc(1, sizeof *c);
     if (!c) {
         kvq_error("out of memory");

@@ -11,8 +11,24 @@ bool kern_kvq_bits_quantized(int bits) {
     return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
 }
 
+bool kern_kvq_nf_bits(int bits) { return bits >= 2 && bits <= 5; }
+
+/* round(127.5 + l * 127.5 / l_max) for the Lloyd-Max levels l of N(0,1) */
+static const uint8_t nf_levels2[4] = {0, 89, 166, 255};
+static const uint8_t nf_levels3[8] = {0, 48, 83, 113, 142, 172, 207, 255};
+static const uint8_t nf_levels4[16] = {0, 31, 52, 69, 84, 97, 109, 122, 133, 146, 158, 171, 186, 203, 224, 255};
+static const uint8_t nf_levels5[32] = {0,   22,  37,  48,  57,  66,  73,  80,  86,  92,  98,
+                                       104, 109, 114, 120, 125, 130, 135, 141, 146, 151, 157,
+                                       163, 169, 175, 182, 189, 198, 207, 218, 233, 255};
+
+const uint8_t *kern_kvq_nf_levels(int bits) {
+    static const uint8_t *const t[6] = {NULL, NULL, nf_levels2, nf_levels3, nf_levels4, nf_levels5};
+    return kern_kvq_nf_bits(bits) ? t[bits] : NULL;
+}
+
 size_t kern_kvq_row_bytes(int bits, int group, int d) {
     if (!kvq_is_quant(bits)) return (size_t)d * (size_t)bits / 8;
+    if (group == KERN_KVQ_NF) return (size_t)d * (size_t)bits / 8 + 1;
     if (group <= 0) return (size_t)d * (size_t)bits / 8;
     return (size_t)d * (size_t)bits / 8 + 4 * (size_t)(d / group);
 }
@@ -58,6 +74,68 @@ void kern_kvq_unpack_scalar(const uint8_t *src, int n, int bits, uint8_t *out) {
     }
 }
 
+/* ---- normal-float rows ---- */
+
+/* Squared error of x[n] coded with levels lv (centred, ascending) at scale s; the
+ * codes to c when not NULL. A code is the number of level midpoints below x (no
+ * branches: the compiler vectorizes it). */
+static float nf_fit(const float *x, int n, const float *lv, int nl, float s, uint8_t *c) {
+    if (n % 16 == 0 && kvq_simd_level() == KVQ_SIMD_AVX512) return kern_kvq_nf_fit_avx512(x, n, lv, nl, s, c);
+    float thr[31], e = 0;
+    for (int k = 0; k + 1 < nl; k++) thr[k] = 0.5f * s * (lv[k] + lv[k + 1]);
+    for (int i = 0; i < n; i++) {
+        int k = 0;
+        for (int t = 0; t + 1 < nl; t++) k += x[i] > thr[t];
+        const float d = x[i] - s * lv[k];
+        e += d * d;
+        if (c) c[i] = (uint8_t)k;
+    }
+    return e;
+}
+
+static uint8_t nf_scale_code(float s) {
+    if (!(s > 0)) return 0;
+    const float e = 12.0f * log2f(s) + 216.0f;
+    return e < 1 ? 1 : e > 255 ? 255 : (uint8_t)lrintf(e);
+}
+
+/* The scale: the best of a sweep of clipping points below the row's maximum (the
+ * tails of the rotated rows are heavier than a normal's), refined by least squares on
+ * its codes (a step of Lloyd's algorithm for the scale), then the best of the stored
+ * scales around it. */
+static void nf_quantize(const float *x, int d, int bits, uint8_t *dst) {
+    const int nl = 1 << bits;
+    const uint8_t *u = kern_kvq_nf_levels(bits);
+    float lv[32] = {0}, amax = 0;
+    for (int k = 0; k < nl; k++) lv[k] = (float)u[k] - 127.5f;
+    for (int i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+    uint8_t c[KERN_KVQ_MAX_DIM];
+    float bs = amax / lv[nl - 1], best = INFINITY;
+    for (int a = 0; a < 11; a++) {
+        const float sc = amax * (1.0f - 0.05f * (float)a) / lv[nl - 1], e = nf_fit(x, d, lv, nl, sc, NULL);
+        if (e < best) best = e, bs = sc;
+    }
+    for (int it = 0; it < 2 && amax > 0; it++) {
+        nf_fit(x, d, lv, nl, bs, c);
+        double sxl = 0, sll = 0;
+        for (int i = 0; i < d; i++) sxl += (double)x[i] * lv[c[i]], sll += (double)lv[c[i]] * lv[c[i]];
+        const float sc = sll > 0 ? (float)(sxl / sll) : bs, e = nf_fit(x, d, lv, nl, sc, NULL);
+        if (!(e < best)) break;
+        best = e, bs = sc;
+    }
+    const uint8_t e0 = nf_scale_code(bs);
+    uint8_t eb = e0;
+    best = INFINITY;
+    for (int t = e0 - 1; t <= e0 + 1 && e0; t++) {
+        if (t < 1 || t > 255) continue;
+        const float e = nf_fit(x, d, lv, nl, kvq_nf_scale((uint8_t)t), NULL);
+        if (e < best) best = e, eb = (uint8_t)t;
+    }
+    nf_fit(x, d, lv, nl, kvq_nf_scale(eb), c);
+    pack_codes(c, d, bits, dst);
+    dst[(size_t)d * bits / 8] = eb;
+}
+
 void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *dst) {
     if (bits == 32) {
         memcpy(dst, x, (size_t)d * 4);
@@ -73,6 +151,10 @@ void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *
                 memcpy(dst + 2 * i, &h, 2);
             }
         }
+        return;
+    }
+    if (group == KERN_KVQ_NF) {
+        nf_quantize(x, d, bits, dst);
         return;
     }
     if ((bits == 4 || bits == 8) && group % 16 == 0) {
@@ -126,11 +208,13 @@ void kern_kvq_dequantize_row(const uint8_t *src, int d, int bits, int group, flo
         return;
     }
     uint8_t codes[KERN_KVQ_MAX_DIM];
-    kern_kvq_unpack_codes(src, d, bits, codes);
+    kern_kvq_row_codes(src, d, bits, group, codes);
     const uint8_t *sb = src + (size_t)d * bits / 8;
-    for (int g = 0; g < d / group; g++) {
-        float s = kvq_load_f16(sb + 4 * g), b = kvq_load_f16(sb + 4 * g + 2);
-        for (int i = g * group; i < (g + 1) * group; i++) x[i] = s * (float)codes[i] + b;
+    const int G = kvq_gsize(group, d);
+    for (int g = 0; g < d / G; g++) {
+        float s, b;
+        kvq_gparams(sb, g, group, &s, &b);
+        for (int i = g * G; i < (g + 1) * G; i++) x[i] = s * (float)codes[i] + b;
     }
 }
 
@@ -199,12 +283,32 @@ void kern_kvq_unpack_codes(const uint8_t *src, int n, int bits, uint8_t *out) {
     }
 }
 
+static void nf_map(uint8_t *c, int n, int bits) {
+    const uint8_t *u = kern_kvq_nf_levels(bits);
+    for (int i = 0; i < n; i++) c[i] = u[c[i]];
+}
+
+void kern_kvq_row_codes_scalar(const uint8_t *src, int n, int bits, int group, uint8_t *out) {
+    kern_kvq_unpack_scalar(src, n, bits, out);
+    if (group == KERN_KVQ_NF) nf_map(out, n, bits);
+}
+
+void kern_kvq_row_codes(const uint8_t *src, int n, int bits, int group, uint8_t *out) {
+    kern_kvq_unpack_codes(src, n, bits, out);
+    if (group != KERN_KVQ_NF) return;
+    switch (kvq_simd_level()) {
+    case KVQ_SIMD_AVX512: kern_kvq_nf_map_avx512(out, n, bits); break;
+    case KVQ_SIMD_AVX2: kern_kvq_nf_map_avx2(out, n, bits); break;
+    default: nf_map(out, n, bits); break;
+    }
+}
+
 void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *k,
                               const struct kern_kv_rows *v, int n) {
     if (n <= 0) return;
     /* The SIMD variants need whole vectors per group. */
-    int simd_ok = s->d % 16 == 0 && (!kvq_is_quant(k->bits) || k->group % 16 == 0) &&
-                  (!kvq_is_quant(v->bits) || v->group % 16 == 0);
+    int simd_ok = s->d % 16 == 0 && (!kvq_is_quant(k->bits) || kvq_gsize(k->group, s->d) % 16 == 0) &&
+                  (!kvq_is_quant(v->bits) || kvq_gsize(v->group, s->d) % 16 == 0);
     const enum kvq_simd l = simd_ok ? kvq_simd_level() : KVQ_SIMD_SCALAR;
     for (int h0 = 0; h0 < s->n_q; h0 += KVQ_ATTN_MAXH) {
         int nh = s->n_q - h0 < KVQ_ATTN_MAXH ? s->n_q - h0 : KVQ_ATTN_MAXH;
@@ -226,7 +330,8 @@ void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float
                           const struct kern_kv_rows *v, int n) {
     const int d = s->d;
     const bool kq = kvq_is_quant(k->bits), vq = kvq_is_quant(v->bits);
-    const int kng = kq ? d / k->group : 0, vng = vq ? d / v->group : 0;
+    const int kg = kvq_gsize(k->group, d), vg = kvq_gsize(v->group, d);
+    const int kng = kq ? d / kg : 0, vng = vq ? d / vg : 0;
     float qsum[KVQ_ATTN_MAXH][KERN_KVQ_MAX_DIM / 8];
     float sc[KVQ_ATTN_MAXH][KVQ_ATTN_BLOCK];
     uint8_t codes[KERN_KVQ_MAX_DIM];
@@ -234,7 +339,7 @@ void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float
     for (int h = 0; h < nh && kq; h++)
         for (int g = 0; g < kng; g++) {
             float t = 0;
-            for (int i = g * k->group; i < (g + 1) * k->group; i++) t += q[(size_t)(h0 + h) * d + i];
+            for (int i = g * kg; i < (g + 1) * kg; i++) t += q[(size_t)(h0 + h) * d + i];
             qsum[h][g] = t;
         }
     for (int j0 = 0; j0 < n; j0 += KVQ_ATTN_BLOCK) {
@@ -242,15 +347,16 @@ void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float
         for (int j = 0; j < nj; j++) {
             const uint8_t *r = k->data + (size_t)(j0 + j) * k->stride;
             if (kq) {
-                kern_kvq_unpack_scalar(r, d, k->bits, codes);
+                kern_kvq_row_codes_scalar(r, d, k->bits, k->group, codes);
                 const uint8_t *sb = r + (size_t)d * k->bits / 8;
                 for (int h = 0; h < nh; h++) {
                     const float *qh = q + (size_t)(h0 + h) * d;
                     float tot = 0;
                     for (int g = 0; g < kng; g++) {
-                        float dot = 0;
-                        for (int i = g * k->group; i < (g + 1) * k->group; i++) dot += qh[i] * (float)codes[i];
-                        tot += kvq_load_f16(sb + 4 * g) * dot + kvq_load_f16(sb + 4 * g + 2) * qsum[h][g];
+                        float dot = 0, gs, gb;
+                        for (int i = g * kg; i < (g + 1) * kg; i++) dot += qh[i] * (float)codes[i];
+                        kvq_gparams(sb, g, k->group, &gs, &gb);
+                        tot += gs * dot + gb * qsum[h][g];
                     }
                     sc[h][j] = tot;
                 }
@@ -269,14 +375,15 @@ void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float
         for (int j = 0; j < nj; j++) {
             const uint8_t *r = v->data + (size_t)(j0 + j) * v->stride;
             if (vq) {
-                kern_kvq_unpack_scalar(r, d, v->bits, codes);
+                kern_kvq_row_codes_scalar(r, d, v->bits, v->group, codes);
                 const uint8_t *sb = r + (size_t)d * v->bits / 8;
                 for (int g = 0; g < vng; g++) {
-                    float gs = kvq_load_f16(sb + 4 * g), gb = kvq_load_f16(sb + 4 * g + 2);
+                    float gs, gb;
+                    kvq_gparams(sb, g, v->group, &gs, &gb);
                     for (int h = 0; h < nh; h++) {
                         float *a = s->acc + (size_t)(h0 + h) * d;
                         float ws = sc[h][j] * gs, wb = sc[h][j] * gb;
-                        for (int i = g * v->group; i < (g + 1) * v->group; i++) a[i] += ws * (float)codes[i] + wb;
+                        for (int i = g * vg; i < (g + 1) * vg; i++) a[i] += ws * (float)codes[i] + wb;
                     }
                 }
             } else {

@@ -7,6 +7,16 @@
  * code = clamp(round((x - bias)/scale), 0, 2^bits-1), x' = scale*code + bias.
  * bits 16 and 32 describe plain f16 / f32 rows (row_bytes = d*bits/8).
  *
+ * Normal-float rows (group == KERN_KVQ_NF, bits 2..5): the rotated coordinates of a row
+ * are close to normal, so the codes index the Lloyd-Max levels of N(0,1) (optimal for
+ * that distribution), held as bytes u[code] symmetric about 127.5 (kern_kvq_nf_levels),
+ * with one scale for the whole row:
+ *   [codes: d*bits/8 bytes][scale: 1 byte e]                  (row_bytes = d*bits/8 + 1)
+ * x' = s*(u[code] - 127.5), s = 2^((e-216)/12) (e = 0: s = 0). The encoder picks the
+ * scale that minimizes the row's squared error (clipping the tails where that pays),
+ * not the one its maximum gives. Attention treats such a row as one group of scale s
+ * and bias -127.5*s over the bytes u[code].
+ *
  * Attention reads the packed codes directly: per group, score += scale*dot(q, codes)
  * + bias*sum(q); values accumulate p*scale*codes + p*bias the same way. Rows are
  * unpacked to 8-bit codes a block at a time (in L1), never to a float copy. */
@@ -20,9 +30,14 @@
 #include "kernels/attention.h"
 
 #define KERN_KVQ_MAX_DIM 1024 /* largest head_dim the kernels accept */
+#define KERN_KVQ_NF (-1)       /* group of a normal-float row (see above) */
 
 /* True for a quantized bit width (2,3,4,5,6,8). */
 bool kern_kvq_bits_quantized(int bits);
+/* True for bits a normal-float row may have (2..5). */
+bool kern_kvq_nf_bits(int bits);
+/* The level bytes u[code] of a normal-float row of `bits` bits (2^bits of them). */
+const uint8_t *kern_kvq_nf_levels(int bits);
 /* Bytes of one row of d values (see the format above). */
 size_t kern_kvq_row_bytes(int bits, int group, int d);
 

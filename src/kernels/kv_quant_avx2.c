@@ -29,6 +29,28 @@ void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out) {
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
 }
 
+/* Codes to level bytes: a 16-entry byte shuffle (two and a select for 5 bits). */
+void kern_kvq_nf_map_avx2(uint8_t *c, int n, int bits) {
+    const uint8_t *u = kern_kvq_nf_levels(bits);
+    uint8_t lo[16] = {0}, hi[16] = {0};
+    const int nl = 1 << bits;
+    for (int k = 0; k < nl && k < 16; k++) lo[k] = u[k];
+    for (int k = 16; k < nl; k++) hi[k - 16] = u[k];
+    const __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo));
+    const __m256i th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi));
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(c + i));
+        __m256i y = _mm256_shuffle_epi8(tl, x); /* codes < 16: bit 7 clear, low nibble indexes */
+        if (bits == 5) {
+            const __m256i big = _mm256_cmpgt_epi8(x, _mm256_set1_epi8(15));
+            y = _mm256_blendv_epi8(y, _mm256_shuffle_epi8(th, _mm256_and_si256(x, _mm256_set1_epi8(15))), big);
+        }
+        _mm256_storeu_si256((__m256i *)(c + i), y);
+    }
+    for (; i < n; i++) c[i] = u[c[i]];
+}
+
 void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst) {
     int i = 0;
     for (; i + 8 <= d; i += 8)
@@ -78,4 +100,5 @@ static void codes16_avx2(const float *x, __m256 bias, __m256 inv, __m256 top, in
 #define SOFTMAX_STEP kern_softmax_step_avx2
 #define FN(x) x##_avx2
 #define UNPACK kern_kvq_unpack_avx2
+#define NFMAP kern_kvq_nf_map_avx2
 #include "kernels/kv_quant_simd.inc"

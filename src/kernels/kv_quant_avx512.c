@@ -25,8 +25,64 @@ void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
                                 _mm512_or_si512(_mm512_slli_epi32(x, 12), _mm512_slli_epi32(x, 18)));
             _mm512_storeu_si512(out + i, _mm512_and_si512(x, _mm512_set1_epi32(0x03030303)));
         }
+    } else if (bits == 3) {
+        /* 16 codes (6 bytes) a 128-bit lane: each code's two bytes as a word, shifted
+         * right by its bit offset, masked, the words packed back to bytes */
+        const __m512i lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, 3, 2, 3));
+        const __m512i hi = _mm512_broadcast_i32x4(_mm_setr_epi8(3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, 6, 5, 6));
+        const __m512i sh = _mm512_broadcast_i32x4(_mm_setr_epi16(0, 3, 6, 1, 4, 7, 2, 5));
+        const __m512i m7 = _mm512_set1_epi16(7);
+        for (; i + 64 <= n; i += 64) {
+            const uint8_t *p = src + (size_t)i * 3 / 8;
+            __m512i x = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(0x3f, p));
+            x = _mm512_inserti32x4(x, _mm_maskz_loadu_epi8(0x3f, p + 6), 1);
+            x = _mm512_inserti32x4(x, _mm_maskz_loadu_epi8(0x3f, p + 12), 2);
+            x = _mm512_inserti32x4(x, _mm_maskz_loadu_epi8(0x3f, p + 18), 3);
+            const __m512i a = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(x, lo), sh), m7);
+            const __m512i b = _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(x, hi), sh), m7);
+            _mm512_storeu_si512(out + i, _mm512_packus_epi16(a, b));
+        }
     }
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
+}
+
+float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, float s, uint8_t *c) {
+    float thr[31];
+    for (int k = 0; k + 1 < nl; k++) thr[k] = 0.5f * s * (lv[k] + lv[k + 1]);
+    const __m512 l0 = _mm512_loadu_ps(lv), l1 = nl > 16 ? _mm512_loadu_ps(lv + 16) : l0, vs = _mm512_set1_ps(s);
+    __m512 e = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        __m512i k = _mm512_setzero_si512();
+        for (int t = 0; t + 1 < nl; t++)
+            k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(xv, _mm512_set1_ps(thr[t]), _CMP_GT_OQ), k, _mm512_set1_epi32(1));
+        const __m512 d = _mm512_sub_ps(xv, _mm512_mul_ps(vs, _mm512_permutex2var_ps(l0, k, l1)));
+        e = _mm512_fmadd_ps(d, d, e);
+        if (c) _mm_storeu_si128((__m128i *)(c + i), _mm512_cvtepi32_epi8(k));
+    }
+    return _mm512_reduce_add_ps(e);
+}
+
+/* Codes to level bytes: a 16-entry byte shuffle (two and a select for 5 bits). */
+void kern_kvq_nf_map_avx512(uint8_t *c, int n, int bits) {
+    const uint8_t *u = kern_kvq_nf_levels(bits);
+    uint8_t lo[16] = {0}, hi[16] = {0};
+    const int nl = 1 << bits;
+    for (int k = 0; k < nl && k < 16; k++) lo[k] = u[k];
+    for (int k = 16; k < nl; k++) hi[k - 16] = u[k];
+    const __m512i tl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lo));
+    const __m512i th = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)hi));
+    int i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const __m512i x = _mm512_loadu_si512(c + i);
+        __m512i y = _mm512_shuffle_epi8(tl, x);
+        if (bits == 5) {
+            const __mmask64 big = _mm512_cmpgt_epu8_mask(x, _mm512_set1_epi8(15));
+            y = _mm512_mask_shuffle_epi8(y, big, th, _mm512_and_si512(x, _mm512_set1_epi8(15)));
+        }
+        _mm512_storeu_si512(c + i, y);
+    }
+    for (; i < n; i++) c[i] = u[c[i]];
 }
 
 void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst) {
@@ -120,6 +176,7 @@ void kern_kvq_hadamard_avx512(float *x, int d, int b, const float *signs, float 
 #define SOFTMAX_STEP kern_softmax_step_avx512
 #define FN(x) x##_avx512g /* generic body; the fast path below dispatches to it */
 #define UNPACK kern_kvq_unpack_avx512
+#define NFMAP kern_kvq_nf_map_avx512
 #include "kernels/kv_quant_simd.inc"
 
 void kern_kvq_attn_avx512g(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
@@ -681,10 +738,10 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
 FAST_NH(4)
 FAST_NH(8)
 
-/* The fast path takes this format pair (K and V 4/8-bit, groups of 32k). */
+/* The fast path takes this format pair (K and V 4/8-bit, groups of 32k; no normal-float rows). */
 static bool fast_ok(int d, const struct kern_kv_rows *k, const struct kern_kv_rows *v) {
     return fast_wanted && d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) &&
-           (v->bits == 4 || v->bits == 8) && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
+           (v->bits == 4 || v->bits == 8) && k->group > 0 && v->group > 0 && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
            d % v->group == 0;
 }
 

@@ -2,6 +2,7 @@
 #ifndef KVQ_KERNELS_KV_QUANT_IMPL_H
 #define KVQ_KERNELS_KV_QUANT_IMPL_H
 
+#include <math.h>
 #include <string.h>
 
 #include "kernels/f16.h"
@@ -16,6 +17,32 @@ static inline float kvq_load_f16(const uint8_t *p) {
     memcpy(&h, p, 2);
     return kvq_f16_to_f32(h);
 }
+
+/* A row's groups: group values each, or one of d for a normal-float row. */
+static inline int kvq_gsize(int group, int d) { return group > 0 ? group : d; }
+/* The scale of a normal-float row from its byte e. */
+static inline float kvq_nf_scale(uint8_t e) { return e ? exp2f((float)((int)e - 216) / 12.0f) : 0.0f; }
+/* Scale and bias of group gi whose parameters start at sb (kv_quant.h). */
+static inline void kvq_gparams(const uint8_t *sb, int gi, int group, float *s, float *b) {
+    if (group > 0) {
+        *s = kvq_load_f16(sb + 4 * gi);
+        *b = kvq_load_f16(sb + 4 * gi + 2);
+    } else {
+        *s = kvq_nf_scale(sb[0]);
+        *b = -127.5f * *s;
+    }
+}
+/* Codes of a row (n of them) as the bytes attention multiplies: the codes, or a
+ * normal-float row's level bytes. */
+void kern_kvq_row_codes(const uint8_t *src, int n, int bits, int group, uint8_t *out);
+void kern_kvq_row_codes_scalar(const uint8_t *src, int n, int bits, int group, uint8_t *out);
+/* The squared error of x[n] (n % 16 == 0) coded with nl centred levels lv (padded to
+ * 16 or 32 floats) at scale s, and the codes to c when not NULL: the nf encoder's
+ * inner loop (the same codes as the scalar one; the error summed in another order). */
+float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, float s, uint8_t *c);
+/* Maps n codes in place to the level bytes of bits-bit normal-float rows. */
+void kern_kvq_nf_map_avx2(uint8_t *c, int n, int bits);
+void kern_kvq_nf_map_avx512(uint8_t *c, int n, int bits);
 
 /* Variants: heads [h0, h0+nh) of the state, nh <= KVQ_ATTN_MAXH. */
 void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,

@@ -34,6 +34,13 @@ struct kv_cache *kv_cache_new_in(struct kv_pool *pool, const struct kv_cache_con
             return NULL;
         }
         if (is_float_bits(bits)) continue;
+        if (g == KERN_KVQ_NF) {
+            if (!kern_kvq_nf_bits(bits)) {
+                kvq_error("invalid %s bits %d for a normal-float row: expected 2, 3, 4 or 5", name, bits);
+                return NULL;
+            }
+            continue;
+        }
         if (g != 8 && g != 16 && g != 32 && g != 64 && g != 128) {
             kvq_error("invalid %s group size %d: expected 32, 64 or 128 (8 or 16 for small heads)", name, g);
             return NULL;

@@ -16,7 +16,8 @@
 
 struct kv_cache_config {
     int k_bits, v_bits;     /* 16 or 32: dense float storage; 2..8: quantized */
-    int k_group, v_group;   /* values per quantization group along head_dim */
+    int k_group, v_group;   /* values per quantization group along head_dim, or
+                             * KERN_KVQ_NF: normal-float rows (kernels/kv_quant.h) */
     int max_size;           /* rotating window in tokens; 0 = grows without bound */
     int keep;               /* first tokens always kept when rotating */
     int quantized_start;    /* dense until the sequence holds more than this many tokens */

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "core/error.h"
+#include "kernels/kv_quant.h"
 #include "kvcache/kv_store.h"
 
 #define LAYER_MAGIC_V1 0x314c564bu /* "KVL1" */
@@ -75,7 +76,7 @@ void kv_store_save(const struct kv_cache *c, struct kv_buf *b) {
 }
 
 /* True when n rows of format f hold only finite floats: f16/f32 values, or the
- * f16 scale and bias of every group of a packed row. A checksum-correct file can
+ * f16 scale and bias of every group of a uniform packed row. A checksum-correct file can
  * still carry a NaN, which attention would spread to every later token. */
 static bool rows_finite(const uint8_t *p, const struct kv_fmt *f, int d, size_t n) {
     size_t skip = 0, halves = (size_t)d; /* f16 rows: every value */
@@ -87,6 +88,7 @@ static bool rows_finite(const uint8_t *p, const struct kv_fmt *f, int d, size_t 
         }
         return true;
     }
+    if (f->group == KERN_KVQ_NF && f->bits != 16) return true; /* a byte scale: every value is finite */
     if (f->bits != 16) { /* packed: codes, then the groups' scales and biases */
         skip = (size_t)d * (size_t)f->bits / 8;
         halves = 2 * (size_t)(d / f->group);
