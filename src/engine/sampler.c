@@ -28,6 +28,8 @@ struct kvq_sampler {
     kvq_token *history; /* ring of the last repeat_last_n tokens */
     int n_history, history_pos;
     uint64_t rng;
+    struct kvq_grammar *grammar; /* not owned */
+    float *masked;               /* the logits with what the grammar forbids at -inf */
 };
 
 void kvq_sampler_params_default(struct kvq_sampler_params *p) {
@@ -67,6 +69,7 @@ void kvq_sampler_free(struct kvq_sampler *s) {
     free(s->work);
     free(s->block_sum);
     free(s->history);
+    free(s->masked);
     free(s);
 }
 
@@ -184,7 +187,26 @@ static int draw_index(const float *w, const double *bs, int n, double r, int fal
     return fallback;
 }
 
+int kvq_sampler_set_grammar(struct kvq_sampler *s, struct kvq_grammar *g) {
+    if (g && !s->masked && !(s->masked = malloc(sizeof *s->masked * (size_t)s->n_vocab)))
+        return kvq_error("out of memory");
+    s->grammar = g;
+    return 0;
+}
+
+static kvq_token sample_logits(struct kvq_sampler *s, const float *logits);
+
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
+    if (!s->grammar) return sample_logits(s, logits);
+    memcpy(s->masked, logits, sizeof *s->masked * (size_t)s->n_vocab);
+    kvq_grammar_apply(s->grammar, s->masked);
+    const kvq_token t = sample_logits(s, s->masked);
+    /* a draw among fewer allowed tokens than top-k keeps may land on a forbidden one
+     * (weight 0) only by rounding: the best allowed one then */
+    return s->masked[t] == -INFINITY ? argmax(s->masked, s->n_vocab) : t;
+}
+
+static kvq_token sample_logits(struct kvq_sampler *s, const float *logits) {
     const int n = s->n_vocab;
     const float *x = logits;
     if (s->p.repeat_penalty != 1.0f && s->n_history > 0) {

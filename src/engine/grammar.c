@@ -1,0 +1,623 @@
+/* The matcher keeps the set of parse stacks that can follow the text so far. A stack
+ * is a node (the element to match next, and the node to go on with once its rule's
+ * alternative ends); nodes are hash-consed, so equal stacks are one id, a set of them
+ * is a small list of ids, and a rule that ends in a reference continues its caller's
+ * stack instead of growing it (loops keep one id). Only stacks whose next element
+ * matches a byte are kept in a set (references and ends are expanded at once).
+ *
+ * A token mask walks a byte trie of the vocabulary from the current set, advancing
+ * the set one trie edge at a time and dropping branches that die. Inside a JSON
+ * string that would visit nearly the whole trie, so a "star" element (any number of
+ * bytes of a class) takes a short cut: tokens made only of the class are allowed
+ * from a bitmap computed once per class, and only the tokens holding another byte
+ * (their rest from that byte, in a trie of their own) are walked. The mask of the
+ * last set is kept, so a string's steps after the first cost a compare. */
+#include "engine/grammar.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "tokenizer/tokenizer.h"
+
+enum { E_END, E_CLASS, E_STAR, E_REF };
+
+struct gelem {
+    uint8_t type;
+    int32_t arg; /* class or rule */
+};
+
+struct rule {
+    int32_t *alts; /* start of each alternative in elems */
+    int n, cap;
+};
+
+struct node {
+    int32_t pos, parent; /* parent: -1 = the end of the text */
+    uint32_t slot;       /* in the hash table */
+};
+
+#define ACCEPT (-1)
+#define FAILED (-2)
+#define MAX_NODES (1 << 22)
+#define MAX_ELEMS (1 << 22)
+
+/* ---- the vocabulary ---- */
+
+struct trie_node {
+    int32_t child, sibling, last_child;
+    int32_t tok_begin, tok_end; /* tokens ending here: toks[tok_begin..tok_end) */
+    uint8_t byte;
+};
+
+struct trie {
+    struct trie_node *v;
+    int n, cap;
+    int32_t *toks;
+};
+
+/* A star class's short cut: tokens entirely of the class, and the others from their
+ * first byte outside it. */
+struct vclass {
+    struct gclass c;
+    uint64_t *full;
+    struct trie partial;
+};
+
+#define MAX_VCLASSES 32
+
+struct grammar_vocab {
+    int n_vocab, n_words;
+    char *bytes;
+    size_t *off; /* [n_vocab + 1] */
+    struct trie trie;
+    int32_t *eog;
+    int n_eog;
+    pthread_mutex_t mu;
+    struct vclass *classes[MAX_VCLASSES];
+    int n_classes;
+};
+
+struct grammar {
+    struct gelem *elems;
+    int n_elems, cap_elems;
+    struct rule *rules;
+    int n_rules, cap_rules;
+    struct gclass *classes;
+    int n_classes, cap_classes;
+    /* stacks */
+    struct node *nodes;
+    uint32_t *mark;
+    int n_nodes, cap_nodes;
+    uint32_t epoch;
+    int32_t *table;
+    uint32_t table_cap, rehashes;
+    bool failed, acc; /* acc: the set being built can end here */
+    /* sets: the current one at arena[0..n_cur), those of a walk above it */
+    int32_t *arena;
+    int arena_top, arena_cap, n_cur;
+    bool cur_acc;
+    /* masks */
+    struct grammar_vocab *vocab;
+    const struct vclass **vclass; /* [n_classes]: the short cut of each star class */
+    uint64_t *cache_mask;
+    int32_t *cache_key;
+    int cache_n, cache_count;
+    bool cache_acc, cache_valid;
+};
+
+void gclass_add_range(struct gclass *c, unsigned lo, unsigned hi) {
+    for (unsigned b = lo; b <= hi && b < 256; b++) c->bits[b >> 6] |= 1ull << (b & 63);
+}
+
+static bool in_class(const struct gclass *c, unsigned b) { return c->bits[b >> 6] >> (b & 63) & 1; }
+
+static int grow(void **p, int *cap, int need, size_t elem) {
+    if (need <= *cap) return 0;
+    int n = *cap ? *cap : 16;
+    while (n < need) n *= 2;
+    void *q = realloc(*p, (size_t)n * elem);
+    if (!q) return -1;
+    *p = q;
+    *cap = n;
+    return 0;
+}
+
+/* ---- building ---- */
+
+static int class_id(struct grammar *g, const struct gclass *c) {
+    for (int i = 0; i < g->n_classes; i++)
+        if (!memcmp(&g->classes[i], c, sizeof *c)) return i;
+    if (grow((void **)&g->classes, &g->cap_classes, g->n_classes + 1, sizeof *g->classes)) return -1;
+    g->classes[g->n_classes] = *c;
+    return g->n_classes++;
+}
+
+static void seq_push(struct gseq *s, uint8_t type, int32_t arg) {
+    if (arg < 0 || grow((void **)&s->v, &s->cap, s->n + 1, sizeof *s->v)) {
+        s->oom = true;
+        return;
+    }
+    s->v[s->n++] = (struct gelem){type, arg};
+}
+
+void gseq_lit(struct gseq *s, struct grammar *g, const char *text, size_t len) {
+    for (size_t i = 0; i < len; i++) {
+        struct gclass c = {{0}};
+        gclass_add_range(&c, (unsigned char)text[i], (unsigned char)text[i]);
+        seq_push(s, E_CLASS, class_id(g, &c));
+    }
+}
+
+void gseq_class(struct gseq *s, struct grammar *g, const struct gclass *c) { seq_push(s, E_CLASS, class_id(g, c)); }
+void gseq_star(struct gseq *s, struct grammar *g, const struct gclass *c) { seq_push(s, E_STAR, class_id(g, c)); }
+void gseq_ref(struct gseq *s, int rule) { seq_push(s, E_REF, rule); }
+
+void gseq_free(struct gseq *s) {
+    free(s->v);
+    memset(s, 0, sizeof *s);
+}
+
+struct grammar *grammar_new(void) {
+    struct grammar *g = calloc(1, sizeof *g);
+    if (!g) kvq_error("out of memory");
+    return g;
+}
+
+static void trie_free(struct trie *t) {
+    free(t->v);
+    free(t->toks);
+}
+
+void grammar_free(struct grammar *g) {
+    if (!g) return;
+    free(g->elems);
+    for (int i = 0; i < g->n_rules; i++) free(g->rules[i].alts);
+    free(g->rules);
+    free(g->classes);
+    free(g->nodes);
+    free(g->mark);
+    free(g->table);
+    free(g->arena);
+    free(g->vclass);
+    free(g->cache_mask);
+    free(g->cache_key);
+    free(g);
+}
+
+int grammar_rule(struct grammar *g) {
+    if (grow((void **)&g->rules, &g->cap_rules, g->n_rules + 1, sizeof *g->rules)) return kvq_error("out of memory");
+    g->rules[g->n_rules] = (struct rule){0};
+    return g->n_rules++;
+}
+
+int grammar_add_alt(struct grammar *g, int rule, struct gseq *s) {
+    int rc = 0;
+    struct rule *r = &g->rules[rule];
+    if (s->oom || g->n_elems + s->n + 1 > MAX_ELEMS) rc = kvq_error("grammar: out of memory or too large");
+    else if (grow((void **)&g->elems, &g->cap_elems, g->n_elems + s->n + 1, sizeof *g->elems) ||
+             grow((void **)&r->alts, &r->cap, r->n + 1, sizeof *r->alts))
+        rc = kvq_error("grammar: out of memory");
+    if (rc == 0) {
+        r->alts[r->n++] = g->n_elems;
+        if (s->n) memcpy(g->elems + g->n_elems, s->v, sizeof *s->v * (size_t)s->n);
+        g->n_elems += s->n;
+        g->elems[g->n_elems++] = (struct gelem){E_END, 0};
+    }
+    gseq_free(s);
+    return rc;
+}
+
+/* ---- stacks ---- */
+
+static uint32_t node_hash(int32_t pos, int32_t parent) {
+    uint64_t h = (uint64_t)(uint32_t)pos * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uint32_t)parent * 0xC2B2AE3D27D4EB4Full;
+    return (uint32_t)(h ^ (h >> 29));
+}
+
+static void table_insert(struct grammar *g, int32_t id) {
+    uint32_t mask = g->table_cap - 1, i = node_hash(g->nodes[id].pos, g->nodes[id].parent) & mask;
+    while (g->table[i] >= 0) i = (i + 1) & mask;
+    g->table[i] = id;
+    g->nodes[id].slot = i;
+}
+
+static int rehash(struct grammar *g, uint32_t cap) {
+    int32_t *t = malloc(sizeof *t * cap);
+    if (!t) return -1;
+    free(g->table);
+    g->table = t;
+    g->table_cap = cap;
+    memset(t, 0xff, sizeof *t * cap);
+    for (int i = 0; i < g->n_nodes; i++) table_insert(g, i);
+    g->rehashes++;
+    return 0;
+}
+
+/* The node (pos, parent), made if new; FAILED when there are too many. */
+static int32_t intern(struct grammar *g, int32_t pos, int32_t parent) {
+    if (g->table_cap) {
+        uint32_t mask = g->table_cap - 1;
+        for (uint32_t i = node_hash(pos, parent) & mask; g->table[i] >= 0; i = (i + 1) & mask) {
+            const struct node *n = &g->nodes[g->table[i]];
+            if (n->pos == pos && n->parent == parent) return g->table[i];
+        }
+    }
+    if (g->n_nodes >= MAX_NODES) {
+        g->failed = true;
+        return FAILED;
+    }
+    if (g->n_nodes == g->cap_nodes) {
+        const int cap = g->cap_nodes ? 2 * g->cap_nodes : 1024;
+        struct node *nn = realloc(g->nodes, sizeof *nn * (size_t)cap);
+        if (nn) g->nodes = nn;
+        uint32_t *m = nn ? realloc(g->mark, sizeof *m * (size_t)cap) : NULL;
+        if (!m) {
+            g->failed = true;
+            return FAILED;
+        }
+        g->mark = m;
+        g->cap_nodes = cap;
+    }
+    const int32_t id = g->n_nodes++;
+    g->nodes[id] = (struct node){pos, parent, 0};
+    g->mark[id] = 0;
+    if ((uint32_t)g->n_nodes * 2 > g->table_cap) {
+        if (rehash(g, g->table_cap ? g->table_cap * 2 : 1024)) {
+            g->n_nodes--;
+            g->failed = true;
+            return FAILED;
+        }
+    } else {
+        table_insert(g, id);
+    }
+    return id;
+}
+
+/* Forgets the nodes made since n (by a mask's walk: hypothetical stacks). */
+static void rollback(struct grammar *g, int n, uint32_t rehashes) {
+    if (g->n_nodes == n) return;
+    if (g->rehashes == rehashes) {
+        for (int i = n; i < g->n_nodes; i++) g->table[g->nodes[i].slot] = -1;
+        g->n_nodes = n;
+    } else {
+        g->n_nodes = n;
+        rehash(g, g->table_cap); /* same size: cannot fail worse than leaving stale slots */
+    }
+}
+
+/* The stack going on at pos: its parent when pos ends an alternative. */
+static int32_t cont(struct grammar *g, int32_t pos, int32_t parent) {
+    return g->elems[pos].type == E_END ? parent : intern(g, pos, parent);
+}
+
+static void set_push(struct grammar *g, int32_t id) {
+    if (grow((void **)&g->arena, &g->arena_cap, g->arena_top + 1, sizeof *g->arena)) {
+        g->failed = true;
+        return;
+    }
+    g->arena[g->arena_top++] = id;
+}
+
+static void new_epoch(struct grammar *g) {
+    if (++g->epoch == 0) {
+        memset(g->mark, 0, sizeof *g->mark * (size_t)g->n_nodes);
+        g->epoch = 1;
+    }
+    g->acc = false;
+}
+
+/* Adds the stacks that node id stands for, each with a byte-matching element next. */
+static void closure(struct grammar *g, int32_t id) {
+    if (id == ACCEPT) {
+        g->acc = true;
+        return;
+    }
+    if (id < 0 || g->mark[id] == g->epoch) return;
+    g->mark[id] = g->epoch;
+    const struct node n = g->nodes[id];
+    const struct gelem e = g->elems[n.pos];
+    switch (e.type) {
+    case E_CLASS: set_push(g, id); break;
+    case E_STAR:
+        set_push(g, id);
+        closure(g, cont(g, n.pos + 1, n.parent));
+        break;
+    case E_REF: {
+        const int32_t k = cont(g, n.pos + 1, n.parent);
+        if (k == FAILED) return;
+        const struct rule *r = &g->rules[e.arg];
+        for (int i = 0; i < r->n; i++) closure(g, intern(g, r->alts[i], k));
+        break;
+    }
+    default: closure(g, n.parent); break;
+    }
+}
+
+/* The set after byte b from the set at arena[from..from+n), built on top of the
+ * arena; returns where it starts (its size: arena_top - start; g->acc: it may end). */
+static int advance(struct grammar *g, int from, int n, unsigned b) {
+    new_epoch(g);
+    const int start = g->arena_top;
+    for (int i = 0; i < n; i++) {
+        const int32_t id = g->arena[from + i];
+        const struct node nd = g->nodes[id];
+        const struct gelem e = g->elems[nd.pos];
+        if (!in_class(&g->classes[e.arg], b)) continue;
+        closure(g, e.type == E_STAR ? id : cont(g, nd.pos + 1, nd.parent));
+    }
+    return start;
+}
+
+int grammar_start(struct grammar *g, int root) {
+    for (int i = 0; i < g->n_rules; i++)
+        if (g->rules[i].n == 0) return kvq_error("grammar: rule %d has no alternative", i);
+    g->arena_top = 0;
+    new_epoch(g);
+    const struct rule *r = &g->rules[root];
+    for (int i = 0; i < r->n; i++) closure(g, intern(g, r->alts[i], ACCEPT));
+    g->n_cur = g->arena_top;
+    g->cur_acc = g->acc;
+    g->cache_valid = false;
+    return g->failed ? kvq_error("grammar: too large") : 0;
+}
+
+int grammar_accept_bytes(struct grammar *g, const char *b, size_t n) {
+    int from = 0, cnt = g->n_cur;
+    bool acc = g->cur_acc;
+    for (size_t i = 0; i < n; i++) {
+        from = advance(g, from, cnt, (unsigned char)b[i]);
+        cnt = g->arena_top - from;
+        acc = g->acc;
+        if (cnt == 0 && !(acc && i + 1 == n)) {
+            g->arena_top = g->n_cur;
+            return -1;
+        }
+    }
+    memmove(g->arena, g->arena + from, sizeof *g->arena * (size_t)cnt);
+    g->arena_top = g->n_cur = cnt;
+    g->cur_acc = acc;
+    return 0;
+}
+
+bool grammar_accepting(const struct grammar *g) { return g->cur_acc; }
+bool grammar_can_continue(const struct grammar *g) { return g->n_cur > 0; }
+
+/* ---- tries ---- */
+
+struct key {
+    const unsigned char *p;
+    int32_t len, id;
+};
+
+static int key_cmp(const void *a, const void *b) {
+    const struct key *x = a, *y = b;
+    int32_t n = x->len < y->len ? x->len : y->len;
+    int c = memcmp(x->p, y->p, (size_t)n);
+    if (c) return c;
+    return x->len != y->len ? (x->len < y->len ? -1 : 1) : (x->id > y->id) - (x->id < y->id);
+}
+
+static int32_t trie_add_node(struct trie *t, uint8_t byte) {
+    if (grow((void **)&t->v, &t->cap, t->n + 1, sizeof *t->v)) return -1;
+    t->v[t->n] = (struct trie_node){-1, -1, -1, 0, 0, byte};
+    return t->n++;
+}
+
+/* A trie of the keys (sorted here). */
+static int trie_build(struct trie *t, struct key *k, int n) {
+    qsort(k, (size_t)n, sizeof *k, key_cmp);
+    memset(t, 0, sizeof *t);
+    if (!(t->toks = malloc(sizeof *t->toks * (size_t)(n ? n : 1))) || trie_add_node(t, 0) < 0) return -1;
+    for (int i = 0; i < n; i++) {
+        int32_t at = 0;
+        for (int32_t j = 0; j < k[i].len; j++) {
+            /* sorted keys: a child for this byte, if any, is the last one added */
+            int32_t c = t->v[at].last_child;
+            if (c < 0 || t->v[c].byte != k[i].p[j]) {
+                if ((c = trie_add_node(t, k[i].p[j])) < 0) return -1;
+                if (t->v[at].last_child >= 0) t->v[t->v[at].last_child].sibling = c;
+                else t->v[at].child = c;
+                t->v[at].last_child = c;
+            }
+            at = c;
+        }
+        if (t->v[at].tok_end == 0) t->v[at].tok_begin = t->v[at].tok_end = i;
+        t->toks[t->v[at].tok_end++] = k[i].id;
+    }
+    return 0;
+}
+
+static const unsigned char *tok_bytes(const struct grammar_vocab *v, int32_t id, int32_t *len) {
+    *len = (int32_t)(v->off[id + 1] - v->off[id]);
+    return (const unsigned char *)v->bytes + v->off[id];
+}
+
+int grammar_vocab_token(const struct grammar_vocab *v, int id, const char **bytes) {
+    int32_t len = 0;
+    *bytes = "";
+    if (id >= 0 && id < v->n_vocab) *bytes = (const char *)tok_bytes(v, id, &len);
+    return len;
+}
+
+struct grammar_vocab *grammar_vocab_new(const struct tokenizer *t, int n_vocab) {
+    struct grammar_vocab *v = calloc(1, sizeof *v);
+    struct key *keys = NULL;
+    if (!v) goto oom;
+    pthread_mutex_init(&v->mu, NULL);
+    v->n_vocab = n_vocab;
+    v->n_words = (n_vocab + 63) / 64;
+    const int n_tok = tokenizer_n_vocab(t) < n_vocab ? tokenizer_n_vocab(t) : n_vocab;
+    size_t total = 0, cap = 1 << 16;
+    v->off = malloc(sizeof *v->off * ((size_t)n_vocab + 1));
+    v->bytes = malloc(cap);
+    v->eog = malloc(sizeof *v->eog * 64);
+    keys = malloc(sizeof *keys * (size_t)n_vocab);
+    if (!v->off || !v->bytes || !v->eog || !keys) goto oom;
+    int n_keys = 0;
+    for (int id = 0; id < n_vocab; id++) {
+        v->off[id] = total;
+        if (id >= n_tok) continue;
+        if (tokenizer_is_eog(t, id) && v->n_eog < 64) v->eog[v->n_eog++] = id;
+        int len = tokenizer_token_bytes(t, id, false, NULL, 0);
+        if (len <= 0) continue;
+        if (total + (size_t)len > cap) {
+            while (total + (size_t)len > cap) cap *= 2;
+            char *b = realloc(v->bytes, cap);
+            if (!b) goto oom;
+            v->bytes = b;
+        }
+        tokenizer_token_bytes(t, id, false, v->bytes + total, len);
+        total += (size_t)len;
+    }
+    v->off[n_vocab] = total;
+    for (int id = 0; id < n_vocab; id++) {
+        int32_t len;
+        const unsigned char *p = tok_bytes(v, id, &len);
+        if (len > 0) keys[n_keys++] = (struct key){p, len, id};
+    }
+    if (trie_build(&v->trie, keys, n_keys)) goto oom;
+    free(keys);
+    return v;
+oom:
+    free(keys);
+    grammar_vocab_free(v);
+    kvq_error("out of memory");
+    return NULL;
+}
+
+void grammar_vocab_free(struct grammar_vocab *v) {
+    if (!v) return;
+    for (int i = 0; i < v->n_classes; i++) {
+        free(v->classes[i]->full);
+        trie_free(&v->classes[i]->partial);
+        free(v->classes[i]);
+    }
+    trie_free(&v->trie);
+    free(v->bytes);
+    free(v->off);
+    free(v->eog);
+    pthread_mutex_destroy(&v->mu);
+    free(v);
+}
+
+static struct vclass *vclass_build(const struct grammar_vocab *v, const struct gclass *c) {
+    struct vclass *vc = calloc(1, sizeof *vc);
+    struct key *keys = malloc(sizeof *keys * (size_t)(v->n_vocab ? v->n_vocab : 1));
+    if (!vc || !keys || !(vc->full = calloc((size_t)v->n_words, sizeof *vc->full))) goto fail;
+    vc->c = *c;
+    int n = 0;
+    for (int id = 0; id < v->n_vocab; id++) {
+        int32_t len, j = 0;
+        const unsigned char *p = tok_bytes(v, id, &len);
+        if (len == 0) continue;
+        while (j < len && in_class(c, p[j])) j++;
+        if (j == len) vc->full[id >> 6] |= 1ull << (id & 63);
+        else keys[n++] = (struct key){p + j, len - j, id};
+    }
+    if (trie_build(&vc->partial, keys, n)) goto fail;
+    free(keys);
+    return vc;
+fail:
+    free(keys);
+    if (vc) {
+        free(vc->full);
+        trie_free(&vc->partial);
+    }
+    free(vc);
+    return NULL;
+}
+
+/* The vocabulary's short cut for star class c, made the first time it is asked for. */
+static const struct vclass *vclass_get(struct grammar_vocab *v, const struct gclass *c) {
+    pthread_mutex_lock(&v->mu);
+    struct vclass *vc = NULL;
+    for (int i = 0; i < v->n_classes && !vc; i++)
+        if (!memcmp(&v->classes[i]->c, c, sizeof *c)) vc = v->classes[i];
+    if (!vc && v->n_classes < MAX_VCLASSES && (vc = vclass_build(v, c))) v->classes[v->n_classes++] = vc;
+    pthread_mutex_unlock(&v->mu);
+    return vc;
+}
+
+int grammar_bind_vocab(struct grammar *g, struct grammar_vocab *v) {
+    g->vocab = v;
+    free(g->vclass);
+    free(g->cache_mask);
+    g->cache_valid = false;
+    g->vclass = calloc((size_t)g->n_classes + 1, sizeof *g->vclass);
+    g->cache_mask = malloc(sizeof *g->cache_mask * (size_t)v->n_words);
+    if (!g->vclass || !g->cache_mask) return kvq_error("out of memory");
+    for (int i = 0; i < g->n_elems; i++) {
+        const struct gelem *e = &g->elems[i];
+        /* a star class without a short cut (the cache full) is walked like any other */
+        if (e->type == E_STAR && !g->vclass[e->arg]) g->vclass[e->arg] = vclass_get(v, &g->classes[e->arg]);
+    }
+    return 0;
+}
+
+/* Allows the tokens of trie t below node at that the set at arena[from..from+n) can
+ * take whole. */
+static void walk(struct grammar *g, const struct trie *t, int32_t at, int from, int n, uint64_t *allowed) {
+    for (int32_t c = t->v[at].child; c >= 0; c = t->v[c].sibling) {
+        const struct trie_node *tn = &t->v[c];
+        const int top = g->arena_top;
+        const int s = advance(g, from, n, tn->byte);
+        const int cnt = g->arena_top - s;
+        if (cnt > 0 || g->acc)
+            for (int32_t i = tn->tok_begin; i < tn->tok_end; i++) allowed[t->toks[i] >> 6] |= 1ull << (t->toks[i] & 63);
+        if (cnt > 0 && tn->child >= 0) walk(g, t, c, s, cnt, allowed);
+        g->arena_top = top;
+    }
+}
+
+int grammar_mask(struct grammar *g, uint64_t *allowed) {
+    const struct grammar_vocab *v = g->vocab;
+    const int nw = v->n_words;
+    if (g->cache_valid && g->cache_n == g->n_cur && g->cache_acc == g->cur_acc &&
+        !memcmp(g->cache_key, g->arena, sizeof *g->arena * (size_t)g->n_cur)) {
+        memcpy(allowed, g->cache_mask, sizeof *allowed * (size_t)nw);
+        return g->cache_count;
+    }
+    memset(allowed, 0, sizeof *allowed * (size_t)nw);
+    const int n_nodes = g->n_nodes;
+    const uint32_t rehashes = g->rehashes;
+    /* the stacks without a short cut, walked together over the whole trie */
+    const int gen = g->arena_top;
+    for (int i = 0; i < g->n_cur; i++) {
+        const int32_t id = g->arena[i];
+        const struct gelem e = g->elems[g->nodes[id].pos];
+        const struct vclass *vc = e.type == E_STAR ? g->vclass[e.arg] : NULL;
+        if (!vc) {
+            set_push(g, id);
+            continue;
+        }
+        for (int w = 0; w < nw; w++) allowed[w] |= vc->full[w];
+        /* the others: the star takes their bytes up to the first outside it, then what follows it */
+        const int top = g->arena_top;
+        new_epoch(g);
+        const struct node nd = g->nodes[id];
+        closure(g, cont(g, nd.pos + 1, nd.parent));
+        if (g->arena_top > top) walk(g, &vc->partial, 0, top, g->arena_top - top, allowed);
+        g->arena_top = top;
+    }
+    if (g->arena_top > gen) walk(g, &v->trie, 0, gen, g->arena_top - gen, allowed);
+    g->arena_top = g->n_cur;
+    rollback(g, n_nodes, rehashes);
+    /* a dead end (only a grammar too large to follow reaches one) ends the text */
+    if (g->cur_acc || g->failed)
+        for (int i = 0; i < v->n_eog; i++) allowed[v->eog[i] >> 6] |= 1ull << (v->eog[i] & 63);
+    int count = 0;
+    for (int w = 0; w < nw; w++) count += __builtin_popcountll(allowed[w]);
+    int32_t *key = realloc(g->cache_key, sizeof *key * (size_t)(g->n_cur ? g->n_cur : 1));
+    if (key) {
+        g->cache_key = key;
+        memcpy(key, g->arena, sizeof *key * (size_t)g->n_cur);
+        memcpy(g->cache_mask, allowed, sizeof *allowed * (size_t)nw);
+        g->cache_n = g->n_cur;
+        g->cache_acc = g->cur_acc;
+        g->cache_count = count;
+        g->cache_valid = true;
+    }
+    return count;
+}
