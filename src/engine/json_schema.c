@@ -1,5 +1,6 @@
 /* Each schema becomes a rule. JSON is written compactly or with a little whitespace
- * (a space, or a newline and up to 20 spaces or tabs, between tokens), numbers have
+ * (a space, or a newline and up to 20 spaces, after a bracket, comma or colon and
+ * before a closing bracket), numbers have
  * at most 16 integer and 15 fraction digits: a model cannot run away in whitespace or
  * digits. Object properties come in the schema's order, required ones always, optional
  * ones may be left out; other properties are generated only for schemas that declare
@@ -84,11 +85,10 @@ static int repeat(struct jsc *c, int sep, int item, int lo, int hi) {
     return add(c, r, &s);
 }
 
-/* ws ::= "" | " " | "\n" [ \t]{0,20} */
+/* ws ::= "" | " " | "\n" " "{0,20} */
 static int ws_rule(struct jsc *c) {
     if (c->ws >= 0) return c->ws;
     struct gclass ind = range(' ', ' ');
-    gclass_add_range(&ind, '\t', '\t');
     int one = grammar_rule(c->g), r = grammar_rule(c->g);
     struct gseq s = {0};
     gseq_class(&s, c->g, &ind);
@@ -102,12 +102,11 @@ static int ws_rule(struct jsc *c) {
     return c->ws = add(c, r, &s);
 }
 
-/* ws LIT ws */
+/* LIT ws (no space before a comma or colon, as JSON is written) */
 static int punct(struct jsc *c, const char *p) {
     int ws = ws_rule(c), r = grammar_rule(c->g);
     if (ws < 0 || r < 0) return -1;
     struct gseq s = {0};
-    gseq_ref(&s, ws);
     gseq_lit(&s, c->g, p, strlen(p));
     gseq_ref(&s, ws);
     return add(c, r, &s);
