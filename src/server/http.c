@@ -103,10 +103,26 @@ static int tokenize(const struct kvq_model *m, const char *text, kvq_token **out
 
 /* The prompt's tokens: chat messages through the template (its leading BOS text is
  * dropped: the tokenizer adds BOS as the model's metadata says), or the raw prompt. */
+static bool tools_on(const struct oai_request *q) { return q->n_tools > 0 && q->tool_choice != OAI_TOOLS_NONE; }
+
+/* The chat messages with tools, tool calls and tool results written into them. */
+static char *render_chat(struct http_server *h, const struct oai_request *q) {
+    const struct chat_message *m = q->messages;
+    int n = q->n_messages, n_owned = 0;
+    bool tooled = tools_on(q);
+    for (int i = 0; i < n; i++) tooled |= q->tool_calls[i] || !strcmp(m[i].role, "tool");
+    struct chat_message *tm = NULL;
+    char **owned = NULL;
+    if (tooled && !(tm = tool_messages(h->p.tool_syntax, m, q->tool_calls, n, tools_on(q) ? q->tools : NULL,
+                                       tools_on(q) ? q->n_tools : 0, &n, &owned, &n_owned)))
+        return NULL;
+    char *text = chat_template_render(h->p.chat, tm ? tm : m, n, chat_family_bos(h->p.chat), chat_family_eos(h->p.chat));
+    if (tm) tool_messages_free(tm, owned, n_owned);
+    return text;
+}
+
 static int prompt_tokens(struct http_server *h, const struct oai_request *q, kvq_token **out, struct oai_error *e) {
-    char *text = q->kind == OAI_CHAT ? chat_template_render(h->p.chat, q->messages, q->n_messages,
-                                                            chat_family_bos(h->p.chat), chat_family_eos(h->p.chat))
-                                     : strdup(q->prompt);
+    char *text = q->kind == OAI_CHAT ? render_chat(h, q) : strdup(q->prompt);
     if (!text) {
         oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
         return -1;
@@ -123,6 +139,30 @@ static int prompt_tokens(struct http_server *h, const struct oai_request *q, kvq
         n = -1;
     }
     return n;
+}
+
+/* The grammar the request's output must follow (NULL: none): a forced tool call, or
+ * response_format's schema. -1 with e for a schema it cannot follow. */
+static int request_grammar(struct http_server *h, const struct oai_request *q, struct kvq_grammar **g,
+                           struct oai_error *e) {
+    *g = NULL;
+    if (tools_on(q) && (q->tool_choice == OAI_TOOLS_REQUIRED || q->tool_choice == OAI_TOOLS_NAMED)) {
+        const char *prefix, *suffix, *err;
+        char *schema = tool_call_schema(h->p.tool_syntax, q->tools, q->n_tools,
+                                        q->tool_choice == OAI_TOOLS_NAMED ? q->tool_name : NULL, &prefix, &suffix, &err);
+        if (!schema) {
+            oai_error_set(e, 400, "invalid_request_error", "tools", NULL, "%s", err);
+            return -1;
+        }
+        *g = kvq_grammar_from_json_schema(h->p.model, schema, strlen(schema), prefix, suffix);
+        free(schema);
+        if (!*g) oai_error_set(e, 400, "invalid_request_error", "tools", NULL, "a tool's parameters: %s", kvq_last_error());
+        return *g ? 0 : -1;
+    }
+    if (!q->response_schema) return 0;
+    *g = kvq_grammar_from_json_schema(h->p.model, q->response_schema, strlen(q->response_schema), NULL, NULL);
+    if (!*g) oai_error_set(e, 400, "invalid_request_error", "response_format", NULL, "%s", kvq_last_error());
+    return *g ? 0 : -1;
 }
 
 /* ---- log-probabilities ---- */
@@ -149,6 +189,9 @@ struct stream {
     char id[48];
     long created;
     bool include_usage, logprobs, first_sent, finished;
+    bool tools; /* tool calls are parsed out of the text: */
+    struct strbuf all; /* the text so far */
+    size_t sent;       /* how much of it went out as content */
     struct strbuf out; /* SSE bytes not yet handed to MHD */
     size_t out_off;
     struct sched_cursor cur;
@@ -164,6 +207,37 @@ static void sse_event(struct stream *st, char *json) {
     strbuf_add(&st->out, json);
     strbuf_add(&st->out, "\n\n");
     free(json);
+}
+
+/* A stream whose text may hold tool calls: content goes out up to where a call may
+ * start; at the end the calls, parsed from the whole text, go out as delta.tool_calls
+ * and finish_reason "tool_calls" (or what is left, as content). */
+static void tool_stream_fill(struct stream *st, const struct strbuf *text, const struct oai_logprobs *lp,
+                             const struct sched_result *end) {
+    const char *model = st->h->p.model_id;
+    strbuf_addn(&st->all, text->s ? text->s : "", text->len);
+    const char *all = st->all.s ? st->all.s : "";
+    size_t upto = tool_stream_safe(st->h->p.tool_syntax, all, st->all.len);
+    struct tool_call *calls = NULL;
+    int n_calls = 0;
+    if (end && tool_calls_parse(st->h->p.tool_syntax, all, st->all.len, &calls, &n_calls, &upto) != 0)
+        st->out.oom = true;
+    if (upto > st->sent || (lp && lp->n)) {
+        size_t n = upto > st->sent ? upto - st->sent : 0;
+        sse_event(st, oai_chunk_json(OAI_CHAT, st->id, st->created, model, false, n ? all + st->sent : NULL, n, NULL, lp));
+        st->sent += n;
+    }
+    if (!end) return;
+    if (n_calls) sse_event(st, oai_tool_chunk_json(st->id, st->created, model, calls, n_calls));
+    sse_event(st, oai_chunk_json(OAI_CHAT, st->id, st->created, model, false, NULL, 0,
+                                 n_calls ? "tool_calls" : end->finish_reason, NULL));
+    tool_calls_free(calls, n_calls);
+    if (st->include_usage) {
+        struct oai_usage u = {end->prompt_tokens, end->completion_tokens, end->cached_tokens};
+        sse_event(st, oai_usage_chunk_json(OAI_CHAT, st->id, st->created, model, &u));
+    }
+    strbuf_add(&st->out, "data: [DONE]\n\n");
+    st->finished = true;
 }
 
 /* Turns what the scheduler produced into SSE events; false when the stream is over. */
@@ -183,6 +257,12 @@ static void stream_fill(struct stream *st) {
     bool done = sched_req_wait(st->r, 100, &st->cur, &text, st->logprobs ? &lps : NULL, &res);
     if (text.oom || lps.oom) st->out.oom = true;
     const struct oai_logprobs *lp = lp_view(st->h, st->logprobs, &lps, &lpv);
+    if (st->tools && !(done && res.error_status)) {
+        tool_stream_fill(st, &text, lp, done ? &res : NULL);
+        strbuf_free(&text);
+        lp_list_free(&lps);
+        return;
+    }
     bool news = text.len || lps.n;
     if (done && res.error_status) {
         if (news) sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, false, text.s, text.len, NULL, lp));
@@ -241,6 +321,7 @@ static void stream_free(void *cls) {
     if (!st->finished) sched_req_cancel(st->r); /* the client left early: free its sequence now */
     sched_req_release(st->r);
     strbuf_free(&st->out);
+    strbuf_free(&st->all);
     free(st);
 }
 
@@ -253,10 +334,12 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     if (oai_parse_request(cs->body.s ? cs->body.s : "", cs->body.len, kind, &q, &e) != 0) return respond_error(h, c, &e);
     kvq_token *toks = NULL;
     int n = prompt_tokens(h, &q, &toks, &e);
-    if (n < 0) {
+    if (n < 0 || request_grammar(h, &q, &q.gen.grammar, &e) != 0) {
+        if (n >= 0) free(toks);
         oai_request_free(&q);
         return respond_error(h, c, &e);
     }
+    const bool tools = kind == OAI_CHAT && tools_on(&q);
     unsigned long long id = atomic_fetch_add(&h->next_id, 1);
     if (!q.has_seed) q.gen.sampling.seed = (uint64_t)time(NULL) * 0x9E3779B97F4A7C15ULL ^ id;
     bool stream = q.stream, include_usage = q.include_usage, logprobs = q.gen.logprobs >= 0;
@@ -284,7 +367,8 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
             return fail(h, c, 500, "server_error", NULL, NULL, "out of memory");
         }
         *st = (struct stream){.h = h, .conn = c, .r = r, .kind = kind, .created = created,
-                              .include_usage = include_usage, .logprobs = logprobs, .last_write = now_s()};
+                              .include_usage = include_usage, .logprobs = logprobs, .tools = tools,
+                              .last_write = now_s()};
         memcpy(st->id, rid, sizeof rid);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, st, stream_free);
         if (!resp) {
@@ -312,9 +396,21 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     }
     sched_req_release(r);
     enum MHD_Result ret;
+    struct tool_call *calls = NULL;
+    int n_calls = 0;
+    size_t content_len = text.len;
+    if (tools && !res.error_status && !text.oom &&
+        tool_calls_parse(h->p.tool_syntax, text.s ? text.s : "", text.len, &calls, &n_calls, &content_len) != 0)
+        text.oom = true;
     if (res.error_status) {
         ret = fail(h, c, res.error_status, res.error_status >= 500 ? "server_error" : "invalid_request_error", NULL,
                    NULL, res.error_msg);
+    } else if (n_calls > 0) {
+        struct oai_usage u = {res.prompt_tokens, res.completion_tokens, res.cached_tokens};
+        size_t cl = content_len;
+        while (cl > 0 && (text.s[cl - 1] == ' ' || text.s[cl - 1] == '\n')) cl--; /* before the first call */
+        ret = respond_json(h, c, 200, oai_tool_response_json(rid, created, h->p.model_id, cl ? text.s : NULL, cl, calls,
+                                                             n_calls, &u));
     } else {
         struct oai_usage u = {res.prompt_tokens, res.completion_tokens, res.cached_tokens};
         struct oai_logprobs lpv;
@@ -324,6 +420,7 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
                                : oai_response_json(kind, rid, created, h->p.model_id, text.s ? text.s : "", text.len,
                                                    res.finish_reason, &u, lp_view(h, logprobs, &lps, &lpv)));
     }
+    tool_calls_free(calls, n_calls);
     strbuf_free(&text);
     lp_list_free(&lps);
     return ret;

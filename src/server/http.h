@@ -10,6 +10,7 @@
 #include "kvq.h"
 #include "server/chat_template.h"
 #include "server/scheduler.h"
+#include "server/tool_calls.h"
 
 struct http_params {
     const char *host; /* numeric address or "localhost" */
@@ -20,6 +21,7 @@ struct http_params {
     int ping_seconds; /* ": ping" on a stream idle this long */
     const struct kvq_model *model;
     enum chat_family chat;
+    enum tool_syntax tool_syntax; /* how the model calls tools */
     struct sched *sched;
 };
 

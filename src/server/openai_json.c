@@ -101,7 +101,8 @@ static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
         return BAD("messages", "'messages' must be a non-empty list of messages");
     size_t n = json_array_size(v);
     if (n > 100000) return BAD("messages", "too many messages");
-    if (!(r->messages = calloc(n, sizeof *r->messages))) return BAD("messages", "out of memory");
+    if (!(r->messages = calloc(n, sizeof *r->messages)) || !(r->tool_calls = calloc(n, sizeof *r->tool_calls)))
+        return BAD("messages", "out of memory");
     for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(v, i);
         if (!json_is_object(m)) return BAD("messages", "messages[%zu] must be an object", i);
@@ -110,15 +111,23 @@ static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
         const char *rs = json_string_value(role);
         /* "developer" is OpenAI's newer name for the system role */
         if (!strcmp(rs, "developer")) rs = "system";
-        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
-            return BAD("messages", "messages[%zu].role '%s' is not supported (system, user, assistant)", i, rs);
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "tool"))
+            return BAD("messages", "messages[%zu].role '%s' is not supported (system, user, assistant, tool)", i, rs);
         r->n_messages++;
         char *content = NULL;
-        if (!(r->messages[i].role = strdup(rs)) || get_content(json_object_get(m, "content"), &content, e)) {
+        json_t *cv = json_object_get(m, "content");
+        if (!cv && json_is_array(json_object_get(m, "tool_calls"))) cv = json_null(); /* calls only */
+        if (!(r->messages[i].role = strdup(rs)) || get_content(cv, &content, e)) {
             free(content);
             return e->status ? -1 : BAD("messages", "out of memory");
         }
         r->messages[i].content = content;
+        json_t *calls = json_object_get(m, "tool_calls");
+        if (calls && !json_is_null(calls)) {
+            if (strcmp(rs, "assistant") || !json_is_array(calls))
+                return BAD("messages", "messages[%zu].tool_calls must be a list, on an assistant message", i);
+            if (!(r->tool_calls[i] = json_dumps(calls, JSON_COMPACT))) return BAD("messages", "out of memory");
+        }
     }
     return 0;
 }
@@ -132,16 +141,84 @@ static int check_default_only(const char *key, json_t *v, struct oai_error *e) {
         is_default = is_default || json_is_false(v);
     else if (!strcmp(key, "best_of"))
         is_default = is_default || (json_is_integer(v) && json_integer_value(v) == 1);
-    else if (!strcmp(key, "logit_bias") || !strcmp(key, "tools"))
+    else if (!strcmp(key, "logit_bias"))
         is_default = is_default || (json_is_object(v) && json_object_size(v) == 0) ||
                      (json_is_array(v) && json_array_size(v) == 0);
-    else if (!strcmp(key, "response_format")) {
-        json_t *t = json_object_get(v, "type");
-        is_default = is_default || (json_is_string(t) && !strcmp(json_string_value(t), "text"));
-    } else if (!strcmp(key, "suffix"))
+    else if (!strcmp(key, "suffix"))
         is_default = is_default || (json_is_string(v) && json_string_length(v) == 0);
     if (!is_default) return BAD(key, "'%s' is not supported by this server yet", key);
     return 0;
+}
+
+/* response_format: text, json_object, or json_schema {name, schema, strict}. */
+static int get_response_format(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v)) return 0;
+    json_t *type = json_object_get(v, "type");
+    if (!json_is_object(v) || !json_is_string(type))
+        return BAD("response_format", "'response_format' must be an object with a 'type'");
+    const char *t = json_string_value(type);
+    if (!strcmp(t, "text")) return 0;
+    if (!strcmp(t, "json_object")) return (r->response_schema = strdup("{\"type\":\"object\"}")) ? 0 : BAD(NULL, "out of memory");
+    if (strcmp(t, "json_schema"))
+        return BAD("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'");
+    json_t *js = json_object_get(v, "json_schema"), *schema = json_object_get(js, "schema");
+    if (!json_is_object(js)) return BAD("response_format", "'response_format.json_schema' must be an object");
+    json_t *strict = json_object_get(js, "strict"), *name = json_object_get(js, "name");
+    if (strict && !json_is_boolean(strict) && !json_is_null(strict))
+        return BAD("response_format", "'response_format.json_schema.strict' must be a boolean");
+    if (name && !json_is_string(name))
+        return BAD("response_format", "'response_format.json_schema.name' must be a string");
+    if (schema && !json_is_object(schema) && !json_is_boolean(schema))
+        return BAD("response_format", "'response_format.json_schema.schema' must be a JSON Schema object");
+    /* strict or not, the output follows the schema: the grammar is the only way to keep to it */
+    r->response_schema = schema ? json_dumps(schema, JSON_COMPACT | JSON_ENCODE_ANY) : strdup("{\"type\":\"object\"}");
+    return r->response_schema ? 0 : BAD(NULL, "out of memory");
+}
+
+/* tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}] */
+static int get_tools(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v)) return 0;
+    if (r->kind != OAI_CHAT) return BAD("tools", "'tools' is supported on /v1/chat/completions only");
+    if (!json_is_array(v)) return BAD("tools", "'tools' must be a list of tools");
+    size_t n = json_array_size(v);
+    if (n > 1024) return BAD("tools", "too many tools");
+    if (n && !(r->tools = calloc(n, sizeof *r->tools))) return BAD(NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(v, i), *fn = json_object_get(t, "function");
+        json_t *type = json_object_get(t, "type"), *name = json_object_get(fn, "name");
+        json_t *params = json_object_get(fn, "parameters");
+        if (!json_is_object(t) || !json_is_string(type) || strcmp(json_string_value(type), "function"))
+            return BAD("tools", "tools[%zu] must be {\"type\": \"function\", \"function\": {...}}", i);
+        if (!json_is_object(fn) || !json_is_string(name) || json_string_length(name) == 0)
+            return BAD("tools", "tools[%zu].function must be an object with a 'name'", i);
+        if (params && !json_is_object(params) && !json_is_null(params))
+            return BAD("tools", "tools[%zu].function.parameters must be a JSON Schema object", i);
+        struct tool_def *d = &r->tools[r->n_tools++];
+        d->name = strdup(json_string_value(name));
+        d->parameters = json_is_object(params) ? json_dumps(params, JSON_COMPACT) : strdup("{}");
+        d->json = json_dumps(t, JSON_COMPACT);
+        if (!d->name || !d->parameters || !d->json) return BAD(NULL, "out of memory");
+    }
+    return 0;
+}
+
+/* tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}}. */
+static int get_tool_choice(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v)) return 0;
+    if (json_is_string(v)) {
+        const char *c = json_string_value(v);
+        if (!strcmp(c, "auto")) r->tool_choice = OAI_TOOLS_AUTO;
+        else if (!strcmp(c, "none")) r->tool_choice = OAI_TOOLS_NONE;
+        else if (!strcmp(c, "required")) r->tool_choice = OAI_TOOLS_REQUIRED;
+        else return BAD("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or a named function");
+        return 0;
+    }
+    json_t *name = json_object_get(json_object_get(v, "function"), "name");
+    if (!json_is_string(name))
+        return BAD("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    r->tool_choice = OAI_TOOLS_NAMED;
+    return get_string(name, "tool_choice", &r->tool_name, e);
 }
 
 static int parse_field(const char *key, json_t *v, struct oai_request *r, struct oai_error *e) {
@@ -151,8 +228,11 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, struct
     if (!strcmp(key, "model") || !strcmp(key, "user"))
         return json_is_string(v) || json_is_null(v) ? 0 : BAD(key, "'%s' must be a string", key);
     if (!strcmp(key, "metadata") || !strcmp(key, "store") || !strcmp(key, "service_tier") ||
-        !strcmp(key, "parallel_tool_calls") || !strcmp(key, "tool_choice"))
+        !strcmp(key, "parallel_tool_calls"))
         return 0; /* bookkeeping fields of OpenAI's API, meaningless here */
+    if (!strcmp(key, "response_format")) return get_response_format(v, r, e);
+    if (!strcmp(key, "tools")) return get_tools(v, r, e);
+    if (!strcmp(key, "tool_choice")) return get_tool_choice(v, r, e);
     if (!strcmp(key, "max_tokens") || !strcmp(key, "max_completion_tokens")) {
         if (json_is_null(v)) return 0;
         if (get_int(v, key, 1, 1 << 24, &x, e)) return -1;
@@ -223,8 +303,8 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, struct
         if (!json_is_string(v)) return BAD("prompt", "'prompt' must be a string (or a list of one string)");
         return get_string(v, key, &r->prompt, e);
     }
-    static const char *const defaults_only[] = {"frequency_penalty", "presence_penalty", "logit_bias", "tools",
-                                                "response_format", "echo", "best_of", "suffix", NULL};
+    static const char *const defaults_only[] = {"frequency_penalty", "presence_penalty", "logit_bias", "echo",
+                                                "best_of", "suffix", NULL};
     for (const char *const *d = defaults_only; *d; d++)
         if (!strcmp(key, *d)) return check_default_only(key, v, e);
     return BAD(key, "Unrecognized request argument supplied: %s", key);
@@ -259,6 +339,11 @@ int oai_parse_request(const char *body, size_t len, enum oai_kind kind, struct o
     if (rc == 0 && kind == OAI_CHAT && r->top_logprobs > 0 && !r->logprobs)
         rc = BAD("top_logprobs", "'top_logprobs' needs 'logprobs': true");
     if (rc == 0 && kind == OAI_CHAT && r->logprobs) r->gen.logprobs = r->top_logprobs > 0 ? r->top_logprobs : 0;
+    if (rc == 0 && (r->tool_choice == OAI_TOOLS_REQUIRED || r->tool_choice == OAI_TOOLS_NAMED) && r->n_tools == 0)
+        rc = BAD("tool_choice", "'tool_choice' asks for a tool call but 'tools' lists none");
+    for (int i = 0; rc == 0 && r->tool_choice == OAI_TOOLS_NAMED && i <= r->n_tools; i++)
+        if (i == r->n_tools) rc = BAD("tool_choice", "'tool_choice' names '%s', which 'tools' does not list", r->tool_name);
+        else if (!strcmp(r->tools[i].name, r->tool_name)) break;
     if (rc == 0 && r->include_usage && !r->stream)
         rc = BAD("stream_options", "'stream_options' is only allowed when 'stream' is true");
     json_decref(root);
@@ -269,13 +354,25 @@ int oai_parse_request(const char *body, size_t len, enum oai_kind kind, struct o
 void gen_params_free(struct gen_params *g) {
     for (int i = 0; i < g->n_stop; i++) free(g->stop[i]);
     g->n_stop = 0;
+    kvq_grammar_free(g->grammar);
+    g->grammar = NULL;
 }
 
 void oai_request_free(struct oai_request *r) {
     for (int i = 0; i < r->n_messages; i++) {
         free((char *)r->messages[i].role);
         free((char *)r->messages[i].content);
+        free(r->tool_calls[i]);
     }
+    free(r->tool_calls);
+    for (int i = 0; i < r->n_tools; i++) {
+        free(r->tools[i].name);
+        free(r->tools[i].parameters);
+        free(r->tools[i].json);
+    }
+    free(r->tools);
+    free(r->tool_name);
+    free(r->response_schema);
     free(r->messages);
     free(r->prompt);
     free(r->cache_key);
@@ -438,4 +535,47 @@ char *oai_usage_chunk_json(enum oai_kind kind, const char *id, long created, con
 char *oai_models_json(const char *model, long created) {
     return dump(json_pack("{s:s, s:[{s:s, s:s, s:I, s:s}]}", "object", "list", "data", "id", model, "object", "model",
                           "created", (json_int_t)created, "owned_by", "kvq"));
+}
+
+static json_t *tool_calls_json(const struct tool_call *calls, int n, bool indexed) {
+    json_t *list = json_array();
+    for (int i = 0; i < n; i++) {
+        json_t *c = json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", calls[i].id, "type", "function", "function", "name",
+                              calls[i].name, "arguments", calls[i].arguments);
+        if (indexed && c) json_object_set_new(c, "index", json_integer(i));
+        json_array_append_new(list, c);
+    }
+    return list;
+}
+
+char *oai_tool_response_json(const char *id, long created, const char *model, const char *content, size_t content_len,
+                             const struct tool_call *calls, int n_calls, const struct oai_usage *u) {
+    json_t *root = envelope(OAI_CHAT, id, created, model, false);
+    json_t *msg = json_pack("{s:s, s:o, s:o}", "role", "assistant", "content",
+                            content ? json_stringn(content, content_len) : json_null(), "tool_calls",
+                            tool_calls_json(calls, n_calls, false));
+    json_t *choice = json_pack("{s:i, s:o, s:n, s:s}", "index", 0, "message", msg, "logprobs", "finish_reason",
+                               "tool_calls");
+    if (!root || !choice) {
+        json_decref(root);
+        json_decref(choice);
+        return NULL;
+    }
+    json_object_set_new(root, "choices", json_pack("[o]", choice));
+    json_object_set_new(root, "usage", usage_json(u));
+    return dump(root);
+}
+
+char *oai_tool_chunk_json(const char *id, long created, const char *model, const struct tool_call *calls,
+                          int n_calls) {
+    json_t *root = envelope(OAI_CHAT, id, created, model, true);
+    json_t *choice = json_pack("{s:i, s:{s:o}, s:n, s:n}", "index", 0, "delta", "tool_calls",
+                               tool_calls_json(calls, n_calls, true), "logprobs", "finish_reason");
+    if (!root || !choice) {
+        json_decref(root);
+        json_decref(choice);
+        return NULL;
+    }
+    json_object_set_new(root, "choices", json_pack("[o]", choice));
+    return dump(root);
 }

@@ -8,13 +8,16 @@
 
 #include "server/chat_template.h"
 #include "server/scheduler.h"
+#include "server/tool_calls.h"
 
 enum oai_kind { OAI_CHAT, OAI_COMPLETION };
+enum oai_tool_choice { OAI_TOOLS_AUTO, OAI_TOOLS_NONE, OAI_TOOLS_REQUIRED, OAI_TOOLS_NAMED };
 
 struct oai_request {
     enum oai_kind kind;
     struct chat_message *messages; /* chat: strings owned here */
     int n_messages;
+    char **tool_calls; /* [n_messages]: an assistant message's tool_calls list as JSON text, or NULL */
     char *prompt; /* completion */
     struct gen_params gen;
     bool stream, include_usage;
@@ -22,6 +25,12 @@ struct oai_request {
     bool logprobs;    /* chat's logprobs: true (gen.logprobs holds the count either way) */
     int top_logprobs; /* chat's top_logprobs, -1 when absent */
     char *cache_key; /* prompt_cache_key, or NULL */
+    /* response_format's JSON Schema text ({"type":"object"} for json_object), or NULL */
+    char *response_schema;
+    struct tool_def *tools; /* chat's tools (functions) */
+    int n_tools;
+    enum oai_tool_choice tool_choice;
+    char *tool_name; /* the function tool_choice names */
 };
 
 /* An OpenAI error: HTTP status and the fields of {"error": {...}}. */
@@ -67,5 +76,14 @@ char *oai_chunk_json(enum oai_kind kind, const char *id, long created, const cha
 char *oai_usage_chunk_json(enum oai_kind kind, const char *id, long created, const char *model,
                            const struct oai_usage *u);
 char *oai_models_json(const char *model, long created);
+
+/* A chat response whose message holds tool calls (content: the text before them, NULL
+ * for none), finish_reason "tool_calls". */
+char *oai_tool_response_json(const char *id, long created, const char *model, const char *content, size_t content_len,
+                             const struct tool_call *calls, int n_calls, const struct oai_usage *u);
+/* A chat stream chunk with delta.tool_calls (each with its index, id, type, name and
+ * the whole arguments). */
+char *oai_tool_chunk_json(const char *id, long created, const char *model, const struct tool_call *calls,
+                          int n_calls);
 
 #endif

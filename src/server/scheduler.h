@@ -23,6 +23,7 @@ struct gen_params {
     char *stop[GEN_MAX_STOP];
     int n_stop;
     int logprobs; /* -1: none; else log-probabilities with this many alternatives (0..LP_MAX_TOP) */
+    struct kvq_grammar *grammar; /* the text must follow it (owned), or NULL */
 };
 
 struct prefix_cache;
