@@ -60,9 +60,10 @@ client() { # MODE ARGS...: runs the node client, counting its ok/FAIL lines
   failed=$((failed + $(grep -c '^FAIL:' "$tmp/client.out")))
 }
 
-# ---- the official client, and bad requests -------------------------------------
+# ---- the official client (with response_format and tools), and bad requests ------
 start_server main --api-key sekrit -c 1024 --max-body-mb 1
 client official sekrit
+client structured sekrit
 expect() { # DESCRIPTION STATUS CURL-ARGS...: an OpenAI error object with that status
   local what=$1 want=$2; shift 2
   local got
