@@ -35,7 +35,9 @@ struct rule {
 
 struct node {
     int32_t pos, parent; /* parent: -1 = the end of the text */
-    uint32_t slot;       /* in the hash table */
+    int32_t next;        /* the node after this one's element matched (UNKNOWN: not made yet) */
+    int32_t clos, n_clos; /* its expansion: clos[clos..clos+n_clos) (clos < 0: not made yet) */
+    bool clos_acc;        /* ... and whether it may end the text */
 };
 
 #define ACCEPT (-1)
@@ -88,12 +90,14 @@ struct grammar {
     int n_classes, cap_classes;
     /* stacks */
     struct node *nodes;
-    uint32_t *mark;
+    uint32_t *mark, *mark2; /* visited in this epoch: sets built, expansions made */
     int n_nodes, cap_nodes;
-    uint32_t epoch;
+    uint32_t epoch, epoch2;
     int32_t *table;
-    uint32_t table_cap, rehashes;
-    bool failed, acc; /* acc: the set being built can end here */
+    uint32_t table_cap;
+    int32_t *clos; /* the nodes' expansions */
+    int n_clos, clos_cap;
+    bool failed, acc, acc2; /* acc: the set being built can end here; acc2: the expansion */
     /* sets: the current one at arena[0..n_cur), those of a walk above it */
     int32_t *arena;
     int arena_top, arena_cap, n_cur;
@@ -178,6 +182,8 @@ void grammar_free(struct grammar *g) {
     free(g->classes);
     free(g->nodes);
     free(g->mark);
+    free(g->mark2);
+    free(g->clos);
     free(g->table);
     free(g->arena);
     free(g->vclass);
@@ -211,6 +217,12 @@ int grammar_add_alt(struct grammar *g, int rule, struct gseq *s) {
 
 /* ---- stacks ---- */
 
+#define UNKNOWN INT32_MIN
+/* A mask's walk makes nodes for stacks it only tries; past this many the grammar
+ * keeps those its current set needs and forgets the rest (and what it remembered). */
+#define GC_NODES (1 << 16)
+#define GC_CLOSURES (1 << 20)
+
 static uint32_t node_hash(int32_t pos, int32_t parent) {
     uint64_t h = (uint64_t)(uint32_t)pos * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uint32_t)parent * 0xC2B2AE3D27D4EB4Full;
     return (uint32_t)(h ^ (h >> 29));
@@ -220,7 +232,6 @@ static void table_insert(struct grammar *g, int32_t id) {
     uint32_t mask = g->table_cap - 1, i = node_hash(g->nodes[id].pos, g->nodes[id].parent) & mask;
     while (g->table[i] >= 0) i = (i + 1) & mask;
     g->table[i] = id;
-    g->nodes[id].slot = i;
 }
 
 static int rehash(struct grammar *g, uint32_t cap) {
@@ -231,7 +242,6 @@ static int rehash(struct grammar *g, uint32_t cap) {
     g->table_cap = cap;
     memset(t, 0xff, sizeof *t * cap);
     for (int i = 0; i < g->n_nodes; i++) table_insert(g, i);
-    g->rehashes++;
     return 0;
 }
 
@@ -253,16 +263,18 @@ static int32_t intern(struct grammar *g, int32_t pos, int32_t parent) {
         struct node *nn = realloc(g->nodes, sizeof *nn * (size_t)cap);
         if (nn) g->nodes = nn;
         uint32_t *m = nn ? realloc(g->mark, sizeof *m * (size_t)cap) : NULL;
-        if (!m) {
+        if (m) g->mark = m;
+        uint32_t *m2 = m ? realloc(g->mark2, sizeof *m2 * (size_t)cap) : NULL;
+        if (!m2) {
             g->failed = true;
             return FAILED;
         }
-        g->mark = m;
+        g->mark2 = m2;
         g->cap_nodes = cap;
     }
     const int32_t id = g->n_nodes++;
-    g->nodes[id] = (struct node){pos, parent, 0};
-    g->mark[id] = 0;
+    g->nodes[id] = (struct node){pos, parent, UNKNOWN, -1, 0, false};
+    g->mark[id] = g->mark2[id] = 0;
     if ((uint32_t)g->n_nodes * 2 > g->table_cap) {
         if (rehash(g, g->table_cap ? g->table_cap * 2 : 1024)) {
             g->n_nodes--;
@@ -275,21 +287,55 @@ static int32_t intern(struct grammar *g, int32_t pos, int32_t parent) {
     return id;
 }
 
-/* Forgets the nodes made since n (by a mask's walk: hypothetical stacks). */
-static void rollback(struct grammar *g, int n, uint32_t rehashes) {
-    if (g->n_nodes == n) return;
-    if (g->rehashes == rehashes) {
-        for (int i = n; i < g->n_nodes; i++) g->table[g->nodes[i].slot] = -1;
-        g->n_nodes = n;
-    } else {
-        g->n_nodes = n;
-        rehash(g, g->table_cap); /* same size: cannot fail worse than leaving stale slots */
-    }
-}
-
 /* The stack going on at pos: its parent when pos ends an alternative. */
 static int32_t cont(struct grammar *g, int32_t pos, int32_t parent) {
     return g->elems[pos].type == E_END ? parent : intern(g, pos, parent);
+}
+
+/* The stack after node id's element has matched a byte (remembered). */
+static int32_t next(struct grammar *g, int32_t id) {
+    if (g->nodes[id].next == UNKNOWN) {
+        const int32_t k = cont(g, g->nodes[id].pos + 1, g->nodes[id].parent);
+        if (k == FAILED) return FAILED;
+        g->nodes[id].next = k;
+    }
+    return g->nodes[id].next;
+}
+
+static void clos_push(struct grammar *g, int32_t id) {
+    if (grow((void **)&g->clos, &g->clos_cap, g->n_clos + 1, sizeof *g->clos)) {
+        g->failed = true;
+        return;
+    }
+    g->clos[g->n_clos++] = id;
+}
+
+/* Adds to g->clos the stacks node id stands for, each with a byte-matching element
+ * next (g->acc2: one of them is the end of the text). */
+static void expand(struct grammar *g, int32_t id) {
+    if (id == ACCEPT) {
+        g->acc2 = true;
+        return;
+    }
+    if (id < 0 || g->mark2[id] == g->epoch2) return;
+    g->mark2[id] = g->epoch2;
+    const struct node n = g->nodes[id];
+    const struct gelem e = g->elems[n.pos];
+    switch (e.type) {
+    case E_CLASS: clos_push(g, id); break;
+    case E_STAR:
+        clos_push(g, id);
+        expand(g, cont(g, n.pos + 1, n.parent));
+        break;
+    case E_REF: {
+        const int32_t k = cont(g, n.pos + 1, n.parent);
+        if (k == FAILED) return;
+        const struct rule *r = &g->rules[e.arg];
+        for (int i = 0; i < r->n; i++) expand(g, intern(g, r->alts[i], k));
+        break;
+    }
+    default: expand(g, n.parent); break;
+    }
 }
 
 static void set_push(struct grammar *g, int32_t id) {
@@ -300,61 +346,86 @@ static void set_push(struct grammar *g, int32_t id) {
     g->arena[g->arena_top++] = id;
 }
 
-static void new_epoch(struct grammar *g) {
-    if (++g->epoch == 0) {
-        memset(g->mark, 0, sizeof *g->mark * (size_t)g->n_nodes);
-        g->epoch = 1;
+static void new_epoch(uint32_t *epoch, uint32_t *mark, int n) {
+    if (++*epoch == 0) {
+        memset(mark, 0, sizeof *mark * (size_t)n);
+        *epoch = 1;
     }
-    g->acc = false;
 }
 
-/* Adds the stacks that node id stands for, each with a byte-matching element next. */
+/* Adds the stacks node id stands for to the set being built (its expansion is
+ * worked out once and remembered). */
 static void closure(struct grammar *g, int32_t id) {
     if (id == ACCEPT) {
         g->acc = true;
         return;
     }
-    if (id < 0 || g->mark[id] == g->epoch) return;
-    g->mark[id] = g->epoch;
-    const struct node n = g->nodes[id];
-    const struct gelem e = g->elems[n.pos];
-    switch (e.type) {
-    case E_CLASS: set_push(g, id); break;
-    case E_STAR:
-        set_push(g, id);
-        closure(g, cont(g, n.pos + 1, n.parent));
-        break;
-    case E_REF: {
-        const int32_t k = cont(g, n.pos + 1, n.parent);
-        if (k == FAILED) return;
-        const struct rule *r = &g->rules[e.arg];
-        for (int i = 0; i < r->n; i++) closure(g, intern(g, r->alts[i], k));
-        break;
+    if (id < 0) return;
+    if (g->nodes[id].clos < 0) {
+        const int start = g->n_clos;
+        new_epoch(&g->epoch2, g->mark2, g->n_nodes);
+        g->acc2 = false;
+        expand(g, id);
+        g->nodes[id].clos = start;
+        g->nodes[id].n_clos = g->n_clos - start;
+        g->nodes[id].clos_acc = g->acc2;
     }
-    default: closure(g, n.parent); break;
+    const struct node *n = &g->nodes[id];
+    g->acc |= n->clos_acc;
+    for (int i = 0; i < n->n_clos; i++) {
+        const int32_t t = g->clos[n->clos + i];
+        if (g->mark[t] == g->epoch) continue;
+        g->mark[t] = g->epoch;
+        set_push(g, t);
     }
 }
 
 /* The set after byte b from the set at arena[from..from+n), built on top of the
  * arena; returns where it starts (its size: arena_top - start; g->acc: it may end). */
 static int advance(struct grammar *g, int from, int n, unsigned b) {
-    new_epoch(g);
+    new_epoch(&g->epoch, g->mark, g->n_nodes);
+    g->acc = false;
     const int start = g->arena_top;
     for (int i = 0; i < n; i++) {
         const int32_t id = g->arena[from + i];
-        const struct node nd = g->nodes[id];
-        const struct gelem e = g->elems[nd.pos];
+        const struct gelem e = g->elems[g->nodes[id].pos];
         if (!in_class(&g->classes[e.arg], b)) continue;
-        closure(g, e.type == E_STAR ? id : cont(g, nd.pos + 1, nd.parent));
+        closure(g, e.type == E_STAR ? id : next(g, id));
     }
     return start;
+}
+
+/* Keeps only the nodes the current set stands on (renumbered), forgetting what was
+ * remembered. */
+static void compact(struct grammar *g) {
+    int32_t *map = malloc(sizeof *map * (size_t)g->n_nodes);
+    if (!map) return;
+    memset(map, 0xff, sizeof *map * (size_t)g->n_nodes);
+    for (int i = 0; i < g->n_cur; i++)
+        for (int32_t x = g->arena[i]; x >= 0 && map[x] < 0; x = g->nodes[x].parent) map[x] = 0;
+    int n = 0;
+    for (int i = 0; i < g->n_nodes; i++)
+        if (map[i] == 0) {
+            map[i] = n;
+            const int32_t parent = g->nodes[i].parent;
+            g->nodes[n++] = (struct node){g->nodes[i].pos, parent >= 0 ? map[parent] : parent, UNKNOWN, -1, 0, false};
+        }
+    for (int i = 0; i < g->n_cur; i++) g->arena[i] = map[g->arena[i]];
+    free(map);
+    g->n_nodes = n;
+    g->n_clos = 0;
+    memset(g->mark, 0, sizeof *g->mark * (size_t)n);
+    memset(g->mark2, 0, sizeof *g->mark2 * (size_t)n);
+    rehash(g, g->table_cap);
+    g->cache_valid = false;
 }
 
 int grammar_start(struct grammar *g, int root) {
     for (int i = 0; i < g->n_rules; i++)
         if (g->rules[i].n == 0) return kvq_error("grammar: rule %d has no alternative", i);
     g->arena_top = 0;
-    new_epoch(g);
+    new_epoch(&g->epoch, g->mark, g->n_nodes);
+    g->acc = false;
     const struct rule *r = &g->rules[root];
     for (int i = 0; i < r->n; i++) closure(g, intern(g, r->alts[i], ACCEPT));
     g->n_cur = g->arena_top;
@@ -559,8 +630,14 @@ int grammar_bind_vocab(struct grammar *g, struct grammar_vocab *v) {
 /* Allows the tokens of trie t below node at that the set at arena[from..from+n) can
  * take whole. */
 static void walk(struct grammar *g, const struct trie *t, int32_t at, int from, int n, uint64_t *allowed) {
+    struct gclass any = {{0}}; /* the bytes some stack of the set takes: others need no look */
+    for (int i = 0; i < n; i++) {
+        const struct gclass *k = &g->classes[g->elems[g->nodes[g->arena[from + i]].pos].arg];
+        for (int w = 0; w < 4; w++) any.bits[w] |= k->bits[w];
+    }
     for (int32_t c = t->v[at].child; c >= 0; c = t->v[c].sibling) {
         const struct trie_node *tn = &t->v[c];
+        if (!in_class(&any, tn->byte)) continue;
         const int top = g->arena_top;
         const int s = advance(g, from, n, tn->byte);
         const int cnt = g->arena_top - s;
@@ -580,8 +657,7 @@ int grammar_mask(struct grammar *g, uint64_t *allowed) {
         return g->cache_count;
     }
     memset(allowed, 0, sizeof *allowed * (size_t)nw);
-    const int n_nodes = g->n_nodes;
-    const uint32_t rehashes = g->rehashes;
+    if (g->n_nodes > GC_NODES || g->n_clos > GC_CLOSURES) compact(g);
     /* the stacks without a short cut, walked together over the whole trie */
     const int gen = g->arena_top;
     for (int i = 0; i < g->n_cur; i++) {
@@ -595,15 +671,13 @@ int grammar_mask(struct grammar *g, uint64_t *allowed) {
         for (int w = 0; w < nw; w++) allowed[w] |= vc->full[w];
         /* the others: the star takes their bytes up to the first outside it, then what follows it */
         const int top = g->arena_top;
-        new_epoch(g);
-        const struct node nd = g->nodes[id];
-        closure(g, cont(g, nd.pos + 1, nd.parent));
+        new_epoch(&g->epoch, g->mark, g->n_nodes);
+        closure(g, next(g, id));
         if (g->arena_top > top) walk(g, &vc->partial, 0, top, g->arena_top - top, allowed);
         g->arena_top = top;
     }
     if (g->arena_top > gen) walk(g, &v->trie, 0, gen, g->arena_top - gen, allowed);
     g->arena_top = g->n_cur;
-    rollback(g, n_nodes, rehashes);
     /* a dead end (only a grammar too large to follow reaches one) ends the text */
     if (g->cur_acc || g->failed)
         for (int i = 0; i < v->n_eog; i++) allowed[v->eog[i] >> 6] |= 1ull << (v->eog[i] & 63);
