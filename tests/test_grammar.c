@@ -61,9 +61,13 @@ static const struct expect cases[] = {
     {NULL, "{\"v\":1,\"kids\":[{\"v\":2}]}", 0},
     {"{\"type\":\"string\",\"minLength\":2,\"maxLength\":3}", "\"ab\"", 1},
     {NULL, "\"abc\"", 1},
-    {NULL, "\"\xc3\xa9\x31\"", 1}, /* two characters, three bytes */
+    {NULL, "\"\xc3\xa9\x31\"", 0}, /* bounded strings are ASCII: one byte a character */
+    {NULL, "\"a\\nb\"", 0},         /* ... without escapes */
     {NULL, "\"a\"", 0},
     {NULL, "\"abcd\"", 0},
+    {"{\"type\":\"string\",\"minLength\":2}", "\"ab cd\"", 1},
+    {NULL, "\"a\"", 0},
+    {"{\"type\":\"string\",\"maxLength\":0}", "\"\"", 1},
     {"{\"type\":\"number\"}", "1.5e10", 1},
     {NULL, "-0.25", 1},
     {NULL, "0", 1},
@@ -147,17 +151,20 @@ static void test_masks(const struct kvq_model *m) {
         "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\"},\"age\":{\"type\":\"integer\"},"
         "\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a b\",\"c\"]}}},\"required\":[\"name\",\"age\"]}",
         "{\"type\":\"object\"}",
+        "{\"type\":\"array\",\"items\":{\"anyOf\":[{\"type\":\"string\",\"minLength\":3,\"maxLength\":6},"
+        "{\"type\":\"string\",\"minLength\":2}]}}",
     };
     static const char *const prefixes[][6] = {
         {"", "{", "{\"na", "{\"name\": \"The ker", "{\"name\": \"x\\", "{\"name\":\"a\",\"age\":1"},
         {"", "{\"", "{\"k\": [1, \"x", "{\"k\":tr", "{\"k\":{}", "{\"a\":1}"},
+        {"[\"", "[\"a", "[\"abcd", "[\"abcdef", "[\"abc\",\"", "[\"abc\",\"xyz"},
     };
     struct grammar_vocab *v = engine_grammar_vocab(m);
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     uint64_t *bits = malloc(sizeof *bits * (size_t)(info.n_vocab / 64 + 1));
     float *logits = malloc(sizeof *logits * (size_t)info.n_vocab);
-    for (int si = 0; si < 2; si++)
+    for (int si = 0; si < 3; si++)
         for (int pi = 0; pi < 6; pi++) {
             const char *s = schemas[si], *p = prefixes[si][pi];
             struct grammar *g = grammar_new();

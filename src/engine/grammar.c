@@ -21,11 +21,14 @@
 #include "core/error.h"
 #include "tokenizer/tokenizer.h"
 
-enum { E_END, E_CLASS, E_STAR, E_REF };
+/* E_RUN: one of a run of elements matching lo to hi bytes of a class: `left` of the
+ * run's elements from here on, `need` of which must match (the rest may be skipped). */
+enum { E_END, E_CLASS, E_STAR, E_RUN, E_REF };
 
 struct gelem {
     uint8_t type;
     int32_t arg; /* class or rule */
+    int32_t left, need;
 };
 
 struct rule {
@@ -59,11 +62,17 @@ struct trie {
     int32_t *toks;
 };
 
-/* A star class's short cut: tokens entirely of the class, and the others from their
- * first byte outside it. */
+#define RUN_LEN 64 /* tokens of a run's class by length up to this; longer ones in a list */
+
+/* A star or run class's short cut: tokens entirely of the class (by length, for
+ * runs), and the others from their first byte outside it. */
 struct vclass {
     struct gclass c;
-    uint64_t *full;
+    uint64_t *full;     /* [n_words] */
+    uint64_t *upto;     /* [RUN_LEN + 1][n_words]: those of at most L bytes */
+    int32_t *longer;    /* those of more than RUN_LEN bytes */
+    int n_longer;
+    uint8_t *first;     /* [n_vocab]: where a token's first byte outside the class is (255: later) */
     struct trie partial;
 };
 
@@ -143,7 +152,7 @@ static void seq_push(struct gseq *s, uint8_t type, int32_t arg) {
         s->oom = true;
         return;
     }
-    s->v[s->n++] = (struct gelem){type, arg};
+    s->v[s->n++] = (struct gelem){type, arg, 0, 0};
 }
 
 void gseq_lit(struct gseq *s, struct grammar *g, const char *text, size_t len) {
@@ -157,6 +166,14 @@ void gseq_lit(struct gseq *s, struct grammar *g, const char *text, size_t len) {
 void gseq_class(struct gseq *s, struct grammar *g, const struct gclass *c) { seq_push(s, E_CLASS, class_id(g, c)); }
 void gseq_star(struct gseq *s, struct grammar *g, const struct gclass *c) { seq_push(s, E_STAR, class_id(g, c)); }
 void gseq_ref(struct gseq *s, int rule) { seq_push(s, E_REF, rule); }
+
+void gseq_run(struct gseq *s, struct grammar *g, const struct gclass *c, int lo, int hi) {
+    const int k = class_id(g, c);
+    for (int i = 0; i < hi; i++) {
+        seq_push(s, E_RUN, k);
+        if (!s->oom) s->v[s->n - 1].left = hi - i, s->v[s->n - 1].need = lo > i ? lo - i : 0;
+    }
+}
 
 void gseq_free(struct gseq *s) {
     free(s->v);
@@ -209,7 +226,7 @@ int grammar_add_alt(struct grammar *g, int rule, struct gseq *s) {
         r->alts[r->n++] = g->n_elems;
         if (s->n) memcpy(g->elems + g->n_elems, s->v, sizeof *s->v * (size_t)s->n);
         g->n_elems += s->n;
-        g->elems[g->n_elems++] = (struct gelem){E_END, 0};
+        g->elems[g->n_elems++] = (struct gelem){E_END, 0, 0, 0};
     }
     gseq_free(s);
     return rc;
@@ -326,6 +343,10 @@ static void expand(struct grammar *g, int32_t id) {
     case E_STAR:
         clos_push(g, id);
         expand(g, cont(g, n.pos + 1, n.parent));
+        break;
+    case E_RUN:
+        clos_push(g, id);
+        if (e.need == 0) expand(g, cont(g, n.pos + e.left, n.parent));
         break;
     case E_REF: {
         const int32_t k = cont(g, n.pos + 1, n.parent);
@@ -562,6 +583,9 @@ void grammar_vocab_free(struct grammar_vocab *v) {
     if (!v) return;
     for (int i = 0; i < v->n_classes; i++) {
         free(v->classes[i]->full);
+        free(v->classes[i]->upto);
+        free(v->classes[i]->longer);
+        free(v->classes[i]->first);
         trie_free(&v->classes[i]->partial);
         free(v->classes[i]);
     }
@@ -576,7 +600,10 @@ void grammar_vocab_free(struct grammar_vocab *v) {
 static struct vclass *vclass_build(const struct grammar_vocab *v, const struct gclass *c) {
     struct vclass *vc = calloc(1, sizeof *vc);
     struct key *keys = malloc(sizeof *keys * (size_t)(v->n_vocab ? v->n_vocab : 1));
-    if (!vc || !keys || !(vc->full = calloc((size_t)v->n_words, sizeof *vc->full))) goto fail;
+    const size_t nw = (size_t)v->n_words;
+    if (!vc || !keys || !(vc->full = calloc(nw, sizeof *vc->full)) ||
+        !(vc->upto = calloc(nw * (RUN_LEN + 1), sizeof *vc->upto)) || !(vc->first = calloc((size_t)v->n_vocab + 1, 1)))
+        goto fail;
     vc->c = *c;
     int n = 0;
     for (int id = 0; id < v->n_vocab; id++) {
@@ -584,8 +611,15 @@ static struct vclass *vclass_build(const struct grammar_vocab *v, const struct g
         const unsigned char *p = tok_bytes(v, id, &len);
         if (len == 0) continue;
         while (j < len && in_class(c, p[j])) j++;
-        if (j == len) vc->full[id >> 6] |= 1ull << (id & 63);
-        else keys[n++] = (struct key){p + j, len - j, id};
+        vc->first[id] = (uint8_t)(j < 255 ? j : 255);
+        if (j == len) {
+            vc->full[id >> 6] |= 1ull << (id & 63);
+            for (int l = len; l <= RUN_LEN; l++) vc->upto[(size_t)l * nw + (size_t)(id >> 6)] |= 1ull << (id & 63);
+            int32_t *lg = len > RUN_LEN ? realloc(vc->longer, sizeof *lg * (size_t)(vc->n_longer + 1)) : NULL;
+            if (lg) (vc->longer = lg)[vc->n_longer++] = id;
+        } else {
+            keys[n++] = (struct key){p + j, len - j, id};
+        }
     }
     if (trie_build(&vc->partial, keys, n)) goto fail;
     free(keys);
@@ -594,6 +628,9 @@ fail:
     free(keys);
     if (vc) {
         free(vc->full);
+        free(vc->upto);
+        free(vc->longer);
+        free(vc->first);
         trie_free(&vc->partial);
     }
     free(vc);
@@ -622,14 +659,23 @@ int grammar_bind_vocab(struct grammar *g, struct grammar_vocab *v) {
     for (int i = 0; i < g->n_elems; i++) {
         const struct gelem *e = &g->elems[i];
         /* a star class without a short cut (the cache full) is walked like any other */
-        if (e->type == E_STAR && !g->vclass[e->arg]) g->vclass[e->arg] = vclass_get(v, &g->classes[e->arg]);
+        if ((e->type == E_STAR || e->type == E_RUN) && !g->vclass[e->arg])
+            g->vclass[e->arg] = vclass_get(v, &g->classes[e->arg]);
     }
     return 0;
 }
 
+/* The token filter of a run's partial tokens: their first byte outside the class at
+ * lo..hi (first NULL: none). */
+struct only {
+    const uint8_t *first;
+    int lo, hi;
+};
+
 /* Allows the tokens of trie t below node at that the set at arena[from..from+n) can
  * take whole. */
-static void walk(struct grammar *g, const struct trie *t, int32_t at, int from, int n, uint64_t *allowed) {
+static void walk(struct grammar *g, const struct trie *t, int32_t at, int from, int n, uint64_t *allowed,
+                 const struct only *f) {
     struct gclass any = {{0}}; /* the bytes some stack of the set takes: others need no look */
     for (int i = 0; i < n; i++) {
         const struct gclass *k = &g->classes[g->elems[g->nodes[g->arena[from + i]].pos].arg];
@@ -642,8 +688,11 @@ static void walk(struct grammar *g, const struct trie *t, int32_t at, int from, 
         const int s = advance(g, from, n, tn->byte);
         const int cnt = g->arena_top - s;
         if (cnt > 0 || g->acc)
-            for (int32_t i = tn->tok_begin; i < tn->tok_end; i++) allowed[t->toks[i] >> 6] |= 1ull << (t->toks[i] & 63);
-        if (cnt > 0 && tn->child >= 0) walk(g, t, c, s, cnt, allowed);
+            for (int32_t i = tn->tok_begin; i < tn->tok_end; i++) {
+                const int32_t id = t->toks[i];
+                if (!f->first || (f->first[id] >= f->lo && f->first[id] <= f->hi)) allowed[id >> 6] |= 1ull << (id & 63);
+            }
+        if (cnt > 0 && tn->child >= 0) walk(g, t, c, s, cnt, allowed, f);
         g->arena_top = top;
     }
 }
@@ -663,20 +712,36 @@ int grammar_mask(struct grammar *g, uint64_t *allowed) {
     for (int i = 0; i < g->n_cur; i++) {
         const int32_t id = g->arena[i];
         const struct gelem e = g->elems[g->nodes[id].pos];
-        const struct vclass *vc = e.type == E_STAR ? g->vclass[e.arg] : NULL;
+        const struct vclass *vc = e.type == E_STAR || e.type == E_RUN ? g->vclass[e.arg] : NULL;
         if (!vc) {
             set_push(g, id);
             continue;
         }
-        for (int w = 0; w < nw; w++) allowed[w] |= vc->full[w];
-        /* the others: the star takes their bytes up to the first outside it, then what follows it */
+        /* tokens of the class alone; then the others: the star or run takes their bytes up
+         * to the first outside it, then what follows it */
+        struct only f = {NULL, 0, 0};
+        int32_t after;
+        if (e.type == E_STAR) {
+            for (int w = 0; w < nw; w++) allowed[w] |= vc->full[w];
+            after = next(g, id);
+        } else {
+            /* a token of the class that fits what is left of the run stays in it */
+            const uint64_t *fit = vc->upto + (size_t)(e.left < RUN_LEN ? e.left : RUN_LEN) * (size_t)nw;
+            for (int w = 0; w < nw; w++) allowed[w] |= fit[w];
+            for (int k = 0; k < vc->n_longer; k++)
+                if ((int)(v->off[vc->longer[k] + 1] - v->off[vc->longer[k]]) <= e.left)
+                    allowed[vc->longer[k] >> 6] |= 1ull << (vc->longer[k] & 63);
+            f = (struct only){vc->first, e.need, e.left};
+            after = cont(g, g->nodes[id].pos + e.left, g->nodes[id].parent);
+        }
         const int top = g->arena_top;
         new_epoch(&g->epoch, g->mark, g->n_nodes);
-        closure(g, next(g, id));
-        if (g->arena_top > top) walk(g, &vc->partial, 0, top, g->arena_top - top, allowed);
+        closure(g, after);
+        if (g->arena_top > top) walk(g, &vc->partial, 0, top, g->arena_top - top, allowed, &f);
         g->arena_top = top;
     }
-    if (g->arena_top > gen) walk(g, &v->trie, 0, gen, g->arena_top - gen, allowed);
+    const struct only all = {NULL, 0, 0};
+    if (g->arena_top > gen) walk(g, &v->trie, 0, gen, g->arena_top - gen, allowed, &all);
     g->arena_top = g->n_cur;
     /* a dead end (only a grammar too large to follow reaches one) ends the text */
     if (g->cur_acc || g->failed)

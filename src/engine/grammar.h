@@ -30,6 +30,8 @@ void gseq_class(struct gseq *s, struct grammar *g, const struct gclass *c);
 /* Any number of bytes of the class, matched greedily: what follows it must not
  * start with a byte of the class (the token masks rely on it). */
 void gseq_star(struct gseq *s, struct grammar *g, const struct gclass *c);
+/* lo to hi bytes of the class (hi >= 1), with the same rule for what follows. */
+void gseq_run(struct gseq *s, struct grammar *g, const struct gclass *c, int lo, int hi);
 void gseq_ref(struct gseq *s, int rule);
 void gseq_free(struct gseq *s);
 

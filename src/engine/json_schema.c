@@ -30,7 +30,7 @@ struct jsc {
     struct ref *refs;
     int n_refs;
     /* shared rules, made when first needed (-1) */
-    int ws, sep, colon, value, string, chars, number, integer, boolean, null, utf8_char;
+    int ws, sep, colon, value, string, chars, number, integer, boolean, null;
 };
 
 static int compile(struct jsc *c, json_t *s);
@@ -168,35 +168,19 @@ static int string_rule(struct jsc *c) {
     return c->string = add(c, r, &s);
 }
 
-/* One character (a code point, as JSON Schema counts lengths): ASCII, a UTF-8
- * sequence or an escape. */
-static int char_rule(struct jsc *c) {
-    if (c->utf8_char >= 0) return c->utf8_char;
-    int r = grammar_rule(c->g), esc = escape_rule(c);
-    if (r < 0 || esc < 0) return -1;
-    struct gseq s = {0};
-    struct gclass ascii = plain_class(), cont = range(0x80, 0xbf);
-    ascii.bits[2] = ascii.bits[3] = 0;
-    gseq_class(&s, c->g, &ascii);
-    if (add(c, r, &s) < 0) return -1;
-    static const unsigned lead[3][2] = {{0xc2, 0xdf}, {0xe0, 0xef}, {0xf0, 0xf4}};
-    for (int n = 0; n < 3; n++) {
-        struct gclass l = range(lead[n][0], lead[n][1]);
-        gseq_class(&s, c->g, &l);
-        for (int i = 0; i <= n; i++) gseq_class(&s, c->g, &cont);
-        if (add(c, r, &s) < 0) return -1;
-    }
-    gseq_lit(&s, c->g, "\\", 1);
-    gseq_ref(&s, esc);
-    return c->utf8_char = add(c, r, &s);
-}
-
+/* A string of lo to hi characters: printable ASCII without escapes (one byte a
+ * character, as JSON Schema counts them), a run the masks count by bytes; with no
+ * upper bound, up to 1024 more than lo. */
 static int sized_string(struct jsc *c, int lo, int hi) {
-    int ch = char_rule(c), body = ch < 0 ? -1 : repeat(c, -1, ch, lo, hi), r = grammar_rule(c->g);
-    if (body < 0 || r < 0) return -1;
+    int r = grammar_rule(c->g);
+    if (r < 0) return -1;
+    if (hi < 0) hi = lo + 1024;
+    struct gclass ascii = plain_class();
+    ascii.bits[1] &= ~(1ull << 63); /* DEL */
+    ascii.bits[2] = ascii.bits[3] = 0;
     struct gseq s = {0};
     gseq_lit(&s, c->g, "\"", 1);
-    gseq_ref(&s, body);
+    if (hi != 0) gseq_run(&s, c->g, &ascii, lo, hi);
     gseq_lit(&s, c->g, "\"", 1);
     return add(c, r, &s);
 }
@@ -628,7 +612,7 @@ int json_schema_compile(struct grammar *g, const char *schema, size_t len, const
     json_t *root = json_loadb(schema, len, JSON_DECODE_ANY, &err);
     if (!root) return kvq_error("json schema: invalid JSON: %s (line %d, column %d)", err.text, err.line, err.column);
     struct jsc c = {.g = g, .root = root, .ws = -1, .sep = -1, .colon = -1, .value = -1, .string = -1, .chars = -1,
-                    .number = -1, .integer = -1, .boolean = -1, .null = -1, .utf8_char = -1};
+                    .number = -1, .integer = -1, .boolean = -1, .null = -1};
     int value = compile(&c, root), ws = ws_rule(&c), r = -1;
     if (value >= 0 && ws >= 0 && (r = grammar_rule(g)) >= 0) {
         struct gseq s = {0};
