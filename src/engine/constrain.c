@@ -52,11 +52,15 @@ void kvq_grammar_free(struct kvq_grammar *g) {
 int kvq_grammar_apply(struct kvq_grammar *g, float *logits) {
     int count = grammar_mask(g->g, g->allowed);
     for (int w = 0; w * 64 < g->n_vocab; w++) {
-        uint64_t bits = g->allowed[w];
+        const uint64_t bits = g->allowed[w];
+        float *l = logits + w * 64;
+        const int n = g->n_vocab - w * 64 < 64 ? g->n_vocab - w * 64 : 64;
         if (bits == ~0ull) continue;
-        const int end = (w + 1) * 64 < g->n_vocab ? (w + 1) * 64 : g->n_vocab;
-        for (int i = w * 64; i < end; i++)
-            if (!(bits >> (i & 63) & 1)) logits[i] = -INFINITY;
+        if (bits == 0) /* most words of a mask: written whole, in vectors */
+            for (int i = 0; i < n; i++) l[i] = -INFINITY;
+        else
+            for (int i = 0; i < n; i++)
+                if (!(bits >> i & 1)) l[i] = -INFINITY;
     }
     return count;
 }

@@ -62,7 +62,8 @@ static void write_calls(struct strbuf *b, enum tool_syntax s, const char *calls_
     json_array_foreach(calls, i, c) {
         json_t *fn = json_object_get(c, "function"), *args = json_object_get(fn, "arguments");
         json_t *parsed = json_is_string(args) ? json_loads(json_string_value(args), JSON_DECODE_ANY, NULL) : NULL;
-        char *a = json_dumps(parsed ? parsed : args ? args : json_object(), JSON_ENCODE_ANY | JSON_COMPACT);
+        json_t *value = parsed ? parsed : args;
+        char *a = value ? json_dumps(value, JSON_ENCODE_ANY | JSON_COMPACT) : NULL;
         json_decref(parsed);
         const char *fname = json_string_value(json_object_get(fn, "name"));
         json_t *name = json_string(fname ? fname : "");
