@@ -177,7 +177,7 @@ static int get_response_format(json_t *v, struct oai_request *r, struct oai_erro
 
 /* tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}] */
 static int get_tools(json_t *v, struct oai_request *r, struct oai_error *e) {
-    if (json_is_null(v)) return 0;
+    if (json_is_null(v) || (json_is_array(v) && json_array_size(v) == 0)) return 0;
     if (r->kind != OAI_CHAT) return BAD("tools", "'tools' is supported on /v1/chat/completions only");
     if (!json_is_array(v)) return BAD("tools", "'tools' must be a list of tools");
     size_t n = json_array_size(v);
