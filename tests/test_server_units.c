@@ -124,7 +124,7 @@ static void test_parse(void) {
     expect_400(OAI_CHAT, "[1,2]", NULL);                                               /* not an object */
     expect_400(OAI_CHAT, "{}", "messages");                                            /* missing */
     expect_400(OAI_CHAT, "{\"messages\":[]}", "messages");
-    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"function\",\"content\":\"x\"}]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", "messages");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"n\":2}", "n");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":\"10\"}", "max_tokens");
