@@ -8,10 +8,11 @@
  * A token mask walks a byte trie of the vocabulary from the current set, advancing
  * the set one trie edge at a time and dropping branches that die. Inside a JSON
  * string that would visit nearly the whole trie, so a "star" element (any number of
- * bytes of a class) takes a short cut: tokens made only of the class are allowed
- * from a bitmap computed once per class, and only the tokens holding another byte
- * (their rest from that byte, in a trie of their own) are walked. The mask of the
- * last set is kept, so a string's steps after the first cost a compare. */
+ * bytes of a class) and a "run" (lo to hi of them) take a short cut: tokens made only
+ * of the class are allowed from bitmaps computed once per class (by length, for runs),
+ * and only the tokens holding another byte (their rest from that byte, in a trie of
+ * their own) are walked. The mask of the last set is kept, so a string's steps after
+ * the first cost a compare. */
 #include "engine/grammar.h"
 
 #include <pthread.h>
