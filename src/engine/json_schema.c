@@ -8,7 +8,9 @@
 #include "engine/json_schema.h"
 
 #include <jansson.h>
+#include <math.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -214,10 +216,10 @@ static int integer_rule(struct jsc *c) {
     return c->integer = add(c, r, &s);
 }
 
-/* number ::= integer ( "." [0-9]{1,15} )? ( [eE] [-+]? [0-9]{1,3} )? */
-static int number_rule(struct jsc *c) {
-    if (c->number >= 0) return c->number;
-    int in = integer_rule(c), frac = grammar_rule(c->g), fd = digits(c, 1, 15), ex = grammar_rule(c->g),
+/* number ::= integer ( "." [0-9]{1,15} )? ( [eE] [-+]? [0-9]{1,3} )?, the integer part
+ * of rule in. */
+static int number_with(struct jsc *c, int in) {
+    int frac = grammar_rule(c->g), fd = digits(c, 1, 15), ex = grammar_rule(c->g),
         ed = digits(c, 1, 3), sign = grammar_rule(c->g), r = grammar_rule(c->g);
     if (in < 0 || frac < 0 || fd < 0 || ex < 0 || ed < 0 || sign < 0 || r < 0) return -1;
     struct gseq s = {0};
@@ -237,7 +239,129 @@ static int number_rule(struct jsc *c) {
     gseq_ref(&s, in);
     gseq_ref(&s, frac);
     gseq_ref(&s, ex);
-    return c->number = add(c, r, &s);
+    return add(c, r, &s);
+}
+
+static int number_rule(struct jsc *c) {
+    return c->number >= 0 ? c->number : (c->number = number_with(c, integer_rule(c)));
+}
+
+/* The L-digit decimal strings from a to b (a <= b): per leading digit, the rest from
+ * a's or to b's, or anything between. */
+static int digits_between(struct jsc *c, const char *a, const char *b, int L) {
+    int r = grammar_rule(c->g);
+    if (r < 0) return -1;
+    struct gseq s = {0};
+    const struct gclass any = range('0', '9');
+    bool full = true;
+    for (int i = 0; i < L; i++) full &= a[i] == '0' && b[i] == '9';
+    if (full || L == 1) {
+        struct gclass first = range((unsigned char)a[0], (unsigned char)b[0]);
+        gseq_class(&s, c->g, &first);
+        for (int i = 1; i < L; i++) gseq_class(&s, c->g, &any);
+        return add(c, r, &s);
+    }
+    if (a[0] == b[0]) {
+        int rest = digits_between(c, a + 1, b + 1, L - 1);
+        if (rest < 0) return -1;
+        gseq_lit(&s, c->g, a, 1);
+        gseq_ref(&s, rest);
+        return add(c, r, &s);
+    }
+    char nines[24], zeros[24];
+    memset(nines, '9', sizeof nines);
+    memset(zeros, '0', sizeof zeros);
+    int low = digits_between(c, a + 1, nines, L - 1), high = digits_between(c, zeros, b + 1, L - 1);
+    if (low < 0 || high < 0) return -1;
+    gseq_lit(&s, c->g, a, 1);
+    gseq_ref(&s, low);
+    if (add(c, r, &s) < 0) return -1;
+    if (a[0] + 1 <= b[0] - 1) {
+        struct gclass mid = range((unsigned char)a[0] + 1, (unsigned char)b[0] - 1);
+        gseq_class(&s, c->g, &mid);
+        for (int i = 1; i < L; i++) gseq_class(&s, c->g, &any);
+        if (add(c, r, &s) < 0) return -1;
+    }
+    gseq_lit(&s, c->g, b, 1);
+    gseq_ref(&s, high);
+    return add(c, r, &s);
+}
+
+#define MAX_DIGITS 16
+
+/* The integers from lo to hi written without sign (0 <= lo; hi < 0: up to 16 digits). */
+static int nonneg_range(struct jsc *c, long long lo, long long hi) {
+    int r = grammar_rule(c->g);
+    if (r < 0) return -1;
+    long long p = 1;
+    for (int L = 1; L <= MAX_DIGITS; L++, p *= 10) {
+        const long long first = L == 1 ? 0 : p, last = p * 10 - 1;
+        const long long a = lo > first ? lo : first, b = hi >= 0 && hi < last ? hi : last;
+        if (a > b) continue;
+        char as[24], bs[24];
+        snprintf(as, sizeof as, "%lld", a);
+        snprintf(bs, sizeof bs, "%lld", b);
+        int d = digits_between(c, as, bs, L);
+        struct gseq s = {0};
+        gseq_ref(&s, d);
+        if (d < 0 || add(c, r, &s) < 0) return -1;
+    }
+    return r;
+}
+
+/* The bounds an integer or number schema sets (minimum, exclusiveMinimum, ...), as the
+ * integers they allow; false with an error for bounds not numbers or too large. */
+static bool int_bounds(json_t *sch, bool *has_lo, long long *lo, bool *has_hi, long long *hi) {
+    static const char *const names[] = {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"};
+    *has_lo = *has_hi = false;
+    *lo = *hi = 0;
+    for (int i = 0; i < 4; i++) {
+        json_t *v = json_object_get(sch, names[i]);
+        if (!v) continue;
+        if (!json_is_number(v)) return kvq_error("json schema: '%s' must be a number", names[i]), false;
+        double x = json_number_value(v);
+        if (!(fabs(x) < 1e15)) return kvq_error("json schema: '%s' beyond 1e15 is not supported", names[i]), false;
+        /* the integers allowed: >= ceil(minimum), > floor(exclusiveMinimum), ... */
+        long long k = i == 0 ? (long long)ceil(x) : i == 1 ? (long long)floor(x) + 1 : i == 2 ? (long long)floor(x)
+                                                                                                   : (long long)ceil(x) - 1;
+        if (i < 2 && (!*has_lo || k > *lo)) *lo = k, *has_lo = true;
+        if (i >= 2 && (!*has_hi || k < *hi)) *hi = k, *has_hi = true;
+    }
+    return true;
+}
+
+/* An integer within the schema's bounds: a sign and digit ranges. */
+static int integer_schema(struct jsc *c, json_t *sch) {
+    bool has_lo, has_hi;
+    long long lo = 0, hi = 0;
+    if (!int_bounds(sch, &has_lo, &lo, &has_hi, &hi)) return -1;
+    if (!has_lo && !has_hi) return integer_rule(c);
+    if (has_lo && has_hi && lo > hi) return kvq_error("json schema: no integer lies within the bounds");
+    int r = grammar_rule(c->g);
+    if (r < 0) return -1;
+    struct gseq s = {0};
+    if (!has_lo || lo < 0) { /* "-" and the magnitudes from |min(hi, -1)| to |lo| */
+        int neg = nonneg_range(c, has_hi && hi < 0 ? -hi : 1, has_lo ? -lo : -1);
+        gseq_lit(&s, c->g, "-", 1);
+        gseq_ref(&s, neg);
+        if (neg < 0 || add(c, r, &s) < 0) return -1;
+    }
+    if (!has_hi || hi >= 0) {
+        int pos = nonneg_range(c, has_lo && lo > 0 ? lo : 0, has_hi ? hi : -1);
+        gseq_ref(&s, pos);
+        if (pos < 0 || add(c, r, &s) < 0) return -1;
+    }
+    return r;
+}
+
+/* A number: bounds only as minimum 0 (or exclusiveMinimum below it): no minus sign. */
+static int number_schema(struct jsc *c, json_t *sch) {
+    json_t *min = json_object_get(sch, "minimum"), *xmin = json_object_get(sch, "exclusiveMinimum");
+    if (json_object_get(sch, "maximum") || json_object_get(sch, "exclusiveMaximum") ||
+        (min && !(json_is_number(min) && json_number_value(min) == 0)) ||
+        (xmin && !(json_is_number(xmin) && json_number_value(xmin) < 0)))
+        return kvq_error("json schema: bounds on numbers are supported only as 'minimum': 0 (integers take any)");
+    return min || xmin ? number_with(c, nonneg_range(c, 0, -1)) : number_rule(c);
 }
 
 static int boolean_rule(struct jsc *c) {
@@ -444,8 +568,8 @@ static int typed(struct jsc *c, json_t *sch, const char *type) {
     if (!strcmp(type, "object")) return object_schema(c, sch);
     if (!strcmp(type, "array")) return array_schema(c, sch);
     if (!strcmp(type, "string")) return string_schema(c, sch);
-    if (!strcmp(type, "number")) return number_rule(c);
-    if (!strcmp(type, "integer")) return integer_rule(c);
+    if (!strcmp(type, "number")) return number_schema(c, sch);
+    if (!strcmp(type, "integer")) return integer_schema(c, sch);
     if (!strcmp(type, "boolean")) return boolean_rule(c);
     if (!strcmp(type, "null")) return null_rule(c);
     return kvq_error("json schema: unknown type '%s'", type);
@@ -521,7 +645,8 @@ static bool ignored_keyword(const char *k) {
 static bool known_keyword(const char *k) {
     static const char *const names[] = {"type", "properties", "required", "additionalProperties", "items", "minItems",
                                         "maxItems", "minLength", "maxLength", "enum", "const", "anyOf", "oneOf",
-                                        "allOf", "$ref", NULL};
+                                        "allOf", "$ref", "minimum", "maximum", "exclusiveMinimum",
+                                        "exclusiveMaximum", NULL};
     for (const char *const *n = names; *n; n++)
         if (!strcmp(k, *n)) return true;
     return ignored_keyword(k);
