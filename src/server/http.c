@@ -101,8 +101,6 @@ static int tokenize(const struct kvq_model *m, const char *text, kvq_token **out
     return -1;
 }
 
-/* The prompt's tokens: chat messages through the template (its leading BOS text is
- * dropped: the tokenizer adds BOS as the model's metadata says), or the raw prompt. */
 static bool tools_on(const struct oai_request *q) { return q->n_tools > 0 && q->tool_choice != OAI_TOOLS_NONE; }
 
 /* The chat messages with tools, tool calls and tool results written into them. */
@@ -121,6 +119,8 @@ static char *render_chat(struct http_server *h, const struct oai_request *q) {
     return text;
 }
 
+/* The prompt's tokens: chat messages through the template (its leading BOS text is
+ * dropped: the tokenizer adds BOS as the model's metadata says), or the raw prompt. */
 static int prompt_tokens(struct http_server *h, const struct oai_request *q, kvq_token **out, struct oai_error *e) {
     char *text = q->kind == OAI_CHAT ? render_chat(h, q) : strdup(q->prompt);
     if (!text) {
