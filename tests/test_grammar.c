@@ -2,6 +2,7 @@
  * given texts (the expectations are JSON Schema's and JSON's own rules), and token
  * masks over tinydoc's vocabulary equal to trying every token on its own. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -156,6 +157,18 @@ static void test_refused(void) {
     }
 }
 
+/* A schema whose grammar would pass the bounds is refused, not built. */
+static void test_too_large(void) {
+    const int n = 30000;
+    char *s = malloc((size_t)n * 16 + 32), *p = s;
+    p += sprintf(p, "{\"enum\":[");
+    for (int i = 0; i < n; i++) p += sprintf(p, "%s\"value%05d\"", i ? "," : "", i);
+    sprintf(p, "]}");
+    int got = matches(s, NULL, NULL, "\"value00001\"");
+    CHECK(got == -1 && strstr(kvq_last_error(), "too large"), "a 30000-value enum: %d '%s'", got, kvq_last_error());
+    free(s);
+}
+
 static void test_done(void) {
     struct grammar *g = grammar_new();
     const char *s = "{\"type\":\"object\",\"properties\":{\"n\":{\"type\":\"integer\"}},\"required\":[\"n\"]}";
@@ -242,6 +255,7 @@ static void test_masks(const struct kvq_model *m) {
 int main(void) {
     test_accept_reject();
     test_refused();
+    test_too_large();
     test_done();
     const char *path = shared_path("models/tinydoc-f16.gguf");
     if (!path) printf("note: ../shared/models/tinydoc-f16.gguf missing: token masks not tested\n");

@@ -46,8 +46,10 @@ struct node {
 
 #define ACCEPT (-1)
 #define FAILED (-2)
-#define MAX_NODES (1 << 22)
-#define MAX_ELEMS (1 << 22)
+/* Bounds on what one request's grammar may take (a schema's size is the client's choice):
+ * elements and rules a few MB, stacks some tens. */
+#define MAX_NODES (1 << 20)
+#define MAX_ELEMS (1 << 18)
 
 /* ---- the vocabulary ---- */
 
@@ -211,6 +213,7 @@ void grammar_free(struct grammar *g) {
 }
 
 int grammar_rule(struct grammar *g) {
+    if (g->n_rules >= MAX_ELEMS) return kvq_error("grammar: more than %d rules (the schema is too large)", MAX_ELEMS);
     if (grow((void **)&g->rules, &g->cap_rules, g->n_rules + 1, sizeof *g->rules)) return kvq_error("out of memory");
     g->rules[g->n_rules] = (struct rule){0};
     return g->n_rules++;
@@ -219,7 +222,9 @@ int grammar_rule(struct grammar *g) {
 int grammar_add_alt(struct grammar *g, int rule, struct gseq *s) {
     int rc = 0;
     struct rule *r = &g->rules[rule];
-    if (s->oom || g->n_elems + s->n + 1 > MAX_ELEMS) rc = kvq_error("grammar: out of memory or too large");
+    if (s->oom) rc = kvq_error("grammar: out of memory");
+    else if (g->n_elems + s->n + 1 > MAX_ELEMS)
+        rc = kvq_error("grammar: more than %d elements (the schema is too large)", MAX_ELEMS);
     else if (grow((void **)&g->elems, &g->cap_elems, g->n_elems + s->n + 1, sizeof *g->elems) ||
              grow((void **)&r->alts, &r->cap, r->n + 1, sizeof *r->alts))
         rc = kvq_error("grammar: out of memory");
@@ -239,7 +244,7 @@ int grammar_add_alt(struct grammar *g, int rule, struct gseq *s) {
 /* A mask's walk makes nodes for stacks it only tries; past this many the grammar
  * keeps those its current set needs and forgets the rest (and what it remembered). */
 #define GC_NODES (1 << 16)
-#define GC_CLOSURES (1 << 20)
+#define GC_CLOSURES (1 << 18)
 
 static uint32_t node_hash(int32_t pos, int32_t parent) {
     uint64_t h = (uint64_t)(uint32_t)pos * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uint32_t)parent * 0xC2B2AE3D27D4EB4Full;
