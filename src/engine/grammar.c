@@ -243,8 +243,10 @@ int grammar_add_alt(struct grammar *g, int rule, struct gseq *s) {
 #define UNKNOWN INT32_MIN
 /* A mask's walk makes nodes for stacks it only tries; past this many the grammar
  * keeps those its current set needs and forgets the rest (and what it remembered). */
+#ifndef GC_NODES /* (tests build with small ones, to compact often) */
 #define GC_NODES (1 << 16)
 #define GC_CLOSURES (1 << 18)
+#endif
 
 static uint32_t node_hash(int32_t pos, int32_t parent) {
     uint64_t h = (uint64_t)(uint32_t)pos * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uint32_t)parent * 0xC2B2AE3D27D4EB4Full;
