@@ -141,7 +141,7 @@ static void test_parse(void) {
     expect_400(OAI_CHAT, "[1,2]", NULL);                                               /* not an object */
     expect_400(OAI_CHAT, "{}", "messages");                                            /* missing */
     expect_400(OAI_CHAT, "{\"messages\":[]}", "messages");
-    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"function\",\"content\":\"x\"}]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", "messages");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"n\":200}", "n");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":\"10\"}", "max_tokens");
@@ -261,7 +261,7 @@ static void test_parse_logprobs(void) {
  * base64 of little-endian float32 (1.0f is 00 00 80 3f, -2.5f is 00 00 20 c0). */
 static void test_choices_and_embeddings_json(void) {
     const struct oai_usage u = {5, 6, 1};
-    const struct oai_choice ch[2] = {{"ab", 2, "stop", NULL}, {"cde", 3, "length", NULL}};
+    const struct oai_choice ch[2] = {{"ab", 2, "stop", NULL, NULL, 0}, {"cde", 3, "length", NULL, NULL, 0}};
     char *s = oai_response_json_n(OAI_COMPLETION, "id", 1, "m", ch, 2, &u);
     CHECK(s && strstr(s, "\"choices\":[{\"index\":0,\"text\":\"ab\",\"logprobs\":null,\"finish_reason\":\"stop\"},"
                          "{\"index\":1,\"text\":\"cde\",\"logprobs\":null,\"finish_reason\":\"length\"}]"),

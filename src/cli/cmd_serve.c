@@ -12,6 +12,7 @@
 #include "server/http.h"
 #include "server/prefix_cache.h"
 #include "server/scheduler.h"
+#include "server/tool_calls.h"
 
 static const char *const serve_help =
     "usage: kvq serve -m MODEL [options]\n"
@@ -151,11 +152,15 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
     return 0;
 }
 
-/* The chat template: a family name, a template file to recognise, or the model's own. */
-static enum chat_family pick_template(const struct kvq_model *m, const char *choice) {
+/* The chat template: a family name, a template file to recognise, or the model's own;
+ * and the syntax its tool calls take. */
+static enum chat_family pick_template(const struct kvq_model *m, const char *choice, enum tool_syntax *tools) {
     enum chat_family f = CHAT_UNKNOWN;
     char *text = NULL;
-    if (choice && (f = chat_family_from_name(choice)) != CHAT_UNKNOWN) return f;
+    if (choice && (f = chat_family_from_name(choice)) != CHAT_UNKNOWN) {
+        *tools = tool_syntax_detect(NULL, f);
+        return f;
+    }
     if (choice) {
         text = cli_read_file(choice, NULL);
         if (!text) {
@@ -169,6 +174,7 @@ static enum chat_family pick_template(const struct kvq_model *m, const char *cho
         if (n >= 0 && (text = malloc((size_t)n + 1))) kvq_model_meta_str(m, "tokenizer.chat_template", text, (size_t)n + 1);
     }
     if (text) f = chat_template_detect(text);
+    *tools = tool_syntax_detect(text, f);
     if (f == CHAT_UNKNOWN)
         fprintf(stderr, "kvq serve: warning: %s; using ChatML\n",
                 text ? "the chat template matches no known family" : "the model has no chat template");
@@ -187,7 +193,8 @@ int cmd_serve(int argc, char **argv) {
     struct sched *s = NULL;
     struct http_server *h = NULL;
     struct embedder *em = NULL;
-    enum chat_family chat = pick_template(m, o.chat_template);
+    enum tool_syntax tool_syntax;
+    enum chat_family chat = pick_template(m, o.chat_template, &tool_syntax);
 
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
@@ -245,15 +252,16 @@ int cmd_serve(int argc, char **argv) {
     char *dot = o.alias ? NULL : strstr(model_id, ".gguf");
     if (dot && dot[5] == '\0') *dot = '\0';
     struct http_params hp = {.host = o.host, .port = o.port, .api_key = o.api_key,
-                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping, .strict_api = o.strict_api,
-                             .model = m, .chat = chat, .sched = s, .embedder = em};
+                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping,
+                             .strict_api = o.strict_api, .model = m, .chat = chat, .tool_syntax = tool_syntax, .sched = s,
+                             .embedder = em};
     h = http_start(&hp);
     if (!h) goto done;
     fprintf(stderr,
             "kvq serve: model %s (%s), KV %s, %d sequences of %d tokens, KV budget %.1f MiB, prefix cache %d MiB, "
-            "chat template %s\n",
+            "chat template %s, tool calls %s\n",
             model_id, info.weight_type, cli_kv_config_name(&o.cp.kv), o.sp.max_seqs, kvq_context_n_ctx(ctx),
-            kvq_kv_budget(ctx) / 1048576.0, o.cache_mb, chat_family_name(chat));
+            kvq_kv_budget(ctx) / 1048576.0, o.cache_mb, chat_family_name(chat), tool_syntax_name(tool_syntax));
     fprintf(stderr, "kvq serve: listening on http://%s:%d\n", o.host, http_port(h));
     int sig;
     sigwait(&sigs, &sig);

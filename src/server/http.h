@@ -12,6 +12,7 @@
 #include "server/chat_template.h"
 #include "server/llama_api.h"
 #include "server/scheduler.h"
+#include "server/tool_calls.h"
 
 struct http_params {
     const char *host; /* numeric address or "localhost" */
@@ -23,6 +24,7 @@ struct http_params {
     bool strict_api;  /* fields beyond OpenAI's are a 400 (else ignored and logged once) */
     const struct kvq_model *model;
     enum chat_family chat;
+    enum tool_syntax tool_syntax; /* how the model calls tools */
     struct sched *sched;
     struct embedder *embedder; /* NULL: /v1/embeddings answers 501 */
 };

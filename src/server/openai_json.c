@@ -103,7 +103,8 @@ static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
         return BAD("messages", "'messages' must be a non-empty list of messages");
     size_t n = json_array_size(v);
     if (n > 100000) return BAD("messages", "too many messages");
-    if (!(r->messages = calloc(n, sizeof *r->messages))) return BAD("messages", "out of memory");
+    if (!(r->messages = calloc(n, sizeof *r->messages)) || !(r->tool_calls = calloc(n, sizeof *r->tool_calls)))
+        return BAD("messages", "out of memory");
     for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(v, i);
         if (!json_is_object(m)) return BAD("messages", "messages[%zu] must be an object", i);
@@ -112,31 +113,24 @@ static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
         const char *rs = json_string_value(role);
         /* "developer" is OpenAI's newer name for the system role */
         if (!strcmp(rs, "developer")) rs = "system";
-        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
-            return BAD("messages", "messages[%zu].role '%s' is not supported (system, user, assistant)", i, rs);
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "tool"))
+            return BAD("messages", "messages[%zu].role '%s' is not supported (system, user, assistant, tool)", i, rs);
         r->n_messages++;
         char *content = NULL;
-        if (!(r->messages[i].role = strdup(rs)) || get_content(json_object_get(m, "content"), &content, e)) {
+        json_t *cv = json_object_get(m, "content");
+        if (!cv && json_is_array(json_object_get(m, "tool_calls"))) cv = json_null(); /* calls only */
+        if (!(r->messages[i].role = strdup(rs)) || get_content(cv, &content, e)) {
             free(content);
             return e->status ? -1 : BAD("messages", "out of memory");
         }
         r->messages[i].content = content;
+        json_t *calls = json_object_get(m, "tool_calls");
+        if (calls && !json_is_null(calls)) {
+            if (strcmp(rs, "assistant") || !json_is_array(calls))
+                return BAD("messages", "messages[%zu].tool_calls must be a list, on an assistant message", i);
+            if (!(r->tool_calls[i] = json_dumps(calls, JSON_COMPACT))) return BAD("messages", "out of memory");
+        }
     }
-    return 0;
-}
-
-/* Fields clients send that change nothing here when left at their defaults. */
-static int check_default_only(const char *key, json_t *v, struct oai_error *e) {
-    bool is_default = json_is_null(v);
-    if (!strcmp(key, "tools"))
-        is_default = is_default || (json_is_object(v) && json_object_size(v) == 0) ||
-                     (json_is_array(v) && json_array_size(v) == 0);
-    else if (!strcmp(key, "response_format")) {
-        json_t *t = json_object_get(v, "type");
-        is_default = is_default || (json_is_string(t) && !strcmp(json_string_value(t), "text"));
-    } else if (!strcmp(key, "suffix"))
-        is_default = is_default || (json_is_string(v) && json_string_length(v) == 0);
-    if (!is_default) return BAD(key, "'%s' is not supported by this server yet", key);
     return 0;
 }
 
@@ -332,6 +326,77 @@ static int parse_extension(const char *key, json_t *v, struct oai_request *r, bo
     return ignore_field(key, v, strict, e);
 }
 
+/* response_format: text, json_object, or json_schema {name, schema, strict}. */
+static int get_response_format(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v)) return 0;
+    json_t *type = json_object_get(v, "type");
+    if (!json_is_object(v) || !json_is_string(type))
+        return BAD("response_format", "'response_format' must be an object with a 'type'");
+    const char *t = json_string_value(type);
+    if (!strcmp(t, "text")) return 0;
+    if (!strcmp(t, "json_object")) return (r->response_schema = strdup("{\"type\":\"object\"}")) ? 0 : BAD(NULL, "out of memory");
+    if (strcmp(t, "json_schema"))
+        return BAD("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'");
+    json_t *js = json_object_get(v, "json_schema"), *schema = json_object_get(js, "schema");
+    if (!json_is_object(js)) return BAD("response_format", "'response_format.json_schema' must be an object");
+    json_t *strict = json_object_get(js, "strict"), *name = json_object_get(js, "name");
+    if (strict && !json_is_boolean(strict) && !json_is_null(strict))
+        return BAD("response_format", "'response_format.json_schema.strict' must be a boolean");
+    if (name && !json_is_string(name))
+        return BAD("response_format", "'response_format.json_schema.name' must be a string");
+    if (schema && !json_is_object(schema) && !json_is_boolean(schema))
+        return BAD("response_format", "'response_format.json_schema.schema' must be a JSON Schema object");
+    /* strict or not, the output follows the schema: the grammar is the only way to keep to it */
+    r->response_schema = schema ? json_dumps(schema, JSON_COMPACT | JSON_ENCODE_ANY) : strdup("{\"type\":\"object\"}");
+    return r->response_schema ? 0 : BAD(NULL, "out of memory");
+}
+
+/* tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}] */
+static int get_tools(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v) || (json_is_array(v) && json_array_size(v) == 0)) return 0;
+    if (r->kind != OAI_CHAT) return BAD("tools", "'tools' is supported on /v1/chat/completions only");
+    if (!json_is_array(v)) return BAD("tools", "'tools' must be a list of tools");
+    size_t n = json_array_size(v);
+    if (n > 1024) return BAD("tools", "too many tools");
+    if (n && !(r->tools = calloc(n, sizeof *r->tools))) return BAD(NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(v, i), *fn = json_object_get(t, "function");
+        json_t *type = json_object_get(t, "type"), *name = json_object_get(fn, "name");
+        json_t *params = json_object_get(fn, "parameters");
+        if (!json_is_object(t) || !json_is_string(type) || strcmp(json_string_value(type), "function"))
+            return BAD("tools", "tools[%zu] must be {\"type\": \"function\", \"function\": {...}}", i);
+        if (!json_is_object(fn) || !json_is_string(name) || json_string_length(name) == 0)
+            return BAD("tools", "tools[%zu].function must be an object with a 'name'", i);
+        if (params && !json_is_object(params) && !json_is_null(params))
+            return BAD("tools", "tools[%zu].function.parameters must be a JSON Schema object", i);
+        struct tool_def *d = &r->tools[r->n_tools++];
+        d->name = strdup(json_string_value(name));
+        d->parameters = json_is_object(params) ? json_dumps(params, JSON_COMPACT) : strdup("{}");
+        d->json = json_dumps(t, JSON_COMPACT);
+        if (!d->name || !d->parameters || !d->json) return BAD(NULL, "out of memory");
+    }
+    return 0;
+}
+
+/* tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}}. */
+static int get_tool_choice(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v)) return 0;
+    if (json_is_string(v)) {
+        const char *c = json_string_value(v);
+        if (!strcmp(c, "auto")) r->tool_choice = OAI_TOOLS_AUTO;
+        else if (!strcmp(c, "none")) r->tool_choice = OAI_TOOLS_NONE;
+        else if (!strcmp(c, "required")) r->tool_choice = OAI_TOOLS_REQUIRED;
+        else return BAD("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or a named function");
+        return 0;
+    }
+    json_t *name = json_object_get(json_object_get(v, "function"), "name");
+    if (!json_is_string(name))
+        return BAD("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    r->tool_choice = OAI_TOOLS_NAMED;
+    return get_string(name, "tool_choice", &r->tool_name, e);
+}
+
 static int parse_field(const char *key, json_t *v, struct oai_request *r, bool strict, struct oai_error *e) {
     struct gen_params *g = &r->gen;
     struct kvq_sampler_params *sp = &g->sampling;
@@ -339,8 +404,11 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, bool s
     if (!strcmp(key, "model") || !strcmp(key, "user"))
         return json_is_string(v) || json_is_null(v) ? 0 : BAD(key, "'%s' must be a string", key);
     if (!strcmp(key, "metadata") || !strcmp(key, "store") || !strcmp(key, "service_tier") ||
-        !strcmp(key, "parallel_tool_calls") || !strcmp(key, "tool_choice"))
+        !strcmp(key, "parallel_tool_calls"))
         return 0; /* bookkeeping fields of OpenAI's API, meaningless here */
+    if (!strcmp(key, "response_format")) return get_response_format(v, r, e);
+    if (!strcmp(key, "tools")) return get_tools(v, r, e);
+    if (!strcmp(key, "tool_choice")) return get_tool_choice(v, r, e);
     if (!strcmp(key, "max_tokens") || !strcmp(key, "max_completion_tokens")) {
         if (json_is_null(v)) return 0;
         if (get_int(v, key, 1, 1 << 24, &x, e)) return -1;
@@ -418,9 +486,10 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, bool s
     }
     if (r->kind == OAI_CHAT && !strcmp(key, "messages")) return get_messages(v, r, e);
     if (r->kind == OAI_COMPLETION && !strcmp(key, "prompt")) return get_prompts(v, key, &r->prompts, &r->n_prompts, e);
-    static const char *const defaults_only[] = {"tools", "response_format", "suffix", NULL};
-    for (const char *const *d = defaults_only; *d; d++)
-        if (!strcmp(key, *d)) return check_default_only(key, v, e);
+    if (!strcmp(key, "suffix")) /* accepted at its default only */
+        return json_is_null(v) || (json_is_string(v) && json_string_length(v) == 0)
+                   ? 0
+                   : BAD(key, "'%s' is not supported by this server yet", key);
     if (!strcmp(key, "messages") || !strcmp(key, "prompt")) /* the other endpoint's */
         return BAD(key, "Unrecognized request argument supplied: %s", key);
     return parse_extension(key, v, r, strict, e);
@@ -463,6 +532,11 @@ int oai_parse_request(const char *body, size_t len, enum oai_kind kind, bool str
     if (rc == 0 && kind == OAI_CHAT && r->top_logprobs > 0 && !r->logprobs)
         rc = BAD("top_logprobs", "'top_logprobs' needs 'logprobs': true");
     if (rc == 0 && kind == OAI_CHAT && r->logprobs) r->gen.logprobs = r->top_logprobs > 0 ? r->top_logprobs : 0;
+    if (rc == 0 && (r->tool_choice == OAI_TOOLS_REQUIRED || r->tool_choice == OAI_TOOLS_NAMED) && r->n_tools == 0)
+        rc = BAD("tool_choice", "'tool_choice' asks for a tool call but 'tools' lists none");
+    for (int i = 0; rc == 0 && r->tool_choice == OAI_TOOLS_NAMED && i <= r->n_tools; i++)
+        if (i == r->n_tools) rc = BAD("tool_choice", "'tool_choice' names '%s', which 'tools' does not list", r->tool_name);
+        else if (!strcmp(r->tools[i].name, r->tool_name)) break;
     if (rc == 0 && r->include_usage && !r->stream)
         rc = BAD("stream_options", "'stream_options' is only allowed when 'stream' is true");
     json_decref(root);
@@ -479,6 +553,8 @@ void gen_params_free(struct gen_params *g) {
     g->stop_ids = g->bias_ids = NULL;
     g->bias_values = NULL;
     g->n_stop_ids = g->n_bias = 0;
+    kvq_grammar_free(g->grammar);
+    g->grammar = NULL;
 }
 
 static void *dup_mem(const void *p, size_t bytes, bool *oom) {
@@ -496,6 +572,7 @@ int gen_params_copy(struct gen_params *dst, const struct gen_params *src) {
     dst->stop_ids = dup_mem(src->stop_ids, sizeof *src->stop_ids * (size_t)src->n_stop_ids, &oom);
     dst->bias_ids = dup_mem(src->bias_ids, sizeof *src->bias_ids * (size_t)src->n_bias, &oom);
     dst->bias_values = dup_mem(src->bias_values, sizeof *src->bias_values * (size_t)src->n_bias, &oom);
+    dst->grammar = NULL; /* a grammar holds one sequence's place: each gets its own */
     if (oom) gen_params_free(dst);
     return oom ? -1 : 0;
 }
@@ -504,7 +581,17 @@ void oai_request_free(struct oai_request *r) {
     for (int i = 0; i < r->n_messages; i++) {
         free((char *)r->messages[i].role);
         free((char *)r->messages[i].content);
+        free(r->tool_calls[i]);
     }
+    free(r->tool_calls);
+    for (int i = 0; i < r->n_tools; i++) {
+        free(r->tools[i].name);
+        free(r->tools[i].parameters);
+        free(r->tools[i].json);
+    }
+    free(r->tools);
+    free(r->tool_name);
+    free(r->response_schema);
     free(r->messages);
     prompts_free(r->prompts, r->n_prompts);
     free(r->cache_key);
@@ -620,17 +707,35 @@ static json_t *logprobs_json(enum oai_kind kind, const struct oai_logprobs *lp) 
     return kind == OAI_CHAT ? chat_logprobs(lp) : completion_logprobs(lp);
 }
 
+static json_t *tool_calls_json(const struct tool_call *calls, int n, bool indexed) {
+    json_t *list = json_array();
+    for (int i = 0; i < n; i++) {
+        json_t *c = json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", calls[i].id, "type", "function", "function", "name",
+                              calls[i].name, "arguments", calls[i].arguments);
+        if (indexed && c) json_object_set_new(c, "index", json_integer(i));
+        json_array_append_new(list, c);
+    }
+    return list;
+}
+
 char *oai_response_json_n(enum oai_kind kind, const char *id, long created, const char *model,
                           const struct oai_choice *ch, int n, const struct oai_usage *u) {
     json_t *root = envelope(kind, id, created, model, false), *choices = json_array();
     for (int i = 0; i < n && root && choices; i++) {
         const struct oai_choice *c = &ch[i];
-        json_t *choice = kind == OAI_CHAT
-                             ? json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", i, "message", "role", "assistant",
-                                         "content", c->text, c->text_len, "logprobs", logprobs_json(kind, c->lp),
-                                         "finish_reason", c->finish_reason)
-                             : json_pack("{s:i, s:s%, s:o, s:s}", "index", i, "text", c->text, c->text_len,
-                                         "logprobs", logprobs_json(kind, c->lp), "finish_reason", c->finish_reason);
+        json_t *choice;
+        if (kind == OAI_CHAT && c->n_calls > 0) /* content: the text before the calls, null for none */
+            choice = json_pack("{s:i, s:{s:s, s:o, s:o}, s:o, s:s}", "index", i, "message", "role", "assistant",
+                               "content", c->text_len ? json_stringn(c->text, c->text_len) : json_null(), "tool_calls",
+                               tool_calls_json(c->calls, c->n_calls, false), "logprobs", logprobs_json(kind, c->lp),
+                               "finish_reason", c->finish_reason);
+        else if (kind == OAI_CHAT)
+            choice = json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", i, "message", "role", "assistant", "content",
+                               c->text, c->text_len, "logprobs", logprobs_json(kind, c->lp), "finish_reason",
+                               c->finish_reason);
+        else
+            choice = json_pack("{s:i, s:s%, s:o, s:s}", "index", i, "text", c->text, c->text_len, "logprobs",
+                               logprobs_json(kind, c->lp), "finish_reason", c->finish_reason);
         if (json_array_append_new(choices, choice) != 0) json_decref(exchange_null(&choices));
     }
     if (!root || !choices) {
@@ -646,7 +751,7 @@ char *oai_response_json_n(enum oai_kind kind, const char *id, long created, cons
 char *oai_response_json(enum oai_kind kind, const char *id, long created, const char *model, const char *text,
                         size_t text_len, const char *finish_reason, const struct oai_usage *u,
                         const struct oai_logprobs *lp) {
-    const struct oai_choice c = {text, text_len, finish_reason, lp};
+    const struct oai_choice c = {text, text_len, finish_reason, lp, NULL, 0};
     return oai_response_json_n(kind, id, created, model, &c, 1, u);
 }
 
@@ -766,4 +871,18 @@ char *oai_embeddings_json(const char *model, const float *vectors, int n, int di
 char *oai_models_json(const char *model, long created) {
     return dump(json_pack("{s:s, s:[{s:s, s:s, s:I, s:s}]}", "object", "list", "data", "id", model, "object", "model",
                           "created", (json_int_t)created, "owned_by", "kvq"));
+}
+
+char *oai_tool_chunk_json(const char *id, long created, const char *model, int index, const struct tool_call *calls,
+                          int n_calls) {
+    json_t *root = envelope(OAI_CHAT, id, created, model, true);
+    json_t *choice = json_pack("{s:i, s:{s:o}, s:n, s:n}", "index", index, "delta", "tool_calls",
+                               tool_calls_json(calls, n_calls, true), "logprobs", "finish_reason");
+    if (!root || !choice) {
+        json_decref(root);
+        json_decref(choice);
+        return NULL;
+    }
+    json_object_set_new(root, "choices", json_pack("[o]", choice));
+    return dump(root);
 }

@@ -395,7 +395,128 @@ async function extensions(refsDir) {
   }
 }
 
-const modes = { official: () => official(args[0]), extensions: () => extensions(args[0]), concurrent, prefix, disconnect };
+
+// response_format and tools through the official client, streamed and not.
+async function structured(key) {
+  const { default: OpenAI } = await import('openai');
+  const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: key, maxRetries: 0, timeout: 120000 });
+  const model = 'tinydoc';
+  const person = { type: 'object', additionalProperties: false, required: ['name', 'age', 'tags'],
+                   properties: { name: { type: 'string', maxLength: 24 }, age: { type: 'integer' },
+                                 tags: { type: 'array', items: { enum: ['a', 'b', 'c'] }, maxItems: 3 } } };
+  const isPerson = (v) => v && typeof v === 'object' && Object.keys(v).every((k) => k in person.properties) &&
+    typeof v.name === 'string' && v.name.length <= 24 && Number.isInteger(v.age) && Array.isArray(v.tags) &&
+    v.tags.length <= 3 && v.tags.every((t) => ['a', 'b', 'c'].includes(t));
+  const messages = [{ role: 'user', content: 'Describe a person as JSON.' }];
+  const response_format = { type: 'json_schema', json_schema: { name: 'person', strict: true, schema: person } };
+  for (const seed of [1, 2, 3]) {
+    const r = await client.chat.completions.create({ model, messages, response_format, seed, temperature: 0.8, max_tokens: 300 });
+    const text = r.choices[0].message.content;
+    let v = null;
+    try { v = JSON.parse(text); } catch { /* reported below */ }
+    ok(r.choices[0].finish_reason === 'stop' && isPerson(v), `json_schema output follows the schema (seed ${seed})`, text);
+  }
+  // any object: its strings are unbounded, so a seed's text may run to max_tokens ("length")
+  let complete = 0;
+  for (const seed of [4, 5, 6, 7]) {
+    let text = '', finish = null;
+    for await (const c of await client.chat.completions.create({ model, messages, response_format: { type: 'json_object' },
+                                                                 seed, temperature: 0.8, max_tokens: 200, stream: true })) {
+      text += c.choices[0]?.delta?.content ?? '';
+      finish = c.choices[0]?.finish_reason ?? finish;
+    }
+    if (finish !== 'stop') continue;
+    complete++;
+    let obj = null;
+    try { obj = JSON.parse(text); } catch { /* reported below */ }
+    ok(obj !== null && typeof obj === 'object' && !Array.isArray(obj), `streamed json_object output is a JSON object (seed ${seed})`, text);
+  }
+  ok(complete > 0, 'some json_object streams complete');
+  const comp = await client.completions.create({ model, prompt: 'The settings, as JSON:', max_tokens: 300, seed: 5,
+                                                 temperature: 0.8, response_format: { type: 'json_schema', json_schema: { name: 'p', schema: person } } });
+  let cv = null;
+  try { cv = JSON.parse(comp.choices[0].text); } catch { /* reported below */ }
+  ok(isPerson(cv), 'completions follow response_format too', comp.choices[0].text);
+  try {
+    await client.chat.completions.create({ model, messages, response_format: { type: 'json_schema',
+      json_schema: { name: 'x', schema: { type: 'string', pattern: '^a+$' } } } });
+    ok(false, 'an unsupported schema keyword is refused');
+  } catch (e) {
+    ok(e.status === 400 && /pattern/.test(e.message), 'an unsupported schema keyword is a 400 naming it', e.message);
+  }
+
+  const tools = [
+    { type: 'function', function: { name: 'get_weather', description: 'The weather in a city',
+      parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 20 }, unit: { enum: ['celsius', 'fahrenheit'] } },
+                    required: ['city', 'unit'], additionalProperties: false } } },
+    { type: 'function', function: { name: 'add', description: 'Adds two integers',
+      parameters: { type: 'object', properties: { a: { type: 'integer' }, b: { type: 'integer' } }, required: ['a', 'b'] } } },
+  ];
+  const ask = [{ role: 'system', content: 'You call tools.' }, { role: 'user', content: 'What is the weather in Paris?' }];
+  const validCall = (c) => {
+    const args = JSON.parse(c.function.arguments);
+    return c.type === 'function' && /^call_/.test(c.id) && (c.function.name === 'get_weather'
+      ? typeof args.city === 'string' && ['celsius', 'fahrenheit'].includes(args.unit)
+      : c.function.name === 'add' && Number.isInteger(args.a) && Number.isInteger(args.b));
+  };
+  const req = await client.chat.completions.create({ model, messages: ask, tools, tool_choice: 'required', seed: 6,
+                                                     temperature: 0.8, max_tokens: 300 });
+  const calls = req.choices[0].message.tool_calls ?? [];
+  ok(req.choices[0].finish_reason === 'tool_calls' && calls.length === 1 && validCall(calls[0]),
+     "tool_choice 'required' gives a valid call", JSON.stringify(req.choices[0]));
+  const named = await client.chat.completions.create({ model, messages: ask, tools, seed: 7, temperature: 0.8, max_tokens: 300,
+                                                       tool_choice: { type: 'function', function: { name: 'add' } } });
+  const nc = named.choices[0].message.tool_calls ?? [];
+  ok(nc.length === 1 && nc[0].function.name === 'add' && validCall(nc[0]), 'a named tool_choice calls that function',
+     JSON.stringify(named.choices[0]));
+  // streamed: the calls come as delta.tool_calls, put together by index
+  const acc = [];
+  let finish = null, streamedContent = '';
+  for await (const c of await client.chat.completions.create({ model, messages: ask, tools, seed: 6, temperature: 0.8,
+                                                               max_tokens: 300, tool_choice: 'required', stream: true })) {
+    const d = c.choices[0]?.delta ?? {};
+    streamedContent += d.content ?? '';
+    for (const t of d.tool_calls ?? []) {
+      acc[t.index] ??= { id: '', type: 'function', function: { name: '', arguments: '' } };
+      if (t.id) acc[t.index].id = t.id;
+      if (t.function?.name) acc[t.index].function.name += t.function.name;
+      if (t.function?.arguments) acc[t.index].function.arguments += t.function.arguments;
+    }
+    if (c.choices[0]?.finish_reason) finish = c.choices[0].finish_reason;
+  }
+  ok(finish === 'tool_calls' && acc.length === 1 && validCall(acc[0]) && streamedContent === '',
+     'streamed tool call', JSON.stringify([finish, acc, streamedContent]));
+  ok(acc[0]?.function.name === calls[0]?.function.name && acc[0]?.function.arguments === calls[0]?.function.arguments,
+     'the streamed call equals the non-streamed one (same seed)', JSON.stringify([acc[0], calls[0]]));
+  // auto: content or calls, whichever the model writes, each well formed
+  for (const stream of [false, true]) {
+    const r = await client.chat.completions.create({ model, messages: ask, tools, seed: 8, temperature: 0.8, max_tokens: 40, stream });
+    if (!stream) {
+      const m = r.choices[0].message;
+      ok(r.choices[0].finish_reason === 'tool_calls' ? (m.tool_calls ?? []).every(validCall) : typeof m.content === 'string',
+         "tool_choice 'auto' answers", JSON.stringify(r.choices[0]));
+    } else {
+      let n = 0;
+      for await (const c of r) n += c.choices.length;
+      ok(n > 0, "tool_choice 'auto' streams");
+    }
+  }
+  // the conversation goes on with the call and its result
+  const follow = await client.chat.completions.create({ model, tools, max_tokens: 8, temperature: 0, messages: [...ask,
+    { role: 'assistant', content: null, tool_calls: [calls[0]] },
+    { role: 'tool', tool_call_id: calls[0]?.id, content: '{"temperature": 21}' }] });
+  ok(typeof follow.choices[0].message.content === 'string' || follow.choices[0].message.tool_calls,
+     'a tool result continues the conversation');
+  try {
+    await client.chat.completions.create({ model, messages: ask, tools, tool_choice: { type: 'function', function: { name: 'nope' } } });
+    ok(false, 'a tool_choice naming an unknown function is refused');
+  } catch (e) {
+    ok(e.status === 400 && /nope/.test(e.message), 'a tool_choice naming an unknown function is a 400', e.message);
+  }
+}
+
+const modes = { official: () => official(args[0]), extensions: () => extensions(args[0]),
+                structured: () => structured(args[0]), concurrent, prefix, disconnect };
 try { await modes[mode](); }
 catch (e) { failed++; console.log(`FAIL: ${mode}: ${e.stack ?? e}`); }
 process.exit(failed ? 1 : 0);
