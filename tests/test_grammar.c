@@ -252,6 +252,70 @@ static void test_masks(const struct kvq_model *m) {
     free(logits);
 }
 
+/* The sampler draws only what the grammar allows whatever else applies: bans alone
+ * (ignore_eos, min_tokens: the path that draws from the logits without adjusting
+ * them), then a bias of +100 on the likeliest forbidden token and penalties. Greedy
+ * takes the best allowed token that is not banned (found here by a plain scan). */
+static void test_sampler_masked(const struct kvq_model *m) {
+    const char *schema = "{\"enum\":[\"kernel\",\"keyboard\",\"true\",1234,[5]]}";
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    const int nv = info.n_vocab;
+    float *logits = malloc(sizeof *logits * (size_t)nv), *masked = malloc(sizeof *masked * (size_t)nv);
+    uint64_t z = 42;
+    for (int i = 0; i < nv; i++) {
+        z = z * 6364136223846793005ull + 1442695040888963407ull;
+        logits[i] = (float)(z >> 40) / (float)(1 << 24) * 8 - 4;
+    }
+    struct kvq_grammar *kg = kvq_grammar_from_json_schema(m, schema, strlen(schema), NULL, NULL);
+    CHECK(kg != NULL, "compile: %s", kvq_last_error());
+    if (!kg) return;
+    memcpy(masked, logits, sizeof *masked * (size_t)nv);
+    const int n_allowed = kvq_grammar_apply(kg, masked);
+    kvq_token best = -1, second = -1, forbidden = -1;
+    for (int i = 0; i < nv; i++) {
+        if (!isfinite(masked[i])) {
+            if (forbidden < 0 || logits[i] > logits[forbidden]) forbidden = i;
+        } else if (best < 0 || masked[i] > masked[best]) {
+            second = best;
+            best = i;
+        } else if (second < 0 || masked[i] > masked[second]) {
+            second = i;
+        }
+    }
+    CHECK(n_allowed > 2 && n_allowed < nv / 2 && second >= 0 && logits[forbidden] > logits[best],
+          "%d tokens allowed; a forbidden one ahead of them", n_allowed);
+    const kvq_token ban[2] = {best, kvq_token_eos(m)}, bias_id[1] = {forbidden};
+    const float bias[1] = {100};
+    for (int mode = 0; mode < 4; mode++) {
+        struct kvq_sampler_params p;
+        kvq_sampler_params_default(&p);
+        p.temp = mode % 2 ? 1.0f : 0.0f;
+        p.top_k = 0, p.top_p = 1, p.min_p = 0, p.repeat_penalty = 1;
+        int bad = 0, not_second = 0;
+        for (int seed = 0; seed < 64; seed++) {
+            p.seed = (uint64_t)seed;
+            struct kvq_sampler *s = kvq_sampler_new(&p, nv);
+            kvq_sampler_set_grammar(s, kg);
+            kvq_sampler_ban(s, ban, 2);
+            if (mode >= 2) {
+                kvq_sampler_set_logit_bias(s, bias_id, bias, 1);
+                kvq_sampler_set_penalties(s, 0.5f, 0.5f);
+                kvq_sampler_accept_output(s, forbidden);
+            }
+            const kvq_token t = kvq_sampler_sample(s, logits);
+            bad += !isfinite(masked[t]) || t == best;
+            not_second += p.temp == 0 && t != second;
+            kvq_sampler_free(s);
+        }
+        CHECK(bad == 0 && not_second == 0, "mode %d: %d draws forbidden or banned, %d greedy draws not token %d", mode,
+              bad, not_second, second);
+    }
+    kvq_grammar_free(kg);
+    free(logits);
+    free(masked);
+}
+
 int main(void) {
     test_accept_reject();
     test_refused();
@@ -263,6 +327,7 @@ int main(void) {
         struct kvq_model *m = kvq_model_load_vocab(path);
         CHECK(m != NULL, "load %s", kvq_last_error());
         if (m) test_masks(m);
+        if (m) test_sampler_masked(m);
         kvq_model_free(m);
     }
     return check_finish();

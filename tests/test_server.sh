@@ -135,6 +135,10 @@ if [ -f "$refs/refs.json" ] && [ -f "$model_f16" ]; then
   expect "without --embeddings, /v1/embeddings is a 501" 501 -d '{"input":"a"}' "$url/v1/embeddings"
   code=$(curl -s -o "$tmp/body" -w '%{http_code}' -d '{"prompt":"a","max_tokens":2,"n":2,"top_k":5}' "$url/v1/completions")
   [ "$code" = 200 ] && ok "--strict-api still takes n and top_k" || bad "--strict-api: $code $(cat "$tmp/body")"
+  code=$(curl -s -o "$tmp/body" -w '%{http_code}' -d '{"messages":[{"role":"user","content":"a"}],"max_tokens":40,"n":2,"response_format":{"type":"json_schema","json_schema":{"name":"b","schema":{"type":"boolean"}}}}' "$url/v1/chat/completions")
+  [ "$code" = 200 ] && node -e 'const r = JSON.parse(require("fs").readFileSync(process.argv[1], "utf8"));
+    process.exit(r.choices.length === 2 && r.choices.every((c) => typeof JSON.parse(c.message.content) === "boolean") ? 0 : 1)' "$tmp/body" \
+    && ok "--strict-api takes response_format (n=2, each choice a boolean)" || bad "--strict-api response_format: $code $(cat "$tmp/body")"
   stop_server
   model=$model_q8
 else

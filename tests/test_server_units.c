@@ -215,6 +215,14 @@ static void test_parse_extensions(void) {
                   true, &r, &e);
     CHECK(rc == 0 && r.n == 2 && r.gen.sampling.top_k == 3, "strict still takes OpenAI's fields and top_k: %s", e.message);
     if (rc == 0) oai_request_free(&r);
+    rc = parse_as(OAI_CHAT,
+                  "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"n\":2,\"parallel_tool_calls\":false,"
+                  "\"response_format\":{\"type\":\"json_object\"},\"tool_choice\":\"required\","
+                  "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]}",
+                  true, &r, &e);
+    CHECK(rc == 0 && r.n == 2 && r.n_tools == 1 && r.tool_choice == OAI_TOOLS_REQUIRED && r.response_schema,
+          "strict takes response_format and tools: %s", e.message);
+    if (rc == 0) oai_request_free(&r);
 }
 
 /* logprobs / top_logprobs: chat takes a boolean and 0..20 alternatives, completions
@@ -266,6 +274,20 @@ static void test_choices_and_embeddings_json(void) {
     CHECK(s && strstr(s, "\"choices\":[{\"index\":0,\"text\":\"ab\",\"logprobs\":null,\"finish_reason\":\"stop\"},"
                          "{\"index\":1,\"text\":\"cde\",\"logprobs\":null,\"finish_reason\":\"length\"}]"),
           "two choices: %s", s);
+    free(s);
+    /* chat choices side by side: one with text, one with a call and no text before it */
+    struct tool_call call = {"call_1", "add", "{\"a\":1}"};
+    const struct oai_choice tc[2] = {{"hi", 2, "stop", NULL, NULL, 0}, {"", 0, "tool_calls", NULL, &call, 1}};
+    s = oai_response_json_n(OAI_CHAT, "id", 1, "m", tc, 2, &u);
+    CHECK(s && strstr(s, "{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"hi\"}") &&
+              strstr(s, "{\"index\":1,\"message\":{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":"
+                        "\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"add\",\"arguments\":\"{\\\"a\\\":1}\"}}]},"
+                        "\"logprobs\":null,\"finish_reason\":\"tool_calls\"}"),
+          "a choice with a tool call: %s", s);
+    free(s);
+    s = oai_tool_chunk_json("id", 1, "m", 2, &call, 1);
+    CHECK(s && strstr(s, "\"choices\":[{\"index\":2,\"delta\":{\"tool_calls\":[{") && strstr(s, "\"index\":0}"),
+          "tool-call chunk of choice 2: %s", s);
     free(s);
     s = oai_chunk_json(OAI_CHAT, "id", 1, "m", 3, true, "x", 1, NULL, NULL);
     CHECK(s && strstr(s, "\"index\":3") && strstr(s, "\"role\":\"assistant\""), "chunk of choice 3: %s", s);

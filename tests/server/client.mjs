@@ -437,6 +437,29 @@ async function structured(key) {
   let cv = null;
   try { cv = JSON.parse(comp.choices[0].text); } catch { /* reported below */ }
   ok(isPerson(cv), 'completions follow response_format too', comp.choices[0].text);
+  // each choice its own grammar: n = 3, a list of two prompts x n = 2, streamed too
+  const parsed = (t) => { try { return JSON.parse(t); } catch { return null; } };
+  const rf = { type: 'json_schema', json_schema: { name: 'p', schema: person } };
+  const c3 = await client.chat.completions.create({ model, messages, response_format: rf, seed: 9, temperature: 0.8,
+                                                    max_tokens: 300, n: 3 });
+  ok(c3.choices.length === 3 && c3.choices.every((c, i) => c.index === i && c.finish_reason === 'stop' && isPerson(parsed(c.message.content))) &&
+     new Set(c3.choices.map((c) => c.message.content)).size > 1, 'n=3: every choice follows the schema (and they differ)',
+     JSON.stringify(c3.choices));
+  const texts = ['', '', '', ''];
+  for await (const c of await client.completions.create({ model, prompt: ['The settings, as JSON:', 'A person:'], n: 2, seed: 10,
+                                                          temperature: 0.8, max_tokens: 300, response_format: rf, stream: true }))
+    for (const ch of c.choices) texts[ch.index] += ch.text;
+  ok(texts.every((t) => isPerson(parsed(t))), 'two prompts x n=2 streamed: every choice follows the schema', JSON.stringify(texts));
+  // the grammar over bans (ignore_eos: the sampler's bans-only path), logit_bias and penalties
+  const boost = (await (await fetch(`${base}/tokenize`, { method: 'POST', headers: { authorization: `Bearer ${key}` },
+                                                          body: JSON.stringify({ content: ' Hello world! The end.' }) })).json()).tokens;
+  for (const extra of [{ ignore_eos: true }, { ignore_eos: true, min_tokens: 5, temperature: 0 },
+                       { logit_bias: Object.fromEntries(boost.map((t) => [t, 100])), frequency_penalty: 1 }]) {
+    const r = await client.chat.completions.create({ model, messages, response_format: rf, seed: 11, temperature: 1,
+                                                     max_tokens: 300, n: 2, ...extra });
+    ok(r.choices.every((c) => c.finish_reason === 'stop' && isPerson(parsed(c.message.content))),
+       `the schema holds with ${JSON.stringify(extra).slice(0, 60)}`, JSON.stringify(r.choices));
+  }
   try {
     await client.chat.completions.create({ model, messages, response_format: { type: 'json_schema',
       json_schema: { name: 'x', schema: { type: 'string', pattern: '^a+$' } } } });
@@ -488,6 +511,23 @@ async function structured(key) {
      'streamed tool call', JSON.stringify([finish, acc, streamedContent]));
   ok(acc[0]?.function.name === calls[0]?.function.name && acc[0]?.function.arguments === calls[0]?.function.arguments,
      'the streamed call equals the non-streamed one (same seed)', JSON.stringify([acc[0], calls[0]]));
+  // n = 2: each choice its own forced call, streamed as each choice's delta.tool_calls
+  const two = await client.chat.completions.create({ model, messages: ask, tools, tool_choice: 'required', seed: 12,
+                                                     temperature: 0.8, max_tokens: 300, n: 2 });
+  ok(two.choices.length === 2 && two.choices.every((c, i) => c.index === i && c.finish_reason === 'tool_calls' &&
+     c.message.tool_calls?.length === 1 && validCall(c.message.tool_calls[0])), 'n=2: a valid call in each choice',
+     JSON.stringify(two.choices));
+  const acc2 = [[], []], fin2 = [null, null];
+  for await (const c of await client.chat.completions.create({ model, messages: ask, tools, tool_choice: 'required', seed: 12,
+                                                               temperature: 0.8, max_tokens: 300, n: 2, stream: true }))
+    for (const ch of c.choices) {
+      for (const t of ch.delta?.tool_calls ?? []) acc2[ch.index][t.index] = t;
+      if (ch.finish_reason) fin2[ch.index] = ch.finish_reason;
+    }
+  ok(fin2.every((f) => f === 'tool_calls') && acc2.every((a, i) => a.length === 1 &&
+     a[0].function.name === two.choices[i].message.tool_calls?.[0]?.function.name &&
+     a[0].function.arguments === two.choices[i].message.tool_calls?.[0]?.function.arguments),
+     'n=2 streamed: each choice\'s call equals the non-streamed one', JSON.stringify([fin2, acc2]));
   // auto: content or calls, whichever the model writes, each well formed
   for (const stream of [false, true]) {
     const r = await client.chat.completions.create({ model, messages: ask, tools, seed: 8, temperature: 0.8, max_tokens: 40, stream });
