@@ -98,24 +98,6 @@ static int check_ids(const struct http_server *h, const char *param, const kvq_t
     return 0;
 }
 
-static bool tools_on(const struct oai_request *q) { return q->n_tools > 0 && q->tool_choice != OAI_TOOLS_NONE; }
-
-/* The chat messages with tools, tool calls and tool results written into them. */
-static char *render_chat(struct http_server *h, const struct oai_request *q) {
-    const struct chat_message *m = q->messages;
-    int n = q->n_messages, n_owned = 0;
-    bool tooled = tools_on(q);
-    for (int i = 0; i < n; i++) tooled |= q->tool_calls[i] || !strcmp(m[i].role, "tool");
-    struct chat_message *tm = NULL;
-    char **owned = NULL;
-    if (tooled && !(tm = tool_messages(h->p.tool_syntax, m, q->tool_calls, n, tools_on(q) ? q->tools : NULL,
-                                       tools_on(q) ? q->n_tools : 0, &n, &owned, &n_owned)))
-        return NULL;
-    char *text = chat_template_render(h->p.chat, tm ? tm : m, n, chat_family_bos(h->p.chat), chat_family_eos(h->p.chat));
-    if (tm) tool_messages_free(tm, owned, n_owned);
-    return text;
-}
-
 /* Prompt p's tokens: chat messages through the template (its leading BOS text is
  * dropped: the tokenizer adds BOS as the model's metadata says), the raw prompt, or
  * the prompt's token ids as they are. */
@@ -131,7 +113,7 @@ static int prompt_tokens(struct http_server *h, const struct oai_request *q, int
         memcpy(*out, o->ids, sizeof **out * (size_t)o->n_ids);
         return o->n_ids;
     }
-    char *text = q->kind == OAI_CHAT ? render_chat(h, q) : strdup(q->prompts[p].text);
+    char *text = q->kind == OAI_CHAT ? api_render_chat(h->p.chat, h->p.tool_syntax, q) : strdup(q->prompts[p].text);
     if (!text) {
         oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
         return -1;
@@ -155,7 +137,7 @@ static int prompt_tokens(struct http_server *h, const struct oai_request *q, int
 static int request_grammar(struct http_server *h, const struct oai_request *q, struct kvq_grammar **g,
                            struct oai_error *e) {
     *g = NULL;
-    if (tools_on(q) && (q->tool_choice == OAI_TOOLS_REQUIRED || q->tool_choice == OAI_TOOLS_NAMED)) {
+    if (oai_tools_on(q) && (q->tool_choice == OAI_TOOLS_REQUIRED || q->tool_choice == OAI_TOOLS_NAMED)) {
         const char *prefix, *suffix, *err;
         char *schema = tool_call_schema(h->p.tool_syntax, q->tools, q->n_tools,
                                         q->tool_choice == OAI_TOOLS_NAMED ? q->tool_name : NULL, &prefix, &suffix, &err);
@@ -467,7 +449,7 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     int n_ch = 0;
     const int per_prompt = q.n;
     bool stream = q.stream, include_usage = q.include_usage, logprobs = q.gen.logprobs >= 0;
-    const bool tools = kind == OAI_CHAT && tools_on(&q);
+    const bool tools = kind == OAI_CHAT && oai_tools_on(&q);
     int rc = submit_choices(h, &q, id, &ch, &n_ch, &e);
     oai_request_free(&q);
     if (rc) return respond_error(h, c, &e);
@@ -582,7 +564,8 @@ static enum MHD_Result aux_endpoint(struct http_server *h, struct MHD_Connection
     char *out;
     if (!strcmp(path, "/tokenize")) out = api_tokenize(h->p.model, body, cs->body.len, &e);
     else if (!strcmp(path, "/detokenize")) out = api_detokenize(h->p.model, body, cs->body.len, &e);
-    else if (!strcmp(path, "/apply-template")) out = api_apply_template(h->p.chat, body, cs->body.len, h->p.strict_api, &e);
+    else if (!strcmp(path, "/apply-template"))
+        out = api_apply_template(h->p.chat, h->p.tool_syntax, body, cs->body.len, h->p.strict_api, &e);
     else if (!h->p.embedder)
         return fail(h, c, 501, "not_supported_error", NULL, NULL,
                     "this server does not compute embeddings: start it with --embeddings");

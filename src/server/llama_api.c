@@ -151,10 +151,27 @@ char *api_detokenize(const struct kvq_model *m, const char *body, size_t len, st
     return out;
 }
 
-char *api_apply_template(enum chat_family chat, const char *body, size_t len, bool strict, struct oai_error *e) {
+char *api_render_chat(enum chat_family chat, enum tool_syntax s, const struct oai_request *q) {
+    const struct chat_message *m = q->messages;
+    const bool tools = oai_tools_on(q);
+    int n = q->n_messages, n_owned = 0;
+    bool tooled = tools;
+    for (int i = 0; i < n; i++) tooled |= q->tool_calls[i] || !strcmp(m[i].role, "tool");
+    struct chat_message *tm = NULL;
+    char **owned = NULL;
+    if (tooled && !(tm = tool_messages(s, m, q->tool_calls, n, tools ? q->tools : NULL, tools ? q->n_tools : 0, &n,
+                                       &owned, &n_owned)))
+        return NULL;
+    char *text = chat_template_render(chat, tm ? tm : m, n, chat_family_bos(chat), chat_family_eos(chat));
+    if (tm) tool_messages_free(tm, owned, n_owned);
+    return text;
+}
+
+char *api_apply_template(enum chat_family chat, enum tool_syntax s, const char *body, size_t len, bool strict,
+                         struct oai_error *e) {
     struct oai_request q;
     if (oai_parse_request(body, len, OAI_CHAT, strict, &q, e) != 0) return NULL;
-    char *text = chat_template_render(chat, q.messages, q.n_messages, chat_family_bos(chat), chat_family_eos(chat));
+    char *text = api_render_chat(chat, s, &q);
     oai_request_free(&q);
     char *out = text ? dump(json_pack("{s:s}", "prompt", text), e) : oom(e);
     free(text);

@@ -18,8 +18,12 @@
 char *api_tokenize(const struct kvq_model *m, const char *body, size_t len, struct oai_error *e);
 /* {"tokens": [ids]} -> {"content": text}. */
 char *api_detokenize(const struct kvq_model *m, const char *body, size_t len, struct oai_error *e);
-/* {"messages": [...]} -> {"prompt": the text the chat template makes of them}. */
-char *api_apply_template(enum chat_family chat, const char *body, size_t len, bool strict, struct oai_error *e);
+/* {"messages": [...], "tools": ...} -> {"prompt": the text the chat template makes of them}. */
+char *api_apply_template(enum chat_family chat, enum tool_syntax s, const char *body, size_t len, bool strict,
+                         struct oai_error *e);
+/* A chat request's prompt text: its messages with the tools, earlier tool calls and tool
+ * results written into them (malloc'd; NULL when out of memory). */
+char *api_render_chat(enum chat_family chat, enum tool_syntax s, const struct oai_request *q);
 
 /* The tokens of text (kvq_tokenize's flags) in a malloc'd *out; their count, -1 on error. */
 int api_tokenize_text(const struct kvq_model *m, const char *text, size_t len, bool add, bool parse, kvq_token **out);

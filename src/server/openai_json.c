@@ -577,6 +577,8 @@ int gen_params_copy(struct gen_params *dst, const struct gen_params *src) {
     return oom ? -1 : 0;
 }
 
+bool oai_tools_on(const struct oai_request *q) { return q->n_tools > 0 && q->tool_choice != OAI_TOOLS_NONE; }
+
 void oai_request_free(struct oai_request *r) {
     for (int i = 0; i < r->n_messages; i++) {
         free((char *)r->messages[i].role);

@@ -65,6 +65,8 @@ void oai_error_set(struct oai_error *e, int status, const char *type, const char
 int oai_parse_request(const char *body, size_t len, enum oai_kind kind, bool strict, struct oai_request *r,
                       struct oai_error *e);
 void oai_request_free(struct oai_request *r);
+/* The request has tools that may be called (tool_choice is not "none"). */
+bool oai_tools_on(const struct oai_request *q);
 
 struct oai_usage {
     int prompt_tokens, completion_tokens, cached_tokens;

@@ -264,6 +264,11 @@ async function extensions(refsDir) {
   const at = await post('/apply-template', { messages: [{ role: 'system', content: 'S' }, { role: 'user', content: 'hi' }] });
   ok(at.json.prompt === '<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n',
      '/apply-template renders the messages (ChatML here)', J(at.json));
+  const tt = await post('/apply-template', { messages: [{ role: 'user', content: 'hi' }],
+    tools: [{ type: 'function', function: { name: 'get_weather', parameters: { type: 'object' } } }] });
+  ok(tt.json.prompt?.startsWith('<|im_start|>system\n') && tt.json.prompt.includes('<tools>') &&
+     tt.json.prompt.includes('"get_weather"') && tt.json.prompt.endsWith('<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n'),
+     '/apply-template writes the tools in as a completion would', J(tt.json));
   ok((await post('/detokenize', { tokens: [V] })).status === 400, '/detokenize of an id outside the vocabulary is a 400');
 
   // the greedy token, and the second best once logit_bias -100 takes it away
