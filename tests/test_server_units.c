@@ -194,6 +194,23 @@ static void test_parse_extensions(void) {
     CHECK(rc == 0 && r.gen.n_bias == 2 && isinf(r.gen.bias_values[0]) && r.gen.bias_values[1] == -1 &&
               r.gen.max_tokens == -1, "llama.cpp's logit_bias pairs and n_predict");
     if (rc == 0) oai_request_free(&r);
+    /* llama.cpp's json_schema and vLLM's guided_json (an object or its text): the schema as response_format's */
+    rc = parse(OAI_COMPLETION, "{\"prompt\":\"a\",\"json_schema\":{\"type\":\"integer\"}}", &r, &e);
+    CHECK(rc == 0 && r.response_schema && !strcmp(r.response_schema, "{\"type\":\"integer\"}"), "json_schema: %s",
+          rc ? e.message : r.response_schema);
+    if (rc == 0) oai_request_free(&r);
+    rc = parse(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"guided_json\":\"{\\\"enum\\\": [1, 2]}\"}",
+               &r, &e);
+    CHECK(rc == 0 && r.response_schema && !strcmp(r.response_schema, "{\"enum\":[1,2]}"), "guided_json text: %s",
+          rc ? e.message : r.response_schema);
+    if (rc == 0) oai_request_free(&r);
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"guided_json\":\"{not json\"}", "guided_json");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"json_schema\":[1]}", "json_schema");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"response_format\":{\"type\":\"json_object\"},\"json_schema\":{}}",
+               "json_schema");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"guided_json\":{},\"response_format\":{\"type\":\"json_object\"}}",
+               "response_format");
+    expect_400_strict(OAI_COMPLETION, "{\"prompt\":\"a\",\"json_schema\":{}}", "json_schema");
     rc = parse(OAI_COMPLETION, "{\"prompt\":[1,2,3],\"stop_token_ids\":[]}", &r, &e);
     CHECK(rc == 0 && r.n_prompts == 1 && r.prompts[0].n_ids == 3 && r.prompts[0].ids[2] == 3, "one prompt of ids");
     if (rc == 0) oai_request_free(&r);

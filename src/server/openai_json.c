@@ -239,7 +239,7 @@ static const struct {
     {"prompt_logprobs", J_INT}, {"allowed_token_ids", J_ARR}, {"bad_words", J_ARR}, {"add_special_tokens", J_BOOL},
     {"add_generation_prompt", J_BOOL}, {"continue_final_message", J_BOOL}, {"documents", J_ARR},
     {"chat_template", J_STR}, {"chat_template_kwargs", J_OBJ}, {"mm_processor_kwargs", J_OBJ},
-    {"guided_json", J_STR | J_OBJ}, {"guided_regex", J_STR}, {"guided_choice", J_ARR}, {"guided_grammar", J_STR},
+    {"guided_regex", J_STR}, {"guided_choice", J_ARR}, {"guided_grammar", J_STR},
     {"guided_decoding_backend", J_STR}, {"guided_whitespace_pattern", J_STR}, {"structured_outputs", J_OBJ},
     {"priority", J_INT}, {"request_id", J_STR}, {"return_tokens_as_token_ids", J_BOOL}, {"return_token_ids", J_BOOL},
     {"cache_salt", J_STR}, {"kv_transfer_params", J_OBJ}, {"vllm_xargs", J_OBJ}, {"logits_processors", J_ARR},
@@ -250,7 +250,7 @@ static const struct {
     {"mirostat_eta", J_NUM}, {"dynatemp_range", J_NUM}, {"dynatemp_exponent", J_NUM}, {"dry_multiplier", J_NUM},
     {"dry_base", J_NUM}, {"dry_allowed_length", J_INT}, {"dry_penalty_last_n", J_INT},
     {"dry_sequence_breakers", J_ARR}, {"xtc_probability", J_NUM}, {"xtc_threshold", J_NUM}, {"top_n_sigma", J_NUM},
-    {"samplers", J_ARR | J_STR}, {"grammar", J_STR}, {"json_schema", J_OBJ}, {"id_slot", J_INT},
+    {"samplers", J_ARR | J_STR}, {"grammar", J_STR}, {"id_slot", J_INT},
     {"t_max_predict_ms", J_INT}, {"t_max_prompt_ms", J_INT}, {"return_tokens", J_BOOL}, {"timings_per_token", J_BOOL},
     {"post_sampling_probs", J_BOOL}, {"response_fields", J_ARR}, {"lora", J_ARR}, {"n_indent", J_INT},
     {"n_cmpl", J_INT}, {"return_progress", J_BOOL}, {"reasoning_format", J_STR}, {"parse_tool_calls", J_BOOL},
@@ -300,6 +300,15 @@ static int ignore_field(const char *key, json_t *v, bool strict, struct oai_erro
     return 0;
 }
 
+/* The schema the output must follow (NULL: any JSON object), from response_format or
+ * an extension field: one of them per request. */
+static int set_schema(struct oai_request *r, const char *key, json_t *schema, struct oai_error *e) {
+    if (r->response_schema)
+        return BAD(key, "give one schema: 'response_format', llama.cpp's 'json_schema' or vLLM's 'guided_json'");
+    r->response_schema = schema ? json_dumps(schema, JSON_COMPACT | JSON_ENCODE_ANY) : strdup("{\"type\":\"object\"}");
+    return r->response_schema ? 0 : BAD(NULL, "out of memory");
+}
+
 /* vLLM's and llama.cpp's fields that are applied (a 400 with strict, as before them). */
 static int parse_extension(const char *key, json_t *v, struct oai_request *r, bool strict, struct oai_error *e) {
     struct gen_params *g = &r->gen;
@@ -323,6 +332,15 @@ static int parse_extension(const char *key, json_t *v, struct oai_request *r, bo
         return json_is_null(v) || (json_is_array(v) && !json_array_size(v)) ? 0
                                                                             : get_ids(v, key, 256, &g->stop_ids, &g->n_stop_ids, e);
     if (!strcmp(key, "repetition_penalty")) return get_number(v, key, 0.01, 100, &g->sampling.repeat_penalty, e);
+    if (!strcmp(key, "json_schema") || !strcmp(key, "guided_json")) { /* llama.cpp's, vLLM's: a schema or its text */
+        if (json_is_null(v)) return 0;
+        json_t *s = json_is_string(v) ? json_loads(json_string_value(v), JSON_DECODE_ANY, NULL) : json_incref(v);
+        int rc = json_is_object(s) || json_is_boolean(s)
+                     ? set_schema(r, key, s, e)
+                     : BAD(key, "'%s' must be a JSON Schema (an object, or its JSON text)", key);
+        json_decref(s);
+        return rc;
+    }
     return ignore_field(key, v, strict, e);
 }
 
@@ -334,7 +352,7 @@ static int get_response_format(json_t *v, struct oai_request *r, struct oai_erro
         return BAD("response_format", "'response_format' must be an object with a 'type'");
     const char *t = json_string_value(type);
     if (!strcmp(t, "text")) return 0;
-    if (!strcmp(t, "json_object")) return (r->response_schema = strdup("{\"type\":\"object\"}")) ? 0 : BAD(NULL, "out of memory");
+    if (!strcmp(t, "json_object")) return set_schema(r, "response_format", NULL, e);
     if (strcmp(t, "json_schema"))
         return BAD("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'");
     json_t *js = json_object_get(v, "json_schema"), *schema = json_object_get(js, "schema");
@@ -347,8 +365,7 @@ static int get_response_format(json_t *v, struct oai_request *r, struct oai_erro
     if (schema && !json_is_object(schema) && !json_is_boolean(schema))
         return BAD("response_format", "'response_format.json_schema.schema' must be a JSON Schema object");
     /* strict or not, the output follows the schema: the grammar is the only way to keep to it */
-    r->response_schema = schema ? json_dumps(schema, JSON_COMPACT | JSON_ENCODE_ANY) : strdup("{\"type\":\"object\"}");
-    return r->response_schema ? 0 : BAD(NULL, "out of memory");
+    return set_schema(r, "response_format", schema, e);
 }
 
 /* tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}] */

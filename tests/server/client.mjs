@@ -455,6 +455,13 @@ async function structured(key) {
                                                           temperature: 0.8, max_tokens: 300, response_format: rf, stream: true }))
     for (const ch of c.choices) texts[ch.index] += ch.text;
   ok(texts.every((t) => isPerson(parsed(t))), 'two prompts x n=2 streamed: every choice follows the schema', JSON.stringify(texts));
+  // llama.cpp's json_schema and vLLM's guided_json (as text) apply as response_format does
+  for (const field of ['json_schema', 'guided_json']) {
+    const r = await client.completions.create({ model, prompt: 'A person:', max_tokens: 300, seed: 13, temperature: 0.8,
+                                                [field]: field === 'guided_json' ? JSON.stringify(person) : person });
+    ok(r.choices[0].finish_reason === 'stop' && isPerson(parsed(r.choices[0].text)), `${field} constrains the output`,
+       r.choices[0].text);
+  }
   // the grammar over bans (ignore_eos: the sampler's bans-only path), logit_bias and penalties
   const boost = (await (await fetch(`${base}/tokenize`, { method: 'POST', headers: { authorization: `Bearer ${key}` },
                                                           body: JSON.stringify({ content: ' Hello world! The end.' }) })).json()).tokens;
