@@ -1,0 +1,169 @@
+/* The Jinja interpreter's insides, shared by its parser (jinja_parse.c), values
+ * (jinja_value.c) and evaluator (jinja_eval.c). Everything a parse or a render
+ * allocates lives in one arena freed at the end, and errors longjmp back to the
+ * entry point with a message, so no path leaks or needs cleanup. */
+#ifndef KVQ_SERVER_JINJA_IMPL_H
+#define KVQ_SERVER_JINJA_IMPL_H
+
+#include <setjmp.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+/* ---- arena and errors ---- */
+
+struct arena_block;
+struct jctx {
+    struct arena_block *blocks;
+    size_t used, limit; /* bytes allocated, and the most allowed */
+    jmp_buf on_error;
+    char *err;
+    size_t err_size;
+    int line; /* where the error is, 0 when unknown */
+};
+
+void *jalloc(struct jctx *c, size_t n); /* zeroed */
+char *jstrndup(struct jctx *c, const char *s, size_t n);
+void jarena_free(struct jctx *c);
+_Noreturn void jfail(struct jctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ---- values ---- */
+
+enum jv_type { JV_UNDEF, JV_NONE, JV_BOOL, JV_INT, JV_FLOAT, JV_STR, JV_LIST, JV_DICT, JV_NS, JV_LOOP, JV_MACRO, JV_FUNC };
+
+typedef struct jv jv;
+struct loop_state;
+struct node;
+struct jv {
+    enum jv_type t;
+    bool tuple; /* a list that Python would hold as a tuple (prints with parentheses) */
+    union {
+        bool b;
+        long long i;
+        double f;
+        struct {
+            const char *s; /* UTF-8, NUL-terminated; for JV_UNDEF the missing name */
+            size_t n;
+        } s;
+        struct {
+            jv **v;
+            size_t n, cap;
+        } l;
+        struct { /* JV_DICT and JV_NS: insertion order, as Python's dicts */
+            jv **k, **v;
+            size_t n, cap;
+        } d;
+        struct loop_state *loop;
+        struct { /* JV_MACRO: a macro, or a call block's caller() */
+            const struct node *node;
+            void *frame; /* where it was defined: a caller() sees the call site */
+        } m;
+        struct {
+            const char *name;
+            jv *self; /* bound methods: the object; NULL for globals */
+        } fn;
+    };
+};
+
+jv *jv_undef(struct jctx *c, const char *name);
+jv *jv_none(void);
+jv *jv_bool(bool b);
+jv *jv_int(struct jctx *c, long long i);
+jv *jv_float(struct jctx *c, double f);
+jv *jv_str(struct jctx *c, const char *s, size_t n);
+jv *jv_cstr(struct jctx *c, const char *s);
+jv *jv_list(struct jctx *c, size_t cap);
+jv *jv_dict(struct jctx *c);
+jv *jv_func(struct jctx *c, const char *name, jv *self);
+void jv_push(struct jctx *c, jv *list, jv *v);
+void jv_set(struct jctx *c, jv *dict, jv *key, jv *v);
+jv *jv_get(const jv *dict, const jv *key); /* NULL when absent */
+jv *jv_get_cstr(const jv *dict, const char *key);
+
+bool jv_truthy(const jv *v);
+bool jv_equal(const jv *a, const jv *b);
+/* <0, 0, >0; fails for values Python cannot order */
+int jv_compare(struct jctx *c, const jv *a, const jv *b);
+const char *jv_type_name(const jv *v);
+bool jv_is_number(const jv *v); /* bool counts, as in Python */
+double jv_num(const jv *v);
+
+/* A growable byte string in the arena. */
+struct jbuf {
+    char *s;
+    size_t n, cap;
+};
+void jbuf_add(struct jctx *c, struct jbuf *b, const char *s, size_t n);
+void jbuf_adds(struct jctx *c, struct jbuf *b, const char *s);
+jv *jbuf_value(struct jctx *c, struct jbuf *b);
+
+/* str(v) and repr(v) as Python writes them, appended to b. */
+void jv_str_to(struct jctx *c, struct jbuf *b, const jv *v);
+void jv_repr_to(struct jctx *c, struct jbuf *b, const jv *v);
+jv *jv_to_str(struct jctx *c, const jv *v); /* the value itself when already a string */
+/* json.dumps(v, ensure_ascii=False, indent=indent) (indent < 0: none). */
+void jv_json_to(struct jctx *c, struct jbuf *b, const jv *v, int indent);
+struct json_t;
+jv *jv_from_json(struct jctx *c, const struct json_t *j);
+
+/* UTF-8 code points: how many, and the byte offset of code point i (clamped). */
+size_t utf8_len(const char *s, size_t n);
+size_t utf8_offset(const char *s, size_t n, size_t i);
+
+/* ---- syntax tree ---- */
+
+enum node_kind {
+    /* statements */
+    N_TEXT,     /* lit */
+    N_OUT,      /* a */
+    N_IF,       /* a cond, v body, v2 else */
+    N_FOR,      /* a target, b iterable, c filter, v body, v2 else */
+    N_SET,      /* a target, b value */
+    N_SETBLOCK, /* a target, v body */
+    N_MACRO,    /* name, v body, v2 params (E_NAME, default in a) */
+    N_CALLBLOCK,/* a the call, v body (caller()), v2 caller's params */
+    N_BREAK,
+    N_CONTINUE,
+    N_SCOPE,    /* v body: {% generation %} and {% filter %} bodies (name: the filter) */
+    /* expressions */
+    E_LIT,  /* lit */
+    E_NAME, /* name */
+    E_ATTR, /* a . name */
+    E_ITEM, /* a [ b ] */
+    E_SLICE,/* a [ v[0] : v[1] : v[2] ] (NULL parts) */
+    E_CALL, /* a ( v, kw ) */
+    E_FILTER, /* a | name ( v, kw ) */
+    E_TEST, /* a is [not] name ( v ) */
+    E_BIN,  /* a op b */
+    E_NEG,
+    E_NOT,
+    E_AND,
+    E_OR,
+    E_COND, /* a if b else c */
+    E_LIST,
+    E_TUPLE,
+    E_DICT, /* v: key, value, key, value... */
+};
+
+/* Operators of E_BIN: the character itself, or one of these. */
+enum { OP_EQ = 256, OP_NE, OP_LE, OP_GE, OP_FLOORDIV, OP_POW, OP_IN, OP_NOTIN };
+
+struct node {
+    enum node_kind k;
+    int line, op;
+    bool neg;
+    const char *name;
+    jv *lit;
+    struct node *a, *b, *c;
+    struct node **v;  /* children: statements, arguments, items */
+    const char **kw;  /* keyword names parallel to v (NULL: positional); NULL when none */
+    int n;
+    struct node **v2;
+    int n2;
+};
+
+struct jinja_template {
+    struct jctx ctx; /* owns the nodes */
+    struct node *root; /* N_SCOPE */
+};
+
+#endif
