@@ -101,19 +101,19 @@ static int tokenize(const struct kvq_model *m, const char *text, kvq_token **out
     return -1;
 }
 
-/* The prompt's tokens: chat messages through the template (its leading BOS text is
- * dropped: the tokenizer adds BOS as the model's metadata says), or the raw prompt. */
+/* The prompt's tokens: chat messages through the template (which drops a leading
+ * BOS text when the tokenizer adds BOS itself), or the raw prompt. */
 static int prompt_tokens(struct http_server *h, const struct oai_request *q, kvq_token **out, struct oai_error *e) {
-    char *text = q->kind == OAI_CHAT ? chat_template_render(h->p.chat, q->messages, q->n_messages,
-                                                            chat_family_bos(h->p.chat), chat_family_eos(h->p.chat))
+    char err[256] = "out of memory";
+    char *text = q->kind == OAI_CHAT ? chat_template_apply(h->p.chat, q->messages, q->tools, true, err, sizeof err)
                                      : strdup(q->prompt);
     if (!text) {
-        oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        /* the template refuses the conversation (raise_exception, a missing field): the client's to fix */
+        if (q->kind == OAI_CHAT) oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "chat template: %s", err);
+        else oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
         return -1;
     }
-    const char *bos = chat_family_bos(h->p.chat), *t = text;
-    if (q->kind == OAI_CHAT && *bos && strncmp(t, bos, strlen(bos)) == 0) t += strlen(bos);
-    int n = tokenize(h->p.model, t, out);
+    int n = tokenize(h->p.model, text, out);
     free(text);
     if (n < 0) oai_error_set(e, 400, "invalid_request_error", NULL, NULL, "cannot tokenize the prompt: %s", kvq_last_error());
     else if (n == 0) {

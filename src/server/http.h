@@ -19,7 +19,7 @@ struct http_params {
     const char *model_id; /* the name /v1/models reports */
     int ping_seconds; /* ": ping" on a stream idle this long */
     const struct kvq_model *model;
-    enum chat_family chat;
+    const struct chat_template *chat;
     struct sched *sched;
 };
 

@@ -96,12 +96,15 @@ static int get_content(json_t *v, char **out, struct oai_error *e) {
     return 0;
 }
 
+/* The messages as the chat template sees them: each a copy of what was sent (tool
+ * calls, tool_call_id, name and other fields kept) with "developer" read as
+ * "system" and content made a string. */
 static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
     if (!json_is_array(v) || json_array_size(v) == 0)
         return BAD("messages", "'messages' must be a non-empty list of messages");
     size_t n = json_array_size(v);
     if (n > 100000) return BAD("messages", "too many messages");
-    if (!(r->messages = calloc(n, sizeof *r->messages))) return BAD("messages", "out of memory");
+    if (!(r->messages = json_array())) return BAD("messages", "out of memory");
     for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(v, i);
         if (!json_is_object(m)) return BAD("messages", "messages[%zu] must be an object", i);
@@ -110,16 +113,52 @@ static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
         const char *rs = json_string_value(role);
         /* "developer" is OpenAI's newer name for the system role */
         if (!strcmp(rs, "developer")) rs = "system";
-        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
-            return BAD("messages", "messages[%zu].role '%s' is not supported (system, user, assistant)", i, rs);
-        r->n_messages++;
-        char *content = NULL;
-        if (!(r->messages[i].role = strdup(rs)) || get_content(json_object_get(m, "content"), &content, e)) {
-            free(content);
-            return e->status ? -1 : BAD("messages", "out of memory");
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "tool"))
+            return BAD("messages", "messages[%zu].role '%s' is not supported (system, user, assistant, tool)", i, rs);
+        json_t *calls = json_object_get(m, "tool_calls");
+        if (calls && !json_is_null(calls) && !json_is_array(calls))
+            return BAD("messages", "messages[%zu].tool_calls must be a list", i);
+        size_t k;
+        json_t *call;
+        json_array_foreach(calls, k, call) {
+            json_t *fn = json_object_get(call, "function");
+            if (!json_is_object(fn) || !json_is_string(json_object_get(fn, "name")))
+                return BAD("messages", "messages[%zu].tool_calls[%zu] needs a function with a name", i, k);
         }
-        r->messages[i].content = content;
+        char *content = NULL;
+        if (get_content(json_object_get(m, "content"), &content, e)) {
+            free(content);
+            return -1;
+        }
+        json_t *copy = json_deep_copy(m);
+        /* an assistant turn of tool calls alone keeps its content null, as templates test for it */
+        json_t *text = json_is_null(json_object_get(m, "content")) || !json_object_get(m, "content")
+                           ? json_null() : json_string(content);
+        free(content);
+        if (!copy || !text || json_object_set_new(copy, "role", json_string(rs)) ||
+            json_object_set_new(copy, "content", text) || json_array_append_new(r->messages, copy)) {
+            json_decref(copy);
+            return BAD("messages", "out of memory");
+        }
     }
+    return 0;
+}
+
+/* tools: a list of {"type": "function", "function": {"name": ..., ...}}, kept for the template. */
+static int get_tools(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v)) return 0;
+    if (!json_is_array(v)) return BAD("tools", "'tools' must be a list of tools");
+    size_t i;
+    json_t *t;
+    json_array_foreach(v, i, t) {
+        json_t *type = json_object_get(t, "type"), *fn = json_object_get(t, "function");
+        if (!json_is_string(type) || strcmp(json_string_value(type), "function"))
+            return BAD("tools", "tools[%zu].type must be \"function\"", i);
+        if (!json_is_object(fn) || !json_is_string(json_object_get(fn, "name")))
+            return BAD("tools", "tools[%zu].function must be an object with a name", i);
+    }
+    json_decref(r->tools);
+    if (!(r->tools = json_deep_copy(v))) return BAD("tools", "out of memory");
     return 0;
 }
 
@@ -132,7 +171,7 @@ static int check_default_only(const char *key, json_t *v, struct oai_error *e) {
         is_default = is_default || json_is_false(v);
     else if (!strcmp(key, "best_of"))
         is_default = is_default || (json_is_integer(v) && json_integer_value(v) == 1);
-    else if (!strcmp(key, "logit_bias") || !strcmp(key, "tools"))
+    else if (!strcmp(key, "logit_bias"))
         is_default = is_default || (json_is_object(v) && json_object_size(v) == 0) ||
                      (json_is_array(v) && json_array_size(v) == 0);
     else if (!strcmp(key, "response_format")) {
@@ -217,6 +256,7 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, struct
         return strlen(r->cache_key) <= 256 ? 0 : BAD(key, "'prompt_cache_key' is longer than 256 bytes");
     }
     if (r->kind == OAI_CHAT && !strcmp(key, "messages")) return get_messages(v, r, e);
+    if (r->kind == OAI_CHAT && !strcmp(key, "tools")) return get_tools(v, r, e);
     if (r->kind == OAI_COMPLETION && !strcmp(key, "prompt")) {
         if (json_is_array(v) && json_array_size(v) == 1 && json_is_string(json_array_get(v, 0)))
             v = json_array_get(v, 0);
@@ -272,11 +312,8 @@ void gen_params_free(struct gen_params *g) {
 }
 
 void oai_request_free(struct oai_request *r) {
-    for (int i = 0; i < r->n_messages; i++) {
-        free((char *)r->messages[i].role);
-        free((char *)r->messages[i].content);
-    }
-    free(r->messages);
+    json_decref(r->messages);
+    json_decref(r->tools);
     free(r->prompt);
     free(r->cache_key);
     gen_params_free(&r->gen);

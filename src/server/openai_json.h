@@ -6,15 +6,16 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "server/chat_template.h"
 #include "server/scheduler.h"
+
+struct json_t;
 
 enum oai_kind { OAI_CHAT, OAI_COMPLETION };
 
 struct oai_request {
     enum oai_kind kind;
-    struct chat_message *messages; /* chat: strings owned here */
-    int n_messages;
+    struct json_t *messages; /* chat: the messages for the template (see get_messages) */
+    struct json_t *tools;    /* chat: the tools list, or NULL */
     char *prompt; /* completion */
     struct gen_params gen;
     bool stream, include_usage;
