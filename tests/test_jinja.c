@@ -1,6 +1,7 @@
 /* The Jinja interpreter (src/server/jinja*.c) against Python's jinja2: the public
  * chat templates in tests/chat_templates (Llama 3.1/3.3 and 3.2, Qwen2.5, Qwen3,
- * Mistral v3 and Nemo, Gemma 3, Phi-3, Phi-4, DeepSeek-R1-distill) over a set of
+ * Mistral v3 and Nemo, Gemma 3, Phi-3, Phi-4, DeepSeek-R1-distill; also Phi-4-mini,
+ * Mistral Small 3.1 and Command R7B's tool_use variant, which use more of Jinja) over a set of
  * conversations (system, multi-turn, tools, tool calls and results, with and
  * without add_generation_prompt), and snippets of every feature, rendered byte for
  * byte as jinja2 renders them with transformers' settings (jinja2_reference.py

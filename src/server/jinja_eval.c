@@ -1242,10 +1242,15 @@ static enum flow exec_for(struct render *R, struct frame *f, const struct node *
     jv *lv = jv_dict(C);
     lv->t = JV_LOOP;
     lv->loop = L;
+    size_t loop_vars = 0;
     for (L->i = 0; L->i < L->n; L->i++) {
         if (++R->steps > MAX_STEPS) jfail(C, "the template runs too long");
+        /* each iteration starts afresh: what the last one set is not seen (its
+         * loop variables are the frame's first entries, rebound in place) */
+        lf->vars->d.n = loop_vars;
         assign(R, lf, "loop", lv);
         assign_target(R, lf, nd->a, L->items[L->i]);
+        loop_vars = lf->vars->d.n;
         if (exec_body(R, lf, nd->v, nd->n) == FLOW_BREAK) break;
     }
     return FLOW_NEXT;

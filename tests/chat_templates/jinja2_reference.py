@@ -32,6 +32,9 @@ TOKENS = {  # bos_token, eos_token as each model's tokenizer_config.json has the
     "gemma-3": ("<bos>", "<eos>"),
     "phi-3": ("<s>", "<|endoftext|>"),
     "phi-4": ("<|endoftext|>", "<|im_end|>"),
+    "phi-4-mini": ("<|endoftext|>", "<|endoftext|>"),
+    "mistral-small-3.1": ("<s>", "</s>"),
+    "command-r7b-tool_use": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
     "deepseek-r1-distill": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
 }
 
