@@ -34,7 +34,7 @@ static char *render_text(const char *src, const char *vars_json, char *err, size
 static void expect_parse_error(const char *src, const char *msg) {
     char err[256] = "";
     struct jinja_template *t = jinja_parse(src, err, sizeof err);
-    CHECK(!t && strstr(err, msg), "parse of '%s': expected an error with '%s', got '%s'", src, msg, t ? "(parsed)" : err);
+    CHECK(!t && strstr(err, msg), "parse of '%.80s': expected an error with '%s', got '%s'", src, msg, t ? "(parsed)" : err);
     jinja_free(t);
 }
 
@@ -42,7 +42,7 @@ static void expect_parse_error(const char *src, const char *msg) {
 static void expect_render_error(const char *src, const char *vars, const char *msg) {
     char err[256] = "";
     char *out = render_text(src, vars, err, sizeof err);
-    CHECK(!out && strstr(err, msg), "render of '%s': expected an error with '%s', got '%s'", src, msg,
+    CHECK(!out && strstr(err, msg), "render of '%.80s': expected an error with '%s', got '%s'", src, msg,
           out ? out : err);
     free(out);
 }
@@ -71,6 +71,16 @@ static void test_errors(void) {
     expect_parse_error("{% for 1 in x %}{% endfor %}", "expected a name");
     expect_parse_error("{% macro m(1) %}{% endmacro %}", "expected a name");
     expect_parse_error("{{ a $ b }}", "unexpected character '$'");
+    static const char *const chains[] = {"not ", "- ", "(", "[", "x.y("};
+    for (size_t k = 0; k < sizeof chains / sizeof chains[0]; k++) {
+        char deep[12000] = "{{ ";
+        for (int i = 0; i < 2000; i++) strcat(deep, chains[k]);
+        strcat(deep, "1 }}");
+        expect_parse_error(deep, k < 2 ? "nests too deeply" : "unterminated expression");
+    }
+    char nested[8000] = "";
+    for (int i = 0; i < 500; i++) strcat(nested, "{% if x %}");
+    expect_parse_error(nested, "nests too deeply");
 
     expect_render_error("{{ x | frobnicate }}", "{\"x\": 1}", "no filter named 'frobnicate'");
     expect_render_error("{{ x is frobnicated }}", "{\"x\": 1}", "no test named 'frobnicated'");
@@ -94,6 +104,12 @@ static void test_errors(void) {
     expect_render_error("{{ 'x' * 1000000000 }}", NULL, "too long");
     expect_render_error("{% set a, b = [1] %}", NULL, "cannot unpack");
     expect_render_error("{{ 9223372036854775807 + 1 }}", NULL, "integer overflow");
+    expect_render_error("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = [ns.l] %}{% endfor %}"
+                        "{{ ns.l }}", NULL, "nested too deeply");
+    expect_render_error("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = [ns.l] %}{% endfor %}"
+                        "{{ ns.l | tojson }}", NULL, "nested too deeply");
+    expect_render_error("{% set ns = namespace(a=[], b=[]) %}{% for i in range(100000) %}{% set ns.a = [ns.a] %}"
+                        "{% set ns.b = [ns.b] %}{% endfor %}{{ ns.a < ns.b }}", NULL, "nested too deeply");
 
     /* the interpreter keeps working after errors, and renders what parses */
     char err[256];

@@ -318,7 +318,12 @@ struct parser {
     struct jctx *c;
     struct tok *t;
     size_t i, n;
+    int depth; /* nesting of expressions and statements: bounded, the parser recurses */
 };
+
+static void enter(struct parser *P) {
+    if (++P->depth > 256) jfail(P->c, "the template nests too deeply");
+}
 
 static struct tok *cur(struct parser *P) { return &P->t[P->i]; }
 static struct tok *next(struct parser *P) {
@@ -593,6 +598,7 @@ static struct node *parse_filters_tests(struct parser *P, struct node *nd) {
 
 static struct node *parse_unary(struct parser *P, bool with_filter) {
     struct node *nd;
+    enter(P);
     if (is_op(P, '-') || is_op(P, '+')) {
         bool neg = next(P)->op == '-';
         struct node *operand = parse_unary(P, false);
@@ -604,6 +610,7 @@ static struct node *parse_unary(struct parser *P, bool with_filter) {
     } else
         nd = parse_primary(P);
     nd = parse_postfix(P, nd);
+    P->depth--;
     return with_filter ? parse_filters_tests(P, nd) : nd;
 }
 
@@ -664,7 +671,9 @@ static struct node *parse_compare(struct parser *P) {
 static struct node *parse_not(struct parser *P) {
     if (accept_name(P, "not")) {
         struct node *nd = mk(P, E_NOT);
+        enter(P);
         nd->a = parse_not(P);
+        P->depth--;
         return nd;
     }
     return parse_compare(P);
@@ -691,6 +700,7 @@ static struct node *parse_or(struct parser *P) {
 }
 
 static struct node *parse_expr(struct parser *P, bool with_cond) {
+    enter(P);
     struct node *nd = parse_or(P);
     while (with_cond && accept_name(P, "if")) {
         struct node *c = mk(P, E_COND);
@@ -699,6 +709,7 @@ static struct node *parse_expr(struct parser *P, bool with_cond) {
         if (accept_name(P, "else")) c->c = parse_expr(P, true);
         nd = c;
     }
+    P->depth--;
     return nd;
 }
 
@@ -741,6 +752,7 @@ static struct nlist parse_body(struct parser *P, const char *const *ends, const 
 
 static void parse_statement(struct parser *P, struct nlist *out) {
     struct tok *kw = cur(P);
+    enter(P);
     if (kw->t != T_NAME) unexpected(P, "a statement name");
     const char *name = next(P)->s;
     struct node *nd;
@@ -759,6 +771,7 @@ static void parse_statement(struct parser *P, struct nlist *out) {
             parse_statement(P, &e);
             nd->v2 = e.v, nd->n2 = e.n;
             nl_add(P, out, nd, NULL);
+            P->depth--;
             return;
         }
         if (!strcmp(which, "else")) {
@@ -856,6 +869,7 @@ static void parse_statement(struct parser *P, struct nlist *out) {
         jfail(P->c, "unknown tag '%s'", name);
     }
     nl_add(P, out, nd, NULL);
+    P->depth--;
 }
 
 /* Statements up to a {% NAME %} with NAME in ends (its name consumed, *which set)

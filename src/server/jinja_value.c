@@ -202,8 +202,14 @@ double jv_num(const jv *v) {
     return v->t == JV_FLOAT ? v->f : v->t == JV_INT ? (double)v->i : v->t == JV_BOOL ? v->b : 0;
 }
 
-bool jv_equal(const jv *a, const jv *b) {
+static bool equal(const jv *a, const jv *b, int depth);
+
+bool jv_equal(const jv *a, const jv *b) { return equal(a, b, 0); }
+
+/* Values nested deeper than any real data compare unequal rather than overflow the stack. */
+static bool equal(const jv *a, const jv *b, int depth) {
     if (a == b) return true;
+    if (depth > 1000) return false;
     if (jv_is_number(a) && jv_is_number(b)) {
         if (a->t != JV_FLOAT && b->t != JV_FLOAT) {
             long long x = a->t == JV_BOOL ? a->b : a->i, y = b->t == JV_BOOL ? b->b : b->i;
@@ -219,13 +225,13 @@ bool jv_equal(const jv *a, const jv *b) {
     case JV_LIST:
         if (a->l.n != b->l.n) return false;
         for (size_t i = 0; i < a->l.n; i++)
-            if (!jv_equal(a->l.v[i], b->l.v[i])) return false;
+            if (!equal(a->l.v[i], b->l.v[i], depth + 1)) return false;
         return true;
     case JV_DICT:
         if (a->d.n != b->d.n) return false;
         for (size_t i = 0; i < a->d.n; i++) {
             jv *o = jv_get(b, a->d.k[i]);
-            if (!o || !jv_equal(a->d.v[i], o)) return false;
+            if (!o || !equal(a->d.v[i], o, depth + 1)) return false;
         }
         return true;
     case JV_FUNC: return !strcmp(a->fn.name, b->fn.name) && a->fn.self == b->fn.self;
@@ -240,7 +246,12 @@ const char *jv_type_name(const jv *v) {
     return names[v->t];
 }
 
-int jv_compare(struct jctx *c, const jv *a, const jv *b) {
+static int compare(struct jctx *c, const jv *a, const jv *b, int depth);
+
+int jv_compare(struct jctx *c, const jv *a, const jv *b) { return compare(c, a, b, 0); }
+
+static int compare(struct jctx *c, const jv *a, const jv *b, int depth) {
+    if (depth > 512) jfail(c, "values nested too deeply to compare");
     if (jv_is_number(a) && jv_is_number(b)) {
         if (a->t != JV_FLOAT && b->t != JV_FLOAT) {
             long long x = a->t == JV_BOOL ? a->b : a->i, y = b->t == JV_BOOL ? b->b : b->i;
@@ -257,7 +268,7 @@ int jv_compare(struct jctx *c, const jv *a, const jv *b) {
     if (a->t == JV_LIST && b->t == JV_LIST) {
         for (size_t i = 0; i < a->l.n && i < b->l.n; i++) {
             if (jv_equal(a->l.v[i], b->l.v[i])) continue;
-            return jv_compare(c, a->l.v[i], b->l.v[i]);
+            return compare(c, a->l.v[i], b->l.v[i], depth + 1);
         }
         return (a->l.n > b->l.n) - (a->l.n < b->l.n);
     }
@@ -366,14 +377,19 @@ static void str_repr(struct jctx *c, struct jbuf *b, const char *s, size_t n) {
     jbuf_add(c, b, &q, 1);
 }
 
-void jv_repr_to(struct jctx *c, struct jbuf *b, const jv *v) {
+static void repr_to(struct jctx *c, struct jbuf *b, const jv *v, int depth);
+
+void jv_repr_to(struct jctx *c, struct jbuf *b, const jv *v) { repr_to(c, b, v, 0); }
+
+static void repr_to(struct jctx *c, struct jbuf *b, const jv *v, int depth) {
+    if (depth > 512) jfail(c, "value nested too deeply to print");
     switch (v->t) {
     case JV_STR: str_repr(c, b, v->s.s, v->s.n); return;
     case JV_LIST:
         jbuf_adds(c, b, v->tuple ? "(" : "[");
         for (size_t i = 0; i < v->l.n; i++) {
             if (i) jbuf_adds(c, b, ", ");
-            jv_repr_to(c, b, v->l.v[i]);
+            repr_to(c, b, v->l.v[i], depth + 1);
         }
         jbuf_adds(c, b, v->tuple ? (v->l.n == 1 ? ",)" : ")") : "]");
         return;
@@ -381,9 +397,9 @@ void jv_repr_to(struct jctx *c, struct jbuf *b, const jv *v) {
         jbuf_adds(c, b, "{");
         for (size_t i = 0; i < v->d.n; i++) {
             if (i) jbuf_adds(c, b, ", ");
-            jv_repr_to(c, b, v->d.k[i]);
+            repr_to(c, b, v->d.k[i], depth + 1);
             jbuf_adds(c, b, ": ");
-            jv_repr_to(c, b, v->d.v[i]);
+            repr_to(c, b, v->d.v[i], depth + 1);
         }
         jbuf_adds(c, b, "}");
         return;
