@@ -39,8 +39,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             free(oai_error_json(&e));
             continue;
         }
-        char *prompt =
-            kind == OAI_CHAT && tmpl ? chat_template_apply(tmpl, r.messages, r.tools, true, err, sizeof err) : NULL;
+        struct chat_request cr = {r.messages, r.tools, r.template_kwargs, true};
+        char *prompt = kind == OAI_CHAT && tmpl ? chat_template_apply(tmpl, &cr, err, sizeof err) : NULL;
         const char *text = prompt ? prompt : r.prompt ? r.prompt : "";
         struct oai_usage u = {r.gen.max_tokens, r.gen.n_stop, (int)json_array_size(r.messages)};
         /* log-probabilities when asked for: one entry per byte of the text, its

@@ -4,7 +4,8 @@
 # tokenizer.chat_template.tool_use. Each request's prompt_tokens must equal the
 # token count of the prompt Python's jinja2 renders from the same template (its
 # leading BOS text dropped, as the tokenizer adds BOS); a conversation the template
-# refuses gets a 400 with its message. Also --chat-template FILE and bad choices.
+# refuses gets a 400 with its message. Also --chat-template FILE, chat_template_kwargs
+# and bad choices.
 set -u
 kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -51,8 +52,9 @@ import jinja2_reference as ref
 body = json.loads(sys.argv[2])
 with open(sys.argv[1], encoding="utf-8") as f:
     src = f.read()
-out = ref.environment().from_string(src).render(messages=body["messages"], tools=body.get("tools"), documents=None,
-                                                add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+out = ref.environment().from_string(src).render(**body.get("chat_template_kwargs", {}), messages=body["messages"],
+                                                tools=body.get("tools"), documents=None, add_generation_prompt=True,
+                                                bos_token="<s>", eos_token="</s>")
 sys.stdout.write(out[3:] if out.startswith("<s>") else out)
 PY
   "$kvq" tokenize -m "$model" -f "$tmp/expected.txt" | python3 -c "import json,sys; print(len(json.load(sys.stdin)))"
@@ -99,6 +101,9 @@ stop_server
 
 start_server file -m "$model" --chat-template "$tpl/qwen3.jinja"
 check_prompt "--chat-template FILE (qwen3)" "$tpl/qwen3.jinja" "$chat"
+check_prompt "chat_template_kwargs (qwen3, enable_thinking false)" "$tpl/qwen3.jinja" \
+  '{"max_tokens": 2, "chat_template_kwargs": {"enable_thinking": false}, "messages": [{"role": "user", "content": "Hi"}]}'
+
 stop_server
 
 printf '{%% if x %%}never closed' >"$tmp/bad.jinja"

@@ -20,17 +20,25 @@ static const char conv[] = "[{\"role\": \"system\", \"content\": \"You are helpf
                           "{\"role\": \"user\", \"content\": \"How are you?\"}]";
 
 /* Renders messages (JSON text) with a template; NULL with err on a refusal. */
-static char *apply(const struct chat_template_params *p, const char *messages, const char *tools, char *err) {
+static char *apply_extra(const struct chat_template_params *p, const char *messages, const char *tools,
+                         const char *extra, char *err) {
     char perr[256];
     struct chat_template *t = chat_template_new(p, perr, sizeof perr);
     CHECK(t, "template: %s", perr);
     if (!t) return NULL;
     json_t *m = json_loads(messages, 0, NULL), *tl = tools ? json_loads(tools, 0, NULL) : NULL;
-    char *out = chat_template_apply(t, m, tl, true, err, 256);
+    json_t *x = extra ? json_loads(extra, 0, NULL) : NULL;
+    struct chat_request q = {m, tl, x, true};
+    char *out = chat_template_apply(t, &q, err, 256);
     json_decref(m);
     json_decref(tl);
+    json_decref(x);
     chat_template_free(t);
     return out;
+}
+
+static char *apply(const struct chat_template_params *p, const char *messages, const char *tools, char *err) {
+    return apply_extra(p, messages, tools, NULL, err);
 }
 
 /* The built-in templates (for models whose GGUF has none) render their families' formats. */
@@ -108,6 +116,12 @@ static void test_templates(void) {
     s = apply(&p, calls, "[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", err);
     CHECK(s && !strcmp(s, "True{\"city\": \"Paris\"}"), "arguments as sent: %s", s ? s : err);
     free(s);
+    /* chat_template_kwargs: extra variables, which do not replace the standard ones */
+    p = (struct chat_template_params){.text = "{{ enable_thinking }} {{ messages | length }} {{ add_generation_prompt }}",
+                                      .bos = "", .eos = ""};
+    s = apply_extra(&p, calls, NULL, "{\"enable_thinking\": false, \"messages\": [], \"add_generation_prompt\": 0}", err);
+    CHECK(s && !strcmp(s, "False 2 True"), "extra variables: %s", s ? s : err);
+    free(s);
     p = (struct chat_template_params){.text = "{% if %}", .bos = "", .eos = ""};
     CHECK(!chat_template_new(&p, err, sizeof err) && strstr(err, "does not parse"), "bad template: %s", err);
 }
@@ -162,6 +176,8 @@ static void test_parse(void) {
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":{}}]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{}}]}]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":{}}", "tools");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"chat_template_kwargs\":[]}",
+               "chat_template_kwargs");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"x\"}]}", "tools");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"tools\":[{\"type\":\"function\"}]}", "tools");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", "messages");

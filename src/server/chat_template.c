@@ -142,21 +142,20 @@ static json_t *object_arguments(const json_t *messages) {
     return copy;
 }
 
-char *chat_template_apply(const struct chat_template *t, const json_t *messages, const json_t *tools,
-                          bool add_generation_prompt, char *err, size_t err_size) {
-    bool with_tools = json_is_array(tools) && json_array_size(tools) > 0;
+char *chat_template_apply(const struct chat_template *t, const struct chat_request *q, char *err, size_t err_size) {
+    bool with_tools = json_is_array(q->tools) && json_array_size(q->tools) > 0;
     bool tool_use = with_tools && t->tool_use;
     const struct jinja_template *tmpl = tool_use ? t->tool_use : t->main;
-    json_t *vars = json_object(), *msgs = NULL;
+    json_t *vars = json_is_object(q->extra) ? json_deep_copy(q->extra) : json_object(), *msgs = NULL;
     if (!vars) {
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
-    if (tool_use ? t->tool_use_object_args : t->main_object_args) msgs = object_arguments(messages);
-    json_object_set_new(vars, "messages", msgs ? msgs : json_deep_copy(messages));
-    json_object_set_new(vars, "tools", with_tools ? json_deep_copy(tools) : json_null());
+    if (tool_use ? t->tool_use_object_args : t->main_object_args) msgs = object_arguments(q->messages);
+    json_object_set_new(vars, "messages", msgs ? msgs : json_deep_copy(q->messages));
+    json_object_set_new(vars, "tools", with_tools ? json_deep_copy(q->tools) : json_null());
     json_object_set_new(vars, "documents", json_null());
-    json_object_set_new(vars, "add_generation_prompt", json_boolean(add_generation_prompt));
+    json_object_set_new(vars, "add_generation_prompt", json_boolean(q->add_generation_prompt));
     json_object_set_new(vars, "bos_token", json_string(t->bos));
     json_object_set_new(vars, "eos_token", json_string(t->eos));
     char *text = jinja_render(tmpl, vars, time(NULL), err, err_size);

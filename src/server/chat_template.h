@@ -26,10 +26,16 @@ struct chat_template_params {
 struct chat_template *chat_template_new(const struct chat_template_params *p, char *err, size_t err_size);
 void chat_template_free(struct chat_template *t);
 
-/* The prompt for messages (a JSON array of OpenAI chat messages) and tools (a JSON
- * array, or NULL), malloc'd; NULL with the template's message in err when it
- * refuses the conversation (e.g. raise_exception on roles that do not alternate). */
-char *chat_template_apply(const struct chat_template *t, const struct json_t *messages, const struct json_t *tools,
-                          bool add_generation_prompt, char *err, size_t err_size);
+/* What a prompt is rendered from: messages (a JSON array of OpenAI chat messages),
+ * tools (a JSON array, or NULL) and extra variables (a JSON object such as
+ * {"enable_thinking": false}, or NULL; they do not replace the ones above). */
+struct chat_request {
+    const struct json_t *messages, *tools, *extra;
+    bool add_generation_prompt;
+};
+
+/* The prompt, malloc'd; NULL with the template's message in err when it refuses
+ * the conversation (e.g. raise_exception on roles that do not alternate). */
+char *chat_template_apply(const struct chat_template *t, const struct chat_request *q, char *err, size_t err_size);
 
 #endif

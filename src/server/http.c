@@ -105,8 +105,8 @@ static int tokenize(const struct kvq_model *m, const char *text, kvq_token **out
  * BOS text when the tokenizer adds BOS itself), or the raw prompt. */
 static int prompt_tokens(struct http_server *h, const struct oai_request *q, kvq_token **out, struct oai_error *e) {
     char err[256] = "out of memory";
-    char *text = q->kind == OAI_CHAT ? chat_template_apply(h->p.chat, q->messages, q->tools, true, err, sizeof err)
-                                     : strdup(q->prompt);
+    struct chat_request cr = {q->messages, q->tools, q->template_kwargs, true};
+    char *text = q->kind == OAI_CHAT ? chat_template_apply(h->p.chat, &cr, err, sizeof err) : strdup(q->prompt);
     if (!text) {
         /* the template refuses the conversation (raise_exception, a missing field): the client's to fix */
         if (q->kind == OAI_CHAT) oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "chat template: %s", err);

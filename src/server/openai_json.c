@@ -257,6 +257,12 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, struct
     }
     if (r->kind == OAI_CHAT && !strcmp(key, "messages")) return get_messages(v, r, e);
     if (r->kind == OAI_CHAT && !strcmp(key, "tools")) return get_tools(v, r, e);
+    if (r->kind == OAI_CHAT && !strcmp(key, "chat_template_kwargs")) { /* extra template variables */
+        if (json_is_null(v)) return 0;
+        if (!json_is_object(v)) return BAD(key, "'chat_template_kwargs' must be an object");
+        json_decref(r->template_kwargs);
+        return (r->template_kwargs = json_deep_copy(v)) ? 0 : BAD(key, "out of memory");
+    }
     if (r->kind == OAI_COMPLETION && !strcmp(key, "prompt")) {
         if (json_is_array(v) && json_array_size(v) == 1 && json_is_string(json_array_get(v, 0)))
             v = json_array_get(v, 0);
@@ -314,6 +320,7 @@ void gen_params_free(struct gen_params *g) {
 void oai_request_free(struct oai_request *r) {
     json_decref(r->messages);
     json_decref(r->tools);
+    json_decref(r->template_kwargs);
     free(r->prompt);
     free(r->cache_key);
     gen_params_free(&r->gen);

@@ -16,6 +16,7 @@ struct oai_request {
     enum oai_kind kind;
     struct json_t *messages; /* chat: the messages for the template (see get_messages) */
     struct json_t *tools;    /* chat: the tools list, or NULL */
+    struct json_t *template_kwargs; /* chat: chat_template_kwargs (vLLM's and llama.cpp's), or NULL */
     char *prompt; /* completion */
     struct gen_params gen;
     bool stream, include_usage;
