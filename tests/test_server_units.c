@@ -94,7 +94,7 @@ static void test_templates(void) {
     CHECK(!s && strstr(err, "must alternate"), "gemma refuses: %s", s ? s : err);
     free(s);
     /* tools go to the tool_use variant when there is one; string arguments of tool calls
-     * become objects for templates that print them with tojson */
+     * become objects */
     p = (struct chat_template_params){
         .text = "plain{{ tools is none }}",
         .tool_use_text = "{% for t in tools %}{{ t.function.name }};{% endfor %}"
@@ -111,10 +111,15 @@ static void test_templates(void) {
     s = apply(&p, calls, "[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", err);
     CHECK(s && !strcmp(s, "w;{\"city\": \"Paris\"}"), "tool_use: %s", s ? s : err);
     free(s);
-    p.tool_use_text = "{% for m in messages %}{% for c in m.tool_calls %}{{ c.function.arguments is string }}"
-                      "{{ c.function.arguments }}{% endfor %}{% endfor %}";
+    /* a template that concatenates the arguments (DeepSeek-R1) gets them as sent */
+    p.tool_use_text = "{% for m in messages %}{% for c in m.tool_calls %}{{ 'args: ' + c.function.arguments }}"
+                      "{% endfor %}{% endfor %}";
     s = apply(&p, calls, "[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", err);
-    CHECK(s && !strcmp(s, "True{\"city\": \"Paris\"}"), "arguments as sent: %s", s ? s : err);
+    CHECK(s && !strcmp(s, "args: {\"city\": \"Paris\"}"), "arguments as sent: %s", s ? s : err);
+    /* an error that is not about the arguments is reported */
+    p.tool_use_text = "{{ raise_exception('no tools here') }}";
+    s = apply(&p, calls, "[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", err);
+    CHECK(!s && strstr(err, "no tools here"), "refusal with tools: %s", s ? s : err);
     free(s);
     /* chat_template_kwargs: extra variables, which do not replace the standard ones */
     p = (struct chat_template_params){.text = "{{ enable_thinking }} {{ messages | length }} {{ add_generation_prompt }}",

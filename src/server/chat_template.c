@@ -71,23 +71,9 @@ const char *chat_template_builtin(const char *name) {
 
 struct chat_template {
     struct jinja_template *main, *tool_use;
-    bool main_object_args, tool_use_object_args;
     char *bos, *eos;
     bool strip_bos;
 };
-
-/* Templates that print tool-call arguments with tojson (Llama 3.x, Qwen2.5,
- * Mistral) expect them as an object, as Hugging Face's examples pass them; OpenAI
- * clients send a JSON string. Those that test "arguments is string" or concatenate
- * the string (DeepSeek) get it as sent. */
-static bool wants_object_arguments(const char *text) {
-    if (strstr(text, "arguments is string")) return false;
-    static const char *const uses[] = {"arguments|tojson", "arguments | tojson", "function|tojson",
-                                       "function | tojson", "arguments | items", "arguments|items"};
-    for (size_t i = 0; i < sizeof uses / sizeof uses[0]; i++)
-        if (strstr(text, uses[i])) return true;
-    return false;
-}
 
 struct chat_template *chat_template_new(const struct chat_template_params *p, char *err, size_t err_size) {
     struct chat_template *t = calloc(1, sizeof *t);
@@ -103,14 +89,12 @@ struct chat_template *chat_template_new(const struct chat_template_params *p, ch
         chat_template_free(t);
         return NULL;
     }
-    t->main_object_args = wants_object_arguments(p->text);
     if (p->tool_use_text) {
         if (!(t->tool_use = jinja_parse(p->tool_use_text, msg, sizeof msg))) {
             snprintf(err, err_size, "the tool_use chat template does not parse: %s", msg);
             chat_template_free(t);
             return NULL;
         }
-        t->tool_use_object_args = wants_object_arguments(p->tool_use_text);
     }
     return t;
 }
@@ -125,34 +109,33 @@ void chat_template_free(struct chat_template *t) {
 }
 
 /* messages with each tool call's string arguments that hold a JSON object replaced
- * by that object (a new reference). */
+ * by that object (a new reference), or NULL when there are none. */
 static json_t *object_arguments(const json_t *messages) {
-    json_t *copy = json_deep_copy(messages);
+    json_t *copy = NULL;
     size_t i, k;
     json_t *m, *call;
-    json_array_foreach(copy, i, m) {
+    json_array_foreach(messages, i, m) {
         json_array_foreach(json_object_get(m, "tool_calls"), k, call) {
-            json_t *fn = json_object_get(call, "function"), *args = json_object_get(fn, "arguments");
-            if (!json_is_string(args)) continue;
-            json_t *parsed = json_loads(json_string_value(args), JSON_DECODE_ANY, NULL);
-            if (json_is_object(parsed)) json_object_set(fn, "arguments", parsed);
+            json_t *args = json_object_get(json_object_get(call, "function"), "arguments");
+            json_t *parsed = json_is_string(args) ? json_loads(json_string_value(args), JSON_DECODE_ANY, NULL) : NULL;
+            if (json_is_object(parsed) && (copy || (copy = json_deep_copy(messages))))
+                json_object_set(json_object_get(json_array_get(json_object_get(json_array_get(copy, i), "tool_calls"), k),
+                                                "function"),
+                                "arguments", parsed);
             json_decref(parsed);
         }
     }
     return copy;
 }
 
-char *chat_template_apply(const struct chat_template *t, const struct chat_request *q, char *err, size_t err_size) {
-    bool with_tools = json_is_array(q->tools) && json_array_size(q->tools) > 0;
-    bool tool_use = with_tools && t->tool_use;
-    const struct jinja_template *tmpl = tool_use ? t->tool_use : t->main;
-    json_t *vars = json_is_object(q->extra) ? json_deep_copy(q->extra) : json_object(), *msgs = NULL;
+static char *render(const struct chat_template *t, const struct jinja_template *tmpl, const struct chat_request *q,
+                    const json_t *messages, bool with_tools, char *err, size_t err_size) {
+    json_t *vars = json_is_object(q->extra) ? json_deep_copy(q->extra) : json_object();
     if (!vars) {
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
-    if (tool_use ? t->tool_use_object_args : t->main_object_args) msgs = object_arguments(q->messages);
-    json_object_set_new(vars, "messages", msgs ? msgs : json_deep_copy(q->messages));
+    json_object_set_new(vars, "messages", json_deep_copy(messages));
     json_object_set_new(vars, "tools", with_tools ? json_deep_copy(q->tools) : json_null());
     json_object_set_new(vars, "documents", json_null());
     json_object_set_new(vars, "add_generation_prompt", json_boolean(q->add_generation_prompt));
@@ -160,6 +143,20 @@ char *chat_template_apply(const struct chat_template *t, const struct chat_reque
     json_object_set_new(vars, "eos_token", json_string(t->eos));
     char *text = jinja_render(tmpl, vars, time(NULL), err, err_size);
     json_decref(vars);
+    return text;
+}
+
+char *chat_template_apply(const struct chat_template *t, const struct chat_request *q, char *err, size_t err_size) {
+    bool with_tools = json_is_array(q->tools) && json_array_size(q->tools) > 0;
+    const struct jinja_template *tmpl = with_tools && t->tool_use ? t->tool_use : t->main;
+    /* Tool-call arguments go in as objects first, as Hugging Face's examples pass
+     * them and templates that print them with tojson or .items() need (Llama 3.x,
+     * Qwen2.5, Mistral, GLM); OpenAI clients send a JSON string, which templates
+     * that concatenate it (DeepSeek-R1) need: they get it when objects fail. */
+    json_t *objects = object_arguments(q->messages);
+    char *text = objects ? render(t, tmpl, q, objects, with_tools, err, err_size) : NULL;
+    if (!text) text = render(t, tmpl, q, q->messages, with_tools, err, err_size);
+    json_decref(objects);
     size_t nb = strlen(t->bos);
     if (text && t->strip_bos && nb && !strncmp(text, t->bos, nb)) memmove(text, text + nb, strlen(text + nb) + 1);
     return text;

@@ -35,6 +35,7 @@ TOKENS = {  # bos_token, eos_token as each model's tokenizer_config.json has the
     "phi-4-mini": ("<|endoftext|>", "<|endoftext|>"),
     "mistral-small-3.1": ("<s>", "</s>"),
     "command-r7b-tool_use": ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>"),
+    "glm-4.6": (None, "<|endoftext|>"),
     "deepseek-r1-distill": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
 }
 
@@ -87,8 +88,9 @@ def main():
         for conv in conversations:
             for agp in (True, False):
                 # what transformers passes: tools and documents always (None when absent)
-                variables = {"messages": conv["messages"], "tools": conv.get("tools"), "documents": None,
-                             "add_generation_prompt": agp, "eos_token": eos}
+                variables = dict(conv.get("extra", {}))  # chat_template_kwargs
+                variables.update({"messages": conv["messages"], "tools": conv.get("tools"), "documents": None,
+                                  "add_generation_prompt": agp, "eos_token": eos})
                 if bos is not None:
                     variables["bos_token"] = bos
                 case = {"name": "%s / %s / add_generation_prompt=%s" % (name, conv["name"], agp),
