@@ -947,9 +947,15 @@ static jv *sort_filter(struct render *R, const struct args *a) {
 static jv *apply_filter(struct render *R, struct frame *f, const char *name, const struct args *a) {
     jv *x = a->pos[0];
     if (!strcmp(name, "tojson")) {
-        jv *ind = arg(a, 1, "indent", jv_none());
+        /* transformers' tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) */
+        jv *ind = arg(a, 2, "indent", jv_none());
+        if (arg(a, 3, "separators", jv_none())->t != JV_NONE) jfail(C, "tojson: separators are not supported");
+        struct json_opts o = {ind->t == JV_NONE ? -1 : (int)need_int(R, ind, "indent"),
+                              jv_truthy(arg(a, 1, "ensure_ascii", jv_bool(false))),
+                              jv_truthy(arg(a, 4, "sort_keys", jv_bool(false)))};
+        if (o.indent > 1000) jfail(C, "tojson: indent %d is too large", o.indent);
         struct jbuf b = {0};
-        jv_json_to(C, &b, x, ind->t == JV_NONE ? -1 : (int)need_int(R, ind, "indent"));
+        jv_json_to(C, &b, x, &o);
         return jbuf_value(C, &b);
     }
     if (!strcmp(name, "default") || !strcmp(name, "d")) {

@@ -100,8 +100,12 @@ jv *jbuf_value(struct jctx *c, struct jbuf *b);
 void jv_str_to(struct jctx *c, struct jbuf *b, const jv *v);
 void jv_repr_to(struct jctx *c, struct jbuf *b, const jv *v);
 jv *jv_to_str(struct jctx *c, const jv *v); /* the value itself when already a string */
-/* json.dumps(v, ensure_ascii=False, indent=indent) (indent < 0: none). */
-void jv_json_to(struct jctx *c, struct jbuf *b, const jv *v, int indent);
+/* json.dumps(v, indent=, ensure_ascii=, sort_keys=) as transformers' tojson calls it. */
+struct json_opts {
+    int indent; /* < 0: none (", " between items); else a newline and this many spaces a level */
+    bool ascii, sort_keys;
+};
+void jv_json_to(struct jctx *c, struct jbuf *b, const jv *v, const struct json_opts *o);
 struct json_t;
 jv *jv_from_json(struct jctx *c, const struct json_t *j);
 

@@ -435,13 +435,14 @@ jv *jv_to_str(struct jctx *c, const jv *v) {
 
 /* ---- JSON ---- */
 
-static void json_str(struct jctx *c, struct jbuf *b, const char *s, size_t n) {
+static void json_str(struct jctx *c, struct jbuf *b, const char *s, size_t n, bool ascii) {
     jbuf_adds(c, b, "\"");
     size_t run = 0;
     for (size_t i = 0; i < n; i++) {
         unsigned char ch = (unsigned char)s[i];
         const char *esc = NULL;
-        char u[8];
+        char u[32];
+        size_t len = 1;
         switch (ch) {
         case '"': esc = "\\\""; break;
         case '\\': esc = "\\\\"; break;
@@ -452,10 +453,23 @@ static void json_str(struct jctx *c, struct jbuf *b, const char *s, size_t n) {
         case '\f': esc = "\\f"; break;
         default:
             if (ch < 0x20) snprintf(u, sizeof u, "\\u%04x", ch), esc = u;
+            else if (ch >= 0x80 && ascii) { /* \uXXXX, a surrogate pair above U+FFFF */
+                unsigned long cp = ch < 0xE0 ? ch & 0x1Fu : ch < 0xF0 ? ch & 0x0Fu : ch & 0x07u;
+                len = ch < 0xE0 ? 2 : ch < 0xF0 ? 3 : 4;
+                if (i + len > n) len = 1;
+                for (size_t k = 1; k < len; k++) cp = cp << 6 | ((unsigned char)s[i + k] & 0x3Fu);
+                if (cp >= 0x10000)
+                    snprintf(u, sizeof u, "\\u%04lx\\u%04lx", (0xD800 + ((cp - 0x10000) >> 10)) & 0xFFFF,
+                             (0xDC00 + ((cp - 0x10000) & 0x3FF)) & 0xFFFF);
+                else
+                    snprintf(u, sizeof u, "\\u%04lx", cp);
+                esc = u;
+            }
         }
         if (!esc) continue;
         jbuf_add(c, b, s + run, i - run);
         jbuf_adds(c, b, esc);
+        i += len - 1;
         run = i + 1;
     }
     jbuf_add(c, b, s + run, n - run);
@@ -467,7 +481,7 @@ static void json_newline(struct jctx *c, struct jbuf *b, int indent, int depth) 
     for (int i = 0; i < indent * depth; i++) jbuf_adds(c, b, " ");
 }
 
-static void json_to(struct jctx *c, struct jbuf *b, const jv *v, int indent, int depth) {
+static void json_to(struct jctx *c, struct jbuf *b, const jv *v, const struct json_opts *o, int depth) {
     if (depth > 512) jfail(c, "tojson: value nested too deeply");
     switch (v->t) {
     case JV_NONE: jbuf_adds(c, b, "null"); return;
@@ -478,7 +492,7 @@ static void json_to(struct jctx *c, struct jbuf *b, const jv *v, int indent, int
         else if (isinf(v->f)) jbuf_adds(c, b, v->f < 0 ? "-Infinity" : "Infinity");
         else float_repr(c, b, v->f);
         return;
-    case JV_STR: json_str(c, b, v->s.s, v->s.n); return;
+    case JV_STR: json_str(c, b, v->s.s, v->s.n, o->ascii); return;
     case JV_LIST:
     case JV_DICT: {
         bool dict = v->t == JV_DICT;
@@ -488,24 +502,32 @@ static void json_to(struct jctx *c, struct jbuf *b, const jv *v, int indent, int
             jbuf_adds(c, b, dict ? "}" : "]");
             return;
         }
+        size_t *order = jalloc(c, n * sizeof *order);
+        for (size_t i = 0; i < n; i++) order[i] = i;
+        for (size_t i = 1; dict && o->sort_keys && i < n; i++) /* insertion sort: stable, and may jfail */
+            for (size_t j = i; j > 0 && jv_compare(c, v->d.k[order[j - 1]], v->d.k[order[j]]) > 0; j--) {
+                size_t t = order[j];
+                order[j] = order[j - 1], order[j - 1] = t;
+            }
+        bool pretty = o->indent >= 0;
         for (size_t i = 0; i < n; i++) {
-            if (i) jbuf_adds(c, b, indent >= 0 ? "," : ", ");
-            if (indent >= 0) json_newline(c, b, indent, depth + 1);
+            if (i) jbuf_adds(c, b, pretty ? "," : ", ");
+            if (pretty) json_newline(c, b, o->indent, depth + 1);
             if (dict) {
-                const jv *k = v->d.k[i];
-                if (k->t == JV_STR) json_str(c, b, k->s.s, k->s.n);
+                const jv *k = v->d.k[order[i]];
+                if (k->t == JV_STR) json_str(c, b, k->s.s, k->s.n, o->ascii);
                 else if (k->t == JV_NONE || k->t == JV_BOOL || k->t == JV_INT || k->t == JV_FLOAT) {
                     struct jbuf kb = {0};
-                    json_to(c, &kb, k, -1, depth + 1);
-                    json_str(c, b, kb.s, kb.n);
+                    json_to(c, &kb, k, o, depth + 1);
+                    json_str(c, b, kb.s, kb.n, o->ascii);
                 } else
                     jfail(c, "tojson: keys must be str, int, float, bool or None, not %s", jv_type_name(k));
                 jbuf_adds(c, b, ": ");
-                json_to(c, b, v->d.v[i], indent, depth + 1);
+                json_to(c, b, v->d.v[order[i]], o, depth + 1);
             } else
-                json_to(c, b, v->l.v[i], indent, depth + 1);
+                json_to(c, b, v->l.v[i], o, depth + 1);
         }
-        if (indent >= 0) json_newline(c, b, indent, depth);
+        if (pretty) json_newline(c, b, o->indent, depth);
         jbuf_adds(c, b, dict ? "}" : "]");
         return;
     }
@@ -513,7 +535,7 @@ static void json_to(struct jctx *c, struct jbuf *b, const jv *v, int indent, int
     }
 }
 
-void jv_json_to(struct jctx *c, struct jbuf *b, const jv *v, int indent) { json_to(c, b, v, indent, 0); }
+void jv_json_to(struct jctx *c, struct jbuf *b, const jv *v, const struct json_opts *o) { json_to(c, b, v, o, 0); }
 
 jv *jv_from_json(struct jctx *c, const json_t *j) {
     switch (json_typeof(j)) {
