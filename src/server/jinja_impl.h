@@ -8,6 +8,7 @@
 #include <setjmp.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <time.h>
 
 /* ---- arena and errors ---- */
 
@@ -109,9 +110,11 @@ void jv_json_to(struct jctx *c, struct jbuf *b, const jv *v, const struct json_o
 struct json_t;
 jv *jv_from_json(struct jctx *c, const struct json_t *j);
 
-/* UTF-8 code points: how many, and the byte offset of code point i (clamped). */
+/* UTF-8 code points: how many, the byte offset of code point i (clamped), and the
+ * one at s (its byte length in *len; a bad byte reads as itself). */
 size_t utf8_len(const char *s, size_t n);
 size_t utf8_offset(const char *s, size_t n, size_t i);
+unsigned long utf8_decode(const char *s, size_t n, size_t *len);
 
 /* ---- syntax tree ---- */
 
@@ -164,6 +167,57 @@ struct node {
     struct node **v2;
     int n2;
 };
+
+/* ---- rendering (jinja_eval.c), its builtins (jinja_builtins.c) and string
+ * methods (jinja_str.c) ---- */
+
+struct frame;
+struct loop_state {
+    jv **items;
+    size_t n, i;
+};
+
+struct render {
+    struct jctx c; /* the render's arena and error */
+    struct jbuf *out;
+    struct frame *globals;
+    time_t now; /* strftime_now's clock */
+    int depth;
+    long long steps;
+};
+
+_Noreturn void jundefined(struct render *R, const jv *u); /* fails naming what is undefined */
+jv *jv_iterate(struct render *R, const jv *v); /* list items, dict keys, string characters */
+long long jv_length(struct render *R, const jv *v);
+jv *jv_slice(struct render *R, const jv *obj, const jv *a, const jv *b, const jv *step);
+jv *jv_getitem(struct render *R, jv *obj, jv *key);
+jv *jv_binop(struct render *R, int op, jv *a, jv *b); /* E_BIN's operators */
+
+/* A call's arguments: positional (a filter's or test's operand first), then keywords. */
+struct args {
+    jv **pos;
+    int npos;
+    const char **kwn;
+    jv **kwv;
+    int nkw;
+};
+jv *jargs_kw(const struct args *a, const char *name);
+jv *jarg(const struct args *a, int i, const char *name, jv *def); /* argument i, or keyword name, or def */
+jv *jneed_str(struct render *R, jv *v, const char *what);
+long long jneed_int(struct render *R, jv *v, const char *what);
+
+bool jbuiltin_has_method(const jv *obj, const char *name);
+jv *jbuiltin_call(struct render *R, jv *fn, const struct args *a); /* a JV_FUNC: a method or global */
+jv *jfilter(struct render *R, const char *name, const struct args *a);
+bool jtest(struct render *R, const char *name, const struct args *a);
+
+enum case_mode { CASE_UPPER, CASE_LOWER, CASE_CAPITALIZE, CASE_TITLE_PY, CASE_TITLE_JINJA };
+jv *jstr_case(struct render *R, const jv *s, enum case_mode m);
+jv *jstr_strip(struct render *R, const jv *s, const jv *chars, bool left, bool right); /* chars NULL: whitespace */
+jv *jstr_replace(struct render *R, const jv *s, const jv *old, const jv *new_, long long count);
+jv *jstr_split(struct render *R, const jv *s, const jv *sep, long long maxsplit, bool from_right);
+/* The length of the character at s[i] when it is in chars (whitespace when NULL), else 0. */
+size_t jstr_char_at(const char *s, size_t n, size_t i, const jv *chars);
 
 struct jinja_template {
     struct jctx ctx; /* owns the nodes */

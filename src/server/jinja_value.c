@@ -306,6 +306,16 @@ size_t utf8_len(const char *s, size_t n) {
     return k;
 }
 
+unsigned long utf8_decode(const char *s, size_t n, size_t *len) {
+    const unsigned char *u = (const unsigned char *)s;
+    int k = u[0] < 0x80 ? 1 : u[0] < 0xE0 ? 2 : u[0] < 0xF0 ? 3 : 4;
+    if ((size_t)k > n) k = 1;
+    unsigned long cp = k == 1 ? u[0] : k == 2 ? u[0] & 0x1Fu : k == 3 ? u[0] & 0x0Fu : u[0] & 0x07u;
+    for (int i = 1; i < k; i++) cp = cp << 6 | (u[i] & 0x3Fu);
+    *len = (size_t)k;
+    return cp;
+}
+
 size_t utf8_offset(const char *s, size_t n, size_t i) {
     size_t p = 0;
     while (p < n && i > 0) {
