@@ -1,7 +1,8 @@
 /* The Jinja interpreter's insides, shared by its parser (jinja_parse.c), values
- * (jinja_value.c) and evaluator (jinja_eval.c). Everything a parse or a render
- * allocates lives in one arena freed at the end, and errors longjmp back to the
- * entry point with a message, so no path leaks or needs cleanup. */
+ * (jinja_value.c), evaluator (jinja_eval.c), builtins (jinja_builtins.c) and string
+ * methods (jinja_str.c). Everything a parse or a render allocates lives in one
+ * arena freed at the end, and errors longjmp back to the entry point with a
+ * message, so no path leaks or needs cleanup. */
 #ifndef KVQ_SERVER_JINJA_IMPL_H
 #define KVQ_SERVER_JINJA_IMPL_H
 
