@@ -116,6 +116,7 @@ static void test_templates(void) {
                       "{% endfor %}{% endfor %}";
     s = apply(&p, calls, "[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", err);
     CHECK(s && !strcmp(s, "args: {\"city\": \"Paris\"}"), "arguments as sent: %s", s ? s : err);
+    free(s);
     /* an error that is not about the arguments is reported */
     p.tool_use_text = "{{ raise_exception('no tools here') }}";
     s = apply(&p, calls, "[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", err);
