@@ -63,6 +63,7 @@ static void test_errors(void) {
     expect_parse_error("{{ f(a=1, 2) }}", "positional ones come first");
     expect_parse_error("{{ [1, 2 }}", "unterminated expression");
     expect_parse_error("{{ [1, 2 3] }}", "expected ',' or ']'");
+    expect_parse_error("{{ a[] }}", "expected an expression");
     expect_parse_error("{{ 'a' | }}", "expected a name");
     expect_parse_error("{{ 99999999999999999999 }}", "too large");
     expect_parse_error("{{ '\\u12' }}", "bad \\u escape");

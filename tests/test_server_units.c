@@ -169,6 +169,24 @@ static void test_parse(void) {
         CHECK(r.stream && r.include_usage && r.has_seed && !strcmp(r.cache_key, "k"), "flags");
         oai_request_free(&r);
     }
+    /* tool calls and results pass through; content of a tool-call turn stays null */
+    rc = parse(OAI_CHAT,
+               "{\"messages\":[{\"role\":\"user\",\"content\":\"w?\"},{\"role\":\"assistant\",\"tool_calls\":"
+               "[{\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"w\",\"arguments\":\"{}\"}}]},"
+               "{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":[{\"type\":\"text\",\"text\":\"sunny\"}]}],"
+               "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"w\",\"parameters\":{}}}]}",
+               &r, &e);
+    CHECK(rc == 0, "tool messages: %s", e.message);
+    if (rc == 0) {
+        json_t *a = json_array_get(r.messages, 1), *t = json_array_get(r.messages, 2);
+        CHECK(json_is_null(json_object_get(a, "content")) && json_array_size(json_object_get(a, "tool_calls")) == 1,
+              "assistant tool call");
+        CHECK(!strcmp(json_string_value(json_object_get(t, "content")), "sunny") &&
+                  !strcmp(json_string_value(json_object_get(t, "tool_call_id")), "c1"),
+              "tool result");
+        CHECK(json_array_size(r.tools) == 1, "tools kept");
+        oai_request_free(&r);
+    }
     rc = parse(OAI_COMPLETION, "{\"prompt\":[\"hello\"],\"stop\":\"\\n\",\"max_tokens\":null}", &r, &e);
     CHECK(rc == 0 && !strcmp(r.prompt, "hello") && r.gen.n_stop == 1 && r.gen.max_tokens == 16 && !r.stream,
           "completion request: %s", e.message);
@@ -179,6 +197,7 @@ static void test_parse(void) {
     expect_400(OAI_CHAT, "{}", "messages");                                            /* missing */
     expect_400(OAI_CHAT, "{\"messages\":[]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"function\",\"content\":\"x\"}]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\"}]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":{}}]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{}}]}]}", "messages");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":{}}", "tools");

@@ -512,6 +512,7 @@ static struct node *parse_subscript(struct parser *P, struct node *obj) {
         }
         break;
     }
+    if (!slice && !parts[0]) unexpected(P, "an expression");
     expect_op(P, ']');
     struct node *nd = mk(P, slice ? E_SLICE : E_ITEM);
     nd->a = obj;

@@ -125,15 +125,17 @@ static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
             if (!json_is_object(fn) || !json_is_string(json_object_get(fn, "name")))
                 return BAD("messages", "messages[%zu].tool_calls[%zu] needs a function with a name", i, k);
         }
+        /* an assistant turn of tool calls alone keeps its content null (or absent: null),
+         * as templates test for it */
+        json_t *c = json_object_get(m, "content");
+        bool no_text = json_is_null(c) || (!c && json_array_size(calls) > 0);
         char *content = NULL;
-        if (get_content(json_object_get(m, "content"), &content, e)) {
+        if (!no_text && get_content(c, &content, e)) {
             free(content);
             return -1;
         }
         json_t *copy = json_deep_copy(m);
-        /* an assistant turn of tool calls alone keeps its content null, as templates test for it */
-        json_t *text = json_is_null(json_object_get(m, "content")) || !json_object_get(m, "content")
-                           ? json_null() : json_string(content);
+        json_t *text = no_text ? json_null() : json_string(content);
         free(content);
         if (!copy || !text || json_object_set_new(copy, "role", json_string(rs)) ||
             json_object_set_new(copy, "content", text) || json_array_append_new(r->messages, copy)) {
