@@ -128,6 +128,8 @@ static void test_templates(void) {
     s = apply_extra(&p, calls, NULL, "{\"enable_thinking\": false, \"messages\": [], \"add_generation_prompt\": 0}", err);
     CHECK(s && !strcmp(s, "False 2 True"), "extra variables: %s", s ? s : err);
     free(s);
+    p = (struct chat_template_params){.text = " \n", .bos = "", .eos = ""};
+    CHECK(!chat_template_new(&p, err, sizeof err) && strstr(err, "empty"), "empty template: %s", err);
     p = (struct chat_template_params){.text = "{% if %}", .bos = "", .eos = ""};
     CHECK(!chat_template_new(&p, err, sizeof err) && strstr(err, "does not parse"), "bad template: %s", err);
 }

@@ -83,6 +83,11 @@ struct chat_template *chat_template_new(const struct chat_template_params *p, ch
         return NULL;
     }
     t->strip_bos = p->strip_bos;
+    if (!p->text[strspn(p->text, " \t\r\n")]) {
+        snprintf(err, err_size, "the chat template is empty");
+        chat_template_free(t);
+        return NULL;
+    }
     char msg[256] = "";
     if (!(t->main = jinja_parse(p->text, msg, sizeof msg))) {
         snprintf(err, err_size, "the chat template does not parse: %s", msg);
