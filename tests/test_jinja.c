@@ -48,6 +48,7 @@ static void expect_render_error(const char *src, const char *vars, const char *m
 }
 
 static void test_errors(void) {
+    char err[256], *s;
     expect_parse_error("abc {{ x ", "line 1: unterminated expression");
     expect_parse_error("a\nb {% if x %", "line 2: unterminated block tag");
     expect_parse_error("{# never closed", "unterminated comment");
@@ -66,6 +67,12 @@ static void test_errors(void) {
     expect_parse_error("{{ a[] }}", "expected an expression");
     expect_parse_error("{{ 'a' | }}", "expected a name");
     expect_parse_error("{{ 99999999999999999999 }}", "too large");
+    char longnum[600] = "{{ 1";
+    for (int i = 0; i < 500; i++) strcat(longnum, i == 200 ? "." : "5");
+    strcat(longnum, " }}");
+    s = render_text(longnum, NULL, err, sizeof err);
+    CHECK(s && !strcmp(s, "1.5555555555555557e+200"), "a 500-digit float: %s", s ? s : err);
+    free(s);
     expect_parse_error("{{ '\\u12' }}", "bad \\u escape");
     expect_parse_error("{% set %}", "expected a name");
     expect_parse_error("{% for in x %}{% endfor %}", "expected 'in'");
@@ -113,8 +120,7 @@ static void test_errors(void) {
                         "{% set ns.b = [ns.b] %}{% endfor %}{{ ns.a < ns.b }}", NULL, "nested too deeply");
 
     /* the interpreter keeps working after errors, and renders what parses */
-    char err[256];
-    char *s = render_text("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}",
+    s = render_text("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}",
                           "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", err, sizeof err);
     CHECK(s && !strcmp(s, "user:hi;"), "simple render: %s", s ? s : err);
     free(s);

@@ -152,34 +152,29 @@ static void lex_number(struct lexer *L) {
     const char *s = L->src;
     size_t p = L->pos;
     bool is_float = false;
-    char buf[128];
-    size_t bn = 0;
-    while (p < L->len && (isdigit((unsigned char)s[p]) || s[p] == '_'))
-        if (s[p++] != '_' && bn < sizeof buf - 1) buf[bn++] = s[p - 1];
+    while (p < L->len && (isdigit((unsigned char)s[p]) || s[p] == '_')) p++;
     if (p + 1 < L->len && s[p] == '.' && isdigit((unsigned char)s[p + 1])) {
         is_float = true;
-        buf[bn++] = s[p++];
-        while (p < L->len && (isdigit((unsigned char)s[p]) || s[p] == '_'))
-            if (s[p++] != '_' && bn < sizeof buf - 1) buf[bn++] = s[p - 1];
+        for (p++; p < L->len && (isdigit((unsigned char)s[p]) || s[p] == '_'); p++) {}
     }
     if (p < L->len && (s[p] == 'e' || s[p] == 'E')) {
         size_t q = p + 1;
         if (q < L->len && (s[q] == '+' || s[q] == '-')) q++;
         if (q < L->len && isdigit((unsigned char)s[q])) {
             is_float = true;
-            while (p < q && bn < sizeof buf - 1) buf[bn++] = s[p++];
-            while (p < L->len && isdigit((unsigned char)s[p]))
-                if (bn < sizeof buf - 1) buf[bn++] = s[p++];
-                else p++;
+            for (p = q; p < L->len && isdigit((unsigned char)s[p]); p++) {}
         }
     }
-    buf[bn] = 0;
+    char *buf = jalloc(L->c, p - L->pos + 1), *w = buf; /* the digits without their '_' separators */
+    for (size_t i = L->pos; i < p; i++)
+        if (s[i] != '_') *w++ = s[i];
+    *w = 0;
     struct tok *k = push_tok(L, is_float ? T_FLOAT : T_INT);
     errno = 0;
     if (is_float) k->f = strtod(buf, NULL);
     else {
         k->i = strtoll(buf, NULL, 10);
-        if (errno) jfail(L->c, "integer literal %s is too large", buf);
+        if (errno) jfail(L->c, "integer literal %.40s is too large", buf);
     }
     advance(L, p);
 }
