@@ -116,21 +116,22 @@ void chat_template_free(struct chat_template *t) {
 /* messages with each tool call's string arguments that hold a JSON object replaced
  * by that object (a new reference), or NULL when there are none. */
 static json_t *object_arguments(const json_t *messages) {
-    json_t *copy = NULL;
     size_t i, k;
     json_t *m, *call;
-    json_array_foreach(messages, i, m) {
+    bool any = false;
+    json_array_foreach(messages, i, m) any = any || json_array_size(json_object_get(m, "tool_calls")) > 0;
+    json_t *copy = any ? json_deep_copy(messages) : NULL;
+    bool changed = false;
+    json_array_foreach(copy, i, m) {
         json_array_foreach(json_object_get(m, "tool_calls"), k, call) {
-            json_t *args = json_object_get(json_object_get(call, "function"), "arguments");
+            json_t *fn = json_object_get(call, "function"), *args = json_object_get(fn, "arguments");
             json_t *parsed = json_is_string(args) ? json_loads(json_string_value(args), JSON_DECODE_ANY, NULL) : NULL;
-            if (json_is_object(parsed) && (copy || (copy = json_deep_copy(messages))))
-                json_object_set(json_object_get(json_array_get(json_object_get(json_array_get(copy, i), "tool_calls"), k),
-                                                "function"),
-                                "arguments", parsed);
+            if (json_is_object(parsed)) changed = json_object_set(fn, "arguments", parsed) == 0 || changed;
             json_decref(parsed);
         }
     }
-    return copy;
+    if (!changed) json_decref(copy);
+    return changed ? copy : NULL;
 }
 
 static char *render(const struct chat_template *t, const struct jinja_template *tmpl, const struct chat_request *q,
