@@ -425,6 +425,32 @@ jv *jfilter(struct render *R, const char *name, const struct args *a) {
         }
         return def;
     }
+    if (!strcmp(name, "round")) { /* jinja2's: "common" is Python's round(), "floor"/"ceil" give floats */
+        long long prec = jneed_int(R, jarg(a, 1, "precision", jv_int(C, 0)), "precision");
+        jv *method = jneed_str(R, jarg(a, 2, "method", jv_cstr(C, "common")), "method");
+        if (!jv_is_number(x)) jfail(C, "round: %s is not a number", jv_type_name(x));
+        if (prec < -18 || prec > 300) jfail(C, "round: precision %lld is out of range", prec);
+        double v = jv_num(x);
+        if (!strcmp(method->s.s, "common")) {
+            if (x->t != JV_FLOAT) { /* an int stays an int, halves to even */
+                long long i = x->t == JV_BOOL ? x->b : x->i, p = 1;
+                for (long long k = prec; k < 0; k++) p *= 10;
+                long long q = i / p, r = i % p;
+                if (r < 0) q--, r += p;
+                if (r > p - r || (r == p - r && (q & 1))) q++;
+                if (__builtin_mul_overflow(q, p, &i)) jfail(C, "integer overflow");
+                return jv_int(C, i);
+            }
+            if (prec < 0) return jv_float(C, rint(v / pow(10, (double)-prec)) * pow(10, (double)-prec));
+            char buf[700]; /* printf rounds the exact binary value, halves to even, as Python does */
+            snprintf(buf, sizeof buf, "%.*f", (int)prec, v);
+            return jv_float(C, strtod(buf, NULL));
+        }
+        double scale = pow(10, (double)prec);
+        if (!strcmp(method->s.s, "floor")) return jv_float(C, floor(v * scale) / scale);
+        if (!strcmp(method->s.s, "ceil")) return jv_float(C, ceil(v * scale) / scale);
+        jfail(C, "round: method must be common, floor or ceil");
+    }
     if (!strcmp(name, "abs")) {
         if (x->t == JV_FLOAT) return jv_float(C, fabs(x->f));
         long long i = jneed_int(R, x, "abs()");
