@@ -111,6 +111,11 @@ static void test_errors(void) {
                         "runs too long");
     expect_render_error("{{ 'x' * 1000000000 }}", NULL, "too long");
     expect_render_error("{% set a, b = [1] %}", NULL, "cannot unpack");
+    expect_render_error("{{ '%5000d' % 1 }}", NULL, "over 400");
+    expect_render_error("{{ '%q' % 1 }}", NULL, "unsupported format character 'q'");
+    expect_render_error("{{ '%d' % 'x' }}", NULL, "a real number is required");
+    expect_render_error("{{ '%(k)s' % 1 }}", NULL, "requires a mapping");
+    expect_render_error("{{ 'abc %' % 1 }}", NULL, "incomplete format");
     expect_render_error("{{ 9223372036854775807 + 1 }}", NULL, "integer overflow");
     expect_render_error("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = [ns.l] %}{% endfor %}"
                         "{{ ns.l }}", NULL, "nested too deeply");

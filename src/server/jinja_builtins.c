@@ -425,6 +425,12 @@ jv *jfilter(struct render *R, const char *name, const struct args *a) {
         }
         return def;
     }
+    if (!strcmp(name, "format")) { /* jinja2's: value % args */
+        jv *args = jv_list(C, (size_t)a->npos);
+        args->tuple = true;
+        for (int i = 1; i < a->npos; i++) jv_push(C, args, a->pos[i]);
+        return jstr_format(R, jneed_str(R, x, "format's value"), args);
+    }
     if (!strcmp(name, "round")) { /* jinja2's: "common" is Python's round(), "floor"/"ceil" give floats */
         long long prec = jneed_int(R, jarg(a, 1, "precision", jv_int(C, 0)), "precision");
         jv *method = jneed_str(R, jarg(a, 2, "method", jv_cstr(C, "common")), "method");

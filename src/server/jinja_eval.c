@@ -285,6 +285,7 @@ jv *jv_binop(struct render *R, int op, jv *a, jv *b) {
     }
     if (op == '*' && (b->t == JV_STR || b->t == JV_LIST) && (a->t == JV_INT || a->t == JV_BOOL))
         return jv_binop(R, op, b, a);
+    if (op == '%' && a->t == JV_STR) return jstr_format(R, a, b);
     if (!jv_is_number(a) || !jv_is_number(b)) {
         const char *ops = op == '+' ? "+" : op == '-' ? "-" : op == '*' ? "*" : op == '/' ? "/" : op == '%' ? "%"
                         : op == OP_FLOORDIV ? "//" : "**";

@@ -217,6 +217,7 @@ jv *jstr_case(struct render *R, const jv *s, enum case_mode m);
 jv *jstr_strip(struct render *R, const jv *s, const jv *chars, bool left, bool right); /* chars NULL: whitespace */
 jv *jstr_replace(struct render *R, const jv *s, const jv *old, const jv *new_, long long count);
 jv *jstr_split(struct render *R, const jv *s, const jv *sep, long long maxsplit, bool from_right);
+jv *jstr_format(struct render *R, const jv *fmt, const jv *args); /* fmt % args */
 /* The length of the character at s[i] when it is in chars (whitespace when NULL), else 0. */
 size_t jstr_char_at(const char *s, size_t n, size_t i, const jv *chars);
 

@@ -1,5 +1,7 @@
 /* Python's str methods where their results show in a prompt: strip and split on
- * Unicode whitespace, replace, and case mappings (Latin, Greek and Cyrillic). */
+ * Unicode whitespace, replace, case mappings (Latin, Greek and Cyrillic), and
+ * printf-style % formatting. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -195,4 +197,78 @@ jv *jstr_split(struct render *R, const jv *s, const jv *sep, long long maxsplit,
     jv_push(C, l, jv_str(C, str, head_len));
     for (size_t w = keep; w < parts->l.n; w++) jv_push(C, l, parts->l.v[w]);
     return l;
+}
+
+/* Python's printf-style fmt % args: args a tuple (or list) of values, a dict for
+ * %(name)s, or one value; flags - + space 0 #, a width and a precision. */
+jv *jstr_format(struct render *R, const jv *fmt, const jv *args) {
+    struct jbuf b = {0};
+    const char *s = fmt->s.s, *end = s + fmt->s.n;
+    bool tuple = args->t == JV_LIST && args->tuple; /* a list is one value, as in Python */
+    size_t next = 0, nargs = tuple ? args->l.n : 1;
+    while (s < end) {
+        const char *pct = memchr(s, '%', (size_t)(end - s));
+        if (!pct) pct = end;
+        jbuf_add(C, &b, s, (size_t)(pct - s));
+        if (pct == end) break;
+        s = pct + 1;
+        if (s < end && *s == '%') {
+            jbuf_adds(C, &b, "%");
+            s++;
+            continue;
+        }
+        const jv *v = NULL;
+        if (s < end && *s == '(') { /* %(name)s */
+            const char *close = memchr(s, ')', (size_t)(end - s));
+            if (!close || args->t != JV_DICT) jfail(C, "format requires a mapping");
+            v = jv_get(args, jv_str(C, s + 1, (size_t)(close - s - 1)));
+            if (!v) jfail(C, "format: no key '%.*s'", (int)(close - s - 1), s + 1);
+            s = close + 1;
+        }
+        char spec[32] = "%";
+        size_t n = 1;
+        while (s < end && strchr("-+ 0#", *s) && n < 8) spec[n++] = *s++;
+        int width = 0, prec = -1;
+        while (s < end && *s >= '0' && *s <= '9' && width < 10000) width = width * 10 + (*s++ - '0');
+        if (s < end && *s == '.')
+            for (prec = 0, s++; s < end && *s >= '0' && *s <= '9' && prec < 10000;) prec = prec * 10 + (*s++ - '0');
+        if (s >= end) jfail(C, "incomplete format");
+        if (width > 400 || prec > 400) jfail(C, "format width or precision over 400");
+        char conv = *s++;
+        if (!v) {
+            if (args->t == JV_DICT && nargs == 1 && !strchr("sr", conv)) jfail(C, "format requires a mapping");
+            if (next >= nargs) jfail(C, "not enough arguments for format string");
+            v = tuple ? args->l.v[next] : args;
+            next++;
+        }
+        char out[1024]; /* width and precision at most 400, a double's %f at most 309 digits */
+        if (strchr("diuxXo", conv)) {
+            if (!jv_is_number(v)) jfail(C, "%%%c format: a real number is required, not %s", conv, jv_type_name(v));
+            long long i = v->t == JV_FLOAT ? (long long)v->f : v->t == JV_BOOL ? v->b : v->i;
+            /* a precision turns C's 0 flag off: give one only when the format has it */
+            n += (size_t)snprintf(spec + n, sizeof spec - n, prec < 0 ? "*ll%c" : "*.*ll%c",
+                                  conv == 'i' || conv == 'u' ? 'd' : conv);
+            if (prec < 0) snprintf(out, sizeof out, spec, width, i);
+            else snprintf(out, sizeof out, spec, width, prec, i);
+            jbuf_adds(C, &b, out);
+        } else if (strchr("eEfFgG", conv)) {
+            if (!jv_is_number(v)) jfail(C, "%%%c format: a real number is required, not %s", conv, jv_type_name(v));
+            n += (size_t)snprintf(spec + n, sizeof spec - n, "*.*%c", conv);
+            snprintf(out, sizeof out, spec, width, prec < 0 ? 6 : prec, jv_num(v));
+            jbuf_adds(C, &b, out);
+        } else if (strchr("sra", conv)) {
+            struct jbuf t = {0};
+            if (conv == 's') jv_str_to(C, &t, v);
+            else jv_repr_to(C, &t, v);
+            size_t len = t.n, chars = utf8_len(t.s ? t.s : "", t.n);
+            if (prec >= 0 && (size_t)prec < chars) len = utf8_offset(t.s, t.n, (size_t)prec), chars = (size_t)prec;
+            bool left = strchr(spec, '-') != NULL;
+            for (size_t k = chars; !left && (int)k < width; k++) jbuf_adds(C, &b, " ");
+            jbuf_add(C, &b, t.s ? t.s : "", len);
+            for (size_t k = chars; left && (int)k < width; k++) jbuf_adds(C, &b, " ");
+        } else
+            jfail(C, "unsupported format character '%c'", conv);
+    }
+    if (tuple && next < nargs) jfail(C, "not all arguments converted during string formatting");
+    return jbuf_value(C, &b);
 }
