@@ -243,7 +243,9 @@ jv *jstr_format(struct render *R, const jv *fmt, const jv *args) {
         }
         char out[1024]; /* width and precision at most 400, a double's %f at most 309 digits */
         if (strchr("diuxXo", conv)) {
-            if (!jv_is_number(v)) jfail(C, "%%%c format: a real number is required, not %s", conv, jv_type_name(v));
+            if (!jv_is_number(v) || (v->t == JV_FLOAT && strchr("xXo", conv)))
+                jfail(C, "%%%c format: a%s number is required, not %s", conv, strchr("xXo", conv) ? "n integer" : " real",
+                      jv_type_name(v));
             long long i = v->t == JV_FLOAT ? (long long)v->f : v->t == JV_BOOL ? v->b : v->i;
             /* a precision turns C's 0 flag off: give one only when the format has it */
             n += (size_t)snprintf(spec + n, sizeof spec - n, prec < 0 ? "*ll%c" : "*.*ll%c",
