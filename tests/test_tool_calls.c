@@ -3,6 +3,7 @@
  * a call (checked by compiling it into a grammar and matching calls against it), the
  * stream's hold-back of a possible call, and earlier calls and results written into
  * the messages. */
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,37 +117,45 @@ static void test_stream(void) {
 }
 
 static void test_messages(void) {
-    const struct chat_message m[] = {{"system", "Be brief."}, {"user", "Weather?"}, {"assistant", ""}, {"tool", "{\"t\":21}"}};
-    char *calls[] = {NULL, NULL,
-                     "[{\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":"
-                     "\"{\\\"city\\\":\\\"Rome\\\"}\"}}]",
-                     NULL};
-    int n, n_owned;
-    char **owned;
-    struct chat_message *out = tool_messages(TOOL_SYNTAX_HERMES, m, calls, 4, tools, 2, &n, &owned, &n_owned);
-    CHECK(out && n == 4, "four messages");
-    if (!out) return;
-    CHECK(!strcmp(out[0].role, "system") && !strncmp(out[0].content, "Be brief.\n\n# Tools", 18) &&
-              strstr(out[0].content, "<tools>\n{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}\n"),
-          "tools in the system message: %s", out[0].content);
-    CHECK(!strcmp(out[2].content, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Rome\"}}\n</tool_call>"),
-          "the call as the model writes it: %s", out[2].content);
-    CHECK(!strcmp(out[3].role, "user") && !strcmp(out[3].content, "<tool_response>\n{\"t\":21}\n</tool_response>"),
-          "the result: %s", out[3].content);
-    tool_messages_free(out, owned, n_owned);
-    out = tool_messages(TOOL_SYNTAX_LLAMA3, m + 1, calls + 1, 3, NULL, 0, &n, &owned, &n_owned);
-    CHECK(out && n == 3 && !strcmp(out[1].content, "{\"name\": \"get_weather\", \"parameters\": {\"city\":\"Rome\"}}") &&
-              !strcmp(out[2].role, "ipython"),
+    json_t *m = json_loads("[{\"role\":\"system\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"Weather?\"},"
+                           "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"call_1\",\"type\":"
+                           "\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":"
+                           "\"{\\\"city\\\":\\\"Rome\\\"}\"}}]},{\"role\":\"tool\",\"content\":\"{\\\"t\\\":21}\"}]",
+                           0, NULL);
+    CHECK(m, "messages parse");
+    json_t *out = tool_messages(TOOL_SYNTAX_HERMES, m, tools, 2);
+    CHECK(json_array_size(out) == 4, "four messages");
+#define ROLE(o, i) json_string_value(json_object_get(json_array_get(o, i), "role"))
+#define TEXT(o, i) json_string_value(json_object_get(json_array_get(o, i), "content"))
+    if (json_array_size(out) == 4) {
+        CHECK(!strcmp(ROLE(out, 0), "system") && !strncmp(TEXT(out, 0), "Be brief.\n\n# Tools", 18) &&
+                  strstr(TEXT(out, 0), "<tools>\n{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}\n"),
+              "tools in the system message: %s", TEXT(out, 0));
+        CHECK(!strcmp(TEXT(out, 2), "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Rome\"}}\n</tool_call>") &&
+                  !json_object_get(json_array_get(out, 2), "tool_calls"),
+              "the call as the model writes it: %s", TEXT(out, 2));
+        CHECK(!strcmp(ROLE(out, 3), "user") && !strcmp(TEXT(out, 3), "<tool_response>\n{\"t\":21}\n</tool_response>"),
+              "the result: %s", TEXT(out, 3));
+    }
+    json_decref(out);
+    json_array_remove(m, 0);
+    out = tool_messages(TOOL_SYNTAX_LLAMA3, m, NULL, 0);
+    CHECK(json_array_size(out) == 3 && !strcmp(TEXT(out, 1), "{\"name\": \"get_weather\", \"parameters\": {\"city\":\"Rome\"}}") &&
+              !strcmp(ROLE(out, 2), "ipython"),
           "llama3 call and result");
-    if (out) tool_messages_free(out, owned, n_owned);
+#undef ROLE
+#undef TEXT
+    json_decref(out);
+    json_decref(m);
 }
 
 int main(void) {
-    CHECK(tool_syntax_detect("{% if tools %}<tool_call>{% endif %}<|im_start|>", CHAT_CHATML) == TOOL_SYNTAX_HERMES, "qwen");
-    CHECK(tool_syntax_detect("[INST] [TOOL_CALLS] [AVAILABLE_TOOLS]", CHAT_MISTRAL) == TOOL_SYNTAX_MISTRAL, "mistral");
-    CHECK(tool_syntax_detect("<|start_header_id|> \"parameters\": d", CHAT_LLAMA3) == TOOL_SYNTAX_LLAMA3, "llama 3.1");
-    CHECK(tool_syntax_detect(NULL, CHAT_LLAMA3) == TOOL_SYNTAX_LLAMA3, "llama 3 by family");
-    CHECK(tool_syntax_detect(NULL, CHAT_ZEPHYR) == TOOL_SYNTAX_HERMES, "the default");
+    CHECK(tool_syntax_detect("{% if tools %}<tool_call>{% endif %}<|im_start|>") == TOOL_SYNTAX_HERMES, "qwen");
+    CHECK(tool_syntax_detect("[INST] [TOOL_CALLS] [AVAILABLE_TOOLS]") == TOOL_SYNTAX_MISTRAL, "mistral");
+    CHECK(tool_syntax_detect("<|start_header_id|> \"parameters\": d") == TOOL_SYNTAX_LLAMA3, "llama 3.1");
+    CHECK(tool_syntax_detect("<|start_header_id|>{{ m.content }}<|eot_id|>") == TOOL_SYNTAX_LLAMA3, "llama 3");
+    CHECK(tool_syntax_detect("<|user|>{{ m.content }}<|end|>") == TOOL_SYNTAX_HERMES, "the default");
+    CHECK(tool_syntax_detect(NULL) == TOOL_SYNTAX_HERMES, "no template");
     test_parse();
     test_schema();
     test_stream();

@@ -98,9 +98,9 @@ static int check_ids(const struct http_server *h, const char *param, const kvq_t
     return 0;
 }
 
-/* Prompt p's tokens: chat messages through the template (its leading BOS text is
- * dropped: the tokenizer adds BOS as the model's metadata says), the raw prompt, or
- * the prompt's token ids as they are. */
+/* Prompt p's tokens: chat messages through the template (which drops a leading BOS
+ * text when the tokenizer adds BOS itself), the raw prompt, or the prompt's token
+ * ids as they are. */
 static int prompt_tokens(struct http_server *h, const struct oai_request *q, int p, kvq_token **out,
                          struct oai_error *e) {
     if (q->kind == OAI_COMPLETION && q->prompts[p].ids) {
@@ -113,14 +113,12 @@ static int prompt_tokens(struct http_server *h, const struct oai_request *q, int
         memcpy(*out, o->ids, sizeof **out * (size_t)o->n_ids);
         return o->n_ids;
     }
-    char *text = q->kind == OAI_CHAT ? api_render_chat(h->p.chat, h->p.tool_syntax, q) : strdup(q->prompts[p].text);
+    char *text = q->kind == OAI_CHAT ? api_render_chat(h->p.chat, h->p.tool_syntax, q, e) : strdup(q->prompts[p].text);
     if (!text) {
-        oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        if (q->kind != OAI_CHAT) oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
         return -1;
     }
-    const char *bos = chat_family_bos(h->p.chat), *t = text;
-    if (q->kind == OAI_CHAT && *bos && strncmp(t, bos, strlen(bos)) == 0) t += strlen(bos);
-    int n = api_tokenize_text(h->p.model, t, strlen(t), true, true, out);
+    int n = api_tokenize_text(h->p.model, text, strlen(text), true, true, out);
     free(text);
     if (n < 0) oai_error_set(e, 400, "invalid_request_error", NULL, NULL, "cannot tokenize the prompt: %s", kvq_last_error());
     else if (n == 0) {

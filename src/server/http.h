@@ -23,7 +23,7 @@ struct http_params {
     int ping_seconds; /* ": ping" on a stream idle this long */
     bool strict_api;  /* fields beyond OpenAI's are a 400 (else ignored and logged once) */
     const struct kvq_model *model;
-    enum chat_family chat;
+    const struct chat_template *chat;
     enum tool_syntax tool_syntax; /* how the model calls tools */
     struct sched *sched;
     struct embedder *embedder; /* NULL: /v1/embeddings answers 501 */

@@ -151,29 +151,35 @@ char *api_detokenize(const struct kvq_model *m, const char *body, size_t len, st
     return out;
 }
 
-char *api_render_chat(enum chat_family chat, enum tool_syntax s, const struct oai_request *q) {
-    const struct chat_message *m = q->messages;
+char *api_render_chat(const struct chat_template *chat, enum tool_syntax s, const struct oai_request *q,
+                      struct oai_error *e) {
     const bool tools = oai_tools_on(q);
-    int n = q->n_messages, n_owned = 0;
-    bool tooled = tools;
-    for (int i = 0; i < n; i++) tooled |= q->tool_calls[i] || !strcmp(m[i].role, "tool");
-    struct chat_message *tm = NULL;
-    char **owned = NULL;
-    if (tooled && !(tm = tool_messages(s, m, q->tool_calls, n, tools ? q->tools : NULL, tools ? q->n_tools : 0, &n,
-                                       &owned, &n_owned)))
-        return NULL;
-    char *text = chat_template_render(chat, tm ? tm : m, n, chat_family_bos(chat), chat_family_eos(chat));
-    if (tm) tool_messages_free(tm, owned, n_owned);
+    json_t *written = NULL;
+    if (!chat_template_takes_tools(chat)) {
+        bool tooled = tools;
+        size_t i;
+        json_t *m;
+        json_array_foreach(q->messages, i, m) tooled |= json_array_size(json_object_get(m, "tool_calls")) > 0 ||
+                                                        !strcmp(json_string_value(json_object_get(m, "role")), "tool");
+        if (tooled && !(written = tool_messages(s, q->messages, q->tools, tools ? q->n_tools : 0))) return oom(e);
+    }
+    char err[256] = "out of memory";
+    struct chat_request cr = {written ? written : q->messages, tools && !written ? q->tools_json : NULL,
+                              q->template_kwargs, true};
+    char *text = chat_template_apply(chat, &cr, err, sizeof err);
+    json_decref(written);
+    /* the template refuses the conversation (raise_exception, a missing field): the client's to fix */
+    if (!text) oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "chat template: %s", err);
     return text;
 }
 
-char *api_apply_template(enum chat_family chat, enum tool_syntax s, const char *body, size_t len, bool strict,
-                         struct oai_error *e) {
+char *api_apply_template(const struct chat_template *chat, enum tool_syntax s, const char *body, size_t len,
+                         bool strict, struct oai_error *e) {
     struct oai_request q;
     if (oai_parse_request(body, len, OAI_CHAT, strict, &q, e) != 0) return NULL;
-    char *text = api_render_chat(chat, s, &q);
+    char *text = api_render_chat(chat, s, &q, e);
     oai_request_free(&q);
-    char *out = text ? dump(json_pack("{s:s}", "prompt", text), e) : oom(e);
+    char *out = text ? dump(json_pack("{s:s}", "prompt", text), e) : NULL;
     free(text);
     return out;
 }

@@ -98,13 +98,15 @@ static int get_content(json_t *v, char **out, struct oai_error *e) {
     return 0;
 }
 
+/* The messages as the chat template sees them: each a copy of what was sent (tool
+ * calls, tool_call_id, name and other fields kept) with "developer" read as
+ * "system" and content made a string. */
 static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
     if (!json_is_array(v) || json_array_size(v) == 0)
         return BAD("messages", "'messages' must be a non-empty list of messages");
     size_t n = json_array_size(v);
     if (n > 100000) return BAD("messages", "too many messages");
-    if (!(r->messages = calloc(n, sizeof *r->messages)) || !(r->tool_calls = calloc(n, sizeof *r->tool_calls)))
-        return BAD("messages", "out of memory");
+    if (!(r->messages = json_array())) return BAD("messages", "out of memory");
     for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(v, i);
         if (!json_is_object(m)) return BAD("messages", "messages[%zu] must be an object", i);
@@ -115,20 +117,32 @@ static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
         if (!strcmp(rs, "developer")) rs = "system";
         if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "tool"))
             return BAD("messages", "messages[%zu].role '%s' is not supported (system, user, assistant, tool)", i, rs);
-        r->n_messages++;
-        char *content = NULL;
-        json_t *cv = json_object_get(m, "content");
-        if (!cv && json_is_array(json_object_get(m, "tool_calls"))) cv = json_null(); /* calls only */
-        if (!(r->messages[i].role = strdup(rs)) || get_content(cv, &content, e)) {
-            free(content);
-            return e->status ? -1 : BAD("messages", "out of memory");
-        }
-        r->messages[i].content = content;
         json_t *calls = json_object_get(m, "tool_calls");
-        if (calls && !json_is_null(calls)) {
-            if (strcmp(rs, "assistant") || !json_is_array(calls))
-                return BAD("messages", "messages[%zu].tool_calls must be a list, on an assistant message", i);
-            if (!(r->tool_calls[i] = json_dumps(calls, JSON_COMPACT))) return BAD("messages", "out of memory");
+        if (calls && !json_is_null(calls) && (strcmp(rs, "assistant") || !json_is_array(calls)))
+            return BAD("messages", "messages[%zu].tool_calls must be a list, on an assistant message", i);
+        size_t k;
+        json_t *call;
+        json_array_foreach(calls, k, call) {
+            json_t *fn = json_object_get(call, "function");
+            if (!json_is_object(fn) || !json_is_string(json_object_get(fn, "name")))
+                return BAD("messages", "messages[%zu].tool_calls[%zu] needs a function with a name", i, k);
+        }
+        /* an assistant turn of tool calls alone keeps its content null (or absent: null),
+         * as templates test for it */
+        json_t *c = json_object_get(m, "content");
+        bool no_text = json_is_null(c) || (!c && json_array_size(calls) > 0);
+        char *content = NULL;
+        if (!no_text && get_content(c, &content, e)) {
+            free(content);
+            return -1;
+        }
+        json_t *copy = json_deep_copy(m);
+        json_t *text = no_text ? json_null() : json_string(content);
+        free(content);
+        if (!copy || !text || json_object_set_new(copy, "role", json_string(rs)) ||
+            json_object_set_new(copy, "content", text) || json_array_append_new(r->messages, copy)) {
+            json_decref(copy);
+            return BAD("messages", "out of memory");
         }
     }
     return 0;
@@ -392,7 +406,7 @@ static int get_tools(json_t *v, struct oai_request *r, struct oai_error *e) {
         d->json = json_dumps(t, JSON_COMPACT);
         if (!d->name || !d->parameters || !d->json) return BAD(NULL, "out of memory");
     }
-    return 0;
+    return (r->tools_json = json_deep_copy(v)) ? 0 : BAD(NULL, "out of memory"); /* as the template takes them */
 }
 
 /* tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}}. */
@@ -502,6 +516,12 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, bool s
         return strlen(r->cache_key) <= 256 ? 0 : BAD(key, "'prompt_cache_key' is longer than 256 bytes");
     }
     if (r->kind == OAI_CHAT && !strcmp(key, "messages")) return get_messages(v, r, e);
+    if (r->kind == OAI_CHAT && !strcmp(key, "chat_template_kwargs") && !strict) { /* extra template variables */
+        if (json_is_null(v)) return 0;
+        if (!json_is_object(v)) return BAD(key, "'chat_template_kwargs' must be an object");
+        json_decref(r->template_kwargs);
+        return (r->template_kwargs = json_deep_copy(v)) ? 0 : BAD(key, "out of memory");
+    }
     if (r->kind == OAI_COMPLETION && !strcmp(key, "prompt")) return get_prompts(v, key, &r->prompts, &r->n_prompts, e);
     if (!strcmp(key, "suffix")) /* accepted at its default only */
         return json_is_null(v) || (json_is_string(v) && json_string_length(v) == 0)
@@ -597,12 +617,9 @@ int gen_params_copy(struct gen_params *dst, const struct gen_params *src) {
 bool oai_tools_on(const struct oai_request *q) { return q->n_tools > 0 && q->tool_choice != OAI_TOOLS_NONE; }
 
 void oai_request_free(struct oai_request *r) {
-    for (int i = 0; i < r->n_messages; i++) {
-        free((char *)r->messages[i].role);
-        free((char *)r->messages[i].content);
-        free(r->tool_calls[i]);
-    }
-    free(r->tool_calls);
+    json_decref(r->messages);
+    json_decref(r->tools_json);
+    json_decref(r->template_kwargs);
     for (int i = 0; i < r->n_tools; i++) {
         free(r->tools[i].name);
         free(r->tools[i].parameters);
@@ -611,7 +628,6 @@ void oai_request_free(struct oai_request *r) {
     free(r->tools);
     free(r->tool_name);
     free(r->response_schema);
-    free(r->messages);
     prompts_free(r->prompts, r->n_prompts);
     free(r->cache_key);
     gen_params_free(&r->gen);

@@ -6,9 +6,10 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "server/chat_template.h"
 #include "server/scheduler.h"
 #include "server/tool_calls.h"
+
+struct json_t;
 
 enum oai_kind { OAI_CHAT, OAI_COMPLETION };
 enum oai_tool_choice { OAI_TOOLS_AUTO, OAI_TOOLS_NONE, OAI_TOOLS_REQUIRED, OAI_TOOLS_NAMED };
@@ -25,9 +26,9 @@ struct oai_prompt {
 
 struct oai_request {
     enum oai_kind kind;
-    struct chat_message *messages; /* chat: strings owned here */
-    int n_messages;
-    char **tool_calls; /* [n_messages]: an assistant message's tool_calls list as JSON text, or NULL */
+    struct json_t *messages; /* chat: the messages for the template (see get_messages) */
+    struct json_t *tools_json; /* chat: the tools list as sent, for the template, or NULL */
+    struct json_t *template_kwargs; /* chat: chat_template_kwargs (vLLM's and llama.cpp's), or NULL */
     struct oai_prompt *prompts; /* completion: one or more */
     int n_prompts;
     int n;     /* choices per prompt */

@@ -11,13 +11,11 @@
 
 #include "server/strbuf.h"
 
-enum tool_syntax tool_syntax_detect(const char *t, enum chat_family f) {
-    if (t && strstr(t, "<tool_call>")) return TOOL_SYNTAX_HERMES;
-    if (t && strstr(t, "[TOOL_CALLS]")) return TOOL_SYNTAX_MISTRAL;
-    if (t && (strstr(t, "<|python_tag|>") || (strstr(t, "<|start_header_id|>") && strstr(t, "\"parameters\""))))
-        return TOOL_SYNTAX_LLAMA3;
-    if (f == CHAT_LLAMA3) return TOOL_SYNTAX_LLAMA3;
-    if (f == CHAT_MISTRAL) return TOOL_SYNTAX_MISTRAL;
+enum tool_syntax tool_syntax_detect(const char *t) {
+    if (!t || strstr(t, "<tool_call>")) return TOOL_SYNTAX_HERMES;
+    if (strstr(t, "[TOOL_CALLS]")) return TOOL_SYNTAX_MISTRAL;
+    /* Llama 3.1's JSON calls; Llama 3's own template has none, and its models take them best */
+    if (strstr(t, "<|python_tag|>") || strstr(t, "<|start_header_id|>")) return TOOL_SYNTAX_LLAMA3;
     return TOOL_SYNTAX_HERMES;
 }
 
@@ -54,8 +52,7 @@ static void describe_tools(struct strbuf *b, enum tool_syntax s, const struct to
 }
 
 /* An assistant message's calls (OpenAI's tool_calls list) as the model writes them. */
-static void write_calls(struct strbuf *b, enum tool_syntax s, const char *calls_json) {
-    json_t *calls = json_loads(calls_json, 0, NULL);
+static void write_calls(struct strbuf *b, enum tool_syntax s, const json_t *calls) {
     size_t i;
     json_t *c;
     if (s == TOOL_SYNTAX_MISTRAL) strbuf_add(b, "[TOOL_CALLS][");
@@ -65,10 +62,7 @@ static void write_calls(struct strbuf *b, enum tool_syntax s, const char *calls_
         json_t *value = parsed ? parsed : args;
         char *a = value ? json_dumps(value, JSON_ENCODE_ANY | JSON_COMPACT) : NULL;
         json_decref(parsed);
-        const char *fname = json_string_value(json_object_get(fn, "name"));
-        json_t *name = json_string(fname ? fname : "");
-        char *n = json_dumps(name, JSON_ENCODE_ANY);
-        json_decref(name);
+        char *n = json_dumps(json_object_get(fn, "name"), JSON_ENCODE_ANY);
         if (s == TOOL_SYNTAX_HERMES)
             strbuf_printf(b, "%s<tool_call>\n{\"name\": %s, \"arguments\": %s}\n</tool_call>", i || b->len ? "\n" : "",
                           n ? n : "\"\"", a ? a : "{}");
@@ -79,63 +73,54 @@ static void write_calls(struct strbuf *b, enum tool_syntax s, const char *calls_
         free(n);
     }
     if (s == TOOL_SYNTAX_MISTRAL) strbuf_add(b, "]");
-    json_decref(calls);
 }
 
-struct chat_message *tool_messages(enum tool_syntax s, const struct chat_message *m, char *const *calls, int n,
-                                   const struct tool_def *tools, int n_tools, int *n_out, char ***owned,
-                                   int *n_owned) {
-    struct chat_message *out = calloc((size_t)n + 1, sizeof *out);
-    char **own = calloc((size_t)n + 1, sizeof *own);
-    int k = 0, o = 0;
-    bool oom = !out || !own;
+/* A message of role and content (a new reference; content is taken). */
+static json_t *message(const char *role, char *content) {
+    json_t *m = content ? json_pack("{s:s,s:s}", "role", role, "content", content) : NULL;
+    free(content);
+    return m;
+}
+
+json_t *tool_messages(enum tool_syntax s, const json_t *messages, const struct tool_def *tools, int n_tools) {
+    json_t *out = json_array();
+    size_t i = 0, n = json_array_size(messages);
+    bool oom = !out;
     if (!oom && n_tools > 0) {
         struct strbuf b = {0};
-        const bool has_system = n > 0 && !strcmp(m[0].role, "system");
-        if (has_system && *m[0].content) strbuf_printf(&b, "%s\n\n", m[0].content);
+        const json_t *m0 = json_array_get(messages, 0);
+        const char *sys = json_string_value(json_object_get(m0, "role"));
+        const bool has_system = sys && !strcmp(sys, "system");
+        const char *text = has_system ? json_string_value(json_object_get(m0, "content")) : NULL;
+        if (text && *text) strbuf_printf(&b, "%s\n\n", text);
         describe_tools(&b, s, tools, n_tools);
-        out[k++] = (struct chat_message){.role = "system", .content = own[o++] = strbuf_take(&b)};
-        oom |= !own[o - 1];
-        if (has_system) m++, calls++, n--;
+        oom |= json_array_append_new(out, message("system", strbuf_take(&b))) != 0;
+        i = has_system;
     }
-    for (int i = 0; i < n && !oom; i++) {
-        out[k] = m[i];
+    for (; i < n && !oom; i++) {
+        json_t *m = json_array_get(messages, i), *calls = json_object_get(m, "tool_calls");
+        const char *role = json_string_value(json_object_get(m, "role"));
+        const char *text = json_string_value(json_object_get(m, "content"));
         struct strbuf b = {0};
-        if (!strcmp(m[i].role, "assistant") && calls[i]) {
-            strbuf_add(&b, m[i].content);
-            write_calls(&b, s, calls[i]);
-        } else if (!strcmp(m[i].role, "tool")) {
-            if (s == TOOL_SYNTAX_HERMES) {
-                out[k].role = "user";
-                strbuf_printf(&b, "<tool_response>\n%s\n</tool_response>", m[i].content);
-            } else if (s == TOOL_SYNTAX_LLAMA3) {
-                out[k].role = "ipython";
-                strbuf_add(&b, m[i].content);
-            } else {
-                out[k].role = "user";
-                strbuf_printf(&b, "[TOOL_RESULTS]%s[/TOOL_RESULTS]", m[i].content);
-            }
-        } else {
-            k++;
-            continue;
-        }
-        out[k++].content = own[o++] = strbuf_take(&b);
-        oom |= !own[o - 1];
+        json_t *w;
+        if (!strcmp(role, "assistant") && json_array_size(calls) > 0) {
+            strbuf_add(&b, text ? text : "");
+            write_calls(&b, s, calls);
+            w = message("assistant", strbuf_take(&b));
+        } else if (!strcmp(role, "tool")) {
+            if (s == TOOL_SYNTAX_HERMES) strbuf_printf(&b, "<tool_response>\n%s\n</tool_response>", text ? text : "");
+            else if (s == TOOL_SYNTAX_LLAMA3) strbuf_add(&b, text ? text : "");
+            else strbuf_printf(&b, "[TOOL_RESULTS]%s[/TOOL_RESULTS]", text ? text : "");
+            w = message(s == TOOL_SYNTAX_LLAMA3 ? "ipython" : "user", strbuf_take(&b));
+        } else
+            w = json_pack("{s:s,s:s}", "role", role, "content", text ? text : "");
+        oom |= json_array_append_new(out, w) != 0;
     }
     if (oom) {
-        tool_messages_free(out, own, o);
+        json_decref(out);
         return NULL;
     }
-    *n_out = k;
-    *owned = own;
-    *n_owned = o;
     return out;
-}
-
-void tool_messages_free(struct chat_message *m, char **owned, int n_owned) {
-    for (int i = 0; owned && i < n_owned; i++) free(owned[i]);
-    free(owned);
-    free(m);
 }
 
 /* ---- the grammar of a call ---- */

@@ -1,6 +1,6 @@
 /* Function calling in the model's own syntax: which syntax a chat template uses,
  * the tools and earlier calls and results written into the messages (a fallback
- * until templates render them), the grammar that forces a call, and the calls
+ * for templates that do not render them), the grammar that forces a call, and the calls
  * parsed back out of generated text. */
 #ifndef KVQ_SERVER_TOOL_CALLS_H
 #define KVQ_SERVER_TOOL_CALLS_H
@@ -8,7 +8,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "server/chat_template.h"
+struct json_t;
 
 enum tool_syntax {
     TOOL_SYNTAX_HERMES,  /* <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> (Qwen, Hermes, ChatML) */
@@ -29,18 +29,16 @@ struct tool_call {
     char *arguments; /* JSON text of the arguments object */
 };
 
-/* The syntax the template text shows (NULL: none), else the family's usual one. */
-enum tool_syntax tool_syntax_detect(const char *template_text, enum chat_family f);
+/* The syntax the chat template's text shows (NULL: none): Hermes unless it shows another. */
+enum tool_syntax tool_syntax_detect(const char *template_text);
 const char *tool_syntax_name(enum tool_syntax s);
 
-/* The messages with the tools described in the system message (tools may be NULL),
- * assistant tool calls (calls[i]: message i's tool_calls list as JSON text, or NULL)
- * and tool results written as the syntax has them. A new array whose strings are
- * owned by *owned (free with tool_messages_free); NULL when out of memory. */
-struct chat_message *tool_messages(enum tool_syntax s, const struct chat_message *m, char *const *calls, int n,
-                                   const struct tool_def *tools, int n_tools, int *n_out, char ***owned,
-                                   int *n_owned);
-void tool_messages_free(struct chat_message *m, char **owned, int n_owned);
+/* For a template that never mentions tools: the messages (a JSON array as
+ * oai_request holds them) with the tools described in the system message (n_tools
+ * may be 0), assistant tool_calls and tool results written as text in the syntax's
+ * way. A new array; NULL when out of memory. */
+struct json_t *tool_messages(enum tool_syntax s, const struct json_t *messages, const struct tool_def *tools,
+                             int n_tools);
 
 /* The grammar that makes the model call one of the tools (only the one named, when
  * only is not NULL): a JSON Schema text (malloc'd) and the literal text around it.
