@@ -93,6 +93,14 @@ got=$(curl -s "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: app
       python3 -c "import json,sys; print(json.load(sys.stdin)['usage']['prompt_tokens'])" 2>/dev/null)
 [ -n "$got" ] && [ "$got" = "$want" ] && ok "tools: the tool_use template, $got prompt tokens as jinja2's" ||
   bad "tools: prompt_tokens '$got', jinja2's rendering has $want"
+# /apply-template renders through the same template: jinja2's text exactly (still in expected.txt)
+curl -s "http://127.0.0.1:$port/apply-template" -H 'Content-Type: application/json' -d "$tools" |
+  python3 -c "import json,sys; sys.stdout.write(json.load(sys.stdin)['prompt'])" >"$tmp/applied.txt" 2>/dev/null
+cmp -s "$tmp/applied.txt" "$tmp/expected.txt" && ok "/apply-template with tools: jinja2's text of the tool_use template" ||
+  bad "/apply-template: $(head -c 300 "$tmp/applied.txt")"
+# the tool-call syntax is read from the tool_use variant (Llama 3.1's JSON calls), not the Gemma text
+grep -q "tool calls llama3-json" "$tmp/gguf.log" && ok "tool-call syntax from the tool_use variant" ||
+  bad "log: $(grep 'tool calls' "$tmp/gguf.log")"
 code=$(curl -s -o "$tmp/refused.json" -w '%{http_code}' "http://127.0.0.1:$port/v1/chat/completions" \
   -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}')
 [ "$code" = 400 ] && grep -q "Conversation roles must alternate" "$tmp/refused.json" &&
