@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <jansson.h>
+
 #include "server/chat_template.h"
 #include "server/openai_json.h"
 
@@ -22,7 +24,13 @@ static int byte_piece(const void *ctx, kvq_token t, char *buf, int size) {
     return 1;
 }
 
+static const char *const builtin_names[] = {"chatml", "llama2", "llama3", "mistral", "gemma", "phi3", "zephyr"};
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    struct chat_template_params tp = {.text = chat_template_builtin(builtin_names[size % 7]), .bos = "<s>",
+                                      .eos = "</s>", .strip_bos = size % 2};
+    char err[256];
+    struct chat_template *tmpl = chat_template_new(&tp, err, sizeof err);
     for (int k = 0; k < 2; k++) {
         struct oai_request r;
         struct oai_error e;
@@ -31,11 +39,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             free(oai_error_json(&e));
             continue;
         }
-        char *prompt = kind == OAI_CHAT ? chat_template_render((enum chat_family)(size % CHAT_UNKNOWN), r.messages,
-                                                               r.n_messages, "<s>", "</s>")
-                                        : NULL;
+        struct chat_request cr = {r.messages, oai_tools_on(&r) ? r.tools_json : NULL, r.template_kwargs, true};
+        char *prompt = kind == OAI_CHAT && tmpl ? chat_template_apply(tmpl, &cr, err, sizeof err) : NULL;
         const char *text = prompt ? prompt : r.n_prompts && r.prompts[0].text ? r.prompts[0].text : "";
-        struct oai_usage u = {r.gen.max_tokens, r.gen.n_stop, r.n_messages};
+        struct oai_usage u = {r.gen.max_tokens, r.gen.n_stop, (int)json_array_size(r.messages)};
         /* log-probabilities when asked for: one entry per byte of the text, its
          * alternatives the next bytes */
         struct lp_entry lpe[8];
@@ -51,5 +58,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         free(prompt);
         oai_request_free(&r);
     }
+    chat_template_free(tmpl);
     return 0;
 }

@@ -252,6 +252,32 @@ int kvq_sampler_set_logit_bias(struct kvq_sampler *s, const kvq_token *ids, cons
  * tokens while an answer is shorter than asked for. 0, or -1 as above. */
 int kvq_sampler_ban(struct kvq_sampler *s, const kvq_token *ids, int n);
 
+/* ---- constrained decoding ------------------------------------------------- */
+
+/* A grammar the generated text must follow, matched against each token's bytes (as
+ * the detokenizer writes them). One per generated sequence: it holds how far that
+ * sequence has come. The model must outlive it. */
+struct kvq_grammar;
+/* The text: prefix, then a JSON value valid under schema (a JSON Schema in JSON
+ * text: objects, arrays with minItems/maxItems, enum, const, anyOf/oneOf, $ref into
+ * $defs, strings with minLength/maxLength, number, integer, boolean, null;
+ * {"type": "object"} is any JSON object), then suffix (both literal, NULL: none).
+ * NULL with kvq_last_error() naming what is invalid or unsupported. */
+struct kvq_grammar *kvq_grammar_from_json_schema(const struct kvq_model *m, const char *schema, size_t len,
+                                                 const char *prefix, const char *suffix);
+void kvq_grammar_free(struct kvq_grammar *g);
+/* Sets the logits ([n_vocab]) of tokens the grammar does not allow next to -inf;
+ * end-of-generation tokens are allowed only once the text is complete. Returns how
+ * many tokens are allowed. */
+int kvq_grammar_apply(struct kvq_grammar *g, float *logits);
+/* Moves past token t; -1 (nothing changed) when the grammar does not allow it. */
+int kvq_grammar_accept(struct kvq_grammar *g, kvq_token t);
+/* The text is complete and nothing may follow it: generation is over. */
+bool kvq_grammar_done(const struct kvq_grammar *g);
+/* The sampler draws only tokens g allows (NULL: no constraint). g is not owned;
+ * the caller moves it on with kvq_grammar_accept after each draw. */
+int kvq_sampler_set_grammar(struct kvq_sampler *s, struct kvq_grammar *g);
+
 #ifdef __cplusplus
 }
 #endif

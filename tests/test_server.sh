@@ -60,9 +60,10 @@ client() { # MODE ARGS...: runs the node client, counting its ok/FAIL lines
   failed=$((failed + $(grep -c '^FAIL:' "$tmp/client.out")))
 }
 
-# ---- the official client, and bad requests -------------------------------------
+# ---- the official client (with response_format and tools), and bad requests ------
 start_server main --api-key sekrit -c 1024 --max-body-mb 1
 client official sekrit
+client structured sekrit
 expect() { # DESCRIPTION STATUS CURL-ARGS...: an OpenAI error object with that status
   local what=$1 want=$2; shift 2
   local got
@@ -90,6 +91,11 @@ expect "a wrong API key is a 401" 401 -H "Authorization: Bearer nope" "$url/v1/m
 expect "a missing API key is a 401" 401 -d '{"prompt":"a"}' "$url/v1/completions"
 expect "an unknown path is a 404" 404 "${auth[@]}" "$url/v1/engines"
 expect "GET on completions is a 405" 405 "${auth[@]}" "$url/v1/completions"
+expect "an unknown response_format type is a 400" 400 "${auth[@]}" -d '{"prompt":"a","response_format":{"type":"xml"}}' "$url/v1/completions"
+expect "a schema that is not JSON Schema is a 400" 400 "${auth[@]}" -d '{"prompt":"a","response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"frob"}}}}' "$url/v1/completions"
+expect "tools on completions is a 400" 400 "${auth[@]}" -d '{"prompt":"a","tools":[{"type":"function","function":{"name":"f"}}]}' "$url/v1/completions"
+expect "tool_choice required without tools is a 400" 400 "${auth[@]}" -d '{"messages":[{"role":"user","content":"a"}],"tool_choice":"required"}' "$url/v1/chat/completions"
+expect "a tool without a name is a 400" 400 "${auth[@]}" -d '{"messages":[{"role":"user","content":"a"}],"tools":[{"type":"function","function":{}}]}' "$url/v1/chat/completions"
 code=$(curl -s -o "$tmp/body" -w '%{http_code}' "${auth[@]}" "http://127.0.0.1:$port//v1//models/")
 [ "$code" = 200 ] && grep -q tinydoc "$tmp/body" && ok "//v1//models routes" || bad "//v1//models: $code"
 code=$(curl -s -o /dev/null -w '%{http_code}' "$url/health")
@@ -129,6 +135,10 @@ if [ -f "$refs/refs.json" ] && [ -f "$model_f16" ]; then
   expect "without --embeddings, /v1/embeddings is a 501" 501 -d '{"input":"a"}' "$url/v1/embeddings"
   code=$(curl -s -o "$tmp/body" -w '%{http_code}' -d '{"prompt":"a","max_tokens":2,"n":2,"top_k":5}' "$url/v1/completions")
   [ "$code" = 200 ] && ok "--strict-api still takes n and top_k" || bad "--strict-api: $code $(cat "$tmp/body")"
+  code=$(curl -s -o "$tmp/body" -w '%{http_code}' -d '{"messages":[{"role":"user","content":"a"}],"max_tokens":40,"n":2,"response_format":{"type":"json_schema","json_schema":{"name":"b","schema":{"type":"boolean"}}}}' "$url/v1/chat/completions")
+  [ "$code" = 200 ] && node -e 'const r = JSON.parse(require("fs").readFileSync(process.argv[1], "utf8"));
+    process.exit(r.choices.length === 2 && r.choices.every((c) => typeof JSON.parse(c.message.content) === "boolean") ? 0 : 1)' "$tmp/body" \
+    && ok "--strict-api takes response_format (n=2, each choice a boolean)" || bad "--strict-api response_format: $code $(cat "$tmp/body")"
   stop_server
   model=$model_q8
 else

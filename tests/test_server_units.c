@@ -1,7 +1,9 @@
-/* kvq serve's pure parts: chat templates per family against the strings their
- * reference Jinja templates render, family detection by markers, OpenAI request
- * parsing (accepted fields, and one clear 400 per bad field), response JSON, and
- * the UTF-8 cleaning of generated text. */
+/* kvq serve's pure parts: the built-in chat templates against the strings their
+ * families' reference templates render, the chat template's variables (tools, the
+ * tool_use variant, tool-call arguments, BOS), OpenAI request parsing (accepted
+ * fields, and one clear 400 per bad field), response JSON, and the UTF-8 cleaning
+ * of generated text. */
+#include <jansson.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,72 +14,124 @@
 #include "server/openai_json.h"
 #include "server/strbuf.h"
 
-static const struct chat_message conv[] = {
-    {"system", "You are helpful."},
-    {"user", "Hello"},
-    {"assistant", "Hi there"},
-    {"user", "How are you?"},
-};
+static const char conv[] = "[{\"role\": \"system\", \"content\": \"You are helpful.\"},"
+                          "{\"role\": \"user\", \"content\": \"Hello\"},"
+                          "{\"role\": \"assistant\", \"content\": \"Hi there\"},"
+                          "{\"role\": \"user\", \"content\": \"How are you?\"}]";
 
-static void expect_render(enum chat_family f, const char *expected) {
-    char *got = chat_template_render(f, conv, 4, chat_family_bos(f), chat_family_eos(f));
-    CHECK(got && strcmp(got, expected) == 0, "%s renders\n%s\nexpected\n%s", chat_family_name(f), got ? got : "(null)",
-          expected);
+/* Renders messages (JSON text) with a template; NULL with err on a refusal. */
+static char *apply_extra(const struct chat_template_params *p, const char *messages, const char *tools,
+                         const char *extra, char *err) {
+    char perr[256];
+    struct chat_template *t = chat_template_new(p, perr, sizeof perr);
+    CHECK(t, "template: %s", perr);
+    if (!t) return NULL;
+    json_t *m = json_loads(messages, 0, NULL), *tl = tools ? json_loads(tools, 0, NULL) : NULL;
+    json_t *x = extra ? json_loads(extra, 0, NULL) : NULL;
+    struct chat_request q = {m, tl, x, true};
+    char *out = chat_template_apply(t, &q, err, 256);
+    json_decref(m);
+    json_decref(tl);
+    json_decref(x);
+    chat_template_free(t);
+    return out;
+}
+
+static char *apply(const struct chat_template_params *p, const char *messages, const char *tools, char *err) {
+    return apply_extra(p, messages, tools, NULL, err);
+}
+
+/* The built-in templates (for models whose GGUF has none) render their families' formats. */
+static void expect_builtin(const char *name, const char *bos, const char *eos, const char *expected) {
+    struct chat_template_params p = {.text = chat_template_builtin(name), .bos = bos, .eos = eos};
+    char err[256] = "";
+    CHECK(p.text, "built-in %s", name);
+    char *got = p.text ? apply(&p, conv, NULL, err) : NULL;
+    CHECK(got && strcmp(got, expected) == 0, "%s renders\n%s\nexpected\n%s", name, got ? got : err, expected);
     free(got);
 }
 
 static void test_templates(void) {
-    expect_render(CHAT_CHATML, "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
-                               "<|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>user\nHow are you?<|im_end|>\n"
-                               "<|im_start|>assistant\n");
-    expect_render(CHAT_LLAMA3,
-                  "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are helpful.<|eot_id|>"
-                  "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
-                  "<|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>"
-                  "<|start_header_id|>user<|end_header_id|>\n\nHow are you?<|eot_id|>"
-                  "<|start_header_id|>assistant<|end_header_id|>\n\n");
-    expect_render(CHAT_LLAMA2, "<s>[INST] <<SYS>>\nYou are helpful.\n<</SYS>>\n\nHello [/INST] Hi there </s>"
-                               "<s>[INST] How are you? [/INST]");
-    expect_render(CHAT_MISTRAL, "<s>[INST] You are helpful.\n\nHello [/INST]Hi there</s>[INST] How are you? [/INST]");
-    expect_render(CHAT_GEMMA, "<bos><start_of_turn>user\nYou are helpful.\n\nHello<end_of_turn>\n"
-                              "<start_of_turn>model\nHi there<end_of_turn>\n<start_of_turn>user\nHow are you?"
-                              "<end_of_turn>\n<start_of_turn>model\n");
-    expect_render(CHAT_PHI3, "<|system|>\nYou are helpful.<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there"
-                             "<|end|>\n<|user|>\nHow are you?<|end|>\n<|assistant|>\n");
-    expect_render(CHAT_ZEPHYR, "<|system|>\nYou are helpful.</s>\n<|user|>\nHello</s>\n<|assistant|>\nHi there</s>\n"
-                               "<|user|>\nHow are you?</s>\n<|assistant|>\n");
+    expect_builtin("chatml", "", "<|im_end|>",
+                   "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+                   "<|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>user\nHow are you?<|im_end|>\n"
+                   "<|im_start|>assistant\n");
+    expect_builtin("llama3", "<|begin_of_text|>", "<|eot_id|>",
+                   "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are helpful.<|eot_id|>"
+                   "<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>"
+                   "<|start_header_id|>user<|end_header_id|>\n\nHow are you?<|eot_id|>"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    expect_builtin("llama2", "<s>", "</s>",
+                   "<s>[INST] <<SYS>>\nYou are helpful.\n<</SYS>>\n\nHello [/INST] Hi there </s>"
+                   "<s>[INST] How are you? [/INST]");
+    expect_builtin("mistral", "<s>", "</s>",
+                   "<s>[INST] You are helpful.\n\nHello [/INST]Hi there</s>[INST] How are you? [/INST]");
+    expect_builtin("gemma", "<bos>", "<eos>",
+                   "<bos><start_of_turn>user\nYou are helpful.\n\nHello<end_of_turn>\n"
+                   "<start_of_turn>model\nHi there<end_of_turn>\n<start_of_turn>user\nHow are you?"
+                   "<end_of_turn>\n<start_of_turn>model\n");
+    expect_builtin("phi3", "<s>", "<|endoftext|>",
+                   "<|system|>\nYou are helpful.<|end|>\n<|user|>\nHello<|end|>\n<|assistant|>\nHi there"
+                   "<|end|>\n<|user|>\nHow are you?<|end|>\n<|assistant|>\n");
+    expect_builtin("zephyr", "<s>", "</s>",
+                   "<|system|>\nYou are helpful.</s>\n<|user|>\nHello</s>\n<|assistant|>\nHi there</s>\n"
+                   "<|user|>\nHow are you?</s>\n<|assistant|>\n");
+    CHECK(chat_template_builtin("qwen") == chat_template_builtin("chatml"), "qwen is chatml");
+    CHECK(!chat_template_builtin("jinja"), "unknown name");
 
-    /* templates that trim content (Llama 2 and 3, Gemma) and ones that do not (ChatML) */
-    const struct chat_message padded[] = {{"user", "  Hi \n"}};
-    char *s = chat_template_render(CHAT_LLAMA3, padded, 1, "", "");
+    char err[256] = "";
+    /* a leading BOS text is dropped when the tokenizer adds BOS itself */
+    struct chat_template_params p = {.text = chat_template_builtin("llama3"), .bos = "<|begin_of_text|>",
+                                     .eos = "<|eot_id|>", .strip_bos = true};
+    char *s = apply(&p, "[{\"role\": \"user\", \"content\": \" Hi \"}]", NULL, err);
     CHECK(s && !strcmp(s, "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-                          "<|start_header_id|>assistant<|end_header_id|>\n\n"), "llama3 trims: %s", s);
+                          "<|start_header_id|>assistant<|end_header_id|>\n\n"), "strip_bos: %s", s ? s : err);
     free(s);
-    s = chat_template_render(CHAT_LLAMA2, padded, 1, "<s>", "</s>");
-    CHECK(s && !strcmp(s, "<s>[INST] Hi [/INST]"), "llama2 strips: %s", s);
+    /* a template's refusal is an error, not a prompt */
+    p = (struct chat_template_params){.text = chat_template_builtin("gemma"), .bos = "<bos>", .eos = "<eos>"};
+    s = apply(&p, "[{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"user\", \"content\": \"b\"}]", NULL, err);
+    CHECK(!s && strstr(err, "must alternate"), "gemma refuses: %s", s ? s : err);
     free(s);
-    s = chat_template_render(CHAT_CHATML, padded, 1, "", "");
-    CHECK(s && !strcmp(s, "<|im_start|>user\n  Hi \n<|im_end|>\n<|im_start|>assistant\n"), "chatml keeps: %s", s);
+    /* tools go to the tool_use variant when there is one; string arguments of tool calls
+     * become objects */
+    p = (struct chat_template_params){
+        .text = "plain{{ tools is none }}",
+        .tool_use_text = "{% for t in tools %}{{ t.function.name }};{% endfor %}"
+                         "{% for m in messages %}{% for c in m.tool_calls %}{{ c.function.arguments | tojson }}"
+                         "{% endfor %}{% endfor %}",
+        .bos = "",
+        .eos = ""};
+    const char *calls = "[{\"role\": \"user\", \"content\": \"w?\"}, {\"role\": \"assistant\", \"content\": null, "
+                        "\"tool_calls\": [{\"id\": \"1\", \"type\": \"function\", \"function\": {\"name\": \"w\", "
+                        "\"arguments\": \"{\\\"city\\\": \\\"Paris\\\"}\"}}]}]";
+    s = apply(&p, calls, NULL, err);
+    CHECK(s && !strcmp(s, "plainTrue"), "no tools: %s", s ? s : err);
     free(s);
-
-    /* detection from marker strings of real templates (abridged) */
-    CHECK(chat_template_detect("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'") ==
-              CHAT_CHATML, "chatml");
-    CHECK(chat_template_detect("{{ bos_token }}{% set content = '<|start_header_id|>' + message['role'] %}") ==
-              CHAT_LLAMA3, "llama3");
-    CHECK(chat_template_detect("{% set content = '<<SYS>>\\n' + system_message %}{{ bos_token + '[INST] ' }}") ==
-              CHAT_LLAMA2, "llama2");
-    CHECK(chat_template_detect("{{ bos_token }}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] "
-                               "+ ' [/INST]' }}") == CHAT_MISTRAL, "mistral");
-    CHECK(chat_template_detect("{{ '<start_of_turn>' + role + '\\n' }}") == CHAT_GEMMA, "gemma");
-    CHECK(chat_template_detect("{{'<|user|>' + '\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>'}}") ==
-              CHAT_PHI3, "phi3");
-    CHECK(chat_template_detect("{{ '<|user|>\\n' + message['content'] + eos_token }}{{ '<|assistant|>' }}") ==
-              CHAT_ZEPHYR, "zephyr");
-    CHECK(chat_template_detect("{{ messages }}") == CHAT_UNKNOWN, "unknown");
-    for (int f = 0; f < CHAT_UNKNOWN; f++)
-        CHECK((int)chat_family_from_name(chat_family_name((enum chat_family)f)) == f, "name round trip %d", f);
-    CHECK(chat_family_from_name("jinja") == CHAT_UNKNOWN, "unknown name");
+    s = apply(&p, calls, "[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", err);
+    CHECK(s && !strcmp(s, "w;{\"city\": \"Paris\"}"), "tool_use: %s", s ? s : err);
+    free(s);
+    /* a template that concatenates the arguments (DeepSeek-R1) gets them as sent */
+    p.tool_use_text = "{% for m in messages %}{% for c in m.tool_calls %}{{ 'args: ' + c.function.arguments }}"
+                      "{% endfor %}{% endfor %}";
+    s = apply(&p, calls, "[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", err);
+    CHECK(s && !strcmp(s, "args: {\"city\": \"Paris\"}"), "arguments as sent: %s", s ? s : err);
+    free(s);
+    /* an error that is not about the arguments is reported */
+    p.tool_use_text = "{{ raise_exception('no tools here') }}";
+    s = apply(&p, calls, "[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", err);
+    CHECK(!s && strstr(err, "no tools here"), "refusal with tools: %s", s ? s : err);
+    free(s);
+    /* chat_template_kwargs: extra variables, which do not replace the standard ones */
+    p = (struct chat_template_params){.text = "{{ enable_thinking }} {{ messages | length }} {{ add_generation_prompt }}",
+                                      .bos = "", .eos = ""};
+    s = apply_extra(&p, calls, NULL, "{\"enable_thinking\": false, \"messages\": [], \"add_generation_prompt\": 0}", err);
+    CHECK(s && !strcmp(s, "False 2 True"), "extra variables: %s", s ? s : err);
+    free(s);
+    p = (struct chat_template_params){.text = " \n", .bos = "", .eos = ""};
+    CHECK(!chat_template_new(&p, err, sizeof err) && strstr(err, "empty"), "empty template: %s", err);
+    p = (struct chat_template_params){.text = "{% if %}", .bos = "", .eos = ""};
+    CHECK(!chat_template_new(&p, err, sizeof err) && strstr(err, "does not parse"), "bad template: %s", err);
 }
 
 static int parse_as(enum oai_kind kind, const char *body, bool strict, struct oai_request *r, struct oai_error *e) {
@@ -124,12 +178,32 @@ static void test_parse(void) {
                    &r, &e);
     CHECK(rc == 0, "full chat request: %s", e.message);
     if (rc == 0) {
-        CHECK(r.n_messages == 2 && !strcmp(r.messages[1].content, "ab") && !strcmp(r.messages[0].role, "system"),
+        CHECK(json_array_size(r.messages) == 2 &&
+                  !strcmp(json_string_value(json_object_get(json_array_get(r.messages, 1), "content")), "ab") &&
+                  !strcmp(json_string_value(json_object_get(json_array_get(r.messages, 0), "role")), "system"),
               "messages");
         CHECK(r.gen.max_tokens == 7 && r.gen.sampling.temp == 0 && r.gen.sampling.top_k == 3, "numbers");
         CHECK(r.gen.sampling.top_p == 0.5f && r.gen.sampling.min_p == 0.1f && r.gen.sampling.seed == 42, "sampling");
         CHECK(r.gen.n_stop == 2 && !strcmp(r.gen.stop[1], "yz"), "stop list");
         CHECK(r.stream && r.include_usage && r.has_seed && !strcmp(r.cache_key, "k"), "flags");
+        oai_request_free(&r);
+    }
+    /* tool calls and results pass through; content of a tool-call turn stays null */
+    rc = parse(OAI_CHAT,
+               "{\"messages\":[{\"role\":\"user\",\"content\":\"w?\"},{\"role\":\"assistant\",\"tool_calls\":"
+               "[{\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"w\",\"arguments\":\"{}\"}}]},"
+               "{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":[{\"type\":\"text\",\"text\":\"sunny\"}]}],"
+               "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"w\",\"parameters\":{}}}]}",
+               &r, &e);
+    CHECK(rc == 0, "tool messages: %s", e.message);
+    if (rc == 0) {
+        json_t *a = json_array_get(r.messages, 1), *t = json_array_get(r.messages, 2);
+        CHECK(json_is_null(json_object_get(a, "content")) && json_array_size(json_object_get(a, "tool_calls")) == 1,
+              "assistant tool call");
+        CHECK(!strcmp(json_string_value(json_object_get(t, "content")), "sunny") &&
+                  !strcmp(json_string_value(json_object_get(t, "tool_call_id")), "c1"),
+              "tool result");
+        CHECK(json_array_size(r.tools_json) == 1 && r.n_tools == 1, "tools kept");
         oai_request_free(&r);
     }
     rc = parse(OAI_COMPLETION, "{\"prompt\":[\"hello\"],\"stop\":\"\\n\",\"max_tokens\":null}", &r, &e);
@@ -141,7 +215,15 @@ static void test_parse(void) {
     expect_400(OAI_CHAT, "[1,2]", NULL);                                               /* not an object */
     expect_400(OAI_CHAT, "{}", "messages");                                            /* missing */
     expect_400(OAI_CHAT, "{\"messages\":[]}", "messages");
-    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\"}]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"function\",\"content\":\"x\"}]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\"}]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":{}}]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{}}]}]}", "messages");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":{}}", "tools");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"chat_template_kwargs\":[]}",
+               "chat_template_kwargs");
+    expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"x\"}]}", "tools");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"tools\":[{\"type\":\"function\"}]}", "tools");
     expect_400(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", "messages");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"n\":200}", "n");
     expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":\"10\"}", "max_tokens");
@@ -194,6 +276,23 @@ static void test_parse_extensions(void) {
     CHECK(rc == 0 && r.gen.n_bias == 2 && isinf(r.gen.bias_values[0]) && r.gen.bias_values[1] == -1 &&
               r.gen.max_tokens == -1, "llama.cpp's logit_bias pairs and n_predict");
     if (rc == 0) oai_request_free(&r);
+    /* llama.cpp's json_schema and vLLM's guided_json (an object or its text): the schema as response_format's */
+    rc = parse(OAI_COMPLETION, "{\"prompt\":\"a\",\"json_schema\":{\"type\":\"integer\"}}", &r, &e);
+    CHECK(rc == 0 && r.response_schema && !strcmp(r.response_schema, "{\"type\":\"integer\"}"), "json_schema: %s",
+          rc ? e.message : r.response_schema);
+    if (rc == 0) oai_request_free(&r);
+    rc = parse(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"guided_json\":\"{\\\"enum\\\": [1, 2]}\"}",
+               &r, &e);
+    CHECK(rc == 0 && r.response_schema && !strcmp(r.response_schema, "{\"enum\":[1,2]}"), "guided_json text: %s",
+          rc ? e.message : r.response_schema);
+    if (rc == 0) oai_request_free(&r);
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"guided_json\":\"{not json\"}", "guided_json");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"json_schema\":[1]}", "json_schema");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"response_format\":{\"type\":\"json_object\"},\"json_schema\":{}}",
+               "json_schema");
+    expect_400(OAI_COMPLETION, "{\"prompt\":\"a\",\"guided_json\":{},\"response_format\":{\"type\":\"json_object\"}}",
+               "response_format");
+    expect_400_strict(OAI_COMPLETION, "{\"prompt\":\"a\",\"json_schema\":{}}", "json_schema");
     rc = parse(OAI_COMPLETION, "{\"prompt\":[1,2,3],\"stop_token_ids\":[]}", &r, &e);
     CHECK(rc == 0 && r.n_prompts == 1 && r.prompts[0].n_ids == 3 && r.prompts[0].ids[2] == 3, "one prompt of ids");
     if (rc == 0) oai_request_free(&r);
@@ -214,6 +313,14 @@ static void test_parse_extensions(void) {
     rc = parse_as(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_k\":3,\"n\":2,\"echo\":false}",
                   true, &r, &e);
     CHECK(rc == 0 && r.n == 2 && r.gen.sampling.top_k == 3, "strict still takes OpenAI's fields and top_k: %s", e.message);
+    if (rc == 0) oai_request_free(&r);
+    rc = parse_as(OAI_CHAT,
+                  "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"n\":2,\"parallel_tool_calls\":false,"
+                  "\"response_format\":{\"type\":\"json_object\"},\"tool_choice\":\"required\","
+                  "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]}",
+                  true, &r, &e);
+    CHECK(rc == 0 && r.n == 2 && r.n_tools == 1 && r.tool_choice == OAI_TOOLS_REQUIRED && r.response_schema,
+          "strict takes response_format and tools: %s", e.message);
     if (rc == 0) oai_request_free(&r);
 }
 
@@ -261,11 +368,25 @@ static void test_parse_logprobs(void) {
  * base64 of little-endian float32 (1.0f is 00 00 80 3f, -2.5f is 00 00 20 c0). */
 static void test_choices_and_embeddings_json(void) {
     const struct oai_usage u = {5, 6, 1};
-    const struct oai_choice ch[2] = {{"ab", 2, "stop", NULL}, {"cde", 3, "length", NULL}};
+    const struct oai_choice ch[2] = {{"ab", 2, "stop", NULL, NULL, 0}, {"cde", 3, "length", NULL, NULL, 0}};
     char *s = oai_response_json_n(OAI_COMPLETION, "id", 1, "m", ch, 2, &u);
     CHECK(s && strstr(s, "\"choices\":[{\"index\":0,\"text\":\"ab\",\"logprobs\":null,\"finish_reason\":\"stop\"},"
                          "{\"index\":1,\"text\":\"cde\",\"logprobs\":null,\"finish_reason\":\"length\"}]"),
           "two choices: %s", s);
+    free(s);
+    /* chat choices side by side: one with text, one with a call and no text before it */
+    struct tool_call call = {"call_1", "add", "{\"a\":1}"};
+    const struct oai_choice tc[2] = {{"hi", 2, "stop", NULL, NULL, 0}, {"", 0, "tool_calls", NULL, &call, 1}};
+    s = oai_response_json_n(OAI_CHAT, "id", 1, "m", tc, 2, &u);
+    CHECK(s && strstr(s, "{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"hi\"}") &&
+              strstr(s, "{\"index\":1,\"message\":{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":"
+                        "\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"add\",\"arguments\":\"{\\\"a\\\":1}\"}}]},"
+                        "\"logprobs\":null,\"finish_reason\":\"tool_calls\"}"),
+          "a choice with a tool call: %s", s);
+    free(s);
+    s = oai_tool_chunk_json("id", 1, "m", 2, &call, 1);
+    CHECK(s && strstr(s, "\"choices\":[{\"index\":2,\"delta\":{\"tool_calls\":[{") && strstr(s, "\"index\":0}"),
+          "tool-call chunk of choice 2: %s", s);
     free(s);
     s = oai_chunk_json(OAI_CHAT, "id", 1, "m", 3, true, "x", 1, NULL, NULL);
     CHECK(s && strstr(s, "\"index\":3") && strstr(s, "\"role\":\"assistant\""), "chunk of choice 3: %s", s);

@@ -31,6 +31,9 @@ static const char *const generate_help =
     "  --repeat-last-n N    how many recent tokens the penalty sees (default 64)\n"
     "  --seed S             random seed (default: fixed)\n"
     "  --ignore-eos         keep generating past end-of-sequence tokens\n"
+    "  --json-schema JSON   the output is a JSON value under this JSON Schema ('{}': any value;\n"
+    "                       the subset 'kvq serve' takes as response_format); it ends when complete\n"
+    "  --json-schema-file FILE  the same, read from a file\n"
     "  --prompt-cache FILE  continue from a state saved by 'kvq cache-prompt' (its KV cache\n"
     "                       settings apply); -p then gives text to add after it (optional)\n"
     "  -h, --help           this text\n";
@@ -38,10 +41,10 @@ static const char *const generate_help =
 static const char *const generate_value_flags[] = {
     "-m", "--model", "-p", "--prompt", "-f", "--file", "-n", "--n-predict", "-c", "--ctx-size", "-t", "--threads",
     "-b", "--batch-size", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--seed",
-    "--prompt-cache", NULL};
+    "--prompt-cache", "--json-schema", "--json-schema-file", NULL};
 
 struct generate_opts {
-    const char *model, *prompt, *prompt_file, *prompt_cache;
+    const char *model, *prompt, *prompt_file, *prompt_cache, *schema, *schema_file;
     int n_predict;
     bool ignore_eos;
     struct kvq_context_params cp;
@@ -74,6 +77,8 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) o->prompt = v;
         else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->prompt_file = v;
         else if (!strcmp(a, "--prompt-cache")) o->prompt_cache = v;
+        else if (!strcmp(a, "--json-schema")) o->schema = v;
+        else if (!strcmp(a, "--json-schema-file")) o->schema_file = v;
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) ok = cli_parse_int(a, v, -1, INT_MAX, &o->n_predict);
         else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cp.n_ctx);
         else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
@@ -102,6 +107,7 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
     }
     if (!o->prompt && !o->prompt_file) return cli_fail("generate needs a prompt: -p TEXT or -f FILE");
     if (o->prompt && o->prompt_file) return cli_fail("give either -p or -f, not both");
+    if (o->schema && o->schema_file) return cli_fail("give either --json-schema or --json-schema-file, not both");
     if (!cli_kv_config_check(&o->cp.kv)) return 1;
     return 0;
 }
@@ -144,6 +150,8 @@ int cmd_generate(int argc, char **argv) {
     int rc = 1;
     struct kvq_context *ctx = NULL;
     struct kvq_sampler *smp = NULL;
+    struct kvq_grammar *grammar = NULL;
+    char *schema = NULL;
     struct kvq_detok *dt = NULL;
     kvq_token *toks = NULL;
     struct kvq_seq_extra saved = {0};
@@ -178,6 +186,15 @@ int cmd_generate(int argc, char **argv) {
     if (!smp || !dt) {
         cli_fail("%s", kvq_last_error());
         goto done;
+    }
+    if (o.schema_file && !(schema = cli_read_file(o.schema_file, NULL))) goto done;
+    if (o.schema || schema) {
+        const char *sch = schema ? schema : o.schema;
+        if (!(grammar = kvq_grammar_from_json_schema(m, sch, strlen(sch), NULL, NULL)) ||
+            kvq_sampler_set_grammar(smp, grammar) != 0) {
+            cli_fail("%s", kvq_last_error());
+            goto done;
+        }
     }
     const float *pending = NULL; /* logits saved with the prompt cache */
     if (o.prompt_cache) {
@@ -219,6 +236,7 @@ int cmd_generate(int argc, char **argv) {
         pending = NULL;
         last = 0;
         if (!o.ignore_eos && kvq_token_is_eog(m, t)) break;
+        if (grammar && kvq_grammar_accept(grammar, t) != 0) break; /* an end-of-text token --ignore-eos let through */
         kvq_sampler_accept(smp, t);
         int w = feed_piece(dt, t, &piece, &piece_cap);
         if (w < 0) {
@@ -231,6 +249,7 @@ int cmd_generate(int argc, char **argv) {
         }
         n_gen++;
         if (o.n_predict >= 0 && n_gen >= o.n_predict) break;
+        if (grammar && kvq_grammar_done(grammar)) break; /* the value is complete */
         if (o.cp.kv.max_size == 0 && kvq_seq_len(ctx, 0) >= n_ctx) {
             stopped_by_ctx = true;
             break;
@@ -267,6 +286,8 @@ done:
     kvq_seq_extra_free(&saved);
     kvq_detok_free(dt);
     kvq_sampler_free(smp);
+    kvq_grammar_free(grammar);
+    free(schema);
     kvq_context_free(ctx);
     kvq_model_free(m);
     free(toks);

@@ -12,6 +12,7 @@
 #include "server/http.h"
 #include "server/prefix_cache.h"
 #include "server/scheduler.h"
+#include "server/tool_calls.h"
 
 static const char *const serve_help =
     "usage: kvq serve -m MODEL [options]\n"
@@ -40,8 +41,9 @@ static const char *const serve_help =
     "  --prefix-cache-min-tokens N  shorter entries keep the live format, sharing the\n"
     "                             sequence's blocks (default 256)\n"
     "  --api-key KEY              require 'Authorization: Bearer KEY' (also $KVQ_API_KEY)\n"
-    "  --chat-template NAME|FILE  chatml, llama2, llama3, mistral, gemma, phi3, zephyr, or a\n"
-    "                             Jinja template file to recognise (default: the model's)\n"
+    "  --chat-template NAME|FILE  a Jinja chat template file, or a built-in one: chatml, llama2,\n"
+    "                             llama3, mistral, gemma, phi3, zephyr (default: the model's\n"
+    "                             tokenizer.chat_template, ChatML when it has none)\n"
     "  --alias NAME               the model name /v1/models reports (default: the file's name)\n"
     "  --max-queue N              requests waiting beyond the running ones, then 503 (default 256)\n"
     "  --prefill-chunk N          prompt tokens per sequence per step (default 256)\n"
@@ -151,29 +153,65 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
     return 0;
 }
 
-/* The chat template: a family name, a template file to recognise, or the model's own. */
-static enum chat_family pick_template(const struct kvq_model *m, const char *choice) {
-    enum chat_family f = CHAT_UNKNOWN;
-    char *text = NULL;
-    if (choice && (f = chat_family_from_name(choice)) != CHAT_UNKNOWN) return f;
-    if (choice) {
-        text = cli_read_file(choice, NULL);
-        if (!text) {
-            cli_fail("--chat-template '%s' is neither a known name (chatml, llama2, llama3, mistral, gemma, phi3, "
-                     "zephyr) nor a readable file",
-                     choice);
-            exit(1);
-        }
-    } else {
-        int n = kvq_model_meta_str(m, "tokenizer.chat_template", NULL, 0);
-        if (n >= 0 && (text = malloc((size_t)n + 1))) kvq_model_meta_str(m, "tokenizer.chat_template", text, (size_t)n + 1);
+/* A metadata string of the model (malloc'd), or NULL when absent. */
+static char *meta_str(const struct kvq_model *m, const char *key) {
+    int n = kvq_model_meta_str(m, key, NULL, 0);
+    char *text = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (text) kvq_model_meta_str(m, key, text, (size_t)n + 1);
+    return text;
+}
+
+/* The text of a special token ("" when the model has none), malloc'd. */
+static char *token_text(const struct kvq_model *m, kvq_token t) {
+    char buf[256];
+    int n = t >= 0 ? kvq_token_bytes(m, t, buf, (int)sizeof buf - 1) : 0;
+    if (n < 0 || n >= (int)sizeof buf) n = 0;
+    buf[n] = 0;
+    return strdup(buf);
+}
+
+/* The chat template: a built-in one by name, a Jinja file, or the model's own
+ * (tokenizer.chat_template, with tokenizer.chat_template.tool_use for requests with
+ * tools); ChatML when the model has none. And the syntax its tool calls take, read
+ * from its text (the tool_use variant's when there is one). */
+static struct chat_template *pick_template(const struct kvq_model *m, const char *choice, char *desc, size_t desc_size,
+                                           enum tool_syntax *tools) {
+    char *text = NULL, *tool_use = NULL;
+    const char *builtin = choice ? chat_template_builtin(choice) : NULL;
+    if (choice && !builtin && !(text = cli_read_file(choice, NULL))) {
+        cli_fail("--chat-template '%s' is neither a built-in template (%s) nor a readable file", choice,
+                 chat_template_builtin_names);
+        return NULL;
     }
-    if (text) f = chat_template_detect(text);
-    if (f == CHAT_UNKNOWN)
-        fprintf(stderr, "kvq serve: warning: %s; using ChatML\n",
-                text ? "the chat template matches no known family" : "the model has no chat template");
+    if (builtin) snprintf(desc, desc_size, "built-in %s", choice);
+    else if (choice) snprintf(desc, desc_size, "%.200s", choice);
+    if (!choice) {
+        snprintf(desc, desc_size, "the model's");
+        text = meta_str(m, "tokenizer.chat_template");
+        tool_use = meta_str(m, "tokenizer.chat_template.tool_use");
+        if (!text) {
+            fprintf(stderr, "kvq serve: warning: the model has no chat template; using ChatML (--chat-template "
+                            "picks another)\n");
+            builtin = chat_template_builtin("chatml");
+            snprintf(desc, desc_size, "built-in chatml");
+        } else if (tool_use)
+            snprintf(desc, desc_size, "the model's (and its tool_use variant)");
+    }
+    /* the tokenizer adds BOS as the model's metadata says: a template's own BOS text is then dropped */
+    kvq_token probe[4];
+    bool adds_bos = kvq_tokenize(m, "", 0, true, false, probe, 4) >= 1 && probe[0] == kvq_token_bos(m);
+    struct chat_template_params p = {.text = builtin ? builtin : text, .tool_use_text = tool_use,
+                                     .bos = token_text(m, kvq_token_bos(m)), .eos = token_text(m, kvq_token_eos(m)),
+                                     .strip_bos = adds_bos};
+    *tools = tool_syntax_detect(tool_use ? tool_use : p.text);
+    char err[320];
+    struct chat_template *t = p.bos && p.eos ? chat_template_new(&p, err, sizeof err) : NULL;
+    if (!t) cli_fail("%s%s", p.bos && p.eos ? err : "out of memory", choice ? "" : " (--chat-template picks another)");
+    free((char *)p.bos);
+    free((char *)p.eos);
     free(text);
-    return f == CHAT_UNKNOWN ? CHAT_CHATML : f;
+    free(tool_use);
+    return t;
 }
 
 int cmd_serve(int argc, char **argv) {
@@ -187,7 +225,13 @@ int cmd_serve(int argc, char **argv) {
     struct sched *s = NULL;
     struct http_server *h = NULL;
     struct embedder *em = NULL;
-    enum chat_family chat = pick_template(m, o.chat_template);
+    enum tool_syntax tool_syntax;
+    char chat_desc[256];
+    struct chat_template *chat = pick_template(m, o.chat_template, chat_desc, sizeof chat_desc, &tool_syntax);
+    if (!chat) {
+        kvq_model_free(m);
+        return 1;
+    }
 
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
@@ -245,15 +289,16 @@ int cmd_serve(int argc, char **argv) {
     char *dot = o.alias ? NULL : strstr(model_id, ".gguf");
     if (dot && dot[5] == '\0') *dot = '\0';
     struct http_params hp = {.host = o.host, .port = o.port, .api_key = o.api_key,
-                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping, .strict_api = o.strict_api,
-                             .model = m, .chat = chat, .sched = s, .embedder = em};
+                             .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping,
+                             .strict_api = o.strict_api, .model = m, .chat = chat, .tool_syntax = tool_syntax, .sched = s,
+                             .embedder = em};
     h = http_start(&hp);
     if (!h) goto done;
     fprintf(stderr,
             "kvq serve: model %s (%s), KV %s, %d sequences of %d tokens, KV budget %.1f MiB, prefix cache %d MiB, "
-            "chat template %s\n",
+            "chat template %s, tool calls %s\n",
             model_id, info.weight_type, cli_kv_config_name(&o.cp.kv), o.sp.max_seqs, kvq_context_n_ctx(ctx),
-            kvq_kv_budget(ctx) / 1048576.0, o.cache_mb, chat_family_name(chat));
+            kvq_kv_budget(ctx) / 1048576.0, o.cache_mb, chat_desc, tool_syntax_name(tool_syntax));
     fprintf(stderr, "kvq serve: listening on http://%s:%d\n", o.host, http_port(h));
     int sig;
     sigwait(&sigs, &sig);
@@ -267,5 +312,6 @@ done:
     embedder_free(em);
     kvq_context_free(ctx);
     kvq_model_free(m);
+    chat_template_free(chat);
     return rc;
 }

@@ -1,5 +1,6 @@
 /* The public API: ties the model, tokenizer, thread pool and KV caches together. */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,6 +10,7 @@
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
 #include "engine/engine_internal.h"
+#include "engine/grammar.h"
 #include "kvq.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
@@ -16,6 +18,8 @@
 struct kvq_model {
     struct model *model;
     struct tokenizer *tok;
+    pthread_mutex_t grammar_mu;
+    struct grammar_vocab *grammar_vocab; /* made on first use */
 };
 
 struct kvq_context {
@@ -54,6 +58,7 @@ struct kvq_model *kvq_model_load(const char *path) {
         kvq_error("out of memory");
         return NULL;
     }
+    pthread_mutex_init(&m->grammar_mu, NULL);
     m->model = model_load(path);
     if (!m->model) goto fail;
     m->tok = tokenizer_from_gguf(m->model->file);
@@ -74,6 +79,7 @@ struct kvq_model *kvq_model_load_vocab(const char *path) {
         kvq_error("out of memory");
         return NULL;
     }
+    pthread_mutex_init(&m->grammar_mu, NULL);
     struct gguf_file *f = gguf_open(path);
     if (!f) goto fail;
     m->tok = tokenizer_from_gguf(f); /* copies what it needs */
@@ -87,6 +93,8 @@ fail:
 
 void kvq_model_free(struct kvq_model *m) {
     if (!m) return;
+    grammar_vocab_free(m->grammar_vocab);
+    pthread_mutex_destroy(&m->grammar_mu);
     tokenizer_free(m->tok);
     model_free(m->model);
     free(m);
@@ -123,6 +131,19 @@ int kvq_model_meta_str(const struct kvq_model *m, const char *key, char *buf, si
         buf[n] = '\0';
     }
     return (int)v->str.len;
+}
+
+struct grammar_vocab *engine_grammar_vocab(const struct kvq_model *cm) {
+    struct kvq_model *m = (struct kvq_model *)cm; /* the vocabulary is a cache: made once, then read-only */
+    pthread_mutex_lock(&m->grammar_mu);
+    if (!m->grammar_vocab) {
+        struct kvq_model_info info;
+        kvq_model_get_info(m, &info);
+        m->grammar_vocab = grammar_vocab_new(m->tok, info.n_vocab);
+    }
+    struct grammar_vocab *v = m->grammar_vocab;
+    pthread_mutex_unlock(&m->grammar_mu);
+    return v;
 }
 
 /* ---- tokenizer ---- */

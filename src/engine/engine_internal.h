@@ -6,8 +6,13 @@
 
 struct model;
 struct kv_cache;
+struct grammar_vocab;
+struct tokenizer;
 
 const struct model *engine_model(const struct kvq_context *c);
+/* The model's vocabulary as grammars see it, made on first use (any thread); NULL
+ * with an error. */
+struct grammar_vocab *engine_grammar_vocab(const struct kvq_model *m);
 const struct kvq_kv_config *engine_kv_config(const struct kvq_context *c);
 /* The sequence's caches, [n_layer]; NULL with an error for a bad sequence id. */
 struct kv_cache **engine_seq_caches(const struct kvq_context *c, int seq);

@@ -37,6 +37,8 @@ struct kvq_sampler {
     kvq_token *bias_ids, *banned;
     float *bias;
     int n_bias, n_banned;
+    struct kvq_grammar *grammar; /* not owned */
+    float *masked;               /* the logits with what the grammar forbids at -inf */
 };
 
 void kvq_sampler_params_default(struct kvq_sampler_params *p) {
@@ -81,6 +83,7 @@ void kvq_sampler_free(struct kvq_sampler *s) {
     free(s->bias_ids);
     free(s->bias);
     free(s->banned);
+    free(s->masked);
     free(s);
 }
 
@@ -305,7 +308,28 @@ static double drop_banned(struct kvq_sampler *s, float *w) {
     return dropped;
 }
 
+int kvq_sampler_set_grammar(struct kvq_sampler *s, struct kvq_grammar *g) {
+    if (g && !s->masked && !(s->masked = malloc(sizeof *s->masked * (size_t)s->n_vocab)))
+        return kvq_error("out of memory");
+    s->grammar = g;
+    return 0;
+}
+
+static kvq_token sample_logits(struct kvq_sampler *s, const float *logits);
+
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
+    if (!s->grammar) return sample_logits(s, logits);
+    /* bias, penalties and bans apply to the masked logits (the bans-only path draws
+     * from them as they are): a forbidden token stays at -inf whatever else applies */
+    memcpy(s->masked, logits, sizeof *s->masked * (size_t)s->n_vocab);
+    kvq_grammar_apply(s->grammar, s->masked);
+    const kvq_token t = sample_logits(s, s->masked);
+    /* a draw among fewer allowed tokens than top-k keeps may land on a forbidden one
+     * (weight 0) only by rounding: the best allowed one then */
+    return s->masked[t] == -INFINITY ? argmax(s->masked, s->n_vocab) : t;
+}
+
+static kvq_token sample_logits(struct kvq_sampler *s, const float *logits) {
     const int n = s->n_vocab;
     int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
     const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0;

@@ -98,9 +98,9 @@ static int check_ids(const struct http_server *h, const char *param, const kvq_t
     return 0;
 }
 
-/* Prompt p's tokens: chat messages through the template (its leading BOS text is
- * dropped: the tokenizer adds BOS as the model's metadata says), the raw prompt, or
- * the prompt's token ids as they are. */
+/* Prompt p's tokens: chat messages through the template (which drops a leading BOS
+ * text when the tokenizer adds BOS itself), the raw prompt, or the prompt's token
+ * ids as they are. */
 static int prompt_tokens(struct http_server *h, const struct oai_request *q, int p, kvq_token **out,
                          struct oai_error *e) {
     if (q->kind == OAI_COMPLETION && q->prompts[p].ids) {
@@ -113,16 +113,12 @@ static int prompt_tokens(struct http_server *h, const struct oai_request *q, int
         memcpy(*out, o->ids, sizeof **out * (size_t)o->n_ids);
         return o->n_ids;
     }
-    char *text = q->kind == OAI_CHAT ? chat_template_render(h->p.chat, q->messages, q->n_messages,
-                                                            chat_family_bos(h->p.chat), chat_family_eos(h->p.chat))
-                                     : strdup(q->prompts[p].text);
+    char *text = q->kind == OAI_CHAT ? api_render_chat(h->p.chat, h->p.tool_syntax, q, e) : strdup(q->prompts[p].text);
     if (!text) {
-        oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+        if (q->kind != OAI_CHAT) oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
         return -1;
     }
-    const char *bos = chat_family_bos(h->p.chat), *t = text;
-    if (q->kind == OAI_CHAT && *bos && strncmp(t, bos, strlen(bos)) == 0) t += strlen(bos);
-    int n = api_tokenize_text(h->p.model, t, strlen(t), true, true, out);
+    int n = api_tokenize_text(h->p.model, text, strlen(text), true, true, out);
     free(text);
     if (n < 0) oai_error_set(e, 400, "invalid_request_error", NULL, NULL, "cannot tokenize the prompt: %s", kvq_last_error());
     else if (n == 0) {
@@ -132,6 +128,30 @@ static int prompt_tokens(struct http_server *h, const struct oai_request *q, int
         n = -1;
     }
     return n;
+}
+
+/* The grammar the request's output must follow (NULL: none): a forced tool call, or
+ * response_format's schema. -1 with e for a schema it cannot follow. */
+static int request_grammar(struct http_server *h, const struct oai_request *q, struct kvq_grammar **g,
+                           struct oai_error *e) {
+    *g = NULL;
+    if (oai_tools_on(q) && (q->tool_choice == OAI_TOOLS_REQUIRED || q->tool_choice == OAI_TOOLS_NAMED)) {
+        const char *prefix, *suffix, *err;
+        char *schema = tool_call_schema(h->p.tool_syntax, q->tools, q->n_tools,
+                                        q->tool_choice == OAI_TOOLS_NAMED ? q->tool_name : NULL, &prefix, &suffix, &err);
+        if (!schema) {
+            oai_error_set(e, 400, "invalid_request_error", "tools", NULL, "%s", err);
+            return -1;
+        }
+        *g = kvq_grammar_from_json_schema(h->p.model, schema, strlen(schema), prefix, suffix);
+        free(schema);
+        if (!*g) oai_error_set(e, 400, "invalid_request_error", "tools", NULL, "a tool's parameters: %s", kvq_last_error());
+        return *g ? 0 : -1;
+    }
+    if (!q->response_schema) return 0;
+    *g = kvq_grammar_from_json_schema(h->p.model, q->response_schema, strlen(q->response_schema), NULL, NULL);
+    if (!*g) oai_error_set(e, 400, "invalid_request_error", "response_format", NULL, "%s", kvq_last_error());
+    return *g ? 0 : -1;
 }
 
 /* ---- log-probabilities ---- */
@@ -158,7 +178,8 @@ struct choice {
     struct sched_cursor cur;
     struct sched_result res;
     bool done;
-    struct strbuf text; /* a whole response's */
+    struct strbuf text; /* a whole response's; a tool stream's text so far */
+    size_t sent;        /* a tool stream: how much of text went out as content */
     struct lp_list lps;
 };
 
@@ -219,14 +240,18 @@ static int submit_choices(struct http_server *h, struct oai_request *q, unsigned
             kvq_token *t = i == 0 ? toks : malloc(sizeof *t * (size_t)n_tok);
             if (t && i > 0) memcpy(t, toks, sizeof *t * (size_t)n_tok);
             group[i] = NULL;
+            bool refused = false; /* a schema the grammar cannot follow: e says why */
             if (t && gen_params_copy(&g, &q->gen) == 0) {
                 g.sampling.seed = seed + (uint64_t)(p * n + i); /* choices differ, reproducibly */
-                if (!(group[i] = sched_req_new(t, n_tok, &g, q->cache_key))) gen_params_free(&g);
+                /* each choice its own grammar: it holds how far that choice has come */
+                if ((refused = request_grammar(h, q, &g.grammar, e) != 0) ||
+                    !(group[i] = sched_req_new(t, n_tok, &g, q->cache_key)))
+                    gen_params_free(&g);
             }
             if (!group[i]) {
                 if (t != toks || i == 0) free(t);
                 for (int j = 0; j < i; j++) sched_req_release(group[j]);
-                oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
+                if (!refused) oai_error_set(e, 500, "server_error", NULL, NULL, "out of memory");
                 rc = -1;
             }
         }
@@ -271,6 +296,7 @@ struct stream {
     char id[48];
     long created;
     bool include_usage, logprobs, first_sent, finished;
+    bool tools;        /* tool calls are parsed out of each choice's text */
     struct strbuf out; /* SSE bytes not yet handed to MHD */
     size_t out_off;
     double last_write;
@@ -285,6 +311,32 @@ static void sse_event(struct stream *st, char *json) {
     strbuf_add(&st->out, json);
     strbuf_add(&st->out, "\n\n");
     free(json);
+}
+
+/* Choice i of a stream whose text may hold tool calls: content goes out up to where a
+ * call may start; at its end the calls, parsed from its whole text, go out as
+ * delta.tool_calls with finish_reason "tool_calls" (or what is left, as content). */
+static void tool_stream_fill(struct stream *st, int i, const struct strbuf *text, const struct oai_logprobs *lp,
+                             bool done) {
+    const char *model = st->h->p.model_id;
+    struct choice *c = &st->ch[i];
+    strbuf_addn(&c->text, text->s ? text->s : "", text->len);
+    const char *all = c->text.s ? c->text.s : "";
+    size_t upto = tool_stream_safe(st->h->p.tool_syntax, all, c->text.len);
+    struct tool_call *calls = NULL;
+    int n_calls = 0;
+    if (done && tool_calls_parse(st->h->p.tool_syntax, all, c->text.len, &calls, &n_calls, &upto) != 0)
+        st->out.oom = true;
+    if (upto > c->sent || (lp && lp->n)) {
+        size_t n = upto > c->sent ? upto - c->sent : 0;
+        sse_event(st, oai_chunk_json(OAI_CHAT, st->id, st->created, model, i, false, n ? all + c->sent : NULL, n, NULL, lp));
+        c->sent += n;
+    }
+    if (!done) return;
+    if (n_calls) sse_event(st, oai_tool_chunk_json(st->id, st->created, model, i, calls, n_calls));
+    sse_event(st, oai_chunk_json(OAI_CHAT, st->id, st->created, model, i, false, NULL, 0,
+                                 n_calls ? "tool_calls" : c->res.finish_reason, NULL));
+    tool_calls_free(calls, n_calls);
 }
 
 /* Turns what the scheduler produced into SSE events: a chunk per choice with news, the
@@ -318,7 +370,9 @@ static void stream_fill(struct stream *st) {
         if (text.oom || lps.oom) st->out.oom = true;
         const struct oai_logprobs *lp = lp_view(st->h, st->logprobs, &lps, &lpv);
         bool news = text.len || lps.n;
-        if (done && c->res.error_status) {
+        if (st->tools && !(done && c->res.error_status)) {
+            tool_stream_fill(st, i, &text, lp, done);
+        } else if (done && c->res.error_status) {
             if (news)
                 sse_event(st, oai_chunk_json(st->kind, st->id, st->created, model, i, false, text.s, text.len, NULL, lp));
             struct oai_error e;
@@ -393,6 +447,7 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     int n_ch = 0;
     const int per_prompt = q.n;
     bool stream = q.stream, include_usage = q.include_usage, logprobs = q.gen.logprobs >= 0;
+    const bool tools = kind == OAI_CHAT && oai_tools_on(&q);
     int rc = submit_choices(h, &q, id, &ch, &n_ch, &e);
     oai_request_free(&q);
     if (rc) return respond_error(h, c, &e);
@@ -407,7 +462,7 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
         }
         *st = (struct stream){.h = h, .conn = c, .ch = ch, .n_choices = n_ch, .per_prompt = per_prompt, .kind = kind,
                               .created = created, .include_usage = include_usage, .logprobs = logprobs,
-                              .last_write = now_s()};
+                              .tools = tools, .last_write = now_s()};
         memcpy(st->id, rid, sizeof rid);
         struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, st, stream_free);
         if (!resp) {
@@ -442,10 +497,26 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
         struct oai_usage u = usage_of(ch, n_ch, per_prompt);
         struct oai_choice *oc = calloc((size_t)n_ch, sizeof *oc);
         struct oai_logprobs *lpv = calloc((size_t)n_ch, sizeof *lpv);
-        for (int i = 0; oc && lpv && i < n_ch; i++)
-            oc[i] = (struct oai_choice){ch[i].text.s ? ch[i].text.s : "", ch[i].text.len, ch[i].res.finish_reason,
-                                        lp_view(h, logprobs, &ch[i].lps, &lpv[i])};
-        ret = respond_json(h, c, 200, oom || !oc || !lpv ? NULL : oai_response_json_n(kind, rid, created, h->p.model_id, oc, n_ch, &u));
+        struct tool_call **calls = calloc((size_t)n_ch, sizeof *calls);
+        for (int i = 0; oc && lpv && calls && i < n_ch; i++) {
+            struct oai_choice *o = &oc[i];
+            *o = (struct oai_choice){ch[i].text.s ? ch[i].text.s : "", ch[i].text.len, ch[i].res.finish_reason,
+                                     lp_view(h, logprobs, &ch[i].lps, &lpv[i]), NULL, 0};
+            size_t content_len = o->text_len;
+            if (tools && tool_calls_parse(h->p.tool_syntax, o->text, o->text_len, &calls[i], &o->n_calls, &content_len))
+                oom = true;
+            if (o->n_calls == 0) continue;
+            while (content_len > 0 && (o->text[content_len - 1] == ' ' || o->text[content_len - 1] == '\n'))
+                content_len--; /* before the first call */
+            o->calls = calls[i];
+            o->text_len = content_len;
+            o->finish_reason = "tool_calls";
+        }
+        ret = respond_json(h, c, 200,
+                           oom || !oc || !lpv || !calls ? NULL
+                                                        : oai_response_json_n(kind, rid, created, h->p.model_id, oc, n_ch, &u));
+        for (int i = 0; oc && calls && i < n_ch; i++) tool_calls_free(calls[i], oc[i].n_calls);
+        free(calls);
         free(oc);
         free(lpv);
     }
@@ -491,7 +562,8 @@ static enum MHD_Result aux_endpoint(struct http_server *h, struct MHD_Connection
     char *out;
     if (!strcmp(path, "/tokenize")) out = api_tokenize(h->p.model, body, cs->body.len, &e);
     else if (!strcmp(path, "/detokenize")) out = api_detokenize(h->p.model, body, cs->body.len, &e);
-    else if (!strcmp(path, "/apply-template")) out = api_apply_template(h->p.chat, body, cs->body.len, h->p.strict_api, &e);
+    else if (!strcmp(path, "/apply-template"))
+        out = api_apply_template(h->p.chat, h->p.tool_syntax, body, cs->body.len, h->p.strict_api, &e);
     else if (!h->p.embedder)
         return fail(h, c, 501, "not_supported_error", NULL, NULL,
                     "this server does not compute embeddings: start it with --embeddings");

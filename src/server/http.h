@@ -12,6 +12,7 @@
 #include "server/chat_template.h"
 #include "server/llama_api.h"
 #include "server/scheduler.h"
+#include "server/tool_calls.h"
 
 struct http_params {
     const char *host; /* numeric address or "localhost" */
@@ -22,7 +23,8 @@ struct http_params {
     int ping_seconds; /* ": ping" on a stream idle this long */
     bool strict_api;  /* fields beyond OpenAI's are a 400 (else ignored and logged once) */
     const struct kvq_model *model;
-    enum chat_family chat;
+    const struct chat_template *chat;
+    enum tool_syntax tool_syntax; /* how the model calls tools */
     struct sched *sched;
     struct embedder *embedder; /* NULL: /v1/embeddings answers 501 */
 };

@@ -151,12 +151,35 @@ char *api_detokenize(const struct kvq_model *m, const char *body, size_t len, st
     return out;
 }
 
-char *api_apply_template(enum chat_family chat, const char *body, size_t len, bool strict, struct oai_error *e) {
+char *api_render_chat(const struct chat_template *chat, enum tool_syntax s, const struct oai_request *q,
+                      struct oai_error *e) {
+    const bool tools = oai_tools_on(q);
+    json_t *written = NULL;
+    if (!chat_template_takes_tools(chat)) {
+        bool tooled = tools;
+        size_t i;
+        json_t *m;
+        json_array_foreach(q->messages, i, m) tooled |= json_array_size(json_object_get(m, "tool_calls")) > 0 ||
+                                                        !strcmp(json_string_value(json_object_get(m, "role")), "tool");
+        if (tooled && !(written = tool_messages(s, q->messages, q->tools, tools ? q->n_tools : 0))) return oom(e);
+    }
+    char err[256] = "out of memory";
+    struct chat_request cr = {written ? written : q->messages, tools && !written ? q->tools_json : NULL,
+                              q->template_kwargs, true};
+    char *text = chat_template_apply(chat, &cr, err, sizeof err);
+    json_decref(written);
+    /* the template refuses the conversation (raise_exception, a missing field): the client's to fix */
+    if (!text) oai_error_set(e, 400, "invalid_request_error", "messages", NULL, "chat template: %s", err);
+    return text;
+}
+
+char *api_apply_template(const struct chat_template *chat, enum tool_syntax s, const char *body, size_t len,
+                         bool strict, struct oai_error *e) {
     struct oai_request q;
     if (oai_parse_request(body, len, OAI_CHAT, strict, &q, e) != 0) return NULL;
-    char *text = chat_template_render(chat, q.messages, q.n_messages, chat_family_bos(chat), chat_family_eos(chat));
+    char *text = api_render_chat(chat, s, &q, e);
     oai_request_free(&q);
-    char *out = text ? dump(json_pack("{s:s}", "prompt", text), e) : oom(e);
+    char *out = text ? dump(json_pack("{s:s}", "prompt", text), e) : NULL;
     free(text);
     return out;
 }

@@ -98,12 +98,15 @@ static int get_content(json_t *v, char **out, struct oai_error *e) {
     return 0;
 }
 
+/* The messages as the chat template sees them: each a copy of what was sent (tool
+ * calls, tool_call_id, name and other fields kept) with "developer" read as
+ * "system" and content made a string. */
 static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
     if (!json_is_array(v) || json_array_size(v) == 0)
         return BAD("messages", "'messages' must be a non-empty list of messages");
     size_t n = json_array_size(v);
     if (n > 100000) return BAD("messages", "too many messages");
-    if (!(r->messages = calloc(n, sizeof *r->messages))) return BAD("messages", "out of memory");
+    if (!(r->messages = json_array())) return BAD("messages", "out of memory");
     for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(v, i);
         if (!json_is_object(m)) return BAD("messages", "messages[%zu] must be an object", i);
@@ -112,31 +115,36 @@ static int get_messages(json_t *v, struct oai_request *r, struct oai_error *e) {
         const char *rs = json_string_value(role);
         /* "developer" is OpenAI's newer name for the system role */
         if (!strcmp(rs, "developer")) rs = "system";
-        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant"))
-            return BAD("messages", "messages[%zu].role '%s' is not supported (system, user, assistant)", i, rs);
-        r->n_messages++;
-        char *content = NULL;
-        if (!(r->messages[i].role = strdup(rs)) || get_content(json_object_get(m, "content"), &content, e)) {
-            free(content);
-            return e->status ? -1 : BAD("messages", "out of memory");
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "tool"))
+            return BAD("messages", "messages[%zu].role '%s' is not supported (system, user, assistant, tool)", i, rs);
+        json_t *calls = json_object_get(m, "tool_calls");
+        if (calls && !json_is_null(calls) && (strcmp(rs, "assistant") || !json_is_array(calls)))
+            return BAD("messages", "messages[%zu].tool_calls must be a list, on an assistant message", i);
+        size_t k;
+        json_t *call;
+        json_array_foreach(calls, k, call) {
+            json_t *fn = json_object_get(call, "function");
+            if (!json_is_object(fn) || !json_is_string(json_object_get(fn, "name")))
+                return BAD("messages", "messages[%zu].tool_calls[%zu] needs a function with a name", i, k);
         }
-        r->messages[i].content = content;
+        /* an assistant turn of tool calls alone keeps its content null (or absent: null),
+         * as templates test for it */
+        json_t *c = json_object_get(m, "content");
+        bool no_text = json_is_null(c) || (!c && json_array_size(calls) > 0);
+        char *content = NULL;
+        if (!no_text && get_content(c, &content, e)) {
+            free(content);
+            return -1;
+        }
+        json_t *copy = json_deep_copy(m);
+        json_t *text = no_text ? json_null() : json_string(content);
+        free(content);
+        if (!copy || !text || json_object_set_new(copy, "role", json_string(rs)) ||
+            json_object_set_new(copy, "content", text) || json_array_append_new(r->messages, copy)) {
+            json_decref(copy);
+            return BAD("messages", "out of memory");
+        }
     }
-    return 0;
-}
-
-/* Fields clients send that change nothing here when left at their defaults. */
-static int check_default_only(const char *key, json_t *v, struct oai_error *e) {
-    bool is_default = json_is_null(v);
-    if (!strcmp(key, "tools"))
-        is_default = is_default || (json_is_object(v) && json_object_size(v) == 0) ||
-                     (json_is_array(v) && json_array_size(v) == 0);
-    else if (!strcmp(key, "response_format")) {
-        json_t *t = json_object_get(v, "type");
-        is_default = is_default || (json_is_string(t) && !strcmp(json_string_value(t), "text"));
-    } else if (!strcmp(key, "suffix"))
-        is_default = is_default || (json_is_string(v) && json_string_length(v) == 0);
-    if (!is_default) return BAD(key, "'%s' is not supported by this server yet", key);
     return 0;
 }
 
@@ -245,7 +253,7 @@ static const struct {
     {"prompt_logprobs", J_INT}, {"allowed_token_ids", J_ARR}, {"bad_words", J_ARR}, {"add_special_tokens", J_BOOL},
     {"add_generation_prompt", J_BOOL}, {"continue_final_message", J_BOOL}, {"documents", J_ARR},
     {"chat_template", J_STR}, {"chat_template_kwargs", J_OBJ}, {"mm_processor_kwargs", J_OBJ},
-    {"guided_json", J_STR | J_OBJ}, {"guided_regex", J_STR}, {"guided_choice", J_ARR}, {"guided_grammar", J_STR},
+    {"guided_regex", J_STR}, {"guided_choice", J_ARR}, {"guided_grammar", J_STR},
     {"guided_decoding_backend", J_STR}, {"guided_whitespace_pattern", J_STR}, {"structured_outputs", J_OBJ},
     {"priority", J_INT}, {"request_id", J_STR}, {"return_tokens_as_token_ids", J_BOOL}, {"return_token_ids", J_BOOL},
     {"cache_salt", J_STR}, {"kv_transfer_params", J_OBJ}, {"vllm_xargs", J_OBJ}, {"logits_processors", J_ARR},
@@ -256,7 +264,7 @@ static const struct {
     {"mirostat_eta", J_NUM}, {"dynatemp_range", J_NUM}, {"dynatemp_exponent", J_NUM}, {"dry_multiplier", J_NUM},
     {"dry_base", J_NUM}, {"dry_allowed_length", J_INT}, {"dry_penalty_last_n", J_INT},
     {"dry_sequence_breakers", J_ARR}, {"xtc_probability", J_NUM}, {"xtc_threshold", J_NUM}, {"top_n_sigma", J_NUM},
-    {"samplers", J_ARR | J_STR}, {"grammar", J_STR}, {"json_schema", J_OBJ}, {"id_slot", J_INT},
+    {"samplers", J_ARR | J_STR}, {"grammar", J_STR}, {"id_slot", J_INT},
     {"t_max_predict_ms", J_INT}, {"t_max_prompt_ms", J_INT}, {"return_tokens", J_BOOL}, {"timings_per_token", J_BOOL},
     {"post_sampling_probs", J_BOOL}, {"response_fields", J_ARR}, {"lora", J_ARR}, {"n_indent", J_INT},
     {"n_cmpl", J_INT}, {"return_progress", J_BOOL}, {"reasoning_format", J_STR}, {"parse_tool_calls", J_BOOL},
@@ -306,6 +314,15 @@ static int ignore_field(const char *key, json_t *v, bool strict, struct oai_erro
     return 0;
 }
 
+/* The schema the output must follow (NULL: any JSON object), from response_format or
+ * an extension field: one of them per request. */
+static int set_schema(struct oai_request *r, const char *key, json_t *schema, struct oai_error *e) {
+    if (r->response_schema)
+        return BAD(key, "give one schema: 'response_format', llama.cpp's 'json_schema' or vLLM's 'guided_json'");
+    r->response_schema = schema ? json_dumps(schema, JSON_COMPACT | JSON_ENCODE_ANY) : strdup("{\"type\":\"object\"}");
+    return r->response_schema ? 0 : BAD(NULL, "out of memory");
+}
+
 /* vLLM's and llama.cpp's fields that are applied (a 400 with strict, as before them). */
 static int parse_extension(const char *key, json_t *v, struct oai_request *r, bool strict, struct oai_error *e) {
     struct gen_params *g = &r->gen;
@@ -329,7 +346,86 @@ static int parse_extension(const char *key, json_t *v, struct oai_request *r, bo
         return json_is_null(v) || (json_is_array(v) && !json_array_size(v)) ? 0
                                                                             : get_ids(v, key, 256, &g->stop_ids, &g->n_stop_ids, e);
     if (!strcmp(key, "repetition_penalty")) return get_number(v, key, 0.01, 100, &g->sampling.repeat_penalty, e);
+    if (!strcmp(key, "json_schema") || !strcmp(key, "guided_json")) { /* llama.cpp's, vLLM's: a schema or its text */
+        if (json_is_null(v)) return 0;
+        json_t *s = json_is_string(v) ? json_loads(json_string_value(v), JSON_DECODE_ANY, NULL) : json_incref(v);
+        int rc = json_is_object(s) || json_is_boolean(s)
+                     ? set_schema(r, key, s, e)
+                     : BAD(key, "'%s' must be a JSON Schema (an object, or its JSON text)", key);
+        json_decref(s);
+        return rc;
+    }
     return ignore_field(key, v, strict, e);
+}
+
+/* response_format: text, json_object, or json_schema {name, schema, strict}. */
+static int get_response_format(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v)) return 0;
+    json_t *type = json_object_get(v, "type");
+    if (!json_is_object(v) || !json_is_string(type))
+        return BAD("response_format", "'response_format' must be an object with a 'type'");
+    const char *t = json_string_value(type);
+    if (!strcmp(t, "text")) return 0;
+    if (!strcmp(t, "json_object")) return set_schema(r, "response_format", NULL, e);
+    if (strcmp(t, "json_schema"))
+        return BAD("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'");
+    json_t *js = json_object_get(v, "json_schema"), *schema = json_object_get(js, "schema");
+    if (!json_is_object(js)) return BAD("response_format", "'response_format.json_schema' must be an object");
+    json_t *strict = json_object_get(js, "strict"), *name = json_object_get(js, "name");
+    if (strict && !json_is_boolean(strict) && !json_is_null(strict))
+        return BAD("response_format", "'response_format.json_schema.strict' must be a boolean");
+    if (name && !json_is_string(name))
+        return BAD("response_format", "'response_format.json_schema.name' must be a string");
+    if (schema && !json_is_object(schema) && !json_is_boolean(schema))
+        return BAD("response_format", "'response_format.json_schema.schema' must be a JSON Schema object");
+    /* strict or not, the output follows the schema: the grammar is the only way to keep to it */
+    return set_schema(r, "response_format", schema, e);
+}
+
+/* tools: [{"type": "function", "function": {"name", "description", "parameters", "strict"}}] */
+static int get_tools(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v) || (json_is_array(v) && json_array_size(v) == 0)) return 0;
+    if (r->kind != OAI_CHAT) return BAD("tools", "'tools' is supported on /v1/chat/completions only");
+    if (!json_is_array(v)) return BAD("tools", "'tools' must be a list of tools");
+    size_t n = json_array_size(v);
+    if (n > 1024) return BAD("tools", "too many tools");
+    if (n && !(r->tools = calloc(n, sizeof *r->tools))) return BAD(NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(v, i), *fn = json_object_get(t, "function");
+        json_t *type = json_object_get(t, "type"), *name = json_object_get(fn, "name");
+        json_t *params = json_object_get(fn, "parameters");
+        if (!json_is_object(t) || !json_is_string(type) || strcmp(json_string_value(type), "function"))
+            return BAD("tools", "tools[%zu] must be {\"type\": \"function\", \"function\": {...}}", i);
+        if (!json_is_object(fn) || !json_is_string(name) || json_string_length(name) == 0)
+            return BAD("tools", "tools[%zu].function must be an object with a 'name'", i);
+        if (params && !json_is_object(params) && !json_is_null(params))
+            return BAD("tools", "tools[%zu].function.parameters must be a JSON Schema object", i);
+        struct tool_def *d = &r->tools[r->n_tools++];
+        d->name = strdup(json_string_value(name));
+        d->parameters = json_is_object(params) ? json_dumps(params, JSON_COMPACT) : strdup("{}");
+        d->json = json_dumps(t, JSON_COMPACT);
+        if (!d->name || !d->parameters || !d->json) return BAD(NULL, "out of memory");
+    }
+    return (r->tools_json = json_deep_copy(v)) ? 0 : BAD(NULL, "out of memory"); /* as the template takes them */
+}
+
+/* tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}}. */
+static int get_tool_choice(json_t *v, struct oai_request *r, struct oai_error *e) {
+    if (json_is_null(v)) return 0;
+    if (json_is_string(v)) {
+        const char *c = json_string_value(v);
+        if (!strcmp(c, "auto")) r->tool_choice = OAI_TOOLS_AUTO;
+        else if (!strcmp(c, "none")) r->tool_choice = OAI_TOOLS_NONE;
+        else if (!strcmp(c, "required")) r->tool_choice = OAI_TOOLS_REQUIRED;
+        else return BAD("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or a named function");
+        return 0;
+    }
+    json_t *name = json_object_get(json_object_get(v, "function"), "name");
+    if (!json_is_string(name))
+        return BAD("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    r->tool_choice = OAI_TOOLS_NAMED;
+    return get_string(name, "tool_choice", &r->tool_name, e);
 }
 
 static int parse_field(const char *key, json_t *v, struct oai_request *r, bool strict, struct oai_error *e) {
@@ -339,8 +435,11 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, bool s
     if (!strcmp(key, "model") || !strcmp(key, "user"))
         return json_is_string(v) || json_is_null(v) ? 0 : BAD(key, "'%s' must be a string", key);
     if (!strcmp(key, "metadata") || !strcmp(key, "store") || !strcmp(key, "service_tier") ||
-        !strcmp(key, "parallel_tool_calls") || !strcmp(key, "tool_choice"))
+        !strcmp(key, "parallel_tool_calls"))
         return 0; /* bookkeeping fields of OpenAI's API, meaningless here */
+    if (!strcmp(key, "response_format")) return get_response_format(v, r, e);
+    if (!strcmp(key, "tools")) return get_tools(v, r, e);
+    if (!strcmp(key, "tool_choice")) return get_tool_choice(v, r, e);
     if (!strcmp(key, "max_tokens") || !strcmp(key, "max_completion_tokens")) {
         if (json_is_null(v)) return 0;
         if (get_int(v, key, 1, 1 << 24, &x, e)) return -1;
@@ -417,10 +516,17 @@ static int parse_field(const char *key, json_t *v, struct oai_request *r, bool s
         return strlen(r->cache_key) <= 256 ? 0 : BAD(key, "'prompt_cache_key' is longer than 256 bytes");
     }
     if (r->kind == OAI_CHAT && !strcmp(key, "messages")) return get_messages(v, r, e);
+    if (r->kind == OAI_CHAT && !strcmp(key, "chat_template_kwargs") && !strict) { /* extra template variables */
+        if (json_is_null(v)) return 0;
+        if (!json_is_object(v)) return BAD(key, "'chat_template_kwargs' must be an object");
+        json_decref(r->template_kwargs);
+        return (r->template_kwargs = json_deep_copy(v)) ? 0 : BAD(key, "out of memory");
+    }
     if (r->kind == OAI_COMPLETION && !strcmp(key, "prompt")) return get_prompts(v, key, &r->prompts, &r->n_prompts, e);
-    static const char *const defaults_only[] = {"tools", "response_format", "suffix", NULL};
-    for (const char *const *d = defaults_only; *d; d++)
-        if (!strcmp(key, *d)) return check_default_only(key, v, e);
+    if (!strcmp(key, "suffix")) /* accepted at its default only */
+        return json_is_null(v) || (json_is_string(v) && json_string_length(v) == 0)
+                   ? 0
+                   : BAD(key, "'%s' is not supported by this server yet", key);
     if (!strcmp(key, "messages") || !strcmp(key, "prompt")) /* the other endpoint's */
         return BAD(key, "Unrecognized request argument supplied: %s", key);
     return parse_extension(key, v, r, strict, e);
@@ -463,6 +569,11 @@ int oai_parse_request(const char *body, size_t len, enum oai_kind kind, bool str
     if (rc == 0 && kind == OAI_CHAT && r->top_logprobs > 0 && !r->logprobs)
         rc = BAD("top_logprobs", "'top_logprobs' needs 'logprobs': true");
     if (rc == 0 && kind == OAI_CHAT && r->logprobs) r->gen.logprobs = r->top_logprobs > 0 ? r->top_logprobs : 0;
+    if (rc == 0 && (r->tool_choice == OAI_TOOLS_REQUIRED || r->tool_choice == OAI_TOOLS_NAMED) && r->n_tools == 0)
+        rc = BAD("tool_choice", "'tool_choice' asks for a tool call but 'tools' lists none");
+    for (int i = 0; rc == 0 && r->tool_choice == OAI_TOOLS_NAMED && i <= r->n_tools; i++)
+        if (i == r->n_tools) rc = BAD("tool_choice", "'tool_choice' names '%s', which 'tools' does not list", r->tool_name);
+        else if (!strcmp(r->tools[i].name, r->tool_name)) break;
     if (rc == 0 && r->include_usage && !r->stream)
         rc = BAD("stream_options", "'stream_options' is only allowed when 'stream' is true");
     json_decref(root);
@@ -479,6 +590,8 @@ void gen_params_free(struct gen_params *g) {
     g->stop_ids = g->bias_ids = NULL;
     g->bias_values = NULL;
     g->n_stop_ids = g->n_bias = 0;
+    kvq_grammar_free(g->grammar);
+    g->grammar = NULL;
 }
 
 static void *dup_mem(const void *p, size_t bytes, bool *oom) {
@@ -496,16 +609,25 @@ int gen_params_copy(struct gen_params *dst, const struct gen_params *src) {
     dst->stop_ids = dup_mem(src->stop_ids, sizeof *src->stop_ids * (size_t)src->n_stop_ids, &oom);
     dst->bias_ids = dup_mem(src->bias_ids, sizeof *src->bias_ids * (size_t)src->n_bias, &oom);
     dst->bias_values = dup_mem(src->bias_values, sizeof *src->bias_values * (size_t)src->n_bias, &oom);
+    dst->grammar = NULL; /* a grammar holds one sequence's place: each gets its own */
     if (oom) gen_params_free(dst);
     return oom ? -1 : 0;
 }
 
+bool oai_tools_on(const struct oai_request *q) { return q->n_tools > 0 && q->tool_choice != OAI_TOOLS_NONE; }
+
 void oai_request_free(struct oai_request *r) {
-    for (int i = 0; i < r->n_messages; i++) {
-        free((char *)r->messages[i].role);
-        free((char *)r->messages[i].content);
+    json_decref(r->messages);
+    json_decref(r->tools_json);
+    json_decref(r->template_kwargs);
+    for (int i = 0; i < r->n_tools; i++) {
+        free(r->tools[i].name);
+        free(r->tools[i].parameters);
+        free(r->tools[i].json);
     }
-    free(r->messages);
+    free(r->tools);
+    free(r->tool_name);
+    free(r->response_schema);
     prompts_free(r->prompts, r->n_prompts);
     free(r->cache_key);
     gen_params_free(&r->gen);
@@ -620,17 +742,35 @@ static json_t *logprobs_json(enum oai_kind kind, const struct oai_logprobs *lp) 
     return kind == OAI_CHAT ? chat_logprobs(lp) : completion_logprobs(lp);
 }
 
+static json_t *tool_calls_json(const struct tool_call *calls, int n, bool indexed) {
+    json_t *list = json_array();
+    for (int i = 0; i < n; i++) {
+        json_t *c = json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", calls[i].id, "type", "function", "function", "name",
+                              calls[i].name, "arguments", calls[i].arguments);
+        if (indexed && c) json_object_set_new(c, "index", json_integer(i));
+        json_array_append_new(list, c);
+    }
+    return list;
+}
+
 char *oai_response_json_n(enum oai_kind kind, const char *id, long created, const char *model,
                           const struct oai_choice *ch, int n, const struct oai_usage *u) {
     json_t *root = envelope(kind, id, created, model, false), *choices = json_array();
     for (int i = 0; i < n && root && choices; i++) {
         const struct oai_choice *c = &ch[i];
-        json_t *choice = kind == OAI_CHAT
-                             ? json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", i, "message", "role", "assistant",
-                                         "content", c->text, c->text_len, "logprobs", logprobs_json(kind, c->lp),
-                                         "finish_reason", c->finish_reason)
-                             : json_pack("{s:i, s:s%, s:o, s:s}", "index", i, "text", c->text, c->text_len,
-                                         "logprobs", logprobs_json(kind, c->lp), "finish_reason", c->finish_reason);
+        json_t *choice;
+        if (kind == OAI_CHAT && c->n_calls > 0) /* content: the text before the calls, null for none */
+            choice = json_pack("{s:i, s:{s:s, s:o, s:o}, s:o, s:s}", "index", i, "message", "role", "assistant",
+                               "content", c->text_len ? json_stringn(c->text, c->text_len) : json_null(), "tool_calls",
+                               tool_calls_json(c->calls, c->n_calls, false), "logprobs", logprobs_json(kind, c->lp),
+                               "finish_reason", c->finish_reason);
+        else if (kind == OAI_CHAT)
+            choice = json_pack("{s:i, s:{s:s, s:s%}, s:o, s:s}", "index", i, "message", "role", "assistant", "content",
+                               c->text, c->text_len, "logprobs", logprobs_json(kind, c->lp), "finish_reason",
+                               c->finish_reason);
+        else
+            choice = json_pack("{s:i, s:s%, s:o, s:s}", "index", i, "text", c->text, c->text_len, "logprobs",
+                               logprobs_json(kind, c->lp), "finish_reason", c->finish_reason);
         if (json_array_append_new(choices, choice) != 0) json_decref(exchange_null(&choices));
     }
     if (!root || !choices) {
@@ -646,7 +786,7 @@ char *oai_response_json_n(enum oai_kind kind, const char *id, long created, cons
 char *oai_response_json(enum oai_kind kind, const char *id, long created, const char *model, const char *text,
                         size_t text_len, const char *finish_reason, const struct oai_usage *u,
                         const struct oai_logprobs *lp) {
-    const struct oai_choice c = {text, text_len, finish_reason, lp};
+    const struct oai_choice c = {text, text_len, finish_reason, lp, NULL, 0};
     return oai_response_json_n(kind, id, created, model, &c, 1, u);
 }
 
@@ -766,4 +906,18 @@ char *oai_embeddings_json(const char *model, const float *vectors, int n, int di
 char *oai_models_json(const char *model, long created) {
     return dump(json_pack("{s:s, s:[{s:s, s:s, s:I, s:s}]}", "object", "list", "data", "id", model, "object", "model",
                           "created", (json_int_t)created, "owned_by", "kvq"));
+}
+
+char *oai_tool_chunk_json(const char *id, long created, const char *model, int index, const struct tool_call *calls,
+                          int n_calls) {
+    json_t *root = envelope(OAI_CHAT, id, created, model, true);
+    json_t *choice = json_pack("{s:i, s:{s:o}, s:n, s:n}", "index", index, "delta", "tool_calls",
+                               tool_calls_json(calls, n_calls, true), "logprobs", "finish_reason");
+    if (!root || !choice) {
+        json_decref(root);
+        json_decref(choice);
+        return NULL;
+    }
+    json_object_set_new(root, "choices", json_pack("[o]", choice));
+    return dump(root);
 }

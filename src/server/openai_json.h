@@ -6,10 +6,13 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-#include "server/chat_template.h"
 #include "server/scheduler.h"
+#include "server/tool_calls.h"
+
+struct json_t;
 
 enum oai_kind { OAI_CHAT, OAI_COMPLETION };
+enum oai_tool_choice { OAI_TOOLS_AUTO, OAI_TOOLS_NONE, OAI_TOOLS_REQUIRED, OAI_TOOLS_NAMED };
 
 #define OAI_MAX_PROMPTS 256 /* prompts in one completions request */
 #define OAI_MAX_N 128       /* choices per prompt */
@@ -23,8 +26,9 @@ struct oai_prompt {
 
 struct oai_request {
     enum oai_kind kind;
-    struct chat_message *messages; /* chat: strings owned here */
-    int n_messages;
+    struct json_t *messages; /* chat: the messages for the template (see get_messages) */
+    struct json_t *tools_json; /* chat: the tools list as sent, for the template, or NULL */
+    struct json_t *template_kwargs; /* chat: chat_template_kwargs (vLLM's and llama.cpp's), or NULL */
     struct oai_prompt *prompts; /* completion: one or more */
     int n_prompts;
     int n;     /* choices per prompt */
@@ -36,6 +40,12 @@ struct oai_request {
     bool logprobs;    /* chat's logprobs: true (gen.logprobs holds the count either way) */
     int top_logprobs; /* chat's top_logprobs, -1 when absent */
     char *cache_key; /* prompt_cache_key, or NULL */
+    /* response_format's JSON Schema text ({"type":"object"} for json_object), or NULL */
+    char *response_schema;
+    struct tool_def *tools; /* chat's tools (functions) */
+    int n_tools;
+    enum oai_tool_choice tool_choice;
+    char *tool_name; /* the function tool_choice names */
 };
 
 /* An OpenAI error: HTTP status and the fields of {"error": {...}}. */
@@ -56,6 +66,8 @@ void oai_error_set(struct oai_error *e, int status, const char *type, const char
 int oai_parse_request(const char *body, size_t len, enum oai_kind kind, bool strict, struct oai_request *r,
                       struct oai_error *e);
 void oai_request_free(struct oai_request *r);
+/* The request has tools that may be called (tool_choice is not "none"). */
+bool oai_tools_on(const struct oai_request *q);
 
 struct oai_usage {
     int prompt_tokens, completion_tokens, cached_tokens;
@@ -74,12 +86,15 @@ struct oai_logprobs {
  * else chat's {"content": [...]} or the completions' {"tokens", "token_logprobs",
  * "top_logprobs", "text_offset"} (offsets into the generated text). */
 char *oai_error_json(const struct oai_error *e);
-/* One choice of a response (index: its place in the list). */
+/* One choice of a response (index: its place in the list). With tool calls (chat),
+ * text is the content before them (none: null) and finish_reason "tool_calls". */
 struct oai_choice {
     const char *text;
     size_t text_len;
     const char *finish_reason;
     const struct oai_logprobs *lp;
+    const struct tool_call *calls;
+    int n_calls;
 };
 char *oai_response_json_n(enum oai_kind kind, const char *id, long created, const char *model,
                           const struct oai_choice *ch, int n, const struct oai_usage *u);
@@ -107,5 +122,10 @@ int oai_parse_embeddings(const char *body, size_t len, bool strict, struct oai_e
 void oai_embed_request_free(struct oai_embed_request *r);
 /* The list of n vectors [n][dim] (as floats or base64) with the usage. */
 char *oai_embeddings_json(const char *model, const float *vectors, int n, int dim, bool base64, int prompt_tokens);
+
+/* A chat stream chunk of choice `index` with delta.tool_calls (each with its index, id,
+ * type, name and the whole arguments). */
+char *oai_tool_chunk_json(const char *id, long created, const char *model, int index, const struct tool_call *calls,
+                          int n_calls);
 
 #endif

@@ -431,7 +431,7 @@ static void start(struct sched *s, struct sched_req *r, int slot) {
     r->dt = kvq_detok_new(s->m);
     r->fed_cap = r->n_tokens + 64;
     r->fed = malloc(sizeof *r->fed * (size_t)r->fed_cap);
-    if (!r->smp || !r->dt || !r->fed) {
+    if (!r->smp || !r->dt || !r->fed || kvq_sampler_set_grammar(r->smp, r->gp.grammar) != 0) {
         fail(s, r, 500, "out of memory");
         return;
     }
@@ -530,6 +530,12 @@ static void next_token(struct sched *s, struct sched_req *r) {
         finish(r, "stop");
         return;
     }
+    /* the grammar only lets through what it allows: a refusal would be a bug, and ends the text */
+    if (r->gp.grammar && kvq_grammar_accept(r->gp.grammar, t) != 0) {
+        fprintf(stderr, "kvq serve: %s\n", kvq_last_error());
+        finish(r, "stop");
+        return;
+    }
     kvq_sampler_accept_output(r->smp, t);
     r->n_gen++;
     if (r->n_gen == r->gp.min_tokens && update_bans(s, r) != 0) {
@@ -542,6 +548,10 @@ static void next_token(struct sched *s, struct sched_req *r) {
     if ((w > 0 || r->gp.logprobs >= 0) &&
         add_text(r, piece, w > 0 ? (w < (int)sizeof piece ? w : (int)sizeof piece) : 0,
                  r->gp.logprobs >= 0 ? &r->drawn_lp : NULL)) {
+        finish(r, "stop");
+        return;
+    }
+    if (r->gp.grammar && kvq_grammar_done(r->gp.grammar)) { /* the value is complete: nothing may follow */
         finish(r, "stop");
         return;
     }

@@ -32,6 +32,7 @@ struct gen_params {
     kvq_token *bias_ids; /* logit_bias: bias_values[i] added to token bias_ids[i] (malloc'd) */
     float *bias_values;
     int n_bias;
+    struct kvq_grammar *grammar; /* the text must follow it (owned), or NULL */
 };
 
 struct prefix_cache;
@@ -100,7 +101,7 @@ void sched_req_release(struct sched_req *r);
 
 /* Frees what gp owns. */
 void gen_params_free(struct gen_params *gp);
-/* dst becomes a deep copy of src; 0, or -1 when out of memory (dst then owns nothing). */
+/* dst becomes a deep copy of src, less its grammar (NULL: one per sequence); 0, or -1 when out of memory (dst then owns nothing). */
 int gen_params_copy(struct gen_params *dst, const struct gen_params *src);
 
 #endif

@@ -264,6 +264,11 @@ async function extensions(refsDir) {
   const at = await post('/apply-template', { messages: [{ role: 'system', content: 'S' }, { role: 'user', content: 'hi' }] });
   ok(at.json.prompt === '<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n',
      '/apply-template renders the messages (ChatML here)', J(at.json));
+  const tt = await post('/apply-template', { messages: [{ role: 'user', content: 'hi' }],
+    tools: [{ type: 'function', function: { name: 'get_weather', parameters: { type: 'object' } } }] });
+  ok(tt.json.prompt?.startsWith('<|im_start|>system\n') && tt.json.prompt.includes('<tools>') &&
+     tt.json.prompt.includes('"get_weather"') && tt.json.prompt.endsWith('<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n'),
+     '/apply-template writes the tools in as a completion would', J(tt.json));
   ok((await post('/detokenize', { tokens: [V] })).status === 400, '/detokenize of an id outside the vocabulary is a 400');
 
   // the greedy token, and the second best once logit_bias -100 takes it away
@@ -395,7 +400,175 @@ async function extensions(refsDir) {
   }
 }
 
-const modes = { official: () => official(args[0]), extensions: () => extensions(args[0]), concurrent, prefix, disconnect };
+
+// response_format and tools through the official client, streamed and not.
+async function structured(key) {
+  const { default: OpenAI } = await import('openai');
+  const client = new OpenAI({ baseURL: `${base}/v1`, apiKey: key, maxRetries: 0, timeout: 120000 });
+  const model = 'tinydoc';
+  const person = { type: 'object', additionalProperties: false, required: ['name', 'age', 'tags'],
+                   properties: { name: { type: 'string', maxLength: 24 }, age: { type: 'integer' },
+                                 tags: { type: 'array', items: { enum: ['a', 'b', 'c'] }, maxItems: 3 } } };
+  const isPerson = (v) => v && typeof v === 'object' && Object.keys(v).every((k) => k in person.properties) &&
+    typeof v.name === 'string' && v.name.length <= 24 && Number.isInteger(v.age) && Array.isArray(v.tags) &&
+    v.tags.length <= 3 && v.tags.every((t) => ['a', 'b', 'c'].includes(t));
+  const messages = [{ role: 'user', content: 'Describe a person as JSON.' }];
+  const response_format = { type: 'json_schema', json_schema: { name: 'person', strict: true, schema: person } };
+  for (const seed of [1, 2, 3]) {
+    const r = await client.chat.completions.create({ model, messages, response_format, seed, temperature: 0.8, max_tokens: 300 });
+    const text = r.choices[0].message.content;
+    let v = null;
+    try { v = JSON.parse(text); } catch { /* reported below */ }
+    ok(r.choices[0].finish_reason === 'stop' && isPerson(v), `json_schema output follows the schema (seed ${seed})`, text);
+  }
+  // any object: its strings are unbounded, so a seed's text may run to max_tokens ("length")
+  let complete = 0;
+  for (const seed of [4, 5, 6, 7]) {
+    let text = '', finish = null;
+    for await (const c of await client.chat.completions.create({ model, messages, response_format: { type: 'json_object' },
+                                                                 seed, temperature: 0.8, max_tokens: 200, stream: true })) {
+      text += c.choices[0]?.delta?.content ?? '';
+      finish = c.choices[0]?.finish_reason ?? finish;
+    }
+    if (finish !== 'stop') continue;
+    complete++;
+    let obj = null;
+    try { obj = JSON.parse(text); } catch { /* reported below */ }
+    ok(obj !== null && typeof obj === 'object' && !Array.isArray(obj), `streamed json_object output is a JSON object (seed ${seed})`, text);
+  }
+  ok(complete > 0, 'some json_object streams complete');
+  const comp = await client.completions.create({ model, prompt: 'The settings, as JSON:', max_tokens: 300, seed: 5,
+                                                 temperature: 0.8, response_format: { type: 'json_schema', json_schema: { name: 'p', schema: person } } });
+  let cv = null;
+  try { cv = JSON.parse(comp.choices[0].text); } catch { /* reported below */ }
+  ok(isPerson(cv), 'completions follow response_format too', comp.choices[0].text);
+  // each choice its own grammar: n = 3, a list of two prompts x n = 2, streamed too
+  const parsed = (t) => { try { return JSON.parse(t); } catch { return null; } };
+  const rf = { type: 'json_schema', json_schema: { name: 'p', schema: person } };
+  const c3 = await client.chat.completions.create({ model, messages, response_format: rf, seed: 9, temperature: 0.8,
+                                                    max_tokens: 300, n: 3 });
+  ok(c3.choices.length === 3 && c3.choices.every((c, i) => c.index === i && c.finish_reason === 'stop' && isPerson(parsed(c.message.content))) &&
+     new Set(c3.choices.map((c) => c.message.content)).size > 1, 'n=3: every choice follows the schema (and they differ)',
+     JSON.stringify(c3.choices));
+  const texts = ['', '', '', ''];
+  for await (const c of await client.completions.create({ model, prompt: ['The settings, as JSON:', 'A person:'], n: 2, seed: 10,
+                                                          temperature: 0.8, max_tokens: 300, response_format: rf, stream: true }))
+    for (const ch of c.choices) texts[ch.index] += ch.text;
+  ok(texts.every((t) => isPerson(parsed(t))), 'two prompts x n=2 streamed: every choice follows the schema', JSON.stringify(texts));
+  // llama.cpp's json_schema and vLLM's guided_json (as text) apply as response_format does
+  for (const field of ['json_schema', 'guided_json']) {
+    const r = await client.completions.create({ model, prompt: 'A person:', max_tokens: 300, seed: 13, temperature: 0.8,
+                                                [field]: field === 'guided_json' ? JSON.stringify(person) : person });
+    ok(r.choices[0].finish_reason === 'stop' && isPerson(parsed(r.choices[0].text)), `${field} constrains the output`,
+       r.choices[0].text);
+  }
+  // the grammar over bans (ignore_eos: the sampler's bans-only path), logit_bias and penalties
+  const boost = (await (await fetch(`${base}/tokenize`, { method: 'POST', headers: { authorization: `Bearer ${key}` },
+                                                          body: JSON.stringify({ content: ' Hello world! The end.' }) })).json()).tokens;
+  for (const extra of [{ ignore_eos: true }, { ignore_eos: true, min_tokens: 5, temperature: 0 },
+                       { logit_bias: Object.fromEntries(boost.map((t) => [t, 100])), frequency_penalty: 1 }]) {
+    const r = await client.chat.completions.create({ model, messages, response_format: rf, seed: 11, temperature: 1,
+                                                     max_tokens: 300, n: 2, ...extra });
+    ok(r.choices.every((c) => c.finish_reason === 'stop' && isPerson(parsed(c.message.content))),
+       `the schema holds with ${JSON.stringify(extra).slice(0, 60)}`, JSON.stringify(r.choices));
+  }
+  try {
+    await client.chat.completions.create({ model, messages, response_format: { type: 'json_schema',
+      json_schema: { name: 'x', schema: { type: 'string', pattern: '^a+$' } } } });
+    ok(false, 'an unsupported schema keyword is refused');
+  } catch (e) {
+    ok(e.status === 400 && /pattern/.test(e.message), 'an unsupported schema keyword is a 400 naming it', e.message);
+  }
+
+  const tools = [
+    { type: 'function', function: { name: 'get_weather', description: 'The weather in a city',
+      parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 20 }, unit: { enum: ['celsius', 'fahrenheit'] } },
+                    required: ['city', 'unit'], additionalProperties: false } } },
+    { type: 'function', function: { name: 'add', description: 'Adds two integers',
+      parameters: { type: 'object', properties: { a: { type: 'integer' }, b: { type: 'integer' } }, required: ['a', 'b'] } } },
+  ];
+  const ask = [{ role: 'system', content: 'You call tools.' }, { role: 'user', content: 'What is the weather in Paris?' }];
+  const validCall = (c) => {
+    const args = JSON.parse(c.function.arguments);
+    return c.type === 'function' && /^call_/.test(c.id) && (c.function.name === 'get_weather'
+      ? typeof args.city === 'string' && ['celsius', 'fahrenheit'].includes(args.unit)
+      : c.function.name === 'add' && Number.isInteger(args.a) && Number.isInteger(args.b));
+  };
+  const req = await client.chat.completions.create({ model, messages: ask, tools, tool_choice: 'required', seed: 6,
+                                                     temperature: 0.8, max_tokens: 300 });
+  const calls = req.choices[0].message.tool_calls ?? [];
+  ok(req.choices[0].finish_reason === 'tool_calls' && calls.length === 1 && validCall(calls[0]),
+     "tool_choice 'required' gives a valid call", JSON.stringify(req.choices[0]));
+  const named = await client.chat.completions.create({ model, messages: ask, tools, seed: 7, temperature: 0.8, max_tokens: 300,
+                                                       tool_choice: { type: 'function', function: { name: 'add' } } });
+  const nc = named.choices[0].message.tool_calls ?? [];
+  ok(nc.length === 1 && nc[0].function.name === 'add' && validCall(nc[0]), 'a named tool_choice calls that function',
+     JSON.stringify(named.choices[0]));
+  // streamed: the calls come as delta.tool_calls, put together by index
+  const acc = [];
+  let finish = null, streamedContent = '';
+  for await (const c of await client.chat.completions.create({ model, messages: ask, tools, seed: 6, temperature: 0.8,
+                                                               max_tokens: 300, tool_choice: 'required', stream: true })) {
+    const d = c.choices[0]?.delta ?? {};
+    streamedContent += d.content ?? '';
+    for (const t of d.tool_calls ?? []) {
+      acc[t.index] ??= { id: '', type: 'function', function: { name: '', arguments: '' } };
+      if (t.id) acc[t.index].id = t.id;
+      if (t.function?.name) acc[t.index].function.name += t.function.name;
+      if (t.function?.arguments) acc[t.index].function.arguments += t.function.arguments;
+    }
+    if (c.choices[0]?.finish_reason) finish = c.choices[0].finish_reason;
+  }
+  ok(finish === 'tool_calls' && acc.length === 1 && validCall(acc[0]) && streamedContent === '',
+     'streamed tool call', JSON.stringify([finish, acc, streamedContent]));
+  ok(acc[0]?.function.name === calls[0]?.function.name && acc[0]?.function.arguments === calls[0]?.function.arguments,
+     'the streamed call equals the non-streamed one (same seed)', JSON.stringify([acc[0], calls[0]]));
+  // n = 2: each choice its own forced call, streamed as each choice's delta.tool_calls
+  const two = await client.chat.completions.create({ model, messages: ask, tools, tool_choice: 'required', seed: 12,
+                                                     temperature: 0.8, max_tokens: 300, n: 2 });
+  ok(two.choices.length === 2 && two.choices.every((c, i) => c.index === i && c.finish_reason === 'tool_calls' &&
+     c.message.tool_calls?.length === 1 && validCall(c.message.tool_calls[0])), 'n=2: a valid call in each choice',
+     JSON.stringify(two.choices));
+  const acc2 = [[], []], fin2 = [null, null];
+  for await (const c of await client.chat.completions.create({ model, messages: ask, tools, tool_choice: 'required', seed: 12,
+                                                               temperature: 0.8, max_tokens: 300, n: 2, stream: true }))
+    for (const ch of c.choices) {
+      for (const t of ch.delta?.tool_calls ?? []) acc2[ch.index][t.index] = t;
+      if (ch.finish_reason) fin2[ch.index] = ch.finish_reason;
+    }
+  ok(fin2.every((f) => f === 'tool_calls') && acc2.every((a, i) => a.length === 1 &&
+     a[0].function.name === two.choices[i].message.tool_calls?.[0]?.function.name &&
+     a[0].function.arguments === two.choices[i].message.tool_calls?.[0]?.function.arguments),
+     'n=2 streamed: each choice\'s call equals the non-streamed one', JSON.stringify([fin2, acc2]));
+  // auto: content or calls, whichever the model writes, each well formed
+  for (const stream of [false, true]) {
+    const r = await client.chat.completions.create({ model, messages: ask, tools, seed: 8, temperature: 0.8, max_tokens: 40, stream });
+    if (!stream) {
+      const m = r.choices[0].message;
+      ok(r.choices[0].finish_reason === 'tool_calls' ? (m.tool_calls ?? []).every(validCall) : typeof m.content === 'string',
+         "tool_choice 'auto' answers", JSON.stringify(r.choices[0]));
+    } else {
+      let n = 0;
+      for await (const c of r) n += c.choices.length;
+      ok(n > 0, "tool_choice 'auto' streams");
+    }
+  }
+  // the conversation goes on with the call and its result
+  const follow = await client.chat.completions.create({ model, tools, max_tokens: 8, temperature: 0, messages: [...ask,
+    { role: 'assistant', content: null, tool_calls: [calls[0]] },
+    { role: 'tool', tool_call_id: calls[0]?.id, content: '{"temperature": 21}' }] });
+  ok(typeof follow.choices[0].message.content === 'string' || follow.choices[0].message.tool_calls,
+     'a tool result continues the conversation');
+  try {
+    await client.chat.completions.create({ model, messages: ask, tools, tool_choice: { type: 'function', function: { name: 'nope' } } });
+    ok(false, 'a tool_choice naming an unknown function is refused');
+  } catch (e) {
+    ok(e.status === 400 && /nope/.test(e.message), 'a tool_choice naming an unknown function is a 400', e.message);
+  }
+}
+
+const modes = { official: () => official(args[0]), extensions: () => extensions(args[0]),
+                structured: () => structured(args[0]), concurrent, prefix, disconnect };
 try { await modes[mode](); }
 catch (e) { failed++; console.log(`FAIL: ${mode}: ${e.stack ?? e}`); }
 process.exit(failed ? 1 : 0);
