@@ -67,6 +67,10 @@ const char *cli_kv_config_name(const struct kvq_kv_config *kv);
  * (hybrid sliding-window models); nothing for uniform models. */
 void cli_print_kv_layer_kinds(const struct kvq_context *ctx);
 
+/* Flushes and closes stdout: rc, or 1 with a message when the output was lost (a full
+ * disk, a closed descriptor). Every command's printing ends here, --help included. */
+int cli_finish_stdout(int rc);
+
 /* Reads a whole file into a NUL-terminated buffer (caller frees); NULL with an error printed. */
 char *cli_read_file(const char *path, size_t *len);
 /* Monotonic time in seconds. */

@@ -331,3 +331,20 @@ void cli_print_kv_layer_kinds(const struct kvq_context *ctx) {
                 k[i].n_layers == 1 ? "" : "s", k[i].kind, holds, k[i].bytes, k[i].bytes / 1048576.0);
     }
 }
+
+/* Output that did not reach stdout (a full disk, a closed descriptor) is a failure,
+ * not a silent success: every command's printing ends here. */
+int cli_finish_stdout(int rc) {
+    errno = 0;
+    bool bad = fflush(stdout) != 0 || ferror(stdout);
+    int err = errno;
+    if (fclose(stdout) != 0 && !bad) {
+        bad = true;
+        err = errno;
+    }
+    if (bad && rc == 0) { /* a failed command has already said why */
+        fprintf(stderr, "kvq: cannot write the output: %s\n", err ? strerror(err) : "write error");
+        return 1;
+    }
+    return rc;
+}

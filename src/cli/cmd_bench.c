@@ -113,7 +113,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(bench_help, stdout);
             fputs(cli_kv_spec_help, stdout);
-            exit(0);
+            exit(cli_finish_stdout(0));
         }
         if (!strcmp(a, "--json")) {
             o->json = true;

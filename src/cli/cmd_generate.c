@@ -62,7 +62,7 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             fputs(generate_help, stdout);
             fputs(cli_kv_flags_help, stdout);
-            exit(0);
+            exit(cli_finish_stdout(0));
         }
         if (strcmp(a, "--ignore-eos") == 0) {
             o->ignore_eos = true;

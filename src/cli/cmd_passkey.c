@@ -87,7 +87,7 @@ static int parse_args(int argc, char **argv, struct pk_opts *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(passkey_help, stdout);
             fputs(cli_kv_flags_help, stdout);
-            exit(0);
+            exit(cli_finish_stdout(0));
         }
         if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) {
             o->verbose = true;

@@ -92,7 +92,7 @@ static int parse_args(int argc, char **argv, struct ppl_opts *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             fputs(perplexity_help, stdout);
             fputs(cli_kv_flags_help, stdout);
-            exit(0);
+            exit(cli_finish_stdout(0));
         }
         if (!strcmp(a, "--kl-divergence")) {
             o->kl = true;

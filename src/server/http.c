@@ -1,6 +1,8 @@
 #include "server/http.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -12,6 +14,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "server/openai_json.h"
 #include "server/strbuf.h"
@@ -22,12 +25,17 @@ struct http_server {
     int port;
     long started;
     atomic_ullong n_http, n_errors, next_id;
+    atomic_int busy;       /* requests given to the scheduler whose answer is not yet sent */
+    atomic_bool draining;  /* shutting down: new requests get a 503 */
 };
 
-/* Per connection: the request body as it arrives. */
+/* Per request: the body as it arrives. */
 struct conn_state {
     struct strbuf body;
-    bool too_big;
+    bool busy;     /* counted in h->busy */
+    bool too_big;  /* a chunked body grew past the limit: discarded, then a 413 */
+    bool http11;   /* may be sent an interim response */
+    bool probed;   /* a half-closed client was sent an interim "100 Continue" */
 };
 
 static double now_s(void) {
@@ -69,16 +77,35 @@ static enum MHD_Result fail(struct http_server *h, struct MHD_Connection *c, int
     return respond_error(h, c, &e);
 }
 
-/* True when the client closed its end: the socket polls readable or hung up and a
- * peek reads end-of-file. (Nothing else reads from it while a request runs.) */
-static bool client_gone(struct MHD_Connection *c) {
+/* True when the connection is broken: reset, or closed both ways. A read end-of-file
+ * alone is not that: a client may shut down its sending side after a complete request
+ * (shutdown(SHUT_WR)) and still read the answer. A client that closed entirely resets
+ * the connection at the next byte written to it, which shows here as POLLHUP/POLLERR:
+ * a stream's next chunk or ping does that; a plain HTTP/1.1 request whose client sent
+ * end-of-file gets one interim "100 Continue" (a response every HTTP/1.1 client must
+ * accept and skip) as that byte. (Nothing else writes to the socket while the
+ * request's handler runs: a thread per connection.) */
+static bool client_gone(struct MHD_Connection *c, struct conn_state *probe) {
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     if (!ci) return false;
-    struct pollfd pfd = {.fd = ci->connect_fd, .events = POLLIN | POLLRDHUP};
+    struct pollfd pfd = {.fd = ci->connect_fd, .events = POLLRDHUP};
     if (poll(&pfd, 1, 0) <= 0) return false;
-    if (pfd.revents & (POLLHUP | POLLERR | POLLRDHUP)) return true;
-    char b;
-    return recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+    if (pfd.revents & (POLLHUP | POLLERR)) return true;
+    if ((pfd.revents & POLLRDHUP) && probe && !probe->probed) {
+        probe->probed = true;
+        static const char interim[] = "HTTP/1.1 100 Continue\r\n\r\n";
+        if (probe->http11) (void)!send(ci->connect_fd, interim, sizeof interim - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    return false;
+}
+
+/* The idle timeout counts from the last byte read or written. Generation is the
+ * server's own time, not the client's idleness: setting the timeout again after a
+ * wait restarts its clock (libmicrohttpd does so when it goes from none to some). */
+static void timeout_restart(struct http_server *h, struct MHD_Connection *c) {
+    if (!h->p.timeout_s) return;
+    MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)h->p.timeout_s);
 }
 
 /* ---- requests to prompts ---- */
@@ -222,13 +249,14 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             st->out_off += n;
             if (st->out_off == st->out.len) st->out.len = st->out_off = 0;
             st->last_write = now_s();
+            timeout_restart(st->h, st->conn);
             return (ssize_t)n;
         }
         if (st->finished) return MHD_CONTENT_READER_END_OF_STREAM;
         stream_fill(st);
         if (st->out.len) continue;
         /* nothing new after a short wait: is the client still there? */
-        if (client_gone(st->conn)) {
+        if (client_gone(st->conn, NULL)) {
             sched_req_cancel(st->r);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
@@ -273,6 +301,8 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
         return fail(h, c, status, status >= 500 ? "server_error" : "invalid_request_error", NULL,
                     status == 400 ? "context_length_exceeded" : NULL, msg);
     }
+    cs->busy = true; /* until the answer is sent (on_completed) */
+    atomic_fetch_add(&h->busy, 1);
     char rid[48];
     snprintf(rid, sizeof rid, "%s-%llx%08lx", kind == OAI_CHAT ? "chatcmpl" : "cmpl", id, (unsigned long)time(NULL));
     long created = (long)time(NULL);
@@ -302,7 +332,7 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     struct sched_cursor cur = {0};
     struct sched_result res;
     while (!sched_req_wait(r, 100, &cur, &text, logprobs ? &lps : NULL, &res)) {
-        if (client_gone(c)) {
+        if (client_gone(c, cs)) {
             sched_req_cancel(r);
             sched_req_release(r);
             strbuf_free(&text);
@@ -311,6 +341,7 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
         }
     }
     sched_req_release(r);
+    timeout_restart(h, c);
     enum MHD_Result ret;
     if (res.error_status) {
         ret = fail(h, c, res.error_status, res.error_status >= 500 ? "server_error" : "invalid_request_error", NULL,
@@ -368,16 +399,48 @@ static void normalize(const char *url, char *out, size_t size) {
     out[n] = '\0';
 }
 
+/* The whole header value, so one cut short by a NUL byte does not pass. */
 static bool authorized(const struct http_server *h, struct MHD_Connection *c) {
     if (!h->p.api_key) return true;
-    const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!a || strncmp(a, "Bearer ", 7) != 0) return false;
-    a += 7;
+    const char *a;
+    size_t la;
+    static const char hdr[] = MHD_HTTP_HEADER_AUTHORIZATION;
+    if (MHD_lookup_connection_value_n(c, MHD_HEADER_KIND, hdr, sizeof hdr - 1, &a, &la) != MHD_YES || !a || la < 7 ||
+        strncmp(a, "Bearer ", 7) != 0)
+        return false;
+    a += 7, la -= 7;
     /* compare in time independent of where they differ */
-    size_t la = strlen(a), lk = strlen(h->p.api_key);
+    size_t lk = strlen(h->p.api_key);
     unsigned diff = (unsigned)(la != lk);
     for (size_t i = 0; i < la && i < lk; i++) diff |= (unsigned char)(a[i] ^ h->p.api_key[i]);
     return diff == 0;
+}
+
+static bool is_health(const char *path) { return !strcmp(path, "/health") || !strcmp(path, "/v1/health"); }
+
+static enum MHD_Result too_big(struct http_server *h, struct MHD_Connection *c) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "the request body is larger than the limit of %zu bytes", h->p.max_body);
+    return fail(h, c, 413, "invalid_request_error", NULL, NULL, msg);
+}
+
+/* What the headers alone decide, answered before any of the body is read (so a
+ * refused body is never stored, and an oversized one is not waited for): a server
+ * shutting down, a missing API key, a declared body over the limit. MHD_YES with
+ * nothing queued: read the body. */
+static enum MHD_Result from_headers(struct http_server *h, struct MHD_Connection *c, const char *path) {
+    if (atomic_load(&h->draining)) return fail(h, c, 503, "server_error", NULL, NULL, "the server is shutting down");
+    if (is_health(path)) return MHD_YES;
+    if (!authorized(h, c))
+        return fail(h, c, 401, "invalid_request_error", NULL, "invalid_api_key",
+                    "Incorrect API key provided (send it as 'Authorization: Bearer KEY')");
+    const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    if (cl) {
+        errno = 0;
+        unsigned long long n = strtoull(cl, NULL, 10);
+        if (errno == ERANGE || n > h->p.max_body) return too_big(h, c);
+    }
+    return MHD_YES;
 }
 
 static enum MHD_Result route(struct http_server *h, struct MHD_Connection *c, const char *url, const char *method,
@@ -385,17 +448,10 @@ static enum MHD_Result route(struct http_server *h, struct MHD_Connection *c, co
     char path[256];
     normalize(url, path, sizeof path);
     bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), post = !strcmp(method, "POST");
-    if (!strcmp(path, "/health") || !strcmp(path, "/v1/health"))
+    if (is_health(path))
         return get ? respond(h, c, 200, "application/json", "{\"status\":\"ok\"}")
                    : fail(h, c, 405, "invalid_request_error", NULL, NULL, "use GET for /health");
-    if (!authorized(h, c))
-        return fail(h, c, 401, "invalid_request_error", NULL, "invalid_api_key",
-                    "Incorrect API key provided (send it as 'Authorization: Bearer KEY')");
-    if (cs->too_big) {
-        char msg[128];
-        snprintf(msg, sizeof msg, "the request body is larger than the limit of %zu bytes", h->p.max_body);
-        return fail(h, c, 413, "invalid_request_error", NULL, NULL, msg);
-    }
+    if (cs->too_big) return too_big(h, c);
     enum oai_kind kind;
     if (!strcmp(path, "/v1/chat/completions") || !strcmp(path, "/chat/completions")) kind = OAI_CHAT;
     else if (!strcmp(path, "/v1/completions") || !strcmp(path, "/completions")) kind = OAI_COMPLETION;
@@ -416,16 +472,16 @@ static enum MHD_Result route(struct http_server *h, struct MHD_Connection *c, co
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                                   const char *version, const char *upload, size_t *upload_size, void **con_cls) {
-    (void)version;
     struct http_server *h = cls;
     struct conn_state *cs = *con_cls;
-    if (!cs) { /* headers only: refuse a declared oversized body before reading it */
+    if (!cs) { /* the first call: headers only */
         if (!(cs = calloc(1, sizeof *cs))) return MHD_NO;
         *con_cls = cs;
         atomic_fetch_add(&h->n_http, 1);
-        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > h->p.max_body) cs->too_big = true;
-        return MHD_YES;
+        cs->http11 = !strcmp(version, MHD_HTTP_VERSION_1_1);
+        char path[256];
+        normalize(url, path, sizeof path);
+        return from_headers(h, c, path);
     }
     if (*upload_size) {
         if (!cs->too_big && cs->body.len + *upload_size > h->p.max_body) {
@@ -441,9 +497,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 }
 
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode code) {
-    (void)cls, (void)c, (void)code;
+    (void)c, (void)code;
+    struct http_server *h = cls;
     struct conn_state *cs = *con_cls;
     if (!cs) return;
+    if (cs->busy) atomic_fetch_sub(&h->busy, 1);
     strbuf_free(&cs->body);
     free(cs);
     *con_cls = NULL;
@@ -457,40 +515,103 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
     if (!*fmt || fmt[strlen(fmt) - 1] != '\n') fputc('\n', stderr);
 }
 
-struct http_server *http_start(const struct http_params *p) {
+/* Decodes %XX in the URL and its arguments as libmicrohttpd does, except %00: a NUL
+ * would cut the path short ("/health%00/v1/models" is not /health), so it stays as
+ * the three characters, and such a path matches no endpoint. */
+static int hex_digit(char ch) {
+    if (ch >= '0' && ch <= '9') return ch - '0';
+    if (ch >= 'a' && ch <= 'f') return ch - 'a' + 10;
+    if (ch >= 'A' && ch <= 'F') return ch - 'A' + 10;
+    return -1;
+}
+
+static size_t unescape(void *cls, struct MHD_Connection *c, char *s) {
+    (void)cls, (void)c;
+    char *w = s;
+    for (const char *r = s; *r;) {
+        int hi, lo;
+        if (r[0] == '%' && (hi = hex_digit(r[1])) >= 0 && (lo = hex_digit(r[2])) >= 0 && (hi | lo)) {
+            *w++ = (char)(hi << 4 | lo);
+            r += 3;
+        } else {
+            *w++ = *r++;
+        }
+    }
+    *w = '\0';
+    return (size_t)(w - s);
+}
+
+/* The listening socket, made here for SO_REUSEADDR (libmicrohttpd's address-reuse
+ * option is SO_REUSEPORT, which would let a second server share the port): the port
+ * binds while connections of a server that just left sit in TIME-WAIT. */
+static int listen_socket(const struct http_params *p) {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV}, *ai;
     char port[16];
     snprintf(port, sizeof port, "%d", p->port);
     int rc = getaddrinfo(p->host, port, &hints, &ai);
     if (rc != 0) {
         fprintf(stderr, "kvq serve: cannot resolve host '%s': %s\n", p->host, gai_strerror(rc));
-        return NULL;
+        return -1;
     }
+    int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol), one = 1;
+    if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+        bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, SOMAXCONN) != 0) {
+        fprintf(stderr, "kvq serve: cannot listen on %s:%d: %s\n", p->host, p->port, strerror(errno));
+        if (fd >= 0) close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(ai);
+    return fd;
+}
+
+static int bound_port(int fd) {
+    struct sockaddr_storage a;
+    socklen_t len = sizeof a;
+    if (getsockname(fd, (struct sockaddr *)&a, &len) != 0) return -1;
+    return ntohs(a.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&a)->sin6_port : ((struct sockaddr_in *)&a)->sin_port);
+}
+
+struct http_server *http_start(const struct http_params *p) {
+    int fd = listen_socket(p);
+    if (fd < 0) return NULL;
     struct http_server *h = calloc(1, sizeof *h);
     if (!h) {
-        freeaddrinfo(ai);
+        close(fd);
         return NULL;
     }
     h->p = *p;
     h->started = (long)time(NULL);
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
-    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    h->d = MHD_start_daemon(flags, (uint16_t)p->port, NULL, NULL, on_request, h, MHD_OPTION_EXTERNAL_LOGGER, mhd_log,
-                            NULL, MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
+    h->port = bound_port(fd);
+    /* A thread per connection (handlers wait for the scheduler), polled with poll():
+     * no FD_SETSIZE cap on descriptors; idle connections time out; the connection
+     * count is capped in all and per client address. ITC: for MHD_quiesce_daemon. */
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG;
+    h->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, h, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
+                            MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)p->timeout_s, MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)p->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+                            (unsigned)p->max_connections_per_ip, MHD_OPTION_UNESCAPE_CALLBACK, unescape, NULL,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
                             MHD_OPTION_END);
-    freeaddrinfo(ai);
     if (!h->d) {
-        fprintf(stderr, "kvq serve: cannot listen on %s:%d (in use, or not an address of this machine)\n", p->host,
-                p->port);
+        fprintf(stderr, "kvq serve: cannot start the HTTP server on %s:%d\n", p->host, p->port);
+        close(fd);
         free(h);
         return NULL;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
-    h->port = di ? di->port : p->port;
     return h;
 }
 
 int http_port(const struct http_server *h) { return h->port; }
+
+int http_drain(struct http_server *h, double seconds) {
+    if (!atomic_exchange(&h->draining, true)) {
+        MHD_socket fd = MHD_quiesce_daemon(h->d);
+        if (fd != MHD_INVALID_SOCKET) close(fd);
+    }
+    for (double end = now_s() + seconds; atomic_load(&h->busy) > 0 && now_s() < end;)
+        nanosleep(&(struct timespec){0, 20 * 1000 * 1000}, NULL);
+    return atomic_load(&h->busy);
+}
 
 void http_stop(struct http_server *h) {
     if (!h) return;

@@ -18,6 +18,8 @@ struct http_params {
     size_t max_body;  /* request body limit in bytes */
     const char *model_id; /* the name /v1/models reports */
     int ping_seconds; /* ": ping" on a stream idle this long */
+    int timeout_s;    /* a connection with no byte read or written this long is closed (0: never) */
+    int max_connections, max_connections_per_ip; /* beyond: refused at once (per address 0: no cap) */
     const struct kvq_model *model;
     enum chat_family chat;
     struct sched *sched;
@@ -27,7 +29,11 @@ struct http_server;
 /* NULL with a message on stderr when the address cannot be bound. */
 struct http_server *http_start(const struct http_params *p);
 int http_port(const struct http_server *h);
-/* Stops accepting, waits for the connection threads, frees. */
+/* Stops accepting (new requests on open connections get a 503) and waits up to
+ * seconds for the requests given to the scheduler to be answered; returns how many
+ * are left. */
+int http_drain(struct http_server *h, double seconds);
+/* Closes every connection, waits for the connection threads, frees. */
 void http_stop(struct http_server *h);
 
 #endif
