@@ -399,14 +399,43 @@ static void normalize(const char *url, char *out, size_t size) {
     out[n] = '\0';
 }
 
+/* The smallest header key address above p (or end): where the next header line begins. */
+struct next_key {
+    uintptr_t p, next;
+};
+
+static enum MHD_Result find_next_key(void *cls, enum MHD_ValueKind kind, const char *key, size_t key_size,
+                                     const char *value, size_t value_size) {
+    (void)kind, (void)key_size, (void)value, (void)value_size;
+    struct next_key *k = cls;
+    if ((uintptr_t)key > k->p && (uintptr_t)key < k->next) k->next = (uintptr_t)key;
+    return MHD_YES;
+}
+
+/* True when a NUL byte cut a header value short. libmicrohttpd (0.9.75) parses each
+ * header line as a C string, so "Bearer KEY\0junk" reads as "Bearer KEY"; the line
+ * stays in place in its header block, where the end of the line (CR, LF) became NULs:
+ * anything else between the value's end and the next line is what the NUL hid. When
+ * the value is not inside the block (another libmicrohttpd), nothing is checked. */
+static bool value_cut(struct MHD_Connection *c, const char *method, const char *v, size_t n) {
+    const union MHD_ConnectionInfo *hs = MHD_get_connection_info(c, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    uintptr_t start = (uintptr_t)method, end = hs ? start + hs->header_size : start, at = (uintptr_t)v + n;
+    if ((uintptr_t)v < start || at >= end) return false;
+    struct next_key k = {at, end};
+    MHD_get_connection_values_n(c, MHD_HEADER_KIND, find_next_key, &k);
+    for (const char *p = v + n; (uintptr_t)p < k.next; p++)
+        if (*p) return true;
+    return false;
+}
+
 /* The whole header value, so one cut short by a NUL byte does not pass. */
-static bool authorized(const struct http_server *h, struct MHD_Connection *c) {
+static bool authorized(const struct http_server *h, struct MHD_Connection *c, const char *method) {
     if (!h->p.api_key) return true;
     const char *a;
     size_t la;
     static const char hdr[] = MHD_HTTP_HEADER_AUTHORIZATION;
     if (MHD_lookup_connection_value_n(c, MHD_HEADER_KIND, hdr, sizeof hdr - 1, &a, &la) != MHD_YES || !a || la < 7 ||
-        strncmp(a, "Bearer ", 7) != 0)
+        strncmp(a, "Bearer ", 7) != 0 || value_cut(c, method, a, la))
         return false;
     a += 7, la -= 7;
     /* compare in time independent of where they differ */
@@ -428,10 +457,11 @@ static enum MHD_Result too_big(struct http_server *h, struct MHD_Connection *c) 
  * refused body is never stored, and an oversized one is not waited for): a server
  * shutting down, a missing API key, a declared body over the limit. MHD_YES with
  * nothing queued: read the body. */
-static enum MHD_Result from_headers(struct http_server *h, struct MHD_Connection *c, const char *path) {
+static enum MHD_Result from_headers(struct http_server *h, struct MHD_Connection *c, const char *method,
+                                    const char *path) {
     if (atomic_load(&h->draining)) return fail(h, c, 503, "server_error", NULL, NULL, "the server is shutting down");
     if (is_health(path)) return MHD_YES;
-    if (!authorized(h, c))
+    if (!authorized(h, c, method))
         return fail(h, c, 401, "invalid_request_error", NULL, "invalid_api_key",
                     "Incorrect API key provided (send it as 'Authorization: Bearer KEY')");
     const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
@@ -481,7 +511,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
         cs->http11 = !strcmp(version, MHD_HTTP_VERSION_1_1);
         char path[256];
         normalize(url, path, sizeof path);
-        return from_headers(h, c, path);
+        return from_headers(h, c, method, path);
     }
     if (*upload_size) {
         if (!cs->too_big && cs->body.len + *upload_size > h->p.max_body) {
