@@ -171,7 +171,7 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *
     if (strcmp(flag, "--quantized-kv-start") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->quantized_start) ? 1 : -1;
     if (strcmp(flag, "--max-kv-size") == 0)
-        return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->max_size) ? 1 : -1;
+        return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, 1 << 30, &kv->max_size) ? 1 : -1;
     if (strcmp(flag, "--kv-residual") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, 1 << 20, &kv->residual) ? 1 : -1;
     if (strcmp(flag, "--swa-full") == 0) {
