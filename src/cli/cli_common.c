@@ -255,25 +255,27 @@ char *cli_read_file(const char *path, size_t *len) {
         cli_fail("cannot open '%s': %s", path, strerror(errno));
         return NULL;
     }
+    /* a stream (a pipe, /dev/zero) is read until the limit is passed: no size to ask */
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap);
-    for (;;) {
-        if (!buf) break;
+    const char *why = buf ? NULL : "out of memory";
+    while (!why) {
         n += fread(buf + n, 1, cap - n - 1, f);
         if (n < cap - 1) break;
-        cap *= 2;
+        if (n > CLI_MAX_TEXT_BYTES) {
+            why = "larger than the limit for text inputs (256 MiB)";
+            break;
+        }
+        cap = cap * 2 < (size_t)CLI_MAX_TEXT_BYTES + 2 ? cap * 2 : (size_t)CLI_MAX_TEXT_BYTES + 2;
         char *nb = realloc(buf, cap);
-        if (!nb) {
-            free(buf);
-            buf = NULL;
-        } else
-            buf = nb;
+        if (!nb) why = "out of memory";
+        else buf = nb;
     }
-    bool err = ferror(f);
+    if (!why && ferror(f)) why = strerror(errno);
     fclose(f);
-    if (!buf || err) {
+    if (why) {
         free(buf);
-        cli_fail("cannot read '%s'", path);
+        cli_fail("cannot read '%s': %s", path, why);
         return NULL;
     }
     buf[n] = '\0';
@@ -332,19 +334,9 @@ void cli_print_kv_layer_kinds(const struct kvq_context *ctx) {
     }
 }
 
-/* Output that did not reach stdout (a full disk, a closed descriptor) is a failure,
- * not a silent success: every command's printing ends here. */
-int cli_finish_stdout(int rc) {
+void cli_exit_help(const char *help, const char *more) {
     errno = 0;
-    bool bad = fflush(stdout) != 0 || ferror(stdout);
-    int err = errno;
-    if (fclose(stdout) != 0 && !bad) {
-        bad = true;
-        err = errno;
-    }
-    if (bad && rc == 0) { /* a failed command has already said why */
-        fprintf(stderr, "kvq: cannot write the output: %s\n", err ? strerror(err) : "write error");
-        return 1;
-    }
-    return rc;
+    bool ok = fputs(help, stdout) != EOF && fputs(more, stdout) != EOF && fflush(stdout) == 0;
+    if (!ok) cli_fail("cannot write the output: %s", errno ? strerror(errno) : "write error");
+    exit(ok ? 0 : 1);
 }

@@ -90,9 +90,7 @@ static int parse_args(int argc, char **argv, struct ppl_opts *o) {
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            fputs(perplexity_help, stdout);
-            fputs(cli_kv_flags_help, stdout);
-            exit(cli_finish_stdout(0));
+            cli_exit_help(perplexity_help, cli_kv_flags_help);
         }
         if (!strcmp(a, "--kl-divergence")) {
             o->kl = true;

@@ -116,9 +116,7 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            fputs(serve_help, stdout);
-            fputs(cli_kv_flags_help, stdout);
-            exit(cli_finish_stdout(0));
+            cli_exit_help(serve_help, cli_kv_flags_help);
         }
         if (!cli_is_one_of(a, serve_value_flags))
             return cli_fail("unknown option '%s' for serve (see 'kvq serve --help')", a);

@@ -25,6 +25,23 @@ static void usage(FILE *out) {
     fprintf(out, "\n'kvq COMMAND --help' describes a command's options.\n");
 }
 
+/* Output that did not reach stdout (a full disk, a closed descriptor) is a failure,
+ * not a silent success: every command's printing ends here. */
+static int finish_stdout(int rc) {
+    errno = 0;
+    bool bad = fflush(stdout) != 0 || ferror(stdout);
+    int err = errno;
+    if (fclose(stdout) != 0 && !bad) {
+        bad = true;
+        err = errno;
+    }
+    if (bad && rc == 0) { /* a failed command has already said why */
+        fprintf(stderr, "kvq: cannot write the output: %s\n", err ? strerror(err) : "write error");
+        return 1;
+    }
+    return rc;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "kvq: no command given (run 'kvq --help' for the list)\n");
@@ -32,10 +49,10 @@ int main(int argc, char **argv) {
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
         usage(stdout);
-        return cli_finish_stdout(0);
+        return finish_stdout(0);
     }
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-        if (strcmp(argv[1], commands[i].name) == 0) return cli_finish_stdout(commands[i].run(argc - 1, argv + 1));
+        if (strcmp(argv[1], commands[i].name) == 0) return finish_stdout(commands[i].run(argc - 1, argv + 1));
     fprintf(stderr, "kvq: unknown command '%s' (run 'kvq --help' for the list)\n", argv[1]);
     return 1;
 }
