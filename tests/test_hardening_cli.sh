@@ -21,7 +21,7 @@ if [ "$(id -u)" -eq 0 ] && mknod "$tmp/full" c 1 7 2>/dev/null; then
     >/dev/null 2>"$tmp/err"
   rc=$?
   check "kl base to a full device fails (exit $rc)" [ "$rc" -eq 1 ]
-  check "kl base says why" grep -q "cannot write" "$tmp/err"
+  check "kl base says why" grep -q "cannot write.*No space left" "$tmp/err"
   check "perplexity leaves the device node" [ -c "$tmp/full" ]
   check "no temporary files left" [ "$(find "$tmp" -name '*.tmp*' | wc -l)" -eq 0 ]
 else
