@@ -279,6 +279,10 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     struct oai_request q;
     struct oai_error e;
     if (oai_parse_request(cs->body.s ? cs->body.s : "", cs->body.len, kind, &q, &e) != 0) return respond_error(h, c, &e);
+    if (!h->p.sched) { /* the HTTP layer alone (fuzz/fuzz_http.c) */
+        oai_request_free(&q);
+        return fail(h, c, 503, "server_error", NULL, NULL, "no model is loaded");
+    }
     kvq_token *toks = NULL;
     int n = prompt_tokens(h, &q, &toks, &e);
     if (n < 0) {
@@ -365,8 +369,8 @@ static void metric(struct strbuf *b, const char *name, const char *type, const c
 }
 
 static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) {
-    struct sched_stats s;
-    sched_get_stats(h->p.sched, &s);
+    struct sched_stats s = {0};
+    if (h->p.sched) sched_get_stats(h->p.sched, &s);
     struct strbuf b = {0};
     metric(&b, "http_requests_total", "counter", "HTTP requests received.", (double)atomic_load(&h->n_http));
     metric(&b, "http_errors_total", "counter", "HTTP requests answered with an error.", (double)atomic_load(&h->n_errors));

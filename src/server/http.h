@@ -22,7 +22,7 @@ struct http_params {
     int max_connections, max_connections_per_ip; /* beyond: refused at once (per address 0: no cap) */
     const struct kvq_model *model;
     enum chat_family chat;
-    struct sched *sched;
+    struct sched *sched; /* NULL: generation requests are answered 503 (the HTTP layer alone) */
 };
 
 struct http_server;
