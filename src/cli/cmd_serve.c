@@ -65,8 +65,8 @@ static const char *const serve_value_flags[] = {
     "-m", "--model", "--host", "--port", "--max-num-seqs", "--parallel", "-np", "-c", "--ctx-size", "-t",
     "--threads", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v", "--prefix-cache-mb",
     "--prefix-cache-dir", "--prefix-cache-bits", "--prefix-cache-min-tokens", "--api-key", "--chat-template",
-    "--alias", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval", "--timeout", "--max-connections",
-    "--max-connections-per-ip", "--shutdown-timeout", NULL};
+    "--alias", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval", "--timeout",
+    "--max-connections", "--max-connections-per-ip", "--shutdown-timeout", NULL};
 
 struct serve_opts {
     const char *model, *host, *api_key, *chat_template, *alias, *cache_dir;

@@ -2,7 +2,6 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -25,17 +24,17 @@ struct http_server {
     int port;
     long started;
     atomic_ullong n_http, n_errors, next_id;
-    atomic_int busy;       /* requests given to the scheduler whose answer is not yet sent */
-    atomic_bool draining;  /* shutting down: new requests get a 503 */
+    atomic_int busy;      /* requests given to the scheduler whose answer is not yet sent */
+    atomic_bool draining; /* shutting down: new requests get a 503 */
 };
 
 /* Per request: the body as it arrives. */
 struct conn_state {
     struct strbuf body;
-    bool busy;     /* counted in h->busy */
-    bool too_big;  /* a chunked body grew past the limit: discarded, then a 413 */
-    bool http11;   /* may be sent an interim response */
-    bool probed;   /* a half-closed client was sent an interim "100 Continue" */
+    bool busy;    /* counted in h->busy */
+    bool too_big; /* a chunked body grew past the limit: discarded, then a 413 */
+    bool http11;  /* may be sent an interim response */
+    bool probed;  /* the client's end-of-file was answered with an interim "100 Continue" */
 };
 
 static double now_s(void) {
@@ -78,25 +77,28 @@ static enum MHD_Result fail(struct http_server *h, struct MHD_Connection *c, int
 }
 
 /* True when the connection is broken: reset, or closed both ways. A read end-of-file
- * alone is not that: a client may shut down its sending side after a complete request
- * (shutdown(SHUT_WR)) and still read the answer. A client that closed entirely resets
- * the connection at the next byte written to it, which shows here as POLLHUP/POLLERR:
- * a stream's next chunk or ping does that; a plain HTTP/1.1 request whose client sent
- * end-of-file gets one interim "100 Continue" (a response every HTTP/1.1 client must
- * accept and skip) as that byte. (Nothing else writes to the socket while the
- * request's handler runs: a thread per connection.) */
-static bool client_gone(struct MHD_Connection *c, struct conn_state *probe) {
+ * alone (*eof) is not that: a client may shut down its sending side after a complete
+ * request (shutdown(SHUT_WR)) and still read the answer. A client that closed
+ * entirely resets the connection at the next byte written to it, which then shows
+ * here as POLLHUP/POLLERR; so on end-of-file the caller writes one byte early: a
+ * stream a ': ping', a plain HTTP/1.1 request an interim "100 Continue" (a response
+ * every HTTP/1.1 client must accept and skip). */
+static bool client_gone(struct MHD_Connection *c, bool *eof) {
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    *eof = false;
     if (!ci) return false;
     struct pollfd pfd = {.fd = ci->connect_fd, .events = POLLRDHUP};
     if (poll(&pfd, 1, 0) <= 0) return false;
-    if (pfd.revents & (POLLHUP | POLLERR)) return true;
-    if ((pfd.revents & POLLRDHUP) && probe && !probe->probed) {
-        probe->probed = true;
-        static const char interim[] = "HTTP/1.1 100 Continue\r\n\r\n";
-        if (probe->http11) (void)!send(ci->connect_fd, interim, sizeof interim - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
-    }
-    return false;
+    *eof = pfd.revents & POLLRDHUP;
+    return pfd.revents & (POLLHUP | POLLERR);
+}
+
+/* The interim response above, sent straight to the socket: nothing else writes to
+ * it while the request's handler runs (a thread per connection). */
+static void send_interim(struct MHD_Connection *c) {
+    static const char interim[] = "HTTP/1.1 100 Continue\r\n\r\n";
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (ci) (void)!send(ci->connect_fd, interim, sizeof interim - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 /* The idle timeout counts from the last byte read or written. Generation is the
@@ -176,6 +178,7 @@ struct stream {
     char id[48];
     long created;
     bool include_usage, logprobs, first_sent, finished;
+    bool probed; /* the client's end-of-file was answered with a ': ping' */
     struct strbuf out; /* SSE bytes not yet handed to MHD */
     size_t out_off;
     struct sched_cursor cur;
@@ -256,11 +259,14 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
         stream_fill(st);
         if (st->out.len) continue;
         /* nothing new after a short wait: is the client still there? */
-        if (client_gone(st->conn, NULL)) {
+        bool eof;
+        if (client_gone(st->conn, &eof)) {
             sched_req_cancel(st->r);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
-        if (now_s() - st->last_write >= st->h->p.ping_seconds) strbuf_add(&st->out, ": ping\n\n");
+        if ((eof && !st->probed) || now_s() - st->last_write >= st->h->p.ping_seconds)
+            strbuf_add(&st->out, ": ping\n\n");
+        st->probed |= eof;
     }
 }
 
@@ -336,13 +342,16 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     struct sched_cursor cur = {0};
     struct sched_result res;
     while (!sched_req_wait(r, 100, &cur, &text, logprobs ? &lps : NULL, &res)) {
-        if (client_gone(c, cs)) {
+        bool eof;
+        if (client_gone(c, &eof)) {
             sched_req_cancel(r);
             sched_req_release(r);
             strbuf_free(&text);
             lp_list_free(&lps);
             return MHD_NO;
         }
+        if (eof && !cs->probed && cs->http11) send_interim(c);
+        cs->probed |= eof;
     }
     sched_req_release(r);
     timeout_restart(h, c);
@@ -621,10 +630,10 @@ struct http_server *http_start(const struct http_params *p) {
      * count is capped in all and per client address. ITC: for MHD_quiesce_daemon. */
     unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG;
     h->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, h, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
-                            MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)p->timeout_s, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)p->max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-                            (unsigned)p->max_connections_per_ip, MHD_OPTION_UNESCAPE_CALLBACK, unescape, NULL,
-                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
+                            MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)p->timeout_s,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)p->max_connections,
+                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)p->max_connections_per_ip,
+                            MHD_OPTION_UNESCAPE_CALLBACK, unescape, NULL, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
                             MHD_OPTION_END);
     if (!h->d) {
         fprintf(stderr, "kvq serve: cannot start the HTTP server on %s:%d\n", p->host, p->port);

@@ -232,11 +232,14 @@ def half_close():
     raw = request('POST', '/v1/completions', completion(8)).replace(b'HTTP/1.1', b'HTTP/1.0')
     code, body = exchange(raw, half_close=True)
     check(code == 200 and b'"finish_reason"' in body, 'a half-closed HTTP/1.0 request is answered', (code, body[:200]))
-    # a client gone entirely during a long non-streaming request: its sequence is freed
-    s = connect()
-    s.sendall(request('POST', '/v1/completions', completion(900, prompt='Once upon a time')))
-    time.sleep(0.5)
-    s.close()
+    # clients gone entirely during a long request, plain or streamed (still in its
+    # prefill): their sequences are freed (the shell counts the log lines)
+    for stream, prompt in [(False, 'Once upon a time'), (True, 'Once upon a time, ' * 60)]:
+        s = connect()
+        s.sendall(request('POST', '/v1/completions', completion(600, stream, prompt)))
+        time.sleep(0.3)
+        s.close()
+        time.sleep(0.7)
 
 
 def stream_until_signal():
