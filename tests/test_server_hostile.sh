@@ -20,7 +20,7 @@ start_server() { # NAME ARGS...: kvq serve on a free port (or --port); sets port
   srv_pid=$!
   echo $srv_pid >"$tmp/pid"
   for _ in $(seq 300); do
-    port=$(grep -o 'listening on http://[0-9.]*:[0-9]*' "$tmp/$name.log" | sed 's/.*://')
+    port=$(grep -so 'listening on http://[0-9.]*:[0-9]*' "$tmp/$name.log" | sed 's/.*://')
     [ -n "$port" ] && return 0
     kill -0 $srv_pid 2>/dev/null || break
     sleep 0.1
