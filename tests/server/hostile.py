@@ -56,7 +56,7 @@ def final_status(data):
     return None, data
 
 
-def request(method, path, body=b'', headers=(), src='127.0.0.1'):
+def request(method, path, body=b'', headers=()):
     h = '%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n' % (method, path)
     if body or method == 'POST':
         h += 'Content-Type: application/json\r\nContent-Length: %d\r\n' % len(body)
@@ -64,9 +64,9 @@ def request(method, path, body=b'', headers=(), src='127.0.0.1'):
     return h.encode() + body
 
 
-def exchange(raw, src='127.0.0.1', half_close=False, timeout=30):
+def exchange(raw, half_close=False, timeout=30):
     try:
-        s = connect(src, timeout)
+        s = connect(timeout=timeout)
         s.sendall(raw)
         if half_close:
             s.shutdown(socket.SHUT_WR)
