@@ -533,13 +533,20 @@ static enum MHD_Result aux_endpoint(struct http_server *h, struct MHD_Connection
     const char *body = cs->body.s ? cs->body.s : "";
     struct oai_error e = {0};
     char *out;
+    if (!h->p.model) /* the HTTP layer alone (fuzz/fuzz_http.c) */
+        return fail(h, c, 503, "server_error", NULL, NULL, "no model is loaded");
     if (!strcmp(path, "/tokenize")) out = api_tokenize(h->p.model, body, cs->body.len, &e);
     else if (!strcmp(path, "/detokenize")) out = api_detokenize(h->p.model, body, cs->body.len, &e);
     else if (!strcmp(path, "/apply-template")) out = api_apply_template(h->p.chat, body, cs->body.len, h->p.strict_api, &e);
     else if (!h->p.embedder)
         return fail(h, c, 501, "not_supported_error", NULL, NULL,
                     "this server does not compute embeddings: start it with --embeddings");
-    else out = api_embeddings(h->p.embedder, h->p.model_id, body, cs->body.len, h->p.strict_api, &e);
+    else {
+        cs->busy = true; /* a running request a graceful shutdown waits for (on_completed) */
+        atomic_fetch_add(&h->busy, 1);
+        out = api_embeddings(h->p.embedder, h->p.model_id, body, cs->body.len, h->p.strict_api, &e);
+        timeout_restart(h, c); /* the computation is the server's time, not the client's */
+    }
     return out ? respond_json(h, c, 200, out) : respond_error(h, c, &e);
 }
 
