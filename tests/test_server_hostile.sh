@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # kvq serve under hostile and careless clients (issue 72), raw sockets on loopback
 # (tests/server/hostile.py): 2,000 idle connections while normal clients are served,
-# the idle timeout, the per-address cap, 401 and 413 from the headers before any body,
-# a half-close after a complete request, a graceful drain on SIGTERM, rebinding a port
-# in TIME-WAIT, a NUL in the API key header or the path.
+# the idle timeout, the per-address cap, 401 and 413 from the headers before any body
+# (every POST endpoint), a half-close after a complete request, a graceful drain on
+# SIGTERM (streams of one choice or several), rebinding a port in TIME-WAIT, a NUL in
+# the API key header or the path.
 set -u
 # shellcheck source=tests/cli_lib.sh
 . "$(dirname "$0")/cli_lib.sh"
@@ -80,6 +81,12 @@ start_server cut --shutdown-timeout 1 && {
   client signal "$tmp/pid" 900 cut
   wait $srv_pid; check "cut server exits 0" [ $? -eq 0 ]; srv_pid=""
   check "the log says what was cut" grep -q "1 requests cut short" "$tmp/cut.log"
+}
+# a stream of several choices (two prompts, n = 2 each) is cut the same way
+start_server cutn --shutdown-timeout 1 && {
+  client signal "$tmp/pid" 900 cut 2
+  wait $srv_pid; check "cut server exits 0" [ $? -eq 0 ]; srv_pid=""
+  check "the log says what was cut" grep -q "1 requests cut short" "$tmp/cutn.log"
 }
 
 # ---- 11: the port of a server that just left (its side in TIME-WAIT) binds again ----

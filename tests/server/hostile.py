@@ -178,6 +178,14 @@ def early():
                % '\r\n'.join(hdrs)).encode()
         code, body = exchange(raw, timeout=10)
         check(code == want and b'"error"' in body, '%s: %s at once, no body sent' % (what, want), (code, body[:80]))
+    # llama-server's endpoints and embeddings go through the same checks
+    for path in ['/tokenize', '/detokenize', '/apply-template', '/v1/embeddings']:
+        for what, hdrs, want in [('no API key', ['Content-Length: 8388607'], 401),
+                                 ('9000000 bytes declared', [big.strip(), 'Authorization: Bearer ' + key], 413)]:
+            raw = ('POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s\r\n\r\n'
+                   % (path, '\r\n'.join(hdrs))).encode()
+            code, body = exchange(raw, timeout=10)
+            check(code == want and b'"error"' in body, '%s %s: %s at once' % (path, what, want), (code, body[:80]))
     # 40 clients without a key each send most of an 8 MB body and stay: none is stored
     chunk, held, rss0 = b'x' * 65536, [], rss_kib(pid)
     for _ in range(40):
@@ -243,13 +251,18 @@ def half_close():
 
 
 def stream_until_signal():
-    """ARGS: PIDFILE MAX_TOKENS WANT. Starts a stream, sends SIGTERM to the server after
+    """ARGS: PIDFILE MAX_TOKENS WANT [N]. Starts a stream, sends SIGTERM to the server after
     its first content chunk, reads to the end. WANT: 'finish' (completes normally) or
-    'cut' (an error event, then [DONE])."""
+    'cut' (an error event, then [DONE]). N: a list of two prompts with n = N choices each."""
     pid, max_tokens, want = int(open(args[0]).read()), int(args[1]), args[2]
+    body = completion(max_tokens, True, 'Once upon a time')
+    if len(args) > 3:
+        q = json.loads(body)
+        q.update(prompt=['Once upon a time', 'Once upon a time, there'], n=int(args[3]))
+        body = json.dumps(q).encode()
     s = connect(timeout=60)
     # HTTP/1.0: the events come unchunked, the end of the stream is the end of the connection
-    s.sendall(request('POST', '/v1/completions', completion(max_tokens, True, 'Once upon a time')).replace(b'HTTP/1.1', b'HTTP/1.0'))
+    s.sendall(request('POST', '/v1/completions', body).replace(b'HTTP/1.1', b'HTTP/1.0'))
     data = b''
     while data.count(b'data: {') < 2:
         b = s.recv(65536)
@@ -266,7 +279,8 @@ def stream_until_signal():
     check(refused, 'no new connections once stopping')
     data += read_all(s)
     events = [e for e in data.split(b'\n\n') if e.startswith(b'data: ')]
-    check(events and events[-1] == b'data: [DONE]', 'the stream ends with [DONE]', data[-200:])
+    check(events and events[-1] == b'data: [DONE]' and events.count(b'data: [DONE]') == 1,
+          'the stream ends with [DONE], once', data[-200:])
     if want == 'finish':
         check(len(events) > 1 and b'"finish_reason":"length"' in events[-2], 'the running stream finished', events[-2:])
     else:
