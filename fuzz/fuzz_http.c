@@ -2,8 +2,8 @@
  * sends on one connection (request lines, headers, bodies, several pipelined),
  * through libmicrohttpd and src/server/http.c on a loopback server started once:
  * routing, the API key, the limits answered from the headers, URL unescaping,
- * body buffering, JSON parsing. No model: generation requests that parse are
- * answered 503. Each input is sent on a new connection whose sending side is then
+ * body buffering, JSON parsing. No model: generation requests that parse, and
+ * llama-server's endpoints and embeddings, are answered 503. Each input is sent on a new connection whose sending side is then
  * closed; the answer is read until the server closes it.
  * Build with clang:
  *   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DKVQ_FUZZ=ON -DKVQ_SANITIZE=ON
