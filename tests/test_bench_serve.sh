@@ -10,7 +10,9 @@
 # event gives each its error kind, and one sending several tokens a chunk is counted
 # from usage.
 #
-# --no-ignore-eos: the server does not accept ignore_eos/min_tokens yet (a 400).
+# bench-serve's default ignore_eos + min_tokens (completions and chat): every answer runs
+# to --output-tokens, as the server counts it. The other runs send max_tokens alone
+# (--no-ignore-eos), the form for servers that refuse those fields.
 set -u
 # shellcheck source=tests/cli_lib.sh
 . "$(dirname "$0")/cli_lib.sh"
@@ -74,6 +76,19 @@ KVQ_API_KEY='' timeout 60 "$kvq" bench-serve --api-key sekrit -m "$model" --port
 check "the table reports 2 of 2" grep -q "successful requests *2 of 2" "$tmp/table.txt"
 check "the table reports no errors" grep -q "^errors *none" "$tmp/table.txt"
 check "the table has TTFT" grep -q "^TTFT " "$tmp/table.txt"
+
+# ---- the default ignore_eos and min_tokens: every answer is --output-tokens long ----
+for kind in completion chat; do
+  flag=""; [ $kind = chat ] && flag=--chat
+  gen0=$(counter generated_tokens_total)
+  bench "eos-$kind" --url "$url" $flag --concurrency 2 --requests 4 --prompt-tokens 16 --output-tokens 40 --seed 5
+  gen1=$(counter generated_tokens_total)
+  check "ignore_eos ($kind): exit 0 (got $rc), 4 answers of exactly 40 tokens" jq -e '.ignore_eos and
+    .successful_requests == 4 and .total_output_tokens == 160 and .short_outputs == 0' "$tmp/eos-$kind.json"
+  [ "$rc" -eq 0 ] || cat "$tmp/eos-$kind.err" "$tmp/eos-$kind.json"
+  check "ignore_eos ($kind): the server generated 160 tokens (${gen1%.*} - ${gen0%.*})" \
+    [ $((${gen1%.*} - ${gen0%.*})) = 160 ]
+done
 
 # ---- a wrong key: every request a 401 ----
 bench badkey --url "$url" --api-key wrong --concurrency 2 --requests 3 --prompt-tokens 16 --output-tokens 4 --no-ignore-eos

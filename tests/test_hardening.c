@@ -172,6 +172,16 @@ static void test_cache_f16_nan(void) {
     memcpy(d, orig, n);
     wr32(d + L.logits + 4 * 3, 0x7f800000u); /* +inf logit */
     expect_load(ctx, path, d, n, "non-finite logit", "cache with an inf logit");
+    /* the KV config after magic, version, fingerprint, dims: max_size is its 5th i32, flags its 10th */
+    memcpy(d, orig, n);
+    wr32(d + 40 + 4 * 4, INT_MAX);
+    expect_load(ctx, path, d, n, "impossible KV config", "cache with max_size INT_MAX");
+    memcpy(d, orig, n);
+    wr32(d + 40 + 4 * 9, 2);
+    expect_load(ctx, path, d, n, "unknown KV flag bits", "cache with an unknown flag bit");
+    struct kvq_kv_config kv;
+    CHECK(kvq_seq_file_kv_config(path, &kv) != 0 && strstr(kvq_last_error(), "unknown KV flag bits"),
+          "the config reader refuses it too: %s", kvq_last_error());
     free(orig);
     free(d);
     kvq_context_free(ctx);
@@ -254,16 +264,17 @@ static void test_gguf_layout(const char *rel, uint32_t new_type, const char *why
     free(d);
 }
 
-/* Overwrites the value of a scalar key (same size) in a copy of the model and
- * expects kvq_model_load to refuse it, naming `why`. */
-static void expect_model_refused(const uint8_t *d0, size_t n, const char *key, const void *val, size_t len,
+/* Overwrites `len` bytes at `at` bytes after a key's type field (0: a scalar's value
+ * or an array's element type; 12: an array's first element) in a copy of the model
+ * and expects kvq_model_load to refuse it, naming `why`. */
+static void expect_model_refused(const uint8_t *d0, size_t n, const char *key, size_t at, const void *val, size_t len,
                                  const char *why) {
     uint8_t *d = malloc(n);
     memcpy(d, d0, n);
     struct gguf_file *f = gguf_open_memory(d, n);
     for (uint64_t i = 0; f && i < gguf_n_kv(f); i++) {
         const struct gguf_kv *kv = gguf_kv_at(f, i);
-        if (gguf_str_eq(kv->key, key)) memcpy(d + ((const uint8_t *)kv->key.ptr - d) + kv->key.len + 4, val, len);
+        if (gguf_str_eq(kv->key, key)) memcpy(d + ((const uint8_t *)kv->key.ptr - d) + kv->key.len + 4 + at, val, len);
     }
     CHECK(f && gguf_find(f, key), "key %s present", key);
     gguf_close(f);
@@ -283,11 +294,20 @@ static void test_model_metadata(const char *model_path) {
     uint8_t *d = slurp(model_path, &n);
     float bad[] = {-1e-5f, 0.0f};
     uint32_t nan = 0x7fc00000u, inf = 0x7f800000u, huge = 1u << 30;
-    expect_model_refused(d, n, "llama.attention.layer_norm_rms_epsilon", &bad[0], 4, "finite positive");
-    expect_model_refused(d, n, "llama.attention.layer_norm_rms_epsilon", &bad[1], 4, "finite positive");
-    expect_model_refused(d, n, "llama.attention.layer_norm_rms_epsilon", &nan, 4, "finite positive");
-    expect_model_refused(d, n, "llama.attention.layer_norm_rms_epsilon", &inf, 4, "finite positive");
-    expect_model_refused(d, n, "llama.block_count", &huge, 4, "block_count");
+    expect_model_refused(d, n, "llama.attention.layer_norm_rms_epsilon", 0, &bad[0], 4, "finite positive");
+    expect_model_refused(d, n, "llama.attention.layer_norm_rms_epsilon", 0, &bad[1], 4, "finite positive");
+    expect_model_refused(d, n, "llama.attention.layer_norm_rms_epsilon", 0, &nan, 4, "finite positive");
+    expect_model_refused(d, n, "llama.attention.layer_norm_rms_epsilon", 0, &inf, 4, "finite positive");
+    expect_model_refused(d, n, "llama.block_count", 0, &huge, 4, "block_count");
+    /* issue 72: metadata that loads but disagrees with the tensors or with llama.cpp's types */
+    uint32_t one = 1, f32 = GGUF_TYPE_FLOAT32, i32 = GGUF_TYPE_INT32, u32 = GGUF_TYPE_UINT32;
+    expect_model_refused(d, n, "llama.block_count", 0, &one, 4, "tensor 'blk.1.");
+    expect_model_refused(d, n, "tokenizer.ggml.token_type", 0, &f32, 4, "must be an array of int32");
+    expect_model_refused(d, n, "tokenizer.ggml.scores", 0, &i32, 4, "must be an array of float32");
+    expect_model_refused(d, n, "tokenizer.ggml.scores", 0, &u32, 4, "must be an array of float32");
+    expect_model_refused(d, n, "tokenizer.ggml.scores", 12, &nan, 4, "not finite");
+    int32_t types[] = {-1, 0, 7, 100, INT_MAX};
+    for (int i = 0; i < 5; i++) expect_model_refused(d, n, "tokenizer.ggml.token_type", 12, &types[i], 4, "types 1..6");
     free(d);
 }
 
@@ -328,6 +348,11 @@ int main(void) {
     model = kvq_model_load(mp);
     CHECK(model != NULL, "model: %s", kvq_last_error());
     if (model) {
+        struct kvq_context_params cp;
+        kvq_context_params_default(&cp);
+        cp.kv.max_size = INT_MAX; /* issue 72: overflowed when the budget was sized */
+        CHECK(kvq_context_new(model, &cp) == NULL && strstr(kvq_last_error(), "rotating cache size"),
+              "a rotating size of INT_MAX: %s", kvq_last_error());
         test_cache_f16_nan();
         test_cache_quantized();
         kvq_model_free(model);

@@ -21,7 +21,7 @@ if [ "$(id -u)" -eq 0 ] && mknod "$tmp/full" c 1 7 2>/dev/null; then
     >/dev/null 2>"$tmp/err"
   rc=$?
   check "kl base to a full device fails (exit $rc)" [ "$rc" -eq 1 ]
-  check "kl base says why" grep -q "cannot write" "$tmp/err"
+  check "kl base says why" grep -q "cannot write.*No space left" "$tmp/err"
   check "perplexity leaves the device node" [ -c "$tmp/full" ]
   check "no temporary files left" [ "$(find "$tmp" -name '*.tmp*' | wc -l)" -eq 0 ]
 else
@@ -84,6 +84,30 @@ expect_error "bench-kv-cache bad bits" "invalid bits '7'" -- "$kvq" bench-kv-cac
   --heads 1 --head-dim 64 --repeat 1
 expect_error "bench-kv-cache group > head_dim" "does not divide" -- "$kvq" bench-kv-cache --bits 4 --layers 1 \
   --seq-len 8 --heads 1 --head-dim 64 --group-size 128 --repeat 1
+
+# ---- issue 72 ----
+# --help to a full stdout is an error, as every other output is
+for cmd in generate perplexity passkey bench serve tokenize; do
+  # shellcheck disable=SC2016
+  expect_error "$cmd --help >/dev/full" "cannot write the output: No space left" -- sh -c '"$0" "$1" --help >/dev/full' \
+    "$kvq" "$cmd"
+done
+# unbounded reads: a text input has a size limit
+expect_error "generate -f /dev/zero" "cannot read '/dev/zero': larger than the limit for text inputs" -- \
+  "$kvq" generate -m "$model" -f /dev/zero -n 1
+expect_error "tokenize -f /dev/zero" "larger than the limit" -- "$kvq" tokenize -m "$model" -f /dev/zero
+# --prefix-cache-dir: a file, or under a file, is refused; a missing folder is made
+: >"$tmp/afile"
+expect_error "--prefix-cache-dir naming a file" "is not a folder" -- timeout 20 "$kvq" serve -m "$model" --port 0 \
+  --prefix-cache-dir "$tmp/afile"
+expect_error "--prefix-cache-dir under a file" "cannot create" -- timeout 20 "$kvq" serve -m "$model" --port 0 \
+  --prefix-cache-dir "$tmp/afile/sub"
+"$kvq" serve -m "$model" --host 127.0.0.1 --port 0 --prefix-cache-dir "$tmp/new/cache" >/dev/null 2>"$tmp/serve.err" &
+pid=$!
+for _ in $(seq 100); do grep -q "listening on" "$tmp/serve.err" && break; sleep 0.1; done
+check "a missing --prefix-cache-dir is made" [ -d "$tmp/new/cache" ]
+kill -TERM $pid; wait $pid
+check "...and the server started and stopped cleanly" [ $? -eq 0 ]
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

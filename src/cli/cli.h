@@ -71,7 +71,14 @@ void cli_kv_bits(const struct kvq_model *m, const struct kvq_kv_config *kv, int 
  * (hybrid sliding-window models); nothing for uniform models. */
 void cli_print_kv_layer_kinds(const struct kvq_context *ctx);
 
-/* Reads a whole file into a NUL-terminated buffer (caller frees); NULL with an error printed. */
+/* Prints a command's help (two parts) and exits: 0, or 1 with a message when stdout
+ * lost it (a full disk, a closed descriptor), as for any other output. */
+_Noreturn void cli_exit_help(const char *help, const char *more);
+
+/* Reads a whole file into a NUL-terminated buffer (caller frees); NULL with an error
+ * printed, also for a file over CLI_MAX_TEXT_BYTES (prompts, corpora, templates: a
+ * million-token context is about 4 MB of text). */
+#define CLI_MAX_TEXT_BYTES (256 << 20) /* said as "256 MiB" in the message */
 char *cli_read_file(const char *path, size_t *len);
 /* Monotonic time in seconds. */
 double cli_now(void);

@@ -205,7 +205,7 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *
     if (strcmp(flag, "--quantized-kv-start") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->quantized_start) ? 1 : -1;
     if (strcmp(flag, "--max-kv-size") == 0)
-        return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, INT_MAX, &kv->max_size) ? 1 : -1;
+        return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, 1 << 30, &kv->max_size) ? 1 : -1;
     if (strcmp(flag, "--kv-residual") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_int(flag, v, 0, 1 << 20, &kv->residual) ? 1 : -1;
     if (strcmp(flag, "--swa-full") == 0) {
@@ -316,25 +316,27 @@ char *cli_read_file(const char *path, size_t *len) {
         cli_fail("cannot open '%s': %s", path, strerror(errno));
         return NULL;
     }
+    /* a stream (a pipe, /dev/zero) is read until the limit is passed: no size to ask */
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap);
-    for (;;) {
-        if (!buf) break;
+    const char *why = buf ? NULL : "out of memory";
+    while (!why) {
         n += fread(buf + n, 1, cap - n - 1, f);
         if (n < cap - 1) break;
-        cap *= 2;
+        if (n > CLI_MAX_TEXT_BYTES) {
+            why = "larger than the limit for text inputs (256 MiB)";
+            break;
+        }
+        cap = cap * 2 < (size_t)CLI_MAX_TEXT_BYTES + 2 ? cap * 2 : (size_t)CLI_MAX_TEXT_BYTES + 2;
         char *nb = realloc(buf, cap);
-        if (!nb) {
-            free(buf);
-            buf = NULL;
-        } else
-            buf = nb;
+        if (!nb) why = "out of memory";
+        else buf = nb;
     }
-    bool err = ferror(f);
+    if (!why && ferror(f)) why = strerror(errno);
     fclose(f);
-    if (!buf || err) {
+    if (why) {
         free(buf);
-        cli_fail("cannot read '%s'", path);
+        cli_fail("cannot read '%s': %s", path, why);
         return NULL;
     }
     buf[n] = '\0';
@@ -391,4 +393,11 @@ void cli_print_kv_layer_kinds(const struct kvq_context *ctx) {
         fprintf(stderr, "kvq:   %d %s layer%s, %s cache of %s: %zu bytes (%.2f MiB)\n", k[i].n_layers, what,
                 k[i].n_layers == 1 ? "" : "s", k[i].kind, holds, k[i].bytes, k[i].bytes / 1048576.0);
     }
+}
+
+void cli_exit_help(const char *help, const char *more) {
+    errno = 0;
+    bool ok = fputs(help, stdout) != EOF && fputs(more, stdout) != EOF && fflush(stdout) == 0;
+    if (!ok) cli_fail("cannot write the output: %s", errno ? strerror(errno) : "write error");
+    exit(ok ? 0 : 1);
 }

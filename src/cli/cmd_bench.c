@@ -111,9 +111,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            fputs(bench_help, stdout);
-            fputs(cli_kv_spec_help, stdout);
-            exit(0);
+            cli_exit_help(bench_help, cli_kv_spec_help);
         }
         if (!strcmp(a, "--json")) {
             o->json = true;

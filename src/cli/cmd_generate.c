@@ -63,9 +63,7 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
         kv_given |= kv > 0;
         if (kv > 0) continue;
         if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
-            fputs(generate_help, stdout);
-            fputs(cli_kv_flags_help, stdout);
-            exit(0);
+            cli_exit_help(generate_help, cli_kv_flags_help);
         }
         if (strcmp(a, "--ignore-eos") == 0) {
             o->ignore_eos = true;

@@ -85,9 +85,7 @@ static int parse_args(int argc, char **argv, struct pk_opts *o) {
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            fputs(passkey_help, stdout);
-            fputs(cli_kv_flags_help, stdout);
-            exit(0);
+            cli_exit_help(passkey_help, cli_kv_flags_help);
         }
         if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) {
             o->verbose = true;

@@ -20,6 +20,7 @@
  *   quantized linearly: logp = floor + q * scale (q = 0: below the floor, ignored).
  *   The floor is max(min logp, top logp - 30), so the step is <= 30/65535 ~ 0.00046
  *   nats: relative probability error <= 0.023%. */
+#include <errno.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -90,9 +91,7 @@ static int parse_args(int argc, char **argv, struct ppl_opts *o) {
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            fputs(perplexity_help, stdout);
-            fputs(cli_kv_flags_help, stdout);
-            exit(0);
+            cli_exit_help(perplexity_help, cli_kv_flags_help);
         }
         if (!strcmp(a, "--kl-divergence")) {
             o->kl = true;
@@ -526,7 +525,7 @@ int cmd_perplexity(int argc, char **argv) {
         snprintf(h.kv_name, sizeof h.kv_name, "%s", cli_kv_config_name(&o.cp.kv));
         if (fwrite(&h, sizeof h, 1, bf) != 1 ||
             fwrite(toks, sizeof *toks, (size_t)n_ctx * n_chunk, bf) != (size_t)n_ctx * n_chunk) {
-            cli_fail("cannot write '%s'", o.kl_base);
+            cli_fail("cannot write '%s': %s", o.kl_base, strerror(errno));
             goto done;
         }
     }
@@ -579,7 +578,7 @@ int cmd_perplexity(int argc, char **argv) {
                 if (write_base) {
                     v = encode_record(lg, info.n_vocab, ct[j + 1], rec);
                     if (fwrite(rec, rbytes, 1, bf) != 1) {
-                        cli_fail("cannot write '%s'", o.kl_base);
+                        cli_fail("cannot write '%s': %s", o.kl_base, strerror(errno));
                         goto done;
                     }
                 } else if (o.kl) {

@@ -1,11 +1,15 @@
 /* kvq serve: an OpenAI-compatible HTTP server (src/server) over one context whose
  * sequences are batched together; this file only reads flags and wires it up. */
+#include <errno.h>
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli/cli.h"
 #include "server/chat_template.h"
@@ -54,19 +58,29 @@ static const char *const serve_help =
     "  --pooling mean|last        how embeddings pool the final hidden states (default mean)\n"
     "  --strict-api               refuse (400) request fields beyond OpenAI's instead of ignoring\n"
     "                             them (vLLM's and llama.cpp's extensions, unknown names)\n"
+    "  --timeout S                close a connection after S seconds with nothing read or\n"
+    "                             written, generation time not counted (default 600; 0: never)\n"
+    "  --max-connections N        open connections at most; more are refused (default 4096)\n"
+    "  --max-connections-per-ip N open connections from one address at most (default: a\n"
+    "                             quarter of --max-connections; 0: no cap of its own)\n"
+    "  --shutdown-timeout S       on SIGTERM/SIGINT stop accepting and let running requests\n"
+    "                             finish for up to S seconds; the rest end with an error\n"
+    "                             event (default 10)\n"
     "  -h, --help                 this text\n";
 
 static const char *const serve_value_flags[] = {
     "-m", "--model", "--host", "--port", "--max-num-seqs", "--parallel", "-np", "-c", "--ctx-size", "-t",
     "--threads", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v", "--prefix-cache-mb",
     "--prefix-cache-dir", "--prefix-cache-bits", "--prefix-cache-min-tokens", "--api-key", "--chat-template",
-    "--alias", "--pooling", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval", NULL};
+    "--alias", "--pooling", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval",
+    "--timeout", "--max-connections", "--max-connections-per-ip", "--shutdown-timeout", NULL};
 
 struct serve_opts {
     const char *model, *host, *api_key, *chat_template, *alias, *cache_dir;
     int port, cache_mb, cache_bits, cache_min_tokens, max_body_mb, ping;
     bool strict_api, embeddings;
     enum kvq_pooling pooling;
+    int timeout, max_conns, max_conns_per_ip, shutdown_timeout;
     struct kvq_context_params cp;
     struct sched_params sp;
 };
@@ -99,6 +113,10 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
     o->cache_min_tokens = 256;
     o->max_body_mb = 8;
     o->ping = 10;
+    o->timeout = 600; /* llama-server's */
+    o->max_conns = 4096;
+    o->max_conns_per_ip = -1;
+    o->shutdown_timeout = 10;
     o->api_key = getenv("KVQ_API_KEY");
     o->sp = (struct sched_params){.max_seqs = 16, .max_queue = 256, .prefill_chunk = 256, .step_tokens = 512};
     for (int i = 1; i < argc; i++) {
@@ -107,9 +125,7 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
         if (kv < 0) return 1;
         if (kv > 0) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            fputs(serve_help, stdout);
-            fputs(cli_kv_flags_help, stdout);
-            exit(0);
+            cli_exit_help(serve_help, cli_kv_flags_help);
         }
         if (!strcmp(a, "--strict-api") || !strcmp(a, "--embeddings")) {
             *(!strcmp(a, "--embeddings") ? &o->embeddings : &o->strict_api) = true;
@@ -144,13 +160,69 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
         else if (!strcmp(a, "--step-tokens")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->sp.step_tokens);
         else if (!strcmp(a, "--max-body-mb")) ok = cli_parse_int(a, v, 1, 1 << 12, &o->max_body_mb);
         else if (!strcmp(a, "--ping-interval")) ok = cli_parse_int(a, v, 1, 3600, &o->ping);
+        else if (!strcmp(a, "--timeout")) ok = cli_parse_int(a, v, 0, 86400, &o->timeout);
+        else if (!strcmp(a, "--max-connections")) ok = cli_parse_int(a, v, 1, 1 << 20, &o->max_conns);
+        else if (!strcmp(a, "--max-connections-per-ip")) ok = cli_parse_int(a, v, 0, 1 << 20, &o->max_conns_per_ip);
+        else if (!strcmp(a, "--shutdown-timeout")) ok = cli_parse_int(a, v, 0, 86400, &o->shutdown_timeout);
         if (!ok) return 1;
     }
     if (!o->model) return cli_fail("serve needs a model: -m FILE");
     if (o->api_key && !*o->api_key) return cli_fail("--api-key must not be empty");
     if (!cli_kv_config_check(&o->cp.kv)) return 1;
     if (o->sp.prefill_chunk > o->sp.step_tokens) o->sp.prefill_chunk = o->sp.step_tokens;
+    if (o->max_conns_per_ip < 0) o->max_conns_per_ip = (o->max_conns + 3) / 4;
     return 0;
+}
+
+/* --prefix-cache-dir: made when missing, as mkdir -p would; anything else that is
+ * not a writable folder stops the start. */
+static bool cache_dir_ready(const char *dir) {
+    char path[4096];
+    if (snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path) {
+        cli_fail("--prefix-cache-dir: the path is too long");
+        return false;
+    }
+    for (char *p = path + 1;; p++) {
+        bool end = *p == '\0';
+        if (end || *p == '/') {
+            *p = '\0';
+            if (mkdir(path, 0777) != 0 && errno != EEXIST) {
+                cli_fail("--prefix-cache-dir '%s': cannot create '%s': %s", dir, path, strerror(errno));
+                return false;
+            }
+            if (end) break;
+            *p = '/';
+        }
+    }
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        cli_fail("--prefix-cache-dir '%s' is not a folder", dir);
+        return false;
+    }
+    if (access(dir, W_OK | X_OK) != 0) {
+        cli_fail("--prefix-cache-dir '%s' is not writable: %s", dir, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
+/* Each connection holds a descriptor: the soft limit goes up to the hard one, and the
+ * connection cap down to what fits under it. */
+static void fit_connections(struct serve_opts *o) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+    if (rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+        getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    const rlim_t spare = 64; /* the model, prefix-cache files, logs */
+    if (rl.rlim_cur != RLIM_INFINITY && (rlim_t)o->max_conns + spare > rl.rlim_cur) {
+        int fit = rl.rlim_cur > spare + 1 ? (int)(rl.rlim_cur - spare) : 1;
+        fprintf(stderr, "kvq serve: warning: the open-file limit is %llu: at most %d connections\n",
+                (unsigned long long)rl.rlim_cur, fit);
+        o->max_conns = fit;
+    }
 }
 
 /* A metadata string of the model (malloc'd), or NULL when absent. */
@@ -217,6 +289,8 @@ static struct chat_template *pick_template(const struct kvq_model *m, const char
 int cmd_serve(int argc, char **argv) {
     struct serve_opts o = {0};
     if (parse_args(argc, argv, &o) != 0) return 1;
+    if (o.cache_dir && o.cache_mb > 0 && !cache_dir_ready(o.cache_dir)) return 1;
+    fit_connections(&o);
     struct kvq_model *m = kvq_model_load(o.model);
     if (!m) return cli_fail("%s", kvq_last_error());
     int rc = 1;
@@ -290,8 +364,9 @@ int cmd_serve(int argc, char **argv) {
     if (dot && dot[5] == '\0') *dot = '\0';
     struct http_params hp = {.host = o.host, .port = o.port, .api_key = o.api_key,
                              .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping,
-                             .strict_api = o.strict_api, .model = m, .chat = chat, .tool_syntax = tool_syntax, .sched = s,
-                             .embedder = em};
+                             .strict_api = o.strict_api, .timeout_s = o.timeout, .max_connections = o.max_conns,
+                             .max_connections_per_ip = o.max_conns_per_ip, .model = m, .chat = chat,
+                             .tool_syntax = tool_syntax, .sched = s, .embedder = em};
     h = http_start(&hp);
     if (!h) goto done;
     fprintf(stderr,
@@ -302,10 +377,14 @@ int cmd_serve(int argc, char **argv) {
     fprintf(stderr, "kvq serve: listening on http://%s:%d\n", o.host, http_port(h));
     int sig;
     sigwait(&sigs, &sig);
-    fprintf(stderr, "kvq serve: stopping (signal %d)\n", sig);
+    fprintf(stderr, "kvq serve: stopping (signal %d): no new requests; running ones have %d s to finish\n", sig,
+            o.shutdown_timeout);
+    int left = http_drain(h, o.shutdown_timeout);
+    if (left) fprintf(stderr, "kvq serve: %d requests cut short\n", left);
     rc = 0;
 done:
-    sched_stop(s);  /* running requests end with an error, so connection threads finish */
+    sched_stop(s); /* what still runs ends with an error: an error event and [DONE] on a stream */
+    if (h) http_drain(h, 2); /* ...which its connection thread then sends */
     http_stop(h);
     sched_free(s);
     prefix_cache_free(pc);

@@ -280,7 +280,7 @@ static size_t default_budget(const struct kvq_context *c) {
         struct kv_shape shape;
         layer_cache_setup(m, il, &c->p.kv, &cc, &shape);
         int n = c->p.n_ctx;
-        if (cc.max_size > 0 && cc.max_size + c->p.n_batch < n) n = cc.max_size + c->p.n_batch;
+        if (cc.max_size > 0 && (int64_t)cc.max_size + c->p.n_batch < n) n = cc.max_size + c->p.n_batch;
         per_seq += kv_cache_budget_bytes(&cc, &shape, n);
     }
     return per_seq * (size_t)c->p.n_seq;
@@ -311,6 +311,11 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     }
     if (p->n_batch <= 0 || p->n_ctx < 0) {
         kvq_error("invalid context parameters: n_ctx %d, n_batch %d", p->n_ctx, p->n_batch);
+        return NULL;
+    }
+    /* the rotating size is added to batch sizes below: bounded first */
+    if (p->kv.max_size < 0 || p->kv.max_size > (1 << 30)) {
+        kvq_error("invalid rotating cache size %d: expected 0 .. %d tokens", p->kv.max_size, 1 << 30);
         return NULL;
     }
     /* A residual window or sink count beyond the context can never fill: refuse it

@@ -190,10 +190,16 @@ static int check_envelope(const char *path, const uint8_t *data, size_t len, str
     return 0;
 }
 
-static bool read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_t version) {
+/* -1 with the error set: truncated, or fields no writer makes (unknown flag bits,
+ * sizes beyond any context), refused before anything is sized from them. */
+static int read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_t version, const char *path) {
     int32_t v[10] = {0};
     for (int i = 0; i < (version >= 3 ? 10 : version == 2 ? 9 : 8); i++)
-        if (!kv_read_i32(r, &v[i])) return false;
+        if (!kv_read_i32(r, &v[i])) return kvq_error("'%s' is truncated", path);
+    if (v[9] & ~1) return kvq_error("'%s' has unknown KV flag bits 0x%x", path, (unsigned)v[9] & ~1u);
+    if (v[4] < 0 || v[4] > (1 << 30) || v[5] < 0 || v[5] > (1 << 30) || v[6] < 0 || v[6] > (1 << 30))
+        return kvq_error("'%s' holds an impossible KV config (max size %d, keep %d, quantized start %d)", path, v[4],
+                         v[5], v[6]);
     kv->k_bits = v[0];
     kv->v_bits = v[1];
     kv->k_group = v[2];
@@ -204,7 +210,7 @@ static bool read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32
     kv->hadamard = v[7] != 0;
     kv->residual = v[8];
     kv->swa_full = (v[9] & 1) != 0;
-    return true;
+    return 0;
 }
 
 int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
@@ -220,7 +226,7 @@ int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
         memset(kv, 0, sizeof *kv);
         bool ok = kv_read_u64(&r, &fp);
         for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(&r, &dims[i]);
-        if (!ok || !read_kv_config(&r, kv, version)) rc = kvq_error("'%s' is truncated", path);
+        rc = ok ? read_kv_config(&r, kv, version, path) : kvq_error("'%s' is truncated", path);
     }
     free(data);
     return rc;
@@ -242,7 +248,9 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
     struct kvq_kv_config kv = {0};
     bool ok = kv_read_u64(r, &fp);
     for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(r, &dims[i]);
-    if (!ok || !read_kv_config(r, &kv, version) || !kv_read_i32(r, &n_past)) return kvq_error("'%s' is truncated", path);
+    if (!ok) return kvq_error("'%s' is truncated", path);
+    if (read_kv_config(r, &kv, version, path) != 0) return -1;
+    if (!kv_read_i32(r, &n_past)) return kvq_error("'%s' is truncated", path);
     if (dims[0] != (uint32_t)hp->n_layer || dims[1] != (uint32_t)hp->n_head || dims[2] != (uint32_t)hp->n_head_kv ||
         dims[3] != (uint32_t)hp->head_dim || dims[4] != (uint32_t)hp->n_vocab)
         return kvq_error("'%s' was written for another model (%u layers, %u/%u heads, head_dim %u, vocab %u; this one "

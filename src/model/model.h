@@ -63,6 +63,7 @@ struct layer_weights {
 struct model {
     struct model_hparams hp;
     struct gguf_file *file;
+    bool *tensor_taken; /* while loading: the file's tensors the model took (the rest are refused) */
     struct weight tok_embd, output;
     const float *output_norm;
     struct layer_weights *layers;

@@ -119,6 +119,26 @@ static int init_layer_attn(struct model *m) {
     return 0;
 }
 
+/* The tensor of that name, marked as taken by the model. */
+static const struct gguf_tensor *take_tensor(struct model *m, const char *name) {
+    const struct gguf_tensor *t = gguf_find_tensor(m->file, name);
+    if (t) m->tensor_taken[t - gguf_tensor_at(m->file, 0)] = true;
+    return t;
+}
+
+/* Metadata and tensors must agree: a tensor no layer took (block_count smaller than
+ * the layers present, a misspelt or foreign name) would silently go unused. */
+static int check_all_taken(const struct model *m) {
+    for (uint64_t i = 0; i < gguf_n_tensors(m->file); i++) {
+        if (m->tensor_taken[i]) continue;
+        const struct gguf_tensor *t = gguf_tensor_at(m->file, i);
+        return kvq_error("tensor '%.*s' is not used by a %d-layer %s model (%s.block_count = %d): the metadata does "
+                         "not match the tensors",
+                         (int)t->name.len, t->name.ptr, m->hp.n_layer, m->hp.arch_name, m->hp.arch_name, m->hp.n_layer);
+    }
+    return 0;
+}
+
 /* Inverse RoPE frequencies, with Llama-3 long-context scaling when the file asks
  * for it (a rope_freqs tensor holds per-pair divisors; or the metadata parameters). */
 static int init_rope(struct model *m) {
@@ -134,7 +154,7 @@ static int init_rope(struct model *m) {
         m->rope_linear_factor[1] = 1.0f;
     }
 
-    const struct gguf_tensor *t = gguf_find_tensor(m->file, "rope_freqs.weight");
+    const struct gguf_tensor *t = take_tensor(m, "rope_freqs.weight");
     if (t) {
         if (t->type != KVQ_F32 || t->ne[0] != (uint64_t)n)
             return kvq_error("rope_freqs.weight must be f32 with %d values", n);
@@ -165,7 +185,7 @@ static int init_rope(struct model *m) {
 }
 
 static int find_weight(struct model *m, const char *name, int64_t cols, int64_t rows, bool required, struct weight *w) {
-    const struct gguf_tensor *t = gguf_find_tensor(m->file, name);
+    const struct gguf_tensor *t = take_tensor(m, name);
     memset(w, 0, sizeof *w);
     if (!t) return required ? kvq_error("model is missing tensor '%s'", name) : 0;
     if (t->ne[0] != (uint64_t)cols || t->ne[1] != (uint64_t)rows || t->ne[2] != 1 || t->ne[3] != 1)
@@ -185,7 +205,7 @@ static int find_weight(struct model *m, const char *name, int64_t cols, int64_t 
 
 /* A 1-D f32 vector of n values (norm weights, biases). */
 static int find_vector(struct model *m, const char *name, int64_t n, bool required, const float **out) {
-    const struct gguf_tensor *t = gguf_find_tensor(m->file, name);
+    const struct gguf_tensor *t = take_tensor(m, name);
     *out = NULL;
     if (!t) return required ? kvq_error("model is missing tensor '%s'", name) : 0;
     if (t->type != KVQ_F32 || t->ne[0] != (uint64_t)n || t->ne[1] != 1)
@@ -241,6 +261,10 @@ struct model *model_load(const char *path) {
         goto fail;
     }
     struct model_hparams *hp = &m->hp;
+    if (!(m->tensor_taken = calloc(gguf_n_tensors(m->file), sizeof *m->tensor_taken))) {
+        kvq_error("out of memory");
+        goto fail;
+    }
     const struct gguf_value *tokens = gguf_get_arr(m->file, "tokenizer.ggml.tokens", GGUF_TYPE_STRING);
     hp->n_vocab = tokens ? (int)tokens->arr.n : 0;
     if (get_int(m->file, hp->arch_name, "vocab_size", &hp->n_vocab, false)) goto fail;
@@ -269,7 +293,9 @@ struct model *model_load(const char *path) {
     }
     for (int il = 0; il < hp->n_layer; il++)
         if (load_layer(m, il) != 0) goto fail;
-    if (init_layer_attn(m) != 0 || init_rope(m) != 0) goto fail;
+    if (init_layer_attn(m) != 0 || init_rope(m) != 0 || check_all_taken(m) != 0) goto fail;
+    free(m->tensor_taken);
+    m->tensor_taken = NULL;
     return m;
 fail:
     model_free(m);
@@ -330,6 +356,7 @@ void model_free(struct model *m) {
     struct weight *w;
     for (int64_t i = 0; (w = product_weight(m, i)) != NULL; i++) free(w->rows16);
     gguf_close(m->file);
+    free(m->tensor_taken);
     free(m->layers);
     free(m->rope_inv_freq);
     free(m->layer_attn);

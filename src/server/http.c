@@ -1,6 +1,7 @@
 #include "server/http.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <limits.h>
 #include <microhttpd.h>
 #include <netdb.h>
@@ -12,6 +13,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "server/llama_api.h"
 #include "server/openai_json.h"
@@ -23,12 +25,17 @@ struct http_server {
     int port;
     long started;
     atomic_ullong n_http, n_errors, next_id;
+    atomic_int busy;      /* requests given to the scheduler whose answer is not yet sent */
+    atomic_bool draining; /* shutting down: new requests get a 503 */
 };
 
-/* Per connection: the request body as it arrives. */
+/* Per request: the body as it arrives. */
 struct conn_state {
     struct strbuf body;
-    bool too_big;
+    bool busy;    /* counted in h->busy */
+    bool too_big; /* a chunked body grew past the limit: discarded, then a 413 */
+    bool http11;  /* may be sent an interim response */
+    bool probed;  /* the client's end-of-file was answered with an interim "100 Continue" */
 };
 
 static double now_s(void) {
@@ -70,16 +77,38 @@ static enum MHD_Result fail(struct http_server *h, struct MHD_Connection *c, int
     return respond_error(h, c, &e);
 }
 
-/* True when the client closed its end: the socket polls readable or hung up and a
- * peek reads end-of-file. (Nothing else reads from it while a request runs.) */
-static bool client_gone(struct MHD_Connection *c) {
+/* True when the connection is broken: reset, or closed both ways. A read end-of-file
+ * alone (*eof) is not that: a client may shut down its sending side after a complete
+ * request (shutdown(SHUT_WR)) and still read the answer. A client that closed
+ * entirely resets the connection at the next byte written to it, which then shows
+ * here as POLLHUP/POLLERR; so on end-of-file the caller writes one byte early: a
+ * stream a ': ping', a plain HTTP/1.1 request an interim "100 Continue" (a response
+ * every HTTP/1.1 client must accept and skip). */
+static bool client_gone(struct MHD_Connection *c, bool *eof) {
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    *eof = false;
     if (!ci) return false;
-    struct pollfd pfd = {.fd = ci->connect_fd, .events = POLLIN | POLLRDHUP};
+    struct pollfd pfd = {.fd = ci->connect_fd, .events = POLLRDHUP};
     if (poll(&pfd, 1, 0) <= 0) return false;
-    if (pfd.revents & (POLLHUP | POLLERR | POLLRDHUP)) return true;
-    char b;
-    return recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+    *eof = pfd.revents & POLLRDHUP;
+    return pfd.revents & (POLLHUP | POLLERR);
+}
+
+/* The interim response above, sent straight to the socket: nothing else writes to
+ * it while the request's handler runs (a thread per connection). */
+static void send_interim(struct MHD_Connection *c) {
+    static const char interim[] = "HTTP/1.1 100 Continue\r\n\r\n";
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (ci) (void)!send(ci->connect_fd, interim, sizeof interim - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+/* The idle timeout counts from the last byte read or written. Generation is the
+ * server's own time, not the client's idleness: setting the timeout again after a
+ * wait restarts its clock (libmicrohttpd does so when it goes from none to some). */
+static void timeout_restart(struct http_server *h, struct MHD_Connection *c) {
+    if (!h->p.timeout_s) return;
+    MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
+    MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, (unsigned)h->p.timeout_s);
 }
 
 /* ---- requests to prompts ---- */
@@ -297,6 +326,7 @@ struct stream {
     long created;
     bool include_usage, logprobs, first_sent, finished;
     bool tools;        /* tool calls are parsed out of each choice's text */
+    bool probed; /* the client's end-of-file was answered with a ': ping' */
     struct strbuf out; /* SSE bytes not yet handed to MHD */
     size_t out_off;
     double last_write;
@@ -413,17 +443,21 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             st->out_off += n;
             if (st->out_off == st->out.len) st->out.len = st->out_off = 0;
             st->last_write = now_s();
+            timeout_restart(st->h, st->conn);
             return (ssize_t)n;
         }
         if (st->finished) return MHD_CONTENT_READER_END_OF_STREAM;
         stream_fill(st);
         if (st->out.len) continue;
         /* nothing new after a short wait: is the client still there? */
-        if (client_gone(st->conn)) {
+        bool eof;
+        if (client_gone(st->conn, &eof)) {
             for (int i = 0; i < st->n_choices; i++) sched_req_cancel(st->ch[i].r);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
-        if (now_s() - st->last_write >= st->h->p.ping_seconds) strbuf_add(&st->out, ": ping\n\n");
+        if ((eof && !st->probed) || now_s() - st->last_write >= st->h->p.ping_seconds)
+            strbuf_add(&st->out, ": ping\n\n");
+        st->probed |= eof;
     }
 }
 
@@ -442,6 +476,10 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     struct oai_error e;
     if (oai_parse_request(cs->body.s ? cs->body.s : "", cs->body.len, kind, h->p.strict_api, &q, &e) != 0)
         return respond_error(h, c, &e);
+    if (!h->p.sched) { /* the HTTP layer alone (fuzz/fuzz_http.c) */
+        oai_request_free(&q);
+        return fail(h, c, 503, "server_error", NULL, NULL, "no model is loaded");
+    }
     unsigned long long id = atomic_fetch_add(&h->next_id, 1);
     struct choice *ch = NULL;
     int n_ch = 0;
@@ -451,6 +489,8 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
     int rc = submit_choices(h, &q, id, &ch, &n_ch, &e);
     oai_request_free(&q);
     if (rc) return respond_error(h, c, &e);
+    cs->busy = true; /* until the answer is sent (on_completed) */
+    atomic_fetch_add(&h->busy, 1);
     char rid[48];
     snprintf(rid, sizeof rid, "%s-%llx%08lx", kind == OAI_CHAT ? "chatcmpl" : "cmpl", id, (unsigned long)time(NULL));
     long created = (long)time(NULL);
@@ -481,14 +521,18 @@ static enum MHD_Result completions(struct http_server *h, struct MHD_Connection 
         struct choice *x = &ch[i];
         if (x->echo) strbuf_add(&x->text, x->echo);
         while (!(x->done = sched_req_wait(x->r, 100, &x->cur, &x->text, logprobs ? &x->lps : NULL, &x->res))) {
-            if (client_gone(c)) {
+            bool eof;
+            if (client_gone(c, &eof)) {
                 choices_free(ch, n_ch, true);
                 return MHD_NO;
             }
+            if (eof && !cs->probed && cs->http11) send_interim(c);
+            cs->probed |= eof;
         }
         if (x->res.error_status && !err) err = &x->res;
         oom = oom || x->text.oom || x->lps.oom;
     }
+    timeout_restart(h, c);
     enum MHD_Result ret;
     if (err) {
         ret = fail(h, c, err->error_status, err->error_status >= 500 ? "server_error" : "invalid_request_error", NULL,
@@ -529,8 +573,8 @@ static void metric(struct strbuf *b, const char *name, const char *type, const c
 }
 
 static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) {
-    struct sched_stats s;
-    sched_get_stats(h->p.sched, &s);
+    struct sched_stats s = {0};
+    if (h->p.sched) sched_get_stats(h->p.sched, &s);
     struct strbuf b = {0};
     metric(&b, "http_requests_total", "counter", "HTTP requests received.", (double)atomic_load(&h->n_http));
     metric(&b, "http_errors_total", "counter", "HTTP requests answered with an error.", (double)atomic_load(&h->n_errors));
@@ -560,6 +604,8 @@ static enum MHD_Result aux_endpoint(struct http_server *h, struct MHD_Connection
     const char *body = cs->body.s ? cs->body.s : "";
     struct oai_error e = {0};
     char *out;
+    if (!h->p.model) /* the HTTP layer alone (fuzz/fuzz_http.c) */
+        return fail(h, c, 503, "server_error", NULL, NULL, "no model is loaded");
     if (!strcmp(path, "/tokenize")) out = api_tokenize(h->p.model, body, cs->body.len, &e);
     else if (!strcmp(path, "/detokenize")) out = api_detokenize(h->p.model, body, cs->body.len, &e);
     else if (!strcmp(path, "/apply-template"))
@@ -567,7 +613,12 @@ static enum MHD_Result aux_endpoint(struct http_server *h, struct MHD_Connection
     else if (!h->p.embedder)
         return fail(h, c, 501, "not_supported_error", NULL, NULL,
                     "this server does not compute embeddings: start it with --embeddings");
-    else out = api_embeddings(h->p.embedder, h->p.model_id, body, cs->body.len, h->p.strict_api, &e);
+    else {
+        cs->busy = true; /* a running request a graceful shutdown waits for (on_completed) */
+        atomic_fetch_add(&h->busy, 1);
+        out = api_embeddings(h->p.embedder, h->p.model_id, body, cs->body.len, h->p.strict_api, &e);
+        timeout_restart(h, c); /* the computation is the server's time, not the client's */
+    }
     return out ? respond_json(h, c, 200, out) : respond_error(h, c, &e);
 }
 
@@ -580,16 +631,78 @@ static void normalize(const char *url, char *out, size_t size) {
     out[n] = '\0';
 }
 
-static bool authorized(const struct http_server *h, struct MHD_Connection *c) {
+/* The smallest header key address above p (or end): where the next header line begins. */
+struct next_key {
+    uintptr_t p, next;
+};
+
+static enum MHD_Result find_next_key(void *cls, enum MHD_ValueKind kind, const char *key, size_t key_size,
+                                     const char *value, size_t value_size) {
+    (void)kind, (void)key_size, (void)value, (void)value_size;
+    struct next_key *k = cls;
+    if ((uintptr_t)key > k->p && (uintptr_t)key < k->next) k->next = (uintptr_t)key;
+    return MHD_YES;
+}
+
+/* True when a NUL byte cut a header value short. libmicrohttpd (0.9.75) parses each
+ * header line as a C string, so "Bearer KEY\0junk" reads as "Bearer KEY"; the line
+ * stays in place in its header block, where the end of the line (CR, LF) became NULs:
+ * anything else between the value's end and the next line is what the NUL hid. When
+ * the value is not inside the block (another libmicrohttpd), nothing is checked. */
+static bool value_cut(struct MHD_Connection *c, const char *method, const char *v, size_t n) {
+    const union MHD_ConnectionInfo *hs = MHD_get_connection_info(c, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    uintptr_t start = (uintptr_t)method, end = hs ? start + hs->header_size : start, at = (uintptr_t)v + n;
+    if ((uintptr_t)v < start || at >= end) return false;
+    struct next_key k = {at, end};
+    MHD_get_connection_values_n(c, MHD_HEADER_KIND, find_next_key, &k);
+    for (const char *p = v + n; (uintptr_t)p < k.next; p++)
+        if (*p) return true;
+    return false;
+}
+
+/* The whole header value, so one cut short by a NUL byte does not pass. */
+static bool authorized(const struct http_server *h, struct MHD_Connection *c, const char *method) {
     if (!h->p.api_key) return true;
-    const char *a = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
-    if (!a || strncmp(a, "Bearer ", 7) != 0) return false;
-    a += 7;
+    const char *a;
+    size_t la;
+    static const char hdr[] = MHD_HTTP_HEADER_AUTHORIZATION;
+    if (MHD_lookup_connection_value_n(c, MHD_HEADER_KIND, hdr, sizeof hdr - 1, &a, &la) != MHD_YES || !a || la < 7 ||
+        strncmp(a, "Bearer ", 7) != 0 || value_cut(c, method, a, la))
+        return false;
+    a += 7, la -= 7;
     /* compare in time independent of where they differ */
-    size_t la = strlen(a), lk = strlen(h->p.api_key);
+    size_t lk = strlen(h->p.api_key);
     unsigned diff = (unsigned)(la != lk);
     for (size_t i = 0; i < la && i < lk; i++) diff |= (unsigned char)(a[i] ^ h->p.api_key[i]);
     return diff == 0;
+}
+
+static bool is_health(const char *path) { return !strcmp(path, "/health") || !strcmp(path, "/v1/health"); }
+
+static enum MHD_Result too_big(struct http_server *h, struct MHD_Connection *c) {
+    char msg[128];
+    snprintf(msg, sizeof msg, "the request body is larger than the limit of %zu bytes", h->p.max_body);
+    return fail(h, c, 413, "invalid_request_error", NULL, NULL, msg);
+}
+
+/* What the headers alone decide, answered before any of the body is read (so a
+ * refused body is never stored, and an oversized one is not waited for): a server
+ * shutting down, a missing API key, a declared body over the limit. MHD_YES with
+ * nothing queued: read the body. */
+static enum MHD_Result from_headers(struct http_server *h, struct MHD_Connection *c, const char *method,
+                                    const char *path) {
+    if (atomic_load(&h->draining)) return fail(h, c, 503, "server_error", NULL, NULL, "the server is shutting down");
+    if (is_health(path)) return MHD_YES;
+    if (!authorized(h, c, method))
+        return fail(h, c, 401, "invalid_request_error", NULL, "invalid_api_key",
+                    "Incorrect API key provided (send it as 'Authorization: Bearer KEY')");
+    const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    if (cl) {
+        errno = 0;
+        unsigned long long n = strtoull(cl, NULL, 10);
+        if (errno == ERANGE || n > h->p.max_body) return too_big(h, c);
+    }
+    return MHD_YES;
 }
 
 static enum MHD_Result route(struct http_server *h, struct MHD_Connection *c, const char *url, const char *method,
@@ -597,17 +710,10 @@ static enum MHD_Result route(struct http_server *h, struct MHD_Connection *c, co
     char path[256];
     normalize(url, path, sizeof path);
     bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), post = !strcmp(method, "POST");
-    if (!strcmp(path, "/health") || !strcmp(path, "/v1/health"))
+    if (is_health(path))
         return get ? respond(h, c, 200, "application/json", "{\"status\":\"ok\"}")
                    : fail(h, c, 405, "invalid_request_error", NULL, NULL, "use GET for /health");
-    if (!authorized(h, c))
-        return fail(h, c, 401, "invalid_request_error", NULL, "invalid_api_key",
-                    "Incorrect API key provided (send it as 'Authorization: Bearer KEY')");
-    if (cs->too_big) {
-        char msg[128];
-        snprintf(msg, sizeof msg, "the request body is larger than the limit of %zu bytes", h->p.max_body);
-        return fail(h, c, 413, "invalid_request_error", NULL, NULL, msg);
-    }
+    if (cs->too_big) return too_big(h, c);
     enum oai_kind kind;
     if (!strcmp(path, "/v1/chat/completions") || !strcmp(path, "/chat/completions")) kind = OAI_CHAT;
     else if (!strcmp(path, "/v1/completions") || !strcmp(path, "/completions")) kind = OAI_COMPLETION;
@@ -632,16 +738,16 @@ static enum MHD_Result route(struct http_server *h, struct MHD_Connection *c, co
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                                   const char *version, const char *upload, size_t *upload_size, void **con_cls) {
-    (void)version;
     struct http_server *h = cls;
     struct conn_state *cs = *con_cls;
-    if (!cs) { /* headers only: refuse a declared oversized body before reading it */
+    if (!cs) { /* the first call: headers only */
         if (!(cs = calloc(1, sizeof *cs))) return MHD_NO;
         *con_cls = cs;
         atomic_fetch_add(&h->n_http, 1);
-        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl && strtoull(cl, NULL, 10) > h->p.max_body) cs->too_big = true;
-        return MHD_YES;
+        cs->http11 = !strcmp(version, MHD_HTTP_VERSION_1_1);
+        char path[256];
+        normalize(url, path, sizeof path);
+        return from_headers(h, c, method, path);
     }
     if (*upload_size) {
         if (!cs->too_big && cs->body.len + *upload_size > h->p.max_body) {
@@ -657,9 +763,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
 }
 
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode code) {
-    (void)cls, (void)c, (void)code;
+    (void)c, (void)code;
+    struct http_server *h = cls;
     struct conn_state *cs = *con_cls;
     if (!cs) return;
+    if (cs->busy) atomic_fetch_sub(&h->busy, 1);
     strbuf_free(&cs->body);
     free(cs);
     *con_cls = NULL;
@@ -673,40 +781,103 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
     if (!*fmt || fmt[strlen(fmt) - 1] != '\n') fputc('\n', stderr);
 }
 
-struct http_server *http_start(const struct http_params *p) {
+/* Decodes %XX in the URL and its arguments as libmicrohttpd does, except %00: a NUL
+ * would cut the path short ("/health%00/v1/models" is not /health), so it stays as
+ * the three characters, and such a path matches no endpoint. */
+static int hex_digit(char ch) {
+    if (ch >= '0' && ch <= '9') return ch - '0';
+    if (ch >= 'a' && ch <= 'f') return ch - 'a' + 10;
+    if (ch >= 'A' && ch <= 'F') return ch - 'A' + 10;
+    return -1;
+}
+
+static size_t unescape(void *cls, struct MHD_Connection *c, char *s) {
+    (void)cls, (void)c;
+    char *w = s;
+    for (const char *r = s; *r;) {
+        int hi, lo;
+        if (r[0] == '%' && (hi = hex_digit(r[1])) >= 0 && (lo = hex_digit(r[2])) >= 0 && (hi | lo)) {
+            *w++ = (char)(hi << 4 | lo);
+            r += 3;
+        } else {
+            *w++ = *r++;
+        }
+    }
+    *w = '\0';
+    return (size_t)(w - s);
+}
+
+/* The listening socket, made here for SO_REUSEADDR (libmicrohttpd's address-reuse
+ * option is SO_REUSEPORT, which would let a second server share the port): the port
+ * binds while connections of a server that just left sit in TIME-WAIT. */
+static int listen_socket(const struct http_params *p) {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV}, *ai;
     char port[16];
     snprintf(port, sizeof port, "%d", p->port);
     int rc = getaddrinfo(p->host, port, &hints, &ai);
     if (rc != 0) {
         fprintf(stderr, "kvq serve: cannot resolve host '%s': %s\n", p->host, gai_strerror(rc));
-        return NULL;
+        return -1;
     }
+    int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol), one = 1;
+    if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+        bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, SOMAXCONN) != 0) {
+        fprintf(stderr, "kvq serve: cannot listen on %s:%d: %s\n", p->host, p->port, strerror(errno));
+        if (fd >= 0) close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(ai);
+    return fd;
+}
+
+static int bound_port(int fd) {
+    struct sockaddr_storage a;
+    socklen_t len = sizeof a;
+    if (getsockname(fd, (struct sockaddr *)&a, &len) != 0) return -1;
+    return ntohs(a.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&a)->sin6_port : ((struct sockaddr_in *)&a)->sin_port);
+}
+
+struct http_server *http_start(const struct http_params *p) {
+    int fd = listen_socket(p);
+    if (fd < 0) return NULL;
     struct http_server *h = calloc(1, sizeof *h);
     if (!h) {
-        freeaddrinfo(ai);
+        close(fd);
         return NULL;
     }
     h->p = *p;
     h->started = (long)time(NULL);
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
-    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    h->d = MHD_start_daemon(flags, (uint16_t)p->port, NULL, NULL, on_request, h, MHD_OPTION_EXTERNAL_LOGGER, mhd_log,
-                            NULL, MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
+    h->port = bound_port(fd);
+    /* A thread per connection (handlers wait for the scheduler), polled with poll():
+     * no FD_SETSIZE cap on descriptors; idle connections time out; the connection
+     * count is capped in all and per client address. ITC: for MHD_quiesce_daemon. */
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG;
+    h->d = MHD_start_daemon(flags, 0, NULL, NULL, on_request, h, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
+                            MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)p->timeout_s,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)p->max_connections,
+                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)p->max_connections_per_ip,
+                            MHD_OPTION_UNESCAPE_CALLBACK, unescape, NULL, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
                             MHD_OPTION_END);
-    freeaddrinfo(ai);
     if (!h->d) {
-        fprintf(stderr, "kvq serve: cannot listen on %s:%d (in use, or not an address of this machine)\n", p->host,
-                p->port);
+        fprintf(stderr, "kvq serve: cannot start the HTTP server on %s:%d\n", p->host, p->port);
+        close(fd);
         free(h);
         return NULL;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
-    h->port = di ? di->port : p->port;
     return h;
 }
 
 int http_port(const struct http_server *h) { return h->port; }
+
+int http_drain(struct http_server *h, double seconds) {
+    if (!atomic_exchange(&h->draining, true)) {
+        MHD_socket fd = MHD_quiesce_daemon(h->d);
+        if (fd != MHD_INVALID_SOCKET) close(fd);
+    }
+    for (double end = now_s() + seconds; atomic_load(&h->busy) > 0 && now_s() < end;)
+        nanosleep(&(struct timespec){0, 20 * 1000 * 1000}, NULL);
+    return atomic_load(&h->busy);
+}
 
 void http_stop(struct http_server *h) {
     if (!h) return;

@@ -22,10 +22,12 @@ struct http_params {
     const char *model_id; /* the name /v1/models reports */
     int ping_seconds; /* ": ping" on a stream idle this long */
     bool strict_api;  /* fields beyond OpenAI's are a 400 (else ignored and logged once) */
+    int timeout_s;    /* a connection with no byte read or written this long is closed (0: never) */
+    int max_connections, max_connections_per_ip; /* beyond: refused at once (per address 0: no cap) */
     const struct kvq_model *model;
     const struct chat_template *chat;
     enum tool_syntax tool_syntax; /* how the model calls tools */
-    struct sched *sched;
+    struct sched *sched; /* NULL: generation requests are answered 503 (the HTTP layer alone) */
     struct embedder *embedder; /* NULL: /v1/embeddings answers 501 */
 };
 
@@ -33,7 +35,11 @@ struct http_server;
 /* NULL with a message on stderr when the address cannot be bound. */
 struct http_server *http_start(const struct http_params *p);
 int http_port(const struct http_server *h);
-/* Stops accepting, waits for the connection threads, frees. */
+/* Stops accepting (new requests on open connections get a 503) and waits up to
+ * seconds for the requests given to the scheduler to be answered; returns how many
+ * are left. */
+int http_drain(struct http_server *h, double seconds);
+/* Closes every connection, waits for the connection threads, frees. */
 void http_stop(struct http_server *h);
 
 #endif

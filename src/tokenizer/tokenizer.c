@@ -5,6 +5,7 @@
 
 #include <ctype.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,17 +25,41 @@
 /* Loading                                                                  */
 /* ------------------------------------------------------------------------ */
 
+/* An optional per-token array: absent (*out NULL), or of the element type llama.cpp
+ * writes with one entry per token. */
+static int token_array(const struct gguf_file *f, const char *key, enum gguf_type type, uint64_t n,
+                       const struct gguf_value **out) {
+    const struct gguf_value *v = *out = gguf_find(f, key);
+    if (!v) return 0;
+    if (v->type != GGUF_TYPE_ARRAY || v->arr.elem_type != type)
+        return kvq_error("tokenizer: %s must be an array of %s, not %s%s", key, gguf_type_name(type),
+                         v->type == GGUF_TYPE_ARRAY ? "an array of " : "",
+                         gguf_type_name(v->type == GGUF_TYPE_ARRAY ? v->arr.elem_type : v->type));
+    if (v->arr.n != n)
+        return kvq_error("tokenizer: %s has %llu entries for %llu tokens", key, (unsigned long long)v->arr.n,
+                         (unsigned long long)n);
+    return 0;
+}
+
 static int load_tokens(struct tokenizer *t, const struct gguf_file *f) {
     const struct gguf_value *toks = gguf_get_arr(f, KEY_TOKENS, GGUF_TYPE_STRING);
     if (!toks) return kvq_error("tokenizer: missing string array %s", KEY_TOKENS);
     if (toks->arr.n == 0 || toks->arr.n > INT32_MAX / 2) return kvq_error("tokenizer: bad vocabulary size %llu", (unsigned long long)toks->arr.n);
     t->n_vocab = (int32_t)toks->arr.n;
 
-    const struct gguf_value *scores = gguf_get_arr(f, KEY_SCORES, GGUF_TYPE_FLOAT32);
-    if (!scores) scores = gguf_get_arr(f, KEY_SCORES, GGUF_TYPE_INT32);
-    if (scores && scores->arr.n < toks->arr.n) return kvq_error("tokenizer: %s shorter than the vocabulary", KEY_SCORES);
-    const struct gguf_value *types = gguf_get_arr(f, KEY_TYPES, GGUF_TYPE_INT32);
-    if (types && types->arr.n < toks->arr.n) return kvq_error("tokenizer: %s shorter than the vocabulary", KEY_TYPES);
+    const struct gguf_value *scores, *types;
+    if (token_array(f, KEY_SCORES, GGUF_TYPE_FLOAT32, toks->arr.n, &scores) ||
+        token_array(f, KEY_TYPES, GGUF_TYPE_INT32, toks->arr.n, &types))
+        return -1;
+    for (uint64_t i = 0; i < toks->arr.n; i++) {
+        double score = scores ? gguf_arr_f64(scores, i) : 0;
+        int64_t type = types ? gguf_arr_i64(types, i) : TOK_TYPE_NORMAL;
+        if (!isfinite(score)) return kvq_error("tokenizer: %s of token %llu is not finite", KEY_SCORES, (unsigned long long)i);
+        /* llama.cpp's writers use 1 (normal) .. 6 (byte); 0 (undefined) is never written */
+        if (type < TOK_TYPE_NORMAL || type > TOK_TYPE_BYTE)
+            return kvq_error("tokenizer: %s of token %llu is %lld, not one of llama.cpp's types 1..6", KEY_TYPES,
+                             (unsigned long long)i, (long long)type);
+    }
 
     /* Empty token texts get a placeholder name, as llama.cpp does. */
     size_t blob = 0;
@@ -59,7 +84,6 @@ static int load_tokens(struct tokenizer *t, const struct gguf_file *f) {
         off += e->len;
         e->score = scores ? (float)gguf_arr_f64(scores, (uint64_t)i) : 0.0f;
         e->type = types ? (uint8_t)gguf_arr_i64(types, (uint64_t)i) : TOK_TYPE_NORMAL;
-        if (e->type > TOK_TYPE_BYTE) e->type = TOK_TYPE_UNDEFINED;
         int32_t dup;
         int rc = strmap_put(&t->vocab, t->text_blob + e->off, e->len, i, &dup);
         if (rc < 0) return kvq_error("tokenizer: out of memory");
