@@ -77,14 +77,15 @@ start_server drain --shutdown-timeout 20 && {
   client signal "$tmp/pid" 40 finish
   wait $srv_pid; check "drained server exits 0" [ $? -eq 0 ]; srv_pid=""
 }
-start_server cut --shutdown-timeout 1 && {
-  client signal "$tmp/pid" 900 cut
+# (4000 tokens: more than an idle machine decodes in the second the drain waits)
+start_server cut --shutdown-timeout 1 -c 4096 && {
+  client signal "$tmp/pid" 4000 cut
   wait $srv_pid; check "cut server exits 0" [ $? -eq 0 ]; srv_pid=""
   check "the log says what was cut" grep -q "1 requests cut short" "$tmp/cut.log"
 }
 # a stream of several choices (two prompts, n = 2 each) is cut the same way
-start_server cutn --shutdown-timeout 1 && {
-  client signal "$tmp/pid" 900 cut 2
+start_server cutn --shutdown-timeout 1 -c 4096 && {
+  client signal "$tmp/pid" 4000 cut 2
   wait $srv_pid; check "cut server exits 0" [ $? -eq 0 ]; srv_pid=""
   check "the log says what was cut" grep -q "1 requests cut short" "$tmp/cutn.log"
 }
