@@ -92,12 +92,17 @@ static void seqs_free(struct seq *q) {
     }
 }
 
-static void bench_model(const char *path, int threads, int steps) {
-    struct kvq_model *m = kvq_model_load(path);
+/* m, or the loader's error and exit. */
+static struct kvq_model *loaded(struct kvq_model *m) {
     if (!m) {
         fprintf(stderr, "bench_grammar: %s\n", kvq_last_error());
         exit(1);
     }
+    return m;
+}
+
+static void bench_model(const char *path, int threads, int steps) {
+    struct kvq_model *m = loaded(kvq_model_load(path));
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     struct kvq_context_params cp;
@@ -154,11 +159,7 @@ static void bench_model(const char *path, int threads, int steps) {
 }
 
 static void bench_vocab(const char *path, int steps) {
-    struct kvq_model *m = kvq_model_load_vocab(path);
-    if (!m) {
-        fprintf(stderr, "bench_grammar: %s\n", kvq_last_error());
-        exit(1);
-    }
+    struct kvq_model *m = loaded(kvq_model_load_vocab(path));
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     double t0 = now();

@@ -424,6 +424,27 @@ static void parse_call_args(struct parser *P, struct node *nd) {
     nd->v = l.v, nd->kw = l.kw, nd->n = l.n;
 }
 
+
+/* A list literal's items, or a dict literal's key: value pairs (kind E_DICT), up to
+ * the closing bracket (a trailing comma allowed). */
+static struct node *parse_items(struct parser *P, char close, int kind) {
+    const char *want = close == ']' ? "',' or ']'" : "',' or '}'";
+    struct nlist l = {0};
+    while (!is_op(P, close)) {
+        if (l.n && !accept_op(P, ',')) unexpected(P, want);
+        if (is_op(P, close)) break;
+        nl_add(P, &l, parse_expr(P, true), NULL);
+        if (kind == E_DICT) {
+            expect_op(P, ':');
+            nl_add(P, &l, parse_expr(P, true), NULL);
+        }
+    }
+    next(P);
+    struct node *nd = mk(P, kind);
+    nd->v = l.v, nd->n = l.n;
+    return nd;
+}
+
 static struct node *parse_primary(struct parser *P) {
     struct tok *k = cur(P);
     struct node *nd;
@@ -461,32 +482,8 @@ static struct node *parse_primary(struct parser *P) {
             expect_op(P, ')');
             return e;
         }
-        if (accept_op(P, '[')) {
-            struct nlist l = {0};
-            while (!is_op(P, ']')) {
-                if (l.n && !accept_op(P, ',')) unexpected(P, "',' or ']'");
-                if (is_op(P, ']')) break;
-                nl_add(P, &l, parse_expr(P, true), NULL);
-            }
-            next(P);
-            nd = mk(P, E_LIST);
-            nd->v = l.v, nd->n = l.n;
-            return nd;
-        }
-        if (accept_op(P, '{')) {
-            struct nlist l = {0};
-            while (!is_op(P, '}')) {
-                if (l.n && !accept_op(P, ',')) unexpected(P, "',' or '}'");
-                if (is_op(P, '}')) break;
-                nl_add(P, &l, parse_expr(P, true), NULL);
-                expect_op(P, ':');
-                nl_add(P, &l, parse_expr(P, true), NULL);
-            }
-            next(P);
-            nd = mk(P, E_DICT);
-            nd->v = l.v, nd->n = l.n;
-            return nd;
-        }
+        if (accept_op(P, '[')) return parse_items(P, ']', E_LIST);
+        if (accept_op(P, '{')) return parse_items(P, '}', E_DICT);
         break;
     default: break;
     }
