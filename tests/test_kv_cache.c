@@ -11,6 +11,7 @@
 #include "kernels/kv_quant.h"
 #include "kernels/kv_quant_impl.h"
 #include "kvcache/kv_cache.h"
+#include "kvcache/kv_pool.h"
 
 static uint64_t rng = 0x1234567887654321ull;
 static float gauss(void) {
@@ -534,6 +535,45 @@ static void test_validation(void) {
     CHECK(kv_cache_token_bytes(&c, &shape) == (size_t)H * D * 4, "f16 token bytes");
 }
 
+/* Window memory given back to the pool comes back for a window of the same size class
+ * (rounded up by at most a quarter), already used: not faulted in again. */
+static void test_window_memory(void) {
+    struct kv_pool *p = kv_pool_new(0);
+    bool fresh;
+    uint8_t *a = kv_pool_win_alloc(p, 10000, &fresh);
+    CHECK(a && fresh, "a first window is fresh memory");
+    if (a) memset(a, 1, 10000);
+    kv_pool_win_free(p, a, 10000);
+    uint8_t *b = kv_pool_win_alloc(p, 9000, &fresh); /* 10000 and 9000: both 10240 */
+    CHECK(b == a && !fresh, "memory of the same class comes back (%p, %p, fresh %d)", (void *)a, (void *)b, fresh);
+    uint8_t *c = kv_pool_win_alloc(p, 12300, &fresh); /* past 10240: the next class */
+    CHECK(c && c != b && fresh, "a larger class is new memory");
+    if (b) memset(b, 2, 9000);
+    if (c) memset(c, 3, 12300);
+    kv_pool_win_free(p, b, 9000);
+    kv_pool_win_free(p, c, 12300);
+    /* a cache's window grown for a prompt and cut back after it leaves its memory to
+     * the next cache's prompt */
+    struct kv_cache_config cfg = {.k_bits = 8, .v_bits = 4, .k_group = 32, .v_group = 32, .hadamard = true,
+                                  .residual = 8, .keep = 4};
+    struct kv_shape sh = {4, 2, 64, 0};
+    float *x = malloc(sizeof(float) * 600 * 2 * 64);
+    for (int i = 0; i < 600 * 2 * 64; i++) x[i] = sinf(0.37f * (float)i);
+    struct kv_cache *k1 = kv_cache_new_in(p, &cfg, &sh);
+    /* 128 tokens (the offsets' point: every row so far stays in the window), 372 more
+     * (the window then holds 7 + 372 rows: 384), then single tokens (8 rows kept) */
+    int rc = kv_cache_append(k1, 128, x, x) | kv_cache_append(k1, 372, x + 128 * 128, x + 128 * 128);
+    for (int t = 0; t < 3 && rc == 0; t++) rc = kv_cache_append(k1, 1, x + (500 + t) * 128, x + (500 + t) * 128);
+    CHECK(rc == 0, "appends: %s", kvq_last_error());
+    const size_t prompt_win = (size_t)2 * 2 * 384 * 2 * 64; /* [H][2 cap][f16 row of 64 values] */
+    uint8_t *d = kv_pool_win_alloc(p, prompt_win, &fresh);
+    CHECK(d && !fresh, "the prompt's window memory is kept by the pool");
+    kv_pool_win_free(p, d, prompt_win);
+    kv_cache_free(k1);
+    free(x);
+    kv_pool_free(p);
+}
+
 int main(void) {
     /* this file checks which rows each query sees against a float reference; the
      * approximations of the AVX-512 fast path are test_kv_quant's */
@@ -546,5 +586,6 @@ int main(void) {
     test_residual_batching();
     test_save_load();
     test_validation();
+    test_window_memory();
     return check_finish();
 }

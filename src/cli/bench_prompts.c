@@ -41,7 +41,21 @@ static bool words_from_vocab(const struct kvq_model *m, struct words *ws) {
         if ((int)strspn(b + 1, "abcdefghijklmnopqrstuvwxyz") != n - 1) continue;
         if (!(ws->w[ws->n++] = strdup(b))) return cli_fail("out of memory"), false;
     }
-    if (ws->n < 64) return cli_fail("the model's vocabulary has only %d whole-word tokens: too few to build prompts", ws->n), false;
+    if (ws->n >= 64) return true;
+    /* a placeholder vocabulary (kvq gen-model's) has single letters only: a text of
+     * letters then has one token a letter */
+    const int n_words = ws->n;
+    for (kvq_token t = 0; t < info.n_vocab && ws->n < n_words + 26; t++) {
+        char b[4];
+        if (kvq_token_bytes(m, t, b, (int)sizeof b) != 1 || b[0] < 'a' || b[0] > 'z') continue;
+        b[1] = '\0';
+        if (!(ws->w[ws->n++] = strdup(b))) return cli_fail("out of memory"), false;
+    }
+    if (ws->n < n_words + 26)
+        return cli_fail("the model's vocabulary has only %d whole-word tokens: too few to build prompts", n_words), false;
+    for (int i = 0; i < n_words; i++) free(ws->w[i]);
+    memmove(ws->w, ws->w + n_words, sizeof *ws->w * 26);
+    ws->n = 26;
     return true;
 }
 
@@ -56,7 +70,7 @@ static char *word_text(const struct words *ws, const char *prefix, uint64_t seed
     s = seed;
     for (int i = 0; i < k; i++) {
         const char *w = ws->w[splitmix64(&s) % (uint64_t)ws->n];
-        if (i == 0 && plen == 0) w++;
+        if (i == 0 && plen == 0 && w[0] == ' ') w++;
         size_t n = strlen(w);
         memcpy(p, w, n);
         p += n;

@@ -37,10 +37,11 @@ struct kvq_context {
     int *row_of;
     int row_of_cap;
     int last_n_tokens;
-    /* Reordering scratch: the batch grouped by sequence. */
+    /* Reordering scratch: the batch grouped by sequence, first_pass of them before the
+     * tokens that must wait for a later pass (plan_batch). */
     int32_t *order;
-    int order_cap;
-    int *count;               /* [n_seq + 1] tokens per sequence in the batch */
+    int order_cap, first_pass;
+    int *count;               /* [3 * (n_seq + 1)]: tokens per sequence, cursors */
     int32_t *chunk_tokens;    /* [2 * n_batch]: a forward pass's tokens, then its logit rows */
     struct fwd_seq *chunk_seqs; /* [n_batch] */
 };
@@ -346,7 +347,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     c->fwd = c->be ? forward_new(m->model, c->be, p->n_batch) : NULL;
     c->kv_pool = c->be ? c->be->ops->kv_pool_new(c->be, c->p.kv_budget_bytes) : NULL;
     c->caches = calloc((size_t)p->n_seq * hp->n_layer, sizeof *c->caches);
-    c->count = calloc((size_t)p->n_seq + 1, sizeof *c->count);
+    c->count = calloc(3 * ((size_t)p->n_seq + 1), sizeof *c->count);
     c->chunk_tokens = malloc(sizeof(int32_t) * (size_t)p->n_batch * 2);
     c->chunk_seqs = malloc(sizeof *c->chunk_seqs * (size_t)p->n_batch);
     if (!c->be || !c->fwd || !c->kv_pool || !c->caches || !c->count || !c->chunk_tokens || !c->chunk_seqs) {
@@ -601,8 +602,12 @@ static int grow(void **p, int *cap, int need, size_t elem) {
     return 0;
 }
 
-/* Checks a batch and groups its tokens by sequence (stable), into c->order; c->count
- * ends as the prefix sums of tokens per sequence ([s] is where sequence s ends). */
+/* Checks a batch and groups its tokens by sequence (stable), into c->order. Where a
+ * device encodes the rows, a sequence whose tokens cross the point where its offsets
+ * are chosen (kv_cache_offsets_point) has its tokens from there on placed after every
+ * other sequence's, from c->first_pass on: the first pass ends there, so the step's
+ * other sequences (a server's decoding streams beside a prompt) are not cut out of it
+ * into passes of their own. */
 static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
     int n = b->n_tokens;
     if (n <= 0) return kvq_error("empty batch");
@@ -632,8 +637,28 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
         return kvq_error("KV cache budget exhausted: the batch needs up to %zu more bytes, %zu of %zu are in use "
                          "(raise the KV budget or free sequences)",
                          need, kv_pool_used(c->kv_pool), kv_pool_budget(c->kv_pool));
-    for (int s = 0; s < n_seq; s++) count[s + 1] += count[s];
-    for (int i = 0; i < n; i++) c->order[count[b->seq_ids ? b->seq_ids[i] : 0]++] = i;
+    int *head = count + n_seq + 1, *tail = head + n_seq + 1; /* cursors */
+    int heads = 0;
+    for (int s = 0; s < n_seq; s++) {
+        const int n_s = count[s + 1];
+        struct kv_cache *c0 = seq_caches(c, s)[0];
+        const int32_t T = c->be->ops->host_memory || n_s == 0 ? 0 : kv_cache_offsets_point(c0);
+        const int32_t np = kv_cache_n_past(c0);
+        head[s] = T > 0 && np + n_s > T ? (int)(T - np) : n_s;
+        heads += head[s];
+    }
+    for (int s = 0, h = 0, t = heads; s < n_seq; s++) {
+        const int n_s = count[s + 1];
+        count[s + 1] = head[s]; /* how many go first: head[s] becomes their cursor */
+        head[s] = h, tail[s] = t;
+        h += count[s + 1], t += n_s - count[s + 1];
+    }
+    for (int i = 0; i < n; i++) {
+        const int s = b->seq_ids ? b->seq_ids[i] : 0;
+        if (count[s + 1] > 0) count[s + 1]--, c->order[head[s]++] = i;
+        else c->order[tail[s]++] = i;
+    }
+    c->first_pass = heads;
     return 0;
 }
 
@@ -666,6 +691,7 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
     int rc = 0;
     for (int start = 0, len; start < n && rc == 0; start += len) {
         len = n - start < chunk ? n - start : chunk;
+        if (start < c->first_pass && start + len > c->first_pass) len = c->first_pass - start;
         struct fwd_batch fb = {.n_tokens = len, .tokens = tokens, .seqs = seqs, .logit_rows = logit_rows};
         int first_row = -1;
         for (int j = 0; j < len; j++) {
@@ -681,11 +707,7 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
                 if (first_row < 0) first_row = c->row_of[i];
                 logit_rows[fb.n_logits++] = j;
             }
-            /* a device encodes the rows: end the pass where the offsets are chosen */
-            const int32_t T = c->be->ops->host_memory ? 0 : kv_cache_offsets_point(sq->caches[0]);
-            if (T > 0 && kv_cache_n_past(sq->caches[0]) + sq->n == T) len = j + 1;
         }
-        fb.n_tokens = len;
         /* rows are numbered in chunk order: the pass writes them in place */
         rc = forward_run(c->fwd, &fb, c->logits + (size_t)(first_row < 0 ? 0 : first_row) * n_vocab);
     }

@@ -171,8 +171,8 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
  * positions trimmed since are skipped) and touches nothing but this cache's own rows,
  * so several caches of one pool may copy at once, on several threads. Then
  * kv_cache_append_end(), one cache at a time, before the cache is next used on the
- * host: when the batch reaches the offsets' point, it chooses them (the epoch changes)
- * and the rows before it must be encoded again: end then returns how many parts that
+ * host: when the batch reaches the offsets' point, it chooses them (the windows stay
+ * as they were: a device copies the offsets alone) and the rows before it must be encoded again: end then returns how many parts that
  * work has, and the caller runs kv_cache_offsets_part() for each before the cache is
  * used again. Otherwise 0; -1 with an error. first: the position of the batch's first
  * token (its queries decide what may be released): kv_cache_n_past() but for the
@@ -203,8 +203,9 @@ int kv_cache_append_exact_part(const struct kv_cache *c, int n);
  * backend ends a forward pass there: rows past it in the same pass would be encoded
  * again on the host. */
 int32_t kv_cache_offsets_point(const struct kv_cache *c);
-/* Changes whenever the windows or offsets change other than by appending (trim, fork,
- * load, conversion, offsets chosen): a device copy of them must then be rebuilt. */
+/* Changes whenever the windows or offsets change other than by appending or by
+ * choosing the offsets (trim, fork, load, conversion): a device copy of them must then
+ * be rebuilt. Offsets chosen since a copy: kv_view's mu is no longer NULL. */
 uint32_t kv_cache_epoch(const struct kv_cache *c);
 /* The backend's state for this cache (NULL at first); the pool's mirror frees it. */
 void **kv_cache_mirror(struct kv_cache *c);

@@ -2,11 +2,14 @@
 #include "kvcache/kv_pool.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/error.h"
 
 #define POOL_CLASSES 16   /* distinct block sizes (formats x layer shapes) */
 #define FREE_LIST_MAX 256 /* blocks kept per size beyond that are returned to the OS */
+#define WIN_CLASSES 128    /* window sizes: 4 KB and up, four a power of two */
+#define WIN_SPARE_MAX ((size_t)512 << 20)
 
 struct size_class {
     size_t bytes;
@@ -24,6 +27,8 @@ struct kv_pool {
     struct kv_block **dirty, **taken; /* blocks written since the last take, and the last taken list */
     int n_dirty, cap_dirty, n_taken;
     bool dirty_lost;
+    void *win_free[WIN_CLASSES]; /* spare window memory by class, linked through its first bytes */
+    size_t win_spare;
 };
 
 struct kv_pool *kv_pool_new(size_t budget) {
@@ -89,8 +94,52 @@ static void block_release(const struct kv_pool *p, struct kv_block *b) {
     free(b);
 }
 
+/* The class of a window of `bytes` and its size: the bytes rounded up to 4 KB at least
+ * and to their top three bits (at most a quarter more). */
+static int win_class(size_t bytes, size_t *size) {
+    if (bytes < 4096) bytes = 4096;
+    int e = 63 - __builtin_clzll((unsigned long long)bytes);
+    const size_t unit = (size_t)1 << (e - 2);
+    bytes = (bytes + unit - 1) / unit * unit;
+    e = 63 - __builtin_clzll((unsigned long long)bytes);
+    *size = bytes;
+    const int cls = (e - 12) * 4 + (int)(bytes >> (e - 2)) - 4;
+    return cls < WIN_CLASSES ? cls : -1;
+}
+
+void *kv_pool_win_alloc(struct kv_pool *p, size_t bytes, bool *fresh) {
+    size_t size;
+    const int cls = win_class(bytes, &size);
+    void *m = cls >= 0 ? p->win_free[cls] : NULL;
+    *fresh = m == NULL;
+    if (m) {
+        memcpy(&p->win_free[cls], m, sizeof(void *));
+        p->win_spare -= size;
+        return m;
+    }
+    return malloc(size);
+}
+
+void kv_pool_win_free(struct kv_pool *p, void *mem, size_t bytes) {
+    if (!mem) return;
+    size_t size;
+    const int cls = win_class(bytes, &size);
+    if (cls < 0 || p->win_spare + size > WIN_SPARE_MAX) {
+        free(mem);
+        return;
+    }
+    memcpy(mem, &p->win_free[cls], sizeof(void *));
+    p->win_free[cls] = mem;
+    p->win_spare += size;
+}
+
 void kv_pool_free(struct kv_pool *p) {
     if (!p) return;
+    for (int i = 0; i < WIN_CLASSES; i++)
+        for (void *m = p->win_free[i], *n; m; m = n) {
+            memcpy(&n, m, sizeof n);
+            free(m);
+        }
     for (int i = 0; i < p->n_classes; i++)
         for (struct kv_block *b = p->cls[i].free, *n; b; b = n) {
             n = b->next;

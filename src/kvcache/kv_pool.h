@@ -61,6 +61,15 @@ void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t h
 int kv_pool_take_dirty(struct kv_pool *p, struct kv_block ***blocks);
 void kv_pool_free(struct kv_pool *p);
 
+/* Memory for the f16 windows (kv_window.c), kept for reuse when given back (up to
+ * WIN_SPARE_MAX bytes a pool): a window grown for a prompt and cut back after it then
+ * takes pages already mapped instead of faulting fresh ones in, a fault every 4 KB
+ * (a server's prompts spent more host time so than in everything else a step does).
+ * *fresh: the memory was not used before. NULL when memory is out. */
+void *kv_pool_win_alloc(struct kv_pool *p, size_t bytes, bool *fresh);
+/* Gives back what kv_pool_win_alloc handed out for `bytes` (NULL is fine). */
+void kv_pool_win_free(struct kv_pool *p, void *mem, size_t bytes);
+
 /* A block of `bytes` with one reference; NULL with an error when the budget would be
  * exceeded or memory is out. Its contents are undefined, and none of its rows is dirty:
  * whoever writes rows marks them (kv_block_touch). */

@@ -254,7 +254,7 @@ static int reencode(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
         for (int32_t p = 0; p < T; p++) decode_pos(c, p, x + (size_t)p * tok, xv + (size_t)p * tok);
     /* the windows, decoded before the old blocks go */
     struct kv_fmt okf = st->kf, ovf = st->vf;
-    struct kv_win *sink = kv_win_new(), *rec = kv_win_new();
+    struct kv_win *sink = kv_win_new(st->pool), *rec = kv_win_new(st->pool);
     bool win = kern_kvq_bits_quantized(nkf.bits) || kern_kvq_bits_quantized(nvf.bits);
     int rc = sink && rec ? 0 : -1;
     if (rc == 0 && win) {
@@ -363,8 +363,8 @@ static int offsets_choose(struct kv_cache *c) {
         struct kv_block *b = kv_store_block(st, L * B);
         if (b) kv_block_touch(st->pool, b, 0, T - L * B < B ? T - L * B : B);
     }
-    st->mu_set = true; /* each part sets its own offsets before it reads them */
-    c->epoch++;        /* offsets chosen */
+    st->mu_set = true; /* each part sets its own offsets before it reads them (the
+                        * windows stay as they are: a device copies the offsets alone) */
     return 2 * c->shape.n_kv_heads;
 }
 
@@ -546,7 +546,7 @@ void kv_store_clear(struct kv_cache *c) {
     c->n_past = 0;
     st->last_first = 0;
     st->mu_set = false;
-    struct kv_win *ws[2] = {kv_win_new(), kv_win_new()};
+    struct kv_win *ws[2] = {kv_win_new(st->pool), kv_win_new(st->pool)};
     if (ws[0] && ws[1]) { /* else keep the old ones, emptied */
         kv_win_unref(st->sink);
         kv_win_unref(st->rec);
@@ -611,7 +611,7 @@ int kv_cache_convert(struct kv_cache *dst, const struct kv_cache *src) {
         return -1;
     }
     if (!kv_win_on(st)) { /* float rows need no windows: drop the ones shared with src */
-        struct kv_win *ws[2] = {kv_win_new(), kv_win_new()};
+        struct kv_win *ws[2] = {kv_win_new(st->pool), kv_win_new(st->pool)};
         if (!ws[0] || !ws[1]) {
             kv_win_unref(ws[0]);
             kv_win_unref(ws[1]);
@@ -730,9 +730,9 @@ int kv_store_init(struct kv_cache *c, struct kv_pool *pool) {
     struct kv_store *st = calloc(1, sizeof *st);
     float *signs = malloc(sizeof(float) * (size_t)c->shape.head_dim);
     float *mu = calloc(2 * (size_t)c->shape.n_kv_heads * c->shape.head_dim, sizeof(float));
-    struct kv_win *sink = kv_win_new(), *rec = kv_win_new();
     bool own = !pool;
     if (own) pool = kv_pool_new(0);
+    struct kv_win *sink = pool ? kv_win_new(pool) : NULL, *rec = pool ? kv_win_new(pool) : NULL;
     if (!st || !signs || !mu || !sink || !rec || !pool) {
         free(st);
         free(signs);

@@ -44,6 +44,8 @@ struct kv_win {
     int32_t refs;
     int32_t p0, n, cap, start;
     uint8_t *k, *v; /* [H][2 cap][row] */
+    size_t k_bytes, v_bytes;
+    struct kv_pool *pool; /* where k and v go back to (forks share a pool) */
 };
 
 struct kv_store {
@@ -102,7 +104,7 @@ void kv_store_drop_blocks(struct kv_cache *c);
 /* ---- kv_window.c ---- */
 bool kv_win_on(const struct kv_store *st);
 int32_t kv_sink_target(const struct kv_cache *c);
-struct kv_win *kv_win_new(void);
+struct kv_win *kv_win_new(struct kv_pool *pool);
 void kv_win_unref(struct kv_win *w);
 /* Makes *w private to this cache before a write (copies it while shared). */
 int kv_win_own(struct kv_cache *c, struct kv_win **w);

@@ -17,20 +17,21 @@ bool kv_win_on(const struct kv_store *st) {
 /* First tokens held in f16 besides their packed rows (with a residual window). */
 int32_t kv_sink_target(const struct kv_cache *c) { return c->cfg.residual > 0 ? c->cfg.keep : 0; }
 
-struct kv_win *kv_win_new(void) {
+struct kv_win *kv_win_new(struct kv_pool *pool) {
     struct kv_win *w = calloc(1, sizeof *w);
     if (!w) {
         kvq_error("out of memory");
         return NULL;
     }
     w->refs = 1;
+    w->pool = pool;
     return w;
 }
 
 void kv_win_unref(struct kv_win *w) {
     if (!w || --w->refs > 0) return;
-    free(w->k);
-    free(w->v);
+    kv_pool_win_free(w->pool, w->k, w->k_bytes);
+    kv_pool_win_free(w->pool, w->v, w->v_bytes);
     free(w);
 }
 
@@ -43,19 +44,18 @@ static bool win_copy(struct kv_cache *c, struct kv_win **wp, int32_t cap, bool t
     const int H = c->shape.n_kv_heads;
     const size_t kb = st->wkf.row * 2 * (size_t)cap * (size_t)H, vb = st->wvf.row * 2 * (size_t)cap * (size_t)H;
     struct kv_win *w = calloc(1, sizeof *w);
-    uint8_t *k = malloc(kb), *v = malloc(vb);
+    bool k_fresh, v_fresh;
+    uint8_t *k = kv_pool_win_alloc(st->pool, kb, &k_fresh), *v = kv_pool_win_alloc(st->pool, vb, &v_fresh);
     if (!w || !k || !v) {
         free(w);
-        free(k);
-        free(v);
+        kv_pool_win_free(st->pool, k, kb);
+        kv_pool_win_free(st->pool, v, vb);
         return false;
     }
-    if (touch) {
-        memset(k, 0, kb);
-        memset(v, 0, vb);
-    }
+    if (touch && k_fresh) memset(k, 0, kb);
+    if (touch && v_fresh) memset(v, 0, vb);
     const int32_t n = old->n - skip;
-    *w = (struct kv_win){1, old->p0 + skip, n, cap, 0, k, v};
+    *w = (struct kv_win){1, old->p0 + skip, n, cap, 0, k, v, kb, vb, st->pool};
     for (int h = 0; h < H && n > 0; h++) { /* to slots [0, n): no second copies */
         memcpy(kv_win_row(w, &st->wkf, 0, h, 0), kv_win_row(old, &st->wkf, 0, h, skip), st->wkf.row * (size_t)n);
         memcpy(kv_win_row(w, &st->wvf, 1, h, 0), kv_win_row(old, &st->wvf, 1, h, skip), st->wvf.row * (size_t)n);

@@ -111,6 +111,11 @@ struct cuda_backend {
     int n_post, cap_post;
     void **dead;         /* device memory to free at the next sync (recorded work may read it) */
     int n_dead, cap_dead;
+    /* device memory of freed caches' windows, offsets and block tables, kept for the
+     * next caches: a cudaMalloc per new cache and layer, and a cudaFree (which waits
+     * for the device) per finished one, held up prompts and whole steps */
+    struct spare { void *p; size_t bytes; } *spare;
+    int n_spare, cap_spare;
     cublasHandle_t blas;
     int n_sm, max_tokens;
     bool failed;
@@ -665,6 +670,35 @@ static void record_stop(struct cuda_backend *cb) {
     cb->q.recording = false;
 }
 
+/* Device memory of `bytes` for a cache's mirror: a spare one of that size, or new.
+ * NULL with the failure recorded. */
+static void *mirror_alloc(struct cuda_backend *cb, size_t bytes, const char *what) {
+    for (int i = cb->n_spare - 1; i >= 0; i--)
+        if (cb->spare[i].bytes == bytes) {
+            void *p = cb->spare[i].p;
+            cb->spare[i] = cb->spare[--cb->n_spare];
+            return p;
+        }
+    void *p = NULL;
+    return ck(cb, cudaMalloc(&p, bytes), what) ? p : NULL;
+}
+
+/* Keeps a freed mirror's memory for the next cache (freed where the list cannot grow). */
+static void mirror_keep(struct cuda_backend *cb, void *p, size_t bytes) {
+    if (!p) return;
+    if (cb->n_spare == cb->cap_spare) {
+        int cap = cb->cap_spare ? 2 * cb->cap_spare : 64;
+        struct spare *sp = realloc(cb->spare, sizeof *sp * (size_t)cap);
+        if (!sp) {
+            cudaFree(p);
+            return;
+        }
+        cb->spare = sp;
+        cb->cap_spare = cap;
+    }
+    cb->spare[cb->n_spare++] = (struct spare){p, bytes};
+}
+
 /* Frees device memory after the step (its recorded work may still read it). */
 static void free_after_step(struct cuda_backend *cb, void *p) {
     if (!p) return;
@@ -766,14 +800,19 @@ static void *dev_block(void *ctx, size_t bytes) {
     struct cuda_backend *cb = ctx;
     return arena_alloc(&cb->dev_arena, false, bytes);
 }
+static size_t win_bytes(const struct cuda_mirror *m) {
+    return 2 * (size_t)m->n_kv * (size_t)(m->ring_cap + m->sink_cap) * m->win_row;
+}
+
+/* A cache is freed between steps: its device memory is kept for the next cache. */
 static void mirror_free(void *ctx, void *mirror) {
-    (void)ctx;
+    struct cuda_backend *cb = ctx;
     struct cuda_mirror *m = mirror;
     if (!m) return;
-    cudaFree(m->table_d);
+    mirror_keep(cb, m->table_d, sizeof *m->table_d * (size_t)m->table_cap);
     free(m->table_blk);
-    cudaFree(m->win);
-    cudaFree(m->mu);
+    mirror_keep(cb, m->win, win_bytes(m));
+    mirror_keep(cb, m->mu, sizeof(float) * 2 * (size_t)m->n_kv * (size_t)m->head_dim);
     free(m);
 }
 
@@ -1157,7 +1196,7 @@ static bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const str
         while (cap < v->n_blk) cap *= 2;
         uint64_t *d = NULL;
         const struct kv_block **hb = malloc(sizeof *hb * (size_t)cap);
-        if (!hb || !ck(cb, cudaMalloc((void **)&d, sizeof *d * (size_t)cap), "device memory for a block table")) {
+        if (!hb || !(d = mirror_alloc(cb, sizeof *d * (size_t)cap, "device memory for a block table"))) {
             free(hb);
             return ck(cb, cudaErrorMemoryAllocation, "host memory");
         }
@@ -1200,10 +1239,9 @@ static struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache
         m->n_kv = H;
         m->head_dim = D;
         m->win_row = v->win_row;
-        size_t bytes = 2 * (size_t)H * (size_t)(m->ring_cap + m->sink_cap) * v->win_row;
-        if (!ck(cb, cudaMalloc((void **)&m->win, bytes), "device memory for KV windows") ||
-            !ck(cb, cudaMalloc((void **)&m->mu, sizeof(float) * 2 * (size_t)H * D), "device memory for KV offsets")) {
-            cudaFree(m->win);
+        if (!(m->win = mirror_alloc(cb, win_bytes(m), "device memory for KV windows")) ||
+            !(m->mu = mirror_alloc(cb, sizeof(float) * 2 * (size_t)H * D, "device memory for KV offsets"))) {
+            mirror_keep(cb, m->win, win_bytes(m));
             m->win = NULL;
             return NULL;
         }
@@ -1226,7 +1264,8 @@ static struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache
                 if (row) copy_to(cb, m->win + (hs * m->ring_cap + p % m->ring_cap) * m->win_row, row, m->win_row);
             }
         }
-    if (full) {
+    /* offsets chosen since (the windows' rows stay as they were) */
+    if (full || m->has_mu != (v->mu != NULL)) {
         m->has_mu = v->mu != NULL;
         if (v->mu) copy_to(cb, m->mu, v->mu, sizeof(float) * 2 * (size_t)H * D);
     }
@@ -1836,6 +1875,8 @@ static void cuda_free(struct backend *b) {
     free(cb->uc);
     free(cb->uc_mirror);
     free(cb->uc_chunk);
+    for (int i = 0; i < cb->n_spare; i++) cudaFree(cb->spare[i].p);
+    free(cb->spare);
     arena_free(cb->host_arena);
     arena_free(cb->dev_arena);
     if (cb->blas) cublasDestroy(cb->blas);
