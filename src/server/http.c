@@ -592,6 +592,25 @@ static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) 
     metric(&b, "prefix_cache_tokens_total", "counter", "Prompt tokens taken from the prefix cache.", (double)s.cached_tokens);
     metric(&b, "prefix_cache_bytes", "gauge", "Bytes of prefix-cache entries.", (double)s.cache_bytes);
     metric(&b, "prefix_cache_entries", "gauge", "Prefix-cache entries.", s.cache_entries);
+    if (h->p.remote) {
+        struct prefix_remote_stats r;
+        prefix_remote_stats(h->p.remote, &r);
+        metric(&b, "prefix_cache_remote_hits_total", "counter", "Lookups that took an entry from the remote store.",
+               (double)r.hits);
+        metric(&b, "prefix_cache_remote_misses_total", "counter", "Remote lookups that found no usable entry.",
+               (double)r.misses);
+        metric(&b, "prefix_cache_remote_bytes_read_total", "counter", "Bytes of entries read from the remote store.",
+               (double)r.bytes_read);
+        metric(&b, "prefix_cache_remote_bytes_written_total", "counter",
+               "Bytes written to the remote store (entries and their index keys).", (double)r.bytes_written);
+        metric(&b, "prefix_cache_remote_tokens_written_total", "counter", "Tokens of the entries written to the store.",
+               (double)r.tokens_written);
+        metric(&b, "prefix_cache_remote_errors_total", "counter", "Failed connections and commands to the store.",
+               (double)r.errors);
+        metric(&b, "prefix_cache_remote_rejected_total", "counter",
+               "Values under this server's keys skipped as corrupt or foreign.", (double)r.rejected);
+        metric(&b, "prefix_cache_remote_up", "gauge", "1 when the last command reached the store.", r.up ? 1 : 0);
+    }
     char *text = strbuf_take(&b);
     enum MHD_Result ret = respond(h, c, 200, "text/plain; version=0.0.4", text);
     free(text);
