@@ -303,13 +303,20 @@ int cmd_serve(int argc, char **argv) {
     struct serve_opts o = {0};
     if (parse_args(argc, argv, &o) != 0) return 1;
     if (o.cache_dir && o.cache_mb > 0 && !cache_dir_ready(o.cache_dir)) return 1;
+    char err[512] = "";
+    struct prefix_remote_params rp = {.url = o.remote, .auth_file = o.remote_auth, .ttl_s = o.remote_ttl,
+                                      .max_value = ((size_t)o.cache_mb << 20) + (1 << 20)};
+    struct prefix_remote *remote = o.remote ? prefix_remote_new(&rp, err, sizeof err) : NULL;
+    if (o.remote && !remote) return cli_fail("%s", err);
     fit_connections(&o);
     struct kvq_model *m = kvq_model_load(o.model);
-    if (!m) return cli_fail("%s", kvq_last_error());
+    if (!m) {
+        prefix_remote_free(remote);
+        return cli_fail("%s", kvq_last_error());
+    }
     int rc = 1;
     struct kvq_context *ctx = NULL;
     struct prefix_cache *pc = NULL;
-    struct prefix_remote *remote = NULL;
     struct sched *s = NULL;
     struct http_server *h = NULL;
     struct embedder *em = NULL;
@@ -318,6 +325,7 @@ int cmd_serve(int argc, char **argv) {
     struct chat_template *chat = pick_template(m, o.chat_template, chat_desc, sizeof chat_desc, &tool_syntax);
     if (!chat) {
         kvq_model_free(m);
+        prefix_remote_free(remote);
         return 1;
     }
 
@@ -340,13 +348,6 @@ int cmd_serve(int argc, char **argv) {
         struct kvq_kv_config store_kv = o.cp.kv;
         if (o.cache_bits < store_kv.k_bits) store_kv.k_bits = o.cache_bits;
         if (o.cache_bits < store_kv.v_bits) store_kv.v_bits = o.cache_bits;
-        char err[512] = "";
-        struct prefix_remote_params rp = {.url = o.remote, .auth_file = o.remote_auth, .ttl_s = o.remote_ttl,
-                                          .max_value = cache_bytes + (1 << 20)};
-        if (o.remote && !(remote = prefix_remote_new(&rp, err, sizeof err))) {
-            cli_fail("%s", err);
-            goto done;
-        }
         struct prefix_cache_params pp = {.kv = &o.cp.kv, .store_kv = &store_kv, .min_tokens = o.cache_min_tokens,
                                          .budget = cache_bytes, .dir = o.cache_dir, .remote = remote};
         if (store_kv.k_bits != o.cp.kv.k_bits || store_kv.v_bits != o.cp.kv.v_bits) {

@@ -176,6 +176,20 @@ static redisReply *command(struct prefix_remote *r, struct conn *k, int argc, co
     return rep;
 }
 
+/* A command of a new connection (AUTH, SELECT, PING): any error fails it. */
+static bool setup(struct prefix_remote *r, struct conn *k, int argc, const char **argv) {
+    redisReply *rep = redisCommandArgv(k->c, argc, argv, NULL);
+    char why[200];
+    if (rep && rep->type != REDIS_REPLY_ERROR) {
+        freeReplyObject(rep);
+        return true;
+    }
+    snprintf(why, sizeof why, "%s: %.150s", argv[0], rep ? rep->str : k->c->errstr[0] ? k->c->errstr : "no answer");
+    if (rep) freeReplyObject(rep);
+    conn_fail(r, k, why);
+    return false;
+}
+
 /* The connection, made when there is none and the backoff allows; NULL meanwhile. */
 static redisContext *conn_get(struct prefix_remote *r, struct conn *k) {
     if (k->c) return k->c;
@@ -189,26 +203,13 @@ static redisContext *conn_get(struct prefix_remote *r, struct conn *k) {
         return NULL;
     }
     redisSetTimeout(k->c, tv);
-    if (r->password) {
-        const char *argv[] = {"AUTH", r->user ? r->user : r->password, r->password};
-        redisReply *rep = command(r, k, r->user ? 3 : 2, argv, NULL);
-        if (!rep) {
-            if (k->c) conn_fail(r, k, "AUTH refused");
-            return NULL;
-        }
-        freeReplyObject(rep);
-    }
-    if (r->db) {
-        char db[16];
-        snprintf(db, sizeof db, "%d", r->db);
-        const char *argv[] = {"SELECT", db};
-        redisReply *rep = command(r, k, 2, argv, NULL);
-        if (!rep) {
-            if (k->c) conn_fail(r, k, "SELECT refused");
-            return NULL;
-        }
-        freeReplyObject(rep);
-    }
+    char db[16];
+    snprintf(db, sizeof db, "%d", r->db);
+    const char *auth[] = {"AUTH", r->user ? r->user : r->password, r->password}, *select[] = {"SELECT", db},
+               *ping[] = {"PING"};
+    if ((r->password && !setup(r, k, r->user ? 3 : 2, auth)) || (r->db && !setup(r, k, 2, select)) ||
+        !setup(r, k, 1, ping))
+        return NULL;
     conn_ok(r, k);
     return k->c;
 }
@@ -463,11 +464,7 @@ struct prefix_remote *prefix_remote_new(const struct prefix_remote_params *p, ch
     r->lookup.timeout_ms = 300;  /* on the scheduler's path: a slow store costs little */
     r->writer.timeout_ms = 3000; /* a writer thread's: a large entry may take a while */
     atomic_init(&r->up, true);   /* so the first failure is logged */
-    if (conn_get(r, &r->lookup)) {
-        const char *argv[] = {"PING"};
-        redisReply *rep = command(r, &r->lookup, 1, argv, NULL);
-        if (rep) freeReplyObject(rep);
-    }
+    conn_get(r, &r->lookup);
     char w[300];
     if (atomic_load(&r->up)) fprintf(stderr, "kvq serve: prefix cache remote %s reachable\n", where(r, w, sizeof w));
     return r;
