@@ -138,7 +138,7 @@ check "store down: B answers (cold)" [ "$(answer_cached)" -lt 64 ]
 check "store down: A's /metrics says unreachable" [ "$(metric "$A_port" prefix_cache_remote_up)" = 0 ]
 check "store down: logged once by A" [ "$(grep -c 'unreachable' "$tmp/A.log")" -eq 1 ]
 start_redis "$rport"
-sleep 2.5 # the longest backoff
+sleep 1.5 # the longest backoff
 prompt_file p4 60000 1200
 complete "$A_port" t1 p4
 check "store back: A publishes again" wait_metric "$A_port" prefix_cache_remote_tokens_written_total 1 5

@@ -15,7 +15,7 @@
 #define MAX_LOOKUP_BLOCKS 2048 /* boundaries asked for at most (131072 tokens) */
 #define MAX_TRIES 3            /* entries tried per lookup, longest first */
 #define BACKOFF_MIN_S 0.25
-#define BACKOFF_MAX_S 2.0
+#define BACKOFF_MAX_S 1.0
 
 /* One connection and its backoff; used by one thread only. */
 struct conn {

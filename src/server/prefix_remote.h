@@ -10,7 +10,7 @@
  *
  * The store going away never fails a request: an error closes the connection, is
  * logged when the store turns unreachable (and again when it is back), and the next
- * attempt waits for a backoff (0.25 s doubling to 2 s); meanwhile lookups miss and
+ * attempt waits for a backoff (0.25 s doubling to 1 s); meanwhile lookups miss and
  * writes are dropped. Lookups run on one thread (the scheduler's) and writes on
  * another (the prefix cache's writer); each has its own connection. */
 #ifndef KVQ_SERVER_PREFIX_REMOTE_H
