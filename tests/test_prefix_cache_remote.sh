@@ -36,6 +36,7 @@ expect_error "not a redis URL" "expected redis://" --prefix-cache-remote http://
 expect_error "a password in the URL" "no password in the URL" --prefix-cache-remote redis://u:p@127.0.0.1:1
 expect_error "TLS without hiredis TLS" "TLS" --prefix-cache-remote rediss://127.0.0.1:1
 expect_error "a bad port" "bad port" --prefix-cache-remote redis://127.0.0.1:99999
+expect_error "a user without a password" "needs a password" --prefix-cache-remote redis://u@127.0.0.1:1
 expect_error "a missing auth file" "prefix-cache-remote-auth" --prefix-cache-remote redis://127.0.0.1:1 \
   --prefix-cache-remote-auth "$tmp/none"
 expect_error "no prefix cache" "needs the prefix cache" --prefix-cache-remote redis://127.0.0.1:1 --prefix-cache-mb 0
@@ -145,6 +146,8 @@ check "store back: A publishes again" wait_metric "$A_port" prefix_cache_remote_
 complete "$B_port" t1 p4
 check "store back: B hits again (cached $(answer_cached))" [ "$(answer_cached)" -ge 256 ]
 check "store back: logged by B" [ "$(grep -c 'reachable$' "$tmp/B.log")" -ge 2 ]
+lines="$(grep -c unreachable "$tmp/A.log") $(grep -c unreachable "$tmp/B.log")"
+check "one outage, one log line each (A and B: $lines)" [ "$lines" = "1 1" ]
 
 for n in A B U W; do
   pid_var=${n}_pid

@@ -22,6 +22,7 @@ struct conn {
     redisContext *c;
     double retry_at, backoff;
     int timeout_ms; /* connect and every command */
+    unsigned epoch; /* the store's up-period it connected in */
 };
 
 struct prefix_remote {
@@ -30,6 +31,7 @@ struct prefix_remote {
     size_t max_value;
     struct conn lookup, writer;
     atomic_bool up;
+    atomic_uint epoch; /* counts the outages: a connection of an older epoch has seen one */
     atomic_uint_fast64_t hits, misses, bytes_read, bytes_written, tokens_written, errors, rejected;
 };
 
@@ -137,26 +139,36 @@ static const char *where(const struct prefix_remote *r, char *buf, size_t n) {
 }
 
 /* The connection failed (why): closed, and the next attempt waits. Logs when the
- * store turns unreachable. */
+ * store turns unreachable. A connection made before an outage the other one already
+ * saw (and recovered from) fails quietly and reconnects at its next use. */
 static void conn_fail(struct prefix_remote *r, struct conn *k, const char *why) {
     char w[300];
-    if (atomic_exchange(&r->up, false))
+    bool stale = k->c && k->epoch != atomic_load(&r->epoch);
+    if (!stale && atomic_exchange(&r->up, false)) {
+        atomic_fetch_add(&r->epoch, 1);
         fprintf(stderr,
                 "kvq serve: prefix cache remote %s unreachable (%s); serving from the local cache, retrying in the "
                 "background\n",
                 where(r, w, sizeof w), why);
+    }
     atomic_fetch_add(&r->errors, 1);
     if (k->c) redisFree(k->c);
     k->c = NULL;
+    if (stale) {
+        k->retry_at = 0;
+        return;
+    }
     k->backoff = k->backoff ? k->backoff * 2 : BACKOFF_MIN_S;
     if (k->backoff > BACKOFF_MAX_S) k->backoff = BACKOFF_MAX_S;
     k->retry_at = now_s() + k->backoff;
 }
 
+/* A command went through: the store is reachable. */
 static void conn_ok(struct prefix_remote *r, struct conn *k) {
     char w[300];
     k->backoff = 0;
-    if (!atomic_exchange(&r->up, true)) fprintf(stderr, "kvq serve: prefix cache remote %s reachable\n", where(r, w, sizeof w));
+    if (!atomic_load(&r->up) && !atomic_exchange(&r->up, true))
+        fprintf(stderr, "kvq serve: prefix cache remote %s reachable\n", where(r, w, sizeof w));
 }
 
 /* One command; NULL on a broken connection (then failed); an error reply is counted
@@ -167,6 +179,7 @@ static redisReply *command(struct prefix_remote *r, struct conn *k, int argc, co
         conn_fail(r, k, k->c->errstr[0] ? k->c->errstr : "connection lost");
         return NULL;
     }
+    conn_ok(r, k);
     if (rep->type == REDIS_REPLY_ERROR) {
         fprintf(stderr, "kvq serve: prefix cache remote: %s: %.200s\n", argv[0], rep->str);
         atomic_fetch_add(&r->errors, 1);
@@ -203,6 +216,7 @@ static redisContext *conn_get(struct prefix_remote *r, struct conn *k) {
         return NULL;
     }
     redisSetTimeout(k->c, tv);
+    k->epoch = atomic_load(&r->epoch);
     char db[16];
     snprintf(db, sizeof db, "%d", r->db);
     const char *auth[] = {"AUTH", r->user ? r->user : r->password, r->password}, *select[] = {"SELECT", db},
@@ -226,6 +240,7 @@ static bool read_replies(struct prefix_remote *r, struct conn *k, redisReply **r
             return false;
         }
         reps[i] = rep;
+        if (i == 0) conn_ok(r, k);
         if (reps[i]->type == REDIS_REPLY_ERROR) {
             if (i == 0) fprintf(stderr, "kvq serve: prefix cache remote: %.200s\n", reps[i]->str);
             atomic_fetch_add(&r->errors, 1);
@@ -455,7 +470,8 @@ struct prefix_remote *prefix_remote_new(const struct prefix_remote_params *p, ch
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
-    if (parse_url(r, p->url, err, err_size) != 0 || read_auth(r, p->auth_file, err, err_size) != 0) {
+    if (parse_url(r, p->url, err, err_size) != 0 || read_auth(r, p->auth_file, err, err_size) != 0 ||
+        (r->user && !r->password && url_fail(err, err_size, p->url, "a user name needs a password (--prefix-cache-remote-auth)"))) {
         prefix_remote_free(r);
         return NULL;
     }
@@ -464,6 +480,7 @@ struct prefix_remote *prefix_remote_new(const struct prefix_remote_params *p, ch
     r->lookup.timeout_ms = 300;  /* on the scheduler's path: a slow store costs little */
     r->writer.timeout_ms = 3000; /* a writer thread's: a large entry may take a while */
     atomic_init(&r->up, true);   /* so the first failure is logged */
+    atomic_init(&r->epoch, 0);
     conn_get(r, &r->lookup);
     char w[300];
     if (atomic_load(&r->up)) fprintf(stderr, "kvq serve: prefix cache remote %s reachable\n", where(r, w, sizeof w));
