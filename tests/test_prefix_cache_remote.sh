@@ -4,8 +4,8 @@
 # a cold run (f16 entries), or as a local hit on A (--kv-bits 8,4, where a hit, local
 # or remote, quantizes the f16 window's rows earlier than a cold run); prompt_cache_key
 # namespaces stay apart; corrupt, crafted and foreign values under the servers' keys are refused,
-# counted and never served; the store killed and restarted never fails a request and
-# hits resume; bad URLs and auth files are one clear error.
+# counted and never served; the store killed and restarted, or hung, never fails a
+# request, and hits resume; bad URLs and auth files are one clear error.
 set -u
 kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
 shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
@@ -148,6 +148,15 @@ check "store back: B hits again (cached $(answer_cached))" [ "$(answer_cached)" 
 check "store back: logged by B" [ "$(grep -c 'reachable$' "$tmp/B.log")" -ge 2 ]
 lines="$(grep -c unreachable "$tmp/A.log") $(grep -c unreachable "$tmp/B.log")"
 check "one outage, one log line each (A and B: $lines)" [ "$lines" = "1 1" ]
+
+# ---- a hung store (stopped, its socket still open): the lookup times out ------------------
+kill -STOP "$redis_pid"
+errs=$(metric "$B_port" prefix_cache_remote_errors_total)
+prompt_file p5 80000 1200
+complete "$B_port" t1 p5
+check "hung store: B answers" [ "$(answer_text)" != "(no text)" ]
+check "hung store: B counts the timeout" [ "$(metric "$B_port" prefix_cache_remote_errors_total)" -gt "$errs" ]
+kill -CONT "$redis_pid"
 
 for n in A B U W; do
   pid_var=${n}_pid

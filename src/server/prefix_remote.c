@@ -14,6 +14,7 @@
 #define VALUE_MAGIC "KVQPCR1" /* 8 bytes with its NUL: the value header's version */
 #define MAX_LOOKUP_BLOCKS 2048 /* boundaries asked for at most (131072 tokens) */
 #define MAX_TRIES 3            /* entries tried per lookup, longest first */
+#define LOOKUP_BUDGET_S 0.3    /* no further entry is tried after this (a slow store) */
 #define BACKOFF_MIN_S 0.25
 #define BACKOFF_MAX_S 1.0
 
@@ -359,6 +360,7 @@ bool prefix_remote_find(struct prefix_remote *r, uint64_t space, const char *ns,
                         prefix_remote_accept accept, void *ctx) {
     int first = have / PREFIX_REMOTE_BLOCK + 1, last = n / PREFIX_REMOTE_BLOCK; /* block counts to ask for */
     if (last > MAX_LOOKUP_BLOCKS) last = MAX_LOOKUP_BLOCKS;
+    double t0 = now_s();
     if (last < first || !conn_get(r, &r->lookup)) return false;
     struct keys ks;
     keys_init(&ks, space, ns);
@@ -379,7 +381,9 @@ bool prefix_remote_find(struct prefix_remote *r, uint64_t space, const char *ns,
     /* the longest boundary first; a few distinct entries at most */
     char tried[MAX_TRIES][32];
     int n_tried = 0;
-    for (int i = (int)rep->elements - 1; rep->type == REDIS_REPLY_ARRAY && i >= 0 && n_tried < MAX_TRIES && !hit; i--) {
+    for (int i = (int)rep->elements - 1; rep->type == REDIS_REPLY_ARRAY && i >= 0 && n_tried < MAX_TRIES && !hit &&
+                                         now_s() - t0 < LOOKUP_BUDGET_S;
+         i--) {
         const redisReply *e = rep->element[i];
         if (e->type != REDIS_REPLY_STRING) continue;
         if (!valid_id(e->str, e->len)) {

@@ -44,7 +44,8 @@ typedef int (*prefix_remote_accept)(void *ctx, const void *data, size_t len);
 /* Lookup thread: finds the entry stored under (space, ns) holding the longest prefix
  * of toks that is longer than `have` tokens (whole blocks of the first n tokens), and
  * hands its bytes to accept. A value accept refuses, or whose header is not this
- * namespace's, is counted as rejected and deleted from the store. True on a hit. */
+ * namespace's, is counted as rejected and deleted from the store. No further entry is
+ * tried 0.3 s into the lookup, and each command times out after 0.3 s. True on a hit. */
 bool prefix_remote_find(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int n, int have,
                         prefix_remote_accept accept, void *ctx);
 /* Writer thread: stores an entry (file bytes data) of n tokens under (space, ns),
