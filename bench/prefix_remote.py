@@ -90,8 +90,12 @@ class Replica:
         raise RuntimeError("replica %s did not start:\n%s" % (name, text))
 
     def stop(self):
+        """The exit status, and whether the log holds a sanitizer report."""
         self.p.send_signal(signal.SIGTERM)
-        self.p.wait()
+        rc = self.p.wait()
+        self.log.seek(0)
+        text = self.log.read()
+        return rc, "Sanitizer" in text or "runtime error:" in text
 
     def metric(self, name):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -326,11 +330,12 @@ def phase_crafted(o, corpus, tmp):
     rejected = b.metric("prefix_cache_remote_rejected_total")
     hits = b.metric("prefix_cache_remote_hits_total")
     a.stop()
-    b.stop()
+    b_rc, b_sanitizer = b.stop()
     store.kill()
     print("crafted: %d values (900 crafted, 100 foreign) over %d namespaces in %.1f s: %d requests served a cached "
-          "prefix, %d failed; B rejected %d, remote hits %d (1 expected: A's real entry, %d tokens)"
-          % (len(values), len(groups), time.time() - t0, served[0], failed[0], rejected, hits, real))
+          "prefix, %d failed; B rejected %d, remote hits %d (1 expected: A's real entry, %d tokens); B exited with "
+          "status %d, %s" % (len(values), len(groups), time.time() - t0, served[0], failed[0], rejected, hits, real,
+                             b_rc, "a sanitizer report in its log" if b_sanitizer else "no sanitizer report"))
 
 
 def main():

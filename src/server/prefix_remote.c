@@ -213,6 +213,8 @@ static redisContext *conn_get(struct prefix_remote *r, struct conn *k) {
     if (!k->c || k->c->err) {
         char why[160];
         snprintf(why, sizeof why, "%s", k->c ? k->c->errstr : "out of memory");
+        if (k->c) redisFree(k->c);
+        k->c = NULL; /* not a connection of an older epoch: the backoff applies */
         conn_fail(r, k, why);
         return NULL;
     }
