@@ -6,7 +6,7 @@ redis-server on loopback, tinydoc-q8_0 on the CPU.
             sharing it against a cold prefill of the same length on B (median of
             --reps runs, side by side), for the default KV config and --kv-bits 8,4
   bytes     bytes written to the store per cached token, --kv-bits 8,4 against f16
-            (the servers' counters and the store's INFO memory)
+            (the servers' counters and the store's MEMORY USAGE)
   kill      64 streams, a third sharing prefixes, over both replicas; the store is
             killed mid-load and restarted: every request must complete; reports how
             long after the restart the first remote hit came
@@ -67,9 +67,10 @@ class Store:
         self.p.kill()
         self.p.wait()
 
-    def used_memory(self):
-        info = resp.Redis(self.port).cmd("INFO", "memory").decode()
-        return int(next(l.split(":")[1] for l in info.splitlines() if l.startswith("used_memory:")))
+    def key_memory(self):
+        """Bytes the store spends on kvq's keys (MEMORY USAGE)."""
+        r = resp.Redis(self.port)
+        return sum(r.cmd("MEMORY", "USAGE", k, "SAMPLES", "0") for k in r.keys("kvq:*"))
 
 
 class Replica:
@@ -147,17 +148,16 @@ def tokenize(rep, text):
 
 
 def ttft(a, args, b, corpus, label, reps, store):
-    """Returns (cold, hit) medians in seconds, and A's bytes and tokens written."""
-    cold, hit, mem = [], [], 0
+    """Returns (cold, hit) medians in seconds, A's bytes and tokens written, and the
+    store's bytes per token written (A's entries and B's)."""
+    cold, hit = [], []
     for i in range(reps):
         base = 100000 + i * 7000
         prefix = [1] + corpus[base:base + 1699]  # BOS and 1,699 tokens
         written = a.metric("prefix_cache_remote_tokens_written_total")
-        mem0 = store.used_memory()
         a.complete(prefix + corpus[base + 1699:base + 1719], "shared")
         if not a.wait_metric("prefix_cache_remote_tokens_written_total", written + 1700):
             raise RuntimeError("A did not publish its entry")
-        mem += store.used_memory() - mem0  # A's entry alone (B's cold runs below publish theirs)
         t_cold, _ = b.complete([1] + corpus[base + 3000:base + 4719], "cold")  # same length, nothing shared
         t_hit, ans = b.complete(prefix + corpus[base + 2000:base + 2020], "shared")
         cached = ans["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -166,7 +166,8 @@ def ttft(a, args, b, corpus, label, reps, store):
         cold.append(t_cold)
         hit.append(t_hit)
     return statistics.median(cold), statistics.median(hit), a.metric(
-        "prefix_cache_remote_bytes_written_total"), a.metric("prefix_cache_remote_tokens_written_total"), mem
+        "prefix_cache_remote_bytes_written_total"), a.metric("prefix_cache_remote_tokens_written_total"), \
+        store.key_memory() / sum(r.metric("prefix_cache_remote_tokens_written_total") for r in (a, b))
 
 
 def phase_ttft_bytes(o, corpus, tmp, phases):
@@ -186,12 +187,12 @@ def phase_ttft_bytes(o, corpus, tmp, phases):
             a.stop()
             b.stop()
             store.kill()
-        per_token[label] = (bw / tw, mem / tw)
+        per_token[label] = (bw / tw, mem)
         print("%-28s TTFT cold %.1f ms, remote hit %.1f ms: %.1fx lower; written %.0f bytes/token (store: %.0f)"
-              % (label, c * 1e3, h * 1e3, c / h, bw / tw, mem / tw))
+              % (label, c * 1e3, h * 1e3, c / h, bw / tw, mem))
     if "bytes" in phases:
         q, f = per_token["--kv-bits 8,4"], per_token["f16 entries (16-bit cache)"]
-        print("bytes per cached token, 8,4 / f16: %.1f%% (counters), %.1f%% (store INFO memory)"
+        print("bytes per cached token, 8,4 / f16: %.1f%% (counters), %.1f%% (the store's MEMORY USAGE)"
               % (100 * q[0] / f[0], 100 * q[1] / f[1]))
 
 
