@@ -8,16 +8,22 @@ trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait; rm -rf 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 # start_redis [PORT]: redis-server on loopback, no persistence, LRU eviction; sets
-# rport and redis_pid (a new free port unless PORT is given).
+# rport and redis_pid (a new free port unless PORT is given; another one if a
+# parallel test took it first).
 start_redis() {
-  rport=${1:-$(free_port)}
-  redis-server --port "$rport" --bind 127.0.0.1 --save '' --appendonly no --dir "$tmp" \
-    --maxmemory 512mb --maxmemory-policy allkeys-lru >>"$tmp/redis.log" 2>&1 &
-  redis_pid=$!
-  pids+=("$redis_pid")
-  for _ in $(seq 100); do
-    [ "$(redis-cli -p "$rport" ping 2>/dev/null)" = PONG ] && return 0
-    sleep 0.05
+  local try
+  for try in 1 2 3; do
+    rport=${1:-$(free_port)}
+    redis-server --port "$rport" --bind 127.0.0.1 --save '' --appendonly no --dir "$tmp" \
+      --maxmemory 512mb --maxmemory-policy allkeys-lru >>"$tmp/redis.log" 2>&1 &
+    redis_pid=$!
+    pids+=("$redis_pid")
+    for _ in $(seq 100); do
+      kill -0 "$redis_pid" 2>/dev/null || break
+      [ "$(redis-cli -p "$rport" ping 2>/dev/null)" = PONG ] && return 0
+      sleep 0.05
+    done
+    [ -n "${1:-}" ] && break
   done
   echo "redis-server did not start on port $rport:"; tail -5 "$tmp/redis.log"
   exit 1
