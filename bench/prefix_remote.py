@@ -147,7 +147,7 @@ def tokenize(rep, text):
     return json.loads(c.getresponse().read())["tokens"]
 
 
-def ttft(a, args, b, corpus, label, reps, store):
+def ttft(a, b, corpus, label, reps, store):
     """Returns (cold, hit) medians in seconds, A's bytes and tokens written, and the
     store's bytes per token written (A's entries and B's)."""
     cold, hit = [], []
@@ -182,7 +182,7 @@ def phase_ttft_bytes(o, corpus, tmp, phases):
                   "--prefix-cache-remote", "redis://127.0.0.1:%d" % store.port] + kv
         a, b = Replica(o.kvq, o.model, tmp, "A", common), Replica(o.kvq, o.model, tmp, "B", common)
         try:
-            c, h, bw, tw, mem = ttft(a, o, b, corpus, label, o.reps, store)
+            c, h, bw, tw, mem = ttft(a, b, corpus, label, o.reps, store)
         finally:
             a.stop()
             b.stop()

@@ -4,7 +4,6 @@ byte for byte, and plant crafted values under the keys a server will read.
 """
 import random
 import socket
-import sys
 
 
 class Redis:
