@@ -177,6 +177,8 @@ struct kvq_prefix *kvq_prefix_hold_as(struct kvq_context *c, int seq, const stru
  * it is). NULL with an error. */
 struct kvq_prefix *kvq_prefix_convert(const struct kvq_prefix *p, const struct kvq_kv_config *kv);
 int kvq_prefix_len(const struct kvq_prefix *p);
+/* The format the prefix is held in (the context's, or kvq_prefix_hold_as's). */
+void kvq_prefix_kv_config(const struct kvq_prefix *p, struct kvq_kv_config *kv);
 void kvq_prefix_free(struct kvq_prefix *p);
 /* The layers grouped by cache kind, for reports on hybrid models (Gemma 3: sliding
  * layers keep a rotating window, global layers everything). */
@@ -218,6 +220,15 @@ void kvq_seq_extra_free(struct kvq_seq_extra *e);
 int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_token *tokens, int n_tokens,
                     const float *logits);
 struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra);
+/* The same bytes in memory (a remote store's values): kvq_prefix_encode writes a file's
+ * exact bytes (no logits) to *data (malloc'd); kvq_prefix_decode reads them back with
+ * every check kvq_prefix_load makes (name stands for the path in its errors). */
+int kvq_prefix_encode(const struct kvq_prefix *p, const kvq_token *tokens, int n_tokens, void **data, size_t *len);
+struct kvq_prefix *kvq_prefix_decode(struct kvq_context *c, const void *data, size_t len, const char *name,
+                                     struct kvq_seq_extra *extra);
+/* A fingerprint of the model's architecture, hyperparameters and weights (the one saved
+ * files carry): replicas of one model agree on it. */
+uint64_t kvq_model_fingerprint(const struct kvq_model *m);
 /* Reads the KV config a saved file was written with (to make a matching context). */
 int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv);
 

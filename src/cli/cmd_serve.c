@@ -15,6 +15,7 @@
 #include "server/chat_template.h"
 #include "server/http.h"
 #include "server/prefix_cache.h"
+#include "server/prefix_remote.h"
 #include "server/scheduler.h"
 #include "server/tool_calls.h"
 
@@ -44,6 +45,12 @@ static const char *const serve_help =
     "                             back on attach (groups: --kv-group-size)\n"
     "  --prefix-cache-min-tokens N  shorter entries keep the live format, sharing the\n"
     "                             sequence's blocks (default 256)\n"
+    "  --prefix-cache-remote URL  share prefix-cache entries with other replicas through a Redis\n"
+    "                             or Valkey store: redis://[USER@]HOST[:PORT][/DB] or\n"
+    "                             unix:///PATH[?db=DB]\n"
+    "  --prefix-cache-remote-auth FILE  the store's password, the file's first line (default:\n"
+    "                             $KVQ_PREFIX_CACHE_REMOTE_AUTH)\n"
+    "  --prefix-cache-remote-ttl S  the stored entries' time to live (default 86400)\n"
     "  --api-key KEY              require 'Authorization: Bearer KEY' (also $KVQ_API_KEY)\n"
     "  --chat-template NAME|FILE  a Jinja chat template file, or a built-in one: chatml, llama2,\n"
     "                             llama3, mistral, gemma, phi3, zephyr (default: the model's\n"
@@ -71,13 +78,14 @@ static const char *const serve_help =
 static const char *const serve_value_flags[] = {
     "-m", "--model", "--host", "--port", "--max-num-seqs", "--parallel", "-np", "-c", "--ctx-size", "-t",
     "--threads", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v", "--prefix-cache-mb",
-    "--prefix-cache-dir", "--prefix-cache-bits", "--prefix-cache-min-tokens", "--api-key", "--chat-template",
+    "--prefix-cache-dir", "--prefix-cache-bits", "--prefix-cache-min-tokens", "--prefix-cache-remote",
+    "--prefix-cache-remote-auth", "--prefix-cache-remote-ttl", "--api-key", "--chat-template",
     "--alias", "--pooling", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval",
     "--timeout", "--max-connections", "--max-connections-per-ip", "--shutdown-timeout", NULL};
 
 struct serve_opts {
-    const char *model, *host, *api_key, *chat_template, *alias, *cache_dir;
-    int port, cache_mb, cache_bits, cache_min_tokens, max_body_mb, ping;
+    const char *model, *host, *api_key, *chat_template, *alias, *cache_dir, *remote, *remote_auth;
+    int port, cache_mb, cache_bits, cache_min_tokens, remote_ttl, max_body_mb, ping;
     bool strict_api, embeddings;
     enum kvq_pooling pooling;
     int timeout, max_conns, max_conns_per_ip, shutdown_timeout;
@@ -111,6 +119,7 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
     o->cache_mb = 256;
     o->cache_bits = 8;
     o->cache_min_tokens = 256;
+    o->remote_ttl = 86400;
     o->max_body_mb = 8;
     o->ping = 10;
     o->timeout = 600; /* llama-server's */
@@ -141,6 +150,9 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
         else if (!strcmp(a, "--chat-template")) o->chat_template = v;
         else if (!strcmp(a, "--alias")) o->alias = v;
         else if (!strcmp(a, "--prefix-cache-dir")) o->cache_dir = v;
+        else if (!strcmp(a, "--prefix-cache-remote")) o->remote = v;
+        else if (!strcmp(a, "--prefix-cache-remote-auth")) o->remote_auth = v;
+        else if (!strcmp(a, "--prefix-cache-remote-ttl")) ok = cli_parse_int(a, v, 1, 1 << 30, &o->remote_ttl);
         else if (!strcmp(a, "--pooling")) {
             if (strcmp(v, "mean") && strcmp(v, "last")) return cli_fail("--pooling must be mean or last (got '%s')", v);
             o->pooling = strcmp(v, "mean") ? KVQ_POOLING_LAST : KVQ_POOLING_MEAN;
@@ -168,6 +180,7 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
     }
     if (!o->model) return cli_fail("serve needs a model: -m FILE");
     if (o->api_key && !*o->api_key) return cli_fail("--api-key must not be empty");
+    if (o->remote && o->cache_mb == 0) return cli_fail("--prefix-cache-remote needs the prefix cache (--prefix-cache-mb > 0)");
     if (!cli_kv_config_check(&o->cp.kv)) return 1;
     if (o->sp.prefill_chunk > o->sp.step_tokens) o->sp.prefill_chunk = o->sp.step_tokens;
     if (o->max_conns_per_ip < 0) o->max_conns_per_ip = (o->max_conns + 3) / 4;
@@ -290,9 +303,17 @@ int cmd_serve(int argc, char **argv) {
     struct serve_opts o = {0};
     if (parse_args(argc, argv, &o) != 0) return 1;
     if (o.cache_dir && o.cache_mb > 0 && !cache_dir_ready(o.cache_dir)) return 1;
+    char err[512] = "";
+    struct prefix_remote_params rp = {.url = o.remote, .auth_file = o.remote_auth, .ttl_s = o.remote_ttl,
+                                      .max_value = ((size_t)o.cache_mb << 20) + (1 << 20)};
+    struct prefix_remote *remote = o.remote ? prefix_remote_new(&rp, err, sizeof err) : NULL;
+    if (o.remote && !remote) return cli_fail("%s", err);
     fit_connections(&o);
     struct kvq_model *m = kvq_model_load(o.model);
-    if (!m) return cli_fail("%s", kvq_last_error());
+    if (!m) {
+        prefix_remote_free(remote);
+        return cli_fail("%s", kvq_last_error());
+    }
     int rc = 1;
     struct kvq_context *ctx = NULL;
     struct prefix_cache *pc = NULL;
@@ -304,6 +325,7 @@ int cmd_serve(int argc, char **argv) {
     struct chat_template *chat = pick_template(m, o.chat_template, chat_desc, sizeof chat_desc, &tool_syntax);
     if (!chat) {
         kvq_model_free(m);
+        prefix_remote_free(remote);
         return 1;
     }
 
@@ -327,7 +349,7 @@ int cmd_serve(int argc, char **argv) {
         if (o.cache_bits < store_kv.k_bits) store_kv.k_bits = o.cache_bits;
         if (o.cache_bits < store_kv.v_bits) store_kv.v_bits = o.cache_bits;
         struct prefix_cache_params pp = {.kv = &o.cp.kv, .store_kv = &store_kv, .min_tokens = o.cache_min_tokens,
-                                         .budget = cache_bytes, .dir = o.cache_dir};
+                                         .budget = cache_bytes, .dir = o.cache_dir, .remote = remote};
         if (store_kv.k_bits != o.cp.kv.k_bits || store_kv.v_bits != o.cp.kv.v_bits) {
             /* two lines: cli_kv_config_name returns one static buffer */
             fprintf(stderr, "kvq serve: prefix cache: entries of %d tokens or more are stored as %s", o.cache_min_tokens,
@@ -366,7 +388,7 @@ int cmd_serve(int argc, char **argv) {
                              .max_body = (size_t)o.max_body_mb << 20, .model_id = model_id, .ping_seconds = o.ping,
                              .strict_api = o.strict_api, .timeout_s = o.timeout, .max_connections = o.max_conns,
                              .max_connections_per_ip = o.max_conns_per_ip, .model = m, .chat = chat,
-                             .tool_syntax = tool_syntax, .sched = s, .embedder = em};
+                             .tool_syntax = tool_syntax, .sched = s, .embedder = em, .remote = remote};
     h = http_start(&hp);
     if (!h) goto done;
     fprintf(stderr,
@@ -388,6 +410,7 @@ done:
     http_stop(h);
     sched_free(s);
     prefix_cache_free(pc);
+    prefix_remote_free(remote);
     embedder_free(em);
     kvq_context_free(ctx);
     kvq_model_free(m);

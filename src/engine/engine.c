@@ -757,6 +757,7 @@ const float *kvq_get_logits(const struct kvq_context *c, int i) {
 /* ---- internal accessors (engine_internal.h), for seq_state.c ---- */
 
 const struct model *engine_model(const struct kvq_context *c) { return c->m->model; }
+const struct model *engine_model_data(const struct kvq_model *m) { return m->model; }
 const struct kvq_kv_config *engine_kv_config(const struct kvq_context *c) { return &c->p.kv; }
 struct kv_cache **engine_seq_caches(const struct kvq_context *c, int seq) {
     if (seq < 0 || seq >= c->p.n_seq) {

@@ -10,6 +10,7 @@ struct grammar_vocab;
 struct tokenizer;
 
 const struct model *engine_model(const struct kvq_context *c);
+const struct model *engine_model_data(const struct kvq_model *m);
 /* The model's vocabulary as grammars see it, made on first use (any thread); NULL
  * with an error. */
 struct grammar_vocab *engine_grammar_vocab(const struct kvq_model *m);

@@ -72,8 +72,9 @@ static void put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv) {
     for (int i = 0; i < 10; i++) kv_buf_u32(b, (uint32_t)v[i]);
 }
 
-static int save_caches(const struct kvq_context *c, const struct kvq_kv_config *kv, struct kv_cache *const *caches,
-                       const char *path, const kvq_token *tokens, int n_tokens, const float *logits) {
+/* The file's bytes, checksum included, in b (freed by the caller, also on failure). */
+static int encode_caches(const struct kvq_context *c, const struct kvq_kv_config *kv, struct kv_cache *const *caches,
+                         const kvq_token *tokens, int n_tokens, const float *logits, struct kv_buf *out) {
     const struct model *m = engine_model(c);
     const struct model_hparams *hp = &m->hp;
     if (n_tokens < 0 || (n_tokens > 0 && !tokens)) return kvq_error("invalid token list");
@@ -95,18 +96,25 @@ static int save_caches(const struct kvq_context *c, const struct kvq_kv_config *
         kv_buf_u32(&b, u);
     }
     for (int il = 0; il < hp->n_layer; il++) kv_cache_save(caches[il], &b);
-    if (b.oom) {
+    if (!b.oom) kv_buf_u64(&b, fnv1a(FNV_INIT, b.data, b.len));
+    *out = b;
+    return b.oom ? kvq_error("out of memory saving the KV cache") : 0;
+}
+
+static int save_caches(const struct kvq_context *c, const struct kvq_kv_config *kv, struct kv_cache *const *caches,
+                       const char *path, const kvq_token *tokens, int n_tokens, const float *logits) {
+    struct kv_buf b = {0};
+    if (encode_caches(c, kv, caches, tokens, n_tokens, logits, &b) != 0) {
         free(b.data);
-        return kvq_error("out of memory saving the KV cache");
+        return -1;
     }
-    kv_buf_u64(&b, fnv1a(FNV_INIT, b.data, b.len));
     struct kvq_outfile out; /* a temporary renamed into place: never a partial file */
     FILE *f = kvq_outfile_open(&out, path);
     if (!f) {
         free(b.data);
         return -1;
     }
-    bool ok = !b.oom && fwrite(b.data, 1, b.len, f) == b.len;
+    bool ok = fwrite(b.data, 1, b.len, f) == b.len;
     free(b.data);
     if (!ok) {
         kvq_outfile_abort(&out);
@@ -126,6 +134,24 @@ int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_toke
     return save_caches(engine_prefix_context(p), engine_prefix_kv(p), engine_prefix_caches(p), path, tokens, n_tokens,
                        logits);
 }
+
+int kvq_prefix_encode(const struct kvq_prefix *p, const kvq_token *tokens, int n_tokens, void **data, size_t *len) {
+    struct kv_buf b = {0};
+    *data = NULL;
+    *len = 0;
+    if (encode_caches(engine_prefix_context(p), engine_prefix_kv(p), engine_prefix_caches(p), tokens, n_tokens, NULL,
+                      &b) != 0) {
+        free(b.data);
+        return -1;
+    }
+    *data = b.data;
+    *len = b.len;
+    return 0;
+}
+
+void kvq_prefix_kv_config(const struct kvq_prefix *p, struct kvq_kv_config *kv) { *kv = *engine_prefix_kv(p); }
+
+uint64_t kvq_model_fingerprint(const struct kvq_model *m) { return model_fingerprint(engine_model_data(m)); }
 
 int kvq_seq_save(const struct kvq_context *c, int seq, const char *path) {
     return kvq_seq_save_ex(c, seq, path, NULL, 0, NULL);
@@ -213,10 +239,7 @@ static int read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_
     return 0;
 }
 
-int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
-    size_t len;
-    uint8_t *data = read_all(path, &len);
-    if (!data) return -1;
+static int data_kv_config(const char *path, const uint8_t *data, size_t len, struct kvq_kv_config *kv) {
     struct kv_reader r;
     uint64_t fp;
     uint32_t dims[5];
@@ -228,6 +251,14 @@ int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
         for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(&r, &dims[i]);
         rc = ok ? read_kv_config(&r, kv, version, path) : kvq_error("'%s' is truncated", path);
     }
+    return rc;
+}
+
+int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
+    size_t len;
+    uint8_t *data = read_all(path, &len);
+    if (!data) return -1;
+    int rc = data_kv_config(path, data, len, kv);
     free(data);
     return rc;
 }
@@ -316,18 +347,15 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
     return rc;
 }
 
-/* Loads the file into caches [n_layer] of config kv; on failure they are emptied. */
-static int load_caches(struct kvq_context *c, const struct kvq_kv_config *kv, struct kv_cache **caches,
-                       const char *path, struct kvq_seq_extra *extra) {
+/* Loads a file's bytes (named path in errors) into caches [n_layer] of config kv; on
+ * failure they are emptied. */
+static int load_data(struct kvq_context *c, const struct kvq_kv_config *kv, struct kv_cache **caches,
+                     const char *path, const uint8_t *data, size_t len, struct kvq_seq_extra *extra) {
     if (extra) memset(extra, 0, sizeof *extra);
-    size_t len;
-    uint8_t *data = read_all(path, &len);
-    if (!data) return -1;
     struct kv_reader r;
     uint32_t version = 0;
     int rc = check_envelope(path, data, len, &r, &version);
     if (rc == 0) rc = load_body(c, kv, caches, path, &r, version, extra);
-    free(data);
     if (rc != 0) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", kvq_last_error());
@@ -337,23 +365,45 @@ static int load_caches(struct kvq_context *c, const struct kvq_kv_config *kv, st
     return rc;
 }
 
+static int load_caches(struct kvq_context *c, const struct kvq_kv_config *kv, struct kv_cache **caches,
+                       const char *path, struct kvq_seq_extra *extra) {
+    if (extra) memset(extra, 0, sizeof *extra);
+    size_t len;
+    uint8_t *data = read_all(path, &len);
+    if (!data) return -1;
+    int rc = load_data(c, kv, caches, path, data, len, extra);
+    free(data);
+    return rc;
+}
+
 int kvq_seq_load_ex(struct kvq_context *c, int seq, const char *path, struct kvq_seq_extra *extra) {
     if (extra) memset(extra, 0, sizeof *extra);
     struct kv_cache **caches = engine_seq_caches(c, seq);
     return caches ? load_caches(c, engine_kv_config(c), caches, path, extra) : -1;
 }
 
-struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra) {
+struct kvq_prefix *kvq_prefix_decode(struct kvq_context *c, const void *data, size_t len, const char *name,
+                                     struct kvq_seq_extra *extra) {
     /* a prefix held in another format (kvq_prefix_hold_as) loads in that format */
     struct kvq_kv_config kv;
     if (extra) memset(extra, 0, sizeof *extra);
-    if (kvq_seq_file_kv_config(path, &kv) != 0) return NULL;
+    if (data_kv_config(name, data, len, &kv) != 0) return NULL;
     bool other = !same_kv(&kv, engine_kv_config(c)) && engine_prefix_kv_ok(c, &kv);
     struct kvq_prefix *p = other ? engine_prefix_new_kv(c, &kv) : engine_prefix_new(c);
-    if (p && load_caches(c, engine_prefix_kv(p), engine_prefix_caches(p), path, extra) != 0) {
+    if (p && load_data(c, engine_prefix_kv(p), engine_prefix_caches(p), name, data, len, extra) != 0) {
         kvq_prefix_free(p);
         return NULL;
     }
+    return p;
+}
+
+struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra) {
+    if (extra) memset(extra, 0, sizeof *extra);
+    size_t len;
+    uint8_t *data = read_all(path, &len);
+    if (!data) return NULL;
+    struct kvq_prefix *p = kvq_prefix_decode(c, data, len, path, extra);
+    free(data);
     return p;
 }
 

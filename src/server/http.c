@@ -592,6 +592,29 @@ static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) 
     metric(&b, "prefix_cache_tokens_total", "counter", "Prompt tokens taken from the prefix cache.", (double)s.cached_tokens);
     metric(&b, "prefix_cache_bytes", "gauge", "Bytes of prefix-cache entries.", (double)s.cache_bytes);
     metric(&b, "prefix_cache_entries", "gauge", "Prefix-cache entries.", s.cache_entries);
+    if (h->p.remote) {
+        struct prefix_remote_stats r;
+        prefix_remote_stats(h->p.remote, &r);
+        const struct {
+            const char *name, *help;
+            uint64_t v;
+        } rm[] = {
+            {"hits_total", "Lookups that took an entry from the remote store.", r.hits},
+            {"misses_total", "Remote lookups that found no usable entry.", r.misses},
+            {"bytes_read_total", "Bytes of entries read from the remote store.", r.bytes_read},
+            {"bytes_written_total", "Bytes written to the remote store (entries and their index keys).",
+             r.bytes_written},
+            {"tokens_written_total", "Tokens of the entries written to the store.", r.tokens_written},
+            {"errors_total", "Failed connections and commands to the store.", r.errors},
+            {"rejected_total", "Values under this server's keys skipped as corrupt or foreign.", r.rejected},
+        };
+        for (size_t i = 0; i < sizeof rm / sizeof rm[0]; i++) {
+            char name[64];
+            snprintf(name, sizeof name, "prefix_cache_remote_%s", rm[i].name);
+            metric(&b, name, "counter", rm[i].help, (double)rm[i].v);
+        }
+        metric(&b, "prefix_cache_remote_up", "gauge", "1 when the last command reached the store.", r.up ? 1 : 0);
+    }
     char *text = strbuf_take(&b);
     enum MHD_Result ret = respond(h, c, 200, "text/plain; version=0.0.4", text);
     free(text);

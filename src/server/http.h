@@ -11,6 +11,7 @@
 #include "kvq.h"
 #include "server/chat_template.h"
 #include "server/llama_api.h"
+#include "server/prefix_remote.h"
 #include "server/scheduler.h"
 #include "server/tool_calls.h"
 
@@ -29,6 +30,7 @@ struct http_params {
     enum tool_syntax tool_syntax; /* how the model calls tools */
     struct sched *sched; /* NULL: generation requests are answered 503 (the HTTP layer alone) */
     struct embedder *embedder; /* NULL: /v1/embeddings answers 501 */
+    const struct prefix_remote *remote; /* the prefix cache's store, for /metrics (NULL: none) */
 };
 
 struct http_server;

@@ -1,4 +1,5 @@
 #include "server/prefix_cache.h"
+#include "server/prefix_remote.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -10,7 +11,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
-/* A file to write. The writer thread reads the entry's prefix and tokens, which
+/* A file to write and/or a value to publish. The writer thread reads the entry's prefix and tokens, which
  * stay alive and unchanged until the job is done: drop() takes a queued job back
  * or waits for the one being written before it frees the entry; a hit that replaces
  * the converted prefix waits until it is written. */
@@ -20,7 +21,8 @@ struct write_job {
     const struct kvq_prefix *p;
     const kvq_token *toks;
     int n;
-    const char *path; /* the entry's */
+    const char *path; /* the entry's file, or NULL */
+    const char *ns;   /* the namespace to publish it in (NULL: not published) */
     enum job_state state;
 };
 
@@ -34,6 +36,8 @@ struct entry {
     bool converted; /* held in store_kv's format */
     bool pending;   /* held live until prefix_cache_convert_one converts (and writes) it */
     char *path;     /* its file, or NULL */
+    char *ns_name;  /* the namespace's name ("" for none); NULL when unknown (loaded from the folder) */
+    bool shared;    /* fetched from the remote store: never published again */
     struct write_job *job; /* its write, or NULL */
 };
 
@@ -45,6 +49,8 @@ struct prefix_cache {
     int min_tokens;
     size_t budget, bytes;
     char *dir;
+    struct prefix_remote *remote;
+    uint64_t space; /* the remote keys' namespace: the model and the KV formats */
     struct entry *e;
     int n, cap;
     uint64_t clock;
@@ -63,6 +69,16 @@ static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
     return h;
 }
 #define FNV_BASIS 0xcbf29ce484222325ULL
+
+static bool same_format(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
+    return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group;
+}
+
+static uint64_t kv_hash(uint64_t h, const struct kvq_kv_config *kv) {
+    int32_t v[] = {kv->k_bits, kv->v_bits, kv->k_group, kv->v_group, kv->max_size, kv->keep, kv->quantized_start,
+                   kv->hadamard, kv->residual, kv->swa_full};
+    return fnv1a(h, v, sizeof v);
+}
 
 static uint64_t ns_hash(const char *ns) { return ns && *ns ? fnv1a(FNV_BASIS, ns, strlen(ns)) : 0; }
 
@@ -104,6 +120,7 @@ static void drop(struct prefix_cache *pc, int i, bool unlink_file) {
     kvq_prefix_free(e->prefix);
     free(e->tokens);
     free(e->path);
+    free(e->ns_name);
     pc->bytes -= e->bytes;
     pc->e[i] = pc->e[--pc->n];
 }
@@ -160,13 +177,72 @@ static void replace_prefix(struct prefix_cache *pc, struct entry *e, struct kvq_
     pc->bytes += e->bytes;
 }
 
-int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int max_use) {
-    uint64_t h = ns_hash(ns);
-    int best = -1, best_len = 0;
+/* The entry of namespace h sharing the longest prefix with toks (-1: none), and its length. */
+static int best_match(const struct prefix_cache *pc, uint64_t h, const kvq_token *toks, int max_use, int *best_len) {
+    int best = -1;
+    *best_len = 0;
     for (int i = 0; i < pc->n; i++) {
         if (pc->e[i].ns != h) continue;
         int len = common_prefix(pc->e[i].tokens, pc->e[i].n, toks, max_use);
-        if (len > best_len) best = i, best_len = len;
+        if (len > *best_len) best = i, *best_len = len;
+    }
+    return best;
+}
+
+/* A remote lookup's request: what a value must extend. */
+struct remote_offer {
+    struct prefix_cache *pc;
+    uint64_t ns;
+    const kvq_token *toks;
+    int max_use, have;
+};
+
+/* prefix_remote_accept: an entry another replica stored becomes a local one when it
+ * decodes (checksum, model, KV config), is in this replica's live or stored format,
+ * and its tokens extend what the local entries give the request. */
+static int take_remote(void *ctx, const void *data, size_t len) {
+    const struct remote_offer *o = ctx;
+    struct prefix_cache *pc = o->pc;
+    size_t budget = kvq_kv_budget(pc->c), used = kvq_kv_bytes(pc->c);
+    if (budget && (used > budget || budget - used < len + len / 4)) return -1; /* no KV room for it now */
+    double t0 = now_ms();
+    struct kvq_seq_extra extra = {0};
+    struct kvq_prefix *p = kvq_prefix_decode(pc->c, data, len, "remote entry", &extra);
+    struct kvq_kv_config fkv = {0};
+    if (p) kvq_prefix_kv_config(p, &fkv);
+    const char *why = !p ? kvq_last_error()
+                      : !same_format(&fkv, &pc->kv) && !same_format(&fkv, &pc->store_kv) ? "another KV format"
+                      : extra.n_tokens <= 0 || extra.n_tokens != kvq_prefix_len(p) ? "no tokens"
+                      : common_prefix(extra.tokens, extra.n_tokens, o->toks, o->max_use) <= o->have
+                          ? "tokens other than its key's"
+                          : NULL;
+    int rc = 0;
+    if (!why) {
+        bool converted = !same_format(&fkv, &pc->kv);
+        struct entry e = {.ns = o->ns, .tokens = extra.tokens, .n = extra.n_tokens, .prefix = p,
+                          .converted = converted, .shared = true,
+                          .bytes = entry_bytes(pc, extra.n_tokens, converted ? &pc->store_kv : &pc->kv)};
+        rc = add(pc, e) >= 0 ? 1 : -1;
+        if (rc > 0) {
+            extra.tokens = NULL;
+            p = NULL;
+            fprintf(stderr, "kvq serve: cache_remote_hit tokens=%d bytes=%zu ms=%.2f\n", e.n, len, now_ms() - t0);
+        }
+    } else {
+        fprintf(stderr, "kvq serve: prefix cache remote: refusing an entry: %s\n", why);
+    }
+    kvq_prefix_free(p);
+    kvq_seq_extra_free(&extra);
+    return rc;
+}
+
+int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int max_use) {
+    uint64_t h = ns_hash(ns);
+    int best_len, best = best_match(pc, h, toks, max_use, &best_len);
+    if (pc->remote && max_use - best_len >= PREFIX_REMOTE_BLOCK) {
+        struct remote_offer o = {pc, h, toks, max_use, best_len};
+        if (prefix_remote_find(pc->remote, pc->space, ns, toks, max_use, best_len, take_remote, &o))
+            best = best_match(pc, h, toks, max_use, &best_len);
     }
     if (best < 0) return 0;
     /* attach (converting a stored format back to the live one) then cut back to the
@@ -181,7 +257,7 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
     struct entry *e = &pc->e[best];
     if (e->pending) { /* hot: it stays live, as a converted entry turns live on a hit */
         e->pending = false;
-        if (pc->dir) persist(pc, e);
+        persist(pc, e);
     }
     if (e->converted) {
         double ms = now_ms() - t0;
@@ -212,7 +288,7 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
 /* Writes one entry: kvq_prefix_save writes a temporary file and renames it into
  * place, so a crash never leaves a half-written entry under a name the loader reads;
  * the file is checksummed and carries the model's fingerprint. Writer thread. */
-static void write_entry(struct prefix_cache *pc, const struct write_job *j) {
+static void write_file(struct prefix_cache *pc, const struct write_job *j) {
     double t0 = now_ms();
     if (kvq_prefix_save(j->p, j->path, j->toks, j->n, NULL) != 0) {
         fprintf(stderr, "kvq serve: cannot persist a prefix-cache entry: %s\n", kvq_last_error());
@@ -226,6 +302,23 @@ static void write_entry(struct prefix_cache *pc, const struct write_job *j) {
     pc->st.writes++;
     pc->st.write_ms += ms;
     pthread_mutex_unlock(&pc->mu);
+}
+
+/* Sends the entry to the remote store: the file's bytes. Writer thread. */
+static void publish(struct prefix_cache *pc, const struct write_job *j) {
+    void *data;
+    size_t len;
+    if (kvq_prefix_encode(j->p, j->toks, j->n, &data, &len) != 0) {
+        fprintf(stderr, "kvq serve: cannot publish a prefix-cache entry: %s\n", kvq_last_error());
+        return;
+    }
+    prefix_remote_put(pc->remote, pc->space, j->ns, j->toks, j->n, data, len);
+    free(data);
+}
+
+static void write_entry(struct prefix_cache *pc, const struct write_job *j) {
+    if (j->path) write_file(pc, j);
+    if (j->ns) publish(pc, j);
 }
 
 static void *writer_main(void *arg) {
@@ -248,21 +341,26 @@ static void *writer_main(void *arg) {
     return NULL;
 }
 
-/* Queues the entry's file for the writer thread (the name is fixed now, so an
- * eviction can remove the file). */
+/* Queues the entry's file (the name is fixed now, so an eviction can remove the
+ * file) and its publication for the writer thread, where there is a folder or a store.
+ * The store gets entries in the stored format only: a live one kept for sharing its
+ * blocks locally (short, or built on a hot prefix) would cost the network the live
+ * format's bytes. */
 static void persist(struct prefix_cache *pc, struct entry *e) {
+    const char *ns = pc->remote && !e->shared && (e->converted || !pc->convert) ? e->ns_name : NULL;
+    if (!pc->dir && !ns) return;
     uint64_t th = fnv1a(FNV_BASIS, e->tokens, sizeof *e->tokens * (size_t)e->n);
-    size_t len = strlen(pc->dir) + 64;
+    size_t len = pc->dir ? strlen(pc->dir) + 64 : 0;
     struct write_job *j = calloc(1, sizeof *j);
-    char *path = malloc(len);
-    if (!j || !path) {
+    char *path = pc->dir ? malloc(len) : NULL;
+    if (!j || (pc->dir && !path)) {
         free(j);
         free(path);
         fprintf(stderr, "kvq serve: cannot persist a prefix-cache entry: out of memory\n");
         return;
     }
-    snprintf(path, len, "%s/%016" PRIx64 "-%016" PRIx64 ".kvq", pc->dir, e->ns, th);
-    *j = (struct write_job){NULL, e->prefix, e->tokens, e->n, path, JOB_QUEUED};
+    if (path) snprintf(path, len, "%s/%016" PRIx64 "-%016" PRIx64 ".kvq", pc->dir, e->ns, th);
+    *j = (struct write_job){NULL, e->prefix, e->tokens, e->n, path, ns, JOB_QUEUED};
     e->path = path;
     e->job = j;
     pthread_mutex_lock(&pc->mu);
@@ -301,8 +399,11 @@ void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const 
         if (common == e->n) drop(pc, i--, true); /* the new entry covers this one */
     }
     kvq_token *copy = malloc(sizeof *copy * (size_t)n);
-    if (!copy) {
+    char *ns_name = strdup(ns ? ns : "");
+    if (!copy || !ns_name) {
         fprintf(stderr, "kvq serve: cannot hold a prefix: out of memory\n");
+        free(copy);
+        free(ns_name);
         return;
     }
     memcpy(copy, toks, sizeof *copy * (size_t)n);
@@ -321,20 +422,22 @@ void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const 
     if (!p) {
         fprintf(stderr, "kvq serve: cannot hold a prefix: %s\n", kvq_last_error());
         free(copy);
+        free(ns_name);
         return;
     }
     struct entry e = {.ns = h, .tokens = copy, .n = n, .prefix = p, .converted = convert, .pending = later,
-                      .bytes = entry_bytes(pc, n, convert ? &pc->store_kv : &pc->kv)};
+                      .ns_name = ns_name, .bytes = entry_bytes(pc, n, convert ? &pc->store_kv : &pc->kv)};
     int i = add(pc, e);
     if (i < 0) {
         kvq_prefix_free(p);
         free(copy);
+        free(ns_name);
         return;
     }
     if (convert) log_converted(pc, &pc->e[i], ms);
     else
         fprintf(stderr, "kvq serve: cache_store tokens=%d bytes=%zu%s\n", n, pc->e[i].bytes, later ? " (to convert)" : "");
-    if (pc->dir && finished && !later) persist(pc, &pc->e[i]);
+    if (finished && !later) persist(pc, &pc->e[i]);
 }
 
 bool prefix_cache_convert_one(struct prefix_cache *pc) {
@@ -351,7 +454,7 @@ bool prefix_cache_convert_one(struct prefix_cache *pc) {
         replace_prefix(pc, e, p, true);
         log_converted(pc, e, now_ms() - t0);
     }
-    if (pc->dir) persist(pc, e);
+    persist(pc, e);
     return true;
 }
 
@@ -377,9 +480,6 @@ static int newest_first(const void *a, const void *b) {
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
-static bool same_format(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
-    return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group;
-}
 
 /* Loads the folder's entries, newest first, while they fit the budget; a file that
  * does not load (corrupt, truncated, another model or KV config) is skipped with a
@@ -461,6 +561,8 @@ struct prefix_cache *prefix_cache_new(struct kvq_context *c, const struct kvq_mo
     pc->store_kv = p->store_kv ? *p->store_kv : *p->kv;
     pc->convert = !same_format(&pc->store_kv, &pc->kv);
     pc->min_tokens = p->min_tokens;
+    pc->remote = p->remote;
+    pc->space = kv_hash(kv_hash(fnv1a(FNV_BASIS, &(uint64_t){kvq_model_fingerprint(m)}, 8), &pc->kv), &pc->store_kv);
     pthread_mutex_init(&pc->mu, NULL);
     pthread_cond_init(&pc->cv, NULL);
     if (p->dir && !(pc->dir = strdup(p->dir))) {
@@ -471,6 +573,8 @@ struct prefix_cache *prefix_cache_new(struct kvq_context *c, const struct kvq_mo
         if (mkdir(pc->dir, 0755) != 0 && errno != EEXIST)
             fprintf(stderr, "kvq serve: cannot create %s: %s\n", pc->dir, strerror(errno));
         load_dir(pc);
+    }
+    if (pc->dir || pc->remote) {
         if (pthread_create(&pc->writer, NULL, writer_main, pc) != 0) {
             prefix_cache_free(pc);
             return NULL;
@@ -482,7 +586,7 @@ struct prefix_cache *prefix_cache_new(struct kvq_context *c, const struct kvq_mo
 
 void prefix_cache_free(struct prefix_cache *pc) {
     if (!pc) return;
-    for (int i = 0; pc->dir && i < pc->n; i++) /* not converted yet: written as they are */
+    for (int i = 0; pc->writer_on && i < pc->n; i++) /* not converted yet: written as they are */
         if (pc->e[i].pending) {
             pc->e[i].pending = false;
             persist(pc, &pc->e[i]);

@@ -14,12 +14,17 @@
 
 #include "kvq.h"
 
+struct prefix_remote;
+
 struct prefix_cache_params {
     const struct kvq_kv_config *kv;       /* the context's (live) config */
     const struct kvq_kv_config *store_kv; /* the format of long entries; NULL: the live one */
     int min_tokens;                       /* entries shorter than this stay in the live format */
     size_t budget;                        /* bytes of entries (estimated from their token counts) */
     const char *dir; /* NULL, or a folder to persist entries in (its valid entries are loaded now, newest first) */
+    struct prefix_remote *remote; /* NULL, or a store shared with other replicas (prefix_remote.h; not owned):
+                                   * looked up for what the local entries lack, and given every entry the
+                                   * folder would get */
 };
 
 struct prefix_cache;
