@@ -1010,6 +1010,7 @@ int main(void) {
      * each, the last blocks fewer, also in the models' decode steps (as set outside
      * if it is: KVQ_MV_STREAM_GRID=0 gives the backend's full grid) */
     setenv("KVQ_MV_STREAM_GRID", "2", 0);
+    cuk_set_tuning(&(struct cuk_tuning){.stream_grid = atoi(getenv("KVQ_MV_STREAM_GRID"))}); /* the kernels' own tests */
     setenv("KVQ_CUDA_RESULT_SPLIT", "0", 0); /* logits in slices whatever their size */
     int n_dev = 0;
     if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {

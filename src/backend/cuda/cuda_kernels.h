@@ -106,6 +106,12 @@ void cuk_matvec(struct cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_j
 /* The rows a token's attention reads from which the step's attention chain counts as
  * long (cuk_queue.attn_rows): the launches around it choose their shapes by it. */
 int cuk_long_attn_rows(void);
+
+/* The kernels' share of the backend's tuning, read once at its start. */
+struct cuk_tuning {
+    int stream_grid; /* matvec_stream's blocks at most (0: as many as fit) */
+};
+void cuk_set_tuning(const struct cuk_tuning *t);
 /* Rows [r0, r1) of w into out[r1 - r0][cols]: f32, or f16 (saturated) when f16. */
 void cuk_dequantize(struct cuk_queue *qu, const struct cuk_weight *w, int64_t r0, int64_t r1, void *out, int f16);
 /* x[n][k] (rows x_stride apart) as f16, saturated, into out[n][k]. */

@@ -641,11 +641,10 @@ __global__ void __launch_bounds__(WHOLE ? MV_WHOLE_THREADS : MV_THREADS)
  * the products after it (cuda_backend.c). */
 #define MV_LONG_ATTN_ROWS 2048
 
-extern "C" int cuk_long_attn_rows(void) {
-    static int rows = -1;
-    if (rows < 0) rows = getenv("KVQ_MV_LONG_ATTN_ROWS") ? atoi(getenv("KVQ_MV_LONG_ATTN_ROWS")) : MV_LONG_ATTN_ROWS;
-    return rows;
-}
+extern "C" int cuk_long_attn_rows(void) { return MV_LONG_ATTN_ROWS; }
+
+static cuk_tuning tuning;
+extern "C" void cuk_set_tuning(const cuk_tuning *t) { tuning = *t; }
 
 /* Chunks a warp of a 4-warp block (gate/up of the 7-8B shapes) also holds in
  * registers (ST: as many as keep 5 blocks a multiprocessor without spills) after a
@@ -819,15 +818,10 @@ __global__ void __launch_bounds__(ST > 0 ? MV_STASH_THREADS : MV_WHOLE_THREADS, 
 #undef MV_ISSUE
 }
 
-/* Chunks a block's warps take (U): about MV_WARPS warps in all, up to 8 chunks each
- * (KVQ_MV_WARPS=N aims at N warps instead, a measurement aid). The shapes alone
- * choose it: the slices decide how a token's sums add up. */
+/* Chunks a block's warps take (U): about MV_WARPS warps in all, up to 8 chunks each.
+ * The shapes alone choose it: the slices decide how a token's sums add up. */
 static int chunks_per_warp(const struct cuk_weight *w, int n_jobs) {
-    static int64_t aim;
-    if (!aim) {
-        const char *a = getenv("KVQ_MV_WARPS");
-        aim = a && atoi(a) >= 128 ? atoi(a) : MV_WARPS;
-    }
+    const int64_t aim = MV_WARPS;
     int64_t units = 0;
     for (int j = 0; j < n_jobs; j++) units += (w[j].rows + 15) / 16 * chunks_of(w[j].type, w[j].cols);
     int u = 1;
@@ -846,16 +840,8 @@ extern "C" int cuk_type_supported(uint32_t type) {
            type == KVQ_Q4_K || type == KVQ_Q6_K;
 }
 
-/* The tokens a repacked kernel is compiled for: 1 or 2 (dp4a), 8 or 16 (mma);
- * KVQ_MV_DP4A=0|1 caps the dp4a kernel lower (a measurement aid). */
-static int mv_tokens(int n) {
-    static int dp4a_max = -1;
-    if (dp4a_max < 0) {
-        const char *e = getenv("KVQ_MV_DP4A");
-        dp4a_max = e && (atoi(e) == 0 || atoi(e) == 1) ? atoi(e) : MV_DP4A_MAX;
-    }
-    return n <= dp4a_max ? n : n <= 8 ? 8 : 16;
-}
+/* The tokens a repacked kernel is compiled for: 1 or 2 (dp4a), 8 or 16 (mma). */
+static int mv_tokens(int n) { return n <= MV_DP4A_MAX ? n : n <= 8 ? 8 : 16; }
 
 /* How a launch of repacked jobs runs (S may be NULL), U chunks a warp and whole or
  * split (q_set): the blocks it takes, and the scratch floats and counters it needs. */
@@ -901,13 +887,9 @@ extern "C" void cuk_matvec_scratch(const struct cuk_matvec_job *jobs, int n_jobs
 
 /* Shared memory of a whole-layout block (0: the split layout instead): its warps
  * are the `slices` of one tile, all jobs' tiles cut alike, at least 2 blocks an SM
- * (regs: the kernel's registers a thread). KVQ_MV_WHOLE=0 always splits (a
- * measurement aid). Over 48 KB (16 tokens) it splits: a whole layout there, given
- * more shared memory, measured slower (batch 16: 1244-1308 against 1906-1993 tok/s,
- * H200, llama3-8b Q4_0, depth 512). */
+ * (regs: the kernel's registers a thread). Over 48 KB (16 tokens) it splits: a whole
+ * layout there, given more shared memory, was slower (docs/cuda-attempts.md). */
 static size_t whole_smem(const cuk_weight *w, int nj, int U, int n, bool mma, int vals, int regs) {
-    static int off = -1;
-    if (off < 0) off = getenv("KVQ_MV_WHOLE") && atoi(getenv("KVQ_MV_WHOLE")) == 0;
     const int64_t nch = chunks_of(w[0].type, w[0].cols), slices = (nch + U - 1) / U;
     for (int j = 1; j < nj; j++)
         if (chunks_of(w[j].type, w[j].cols) != nch) return 0;
@@ -915,7 +897,7 @@ static size_t whole_smem(const cuk_weight *w, int nj, int U, int n, bool mma, in
      * the slices' sums */
     const size_t staged = staged_smem(w[0].type, (int)nch, n), sums = (size_t)slices * 32 * vals * sizeof(float);
     const size_t smem = mma ? (staged > sums ? staged : sums) : staged + sums;
-    if (off || slices < 2 || slices * 32 > MV_WHOLE_THREADS || 2 * slices * 32 * regs > 65536 || smem > 48 * 1024)
+    if (slices < 2 || slices * 32 > MV_WHOLE_THREADS || 2 * slices * 32 * regs > 65536 || smem > 48 * 1024)
         return 0;
     return smem;
 }
@@ -946,22 +928,19 @@ static int stream_regs(int optin) {
  * (after_attn: the O product) streams a tile a block. Its blocks take 40 registers
  * where matvec_q's take 116 (they hold the weights), so more of them are resident
  * beside the attention's blocks and load their whole tile while the chain leaves the
- * DRAM idle (at 512 rows only 126-190 of matvec_q's 256 were). llama3-8b Q4_0 on an
- * H100 took 3.4% less GPU time a step with f16 KV at 512 rows, 4.2% with K8V4, 3.3%
- * with K4V4, and 1-2% less at 1536; from 2048 rows, where two tile blocks fill a
- * multiprocessor, it took 2-3% more (docs). KVQ_MV_STREAM=0 never streams (a
- * measurement aid); KVQ_MV_STREAM_GRID=N takes at most N blocks (the tests: many
- * tiles a block, on any GPU). */
+ * DRAM idle; from 2048 rows, where two tile blocks fill a multiprocessor, matvec_q
+ * is faster (docs/cuda-performance.md). cuk_tuning's stream_grid caps the blocks
+ * (the tests: many tiles a block, on any GPU). */
 template <uint32_t T, int NT, int U>
 static bool stream_launch(cuk_queue *qu, q_set &S, const cuk_weight *w, int nj, const cuk_xq *xq, int n,
                           bool after_attn) {
     if constexpr (NT > MV_DP4A_MAX) {
         return false;
     } else {
-        static int off = -1, optin, per_sm_smem, n_sm, cap;
+        static int off = -1, optin, per_sm_smem, n_sm;
+        const int cap = tuning.stream_grid;
         if (off < 0) {
-            off = getenv("KVQ_MV_STREAM") && atoi(getenv("KVQ_MV_STREAM")) == 0;
-            cap = getenv("KVQ_MV_STREAM_GRID") ? atoi(getenv("KVQ_MV_STREAM_GRID")) : 0;
+            off = 0;
             int dev = 0;
             if (cudaGetDevice(&dev) != cudaSuccess ||
                 cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||

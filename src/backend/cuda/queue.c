@@ -98,12 +98,9 @@ static void issue_one(struct cuk_queue *q, const struct cuk_rec_entry *e, const 
  * says what they cost where they overlap their neighbours (PDL, graphs), which timing a
  * kernel alone does not. A measurement aid: outputs are wrong. KVQ_CUDA_LEAVE_OUT=list
  * drops nothing and prints each kernel's name and shape the first time it is launched. */
-static bool left_out(const void *func, dim3 grid, dim3 block) {
-    static const char *names;
-    static bool read;
+static bool left_out(const char *names, const void *func, dim3 grid, dim3 block) {
     static const void *seen[256];
     static int n_seen;
-    if (!read) names = getenv("KVQ_CUDA_LEAVE_OUT"), read = true;
     const char *name = NULL;
     if (!names || !*names || cudaFuncGetName(&name, func) != cudaSuccess || !name) return false;
     if (!strcmp(names, "list")) {
@@ -132,7 +129,7 @@ void cuk_queue_launch(struct cuk_queue *q, const void *func, dim3 grid, dim3 blo
                       void **args, const size_t *sizes, int n_args) {
     const bool side = q->side_next && q->recording;
     q->side_next = false;
-    if (left_out(func, grid, block)) return;
+    if (q->leave_out && left_out(q->leave_out, func, grid, block)) return;
     pdl = pdl && !q->plain_next && !side;
     if (!side) q->plain_next = false;
     if (!q->recording) {

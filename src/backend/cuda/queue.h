@@ -57,6 +57,9 @@ struct cuk_queue {
     /* set by an attention, taken by the next product (cuk_matvec), the one that reads
      * its output: its blocks may be resident beside the attention's */
     bool after_attn;
+    /* kernels whose launches are dropped (the backend's tuning: KVQ_CUDA_LEAVE_OUT,
+     * queue.c), or NULL */
+    const char *leave_out;
 };
 
 /* A kernel launch (args[i] points to argument i of sizes[i] bytes), with programmatic

@@ -1,0 +1,590 @@
+/* The device copy of the KV cache: blocks from arenas mirroring the host pool, each
+ * cache's block table, f16 windows and offsets on the device, kept current before the
+ * kernels that read them; appends encoded on the device and their rows read back to
+ * the host's copy at sync. */
+#include "backend/cuda/cuda_private.h"
+
+/* No pending appends (their early copies, if any, are left unread). */
+void drop_pending(struct cuda_backend *cb) {
+    cb->n_pending = cb->rows_copied = cb->rows_from = cb->n_row_copies = 0;
+    cb->rb_copied = 0;
+    cb->n_held_pack = 0;
+}
+
+
+/* Device memory of `bytes` for a cache's mirror: a spare one of that size, or new.
+ * NULL with the failure recorded. */
+static void *mirror_alloc(struct cuda_backend *cb, size_t bytes, const char *what) {
+    for (int i = cb->n_spare - 1; i >= 0; i--)
+        if (cb->spare[i].bytes == bytes) {
+            void *p = cb->spare[i].p;
+            cb->spare[i] = cb->spare[--cb->n_spare];
+            return p;
+        }
+    void *p = NULL;
+    return ck(cb, cudaMalloc(&p, bytes), what) ? p : NULL;
+}
+
+
+/* Keeps a freed mirror's memory for the next cache (freed where the list cannot grow). */
+static void mirror_keep(struct cuda_backend *cb, void *p, size_t bytes) {
+    if (!p) return;
+    if (cb->n_spare == cb->cap_spare) {
+        int cap = cb->cap_spare ? 2 * cb->cap_spare : 64;
+        struct spare *sp = realloc(cb->spare, sizeof *sp * (size_t)cap);
+        if (!sp) {
+            cudaFree(p);
+            return;
+        }
+        cb->spare = sp;
+        cb->cap_spare = cap;
+    }
+    cb->spare[cb->n_spare++] = (struct spare){p, bytes};
+}
+
+
+
+/* A new chunk of cap bytes at the head of the list; false with an error. */
+static bool arena_grow(struct arena **list, bool pinned, size_t cap) {
+    struct arena *n = calloc(1, sizeof *n);
+    if (!n) return false;
+    cudaError_t st = pinned ? cudaMallocHost((void **)&n->base, cap) : cudaMalloc((void **)&n->base, cap);
+    if (st != cudaSuccess) {
+        free(n);
+        cudaGetLastError();
+        kvq_error("CUDA: no %s memory for the KV cache (%s)", pinned ? "pinned host" : "device", cudaGetErrorString(st));
+        return false;
+    }
+    n->cap = cap;
+    n->pinned = pinned;
+    n->next = *list;
+    *list = n;
+    return true;
+}
+
+
+static void *arena_alloc(struct arena **list, bool pinned, size_t bytes) {
+    bytes = (bytes + 255) & ~(size_t)255;
+    if ((!*list || (*list)->used + bytes > (*list)->cap) && !arena_grow(list, pinned, bytes > ARENA_CHUNK ? bytes : ARENA_CHUNK))
+        return NULL;
+    struct arena *a = *list;
+    void *p = a->base + a->used;
+    a->used += bytes;
+    return p;
+}
+
+
+void arena_free(struct arena *a) {
+    while (a) {
+        struct arena *n = a->next;
+        if (a->pinned) cudaFreeHost(a->base);
+        else cudaFree(a->base);
+        free(a);
+        a = n;
+    }
+}
+
+
+static void *host_block(void *ctx, size_t bytes) {
+    struct cuda_backend *cb = ctx;
+    return arena_alloc(&cb->host_arena, true, bytes);
+}
+
+static void *dev_block(void *ctx, size_t bytes) {
+    struct cuda_backend *cb = ctx;
+    return arena_alloc(&cb->dev_arena, false, bytes);
+}
+
+static size_t win_bytes(const struct cuda_mirror *m) {
+    return 2 * (size_t)m->n_kv * (size_t)(m->ring_cap + m->sink_cap) * m->win_row;
+}
+
+
+/* A cache is freed between steps: its device memory is kept for the next cache. */
+static void mirror_free(void *ctx, void *mirror) {
+    struct cuda_backend *cb = ctx;
+    struct cuda_mirror *m = mirror;
+    if (!m) return;
+    mirror_keep(cb, m->table_d, sizeof *m->table_d * (size_t)m->table_cap);
+    free(m->table_blk);
+    mirror_keep(cb, m->win, win_bytes(m));
+    mirror_keep(cb, m->mu, sizeof(float) * 2 * (size_t)m->n_kv * (size_t)m->head_dim);
+    free(m);
+}
+
+
+struct kv_pool *cuda_kv_pool_new(struct backend *b, size_t budget) {
+    struct cuda_backend *cb = cuda(b);
+    struct kv_pool_mirror m = {cb, host_block, dev_block, mirror_free};
+    /* memory for the whole budget now, when it can be had: taken during decoding, a
+     * chunk (pinned host memory above all) stalls a step for tens of milliseconds */
+    const size_t have = cb->dev_arena ? cb->dev_arena->cap - cb->dev_arena->used : 0;
+    if (budget > have && budget <= ((size_t)1 << 40) && arena_grow(&cb->dev_arena, false, budget))
+        arena_grow(&cb->host_arena, true, budget); /* else grown on demand */
+    return kv_pool_new_mirrored(budget, &m);
+}
+
+
+/* The backend's state of a cache (made at first use; the pool frees it with the cache). */
+struct cuda_mirror *mirror_of(struct cuda_backend *cb, struct kv_cache *c) {
+    struct cuda_mirror **mp = (struct cuda_mirror **)kv_cache_mirror(c);
+    if (!*mp && !(*mp = calloc(1, sizeof **mp))) ck(cb, cudaErrorMemoryAllocation, "host memory");
+    return *mp;
+}
+
+
+/* Where the encode writes the table entry e of a block that position p begins (0:
+ * nowhere, sync_table uploads it): the entry past the uploaded ones, or one of them,
+ * on a table with room. The mirror takes the block, so sync_table finds the entry
+ * current; a decode step that begins a block then issues no scatter, the same
+ * launches as other steps. */
+static uint64_t table_entry_by_encode(struct cuda_mirror *m, int32_t p, int32_t e, const struct kv_block *block) {
+    if (!m || p % KV_BLOCK_TOKENS != 0 || e >= m->table_cap || e > m->table_n) return 0;
+    m->table_blk[e] = block;
+    if (e == m->table_n) m->table_n = e + 1;
+    return (uint64_t)(uintptr_t)(m->table_d + e);
+}
+
+
+/* The cache's block table on the device, made current: the entries that changed.
+ * Entries are compared by block: reading every block's address to compare it
+ * cost a step the host time of 32 tables of 512 blocks at 32K rows (about 20 ns an
+ * entry with the blocks out of cache), before its first issue (docs). */
+bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const struct kv_view *v) {
+    if (v->n_blk > m->table_cap) {
+        int32_t cap = m->table_cap ? m->table_cap : 64;
+        while (cap < v->n_blk) cap *= 2;
+        uint64_t *d = NULL;
+        const struct kv_block **hb = malloc(sizeof *hb * (size_t)cap);
+        if (!hb || !(d = mirror_alloc(cb, sizeof *d * (size_t)cap, "device memory for a block table"))) {
+            free(hb);
+            return ck(cb, cudaErrorMemoryAllocation, "host memory");
+        }
+        free_after_step(cb, m->table_d);
+        free(m->table_blk);
+        m->table_d = d;
+        m->table_blk = hb;
+        m->table_cap = cap;
+        m->table_n = 0;
+    }
+    for (int32_t i = 0; i < v->n_blk;) {
+        int32_t j = i;
+        while (j < v->n_blk && !(j < m->table_n && m->table_blk[j] == v->blk[j])) j++; /* a run of changed entries */
+        if (j > i) { /* their addresses, staged for the device */
+            uint64_t *a = copy_space(cb, m->table_d + i, sizeof *a * (size_t)(j - i));
+            if (!a) return false;
+            for (int32_t k = i; k < j; k++) {
+                m->table_blk[k] = v->blk[k];
+                a[k - i] = v->blk[k] ? (uint64_t)(uintptr_t)v->blk[k]->dev : 0;
+            }
+        }
+        i = j > i ? j : i + 1;
+    }
+    m->table_n = v->n_blk;
+    return true;
+}
+
+
+/* The device copy of a cache's windows, made current up to position `limit` (the
+ * rows from there on are being encoded on the device): rows appended since the last
+ * sync, or all of them after a change that was not an append (kv_cache_epoch). */
+struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, const struct kv_view *v,
+                                        int32_t limit) {
+    struct cuda_mirror *m = mirror_of(cb, c);
+    const struct kv_shape *sh = kv_cache_get_shape(c);
+    const int H = sh->n_kv_heads, D = sh->head_dim;
+    if (!m) return NULL;
+    if (!m->win) {
+        m->ring_cap = v->win_span + cb->max_tokens;
+        m->sink_cap = v->sinks > 0 ? v->sinks : 1;
+        m->n_kv = H;
+        m->head_dim = D;
+        m->win_row = v->win_row;
+        if (!(m->win = mirror_alloc(cb, win_bytes(m), "device memory for KV windows")) ||
+            !(m->mu = mirror_alloc(cb, sizeof(float) * 2 * (size_t)H * D, "device memory for KV offsets"))) {
+            mirror_keep(cb, m->win, win_bytes(m));
+            m->win = NULL;
+            return NULL;
+        }
+        m->valid = false;
+    }
+    const int32_t np = kv_cache_n_past(c) < limit ? kv_cache_n_past(c) : limit;
+    const bool full = !m->valid || m->epoch != kv_cache_epoch(c);
+    int32_t lo = full ? 0 : m->synced;
+    if (lo < np - m->ring_cap) lo = np - m->ring_cap;
+    uint8_t *sink = m->win + 2 * (size_t)H * m->ring_cap * m->win_row;
+    for (int side = 0; side < 2; side++)
+        for (int h = 0; h < H; h++) {
+            const size_t hs = (size_t)side * H + h;
+            for (int32_t p = full ? 0 : lo; p < np && p < v->sinks; p++) {
+                const uint8_t *row = kv_cache_window_row(c, side, h, p);
+                if (row) copy_to(cb, sink + (hs * m->sink_cap + p) * m->win_row, row, m->win_row);
+            }
+            for (int32_t p = lo; p < np; p++) {
+                const uint8_t *row = kv_cache_window_row(c, side, h, p);
+                if (row) copy_to(cb, m->win + (hs * m->ring_cap + p % m->ring_cap) * m->win_row, row, m->win_row);
+            }
+        }
+    /* offsets chosen since (the windows' rows stay as they were) */
+    if (full || m->has_mu != (v->mu != NULL)) {
+        m->has_mu = v->mu != NULL;
+        if (v->mu) copy_to(cb, m->mu, v->mu, sizeof(float) * 2 * (size_t)H * D);
+    }
+    m->valid = true;
+    m->epoch = kv_cache_epoch(c);
+    m->synced = kv_cache_n_past(c);
+    return m;
+}
+
+
+/* Queues the rows written into blocks since the last step. */
+int sync_blocks(struct cuda_backend *cb, struct kv_pool *pool, const struct kv_view *v, int n_kv, bool rows) {
+    struct kv_block **blocks;
+    int n = kv_pool_take_dirty(pool, &blocks);
+    if (n < 0) return -1;
+    for (int i = 0; i < n; i++) {
+        struct kv_block *b = blocks[i];
+        const int32_t lo = b->dirty_lo, hi = b->dirty_hi;
+        b->dirty_lo = b->dirty_hi = 0;
+        if (b->refs <= 0 || lo >= hi) continue;
+        const size_t bytes = kv_block_bytes(pool, b);
+        if (!rows || 2 * (hi - lo) >= KV_BLOCK_TOKENS || bytes != (size_t)n_kv * v->head_bytes) {
+            /* most of the block (or a block of another layout): all of it, straight from pinned memory */
+            cuk_queue_copy(&cb->q, b->dev, b->data, bytes);
+            continue;
+        }
+        for (int h = 0; h < n_kv; h++) {
+            size_t kh = (size_t)h * v->head_bytes, vh = kh + KV_BLOCK_TOKENS * v->k_row;
+            copy_to(cb, (uint8_t *)b->dev + kh + lo * v->k_row, b->data + kh + lo * v->k_row, (hi - lo) * v->k_row);
+            copy_to(cb, (uint8_t *)b->dev + vh + lo * v->v_row, b->data + vh + lo * v->v_row, (hi - lo) * v->v_row);
+        }
+    }
+    return 0;
+}
+
+
+bool same_format(const struct kv_view *a, const struct kv_view *b) {
+    return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group &&
+           a->v_group == b->v_group && a->k_rot == b->k_rot && a->v_rot == b->v_rot;
+}
+
+
+/* The Hadamard signs on the device: the same for every cache of a head size (a fixed seed). */
+int ensure_signs(struct cuda_backend *cb, int D, const float *host) {
+    if (cb->signs_dim == D) return 0;
+    cudaFree(cb->signs);
+    cb->signs = NULL;
+    cb->signs_dim = 0;
+    if (!ck(cb, cudaMalloc((void **)&cb->signs, sizeof(float) * (size_t)D), "device memory") ||
+        !ck(cb, cudaMemcpy(cb->signs, host, sizeof(float) * (size_t)D, cudaMemcpyHostToDevice), "signs"))
+        return -1;
+    cb->signs_dim = D;
+    return 0;
+}
+
+
+/* Room for `bytes` more of read-back rows this step (device; kept across a resize). */
+static size_t readback_alloc(struct cuda_backend *cb, size_t bytes) {
+    size_t off = (cb->rb_used + 15) & ~(size_t)15;
+    if (off + bytes > cb->rb_cap) {
+        size_t cap = cb->rb_cap ? 2 * cb->rb_cap : (size_t)16 << 20;
+        while (cap < off + bytes) cap *= 2;
+        uint8_t *d = NULL;
+        record_stop(cb); /* what it recorded writes the old buffer */
+        if (!ck(cb, cudaMalloc((void **)&d, cap), "device memory for new KV rows")) return (size_t)-1;
+        if (cb->rb_used) ck(cb, cudaMemcpyAsync(d, cb->rb_d, cb->rb_used, cudaMemcpyDeviceToDevice, cb->stream), "KV rows");
+        wait_streams(cb); /* the copies read the old buffer */
+        cudaFree(cb->rb_d);
+        cb->rb_d = d;
+        cb->rb_cap = cap;
+    }
+    cb->rb_used = off + bytes;
+    return off;
+}
+
+
+/* The pinned read-back buffer at `bytes` (what it held is dropped); false with the
+ * failure recorded. */
+bool rb_host_make(struct cuda_backend *cb, size_t bytes) {
+    cudaFreeHost(cb->rb_h);
+    cb->rb_h = NULL;
+    cb->rb_h_cap = 0;
+    if (!ck(cb, cudaMallocHost((void **)&cb->rb_h, bytes), "pinned memory for new KV rows")) return false;
+    cb->rb_h_cap = bytes;
+    return true;
+}
+
+
+/* The read-back buffers, device and pinned host, for a pass's rows: made here once
+ * (pinning 100 MB took 50-75 ms on an H100 machine's host, which growing them at a
+ * prompt's first passes added to its time), grown by readback_alloc and cuda_sync
+ * only where a pass appends more than the engine foresaw. */
+int cuda_reserve_kv(struct backend *b, size_t bytes) {
+    struct cuda_backend *cb = cuda(b);
+    if (bytes > cb->rb_cap) {
+        cudaFree(cb->rb_d);
+        cb->rb_d = NULL;
+        cb->rb_cap = 0;
+        if (!ck(cb, cudaMalloc((void **)&cb->rb_d, bytes), "device memory for new KV rows")) return kvq_error("%s", cb->failure);
+        cb->rb_cap = bytes;
+    }
+    if (bytes > cb->rb_h_cap && !rb_host_make(cb, bytes)) return kvq_error("%s", cb->failure);
+    return 0;
+}
+
+
+/* Room for the prepared queries of n tokens. */
+bool ensure_qprep(struct cuda_backend *cb, int n, int n_head, int D) {
+    const size_t need = cuk_qprep_floats(n > cb->max_tokens ? n : cb->max_tokens, n_head, D);
+    return grow_floats(cb, &cb->qprep, &cb->qprep_floats, need, "device memory for attention");
+}
+
+
+/* The rows a token at position q reads by its plan: packed ranges, sinks and window. */
+int plan_rows(const struct kv_query_plan *pl, int32_t q) {
+    return (pl->b1 >= pl->a1 ? pl->b1 - pl->a1 + 1 : 0) + (pl->b2 >= pl->a2 ? pl->b2 - pl->a2 + 1 : 0) + pl->sinks +
+           (pl->ws <= q ? q - pl->ws + 1 : 0);
+}
+
+
+/* Room for the rows of n tokens that an encode leaves for cuk_kv_pack, this step's
+ * first free ones; NULL with the failure recorded. */
+static float *defer_rows(struct cuda_backend *cb, int n, int H, int D) {
+    const size_t need = (size_t)n * 2 * H * D;
+    if (cb->defer_used + need > cb->defer_floats) {
+        size_t cap = cb->defer_floats ? 2 * cb->defer_floats : 64 * need;
+        while (cap < cb->defer_used + need) cap *= 2;
+        if (!grow_floats(cb, &cb->defer, &cb->defer_floats, cap, "device memory for KV rows")) return NULL;
+    }
+    float *at = cb->defer + cb->defer_used;
+    cb->defer_used += need;
+    return at;
+}
+
+
+/* The layer's new keys and values, encoded into the device cache; the host's copy of
+ * the rows is filed during the next sync (kv_cache_append_begin / _end). With r, the same
+ * launch first norms and rotates the queries and keys, and prepares the queries for
+ * the attention that follows (cuda_attention then skips that launch). */
+int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
+                          const float *v, const struct be_rope *r) {
+    struct cuda_backend *cb = cuda(b);
+    if (n_seqs <= 0 || cb->failed) return cb->failed ? kvq_error("%s", cb->failure) : 0;
+    const int n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
+    step_op(cb, n_tok, false);
+    cb->qprep_of = NULL;
+    double t0 = prof_begin(cb);
+    const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
+    const int H = sh->n_kv_heads, D = sh->head_dim;
+    if (!cuk_attention_head_dim_supported(D))
+        return kvq_error("the CUDA backend takes head sizes 64, 128 and 256, not %d", D);
+    if (cb->n_pending + n_seqs > cb->cap_pending) {
+        int cap = 2 * (cb->n_pending + n_seqs);
+        struct pending_append *pa = realloc(cb->pending, sizeof *pa * (size_t)cap);
+        if (!pa) return kvq_error("out of memory");
+        cb->pending = pa;
+        cb->cap_pending = cap;
+    }
+    for (int s = 0; s < n_seqs; s++) {
+        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, kv_cache_n_past(seqs[s].cache)) != 0) {
+            drop_pending(cb); /* the forward pass drops this batch's rows */
+            return -1;
+        }
+    }
+    size_t toks_off = stage_alloc(cb, sizeof(struct cuk_enc_tok) * (size_t)(seqs[n_seqs - 1].first + seqs[n_seqs - 1].n));
+    if (toks_off == (size_t)-1) return kvq_error("%s", cb->failure);
+    struct kv_view views[MAX_FORMATS];
+    int n_fmt = 0, k_tok = 0;
+    int first[MAX_FORMATS + 1] = {0};
+    if (n_seqs > cb->cap_seq_fmt) {
+        free(cb->seq_fmt);
+        cb->seq_fmt = malloc(sizeof(int) * (size_t)n_seqs);
+        cb->cap_seq_fmt = cb->seq_fmt ? n_seqs : 0;
+        if (!cb->seq_fmt) return kvq_error("out of memory");
+    }
+    /* windows of each cache up to this batch, then its encode descriptors, grouped by format */
+    for (int pass = 0; pass < 2; pass++) {
+        for (int f = 0; f < (pass ? n_fmt : 1); f++) {
+            if (pass) first[f] = k_tok;
+            for (int s = 0; s < n_seqs; s++) {
+                struct kv_cache *c = seqs[s].cache;
+                struct kv_view v;
+                kv_cache_view(c, &v);
+                const int32_t p0 = kv_cache_n_past(c) - seqs[s].n;
+                if ((v.k_bits < 16 && v.k_group <= 0) || (v.v_bits < 16 && v.v_group <= 0))
+                    return kvq_error("the CUDA backend has no attention for normal-float KV rows");
+                if (!pass) {
+                    int g = 0;
+                    while (g < n_fmt && !same_format(&views[g], &v)) g++;
+                    if (g == n_fmt) {
+                        if (n_fmt == MAX_FORMATS) return kvq_error("more than 4 KV formats in one batch");
+                        views[n_fmt++] = v;
+                    }
+                    cb->seq_fmt[s] = g;
+                    continue;
+                }
+                if (cb->seq_fmt[s] != f) continue;
+                struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, p0) : NULL;
+                if (v.windows && !m) return kvq_error("%s", cb->failure);
+                struct cuda_mirror *tm = m ? m : mirror_of(cb, c);
+                const size_t n = (size_t)seqs[s].n, kb = n * H * v.k_row, vb = n * H * v.v_row,
+                             wb = v.windows ? n * H * v.win_row : 0;
+                size_t rb = readback_alloc(cb, kb + vb + 2 * wb);
+                if (rb == (size_t)-1) return kvq_error("%s", cb->failure);
+                cb->pending[cb->n_pending++] = (struct pending_append){c, p0, seqs[s].n, rb, rb + kb, rb + kb + vb,
+                                                                       rb + kb + vb + wb, v.windows, 0};
+                for (int i = 0; i < seqs[s].n; i++, k_tok++) {
+                    const int32_t p = p0 + i, e = kv_view_entry(&v, p);
+                    const uint64_t block = (uint64_t)(uintptr_t)v.blk[e]->dev;
+                    struct cuk_enc_tok *tk = (struct cuk_enc_tok *)(cb->stage_h + toks_off) + k_tok;
+                    *tk = (struct cuk_enc_tok){
+                        .t = seqs[s].first + i, .p = p, .block = block,
+                        .table_at = table_entry_by_encode(tm, p, e, v.blk[e]),
+                        .ring = m ? (uint64_t)(uintptr_t)m->win : 0,
+                        .sink = m ? (uint64_t)(uintptr_t)(m->win + 2 * (size_t)H * m->ring_cap * m->win_row) : 0,
+                        .ring_cap = m ? m->ring_cap : 1, .sink_cap = m ? m->sink_cap : 1, .sinks = v.sinks,
+                        .mu = m && m->has_mu ? (uint64_t)(uintptr_t)m->mu : 0,
+                        .rb_k = (uint32_t)(rb + (size_t)i * H * v.k_row),
+                        .rb_v = (uint32_t)(rb + kb + (size_t)i * H * v.v_row),
+                        .rb_wk = (uint32_t)(rb + kb + vb + (size_t)i * H * v.win_row),
+                        .rb_wv = (uint32_t)(rb + kb + vb + wb + (size_t)i * H * v.win_row),
+                    };
+                }
+            }
+        }
+    }
+    first[n_fmt] = k_tok;
+    /* blocks made or copied by the appends (and anything else changed on the host) first:
+     * the encode below writes over their new rows */
+    if (sync_blocks(cb, kv_cache_pool(seqs[0].cache), &views[0], H, n_fmt == 1) != 0) return -1;
+    flush_copies(cb);
+    if (ensure_signs(cb, D, views[0].signs) != 0) return kvq_error("%s", cb->failure);
+    struct cuk_qk_rope rope = {0};
+    if (r) {
+        if (!ensure_qprep(cb, n_tok, r->n_head, D)) return kvq_error("%s", cb->failure);
+        rope = (struct cuk_qk_rope){.q = r->q, .k = r->k, .n_head = r->n_head, .q_norm = dev_vec(cb, r->q_norm),
+                                    .k_norm = dev_vec(cb, r->k_norm), .eps = r->eps, .cos = r->cos, .sin = r->sin,
+                                    .half = r->half, .pairing = r->pairing, .scale = r->attn_scale};
+    }
+    /* a recorded step whose sequences append a row each reads those rows from f16
+     * windows where the cache keeps its newest rows there (win_span): their packing can
+     * go beside the step's attention, or the products after it (held_pack), off the
+     * chain of launches it waits for */
+    bool one_row_each = cb->q.recording;
+    for (int s = 0; s < n_seqs; s++) one_row_each = one_row_each && seqs[s].n == 1;
+    /* a one-token step's packing waits for the next norm after a short attention */
+    bool hold = false;
+    if (one_row_each && cb->one_token) {
+        const int32_t q = kv_cache_n_past(seqs[0].cache) - 1;
+        struct kv_query_plan pl;
+        kv_cache_query_plan(seqs[0].cache, q, &pl);
+        hold = plan_rows(&pl, q) < cuk_long_attn_rows();
+    }
+    for (int f = 0; f < n_fmt; f++) {
+        const struct kv_view *vw = &views[f];
+        struct cuk_enc_args args = {
+            .k_bits = vw->k_bits, .k_group = vw->k_group, .v_bits = vw->v_bits, .v_group = vw->v_group,
+            .k_rot = vw->k_rot, .v_rot = vw->v_rot, .windows = vw->windows, .k_row = vw->k_row, .v_row = vw->v_row,
+            .head_bytes = vw->head_bytes, .win_row = vw->win_row, .n_kv = H, .head_dim = D, .k = k, .v = v,
+            .signs = cb->signs, .toks = (const struct cuk_enc_tok *)(cb->stage_d + toks_off) + first[f],
+            .n = first[f + 1] - first[f], .readback = cb->rb_d, .rope = rope,
+        };
+        /* prepared as the attention kernels read rotated or packed keys */
+        if (r && (vw->k_rot || vw->k_bits < 16)) args.rope.qprep = cb->qprep;
+        if (one_row_each && vw->windows && vw->win_span > 0 && (vw->k_bits < 16 || vw->v_bits < 16) &&
+            !(args.defer = defer_rows(cb, args.n, H, D)))
+            return kvq_error("%s", cb->failure);
+        cuk_kv_encode(&cb->q, &args);
+        if (args.defer && hold) {
+            if (cb->n_held_pack == MAX_FORMATS) launch_held_packs(cb); /* no norm since the last append */
+            cb->held_pack[cb->n_held_pack++] = args;
+        } else {
+            cuk_kv_pack(&cb->q, &args);
+        }
+        if (!args.defer && cb->one_token && cb->q.recording) cuk_idle_beside(&cb->q);
+    }
+    prof_end(cb, P_KV_ENCODE, t0);
+    if (!cb->q.recording) copy_new_rows(cb); /* recorded: after the segment is issued */
+    if (cb->failed) return kvq_error("%s", cb->failure);
+    if (r) {
+        cb->qprep_of = r->q;
+        cb->qprep_n = n_tok;
+        cb->qprep_scale = r->attn_scale;
+    }
+    return 0;
+}
+
+
+/* The parts the appends' ends left (caches that reached their offsets point), as one
+ * list over the threads. */
+static void offsets_task(void *arg, int ith, int nth) {
+    const struct cuda_backend *cb = arg;
+    long total = 0, begin, end;
+    for (int i = 0; i < cb->n_pending; i++) total += cb->pending[i].parts;
+    kvq_split(total, ith, nth, &begin, &end);
+    for (int i = 0, first = 0; i < cb->n_pending; first += cb->pending[i++].parts)
+        for (long p = begin > first ? begin : first; p < end && p < first + cb->pending[i].parts; p++)
+            kv_cache_offsets_part(cb->pending[i].cache, (int)(p - first));
+}
+
+
+/* The pending appends' rows into the host's copy, a share of the appends each. */
+static void rows_task(void *arg, int ith, int nth) {
+    const struct cuda_backend *cb = arg;
+    long begin, end;
+    kvq_split(cb->rows_to - cb->rows_from, ith, nth, &begin, &end);
+    for (long i = cb->rows_from + begin; i < cb->rows_from + end; i++) {
+        const struct pending_append *pa = &cb->pending[i];
+        const uint8_t *h = cb->rb_h;
+        kv_cache_append_rows(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v, pa->windows ? h + pa->wk : NULL,
+                             pa->windows ? h + pa->wv : NULL);
+    }
+}
+
+
+/* Runs task over the host threads (the pool made at first need), or inline. */
+static void on_host_threads(struct cuda_backend *cb, void (*task)(void *, int, int)) {
+    if (!cb->pool && cb->n_threads != 1) cb->pool = kvq_pool_new(cb->n_threads);
+    if (cb->pool) kvq_pool_run(cb->pool, task, cb);
+    else task(cb, 0, 1);
+}
+
+
+/* The rows of the pending appends up to `to` (read back) into the host's copy: on
+ * the host threads when they are many (a prompt's), else on this thread. A decode
+ * step's 32 one-token appends are a few KB: waking 15 threads for them each step
+ * made a 64-token run on a 16-core host decode up to a third slower now and then
+ * (a thread late to run holds the step), and never with 4 threads or 1. */
+#define ROWS_FOR_THREADS 256
+
+void file_rows(struct cuda_backend *cb, int to) {
+    if (to <= cb->rows_from) return;
+    cb->rows_to = to;
+    long rows = 0;
+    for (int i = cb->rows_from; i < to && rows < ROWS_FOR_THREADS; i++) rows += cb->pending[i].n;
+    if (rows < ROWS_FOR_THREADS) rows_task(cb, 0, 1);
+    else on_host_threads(cb, rows_task);
+    cb->rows_from = to;
+}
+
+
+/* After the step: the host's copy of the rows the device encoded that no early copy
+ * took (a 4096-token prompt brings 0.5 GB of f16 rows: one host thread copied them at
+ * about 6 GB/s), then the offsets' re-encoding where a cache reached its point (32
+ * layers of 8 KV heads re-encode 2 x 8 x 128 rows each, about 70 ms on one thread). */
+int finish_appends(struct cuda_backend *cb) {
+    int rc = 0, parts = 0;
+    double t0 = prof_begin(cb);
+    file_rows(cb, cb->n_pending);
+    for (int i = 0; i < cb->n_pending; i++) {
+        struct pending_append *pa = &cb->pending[i];
+        pa->parts = rc == 0 ? kv_cache_append_end(pa->cache, pa->p0, pa->n) : 0;
+        if (pa->parts < 0) rc = -1, pa->parts = 0;
+        parts += pa->parts;
+    }
+    if (parts > 0) on_host_threads(cb, offsets_task);
+    drop_pending(cb);
+    cb->rb_used = 0;
+    prof_end(cb, P_KV_FINISH, t0);
+    return rc;
+}

@@ -1,0 +1,251 @@
+/* Products, embeddings, norms, RoPE tables and the GLU: matrix-vector kernels up to
+ * CUK_MATVEC_MAX tokens, packed wide kernels up to CUK_WIDE_MAX, dequantized bands and
+ * cuBLAS beyond. */
+#include "backend/cuda/cuda_private.h"
+
+
+/* xq for an operation writing n rows of k floats at out, which it rounds into xq as
+ * well when a product of a repacked type may read them; NULL when it need not. */
+const struct cuk_xq *round_into_xq(struct cuda_backend *cb, const float *out, int n, int64_t k) {
+    cb->xq_of = NULL;
+    if (!out || !cb->any_repacked || n > CUK_MATVEC_MAX || k % 32 != 0 || k > cb->xq_cols) return NULL;
+    cb->xq_of = out;
+    cb->xq_n = n;
+    cb->xq_k = k;
+    return &cb->xq;
+}
+
+
+/* A product whose results the host reads (the logits: 8 MB for 16 tokens of a
+ * 128K vocabulary, 0.16 ms over PCIe on an H100 machine) in slices of rows, each
+ * copied to the host on the copy stream while the next is computed. */
+static void matvec_in_slices(struct cuda_backend *cb, const struct cuk_matvec_job *job, float *host_y, const float *x,
+                             int64_t x_stride, int n) {
+    const int64_t rows = job->w->rows;
+    for (int i = 0; i < RESULT_SLICES && !cb->failed; i++) {
+        const int64_t r0 = rows * i / RESULT_SLICES / 16 * 16;
+        const int64_t r1 = i + 1 == RESULT_SLICES ? rows : rows * (i + 1) / RESULT_SLICES / 16 * 16;
+        const struct cuk_weight w = cuk_weight_rows(job->w, r0, r1);
+        const struct cuk_matvec_job slice = {&w, job->y + r0, job->bias ? job->bias + r0 : NULL, rows};
+        cuk_matvec(&cb->q, &slice, 1, x, x_stride, &cb->xq, n, &cb->mv);
+        if (cb->q.recording) issue_record(cb); /* the slice is on the stream */
+        copies_follow_work(cb);
+        ck(cb, cudaMemcpy2DAsync(host_y + r0, sizeof(float) * (size_t)rows, job->y + r0, sizeof(float) * (size_t)rows,
+                                 sizeof(float) * (size_t)(r1 - r0), (size_t)n, cudaMemcpyDeviceToHost, cb->copy_stream),
+           "reading results");
+        ck(cb, cudaEventRecord(cb->result_ev[i], cb->copy_stream), "an event");
+    }
+}
+
+
+/* Products of n <= CUK_WIDE_MAX tokens with repacked weights, from their codes (false:
+ * a weight of another type, left to the GEMM path). The jobs share x: made f16 once. */
+static bool wide_products(struct cuda_backend *cb, const float *x, int64_t x_stride, int n, int n_jobs,
+                          const struct be_matmul *jobs) {
+    const struct cuk_weight *w[8];
+    if (n_jobs < 1 || n_jobs > 8) return false;
+    size_t floats = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        w[j] = dev_weight(cb, jobs[j].w);
+        if (!w[j]) return true; /* failed: the backend says why */
+        if (!cuk_repacked(w[j]->type)) return false;
+        const size_t f = cuk_matmul_wide_scratch(w[j], n, cb->n_sm);
+        if (f > floats) floats = f;
+    }
+    if (floats > cb->wide_floats) {
+        free_after_step(cb, cb->wide_part);
+        cb->wide_floats = floats;
+        if (!ck(cb, cudaMalloc((void **)&cb->wide_part, sizeof(float) * floats), "device memory for products")) {
+            cb->wide_part = NULL;
+            cb->wide_floats = 0;
+            return true;
+        }
+    }
+    cuk_to_half(&cb->q, x, x_stride, n, w[0]->cols, cb->x16);
+    for (int j = 0; j < n_jobs; j++) {
+        cuk_matmul_wide(&cb->q, w[j], cb->x16, n, jobs[j].y, w[j]->rows, dev_vec(cb, jobs[j].bias), cb->wide_part,
+                        cb->n_sm);
+        if (jobs[j].host_y) post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)w[j]->rows);
+    }
+    return true;
+}
+
+
+void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs,
+                        const struct be_matmul *jobs) {
+    struct cuda_backend *cb = cuda(b);
+    step_op(cb, n, false);
+    cb->qprep_of = NULL; /* the products may write the queries */
+    double t0 = prof_begin(cb);
+    /* results for the host end the step (the output product): the work before them goes
+     * out as a segment of its own, so that the rows it encoded are read back and filed
+     * while this product runs, not after the step */
+    if (cb->q.recording && cb->n_pending > cb->rows_copied && n_jobs > 0 && jobs[0].host_y) {
+        issue_record(cb);
+        cb->segments++;
+    }
+    if (n <= CUK_MATVEC_MAX) {
+        struct cuk_matvec_job mj[CUK_MATVEC_JOBS];
+        bool repacked = false;
+        for (int j = 0; j < n_jobs && j < CUK_MATVEC_JOBS; j++) {
+            mj[j] = (struct cuk_matvec_job){dev_weight(cb, jobs[j].w), jobs[j].y, dev_vec(cb, jobs[j].bias), 0};
+            if (!mj[j].w) return;
+            repacked |= cuk_repacked(mj[j].w->type) != 0;
+        }
+        const int n_mj = n_jobs < CUK_MATVEC_JOBS ? n_jobs : CUK_MATVEC_JOBS;
+        size_t floats, counters;
+        cuk_matvec_scratch(mj, n_mj, n, &floats, &counters);
+        if (floats > cb->mv_floats || counters > cb->mv_counters) { /* grown, the counters zeroed */
+            free_after_step(cb, cb->mv.partial);
+            free_after_step(cb, cb->mv.counters);
+            cb->mv.partial = NULL;
+            cb->mv.counters = NULL;
+            cb->mv_floats = floats > cb->mv_floats ? floats : cb->mv_floats;
+            cb->mv_counters = counters > cb->mv_counters ? counters : cb->mv_counters;
+            if (!ck(cb, cudaMalloc((void **)&cb->mv.partial, sizeof(float) * (cb->mv_floats ? cb->mv_floats : 1)),
+                    "device memory for products") ||
+                !ck(cb, cudaMalloc((void **)&cb->mv.counters, sizeof(unsigned) * (cb->mv_counters ? cb->mv_counters : 1)),
+                    "device memory for products") ||
+                !ck(cb, cudaMemsetAsync(cb->mv.counters, 0, sizeof(unsigned) * (cb->mv_counters ? cb->mv_counters : 1), cb->stream),
+                    "zeroing counters")) {
+                cb->mv_floats = cb->mv_counters = 0;
+                return;
+            }
+        }
+        const int64_t k = mj[0].w->cols;
+        if (repacked && !(cb->xq_of == x && cb->xq_n == n && cb->xq_k == k && x_stride == k)) {
+            cuk_quantize_x(&cb->q, x, x_stride, n, k, &cb->xq); /* the jobs share x: rounded once */
+            cb->xq_of = x_stride == k ? x : NULL;
+            cb->xq_n = n;
+            cb->xq_k = k;
+        }
+        if (n_mj == 1 && jobs[0].host_y && cuk_repacked(mj[0].w->type) && mj[0].w->rows >= 16 * RESULT_SLICES &&
+            sizeof(float) * (size_t)n * (size_t)mj[0].w->rows >= cb->tune.result_split) {
+            matvec_in_slices(cb, &mj[0], jobs[0].host_y, x, x_stride, n);
+        } else {
+            /* results the host wants, under the slices' size, the product writes there itself
+             * (host_alloc's pinned memory): no copy after the step (16 us of a one-token step
+             * on the H100, its 0.5 MB of logits) */
+            for (int j = 0; j < n_mj; j++)
+                if (jobs[j].host_y && cb->uva && sizeof(float) * (size_t)n * (size_t)mj[j].w->rows < cb->tune.result_split)
+                    mj[j].y = jobs[j].host_y;
+            cuk_matvec(&cb->q, mj, n_mj, x, x_stride, &cb->xq, n, &cb->mv);
+            for (int j = 0; j < n_mj; j++)
+                if (jobs[j].host_y && mj[j].y != jobs[j].host_y)
+                    post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)mj[j].w->rows);
+        }
+        prof_end(cb, P_MATVEC, t0);
+        return;
+    }
+    if (n <= CUK_WIDE_MAX && wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
+        prof_end(cb, P_WIDE, t0);
+        return;
+    }
+    record_stop(cb); /* cuBLAS launches directly */
+    cb->xq_of = NULL;
+    cb->q.after_attn = false;
+    bool x16_made = false; /* the jobs share x: converted to f16 once */
+    for (int j = 0; j < n_jobs; j++) {
+        const struct cuk_weight *w = dev_weight(cb, jobs[j].w);
+        const float *bias = dev_vec(cb, jobs[j].bias);
+        if (!w) return;
+        /* wide batches: bands of rows dequantized for a GEMM (y^T = W x^T, column-major) on
+         * tensor cores: quantized weights with f16 operands and f32 sums (their inputs
+         * lose less in f16 than the CPU's int8 rounding); float weights in TF32, as
+         * f16 would lose small activations, and bf16 weights' range */
+        const bool f16 = w->type != KVQ_F32 && w->type != KVQ_BF16 && w->type != KVQ_F16;
+        if (f16 && !x16_made) {
+            cuk_to_half(&cb->q, x, x_stride, n, w->cols, cb->x16);
+            x16_made = true;
+        }
+        const float one = 1.0f, zero = 0.0f;
+        int64_t band = (int64_t)(DEQ_BYTES / (f16 ? 2 : 4) / (size_t)w->cols);
+        if (band > w->rows) band = w->rows;
+        for (int64_t r0 = 0; r0 < w->rows; r0 += band) {
+            int64_t r1 = r0 + band < w->rows ? r0 + band : w->rows;
+            cuk_dequantize(&cb->q, w, r0, r1, cb->deq, f16);
+            cublasStatus_t st =
+                f16 ? cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one, cb->deq,
+                                   CUDA_R_16F, (int)w->cols, cb->x16, CUDA_R_16F, (int)w->cols, &zero, jobs[j].y + r0,
+                                   CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+                    : cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one, cb->deq,
+                                   CUDA_R_32F, (int)w->cols, x, CUDA_R_32F, (int)x_stride, &zero, jobs[j].y + r0,
+                                   CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
+            if (!ck_blas(cb, st, "GEMM")) return;
+        }
+        if (bias) cuk_add_bias(&cb->q, jobs[j].y, bias, n, w->rows);
+        if (jobs[j].host_y) post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)w->rows);
+    }
+    prof_end(cb, P_GEMM, t0);
+}
+
+
+void cuda_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x) {
+    struct cuda_backend *cb = cuda(b);
+    const struct cuk_weight *w = dev_weight(cb, e);
+    step_op(cb, n, false);
+    double t0 = prof_begin(cb);
+    const int32_t *t = stage_array(cb, tokens, sizeof(int32_t) * (size_t)n);
+    cb->xq_of = NULL;
+    if (w && t) cuk_embed(&cb->q, w, t, n, scale, x);
+    prof_end(cb, P_EMBED, t0);
+}
+
+
+/* The norm kernels hold a row in registers: rows up to CUK_NORM_MAX values. */
+static bool norm_dim_ok(struct cuda_backend *cb, int dim) {
+    if (dim <= CUK_NORM_MAX) return true;
+    if (!cb->failed) {
+        cb->failed = true;
+        snprintf(cb->failure, sizeof cb->failure, "the CUDA norms take rows of up to %d values, not %d", CUK_NORM_MAX,
+                 dim);
+    }
+    return false;
+}
+
+
+void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows, const float *w, int n, int dim,
+                         float eps, float *out) {
+    struct cuda_backend *cb = cuda(b);
+    if (!norm_dim_ok(cb, dim)) return;
+    step_op(cb, n, false);
+    const int32_t *r = rows ? stage_array(cb, rows, sizeof(int32_t) * (size_t)n) : NULL;
+    const float *wd = dev_vec(cb, w);
+    if ((rows && !r) || !wd) return;
+    double t0 = prof_begin(cb);
+    cuk_rmsnorm(&cb->q, x, r, wd, n, dim, eps, out, round_into_xq(cb, out, n, dim));
+    prof_end(cb, P_NORM, t0);
+}
+
+
+void cuda_add_norm(struct backend *b, float *x, float *add, const float *post, const float *w, int n, int dim,
+                          float eps, float *out) {
+    struct cuda_backend *cb = cuda(b);
+    if (!norm_dim_ok(cb, dim)) return;
+    step_op(cb, n, false);
+    launch_held_packs(cb); /* the O product is queued (held_pack) */
+    double t0 = prof_begin(cb);
+    const struct cuk_xq *xq = round_into_xq(cb, w ? out : NULL, w ? n : 0, dim);
+    cuk_add_norm(&cb->q, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out, xq);
+    prof_end(cb, P_NORM, t0);
+}
+
+
+void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *inv_freq, float linear,
+                            int half, float *cos, float *sin) {
+    struct cuda_backend *cb = cuda(b);
+    step_op(cb, n, false);
+    const int32_t *p = stage_array(cb, pos, sizeof(int32_t) * (size_t)n);
+    const float *f = dev_vec(cb, inv_freq);
+    if (p && f) cuk_rope_table(&cb->q, p, n, f, linear, half, cos, sin);
+}
+
+
+void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff,
+                     float *out) {
+    struct cuda_backend *cb = cuda(b);
+    step_op(cb, n, true);
+    double t0 = prof_begin(cb);
+    cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out, round_into_xq(cb, out, n, n_ff));
+    prof_end(cb, P_GLU, t0);
+}

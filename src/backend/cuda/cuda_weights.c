@@ -1,0 +1,115 @@
+/* The model on the device: weights in their GGUF types (repacked where kernels read
+ * them so) and vectors, found again by their host address. */
+#include "backend/cuda/cuda_private.h"
+
+
+static int ent_cmp(const void *a, const void *b) {
+    const struct dev_entry *x = a, *y = b;
+    return x->host < y->host ? -1 : x->host > y->host;
+}
+
+
+/* The entry whose host range holds p (entries sorted by host address). */
+static const struct dev_entry *find(const struct cuda_backend *cb, const void *p) {
+    const uint8_t *q = p;
+    int lo = 0, hi = cb->n_ents - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        const struct dev_entry *e = &cb->ents[mid];
+        if (q < e->host) hi = mid - 1;
+        else if (q >= e->host + e->bytes) lo = mid + 1;
+        else return e;
+    }
+    return NULL;
+}
+
+
+const float *dev_vec(struct cuda_backend *cb, const float *host) {
+    if (!host) return NULL;
+    const struct dev_entry *e = find(cb, host);
+    if (!e) {
+        ck(cb, cudaErrorInvalidValue, "a vector the model did not upload");
+        return NULL;
+    }
+    return (const float *)(e->dev + ((const uint8_t *)host - e->host));
+}
+
+
+const struct cuk_weight *dev_weight(struct cuda_backend *cb, const struct weight *w) {
+    const struct dev_entry *e = find(cb, w);
+    if (!e || !e->w.data) {
+        ck(cb, cudaErrorInvalidValue, "a weight the model did not upload");
+        return NULL;
+    }
+    return &e->w;
+}
+
+
+static int add_entry(struct cuda_backend *cb, const void *host, size_t bytes, const void *data, size_t data_bytes,
+                     struct dev_entry **out) {
+    if (find(cb, host)) { /* uploaded already (a tied output matrix, say) */
+        *out = NULL;
+        return 0;
+    }
+    if (cb->n_ents == cb->cap_ents) {
+        int cap = cb->cap_ents ? 2 * cb->cap_ents : 256;
+        struct dev_entry *e = realloc(cb->ents, sizeof *e * (size_t)cap);
+        if (!e) return kvq_error("out of memory");
+        cb->ents = e;
+        cb->cap_ents = cap;
+    }
+    struct dev_entry *e = &cb->ents[cb->n_ents];
+    memset(e, 0, sizeof *e);
+    e->host = host;
+    e->bytes = bytes;
+    cudaError_t st = cudaMalloc((void **)&e->dev, data_bytes ? data_bytes : 1);
+    if (st != cudaSuccess) return kvq_error("CUDA: no device memory for %zu bytes of weights (%s)", data_bytes, cudaGetErrorString(st));
+    if (data) st = cudaMemcpy(e->dev, data, data_bytes, cudaMemcpyHostToDevice);
+    if (st != cudaSuccess) {
+        cudaFree(e->dev);
+        return kvq_error("CUDA: copying weights: %s", cudaGetErrorString(st));
+    }
+    cb->n_ents++;
+    qsort(cb->ents, (size_t)cb->n_ents, sizeof *cb->ents, ent_cmp);
+    *out = (struct dev_entry *)find(cb, host);
+    return 0;
+}
+
+
+int cuda_upload_weight(struct backend *b, const struct weight *w) {
+    struct cuda_backend *cb = cuda(b);
+    if (!cuk_type_supported(w->type) || w->cols % 8 != 0)
+        return kvq_error("the CUDA backend cannot multiply %s weights of %lld columns", kvq_dtype_name(w->type),
+                         (long long)w->cols);
+    struct dev_entry *e;
+    if (!cuk_repacked(w->type)) {
+        if (add_entry(cb, w, sizeof *w, w->data, w->row_bytes * (size_t)w->rows, &e) != 0) return -1;
+        if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, w->row_bytes, NULL};
+        return 0;
+    }
+    /* codes, then the scales, in one device allocation, repacked there from the rows
+     * as they are (a temporary copy) */
+    const size_t codes = cuk_repacked_code_bytes(w->type, w->rows, w->cols),
+                 bytes = cuk_repacked_bytes(w->type, w->rows, w->cols), raw_bytes = w->row_bytes * (size_t)w->rows;
+    if (add_entry(cb, w, sizeof *w, NULL, bytes, &e) != 0) return -1;
+    if (!e) return 0;
+    e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, 0, (const uint16_t *)(e->dev + codes)};
+    cb->any_repacked = true;
+    uint8_t *raw = NULL;
+    cudaError_t st = cudaMalloc((void **)&raw, raw_bytes);
+    if (st == cudaSuccess) st = cudaMemcpyAsync(raw, w->data, raw_bytes, cudaMemcpyHostToDevice, cb->stream);
+    if (st == cudaSuccess) {
+        cuk_repack(&cb->q, w->type, raw, w->rows, w->cols, e->dev, (uint16_t *)(e->dev + codes));
+        st = cuk_queue_error(&cb->q);
+    }
+    if (st == cudaSuccess) st = cudaStreamSynchronize(cb->stream);
+    cudaFree(raw);
+    if (st != cudaSuccess) return kvq_error("CUDA: repacking a weight of %zu bytes: %s", raw_bytes, cudaGetErrorString(st));
+    return 0;
+}
+
+
+int cuda_upload_vector(struct backend *b, const float *v, int64_t n) {
+    struct dev_entry *e;
+    return add_entry(cuda(b), v, sizeof(float) * (size_t)n, v, sizeof(float) * (size_t)n, &e);
+}
