@@ -109,8 +109,8 @@ struct kvq_context_params {
                              * (0: what n_ctx tokens of each of the n_seq sequences need) */
 };
 void kvq_context_params_default(struct kvq_context_params *p);
-/* The first CPU context of a model also makes (on AVX-512 CPUs) a copy of its Q8_0/Q4_0
- * weights (kept until kvq_model_free), so create contexts of one model from one thread. */
+/* A CPU context keeps (on CPUs whose kernels have that path) its own copy of the
+ * model's Q8_0/Q4_0 weights, in the layout its kernels read fastest. */
 struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p);
 void kvq_context_free(struct kvq_context *c);
 int kvq_context_n_ctx(const struct kvq_context *c);

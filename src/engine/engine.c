@@ -327,11 +327,6 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
                   p->kv.keep, n_ctx);
         return NULL;
     }
-    if (p->device == KVQ_DEVICE_CUDA && quant && (p->kv.k_group == KVQ_KV_NF || p->kv.v_group == KVQ_KV_NF)) {
-        kvq_error("the CUDA backend has no attention for normal-float KV rows (--kv-bits 3, 2 or :nf): use "
-                  "uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu");
-        return NULL;
-    }
     struct kvq_context *c = calloc(1, sizeof *c);
     if (!c) {
         kvq_error("out of memory");
@@ -341,8 +336,12 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     c->p = *p;
     if (c->p.n_ctx == 0) c->p.n_ctx = hp->n_ctx_train;
     if (c->p.kv_budget_bytes == 0) c->p.kv_budget_bytes = default_budget(c);
-    if (p->device != KVQ_DEVICE_CUDA && model_pack_rows16(m->model, p->n_threads) != 0) goto fail;
     c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new(p->n_threads) : backend_cpu_new(p->n_threads);
+    if (c->be && !c->be->ops->attends_nf && quant && (p->kv.k_group == KVQ_KV_NF || p->kv.v_group == KVQ_KV_NF)) {
+        kvq_error("the %s backend has no attention for normal-float KV rows (--kv-bits 3, 2 or :nf): use "
+                  "uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu", c->be->ops->name);
+        goto fail;
+    }
     c->fwd = c->be ? forward_new(m->model, c->be, p->n_batch) : NULL;
     c->kv_pool = c->be ? c->be->ops->kv_pool_new(c->be, c->p.kv_budget_bytes) : NULL;
     c->caches = calloc((size_t)p->n_seq * hp->n_layer, sizeof *c->caches);
@@ -682,7 +681,7 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
                 logit_rows[fb.n_logits++] = j;
             }
             /* a device encodes the rows: end the pass where the offsets are chosen */
-            const int32_t T = c->be->ops->host_memory ? 0 : kv_cache_offsets_point(sq->caches[0]);
+            const int32_t T = c->be->ops->encodes_kv ? kv_cache_offsets_point(sq->caches[0]) : 0;
             if (T > 0 && kv_cache_n_past(sq->caches[0]) + sq->n == T) len = j + 1;
         }
         fb.n_tokens = len;

@@ -6,9 +6,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "core/threadpool.h"
 #include "gguf/gguf.h"
-#include "kernels/matmul.h"
 #include "model/model.h"
 
 static bool arch_from_name(const char *name, enum model_arch *arch) {
@@ -198,6 +196,7 @@ static int find_weight(struct model *m, const char *name, int64_t cols, int64_t 
     w->rows = rows;
     w->cols = cols;
     w->row_bytes = kvq_dtype_row_bytes(t->type, (uint64_t)cols);
+    w->file = m->file;
     m->n_params += (uint64_t)rows * (uint64_t)cols;
     m->weight_bytes += t->nbytes;
     return 0;
@@ -279,6 +278,7 @@ struct model *model_load(const char *path) {
         find_weight(m, "output.weight", hp->n_embd, hp->n_vocab, false, &m->output))
         goto fail;
     if (!m->output.data) m->output = m->tok_embd; /* tied embeddings */
+    m->tok_embd.lookup = true;
     /* every layer has several tensors: a block_count beyond the tensor count is a
      * lie that would otherwise size the layer table (2^30 layers: 360 GB) */
     if ((uint64_t)hp->n_layer > gguf_n_tensors(m->file)) {
@@ -307,54 +307,8 @@ const struct weight *model_layer_product(const struct layer_weights *L, int i) {
     return ws[i];
 }
 
-/* Product weight i of the model: the layers' (none before the layer table exists:
- * a refused file's n_layer may be absurd), then the output (tied or not); NULL past
- * the last. Writable: the model owns them. */
-static struct weight *product_weight(struct model *m, int64_t i) {
-    const int64_t n = m->layers ? MODEL_LAYER_PRODUCTS * (int64_t)m->hp.n_layer : 0;
-    if (i >= n) return i == n ? &m->output : NULL;
-    return (struct weight *)model_layer_product(&m->layers[i / MODEL_LAYER_PRODUCTS], (int)(i % MODEL_LAYER_PRODUCTS));
-}
-
-/* Thread ith's share of a weight's tiles of 16 rows. */
-static void pack_tiles(void *arg, int ith, int nth) {
-    const struct weight *w = arg;
-    long t0, t1;
-    kvq_split((long)((w->rows + 15) / 16), ith, nth, &t0, &t1);
-    if (t0 >= t1) return;
-    const int64_t r0 = (int64_t)t0 * 16, r1 = (int64_t)t1 * 16 < w->rows ? (int64_t)t1 * 16 : w->rows;
-    kern_rows16_pack(w->type, (const uint8_t *)w->data + (size_t)r0 * w->row_bytes, w->row_bytes, r1 - r0, w->cols,
-                     (uint8_t *)w->rows16 + (size_t)t0 * kern_rows16_tile_bytes(w->type, w->cols));
-}
-
-int model_pack_rows16(struct model *m, int n_threads) {
-    struct kvq_pool *pool = NULL;
-    struct weight *w;
-    for (int64_t i = 0; (w = product_weight(m, i)) != NULL; i++) {
-        if (w->rows16 || !w->data || !kern_rows16_wanted(w->type)) continue;
-        const size_t bytes = kern_rows16_bytes(w->type, w->rows, w->cols);
-        /* threads: reading the mapped file and the copy's writes go at the speed of
-         * memory, not of one core (an 8B Q4_0 model took seconds on one) */
-        if (!pool && !(pool = kvq_pool_new(n_threads))) return kvq_error("out of memory for threads");
-        w->rows16 = aligned_alloc(64, bytes);
-        if (!w->rows16) {
-            kvq_pool_free(pool);
-            return kvq_error("out of memory for a %zu-byte weight's 16-row form", bytes);
-        }
-        kvq_pool_run(pool, pack_tiles, w);
-        /* the products read only the copy now, and so do the lookups of tied
-         * embeddings (else every lookup faulted 64 KB of the file back in) */
-        if (w == &m->output && m->tok_embd.data == w->data) m->tok_embd.rows16 = w->rows16;
-        gguf_release_pages(m->file, w->data, w->row_bytes * (size_t)w->rows);
-    }
-    kvq_pool_free(pool);
-    return 0;
-}
-
 void model_free(struct model *m) {
     if (!m) return;
-    struct weight *w;
-    for (int64_t i = 0; (w = product_weight(m, i)) != NULL; i++) free(w->rows16);
     gguf_close(m->file);
     free(m->tensor_taken);
     free(m->layers);

@@ -1,5 +1,5 @@
 /* The CPU backend: host buffers, weights read in place from the mapped file (or
- * from the model's 16-row copy, see kernels/matmul.h), and
+ * from the backend's 16-row copy, see cpu_weights.h), and
  * every operation split over a thread pool. Matrix products split their output rows
  * into chunks, attention has one work item per (token, KV head), and per-token work
  * (norms, RoPE, activation quantization) splits the tokens. Each thread (the
@@ -14,13 +14,13 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_weights.h"
 #include "core/error.h"
 #include "core/threadpool.h"
 #include "kernels/activation.h"
 #include "kernels/matmul.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
-#include "model/model.h"
 
 /* Activation buffers for up to this many distinct weight types per input. */
 #define MAX_ACT_TYPES 3
@@ -35,6 +35,7 @@ struct act_set {
 struct cpu_backend {
     struct backend base;
     struct kvq_pool *pool;
+    struct cpu_weights weights;
     uint8_t *act_mem[MAX_ACT_TYPES]; /* prepared activations of one matmul input */
     size_t act_cap;
     float *attn_scratch; /* per thread */
@@ -146,6 +147,7 @@ struct mm_task {
     const struct act_set *as;
     int n_tok, n_jobs, nth;
     const struct be_matmul *jobs;
+    const void *w16[3]; /* the jobs' weights in 16-row form, or NULL */
     int64_t chunk_rows[3];
     int n_chunks[3];
     struct kvq_work *work;
@@ -171,7 +173,7 @@ static void mm_task_run(void *p, int ith, int nth) {
         struct kern_matmul_args a = {
             .wtype = w->type, .w = w->data, .w_row_bytes = w->row_bytes, .k = w->cols,
             .xa = mt->as->bufs[ai], .xa_row_bytes = mt->as->row_bytes[ai], .n_tok = mt->n_tok,
-            .y = job->y, .y_stride = w->rows, .w16 = w->rows16,
+            .y = job->y, .y_stride = w->rows, .w16 = mt->w16[j],
         };
         kern_matmul(&a, r0, r1);
         if (job->bias)
@@ -197,6 +199,7 @@ static void cpu_matmul(struct backend *b, const float *x, int64_t x_stride, int 
         cr = (cr + MM_ROW_ALIGN - 1) / MM_ROW_ALIGN * MM_ROW_ALIGN;
         mt.chunk_rows[j] = cr;
         mt.n_chunks[j] = (int)((rows + cr - 1) / cr);
+        mt.w16[j] = cpu_weights_rows16(&cb->weights, jobs[j].w);
         for (int i = 0; i < nth; i++) {
             long b, e;
             kvq_split(mt.n_chunks[j], i, nth, &b, &e);
@@ -218,6 +221,7 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, float eps
 
 struct embed_arg {
     const struct weight *e;
+    const void *rows16;
     const int32_t *tokens;
     float scale, *x;
 };
@@ -225,15 +229,15 @@ static void embed_token(const void *p, int t) {
     const struct embed_arg *a = p;
     const struct weight *e = a->e;
     float *x = a->x + (size_t)t * e->cols;
-    if (e->rows16) /* a tied output's copy: the file's pages of it were released */
-        kern_rows16_row(e->type, e->rows16, e->cols, a->tokens[t], x);
+    if (a->rows16) /* a tied output's copy: the file's pages of it were released */
+        kern_rows16_row(e->type, a->rows16, e->cols, a->tokens[t], x);
     else
         kern_dequantize_row(e->type, (const uint8_t *)e->data + (size_t)a->tokens[t] * e->row_bytes, x, e->cols);
     if (a->scale != 1.0f)
         for (int64_t i = 0; i < e->cols; i++) x[i] *= a->scale;
 }
 static void cpu_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x) {
-    struct embed_arg a = {e, tokens, scale, x};
+    struct embed_arg a = {e, cpu_weights_rows16(&cpu(b)->weights, e), tokens, scale, x};
     for_each_token(cpu(b), n, e->cols, embed_token, &a);
 }
 
@@ -548,9 +552,8 @@ static void cpu_release(struct backend *b, void *p) {
     free(p);
 }
 static int cpu_upload_weight(struct backend *b, const struct weight *w) {
-    (void)b;
-    (void)w;
-    return 0;
+    struct cpu_backend *cb = cpu(b);
+    return cpu_weights_add(&cb->weights, cb->pool, w);
 }
 static int cpu_upload_vector(struct backend *b, const float *v, int64_t n) {
     (void)b;
@@ -571,6 +574,7 @@ static void cpu_free(struct backend *b) {
     struct cpu_backend *cb = cpu(b);
     if (!cb) return;
     if (cb->pool) kvq_pool_free(cb->pool);
+    cpu_weights_free(&cb->weights);
     for (int i = 0; i < MAX_ACT_TYPES; i++) free(cb->act_mem[i]);
     free(cb->attn_scratch);
     free(cb->attn_order);
@@ -583,6 +587,7 @@ static void cpu_free(struct backend *b) {
 static const struct backend_ops cpu_ops = {
     .name = "cpu",
     .host_memory = true,
+    .attends_nf = true,
     .free = cpu_free,
     .reserve = cpu_reserve,
     .alloc = cpu_alloc,

@@ -37,7 +37,6 @@
 #include "core/threadpool.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
-#include "model/model.h"
 
 #define ARENA_CHUNK ((size_t)256 << 20) /* KV block memory is taken in chunks of this */
 #define DEQ_BYTES ((size_t)128 << 20)   /* a band of dequantized rows for one GEMM */
@@ -1847,6 +1846,7 @@ static void cuda_free(struct backend *b) {
 static const struct backend_ops cuda_ops = {
     .name = "cuda",
     .host_memory = false,
+    .encodes_kv = true,
     .free = cuda_free,
     .reserve = cuda_reserve,
     .reserve_kv = cuda_reserve_kv,
