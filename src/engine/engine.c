@@ -55,7 +55,7 @@ struct kvq_prefix {
 struct kvq_model *kvq_model_load(const char *path) {
     struct kvq_model *m = calloc(1, sizeof *m);
     if (!m) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     pthread_mutex_init(&m->grammar_mu, NULL);
@@ -76,7 +76,7 @@ fail:
 struct kvq_model *kvq_model_load_vocab(const char *path) {
     struct kvq_model *m = calloc(1, sizeof *m);
     if (!m) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     pthread_mutex_init(&m->grammar_mu, NULL);
@@ -166,7 +166,7 @@ struct kvq_detok {
 struct kvq_detok *kvq_detok_new(const struct kvq_model *m) {
     struct kvq_detok *d = calloc(1, sizeof *d);
     if (!d) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     tokenizer_stream_init(&d->s, m->tok, false);
@@ -252,7 +252,7 @@ static struct kv_cache **new_caches_kv(const struct kvq_context *c, const struct
     const struct model *m = c->m->model;
     struct kv_cache **cs = calloc((size_t)m->hp.n_layer, sizeof *cs);
     if (!cs) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     for (int il = 0; il < m->hp.n_layer; il++) {
@@ -329,7 +329,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     }
     struct kvq_context *c = calloc(1, sizeof *c);
     if (!c) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     c->m = m;
@@ -338,7 +338,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     if (c->p.kv_budget_bytes == 0) c->p.kv_budget_bytes = default_budget(c);
     c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new(p->n_threads) : backend_cpu_new(p->n_threads);
     if (c->be && !c->be->ops->attends_nf && quant && (p->kv.k_group == KVQ_KV_NF || p->kv.v_group == KVQ_KV_NF)) {
-        kvq_error("the %s backend has no attention for normal-float KV rows (--kv-bits 3, 2 or :nf): use "
+        kvq_error_code(KVQ_ERR_UNSUPPORTED, "the %s backend has no attention for normal-float KV rows (--kv-bits 3, 2 or :nf): use "
                   "uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu", c->be->ops->name);
         goto fail;
     }
@@ -350,7 +350,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     c->chunk_seqs = malloc(sizeof *c->chunk_seqs * (size_t)p->n_batch);
     if (!c->be || !c->fwd || !c->kv_pool || !c->caches || !c->count || !c->chunk_tokens || !c->chunk_seqs) {
         if (!c->fwd && kvq_last_error()[0]) goto fail;
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         goto fail;
     }
     for (int s = 0; s < p->n_seq; s++) {
@@ -491,7 +491,7 @@ struct kvq_prefix *engine_prefix_new_kv(struct kvq_context *c, const struct kvq_
     if (p) p->kv = kv ? *kv : c->p.kv;
     if (!p || !(p->caches = new_caches_kv(c, &p->kv))) {
         free(p);
-        if (!p) kvq_error("out of memory");
+        if (!p) kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     p->c = c;
@@ -594,7 +594,7 @@ int kvq_kv_layer_kinds(const struct kvq_context *c, struct kvq_kv_layer_kind *ou
 static int grow(void **p, int *cap, int need, size_t elem) {
     if (need <= *cap) return 0;
     void *q = realloc(*p, (size_t)need * elem);
-    if (!q) return kvq_error("out of memory");
+    if (!q) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     *p = q;
     *cap = need;
     return 0;
@@ -623,12 +623,12 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
         struct kv_cache **cs = seq_caches(c, s);
         int len = kv_cache_n_past(cs[0]);
         if (c->p.kv.max_size == 0 && len + count[s + 1] > c->p.n_ctx)
-            return kvq_error("context full: sequence %d holds %d tokens, %d more would exceed the context of %d", s,
+            return kvq_error_code(KVQ_ERR_CONTEXT_FULL, "context full: sequence %d holds %d tokens, %d more would exceed the context of %d", s,
                              len, count[s + 1], c->p.n_ctx);
         for (int il = 0; il < c->m->model->hp.n_layer; il++) need += kv_cache_append_bytes(cs[il], count[s + 1], c->p.n_batch);
     }
     if (!kv_pool_fits(c->kv_pool, need))
-        return kvq_error("KV cache budget exhausted: the batch needs up to %zu more bytes, %zu of %zu are in use "
+        return kvq_error_code(KVQ_ERR_BUDGET, "KV cache budget exhausted: the batch needs up to %zu more bytes, %zu of %zu are in use "
                          "(raise the KV budget or free sequences)",
                          need, kv_pool_used(c->kv_pool), kv_pool_budget(c->kv_pool));
     for (int s = 0; s < n_seq; s++) count[s + 1] += count[s];
@@ -653,7 +653,7 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         c->logits_cap = c->logits ? (size_t)n_rows : 0;
         if (!c->logits) {
             c->last_n_tokens = 0; /* kvq_get_logits: none */
-            return kvq_error("%d rows of logits: %s", n_rows, kvq_last_error());
+            return kvq_error_wrap("%d rows of logits: %s", n_rows, kvq_last_error());
         }
     }
     c->last_n_tokens = n;
@@ -704,7 +704,7 @@ int kvq_embed(struct kvq_context *c, int seq, const kvq_token *tokens, int n, en
     float *h = malloc(sizeof *h * (size_t)chunk * (size_t)d);
     double *sum = calloc((size_t)d, sizeof *sum);
     int32_t *rows = c->chunk_tokens + chunk;
-    int rc = h && sum ? 0 : kvq_error("out of memory");
+    int rc = h && sum ? 0 : kvq_error_code(KVQ_ERR_OOM, "out of memory");
     kvq_seq_clear(c, seq);
     for (int start = 0, len; start < n && rc == 0; start += len) {
         len = n - start < chunk ? n - start : chunk;

@@ -63,7 +63,7 @@ struct kv_cache *kv_cache_new_in(struct kv_pool *pool, const struct kv_cache_con
     }
     struct kv_cache *c = calloc(1, sizeof *c);
     if (!c) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     c->cfg = *cfg;

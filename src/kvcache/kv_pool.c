@@ -29,7 +29,7 @@ struct kv_pool {
 struct kv_pool *kv_pool_new(size_t budget) {
     struct kv_pool *p = calloc(1, sizeof *p);
     if (!p) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     p->budget = budget;
@@ -73,7 +73,7 @@ void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t h
 }
 
 int kv_pool_take_dirty(struct kv_pool *p, struct kv_block ***blocks) {
-    if (p->dirty_lost) return kvq_error("out of memory tracking the KV rows to copy to the device");
+    if (p->dirty_lost) return kvq_error_code(KVQ_ERR_OOM, "out of memory tracking the KV rows to copy to the device");
     struct kv_block **t = p->taken;
     p->taken = p->dirty;
     p->dirty = t;
@@ -111,7 +111,7 @@ static int class_of(struct kv_pool *p, size_t bytes) {
 
 struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
     if (!kv_pool_fits(p, bytes)) {
-        kvq_error("KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more", p->used, p->budget,
+        kvq_error_code(KVQ_ERR_BUDGET, "KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more", p->used, p->budget,
                   bytes);
         return NULL;
     }
@@ -134,7 +134,7 @@ struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
         if (!ok) {
             if (!p->mirrored) free(data);
             free(b);
-            kvq_error("out of memory for a KV block of %zu bytes", bytes);
+            kvq_error_code(KVQ_ERR_OOM, "out of memory for a KV block of %zu bytes", bytes);
             return NULL;
         }
         b->data = data;

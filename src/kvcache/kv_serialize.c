@@ -103,7 +103,7 @@ static bool rows_finite(const uint8_t *p, const struct kv_fmt *f, int d, size_t 
 
 static int load_fail(struct kv_cache *c, const char *what) {
     kv_store_clear(c);
-    return kvq_error("invalid KV cache section: %s", what);
+    return kvq_error_code(KVQ_ERR_FORMAT, "invalid KV cache section: %s", what);
 }
 
 static int cmp_i32(const void *a, const void *b) {
@@ -118,12 +118,12 @@ static int place_rows(struct kv_cache *c, const int32_t *pos, int32_t size, cons
     struct kv_store *st = store_of(c);
     const int H = c->shape.n_kv_heads;
     int32_t *sorted = malloc(sizeof(int32_t) * (size_t)(size ? size : 1));
-    if (!sorted) return kvq_error("out of memory");
+    if (!sorted) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     memcpy(sorted, pos, sizeof(int32_t) * (size_t)size);
     qsort(sorted, (size_t)size, sizeof *sorted, cmp_i32);
     int rc = 0;
     for (int32_t i = 1; i < size && rc == 0; i++)
-        if (sorted[i] == sorted[i - 1]) rc = kvq_error("invalid KV cache section: repeated token position");
+        if (sorted[i] == sorted[i - 1]) rc = kvq_error_code(KVQ_ERR_FORMAT, "invalid KV cache section: repeated token position");
     /* the first block past the kept ones starts the table's sliding part */
     for (int32_t i = 0; i < size && rc == 0; i++)
         if (sorted[i] / KV_BLOCK_TOKENS >= st->nkb) {
@@ -209,7 +209,7 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)(size ? size : 1));
     if (!pos) {
         kv_store_clear(c);
-        return kvq_error("out of memory");
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     }
     int32_t pmin = n_past;
     for (int32_t s = 0; s < size; s++) {

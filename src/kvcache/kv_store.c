@@ -110,7 +110,7 @@ static struct kv_block **entry_for_write(struct kv_cache *c, int32_t L) {
         while (cap <= i) cap *= 2;
         struct kv_block **t = realloc(st->blk, sizeof(*t) * (size_t)cap);
         if (!t) {
-            kvq_error("out of memory growing a KV block table");
+            kvq_error_code(KVQ_ERR_OOM, "out of memory growing a KV block table");
             return NULL;
         }
         st->blk = t;
@@ -245,7 +245,7 @@ static int reencode(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
     if (!nt || !x) {
         free(nt);
         free(x);
-        return kvq_error("out of memory converting the KV cache");
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory converting the KV cache");
     }
     float *xv = x + (size_t)nx * tok;
     /* offsets (R > 0) from positions 1..T-1 when the cache holds them, else chosen later */
@@ -263,7 +263,7 @@ static int reencode(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
         st->rec = rec;
         float k1[KERN_KVQ_MAX_DIM * 8], v1[KERN_KVQ_MAX_DIM * 8];
         float *kb = tok <= KERN_KVQ_MAX_DIM * 8 ? k1 : malloc(sizeof(float) * tok * 2), *vb = kb == k1 ? v1 : kb + tok;
-        if (!kb) rc = kvq_error("out of memory converting the KV cache");
+        if (!kb) rc = kvq_error_code(KVQ_ERR_OOM, "out of memory converting the KV cache");
         if (rc == 0 && S > 0 && kv_win_reserve(c, &st->sink, S) != 0) rc = -1;
         for (int32_t p = 0; rc == 0 && p < S && p < np && kv_store_block(st, p); p++) {
             decode_pos(c, p, kb, vb);
@@ -567,7 +567,7 @@ static int store_fork(struct kv_cache *dst, const struct kv_cache *src) {
     if (d->pool != s->pool) return kvq_error("caches of different contexts cannot share blocks");
     if (s->n_blk > d->cap_blk) {
         struct kv_block **t = realloc(d->blk, sizeof(*t) * (size_t)s->n_blk);
-        if (!t) return kvq_error("out of memory forking a sequence");
+        if (!t) return kvq_error_code(KVQ_ERR_OOM, "out of memory forking a sequence");
         d->blk = t;
         d->cap_blk = s->n_blk;
     }
@@ -616,7 +616,7 @@ int kv_cache_convert(struct kv_cache *dst, const struct kv_cache *src) {
             kv_win_unref(ws[0]);
             kv_win_unref(ws[1]);
             kv_store_clear(dst);
-            return kvq_error("out of memory");
+            return kvq_error_code(KVQ_ERR_OOM, "out of memory");
         }
         kv_win_unref(st->sink);
         kv_win_unref(st->rec);
@@ -740,7 +740,7 @@ int kv_store_init(struct kv_cache *c, struct kv_pool *pool) {
         kv_win_unref(sink);
         kv_win_unref(rec);
         if (own) kv_pool_free(pool);
-        return kvq_error("out of memory");
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     }
     kern_kvq_hadamard_signs(signs, c->shape.head_dim, HADAMARD_SEED);
     *st = (struct kv_store){.pool = pool, .own_pool = own, .sink = sink, .rec = rec, .signs = signs, .mu = mu};

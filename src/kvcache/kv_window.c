@@ -20,7 +20,7 @@ int32_t kv_sink_target(const struct kv_cache *c) { return c->cfg.residual > 0 ? 
 struct kv_win *kv_win_new(void) {
     struct kv_win *w = calloc(1, sizeof *w);
     if (!w) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     w->refs = 1;
@@ -67,7 +67,7 @@ static bool win_copy(struct kv_cache *c, struct kv_win **wp, int32_t cap, bool t
 
 /* Replaces *wp by a private window of `cap` rows holding its rows but the first skip. */
 static int win_realloc(struct kv_cache *c, struct kv_win **wp, int32_t cap, int32_t skip) {
-    return win_copy(c, wp, cap, false, skip) ? 0 : kvq_error("out of memory growing the KV cache window to %d tokens", cap);
+    return win_copy(c, wp, cap, false, skip) ? 0 : kvq_error_code(KVQ_ERR_OOM, "out of memory growing the KV cache window to %d tokens", cap);
 }
 
 /* A capacity for `need` rows: doubled for a window that grows a row at a time, a

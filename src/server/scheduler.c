@@ -649,7 +649,7 @@ static void step(struct sched *s) {
          * request) and try again next step */
         char msg[256];
         snprintf(msg, sizeof msg, "%s", kvq_last_error());
-        if (strstr(msg, "budget")) {
+        if (kvq_last_error_code() == KVQ_ERR_BUDGET) {
             if (!prefix_cache_evict_one(s->pc)) {
                 struct sched_req *y = youngest(s);
                 fail(s, y, 503, "the KV cache budget is exhausted by other requests; retry later");

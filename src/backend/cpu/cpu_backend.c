@@ -96,7 +96,7 @@ static int ensure_act(struct cpu_backend *cb, size_t bytes) {
         cb->act_mem[i] = malloc(bytes);
         if (!cb->act_mem[i]) {
             cb->act_cap = 0;
-            return kvq_error("out of memory for activations");
+            return kvq_error_code(KVQ_ERR_OOM, "out of memory for activations");
         }
     }
     cb->act_cap = bytes;
@@ -368,7 +368,7 @@ static int ensure_append(struct cpu_backend *cb, int n) {
     free(cb->append_rows);
     cb->append_rows = malloc(sizeof *cb->append_rows * (size_t)n);
     cb->append_rows_cap = cb->append_rows ? n : 0;
-    return cb->append_rows ? 0 : kvq_error("out of memory");
+    return cb->append_rows ? 0 : kvq_error_code(KVQ_ERR_OOM, "out of memory");
 }
 
 /* Bytes of staging for a sequence's n rows of each side and window (kv_cache_append_rows's layout). */
@@ -402,7 +402,7 @@ static int append_encoded(struct cpu_backend *cb, const struct be_kv_append *seq
         free(cb->staging);
         cb->staging = malloc(need);
         cb->staging_cap = cb->staging ? need : 0;
-        if (!cb->staging) return kvq_error("out of memory encoding KV rows");
+        if (!cb->staging) return kvq_error_code(KVQ_ERR_OOM, "out of memory encoding KV rows");
     }
     uint8_t *at = cb->staging;
     for (int s = 0, j = 0; s < n_seqs; j += seqs[s++].n) {
@@ -537,14 +537,14 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
 
 static int cpu_reserve(struct backend *b, int max_tokens, int64_t widest) {
     struct cpu_backend *cb = cpu(b);
-    if (ensure_attn_order(cb, max_tokens) != 0 || ensure_append(cb, max_tokens) != 0) return kvq_error("out of memory");
+    if (ensure_attn_order(cb, max_tokens) != 0 || ensure_append(cb, max_tokens) != 0) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     return ensure_act(cb, max_act_row_bytes(widest) * (size_t)max_tokens);
 }
 
 static void *cpu_alloc(struct backend *b, size_t bytes) {
     (void)b;
     void *p = malloc(bytes ? bytes : 1);
-    if (!p) kvq_error("out of memory (%zu bytes)", bytes);
+    if (!p) kvq_error_code(KVQ_ERR_OOM, "out of memory (%zu bytes)", bytes);
     return p;
 }
 static void cpu_release(struct backend *b, void *p) {
@@ -611,7 +611,7 @@ static const struct backend_ops cpu_ops = {
 struct backend *backend_cpu_new(int n_threads) {
     struct cpu_backend *cb = calloc(1, sizeof *cb);
     if (!cb) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     cb->base.ops = &cpu_ops;

@@ -48,7 +48,7 @@ int cpu_weights_add(struct cpu_weights *t, struct kvq_pool *pool, const struct w
     if (t->n == t->cap) {
         int cap = t->cap ? 2 * t->cap : 64;
         struct cpu_weight *e = realloc(t->ents, sizeof *e * (size_t)cap);
-        if (!e) return kvq_error("out of memory");
+        if (!e) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
         t->ents = e;
         t->cap = cap;
     }
@@ -59,7 +59,7 @@ int cpu_weights_add(struct cpu_weights *t, struct kvq_pool *pool, const struct w
         if (!ent.rows16 && !w->lookup) {
             const size_t bytes = kern_rows16_bytes(w->type, w->rows, w->cols);
             if (!(ent.rows16 = aligned_alloc(64, bytes)))
-                return kvq_error("out of memory for a %zu-byte weight's 16-row form", bytes);
+                return kvq_error_code(KVQ_ERR_OOM, "out of memory for a %zu-byte weight's 16-row form", bytes);
             ent.owned = true;
             /* threads: reading the mapped file and the copy's writes go at the speed of
              * memory, not of one core (an 8B Q4_0 model took seconds on one) */
