@@ -76,7 +76,7 @@ struct sched {
     uint64_t rate_tokens;
     /* the step's draws, one request per slot of `draws`, on the sampling threads (16
      * sequences' draws over a 128K vocabulary on one thread took 2.7 ms of a 7.3 ms step) */
-    struct kvq_pool *sampling;
+    struct kvq_threads *sampling;
     struct sched_req **draws;
     int n_draws;
 };
@@ -682,7 +682,7 @@ static void step(struct sched *s) {
         }
     }
     fork_followers(s);
-    if (s->sampling && s->n_draws > 1) kvq_pool_run(s->sampling, draw_task, s);
+    if (s->sampling && s->n_draws > 1) kvq_threads_run(s->sampling, draw_task, s);
     else draw_task(s, 0, 1);
     const int sampled = s->n_draws;
     for (int i = 0; i < sampled; i++) next_token(s, s->draws[i]);
@@ -794,7 +794,7 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     const int n_cpu = kvq_online_cpus();
     int n_samplers = p->max_seqs < 16 ? (p->max_seqs + 1) / 2 : 8;
     if (n_samplers > n_cpu) n_samplers = n_cpu;
-    if (n_samplers > 1) s->sampling = kvq_pool_new(n_samplers);
+    if (n_samplers > 1) s->sampling = kvq_threads_new(n_samplers);
     if (!s->slots || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws || (n_samplers > 1 && !s->sampling)) {
         sched_free(s);
         return NULL;
@@ -836,7 +836,7 @@ void sched_free(struct sched *s) {
     free(s->b_logits);
     free(s->draws);
     free(s->eog);
-    kvq_pool_free(s->sampling);
+    kvq_threads_free(s->sampling);
     free(s);
 }
 

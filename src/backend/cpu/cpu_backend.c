@@ -34,7 +34,7 @@ struct act_set {
 
 struct cpu_backend {
     struct backend base;
-    struct kvq_pool *pool;
+    struct kvq_threads *pool;
     struct cpu_weights weights;
     uint8_t *act_mem[MAX_ACT_TYPES]; /* prepared activations of one matmul input */
     size_t act_cap;
@@ -73,7 +73,7 @@ static void token_task_run(void *p, int ith, int nth) {
 static void for_each_token(struct cpu_backend *cb, int n, int64_t cost, token_fn fn, const void *arg) {
     struct token_task tt = {arg, fn, n};
     if (n < 4 || (int64_t)n * cost <= INLINE_WORK) token_task_run(&tt, 0, 1);
-    else kvq_pool_run(cb->pool, token_task_run, &tt);
+    else kvq_threads_run(cb->pool, token_task_run, &tt);
 }
 
 /* ---- matrix products ---------------------------------------------------- */
@@ -190,7 +190,7 @@ static void cpu_matmul(struct backend *b, const float *x, int64_t x_stride, int 
     act_plan(cb, &as, jobs, n_jobs, k);
     struct act_arg aa = {&as, x, k, x_stride};
     for_each_token(cb, n, k * as.n, act_prepare_token, &aa);
-    const int nth = kvq_pool_size(cb->pool);
+    const int nth = kvq_threads_size(cb->pool);
     struct mm_task mt = {.as = &as, .n_tok = n, .n_jobs = n_jobs, .nth = nth, .jobs = jobs, .work = cb->work};
     int *counts = kvq_work_counts(cb->work);
     for (int j = 0; j < n_jobs; j++) {
@@ -207,7 +207,7 @@ static void cpu_matmul(struct backend *b, const float *x, int64_t x_stride, int 
         }
     }
     kvq_work_start(cb->work);
-    kvq_pool_run(cb->pool, mm_task_run, &mt);
+    kvq_threads_run(cb->pool, mm_task_run, &mt);
 }
 
 /* ---- per-token operations ------------------------------------------------ */
@@ -447,7 +447,7 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
         const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
         for_each_token(cb, n_tok, cost, qk_rope_token, r);
     }
-    if (n_tok < 4 || kvq_pool_size(cb->pool) == 1) {
+    if (n_tok < 4 || kvq_threads_size(cb->pool) == 1) {
         for (int s = 0; s < n_seqs; s++)
             if (append_here(&seqs[s], k, v) != 0) return -1;
         return 0;
@@ -514,7 +514,7 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
     struct cpu_backend *cb = cpu(b);
     struct kv_shape shape = {a->n_head, a->n_kv, a->head_dim, 0};
     size_t floats = kv_cache_scratch_floats(&shape);
-    int nth = kvq_pool_size(cb->pool);
+    int nth = kvq_threads_size(cb->pool);
     if (floats > cb->attn_scratch_floats || nth > cb->attn_scratch_threads) { /* once, at the first batch */
         free(cb->attn_scratch);
         cb->attn_scratch = malloc(sizeof(float) * floats * (size_t)nth);
@@ -530,7 +530,7 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
     int *counts = kvq_work_counts(cb->work);
     for (int i = 0; i < nth; i++) counts[i] = (n * a->n_kv - i + nth - 1) / nth;
     kvq_work_start(cb->work);
-    kvq_pool_run(cb->pool, attn_task_run, &at);
+    kvq_threads_run(cb->pool, attn_task_run, &at);
 }
 
 /* ---- memory --------------------------------------------------------------- */
@@ -573,7 +573,7 @@ static int cpu_sync(struct backend *b) {
 static void cpu_free(struct backend *b) {
     struct cpu_backend *cb = cpu(b);
     if (!cb) return;
-    if (cb->pool) kvq_pool_free(cb->pool);
+    if (cb->pool) kvq_threads_free(cb->pool);
     cpu_weights_free(&cb->weights);
     for (int i = 0; i < MAX_ACT_TYPES; i++) free(cb->act_mem[i]);
     free(cb->attn_scratch);
@@ -615,10 +615,10 @@ struct backend *backend_cpu_new(int n_threads) {
         return NULL;
     }
     cb->base.ops = &cpu_ops;
-    cb->pool = kvq_pool_new(n_threads);
-    if (cb->pool) cb->work = kvq_work_new(kvq_pool_size(cb->pool));
+    cb->pool = kvq_threads_new(n_threads);
+    if (cb->pool) cb->work = kvq_work_new(kvq_threads_size(cb->pool));
     if (!cb->pool || !cb->work) {
-        if (cb->pool) kvq_pool_free(cb->pool);
+        if (cb->pool) kvq_threads_free(cb->pool);
         free(cb);
         kvq_error("cannot start %d threads", n_threads);
         return NULL;

@@ -43,7 +43,7 @@ static void pack_tiles(void *arg, int ith, int nth) {
                      (uint8_t *)a->dst + (size_t)t0 * kern_rows16_tile_bytes(w->type, w->cols));
 }
 
-int cpu_weights_add(struct cpu_weights *t, struct kvq_pool *pool, const struct weight *w) {
+int cpu_weights_add(struct cpu_weights *t, struct kvq_threads *pool, const struct weight *w) {
     if (find(t, w)) return 0;
     if (t->n == t->cap) {
         int cap = t->cap ? 2 * t->cap : 64;
@@ -63,7 +63,7 @@ int cpu_weights_add(struct cpu_weights *t, struct kvq_pool *pool, const struct w
             ent.owned = true;
             /* threads: reading the mapped file and the copy's writes go at the speed of
              * memory, not of one core (an 8B Q4_0 model took seconds on one) */
-            kvq_pool_run(pool, pack_tiles, &(struct pack_arg){w, ent.rows16});
+            kvq_threads_run(pool, pack_tiles, &(struct pack_arg){w, ent.rows16});
             /* the products read only the copy now, and so do the lookups of tied
              * embeddings (else every lookup faulted 64 KB of the file back in) */
             for (int i = 0; i < t->n; i++)

@@ -8,7 +8,7 @@
 #define KVQ_BACKEND_CPU_WEIGHTS_H
 
 struct weight;
-struct kvq_pool;
+struct kvq_threads;
 
 struct cpu_weights {
     struct cpu_weight *ents; /* sorted by descriptor address */
@@ -18,7 +18,7 @@ struct cpu_weights {
 /* Registers w, packing it on the pool's threads when this CPU has a 16-row path
  * for its type (not an embedding table, which shares its tied output's copy).
  * 0, or -1 with an error (out of memory). */
-int cpu_weights_add(struct cpu_weights *t, struct kvq_pool *pool, const struct weight *w);
+int cpu_weights_add(struct cpu_weights *t, struct kvq_threads *pool, const struct weight *w);
 /* w's 16-row form, or NULL (read w->data). */
 const void *cpu_weights_rows16(const struct cpu_weights *t, const struct weight *w);
 void cpu_weights_free(struct cpu_weights *t);

@@ -196,7 +196,7 @@ struct cuda_backend {
     int cap_uc;
     /* host threads (made at first need): the offsets' re-encoding of caches that
      * reach their offsets point, spread over them (kv_cache_offsets_part) */
-    struct kvq_pool *pool;
+    struct kvq_threads *pool;
     int n_threads;
     bool prof;
     double prof_s[16];
@@ -1543,8 +1543,8 @@ static void rows_task(void *arg, int ith, int nth) {
 
 /* Runs task over the host threads (the pool made at first need), or inline. */
 static void on_host_threads(struct cuda_backend *cb, void (*task)(void *, int, int)) {
-    if (!cb->pool && cb->n_threads != 1) cb->pool = kvq_pool_new(cb->n_threads);
-    if (cb->pool) kvq_pool_run(cb->pool, task, cb);
+    if (!cb->pool && cb->n_threads != 1) cb->pool = kvq_threads_new(cb->n_threads);
+    if (cb->pool) kvq_threads_run(cb->pool, task, cb);
     else task(cb, 0, 1);
 }
 
@@ -1802,7 +1802,7 @@ static void cuda_free(struct backend *b) {
         steps_print(cb->steps);
         steps_free(cb->steps);
     }
-    kvq_pool_free(cb->pool);
+    kvq_threads_free(cb->pool);
     for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
     free(cb->ents);
     cudaFree(cb->deq);
