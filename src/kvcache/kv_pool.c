@@ -1,6 +1,7 @@
 /* KV block pool: budget accounting, refcounts and per-size free lists. */
 #include "kvcache/kv_pool.h"
 
+#include <assert.h>
 #include <stdlib.h>
 
 #include "core/error.h"
@@ -147,11 +148,16 @@ struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
     return b;
 }
 
-void kv_block_ref(struct kv_block *b) { b->refs++; }
+void kv_block_ref(struct kv_block *b) {
+    assert(b->refs > 0); /* a block in the free list has no holders to share it */
+    b->refs++;
+}
 
 void kv_block_unref(struct kv_pool *p, struct kv_block *b) {
+    assert(!b || b->refs > 0);
     if (!b || --b->refs > 0) return;
     struct size_class *sc = &p->cls[b->cls];
+    assert(p->used >= sc->bytes && p->n_blocks > 0);
     p->used -= sc->bytes;
     p->n_blocks--;
     if (sc->n_free >= FREE_LIST_MAX && !p->mirrored) {

@@ -3,6 +3,7 @@
  * A query at q reads f16 rows for (q - R, q] however the tokens were batched. Window
  * rows are f16 of the (rotated) input, without the offsets. Forks share a window
  * until one of them writes to it. */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,6 +29,7 @@ struct kv_win *kv_win_new(void) {
 }
 
 void kv_win_unref(struct kv_win *w) {
+    assert(!w || w->refs > 0);
     if (!w || --w->refs > 0) return;
     free(w->k);
     free(w->v);
@@ -92,6 +94,7 @@ static void win_drop_front(struct kv_win *w, int32_t drop) {
     w->p0 += drop;
     w->n -= drop;
     w->start = w->n ? (w->start + drop) % w->cap : 0;
+    assert(w->n >= 0 && w->n <= w->cap && (w->n == 0 || w->start < w->cap));
 }
 
 /* A window grown for a long batch (a prompt) is cut back to twice what the short
@@ -122,6 +125,7 @@ static void win_rebase(struct kv_cache *c, struct kv_win *w) {
 void kv_win_put(struct kv_cache *c, struct kv_win *w, const float *k, const float *v) {
     const struct kv_store *st = store_of(c);
     int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    assert(w->refs == 1 && w->n < w->cap && w->start < w->cap); /* private, with room */
     for (int h = 0; h < H; h++) {
         kv_encode_row(st, &st->wkf, D, k + (size_t)h * D, NULL, kv_win_row(w, &st->wkf, 0, h, w->n));
         kv_encode_row(st, &st->wvf, D, v + (size_t)h * D, NULL, kv_win_row(w, &st->wvf, 1, h, w->n));
