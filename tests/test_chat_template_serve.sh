@@ -7,21 +7,17 @@
 # refuses gets a 400 with its message. Also --chat-template FILE, chat_template_kwargs
 # and bad choices.
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
 here=$(cd "$(dirname "$0")" && pwd)
-shared=${KVQ_SHARED_DIR:-$here/../../shared}
 model=$shared/models/tinydoc-q8_0.gguf
 tpl=$here/chat_templates
-[ -f "$model" ] || { echo "SKIP: tinydoc-q8_0.gguf missing under $shared"; exit 77; }
+need_asset "$model"
 command -v curl >/dev/null || { echo "SKIP: curl is not installed"; exit 77; }
 python3 -c "import jinja2" 2>/dev/null || { echo "SKIP: python3-jinja2 is not installed"; exit 77; }
 
-tmp=$(mktemp -d)
 srv_pid=""
 trap '[ -n "$srv_pid" ] && kill -TERM $srv_pid 2>/dev/null; wait; rm -rf "$tmp"' EXIT
-passed=0 failed=0
-ok() { passed=$((passed + 1)); echo "ok: $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL: $1"; }
 
 python3 "$tpl/gguf_with_template.py" "$model" "$tmp/model.gguf" \
   "tokenizer.chat_template=$tpl/gemma-3.jinja" "tokenizer.chat_template.tool_use=$tpl/llama-3.1.jinja" ||
