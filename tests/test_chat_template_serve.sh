@@ -24,18 +24,7 @@ python3 "$tpl/gguf_with_template.py" "$model" "$tmp/model.gguf" \
   { echo "FAIL: cannot write the GGUF copy"; exit 1; }
 
 start_server() { # NAME ARGS...
-  local name=$1; shift
-  "$kvq" serve --host 127.0.0.1 --port 0 -t 2 --max-num-seqs 2 --prefix-cache-mb 0 "$@" >"$tmp/$name.log" 2>&1 &
-  srv_pid=$!
-  port=""
-  for _ in $(seq 300); do
-    port=$(grep -o 'listening on http://[0-9.]*:[0-9]*' "$tmp/$name.log" | sed 's/.*://')
-    [ -n "$port" ] && return 0
-    kill -0 $srv_pid 2>/dev/null || break
-    sleep 0.1
-  done
-  bad "server $name did not start"; cat "$tmp/$name.log"
-  exit 1
+  serve_start "$1" -t 2 --max-num-seqs 2 --prefix-cache-mb 0 "${@:2}" || exit 1
 }
 stop_server() { kill -TERM $srv_pid; wait $srv_pid; srv_pid=""; }
 

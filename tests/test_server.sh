@@ -28,18 +28,7 @@ srv_pid=""
 trap '[ -n "$srv_pid" ] && kill -TERM $srv_pid 2>/dev/null; wait; rm -rf "$tmp"' EXIT
 
 start_server() { # NAME ARGS...: starts kvq serve on a free port, sets port and srv_pid
-  local name=$1; shift
-  "$kvq" serve -m "$model" --host 127.0.0.1 --port 0 -t 2 "$@" >"$tmp/$name.log" 2>&1 &
-  srv_pid=$!
-  port=""
-  for _ in $(seq 300); do
-    port=$(grep -o 'listening on http://[0-9.]*:[0-9]*' "$tmp/$name.log" | sed 's/.*://')
-    [ -n "$port" ] && return 0
-    kill -0 $srv_pid 2>/dev/null || break
-    sleep 0.1
-  done
-  bad "server $name did not start"; cat "$tmp/$name.log"
-  exit 1
+  serve_start "$1" -m "$model" -t 2 "${@:2}" || exit 1
 }
 stop_server() {
   kill -TERM $srv_pid

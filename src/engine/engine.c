@@ -430,10 +430,11 @@ void kvq_seq_clear(struct kvq_context *c, int seq) {
     for (int il = 0; il < c->m->model->hp.n_layer; il++) kv_cache_clear(seq_caches(c, seq)[il]);
 }
 
-/* dst's caches become copies of src's, sharing blocks; dst is emptied on failure. */
-static int fork_caches(struct kv_cache **dst, struct kv_cache *const *src, int n_layer) {
+/* dst's caches become copies of src's: sharing blocks (kv_cache_fork), or with convert,
+ * src's tokens in dst's format (kv_cache_convert); dst is emptied on failure. */
+static int copy_caches(struct kv_cache **dst, struct kv_cache *const *src, int n_layer, bool convert) {
     for (int il = 0; il < n_layer; il++)
-        if (kv_cache_fork(dst[il], src[il]) != 0) {
+        if ((convert ? kv_cache_convert(dst[il], src[il]) : kv_cache_fork(dst[il], src[il])) != 0) {
             for (int j = 0; j < n_layer; j++) kv_cache_clear(dst[j]);
             return -1;
         }
@@ -442,7 +443,7 @@ static int fork_caches(struct kv_cache **dst, struct kv_cache *const *src, int n
 
 int kvq_seq_fork(struct kvq_context *c, int src, int dst) {
     if (check_seq(c, src) != 0 || check_seq(c, dst) != 0) return -1;
-    return fork_caches(seq_caches(c, dst), seq_caches(c, src), c->m->model->hp.n_layer);
+    return copy_caches(seq_caches(c, dst), seq_caches(c, src), c->m->model->hp.n_layer, false);
 }
 
 size_t kvq_kv_bytes(const struct kvq_context *c) {
@@ -509,29 +510,18 @@ struct kvq_context *engine_prefix_context(const struct kvq_prefix *p) { return p
 struct kvq_prefix *kvq_prefix_hold(struct kvq_context *c, int seq) {
     if (check_seq(c, seq) != 0) return NULL;
     struct kvq_prefix *p = engine_prefix_new(c);
-    if (p && fork_caches(p->caches, seq_caches(c, seq), c->m->model->hp.n_layer) != 0) {
+    if (p && copy_caches(p->caches, seq_caches(c, seq), c->m->model->hp.n_layer, false) != 0) {
         kvq_prefix_free(p);
         return NULL;
     }
     return p;
 }
 
-/* dst's caches become src's tokens in dst's format (kv_cache_convert); dst is emptied
- * on failure. */
-static int convert_caches(struct kv_cache **dst, struct kv_cache *const *src, int n_layer) {
-    for (int il = 0; il < n_layer; il++)
-        if (kv_cache_convert(dst[il], src[il]) != 0) {
-            for (int j = 0; j < n_layer; j++) kv_cache_clear(dst[j]);
-            return -1;
-        }
-    return 0;
-}
-
 /* A new prefix holding the caches src in format pk (re-encoded: a copy). */
 static struct kvq_prefix *prefix_converted(struct kvq_context *c, struct kv_cache *const *src,
                                            const struct kvq_kv_config *pk) {
     struct kvq_prefix *p = engine_prefix_new_kv(c, pk);
-    if (p && convert_caches(p->caches, src, c->m->model->hp.n_layer) != 0) {
+    if (p && copy_caches(p->caches, src, c->m->model->hp.n_layer, true) != 0) {
         kvq_prefix_free(p);
         return NULL;
     }
@@ -554,8 +544,7 @@ struct kvq_prefix *kvq_prefix_convert(const struct kvq_prefix *p, const struct k
 int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p) {
     if (check_seq(c, seq) != 0) return -1;
     if (p->c != c) return kvq_error("a held prefix attaches only to sequences of its own context");
-    if (!same_format(&p->kv, &c->p.kv)) return convert_caches(seq_caches(c, seq), p->caches, c->m->model->hp.n_layer);
-    return fork_caches(seq_caches(c, seq), p->caches, c->m->model->hp.n_layer);
+    return copy_caches(seq_caches(c, seq), p->caches, c->m->model->hp.n_layer, !same_format(&p->kv, &c->p.kv));
 }
 
 int kvq_prefix_len(const struct kvq_prefix *p) { return kv_cache_n_past(p->caches[0]); }
