@@ -3,6 +3,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "backend/weight.h"
 #include "core/error.h"
@@ -13,6 +14,7 @@
 struct cpu_weight {
     const struct weight *w;
     void *rows16; /* NULL, or the 16-row form (a tied embedding table: its output's) */
+    size_t bytes; /* of rows16 when owned */
     bool owned;
 };
 
@@ -52,15 +54,19 @@ int cpu_weights_add(struct cpu_weights *t, struct kvq_threads *pool, const struc
         t->ents = e;
         t->cap = cap;
     }
-    struct cpu_weight ent = {w, NULL, false};
+    struct cpu_weight ent = {w, NULL, 0, false};
     if (w->data && kern_rows16_wanted(w->type)) {
         for (int i = 0; i < t->n && !ent.rows16; i++) /* tied: the other descriptor's copy */
             if (t->ents[i].w->data == w->data) ent.rows16 = t->ents[i].rows16;
         if (!ent.rows16 && !w->lookup) {
             const size_t bytes = kern_rows16_bytes(w->type, w->rows, w->cols);
-            if (!(ent.rows16 = aligned_alloc(64, bytes)))
+            /* mapped, not malloc'd: freeing it then leaves malloc's thresholds alone (a
+             * context made after one freed kept freed copies' pages in the heap) */
+            ent.rows16 = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (ent.rows16 == MAP_FAILED)
                 return kvq_error_code(KVQ_ERR_OOM, "out of memory for a %zu-byte weight's 16-row form", bytes);
             ent.owned = true;
+            ent.bytes = bytes;
             /* threads: reading the mapped file and the copy's writes go at the speed of
              * memory, not of one core (an 8B Q4_0 model took seconds on one) */
             kvq_threads_run(pool, pack_tiles, &(struct pack_arg){w, ent.rows16});
@@ -86,7 +92,7 @@ const void *cpu_weights_rows16(const struct cpu_weights *t, const struct weight 
 
 void cpu_weights_free(struct cpu_weights *t) {
     for (int i = 0; i < t->n; i++)
-        if (t->ents[i].owned) free(t->ents[i].rows16);
+        if (t->ents[i].owned) munmap(t->ents[i].rows16, t->ents[i].bytes);
     free(t->ents);
     memset(t, 0, sizeof *t);
 }
