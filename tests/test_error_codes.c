@@ -10,8 +10,8 @@
 #include "kvq.h"
 
 int main(void) {
-    CHECK(strcmp(KVQ_VERSION_STRING, "0.1.0") == 0 && KVQ_VERSION_MAJOR == 0 && KVQ_VERSION_MINOR == 1,
-          "version %s", KVQ_VERSION_STRING);
+    CHECK(strcmp(KVQ_VERSION_STRING, "0.1.0") == 0 && KVQ_VERSION_MAJOR == 0 && KVQ_VERSION_MINOR == 1, "version %s",
+          KVQ_VERSION_STRING);
 
     CHECK(kvq_model_load("/nonexistent/kvq-test.gguf") == NULL, "a missing file loads");
     CHECK(kvq_last_error_code() == KVQ_ERR_IO, "missing file: code %d (%s)", kvq_last_error_code(), kvq_last_error());

@@ -18,7 +18,7 @@ struct weight {
     const void *data;
     int64_t rows, cols;
     size_t row_bytes;
-    bool lookup; /* an embedding table: read by rows, never multiplied (tied: the output's rows) */
+    bool lookup;                  /* an embedding table: read by rows, never multiplied (tied: the output's rows) */
     const struct gguf_file *file; /* the file data is mapped from: a backend that keeps its own
                                    * copy may release those pages (gguf_release_pages) */
 };

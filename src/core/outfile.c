@@ -18,7 +18,8 @@ FILE *kvq_outfile_open(struct kvq_outfile *o, const char *path) {
             return NULL;
         }
         if (!S_ISREG(st.st_mode)) { /* a device or pipe: write in place, never replace it */
-            if (!(o->f = fopen(path, "wb"))) kvq_error_code(KVQ_ERR_IO, "cannot create '%s': %s", path, strerror(errno));
+            if (!(o->f = fopen(path, "wb")))
+                kvq_error_code(KVQ_ERR_IO, "cannot create '%s': %s", path, strerror(errno));
             return o->f;
         }
     }

@@ -338,8 +338,10 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     if (c->p.kv_budget_bytes == 0) c->p.kv_budget_bytes = default_budget(c);
     c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new(p->n_threads) : backend_cpu_new(p->n_threads);
     if (c->be && !c->be->ops->attends_nf && quant && (p->kv.k_group == KVQ_KV_NF || p->kv.v_group == KVQ_KV_NF)) {
-        kvq_error_code(KVQ_ERR_UNSUPPORTED, "the %s backend has no attention for normal-float KV rows (--kv-bits 3, 2 or :nf): use "
-                  "uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu", c->be->ops->name);
+        kvq_error_code(KVQ_ERR_UNSUPPORTED,
+                       "the %s backend has no attention for normal-float KV rows (--kv-bits 3, 2 or :nf): use "
+                       "uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu",
+                       c->be->ops->name);
         goto fail;
     }
     c->fwd = c->be ? forward_new(m->model, c->be, p->n_batch) : NULL;
@@ -612,14 +614,16 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
         struct kv_cache **cs = seq_caches(c, s);
         int len = kv_cache_n_past(cs[0]);
         if (c->p.kv.max_size == 0 && len + count[s + 1] > c->p.n_ctx)
-            return kvq_error_code(KVQ_ERR_CONTEXT_FULL, "context full: sequence %d holds %d tokens, %d more would exceed the context of %d", s,
-                             len, count[s + 1], c->p.n_ctx);
+            return kvq_error_code(KVQ_ERR_CONTEXT_FULL,
+                                  "context full: sequence %d holds %d tokens, %d more would exceed the context of %d",
+                                  s, len, count[s + 1], c->p.n_ctx);
         for (int il = 0; il < c->m->model->hp.n_layer; il++) need += kv_cache_append_bytes(cs[il], count[s + 1], c->p.n_batch);
     }
     if (!kv_pool_fits(c->kv_pool, need))
-        return kvq_error_code(KVQ_ERR_BUDGET, "KV cache budget exhausted: the batch needs up to %zu more bytes, %zu of %zu are in use "
-                         "(raise the KV budget or free sequences)",
-                         need, kv_pool_used(c->kv_pool), kv_pool_budget(c->kv_pool));
+        return kvq_error_code(KVQ_ERR_BUDGET,
+                              "KV cache budget exhausted: the batch needs up to %zu more bytes, %zu of %zu are in use "
+                              "(raise the KV budget or free sequences)",
+                              need, kv_pool_used(c->kv_pool), kv_pool_budget(c->kv_pool));
     for (int s = 0; s < n_seq; s++) count[s + 1] += count[s];
     for (int i = 0; i < n; i++) c->order[count[b->seq_ids ? b->seq_ids[i] : 0]++] = i;
     return 0;

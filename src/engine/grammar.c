@@ -214,7 +214,8 @@ void grammar_free(struct grammar *g) {
 
 int grammar_rule(struct grammar *g) {
     if (g->n_rules >= MAX_ELEMS) return kvq_error("grammar: more than %d rules (the schema is too large)", MAX_ELEMS);
-    if (grow((void **)&g->rules, &g->cap_rules, g->n_rules + 1, sizeof *g->rules)) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
+    if (grow((void **)&g->rules, &g->cap_rules, g->n_rules + 1, sizeof *g->rules))
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     g->rules[g->n_rules] = (struct rule){0};
     return g->n_rules++;
 }

@@ -174,18 +174,21 @@ static int check_envelope(const char *path, const uint8_t *data, size_t len, str
     uint32_t version;
     if (len < 12 && memcmp(data, SEQ_MAGIC, len < 8 ? len : 8) == 0 && len >= 4)
         return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
-    if (len < 12 || memcmp(data, SEQ_MAGIC, 8) != 0) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is not a kvq KV cache file", path);
+    if (len < 12 || memcmp(data, SEQ_MAGIC, 8) != 0)
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is not a kvq KV cache file", path);
     *r = (struct kv_reader){data, len, 8};
     kv_read_u32(r, &version);
     if (version < 1 || version > SEQ_VERSION)
-        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "'%s' has KV cache file version %u; this build reads versions 1 to %u", path, version,
-                         SEQ_VERSION);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED,
+                              "'%s' has KV cache file version %u; this build reads versions 1 to %u", path, version,
+                              SEQ_VERSION);
     *version_out = version;
     if (len < 12 + 8) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
     struct kv_reader t = {data, len, len - 8};
     uint64_t sum;
     kv_read_u64(&t, &sum);
-    if (sum != fnv1a(FNV_INIT, data, len - 8)) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is corrupt or truncated (checksum mismatch)", path);
+    if (sum != fnv1a(FNV_INIT, data, len - 8))
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is corrupt or truncated (checksum mismatch)", path);
     r->len = len - 8; /* the payload */
     return 0;
 }
@@ -196,10 +199,12 @@ static int read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_
     int32_t v[10] = {0};
     for (int i = 0; i < (version >= 3 ? 10 : version == 2 ? 9 : 8); i++)
         if (!kv_read_i32(r, &v[i])) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
-    if (v[9] & ~1) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' has unknown KV flag bits 0x%x", path, (unsigned)v[9] & ~1u);
+    if (v[9] & ~1)
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' has unknown KV flag bits 0x%x", path, (unsigned)v[9] & ~1u);
     if (v[4] < 0 || v[4] > (1 << 30) || v[5] < 0 || v[5] > (1 << 30) || v[6] < 0 || v[6] > (1 << 30))
-        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' holds an impossible KV config (max size %d, keep %d, quantized start %d)", path, v[4],
-                         v[5], v[6]);
+        return kvq_error_code(KVQ_ERR_FORMAT,
+                              "'%s' holds an impossible KV config (max size %d, keep %d, quantized start %d)", path,
+                              v[4], v[5], v[6]);
     kv->k_bits = v[0];
     kv->v_bits = v[1];
     kv->k_group = v[2];
@@ -271,8 +276,10 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
                          mine->residual, mine->swa_full);
     /* a rotating cache may hold a long past, but positions must stay far from INT_MAX */
     if (n_past < 0 || n_past > (1 << 30) || (n_past > kvq_context_n_ctx(c) && mine->max_size == 0))
-        return kvq_error_code(KVQ_ERR_CONTEXT_FULL, "'%s' holds %d tokens, more than the context of %d", path, n_past, kvq_context_n_ctx(c));
-    if (!kv_read_u32(r, &n_tok) || n_tok > (r->len - r->off) / 4) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
+        return kvq_error_code(KVQ_ERR_CONTEXT_FULL, "'%s' holds %d tokens, more than the context of %d", path, n_past,
+                              kvq_context_n_ctx(c));
+    if (!kv_read_u32(r, &n_tok) || n_tok > (r->len - r->off) / 4)
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
     kvq_token *toks = malloc(sizeof(kvq_token) * (n_tok ? n_tok : 1));
     if (!toks) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     for (uint32_t i = 0; i < n_tok; i++) {
@@ -302,7 +309,8 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
     int rc = 0;
     for (int il = 0; il < hp->n_layer && rc == 0; il++) {
         if (kv_cache_load(caches[il], r) != 0) rc = kvq_error_wrap("'%s', layer %d: %s", path, il, kvq_last_error());
-        else if (kv_cache_n_past(caches[il]) != n_past) rc = kvq_error_code(KVQ_ERR_FORMAT, "'%s', layer %d: inconsistent offset", path, il);
+        else if (kv_cache_n_past(caches[il]) != n_past)
+            rc = kvq_error_code(KVQ_ERR_FORMAT, "'%s', layer %d: inconsistent offset", path, il);
     }
     if (rc == 0 && r->off != r->len) rc = kvq_error_code(KVQ_ERR_FORMAT, "'%s' has trailing bytes", path);
     if (rc == 0 && extra) {

@@ -47,7 +47,8 @@ static uint64_t remaining(const struct reader *r) { return r->f->size - r->pos; 
 
 static bool take(struct reader *r, void *dst, uint64_t n, const char *what) {
     if (n > remaining(r)) {
-        kvq_error_code(KVQ_ERR_FORMAT, "gguf: file truncated while reading %s (offset %llu)", what, (unsigned long long)r->pos);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: file truncated while reading %s (offset %llu)", what,
+                       (unsigned long long)r->pos);
         return false;
     }
     memcpy(dst, r->f->base + r->pos, n);
@@ -81,7 +82,8 @@ static bool read_str(struct reader *r, struct gguf_str *s, const char *what) {
     uint64_t len;
     if (!take(r, &len, 8, what)) return false;
     if (len > remaining(r)) {
-        kvq_error_code(KVQ_ERR_FORMAT, "gguf: %s has length %llu, past the end of the file", what, (unsigned long long)len);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: %s has length %llu, past the end of the file", what,
+                       (unsigned long long)len);
         return false;
     }
     s->ptr = (const char *)r->f->base + r->pos;
@@ -140,7 +142,8 @@ static bool read_array(struct reader *r, struct gguf_value *v, int depth) {
     uint64_t esize = scalar_size(et);
     if (esize) {
         if (n > remaining(r) / esize) {
-            kvq_error_code(KVQ_ERR_FORMAT, "gguf: array of %llu elements runs past the end of the file", (unsigned long long)n);
+            kvq_error_code(KVQ_ERR_FORMAT, "gguf: array of %llu elements runs past the end of the file",
+                           (unsigned long long)n);
             return false;
         }
         v->arr.data = r->f->base + r->pos;
@@ -150,7 +153,8 @@ static bool read_array(struct reader *r, struct gguf_value *v, int depth) {
     /* Strings take at least 8 bytes each, nested arrays at least 12. */
     uint64_t min_size = et == GGUF_TYPE_STRING ? 8 : 12;
     if (n > remaining(r) / min_size) {
-        kvq_error_code(KVQ_ERR_FORMAT, "gguf: array of %llu elements runs past the end of the file", (unsigned long long)n);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: array of %llu elements runs past the end of the file",
+                       (unsigned long long)n);
         return false;
     }
     if (et == GGUF_TYPE_STRING) {
@@ -193,8 +197,8 @@ static bool parse_tensor_info(struct reader *r, struct gguf_tensor *t) {
     if (!read_str(r, &t->name, "tensor name")) return false;
     if (!take(r, &t->n_dims, 4, "tensor dims")) return false;
     if (t->n_dims == 0 || t->n_dims > GGUF_MAX_DIMS) {
-        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' has %u dimensions (1..%d allowed)", (int)(t->name.len > 200 ? 200 : t->name.len),
-                  t->name.ptr, t->n_dims, GGUF_MAX_DIMS);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' has %u dimensions (1..%d allowed)",
+                       (int)(t->name.len > 200 ? 200 : t->name.len), t->name.ptr, t->n_dims, GGUF_MAX_DIMS);
         return false;
     }
     for (int d = 0; d < GGUF_MAX_DIMS; d++) t->ne[d] = 1;
@@ -221,8 +225,8 @@ static bool validate_tensor(const struct gguf_file *f, struct gguf_tensor *t) {
         n *= t->ne[d];
     }
     if (t->ne[0] % info->block_size != 0) {
-        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' row length %llu is not a multiple of the %s block size %u", nl, t->name.ptr,
-                  (unsigned long long)t->ne[0], info->name, info->block_size);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' row length %llu is not a multiple of the %s block size %u",
+                       nl, t->name.ptr, (unsigned long long)t->ne[0], info->name, info->block_size);
         return false;
     }
     uint64_t blocks = n / info->block_size;
@@ -233,12 +237,13 @@ static bool validate_tensor(const struct gguf_file *f, struct gguf_tensor *t) {
     t->nbytes = blocks * info->block_bytes;
     if (t->offset % f->alignment != 0) {
         kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' offset %llu is not aligned to %llu", nl, t->name.ptr,
-                  (unsigned long long)t->offset, (unsigned long long)f->alignment);
+                       (unsigned long long)t->offset, (unsigned long long)f->alignment);
         return false;
     }
     if (t->offset > f->data_size || t->nbytes > f->data_size - t->offset) {
-        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' data (%llu bytes at offset %llu) lies past the end of the file", nl, t->name.ptr,
-                  (unsigned long long)t->nbytes, (unsigned long long)t->offset);
+        kvq_error_code(KVQ_ERR_FORMAT,
+                       "gguf: tensor '%.*s' data (%llu bytes at offset %llu) lies past the end of the file", nl,
+                       t->name.ptr, (unsigned long long)t->nbytes, (unsigned long long)t->offset);
         return false;
     }
     t->data = f->data + t->offset;
@@ -264,10 +269,12 @@ static bool check_layout(struct gguf_file *f) {
     for (uint64_t i = 0; i < f->n_tensors; i++) {
         const struct gguf_tensor *t = by_off[i];
         if (t->offset != expect) {
-            kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' starts at offset %llu, expected %llu (%s the tensor before it: its type or "
-                      "shape does not match the data)",
-                      (int)(t->name.len > 200 ? 200 : t->name.len), t->name.ptr, (unsigned long long)t->offset,
-                      (unsigned long long)expect, t->offset < expect ? "overlaps" : "leaves a gap after");
+            kvq_error_code(
+                KVQ_ERR_FORMAT,
+                "gguf: tensor '%.*s' starts at offset %llu, expected %llu (%s the tensor before it: its type or "
+                "shape does not match the data)",
+                (int)(t->name.len > 200 ? 200 : t->name.len), t->name.ptr, (unsigned long long)t->offset,
+                (unsigned long long)expect, t->offset < expect ? "overlaps" : "leaves a gap after");
             return false;
         }
         expect = (t->offset + t->nbytes + f->alignment - 1) / f->alignment * f->alignment;
@@ -291,7 +298,7 @@ static bool parse(struct gguf_file *f) {
     /* A key/value takes at least 13 bytes, a tensor info at least 32. */
     if (f->n_kv > remaining(&r) / 13 || f->n_tensors > remaining(&r) / 32) {
         kvq_error_code(KVQ_ERR_FORMAT, "gguf: header claims %llu keys and %llu tensors, more than the file can hold",
-                  (unsigned long long)f->n_kv, (unsigned long long)f->n_tensors);
+                       (unsigned long long)f->n_kv, (unsigned long long)f->n_tensors);
         return false;
     }
     f->kv = track_alloc(f, f->n_kv, sizeof *f->kv);
@@ -304,7 +311,8 @@ static bool parse(struct gguf_file *f) {
         if (!read_value(&r, &kv->value, type, 0)) return false;
         for (uint64_t j = 0; j < i; j++) {
             if (f->kv[j].key.len == kv->key.len && memcmp(f->kv[j].key.ptr, kv->key.ptr, kv->key.len) == 0) {
-                kvq_error_code(KVQ_ERR_FORMAT, "gguf: duplicate key '%.*s'", (int)(kv->key.len > 200 ? 200 : kv->key.len), kv->key.ptr);
+                kvq_error_code(KVQ_ERR_FORMAT, "gguf: duplicate key '%.*s'",
+                               (int)(kv->key.len > 200 ? 200 : kv->key.len), kv->key.ptr);
                 return false;
             }
         }
@@ -330,8 +338,9 @@ static bool parse(struct gguf_file *f) {
         for (uint64_t j = 0; j < i; j++) {
             if (f->tensors[j].name.len == f->tensors[i].name.len &&
                 memcmp(f->tensors[j].name.ptr, f->tensors[i].name.ptr, f->tensors[i].name.len) == 0) {
-                kvq_error_code(KVQ_ERR_FORMAT, "gguf: duplicate tensor '%.*s'", (int)(f->tensors[i].name.len > 200 ? 200 : f->tensors[i].name.len),
-                          f->tensors[i].name.ptr);
+                kvq_error_code(KVQ_ERR_FORMAT, "gguf: duplicate tensor '%.*s'",
+                               (int)(f->tensors[i].name.len > 200 ? 200 : f->tensors[i].name.len),
+                               f->tensors[i].name.ptr);
                 return false;
             }
         }

@@ -300,7 +300,9 @@ int gguf_writer_write(struct gguf_writer *w, const char *path, gguf_fill_fn fill
     uint8_t *tmp = NULL;
     if (rc == 0 && fill && max_bytes > 0) {
         tmp = malloc((size_t)max_bytes);
-        if (!tmp) rc = kvq_error_code(KVQ_ERR_OOM, "gguf: out of memory for a tensor of %llu bytes", (unsigned long long)max_bytes);
+        if (!tmp)
+            rc = kvq_error_code(KVQ_ERR_OOM, "gguf: out of memory for a tensor of %llu bytes",
+                                (unsigned long long)max_bytes);
     }
     uint64_t pos = 0;
     for (size_t i = 0; i < w->n_t && rc == 0; i++) {

@@ -112,8 +112,8 @@ static int class_of(struct kv_pool *p, size_t bytes) {
 
 struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
     if (!kv_pool_fits(p, bytes)) {
-        kvq_error_code(KVQ_ERR_BUDGET, "KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more", p->used, p->budget,
-                  bytes);
+        kvq_error_code(KVQ_ERR_BUDGET, "KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more",
+                       p->used, p->budget, bytes);
         return NULL;
     }
     int ci = class_of(p, bytes);

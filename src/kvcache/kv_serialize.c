@@ -174,7 +174,8 @@ static int place_rows(struct kv_cache *c, const int32_t *pos, int32_t size, cons
     qsort(sorted, (size_t)size, sizeof *sorted, cmp_i32);
     int rc = 0;
     for (int32_t i = 1; i < size && rc == 0; i++)
-        if (sorted[i] == sorted[i - 1]) rc = kvq_error_code(KVQ_ERR_FORMAT, "invalid KV cache section: repeated token position");
+        if (sorted[i] == sorted[i - 1])
+            rc = kvq_error_code(KVQ_ERR_FORMAT, "invalid KV cache section: repeated token position");
     /* the first block past the kept ones starts the table's sliding part */
     for (int32_t i = 0; i < size && rc == 0; i++)
         if (sorted[i] / KV_BLOCK_TOKENS >= st->nkb) {

@@ -221,7 +221,8 @@ static int store_append_at(struct kv_cache *c, int n, const float *k, const floa
 
 int kv_store_append(struct kv_cache *c, int n, const float *k, const float *v) {
     if (n <= 0) return 0;
-    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && kv_store_to_quantized(c) != 0) return -1;
+    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && kv_store_to_quantized(c) != 0)
+        return -1;
     return store_append_at(c, n, k, v, c->n_past);
 }
 
@@ -230,7 +231,8 @@ int kv_store_append(struct kv_cache *c, int n, const float *k, const float *v) {
 int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first) {
     struct kv_store *st = store_of(c);
     if (n <= 0) return 0;
-    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && kv_store_to_quantized(c) != 0) return -1;
+    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && kv_store_to_quantized(c) != 0)
+        return -1;
     int32_t ns;
     kv_store_release_before(c, first);
     if (kv_store_reserve_rows(c, n) != 0 || kv_windows_make_room(c, n, first, &ns) != 0) return -1;

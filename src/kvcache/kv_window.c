@@ -69,7 +69,9 @@ static bool win_copy(struct kv_cache *c, struct kv_win **wp, int32_t cap, bool t
 
 /* Replaces *wp by a private window of `cap` rows holding its rows but the first skip. */
 static int win_realloc(struct kv_cache *c, struct kv_win **wp, int32_t cap, int32_t skip) {
-    return win_copy(c, wp, cap, false, skip) ? 0 : kvq_error_code(KVQ_ERR_OOM, "out of memory growing the KV cache window to %d tokens", cap);
+    return win_copy(c, wp, cap, false, skip)
+               ? 0
+               : kvq_error_code(KVQ_ERR_OOM, "out of memory growing the KV cache window to %d tokens", cap);
 }
 
 /* A capacity for `need` rows: doubled for a window that grows a row at a time, a

@@ -38,7 +38,8 @@ static int get_float(const struct gguf_file *f, const char *arch, const char *su
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
     if (gguf_get_f32(f, key, out) && !(isfinite(*out) && *out > 0))
-        return kvq_error_code(KVQ_ERR_FORMAT, "model metadata %s = %g: expected a finite positive number", key, (double)*out);
+        return kvq_error_code(KVQ_ERR_FORMAT, "model metadata %s = %g: expected a finite positive number", key,
+                              (double)*out);
     return 0;
 }
 
@@ -46,7 +47,9 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
     if (!gguf_get_str(f, "general.architecture", hp->arch_name, sizeof hp->arch_name))
         return kvq_error_code(KVQ_ERR_FORMAT, "model has no general.architecture");
     if (!arch_from_name(hp->arch_name, &hp->arch))
-        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "unsupported architecture '%s' (supported: llama, mistral, qwen2, qwen3, gemma3)", hp->arch_name);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED,
+                              "unsupported architecture '%s' (supported: llama, mistral, qwen2, qwen3, gemma3)",
+                              hp->arch_name);
     const char *a = hp->arch_name;
     if (get_int(f, a, "embedding_length", &hp->n_embd, true) || get_int(f, a, "block_count", &hp->n_layer, true) ||
         get_int(f, a, "feed_forward_length", &hp->n_ff, true) ||
@@ -59,13 +62,14 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
         return -1;
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_ff <= 0 || hp->n_head <= 0 || hp->n_head_kv <= 0 ||
         hp->n_head % hp->n_head_kv != 0)
-        return kvq_error_code(KVQ_ERR_FORMAT, "invalid model shape: embd %d, layers %d, ffn %d, heads %d/%d", hp->n_embd, hp->n_layer,
-                         hp->n_ff, hp->n_head, hp->n_head_kv);
+        return kvq_error_code(KVQ_ERR_FORMAT, "invalid model shape: embd %d, layers %d, ffn %d, heads %d/%d",
+                              hp->n_embd, hp->n_layer, hp->n_ff, hp->n_head, hp->n_head_kv);
     hp->head_dim = hp->n_embd / hp->n_head;
     if (get_int(f, a, "attention.key_length", &hp->head_dim, false)) return -1;
     int vlen = hp->head_dim;
     if (get_int(f, a, "attention.value_length", &vlen, false)) return -1;
-    if (vlen != hp->head_dim) return kvq_error_code(KVQ_ERR_UNSUPPORTED, "models with key_length != value_length are not supported");
+    if (vlen != hp->head_dim)
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "models with key_length != value_length are not supported");
     if (hp->head_dim <= 0 || hp->head_dim % 2 != 0 || hp->head_dim > 1024)
         return kvq_error_code(KVQ_ERR_UNSUPPORTED, "unsupported head dimension %d", hp->head_dim);
     hp->rope_dim = hp->head_dim;
@@ -89,7 +93,8 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
     if (strcmp(scaling, "linear") == 0) {
         if (get_float(f, a, "rope.scaling.factor", &hp->rope_linear_factor)) return -1;
     } else if (scaling[0] && strcmp(scaling, "none") != 0 && strcmp(scaling, "llama3") != 0) {
-        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "unsupported rope scaling '%s' (supported: none, linear, llama3)", scaling);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "unsupported rope scaling '%s' (supported: none, linear, llama3)",
+                              scaling);
     }
     if (get_int(f, a, "attention.sliding_window", &hp->sliding_window, hp->arch == ARCH_GEMMA3)) return -1;
     if (hp->arch == ARCH_GEMMA3 && hp->sliding_window <= 0)
@@ -130,9 +135,11 @@ static int check_all_taken(const struct model *m) {
     for (uint64_t i = 0; i < gguf_n_tensors(m->file); i++) {
         if (m->tensor_taken[i]) continue;
         const struct gguf_tensor *t = gguf_tensor_at(m->file, i);
-        return kvq_error_code(KVQ_ERR_FORMAT, "tensor '%.*s' is not used by a %d-layer %s model (%s.block_count = %d): the metadata does "
-                         "not match the tensors",
-                         (int)t->name.len, t->name.ptr, m->hp.n_layer, m->hp.arch_name, m->hp.arch_name, m->hp.n_layer);
+        return kvq_error_code(
+            KVQ_ERR_FORMAT,
+            "tensor '%.*s' is not used by a %d-layer %s model (%s.block_count = %d): the metadata does "
+            "not match the tensors",
+            (int)t->name.len, t->name.ptr, m->hp.n_layer, m->hp.arch_name, m->hp.arch_name, m->hp.n_layer);
     }
     return 0;
 }
@@ -188,9 +195,11 @@ static int find_weight(struct model *m, const char *name, int64_t cols, int64_t 
     if (!t) return required ? kvq_error_code(KVQ_ERR_FORMAT, "model is missing tensor '%s'", name) : 0;
     if (t->ne[0] != (uint64_t)cols || t->ne[1] != (uint64_t)rows || t->ne[2] != 1 || t->ne[3] != 1)
         return kvq_error_code(KVQ_ERR_FORMAT, "tensor '%s' has shape [%llu, %llu], expected [%lld, %lld]", name,
-                         (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (long long)cols, (long long)rows);
+                              (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (long long)cols,
+                              (long long)rows);
     if (!kvq_dtype_supported(t->type))
-        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "unsupported tensor type %s in tensor %s", kvq_dtype_name(t->type), name);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "unsupported tensor type %s in tensor %s", kvq_dtype_name(t->type),
+                              name);
     w->type = t->type;
     w->data = t->data;
     w->rows = rows;
@@ -208,8 +217,8 @@ static int find_vector(struct model *m, const char *name, int64_t n, bool requir
     *out = NULL;
     if (!t) return required ? kvq_error_code(KVQ_ERR_FORMAT, "model is missing tensor '%s'", name) : 0;
     if (t->type != KVQ_F32 || t->ne[0] != (uint64_t)n || t->ne[1] != 1)
-        return kvq_error_code(KVQ_ERR_FORMAT, "tensor '%s' must be f32 with %lld values (found %s, %llu)", name, (long long)n,
-                         kvq_dtype_name(t->type), (unsigned long long)t->ne[0]);
+        return kvq_error_code(KVQ_ERR_FORMAT, "tensor '%s' must be f32 with %lld values (found %s, %llu)", name,
+                              (long long)n, kvq_dtype_name(t->type), (unsigned long long)t->ne[0]);
     *out = t->data;
     m->n_params += (uint64_t)n;
     m->weight_bytes += t->nbytes;
@@ -256,7 +265,8 @@ struct model *model_load(const char *path) {
     m->file = gguf_open(path);
     if (!m->file || read_hparams(m->file, &m->hp) != 0) goto fail;
     if (gguf_n_tensors(m->file) == 0) {
-        kvq_error_code(KVQ_ERR_FORMAT, "'%s' holds no weights (a vocabulary-only file: only 'kvq tokenize' can use it)", path);
+        kvq_error_code(KVQ_ERR_FORMAT, "'%s' holds no weights (a vocabulary-only file: only 'kvq tokenize' can use it)",
+                       path);
         goto fail;
     }
     struct model_hparams *hp = &m->hp;
@@ -282,8 +292,8 @@ struct model *model_load(const char *path) {
     /* every layer has several tensors: a block_count beyond the tensor count is a
      * lie that would otherwise size the layer table (2^30 layers: 360 GB) */
     if ((uint64_t)hp->n_layer > gguf_n_tensors(m->file)) {
-        kvq_error_code(KVQ_ERR_FORMAT, "model metadata %s.block_count = %d, but the file holds only %llu tensors", hp->arch_name,
-                  hp->n_layer, (unsigned long long)gguf_n_tensors(m->file));
+        kvq_error_code(KVQ_ERR_FORMAT, "model metadata %s.block_count = %d, but the file holds only %llu tensors",
+                       hp->arch_name, hp->n_layer, (unsigned long long)gguf_n_tensors(m->file));
         goto fail;
     }
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);

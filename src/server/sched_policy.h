@@ -16,28 +16,28 @@
 
 /* Limits, fixed when the scheduler starts. */
 struct sched_policy {
-    int max_seqs;      /* sequences decoded together */
-    int prefill_chunk; /* prompt tokens per sequence per step */
-    int step_tokens;   /* tokens per step (decode tokens + prefill chunks) */
-    int n_ctx;         /* tokens per sequence */
-    size_t budget;     /* KV bytes in use at once */
+    int max_seqs;                     /* sequences decoded together */
+    int prefill_chunk;                /* prompt tokens per sequence per step */
+    int step_tokens;                  /* tokens per step (decode tokens + prefill chunks) */
+    int n_ctx;                        /* tokens per sequence */
+    size_t budget;                    /* KV bytes in use at once */
     size_t token_bytes, window_bytes; /* kvq_kv_token_bytes, kvq_kv_window_bytes */
-    size_t margin;     /* KV bytes kept free: a quantized cache's f16 rows of a step */
+    size_t margin;                    /* KV bytes kept free: a quantized cache's f16 rows of a step */
 };
 
 /* What the policy knows of the request in a slot. */
 struct sched_seq {
     const kvq_token *prompt;
     int n_prompt;
-    bool follower;      /* one of n choices after the first: it forks the first's prompt */
-    bool forked;        /* a follower that holds its leader's prompt now */
-    int slot;           /* its sequence in the context */
-    int prefilled;      /* prompt tokens in the KV cache */
-    bool has_pending;   /* pending was drawn and is fed next step */
+    bool follower;    /* one of n choices after the first: it forks the first's prompt */
+    bool forked;      /* a follower that holds its leader's prompt now */
+    int slot;         /* its sequence in the context */
+    int prefilled;    /* prompt tokens in the KV cache */
+    bool has_pending; /* pending was drawn and is fed next step */
     kvq_token pending;
-    int len;            /* tokens the sequence holds (kvq_seq_len), for admission */
-    size_t reserve;     /* KV bytes it may grow to (sched_policy_reserve) */
-    uint64_t order;     /* admission order */
+    int len;              /* tokens the sequence holds (kvq_seq_len), for admission */
+    size_t reserve;       /* KV bytes it may grow to (sched_policy_reserve) */
+    uint64_t order;       /* admission order */
     int chunk, batch_pos; /* this step: prompt tokens in the batch; the batch row of its logits (-1: none) */
 };
 

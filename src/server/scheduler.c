@@ -33,7 +33,7 @@ struct sched_req {
     bool cancelled, done;
     struct sched_result res;
     /* scheduler thread only */
-    struct sched_seq q; /* what the batching policy sees (q.prompt is tokens) */
+    struct sched_seq q;     /* what the batching policy sees (q.prompt is tokens) */
     struct sched_req *next; /* queue link */
     int n_gen;
     kvq_token *fed; /* tokens the sequence holds: the prompt, then generated ones */
@@ -521,7 +521,8 @@ static void next_token(struct sched *s, struct sched_req *r) {
 static void fork_followers(struct sched *s) {
     for (int i = 0; i < s->p.max_seqs; i++) {
         struct sched_req *r = s->slots[i], *l = r ? r->leader : NULL;
-        if (!l || r->q.forked || l->q.slot < 0 || l->q.batch_pos < 0 || l->q.chunk == 0 || l->q.prefilled < l->n_tokens) continue;
+        if (!l || r->q.forked || l->q.slot < 0 || l->q.batch_pos < 0 || l->q.chunk == 0 || l->q.prefilled < l->n_tokens)
+            continue;
         if (kvq_seq_fork(s->c, l->q.slot, r->q.slot) != 0) {
             fail(s, r, 500, kvq_last_error());
             continue;
@@ -703,7 +704,8 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     int n_samplers = p->max_seqs < 16 ? (p->max_seqs + 1) / 2 : 8;
     if (n_samplers > n_cpu) n_samplers = n_cpu;
     if (n_samplers > 1) s->sampling = kvq_threads_new(n_samplers);
-    if (!s->slots || !s->seqs || !s->want || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws || (n_samplers > 1 && !s->sampling)) {
+    if (!s->slots || !s->seqs || !s->want || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws ||
+        (n_samplers > 1 && !s->sampling)) {
         sched_free(s);
         return NULL;
     }

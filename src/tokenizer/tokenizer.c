@@ -32,19 +32,20 @@ static int token_array(const struct gguf_file *f, const char *key, enum gguf_typ
     const struct gguf_value *v = *out = gguf_find(f, key);
     if (!v) return 0;
     if (v->type != GGUF_TYPE_ARRAY || v->arr.elem_type != type)
-        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s must be an array of %s, not %s%s", key, gguf_type_name(type),
-                         v->type == GGUF_TYPE_ARRAY ? "an array of " : "",
-                         gguf_type_name(v->type == GGUF_TYPE_ARRAY ? v->arr.elem_type : v->type));
+        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s must be an array of %s, not %s%s", key,
+                              gguf_type_name(type), v->type == GGUF_TYPE_ARRAY ? "an array of " : "",
+                              gguf_type_name(v->type == GGUF_TYPE_ARRAY ? v->arr.elem_type : v->type));
     if (v->arr.n != n)
-        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s has %llu entries for %llu tokens", key, (unsigned long long)v->arr.n,
-                         (unsigned long long)n);
+        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s has %llu entries for %llu tokens", key,
+                              (unsigned long long)v->arr.n, (unsigned long long)n);
     return 0;
 }
 
 static int load_tokens(struct tokenizer *t, const struct gguf_file *f) {
     const struct gguf_value *toks = gguf_get_arr(f, KEY_TOKENS, GGUF_TYPE_STRING);
     if (!toks) return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: missing string array %s", KEY_TOKENS);
-    if (toks->arr.n == 0 || toks->arr.n > INT32_MAX / 2) return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: bad vocabulary size %llu", (unsigned long long)toks->arr.n);
+    if (toks->arr.n == 0 || toks->arr.n > INT32_MAX / 2)
+        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: bad vocabulary size %llu", (unsigned long long)toks->arr.n);
     t->n_vocab = (int32_t)toks->arr.n;
 
     const struct gguf_value *scores, *types;
@@ -54,11 +55,14 @@ static int load_tokens(struct tokenizer *t, const struct gguf_file *f) {
     for (uint64_t i = 0; i < toks->arr.n; i++) {
         double score = scores ? gguf_arr_f64(scores, i) : 0;
         int64_t type = types ? gguf_arr_i64(types, i) : TOK_TYPE_NORMAL;
-        if (!isfinite(score)) return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s of token %llu is not finite", KEY_SCORES, (unsigned long long)i);
+        if (!isfinite(score))
+            return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s of token %llu is not finite", KEY_SCORES,
+                                  (unsigned long long)i);
         /* llama.cpp's writers use 1 (normal) .. 6 (byte); 0 (undefined) is never written */
         if (type < TOK_TYPE_NORMAL || type > TOK_TYPE_BYTE)
-            return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s of token %llu is %lld, not one of llama.cpp's types 1..6", KEY_TYPES,
-                             (unsigned long long)i, (long long)type);
+            return kvq_error_code(KVQ_ERR_FORMAT,
+                                  "tokenizer: %s of token %llu is %lld, not one of llama.cpp's types 1..6", KEY_TYPES,
+                                  (unsigned long long)i, (long long)type);
     }
 
     /* Empty token texts get a placeholder name, as llama.cpp does. */
@@ -87,7 +91,9 @@ static int load_tokens(struct tokenizer *t, const struct gguf_file *f) {
         int32_t dup;
         int rc = strmap_put(&t->vocab, t->text_blob + e->off, e->len, i, &dup);
         if (rc < 0) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
-        if (rc == 0) return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: duplicate token '%.*s' (ids %d and %d)", (int)e->len, t->text_blob + e->off, (int)dup, (int)i);
+        if (rc == 0)
+            return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: duplicate token '%.*s' (ids %d and %d)", (int)e->len,
+                                  t->text_blob + e->off, (int)dup, (int)i);
     }
     return 0;
 }
@@ -101,7 +107,8 @@ static int load_merges(struct tokenizer *t, const struct gguf_file *f) {
     size_t blob = 0;
     for (uint64_t i = 0; i < m->arr.n; i++) blob += m->arr.strs[i].len;
     t->merge_blob = malloc(blob ? blob : 1);
-    if (!t->merge_blob || strmap_init(&t->merges, (size_t)m->arr.n) != 0) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
+    if (!t->merge_blob || strmap_init(&t->merges, (size_t)m->arr.n) != 0)
+        return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
     size_t off = 0;
     for (uint64_t i = 0; i < m->arr.n; i++) {
         struct gguf_str s = m->arr.strs[i];
@@ -209,7 +216,8 @@ static void fill_spm_bytes(struct tokenizer *t) {
 
 static int setup_kind(struct tokenizer *t, const struct gguf_file *f, bool *add_bos_default) {
     char model[64];
-    if (!gguf_get_str(f, KEY_MODEL, model, sizeof model)) return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: missing %s", KEY_MODEL);
+    if (!gguf_get_str(f, KEY_MODEL, model, sizeof model))
+        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: missing %s", KEY_MODEL);
     if (strcmp(model, "llama") == 0) {
         t->kind = TOK_KIND_SPM;
         *add_bos_default = true;

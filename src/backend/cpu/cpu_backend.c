@@ -171,9 +171,16 @@ static void mm_task_run(void *p, int ith, int nth) {
         int64_t r0 = (b + s) * mt->chunk_rows[j], r1 = r0 + mt->chunk_rows[j];
         if (r1 > w->rows) r1 = w->rows;
         struct kern_matmul_args a = {
-            .wtype = w->type, .w = w->data, .w_row_bytes = w->row_bytes, .k = w->cols,
-            .xa = mt->as->bufs[ai], .xa_row_bytes = mt->as->row_bytes[ai], .n_tok = mt->n_tok,
-            .y = job->y, .y_stride = w->rows, .w16 = mt->w16[j],
+            .wtype = w->type,
+            .w = w->data,
+            .w_row_bytes = w->row_bytes,
+            .k = w->cols,
+            .xa = mt->as->bufs[ai],
+            .xa_row_bytes = mt->as->row_bytes[ai],
+            .n_tok = mt->n_tok,
+            .y = job->y,
+            .y_stride = w->rows,
+            .w16 = mt->w16[j],
         };
         kern_matmul(&a, r0, r1);
         if (job->bias)
@@ -537,7 +544,8 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
 
 static int cpu_reserve(struct backend *b, int max_tokens, int64_t widest) {
     struct cpu_backend *cb = cpu(b);
-    if (ensure_attn_order(cb, max_tokens) != 0 || ensure_append(cb, max_tokens) != 0) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
+    if (ensure_attn_order(cb, max_tokens) != 0 || ensure_append(cb, max_tokens) != 0)
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     return ensure_act(cb, max_act_row_bytes(widest) * (size_t)max_tokens);
 }
 
