@@ -2,9 +2,17 @@
  *
  * A model is loaded once; a context holds the KV caches of up to n_seq sequences
  * and runs batches of tokens from any of them together. Functions that can fail
- * return NULL or a negative number; kvq_last_error() then says why in one line. */
+ * return NULL or a negative number; kvq_last_error() then says why in one line, and
+ * kvq_last_error_code() what kind of failure it was. */
 #ifndef KVQ_H
 #define KVQ_H
+
+/* The API's version: the minor number grows with additions, the major one with
+ * changes that break callers. */
+#define KVQ_VERSION_MAJOR 0
+#define KVQ_VERSION_MINOR 1
+#define KVQ_VERSION_PATCH 0
+#define KVQ_VERSION_STRING "0.1.0"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -21,7 +29,22 @@ struct kvq_context;
 struct kvq_sampler;
 struct kvq_detok;
 
+/* What kind of failure the last error on this thread was, for a caller to act on
+ * (the message is for people). */
+enum kvq_err {
+    KVQ_OK = 0,
+    KVQ_ERR_INVALID,      /* a bad argument, request or state (the default) */
+    KVQ_ERR_IO,           /* a file could not be opened, read or written */
+    KVQ_ERR_FORMAT,       /* a file's contents are malformed or of another kind */
+    KVQ_ERR_UNSUPPORTED,  /* valid, but not what this build or device can do */
+    KVQ_ERR_OOM,          /* out of host memory */
+    KVQ_ERR_DEVICE,       /* the GPU failed or ran out of memory */
+    KVQ_ERR_BUDGET,       /* the KV cache budget is exhausted (free sequences or prefixes, retry) */
+    KVQ_ERR_CONTEXT_FULL, /* a sequence would exceed the context */
+};
+
 const char *kvq_last_error(void);
+enum kvq_err kvq_last_error_code(void);
 
 /* ---- model ---------------------------------------------------------------- */
 
@@ -109,8 +132,8 @@ struct kvq_context_params {
                              * (0: what n_ctx tokens of each of the n_seq sequences need) */
 };
 void kvq_context_params_default(struct kvq_context_params *p);
-/* The first CPU context of a model also makes (on AVX-512 CPUs) a copy of its Q8_0/Q4_0
- * weights (kept until kvq_model_free), so create contexts of one model from one thread. */
+/* A CPU context keeps (on CPUs whose kernels have that path) its own copy of the
+ * model's Q8_0/Q4_0 weights, in the layout its kernels read fastest. */
 struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p);
 void kvq_context_free(struct kvq_context *c);
 int kvq_context_n_ctx(const struct kvq_context *c);

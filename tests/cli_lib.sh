@@ -47,6 +47,26 @@ check() {
   if "$@"; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAIL: $what"; fi
 }
 
+# serve_start NAME ARGS...: kvq serve ARGS on a free loopback port (a later --port
+# wins), its output in $tmp/NAME.log; sets srv_pid and port. Non-zero, counted as a
+# failure with the log shown, when it does not start.
+serve_start() {
+  local name=$1
+  shift
+  "$kvq" serve --host 127.0.0.1 --port 0 "$@" >"$tmp/$name.log" 2>&1 &
+  srv_pid=$!
+  port=""
+  for _ in $(seq 300); do
+    port=$(grep -so 'listening on http://[0-9.]*:[0-9]*' "$tmp/$name.log" | sed 's/.*://')
+    [ -n "$port" ] && return 0
+    kill -0 $srv_pid 2>/dev/null || break
+    sleep 0.1
+  done
+  bad "server $name did not start"; cat "$tmp/$name.log"
+  srv_pid=""
+  return 1
+}
+
 # ok / bad DESCRIPTION: count a result decided by the caller.
 ok() { passed=$((passed + 1)); echo "ok: $1"; }
 bad() { failed=$((failed + 1)); echo "FAIL: $1"; }

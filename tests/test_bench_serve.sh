@@ -25,19 +25,7 @@ srv_pid="" fake_pid=""
 trap '[ -n "$fake_pid" ] && kill $fake_pid 2>/dev/null
   [ -n "$srv_pid" ] && kill -CONT $srv_pid 2>/dev/null && kill -TERM $srv_pid 2>/dev/null; wait; rm -rf "$tmp"' EXIT
 
-"$kvq" serve -m "$model" --host 127.0.0.1 --port 0 -t 2 -c 1024 --api-key sekrit >"$tmp/server.log" 2>&1 &
-srv_pid=$!
-port=""
-for _ in $(seq 300); do
-  port=$(grep -o 'listening on http://[0-9.]*:[0-9]*' "$tmp/server.log" | sed 's/.*://')
-  [ -n "$port" ] && break
-  kill -0 $srv_pid 2>/dev/null || break
-  sleep 0.1
-done
-if [ -z "$port" ]; then
-  echo "FAIL: the server did not start"; cat "$tmp/server.log"
-  exit 1
-fi
+serve_start server -m "$model" -t 2 -c 1024 --api-key sekrit || exit 1
 url=http://127.0.0.1:$port
 export KVQ_API_KEY=sekrit # bench-serve's default key, as the server's
 counter() { curl -s -H "Authorization: Bearer sekrit" "$url/metrics" | sed -n "s/^kvq_$1 //p"; }

@@ -7,39 +7,24 @@
 # refuses gets a 400 with its message. Also --chat-template FILE, chat_template_kwargs
 # and bad choices.
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
 here=$(cd "$(dirname "$0")" && pwd)
-shared=${KVQ_SHARED_DIR:-$here/../../shared}
 model=$shared/models/tinydoc-q8_0.gguf
 tpl=$here/chat_templates
-[ -f "$model" ] || { echo "SKIP: tinydoc-q8_0.gguf missing under $shared"; exit 77; }
+need_asset "$model"
 command -v curl >/dev/null || { echo "SKIP: curl is not installed"; exit 77; }
 python3 -c "import jinja2" 2>/dev/null || { echo "SKIP: python3-jinja2 is not installed"; exit 77; }
 
-tmp=$(mktemp -d)
 srv_pid=""
 trap '[ -n "$srv_pid" ] && kill -TERM $srv_pid 2>/dev/null; wait; rm -rf "$tmp"' EXIT
-passed=0 failed=0
-ok() { passed=$((passed + 1)); echo "ok: $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL: $1"; }
 
 python3 "$tpl/gguf_with_template.py" "$model" "$tmp/model.gguf" \
   "tokenizer.chat_template=$tpl/gemma-3.jinja" "tokenizer.chat_template.tool_use=$tpl/llama-3.1.jinja" ||
   { echo "FAIL: cannot write the GGUF copy"; exit 1; }
 
 start_server() { # NAME ARGS...
-  local name=$1; shift
-  "$kvq" serve --host 127.0.0.1 --port 0 -t 2 --max-num-seqs 2 --prefix-cache-mb 0 "$@" >"$tmp/$name.log" 2>&1 &
-  srv_pid=$!
-  port=""
-  for _ in $(seq 300); do
-    port=$(grep -o 'listening on http://[0-9.]*:[0-9]*' "$tmp/$name.log" | sed 's/.*://')
-    [ -n "$port" ] && return 0
-    kill -0 $srv_pid 2>/dev/null || break
-    sleep 0.1
-  done
-  bad "server $name did not start"; cat "$tmp/$name.log"
-  exit 1
+  serve_start "$1" -t 2 --max-num-seqs 2 --prefix-cache-mb 0 "${@:2}" || exit 1
 }
 stop_server() { kill -TERM $srv_pid; wait $srv_pid; srv_pid=""; }
 

@@ -7,16 +7,14 @@
 # The exact value is checked against llama-perplexity's 84.19 by the 40 x 1024 run in
 # test_perplexity_slow.sh; here only its plausibility (no reference exists for 4 x 256).
 set -u
-BIN=${KVQ_BIN:?KVQ_BIN must name the kvq binary}
-SHARED=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
-MODEL=$SHARED/models/tinydoc-f16.gguf
-TEXT=$SHARED/data/wikitext2-test.txt
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
+MODEL=$shared/models/tinydoc-f16.gguf
+TEXT=$shared/data/wikitext2-test.txt
 if [ ! -r "$MODEL" ] || [ ! -r "$TEXT" ]; then
-    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $SHARED"
+    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $shared"
     exit 77
 fi
-TMP=$(mktemp -d /tmp/kvq_ppl_XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
 fail=0
 check() { # check DESCRIPTION COMMAND...
     local what=$1; shift
@@ -24,30 +22,30 @@ check() { # check DESCRIPTION COMMAND...
 }
 
 # 1. PPL, 4 chunks of 256.
-"$BIN" perplexity -m "$MODEL" -f "$TEXT" -c 256 --chunks 4 -t 2 >"$TMP/ppl.out" 2>"$TMP/ppl.err"
+"$kvq" perplexity -m "$MODEL" -f "$TEXT" -c 256 --chunks 4 -t 2 >"$tmp/ppl.out" 2>"$tmp/ppl.err"
 rc=$?
-cat "$TMP/ppl.out"
+cat "$tmp/ppl.out"
 check "perplexity exits 0" [ $rc -eq 0 ]
-ppl=$(sed -n 's/^Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\)$/\1 \2/p' "$TMP/ppl.out")
+ppl=$(sed -n 's/^Final estimate: PPL = \([0-9.]*\) +\/- \([0-9.]*\)$/\1 \2/p' "$tmp/ppl.out")
 check "Final estimate line present ($ppl)" [ -n "$ppl" ]
 check "PPL plausible for tinydoc on wikitext (30..150)" awk -v v="$ppl" 'BEGIN { split(v, a, " "); exit !(a[1] > 30 && a[1] < 150 && a[2] > 0) }'
 
 # 2. KLD of a run against itself: base (2 chunks of 256), then compare.
-"$BIN" perplexity -m "$MODEL" -f "$TEXT" -c 256 --chunks 2 -t 2 --kl-divergence-base "$TMP/base.kld" >"$TMP/base.out" 2>&1
-check "base file written" [ -s "$TMP/base.kld" ]
-"$BIN" perplexity -m "$MODEL" -t 2 --kl-divergence-base "$TMP/base.kld" --kl-divergence >"$TMP/kld.out" 2>"$TMP/kld.err"
+"$kvq" perplexity -m "$MODEL" -f "$TEXT" -c 256 --chunks 2 -t 2 --kl-divergence-base "$tmp/base.kld" >"$tmp/base.out" 2>&1
+check "base file written" [ -s "$tmp/base.kld" ]
+"$kvq" perplexity -m "$MODEL" -t 2 --kl-divergence-base "$tmp/base.kld" --kl-divergence >"$tmp/kld.out" 2>"$tmp/kld.err"
 rc=$?
-cat "$TMP/kld.out" "$TMP/kld.err"
+cat "$tmp/kld.out" "$tmp/kld.err"
 check "kl-divergence exits 0" [ $rc -eq 0 ]
-kld=$(sed -n 's/^Mean    KLD: *\([-0-9.e]*\) .*/\1/p' "$TMP/kld.out")
-top=$(sed -n 's/^Same top p: *\([0-9.]*\) .*/\1/p' "$TMP/kld.out")
-maxk=$(sed -n 's/^Maximum KLD: *\([-0-9.e]*\).*/\1/p' "$TMP/kld.out")
+kld=$(sed -n 's/^Mean    KLD: *\([-0-9.e]*\) .*/\1/p' "$tmp/kld.out")
+top=$(sed -n 's/^Same top p: *\([0-9.]*\) .*/\1/p' "$tmp/kld.out")
+maxk=$(sed -n 's/^Maximum KLD: *\([-0-9.e]*\).*/\1/p' "$tmp/kld.out")
 check "self KLD mean ~ 0 ($kld)" awk -v k="$kld" 'BEGIN { exit !(k != "" && k > -1e-4 && k < 1e-4) }'
 check "self KLD max small ($maxk)" awk -v k="$maxk" 'BEGIN { exit !(k != "" && k < 1e-3) }'
 check "same top p 100% ($top)" [ "$top" = "100.000" ]
 for label in "Mean PPL(Q)" "Mean PPL(base)" "Mean PPL(Q)/PPL(base)" "Median  KLD" "99.0%   KLD" "99.9%   KLD" \
              "Maximum KLD" "Mean    Δp" "RMS Δp" "Same top p"; do
-    check "label '$label'" grep -qF "$label" "$TMP/kld.out"
+    check "label '$label'" grep -qF "$label" "$tmp/kld.out"
 done
 
 # 3. A base file refuses what does not match it.
@@ -57,24 +55,24 @@ expect_error() { # expect_error DESCRIPTION PATTERN COMMAND...
     if [ $rc -eq 1 ] && echo "$out" | grep -q "^kvq: .*$pat"; then echo "ok: $what"; else echo "FAIL: $what (rc $rc: $out)"; fail=1; fi
 }
 expect_error "other chunk size refused" "written with -c 256" \
-    "$BIN" perplexity -m "$MODEL" -c 512 --kl-divergence-base "$TMP/base.kld" --kl-divergence
-printf 'Some other text entirely. %.0s' $(seq 1 400) >"$TMP/other.txt"
+    "$kvq" perplexity -m "$MODEL" -c 512 --kl-divergence-base "$tmp/base.kld" --kl-divergence
+printf 'Some other text entirely. %.0s' $(seq 1 400) >"$tmp/other.txt"
 expect_error "other text refused" "does not tokenize to the tokens" \
-    "$BIN" perplexity -m "$MODEL" -f "$TMP/other.txt" --kl-divergence-base "$TMP/base.kld" --kl-divergence
+    "$kvq" perplexity -m "$MODEL" -f "$tmp/other.txt" --kl-divergence-base "$tmp/base.kld" --kl-divergence
 expect_error "more chunks than stored refused" "holds 2 chunks" \
-    "$BIN" perplexity -m "$MODEL" --chunks 3 --kl-divergence-base "$TMP/base.kld" --kl-divergence
-head -c 100000 "$TMP/base.kld" >"$TMP/trunc.kld"
+    "$kvq" perplexity -m "$MODEL" --chunks 3 --kl-divergence-base "$tmp/base.kld" --kl-divergence
+head -c 100000 "$tmp/base.kld" >"$tmp/trunc.kld"
 expect_error "truncated base refused" "truncated or corrupt" \
-    "$BIN" perplexity -m "$MODEL" --kl-divergence-base "$TMP/trunc.kld" --kl-divergence
-echo "not a base file at all" >"$TMP/junk.kld"
+    "$kvq" perplexity -m "$MODEL" --kl-divergence-base "$tmp/trunc.kld" --kl-divergence
+echo "not a base file at all" >"$tmp/junk.kld"
 expect_error "foreign file refused" "not a kvq KL-divergence base file" \
-    "$BIN" perplexity -m "$MODEL" --kl-divergence-base "$TMP/junk.kld" --kl-divergence
-STORIES=$SHARED/models/stories260K.gguf
+    "$kvq" perplexity -m "$MODEL" --kl-divergence-base "$tmp/junk.kld" --kl-divergence
+STORIES=$shared/models/stories260K.gguf
 if [ -r "$STORIES" ]; then
     expect_error "other model refused" "vocabulary of 8192 tokens" \
-        "$BIN" perplexity -m "$STORIES" --kl-divergence-base "$TMP/base.kld" --kl-divergence
+        "$kvq" perplexity -m "$STORIES" --kl-divergence-base "$tmp/base.kld" --kl-divergence
 fi
-expect_error "missing text" "needs a text" "$BIN" perplexity -m "$MODEL"
-expect_error "kl without base" "needs the base file" "$BIN" perplexity -m "$MODEL" --kl-divergence
-expect_error "bad -c" "invalid value 'x' for -c" "$BIN" perplexity -m "$MODEL" -f "$TEXT" -c x
+expect_error "missing text" "needs a text" "$kvq" perplexity -m "$MODEL"
+expect_error "kl without base" "needs the base file" "$kvq" perplexity -m "$MODEL" --kl-divergence
+expect_error "bad -c" "invalid value 'x' for -c" "$kvq" perplexity -m "$MODEL" -f "$TEXT" -c x
 exit $fail

@@ -3,15 +3,15 @@
 # full-precision KV: 84.2 +/- 0.5 (llama-perplexity: 84.19). ~41k tokens of evaluation
 # (~20 s in a release build), so it is labelled slow and skipped under the sanitizers.
 set -u
-BIN=${KVQ_BIN:?KVQ_BIN must name the kvq binary}
-SHARED=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
-MODEL=$SHARED/models/tinydoc-f16.gguf
-TEXT=$SHARED/data/wikitext2-test.txt
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
+MODEL=$shared/models/tinydoc-f16.gguf
+TEXT=$shared/data/wikitext2-test.txt
 if [ ! -r "$MODEL" ] || [ ! -r "$TEXT" ]; then
-    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $SHARED"
+    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $shared"
     exit 77
 fi
-out=$("$BIN" perplexity -m "$MODEL" -f "$TEXT" -c 1024 --chunks 40) || { echo "FAIL: perplexity exited $?"; exit 1; }
+out=$("$kvq" perplexity -m "$MODEL" -f "$TEXT" -c 1024 --chunks 40) || { echo "FAIL: perplexity exited $?"; exit 1; }
 echo "$out"
 ppl=$(echo "$out" | sed -n 's/^Final estimate: PPL = \([0-9.]*\) .*/\1/p')
 if awk -v p="$ppl" 'BEGIN { exit !(p != "" && p > 83.7 && p < 84.7) }'; then

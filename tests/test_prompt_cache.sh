@@ -3,19 +3,11 @@
 # uninterrupted run (same greedy text) for f16 and quantized caches; corrupt or
 # mismatched cache files are refused with one clear line.
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
-shared=${KVQ_SHARED_DIR:-$(dirname "$0")/../../shared}
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
 model=$shared/models/tinydoc-q8_0.gguf
 other=$shared/models/stories260K.gguf
-if [ ! -f "$model" ] || [ ! -f "$other" ]; then
-  echo "SKIP: tinydoc-q8_0.gguf or stories260K.gguf missing under $shared"
-  exit 77
-fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-passed=0 failed=0
-ok() { passed=$((passed + 1)); echo "ok: $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL: $1"; }
+need_asset "$model" "$other"
 
 prompt="PostgreSQL supports several index types, including B-tree, hash, GiST and GIN. To create an index, use"
 for kv in "16" "8,4" "4 --kv-residual 0" "8 --max-kv-size 64"; do

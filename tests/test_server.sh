@@ -7,15 +7,12 @@
 # restart; 32 streams of which a third disconnect, with KV blocks back to zero and
 # RSS back near its baseline.
 set -u
-kvq=${KVQ_BIN:?KVQ_BIN must point to the kvq binary}
+# shellcheck source=tests/cli_lib.sh
+. "$(dirname "$0")/cli_lib.sh"
 here=$(cd "$(dirname "$0")" && pwd)
-shared=${KVQ_SHARED_DIR:-$here/../../shared}
 model=$shared/models/tinydoc-q8_0.gguf
 text=$shared/data/wikitext2-test.txt
-if [ ! -f "$model" ] || [ ! -f "$text" ]; then
-  echo "SKIP: tinydoc-q8_0.gguf or wikitext2-test.txt missing under $shared"
-  exit 77
-fi
+need_asset "$model" "$text"
 for tool in curl node npm; do
   command -v $tool >/dev/null || { echo "SKIP: $tool is not installed"; exit 77; }
 done
@@ -27,26 +24,11 @@ if [ ! -d "$here/server/node_modules/openai" ]; then
   fi
 fi
 
-tmp=$(mktemp -d)
 srv_pid=""
 trap '[ -n "$srv_pid" ] && kill -TERM $srv_pid 2>/dev/null; wait; rm -rf "$tmp"' EXIT
-passed=0 failed=0
-ok() { passed=$((passed + 1)); echo "ok: $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL: $1"; }
 
 start_server() { # NAME ARGS...: starts kvq serve on a free port, sets port and srv_pid
-  local name=$1; shift
-  "$kvq" serve -m "$model" --host 127.0.0.1 --port 0 -t 2 "$@" >"$tmp/$name.log" 2>&1 &
-  srv_pid=$!
-  port=""
-  for _ in $(seq 300); do
-    port=$(grep -o 'listening on http://[0-9.]*:[0-9]*' "$tmp/$name.log" | sed 's/.*://')
-    [ -n "$port" ] && return 0
-    kill -0 $srv_pid 2>/dev/null || break
-    sleep 0.1
-  done
-  bad "server $name did not start"; cat "$tmp/$name.log"
-  exit 1
+  serve_start "$1" -m "$model" -t 2 "${@:2}" || exit 1
 }
 stop_server() {
   kill -TERM $srv_pid

@@ -16,19 +16,7 @@ srv_pid=""
 trap '[ -n "$srv_pid" ] && kill -KILL $srv_pid 2>/dev/null; rm -rf "$tmp"' EXIT
 
 start_server() { # NAME ARGS...: kvq serve on a free port (or --port); sets port, srv_pid
-  local name=$1; shift
-  "$kvq" serve -m "$model" --host 127.0.0.1 --port 0 -t 2 -c 1024 --prefix-cache-mb 0 "$@" >"$tmp/$name.log" 2>&1 &
-  srv_pid=$!
-  echo $srv_pid >"$tmp/pid"
-  for _ in $(seq 300); do
-    port=$(grep -so 'listening on http://[0-9.]*:[0-9]*' "$tmp/$name.log" | sed 's/.*://')
-    [ -n "$port" ] && return 0
-    kill -0 $srv_pid 2>/dev/null || break
-    sleep 0.1
-  done
-  bad "server $name did not start"; cat "$tmp/$name.log"
-  srv_pid=""
-  return 1
+  serve_start "$1" -m "$model" -t 2 -c 1024 --prefix-cache-mb 0 "${@:2}" && echo $srv_pid >"$tmp/pid"
 }
 stop_server() { # waits at most 30 s
   kill -TERM $srv_pid

@@ -3,8 +3,8 @@
  * a backend says how and where.
  *
  * The CPU backend (cpu/cpu_backend.c): buffers are host memory, weights stay in the
- * mapped GGUF file (Q8_0/Q4_0 products read the model's 16-row copy where the CPU
- * kernels have that path: model_pack_rows16), work is split over a thread pool.
+ * mapped GGUF file (Q8_0/Q4_0 products read the backend's own 16-row copy where the
+ * CPU kernels have that path: cpu/cpu_weights.h), work is split over a thread pool.
  * The CUDA backend (cuda/cuda_backend.c): alloc returns device memory (the forward
  * pass never touches activations itself, it only passes them between operations),
  * upload_weight and upload_vector copy the model to the device (ops then name a weight
@@ -18,7 +18,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-struct weight;
+#include "backend/weight.h"
+
 struct kv_cache;
 struct kv_pool;
 
@@ -68,7 +69,11 @@ struct backend;
 
 struct backend_ops {
     const char *name;
+    /* What the backend can do, for the engine to ask instead of naming devices. */
     bool host_memory; /* activations are host memory (else results come by be_matmul.host_y) */
+    bool encodes_kv;  /* kv_append encodes the rows itself (on the device): a pass must end
+                       * where a cache chooses its value offsets (kv_cache_offsets_point) */
+    bool attends_nf;  /* attention reads normal-float KV rows (KVQ_KV_NF) */
     void (*free)(struct backend *b);
     /* Sizes internal scratch for batches of up to max_tokens tokens whose widest
      * matmul input has `widest` values (so no step allocates). 0 or -1. */
@@ -82,7 +87,9 @@ struct backend_ops {
     void *(*alloc)(struct backend *b, size_t bytes);
     void (*release)(struct backend *b, void *p);
     /* Makes a weight, or a vector of n floats (norms, biases, RoPE frequencies),
-     * usable by the backend (CPU: the host memory as it is). 0 or -1. */
+     * usable by the backend, in whatever form it computes with (CPU: the host memory
+     * as it is, or its own 16-row copy). Ops then name a weight by the descriptor
+     * uploaded, which must outlive the backend. 0 or -1. */
     int (*upload_weight)(struct backend *b, const struct weight *w);
     int (*upload_vector)(struct backend *b, const float *v, int64_t n);
     /* Host memory that results (be_matmul.host_y) land in fastest (CUDA: pinned),

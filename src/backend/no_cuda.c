@@ -5,7 +5,7 @@
 #ifndef KVQ_HAVE_CUDA
 struct backend *backend_cuda_new(int n_threads) {
     (void)n_threads;
-    kvq_error("this kvq was built without CUDA: configure with -DKVQ_CUDA=ON to use --device cuda");
+    kvq_error_code(KVQ_ERR_UNSUPPORTED, "this kvq was built without CUDA: configure with -DKVQ_CUDA=ON to use --device cuda");
     return NULL;
 }
 #else

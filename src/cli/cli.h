@@ -42,6 +42,39 @@ const char *cli_flag_value(int argc, char **argv, int *i);
  * is reported as unknown for `cmd`, even as the last argument. */
 const char *cli_option_value(int argc, char **argv, int *i, const char *const *known, const char *cmd);
 
+/* One option of a command's table: its names and what its value becomes. */
+enum cli_opt_type {
+    CLI_OPT_FLAG,  /* no value: *(bool *)out = true */
+    CLI_OPT_STR,   /* *(const char **)out = the value */
+    CLI_OPT_INT,   /* *(int *)out, an integer from min to max */
+    CLI_OPT_U64,   /* *(uint64_t *)out, a non-negative integer */
+    CLI_OPT_FLOAT, /* *(float *)out, a number from min to max */
+    CLI_OPT_FN,    /* fn(flag, value, out) parses it (false after printing an error) */
+};
+struct cli_opt {
+    const char *names[4]; /* the first NULL ends them */
+    enum cli_opt_type type;
+    void *out;
+    double min, max;
+    bool (*fn)(const char *flag, const char *value, void *out);
+    bool *given; /* set true when the option is given (may be NULL) */
+};
+/* Table entries: the value's destination (and range), then the option's names. */
+#define CLI_FLAG(out_, ...) {.names = {__VA_ARGS__}, .type = CLI_OPT_FLAG, .out = (out_)}
+#define CLI_STR(out_, ...) {.names = {__VA_ARGS__}, .type = CLI_OPT_STR, .out = (out_)}
+#define CLI_INT(out_, lo, hi, ...) {.names = {__VA_ARGS__}, .type = CLI_OPT_INT, .out = (out_), .min = (lo), .max = (hi)}
+#define CLI_U64(out_, ...) {.names = {__VA_ARGS__}, .type = CLI_OPT_U64, .out = (out_)}
+#define CLI_FLOAT(out_, lo, hi, ...) {.names = {__VA_ARGS__}, .type = CLI_OPT_FLOAT, .out = (out_), .min = (lo), .max = (hi)}
+#define CLI_FN(fn_, out_, ...) {.names = {__VA_ARGS__}, .type = CLI_OPT_FN, .out = (out_), .fn = (fn_)}
+#define CLI_END {.names = {NULL}}
+/* Parses argv[1..argc) for command cmd: the context flags into cp (cli_parse_kv_flag;
+ * cp NULL: none, and *kv_given set when one was given, kv_given may be NULL),
+ * -h/--help (prints help and more, exits 0), and the options of the table (ended by
+ * an entry without names). Unknown options and missing or bad values get one error
+ * line. 0, or 1 after the error. */
+int cli_parse_args(int argc, char **argv, const char *cmd, const struct cli_opt *opts, struct kvq_context_params *cp,
+                   bool *kv_given, const char *help, const char *more);
+
 /* --device cpu|cuda, and llama.cpp's -ngl N (N > 0: cuda). */
 bool cli_is_device_flag(const char *flag);
 bool cli_parse_device(const char *flag, const char *value, enum kvq_device *out);

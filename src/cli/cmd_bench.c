@@ -99,7 +99,24 @@ static bool parse_kv_spec(const char *spec, struct kv_spec *out) {
     return cli_parse_kv_spec(spec, &out->kv);
 }
 
-static const char *const bench_value_flags[] = {"-m", "--model", "-p", "-n", "-d", "-b", "--kv", "-t", "--threads", "--batch-size", "-r", "--reps", "--plot", "--device", "-ngl", "--n-gpu-layers", "--gpu-layers", NULL};
+static bool parse_depths(const char *flag, const char *v, void *out) {
+    struct bench_opts *o = out;
+    return parse_list(flag, v, 0, 1 << 22, o->depths, &o->n_depths);
+}
+
+static bool parse_batches(const char *flag, const char *v, void *out) {
+    struct bench_opts *o = out;
+    return parse_list(flag, v, 1, 4096, o->batches, &o->n_batches);
+}
+
+static bool add_kv(const char *flag, const char *v, void *out) {
+    (void)flag;
+    struct bench_opts *o = out;
+    if (o->n_kvs == MAX_LIST) return cli_fail("at most %d --kv configs", MAX_LIST), false;
+    return parse_kv_spec(v, &o->kvs[o->n_kvs++]);
+}
+
+static bool parse_device(const char *flag, const char *v, void *out) { return cli_parse_device(flag, v, out); }
 
 static int parse_args(int argc, char **argv, struct bench_opts *o) {
     o->p = 512;
@@ -108,33 +125,22 @@ static int parse_args(int argc, char **argv, struct bench_opts *o) {
     o->n_batch = 512;
     o->depths[0] = 0, o->n_depths = 1;
     o->batches[0] = 1, o->n_batches = 1;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            cli_exit_help(bench_help, cli_kv_spec_help);
-        }
-        if (!strcmp(a, "--json")) {
-            o->json = true;
-            continue;
-        }
-        if (!(v = cli_option_value(argc, argv, &i, bench_value_flags, "bench"))) return 1;
-        bool ok = true;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
-        else if (!strcmp(a, "-p")) ok = cli_parse_int(a, v, 1, 1 << 20, &o->p);
-        else if (!strcmp(a, "-n")) ok = cli_parse_int(a, v, 1, 1 << 20, &o->n);
-        else if (!strcmp(a, "-d")) ok = parse_list(a, v, 0, 1 << 22, o->depths, &o->n_depths);
-        else if (!strcmp(a, "-b")) ok = parse_list(a, v, 1, 4096, o->batches, &o->n_batches);
-        else if (!strcmp(a, "--kv")) {
-            if (o->n_kvs == MAX_LIST) return cli_fail("at most %d --kv configs", MAX_LIST);
-            ok = parse_kv_spec(v, &o->kvs[o->n_kvs++]);
-        } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->n_threads);
-        else if (!strcmp(a, "--batch-size")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->n_batch);
-        else if (cli_is_device_flag(a)) ok = cli_parse_device(a, v, &o->device);
-        else if (!strcmp(a, "-r") || !strcmp(a, "--reps")) ok = cli_parse_int(a, v, 1, 1000, &o->reps);
-        else if (!strcmp(a, "--plot")) o->plot = v;
-        else return cli_fail("unknown option '%s' for bench (see 'kvq bench --help')", a);
-        if (!ok) return 1;
-    }
+    const struct cli_opt opts[] = {
+        CLI_FLAG(&o->json, "--json"),
+        CLI_STR(&o->model, "-m", "--model"),
+        CLI_INT(&o->p, 1, 1 << 20, "-p"),
+        CLI_INT(&o->n, 1, 1 << 20, "-n"),
+        CLI_FN(parse_depths, o, "-d"),
+        CLI_FN(parse_batches, o, "-b"),
+        CLI_FN(add_kv, o, "--kv"),
+        CLI_INT(&o->n_threads, 1, 1024, "-t", "--threads"),
+        CLI_INT(&o->n_batch, 1, 1 << 16, "--batch-size"),
+        CLI_FN(parse_device, &o->device, "--device", "-ngl", "--n-gpu-layers", "--gpu-layers"),
+        CLI_INT(&o->reps, 1, 1000, "-r", "--reps"),
+        CLI_STR(&o->plot, "--plot"),
+        CLI_END,
+    };
+    if (cli_parse_args(argc, argv, "bench", opts, NULL, NULL, bench_help, cli_kv_spec_help)) return 1;
     if (!o->model) return cli_fail("bench needs a model: -m FILE");
     if (o->n_kvs == 0) parse_kv_spec("f16", &o->kvs[o->n_kvs++]);
     return 0;

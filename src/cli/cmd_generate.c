@@ -38,11 +38,6 @@ static const char *const generate_help =
     "                       settings apply); -p then gives text to add after it (optional)\n"
     "  -h, --help           this text\n";
 
-static const char *const generate_value_flags[] = {
-    "-m", "--model", "-p", "--prompt", "-f", "--file", "-n", "--n-predict", "-c", "--ctx-size", "-t", "--threads",
-    "-b", "--batch-size", "--temp", "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n", "--seed",
-    "--prompt-cache", "--json-schema", "--json-schema-file", NULL};
-
 struct generate_opts {
     const char *model, *prompt, *prompt_file, *prompt_cache, *schema, *schema_file;
     int n_predict;
@@ -56,40 +51,28 @@ static int parse_args(int argc, char **argv, struct generate_opts *o) {
     kvq_sampler_params_default(&o->sp);
     o->n_predict = 128;
     bool kv_given = false;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
-        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp);
-        if (kv < 0) return 1;
-        kv_given |= kv > 0;
-        if (kv > 0) continue;
-        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
-            cli_exit_help(generate_help, cli_kv_flags_help);
-        }
-        if (strcmp(a, "--ignore-eos") == 0) {
-            o->ignore_eos = true;
-            continue;
-        }
-        if (!(v = cli_option_value(argc, argv, &i, generate_value_flags, "generate"))) return 1;
-        bool ok = true;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
-        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) o->prompt = v;
-        else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->prompt_file = v;
-        else if (!strcmp(a, "--prompt-cache")) o->prompt_cache = v;
-        else if (!strcmp(a, "--json-schema")) o->schema = v;
-        else if (!strcmp(a, "--json-schema-file")) o->schema_file = v;
-        else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) ok = cli_parse_int(a, v, -1, INT_MAX, &o->n_predict);
-        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cp.n_ctx);
-        else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
-        else if (!strcmp(a, "-b") || !strcmp(a, "--batch-size")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->cp.n_batch);
-        else if (!strcmp(a, "--temp")) ok = cli_parse_float(a, v, 0, 100, &o->sp.temp);
-        else if (!strcmp(a, "--top-k")) ok = cli_parse_int(a, v, 0, INT_MAX, &o->sp.top_k);
-        else if (!strcmp(a, "--top-p")) ok = cli_parse_float(a, v, 0, 1, &o->sp.top_p);
-        else if (!strcmp(a, "--min-p")) ok = cli_parse_float(a, v, 0, 1, &o->sp.min_p);
-        else if (!strcmp(a, "--repeat-penalty")) ok = cli_parse_float(a, v, 0.01, 100, &o->sp.repeat_penalty);
-        else if (!strcmp(a, "--repeat-last-n")) ok = cli_parse_int(a, v, 0, 1 << 20, &o->sp.repeat_last_n);
-        else if (!strcmp(a, "--seed")) ok = cli_parse_u64(a, v, &o->sp.seed);
-        if (!ok) return 1;
-    }
+    const struct cli_opt opts[] = {
+        CLI_FLAG(&o->ignore_eos, "--ignore-eos"),
+        CLI_STR(&o->model, "-m", "--model"),
+        CLI_STR(&o->prompt, "-p", "--prompt"),
+        CLI_STR(&o->prompt_file, "-f", "--file"),
+        CLI_STR(&o->prompt_cache, "--prompt-cache"),
+        CLI_STR(&o->schema, "--json-schema"),
+        CLI_STR(&o->schema_file, "--json-schema-file"),
+        CLI_INT(&o->n_predict, -1, INT_MAX, "-n", "--n-predict"),
+        CLI_INT(&o->cp.n_ctx, 0, 1 << 24, "-c", "--ctx-size"),
+        CLI_INT(&o->cp.n_threads, 1, 1024, "-t", "--threads"),
+        CLI_INT(&o->cp.n_batch, 1, 1 << 16, "-b", "--batch-size"),
+        CLI_FLOAT(&o->sp.temp, 0, 100, "--temp"),
+        CLI_INT(&o->sp.top_k, 0, INT_MAX, "--top-k"),
+        CLI_FLOAT(&o->sp.top_p, 0, 1, "--top-p"),
+        CLI_FLOAT(&o->sp.min_p, 0, 1, "--min-p"),
+        CLI_FLOAT(&o->sp.repeat_penalty, 0.01, 100, "--repeat-penalty"),
+        CLI_INT(&o->sp.repeat_last_n, 0, 1 << 20, "--repeat-last-n"),
+        CLI_U64(&o->sp.seed, "--seed"),
+        CLI_END,
+    };
+    if (cli_parse_args(argc, argv, "generate", opts, &o->cp, &kv_given, generate_help, cli_kv_flags_help)) return 1;
     if (!o->model) return cli_fail("generate needs a model: -m FILE");
     if (o->prompt_cache && !o->prompt && !o->prompt_file) o->prompt = "";
     if (o->prompt_cache) {

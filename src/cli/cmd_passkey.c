@@ -71,7 +71,18 @@ static bool parse_lengths(const char *v, struct pk_opts *o) {
     return true;
 }
 
-static const char *const passkey_value_flags[] = {"-m", "--model", "-f", "--file", "--lengths", "--trials", "--seed", "--format", "-t", "--threads", "-b", "--batch-size", NULL};
+static bool parse_lengths_opt(const char *flag, const char *v, void *o) {
+    (void)flag;
+    return parse_lengths(v, o);
+}
+
+static bool parse_format(const char *flag, const char *v, void *newline) {
+    (void)flag;
+    if (!strcmp(v, "newline")) *(bool *)newline = true;
+    else if (!strcmp(v, "space")) *(bool *)newline = false;
+    else return cli_fail("invalid value '%s' for --format: expected space or newline", v), false;
+    return true;
+}
 
 static int parse_args(int argc, char **argv, struct pk_opts *o) {
     kvq_context_params_default(&o->cp);
@@ -79,34 +90,19 @@ static int parse_args(int argc, char **argv, struct pk_opts *o) {
     o->seed = 1;
     o->newline = true;
     parse_lengths("512,1024,2048,4000", o);
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
-        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp);
-        if (kv < 0) return 1;
-        if (kv > 0) continue;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            cli_exit_help(passkey_help, cli_kv_flags_help);
-        }
-        if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) {
-            o->verbose = true;
-            continue;
-        }
-        if (!(v = cli_option_value(argc, argv, &i, passkey_value_flags, "passkey"))) return 1;
-        bool ok = true;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
-        else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->file = v;
-        else if (!strcmp(a, "--lengths")) ok = parse_lengths(v, o);
-        else if (!strcmp(a, "--trials")) ok = cli_parse_int(a, v, 1, 4096, &o->trials);
-        else if (!strcmp(a, "--seed")) ok = cli_parse_u64(a, v, &o->seed);
-        else if (!strcmp(a, "--format")) {
-            if (!strcmp(v, "newline")) o->newline = true;
-            else if (!strcmp(v, "space")) o->newline = false;
-            else return cli_fail("invalid value '%s' for --format: expected space or newline", v);
-        } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
-        else if (!strcmp(a, "-b") || !strcmp(a, "--batch-size")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->cp.n_batch);
-        else return cli_fail("unknown option '%s' for passkey (see 'kvq passkey --help')", a);
-        if (!ok) return 1;
-    }
+    const struct cli_opt opts[] = {
+        CLI_FLAG(&o->verbose, "-v", "--verbose"),
+        CLI_STR(&o->model, "-m", "--model"),
+        CLI_STR(&o->file, "-f", "--file"),
+        CLI_FN(parse_lengths_opt, o, "--lengths"),
+        CLI_INT(&o->trials, 1, 4096, "--trials"),
+        CLI_U64(&o->seed, "--seed"),
+        CLI_FN(parse_format, &o->newline, "--format"),
+        CLI_INT(&o->cp.n_threads, 1, 1024, "-t", "--threads"),
+        CLI_INT(&o->cp.n_batch, 1, 1 << 16, "-b", "--batch-size"),
+        CLI_END,
+    };
+    if (cli_parse_args(argc, argv, "passkey", opts, &o->cp, NULL, passkey_help, cli_kv_flags_help)) return 1;
     if (!o->model) return cli_fail("passkey needs a model: -m FILE");
     if (!cli_kv_config_check(&o->cp.kv)) return 1;
     return 0;

@@ -79,39 +79,24 @@ struct ppl_opts {
     struct kvq_context_params cp;
 };
 
-static const char *const perplexity_value_flags[] = {"-m", "--model", "-f", "--file", "-c", "--ctx-size", "--chunks", "--parallel", "-t", "--threads", "-b", "--batch-size", "--kl-divergence-base", NULL};
-
 static int parse_args(int argc, char **argv, struct ppl_opts *o) {
     kvq_context_params_default(&o->cp);
     o->n_ctx = 1024;
     o->n_chunks = -1;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
-        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp);
-        if (kv < 0) return 1;
-        if (kv > 0) continue;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            cli_exit_help(perplexity_help, cli_kv_flags_help);
-        }
-        if (!strcmp(a, "--kl-divergence")) {
-            o->kl = true;
-            continue;
-        }
-        if (!(v = cli_option_value(argc, argv, &i, perplexity_value_flags, "perplexity"))) return 1;
-        bool ok = true;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
-        else if (!strcmp(a, "-f") || !strcmp(a, "--file")) o->file = v;
-        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) {
-            ok = cli_parse_int(a, v, 8, 1 << 20, &o->n_ctx);
-            o->ctx_given = true;
-        } else if (!strcmp(a, "--chunks")) ok = cli_parse_int(a, v, 1, INT_MAX, &o->n_chunks);
-        else if (!strcmp(a, "--parallel")) ok = cli_parse_int(a, v, 1, 256, &o->parallel);
-        else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
-        else if (!strcmp(a, "-b") || !strcmp(a, "--batch-size")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->cp.n_batch);
-        else if (!strcmp(a, "--kl-divergence-base")) o->kl_base = v;
-        else return cli_fail("unknown option '%s' for perplexity (see 'kvq perplexity --help')", a);
-        if (!ok) return 1;
-    }
+    const struct cli_opt opts[] = {
+        CLI_FLAG(&o->kl, "--kl-divergence"),
+        CLI_STR(&o->model, "-m", "--model"),
+        CLI_STR(&o->file, "-f", "--file"),
+        {.names = {"-c", "--ctx-size"}, .type = CLI_OPT_INT, .out = &o->n_ctx, .min = 8, .max = 1 << 20,
+         .given = &o->ctx_given},
+        CLI_INT(&o->n_chunks, 1, INT_MAX, "--chunks"),
+        CLI_INT(&o->parallel, 1, 256, "--parallel"),
+        CLI_INT(&o->cp.n_threads, 1, 1024, "-t", "--threads"),
+        CLI_INT(&o->cp.n_batch, 1, 1 << 16, "-b", "--batch-size"),
+        CLI_STR(&o->kl_base, "--kl-divergence-base"),
+        CLI_END,
+    };
+    if (cli_parse_args(argc, argv, "perplexity", opts, &o->cp, NULL, perplexity_help, cli_kv_flags_help)) return 1;
     if (!o->model) return cli_fail("perplexity needs a model: -m FILE");
     if (o->kl && !o->kl_base) return cli_fail("--kl-divergence needs the base file: --kl-divergence-base FILE");
     if (!o->kl && !o->file) return cli_fail("perplexity needs a text: -f FILE");

@@ -75,14 +75,6 @@ static const char *const serve_help =
     "                             event (default 10)\n"
     "  -h, --help                 this text\n";
 
-static const char *const serve_value_flags[] = {
-    "-m", "--model", "--host", "--port", "--max-num-seqs", "--parallel", "-np", "-c", "--ctx-size", "-t",
-    "--threads", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v", "--prefix-cache-mb",
-    "--prefix-cache-dir", "--prefix-cache-bits", "--prefix-cache-min-tokens", "--prefix-cache-remote",
-    "--prefix-cache-remote-auth", "--prefix-cache-remote-ttl", "--api-key", "--chat-template",
-    "--alias", "--pooling", "--max-queue", "--prefill-chunk", "--step-tokens", "--max-body-mb", "--ping-interval",
-    "--timeout", "--max-connections", "--max-connections-per-ip", "--shutdown-timeout", NULL};
-
 struct serve_opts {
     const char *model, *host, *api_key, *chat_template, *alias, *cache_dir, *remote, *remote_auth;
     int port, cache_mb, cache_bits, cache_min_tokens, remote_ttl, max_body_mb, ping;
@@ -94,7 +86,8 @@ struct serve_opts {
 };
 
 /* llama.cpp's cache type names to bits. */
-static bool cache_type_bits(const char *flag, const char *v, int *bits) {
+static bool cache_type_bits(const char *flag, const char *v, void *out) {
+    int *bits = out;
     static const struct {
         const char *name;
         int bits;
@@ -109,6 +102,13 @@ static bool cache_type_bits(const char *flag, const char *v, int *bits) {
         return false;
     }
     *bits = b;
+    return true;
+}
+
+static bool parse_pooling(const char *flag, const char *v, void *out) {
+    (void)flag;
+    if (strcmp(v, "mean") && strcmp(v, "last")) return cli_fail("--pooling must be mean or last (got '%s')", v), false;
+    *(enum kvq_pooling *)out = strcmp(v, "mean") ? KVQ_POOLING_LAST : KVQ_POOLING_MEAN;
     return true;
 }
 
@@ -128,56 +128,37 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
     o->shutdown_timeout = 10;
     o->api_key = getenv("KVQ_API_KEY");
     o->sp = (struct sched_params){.max_seqs = 16, .max_queue = 256, .prefill_chunk = 256, .step_tokens = 512};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v;
-        int kv = cli_parse_kv_flag(argc, argv, &i, &o->cp);
-        if (kv < 0) return 1;
-        if (kv > 0) continue;
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            cli_exit_help(serve_help, cli_kv_flags_help);
-        }
-        if (!strcmp(a, "--strict-api") || !strcmp(a, "--embeddings")) {
-            *(!strcmp(a, "--embeddings") ? &o->embeddings : &o->strict_api) = true;
-            continue;
-        }
-        if (!cli_is_one_of(a, serve_value_flags))
-            return cli_fail("unknown option '%s' for serve (see 'kvq serve --help')", a);
-        if (!(v = cli_flag_value(argc, argv, &i))) return 1;
-        bool ok = true;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model = v;
-        else if (!strcmp(a, "--host")) o->host = v;
-        else if (!strcmp(a, "--api-key")) o->api_key = v;
-        else if (!strcmp(a, "--chat-template")) o->chat_template = v;
-        else if (!strcmp(a, "--alias")) o->alias = v;
-        else if (!strcmp(a, "--prefix-cache-dir")) o->cache_dir = v;
-        else if (!strcmp(a, "--prefix-cache-remote")) o->remote = v;
-        else if (!strcmp(a, "--prefix-cache-remote-auth")) o->remote_auth = v;
-        else if (!strcmp(a, "--prefix-cache-remote-ttl")) ok = cli_parse_int(a, v, 1, 1 << 30, &o->remote_ttl);
-        else if (!strcmp(a, "--pooling")) {
-            if (strcmp(v, "mean") && strcmp(v, "last")) return cli_fail("--pooling must be mean or last (got '%s')", v);
-            o->pooling = strcmp(v, "mean") ? KVQ_POOLING_LAST : KVQ_POOLING_MEAN;
-        }
-        else if (!strcmp(a, "--port")) ok = cli_parse_int(a, v, 0, 65535, &o->port);
-        else if (!strcmp(a, "--max-num-seqs") || !strcmp(a, "--parallel") || !strcmp(a, "-np"))
-            ok = cli_parse_int(a, v, 1, 1024, &o->sp.max_seqs);
-        else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cp.n_ctx);
-        else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) ok = cli_parse_int(a, v, 1, 1024, &o->cp.n_threads);
-        else if (!strcmp(a, "-ctk") || !strcmp(a, "--cache-type-k")) ok = cache_type_bits(a, v, &o->cp.kv.k_bits);
-        else if (!strcmp(a, "-ctv") || !strcmp(a, "--cache-type-v")) ok = cache_type_bits(a, v, &o->cp.kv.v_bits);
-        else if (!strcmp(a, "--prefix-cache-mb")) ok = cli_parse_int(a, v, 0, 1 << 24, &o->cache_mb);
-        else if (!strcmp(a, "--prefix-cache-bits")) ok = cache_type_bits(a, v, &o->cache_bits);
-        else if (!strcmp(a, "--prefix-cache-min-tokens")) ok = cli_parse_int(a, v, 0, INT_MAX, &o->cache_min_tokens);
-        else if (!strcmp(a, "--max-queue")) ok = cli_parse_int(a, v, 0, 1 << 20, &o->sp.max_queue);
-        else if (!strcmp(a, "--prefill-chunk")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->sp.prefill_chunk);
-        else if (!strcmp(a, "--step-tokens")) ok = cli_parse_int(a, v, 1, 1 << 16, &o->sp.step_tokens);
-        else if (!strcmp(a, "--max-body-mb")) ok = cli_parse_int(a, v, 1, 1 << 12, &o->max_body_mb);
-        else if (!strcmp(a, "--ping-interval")) ok = cli_parse_int(a, v, 1, 3600, &o->ping);
-        else if (!strcmp(a, "--timeout")) ok = cli_parse_int(a, v, 0, 86400, &o->timeout);
-        else if (!strcmp(a, "--max-connections")) ok = cli_parse_int(a, v, 1, 1 << 20, &o->max_conns);
-        else if (!strcmp(a, "--max-connections-per-ip")) ok = cli_parse_int(a, v, 0, 1 << 20, &o->max_conns_per_ip);
-        else if (!strcmp(a, "--shutdown-timeout")) ok = cli_parse_int(a, v, 0, 86400, &o->shutdown_timeout);
-        if (!ok) return 1;
-    }
+    const struct cli_opt opts[] = {
+        CLI_FLAG(&o->strict_api, "--strict-api"),
+        CLI_FLAG(&o->embeddings, "--embeddings"),
+        CLI_STR(&o->model, "-m", "--model"),
+        CLI_STR(&o->host, "--host"),
+        CLI_STR(&o->api_key, "--api-key"),
+        CLI_STR(&o->chat_template, "--chat-template"),
+        CLI_STR(&o->alias, "--alias"),
+        CLI_STR(&o->cache_dir, "--prefix-cache-dir"),
+        CLI_FN(parse_pooling, &o->pooling, "--pooling"),
+        CLI_INT(&o->port, 0, 65535, "--port"),
+        CLI_INT(&o->sp.max_seqs, 1, 1024, "--max-num-seqs", "--parallel", "-np"),
+        CLI_INT(&o->cp.n_ctx, 0, 1 << 24, "-c", "--ctx-size"),
+        CLI_INT(&o->cp.n_threads, 1, 1024, "-t", "--threads"),
+        CLI_FN(cache_type_bits, &o->cp.kv.k_bits, "-ctk", "--cache-type-k"),
+        CLI_FN(cache_type_bits, &o->cp.kv.v_bits, "-ctv", "--cache-type-v"),
+        CLI_INT(&o->cache_mb, 0, 1 << 24, "--prefix-cache-mb"),
+        CLI_FN(cache_type_bits, &o->cache_bits, "--prefix-cache-bits"),
+        CLI_INT(&o->cache_min_tokens, 0, INT_MAX, "--prefix-cache-min-tokens"),
+        CLI_INT(&o->sp.max_queue, 0, 1 << 20, "--max-queue"),
+        CLI_INT(&o->sp.prefill_chunk, 1, 1 << 16, "--prefill-chunk"),
+        CLI_INT(&o->sp.step_tokens, 1, 1 << 16, "--step-tokens"),
+        CLI_INT(&o->max_body_mb, 1, 1 << 12, "--max-body-mb"),
+        CLI_INT(&o->ping, 1, 3600, "--ping-interval"),
+        CLI_INT(&o->timeout, 0, 86400, "--timeout"),
+        CLI_INT(&o->max_conns, 1, 1 << 20, "--max-connections"),
+        CLI_INT(&o->max_conns_per_ip, 0, 1 << 20, "--max-connections-per-ip"),
+        CLI_INT(&o->shutdown_timeout, 0, 86400, "--shutdown-timeout"),
+        CLI_END,
+    };
+    if (cli_parse_args(argc, argv, "serve", opts, &o->cp, NULL, serve_help, cli_kv_flags_help)) return 1;
     if (!o->model) return cli_fail("serve needs a model: -m FILE");
     if (o->api_key && !*o->api_key) return cli_fail("--api-key must not be empty");
     if (o->remote && o->cache_mb == 0) return cli_fail("--prefix-cache-remote needs the prefix cache (--prefix-cache-mb > 0)");

@@ -14,17 +14,18 @@ FILE *kvq_outfile_open(struct kvq_outfile *o, const char *path) {
     struct stat st;
     if (stat(path, &st) == 0) {
         if (S_ISDIR(st.st_mode)) {
-            kvq_error("cannot create '%s': it is a directory", path);
+            kvq_error_code(KVQ_ERR_IO, "cannot create '%s': it is a directory", path);
             return NULL;
         }
         if (!S_ISREG(st.st_mode)) { /* a device or pipe: write in place, never replace it */
-            if (!(o->f = fopen(path, "wb"))) kvq_error("cannot create '%s': %s", path, strerror(errno));
+            if (!(o->f = fopen(path, "wb")))
+                kvq_error_code(KVQ_ERR_IO, "cannot create '%s': %s", path, strerror(errno));
             return o->f;
         }
     }
     size_t n = strlen(path) + 32;
     if (!(o->tmp = malloc(n))) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     /* O_EXCL: the temporary name is ours alone, so removing it later is safe. */
@@ -35,7 +36,7 @@ FILE *kvq_outfile_open(struct kvq_outfile *o, const char *path) {
         if (fd < 0 && errno != EEXIST) break;
     }
     if (fd < 0 || !(o->f = fdopen(fd, "wb"))) {
-        kvq_error("cannot create '%s': %s", path, strerror(errno));
+        kvq_error_code(KVQ_ERR_IO, "cannot create '%s': %s", path, strerror(errno));
         if (fd >= 0) {
             close(fd);
             unlink(o->tmp);
@@ -48,7 +49,7 @@ FILE *kvq_outfile_open(struct kvq_outfile *o, const char *path) {
 }
 
 int kvq_outfile_commit(struct kvq_outfile *o) {
-    if (!o->f) return kvq_error("cannot write '%s'", o->path);
+    if (!o->f) return kvq_error_code(KVQ_ERR_IO, "cannot write '%s'", o->path);
     errno = 0;
     bool ok = fflush(o->f) == 0 && !ferror(o->f);
     int err = errno;
@@ -63,7 +64,7 @@ int kvq_outfile_commit(struct kvq_outfile *o) {
     }
     if (!ok) {
         kvq_outfile_abort(o);
-        return kvq_error("cannot write '%s': %s", o->path, err ? strerror(err) : "write error");
+        return kvq_error_code(KVQ_ERR_IO, "cannot write '%s': %s", o->path, err ? strerror(err) : "write error");
     }
     free(o->tmp);
     o->tmp = NULL;

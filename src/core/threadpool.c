@@ -18,12 +18,12 @@
 #define SPIN_ROUNDS 200000
 
 struct worker {
-    struct kvq_pool *pool;
+    struct kvq_threads *pool;
     int ith;
     pthread_t thread;
 };
 
-struct kvq_pool {
+struct kvq_threads {
     int n;
     struct worker *workers; /* n - 1 of them: thread 0 is the caller */
     kvq_task_fn fn;
@@ -38,7 +38,7 @@ struct kvq_pool {
 
 static void *worker_main(void *p) {
     struct worker *w = p;
-    struct kvq_pool *pool = w->pool;
+    struct kvq_threads *pool = w->pool;
     unsigned seen = 0;
     for (;;) {
         unsigned gen;
@@ -72,8 +72,8 @@ int kvq_online_cpus(void) {
     return n > 0 ? (int)n : 1;
 }
 
-struct kvq_pool *kvq_pool_new(int n_threads) {
-    struct kvq_pool *p = calloc(1, sizeof *p);
+struct kvq_threads *kvq_threads_new(int n_threads) {
+    struct kvq_threads *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->n = n_threads > 0 ? n_threads : kvq_online_cpus();
     pthread_mutex_init(&p->mutex, NULL);
@@ -94,7 +94,7 @@ struct kvq_pool *kvq_pool_new(int n_threads) {
     return p;
 }
 
-void kvq_pool_free(struct kvq_pool *p) {
+void kvq_threads_free(struct kvq_threads *p) {
     if (!p) return;
     pthread_mutex_lock(&p->mutex);
     atomic_store(&p->stop, true);
@@ -107,9 +107,9 @@ void kvq_pool_free(struct kvq_pool *p) {
     free(p);
 }
 
-int kvq_pool_size(const struct kvq_pool *p) { return p->n; }
+int kvq_threads_size(const struct kvq_threads *p) { return p->n; }
 
-void kvq_pool_run(struct kvq_pool *p, kvq_task_fn fn, void *arg) {
+void kvq_threads_run(struct kvq_threads *p, kvq_task_fn fn, void *arg) {
     if (p->n == 1) {
         fn(arg, 0, 1);
         return;

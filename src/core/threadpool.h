@@ -7,16 +7,16 @@
 /* Called on every thread with ith in [0, nth); the caller's thread is ith 0. */
 typedef void (*kvq_task_fn)(void *arg, int ith, int nth);
 
-struct kvq_pool;
+struct kvq_threads;
 
 /* The CPUs online now (at least 1). */
 int kvq_online_cpus(void);
 /* n_threads <= 0 means one thread per online CPU. NULL on failure. */
-struct kvq_pool *kvq_pool_new(int n_threads);
-void kvq_pool_free(struct kvq_pool *p);
-int kvq_pool_size(const struct kvq_pool *p);
+struct kvq_threads *kvq_threads_new(int n_threads);
+void kvq_threads_free(struct kvq_threads *p);
+int kvq_threads_size(const struct kvq_threads *p);
 /* Runs fn on all threads and returns when every call has returned. Not reentrant. */
-void kvq_pool_run(struct kvq_pool *p, kvq_task_fn fn, void *arg);
+void kvq_threads_run(struct kvq_threads *p, kvq_task_fn fn, void *arg);
 
 /* Work items of one task shared by nth threads: thread i first takes the slots of
  * its own part i in order (no contention), then helps with what is left of the other
@@ -27,7 +27,7 @@ struct kvq_work;
 struct kvq_work *kvq_work_new(int nth);
 void kvq_work_free(struct kvq_work *w);
 /* nth counts, all 0 after kvq_work_new and each kvq_work_start: the caller sets
- * counts[i] to the slots of part i, then calls kvq_work_start before kvq_pool_run. */
+ * counts[i] to the slots of part i, then calls kvq_work_start before kvq_threads_run. */
 int *kvq_work_counts(struct kvq_work *w);
 void kvq_work_start(struct kvq_work *w);
 /* The next slot for thread ith (its part is *part); -1 when no slot is left. */

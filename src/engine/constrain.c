@@ -24,7 +24,7 @@ struct kvq_grammar *kvq_grammar_from_json_schema(const struct kvq_model *m, cons
     struct kvq_grammar *kg = calloc(1, sizeof *kg);
     if (!kg || !(kg->g = grammar_new())) {
         free(kg);
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     struct kvq_model_info info;
@@ -35,7 +35,7 @@ struct kvq_grammar *kvq_grammar_from_json_schema(const struct kvq_model *m, cons
     int root = json_schema_compile(kg->g, schema, len, prefix, suffix);
     if (root < 0 || grammar_start(kg->g, root) || grammar_bind_vocab(kg->g, v) ||
         !(kg->allowed = malloc(sizeof *kg->allowed * (size_t)((info.n_vocab + 63) / 64)))) {
-        if (root >= 0 && !kg->allowed) kvq_error("out of memory");
+        if (root >= 0 && !kg->allowed) kvq_error_code(KVQ_ERR_OOM, "out of memory");
         kvq_grammar_free(kg);
         return NULL;
     }

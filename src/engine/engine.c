@@ -56,7 +56,7 @@ struct kvq_prefix {
 struct kvq_model *kvq_model_load(const char *path) {
     struct kvq_model *m = calloc(1, sizeof *m);
     if (!m) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     pthread_mutex_init(&m->grammar_mu, NULL);
@@ -77,7 +77,7 @@ fail:
 struct kvq_model *kvq_model_load_vocab(const char *path) {
     struct kvq_model *m = calloc(1, sizeof *m);
     if (!m) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     pthread_mutex_init(&m->grammar_mu, NULL);
@@ -167,7 +167,7 @@ struct kvq_detok {
 struct kvq_detok *kvq_detok_new(const struct kvq_model *m) {
     struct kvq_detok *d = calloc(1, sizeof *d);
     if (!d) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     tokenizer_stream_init(&d->s, m->tok, false);
@@ -253,7 +253,7 @@ static struct kv_cache **new_caches_kv(const struct kvq_context *c, const struct
     const struct model *m = c->m->model;
     struct kv_cache **cs = calloc((size_t)m->hp.n_layer, sizeof *cs);
     if (!cs) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     for (int il = 0; il < m->hp.n_layer; il++) {
@@ -328,22 +328,21 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
                   p->kv.keep, n_ctx);
         return NULL;
     }
-    if (p->device == KVQ_DEVICE_CUDA && quant && (p->kv.k_group == KVQ_KV_NF || p->kv.v_group == KVQ_KV_NF)) {
-        kvq_error("the CUDA backend has no attention for normal-float KV rows (--kv-bits 3, 2 or :nf): use "
-                  "uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu");
-        return NULL;
-    }
     struct kvq_context *c = calloc(1, sizeof *c);
     if (!c) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     c->m = m;
     c->p = *p;
     if (c->p.n_ctx == 0) c->p.n_ctx = hp->n_ctx_train;
     if (c->p.kv_budget_bytes == 0) c->p.kv_budget_bytes = default_budget(c);
-    if (p->device != KVQ_DEVICE_CUDA && model_pack_rows16(m->model, p->n_threads) != 0) goto fail;
     c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new(p->n_threads) : backend_cpu_new(p->n_threads);
+    if (c->be && !c->be->ops->attends_nf && quant && (p->kv.k_group == KVQ_KV_NF || p->kv.v_group == KVQ_KV_NF)) {
+        kvq_error_code(KVQ_ERR_UNSUPPORTED, "the CUDA backend has no attention for normal-float KV rows (--kv-bits 3, "
+                                            "2 or :nf): use uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu");
+        goto fail;
+    }
     c->fwd = c->be ? forward_new(m->model, c->be, p->n_batch) : NULL;
     c->kv_pool = c->be ? c->be->ops->kv_pool_new(c->be, c->p.kv_budget_bytes) : NULL;
     c->caches = calloc((size_t)p->n_seq * hp->n_layer, sizeof *c->caches);
@@ -352,7 +351,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     c->chunk_seqs = malloc(sizeof *c->chunk_seqs * (size_t)p->n_batch);
     if (!c->be || !c->fwd || !c->kv_pool || !c->caches || !c->count || !c->chunk_tokens || !c->chunk_seqs) {
         if (!c->fwd && kvq_last_error()[0]) goto fail;
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         goto fail;
     }
     for (int s = 0; s < p->n_seq; s++) {
@@ -432,10 +431,11 @@ void kvq_seq_clear(struct kvq_context *c, int seq) {
     for (int il = 0; il < c->m->model->hp.n_layer; il++) kv_cache_clear(seq_caches(c, seq)[il]);
 }
 
-/* dst's caches become copies of src's, sharing blocks; dst is emptied on failure. */
-static int fork_caches(struct kv_cache **dst, struct kv_cache *const *src, int n_layer) {
+/* dst's caches become copies of src's: sharing blocks (kv_cache_fork), or with convert,
+ * src's tokens in dst's format (kv_cache_convert); dst is emptied on failure. */
+static int copy_caches(struct kv_cache **dst, struct kv_cache *const *src, int n_layer, bool convert) {
     for (int il = 0; il < n_layer; il++)
-        if (kv_cache_fork(dst[il], src[il]) != 0) {
+        if ((convert ? kv_cache_convert(dst[il], src[il]) : kv_cache_fork(dst[il], src[il])) != 0) {
             for (int j = 0; j < n_layer; j++) kv_cache_clear(dst[j]);
             return -1;
         }
@@ -444,7 +444,7 @@ static int fork_caches(struct kv_cache **dst, struct kv_cache *const *src, int n
 
 int kvq_seq_fork(struct kvq_context *c, int src, int dst) {
     if (check_seq(c, src) != 0 || check_seq(c, dst) != 0) return -1;
-    return fork_caches(seq_caches(c, dst), seq_caches(c, src), c->m->model->hp.n_layer);
+    return copy_caches(seq_caches(c, dst), seq_caches(c, src), c->m->model->hp.n_layer, false);
 }
 
 size_t kvq_kv_bytes(const struct kvq_context *c) {
@@ -493,7 +493,7 @@ struct kvq_prefix *engine_prefix_new_kv(struct kvq_context *c, const struct kvq_
     if (p) p->kv = kv ? *kv : c->p.kv;
     if (!p || !(p->caches = new_caches_kv(c, &p->kv))) {
         free(p);
-        if (!p) kvq_error("out of memory");
+        if (!p) kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     p->c = c;
@@ -511,29 +511,18 @@ struct kvq_context *engine_prefix_context(const struct kvq_prefix *p) { return p
 struct kvq_prefix *kvq_prefix_hold(struct kvq_context *c, int seq) {
     if (check_seq(c, seq) != 0) return NULL;
     struct kvq_prefix *p = engine_prefix_new(c);
-    if (p && fork_caches(p->caches, seq_caches(c, seq), c->m->model->hp.n_layer) != 0) {
+    if (p && copy_caches(p->caches, seq_caches(c, seq), c->m->model->hp.n_layer, false) != 0) {
         kvq_prefix_free(p);
         return NULL;
     }
     return p;
 }
 
-/* dst's caches become src's tokens in dst's format (kv_cache_convert); dst is emptied
- * on failure. */
-static int convert_caches(struct kv_cache **dst, struct kv_cache *const *src, int n_layer) {
-    for (int il = 0; il < n_layer; il++)
-        if (kv_cache_convert(dst[il], src[il]) != 0) {
-            for (int j = 0; j < n_layer; j++) kv_cache_clear(dst[j]);
-            return -1;
-        }
-    return 0;
-}
-
 /* A new prefix holding the caches src in format pk (re-encoded: a copy). */
 static struct kvq_prefix *prefix_converted(struct kvq_context *c, struct kv_cache *const *src,
                                            const struct kvq_kv_config *pk) {
     struct kvq_prefix *p = engine_prefix_new_kv(c, pk);
-    if (p && convert_caches(p->caches, src, c->m->model->hp.n_layer) != 0) {
+    if (p && copy_caches(p->caches, src, c->m->model->hp.n_layer, true) != 0) {
         kvq_prefix_free(p);
         return NULL;
     }
@@ -556,8 +545,7 @@ struct kvq_prefix *kvq_prefix_convert(const struct kvq_prefix *p, const struct k
 int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p) {
     if (check_seq(c, seq) != 0) return -1;
     if (p->c != c) return kvq_error("a held prefix attaches only to sequences of its own context");
-    if (!same_format(&p->kv, &c->p.kv)) return convert_caches(seq_caches(c, seq), p->caches, c->m->model->hp.n_layer);
-    return fork_caches(seq_caches(c, seq), p->caches, c->m->model->hp.n_layer);
+    return copy_caches(seq_caches(c, seq), p->caches, c->m->model->hp.n_layer, !same_format(&p->kv, &c->p.kv));
 }
 
 int kvq_prefix_len(const struct kvq_prefix *p) { return kv_cache_n_past(p->caches[0]); }
@@ -596,7 +584,7 @@ int kvq_kv_layer_kinds(const struct kvq_context *c, struct kvq_kv_layer_kind *ou
 static int grow(void **p, int *cap, int need, size_t elem) {
     if (need <= *cap) return 0;
     void *q = realloc(*p, (size_t)need * elem);
-    if (!q) return kvq_error("out of memory");
+    if (!q) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     *p = q;
     *cap = need;
     return 0;
@@ -629,20 +617,22 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
         struct kv_cache **cs = seq_caches(c, s);
         int len = kv_cache_n_past(cs[0]);
         if (c->p.kv.max_size == 0 && len + count[s + 1] > c->p.n_ctx)
-            return kvq_error("context full: sequence %d holds %d tokens, %d more would exceed the context of %d", s,
-                             len, count[s + 1], c->p.n_ctx);
+            return kvq_error_code(KVQ_ERR_CONTEXT_FULL,
+                                  "context full: sequence %d holds %d tokens, %d more would exceed the context of %d",
+                                  s, len, count[s + 1], c->p.n_ctx);
         for (int il = 0; il < c->m->model->hp.n_layer; il++) need += kv_cache_append_bytes(cs[il], count[s + 1], c->p.n_batch);
     }
     if (!kv_pool_fits(c->kv_pool, need))
-        return kvq_error("KV cache budget exhausted: the batch needs up to %zu more bytes, %zu of %zu are in use "
-                         "(raise the KV budget or free sequences)",
-                         need, kv_pool_used(c->kv_pool), kv_pool_budget(c->kv_pool));
+        return kvq_error_code(KVQ_ERR_BUDGET,
+                              "KV cache budget exhausted: the batch needs up to %zu more bytes, %zu of %zu are in use "
+                              "(raise the KV budget or free sequences)",
+                              need, kv_pool_used(c->kv_pool), kv_pool_budget(c->kv_pool));
     int *head = count + n_seq + 1, *tail = head + n_seq + 1; /* cursors */
     int heads = 0;
     for (int s = 0; s < n_seq; s++) {
         const int n_s = count[s + 1];
         struct kv_cache *c0 = seq_caches(c, s)[0];
-        const int32_t T = c->be->ops->host_memory || n_s == 0 ? 0 : kv_cache_offsets_point(c0);
+        const int32_t T = !c->be->ops->encodes_kv || n_s == 0 ? 0 : kv_cache_offsets_point(c0);
         const int32_t np = kv_cache_n_past(c0);
         head[s] = T > 0 && np + n_s > T ? (int)(T - np) : n_s;
         heads += head[s];
@@ -679,7 +669,7 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         c->logits_cap = c->logits ? (size_t)n_rows : 0;
         if (!c->logits) {
             c->last_n_tokens = 0; /* kvq_get_logits: none */
-            return kvq_error("%d rows of logits: %s", n_rows, kvq_last_error());
+            return kvq_error_wrap("%d rows of logits: %s", n_rows, kvq_last_error());
         }
     }
     c->last_n_tokens = n;
@@ -727,7 +717,7 @@ int kvq_embed(struct kvq_context *c, int seq, const kvq_token *tokens, int n, en
     float *h = malloc(sizeof *h * (size_t)chunk * (size_t)d);
     double *sum = calloc((size_t)d, sizeof *sum);
     int32_t *rows = c->chunk_tokens + chunk;
-    int rc = h && sum ? 0 : kvq_error("out of memory");
+    int rc = h && sum ? 0 : kvq_error_code(KVQ_ERR_OOM, "out of memory");
     kvq_seq_clear(c, seq);
     for (int start = 0, len; start < n && rc == 0; start += len) {
         len = n - start < chunk ? n - start : chunk;

@@ -185,7 +185,7 @@ void gseq_free(struct gseq *s) {
 
 struct grammar *grammar_new(void) {
     struct grammar *g = calloc(1, sizeof *g);
-    if (!g) kvq_error("out of memory");
+    if (!g) kvq_error_code(KVQ_ERR_OOM, "out of memory");
     return g;
 }
 
@@ -214,7 +214,8 @@ void grammar_free(struct grammar *g) {
 
 int grammar_rule(struct grammar *g) {
     if (g->n_rules >= MAX_ELEMS) return kvq_error("grammar: more than %d rules (the schema is too large)", MAX_ELEMS);
-    if (grow((void **)&g->rules, &g->cap_rules, g->n_rules + 1, sizeof *g->rules)) return kvq_error("out of memory");
+    if (grow((void **)&g->rules, &g->cap_rules, g->n_rules + 1, sizeof *g->rules))
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     g->rules[g->n_rules] = (struct rule){0};
     return g->n_rules++;
 }
@@ -583,7 +584,7 @@ struct grammar_vocab *grammar_vocab_new(const struct tokenizer *t, int n_vocab) 
 oom:
     free(keys);
     grammar_vocab_free(v);
-    kvq_error("out of memory");
+    kvq_error_code(KVQ_ERR_OOM, "out of memory");
     return NULL;
 }
 
@@ -663,7 +664,7 @@ int grammar_bind_vocab(struct grammar *g, struct grammar_vocab *v) {
     g->cache_valid = false;
     g->vclass = calloc((size_t)g->n_classes + 1, sizeof *g->vclass);
     g->cache_mask = malloc(sizeof *g->cache_mask * (size_t)v->n_words);
-    if (!g->vclass || !g->cache_mask) return kvq_error("out of memory");
+    if (!g->vclass || !g->cache_mask) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     for (int i = 0; i < g->n_elems; i++) {
         const struct gelem *e = &g->elems[i];
         /* a star class without a short cut (the cache full) is walked like any other */

@@ -408,7 +408,7 @@ static int member(struct jsc *c, const char *key, int value) {
         json_t *k = json_string(key);
         char *text = k ? json_dumps(k, JSON_ENCODE_ANY) : NULL;
         json_decref(k);
-        if (!text) return kvq_error("out of memory");
+        if (!text) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
         gseq_lit(&s, c->g, text, strlen(text));
         free(text);
     } else {
@@ -511,7 +511,7 @@ static int object_schema(struct jsc *c, json_t *sch) {
     bool *required = calloc(n, sizeof *required);
     int rc = -1, k = 0;
     if (!keys || !values || !required) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         goto done;
     }
     const char *key;
@@ -583,7 +583,7 @@ static int literals(struct jsc *c, json_t *values, bool one) {
     if (n == 0) return kvq_error("json schema: 'enum' must list at least one value");
     for (size_t i = 0; i < n; i++) {
         char *text = json_dumps(one ? values : json_array_get(values, i), JSON_ENCODE_ANY | JSON_COMPACT);
-        if (!text) return kvq_error("out of memory");
+        if (!text) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
         struct gseq s = {0};
         gseq_lit(&s, c->g, text, strlen(text));
         free(text);
@@ -620,10 +620,10 @@ static int ref_schema(struct jsc *c, const char *ref) {
     json_t *target = resolve(c, ref);
     if (!target) return kvq_error("json schema: cannot resolve $ref '%.200s' (only local references: #/...)", ref);
     struct ref *rs = realloc(c->refs, sizeof *rs * (size_t)(c->n_refs + 1));
-    if (!rs) return kvq_error("out of memory");
+    if (!rs) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     c->refs = rs;
     int r = grammar_rule(c->g);
-    if (r < 0 || !(rs[c->n_refs].path = strdup(ref))) return kvq_error("out of memory");
+    if (r < 0 || !(rs[c->n_refs].path = strdup(ref))) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     rs[c->n_refs++].rule = r; /* known before compiling: recursive schemas refer to it */
     int t = compile(c, target);
     if (t < 0) return -1;

@@ -67,7 +67,7 @@ struct kvq_sampler *kvq_sampler_new(const struct kvq_sampler_params *p, int n_vo
     return s;
 oom:
     kvq_sampler_free(s);
-    kvq_error("out of memory");
+    kvq_error_code(KVQ_ERR_OOM, "out of memory");
     return NULL;
 }
 
@@ -121,7 +121,7 @@ static int copy_ids(const struct kvq_sampler *s, const kvq_token *ids, int n, kv
         if (ids[i] < 0 || ids[i] >= s->n_vocab)
             return kvq_error("token id %d is outside the vocabulary (0..%d)", ids[i], s->n_vocab - 1);
     kvq_token *d = n > 0 ? malloc(sizeof *d * (size_t)n) : NULL;
-    if (n > 0 && !d) return kvq_error("out of memory");
+    if (n > 0 && !d) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     if (n > 0) memcpy(d, ids, sizeof *d * (size_t)n);
     free(*dst);
     *dst = d;
@@ -130,7 +130,7 @@ static int copy_ids(const struct kvq_sampler *s, const kvq_token *ids, int n, kv
 
 int kvq_sampler_set_logit_bias(struct kvq_sampler *s, const kvq_token *ids, const float *bias, int n) {
     float *b = n > 0 ? malloc(sizeof *b * (size_t)n) : NULL;
-    if (n > 0 && !b) return kvq_error("out of memory");
+    if (n > 0 && !b) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     if (copy_ids(s, ids, n, &s->bias_ids) != 0) {
         free(b);
         return -1;
@@ -310,7 +310,7 @@ static double drop_banned(struct kvq_sampler *s, float *w) {
 
 int kvq_sampler_set_grammar(struct kvq_sampler *s, struct kvq_grammar *g) {
     if (g && !s->masked && !(s->masked = malloc(sizeof *s->masked * (size_t)s->n_vocab)))
-        return kvq_error("out of memory");
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     s->grammar = g;
     return 0;
 }

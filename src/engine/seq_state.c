@@ -98,7 +98,7 @@ static int encode_caches(const struct kvq_context *c, const struct kvq_kv_config
     for (int il = 0; il < hp->n_layer; il++) kv_cache_save(caches[il], &b);
     if (!b.oom) kv_buf_u64(&b, fnv1a(FNV_INIT, b.data, b.len));
     *out = b;
-    return b.oom ? kvq_error("out of memory saving the KV cache") : 0;
+    return b.oom ? kvq_error_code(KVQ_ERR_OOM, "out of memory saving the KV cache") : 0;
 }
 
 static int save_caches(const struct kvq_context *c, const struct kvq_kv_config *kv, struct kv_cache *const *caches,
@@ -118,7 +118,7 @@ static int save_caches(const struct kvq_context *c, const struct kvq_kv_config *
     free(b.data);
     if (!ok) {
         kvq_outfile_abort(&out);
-        return kvq_error("cannot write '%s': %s", path, strerror(errno));
+        return kvq_error_code(KVQ_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
     }
     return kvq_outfile_commit(&out);
 }
@@ -161,33 +161,33 @@ int kvq_seq_save(const struct kvq_context *c, int seq, const char *path) {
 static uint8_t *read_all(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) {
-        kvq_error("cannot open '%s': %s", path, strerror(errno));
+        kvq_error_code(KVQ_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
         return NULL;
     }
     struct stat st;
     if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) { /* ftell of a directory says LONG_MAX */
         fclose(f);
-        kvq_error("'%s' is not a regular file", path);
+        kvq_error_code(KVQ_ERR_IO, "'%s' is not a regular file", path);
         return NULL;
     }
     long size = -1;
     if (fseek(f, 0, SEEK_END) == 0) size = ftell(f);
     if (size < 0 || fseek(f, 0, SEEK_SET) != 0) {
         fclose(f);
-        kvq_error("cannot read '%s'", path);
+        kvq_error_code(KVQ_ERR_IO, "cannot read '%s'", path);
         return NULL;
     }
     uint8_t *data = malloc((size_t)size + 1);
     if (!data) {
         fclose(f);
-        kvq_error("out of memory reading '%s' (%ld bytes)", path, size);
+        kvq_error_code(KVQ_ERR_OOM, "out of memory reading '%s' (%ld bytes)", path, size);
         return NULL;
     }
     size_t got = fread(data, 1, (size_t)size, f);
     fclose(f);
     if (got != (size_t)size) {
         free(data);
-        kvq_error("cannot read '%s'", path);
+        kvq_error_code(KVQ_ERR_IO, "cannot read '%s'", path);
         return NULL;
     }
     *len = got;
@@ -199,19 +199,22 @@ static int check_envelope(const char *path, const uint8_t *data, size_t len, str
                           uint32_t *version_out) {
     uint32_t version;
     if (len < 12 && memcmp(data, SEQ_MAGIC, len < 8 ? len : 8) == 0 && len >= 4)
-        return kvq_error("'%s' is truncated", path);
-    if (len < 12 || memcmp(data, SEQ_MAGIC, 8) != 0) return kvq_error("'%s' is not a kvq KV cache file", path);
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
+    if (len < 12 || memcmp(data, SEQ_MAGIC, 8) != 0)
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is not a kvq KV cache file", path);
     *r = (struct kv_reader){data, len, 8};
     kv_read_u32(r, &version);
     if (version < 1 || version > SEQ_VERSION)
-        return kvq_error("'%s' has KV cache file version %u; this build reads versions 1 to %u", path, version,
-                         SEQ_VERSION);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED,
+                              "'%s' has KV cache file version %u; this build reads versions 1 to %u", path, version,
+                              SEQ_VERSION);
     *version_out = version;
-    if (len < 12 + 8) return kvq_error("'%s' is truncated", path);
+    if (len < 12 + 8) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
     struct kv_reader t = {data, len, len - 8};
     uint64_t sum;
     kv_read_u64(&t, &sum);
-    if (sum != fnv1a(FNV_INIT, data, len - 8)) return kvq_error("'%s' is corrupt or truncated (checksum mismatch)", path);
+    if (sum != fnv1a(FNV_INIT, data, len - 8))
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is corrupt or truncated (checksum mismatch)", path);
     r->len = len - 8; /* the payload */
     return 0;
 }
@@ -221,11 +224,13 @@ static int check_envelope(const char *path, const uint8_t *data, size_t len, str
 static int read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_t version, const char *path) {
     int32_t v[10] = {0};
     for (int i = 0; i < (version >= 3 ? 10 : version == 2 ? 9 : 8); i++)
-        if (!kv_read_i32(r, &v[i])) return kvq_error("'%s' is truncated", path);
-    if (v[9] & ~1) return kvq_error("'%s' has unknown KV flag bits 0x%x", path, (unsigned)v[9] & ~1u);
+        if (!kv_read_i32(r, &v[i])) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
+    if (v[9] & ~1)
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' has unknown KV flag bits 0x%x", path, (unsigned)v[9] & ~1u);
     if (v[4] < 0 || v[4] > (1 << 30) || v[5] < 0 || v[5] > (1 << 30) || v[6] < 0 || v[6] > (1 << 30))
-        return kvq_error("'%s' holds an impossible KV config (max size %d, keep %d, quantized start %d)", path, v[4],
-                         v[5], v[6]);
+        return kvq_error_code(KVQ_ERR_FORMAT,
+                              "'%s' holds an impossible KV config (max size %d, keep %d, quantized start %d)", path,
+                              v[4], v[5], v[6]);
     kv->k_bits = v[0];
     kv->v_bits = v[1];
     kv->k_group = v[2];
@@ -249,7 +254,7 @@ static int data_kv_config(const char *path, const uint8_t *data, size_t len, str
         memset(kv, 0, sizeof *kv);
         bool ok = kv_read_u64(&r, &fp);
         for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(&r, &dims[i]);
-        rc = ok ? read_kv_config(&r, kv, version, path) : kvq_error("'%s' is truncated", path);
+        rc = ok ? read_kv_config(&r, kv, version, path) : kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
     }
     return rc;
 }
@@ -279,9 +284,9 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
     struct kvq_kv_config kv = {0};
     bool ok = kv_read_u64(r, &fp);
     for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(r, &dims[i]);
-    if (!ok) return kvq_error("'%s' is truncated", path);
+    if (!ok) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
     if (read_kv_config(r, &kv, version, path) != 0) return -1;
-    if (!kv_read_i32(r, &n_past)) return kvq_error("'%s' is truncated", path);
+    if (!kv_read_i32(r, &n_past)) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
     if (dims[0] != (uint32_t)hp->n_layer || dims[1] != (uint32_t)hp->n_head || dims[2] != (uint32_t)hp->n_head_kv ||
         dims[3] != (uint32_t)hp->head_dim || dims[4] != (uint32_t)hp->n_vocab)
         return kvq_error("'%s' was written for another model (%u layers, %u/%u heads, head_dim %u, vocab %u; this one "
@@ -302,23 +307,25 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
                          mine->residual, mine->swa_full);
     /* a rotating cache may hold a long past, but positions must stay far from INT_MAX */
     if (n_past < 0 || n_past > (1 << 30) || (n_past > kvq_context_n_ctx(c) && mine->max_size == 0))
-        return kvq_error("'%s' holds %d tokens, more than the context of %d", path, n_past, kvq_context_n_ctx(c));
-    if (!kv_read_u32(r, &n_tok) || n_tok > (r->len - r->off) / 4) return kvq_error("'%s' is truncated", path);
+        return kvq_error_code(KVQ_ERR_CONTEXT_FULL, "'%s' holds %d tokens, more than the context of %d", path, n_past,
+                              kvq_context_n_ctx(c));
+    if (!kv_read_u32(r, &n_tok) || n_tok > (r->len - r->off) / 4)
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
     kvq_token *toks = malloc(sizeof(kvq_token) * (n_tok ? n_tok : 1));
-    if (!toks) return kvq_error("out of memory");
+    if (!toks) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     for (uint32_t i = 0; i < n_tok; i++) {
         kv_read_i32(r, &toks[i]);
         if (toks[i] < 0 || toks[i] >= hp->n_vocab) {
             int bad = toks[i];
             free(toks);
-            return kvq_error("'%s' holds an invalid token id %d", path, bad);
+            return kvq_error_code(KVQ_ERR_FORMAT, "'%s' holds an invalid token id %d", path, bad);
         }
     }
     float *logits = NULL;
     if (!kv_read_u32(r, &n_logits) || (n_logits != 0 && n_logits != (uint32_t)hp->n_vocab) ||
         n_logits > (r->len - r->off) / 4 || (n_logits && !(logits = malloc(sizeof(float) * n_logits)))) {
         free(toks);
-        return kvq_error("'%s' has an invalid logits block", path);
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' has an invalid logits block", path);
     }
     for (uint32_t i = 0; i < n_logits; i++) {
         uint32_t u;
@@ -327,15 +334,16 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
         if (!isfinite(logits[i])) { /* the sampler would pick from NaNs */
             free(toks);
             free(logits);
-            return kvq_error("'%s' holds a non-finite logit (token %u)", path, i);
+            return kvq_error_code(KVQ_ERR_FORMAT, "'%s' holds a non-finite logit (token %u)", path, i);
         }
     }
     int rc = 0;
     for (int il = 0; il < hp->n_layer && rc == 0; il++) {
-        if (kv_cache_load(caches[il], r) != 0) rc = kvq_error("'%s', layer %d: %s", path, il, kvq_last_error());
-        else if (kv_cache_n_past(caches[il]) != n_past) rc = kvq_error("'%s', layer %d: inconsistent offset", path, il);
+        if (kv_cache_load(caches[il], r) != 0) rc = kvq_error_wrap("'%s', layer %d: %s", path, il, kvq_last_error());
+        else if (kv_cache_n_past(caches[il]) != n_past)
+            rc = kvq_error_code(KVQ_ERR_FORMAT, "'%s', layer %d: inconsistent offset", path, il);
     }
-    if (rc == 0 && r->off != r->len) rc = kvq_error("'%s' has trailing bytes", path);
+    if (rc == 0 && r->off != r->len) rc = kvq_error_code(KVQ_ERR_FORMAT, "'%s' has trailing bytes", path);
     if (rc == 0 && extra) {
         extra->tokens = toks;
         extra->n_tokens = (int)n_tok;
@@ -360,7 +368,7 @@ static int load_data(struct kvq_context *c, const struct kvq_kv_config *kv, stru
         char msg[512];
         snprintf(msg, sizeof msg, "%s", kvq_last_error());
         for (int il = 0; il < engine_model(c)->hp.n_layer; il++) kv_cache_clear(caches[il]);
-        kvq_error("%s", msg);
+        kvq_error_wrap("%s", msg);
     }
     return rc;
 }

@@ -47,7 +47,8 @@ static uint64_t remaining(const struct reader *r) { return r->f->size - r->pos; 
 
 static bool take(struct reader *r, void *dst, uint64_t n, const char *what) {
     if (n > remaining(r)) {
-        kvq_error("gguf: file truncated while reading %s (offset %llu)", what, (unsigned long long)r->pos);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: file truncated while reading %s (offset %llu)", what,
+                       (unsigned long long)r->pos);
         return false;
     }
     memcpy(dst, r->f->base + r->pos, n);
@@ -59,7 +60,7 @@ static void *track_alloc(struct gguf_file *f, uint64_t n, uint64_t size) {
     if (n == 0) n = 1;
     void *p = calloc((size_t)n, (size_t)size);
     if (!p) {
-        kvq_error("gguf: out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "gguf: out of memory");
         return NULL;
     }
     if (f->n_allocs == f->cap_allocs) {
@@ -67,7 +68,7 @@ static void *track_alloc(struct gguf_file *f, uint64_t n, uint64_t size) {
         void **a = realloc(f->allocs, cap * sizeof *a);
         if (!a) {
             free(p);
-            kvq_error("gguf: out of memory");
+            kvq_error_code(KVQ_ERR_OOM, "gguf: out of memory");
             return NULL;
         }
         f->allocs = a;
@@ -81,7 +82,8 @@ static bool read_str(struct reader *r, struct gguf_str *s, const char *what) {
     uint64_t len;
     if (!take(r, &len, 8, what)) return false;
     if (len > remaining(r)) {
-        kvq_error("gguf: %s has length %llu, past the end of the file", what, (unsigned long long)len);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: %s has length %llu, past the end of the file", what,
+                       (unsigned long long)len);
         return false;
     }
     s->ptr = (const char *)r->f->base + r->pos;
@@ -127,12 +129,12 @@ static bool read_array(struct reader *r, struct gguf_value *v, int depth) {
     uint32_t et;
     uint64_t n;
     if (depth >= GGUF_MAX_NESTING) {
-        kvq_error("gguf: arrays nested deeper than %d levels", GGUF_MAX_NESTING);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: arrays nested deeper than %d levels", GGUF_MAX_NESTING);
         return false;
     }
     if (!take(r, &et, 4, "array type") || !take(r, &n, 8, "array length")) return false;
     if (!type_is_valid(et)) {
-        kvq_error("gguf: array has invalid element type %u", et);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: array has invalid element type %u", et);
         return false;
     }
     v->arr.elem_type = (enum gguf_type)et;
@@ -140,7 +142,8 @@ static bool read_array(struct reader *r, struct gguf_value *v, int depth) {
     uint64_t esize = scalar_size(et);
     if (esize) {
         if (n > remaining(r) / esize) {
-            kvq_error("gguf: array of %llu elements runs past the end of the file", (unsigned long long)n);
+            kvq_error_code(KVQ_ERR_FORMAT, "gguf: array of %llu elements runs past the end of the file",
+                           (unsigned long long)n);
             return false;
         }
         v->arr.data = r->f->base + r->pos;
@@ -150,7 +153,8 @@ static bool read_array(struct reader *r, struct gguf_value *v, int depth) {
     /* Strings take at least 8 bytes each, nested arrays at least 12. */
     uint64_t min_size = et == GGUF_TYPE_STRING ? 8 : 12;
     if (n > remaining(r) / min_size) {
-        kvq_error("gguf: array of %llu elements runs past the end of the file", (unsigned long long)n);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: array of %llu elements runs past the end of the file",
+                       (unsigned long long)n);
         return false;
     }
     if (et == GGUF_TYPE_STRING) {
@@ -171,7 +175,7 @@ static bool read_array(struct reader *r, struct gguf_value *v, int depth) {
 
 static bool read_value(struct reader *r, struct gguf_value *v, uint32_t type, int depth) {
     if (!type_is_valid(type)) {
-        kvq_error("gguf: invalid value type %u", type);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: invalid value type %u", type);
         return false;
     }
     v->type = (enum gguf_type)type;
@@ -179,7 +183,7 @@ static bool read_value(struct reader *r, struct gguf_value *v, uint32_t type, in
     if (type == GGUF_TYPE_ARRAY) return read_array(r, v, depth);
     uint64_t size = scalar_size(type);
     if (size > remaining(r)) {
-        kvq_error("gguf: file truncated in a value");
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: file truncated in a value");
         return false;
     }
     decode_scalar(v, r->f->base + r->pos);
@@ -193,8 +197,8 @@ static bool parse_tensor_info(struct reader *r, struct gguf_tensor *t) {
     if (!read_str(r, &t->name, "tensor name")) return false;
     if (!take(r, &t->n_dims, 4, "tensor dims")) return false;
     if (t->n_dims == 0 || t->n_dims > GGUF_MAX_DIMS) {
-        kvq_error("gguf: tensor '%.*s' has %u dimensions (1..%d allowed)", (int)(t->name.len > 200 ? 200 : t->name.len),
-                  t->name.ptr, t->n_dims, GGUF_MAX_DIMS);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' has %u dimensions (1..%d allowed)",
+                       (int)(t->name.len > 200 ? 200 : t->name.len), t->name.ptr, t->n_dims, GGUF_MAX_DIMS);
         return false;
     }
     for (int d = 0; d < GGUF_MAX_DIMS; d++) t->ne[d] = 1;
@@ -209,36 +213,37 @@ static bool validate_tensor(const struct gguf_file *f, struct gguf_tensor *t) {
     int nl = (int)(t->name.len > 200 ? 200 : t->name.len);
     const struct kvq_dtype_info *info = kvq_dtype_info(t->type);
     if (!info) {
-        kvq_error("gguf: tensor '%.*s' has unknown type %u", nl, t->name.ptr, t->type);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' has unknown type %u", nl, t->name.ptr, t->type);
         return false;
     }
     uint64_t n = 1;
     for (int d = 0; d < GGUF_MAX_DIMS; d++) {
         if (t->ne[d] == 0 || t->ne[d] > f->size || n > UINT64_MAX / t->ne[d]) {
-            kvq_error("gguf: tensor '%.*s' has an invalid shape", nl, t->name.ptr);
+            kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' has an invalid shape", nl, t->name.ptr);
             return false;
         }
         n *= t->ne[d];
     }
     if (t->ne[0] % info->block_size != 0) {
-        kvq_error("gguf: tensor '%.*s' row length %llu is not a multiple of the %s block size %u", nl, t->name.ptr,
-                  (unsigned long long)t->ne[0], info->name, info->block_size);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' row length %llu is not a multiple of the %s block size %u",
+                       nl, t->name.ptr, (unsigned long long)t->ne[0], info->name, info->block_size);
         return false;
     }
     uint64_t blocks = n / info->block_size;
     if (blocks > UINT64_MAX / info->block_bytes) {
-        kvq_error("gguf: tensor '%.*s' is too large", nl, t->name.ptr);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' is too large", nl, t->name.ptr);
         return false;
     }
     t->nbytes = blocks * info->block_bytes;
     if (t->offset % f->alignment != 0) {
-        kvq_error("gguf: tensor '%.*s' offset %llu is not aligned to %llu", nl, t->name.ptr,
-                  (unsigned long long)t->offset, (unsigned long long)f->alignment);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: tensor '%.*s' offset %llu is not aligned to %llu", nl, t->name.ptr,
+                       (unsigned long long)t->offset, (unsigned long long)f->alignment);
         return false;
     }
     if (t->offset > f->data_size || t->nbytes > f->data_size - t->offset) {
-        kvq_error("gguf: tensor '%.*s' data (%llu bytes at offset %llu) lies past the end of the file", nl, t->name.ptr,
-                  (unsigned long long)t->nbytes, (unsigned long long)t->offset);
+        kvq_error_code(KVQ_ERR_FORMAT,
+                       "gguf: tensor '%.*s' data (%llu bytes at offset %llu) lies past the end of the file", nl,
+                       t->name.ptr, (unsigned long long)t->nbytes, (unsigned long long)t->offset);
         return false;
     }
     t->data = f->data + t->offset;
@@ -264,10 +269,12 @@ static bool check_layout(struct gguf_file *f) {
     for (uint64_t i = 0; i < f->n_tensors; i++) {
         const struct gguf_tensor *t = by_off[i];
         if (t->offset != expect) {
-            kvq_error("gguf: tensor '%.*s' starts at offset %llu, expected %llu (%s the tensor before it: its type or "
-                      "shape does not match the data)",
-                      (int)(t->name.len > 200 ? 200 : t->name.len), t->name.ptr, (unsigned long long)t->offset,
-                      (unsigned long long)expect, t->offset < expect ? "overlaps" : "leaves a gap after");
+            kvq_error_code(
+                KVQ_ERR_FORMAT,
+                "gguf: tensor '%.*s' starts at offset %llu, expected %llu (%s the tensor before it: its type or "
+                "shape does not match the data)",
+                (int)(t->name.len > 200 ? 200 : t->name.len), t->name.ptr, (unsigned long long)t->offset,
+                (unsigned long long)expect, t->offset < expect ? "overlaps" : "leaves a gap after");
             return false;
         }
         expect = (t->offset + t->nbytes + f->alignment - 1) / f->alignment * f->alignment;
@@ -279,19 +286,19 @@ static bool parse(struct gguf_file *f) {
     struct reader r = {f, 0};
     char magic[4];
     if (!take(&r, magic, 4, "magic") || memcmp(magic, GGUF_MAGIC, 4) != 0) {
-        kvq_error("not a GGUF file (bad magic)");
+        kvq_error_code(KVQ_ERR_FORMAT, "not a GGUF file (bad magic)");
         return false;
     }
     if (!take(&r, &f->version, 4, "version")) return false;
     if (f->version != 2 && f->version != 3) {
-        kvq_error("gguf: unsupported version %u (2 and 3 are supported)", f->version);
+        kvq_error_code(KVQ_ERR_UNSUPPORTED, "gguf: unsupported version %u (2 and 3 are supported)", f->version);
         return false;
     }
     if (!take(&r, &f->n_tensors, 8, "tensor count") || !take(&r, &f->n_kv, 8, "key count")) return false;
     /* A key/value takes at least 13 bytes, a tensor info at least 32. */
     if (f->n_kv > remaining(&r) / 13 || f->n_tensors > remaining(&r) / 32) {
-        kvq_error("gguf: header claims %llu keys and %llu tensors, more than the file can hold",
-                  (unsigned long long)f->n_kv, (unsigned long long)f->n_tensors);
+        kvq_error_code(KVQ_ERR_FORMAT, "gguf: header claims %llu keys and %llu tensors, more than the file can hold",
+                       (unsigned long long)f->n_kv, (unsigned long long)f->n_tensors);
         return false;
     }
     f->kv = track_alloc(f, f->n_kv, sizeof *f->kv);
@@ -304,14 +311,15 @@ static bool parse(struct gguf_file *f) {
         if (!read_value(&r, &kv->value, type, 0)) return false;
         for (uint64_t j = 0; j < i; j++) {
             if (f->kv[j].key.len == kv->key.len && memcmp(f->kv[j].key.ptr, kv->key.ptr, kv->key.len) == 0) {
-                kvq_error("gguf: duplicate key '%.*s'", (int)(kv->key.len > 200 ? 200 : kv->key.len), kv->key.ptr);
+                kvq_error_code(KVQ_ERR_FORMAT, "gguf: duplicate key '%.*s'",
+                               (int)(kv->key.len > 200 ? 200 : kv->key.len), kv->key.ptr);
                 return false;
             }
         }
         if (str_is_c(kv->key, "general.alignment")) {
             if (kv->value.type != GGUF_TYPE_UINT32 || kv->value.u64 == 0 ||
                 (kv->value.u64 & (kv->value.u64 - 1)) != 0) {
-                kvq_error("gguf: general.alignment must be a power of two (uint32)");
+                kvq_error_code(KVQ_ERR_FORMAT, "gguf: general.alignment must be a power of two (uint32)");
                 return false;
             }
             f->alignment = kv->value.u64;
@@ -330,8 +338,9 @@ static bool parse(struct gguf_file *f) {
         for (uint64_t j = 0; j < i; j++) {
             if (f->tensors[j].name.len == f->tensors[i].name.len &&
                 memcmp(f->tensors[j].name.ptr, f->tensors[i].name.ptr, f->tensors[i].name.len) == 0) {
-                kvq_error("gguf: duplicate tensor '%.*s'", (int)(f->tensors[i].name.len > 200 ? 200 : f->tensors[i].name.len),
-                          f->tensors[i].name.ptr);
+                kvq_error_code(KVQ_ERR_FORMAT, "gguf: duplicate tensor '%.*s'",
+                               (int)(f->tensors[i].name.len > 200 ? 200 : f->tensors[i].name.len),
+                               f->tensors[i].name.ptr);
                 return false;
             }
         }
@@ -342,7 +351,7 @@ static bool parse(struct gguf_file *f) {
 struct gguf_file *gguf_open_memory(const void *data, size_t size) {
     struct gguf_file *f = calloc(1, sizeof *f);
     if (!f) {
-        kvq_error("gguf: out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "gguf: out of memory");
         return NULL;
     }
     f->base = data;
@@ -357,24 +366,24 @@ struct gguf_file *gguf_open_memory(const void *data, size_t size) {
 struct gguf_file *gguf_open(const char *path) {
     int fd = open(path, O_RDONLY);
     if (fd < 0) {
-        kvq_error("cannot open '%s': %s", path, strerror(errno));
+        kvq_error_code(KVQ_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
         return NULL;
     }
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        kvq_error("'%s' is not a regular file", path);
+        kvq_error_code(KVQ_ERR_IO, "'%s' is not a regular file", path);
         return NULL;
     }
     if (st.st_size < 24) {
         close(fd);
-        kvq_error("'%s' is not a GGUF file (only %lld bytes)", path, (long long)st.st_size);
+        kvq_error_code(KVQ_ERR_FORMAT, "'%s' is not a GGUF file (only %lld bytes)", path, (long long)st.st_size);
         return NULL;
     }
     void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
     if (map == MAP_FAILED) {
-        kvq_error("cannot map '%s': %s", path, strerror(errno));
+        kvq_error_code(KVQ_ERR_IO, "cannot map '%s': %s", path, strerror(errno));
         return NULL;
     }
     struct gguf_file *f = gguf_open_memory(map, (size_t)st.st_size);
@@ -382,7 +391,7 @@ struct gguf_file *gguf_open(const char *path) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", kvq_last_error());
         munmap(map, (size_t)st.st_size);
-        kvq_error("%s: %s", path, msg);
+        kvq_error_wrap("%s: %s", path, msg);
         return NULL;
     }
     f->mapped = true;

@@ -74,7 +74,7 @@ static void put_str(struct buf *b, const char *s, size_t n) {
 struct gguf_writer *gguf_writer_new(void) {
     struct gguf_writer *w = calloc(1, sizeof *w);
     if (!w) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     w->alignment = 32;
@@ -249,7 +249,7 @@ static int write_all(FILE *f, const void *p, size_t n, const char *path) {
 }
 
 int gguf_writer_write(struct gguf_writer *w, const char *path, gguf_fill_fn fill, void *user) {
-    if (w->oom) return kvq_error("gguf: out of memory while building the file");
+    if (w->oom) return kvq_error_code(KVQ_ERR_OOM, "gguf: out of memory while building the file");
     if (w->bad) return kvq_error("gguf: %s", w->bad);
     for (size_t i = 0; i < w->n_t; i++) {
         if (!fill && !w->t[i].data) return kvq_error("gguf: tensor %s has no data and no fill callback", w->t[i].name);
@@ -287,20 +287,22 @@ int gguf_writer_write(struct gguf_writer *w, const char *path, gguf_fill_fn fill
     }
     if (h.oom) {
         free(h.p);
-        return kvq_error("gguf: out of memory while building the header");
+        return kvq_error_code(KVQ_ERR_OOM, "gguf: out of memory while building the header");
     }
     struct kvq_outfile out;
     FILE *f = kvq_outfile_open(&out, path);
     if (!f) {
         free(h.p);
-        return kvq_error("gguf: %s", kvq_last_error());
+        return kvq_error_wrap("gguf: %s", kvq_last_error());
     }
     int rc = write_all(f, h.p, h.n, path);
     free(h.p);
     uint8_t *tmp = NULL;
     if (rc == 0 && fill && max_bytes > 0) {
         tmp = malloc((size_t)max_bytes);
-        if (!tmp) rc = kvq_error("gguf: out of memory for a tensor of %llu bytes", (unsigned long long)max_bytes);
+        if (!tmp)
+            rc = kvq_error_code(KVQ_ERR_OOM, "gguf: out of memory for a tensor of %llu bytes",
+                                (unsigned long long)max_bytes);
     }
     uint64_t pos = 0;
     for (size_t i = 0; i < w->n_t && rc == 0; i++) {
@@ -332,6 +334,6 @@ int gguf_writer_write(struct gguf_writer *w, const char *path, gguf_fill_fn fill
     free(tmp);
     /* a failed write leaves the path as it was (no partial file, no removed device) */
     if (rc != 0) kvq_outfile_abort(&out);
-    else if (kvq_outfile_commit(&out) != 0) rc = kvq_error("gguf: %s", kvq_last_error());
+    else if (kvq_outfile_commit(&out) != 0) rc = kvq_error_wrap("gguf: %s", kvq_last_error());
     return rc;
 }

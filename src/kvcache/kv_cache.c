@@ -1,4 +1,5 @@
-/* Front door of the KV cache: validates the config, picks the kind, forwards. */
+/* Front door of the KV cache: validates the config and the calls, and forwards them
+ * to the block store (kv_store.h) that every cache kind is. */
 #include "kvcache/kv_cache.h"
 
 #include <stdlib.h>
@@ -7,8 +8,8 @@
 #include "core/error.h"
 #include "kernels/attention.h"
 #include "kernels/kv_quant.h"
-#include "kvcache/kv_cache_impl.h"
 #include "kvcache/kv_pool.h"
+#include "kvcache/kv_store.h"
 
 static bool is_float_bits(int b) { return b == 16 || b == 32; }
 
@@ -63,7 +64,7 @@ struct kv_cache *kv_cache_new_in(struct kv_pool *pool, const struct kv_cache_con
     }
     struct kv_cache *c = calloc(1, sizeof *c);
     if (!c) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     c->cfg = *cfg;
@@ -79,15 +80,15 @@ void kv_cache_free(struct kv_cache *c) {
     if (!c) return;
     const struct kv_pool_mirror *m = c->mirror ? kv_pool_get_mirror(kv_cache_pool(c)) : NULL;
     if (m) m->cache_free(m->ctx, c->mirror);
-    c->ops->free(c);
+    kv_store_free(c);
     free(c);
 }
 
-int kv_cache_append(struct kv_cache *c, int n, const float *k, const float *v) { return c->ops->append(c, n, k, v); }
+int kv_cache_append(struct kv_cache *c, int n, const float *k, const float *v) { return kv_store_append(c, n, k, v); }
 
 void kv_cache_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale, float *out,
                      float *scratch) {
-    c->ops->attend(c, kv_head, q, q_pos, scale, out, scratch);
+    kv_store_attend(c, kv_head, q, q_pos, scale, out, scratch);
 }
 
 size_t kv_cache_scratch_floats(const struct kv_shape *shape) {
@@ -99,81 +100,30 @@ size_t kv_cache_scratch_floats(const struct kv_shape *shape) {
 
 const struct kv_cache_config *kv_cache_get_config(const struct kv_cache *c) { return &c->cfg; }
 const struct kv_shape *kv_cache_get_shape(const struct kv_cache *c) { return &c->shape; }
-const char *kv_cache_kind(const struct kv_cache *c) { return c->ops->kind(c); }
-int kv_cache_size(const struct kv_cache *c) { return c->ops->size(c); }
+const char *kv_cache_kind(const struct kv_cache *c) { return kv_store_kind(c); }
+int kv_cache_size(const struct kv_cache *c) { return kv_store_size(c); }
 int kv_cache_to_quantized(struct kv_cache *c) {
     c->epoch++;
-    return c->ops->to_quantized(c);
+    return kv_store_to_quantized(c);
 }
 int kv_cache_read_rows(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max) {
     if (kv_head < 0 || kv_head >= c->shape.n_kv_heads || max <= 0) return 0;
-    return c->ops->read_rows(c, kv_head, which, out, pos, max);
+    return kv_store_read_rows(c, kv_head, which, out, pos, max);
 }
-void kv_cache_save(const struct kv_cache *c, struct kv_buf *b) { c->ops->save(c, b); }
+void kv_cache_save(const struct kv_cache *c, struct kv_buf *b) { kv_store_save(c, b); }
 int kv_cache_load(struct kv_cache *c, struct kv_reader *r) {
     c->epoch++;
-    return c->ops->load(c, r);
-}
-
-/* ---- little-endian buffers ---- */
-
-void kv_buf_put(struct kv_buf *b, const void *p, size_t n) {
-    if (b->oom || n == 0) return;
-    if (b->len + n > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->len + n) cap *= 2;
-        uint8_t *d = realloc(b->data, cap);
-        if (!d) {
-            b->oom = true;
-            return;
-        }
-        b->data = d;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->len, p, n);
-    b->len += n;
-}
-void kv_buf_u32(struct kv_buf *b, uint32_t v) {
-    uint8_t x[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
-    kv_buf_put(b, x, 4);
-}
-void kv_buf_u64(struct kv_buf *b, uint64_t v) {
-    kv_buf_u32(b, (uint32_t)v);
-    kv_buf_u32(b, (uint32_t)(v >> 32));
-}
-bool kv_read(struct kv_reader *r, void *p, size_t n) {
-    if (r->off > r->len || r->len - r->off < n) return false;
-    if (n) memcpy(p, r->data + r->off, n);
-    r->off += n;
-    return true;
-}
-bool kv_read_u32(struct kv_reader *r, uint32_t *v) {
-    uint8_t x[4];
-    if (!kv_read(r, x, 4)) return false;
-    *v = (uint32_t)x[0] | (uint32_t)x[1] << 8 | (uint32_t)x[2] << 16 | (uint32_t)x[3] << 24;
-    return true;
-}
-bool kv_read_i32(struct kv_reader *r, int32_t *v) {
-    uint32_t u;
-    if (!kv_read_u32(r, &u)) return false;
-    memcpy(v, &u, 4);
-    return true;
-}
-bool kv_read_u64(struct kv_reader *r, uint64_t *v) {
-    uint32_t lo, hi;
-    if (!kv_read_u32(r, &lo) || !kv_read_u32(r, &hi)) return false;
-    *v = (uint64_t)hi << 32 | lo;
-    return true;
+    return kv_store_load(c, r);
 }
 
 int32_t kv_cache_n_past(const struct kv_cache *c) { return c->n_past; }
 int kv_cache_trim(struct kv_cache *c, int n) {
     c->epoch++;
-    return n <= 0 ? 0 : c->ops->trim(c, n);
+    return n <= 0 ? 0 : kv_store_trim(c, n);
 }
 int kv_cache_keep_prefix(struct kv_cache *c, int n) {
     c->epoch++;
-    return c->ops->keep_prefix(c, n);
+    return kv_store_keep_prefix(c, n);
 }
 
 int kv_cache_fork(struct kv_cache *dst, const struct kv_cache *src) {
@@ -187,13 +137,13 @@ int kv_cache_fork(struct kv_cache *dst, const struct kv_cache *src) {
     if (!same)
         return kvq_error("cannot share KV blocks between caches of different configs");
     dst->epoch++;
-    return dst->ops->fork(dst, src);
+    return kv_store_fork(dst, src);
 }
 void kv_cache_clear(struct kv_cache *c) {
     c->epoch++;
-    c->ops->clear(c);
+    kv_store_clear(c);
 }
-size_t kv_cache_bytes(const struct kv_cache *c) { return c->ops->bytes(c); }
+size_t kv_cache_bytes(const struct kv_cache *c) { return kv_store_bytes(c); }
 
 /* kv_heads x (head_dim x b/8 + 4 x head_dim/G) for K plus the same for V: the row
  * format of kernels/kv_quant.h, which the stores use. */

@@ -1,6 +1,7 @@
 /* KV block pool: budget accounting, refcounts and per-size free lists. */
 #include "kvcache/kv_pool.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,7 +35,7 @@ struct kv_pool {
 struct kv_pool *kv_pool_new(size_t budget) {
     struct kv_pool *p = calloc(1, sizeof *p);
     if (!p) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     p->budget = budget;
@@ -78,7 +79,7 @@ void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t h
 }
 
 int kv_pool_take_dirty(struct kv_pool *p, struct kv_block ***blocks) {
-    if (p->dirty_lost) return kvq_error("out of memory tracking the KV rows to copy to the device");
+    if (p->dirty_lost) return kvq_error_code(KVQ_ERR_OOM, "out of memory tracking the KV rows to copy to the device");
     struct kv_block **t = p->taken;
     p->taken = p->dirty;
     p->dirty = t;
@@ -160,8 +161,8 @@ static int class_of(struct kv_pool *p, size_t bytes) {
 
 struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
     if (!kv_pool_fits(p, bytes)) {
-        kvq_error("KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more", p->used, p->budget,
-                  bytes);
+        kvq_error_code(KVQ_ERR_BUDGET, "KV cache budget exhausted: %zu of %zu bytes in use, a block needs %zu more",
+                       p->used, p->budget, bytes);
         return NULL;
     }
     int ci = class_of(p, bytes);
@@ -183,7 +184,7 @@ struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
         if (!ok) {
             if (!p->mirrored) free(data);
             free(b);
-            kvq_error("out of memory for a KV block of %zu bytes", bytes);
+            kvq_error_code(KVQ_ERR_OOM, "out of memory for a KV block of %zu bytes", bytes);
             return NULL;
         }
         b->data = data;
@@ -196,11 +197,16 @@ struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
     return b;
 }
 
-void kv_block_ref(struct kv_block *b) { b->refs++; }
+void kv_block_ref(struct kv_block *b) {
+    assert(b->refs > 0); /* a block in the free list has no holders to share it */
+    b->refs++;
+}
 
 void kv_block_unref(struct kv_pool *p, struct kv_block *b) {
+    assert(!b || b->refs > 0);
     if (!b || --b->refs > 0) return;
     struct size_class *sc = &p->cls[b->cls];
+    assert(p->used >= sc->bytes && p->n_blocks > 0);
     p->used -= sc->bytes;
     p->n_blocks--;
     if (sc->n_free >= FREE_LIST_MAX && !p->mirrored) {

@@ -1,5 +1,6 @@
 /* Row formats of a cache and the conversion of one head vector to and from them:
  * offsets removed, Hadamard rotation, then kernels/kv_quant.h's row format. */
+#include <assert.h>
 #include <string.h>
 
 #include "kernels/kv_quant.h"
@@ -60,6 +61,7 @@ const float *kv_side_mu(const struct kv_store *st, const struct kv_fmt *f, int s
 }
 
 uint8_t *kv_win_row(const struct kv_win *w, const struct kv_fmt *f, int side, int h, int32_t j) {
+    assert(w->start + j >= 0 && w->start + j < 2 * w->cap); /* within the ring's 2 cap slots */
     return (side ? w->v : w->k) + ((size_t)h * 2 * (size_t)w->cap + (size_t)(w->start + j)) * f->row;
 }
 

@@ -27,6 +27,57 @@
 #define LAYER_MAGIC_V1 0x314c564bu /* "KVL1" */
 #define LAYER_MAGIC 0x324c564bu    /* "KVL2" */
 
+/* ---- little-endian buffers ---- */
+
+void kv_buf_put(struct kv_buf *b, const void *p, size_t n) {
+    if (b->oom || n == 0) return;
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n) cap *= 2;
+        uint8_t *d = realloc(b->data, cap);
+        if (!d) {
+            b->oom = true;
+            return;
+        }
+        b->data = d;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, p, n);
+    b->len += n;
+}
+void kv_buf_u32(struct kv_buf *b, uint32_t v) {
+    uint8_t x[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+    kv_buf_put(b, x, 4);
+}
+void kv_buf_u64(struct kv_buf *b, uint64_t v) {
+    kv_buf_u32(b, (uint32_t)v);
+    kv_buf_u32(b, (uint32_t)(v >> 32));
+}
+bool kv_read(struct kv_reader *r, void *p, size_t n) {
+    if (r->off > r->len || r->len - r->off < n) return false;
+    if (n) memcpy(p, r->data + r->off, n);
+    r->off += n;
+    return true;
+}
+bool kv_read_u32(struct kv_reader *r, uint32_t *v) {
+    uint8_t x[4];
+    if (!kv_read(r, x, 4)) return false;
+    *v = (uint32_t)x[0] | (uint32_t)x[1] << 8 | (uint32_t)x[2] << 16 | (uint32_t)x[3] << 24;
+    return true;
+}
+bool kv_read_i32(struct kv_reader *r, int32_t *v) {
+    uint32_t u;
+    if (!kv_read_u32(r, &u)) return false;
+    memcpy(v, &u, 4);
+    return true;
+}
+bool kv_read_u64(struct kv_reader *r, uint64_t *v) {
+    uint32_t lo, hi;
+    if (!kv_read_u32(r, &lo) || !kv_read_u32(r, &hi)) return false;
+    *v = (uint64_t)hi << 32 | lo;
+    return true;
+}
+
 static int kind_code(const struct kv_cache *c) {
     const char *k = kv_store_kind(c);
     return !strcmp(k, "dense") ? 0 : !strcmp(k, "quantized") ? 1 : !strcmp(k, "rotating") ? 2 : 3;
@@ -103,7 +154,7 @@ static bool rows_finite(const uint8_t *p, const struct kv_fmt *f, int d, size_t 
 
 static int load_fail(struct kv_cache *c, const char *what) {
     kv_store_clear(c);
-    return kvq_error("invalid KV cache section: %s", what);
+    return kvq_error_code(KVQ_ERR_FORMAT, "invalid KV cache section: %s", what);
 }
 
 static int cmp_i32(const void *a, const void *b) {
@@ -118,12 +169,13 @@ static int place_rows(struct kv_cache *c, const int32_t *pos, int32_t size, cons
     struct kv_store *st = store_of(c);
     const int H = c->shape.n_kv_heads;
     int32_t *sorted = malloc(sizeof(int32_t) * (size_t)(size ? size : 1));
-    if (!sorted) return kvq_error("out of memory");
+    if (!sorted) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     memcpy(sorted, pos, sizeof(int32_t) * (size_t)size);
     qsort(sorted, (size_t)size, sizeof *sorted, cmp_i32);
     int rc = 0;
     for (int32_t i = 1; i < size && rc == 0; i++)
-        if (sorted[i] == sorted[i - 1]) rc = kvq_error("invalid KV cache section: repeated token position");
+        if (sorted[i] == sorted[i - 1])
+            rc = kvq_error_code(KVQ_ERR_FORMAT, "invalid KV cache section: repeated token position");
     /* the first block past the kept ones starts the table's sliding part */
     for (int32_t i = 0; i < size && rc == 0; i++)
         if (sorted[i] / KV_BLOCK_TOKENS >= st->nkb) {
@@ -209,7 +261,7 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)(size ? size : 1));
     if (!pos) {
         kv_store_clear(c);
-        return kvq_error("out of memory");
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     }
     int32_t pmin = n_past;
     for (int32_t s = 0; s < size; s++) {

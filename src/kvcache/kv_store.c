@@ -1,6 +1,7 @@
-/* Blocks of a cache: the table, append, release, trim, fork, conversion to the
- * quantized format, the key/value offsets, and the cache operations built on them
- * (see kv_store.h for the layout). */
+/* Blocks of a cache: the table, append, release, trim, fork, and the cache operations
+ * built on them (see kv_store.h for the layout; format conversion and the key/value
+ * offsets are kv_convert.c's). */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -110,7 +111,7 @@ static struct kv_block **entry_for_write(struct kv_cache *c, int32_t L) {
         while (cap <= i) cap *= 2;
         struct kv_block **t = realloc(st->blk, sizeof(*t) * (size_t)cap);
         if (!t) {
-            kvq_error("out of memory growing a KV block table");
+            kvq_error_code(KVQ_ERR_OOM, "out of memory growing a KV block table");
             return NULL;
         }
         st->blk = t;
@@ -121,7 +122,7 @@ static struct kv_block **entry_for_write(struct kv_cache *c, int32_t L) {
 }
 
 /* Makes the block of logical index L exist and belong to this cache alone. */
-static int block_private(struct kv_cache *c, int32_t L) {
+int kv_store_block_private(struct kv_cache *c, int32_t L) {
     struct kv_store *st = store_of(c);
     struct kv_block **e = entry_for_write(c, L);
     if (!e) return kvq_last_error()[0] ? -1 : kvq_error("KV block %d was released", L);
@@ -142,7 +143,7 @@ static int block_private(struct kv_cache *c, int32_t L) {
 int kv_store_reserve_rows(struct kv_cache *c, int32_t n) {
     if (n <= 0) return 0;
     for (int32_t L = c->n_past / B; L <= (c->n_past + n - 1) / B; L++)
-        if (block_private(c, L) != 0) return -1;
+        if (kv_store_block_private(c, L) != 0) return -1;
     return 0;
 }
 
@@ -150,6 +151,7 @@ void kv_store_write_row(struct kv_cache *c, int32_t p, const float *k, const flo
     const struct kv_store *st = store_of(c);
     const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
     struct kv_block *b = kv_store_block(st, p);
+    assert(b && b->refs == 1); /* copy on write: a shared block is copied before */
     kv_block_touch(st->pool, b, p % B, p % B + 1);
     for (int h = 0; h < H; h++) {
         kv_encode_row(st, &st->kf, D, k + (size_t)h * D, kv_side_mu(st, &st->kf, 0, h, D, H), kv_block_row(c, b, 0, h, p));
@@ -196,205 +198,6 @@ size_t kv_cache_append_bytes(const struct kv_cache *c, int n, int chunk) {
     return convert + n_new * per;
 }
 
-/* With R > 0, the offsets are the means of positions 1..T-1, chosen when the sequence
- * reaches T = max(R + 1, MU_TOKENS) tokens; until then every row stays in the window and
- * queries before T read f16 rows only (0: no offsets). */
-#define MU_TOKENS 128 /* kv-quality, K4/V4 R 32: 0.00259 at 64, 0.00246 at 128, 0.00249 at 256 */
-int32_t mu_tokens(const struct kv_cache *c) {
-    const int32_t R = c->cfg.residual, M = c->cfg.max_size;
-    int32_t T = M > 0 && M < MU_TOKENS ? M : MU_TOKENS; /* a rotating cache stays bounded */
-    return R <= 0 ? 0 : R + 1 > T ? R + 1 : T;
-}
-
-/* The offsets from n tokens of keys and values ([n][H][D] each; the first at position
- * 0, left out: an attention sink, unlike the others). */
-static void set_mu(struct kv_cache *c, const float *k, const float *v, size_t tok_stride, int n) {
-    struct kv_store *st = store_of(c);
-    int H = c->shape.n_kv_heads, D = c->shape.head_dim;
-    memset(st->mu, 0, sizeof(float) * 2 * (size_t)H * D);
-    for (int w = 0; w < 2; w++) {
-        const float *x = w ? v : k;
-        float *mu = st->mu + (size_t)w * H * D;
-        for (int t = 1; t < n; t++)
-            for (int i = 0; i < H * D; i++) mu[i] += x[(size_t)t * tok_stride + i] / (float)(n - 1);
-    }
-    st->mu_set = true;
-}
-
-/* Decodes position p of every head into k, v ([H][D]) with the cache's formats. */
-static void decode_pos(const struct kv_cache *c, int32_t p, float *k, float *v) {
-    const struct kv_store *st = store_of(c);
-    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
-    const struct kv_block *b = kv_store_block(st, p);
-    for (int h = 0; h < H; h++) {
-        kv_decode_row(st, &st->kf, D, kv_block_row(c, b, 0, h, p), kv_side_mu(st, &st->kf, 0, h, D, H), k + (size_t)h * D);
-        kv_decode_row(st, &st->vf, D, kv_block_row(c, b, 1, h, p), kv_side_mu(st, &st->vf, 1, h, D, H), v + (size_t)h * D);
-    }
-}
-
-/* Re-encodes every held block into new blocks of formats nkf/nvf; the windows take
- * the f16 rows of the sinks and of the last R positions. */
-static int reencode(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
-    struct kv_store *st = store_of(c);
-    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
-    const int32_t np = c->n_past, T = mu_tokens(c), S = kv_sink_target(c), R = c->cfg.residual;
-    const size_t tok = (size_t)H * D;
-    struct kv_block **nt = calloc((size_t)(st->n_blk ? st->n_blk : 1), sizeof *nt);
-    int32_t nx = T > B ? T : B;
-    float *x = malloc(sizeof(float) * (size_t)nx * tok * 2);
-    if (!nt || !x) {
-        free(nt);
-        free(x);
-        return kvq_error("out of memory converting the KV cache");
-    }
-    float *xv = x + (size_t)nx * tok;
-    /* offsets (R > 0) from positions 1..T-1 when the cache holds them, else chosen later */
-    bool new_mu = !st->mu_set && T > 0 && np >= T && c->cfg.max_size == 0 && kern_kvq_bits_quantized(nkf.bits | nvf.bits);
-    if (new_mu)
-        for (int32_t p = 0; p < T; p++) decode_pos(c, p, x + (size_t)p * tok, xv + (size_t)p * tok);
-    /* the windows, decoded before the old blocks go */
-    struct kv_fmt okf = st->kf, ovf = st->vf;
-    struct kv_win *sink = kv_win_new(st->pool), *rec = kv_win_new(st->pool);
-    bool win = kern_kvq_bits_quantized(nkf.bits) || kern_kvq_bits_quantized(nvf.bits);
-    int rc = sink && rec ? 0 : -1;
-    if (rc == 0 && win) {
-        struct kv_win *keep_sink = st->sink, *keep_rec = st->rec;
-        st->sink = sink;
-        st->rec = rec;
-        float k1[KERN_KVQ_MAX_DIM * 8], v1[KERN_KVQ_MAX_DIM * 8];
-        float *kb = tok <= KERN_KVQ_MAX_DIM * 8 ? k1 : malloc(sizeof(float) * tok * 2), *vb = kb == k1 ? v1 : kb + tok;
-        if (!kb) rc = kvq_error("out of memory converting the KV cache");
-        if (rc == 0 && S > 0 && kv_win_reserve(c, &st->sink, S) != 0) rc = -1;
-        for (int32_t p = 0; rc == 0 && p < S && p < np && kv_store_block(st, p); p++) {
-            decode_pos(c, p, kb, vb);
-            kv_win_put(c, st->sink, kb, vb);
-        }
-        st->rec->p0 = np - R > 0 ? np - R : 0;
-        if (rc == 0 && R > 0 && kv_win_reserve(c, &st->rec, R) != 0) rc = -1;
-        for (int32_t p = st->rec->p0; rc == 0 && R > 0 && p < np; p++) {
-            if (!kv_held(c, p)) { /* keep the window contiguous */
-                st->rec->n = 0;
-                st->rec->p0 = p + 1;
-                continue;
-            }
-            decode_pos(c, p, kb, vb);
-            kv_win_put(c, st->rec, kb, vb);
-        }
-        if (kb != k1) free(kb);
-        sink = st->sink;
-        rec = st->rec;
-        st->sink = keep_sink;
-        st->rec = keep_rec;
-    }
-    if (rc == 0 && new_mu) set_mu(c, x, xv, tok, T);
-    /* every block into the new formats */
-    size_t nbytes = kv_block_size(c, &nkf, &nvf);
-    for (int32_t i = 0; rc == 0 && i < st->n_blk; i++) {
-        if (!st->blk[i]) continue;
-        int32_t L = i < st->nkb ? i : i + st->base, p0 = L * B, n = np - p0 < B ? np - p0 : B;
-        for (int32_t j = 0; j < n; j++) {
-            st->kf = okf;
-            st->vf = ovf;
-            bool had = st->mu_set;
-            st->mu_set = st->mu_set && !new_mu; /* old rows carry no offsets */
-            decode_pos(c, p0 + j, x + (size_t)j * tok, xv + (size_t)j * tok);
-            st->mu_set = had;
-        }
-        if (!(nt[i] = kv_block_new(st->pool, nbytes))) {
-            rc = -1;
-            break;
-        }
-        st->kf = nkf;
-        st->vf = nvf;
-        for (int32_t j = 0; j < n; j++) {
-            const struct kv_block *save = st->blk[i];
-            st->blk[i] = nt[i];
-            kv_store_write_row(c, p0 + j, x + (size_t)j * tok, xv + (size_t)j * tok);
-            st->blk[i] = (struct kv_block *)save;
-        }
-    }
-    if (rc != 0) { /* leave the cache as it was */
-        st->kf = okf;
-        st->vf = ovf;
-        if (new_mu) st->mu_set = false;
-        for (int32_t i = 0; i < st->n_blk; i++) kv_block_unref(st->pool, nt[i]);
-        kv_win_unref(sink);
-        kv_win_unref(rec);
-    } else {
-        for (int32_t i = 0; i < st->n_blk; i++) {
-            kv_block_unref(st->pool, st->blk[i]);
-            st->blk[i] = nt[i];
-        }
-        st->kf = nkf;
-        st->vf = nvf;
-        kv_win_unref(st->sink);
-        kv_win_unref(st->rec);
-        st->sink = sink;
-        st->rec = rec;
-    }
-    free(nt);
-    free(x);
-    return rc;
-}
-
-static int store_to_quantized(struct kv_cache *c) {
-    struct kv_store *st = store_of(c);
-    struct kv_fmt tk = kv_fmt_target(c, 0), tv = kv_fmt_target(c, 1);
-    if (kv_fmt_eq(st->kf, tk) && kv_fmt_eq(st->vf, tv)) return 0;
-    c->epoch++; /* new windows */
-    return reencode(c, tk, tv);
-}
-
-/* The offsets come from the residual window's f16 rows of positions 1..T-1 (it holds
- * every position so far), and the packed rows of positions 0..T-1 are then encoded
- * again with them from those f16 rows. (Window rows never carry the offsets.) In two
- * steps, so that a backend can spread the second over threads: offsets_choose makes
- * the blocks private and marks the rows changed; each of its 2 H parts (a side and a
- * head, kv_cache_offsets_part) then sets its offsets and writes its rows, touching
- * nothing another part reads or writes. Returns the parts, 0 when the window does not
- * have the expected shape (e.g. after a trim: no offsets), -1 on error. */
-static int offsets_choose(struct kv_cache *c) {
-    struct kv_store *st = store_of(c);
-    const int32_t T = mu_tokens(c);
-    const struct kv_win *w = st->rec;
-    if (w->p0 != 0 || w->n < T) return 0;
-    for (int32_t L = 0; L <= (T - 1) / B; L++) {
-        if (block_private(c, L) != 0) return -1;
-        struct kv_block *b = kv_store_block(st, L * B);
-        if (b) kv_block_touch(st->pool, b, 0, T - L * B < B ? T - L * B : B);
-    }
-    st->mu_set = true; /* each part sets its own offsets before it reads them (the
-                        * windows stay as they are: a device copies the offsets alone) */
-    return 2 * c->shape.n_kv_heads;
-}
-
-void kv_cache_offsets_part(struct kv_cache *c, int part) {
-    struct kv_store *st = store_of(c);
-    const int H = c->shape.n_kv_heads, D = c->shape.head_dim, side = part / H, h = part % H;
-    const int32_t T = mu_tokens(c);
-    const struct kv_win *w = st->rec;
-    const struct kv_fmt *wf = side ? &st->wvf : &st->wkf, *pf = side ? &st->vf : &st->kf;
-    float *mu = st->mu + ((size_t)side * H + h) * D, x[KERN_KVQ_MAX_DIM];
-    memset(mu, 0, sizeof(float) * (size_t)D);
-    for (int32_t p = 1; p < T; p++) {
-        kv_decode_row(st, wf, D, kv_win_row(w, wf, side, h, p), NULL, x);
-        for (int i = 0; i < D; i++) mu[i] += x[i] / (float)(T - 1);
-    }
-    const float *pmu = kv_side_mu(st, pf, side, h, D, H);
-    for (int32_t p = 0; p < T; p++) {
-        struct kv_block *b = kv_store_block(st, p);
-        if (!b) continue;
-        kv_decode_row(st, wf, D, kv_win_row(w, wf, side, h, p), NULL, x);
-        kv_encode_row(st, pf, D, x, pmu, kv_block_row(c, b, side, h, p));
-    }
-}
-
-static int offsets_from_window(struct kv_cache *c) {
-    const int parts = offsets_choose(c);
-    for (int i = 0; i < parts; i++) kv_cache_offsets_part(c, i);
-    return parts < 0 ? -1 : 0;
-}
-
 /* Appends n tokens; `first` is the position of the first token of the whole batch
  * (its queries' needs decide what may be released). */
 static int store_append_at(struct kv_cache *c, int n, const float *k, const float *v, int32_t first) {
@@ -412,28 +215,24 @@ static int store_append_at(struct kv_cache *c, int n, const float *k, const floa
     for (int t = 0; t < n; t++) kv_store_write_row(c, c->n_past + t, k + (size_t)t * tok, v + (size_t)t * tok);
     c->n_past += n;
     st->last_first = first;
-    if (!st->mu_set && kv_win_on(st) && T > 0 && c->n_past == T) return offsets_from_window(c);
+    if (!st->mu_set && kv_win_on(st) && T > 0 && c->n_past == T) return kv_offsets_from_window(c);
     return 0;
 }
 
-static int store_append(struct kv_cache *c, int n, const float *k, const float *v) {
+int kv_store_append(struct kv_cache *c, int n, const float *k, const float *v) {
     if (n <= 0) return 0;
-    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && store_to_quantized(c) != 0) return -1;
+    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && kv_store_to_quantized(c) != 0)
+        return -1;
     return store_append_at(c, n, k, v, c->n_past);
 }
 
 /* ---- appends whose rows a device writes (kv_cache.h) ---- */
 
-int32_t kv_cache_offsets_point(const struct kv_cache *c) {
-    const struct kv_store *st = store_of((struct kv_cache *)c);
-    const int32_t T = mu_tokens(c);
-    return !st->mu_set && kv_win_on(st) && T > c->n_past ? T : 0;
-}
-
 int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first) {
     struct kv_store *st = store_of(c);
     if (n <= 0) return 0;
-    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && store_to_quantized(c) != 0) return -1;
+    if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && kv_store_to_quantized(c) != 0)
+        return -1;
     int32_t ns;
     kv_store_release_before(c, first);
     if (kv_store_reserve_rows(c, n) != 0 || kv_windows_make_room(c, n, first, &ns) != 0) return -1;
@@ -472,39 +271,6 @@ void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *
     }
 }
 
-int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n) {
-    struct kv_store *st = store_of(c);
-    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
-    if (p0 < 0 || n <= 0 || p0 + n > c->n_past) return 0; /* trimmed since: nothing to keep */
-    const bool win = kv_win_on(st);
-    /* The offsets are chosen at T tokens (the device encoded without them): the rows
-     * before T are encoded again with them by the caller (the parts), the rows from T
-     * on here, from their f16 window rows. */
-    const int32_t T = mu_tokens(c);
-    int parts = 0;
-    if (!st->mu_set && win && T > 0 && p0 < T && p0 + n >= T) {
-        if (p0 + n > T) { /* rows past T need the offsets now (devices end a pass at T) */
-            if (offsets_from_window(c) != 0) return -1;
-        } else if ((parts = offsets_choose(c)) < 0) {
-            return -1;
-        }
-        float x[KERN_KVQ_MAX_DIM];
-        for (int32_t p = T; st->mu_set && p < p0 + n; p++) {
-            struct kv_block *b = kv_store_block(st, p);
-            if (!b || p < st->rec->p0 || p >= st->rec->p0 + st->rec->n) continue;
-            kv_block_touch(st->pool, b, p % B, p % B + 1);
-            for (int side = 0; side < 2; side++) {
-                const struct kv_fmt *wf = side ? &st->wvf : &st->wkf, *pf = side ? &st->vf : &st->kf;
-                for (int h = 0; h < H; h++) {
-                    kv_decode_row(st, wf, D, kv_win_row(st->rec, wf, side, h, p - st->rec->p0), NULL, x);
-                    kv_encode_row(st, pf, D, x, kv_side_mu(st, pf, side, h, D, H), kv_block_row(c, b, side, h, p));
-                }
-            }
-        }
-    }
-    return parts;
-}
-
 /* Keeps the first n positions. A rotating or sliding-window cache can go back only
  * while it still holds every row a query at n would see. */
 int kv_cache_can_keep_prefix(const struct kv_cache *c, int32_t n) {
@@ -520,7 +286,7 @@ int kv_cache_can_keep_prefix(const struct kv_cache *c, int32_t n) {
     return 0;
 }
 
-static int store_keep_prefix(struct kv_cache *c, int32_t n) {
+int kv_store_keep_prefix(struct kv_cache *c, int32_t n) {
     struct kv_store *st = store_of(c);
     if (n < 0) n = 0;
     if (n >= c->n_past) return 0;
@@ -532,12 +298,13 @@ static int store_keep_prefix(struct kv_cache *c, int32_t n) {
     if (st->sink->n > n) st->sink->n = n;
     if (st->rec->p0 + st->rec->n > n) st->rec->n = n > st->rec->p0 ? n - st->rec->p0 : 0;
     if (n == 0) st->mu_set = false;
+    assert(st->sink->n <= n && (st->rec->n == 0 || st->rec->p0 + st->rec->n <= n));
     return 0;
 }
 
-static int store_trim(struct kv_cache *c, int n) {
+int kv_store_trim(struct kv_cache *c, int n) {
     if (n > c->n_past) n = c->n_past;
-    return store_keep_prefix(c, c->n_past - n) == 0 ? n : 0;
+    return kv_store_keep_prefix(c, c->n_past - n) == 0 ? n : 0;
 }
 
 void kv_store_clear(struct kv_cache *c) {
@@ -561,13 +328,13 @@ void kv_store_clear(struct kv_cache *c) {
     st->vf = kv_fmt_initial(c, 1);
 }
 
-static int store_fork(struct kv_cache *dst, const struct kv_cache *src) {
+int kv_store_fork(struct kv_cache *dst, const struct kv_cache *src) {
     struct kv_store *d = store_of(dst);
     const struct kv_store *s = store_of(src);
     if (d->pool != s->pool) return kvq_error("caches of different contexts cannot share blocks");
     if (s->n_blk > d->cap_blk) {
         struct kv_block **t = realloc(d->blk, sizeof(*t) * (size_t)s->n_blk);
-        if (!t) return kvq_error("out of memory forking a sequence");
+        if (!t) return kvq_error_code(KVQ_ERR_OOM, "out of memory forking a sequence");
         d->blk = t;
         d->cap_blk = s->n_blk;
     }
@@ -587,42 +354,10 @@ static int store_fork(struct kv_cache *dst, const struct kv_cache *src) {
     d->rec = s->rec;
     d->sink->refs++;
     d->rec->refs++;
+    assert(d->sink->refs > 1 && d->rec->refs > 1);
     memcpy(d->mu, s->mu, sizeof(float) * 2 * (size_t)src->shape.n_kv_heads * src->shape.head_dim);
     d->mu_set = s->mu_set;
     dst->n_past = src->n_past;
-    return 0;
-}
-
-int kv_cache_convert(struct kv_cache *dst, const struct kv_cache *src) {
-    if (dst == src) return 0;
-    const struct kv_shape *a = &dst->shape, *b = &src->shape;
-    if (a->n_heads != b->n_heads || a->n_kv_heads != b->n_kv_heads || a->head_dim != b->head_dim ||
-        a->window != b->window || dst->cfg.max_size != src->cfg.max_size || dst->cfg.keep != src->cfg.keep)
-        return kvq_error("a KV cache converts only to another format of the same shape and window");
-    if (store_fork(dst, src) != 0) return -1; /* shares every block and window for now */
-    struct kv_store *st = store_of(dst);
-    /* what an appending sequence of this length holds: quantize-after-N is float until N */
-    bool initial = dst->cfg.quantized_start > 0 && dst->n_past <= dst->cfg.quantized_start;
-    struct kv_fmt tk = initial ? kv_fmt_initial(dst, 0) : kv_fmt_target(dst, 0);
-    struct kv_fmt tv = initial ? kv_fmt_initial(dst, 1) : kv_fmt_target(dst, 1);
-    if (kv_fmt_eq(st->kf, tk) && kv_fmt_eq(st->vf, tv)) return 0;
-    if (reencode(dst, tk, tv) != 0) {
-        kv_store_clear(dst);
-        return -1;
-    }
-    if (!kv_win_on(st)) { /* float rows need no windows: drop the ones shared with src */
-        struct kv_win *ws[2] = {kv_win_new(st->pool), kv_win_new(st->pool)};
-        if (!ws[0] || !ws[1]) {
-            kv_win_unref(ws[0]);
-            kv_win_unref(ws[1]);
-            kv_store_clear(dst);
-            return kvq_error("out of memory");
-        }
-        kv_win_unref(st->sink);
-        kv_win_unref(st->rec);
-        st->sink = ws[0];
-        st->rec = ws[1];
-    }
     return 0;
 }
 
@@ -642,12 +377,12 @@ static int32_t held_positions(const struct kv_cache *c, int32_t *out, int32_t ma
     return n;
 }
 
-static int store_size(const struct kv_cache *c) { return held_positions(c, NULL, 0); }
+int kv_store_size(const struct kv_cache *c) { return held_positions(c, NULL, 0); }
 
-static size_t store_bytes(const struct kv_cache *c) {
+size_t kv_store_bytes(const struct kv_cache *c) {
     const struct kv_store *st = store_of(c);
     size_t held = kv_win_on(st) ? kv_win_bytes(c, st->sink) + kv_win_bytes(c, st->rec) : 0;
-    return (size_t)c->shape.n_kv_heads * (size_t)store_size(c) * (st->kf.row + st->vf.row) + held;
+    return (size_t)c->shape.n_kv_heads * (size_t)kv_store_size(c) * (st->kf.row + st->vf.row) + held;
 }
 
 size_t kv_cache_budget_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape, int n_tokens) {
@@ -669,7 +404,7 @@ size_t kv_cache_window_memory(const struct kv_cache *c) {
 
 struct kv_pool *kv_cache_pool(const struct kv_cache *c) { return store_of(c)->pool; }
 
-static void store_free(struct kv_cache *c) {
+void kv_store_free(struct kv_cache *c) {
     struct kv_store *st = store_of(c);
     if (st) {
         kv_store_drop_blocks(c);
@@ -691,7 +426,7 @@ const char *kv_store_kind(const struct kv_cache *c) {
     return q ? "quantized" : "dense";
 }
 
-static int store_read_rows(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max) {
+int kv_store_read_rows(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max) {
     const struct kv_store *st = store_of(c);
     const struct kv_fmt *f = which ? &st->vf : &st->kf;
     const int D = c->shape.head_dim;
@@ -709,23 +444,6 @@ static int store_read_rows(const struct kv_cache *c, int kv_head, int which, flo
     return m;
 }
 
-static const struct kv_cache_ops store_ops = {
-    .append = store_append,
-    .attend = kv_store_attend,
-    .trim = store_trim,
-    .keep_prefix = store_keep_prefix,
-    .fork = store_fork,
-    .clear = kv_store_clear,
-    .bytes = store_bytes,
-    .free = store_free,
-    .to_quantized = store_to_quantized,
-    .kind = kv_store_kind,
-    .size = store_size,
-    .read_rows = store_read_rows,
-    .save = kv_store_save,
-    .load = kv_store_load,
-};
-
 int kv_store_init(struct kv_cache *c, struct kv_pool *pool) {
     struct kv_store *st = calloc(1, sizeof *st);
     float *signs = malloc(sizeof(float) * (size_t)c->shape.head_dim);
@@ -740,7 +458,7 @@ int kv_store_init(struct kv_cache *c, struct kv_pool *pool) {
         kv_win_unref(sink);
         kv_win_unref(rec);
         if (own) kv_pool_free(pool);
-        return kvq_error("out of memory");
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     }
     kern_kvq_hadamard_signs(signs, c->shape.head_dim, HADAMARD_SEED);
     *st = (struct kv_store){.pool = pool, .own_pool = own, .sink = sink, .rec = rec, .signs = signs, .mu = mu};
@@ -750,6 +468,5 @@ int kv_store_init(struct kv_cache *c, struct kv_pool *pool) {
     st->wkf = kv_fmt_window(c, kv_fmt_target(c, 0));
     st->wvf = kv_fmt_window(c, kv_fmt_target(c, 1));
     c->impl = st;
-    c->ops = &store_ops;
     return 0;
 }

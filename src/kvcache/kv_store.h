@@ -15,11 +15,11 @@
  *     block is re-encoded into new blocks of the quantized format.
  * Quantized caches also hold f16 copies of the first `keep` positions (sinks) and of
  * the newest R (the residual window) in small per-cache windows (kv_window.c), and
- * per-channel key/value offsets chosen at T tokens (kv_store.c).
+ * per-channel key/value offsets chosen at T tokens (kv_convert.c).
  *
  * Files: kv_rows.c (row formats), kv_window.c (f16 windows), kv_store.c (blocks,
- * append, trim, fork, conversion), kv_attend.c (what a query sees, attention),
- * kv_serialize.c (save/load). */
+ * append, trim, fork), kv_convert.c (format conversion, offsets), kv_attend.c (what a
+ * query sees, attention), kv_serialize.c (save/load and the little-endian buffers). */
 #ifndef KVQ_KVCACHE_STORE_H
 #define KVQ_KVCACHE_STORE_H
 
@@ -94,7 +94,8 @@ uint8_t *kv_block_row(const struct kv_cache *c, const struct kv_block *b, int si
 bool kv_visible(const struct kv_cache *c, int32_t p, int32_t q);
 /* Whether some query at >= first or a held query position still needs position p. */
 bool kv_held(const struct kv_cache *c, int32_t p);
-int32_t mu_tokens(const struct kv_cache *c);
+/* Makes the block of logical index L exist and belong to this cache alone. */
+int kv_store_block_private(struct kv_cache *c, int32_t L);
 /* Makes room for n rows at n_past (new blocks, private copies of shared ones). */
 int kv_store_reserve_rows(struct kv_cache *c, int32_t n);
 void kv_store_write_row(struct kv_cache *c, int32_t p, const float *k, const float *v);
@@ -122,8 +123,27 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *q, int3
 void kv_store_save(const struct kv_cache *c, struct kv_buf *b);
 int kv_store_load(struct kv_cache *c, struct kv_reader *r);
 
-/* ---- kv_store.c (ops used by serialization) ---- */
+/* ---- kv_store.c: the cache operations (kv_cache.h says what each does) ---- */
+int kv_store_append(struct kv_cache *c, int n, const float *k, const float *v);
+int kv_store_trim(struct kv_cache *c, int n);
+int kv_store_keep_prefix(struct kv_cache *c, int32_t n);
+int kv_store_fork(struct kv_cache *dst, const struct kv_cache *src);
 void kv_store_clear(struct kv_cache *c);
+size_t kv_store_bytes(const struct kv_cache *c);
+int kv_store_size(const struct kv_cache *c);
+int kv_store_read_rows(const struct kv_cache *c, int kv_head, int which, float *out, int32_t *pos, int max);
 const char *kv_store_kind(const struct kv_cache *c);
+void kv_store_free(struct kv_cache *c);
+
+/* ---- kv_convert.c ---- */
+/* Re-encodes the cache's blocks and windows into formats nkf/nvf (all or nothing). */
+int kv_convert(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf);
+/* Into the target formats (quantize-after-N past N tokens). */
+int kv_store_to_quantized(struct kv_cache *c);
+/* T: the offsets are chosen when the sequence reaches T tokens (0: none). */
+int32_t mu_tokens(const struct kv_cache *c);
+/* Chooses the offsets from the residual window and encodes positions 0..T-1 again
+ * with them. */
+int kv_offsets_from_window(struct kv_cache *c);
 
 #endif

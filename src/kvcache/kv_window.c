@@ -3,6 +3,7 @@
  * A query at q reads f16 rows for (q - R, q] however the tokens were batched. Window
  * rows are f16 of the (rotated) input, without the offsets. Forks share a window
  * until one of them writes to it. */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,7 +21,7 @@ int32_t kv_sink_target(const struct kv_cache *c) { return c->cfg.residual > 0 ? 
 struct kv_win *kv_win_new(struct kv_pool *pool) {
     struct kv_win *w = calloc(1, sizeof *w);
     if (!w) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     w->refs = 1;
@@ -29,6 +30,7 @@ struct kv_win *kv_win_new(struct kv_pool *pool) {
 }
 
 void kv_win_unref(struct kv_win *w) {
+    assert(!w || w->refs > 0);
     if (!w || --w->refs > 0) return;
     kv_pool_win_free(w->pool, w->k, w->k_bytes);
     kv_pool_win_free(w->pool, w->v, w->v_bytes);
@@ -67,7 +69,9 @@ static bool win_copy(struct kv_cache *c, struct kv_win **wp, int32_t cap, bool t
 
 /* Replaces *wp by a private window of `cap` rows holding its rows but the first skip. */
 static int win_realloc(struct kv_cache *c, struct kv_win **wp, int32_t cap, int32_t skip) {
-    return win_copy(c, wp, cap, false, skip) ? 0 : kvq_error("out of memory growing the KV cache window to %d tokens", cap);
+    return win_copy(c, wp, cap, false, skip)
+               ? 0
+               : kvq_error_code(KVQ_ERR_OOM, "out of memory growing the KV cache window to %d tokens", cap);
 }
 
 /* A capacity for `need` rows: doubled for a window that grows a row at a time, a
@@ -92,6 +96,7 @@ static void win_drop_front(struct kv_win *w, int32_t drop) {
     w->p0 += drop;
     w->n -= drop;
     w->start = w->n ? (w->start + drop) % w->cap : 0;
+    assert(w->n >= 0 && w->n <= w->cap && (w->n == 0 || w->start < w->cap));
 }
 
 /* A window grown for a long batch (a prompt) is cut back to twice what the short
@@ -122,6 +127,7 @@ static void win_rebase(struct kv_cache *c, struct kv_win *w) {
 void kv_win_put(struct kv_cache *c, struct kv_win *w, const float *k, const float *v) {
     const struct kv_store *st = store_of(c);
     int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    assert(w->refs == 1 && w->n < w->cap && w->start < w->cap); /* private, with room */
     for (int h = 0; h < H; h++) {
         kv_encode_row(st, &st->wkf, D, k + (size_t)h * D, NULL, kv_win_row(w, &st->wkf, 0, h, w->n));
         kv_encode_row(st, &st->wvf, D, v + (size_t)h * D, NULL, kv_win_row(w, &st->wvf, 1, h, w->n));

@@ -75,7 +75,7 @@ struct forward *forward_new(const struct model *m, struct backend *be, int max_t
     if (be->ops->reserve(be, max_tokens, widest) != 0 || upload_model(m, be) != 0) goto fail;
     return f;
 oom:
-    kvq_error("out of memory allocating buffers for %d tokens", max_tokens);
+    kvq_error_code(KVQ_ERR_OOM, "out of memory allocating buffers for %d tokens", max_tokens);
 fail:
     forward_free(f);
     return NULL;

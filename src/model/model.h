@@ -8,13 +8,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "backend/weight.h"
+
 struct gguf_file;
 struct kv_cache;
 struct backend;
 
 enum model_arch { ARCH_LLAMA, ARCH_QWEN2, ARCH_QWEN3, ARCH_GEMMA3 };
-/* Which elements RoPE rotates together: (2i, 2i+1) or (i, i + rope_dim/2). */
-enum rope_pairing { ROPE_ADJACENT, ROPE_HALVES };
 /* The FFN's gate activation: SwiGLU (Llama, Qwen) or GELU-tanh (Gemma). */
 enum ffn_act { FFN_SILU, FFN_GELU_TANH };
 
@@ -42,15 +42,6 @@ struct layer_attn {
 };
 
 #define MODEL_MAX_ROPE_SETS 2
-
-/* A weight matrix: rows of `cols` values of one GGUF type, row-major. */
-struct weight {
-    uint32_t type;
-    const void *data;
-    int64_t rows, cols;
-    size_t row_bytes;
-    void *rows16; /* NULL, or the CPU kernels' 16-row form (model_pack_rows16; tied tok_embd: the output's) */
-};
 
 struct layer_weights {
     const float *attn_norm, *ffn_norm;
@@ -83,10 +74,6 @@ const struct weight *model_layer_product(const struct layer_weights *L, int i);
 /* Loads a model (weights mmapped). NULL with kvq_last_error() on failure. */
 struct model *model_load(const char *path);
 void model_free(struct model *m);
-/* Makes the 16-row form of every weight the CPU kernels have that path for (once;
- * kernels/matmul.h), which the CPU backend then multiplies with, on n_threads
- * threads (<= 0: one per CPU). 0, or -1 with an error (out of memory). */
-int model_pack_rows16(struct model *m, int n_threads);
 /* The file's name for its weight type mix, e.g. "q8_0" or "f16 (mixed)". */
 const char *model_weight_type_name(const struct model *m);
 

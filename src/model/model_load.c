@@ -6,9 +6,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "core/threadpool.h"
 #include "gguf/gguf.h"
-#include "kernels/matmul.h"
 #include "model/model.h"
 
 static bool arch_from_name(const char *name, enum model_arch *arch) {
@@ -26,12 +24,12 @@ static int get_int(const struct gguf_file *f, const char *arch, const char *suff
     uint32_t v;
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
     if (gguf_get_u32(f, key, &v)) {
-        if (v > (1u << 30)) return kvq_error("model metadata %s = %u is out of range", key, v);
+        if (v > (1u << 30)) return kvq_error_code(KVQ_ERR_FORMAT, "model metadata %s = %u is out of range", key, v);
         *out = (int)v;
         return 0;
     }
-    if (gguf_find(f, key)) return kvq_error("model metadata %s has an unexpected type", key);
-    return required ? kvq_error("model metadata %s is missing", key) : 0;
+    if (gguf_find(f, key)) return kvq_error_code(KVQ_ERR_FORMAT, "model metadata %s has an unexpected type", key);
+    return required ? kvq_error_code(KVQ_ERR_FORMAT, "model metadata %s is missing", key) : 0;
 }
 
 /* Every float hyperparameter read here (epsilons, rope bases and factors) is a
@@ -40,15 +38,18 @@ static int get_float(const struct gguf_file *f, const char *arch, const char *su
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
     if (gguf_get_f32(f, key, out) && !(isfinite(*out) && *out > 0))
-        return kvq_error("model metadata %s = %g: expected a finite positive number", key, (double)*out);
+        return kvq_error_code(KVQ_ERR_FORMAT, "model metadata %s = %g: expected a finite positive number", key,
+                              (double)*out);
     return 0;
 }
 
 static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
     if (!gguf_get_str(f, "general.architecture", hp->arch_name, sizeof hp->arch_name))
-        return kvq_error("model has no general.architecture");
+        return kvq_error_code(KVQ_ERR_FORMAT, "model has no general.architecture");
     if (!arch_from_name(hp->arch_name, &hp->arch))
-        return kvq_error("unsupported architecture '%s' (supported: llama, mistral, qwen2, qwen3, gemma3)", hp->arch_name);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED,
+                              "unsupported architecture '%s' (supported: llama, mistral, qwen2, qwen3, gemma3)",
+                              hp->arch_name);
     const char *a = hp->arch_name;
     if (get_int(f, a, "embedding_length", &hp->n_embd, true) || get_int(f, a, "block_count", &hp->n_layer, true) ||
         get_int(f, a, "feed_forward_length", &hp->n_ff, true) ||
@@ -61,19 +62,20 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
         return -1;
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_ff <= 0 || hp->n_head <= 0 || hp->n_head_kv <= 0 ||
         hp->n_head % hp->n_head_kv != 0)
-        return kvq_error("invalid model shape: embd %d, layers %d, ffn %d, heads %d/%d", hp->n_embd, hp->n_layer,
-                         hp->n_ff, hp->n_head, hp->n_head_kv);
+        return kvq_error_code(KVQ_ERR_FORMAT, "invalid model shape: embd %d, layers %d, ffn %d, heads %d/%d",
+                              hp->n_embd, hp->n_layer, hp->n_ff, hp->n_head, hp->n_head_kv);
     hp->head_dim = hp->n_embd / hp->n_head;
     if (get_int(f, a, "attention.key_length", &hp->head_dim, false)) return -1;
     int vlen = hp->head_dim;
     if (get_int(f, a, "attention.value_length", &vlen, false)) return -1;
-    if (vlen != hp->head_dim) return kvq_error("models with key_length != value_length are not supported");
+    if (vlen != hp->head_dim)
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "models with key_length != value_length are not supported");
     if (hp->head_dim <= 0 || hp->head_dim % 2 != 0 || hp->head_dim > 1024)
-        return kvq_error("unsupported head dimension %d", hp->head_dim);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "unsupported head dimension %d", hp->head_dim);
     hp->rope_dim = hp->head_dim;
     if (get_int(f, a, "rope.dimension_count", &hp->rope_dim, false)) return -1;
     if (hp->rope_dim <= 0 || hp->rope_dim > hp->head_dim || hp->rope_dim % 2 != 0)
-        return kvq_error("invalid rope.dimension_count %d", hp->rope_dim);
+        return kvq_error_code(KVQ_ERR_FORMAT, "invalid rope.dimension_count %d", hp->rope_dim);
     hp->rms_eps = 1e-5f;
     hp->rope_base = 10000.0f;
     if (get_float(f, a, "attention.layer_norm_rms_epsilon", &hp->rms_eps) ||
@@ -91,11 +93,12 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
     if (strcmp(scaling, "linear") == 0) {
         if (get_float(f, a, "rope.scaling.factor", &hp->rope_linear_factor)) return -1;
     } else if (scaling[0] && strcmp(scaling, "none") != 0 && strcmp(scaling, "llama3") != 0) {
-        return kvq_error("unsupported rope scaling '%s' (supported: none, linear, llama3)", scaling);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "unsupported rope scaling '%s' (supported: none, linear, llama3)",
+                              scaling);
     }
     if (get_int(f, a, "attention.sliding_window", &hp->sliding_window, hp->arch == ARCH_GEMMA3)) return -1;
     if (hp->arch == ARCH_GEMMA3 && hp->sliding_window <= 0)
-        return kvq_error("invalid %s.attention.sliding_window %d", a, hp->sliding_window);
+        return kvq_error_code(KVQ_ERR_FORMAT, "invalid %s.attention.sliding_window %d", a, hp->sliding_window);
     return 0;
 }
 
@@ -107,7 +110,7 @@ static int read_hparams(const struct gguf_file *f, struct model_hparams *hp) {
 static int init_layer_attn(struct model *m) {
     const struct model_hparams *hp = &m->hp;
     m->layer_attn = calloc((size_t)hp->n_layer, sizeof *m->layer_attn);
-    if (!m->layer_attn) return kvq_error("out of memory");
+    if (!m->layer_attn) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     m->n_rope_sets = hp->arch == ARCH_GEMMA3 ? 2 : 1;
     for (int il = 0; il < hp->n_layer; il++) {
         struct layer_attn *la = &m->layer_attn[il];
@@ -132,9 +135,11 @@ static int check_all_taken(const struct model *m) {
     for (uint64_t i = 0; i < gguf_n_tensors(m->file); i++) {
         if (m->tensor_taken[i]) continue;
         const struct gguf_tensor *t = gguf_tensor_at(m->file, i);
-        return kvq_error("tensor '%.*s' is not used by a %d-layer %s model (%s.block_count = %d): the metadata does "
-                         "not match the tensors",
-                         (int)t->name.len, t->name.ptr, m->hp.n_layer, m->hp.arch_name, m->hp.arch_name, m->hp.n_layer);
+        return kvq_error_code(
+            KVQ_ERR_FORMAT,
+            "tensor '%.*s' is not used by a %d-layer %s model (%s.block_count = %d): the metadata does "
+            "not match the tensors",
+            (int)t->name.len, t->name.ptr, m->hp.n_layer, m->hp.arch_name, m->hp.arch_name, m->hp.n_layer);
     }
     return 0;
 }
@@ -145,7 +150,7 @@ static int init_rope(struct model *m) {
     const struct model_hparams *hp = &m->hp;
     int n = hp->rope_dim / 2;
     m->rope_inv_freq = malloc(sizeof(float) * (size_t)n * (size_t)m->n_rope_sets);
-    if (!m->rope_inv_freq) return kvq_error("out of memory");
+    if (!m->rope_inv_freq) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     for (int i = 0; i < n; i++) m->rope_inv_freq[i] = (float)(1.0 / pow(hp->rope_base, (2.0 * i) / hp->rope_dim));
     m->rope_linear_factor[0] = hp->rope_linear_factor;
     if (m->n_rope_sets > 1) { /* Gemma 3's sliding layers: local base, no scaling */
@@ -157,7 +162,7 @@ static int init_rope(struct model *m) {
     const struct gguf_tensor *t = take_tensor(m, "rope_freqs.weight");
     if (t) {
         if (t->type != KVQ_F32 || t->ne[0] != (uint64_t)n)
-            return kvq_error("rope_freqs.weight must be f32 with %d values", n);
+            return kvq_error_code(KVQ_ERR_FORMAT, "rope_freqs.weight must be f32 with %d values", n);
         const float *div = t->data;
         for (int i = 0; i < n; i++) m->rope_inv_freq[i] /= div[i];
         return 0;
@@ -187,17 +192,20 @@ static int init_rope(struct model *m) {
 static int find_weight(struct model *m, const char *name, int64_t cols, int64_t rows, bool required, struct weight *w) {
     const struct gguf_tensor *t = take_tensor(m, name);
     memset(w, 0, sizeof *w);
-    if (!t) return required ? kvq_error("model is missing tensor '%s'", name) : 0;
+    if (!t) return required ? kvq_error_code(KVQ_ERR_FORMAT, "model is missing tensor '%s'", name) : 0;
     if (t->ne[0] != (uint64_t)cols || t->ne[1] != (uint64_t)rows || t->ne[2] != 1 || t->ne[3] != 1)
-        return kvq_error("tensor '%s' has shape [%llu, %llu], expected [%lld, %lld]", name,
-                         (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (long long)cols, (long long)rows);
+        return kvq_error_code(KVQ_ERR_FORMAT, "tensor '%s' has shape [%llu, %llu], expected [%lld, %lld]", name,
+                              (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (long long)cols,
+                              (long long)rows);
     if (!kvq_dtype_supported(t->type))
-        return kvq_error("unsupported tensor type %s in tensor %s", kvq_dtype_name(t->type), name);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "unsupported tensor type %s in tensor %s", kvq_dtype_name(t->type),
+                              name);
     w->type = t->type;
     w->data = t->data;
     w->rows = rows;
     w->cols = cols;
     w->row_bytes = kvq_dtype_row_bytes(t->type, (uint64_t)cols);
+    w->file = m->file;
     m->n_params += (uint64_t)rows * (uint64_t)cols;
     m->weight_bytes += t->nbytes;
     return 0;
@@ -207,10 +215,10 @@ static int find_weight(struct model *m, const char *name, int64_t cols, int64_t 
 static int find_vector(struct model *m, const char *name, int64_t n, bool required, const float **out) {
     const struct gguf_tensor *t = take_tensor(m, name);
     *out = NULL;
-    if (!t) return required ? kvq_error("model is missing tensor '%s'", name) : 0;
+    if (!t) return required ? kvq_error_code(KVQ_ERR_FORMAT, "model is missing tensor '%s'", name) : 0;
     if (t->type != KVQ_F32 || t->ne[0] != (uint64_t)n || t->ne[1] != 1)
-        return kvq_error("tensor '%s' must be f32 with %lld values (found %s, %llu)", name, (long long)n,
-                         kvq_dtype_name(t->type), (unsigned long long)t->ne[0]);
+        return kvq_error_code(KVQ_ERR_FORMAT, "tensor '%s' must be f32 with %lld values (found %s, %llu)", name,
+                              (long long)n, kvq_dtype_name(t->type), (unsigned long long)t->ne[0]);
     *out = t->data;
     m->n_params += (uint64_t)n;
     m->weight_bytes += t->nbytes;
@@ -251,18 +259,19 @@ static int load_layer(struct model *m, int il) {
 struct model *model_load(const char *path) {
     struct model *m = calloc(1, sizeof *m);
     if (!m) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     m->file = gguf_open(path);
     if (!m->file || read_hparams(m->file, &m->hp) != 0) goto fail;
     if (gguf_n_tensors(m->file) == 0) {
-        kvq_error("'%s' holds no weights (a vocabulary-only file: only 'kvq tokenize' can use it)", path);
+        kvq_error_code(KVQ_ERR_FORMAT, "'%s' holds no weights (a vocabulary-only file: only 'kvq tokenize' can use it)",
+                       path);
         goto fail;
     }
     struct model_hparams *hp = &m->hp;
     if (!(m->tensor_taken = calloc(gguf_n_tensors(m->file), sizeof *m->tensor_taken))) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         goto fail;
     }
     const struct gguf_value *tokens = gguf_get_arr(m->file, "tokenizer.ggml.tokens", GGUF_TYPE_STRING);
@@ -271,7 +280,7 @@ struct model *model_load(const char *path) {
     const struct gguf_tensor *emb = gguf_find_tensor(m->file, "token_embd.weight");
     if (emb && hp->n_vocab == 0) hp->n_vocab = (int)emb->ne[1];
     if (hp->n_vocab <= 0) {
-        kvq_error("model has no vocabulary");
+        kvq_error_code(KVQ_ERR_FORMAT, "model has no vocabulary");
         goto fail;
     }
     if (find_weight(m, "token_embd.weight", hp->n_embd, hp->n_vocab, true, &m->tok_embd) ||
@@ -279,16 +288,17 @@ struct model *model_load(const char *path) {
         find_weight(m, "output.weight", hp->n_embd, hp->n_vocab, false, &m->output))
         goto fail;
     if (!m->output.data) m->output = m->tok_embd; /* tied embeddings */
+    m->tok_embd.lookup = true;
     /* every layer has several tensors: a block_count beyond the tensor count is a
      * lie that would otherwise size the layer table (2^30 layers: 360 GB) */
     if ((uint64_t)hp->n_layer > gguf_n_tensors(m->file)) {
-        kvq_error("model metadata %s.block_count = %d, but the file holds only %llu tensors", hp->arch_name,
-                  hp->n_layer, (unsigned long long)gguf_n_tensors(m->file));
+        kvq_error_code(KVQ_ERR_FORMAT, "model metadata %s.block_count = %d, but the file holds only %llu tensors",
+                       hp->arch_name, hp->n_layer, (unsigned long long)gguf_n_tensors(m->file));
         goto fail;
     }
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
     if (!m->layers) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         goto fail;
     }
     for (int il = 0; il < hp->n_layer; il++)
@@ -307,54 +317,8 @@ const struct weight *model_layer_product(const struct layer_weights *L, int i) {
     return ws[i];
 }
 
-/* Product weight i of the model: the layers' (none before the layer table exists:
- * a refused file's n_layer may be absurd), then the output (tied or not); NULL past
- * the last. Writable: the model owns them. */
-static struct weight *product_weight(struct model *m, int64_t i) {
-    const int64_t n = m->layers ? MODEL_LAYER_PRODUCTS * (int64_t)m->hp.n_layer : 0;
-    if (i >= n) return i == n ? &m->output : NULL;
-    return (struct weight *)model_layer_product(&m->layers[i / MODEL_LAYER_PRODUCTS], (int)(i % MODEL_LAYER_PRODUCTS));
-}
-
-/* Thread ith's share of a weight's tiles of 16 rows. */
-static void pack_tiles(void *arg, int ith, int nth) {
-    const struct weight *w = arg;
-    long t0, t1;
-    kvq_split((long)((w->rows + 15) / 16), ith, nth, &t0, &t1);
-    if (t0 >= t1) return;
-    const int64_t r0 = (int64_t)t0 * 16, r1 = (int64_t)t1 * 16 < w->rows ? (int64_t)t1 * 16 : w->rows;
-    kern_rows16_pack(w->type, (const uint8_t *)w->data + (size_t)r0 * w->row_bytes, w->row_bytes, r1 - r0, w->cols,
-                     (uint8_t *)w->rows16 + (size_t)t0 * kern_rows16_tile_bytes(w->type, w->cols));
-}
-
-int model_pack_rows16(struct model *m, int n_threads) {
-    struct kvq_pool *pool = NULL;
-    struct weight *w;
-    for (int64_t i = 0; (w = product_weight(m, i)) != NULL; i++) {
-        if (w->rows16 || !w->data || !kern_rows16_wanted(w->type)) continue;
-        const size_t bytes = kern_rows16_bytes(w->type, w->rows, w->cols);
-        /* threads: reading the mapped file and the copy's writes go at the speed of
-         * memory, not of one core (an 8B Q4_0 model took seconds on one) */
-        if (!pool && !(pool = kvq_pool_new(n_threads))) return kvq_error("out of memory for threads");
-        w->rows16 = aligned_alloc(64, bytes);
-        if (!w->rows16) {
-            kvq_pool_free(pool);
-            return kvq_error("out of memory for a %zu-byte weight's 16-row form", bytes);
-        }
-        kvq_pool_run(pool, pack_tiles, w);
-        /* the products read only the copy now, and so do the lookups of tied
-         * embeddings (else every lookup faulted 64 KB of the file back in) */
-        if (w == &m->output && m->tok_embd.data == w->data) m->tok_embd.rows16 = w->rows16;
-        gguf_release_pages(m->file, w->data, w->row_bytes * (size_t)w->rows);
-    }
-    kvq_pool_free(pool);
-    return 0;
-}
-
 void model_free(struct model *m) {
     if (!m) return;
-    struct weight *w;
-    for (int64_t i = 0; (w = product_weight(m, i)) != NULL; i++) free(w->rows16);
     gguf_close(m->file);
     free(m->tensor_taken);
     free(m->layers);

@@ -10,6 +10,7 @@
 
 #include "core/threadpool.h"
 #include "server/prefix_cache.h"
+#include "server/sched_policy.h"
 
 struct sched_req {
     pthread_mutex_t mu;
@@ -32,19 +33,15 @@ struct sched_req {
     bool cancelled, done;
     struct sched_result res;
     /* scheduler thread only */
+    struct sched_seq q;     /* what the batching policy sees (q.prompt is tokens) */
     struct sched_req *next; /* queue link */
-    int slot, prefilled, n_gen, batch_pos, chunk;
-    bool forked; /* a follower that shares its leader's prompt now */
+    int n_gen;
     kvq_token *fed; /* tokens the sequence holds: the prompt, then generated ones */
     int n_fed, fed_cap;
-    kvq_token pending; /* sampled, to be fed next step */
-    bool has_pending;
     /* this step's draw, made with the others' on the sampling threads */
     const float *logits;
     kvq_token drawn;
     struct lp_entry drawn_lp;
-    size_t reserve; /* KV bytes the request may grow to */
-    uint64_t order; /* admission order */
     struct kvq_sampler *smp;
     struct kvq_detok *dt;
 };
@@ -54,6 +51,7 @@ struct sched {
     struct kvq_context *c;
     struct prefix_cache *pc;
     struct sched_params p;
+    struct sched_policy pol;
     pthread_t thread;
     bool started;
     pthread_mutex_t mu; /* queue, stop flag, stats */
@@ -64,11 +62,12 @@ struct sched {
     struct sched_stats st;
     /* scheduler thread only */
     struct sched_req **slots; /* [max_seqs] */
+    struct sched_seq **seqs;  /* [max_seqs]: the slots' policy views (NULL: free) */
+    size_t *want;             /* [max_seqs]: the KV reserves of a group being admitted */
     int running, n_ctx, n_vocab;
     kvq_token *eog; /* the model's end-of-generation tokens */
     int n_eog;
     uint64_t admitted;
-    size_t token_bytes, window_bytes, margin;
     kvq_token *b_tok;
     int32_t *b_seq;
     bool *b_logits;
@@ -76,7 +75,7 @@ struct sched {
     uint64_t rate_tokens;
     /* the step's draws, one request per slot of `draws`, on the sampling threads (16
      * sequences' draws over a 128K vocabulary on one thread took 2.7 ms of a 7.3 ms step) */
-    struct kvq_pool *sampling;
+    struct kvq_threads *sampling;
     struct sched_req **draws;
     int n_draws;
 };
@@ -107,7 +106,7 @@ struct sched_req *sched_req_new(kvq_token *tokens, int n_tokens, struct gen_para
     r->n_tokens = n_tokens;
     r->gp = *gp;
     memset(gp, 0, sizeof *gp); /* the request owns the stop strings now */
-    r->slot = -1;
+    r->q = (struct sched_seq){.prompt = tokens, .n_prompt = n_tokens, .slot = -1};
     r->res.prompt_tokens = n_tokens;
     return r;
 }
@@ -240,44 +239,6 @@ static void end_request(struct sched_req *r, const char *reason, int status, con
     pthread_mutex_unlock(&r->mu);
 }
 
-/* ---- memory accounting ---- */
-
-static size_t est_bytes(const struct sched *s, int n_tokens) {
-    return s->token_bytes * (((size_t)n_tokens + 63) / 64 * 64) + s->window_bytes;
-}
-
-/* The most tokens a request's sequence can reach. */
-static int final_len(const struct sched *s, const struct sched_req *r) {
-    long n = r->gp.max_tokens < 0 ? s->n_ctx : (long)r->n_tokens + r->gp.max_tokens;
-    return n > s->n_ctx ? s->n_ctx : (int)n;
-}
-
-/* The KV bytes a request may grow to: a follower only what it appends to the prompt
- * it shares (and the partly filled block it copies). */
-static size_t reserve_of(const struct sched *s, const struct sched_req *r) {
-    if (!r->leader) return est_bytes(s, final_len(s, r));
-    return est_bytes(s, final_len(s, r) - r->n_tokens + 64);
-}
-
-/* True when the KV bytes in use plus what running requests may still grow by plus
- * what r and the g - 1 requests queued after it may take stay within the budget. */
-static bool fits(const struct sched *s, const struct sched_req *r, int g) {
-    size_t need = kvq_kv_bytes(s->c) + s->margin;
-    for (int i = 0; i < g; i++) {
-        need += r->reserve;
-        if (i + 1 < g) r = r->next;
-    }
-    for (int i = 0; i < s->p.max_seqs; i++) {
-        const struct sched_req *o = s->slots[i];
-        if (!o) continue;
-        int len = kvq_seq_len(s->c, o->slot);
-        if (o->leader) len = o->forked ? len - o->n_tokens : 0;
-        size_t now = est_bytes(s, len);
-        if (o->reserve > now) need += o->reserve - now;
-    }
-    return need <= kvq_kv_budget(s->c);
-}
-
 /* ---- the scheduler ---- */
 
 int sched_n_ctx(const struct sched *s) { return s->n_ctx; }
@@ -288,35 +249,17 @@ int sched_submit(struct sched *s, struct sched_req *r, int *status, char *msg, s
 
 int sched_submit_group(struct sched *s, struct sched_req **rs, int n, int *status, char *msg, size_t msg_size) {
     struct sched_req *r = rs[0];
-    if (n > s->p.max_seqs) {
-        *status = 400;
-        snprintf(msg, msg_size, "%d choices of one prompt run as %d sequences at once; this server runs at most %d", n,
-                 n, s->p.max_seqs);
-        return -1;
-    }
-    if (r->n_tokens >= s->n_ctx) {
-        *status = 400;
-        snprintf(msg, msg_size, "the prompt has %d tokens; this server's context holds %d (prompt and answer)",
-                 r->n_tokens, s->n_ctx);
-        return -1;
-    }
-    size_t need = est_bytes(s, r->n_tokens + 1) + s->margin;
-    if (need > kvq_kv_budget(s->c)) {
-        *status = 400;
-        snprintf(msg, msg_size, "the prompt of %d tokens needs %zu bytes of KV cache, more than the budget of %zu",
-                 r->n_tokens, need, kvq_kv_budget(s->c));
-        return -1;
-    }
+    if ((*status = sched_policy_check(&s->pol, r->n_tokens, n, msg, msg_size)) != 0) return -1;
     for (int i = 0; i < n; i++) {
         if (i > 0) {
             rs[i]->leader = r;
+            rs[i]->q.follower = true;
             pthread_mutex_lock(&r->mu);
             r->refs++; /* the follower's */
             pthread_mutex_unlock(&r->mu);
         }
         rs[i]->group = i == 0 ? n : 0;
-        rs[i]->reserve = reserve_of(s, rs[i]);
-        if (rs[i]->reserve + s->margin > kvq_kv_budget(s->c)) rs[i]->reserve = kvq_kv_budget(s->c) - s->margin;
+        rs[i]->q.reserve = sched_policy_reserve(&s->pol, rs[i]->n_tokens, rs[i]->gp.max_tokens, i > 0);
     }
     pthread_mutex_lock(&s->mu);
     int rc = 0;
@@ -358,12 +301,13 @@ static struct sched_req *queue_pop(struct sched *s) {
 
 /* Frees the request's sequence (storing it in the prefix cache when it ended well). */
 static void retire(struct sched *s, struct sched_req *r, bool store) {
-    if (store && s->pc && !r->leader && r->n_fed == kvq_seq_len(s->c, r->slot))
-        prefix_cache_store(s->pc, r->slot, r->cache_key, r->fed, r->n_fed, true, r->res.cached_tokens);
-    kvq_seq_clear(s->c, r->slot);
-    s->slots[r->slot] = NULL;
+    if (store && s->pc && !r->leader && r->n_fed == kvq_seq_len(s->c, r->q.slot))
+        prefix_cache_store(s->pc, r->q.slot, r->cache_key, r->fed, r->n_fed, true, r->res.cached_tokens);
+    kvq_seq_clear(s->c, r->q.slot);
+    s->slots[r->q.slot] = NULL;
+    s->seqs[r->q.slot] = NULL;
     s->running--;
-    r->slot = -1;
+    r->q.slot = -1;
     sched_req_release(r);
 }
 
@@ -420,9 +364,10 @@ static bool is_stop_id(const struct gen_params *g, kvq_token t) {
 
 /* Puts a queued request into a free slot: sampler, detokenizer, prefix-cache lookup. */
 static void start(struct sched *s, struct sched_req *r, int slot) {
-    r->slot = slot;
-    r->order = ++s->admitted;
+    r->q.slot = slot;
+    r->q.order = ++s->admitted;
     s->slots[slot] = r;
+    s->seqs[slot] = &r->q;
     s->running++;
     pthread_mutex_lock(&s->mu);
     s->st.running = s->running;
@@ -452,7 +397,7 @@ static void start(struct sched *s, struct sched_req *r, int slot) {
         fprintf(stderr, "kvq serve: cache_fetch %s cached=%d new=%d\n", cached ? "HIT" : "MISS", cached,
                 r->n_tokens - cached);
     }
-    r->prefilled = cached;
+    r->q.prefilled = cached;
     pthread_mutex_lock(&r->mu);
     r->res.cached_tokens = cached;
     pthread_mutex_unlock(&r->mu);
@@ -469,26 +414,34 @@ static int free_slot(const struct sched *s) {
     return -1;
 }
 
-static int n_free_slots(const struct sched *s) {
-    return s->p.max_seqs - s->running;
+/* The running sequences' lengths, as admission weighs them. */
+static void update_lens(struct sched *s) {
+    for (int i = 0; i < s->p.max_seqs; i++)
+        if (s->seqs[i]) s->seqs[i]->len = kvq_seq_len(s->c, i);
 }
 
-/* Moves queued requests into free slots while their KV needs fit (evicting prefix-cache
- * entries first); with nothing running, the head request always starts. */
+/* Moves queued requests into free slots while the policy admits them (evicting
+ * prefix-cache entries first when it says so). */
 static void admit(struct sched *s) {
+    size_t *want = s->want;
     for (;;) {
         pthread_mutex_lock(&s->mu);
         struct sched_req *r = s->head;
+        /* a group (n choices) starts together; a follower at the head lost its leader */
+        const int g = r && !r->leader ? r->group : 1;
+        const struct sched_req *o = r;
+        for (int i = 0; i < g && o; i++, o = o->next) want[i] = o->q.reserve;
         pthread_mutex_unlock(&s->mu);
         if (!r) return;
-        /* a group (n choices) starts together; a follower at the head lost its leader */
-        const int g = r->leader ? 1 : r->group;
         const bool drop = is_cancelled(r) || r->leader;
         if (!drop) {
-            if (n_free_slots(s) < g) return;
-            while (!fits(s, r, g) && prefix_cache_evict_one(s->pc)) {
-            }
-            if (s->running > 0 && !fits(s, r, g)) return; /* back-pressure: wait for memory */
+            bool may_evict = s->pc != NULL;
+            enum sched_admit a;
+            update_lens(s);
+            while ((a = sched_policy_admit(&s->pol, kvq_kv_bytes(s->c), s->seqs, want, g, may_evict)) ==
+                   SCHED_ADMIT_EVICT)
+                may_evict = prefix_cache_evict_one(s->pc);
+            if (a == SCHED_ADMIT_WAIT) return; /* no slots, or back-pressure: wait for memory */
         }
         for (int i = 0; i < (drop ? 1 : g); i++) {
             pthread_mutex_lock(&s->mu);
@@ -555,51 +508,12 @@ static void next_token(struct sched *s, struct sched_req *r) {
         finish(r, "stop");
         return;
     }
-    if ((r->gp.max_tokens >= 0 && r->n_gen >= r->gp.max_tokens) || kvq_seq_len(s->c, r->slot) + 1 > s->n_ctx) {
+    if ((r->gp.max_tokens >= 0 && r->n_gen >= r->gp.max_tokens) || kvq_seq_len(s->c, r->q.slot) + 1 > s->n_ctx) {
         finish(r, "length");
         return;
     }
-    r->pending = t;
-    r->has_pending = true;
-}
-
-/* Builds one batch: a decode token per decoding sequence, then whole prefill chunks
- * (min(left, prefill_chunk) tokens, so a prompt is cut the same way however many
- * others run) while the step has room; at least one chunk per step. */
-static int build_batch(struct sched *s) {
-    int n = 0;
-    for (int i = 0; i < s->p.max_seqs; i++) {
-        struct sched_req *r = s->slots[i];
-        if (!r) continue;
-        r->batch_pos = -1;
-        r->chunk = 0;
-        if (!r->has_pending) continue;
-        s->b_tok[n] = r->pending;
-        s->b_seq[n] = r->slot;
-        s->b_logits[n] = true;
-        r->batch_pos = n++;
-    }
-    bool any_prefill = false;
-    for (int i = 0; i < s->p.max_seqs; i++) {
-        struct sched_req *r = s->slots[i];
-        if (!r || r->has_pending || r->prefilled >= r->n_tokens || (r->leader && !r->forked)) continue;
-        int left = r->n_tokens - r->prefilled;
-        int chunk = left < s->p.prefill_chunk ? left : s->p.prefill_chunk;
-        if (any_prefill && n + chunk > s->p.step_tokens) continue;
-        for (int j = 0; j < chunk; j++) {
-            s->b_tok[n + j] = r->tokens[r->prefilled + j];
-            s->b_seq[n + j] = r->slot;
-            s->b_logits[n + j] = false;
-        }
-        n += chunk;
-        r->chunk = chunk;
-        if (chunk == left) {
-            s->b_logits[n - 1] = true;
-            r->batch_pos = n - 1;
-        }
-        any_prefill = true;
-    }
-    return n;
+    r->q.pending = t;
+    r->q.has_pending = true;
 }
 
 /* Followers whose leader read its prompt in this step take its sequence (sharing its
@@ -607,13 +521,14 @@ static int build_batch(struct sched *s) {
 static void fork_followers(struct sched *s) {
     for (int i = 0; i < s->p.max_seqs; i++) {
         struct sched_req *r = s->slots[i], *l = r ? r->leader : NULL;
-        if (!l || r->forked || l->slot < 0 || l->batch_pos < 0 || l->chunk == 0 || l->prefilled < l->n_tokens) continue;
-        if (kvq_seq_fork(s->c, l->slot, r->slot) != 0) {
+        if (!l || r->q.forked || l->q.slot < 0 || l->q.batch_pos < 0 || l->q.chunk == 0 || l->q.prefilled < l->n_tokens)
+            continue;
+        if (kvq_seq_fork(s->c, l->q.slot, r->q.slot) != 0) {
             fail(s, r, 500, kvq_last_error());
             continue;
         }
-        r->forked = true;
-        r->prefilled = r->n_tokens;
+        r->q.forked = true;
+        r->q.prefilled = r->n_tokens;
         pthread_mutex_lock(&r->mu);
         r->res.cached_tokens = l->res.cached_tokens;
         pthread_mutex_unlock(&r->mu);
@@ -622,26 +537,18 @@ static void fork_followers(struct sched *s) {
     }
 }
 
-/* The youngest running request, to give way when memory runs out. */
-static struct sched_req *youngest(struct sched *s) {
-    struct sched_req *y = NULL;
-    for (int i = 0; i < s->p.max_seqs; i++)
-        if (s->slots[i] && (!y || s->slots[i]->order > y->order)) y = s->slots[i];
-    return y;
-}
-
 static void step(struct sched *s) {
     for (int i = 0; i < s->p.max_seqs; i++)
         if (s->slots[i] && is_cancelled(s->slots[i])) {
             fprintf(stderr, "kvq serve: client went away; sequence %d freed\n", i);
             end_request(s->slots[i], NULL, 499, "the client went away");
             retire(s, s->slots[i], false);
-        } else if (s->slots[i] && s->slots[i]->leader && !s->slots[i]->forked && s->slots[i]->leader->slot < 0) {
+        } else if (s->slots[i] && s->slots[i]->leader && !s->slots[i]->q.forked && s->slots[i]->leader->q.slot < 0) {
             fail(s, s->slots[i], 503, "the request's first choice failed before its prompt was read");
         }
     admit(s);
     if (s->running == 0) return;
-    int n = build_batch(s);
+    int n = sched_policy_step(&s->pol, s->seqs, s->b_tok, s->b_seq, s->b_logits);
     if (n == 0) return;
     struct kvq_batch b = {.n_tokens = n, .tokens = s->b_tok, .seq_ids = s->b_seq, .logits = s->b_logits};
     if (kvq_decode(s->c, &b) != 0) {
@@ -649,45 +556,45 @@ static void step(struct sched *s) {
          * request) and try again next step */
         char msg[256];
         snprintf(msg, sizeof msg, "%s", kvq_last_error());
-        if (strstr(msg, "budget")) {
+        if (kvq_last_error_code() == KVQ_ERR_BUDGET) {
             if (!prefix_cache_evict_one(s->pc)) {
-                struct sched_req *y = youngest(s);
+                struct sched_req *y = s->slots[sched_policy_youngest(&s->pol, s->seqs)->slot];
                 fail(s, y, 503, "the KV cache budget is exhausted by other requests; retry later");
             }
             return;
         }
         for (int i = 0; i < s->p.max_seqs; i++)
-            if (s->slots[i] && (s->slots[i]->chunk || s->slots[i]->has_pending)) fail(s, s->slots[i], 500, msg);
+            if (s->slots[i] && (s->slots[i]->q.chunk || s->slots[i]->q.has_pending)) fail(s, s->slots[i], 500, msg);
         return;
     }
     s->n_draws = 0;
     for (int i = 0; i < s->p.max_seqs; i++) {
         struct sched_req *r = s->slots[i];
         if (!r) continue;
-        if (r->has_pending) {
-            r->has_pending = false;
-            if (!push_fed(r, r->pending)) {
+        if (r->q.has_pending) {
+            r->q.has_pending = false;
+            if (!push_fed(r, r->q.pending)) {
                 fail(s, r, 500, "out of memory");
                 continue;
             }
         }
-        r->prefilled += r->chunk;
+        r->q.prefilled += r->q.chunk;
         /* a prompt just done is held at once (sharing its blocks), so requests that
          * arrive while this one decodes reuse it; the whole sequence replaces it later */
-        if (s->pc && r->chunk > 0 && r->prefilled == r->n_tokens && kvq_seq_len(s->c, r->slot) == r->n_tokens)
-            prefix_cache_store(s->pc, r->slot, r->cache_key, r->tokens, r->n_tokens, false, r->res.cached_tokens);
-        if (r->batch_pos >= 0) {
-            r->logits = kvq_get_logits(s->c, r->batch_pos);
+        if (s->pc && r->q.chunk > 0 && r->q.prefilled == r->n_tokens && kvq_seq_len(s->c, r->q.slot) == r->n_tokens)
+            prefix_cache_store(s->pc, r->q.slot, r->cache_key, r->tokens, r->n_tokens, false, r->res.cached_tokens);
+        if (r->q.batch_pos >= 0) {
+            r->logits = kvq_get_logits(s->c, r->q.batch_pos);
             s->draws[s->n_draws++] = r;
         }
     }
     fork_followers(s);
-    if (s->sampling && s->n_draws > 1) kvq_pool_run(s->sampling, draw_task, s);
+    if (s->sampling && s->n_draws > 1) kvq_threads_run(s->sampling, draw_task, s);
     else draw_task(s, 0, 1);
     const int sampled = s->n_draws;
     for (int i = 0; i < sampled; i++) next_token(s, s->draws[i]);
     for (int i = 0; i < sampled; i++) /* answered without a next token */
-        if (!s->draws[i]->has_pending) retire(s, s->draws[i], true);
+        if (!s->draws[i]->q.has_pending) retire(s, s->draws[i], true);
     double t = now_s();
     s->rate_tokens += (uint64_t)sampled;
     pthread_mutex_lock(&s->mu);
@@ -772,18 +679,20 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     }
     for (kvq_token t = 0; t < info.n_vocab; t++)
         if (kvq_token_is_eog(m, t)) s->eog[s->n_eog++] = t;
-    s->token_bytes = kvq_kv_token_bytes(m, &p->kv);
-    s->window_bytes = kvq_kv_window_bytes(m, &p->kv);
+    size_t f16_token_bytes = 0;
     if (p->kv.k_bits < 16 || p->kv.v_bits < 16) {
-        /* a quantized cache holds a step's new rows in f16 too until the next step */
         struct kvq_kv_config f16;
         kvq_kv_config_default(&f16);
-        s->margin = kvq_kv_token_bytes(m, &f16) * (size_t)(p->step_tokens + p->max_seqs);
+        f16_token_bytes = kvq_kv_token_bytes(m, &f16);
     }
+    sched_policy_init(&s->pol, p->max_seqs, p->prefill_chunk, p->step_tokens, s->n_ctx, kvq_kv_budget(c),
+                      kvq_kv_token_bytes(m, &p->kv), kvq_kv_window_bytes(m, &p->kv), f16_token_bytes);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     int cap = p->step_tokens + p->max_seqs + p->prefill_chunk;
     s->slots = calloc((size_t)p->max_seqs, sizeof *s->slots);
+    s->seqs = calloc((size_t)p->max_seqs, sizeof *s->seqs);
+    s->want = malloc(sizeof *s->want * (size_t)p->max_seqs);
     s->b_tok = malloc(sizeof *s->b_tok * (size_t)cap);
     s->b_seq = malloc(sizeof *s->b_seq * (size_t)cap);
     s->b_logits = malloc(sizeof *s->b_logits * (size_t)cap);
@@ -794,8 +703,9 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     const int n_cpu = kvq_online_cpus();
     int n_samplers = p->max_seqs < 16 ? (p->max_seqs + 1) / 2 : 8;
     if (n_samplers > n_cpu) n_samplers = n_cpu;
-    if (n_samplers > 1) s->sampling = kvq_pool_new(n_samplers);
-    if (!s->slots || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws || (n_samplers > 1 && !s->sampling)) {
+    if (n_samplers > 1) s->sampling = kvq_threads_new(n_samplers);
+    if (!s->slots || !s->seqs || !s->want || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws ||
+        (n_samplers > 1 && !s->sampling)) {
         sched_free(s);
         return NULL;
     }
@@ -831,12 +741,14 @@ void sched_free(struct sched *s) {
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s->slots);
+    free(s->seqs);
+    free(s->want);
     free(s->b_tok);
     free(s->b_seq);
     free(s->b_logits);
     free(s->draws);
     free(s->eog);
-    kvq_pool_free(s->sampling);
+    kvq_threads_free(s->sampling);
     free(s);
 }
 

@@ -2,7 +2,9 @@
  * Each step is ONE kvq_decode with a decode token for every running sequence plus
  * bounded chunks of prompts being prefilled; requests join and leave between steps.
  * HTTP threads hand requests over through a small locked queue and read the text
- * back from the request; every engine call happens on the scheduler thread. */
+ * back from the request; every engine call happens on the scheduler thread. What
+ * to admit and what a step holds is the policy's (sched_policy.h, free of threads);
+ * this is the request channel around it and the thread that carries it out. */
 #ifndef KVQ_SERVER_SCHEDULER_H
 #define KVQ_SERVER_SCHEDULER_H
 

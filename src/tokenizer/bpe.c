@@ -255,7 +255,7 @@ int bpe_tokenize(const struct tokenizer *t, const char *text, size_t len, struct
     bool clean;
     size_t clean_len = len;
     char *cleaned = sanitize_utf8(text, len, &clean_len, &clean);
-    if (!clean && !cleaned) return kvq_error("tokenizer: out of memory");
+    if (!clean && !cleaned) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
     if (cleaned) text = cleaned, len = clean_len;
 
     struct piece_vec pieces = {0};
@@ -281,5 +281,5 @@ int bpe_tokenize(const struct tokenizer *t, const char *text, size_t len, struct
     free(s.key);
     free(s.enc);
     free(cleaned);
-    return rc == 0 ? 0 : kvq_error("tokenizer: out of memory");
+    return rc == 0 ? 0 : kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
 }

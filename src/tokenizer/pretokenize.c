@@ -174,7 +174,7 @@ static int split_piece(const pcre2_code *code, pcre2_match_data *md, const char 
 
 int pretok_split(const struct pretokenizer *p, const char *text, size_t len, struct piece_vec *out) {
     struct piece_vec cur = {0}, next = {0};
-    if (piece_push(&cur, 0, len) != 0) return kvq_error("tokenizer: out of memory");
+    if (piece_push(&cur, 0, len) != 0) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
     int rc = 0;
     for (int r = 0; r < p->n_regex && rc == 0; r++) {
         const pcre2_code *code = (const pcre2_code *)p->code[r];
@@ -193,7 +193,7 @@ int pretok_split(const struct pretokenizer *p, const char *text, size_t len, str
     free(next.data);
     if (rc != 0) {
         free(cur.data);
-        return rc == -2 ? kvq_error("tokenizer: out of memory") : -1;
+        return rc == -2 ? kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory") : -1;
     }
     free(out->data);
     *out = cur;

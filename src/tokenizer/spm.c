@@ -111,7 +111,7 @@ int spm_tokenize(const struct tokenizer *t, const char *text, size_t len, struct
     if (len > (size_t)INT32_MAX) return kvq_error("tokenizer: text too long");
     struct spm_session s = {.t = t, .text = text};
     s.sym = malloc(len * sizeof *s.sym);
-    if (!s.sym) return kvq_error("tokenizer: out of memory");
+    if (!s.sym) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
 
     int n_sym = 0;
     for (size_t off = 0; off < len;) {
@@ -133,5 +133,5 @@ int spm_tokenize(const struct tokenizer *t, const char *text, size_t len, struct
     }
     free(s.heap.data);
     free(s.sym);
-    return rc == 0 ? 0 : kvq_error("tokenizer: out of memory");
+    return rc == 0 ? 0 : kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
 }

@@ -32,19 +32,20 @@ static int token_array(const struct gguf_file *f, const char *key, enum gguf_typ
     const struct gguf_value *v = *out = gguf_find(f, key);
     if (!v) return 0;
     if (v->type != GGUF_TYPE_ARRAY || v->arr.elem_type != type)
-        return kvq_error("tokenizer: %s must be an array of %s, not %s%s", key, gguf_type_name(type),
-                         v->type == GGUF_TYPE_ARRAY ? "an array of " : "",
-                         gguf_type_name(v->type == GGUF_TYPE_ARRAY ? v->arr.elem_type : v->type));
+        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s must be an array of %s, not %s%s", key,
+                              gguf_type_name(type), v->type == GGUF_TYPE_ARRAY ? "an array of " : "",
+                              gguf_type_name(v->type == GGUF_TYPE_ARRAY ? v->arr.elem_type : v->type));
     if (v->arr.n != n)
-        return kvq_error("tokenizer: %s has %llu entries for %llu tokens", key, (unsigned long long)v->arr.n,
-                         (unsigned long long)n);
+        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s has %llu entries for %llu tokens", key,
+                              (unsigned long long)v->arr.n, (unsigned long long)n);
     return 0;
 }
 
 static int load_tokens(struct tokenizer *t, const struct gguf_file *f) {
     const struct gguf_value *toks = gguf_get_arr(f, KEY_TOKENS, GGUF_TYPE_STRING);
-    if (!toks) return kvq_error("tokenizer: missing string array %s", KEY_TOKENS);
-    if (toks->arr.n == 0 || toks->arr.n > INT32_MAX / 2) return kvq_error("tokenizer: bad vocabulary size %llu", (unsigned long long)toks->arr.n);
+    if (!toks) return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: missing string array %s", KEY_TOKENS);
+    if (toks->arr.n == 0 || toks->arr.n > INT32_MAX / 2)
+        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: bad vocabulary size %llu", (unsigned long long)toks->arr.n);
     t->n_vocab = (int32_t)toks->arr.n;
 
     const struct gguf_value *scores, *types;
@@ -54,21 +55,24 @@ static int load_tokens(struct tokenizer *t, const struct gguf_file *f) {
     for (uint64_t i = 0; i < toks->arr.n; i++) {
         double score = scores ? gguf_arr_f64(scores, i) : 0;
         int64_t type = types ? gguf_arr_i64(types, i) : TOK_TYPE_NORMAL;
-        if (!isfinite(score)) return kvq_error("tokenizer: %s of token %llu is not finite", KEY_SCORES, (unsigned long long)i);
+        if (!isfinite(score))
+            return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: %s of token %llu is not finite", KEY_SCORES,
+                                  (unsigned long long)i);
         /* llama.cpp's writers use 1 (normal) .. 6 (byte); 0 (undefined) is never written */
         if (type < TOK_TYPE_NORMAL || type > TOK_TYPE_BYTE)
-            return kvq_error("tokenizer: %s of token %llu is %lld, not one of llama.cpp's types 1..6", KEY_TYPES,
-                             (unsigned long long)i, (long long)type);
+            return kvq_error_code(KVQ_ERR_FORMAT,
+                                  "tokenizer: %s of token %llu is %lld, not one of llama.cpp's types 1..6", KEY_TYPES,
+                                  (unsigned long long)i, (long long)type);
     }
 
     /* Empty token texts get a placeholder name, as llama.cpp does. */
     size_t blob = 0;
     for (uint64_t i = 0; i < toks->arr.n; i++) blob += toks->arr.strs[i].len ? toks->arr.strs[i].len : 24;
-    if (blob > UINT32_MAX) return kvq_error("tokenizer: vocabulary text too large");
+    if (blob > UINT32_MAX) return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: vocabulary text too large");
     t->text_blob = malloc(blob ? blob : 1);
     t->tokens = calloc((size_t)t->n_vocab, sizeof *t->tokens);
     if (!t->text_blob || !t->tokens || strmap_init(&t->vocab, (size_t)t->n_vocab) != 0)
-        return kvq_error("tokenizer: out of memory");
+        return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
 
     uint32_t off = 0;
     for (int32_t i = 0; i < t->n_vocab; i++) {
@@ -86,8 +90,10 @@ static int load_tokens(struct tokenizer *t, const struct gguf_file *f) {
         e->type = types ? (uint8_t)gguf_arr_i64(types, (uint64_t)i) : TOK_TYPE_NORMAL;
         int32_t dup;
         int rc = strmap_put(&t->vocab, t->text_blob + e->off, e->len, i, &dup);
-        if (rc < 0) return kvq_error("tokenizer: out of memory");
-        if (rc == 0) return kvq_error("tokenizer: duplicate token '%.*s' (ids %d and %d)", (int)e->len, t->text_blob + e->off, (int)dup, (int)i);
+        if (rc < 0) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
+        if (rc == 0)
+            return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: duplicate token '%.*s' (ids %d and %d)", (int)e->len,
+                                  t->text_blob + e->off, (int)dup, (int)i);
     }
     return 0;
 }
@@ -96,19 +102,20 @@ static int load_tokens(struct tokenizer *t, const struct gguf_file *f) {
  * same string (llama.cpp splits each merge at its first space after index 0). */
 static int load_merges(struct tokenizer *t, const struct gguf_file *f) {
     const struct gguf_value *m = gguf_get_arr(f, KEY_MERGES, GGUF_TYPE_STRING);
-    if (!m) return kvq_error("tokenizer: missing string array %s", KEY_MERGES);
-    if (m->arr.n > INT32_MAX) return kvq_error("tokenizer: too many merges");
+    if (!m) return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: missing string array %s", KEY_MERGES);
+    if (m->arr.n > INT32_MAX) return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: too many merges");
     size_t blob = 0;
     for (uint64_t i = 0; i < m->arr.n; i++) blob += m->arr.strs[i].len;
     t->merge_blob = malloc(blob ? blob : 1);
-    if (!t->merge_blob || strmap_init(&t->merges, (size_t)m->arr.n) != 0) return kvq_error("tokenizer: out of memory");
+    if (!t->merge_blob || strmap_init(&t->merges, (size_t)m->arr.n) != 0)
+        return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
     size_t off = 0;
     for (uint64_t i = 0; i < m->arr.n; i++) {
         struct gguf_str s = m->arr.strs[i];
         if (s.len < 2 || s.len > UINT32_MAX || !memchr(s.ptr + 1, ' ', s.len - 1)) continue; /* no pair */
         memcpy(t->merge_blob + off, s.ptr, s.len);
         if (strmap_put(&t->merges, t->merge_blob + off, (uint32_t)s.len, (int32_t)i, NULL) < 0)
-            return kvq_error("tokenizer: out of memory");
+            return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
         off += s.len; /* a duplicate keeps its first (best) rank */
     }
     return 0;
@@ -161,7 +168,7 @@ static void detect_eog(struct tokenizer *t, const struct gguf_file *f) {
  * which their occurrences are split out of the input. */
 static int build_special_list(struct tokenizer *t) {
     t->special = malloc((size_t)t->n_vocab * sizeof *t->special);
-    if (!t->special) return kvq_error("tokenizer: out of memory");
+    if (!t->special) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
     for (int32_t i = 0; i < t->n_vocab; i++) {
         uint8_t ty = t->tokens[i].type;
         if (ty == TOK_TYPE_CONTROL || ty == TOK_TYPE_USER_DEFINED || ty == TOK_TYPE_UNKNOWN) t->special[t->n_special++] = i;
@@ -209,7 +216,8 @@ static void fill_spm_bytes(struct tokenizer *t) {
 
 static int setup_kind(struct tokenizer *t, const struct gguf_file *f, bool *add_bos_default) {
     char model[64];
-    if (!gguf_get_str(f, KEY_MODEL, model, sizeof model)) return kvq_error("tokenizer: missing %s", KEY_MODEL);
+    if (!gguf_get_str(f, KEY_MODEL, model, sizeof model))
+        return kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: missing %s", KEY_MODEL);
     if (strcmp(model, "llama") == 0) {
         t->kind = TOK_KIND_SPM;
         *add_bos_default = true;
@@ -224,13 +232,13 @@ static int setup_kind(struct tokenizer *t, const struct gguf_file *f, bool *add_
         gguf_get_str(f, KEY_PRE, pre, sizeof pre);
         return pretok_init(&t->pre, pre, &t->ignore_merges, add_bos_default);
     }
-    return kvq_error("tokenizer: unsupported tokenizer model '%s'", model);
+    return kvq_error_code(KVQ_ERR_UNSUPPORTED, "tokenizer: unsupported tokenizer model '%s'", model);
 }
 
 struct tokenizer *tokenizer_from_gguf(const struct gguf_file *f) {
     struct tokenizer *t = calloc(1, sizeof *t);
     if (!t) {
-        kvq_error("tokenizer: out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
         return NULL;
     }
     bool add_bos_default = false;
@@ -246,11 +254,11 @@ struct tokenizer *tokenizer_from_gguf(const struct gguf_file *f) {
     t->add_eos = get_bool(f, "tokenizer.ggml.add_eos_token", false);
     t->add_space_prefix = get_bool(f, "tokenizer.ggml.add_space_prefix", t->add_space_prefix);
     if (t->add_bos && t->bos < 0) {
-        kvq_error("tokenizer: add_bos_token is set but there is no BOS token");
+        kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: add_bos_token is set but there is no BOS token");
         goto fail;
     }
     if (t->add_eos && t->eos < 0) {
-        kvq_error("tokenizer: add_eos_token is set but there is no EOS token");
+        kvq_error_code(KVQ_ERR_FORMAT, "tokenizer: add_eos_token is set but there is no EOS token");
         goto fail;
     }
     detect_eog(t, f);
@@ -368,7 +376,7 @@ static int partition_special(const struct tokenizer *t, const char *text, size_t
 /* SentencePiece input: optional leading space, every space as U+2581. */
 static int spm_fragment(const struct tokenizer *t, const char *p, size_t len, bool prefix_space, struct tok_vec *out) {
     char *buf = malloc((len + 1) * 3);
-    if (!buf) return kvq_error("tokenizer: out of memory");
+    if (!buf) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
     size_t n = 0;
     if (prefix_space) memcpy(buf, "\xE2\x96\x81", 3), n = 3;
     for (size_t i = 0; i < len; i++) {
@@ -389,7 +397,7 @@ static int encode_fragments(const struct tokenizer *t, const char *text, const s
     for (size_t i = 0; i < frags->n; i++) {
         const struct fragment *fr = &frags->data[i];
         if (fr->id >= 0) {
-            if (tok_vec_push(out, fr->id) != 0) return kvq_error("tokenizer: out of memory");
+            if (tok_vec_push(out, fr->id) != 0) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
             prev_special = true;
             continue;
         }
@@ -411,7 +419,7 @@ int tokenizer_encode(const struct tokenizer *t, const char *text, size_t len, bo
     if (add_special && t->add_bos) rc = tok_vec_push(&v, t->bos);
     if (rc == 0 && len > 0) {
         rc = partition_special(t, text, len, parse_special, &frags);
-        if (rc != 0) kvq_error("tokenizer: out of memory");
+        if (rc != 0) kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
         else rc = encode_fragments(t, text, &frags, &v);
     }
     if (rc == 0 && add_special && t->add_eos) rc = tok_vec_push(&v, t->eos);
@@ -576,7 +584,7 @@ int tokenizer_stream_feed(struct tokenizer_stream *s, int32_t id, char *out, int
     if (n < 0) return -1;
     int total = s->n_pending + n;
     unsigned char *in = malloc((size_t)total + 1);
-    if (!in) return kvq_error("tokenizer: out of memory");
+    if (!in) return kvq_error_code(KVQ_ERR_OOM, "tokenizer: out of memory");
     memcpy(in, s->pending, (size_t)s->n_pending);
     if (n > (int)sizeof small) tokenizer_token_bytes(s->t, id, false, (char *)in + s->n_pending, n);
     else memcpy(in + s->n_pending, small, (size_t)n);

@@ -1,5 +1,5 @@
 /* The CPU backend: host buffers, weights read in place from the mapped file (or
- * from the model's 16-row copy, see kernels/matmul.h), and
+ * from the backend's 16-row copy, see cpu_weights.h), and
  * every operation split over a thread pool. Matrix products split their output rows
  * into chunks, attention has one work item per (token, KV head), and per-token work
  * (norms, RoPE, activation quantization) splits the tokens. Each thread (the
@@ -14,13 +14,13 @@
 #include <string.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_weights.h"
 #include "core/error.h"
 #include "core/threadpool.h"
 #include "kernels/activation.h"
 #include "kernels/matmul.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
-#include "model/model.h"
 
 /* Activation buffers for up to this many distinct weight types per input. */
 #define MAX_ACT_TYPES 3
@@ -34,7 +34,8 @@ struct act_set {
 
 struct cpu_backend {
     struct backend base;
-    struct kvq_pool *pool;
+    struct kvq_threads *pool;
+    struct cpu_weights weights;
     uint8_t *act_mem[MAX_ACT_TYPES]; /* prepared activations of one matmul input */
     size_t act_cap;
     float *attn_scratch; /* per thread */
@@ -72,7 +73,7 @@ static void token_task_run(void *p, int ith, int nth) {
 static void for_each_token(struct cpu_backend *cb, int n, int64_t cost, token_fn fn, const void *arg) {
     struct token_task tt = {arg, fn, n};
     if (n < 4 || (int64_t)n * cost <= INLINE_WORK) token_task_run(&tt, 0, 1);
-    else kvq_pool_run(cb->pool, token_task_run, &tt);
+    else kvq_threads_run(cb->pool, token_task_run, &tt);
 }
 
 /* ---- matrix products ---------------------------------------------------- */
@@ -95,7 +96,7 @@ static int ensure_act(struct cpu_backend *cb, size_t bytes) {
         cb->act_mem[i] = malloc(bytes);
         if (!cb->act_mem[i]) {
             cb->act_cap = 0;
-            return kvq_error("out of memory for activations");
+            return kvq_error_code(KVQ_ERR_OOM, "out of memory for activations");
         }
     }
     cb->act_cap = bytes;
@@ -146,6 +147,7 @@ struct mm_task {
     const struct act_set *as;
     int n_tok, n_jobs, nth;
     const struct be_matmul *jobs;
+    const void *w16[3]; /* the jobs' weights in 16-row form, or NULL */
     int64_t chunk_rows[3];
     int n_chunks[3];
     struct kvq_work *work;
@@ -169,9 +171,16 @@ static void mm_task_run(void *p, int ith, int nth) {
         int64_t r0 = (b + s) * mt->chunk_rows[j], r1 = r0 + mt->chunk_rows[j];
         if (r1 > w->rows) r1 = w->rows;
         struct kern_matmul_args a = {
-            .wtype = w->type, .w = w->data, .w_row_bytes = w->row_bytes, .k = w->cols,
-            .xa = mt->as->bufs[ai], .xa_row_bytes = mt->as->row_bytes[ai], .n_tok = mt->n_tok,
-            .y = job->y, .y_stride = w->rows, .w16 = w->rows16,
+            .wtype = w->type,
+            .w = w->data,
+            .w_row_bytes = w->row_bytes,
+            .k = w->cols,
+            .xa = mt->as->bufs[ai],
+            .xa_row_bytes = mt->as->row_bytes[ai],
+            .n_tok = mt->n_tok,
+            .y = job->y,
+            .y_stride = w->rows,
+            .w16 = mt->w16[j],
         };
         kern_matmul(&a, r0, r1);
         if (job->bias)
@@ -188,7 +197,7 @@ static void cpu_matmul(struct backend *b, const float *x, int64_t x_stride, int 
     act_plan(cb, &as, jobs, n_jobs, k);
     struct act_arg aa = {&as, x, k, x_stride};
     for_each_token(cb, n, k * as.n, act_prepare_token, &aa);
-    const int nth = kvq_pool_size(cb->pool);
+    const int nth = kvq_threads_size(cb->pool);
     struct mm_task mt = {.as = &as, .n_tok = n, .n_jobs = n_jobs, .nth = nth, .jobs = jobs, .work = cb->work};
     int *counts = kvq_work_counts(cb->work);
     for (int j = 0; j < n_jobs; j++) {
@@ -197,6 +206,7 @@ static void cpu_matmul(struct backend *b, const float *x, int64_t x_stride, int 
         cr = (cr + MM_ROW_ALIGN - 1) / MM_ROW_ALIGN * MM_ROW_ALIGN;
         mt.chunk_rows[j] = cr;
         mt.n_chunks[j] = (int)((rows + cr - 1) / cr);
+        mt.w16[j] = cpu_weights_rows16(&cb->weights, jobs[j].w);
         for (int i = 0; i < nth; i++) {
             long b, e;
             kvq_split(mt.n_chunks[j], i, nth, &b, &e);
@@ -204,7 +214,7 @@ static void cpu_matmul(struct backend *b, const float *x, int64_t x_stride, int 
         }
     }
     kvq_work_start(cb->work);
-    kvq_pool_run(cb->pool, mm_task_run, &mt);
+    kvq_threads_run(cb->pool, mm_task_run, &mt);
 }
 
 /* ---- per-token operations ------------------------------------------------ */
@@ -218,6 +228,7 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, float eps
 
 struct embed_arg {
     const struct weight *e;
+    const void *rows16;
     const int32_t *tokens;
     float scale, *x;
 };
@@ -225,15 +236,15 @@ static void embed_token(const void *p, int t) {
     const struct embed_arg *a = p;
     const struct weight *e = a->e;
     float *x = a->x + (size_t)t * e->cols;
-    if (e->rows16) /* a tied output's copy: the file's pages of it were released */
-        kern_rows16_row(e->type, e->rows16, e->cols, a->tokens[t], x);
+    if (a->rows16) /* a tied output's copy: the file's pages of it were released */
+        kern_rows16_row(e->type, a->rows16, e->cols, a->tokens[t], x);
     else
         kern_dequantize_row(e->type, (const uint8_t *)e->data + (size_t)a->tokens[t] * e->row_bytes, x, e->cols);
     if (a->scale != 1.0f)
         for (int64_t i = 0; i < e->cols; i++) x[i] *= a->scale;
 }
 static void cpu_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x) {
-    struct embed_arg a = {e, tokens, scale, x};
+    struct embed_arg a = {e, cpu_weights_rows16(&cpu(b)->weights, e), tokens, scale, x};
     for_each_token(cpu(b), n, e->cols, embed_token, &a);
 }
 
@@ -364,7 +375,7 @@ static int ensure_append(struct cpu_backend *cb, int n) {
     free(cb->append_rows);
     cb->append_rows = malloc(sizeof *cb->append_rows * (size_t)n);
     cb->append_rows_cap = cb->append_rows ? n : 0;
-    return cb->append_rows ? 0 : kvq_error("out of memory");
+    return cb->append_rows ? 0 : kvq_error_code(KVQ_ERR_OOM, "out of memory");
 }
 
 /* Bytes of staging for a sequence's n rows of each side and window (kv_cache_append_rows's layout). */
@@ -398,7 +409,7 @@ static int append_encoded(struct cpu_backend *cb, const struct be_kv_append *seq
         free(cb->staging);
         cb->staging = malloc(need);
         cb->staging_cap = cb->staging ? need : 0;
-        if (!cb->staging) return kvq_error("out of memory encoding KV rows");
+        if (!cb->staging) return kvq_error_code(KVQ_ERR_OOM, "out of memory encoding KV rows");
     }
     uint8_t *at = cb->staging;
     for (int s = 0, j = 0; s < n_seqs; j += seqs[s++].n) {
@@ -443,7 +454,7 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
         const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
         for_each_token(cb, n_tok, cost, qk_rope_token, r);
     }
-    if (n_tok < 4 || kvq_pool_size(cb->pool) == 1) {
+    if (n_tok < 4 || kvq_threads_size(cb->pool) == 1) {
         for (int s = 0; s < n_seqs; s++)
             if (append_here(&seqs[s], k, v) != 0) return -1;
         return 0;
@@ -510,7 +521,7 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
     struct cpu_backend *cb = cpu(b);
     struct kv_shape shape = {a->n_head, a->n_kv, a->head_dim, 0};
     size_t floats = kv_cache_scratch_floats(&shape);
-    int nth = kvq_pool_size(cb->pool);
+    int nth = kvq_threads_size(cb->pool);
     if (floats > cb->attn_scratch_floats || nth > cb->attn_scratch_threads) { /* once, at the first batch */
         free(cb->attn_scratch);
         cb->attn_scratch = malloc(sizeof(float) * floats * (size_t)nth);
@@ -526,21 +537,22 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
     int *counts = kvq_work_counts(cb->work);
     for (int i = 0; i < nth; i++) counts[i] = (n * a->n_kv - i + nth - 1) / nth;
     kvq_work_start(cb->work);
-    kvq_pool_run(cb->pool, attn_task_run, &at);
+    kvq_threads_run(cb->pool, attn_task_run, &at);
 }
 
 /* ---- memory --------------------------------------------------------------- */
 
 static int cpu_reserve(struct backend *b, int max_tokens, int64_t widest) {
     struct cpu_backend *cb = cpu(b);
-    if (ensure_attn_order(cb, max_tokens) != 0 || ensure_append(cb, max_tokens) != 0) return kvq_error("out of memory");
+    if (ensure_attn_order(cb, max_tokens) != 0 || ensure_append(cb, max_tokens) != 0)
+        return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     return ensure_act(cb, max_act_row_bytes(widest) * (size_t)max_tokens);
 }
 
 static void *cpu_alloc(struct backend *b, size_t bytes) {
     (void)b;
     void *p = malloc(bytes ? bytes : 1);
-    if (!p) kvq_error("out of memory (%zu bytes)", bytes);
+    if (!p) kvq_error_code(KVQ_ERR_OOM, "out of memory (%zu bytes)", bytes);
     return p;
 }
 static void cpu_release(struct backend *b, void *p) {
@@ -548,9 +560,8 @@ static void cpu_release(struct backend *b, void *p) {
     free(p);
 }
 static int cpu_upload_weight(struct backend *b, const struct weight *w) {
-    (void)b;
-    (void)w;
-    return 0;
+    struct cpu_backend *cb = cpu(b);
+    return cpu_weights_add(&cb->weights, cb->pool, w);
 }
 static int cpu_upload_vector(struct backend *b, const float *v, int64_t n) {
     (void)b;
@@ -570,7 +581,8 @@ static int cpu_sync(struct backend *b) {
 static void cpu_free(struct backend *b) {
     struct cpu_backend *cb = cpu(b);
     if (!cb) return;
-    if (cb->pool) kvq_pool_free(cb->pool);
+    if (cb->pool) kvq_threads_free(cb->pool);
+    cpu_weights_free(&cb->weights);
     for (int i = 0; i < MAX_ACT_TYPES; i++) free(cb->act_mem[i]);
     free(cb->attn_scratch);
     free(cb->attn_order);
@@ -583,6 +595,7 @@ static void cpu_free(struct backend *b) {
 static const struct backend_ops cpu_ops = {
     .name = "cpu",
     .host_memory = true,
+    .attends_nf = true,
     .free = cpu_free,
     .reserve = cpu_reserve,
     .alloc = cpu_alloc,
@@ -606,14 +619,14 @@ static const struct backend_ops cpu_ops = {
 struct backend *backend_cpu_new(int n_threads) {
     struct cpu_backend *cb = calloc(1, sizeof *cb);
     if (!cb) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     cb->base.ops = &cpu_ops;
-    cb->pool = kvq_pool_new(n_threads);
-    if (cb->pool) cb->work = kvq_work_new(kvq_pool_size(cb->pool));
+    cb->pool = kvq_threads_new(n_threads);
+    if (cb->pool) cb->work = kvq_work_new(kvq_threads_size(cb->pool));
     if (!cb->pool || !cb->work) {
-        if (cb->pool) kvq_pool_free(cb->pool);
+        if (cb->pool) kvq_threads_free(cb->pool);
         free(cb);
         kvq_error("cannot start %d threads", n_threads);
         return NULL;

@@ -194,7 +194,7 @@ static void cuda_free(struct backend *b) {
     if (cb->copy_stream) cudaStreamSynchronize(cb->copy_stream);
     prof_print(cb);
     steps_free(cb->steps);
-    kvq_pool_free(cb->pool);
+    kvq_threads_free(cb->pool);
     for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
     free(cb->ents);
     cudaFree(cb->deq);
@@ -241,6 +241,7 @@ static void cuda_free(struct backend *b) {
 static const struct backend_ops cuda_ops = {
     .name = "cuda",
     .host_memory = false,
+    .encodes_kv = true,
     .free = cuda_free,
     .reserve = cuda_reserve,
     .reserve_kv = cuda_reserve_kv,

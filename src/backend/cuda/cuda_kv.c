@@ -544,8 +544,8 @@ static void rows_task(void *arg, int ith, int nth) {
 
 /* Runs task over the host threads (the pool made at first need), or inline. */
 static void on_host_threads(struct cuda_backend *cb, void (*task)(void *, int, int)) {
-    if (!cb->pool && cb->n_threads != 1) cb->pool = kvq_pool_new(cb->n_threads);
-    if (cb->pool) kvq_pool_run(cb->pool, task, cb);
+    if (!cb->pool && cb->n_threads != 1) cb->pool = kvq_threads_new(cb->n_threads);
+    if (cb->pool) kvq_threads_run(cb->pool, task, cb);
     else task(cb, 0, 1);
 }
 

@@ -19,7 +19,7 @@
 #include "core/threadpool.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
-#include "model/model.h"
+#include "backend/weight.h"
 
 #define ARENA_CHUNK ((size_t)256 << 20) /* KV block memory is taken in chunks of this */
 #define DEQ_BYTES ((size_t)128 << 20)   /* a band of dequantized rows for one GEMM */
@@ -191,7 +191,7 @@ struct cuda_backend {
     int cap_uc;
     /* host threads (made at first need): the offsets' re-encoding of caches that
      * reach their offsets point, spread over them (kv_cache_offsets_part) */
-    struct kvq_pool *pool;
+    struct kvq_threads *pool;
     int n_threads;
     double prof_s[16];
     long prof_n[16];

@@ -1,0 +1,49 @@
+/* The table-driven parser of a command's options (cli.h, cli_parse_args). */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli/cli.h"
+
+static const struct cli_opt *find_opt(const struct cli_opt *opts, const char *a) {
+    for (; opts->names[0]; opts++)
+        for (int j = 0; j < 4 && opts->names[j]; j++)
+            if (strcmp(opts->names[j], a) == 0) return opts;
+    return NULL;
+}
+
+static bool parse_value(const struct cli_opt *o, const char *a, const char *v) {
+    switch (o->type) {
+    case CLI_OPT_STR: *(const char **)o->out = v; return true;
+    case CLI_OPT_INT: return cli_parse_int(a, v, (long)o->min, (long)o->max, o->out);
+    case CLI_OPT_U64: return cli_parse_u64(a, v, o->out);
+    case CLI_OPT_FLOAT: return cli_parse_float(a, v, o->min, o->max, o->out);
+    case CLI_OPT_FN: return o->fn(a, v, o->out);
+    case CLI_OPT_FLAG: break;
+    }
+    return false;
+}
+
+int cli_parse_args(int argc, char **argv, const char *cmd, const struct cli_opt *opts, struct kvq_context_params *cp,
+                   bool *kv_given, const char *help, const char *more) {
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        if (cp) {
+            int kv = cli_parse_kv_flag(argc, argv, &i, cp);
+            if (kv < 0) return 1;
+            if (kv > 0) {
+                if (kv_given) *kv_given = true;
+                continue;
+            }
+        }
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) cli_exit_help(help, more);
+        const struct cli_opt *o = find_opt(opts, a);
+        if (!o) return cli_fail("unknown option '%s' for %s (see 'kvq %s --help')", a, cmd, cmd);
+        if (o->given) *o->given = true;
+        if (o->type == CLI_OPT_FLAG) {
+            *(bool *)o->out = true;
+            continue;
+        }
+        if (!(v = cli_flag_value(argc, argv, &i)) || !parse_value(o, a, v)) return 1;
+    }
+    return 0;
+}
