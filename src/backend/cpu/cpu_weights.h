@@ -1,9 +1,9 @@
 /* The CPU backend's own forms of the model's weights: where this CPU's kernels have a
- * 16-row path for a weight's type (kernels/matmul.h), a packed copy made once at
- * upload, in memory the backend owns; the products then read only the copy, and the
- * file's pages of the weight are released. Weights without such a form are read in
- * place from the mapped file. Looked up by the descriptor's address, as the model
- * hands the same descriptors to every step. */
+ * 16-row path for a weight's type (kernels/matmul.h), a packed copy made at upload,
+ * one for the whole process (backends of one model share it, counted); the products
+ * then read only the copy, and the file's pages of the weight are released. Weights
+ * without such a form are read in place from the mapped file. Looked up by the
+ * descriptor's address, as the model hands the same descriptors to every step. */
 #ifndef KVQ_BACKEND_CPU_WEIGHTS_H
 #define KVQ_BACKEND_CPU_WEIGHTS_H
 
