@@ -232,6 +232,64 @@ static void test_q8_weights(void) {
     kvq_model_free(m);
 }
 
+/* One sequence's run alone: chunks of its tokens (the last with its logits). */
+static const float *run_alone(struct kvq_context *one, const int32_t *ids, const int *chunks, int n_chunks) {
+    kvq_seq_clear(one, 0);
+    for (int i = 0, at = 0; i < n_chunks; at += chunks[i++]) {
+        struct kvq_batch b = {.n_tokens = chunks[i], .tokens = ids + at};
+        if (kvq_decode(one, &b) != 0) return NULL;
+    }
+    return kvq_get_logits(one, chunks[n_chunks - 1] - 1);
+}
+
+/* A step that mixes a prompt chunk crossing the offsets' point (128) with other
+ * sequences' decode tokens, the prompt first in the batch: its rows past the point go
+ * to a second pass, the others stay in the first. Every sequence's logits equal its
+ * run alone with the same chunks, in that step and the next. */
+static void test_batch_offsets(struct kvq_model *m, int n_vocab) {
+    struct kvq_kv_config kv;
+    kv_set(&kv, 8, 4);
+    enum { S = 3, L = 256 };
+    int32_t ids[S][L];
+    for (int s = 0; s < S; s++) prompt(m, ids[s], L);
+    /* tokens each holds before the mixed step and appends in it (sequence 0 crosses
+     * 128): passes of up to 16 tokens, the products' kernels of the runs alone */
+    const int before[S] = {120, 40, 150}, now[S] = {12, 1, 1};
+    struct kvq_context *all = context(m, KVQ_DEVICE_CUDA, &kv, 260, S, 256);
+    struct kvq_context *one = context(m, KVQ_DEVICE_CUDA, &kv, 260, 1, 256);
+    CHECK(all && one, "contexts: %s", kvq_last_error());
+    for (int s = 0; s < S && all; s++) {
+        int32_t seq[L];
+        for (int i = 0; i < before[s]; i++) seq[i] = s;
+        struct kvq_batch b = {.n_tokens = before[s], .tokens = ids[s], .seq_ids = seq};
+        CHECK(kvq_decode(all, &b) == 0, "prefill %d: %s", s, kvq_last_error());
+    }
+    double worst = 0;
+    for (int step = 0; step < 2 && all && one; step++) {
+        int32_t toks[64], seq[64];
+        bool want[64] = {false};
+        int n = 0, row[S];
+        for (int s = 0; s < S; s++) {
+            const int k = step == 0 ? now[s] : 1, at = step == 0 ? before[s] : before[s] + now[s];
+            for (int i = 0; i < k; i++) toks[n] = ids[s][at + i], seq[n++] = s;
+            want[n - 1] = true;
+            row[s] = n - 1;
+        }
+        struct kvq_batch b = {.n_tokens = n, .tokens = toks, .seq_ids = seq, .logits = want};
+        CHECK(kvq_decode(all, &b) == 0, "mixed step %d: %s", step, kvq_last_error());
+        for (int s = 0; s < S; s++) {
+            const int chunks[3] = {before[s], now[s], 1};
+            const float *o = run_alone(one, ids[s], chunks, step + 2), *a = kvq_get_logits(all, row[s]);
+            CHECK(o && a, "sequence %d alone: %s", s, kvq_last_error());
+            for (int v = 0; o && a && v < n_vocab; v++) worst = fmax(worst, fabs(a[v] - o[v]));
+        }
+    }
+    printf("a prompt chunk across the offsets beside decode tokens vs alone: max |dlogit| %.2e\n", worst);
+    CHECK(worst < 1e-4, "a sequence of a step that crosses the offsets differs from itself alone by %g", worst);
+    kvq_context_free(all);
+    kvq_context_free(one);
+}
+
 /* Four sequences of different lengths decoded in one batch give what each gives alone. */
 static void test_batch(void) {
     if (!shared_path("models/tinydoc-f16.gguf")) return;
@@ -299,70 +357,7 @@ static void test_batch(void) {
     CHECK(moved == 0, "a sequence saved after batched GPU steps decodes differently when loaded (%g)", moved);
     kvq_context_free(all);
     kvq_context_free(one);
-    kvq_model_free(m);
-}
-
-/* One sequence's run alone: chunks of its tokens (the last with its logits). */
-static const float *run_alone(struct kvq_context *one, const int32_t *ids, const int *chunks, int n_chunks) {
-    kvq_seq_clear(one, 0);
-    for (int i = 0, at = 0; i < n_chunks; at += chunks[i++]) {
-        struct kvq_batch b = {.n_tokens = chunks[i], .tokens = ids + at};
-        if (kvq_decode(one, &b) != 0) return NULL;
-    }
-    return kvq_get_logits(one, chunks[n_chunks - 1] - 1);
-}
-
-/* A step that mixes a prompt chunk crossing the offsets' point (128) with other
- * sequences' decode tokens, the prompt first in the batch: its rows past the point go
- * to a second pass, the others stay in the first. Every sequence's logits equal its
- * run alone with the same chunks, in that step and the next. */
-static void test_batch_offsets(void) {
-    if (!shared_path("models/tinydoc-f16.gguf")) return;
-    struct kvq_model *m = kvq_model_load(shared_path("models/tinydoc-f16.gguf"));
-    if (!m) return;
-    struct kvq_model_info info;
-    kvq_model_get_info(m, &info);
-    struct kvq_kv_config kv;
-    kv_set(&kv, 8, 4);
-    enum { S = 3, L = 256 };
-    int32_t ids[S][L];
-    for (int s = 0; s < S; s++) prompt(m, ids[s], L);
-    /* tokens each holds before the mixed step and appends in it (sequence 0 crosses
-     * 128): passes of up to 16 tokens, the products' kernels of the runs alone */
-    const int before[S] = {120, 40, 150}, now[S] = {12, 1, 1};
-    struct kvq_context *all = context(m, KVQ_DEVICE_CUDA, &kv, 260, S, 256);
-    struct kvq_context *one = context(m, KVQ_DEVICE_CUDA, &kv, 260, 1, 256);
-    CHECK(all && one, "contexts: %s", kvq_last_error());
-    for (int s = 0; s < S && all; s++) {
-        int32_t seq[L];
-        for (int i = 0; i < before[s]; i++) seq[i] = s;
-        struct kvq_batch b = {.n_tokens = before[s], .tokens = ids[s], .seq_ids = seq};
-        CHECK(kvq_decode(all, &b) == 0, "prefill %d: %s", s, kvq_last_error());
-    }
-    double worst = 0;
-    for (int step = 0; step < 2 && all && one; step++) {
-        int32_t toks[64], seq[64];
-        bool want[64] = {false};
-        int n = 0, row[S];
-        for (int s = 0; s < S; s++) {
-            const int k = step == 0 ? now[s] : 1, at = step == 0 ? before[s] : before[s] + now[s];
-            for (int i = 0; i < k; i++) toks[n] = ids[s][at + i], seq[n++] = s;
-            want[n - 1] = true;
-            row[s] = n - 1;
-        }
-        struct kvq_batch b = {.n_tokens = n, .tokens = toks, .seq_ids = seq, .logits = want};
-        CHECK(kvq_decode(all, &b) == 0, "mixed step %d: %s", step, kvq_last_error());
-        for (int s = 0; s < S; s++) {
-            const int chunks[3] = {before[s], now[s], 1};
-            const float *o = run_alone(one, ids[s], chunks, step + 2), *a = kvq_get_logits(all, row[s]);
-            CHECK(o && a, "sequence %d alone: %s", s, kvq_last_error());
-            for (int v = 0; o && a && v < info.n_vocab; v++) worst = fmax(worst, fabs(a[v] - o[v]));
-        }
-    }
-    printf("a prompt chunk across the offsets beside decode tokens vs alone: max |dlogit| %.2e\n", worst);
-    CHECK(worst < 1e-4, "a sequence of a step that crosses the offsets differs from itself alone by %g", worst);
-    kvq_context_free(all);
-    kvq_context_free(one);
+    test_batch_offsets(m, info.n_vocab);
     kvq_model_free(m);
 }
 
@@ -1037,7 +1032,6 @@ int main(void) {
     test_refs("models/tinygemma3-f16.gguf", "tinygemma3", REFS_PROMPTS);
     test_cache_kinds();
     test_batch();
-    test_batch_offsets();
     return check_finish();
 #endif
 }
