@@ -15,7 +15,7 @@
 
 INLINE void tile_pairs(const int q4, const struct kern_tile *tl, const int R, const int T) {
     const uint8_t *w = tl->w, *xa = tl->xa;
-    const size_t wrb = tl->wrb, xrb = tl->xrb;
+    const size_t wrb = tl->wrb, xrb = tl->xrb, pfd = tl->pfd;
     const int64_t nb = tl->k / 32, np = (nb + 1) / 2, ys = tl->ys;
     float *y = tl->y;
     const size_t bbytes = q4 ? 18 : 34;
@@ -30,6 +30,14 @@ INLINE void tile_pairs(const int q4, const struct kern_tile *tl, const int R, co
         const int full = 2 * p + 1 < nb;
         __m256i wa[4], wb[4];
         float d0[4], d1[4];
+        if (pfd) {
+            UNROLL
+            for (int r = 0; r < R; r++) {
+                const char *pf = (const char *)w + (size_t)r * wrb + (size_t)(2 * p) * bbytes + pfd;
+                _mm_prefetch(pf, _MM_HINT_T0);
+                _mm_prefetch(pf + 64, _MM_HINT_T0);
+            }
+        }
         UNROLL
         for (int r = 0; r < R; r++) {
             const uint8_t *b0 = w + (size_t)r * wrb + (size_t)(2 * p) * bbytes;
@@ -86,7 +94,7 @@ INLINE void tile_pairs(const int q4, const struct kern_tile *tl, const int R, co
 INLINE void tile_q4k(const struct kern_tile *tl, const int R, const int T) {
     (void)R; /* one row */
     const uint8_t *w = tl->w, *xa = tl->xa;
-    const size_t xrb = tl->xrb;
+    const size_t xrb = tl->xrb, pfd = tl->pfd;
     const int64_t nsb = tl->k / 256, ys = tl->ys;
     float *y = tl->y;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -95,6 +103,8 @@ INLINE void tile_q4k(const struct kern_tile *tl, const int R, const int T) {
     UNROLL
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; b++, w += 144) {
+        if (pfd)
+            for (int o = 0; o < 192; o += 64) _mm_prefetch((const char *)w + pfd + o, _MM_HINT_T0);
         uint8_t sc[8], mn[8];
         for (int j = 0; j < 8; j++) kern_q4k_scale_min(j, w + 4, &sc[j], &mn[j]);
         const float d = _cvtsh_ss(kern_rd16(w)), dmin = _cvtsh_ss(kern_rd16(w + 2));
@@ -131,7 +141,7 @@ INLINE void tile_q4k(const struct kern_tile *tl, const int R, const int T) {
 INLINE void tile_q6k(const struct kern_tile *tl, const int R, const int T) {
     (void)R; /* one row */
     const uint8_t *w = tl->w, *xa = tl->xa;
-    const size_t xrb = tl->xrb;
+    const size_t xrb = tl->xrb, pfd = tl->pfd;
     const int64_t nsb = tl->k / 256, ys = tl->ys;
     float *y = tl->y;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -141,6 +151,8 @@ INLINE void tile_q6k(const struct kern_tile *tl, const int R, const int T) {
     UNROLL
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; b++, w += 210) {
+        if (pfd)
+            for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)w + pfd + o, _MM_HINT_T0);
         const int8_t *sc = (const int8_t *)(w + 192);
         __m256i wq[8], sv[8];
         UNROLL
@@ -200,7 +212,7 @@ INLINE float wval(uint32_t wtype, const uint8_t *p) {
 
 INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const int R, const int T) {
     const uint8_t *w = tl->w, *xa = tl->xa;
-    const size_t wrb = tl->wrb, xrb = tl->xrb;
+    const size_t wrb = tl->wrb, xrb = tl->xrb, pfd = tl->pfd;
     const int64_t k = tl->k, ys = tl->ys;
     float *y = tl->y;
     const size_t es = wtype == KVQ_F32 ? 4 : 2;
@@ -211,6 +223,10 @@ INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const i
         for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
+        if (pfd && (i * (int64_t)es) % 64 == 0) {
+            UNROLL
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)w + (size_t)r * wrb + (size_t)i * es + pfd, _MM_HINT_T0);
+        }
         __m256 wv[4];
         UNROLL
         for (int r = 0; r < R; r++) wv[r] = load_w8(wtype, w + (size_t)r * wrb + (size_t)i * es);
@@ -332,10 +348,19 @@ INLINE void tile_f32(const struct kern_tile *t, const int R, const int T) { tile
 INLINE void tile_f16(const struct kern_tile *t, const int R, const int T) { tile_float(KVQ_F16, t, R, T); }
 INLINE void tile_bf16(const struct kern_tile *t, const int R, const int T) { tile_float(KVQ_BF16, t, R, T); }
 
+/* Software prefetch for matvec, as the AVX-512 kernels do (see there): this many 4-row
+ * tiles ahead. */
+#ifndef PF_TILES
+#define PF_TILES 4
+#endif
+
 /* 16 ymm registers: 4 rows x 1 token or 2 rows x up to 4 tokens of accumulators. */
-static const struct kern_tiling pairs_tiling = {.rows_1 = 4, .rows_n = 2, .chunk_bytes = 32768, .chunk_align = 4};
-static const struct kern_tiling kquant_tiling = {.rows_1 = 1, .rows_n = 1, .chunk_bytes = 32768, .chunk_align = 4};
-static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 2, .chunk_bytes = 65536, .chunk_align = 4};
+static const struct kern_tiling pairs_tiling = {.rows_1 = 4, .rows_n = 2, .chunk_bytes = 32768, .chunk_align = 4,
+                                                .pf_tiles = PF_TILES};
+static const struct kern_tiling kquant_tiling = {.rows_1 = 1, .rows_n = 1, .chunk_bytes = 32768, .chunk_align = 4,
+                                                 .pf_tiles = PF_TILES};
+static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 2, .chunk_bytes = 65536, .chunk_align = 4,
+                                                .pf_tiles = PF_TILES};
 
 void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
