@@ -160,7 +160,7 @@ void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *
     if ((bits == 4 || bits == 8) && group % 16 == 0) {
         switch (kvq_simd_level()) {
         case KVQ_SIMD_AVX512: kern_kvq_quantize_avx512g(x, d, bits, group, dst); return;
-        case KVQ_SIMD_AVX2: kern_kvq_quantize_avx2(x, d, bits, group, dst); return;
+        case KVQ_SIMD_AVX2: kern_kvq_quantize_avx2g(x, d, bits, group, dst); return;
         default: break;
         }
     }
@@ -303,6 +303,11 @@ void kern_kvq_row_codes(const uint8_t *src, int n, int bits, int group, uint8_t 
     }
 }
 
+void kern_kvq_use_fast(int on) {
+    kern_kvq_use_fast_avx2(on);
+    kern_kvq_use_fast_avx512(on);
+}
+
 void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *k,
                               const struct kern_kv_rows *v, int n) {
     if (n <= 0) return;
@@ -400,11 +405,13 @@ void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float
 void kern_kvq_attn_accumulate_runs(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *kf,
                                    const struct kern_kv_rows *vf, const struct kern_kv_run *runs, int n_runs) {
     const bool dense = kf->bits == vf->bits && !kvq_is_quant(kf->bits);
-    if (!dense && kvq_simd_level() == KVQ_SIMD_AVX512 && s->d % 16 == 0) {
+    const enum kvq_simd level = kvq_simd_level();
+    if (!dense && level >= KVQ_SIMD_AVX2 && s->d % 16 == 0) {
         bool done = true;
         for (int h0 = 0; h0 < s->n_q && done; h0 += KVQ_ATTN_MAXH) {
             int nh = s->n_q - h0 < KVQ_ATTN_MAXH ? s->n_q - h0 : KVQ_ATTN_MAXH;
-            done = kern_kvq_attn_avx512_runs(s, h0, nh, q, kf, vf, runs, n_runs);
+            done = level == KVQ_SIMD_AVX512 ? kern_kvq_attn_avx512_runs(s, h0, nh, q, kf, vf, runs, n_runs)
+                                            : kern_kvq_attn_avx2_runs(s, h0, nh, q, kf, vf, runs, n_runs);
         }
         if (done) return;
     }

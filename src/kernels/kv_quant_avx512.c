@@ -223,7 +223,7 @@ void kern_kvq_attn_avx512g(struct kern_attn_state *s, int h0, int nh, const floa
 
 /* The AVX-512 level includes VNNI (core/cpu.c checks it); tests may turn the fast path off. */
 static int fast_wanted = 1;
-void kern_kvq_use_fast(int on) { fast_wanted = on; }
+void kern_kvq_use_fast_avx512(int on) { fast_wanted = on; }
 
 /* Where the V pass keeps a head's values: position p of the accumulator holds value
  * v_value(VB, CV, p), a permutation within each 16 * CV values (see v_pair). */

@@ -51,12 +51,16 @@ void kern_kvq_attn_avx2(struct kern_attn_state *s, int h0, int nh, const float *
                         const struct kern_kv_rows *v, int n);
 void kern_kvq_attn_avx512(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                           const struct kern_kv_rows *v, int n);
-/* 0 turns the AVX-512 fast path (int8 query, int16 value weights) off, leaving the
- * generic float body for every format (tests that compare the cache's logic with a
- * float reference; not thread-safe with running kernels). */
+/* 0 turns the fast paths (AVX-512: int8 query, int16 value weights; AVX2: int8/int16
+ * query) off, leaving the generic float body for every format (tests that compare the
+ * cache's logic with a float reference; not thread-safe with running kernels). */
 void kern_kvq_use_fast(int on);
+void kern_kvq_use_fast_avx2(int on);
+void kern_kvq_use_fast_avx512(int on);
 /* Several runs with one setup, for the formats its fast path takes; false for others
  * (the caller then loops over the runs). */
+bool kern_kvq_attn_avx2_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                             const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs);
 bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                                const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs);
 /* x[d] -> f16 row at dst (unaligned), rounding to nearest even like kvq_f32_to_f16
@@ -77,7 +81,7 @@ void kern_kvq_group_range(const float *x, int n, float *mn, float *mx);
 void kern_kvq_group_params(float mn, float mx, int qmax, uint8_t *sb, float *bias, float *inv);
 /* kern_kvq_quantize_row of 4- and 8-bit rows, groups of a multiple of 16, byte for byte
  * (finite inputs; kv_quant_simd.inc). */
-void kern_kvq_quantize_avx2(const float *x, int d, int bits, int group, uint8_t *dst);
+void kern_kvq_quantize_avx2g(const float *x, int d, int bits, int group, uint8_t *dst);
 void kern_kvq_quantize_avx512g(const float *x, int d, int bits, int group, uint8_t *dst);
 /* Fast unpackers for 2/4/8 bits (others fall back to the scalar one). */
 void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out);
