@@ -273,7 +273,8 @@ INLINE void fx_scores(const int KB, const int NH, const struct fx_q *f, const st
     }
 }
 
-/* acc[h][c0 .. c0 + 8 CG) += sum_j w[h][j] * codes_j for NH heads, then + bsum[h]. */
+/* acc[h][c0 .. c0 + 8 CG) += sum_j w_hj * codes_j for NH heads, then + bsum[h]; w_hj at
+ * w[(h * FX_B + j) * 8]. */
 INLINE void fx_vcols(const int NH, const int CG, float *acc, int d, int c0, const uint8_t *const *cd, int nj,
                      const float *w, const float *bsum) {
     __m256 a[KVQ_ATTN_MAXH][4];
@@ -288,14 +289,14 @@ INLINE void fx_vcols(const int NH, const int CG, float *acc, int d, int c0, cons
             x[cc] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cd[j] + c0 + 8 * cc))));
         UNROLL
         for (int h = 0; h < NH; h++) {
-            const __m256 wv = _mm256_broadcast_ss(w + h * FX_B + j);
+            const __m256 wv = _mm256_broadcast_ss(w + ((size_t)h * FX_B + j) * 8);
             UNROLL
             for (int cc = 0; cc < CG; cc++) a[h][cc] = _mm256_fmadd_ps(x[cc], wv, a[h][cc]);
         }
     }
     UNROLL
     for (int h = 0; h < NH; h++) {
-        const __m256 b = _mm256_broadcast_ss(bsum + h);
+        const __m256 b = _mm256_broadcast_ss(bsum + 8 * h);
         UNROLL
         for (int cc = 0; cc < CG; cc++) _mm256_storeu_ps(acc + (size_t)h * d + c0 + 8 * cc, _mm256_add_ps(a[h][cc], b));
     }
@@ -304,33 +305,47 @@ INLINE void fx_vcols(const int NH, const int CG, float *acc, int d, int c0, cons
 /* The block's values: p[h][j] the softmax weights. */
 INLINE void fx_values(const int NH, float *acc, int d, const struct kern_kv_rows *v, int j0, int nj,
                       float p[][FX_B], uint8_t *codes) {
-    const int G = v->group, ng = d / G, VB = v->bits;
+    const int G = v->group, ng = d / G, nk = (ng + 3) / 4, VB = v->bits;
     const int CG = NH <= 2 ? 4 : NH <= 4 ? 2 : 1; /* accumulators NH x CG in registers */
+    const __m256i m4 = _mm256_set1_epi16(0x0f0f);
     const uint8_t *cd[FX_B];
-    /* per group: the rows' weights p * scale per head (FX_B apart), and the heads' bias sums */
-    static _Thread_local float w[FX_MAXG][KVQ_ATTN_MAXH * FX_B];
-    float bsum[FX_MAXG][KVQ_ATTN_MAXH];
-    memset(bsum, 0, sizeof(float) * KVQ_ATTN_MAXH * (size_t)ng);
+    /* per 4 groups k, head h and row j at ((k * NH + h) * FX_B + j) * 8: p_hj times the
+     * row's [scale, bias] pairs, the scales the rows' weights; bs: per head the bias
+     * sums sum_j p_hj bias_jg (odd lanes) */
+    static _Thread_local float w[FX_MAXG / 4 * KVQ_ATTN_MAXH * FX_B * 8] __attribute__((aligned(32)));
+    __m256 bs[FX_MAXG / 4][KVQ_ATTN_MAXH];
+    for (int k = 0; k < nk; k++)
+        UNROLL
+        for (int h = 0; h < NH; h++) bs[k][h] = _mm256_setzero_ps();
     for (int j = 0; j < nj; j++) {
         const uint8_t *r = v->data + (size_t)(j0 + j) * v->stride, *sb = r + (size_t)d * VB / 8;
         if (VB == 8) {
             cd[j] = r;
-        } else {
-            kern_kvq_unpack_avx2(r, d, VB, codes + (size_t)j * d);
-            cd[j] = codes + (size_t)j * d;
+        } else { /* nibbles to bytes, in value order */
+            uint8_t *o = codes + (size_t)j * d;
+            for (int i = 0; i < d; i += 32) {
+                const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + i / 2)));
+                _mm256_store_si256((__m256i *)(o + i), _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16(x, 4)), m4));
+            }
+            cd[j] = o;
         }
-        for (int g = 0; g < ng; g++) {
-            const float s = f16_1(sb + 4 * g), b = f16_1(sb + 4 * g + 2);
+        for (int k = 0; k < nk; k++) {
+            const __m256 sv = fx_sb4(sb, ng, k);
             UNROLL
             for (int h = 0; h < NH; h++) {
-                w[g][h * FX_B + j] = p[h][j] * s;
-                bsum[g][h] += p[h][j] * b;
+                const __m256 ph = _mm256_broadcast_ss(&p[h][j]);
+                _mm256_store_ps(w + (((size_t)k * NH + h) * FX_B + j) * 8, _mm256_mul_ps(ph, sv));
+                bs[k][h] = _mm256_fmadd_ps(ph, sv, bs[k][h]);
             }
         }
     }
+    float bsum[FX_MAXG / 4][KVQ_ATTN_MAXH * 8] __attribute__((aligned(32)));
+    for (int k = 0; k < nk; k++)
+        UNROLL
+        for (int h = 0; h < NH; h++) _mm256_store_ps(bsum[k] + 8 * h, bs[k][h]);
     for (int c0 = 0; c0 < d; c0 += 8 * CG) {
-        const int g = c0 / G;
-        fx_vcols(NH, CG, acc, d, c0, cd, nj, w[g], bsum[g]);
+        const int g = c0 / G, k = g / 4, o = 2 * (g % 4); /* g's scale at o, its bias at o + 1 */
+        fx_vcols(NH, CG, acc, d, c0, cd, nj, w + (size_t)k * NH * FX_B * 8 + o, bsum[k] + o + 1);
     }
 }
 
