@@ -248,6 +248,10 @@ static void rotate(float *x, int d, const float *signs, bool inverse) {
         kern_kvq_hadamard_avx512(x, d, b, signs, norm, inverse);
         return;
     }
+    if (b >= 8 && kvq_simd_level() >= KVQ_SIMD_AVX2) {
+        kern_kvq_hadamard_avx2(x, d, b, signs, norm, inverse);
+        return;
+    }
     if (!inverse)
         for (int i = 0; i < d; i++) x[i] *= signs[i];
     for (int o = 0; o < d; o += b) fwht(x + o, b);

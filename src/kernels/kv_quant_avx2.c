@@ -61,6 +61,39 @@ void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst) {
     }
 }
 
+/* The butterflies of stages 1, 2, 4 inside a vector: lane i meets lane i ^ m; the lower
+ * of the two takes a + c, the upper a - c (a the lower's value, c the upper's). */
+static inline __m256 fwht8(__m256 v) {
+    __m256 p = _mm256_permute_ps(v, 0xB1); /* i ^ 1 */
+    v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xAA);
+    p = _mm256_permute_ps(v, 0x4E); /* i ^ 2 */
+    v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xCC);
+    p = _mm256_permute2f128_ps(v, v, 1); /* i ^ 4 */
+    return _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xF0);
+}
+
+void kern_kvq_hadamard_avx2(float *x, int d, int b, const float *signs, float norm, bool inverse) {
+    const __m256 vn = _mm256_set1_ps(norm);
+    for (int o = 0; o < d; o += b) {
+        float *xb = x + o;
+        for (int i = 0; i < b; i += 8) {
+            const __m256 y = _mm256_loadu_ps(xb + i);
+            _mm256_storeu_ps(xb + i, fwht8(inverse ? y : _mm256_mul_ps(y, _mm256_loadu_ps(signs + o + i))));
+        }
+        for (int len = 8; len < b; len <<= 1)
+            for (int i = 0; i < b; i += 2 * len)
+                for (int j = i; j < i + len; j += 8) {
+                    const __m256 a = _mm256_loadu_ps(xb + j), c = _mm256_loadu_ps(xb + j + len);
+                    _mm256_storeu_ps(xb + j, _mm256_add_ps(a, c));
+                    _mm256_storeu_ps(xb + j + len, _mm256_sub_ps(a, c));
+                }
+        for (int i = 0; i < b; i += 8) {
+            const __m256 f = inverse ? _mm256_mul_ps(vn, _mm256_loadu_ps(signs + o + i)) : vn;
+            _mm256_storeu_ps(xb + i, _mm256_mul_ps(_mm256_loadu_ps(xb + i), f));
+        }
+    }
+}
+
 /* floor((x - bias) * inv + 0.5) clamped to [0, top] for 8 values, as the scalar encoder */
 static __m256i codes8(const float *x, __m256 bias, __m256 inv, __m256 top) {
     const __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), bias), inv), _mm256_set1_ps(0.5f));

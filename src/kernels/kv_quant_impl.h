@@ -73,6 +73,8 @@ void kern_kvq_fwht_avx512(float *x, int n);
 /* kern_kvq_hadamard (inverse: _inv) of x[d] in blocks of b (16 to 256, held in
  * registers), bit for bit. */
 void kern_kvq_hadamard_avx512(float *x, int d, int b, const float *signs, float norm, bool inverse);
+/* The same with b from 8 to 1024 (the butterflies of each stage in vectors of 8). */
+void kern_kvq_hadamard_avx2(float *x, int d, int b, const float *signs, float norm, bool inverse);
 /* The minimum and maximum of a group, in the scalar encoder's order (so which zero, -0
  * or +0, is the minimum: its sign is the bias's). */
 void kern_kvq_group_range(const float *x, int n, float *mn, float *mx);

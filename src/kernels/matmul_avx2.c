@@ -8,6 +8,7 @@
 #include "kernels/matmul_tiles.h"
 
 #include <immintrin.h>
+#include <string.h>
 
 #include "kernels/simd_avx2.h"
 
@@ -247,6 +248,87 @@ INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const i
             y[t * ys + r] = s;
         }
     }
+}
+
+/* ---- activation preparation ------------------------------------------------ */
+
+/* 8 values -> int32 codes of x * id, as the scalar q8_code: NaN lanes 0, the rest clamped
+ * to +-127 (an unclamped NaN or inf converts to INT_MIN and overflows the sums), rounded
+ * to nearest even. */
+INLINE __m256i quant8(const float *x, __m256 id) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x), id);
+    v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));
+    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+    return _mm256_cvtps_epi32(v);
+}
+
+/* 32 values of x at scale id: their codes in order into lo (values 0-15) and hi (16-31),
+ * the sums of each 16 into s0, s1. */
+INLINE void quant32(const float *x, __m256 id, __m128i *lo, __m128i *hi, int32_t *s0, int32_t *s1) {
+    const __m256i a = quant8(x, id), b = quant8(x + 8, id), c = quant8(x + 16, id), d = quant8(x + 24, id);
+    const __m256i w0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    const __m256i w1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(c, d), 0xD8);
+    const __m256i q = _mm256_permute4x64_epi64(_mm256_packs_epi16(w0, w1), 0xD8);
+    *lo = _mm256_castsi256_si128(q);
+    *hi = _mm256_extracti128_si256(q, 1);
+    const __m128i t = _mm_hadd_epi32(_mm256_castsi256_si128(_mm256_add_epi32(a, b)),
+                                     _mm256_extracti128_si256(_mm256_add_epi32(a, b), 1));
+    const __m128i u = _mm_hadd_epi32(_mm256_castsi256_si128(_mm256_add_epi32(c, d)),
+                                     _mm256_extracti128_si256(_mm256_add_epi32(c, d), 1));
+    const __m128i tu = _mm_hadd_epi32(t, u); /* [a+b: 2 partial sums, c+d: 2] */
+    *s0 = _mm_extract_epi32(tu, 0) + _mm_extract_epi32(tu, 1);
+    *s1 = _mm_extract_epi32(tu, 2) + _mm_extract_epi32(tu, 3);
+}
+
+INLINE float amax8n(const float *x, int n) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), absm));
+    return hmax256(m);
+}
+
+int kern_act_prepare_avx2(uint32_t wtype, const float *x, void *dst, int64_t k) {
+    if (wtype == KVQ_Q8_0 || wtype == KVQ_Q4_0) {
+        const int q4 = wtype == KVQ_Q4_0;
+        const int64_t nb = k / 32, np = (nb + 1) / 2;
+        struct kern_pair *o = dst;
+        for (int64_t p = 0; p < np; p++, o++) {
+            if (2 * p + 1 >= nb) memset(o, 0, sizeof *o);
+            for (int h = 0; h < 2 && 2 * p + h < nb; h++) {
+                const float *xb = x + (2 * p + h) * 32;
+                const float amax = amax8n(xb, 32);
+                __m128i lo, hi;
+                int32_t s0, s1;
+                quant32(xb, _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), &lo, &hi, &s0, &s1);
+                _mm_storeu_si128((__m128i *)(q4 ? o->q + 16 * h : o->q + 32 * h), lo);
+                _mm_storeu_si128((__m128i *)(q4 ? o->q + 32 + 16 * h : o->q + 32 * h + 16), hi);
+                o->d[h] = amax / 127.0f;
+                o->c[h] = (q4 ? -8 : -128) * (s0 + s1);
+            }
+        }
+        return 1;
+    }
+    if (wtype == KVQ_Q4_K || wtype == KVQ_Q6_K) {
+        struct kern_q8k *o = dst;
+        for (int64_t b = 0; b < k / 256; b++, o++) {
+            const float *xb = x + b * 256;
+            const float amax = amax8n(xb, 256);
+            const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            o->d = amax / 127.0f;
+            for (int g = 0; g < 16; g += 2) {
+                __m128i lo, hi;
+                int32_t s0, s1;
+                quant32(xb + 16 * g, id, &lo, &hi, &s0, &s1);
+                _mm_storeu_si128((__m128i *)(o->q + 16 * g), lo);
+                _mm_storeu_si128((__m128i *)(o->q + 16 * g + 16), hi);
+                o->bsums[g] = (int16_t)s0;
+                o->bsums[g + 1] = (int16_t)s1;
+            }
+            o->pad = 0;
+        }
+        return 1;
+    }
+    return 0;
 }
 
 /* ---- Q4_0 weights in 16-row form (matmul.h) --------------------------------
