@@ -339,7 +339,6 @@ INLINE void fx_vcols(const int NH, const int CG, float *acc, int d, int c0, cons
 INLINE void fx_values(const int NH, float *acc, int d, const struct kern_kv_rows *v, int j0, int nj,
                       float p[][FX_B], uint8_t *codes) {
     const int G = v->group, ng = d / G, nk = (ng + 3) / 4, VB = v->bits;
-    const int CG = NH <= 2 ? 4 : NH <= 4 ? 2 : 1; /* accumulators NH x CG in registers */
     const __m256i m4 = _mm256_set1_epi16(0x0f0f);
     const uint8_t *cd[FX_B];
     /* per 4 groups k, head h and row j at ((k * NH + h) * FX_B + j) * 8: p_hj times the
@@ -376,9 +375,16 @@ INLINE void fx_values(const int NH, float *acc, int d, const struct kern_kv_rows
     for (int k = 0; k < nk; k++)
         UNROLL
         for (int h = 0; h < NH; h++) _mm256_store_ps(bsum[k] + 8 * h, bs[k][h]);
-    for (int c0 = 0; c0 < d; c0 += 8 * CG) {
-        const int g = c0 / G, k = g / 4, o = 2 * (g % 4); /* g's scale at o, its bias at o + 1 */
-        fx_vcols(NH, CG, acc, d, c0, cd, nj, w + (size_t)k * NH * FX_B * 8 + o, bsum[k] + o + 1);
+    /* heads in passes of up to 4: NH x CG accumulators stay in registers, and each
+     * weight broadcast serves CG vectors */
+    UNROLL
+    for (int hg = 0; hg < NH; hg += 4) {
+        const int nh = NH - hg < 4 ? NH - hg : 4, CG = nh <= 2 ? 4 : 2;
+        for (int c0 = 0; c0 < d; c0 += 8 * CG) {
+            const int g = c0 / G, k = g / 4, o = 2 * (g % 4); /* g's scale at o, its bias at o + 1 */
+            fx_vcols(nh, CG, acc + (size_t)hg * d, d, c0, cd, nj, w + ((size_t)k * NH + hg) * FX_B * 8 + o,
+                     bsum[k] + 8 * hg + o + 1);
+        }
     }
 }
 
