@@ -1,7 +1,7 @@
 /* AVX2 + FMA + F16C matrix kernels (no VNNI): vpmaddubsw/vpmaddwd for the
  * quantized types, vcvtph2ps + FMA for float types. Register tiles of up to
- * 4 rows x 1 token (decode) or 2 rows x 4 tokens (prefill); Q4_0 in the 16-row
- * form 16 rows x up to 4 tokens. */
+ * 4 rows x 1 token (decode) or 2 rows x 4 tokens (prefill); Q8_0 and Q4_0 in the
+ * 16-row form 16 rows x up to 4 tokens. */
 #include "core/dtype.h"
 #include "kernels/f16.h"
 #include "kernels/matmul_impl.h"
@@ -337,11 +337,24 @@ int kern_act_prepare_avx2(uint32_t wtype, const float *x, void *dst, int64_t k) 
  * nibbles (values 4j.. and 16 + 4j.. of the block) go through vpmaddubsw against the
  * broadcast activation words (unsigned nibbles times int8: no saturation), then
  * vpmaddwd sums them into the 8 rows' int32 block sums, exactly; one FMA per block
- * and half then serves 8 rows, in block order whatever the number of tokens. Q8_0
- * stays row-major here: its codes + 128 would saturate vpmaddubsw. */
+ * and half then serves 8 rows, in block order whatever the number of tokens. */
 
 /* Tokens per pass over a tile's blocks: two accumulators (halves) each. */
 #define ROWS16_TOKENS 4
+
+/* Rows [lo, hi) of the tile for T tokens: lanes lo..hi-1 of the two halves. */
+INLINE void rows16_store(const struct kern_rows16_tile *tl, const int T, __m256 acc[][2]) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(tl->lo - 1)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(tl->hi), idx));
+    const __m256i m1 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(tl->lo - 9)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(tl->hi - 8), idx));
+    UNROLL
+    for (int t = 0; t < T; t++) {
+        _mm256_maskstore_ps(tl->y + t * tl->ys, m0, acc[t][0]);
+        _mm256_maskstore_ps(tl->y + t * tl->ys + 8, m1, acc[t][1]);
+    }
+}
 
 /* One token group of a tile (matmul_tiles.h), the next tile prefetched a block at a
  * time. */
@@ -399,17 +412,61 @@ INLINE void rows16_q4_0_tokens(const struct kern_rows16_tile *tl, const int T) {
             acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][1]), _mm256_mul_ps(ws1, d), acc[t][1]);
         }
     }
-    /* rows [lo, hi) of the tile: lanes lo..hi-1 of the two halves */
-    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m0 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(tl->lo - 1)),
-                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(tl->hi), idx));
-    const __m256i m1 = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(tl->lo - 9)),
-                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(tl->hi - 8), idx));
+    rows16_store(tl, T, acc);
+}
+
+/* Q8_0 in the same form: its codes are stored + 128 (for the AVX-512 vpdpbusd), which
+ * against int8 activations would saturate vpmaddubsw; flipped back to int8, |w| times
+ * x with w's sign (vpsignb) sums two products of at most 128 * 127 per word, exactly. */
+INLINE void rows16_q8_0_tokens(const struct kern_rows16_tile *tl, const int T) {
+    const size_t cb = kern_rows16_code_bytes(0), xrb = tl->xrb;
+    const int64_t nb = tl->nb;
+    const uint8_t *tile = tl->tile, *xa = tl->xa, *pf = tl->pf, *sc = tile + (size_t)nb * cb;
+    const __m256i x80 = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROWS16_TOKENS][2];
     UNROLL
-    for (int t = 0; t < T; t++) {
-        _mm256_maskstore_ps(tl->y + t * tl->ys, m0, acc[t][0]);
-        _mm256_maskstore_ps(tl->y + t * tl->ys + 8, m1, acc[t][1]);
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = tile + (size_t)b * cb;
+        if (pf) { /* the next tile's block b */
+            for (size_t o = 0; o < cb; o += 64) _mm_prefetch((const char *)pf + (size_t)b * cb + o, _MM_HINT_T0);
+            _mm_prefetch((const char *)pf + (size_t)nb * cb + 32 * (size_t)b, _MM_HINT_T0);
+        }
+        const size_t h = (size_t)(b & 1);
+        const uint8_t *xb = xa + (size_t)(b / 2) * KERN_PAIR_BYTES;
+        __m256i s[ROWS16_TOKENS][2];
+        UNROLL
+        for (int t = 0; t < T; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();
+        UNROLL
+        for (int j = 0; j < 8; j++) {
+            __m256i w[2], aw[2]; /* rows 0-7, 8-15 */
+            UNROLL
+            for (int half = 0; half < 2; half++) {
+                w[half] = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(wb + 64 * j + 32 * half)), x80);
+                aw[half] = _mm256_abs_epi8(w[half]);
+            }
+            UNROLL
+            for (int t = 0; t < T; t++) {
+                /* the pair layout: Q8_0 block h at 32h */
+                const __m256i xv = _mm256_set1_epi32(kern_rd32(xb + (size_t)t * xrb + 32 * h + 4 * (size_t)j));
+                UNROLL
+                for (int half = 0; half < 2; half++)
+                    s[t][half] = _mm256_add_epi32(
+                        s[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[half], _mm256_sign_epi8(xv, w[half])), ones));
+            }
+        }
+        const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b))),
+                     ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b + 16)));
+        UNROLL
+        for (int t = 0; t < T; t++) {
+            float dx;
+            memcpy(&dx, xb + (size_t)t * xrb + 72 + 4 * h, 4);
+            const __m256 d = _mm256_set1_ps(dx);
+            acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][0]), _mm256_mul_ps(ws0, d), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][1]), _mm256_mul_ps(ws1, d), acc[t][1]);
+        }
     }
+    rows16_store(tl, T, acc);
 }
 
 /* A group of n tokens of a tile (kern_rows16_loop). */
@@ -419,6 +476,15 @@ static void rows16_q4_0(const struct kern_rows16_tile *t, int n) {
     case 2: rows16_q4_0_tokens(t, 2); break;
     case 3: rows16_q4_0_tokens(t, 3); break;
     default: rows16_q4_0_tokens(t, 4); break;
+    }
+}
+
+static void rows16_q8_0(const struct kern_rows16_tile *t, int n) {
+    switch (n) {
+    case 1: rows16_q8_0_tokens(t, 1); break;
+    case 2: rows16_q8_0_tokens(t, 2); break;
+    case 3: rows16_q8_0_tokens(t, 3); break;
+    default: rows16_q8_0_tokens(t, 4); break;
     }
 }
 
@@ -446,7 +512,10 @@ static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 2, .chunk
 
 void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
-    case KVQ_Q8_0: kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0); break;
+    case KVQ_Q8_0:
+        if (a->w16) kern_rows16_loop(a, r0, r1, ROWS16_TOKENS, rows16_q8_0);
+        else kern_tile_loop(a, r0, r1, pairs_tiling, tile_q8_0);
+        break;
     case KVQ_Q4_0:
         if (a->w16) kern_rows16_loop(a, r0, r1, ROWS16_TOKENS, rows16_q4_0);
         else kern_tile_loop(a, r0, r1, pairs_tiling, tile_q4_0);
