@@ -99,44 +99,53 @@ INLINE void tile_q4k(const struct kern_tile *tl, const int R, const int T) {
     const int64_t nsb = tl->k / 256, ys = tl->ys;
     float *y = tl->y;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[4];
-    float macc[4] = {0};
+    __m256 acc[4], macc[4];
     UNROLL
-    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int t = 0; t < T; t++) acc[t] = macc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; b++, w += 144) {
         if (pfd)
             for (int o = 0; o < 192; o += 64) _mm_prefetch((const char *)w + pfd + o, _MM_HINT_T0);
-        uint8_t sc[8], mn[8];
-        for (int j = 0; j < 8; j++) kern_q4k_scale_min(j, w + 4, &sc[j], &mn[j]);
-        const float d = _cvtsh_ss(kern_rd16(w)), dmin = _cvtsh_ss(kern_rd16(w + 2));
-        __m256i wl[4], wh[4];
+        /* 6-bit scales and mins of the 8 sub-blocks (kern_q4k_scale_min) in general
+         * registers, as the AVX-512 kernel does */
+        uint32_t u0, u1, u2;
+        memcpy(&u0, w + 4, 4);
+        memcpy(&u1, w + 8, 4);
+        memcpy(&u2, w + 12, 4);
+        const uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
+                             (uint64_t)((u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)) << 32;
+        const uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
+                             (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)) << 32;
+        /* scale j as a word in every lane of sv[j]; each min twice, against the bsums of its
+         * two 16s */
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+        const __m128i mv = _mm_cvtsi64_si128((long long)mn8);
+        const __m256i mn16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv));
+        __m256i wv[8], sv[8];
         UNROLL
         for (int c = 0; c < 4; c++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * c));
-            wl[c] = _mm256_and_si256(v, m4);
-            wh[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            wv[2 * c] = _mm256_and_si256(v, m4);
+            wv[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         }
+        UNROLL
+        for (int j = 0; j < 8; j++) sv[j] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+        const float d = _cvtsh_ss(kern_rd16(w)), dmin = _cvtsh_ss(kern_rd16(w + 2));
         UNROLL
         for (int t = 0; t < T; t++) {
             const struct kern_q8k *xb = (const struct kern_q8k *)(xa + (size_t)t * xrb) + b;
             __m256i ia = _mm256_setzero_si256();
             UNROLL
-            for (int c = 0; c < 4; c++) {
-                __m256i x0 = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * c));
-                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * c + 32));
-                ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(wl[c], x0),
-                                                            _mm256_set1_epi16(sc[2 * c])));
-                ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(wh[c], x1),
-                                                            _mm256_set1_epi16(sc[2 * c + 1])));
+            for (int j = 0; j < 8; j++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xb->q + 32 * j));
+                ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], x), sv[j]));
             }
-            int32_t summ = 0;
-            for (int j = 0; j < 8; j++) summ += mn[j] * (xb->bsums[2 * j] + xb->bsums[2 * j + 1]);
+            const __m256i mm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), mn16);
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(d * xb->d), acc[t]);
-            macc[t] -= dmin * xb->d * (float)summ;
+            macc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), _mm256_set1_ps(-dmin * xb->d), macc[t]);
         }
     }
     UNROLL
-    for (int t = 0; t < T; t++) y[t * ys] = hsum256(acc[t]) + macc[t];
+    for (int t = 0; t < T; t++) y[t * ys] = hsum256(acc[t]) + hsum256(macc[t]);
 }
 
 INLINE void tile_q6k(const struct kern_tile *tl, const int R, const int T) {
@@ -147,14 +156,14 @@ INLINE void tile_q6k(const struct kern_tile *tl, const int R, const int T) {
     float *y = tl->y;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i m30 = _mm256_set1_epi8(0x30);
-    __m256 acc[4];
-    float cacc[4] = {0};
+    __m256 acc[4], cacc[4];
     UNROLL
-    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int t = 0; t < T; t++) acc[t] = cacc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; b++, w += 210) {
         if (pfd)
             for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)w + pfd + o, _MM_HINT_T0);
         const int8_t *sc = (const int8_t *)(w + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i wq[8], sv[8];
         UNROLL
         for (int h = 0; h < 2; h++) {
@@ -180,15 +189,15 @@ INLINE void tile_q6k(const struct kern_tile *tl, const int R, const int T) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xb->q + 32 * g));
                 ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(wq[g], xv), sv[g]));
             }
-            int32_t corr = 0;
-            for (int j = 0; j < 16; j++) corr += sc[j] * xb->bsums[j];
+            /* the codes' offset 32: sum_j scale_j * bsum_j */
+            const __m256i cm = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16);
             const float dd = d * xb->d;
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_set1_ps(dd), acc[t]);
-            cacc[t] -= 32.0f * dd * (float)corr;
+            cacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cm), _mm256_set1_ps(-32.0f * dd), cacc[t]);
         }
     }
     UNROLL
-    for (int t = 0; t < T; t++) y[t * ys] = hsum256(acc[t]) + cacc[t];
+    for (int t = 0; t < T; t++) y[t * ys] = hsum256(acc[t]) + hsum256(cacc[t]);
 }
 
 /* ---- float types ------------------------------------------------------------ */
