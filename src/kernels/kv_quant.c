@@ -425,11 +425,7 @@ void kern_kvq_attn_accumulate_runs(struct kern_attn_state *s, const float *q, co
          * rows alone, into L1, left batch 16's f16 attention (16 x 6.6 MB of rows per
          * step) waiting on DRAM: the whole run into L2 decoded 7-16% faster
          * (tinydoc-q8_0, depth 1024, batch 16, -t 2, 4 alternating pairs). */
-        if (i + 1 < n_runs)
-            for (int j = 0; j < runs[i + 1].n; j++) {
-                for (size_t b = 0; b < kf->stride; b += 64) __builtin_prefetch(runs[i + 1].k + j * kf->stride + b, 0, 2);
-                for (size_t b = 0; b < vf->stride; b += 64) __builtin_prefetch(runs[i + 1].v + j * vf->stride + b, 0, 2);
-            }
+        if (i + 1 < n_runs) kvq_prefetch_run_l2(&runs[i + 1], kf->stride, vf->stride);
         if (dense) {
             kern_attn_accumulate(s, q, runs[i].k, kf->stride * 8 / (size_t)kf->bits, runs[i].v,
                                  vf->stride * 8 / (size_t)vf->bits, kf->bits, runs[i].n);

@@ -398,13 +398,7 @@ INLINE void fx_attn(const int KB, const int NH, struct kern_attn_state *s, int h
     float *acc = s->acc + (size_t)h0 * d;
     fx_prepare(&f, KB, NH, q + (size_t)h0 * d, d, kf->group, KB == 8 && vf->bits == 8);
     for (int ri = 0; ri < n_runs; ri++) {
-        /* the next run lies elsewhere in memory: into L2 while this one is scored (the
-         * row loop prefetches only within a run) */
-        if (ri + 1 < n_runs)
-            for (int j = 0; j < runs[ri + 1].n; j++) {
-                for (size_t b = 0; b < kf->stride; b += 64) _mm_prefetch((const char *)runs[ri + 1].k + j * kf->stride + b, _MM_HINT_T1);
-                for (size_t b = 0; b < vf->stride; b += 64) _mm_prefetch((const char *)runs[ri + 1].v + j * vf->stride + b, _MM_HINT_T1);
-            }
+        if (ri + 1 < n_runs) kvq_prefetch_run_l2(&runs[ri + 1], kf->stride, vf->stride);
         const struct kern_kv_rows k = {runs[ri].k, kf->stride, kf->bits, kf->group};
         const struct kern_kv_rows v = {runs[ri].v, vf->stride, vf->bits, vf->group};
         for (int j0 = 0; j0 < runs[ri].n; j0 += FX_B) {
@@ -437,11 +431,7 @@ FX_NH(8)
 
 bool kern_kvq_attn_avx2_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                              const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
-    const int d = s->d;
-    const bool fast = fast_wanted && d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) &&
-                      (v->bits == 4 || v->bits == 8) && k->group > 0 && v->group > 0 && k->group % 32 == 0 &&
-                      v->group % 32 == 0 && d % k->group == 0 && d % v->group == 0;
-    if (!fast) return false;
+    if (!fast_wanted || !kvq_fast_formats(s->d, k, v)) return false;
     if (k->bits == 4) fx_4(nh, s, h0, q, k, v, runs, n_runs);
     else fx_8(nh, s, h0, q, k, v, runs, n_runs);
     return true;

@@ -740,9 +740,7 @@ FAST_NH(8)
 
 /* The fast path takes this format pair (K and V 4/8-bit, groups of 32k; no normal-float rows). */
 static bool fast_ok(int d, const struct kern_kv_rows *k, const struct kern_kv_rows *v) {
-    return fast_wanted && d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) &&
-           (v->bits == 4 || v->bits == 8) && k->group > 0 && v->group > 0 && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
-           d % v->group == 0;
+    return fast_wanted && kvq_fast_formats(d, k, v);
 }
 
 /* Up to FMAXH heads per pass: each pass reads the rows once. */

@@ -44,6 +44,23 @@ float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, flo
 void kern_kvq_nf_map_avx2(uint8_t *c, int n, int bits);
 void kern_kvq_nf_map_avx512(uint8_t *c, int n, int bits);
 
+/* The formats the SIMD fast paths take: K and V 4- or 8-bit in uniform groups of a
+ * multiple of 32, d a multiple of 64. */
+static inline bool kvq_fast_formats(int d, const struct kern_kv_rows *k, const struct kern_kv_rows *v) {
+    return d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) && (v->bits == 4 || v->bits == 8) &&
+           k->group > 0 && v->group > 0 && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
+           d % v->group == 0;
+}
+
+/* The rows of a run (K and V of the given strides) into L2: the next run lies elsewhere
+ * in memory and the kernels prefetch only within a run. */
+static inline void kvq_prefetch_run_l2(const struct kern_kv_run *r, size_t ks, size_t vs) {
+    for (int j = 0; j < r->n; j++) {
+        for (size_t b = 0; b < ks; b += 64) __builtin_prefetch(r->k + j * ks + b, 0, 2);
+        for (size_t b = 0; b < vs; b += 64) __builtin_prefetch(r->v + j * vs + b, 0, 2);
+    }
+}
+
 /* Variants: heads [h0, h0+nh) of the state, nh <= KVQ_ATTN_MAXH. */
 void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                           const struct kern_kv_rows *v, int n);
