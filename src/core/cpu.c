@@ -69,7 +69,7 @@ void kvq_cpu_model(char *buf, size_t n) {
     buf[0] = 0;
 #if defined(__x86_64__) || defined(__i386__)
     unsigned r[12];
-    if (__get_cpuid_max(0x80000000u, NULL) >= 0x80000004u) {
+    if ((unsigned)__get_cpuid_max(0x80000000u, NULL) >= 0x80000004u) {
         for (unsigned i = 0; i < 3; i++) __cpuid(0x80000002u + i, r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3]);
         char s[49];
         memcpy(s, r, 48);
