@@ -257,7 +257,7 @@ INLINE void fx_scores(const int KB, const int NH, const struct fx_q *f, const st
                       const struct kern_kv_rows *v, int d, int ng, int j0, int nj, float sc[][FX_B]) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const int nk = (ng + 3) / 4, cv = KB == 4 ? 64 : 32;
-    static _Thread_local __m256 tv[KVQ_ATTN_MAXH][FX_B]; /* the rows' lanes, summed 4 at a time */
+    __m256 tv[KVQ_ATTN_MAXH][FX_B]; /* the rows' lanes, summed 4 at a time */
     for (int j = 0; j < nj; j++) {
         const uint8_t *r = k->data + (size_t)(j0 + j) * k->stride, *sb = r + (size_t)d * KB / 8;
         FN(prefetch_rows)(r + FX_PF_ROWS * k->stride, k->stride);
@@ -344,7 +344,7 @@ INLINE void fx_values(const int NH, float *acc, int d, const struct kern_kv_rows
     /* per 4 groups k, head h and row j at ((k * NH + h) * FX_B + j) * 8: p_hj times the
      * row's [scale, bias] pairs, the scales the rows' weights; bs: per head the bias
      * sums sum_j p_hj bias_jg (odd lanes) */
-    static _Thread_local float w[FX_MAXG / 4 * KVQ_ATTN_MAXH * FX_B * 8] __attribute__((aligned(32)));
+    float w[FX_MAXG / 4 * KVQ_ATTN_MAXH * FX_B * 8] __attribute__((aligned(32)));
     __m256 bs[FX_MAXG / 4][KVQ_ATTN_MAXH];
     for (int k = 0; k < nk; k++)
         UNROLL
@@ -392,8 +392,10 @@ INLINE void fx_attn(const int KB, const int NH, struct kern_attn_state *s, int h
                     const struct kern_kv_rows *kf, const struct kern_kv_rows *vf, const struct kern_kv_run *runs,
                     int n_runs) {
     const int d = s->d, ng = d / kf->group;
-    static _Thread_local uint8_t codes[FX_B * KERN_KVQ_MAX_DIM] __attribute__((aligned(32)));
-    static _Thread_local struct fx_q f;
+    /* on the stack (about 230 KB at the largest head size, in the pool's threads), not
+     * thread-local: static TLS is carved out of every thread's stack, small ones too */
+    uint8_t codes[FX_B * KERN_KVQ_MAX_DIM] __attribute__((aligned(32)));
+    struct fx_q f;
     float sc[KVQ_ATTN_MAXH][FX_B] __attribute__((aligned(32)));
     float *acc = s->acc + (size_t)h0 * d;
     fx_prepare(&f, KB, NH, q + (size_t)h0 * d, d, kf->group, KB == 8 && vf->bits == 8);
