@@ -146,9 +146,10 @@ void kern_kvq_attn_avx2g(struct kern_attn_state *s, int h0, int nh, const float 
  * 127: no saturation), vpmaddwd to int32; 8-bit keys by vpmaddwd of the zero-extended
  * codes (vpmaddubsw would saturate: codes reach 255) against q as int16 words 128 q8 + r:
  * the int8 digit, and with 8-bit values the AVX-512 path's second digit r (|128 q8 + r|
- * <= 16320), so that both levels compute the same rounded query. A chunk's int32 lanes are multiplied by their groups' scales (a
- * permute of the row's [scale, bias] pairs, converted once per row), and the bias terms
- * sum_g bias_g * sum_g(q) are one FMA per row and head against [0, sum_g(q) / sq] pairs.
+ * <= 16320), so that both levels compute the same rounded query. A chunk's int32 lanes
+ * are multiplied by their groups' scales (a permute of the row's [scale, bias] pairs,
+ * converted once per row), and the bias terms sum_g bias_g * sum_g(q) are one FMA per row
+ * and head against [0, sum_g(q) / sq] pairs.
  * Values: per block of rows, the weight p_j * scale_jg of every row, head and group;
  * each code is widened to float once and multiplied into every head; sum_j p_j * bias_jg
  * is added once per block, head and group. */
@@ -168,7 +169,8 @@ static inline int32_t rd32(const uint8_t *p) {
 
 /* The query of NH heads for KB-bit keys, once per call. */
 struct fx_q {
-    union __attribute__((aligned(32))) { /* head h at h * d: 4-bit keys, q's even values then its odd ones; 8-bit, q in order */
+    /* head h at h * d: 4-bit keys, q's even values then its odd ones; 8-bit, q in order */
+    union __attribute__((aligned(32))) {
         int8_t q8[KVQ_ATTN_MAXH * KERN_KVQ_MAX_DIM];
         int16_t q16[KVQ_ATTN_MAXH * KERN_KVQ_MAX_DIM];
     };
@@ -192,7 +194,8 @@ static void fx_prepare(struct fx_q *f, const int KB, const int NH, const float *
         const __m256 vsq = _mm256_set1_ps(sq), r128 = _mm256_set1_ps(two ? 128.0f : 0.0f);
         /* q / sq rounded to nearest even, like lrintf in the tests' reference */
         for (int i = 0; i < d; i += 16) {
-            const __m256 y0 = _mm256_div_ps(_mm256_loadu_ps(qh + i), vsq), y1 = _mm256_div_ps(_mm256_loadu_ps(qh + i + 8), vsq);
+            const __m256 y0 = _mm256_div_ps(_mm256_loadu_ps(qh + i), vsq);
+            const __m256 y1 = _mm256_div_ps(_mm256_loadu_ps(qh + i + 8), vsq);
             __m256i x0 = _mm256_cvtps_epi32(y0), x1 = _mm256_cvtps_epi32(y1);
             if (KB == 8) { /* 128 q8 + r, r = (q / sq - q8) * 128 rounded (0 with one digit) */
                 const __m256i r0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(y0, _mm256_cvtepi32_ps(x0)), r128));
@@ -357,7 +360,8 @@ INLINE void fx_values(const int NH, float *acc, int d, const struct kern_kv_rows
             uint8_t *o = codes + (size_t)j * d;
             for (int i = 0; i < d; i += 32) {
                 const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + i / 2)));
-                _mm256_store_si256((__m256i *)(o + i), _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16(x, 4)), m4));
+                const __m256i y = _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16(x, 4)), m4);
+                _mm256_store_si256((__m256i *)(o + i), y);
             }
             cd[j] = o;
         }

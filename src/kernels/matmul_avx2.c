@@ -128,7 +128,8 @@ INLINE void tile_q4k(const struct kern_tile *tl, const int R, const int T) {
             wv[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         }
         UNROLL
-        for (int j = 0; j < 8; j++) sv[j] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+        for (int j = 0; j < 8; j++) /* bytes 2j, 2j + 1 in every word */
+            sv[j] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
         const float d = _cvtsh_ss(kern_rd16(w)), dmin = _cvtsh_ss(kern_rd16(w + 2));
         UNROLL
         for (int t = 0; t < T; t++) {
@@ -235,7 +236,8 @@ INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const i
     for (; i + 8 <= k; i += 8) {
         if (pfd && (i * (int64_t)es) % 64 == 0) {
             UNROLL
-            for (int r = 0; r < R; r++) _mm_prefetch((const char *)w + (size_t)r * wrb + (size_t)i * es + pfd, _MM_HINT_T0);
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)w + (size_t)r * wrb + (size_t)i * es + pfd, _MM_HINT_T0);
         }
         __m256 wv[4];
         UNROLL
@@ -459,9 +461,10 @@ INLINE void rows16_q8_0_tokens(const struct kern_rows16_tile *tl, const int T) {
                 /* the pair layout: Q8_0 block h at 32h */
                 const __m256i xv = _mm256_set1_epi32(kern_rd32(xb + (size_t)t * xrb + 32 * h + 4 * (size_t)j));
                 UNROLL
-                for (int half = 0; half < 2; half++)
-                    s[t][half] = _mm256_add_epi32(
-                        s[t][half], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[half], _mm256_sign_epi8(xv, w[half])), ones));
+                for (int half = 0; half < 2; half++) {
+                    const __m256i p = _mm256_maddubs_epi16(aw[half], _mm256_sign_epi8(xv, w[half]));
+                    s[t][half] = _mm256_add_epi32(s[t][half], _mm256_madd_epi16(p, ones));
+                }
             }
         }
         const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b))),
