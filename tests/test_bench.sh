@@ -15,7 +15,7 @@ rc=$?
 cat "$tmp/b.json" "$tmp/err"
 [ $rc -eq 0 ] || { echo "FAIL: bench exited $rc"; exit 1; }
 for f in '"model"' '"threads"' '"reps"' '"results"' '"kv": "f16"' '"kv": "f32"' '"depth": 8' '"batch": 2' \
-         '"prefill_tok_s"' '"decode_tok_s"' '"kv_bytes"' '"kv_bytes_per_token"' '"rss_bytes"' '"peak_rss_bytes"'; do
+         '"prefill_tok_s"' '"decode_tok_s"' '"kv_bytes"' '"kv_bytes_per_token"' '"rss_bytes"' '"peak_rss_bytes"' '"cpu"' '"simd"'; do
     grep -qF "$f" "$tmp/b.json" || { echo "FAIL: JSON lacks $f"; fail=1; }
 done
 n=$(grep -c '"decode_tok_s":' "$tmp/b.json")
@@ -31,8 +31,10 @@ xml.dom.minidom.parse('$tmp/p.svg')
 " || { echo "FAIL: JSON/SVG content"; fail=1; }
 fi
 grep -q "<polyline" "$tmp/p.svg" || { echo "FAIL: SVG has no lines"; fail=1; }
-"$kvq" bench -m "$MODEL" -p 4 -n 1 -r 1 -t 2 >"$tmp/t.md" 2>/dev/null || { echo "FAIL: Markdown run"; fail=1; }
+# the SIMD level the kernels ran with, in the header: KVQ_SIMD=scalar caps it on any CPU
+KVQ_SIMD=scalar "$kvq" bench -m "$MODEL" -p 4 -n 1 -r 1 -t 2 >"$tmp/t.md" 2>/dev/null || { echo "FAIL: Markdown run"; fail=1; }
 grep -q "^| kv | depth | batch | prefill tok/s | decode tok/s |" "$tmp/t.md" || { echo "FAIL: no Markdown table"; fail=1; }
+grep -q "^2 threads, cpu .*, simd scalar$" "$tmp/t.md" || { echo "FAIL: header lacks the cpu and simd scalar"; fail=1; }
 # a one-token prompt at depth with a quantized cache (the untimed warm-up must not
 # inherit a context smaller than the cache's residual window)
 "$kvq" bench -m "$MODEL" -p 1 -n 2 -d 64 --kv 8,4 -r 1 -t 2 >"$tmp/q.md" 2>"$tmp/qerr" || { echo "FAIL: -p 1 --kv 8,4: $(cat "$tmp/qerr")"; fail=1; }

@@ -362,17 +362,19 @@ static void test_attention(void) {
                 e = 0;
                 e = fmin(max_err(got, want, nq * d), max_err(got, want8, nq * d));
                 CHECK(e < 2e-4, "runs K%d V%d group %d n %d (%d runs): max error %g", kb, vb, nq, n, nr, e);
-                if (have[2]) { /* the AVX-512 fast path's own run loop, where it applies */
+                for (int v = 1; v < 3; v++) { /* the fast paths' own run loops, where they apply */
+                    if (!have[v]) continue;
                     kern_attn_state_init(&st, nq, d, mem);
                     bool fast = true;
                     for (int h0 = 0; h0 < nq && fast; h0 += KVQ_ATTN_MAXH) {
                         int nh = nq - h0 < KVQ_ATTN_MAXH ? nq - h0 : KVQ_ATTN_MAXH;
-                        fast = kern_kvq_attn_avx512_runs(&st, h0, nh, q, &krow, &vrow, runs, nr);
+                        fast = v == 2 ? kern_kvq_attn_avx512_runs(&st, h0, nh, q, &krow, &vrow, runs, nr)
+                                      : kern_kvq_attn_avx2_runs(&st, h0, nh, q, &krow, &vrow, runs, nr);
                     }
                     kern_attn_finish(&st, got);
                     e = 0;
                     e = fmin(max_err(got, want, nq * d), max_err(got, want8, nq * d));
-                    CHECK(!fast || e < 2e-4, "avx512 runs K%d V%d group %d n %d: max error %g", kb, vb, nq, n, e);
+                    CHECK(!fast || e < 2e-4, "%s runs K%d V%d group %d n %d: max error %g", names[v], kb, vb, nq, n, e);
                 }
                 free(K);
                 free(V);
@@ -419,13 +421,19 @@ static void test_attention_dominant(void) {
                     struct kern_kv_run runs[4];
                     for (int r = 0; r < 4; r++)
                         runs[r] = (struct kern_kv_run){K + kr * 64 * r, V + vr * 64 * r, r < 3 ? 64 : n - 192};
-                    struct kern_attn_state st;
-                    kern_attn_state_init(&st, nq, d, mem);
-                    kern_kvq_attn_accumulate_runs(&st, q, &krow, &vrow, runs, 4);
-                    kern_attn_finish(&st, got);
-                    double e = fmin(max_err(got, want, nq * d), max_err(got, want8, nq * d));
-                    CHECK(e < 2e-4, "dominant key (margin %g) d %d K%d/%d V%d/%d heads %d: max error %g", margin, d, kb,
-                          kg, vb, vg, nq, e);
+                    /* the fast path of every SIMD level the CPU runs */
+                    const enum kvq_simd top = kvq_simd_level();
+                    for (int l = KVQ_SIMD_AVX2; l <= (int)top; l++) {
+                        kvq_simd_force((enum kvq_simd)l);
+                        struct kern_attn_state st;
+                        kern_attn_state_init(&st, nq, d, mem);
+                        kern_kvq_attn_accumulate_runs(&st, q, &krow, &vrow, runs, 4);
+                        kern_attn_finish(&st, got);
+                        double e = fmin(max_err(got, want, nq * d), max_err(got, want8, nq * d));
+                        CHECK(e < 2e-4, "%s: dominant key (margin %g) d %d K%d/%d V%d/%d heads %d: max error %g",
+                              kvq_simd_name((enum kvq_simd)l), margin, d, kb, kg, vb, vg, nq, e);
+                    }
+                    kvq_simd_force(top);
                     free(K);
                     free(V);
                     free(Kd);

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "core/cpu.h"
 #include "core/outfile.h"
 #include "core/threadpool.h"
 
@@ -387,6 +388,9 @@ int cmd_bench(int argc, char **argv) {
                 }
     if (tty) fprintf(stderr, "\rkvq: %d measurements in %.1f s%30s\n", total, cli_now() - t_start, "");
 
+    char cpu[64];
+    kvq_cpu_model(cpu, sizeof cpu);
+    const char *simd = kvq_simd_name(kvq_simd_level()); /* the CPU kernels' level: KVQ_SIMD caps it */
     if (o.json) {
         printf("{\n  \"model\": ");
         json_str(stdout, o.model);
@@ -394,6 +398,10 @@ int cmd_bench(int argc, char **argv) {
         json_str(stdout, info.arch);
         printf(",\n  \"weight_type\": ");
         json_str(stdout, info.weight_type);
+        printf(",\n  \"cpu\": ");
+        json_str(stdout, cpu);
+        printf(",\n  \"simd\": ");
+        json_str(stdout, simd);
         printf(",\n  \"n_params\": %llu,\n  \"threads\": %d,\n  \"prompt_tokens\": %d,\n  \"decode_tokens\": %d,\n"
                "  \"reps\": %d,\n  \"memory_note\": \"rss_bytes: VmRSS at the end of the measurement; peak_rss_bytes: "
                "VmHWM, the process high-water mark so far (cumulative)\",\n  \"results\": [\n",
@@ -420,7 +428,7 @@ int cmd_bench(int argc, char **argv) {
     } else {
         printf("model %s (%s, %s, %.3f B params), %s, p %d, n %d, median of %d reps\n\n", o.model, info.arch,
                info.weight_type, info.n_params / 1e9, o.device == KVQ_DEVICE_CUDA ? "cuda" : "cpu", o.p, o.n, o.reps);
-        if (o.device != KVQ_DEVICE_CUDA) printf("%d threads\n\n", threads);
+        if (o.device != KVQ_DEVICE_CUDA) printf("%d threads, cpu %s, simd %s\n\n", threads, cpu, simd);
         printf("| kv | depth | batch | prefill tok/s | decode tok/s | KV MiB | KV bytes/token | RSS MiB | peak RSS MiB |\n");
         printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for (int i = 0; i < nres; i++) {

@@ -2,6 +2,7 @@
 #include "core/cpu.h"
 
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -61,6 +62,28 @@ int kvq_simd_force(enum kvq_simd level) {
     if (!kvq_simd_available(level)) return -1;
     atomic_store_explicit(&g_level, (int)level, memory_order_relaxed);
     return 0;
+}
+
+void kvq_cpu_model(char *buf, size_t n) {
+    if (!n) return;
+    buf[0] = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned r[12];
+    if ((unsigned)__get_cpuid_max(0x80000000u, NULL) >= 0x80000004u) {
+        for (unsigned i = 0; i < 3; i++) __cpuid(0x80000002u + i, r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3]);
+        char s[49];
+        memcpy(s, r, 48);
+        s[48] = 0;
+        const char *b = s;
+        while (*b == ' ') b++; /* the brand string may be right-aligned */
+        size_t len = strlen(b);
+        while (len && b[len - 1] == ' ') len--;
+        if (len >= n) len = n - 1;
+        memcpy(buf, b, len);
+        buf[len] = 0;
+    }
+#endif
+    if (!buf[0]) snprintf(buf, n, "unknown");
 }
 
 const char *kvq_simd_name(enum kvq_simd level) {

@@ -5,6 +5,8 @@
 #ifndef KVQ_CORE_CPU_H
 #define KVQ_CORE_CPU_H
 
+#include <stddef.h>
+
 enum kvq_simd {
     KVQ_SIMD_SCALAR = 0,
     KVQ_SIMD_AVX2 = 1,   /* AVX2 + FMA + F16C, OS saves ymm */
@@ -21,6 +23,8 @@ int kvq_simd_available(enum kvq_simd level);
 enum kvq_simd kvq_simd_level(void);
 /* Forces a level (tests and benchmarks; not while kernels run). -1 if unavailable. */
 int kvq_simd_force(enum kvq_simd level);
+/* The CPU's brand string (CPUID), or "unknown", into buf of n bytes. */
+void kvq_cpu_model(char *buf, size_t n);
 /* "scalar", "avx2" or "avx512". */
 const char *kvq_simd_name(enum kvq_simd level);
 

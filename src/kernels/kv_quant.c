@@ -160,7 +160,7 @@ void kern_kvq_quantize_row(const float *x, int d, int bits, int group, uint8_t *
     if ((bits == 4 || bits == 8) && group % 16 == 0) {
         switch (kvq_simd_level()) {
         case KVQ_SIMD_AVX512: kern_kvq_quantize_avx512g(x, d, bits, group, dst); return;
-        case KVQ_SIMD_AVX2: kern_kvq_quantize_avx2(x, d, bits, group, dst); return;
+        case KVQ_SIMD_AVX2: kern_kvq_quantize_avx2g(x, d, bits, group, dst); return;
         default: break;
         }
     }
@@ -248,6 +248,10 @@ static void rotate(float *x, int d, const float *signs, bool inverse) {
         kern_kvq_hadamard_avx512(x, d, b, signs, norm, inverse);
         return;
     }
+    if (b >= 8 && kvq_simd_level() >= KVQ_SIMD_AVX2) {
+        kern_kvq_hadamard_avx2(x, d, b, signs, norm, inverse);
+        return;
+    }
     if (!inverse)
         for (int i = 0; i < d; i++) x[i] *= signs[i];
     for (int o = 0; o < d; o += b) fwht(x + o, b);
@@ -301,6 +305,11 @@ void kern_kvq_row_codes(const uint8_t *src, int n, int bits, int group, uint8_t 
     case KVQ_SIMD_AVX2: kern_kvq_nf_map_avx2(out, n, bits); break;
     default: nf_map(out, n, bits); break;
     }
+}
+
+void kern_kvq_use_fast(int on) {
+    kern_kvq_use_fast_avx2(on);
+    kern_kvq_use_fast_avx512(on);
 }
 
 void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *k,
@@ -400,11 +409,13 @@ void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float
 void kern_kvq_attn_accumulate_runs(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *kf,
                                    const struct kern_kv_rows *vf, const struct kern_kv_run *runs, int n_runs) {
     const bool dense = kf->bits == vf->bits && !kvq_is_quant(kf->bits);
-    if (!dense && kvq_simd_level() == KVQ_SIMD_AVX512 && s->d % 16 == 0) {
+    const enum kvq_simd level = kvq_simd_level();
+    if (!dense && level >= KVQ_SIMD_AVX2 && s->d % 16 == 0) {
         bool done = true;
         for (int h0 = 0; h0 < s->n_q && done; h0 += KVQ_ATTN_MAXH) {
             int nh = s->n_q - h0 < KVQ_ATTN_MAXH ? s->n_q - h0 : KVQ_ATTN_MAXH;
-            done = kern_kvq_attn_avx512_runs(s, h0, nh, q, kf, vf, runs, n_runs);
+            done = level == KVQ_SIMD_AVX512 ? kern_kvq_attn_avx512_runs(s, h0, nh, q, kf, vf, runs, n_runs)
+                                            : kern_kvq_attn_avx2_runs(s, h0, nh, q, kf, vf, runs, n_runs);
         }
         if (done) return;
     }
@@ -414,11 +425,7 @@ void kern_kvq_attn_accumulate_runs(struct kern_attn_state *s, const float *q, co
          * rows alone, into L1, left batch 16's f16 attention (16 x 6.6 MB of rows per
          * step) waiting on DRAM: the whole run into L2 decoded 7-16% faster
          * (tinydoc-q8_0, depth 1024, batch 16, -t 2, 4 alternating pairs). */
-        if (i + 1 < n_runs)
-            for (int j = 0; j < runs[i + 1].n; j++) {
-                for (size_t b = 0; b < kf->stride; b += 64) __builtin_prefetch(runs[i + 1].k + j * kf->stride + b, 0, 2);
-                for (size_t b = 0; b < vf->stride; b += 64) __builtin_prefetch(runs[i + 1].v + j * vf->stride + b, 0, 2);
-            }
+        if (i + 1 < n_runs) kvq_prefetch_run_l2(&runs[i + 1], kf->stride, vf->stride);
         if (dense) {
             kern_attn_accumulate(s, q, runs[i].k, kf->stride * 8 / (size_t)kf->bits, runs[i].v,
                                  vf->stride * 8 / (size_t)vf->bits, kf->bits, runs[i].n);

@@ -223,7 +223,7 @@ void kern_kvq_attn_avx512g(struct kern_attn_state *s, int h0, int nh, const floa
 
 /* The AVX-512 level includes VNNI (core/cpu.c checks it); tests may turn the fast path off. */
 static int fast_wanted = 1;
-void kern_kvq_use_fast(int on) { fast_wanted = on; }
+void kern_kvq_use_fast_avx512(int on) { fast_wanted = on; }
 
 /* Where the V pass keeps a head's values: position p of the accumulator holds value
  * v_value(VB, CV, p), a permutation within each 16 * CV values (see v_pair). */
@@ -740,9 +740,7 @@ FAST_NH(8)
 
 /* The fast path takes this format pair (K and V 4/8-bit, groups of 32k; no normal-float rows). */
 static bool fast_ok(int d, const struct kern_kv_rows *k, const struct kern_kv_rows *v) {
-    return fast_wanted && d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) &&
-           (v->bits == 4 || v->bits == 8) && k->group > 0 && v->group > 0 && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
-           d % v->group == 0;
+    return fast_wanted && kvq_fast_formats(d, k, v);
 }
 
 /* Up to FMAXH heads per pass: each pass reads the rows once. */

@@ -44,6 +44,23 @@ float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, flo
 void kern_kvq_nf_map_avx2(uint8_t *c, int n, int bits);
 void kern_kvq_nf_map_avx512(uint8_t *c, int n, int bits);
 
+/* The formats the SIMD fast paths take: K and V 4- or 8-bit in uniform groups of a
+ * multiple of 32, d a multiple of 64. */
+static inline bool kvq_fast_formats(int d, const struct kern_kv_rows *k, const struct kern_kv_rows *v) {
+    return d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) && (v->bits == 4 || v->bits == 8) &&
+           k->group > 0 && v->group > 0 && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
+           d % v->group == 0;
+}
+
+/* The rows of a run (K and V of the given strides) into L2: the next run lies elsewhere
+ * in memory and the kernels prefetch only within a run. */
+static inline void kvq_prefetch_run_l2(const struct kern_kv_run *r, size_t ks, size_t vs) {
+    for (int j = 0; j < r->n; j++) {
+        for (size_t b = 0; b < ks; b += 64) __builtin_prefetch(r->k + j * ks + b, 0, 2);
+        for (size_t b = 0; b < vs; b += 64) __builtin_prefetch(r->v + j * vs + b, 0, 2);
+    }
+}
+
 /* Variants: heads [h0, h0+nh) of the state, nh <= KVQ_ATTN_MAXH. */
 void kern_kvq_attn_scalar(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                           const struct kern_kv_rows *v, int n);
@@ -51,12 +68,16 @@ void kern_kvq_attn_avx2(struct kern_attn_state *s, int h0, int nh, const float *
                         const struct kern_kv_rows *v, int n);
 void kern_kvq_attn_avx512(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                           const struct kern_kv_rows *v, int n);
-/* 0 turns the AVX-512 fast path (int8 query, int16 value weights) off, leaving the
- * generic float body for every format (tests that compare the cache's logic with a
- * float reference; not thread-safe with running kernels). */
+/* 0 turns the fast paths (AVX-512: int8 query, int16 value weights; AVX2: int8/int16
+ * query) off, leaving the generic float body for every format (tests that compare the
+ * cache's logic with a float reference; not thread-safe with running kernels). */
 void kern_kvq_use_fast(int on);
+void kern_kvq_use_fast_avx2(int on);
+void kern_kvq_use_fast_avx512(int on);
 /* Several runs with one setup, for the formats its fast path takes; false for others
  * (the caller then loops over the runs). */
+bool kern_kvq_attn_avx2_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+                             const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs);
 bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                                const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs);
 /* x[d] -> f16 row at dst (unaligned), rounding to nearest even like kvq_f32_to_f16
@@ -69,6 +90,8 @@ void kern_kvq_fwht_avx512(float *x, int n);
 /* kern_kvq_hadamard (inverse: _inv) of x[d] in blocks of b (16 to 256, held in
  * registers), bit for bit. */
 void kern_kvq_hadamard_avx512(float *x, int d, int b, const float *signs, float norm, bool inverse);
+/* The same with b from 8 to 1024 (the butterflies of each stage in vectors of 8). */
+void kern_kvq_hadamard_avx2(float *x, int d, int b, const float *signs, float norm, bool inverse);
 /* The minimum and maximum of a group, in the scalar encoder's order (so which zero, -0
  * or +0, is the minimum: its sign is the bias's). */
 void kern_kvq_group_range(const float *x, int n, float *mn, float *mx);
@@ -77,7 +100,7 @@ void kern_kvq_group_range(const float *x, int n, float *mn, float *mx);
 void kern_kvq_group_params(float mn, float mx, int qmax, uint8_t *sb, float *bias, float *inv);
 /* kern_kvq_quantize_row of 4- and 8-bit rows, groups of a multiple of 16, byte for byte
  * (finite inputs; kv_quant_simd.inc). */
-void kern_kvq_quantize_avx2(const float *x, int d, int bits, int group, uint8_t *dst);
+void kern_kvq_quantize_avx2g(const float *x, int d, int bits, int group, uint8_t *dst);
 void kern_kvq_quantize_avx512g(const float *x, int d, int bits, int group, uint8_t *dst);
 /* Fast unpackers for 2/4/8 bits (others fall back to the scalar one). */
 void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out);

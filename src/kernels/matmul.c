@@ -22,7 +22,7 @@ void kern_matmul(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
 
 int kern_rows16_wanted(uint32_t wtype) {
     const enum kvq_simd level = kvq_simd_level();
-    return (wtype == KVQ_Q4_0 && level >= KVQ_SIMD_AVX2) || (wtype == KVQ_Q8_0 && level == KVQ_SIMD_AVX512);
+    return (wtype == KVQ_Q4_0 || wtype == KVQ_Q8_0) && level >= KVQ_SIMD_AVX2;
 }
 
 size_t kern_rows16_tile_bytes(uint32_t wtype, int64_t k) {

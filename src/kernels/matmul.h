@@ -37,9 +37,9 @@ struct kern_matmul_args {
 void kern_matmul(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
 
 /* The 16-row form of Q8_0 and Q4_0 weights, made once at load time for the
- * AVX-512 kernel (and Q4_0's for the AVX2 one): one vector then holds 4 codes of
- * each of 16 rows, so a token's block is 8 (Q8_0) vpdpbusd against broadcast
- * activations for all 16 rows (AVX2: vpmaddubsw + vpmaddwd per 8 rows), and
+ * AVX-512 and AVX2 kernels: one vector then holds 4 codes of each of 16 rows, so
+ * a token's block is 8 (Q8_0) vpdpbusd against broadcast activations for all 16
+ * rows (AVX2: vpmaddubsw + vpmaddwd per 8 rows), and
  * every row's result is the same sum in the same order whatever the number of
  * tokens (exact int32 block sums, then one FMA per block in block order).
  *   Rows in tiles of 16 (the last one zero-padded); nb = k / 32 blocks per row;

@@ -49,6 +49,7 @@ void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1
 
 /* SIMD activation preparation (same bytes as the scalar one); returns 0 when it
  * does not handle the type. */
+int kern_act_prepare_avx2(uint32_t wtype, const float *x, void *dst, int64_t k);
 int kern_act_prepare_avx512(uint32_t wtype, const float *x, void *dst, int64_t k);
 
 void kern_attn_accumulate_scalar(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,

@@ -95,7 +95,9 @@ static void prepare_q8k(const float *x, struct kern_q8k *dst, int64_t k) {
 }
 
 void kern_act_prepare(uint32_t wtype, const float *x, void *dst, int64_t k) {
-    if (kvq_simd_level() == KVQ_SIMD_AVX512 && kern_act_prepare_avx512(wtype, x, dst, k)) return;
+    const enum kvq_simd level = kvq_simd_level();
+    if (level == KVQ_SIMD_AVX512 && kern_act_prepare_avx512(wtype, x, dst, k)) return;
+    if (level == KVQ_SIMD_AVX2 && kern_act_prepare_avx2(wtype, x, dst, k)) return;
     switch (wtype) {
     case KVQ_Q8_0:
     case KVQ_Q4_0:
