@@ -50,7 +50,7 @@ static void *cuda_alloc(struct backend *b, size_t bytes) {
     void *p = NULL;
     cudaError_t st = cudaMalloc(&p, bytes ? bytes : 1);
     if (st != cudaSuccess) {
-        kvq_error("CUDA: no device memory for %zu bytes (%s)", bytes, cudaGetErrorString(st));
+        kvq_error_code(KVQ_ERR_DEVICE, "CUDA: no device memory for %zu bytes (%s)", bytes, cudaGetErrorString(st));
         (void)b;
         return NULL;
     }
@@ -70,7 +70,7 @@ static void *cuda_host_alloc(struct backend *b, size_t bytes) {
     void *p = NULL;
     const cudaError_t e = cudaMallocHost(&p, bytes ? bytes : 1);
     if (e != cudaSuccess) {
-        kvq_error("CUDA: %zu bytes of pinned host memory: %s", bytes, cudaGetErrorString(e));
+        kvq_error_code(KVQ_ERR_DEVICE, "CUDA: %zu bytes of pinned host memory: %s", bytes, cudaGetErrorString(e));
         return NULL;
     }
     return p;
@@ -92,7 +92,7 @@ static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
     struct cuda_backend *cb = cuda(b);
     cb->max_tokens = max_tokens;
     const size_t stage = STAGE_BYTES_PER_TOKEN * (size_t)max_tokens;
-    if (stage > cb->stage_cap && !stage_grow(cb, stage)) return kvq_error("%s", cb->failure);
+    if (stage > cb->stage_cap && !stage_grow(cb, stage)) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
     if (max_tokens > CUK_MATVEC_MAX) {
         cudaFree(cb->x16);
         if ((!cb->deq && !(cb->deq = cuda_alloc(b, DEQ_BYTES))) ||
@@ -128,7 +128,7 @@ static int end_step(struct cuda_backend *cb) {
     cb->qprep_of = NULL;
     for (int i = 0; i < cb->n_dead; i++) cudaFree(cb->dead[i]);
     cb->n_dead = 0;
-    if (cb->failed) return kvq_error("%s", cb->failure);
+    if (cb->failed) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
     return 0;
 }
 
@@ -289,12 +289,12 @@ struct backend *backend_cuda_new(int n_threads) {
     int n = 0;
     cudaError_t st = cudaGetDeviceCount(&n);
     if (st != cudaSuccess || n == 0) {
-        kvq_error("no CUDA device: %s", st != cudaSuccess ? cudaGetErrorString(st) : "none found");
+        kvq_error_code(KVQ_ERR_DEVICE, "no CUDA device: %s", st != cudaSuccess ? cudaGetErrorString(st) : "none found");
         return NULL;
     }
     struct cuda_backend *cb = calloc(1, sizeof *cb);
     if (!cb) {
-        kvq_error("out of memory");
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     cb->base.ops = &cuda_ops;
@@ -311,7 +311,7 @@ struct backend *backend_cuda_new(int n_threads) {
         (st = cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (st = new_events(&cb->work_ev, 1)) != cudaSuccess || (st = new_events(cb->row_ev, ROW_COPIES)) != cudaSuccess ||
         (st = new_events(cb->result_ev, RESULT_SLICES)) != cudaSuccess) {
-        kvq_error("CUDA: cannot start on the device: %s", cudaGetErrorString(st));
+        kvq_error_code(KVQ_ERR_DEVICE, "CUDA: cannot start on the device: %s", cudaGetErrorString(st));
         cuda_free(&cb->base);
         return NULL;
     }
@@ -320,7 +320,7 @@ struct backend *backend_cuda_new(int n_threads) {
     cb->n_sm = prop.multiProcessorCount;
     cb->uva = prop.unifiedAddressing != 0;
     if (cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS) {
-        kvq_error("cuBLAS: cannot start");
+        kvq_error_code(KVQ_ERR_DEVICE, "cuBLAS: cannot start");
         cuda_free(&cb->base);
         return NULL;
     }

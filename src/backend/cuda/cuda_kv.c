@@ -52,7 +52,8 @@ static bool arena_grow(struct arena **list, bool pinned, size_t cap) {
     if (st != cudaSuccess) {
         free(n);
         cudaGetLastError();
-        kvq_error("CUDA: no %s memory for the KV cache (%s)", pinned ? "pinned host" : "device", cudaGetErrorString(st));
+        kvq_error_code(KVQ_ERR_DEVICE, "CUDA: no %s memory for the KV cache (%s)", pinned ? "pinned host" : "device",
+                       cudaGetErrorString(st));
         return false;
     }
     n->cap = cap;
@@ -325,10 +326,11 @@ int cuda_reserve_kv(struct backend *b, size_t bytes) {
         cudaFree(cb->rb_d);
         cb->rb_d = NULL;
         cb->rb_cap = 0;
-        if (!ck(cb, cudaMalloc((void **)&cb->rb_d, bytes), "device memory for new KV rows")) return kvq_error("%s", cb->failure);
+        if (!ck(cb, cudaMalloc((void **)&cb->rb_d, bytes), "device memory for new KV rows"))
+            return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
         cb->rb_cap = bytes;
     }
-    if (bytes > cb->rb_h_cap && !rb_host_make(cb, bytes)) return kvq_error("%s", cb->failure);
+    if (bytes > cb->rb_h_cap && !rb_host_make(cb, bytes)) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
     return 0;
 }
 
@@ -369,7 +371,7 @@ static float *defer_rows(struct cuda_backend *cb, int n, int H, int D) {
 int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k,
                           const float *v, const struct be_rope *r) {
     struct cuda_backend *cb = cuda(b);
-    if (n_seqs <= 0 || cb->failed) return cb->failed ? kvq_error("%s", cb->failure) : 0;
+    if (n_seqs <= 0 || cb->failed) return cb->failed ? kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure) : 0;
     const int n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
     step_op(cb, n_tok, false);
     cb->qprep_of = NULL;
@@ -377,11 +379,11 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
     const int H = sh->n_kv_heads, D = sh->head_dim;
     if (!cuk_attention_head_dim_supported(D))
-        return kvq_error("the CUDA backend takes head sizes 64, 128 and 256, not %d", D);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "the CUDA backend takes head sizes 64, 128 and 256, not %d", D);
     if (cb->n_pending + n_seqs > cb->cap_pending) {
         int cap = 2 * (cb->n_pending + n_seqs);
         struct pending_append *pa = realloc(cb->pending, sizeof *pa * (size_t)cap);
-        if (!pa) return kvq_error("out of memory");
+        if (!pa) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
         cb->pending = pa;
         cb->cap_pending = cap;
     }
@@ -392,7 +394,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
         }
     }
     size_t toks_off = stage_alloc(cb, sizeof(struct cuk_enc_tok) * (size_t)(seqs[n_seqs - 1].first + seqs[n_seqs - 1].n));
-    if (toks_off == (size_t)-1) return kvq_error("%s", cb->failure);
+    if (toks_off == (size_t)-1) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
     struct kv_view views[MAX_FORMATS];
     int n_fmt = 0, k_tok = 0;
     int first[MAX_FORMATS + 1] = {0};
@@ -400,7 +402,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
         free(cb->seq_fmt);
         cb->seq_fmt = malloc(sizeof(int) * (size_t)n_seqs);
         cb->cap_seq_fmt = cb->seq_fmt ? n_seqs : 0;
-        if (!cb->seq_fmt) return kvq_error("out of memory");
+        if (!cb->seq_fmt) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     }
     /* windows of each cache up to this batch, then its encode descriptors, grouped by format */
     for (int pass = 0; pass < 2; pass++) {
@@ -412,12 +414,14 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                 kv_cache_view(c, &v);
                 const int32_t p0 = kv_cache_n_past(c) - seqs[s].n;
                 if ((v.k_bits < 16 && v.k_group <= 0) || (v.v_bits < 16 && v.v_group <= 0))
-                    return kvq_error("the CUDA backend has no attention for normal-float KV rows");
+                    return kvq_error_code(KVQ_ERR_UNSUPPORTED,
+                                          "the CUDA backend has no attention for normal-float KV rows");
                 if (!pass) {
                     int g = 0;
                     while (g < n_fmt && !same_format(&views[g], &v)) g++;
                     if (g == n_fmt) {
-                        if (n_fmt == MAX_FORMATS) return kvq_error("more than 4 KV formats in one batch");
+                        if (n_fmt == MAX_FORMATS)
+                            return kvq_error_code(KVQ_ERR_UNSUPPORTED, "more than 4 KV formats in one batch");
                         views[n_fmt++] = v;
                     }
                     cb->seq_fmt[s] = g;
@@ -425,12 +429,12 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                 }
                 if (cb->seq_fmt[s] != f) continue;
                 struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, p0) : NULL;
-                if (v.windows && !m) return kvq_error("%s", cb->failure);
+                if (v.windows && !m) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
                 struct cuda_mirror *tm = m ? m : mirror_of(cb, c);
                 const size_t n = (size_t)seqs[s].n, kb = n * H * v.k_row, vb = n * H * v.v_row,
                              wb = v.windows ? n * H * v.win_row : 0;
                 size_t rb = readback_alloc(cb, kb + vb + 2 * wb);
-                if (rb == (size_t)-1) return kvq_error("%s", cb->failure);
+                if (rb == (size_t)-1) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
                 cb->pending[cb->n_pending++] = (struct pending_append){c, p0, seqs[s].n, rb, rb + kb, rb + kb + vb,
                                                                        rb + kb + vb + wb, v.windows, 0};
                 for (int i = 0; i < seqs[s].n; i++, k_tok++) {
@@ -458,10 +462,10 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
      * the encode below writes over their new rows */
     if (sync_blocks(cb, kv_cache_pool(seqs[0].cache), &views[0], H, n_fmt == 1) != 0) return -1;
     flush_copies(cb);
-    if (ensure_signs(cb, D, views[0].signs) != 0) return kvq_error("%s", cb->failure);
+    if (ensure_signs(cb, D, views[0].signs) != 0) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
     struct cuk_qk_rope rope = {0};
     if (r) {
-        if (!ensure_qprep(cb, n_tok, r->n_head, D)) return kvq_error("%s", cb->failure);
+        if (!ensure_qprep(cb, n_tok, r->n_head, D)) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
         rope = (struct cuk_qk_rope){.q = r->q, .k = r->k, .n_head = r->n_head, .q_norm = dev_vec(cb, r->q_norm),
                                     .k_norm = dev_vec(cb, r->k_norm), .eps = r->eps, .cos = r->cos, .sin = r->sin,
                                     .half = r->half, .pairing = r->pairing, .scale = r->attn_scale};
@@ -493,7 +497,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
         if (r && (vw->k_rot || vw->k_bits < 16)) args.rope.qprep = cb->qprep;
         if (one_row_each && vw->windows && vw->win_span > 0 && (vw->k_bits < 16 || vw->v_bits < 16) &&
             !(args.defer = defer_rows(cb, args.n, H, D)))
-            return kvq_error("%s", cb->failure);
+            return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
         cuk_kv_encode(&cb->q, &args);
         if (args.defer && hold) {
             if (cb->n_held_pack == MAX_FORMATS) launch_held_packs(cb); /* no norm since the last append */
@@ -505,7 +509,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
     }
     prof_end(cb, P_KV_ENCODE, t0);
     if (!cb->q.recording) copy_new_rows(cb); /* recorded: after the segment is issued */
-    if (cb->failed) return kvq_error("%s", cb->failure);
+    if (cb->failed) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
     if (r) {
         cb->qprep_of = r->q;
         cb->qprep_n = n_tok;

@@ -54,7 +54,7 @@ static int add_entry(struct cuda_backend *cb, const void *host, size_t bytes, co
     if (cb->n_ents == cb->cap_ents) {
         int cap = cb->cap_ents ? 2 * cb->cap_ents : 256;
         struct dev_entry *e = realloc(cb->ents, sizeof *e * (size_t)cap);
-        if (!e) return kvq_error("out of memory");
+        if (!e) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
         cb->ents = e;
         cb->cap_ents = cap;
     }
@@ -63,11 +63,13 @@ static int add_entry(struct cuda_backend *cb, const void *host, size_t bytes, co
     e->host = host;
     e->bytes = bytes;
     cudaError_t st = cudaMalloc((void **)&e->dev, data_bytes ? data_bytes : 1);
-    if (st != cudaSuccess) return kvq_error("CUDA: no device memory for %zu bytes of weights (%s)", data_bytes, cudaGetErrorString(st));
+    if (st != cudaSuccess)
+        return kvq_error_code(KVQ_ERR_DEVICE, "CUDA: no device memory for %zu bytes of weights (%s)", data_bytes,
+                              cudaGetErrorString(st));
     if (data) st = cudaMemcpy(e->dev, data, data_bytes, cudaMemcpyHostToDevice);
     if (st != cudaSuccess) {
         cudaFree(e->dev);
-        return kvq_error("CUDA: copying weights: %s", cudaGetErrorString(st));
+        return kvq_error_code(KVQ_ERR_DEVICE, "CUDA: copying weights: %s", cudaGetErrorString(st));
     }
     cb->n_ents++;
     qsort(cb->ents, (size_t)cb->n_ents, sizeof *cb->ents, ent_cmp);
@@ -79,8 +81,8 @@ static int add_entry(struct cuda_backend *cb, const void *host, size_t bytes, co
 int cuda_upload_weight(struct backend *b, const struct weight *w) {
     struct cuda_backend *cb = cuda(b);
     if (!cuk_type_supported(w->type) || w->cols % 8 != 0)
-        return kvq_error("the CUDA backend cannot multiply %s weights of %lld columns", kvq_dtype_name(w->type),
-                         (long long)w->cols);
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "the CUDA backend cannot multiply %s weights of %lld columns",
+                              kvq_dtype_name(w->type), (long long)w->cols);
     struct dev_entry *e;
     if (!cuk_repacked(w->type)) {
         if (add_entry(cb, w, sizeof *w, w->data, w->row_bytes * (size_t)w->rows, &e) != 0) return -1;
@@ -104,7 +106,9 @@ int cuda_upload_weight(struct backend *b, const struct weight *w) {
     }
     if (st == cudaSuccess) st = cudaStreamSynchronize(cb->stream);
     cudaFree(raw);
-    if (st != cudaSuccess) return kvq_error("CUDA: repacking a weight of %zu bytes: %s", raw_bytes, cudaGetErrorString(st));
+    if (st != cudaSuccess)
+        return kvq_error_code(KVQ_ERR_DEVICE, "CUDA: repacking a weight of %zu bytes: %s", raw_bytes,
+                              cudaGetErrorString(st));
     return 0;
 }
 
