@@ -46,6 +46,13 @@ static struct kvq_grammar *grammar(const struct kvq_model *m, int i) {
     return g;
 }
 
+/* Seconds the model's first grammar takes (it builds the vocabulary's tables). */
+static double first_grammar_s(const struct kvq_model *m) {
+    const double t0 = now();
+    kvq_grammar_free(grammar(m, 0));
+    return now() - t0;
+}
+
 struct seq {
     struct kvq_grammar *g;
     struct kvq_sampler *s;
@@ -111,10 +118,7 @@ static void bench_model(const char *path, int threads, int steps) {
     cp.n_seq = B;
     cp.n_threads = threads;
     struct kvq_context *c = kvq_context_new(m, &cp);
-    double t0 = now();
-    struct kvq_grammar *first = grammar(m, 0);
-    const double t_vocab = now() - t0;
-    kvq_grammar_free(first);
+    const double t_vocab = first_grammar_s(m);
     struct seq q[B];
     seqs_new(m, q, info.n_vocab);
     const char *prompt = "The configuration is written as JSON:\n";
@@ -162,10 +166,7 @@ static void bench_vocab(const char *path, int steps) {
     struct kvq_model *m = loaded(kvq_model_load_vocab(path));
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
-    double t0 = now();
-    struct kvq_grammar *first = grammar(m, 0);
-    const double t_vocab = now() - t0;
-    kvq_grammar_free(first);
+    const double t_vocab = first_grammar_s(m);
     struct seq q[B];
     seqs_new(m, q, info.n_vocab);
     float *logits[B];

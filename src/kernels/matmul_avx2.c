@@ -367,6 +367,28 @@ INLINE void rows16_store(const struct kern_rows16_tile *tl, const int T, __m256 
     }
 }
 
+/* The next tile's block b: its codes (cb bytes) and its 16 rows' f16 scales. */
+INLINE void rows16_prefetch(const uint8_t *pf, int64_t b, int64_t nb, size_t cb) {
+    for (size_t o = 0; o < cb; o += 64) _mm_prefetch((const char *)pf + (size_t)b * cb + o, _MM_HINT_T0);
+    _mm_prefetch((const char *)pf + (size_t)nb * cb + 32 * (size_t)b, _MM_HINT_T0);
+}
+
+/* acc[t] += s[t] * the 16 rows' scales of block b * token t's block scale (at dx, rows
+ * xrb bytes apart). */
+INLINE void rows16_scale(const uint8_t *sc, int64_t b, const uint8_t *dx, size_t xrb, const int T,
+                         __m256i s[][2], __m256 acc[][2]) {
+    const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b))),
+                 ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b + 16)));
+    UNROLL
+    for (int t = 0; t < T; t++) {
+        float x;
+        memcpy(&x, dx + (size_t)t * xrb, 4);
+        const __m256 d = _mm256_set1_ps(x);
+        acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][0]), _mm256_mul_ps(ws0, d), acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][1]), _mm256_mul_ps(ws1, d), acc[t][1]);
+    }
+}
+
 /* One token group of a tile (matmul_tiles.h), the next tile prefetched a block at a
  * time. */
 INLINE void rows16_q4_0_tokens(const struct kern_rows16_tile *tl, const int T) {
@@ -379,10 +401,7 @@ INLINE void rows16_q4_0_tokens(const struct kern_rows16_tile *tl, const int T) {
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = tile + (size_t)b * cb;
-        if (pf) { /* the next tile's block b */
-            for (size_t o = 0; o < cb; o += 64) _mm_prefetch((const char *)pf + (size_t)b * cb + o, _MM_HINT_T0);
-            _mm_prefetch((const char *)pf + (size_t)nb * cb + 32 * (size_t)b, _MM_HINT_T0);
-        }
+        if (pf) rows16_prefetch(pf, b, nb, cb);
         const size_t h = (size_t)(b & 1);
         const uint8_t *xb = xa + (size_t)(b / 2) * KERN_PAIR_BYTES;
         __m256i s[ROWS16_TOKENS][2];
@@ -412,16 +431,7 @@ INLINE void rows16_q4_0_tokens(const struct kern_rows16_tile *tl, const int T) {
                 }
             }
         }
-        const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b))),
-                     ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b + 16)));
-        UNROLL
-        for (int t = 0; t < T; t++) {
-            float dx;
-            memcpy(&dx, xb + (size_t)t * xrb + 72 + 4 * h, 4);
-            const __m256 d = _mm256_set1_ps(dx);
-            acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][0]), _mm256_mul_ps(ws0, d), acc[t][0]);
-            acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][1]), _mm256_mul_ps(ws1, d), acc[t][1]);
-        }
+        rows16_scale(sc, b, xb + 72 + 4 * h, xrb, T, s, acc);
     }
     rows16_store(tl, T, acc);
 }
@@ -439,10 +449,7 @@ INLINE void rows16_q8_0_tokens(const struct kern_rows16_tile *tl, const int T) {
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = tile + (size_t)b * cb;
-        if (pf) { /* the next tile's block b */
-            for (size_t o = 0; o < cb; o += 64) _mm_prefetch((const char *)pf + (size_t)b * cb + o, _MM_HINT_T0);
-            _mm_prefetch((const char *)pf + (size_t)nb * cb + 32 * (size_t)b, _MM_HINT_T0);
-        }
+        if (pf) rows16_prefetch(pf, b, nb, cb);
         const size_t h = (size_t)(b & 1);
         const uint8_t *xb = xa + (size_t)(b / 2) * KERN_PAIR_BYTES;
         __m256i s[ROWS16_TOKENS][2];
@@ -467,16 +474,7 @@ INLINE void rows16_q8_0_tokens(const struct kern_rows16_tile *tl, const int T) {
                 }
             }
         }
-        const __m256 ws0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b))),
-                     ws1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32 * b + 16)));
-        UNROLL
-        for (int t = 0; t < T; t++) {
-            float dx;
-            memcpy(&dx, xb + (size_t)t * xrb + 72 + 4 * h, 4);
-            const __m256 d = _mm256_set1_ps(dx);
-            acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][0]), _mm256_mul_ps(ws0, d), acc[t][0]);
-            acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t][1]), _mm256_mul_ps(ws1, d), acc[t][1]);
-        }
+        rows16_scale(sc, b, xb + 72 + 4 * h, xrb, T, s, acc);
     }
     rows16_store(tl, T, acc);
 }
