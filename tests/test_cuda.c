@@ -27,6 +27,7 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "core/dtype.h"
 #include "kernels/f16.h"
+#include "kernels/kv_quant.h"
 #include "kernels/matmul.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
@@ -182,6 +183,16 @@ static void test_cache_kinds(void) {
     kv_set(&kv, 3, 5);
     kv.k_group = kv.v_group = 32;
     compare_config(m, "K3V5 group 32", &kv, 200, 16, 16, 1e-3);
+    kv_set(&kv, 4, 3);
+    kv.k_group = kv.v_group = KVQ_KV_NF;
+    compare_config(m, "K4V3 normal-float", &kv, 300, 16, 24, 1e-3);
+    compare_config(m, "K4V3 normal-float, TF32 prefill", &kv, 300, 128, 8, 2e-3);
+    kv_set(&kv, 3, 2);
+    kv.k_group = kv.v_group = KVQ_KV_NF;
+    compare_config(m, "K3V2 normal-float", &kv, 300, 16, 24, 3e-2);
+    kv_set(&kv, 5, 4);
+    kv.k_group = kv.v_group = KVQ_KV_NF;
+    compare_config(m, "K5V4 normal-float (split kernel)", &kv, 200, 16, 16, 1e-3);
     kv_set(&kv, 8, 8);
     kv.max_size = 128;
     kv.keep = 4;
@@ -891,6 +902,53 @@ static void attn_case_run(struct backend *be, const struct attn_case *ac) {
     free(k), free(v), free(q), free(out), free(ref), free(scratch);
 }
 
+/* Squared error of row r (bits, normal-float) against x[d]. */
+static double nf_row_error(const uint8_t *r, int bits, const float *x, int d) {
+    float y[KERN_KVQ_MAX_DIM];
+    kern_kvq_dequantize_row(r, d, bits, KERN_KVQ_NF, y);
+    double e = 0;
+    for (int i = 0; i < d; i++) e += ((double)y[i] - x[i]) * ((double)y[i] - x[i]);
+    return e;
+}
+
+/* Normal-float rows encoded on the device against the host's, row by row. The device
+ * sums each candidate scale's error in another order than the host, so where two
+ * candidates tie to float precision it may keep the other: such a row may differ, but
+ * (without rotation and offsets, where its input is the appended row itself) its error
+ * must equal the host's to float precision; and such ties are rare. */
+static void compare_nf_rows(const struct attn_case *ac, struct kv_cache *dev, struct kv_cache *host, const float *all,
+                            int n_tok) {
+    struct kv_view a, b;
+    kv_cache_view(dev, &a);
+    kv_cache_view(host, &b);
+    const int H = ac->n_kv, D = ac->D;
+    const bool plain = !a.k_rot && !a.v_rot && !a.mu;
+    int rows = 0, differ = 0;
+    double worst = 0; /* the largest (device error - host error) / host error of a differing row */
+    for (int p = 0; p < n_tok; p++)
+        for (int h = 0; h < H; h++)
+            for (int side = 0; side < 2; side++) {
+                const size_t row = side ? a.v_row : a.k_row, at = (size_t)h * a.head_bytes +
+                                                                   (side ? (size_t)KV_BLOCK_TOKENS * a.k_row : 0) +
+                                                                   (size_t)(p % KV_BLOCK_TOKENS) * row;
+                const uint8_t *ra = a.blk[kv_view_entry(&a, p)]->data + at, *rb = b.blk[kv_view_entry(&b, p)]->data + at;
+                rows++;
+                if (memcmp(ra, rb, row) == 0) continue;
+                differ++;
+                if (plain) {
+                    const int bits = side ? a.v_bits : a.k_bits;
+                    const float *x = all + ((size_t)(side ? 224 : 0) + p) * H * D + (size_t)h * D;
+                    const double ed = nf_row_error(ra, bits, x, D), eh = nf_row_error(rb, bits, x, D);
+                    worst = fmax(worst, (ed - eh) / (eh + 1e-30));
+                }
+            }
+    printf("device append %-36s %d of %d normal-float rows differ from the host's (error up to %.1e more)\n",
+           ac->name, differ, rows, worst);
+    CHECK(rows == 2 * n_tok * H && differ * 100 <= rows, "%s: %d of %d device-encoded rows differ from the host's",
+          ac->name, differ, rows);
+    CHECK(worst <= 1e-5, "%s: a device-encoded row's error is %g above the host's", ac->name, worst);
+}
+
 /* Appends through the backend (rows encoded on the device, the host's copy read back
  * at sync) leave the cache byte for byte as host appends of the same keys and values. */
 static void test_device_append(struct backend *be, const struct attn_case *ac) {
@@ -903,6 +961,9 @@ static void test_device_append(struct backend *be, const struct attn_case *ac) {
      * chunk across that point is encoded without them on the device and again on the
      * host from its f16 window rows, close to but not the bits of a host append */
     const int H = ac->n_kv, D = ac->D, chunks[] = {40, 60, 28, 64, 1, 1, 30};
+    const bool nf = ac->group == KERN_KVQ_NF;
+    float *all = malloc(sizeof(float) * 2 * 224 * H * D); /* every token's keys, then values */
+    int n_all = 0;
     float *k = malloc(sizeof(float) * 64 * H * D), *v = malloc(sizeof(float) * 64 * H * D);
     float *dk = be->ops->alloc(be, sizeof(float) * 64 * H * D), *dv = be->ops->alloc(be, sizeof(float) * 64 * H * D);
     for (size_t c = 0; c < sizeof chunks / sizeof chunks[0] && dev && host; c++) {
@@ -919,6 +980,19 @@ static void test_device_append(struct backend *be, const struct attn_case *ac) {
         CHECK(be->ops->kv_append(be, &ap, 1, dk, dv, NULL) == 0 && be->ops->sync(be) == 0, "%s: device append: %s",
               ac->name, kvq_last_error());
         CHECK(kv_cache_append(host, n, k, v) == 0, "%s: host append", ac->name);
+        memcpy(all + (size_t)n_all * H * D, k, sizeof(float) * n * H * D);
+        memcpy(all + (size_t)(224 + n_all) * H * D, v, sizeof(float) * n * H * D);
+        n_all += n;
+    }
+    if (nf && dev && host) {
+        compare_nf_rows(ac, dev, host, all, n_all);
+        free(all), free(k), free(v);
+        be->ops->release(be, dk);
+        be->ops->release(be, dv);
+        kv_cache_free(dev);
+        kv_cache_free(host);
+        kv_pool_free(pool);
+        return;
     }
     struct kv_buf a = {0}, b = {0};
     kv_cache_save(dev, &a);
@@ -939,7 +1013,7 @@ static void test_device_append(struct backend *be, const struct attn_case *ac) {
     printf("\n");
     CHECK(a.len == b.len && memcmp(a.data, b.data, a.len) == 0, "%s: device-encoded cache differs from host-encoded",
           ac->name);
-    free(a.data), free(b.data), free(k), free(v);
+    free(a.data), free(b.data), free(k), free(v), free(all);
     be->ops->release(be, dk);
     be->ops->release(be, dv);
     kv_cache_free(dev);
@@ -986,9 +1060,23 @@ static void test_attention(void) {
         {"K8V4 GQA 4, 40 KV heads", 128, 160, 40, 8, 4, 64, 32, 4, 0, 0, 1},
         {"K4V4 GQA 4, 40 KV heads", 128, 160, 40, 4, 4, 64, 32, 4, 0, 0, 1},
         {"f16 GQA 4, 40 KV heads", 128, 160, 40, 16, 16, 64, 0, 0, 0, 0, 0},
+        /* normal-float rows: K4V3 and K3V2 on the tensor cores (rows on any byte
+         * boundary), the others on the split kernel */
+        {"K4V3 nf R32, GQA 4", 128, 8, 2, 4, 3, KERN_KVQ_NF, 32, 4, 0, 0, 1},
+        {"K3V2 nf R32, GQA 2, D 64", 64, 4, 2, 3, 2, KERN_KVQ_NF, 32, 4, 0, 0, 1},
+        {"K4V3 nf R0 no rotation, GQA 7", 128, 14, 2, 4, 3, KERN_KVQ_NF, 0, 0, 0, 0, 0},
+        {"K3V2 nf R0 no rotation, D 64", 64, 4, 4, 3, 2, KERN_KVQ_NF, 0, 0, 0, 0, 0},
+        {"K4V3 nf D256 R32, GQA 4, one KV head", 256, 4, 1, 4, 3, KERN_KVQ_NF, 32, 4, 0, 0, 1},
+        {"K3V2 nf D256 R0, GQA 2", 256, 4, 2, 3, 2, KERN_KVQ_NF, 0, 0, 0, 0, 1},
+        {"K3V2 nf sliding window 100 (rotating)", 128, 4, 1, 3, 2, KERN_KVQ_NF, 32, 4, 100, 100, 1},
+        {"K4V3 nf GQA 4, 40 KV heads", 128, 160, 40, 4, 3, KERN_KVQ_NF, 32, 4, 0, 0, 1},
+        {"K5V4 nf R32 (split kernel)", 128, 8, 2, 5, 4, KERN_KVQ_NF, 32, 4, 0, 0, 1},
+        {"K2V2 nf R0 D256 no rotation (split kernel)", 256, 4, 1, 2, 2, KERN_KVQ_NF, 0, 0, 0, 0, 0},
+        {"K4V4 nf R32, GQA 16 (split kernel)", 64, 32, 2, 4, 4, KERN_KVQ_NF, 32, 4, 0, 0, 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) attn_case_run(be, &cases[i]);
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_device_append(be, &cases[i]);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (cases[i].max_size == 0 || cases[i].group != KERN_KVQ_NF) test_device_append(be, &cases[i]);
     be->ops->free(be);
 }
 #endif

@@ -13,13 +13,10 @@ bool kern_kvq_bits_quantized(int bits) {
 
 bool kern_kvq_nf_bits(int bits) { return bits >= 2 && bits <= 5; }
 
-/* round(127.5 + l * 127.5 / l_max) for the Lloyd-Max levels l of N(0,1) */
-static const uint8_t nf_levels2[4] = {0, 89, 166, 255};
-static const uint8_t nf_levels3[8] = {0, 48, 83, 113, 142, 172, 207, 255};
-static const uint8_t nf_levels4[16] = {0, 31, 52, 69, 84, 97, 109, 122, 133, 146, 158, 171, 186, 203, 224, 255};
-static const uint8_t nf_levels5[32] = {0,   22,  37,  48,  57,  66,  73,  80,  86,  92,  98,
-                                       104, 109, 114, 120, 125, 130, 135, 141, 146, 151, 157,
-                                       163, 169, 175, 182, 189, 198, 207, 218, 233, 255};
+static const uint8_t nf_levels2[4] = KERN_KVQ_NF_LEVELS2;
+static const uint8_t nf_levels3[8] = KERN_KVQ_NF_LEVELS3;
+static const uint8_t nf_levels4[16] = KERN_KVQ_NF_LEVELS4;
+static const uint8_t nf_levels5[32] = KERN_KVQ_NF_LEVELS5;
 
 const uint8_t *kern_kvq_nf_levels(int bits) {
     static const uint8_t *const t[6] = {NULL, NULL, nf_levels2, nf_levels3, nf_levels4, nf_levels5};

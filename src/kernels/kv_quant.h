@@ -31,6 +31,14 @@
 
 #define KERN_KVQ_MAX_DIM 1024 /* largest head_dim the kernels accept */
 #define KERN_KVQ_NF (-1)       /* group of a normal-float row (see above) */
+/* The level bytes of normal-float rows of 2..5 bits, round(127.5 + l * 127.5 / l_max)
+ * for the Lloyd-Max levels l of N(0,1) (kern_kvq_nf_levels; the CUDA kernels' too). */
+#define KERN_KVQ_NF_LEVELS2 {0, 89, 166, 255}
+#define KERN_KVQ_NF_LEVELS3 {0, 48, 83, 113, 142, 172, 207, 255}
+#define KERN_KVQ_NF_LEVELS4 {0, 31, 52, 69, 84, 97, 109, 122, 133, 146, 158, 171, 186, 203, 224, 255}
+#define KERN_KVQ_NF_LEVELS5                                                                                          \
+    {0, 22, 37, 48, 57, 66, 73, 80, 86, 92, 98, 104, 109, 114, 120, 125,                                              \
+     130, 135, 141, 146, 151, 157, 163, 169, 175, 182, 189, 198, 207, 218, 233, 255}
 
 /* True for a quantized bit width (2,3,4,5,6,8). */
 bool kern_kvq_bits_quantized(int bits);

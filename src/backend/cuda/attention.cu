@@ -16,6 +16,7 @@
 #include <math.h>
 
 #include "backend/cuda/attention.cuh"
+#include "backend/cuda/nf_rows.cuh"
 #include "backend/cuda/qk_prep.cuh"
 #include "backend/cuda/round_x.cuh"
 
@@ -26,7 +27,8 @@
 
 static __device__ __forceinline__ float h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 
-/* Values [e0, e0 + 8) of a row of D values in `bits` (BITS when known at compile time). */
+/* Values [e0, e0 + 8) of a row of D values in `bits` (BITS when known at compile time);
+ * group KERN_KVQ_NF: a normal-float row (its codes index the level bytes). */
 template <int BITS>
 static __device__ __forceinline__ void load8(const uint8_t *row, int e0, int D, int bits, int group, float v[8]) {
     const int b = BITS ? BITS : bits;
@@ -55,9 +57,16 @@ static __device__ __forceinline__ void load8(const uint8_t *row, int e0, int D, 
     } else {
         for (int i = 0; i < b; i++) w |= (uint64_t)c[i] << (8 * i);
     }
+    const uint32_t mask = (1u << b) - 1;
+    if (!BITS && group == KERN_KVQ_NF) {
+        const uint8_t *u = nf_levels(b);
+        const float sc = nf_scale(row[D * b / 8]), bias = -127.5f * sc;
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = sc * (float)u[(uint32_t)(w >> (b * i)) & mask] + bias;
+        return;
+    }
     const uint8_t *sb = row + D * b / 8 + 4 * (e0 / group);
     const float sc = h2f(*(const uint16_t *)sb), bias = h2f(*(const uint16_t *)(sb + 2));
-    const uint32_t mask = (1u << b) - 1;
     /* code as float without the conversion instruction (an eighth of the FMA rate):
      * the code in the mantissa of 2^23, then 2^23 subtracted, exactly */
 #pragma unroll
@@ -406,8 +415,10 @@ static void launch_formats(cuk_queue *qu, const cuk_attn_args *a) {
         return;
     }
     const int kb = a->k_bits, vb = a->v_bits;
-    /* packed rows must sit on 4-byte boundaries for the word loads of 4 and 8 bits */
-    const bool aligned = a->k_row % 4 == 0 && a->v_row % 4 == 0 && a->head_bytes % 16 == 0;
+    /* packed rows must sit on 4-byte boundaries for the word loads of 4 and 8 bits;
+     * normal-float rows take the generic loads */
+    const bool aligned = a->k_row % 4 == 0 && a->v_row % 4 == 0 && a->head_bytes % 16 == 0 &&
+                         a->k_group != KERN_KVQ_NF && a->v_group != KERN_KVQ_NF;
     if (kb == 16 && vb == 16) launch<D, 16, 16>(qu, a);
     else if (aligned && kb == 8 && vb == 8) launch<D, 8, 8>(qu, a);
     else if (aligned && kb == 8 && vb == 4) launch<D, 8, 4>(qu, a);

@@ -33,6 +33,7 @@
 #include "backend/cuda/attention.cuh"
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/mma.cuh"
+#include "backend/cuda/nf_rows.cuh"
 extern "C" {
 #include "kernels/kv_quant.h"
 }
@@ -141,14 +142,29 @@ static __host__ __device__ constexpr int n_stages() {
     return D > 128 ? 1 : 2;
 }
 
-/* kern_kvq_row_bytes at compile time (attn_tile_takes checks they agree). */
+/* kern_kvq_row_bytes at compile time (attn_tile_takes checks they agree); GS
+ * KERN_KVQ_NF: a normal-float row, its scale byte after the codes. */
 template <int D, int BITS, int GS>
 static __host__ __device__ constexpr size_t row_bytes() {
-    return (size_t)D * BITS / 8 + (BITS < 16 ? 4 * (size_t)(D / GS) : 0);
+    return (size_t)D * BITS / 8 + (BITS < 16 ? (GS < 0 ? 1 : 4 * (size_t)(D / GS)) : 0);
 }
 
-/* GS: the group size of the packed sides (D for f16), so every index into the
- * per-thread arrays is a constant and they stay in registers. G: query heads a KV
+/* A packed side's groups a row: one for normal-float rows (scale s, bias -127.5 s over
+ * the level bytes), none for f16. */
+template <int D, int BITS, int GS>
+static __host__ __device__ constexpr int groups_of() {
+    return BITS < 16 ? D / (GS < 0 ? D : GS) : 1;
+}
+
+/* 8 level bytes (nf_level_bytes) as 4 f16 pairs, in order. */
+static __device__ __forceinline__ uint4 bytes8_to_h8(uint2 b) {
+    return make_uint4(bytes_to_h2(b.x, 0x5140), bytes_to_h2(b.x, 0x5342), bytes_to_h2(b.y, 0x5140),
+                      bytes_to_h2(b.y, 0x5342));
+}
+
+/* GS: the group size of the packed sides (D for f16; KERN_KVQ_NF: normal-float rows,
+ * whose level bytes go to shared memory as the codes of a group of D), so every index
+ * into the per-thread arrays is a constant and they stay in registers. G: query heads a KV
  * head, 1, 2, 4 or 8 (R = G, no idle rows), or 0 for the others (3, 5, 6, 7:
  * R = 8, the group read from a). */
 template <int D, int KB, int VB, int GS, int G, bool PREFILL>
@@ -162,10 +178,11 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     constexpr bool WD = D > 128;
     constexpr int DW = WD ? D / 4 : D, R = G > 0 ? G : 8, LD = D + 8, QW = 8 / R;
     constexpr int NTI = PREFILL || WD ? 8 : 2, KS = PREFILL || WD ? 4 : 1;
-    constexpr bool KN = KB == 4, VN = VB == 4; /* sides in nibble_pos order */
+    constexpr bool NF = GS < 0;
+    constexpr bool KN = KB == 4 && !NF, VN = VB == 4 && !NF; /* sides in nibble_pos order */
     constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
     constexpr int NST = n_stages<D>();
-    constexpr int KG = KB < 16 ? GS : D, VG = VB < 16 ? GS : D, nkg = D / KG, nvg = D / VG;
+    constexpr int nkg = groups_of<D, KB, GS>(), nvg = groups_of<D, VB, GS>(), KG = D / nkg, VG = D / nvg;
     /* a warp's dimensions [dw0, dw0 + DW) in groups of KGW (VGW), at most a group */
     constexpr int KGW = KG < DW ? KG : DW, VGW = VG < DW ? VG : DW;
     /* (scale, bias) words a thread stages per side */
@@ -333,6 +350,11 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             item_at(k, D / 8, r, c);
             const bool in = p0 + r >= lo && p0 + r <= hi;
             rk[k] = rv[k] = make_uint2(0, 0);
+            if (NF) { /* a unit of 8 codes: KB (VB) bytes, on any byte boundary */
+                if (in) rk[k].x = nf_unit_bits<KB>(hb + (size_t)r * KROW + c * KB);
+                if (in) rv[k].x = nf_unit_bits<VB>(hb + (size_t)TILE * KROW + (size_t)r * VROW + c * VB);
+                continue;
+            }
             if (KB == 8 && in) rk[k] = *(const uint2 *)(hb + (size_t)r * KROW + c * 8);
             if (KB == 4 && in) rk[k].x = *(const uint32_t *)(hb + (size_t)r * KROW + c * 4);
             const uint8_t *vrow = hb + (size_t)TILE * KROW + (size_t)r * VROW;
@@ -347,13 +369,14 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
                 int r, gk;
                 item_at(k, nkg, r, gk);
                 if (p0 + r >= lo && p0 + r <= hi)
-                    rkp[k] = *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
+                    rkp[k] = NF ? hb[(size_t)r * KROW + D * KB / 8] : *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
             }
             if (VB < 16 && u < TILE * nvg) {
                 int r, gv;
                 item_at(k, nvg, r, gv);
                 if (p0 + r >= lo && p0 + r <= hi)
-                    rvp[k] = *(const uint32_t *)(hb + (size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8 + 4 * gv);
+                    rvp[k] = NF ? hb[(size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8]
+                                : *(const uint32_t *)(hb + (size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8 + 4 * gv);
             }
         }
     };
@@ -362,12 +385,23 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         for (int k = 0; k < KU; k++) {
             int r, c;
             item_at(k, D / 8, r, c);
+            if (NF) {
+                *(uint4 *)(ks + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<KB>(rk[k].x));
+                *(uint4 *)(vs + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<VB>(rv[k].x));
+                continue;
+            }
             if (KB < 16) *(uint4 *)(ks + r * LD + c * 8) = codes_to_h8<KB>(rk[k]);
             if (VB < 16) *(uint4 *)(vs + r * LD + c * 8) = codes_to_h8<VB>(rv[k]);
         }
 #pragma unroll
         for (int k = 0; k < NP; k++) {
             const int u = threadIdx.x + k * TILE_THREADS;
+            if (NF && u < TILE) { /* (scale, bias) of the row's one group */
+                const float sk = nf_scale(rkp[k]), sv = nf_scale(rvp[k]);
+                kp[u] = make_float2(sk, -127.5f * sk);
+                vp[u] = make_float2(sv, -127.5f * sv);
+                continue;
+            }
             const __half2 kw = *(const __half2 *)&rkp[k], vw = *(const __half2 *)&rvp[k];
             if (KB < 16 && u < TILE * nkg) kp[u] = __half22float2(kw);
             if (VB < 16 && u < TILE * nvg) vp[u] = __half22float2(vw);
@@ -682,7 +716,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
 template <int D, int KB, int VB, int GS, int G, bool PREFILL>
 static int launch(cuk_queue *qu, const cuk_attn_args *a) {
     static int per_sm;
-    constexpr int groups = D / (KB < 16 ? GS : D) + D / (VB < 16 ? GS : D);
+    constexpr int groups = groups_of<D, KB, GS>() + groups_of<D, VB, GS>();
     /* the stages, then for head size 256 the warps' partial scores */
     const size_t smem = n_stages<D>() * (stage_halves<D>() * 2 + (size_t)TILE * groups * sizeof(float2)) +
                         (D > 128 ? 4 * 8 * TILE * sizeof(float) : 0);
@@ -726,6 +760,8 @@ static int launch_gs(cuk_queue *qu, const cuk_attn_args *a) {
 template <int D>
 static int launch_formats(cuk_queue *qu, const cuk_attn_args *a) {
     const int kb = a->k_bits, vb = a->v_bits;
+    if (a->k_group == KERN_KVQ_NF) /* K4V3 or K3V2 normal-float (attn_tile_takes) */
+        return kb == 4 ? launch_g<D, 4, 3, KERN_KVQ_NF>(qu, a) : launch_g<D, 3, 2, KERN_KVQ_NF>(qu, a);
     if (kb == 16 && vb == 16) return launch_g<D, 16, 16, D>(qu, a);
     if (kb == 8 && vb == 8) return launch_gs<D, 8, 8>(qu, a);
     if (kb == 8 && vb == 4) return launch_gs<D, 8, 4>(qu, a);

@@ -242,6 +242,7 @@ static const struct backend_ops cuda_ops = {
     .name = "cuda",
     .host_memory = false,
     .encodes_kv = true,
+    .attends_nf = true,
     .free = cuda_free,
     .reserve = cuda_reserve,
     .reserve_kv = cuda_reserve_kv,

@@ -413,9 +413,6 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                 struct kv_view v;
                 kv_cache_view(c, &v);
                 const int32_t p0 = kv_cache_n_past(c) - seqs[s].n;
-                if ((v.k_bits < 16 && v.k_group <= 0) || (v.v_bits < 16 && v.v_group <= 0))
-                    return kvq_error_code(KVQ_ERR_UNSUPPORTED,
-                                          "the CUDA backend has no attention for normal-float KV rows");
                 if (!pass) {
                     int g = 0;
                     while (g < n_fmt && !same_format(&views[g], &v)) g++;

@@ -14,6 +14,7 @@
 
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/nf_rows.cuh"
 #include "backend/cuda/qk_prep.cuh"
 
 #define BT 64 /* tokens per KV block (kv_pool.h) */
@@ -39,6 +40,97 @@ static __device__ uint16_t f16_bits(float f) {
 }
 
 static __device__ uint16_t f16_sat(float x) { return f16_bits(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
+
+/* The N values v of each thread summed over the block of D threads, every thread
+ * getting the sums (each in one fixed order). */
+template <int D, int N, typename T>
+static __device__ void block_sums(T (&v)[N]) {
+    __shared__ T part[N][D / 32];
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+        for (int o = 16; o > 0; o >>= 1) v[n] += __shfl_xor_sync(0xffffffffu, v[n], o);
+        if (lane == 0) part[n][w] = v[n];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < N; n++) {
+        T t = part[n][0];
+        for (int k = 1; k < D / 32; k++) t += part[n][k];
+        v[n] = t;
+    }
+    __syncthreads(); /* part is free again */
+}
+
+/* A normal-float code of x at scale s (levels lv, nl of them): the number of level
+ * midpoints below x, each found as the host finds it. */
+static __device__ __forceinline__ int nf_code(float x, float s, const float *lv, int nl) {
+    const float hs = __fmul_rn(0.5f, s);
+    int k = 0;
+    for (int t = 0; t + 1 < nl; t++) k += x > __fmul_rn(hs, lv[t] + lv[t + 1]);
+    return k;
+}
+
+/* Its squared error, summed over the block. */
+template <int D>
+static __device__ float nf_error(float x, float s, const float *lv, int nl) {
+    const float d = __fsub_rn(x, __fmul_rn(s, lv[nf_code(x, s, lv, nl)]));
+    float e[1] = {__fmul_rn(d, d)};
+    block_sums<D>(e);
+    return e[0];
+}
+
+/* Thread i's code of a normal-float row of D values (thread i holds value x) and the
+ * row's scale byte, as the host's encoder chooses them (kernels/kv_quant.c: the best of
+ * 11 clipping points, two least-squares refits, the best of three stored scales; the
+ * first of equal errors each time). The errors are summed in another order than the
+ * host's, so where two candidates' errors tie to float precision either may win. */
+template <int D>
+static __device__ uint32_t nf_encode(float x, int bits, uint32_t &scale_byte) {
+    __shared__ float lv[32], wmax[D / 32];
+    const int nl = 1 << bits, i = threadIdx.x;
+    if (i < nl) lv[i] = (float)nf_levels(bits)[i] - 127.5f;
+    float am = fabsf(x);
+    for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+    if (i % 32 == 0) wmax[i / 32] = am;
+    __syncthreads();
+    float amax = wmax[0];
+    for (int k = 1; k < D / 32; k++) amax = fmaxf(amax, wmax[k]);
+    const float top = lv[nl - 1];
+    auto clip = [&](int a) { return __fdiv_rn(__fmul_rn(amax, __fsub_rn(1.0f, __fmul_rn(0.05f, (float)a))), top); };
+    float e[11];
+#pragma unroll
+    for (int a = 0; a < 11; a++) {
+        const float s = clip(a), d = __fsub_rn(x, __fmul_rn(s, lv[nf_code(x, s, lv, nl)]));
+        e[a] = __fmul_rn(d, d);
+    }
+    block_sums<D>(e);
+    float bs = __fdiv_rn(amax, top), best = INFINITY;
+    for (int a = 0; a < 11; a++)
+        if (e[a] < best) best = e[a], bs = clip(a);
+    for (int it = 0; it < 2 && amax > 0; it++) {
+        const float l = lv[nf_code(x, bs, lv, nl)];
+        double p[2] = {(double)x * l, (double)l * l};
+        block_sums<D>(p);
+        const float sc = p[1] > 0 ? (float)(p[0] / p[1]) : bs, es = nf_error<D>(x, sc, lv, nl);
+        if (!(es < best)) break;
+        best = es, bs = sc;
+    }
+    int e0 = 0; /* the stored scale nearest bs (log2f as the double log2 rounded) */
+    if (bs > 0) {
+        const float f = __fadd_rn(__fmul_rn(12.0f, (float)log2((double)bs)), 216.0f);
+        e0 = f < 1 ? 1 : f > 255 ? 255 : __float2int_rn(f);
+    }
+    uint32_t eb = (uint32_t)e0;
+    best = INFINITY;
+    for (int t = e0 - 1; t <= e0 + 1 && e0; t++) {
+        if (t < 1 || t > 255) continue;
+        const float es = nf_error<D>(x, nf_scale((uint32_t)t), lv, nl);
+        if (es < best) best = es, eb = (uint32_t)t;
+    }
+    scale_byte = eb;
+    return (uint32_t)nf_code(x, nf_scale(eb), lv, nl);
+}
 
 /* Query head h of token tk: norm and RoPE in place, then prepared (qk_prep.cuh) with
  * its constants c. */
@@ -75,58 +167,65 @@ static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, i
         ((__half *)rb)[i] = hz;
         return;
     }
-    /* 4- and 8-bit rows are stored as their values are found; others are assembled in
-     * shared memory, then copied out byte by byte */
-    const bool direct = bits == 8 || bits == 4;
-    const int qmax = (1 << bits) - 1, n_groups = D / group, code_bytes = D * bits / 8;
+    /* uniform 4- and 8-bit rows are stored as their values are found; others are
+     * assembled in shared memory, then copied out byte by byte */
+    const bool nf = group == KERN_KVQ_NF, direct = !nf && (bits == 8 || bits == 4);
+    const int code_bytes = D * bits / 8;
     __shared__ __align__(4) uint8_t out[D + 4 * (D / 8)];
     __shared__ uint8_t codes[D];
-    __shared__ float gsc[D], gbi[D];
-    /* each group's min and max as the host's scan finds them (the first of equal
-     * values: -0 and 0 differ in f16): by shuffles over pieces of up to 32 values,
-     * then over the group's pieces in order (groups of 8 or more, so D / 8 pieces) */
-    const int piece = group < 32 ? group : 32;
-    __shared__ float pmn[D / 8], pmx[D / 8];
-    float mn = z, mx = z;
-    int imn = i, imx = i;
-    for (int o = 1; o < piece; o <<= 1) {
-        const float a = __shfl_xor_sync(0xffffffffu, mn, o), b = __shfl_xor_sync(0xffffffffu, mx, o);
-        const int ia = __shfl_xor_sync(0xffffffffu, imn, o), ib = __shfl_xor_sync(0xffffffffu, imx, o);
-        if (a < mn || (a == mn && ia < imn)) mn = a, imn = ia;
-        if (b > mx || (b == mx && ib < imx)) mx = b, imx = ib;
-    }
-    if (i % piece == 0) pmn[i / piece] = mn, pmx[i / piece] = mx;
-    __syncthreads();
-    if (i < n_groups) {
-        const int p0 = i * (group / piece);
-        mn = pmn[p0], mx = pmx[p0];
-        for (int p = p0 + 1; p < p0 + group / piece; p++) { /* a later piece wins only when beyond */
-            mn = pmn[p] < mn ? pmn[p] : mn;
-            mx = pmx[p] > mx ? pmx[p] : mx;
+    if (nf) {
+        uint32_t e;
+        codes[i] = (uint8_t)nf_encode<D>(z, bits, e);
+        if (i == 0) out[code_bytes] = (uint8_t)e;
+    } else {
+        const int qmax = (1 << bits) - 1, n_groups = D / group;
+        __shared__ float gsc[D], gbi[D];
+        /* each group's min and max as the host's scan finds them (the first of equal
+         * values: -0 and 0 differ in f16): by shuffles over pieces of up to 32 values,
+         * then over the group's pieces in order (groups of 8 or more, so D / 8 pieces) */
+        const int piece = group < 32 ? group : 32;
+        __shared__ float pmn[D / 8], pmx[D / 8];
+        float mn = z, mx = z;
+        int imn = i, imx = i;
+        for (int o = 1; o < piece; o <<= 1) {
+            const float a = __shfl_xor_sync(0xffffffffu, mn, o), b = __shfl_xor_sync(0xffffffffu, mx, o);
+            const int ia = __shfl_xor_sync(0xffffffffu, imn, o), ib = __shfl_xor_sync(0xffffffffu, imx, o);
+            if (a < mn || (a == mn && ia < imn)) mn = a, imn = ia;
+            if (b > mx || (b == mx && ib < imx)) mx = b, imx = ib;
         }
-        const uint16_t sh = f16_sat(__fdiv_rn(__fsub_rn(mx, mn), (float)qmax)), bh = f16_sat(mn);
-        gsc[i] = __half2float(__ushort_as_half(sh));
-        gbi[i] = __half2float(__ushort_as_half(bh));
-        /* code_bytes is even, and so are the rows' addresses */
-        uint16_t *const sb = (uint16_t *)((direct ? dst : out) + code_bytes);
-        sb[2 * i] = sh;
-        sb[2 * i + 1] = bh;
-        if (direct) {
-            ((uint16_t *)(rb + code_bytes))[2 * i] = sh;
-            ((uint16_t *)(rb + code_bytes))[2 * i + 1] = bh;
+        if (i % piece == 0) pmn[i / piece] = mn, pmx[i / piece] = mx;
+        __syncthreads();
+        if (i < n_groups) {
+            const int p0 = i * (group / piece);
+            mn = pmn[p0], mx = pmx[p0];
+            for (int p = p0 + 1; p < p0 + group / piece; p++) { /* a later piece wins only when beyond */
+                mn = pmn[p] < mn ? pmn[p] : mn;
+                mx = pmx[p] > mx ? pmx[p] : mx;
+            }
+            const uint16_t sh = f16_sat(__fdiv_rn(__fsub_rn(mx, mn), (float)qmax)), bh = f16_sat(mn);
+            gsc[i] = __half2float(__ushort_as_half(sh));
+            gbi[i] = __half2float(__ushort_as_half(bh));
+            /* code_bytes is even, and so are the rows' addresses */
+            uint16_t *const sb = (uint16_t *)((direct ? dst : out) + code_bytes);
+            sb[2 * i] = sh;
+            sb[2 * i + 1] = bh;
+            if (direct) {
+                ((uint16_t *)(rb + code_bytes))[2 * i] = sh;
+                ((uint16_t *)(rb + code_bytes))[2 * i + 1] = bh;
+            }
         }
+        __syncthreads();
+        const float sf = gsc[i / group], bf = gbi[i / group], inv = sf > 0 ? __fdiv_rn(1.0f, sf) : 0.0f;
+        const float t = floorf(__fadd_rn(__fmul_rn(__fsub_rn(z, bf), inv), 0.5f));
+        const uint32_t c = (uint32_t)(t < 0 ? 0 : t > (float)qmax ? qmax : (int)t);
+        if (direct) { /* a code a byte, or two (the odd value's in the high nibble) */
+            const uint32_t hi = __shfl_down_sync(0xffffffffu, c, 1);
+            if (bits == 8) dst[i] = rb[i] = (uint8_t)c;
+            else if (i % 2 == 0) dst[i / 2] = rb[i / 2] = (uint8_t)(c | hi << 4);
+            return;
+        }
+        codes[i] = (uint8_t)c;
     }
-    __syncthreads();
-    const float sf = gsc[i / group], bf = gbi[i / group], inv = sf > 0 ? __fdiv_rn(1.0f, sf) : 0.0f;
-    const float t = floorf(__fadd_rn(__fmul_rn(__fsub_rn(z, bf), inv), 0.5f));
-    const uint32_t c = (uint32_t)(t < 0 ? 0 : t > (float)qmax ? qmax : (int)t);
-    if (direct) { /* a code a byte, or two (the odd value's in the high nibble) */
-        const uint32_t hi = __shfl_down_sync(0xffffffffu, c, 1);
-        if (bits == 8) dst[i] = rb[i] = (uint8_t)c;
-        else if (i % 2 == 0) dst[i / 2] = rb[i / 2] = (uint8_t)(c | hi << 4);
-        return;
-    }
-    codes[i] = (uint8_t)c;
     __syncthreads();
     for (int j = i; j < code_bytes; j += D) { /* byte j holds bits [8j, 8j + 8) of the codes, LSB first */
         uint32_t byte = 0;
