@@ -136,10 +136,11 @@ static __host__ __device__ constexpr size_t stage_halves() {
 /* Stages of shared memory a block cycles through: two, so that the next tile loads
  * while one is computed; for head size 256 one (the next tile's packed codes still
  * load into registers during the computation), so that two blocks fit a
- * multiprocessor. */
-template <int D>
+ * multiprocessor; for normal-float rows (GS < 0) one too (their next tile's rows load
+ * into shared memory of their own during the computation), so that three do. */
+template <int D, int GS>
 static __host__ __device__ constexpr int n_stages() {
-    return D > 128 ? 1 : 2;
+    return D > 128 || GS < 0 ? 1 : 2;
 }
 
 /* kern_kvq_row_bytes at compile time (attn_tile_takes checks they agree); GS
@@ -154,6 +155,14 @@ static __host__ __device__ constexpr size_t row_bytes() {
 template <int D, int BITS, int GS>
 static __host__ __device__ constexpr int groups_of() {
     return BITS < 16 ? D / (GS < 0 ? D : GS) : 1;
+}
+
+/* Shared memory of normal-float rows, after the stages and the partial scores: a block
+ * of rows as it is (HEAD bytes, with room for the word after the last row's codes),
+ * then the 256 scales of the scale bytes. */
+template <int D, int KB, int VB, int GS>
+static __host__ __device__ constexpr size_t raw_bytes() {
+    return GS < 0 ? (size_t)TILE * (row_bytes<D, KB, GS>() + row_bytes<D, VB, GS>()) + 16 + 256 * sizeof(float) : 0;
 }
 
 /* 8 level bytes (nf_level_bytes) as 4 f16 pairs, in order. */
@@ -181,7 +190,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     constexpr bool NF = GS < 0;
     constexpr bool KN = KB == 4 && !NF, VN = VB == 4 && !NF; /* sides in nibble_pos order */
     constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
-    constexpr int NST = n_stages<D>();
+    constexpr int NST = n_stages<D, GS>();
     constexpr int nkg = groups_of<D, KB, GS>(), nvg = groups_of<D, VB, GS>(), KG = D / nkg, VG = D / nvg;
     /* a warp's dimensions [dw0, dw0 + DW) in groups of KGW (VGW), at most a group */
     constexpr int KGW = KG < DW ? KG : DW, VGW = VG < DW ? VG : DW;
@@ -343,18 +352,13 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         }
     };
     /* packed sides of a block: raw codes and group words into registers */
-    auto fetch_packed = [&](const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
+    auto fetch_uniform = [&](const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
 #pragma unroll
         for (int k = 0; k < KU; k++) {
             int r, c;
             item_at(k, D / 8, r, c);
             const bool in = p0 + r >= lo && p0 + r <= hi;
             rk[k] = rv[k] = make_uint2(0, 0);
-            if (NF) { /* a unit of 8 codes: KB (VB) bytes, on any byte boundary */
-                if (in) rk[k].x = nf_unit_bits<KB>(hb + (size_t)r * KROW + c * KB);
-                if (in) rv[k].x = nf_unit_bits<VB>(hb + (size_t)TILE * KROW + (size_t)r * VROW + c * VB);
-                continue;
-            }
             if (KB == 8 && in) rk[k] = *(const uint2 *)(hb + (size_t)r * KROW + c * 8);
             if (KB == 4 && in) rk[k].x = *(const uint32_t *)(hb + (size_t)r * KROW + c * 4);
             const uint8_t *vrow = hb + (size_t)TILE * KROW + (size_t)r * VROW;
@@ -369,43 +373,73 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
                 int r, gk;
                 item_at(k, nkg, r, gk);
                 if (p0 + r >= lo && p0 + r <= hi)
-                    rkp[k] = NF ? hb[(size_t)r * KROW + D * KB / 8] : *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
+                    rkp[k] = *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
             }
             if (VB < 16 && u < TILE * nvg) {
                 int r, gv;
                 item_at(k, nvg, r, gv);
                 if (p0 + r >= lo && p0 + r <= hi)
-                    rvp[k] = NF ? hb[(size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8]
-                                : *(const uint32_t *)(hb + (size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8 + 4 * gv);
+                    rvp[k] = *(const uint32_t *)(hb + (size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8 + 4 * gv);
             }
         }
     };
-    auto store_packed = [&](__half *ks, __half *vs, float2 *kp, float2 *vp) {
+    auto store_uniform = [&](__half *ks, __half *vs, float2 *kp, float2 *vp) {
 #pragma unroll
         for (int k = 0; k < KU; k++) {
             int r, c;
             item_at(k, D / 8, r, c);
-            if (NF) {
-                *(uint4 *)(ks + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<KB>(rk[k].x));
-                *(uint4 *)(vs + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<VB>(rv[k].x));
-                continue;
-            }
             if (KB < 16) *(uint4 *)(ks + r * LD + c * 8) = codes_to_h8<KB>(rk[k]);
             if (VB < 16) *(uint4 *)(vs + r * LD + c * 8) = codes_to_h8<VB>(rv[k]);
         }
 #pragma unroll
         for (int k = 0; k < NP; k++) {
             const int u = threadIdx.x + k * TILE_THREADS;
-            if (NF && u < TILE) { /* (scale, bias) of the row's one group */
-                const float sk = nf_scale(rkp[k]), sv = nf_scale(rvp[k]);
-                kp[u] = make_float2(sk, -127.5f * sk);
-                vp[u] = make_float2(sv, -127.5f * sv);
-                continue;
-            }
             const __half2 kw = *(const __half2 *)&rkp[k], vw = *(const __half2 *)&rvp[k];
             if (KB < 16 && u < TILE * nkg) kp[u] = __half22float2(kw);
             if (VB < 16 && u < TILE * nvg) vp[u] = __half22float2(vw);
         }
+    };
+    /* normal-float rows lie on any byte boundary: a block's rows as they are, by aligned
+     * 16-byte copies into shared memory (raw), from where store_nf converts them */
+    uint8_t *const raw = smem + NST * stage_bytes + (WD ? 4 * 8 * TILE * sizeof(float) : 0);
+    auto fetch_nf = [&](const uint8_t *hb) {
+        for (int u = threadIdx.x; u < (int)(HEAD / 16); u += TILE_THREADS) cp_async16(raw + 16 * u, hb + 16 * u);
+    };
+    const float *const nf_scales = (const float *)(raw + HEAD + 16);
+    /* every thread, after its copies and a barrier; rows outside the plan's range are
+     * converted too (finite values, masked). Thread t takes units t % (D / 8) of rows
+     * t / (D / 8) + k RS (as item_at): a row step of RS rows keeps each unit's offset
+     * within its word, so one funnel shift serves every k. */
+    auto store_nf = [&](__half *ks, __half *vs, float2 *kp, float2 *vp) {
+        constexpr int RS = TILE_THREADS / (D / 8);
+        static_assert(RS * KROW % 4 == 0 && RS * VROW % 4 == 0 && KU * RS == TILE, "words a row step apart");
+        const uint32_t c = threadIdx.x % (D / 8), r0 = threadIdx.x / (D / 8);
+        const uint32_t ko = r0 * (uint32_t)KROW + c * KB, vo = (uint32_t)(TILE * KROW) + r0 * (uint32_t)VROW + c * VB;
+        const uint32_t *kw = (const uint32_t *)(raw + (ko & ~3u)), *vw = (const uint32_t *)(raw + (vo & ~3u));
+        cp_async_wait_all();
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < KU; k++) {
+            const int r = r0 + k * RS, kk = k * RS * (int)KROW / 4, vk = k * RS * (int)VROW / 4;
+            const uint32_t kx = __funnelshift_r(kw[kk], kw[kk + 1], 8 * (ko & 3u));
+            const uint32_t vx = __funnelshift_r(vw[vk], vw[vk + 1], 8 * (vo & 3u));
+            *(uint4 *)(ks + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<KB>(kx));
+            *(uint4 *)(vs + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<VB>(vx));
+        }
+        for (int r = threadIdx.x; r < TILE; r += TILE_THREADS) { /* (scale, bias) of each row's one group */
+            const float sk = nf_scales[raw[r * KROW + D * KB / 8]], sv = nf_scales[raw[TILE * KROW + r * VROW + D * VB / 8]];
+            kp[r] = make_float2(sk, -127.5f * sk);
+            vp[r] = make_float2(sv, -127.5f * sv);
+        }
+    };
+    auto fetch_packed = [&](const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
+        if constexpr (NF) fetch_nf(hb);
+        else fetch_uniform(hb, p0, lo, hi);
+    };
+    /* called by every thread (store_nf has a barrier) */
+    auto store_packed = [&](__half *ks, __half *vs, float2 *kp, float2 *vp) {
+        if constexpr (NF) store_nf(ks, vs, kp, vp);
+        else store_uniform(ks, vs, kp, vp);
     };
     auto stage = [&](int s, __half *&ks, __half *&vs, float2 *&kp, float2 *&vp) {
         uint8_t *base = smem + (size_t)s * stage_bytes;
@@ -441,6 +475,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * or K4V4 step at 512 rows took 0.5-1.4% less GPU time (H100, llama3-8b). Blocks of
      * more tiles convert after it, beside the queries' loads: converted before it there
      * too, steps of 4096 rows and more took up to 0.9% longer (docs). */
+    if (NF) /* the scales of normal-float rows, once (read after store_nf's barrier) */
+        for (int e = threadIdx.x; e < 256; e += TILE_THREADS) ((float *)nf_scales)[e] = nf_scale((uint32_t)e);
     const tile_at first = tile_src(i0, FROM_TABLE);
     const bool early = first.kind == 0 && min(first.hi, first.p0 + TILE - 1) < P.fresh;
     bool done = early && begin_tile(0, first);
@@ -718,8 +754,8 @@ static int launch(cuk_queue *qu, const cuk_attn_args *a) {
     static int per_sm;
     constexpr int groups = groups_of<D, KB, GS>() + groups_of<D, VB, GS>();
     /* the stages, then for head size 256 the warps' partial scores */
-    const size_t smem = n_stages<D>() * (stage_halves<D>() * 2 + (size_t)TILE * groups * sizeof(float2)) +
-                        (D > 128 ? 4 * 8 * TILE * sizeof(float) : 0);
+    const size_t smem = n_stages<D, GS>() * (stage_halves<D>() * 2 + (size_t)TILE * groups * sizeof(float2)) +
+                        (D > 128 ? 4 * 8 * TILE * sizeof(float) : 0) + raw_bytes<D, KB, VB, GS>();
     if (per_sm == 0) {
         cudaFuncSetAttribute(attn_tile<D, KB, VB, GS, G, PREFILL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attn_tile<D, KB, VB, GS, G, PREFILL>, TILE_THREADS,

@@ -41,80 +41,78 @@ static __device__ uint16_t f16_bits(float f) {
 
 static __device__ uint16_t f16_sat(float x) { return f16_bits(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
 
-/* The N values v of each thread summed over the block of D threads, every thread
- * getting the sums (each in one fixed order). */
-template <int D, int N, typename T>
-static __device__ void block_sums(T (&v)[N]) {
-    __shared__ T part[N][D / 32];
-    const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
-#pragma unroll
-    for (int n = 0; n < N; n++) {
-        for (int o = 16; o > 0; o >>= 1) v[n] += __shfl_xor_sync(0xffffffffu, v[n], o);
-        if (lane == 0) part[n][w] = v[n];
+static __device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ double warp_sum(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* A normal-float row coded by one warp, V values a lane (x, those of lane + 32 j),
+ * with the level table lv and the level pairs' sums l2 (nl levels). */
+template <int V>
+struct nf_warp_row {
+    const float *x, *lv, *l2;
+    int nl;
+    /* the code of x at scale s: the number of level midpoints below it, each midpoint
+     * found as the host finds it */
+    __device__ int code(float x, float s) const {
+        const float hs = __fmul_rn(0.5f, s);
+        int k = 0;
+        for (int t = 0; t + 1 < nl; t++) k += x > __fmul_rn(hs, l2[t]);
+        return k;
     }
-    __syncthreads();
+    /* the row's squared error at scale s (every lane gets it) */
+    __device__ float error(float s) const {
+        float e = 0;
 #pragma unroll
-    for (int n = 0; n < N; n++) {
-        T t = part[n][0];
-        for (int k = 1; k < D / 32; k++) t += part[n][k];
-        v[n] = t;
+        for (int j = 0; j < V; j++) {
+            const float d = __fsub_rn(x[j], __fmul_rn(s, lv[code(x[j], s)]));
+            e = __fadd_rn(e, __fmul_rn(d, d));
+        }
+        return warp_sum(e);
     }
-    __syncthreads(); /* part is free again */
-}
+};
 
-/* A normal-float code of x at scale s (levels lv, nl of them): the number of level
- * midpoints below x, each found as the host finds it. */
-static __device__ __forceinline__ int nf_code(float x, float s, const float *lv, int nl) {
-    const float hs = __fmul_rn(0.5f, s);
-    int k = 0;
-    for (int t = 0; t + 1 < nl; t++) k += x > __fmul_rn(hs, lv[t] + lv[t + 1]);
-    return k;
-}
-
-/* Its squared error, summed over the block. */
-template <int D>
-static __device__ float nf_error(float x, float s, const float *lv, int nl) {
-    const float d = __fsub_rn(x, __fmul_rn(s, lv[nf_code(x, s, lv, nl)]));
-    float e[1] = {__fmul_rn(d, d)};
-    block_sums<D>(e);
-    return e[0];
-}
-
-/* Thread i's code of a normal-float row of D values (thread i holds value x) and the
- * row's scale byte, as the host's encoder chooses them (kernels/kv_quant.c: the best of
- * 11 clipping points, two least-squares refits, the best of three stored scales; the
- * first of equal errors each time). The errors are summed in another order than the
- * host's, so where two candidates' errors tie to float precision either may win. */
-template <int D>
-static __device__ uint32_t nf_encode(float x, int bits, uint32_t &scale_byte) {
-    __shared__ float lv[32], wmax[D / 32];
-    const int nl = 1 << bits, i = threadIdx.x;
-    if (i < nl) lv[i] = (float)nf_levels(bits)[i] - 127.5f;
-    float am = fabsf(x);
-    for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-    if (i % 32 == 0) wmax[i / 32] = am;
-    __syncthreads();
-    float amax = wmax[0];
-    for (int k = 1; k < D / 32; k++) amax = fmaxf(amax, wmax[k]);
+/* The codes (to c, value lane + 32 j at j) and the scale byte of a normal-float row of
+ * 32 V values (x: this lane's) as the host's encoder chooses them (kernels/kv_quant.c:
+ * the best of 11 clipping points, two least-squares refits, the best of three stored
+ * scales; the first of equal errors each time), by one warp: a row's 16 error sums are
+ * a chain, which shuffles keep short. The sums run in another order than the host's,
+ * so where two candidates' errors tie to float precision either may win. */
+template <int V>
+static __device__ uint32_t nf_encode_warp(const float (&x)[V], int bits, uint8_t *c) {
+    __shared__ float lv[32], l2[32];
+    const int nl = 1 << bits, lane = threadIdx.x % 32;
+    if (lane < nl) lv[lane] = (float)nf_levels(bits)[lane] - 127.5f;
+    __syncwarp();
+    if (lane + 1 < nl) l2[lane] = lv[lane] + lv[lane + 1]; /* exact: halves of small integers */
+    __syncwarp();
+    const nf_warp_row<V> row = {x, lv, l2, nl};
+    float amax = 0;
+#pragma unroll
+    for (int j = 0; j < V; j++) amax = fmaxf(amax, fabsf(x[j]));
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float top = lv[nl - 1];
-    auto clip = [&](int a) { return __fdiv_rn(__fmul_rn(amax, __fsub_rn(1.0f, __fmul_rn(0.05f, (float)a))), top); };
-    float e[11];
-#pragma unroll
-    for (int a = 0; a < 11; a++) {
-        const float s = clip(a), d = __fsub_rn(x, __fmul_rn(s, lv[nf_code(x, s, lv, nl)]));
-        e[a] = __fmul_rn(d, d);
-    }
-    block_sums<D>(e);
     float bs = __fdiv_rn(amax, top), best = INFINITY;
-    for (int a = 0; a < 11; a++)
-        if (e[a] < best) best = e[a], bs = clip(a);
+    for (int a = 0; a < 11; a++) {
+        const float s = __fdiv_rn(__fmul_rn(amax, __fsub_rn(1.0f, __fmul_rn(0.05f, (float)a))), top), e = row.error(s);
+        if (e < best) best = e, bs = s;
+    }
     for (int it = 0; it < 2 && amax > 0; it++) {
-        const float l = lv[nf_code(x, bs, lv, nl)];
-        double p[2] = {(double)x * l, (double)l * l};
-        block_sums<D>(p);
-        const float sc = p[1] > 0 ? (float)(p[0] / p[1]) : bs, es = nf_error<D>(x, sc, lv, nl);
-        if (!(es < best)) break;
-        best = es, bs = sc;
+        double sxl = 0, sll = 0;
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+            const double l = lv[row.code(x[j], bs)];
+            sxl += (double)x[j] * l, sll += l * l;
+        }
+        sxl = warp_sum(sxl), sll = warp_sum(sll);
+        const float s = sll > 0 ? (float)(sxl / sll) : bs, e = row.error(s);
+        if (!(e < best)) break;
+        best = e, bs = s;
     }
     int e0 = 0; /* the stored scale nearest bs (log2f as the double log2 rounded) */
     if (bs > 0) {
@@ -125,11 +123,13 @@ static __device__ uint32_t nf_encode(float x, int bits, uint32_t &scale_byte) {
     best = INFINITY;
     for (int t = e0 - 1; t <= e0 + 1 && e0; t++) {
         if (t < 1 || t > 255) continue;
-        const float es = nf_error<D>(x, nf_scale((uint32_t)t), lv, nl);
-        if (es < best) best = es, eb = (uint32_t)t;
+        const float e = row.error(nf_scale((uint32_t)t));
+        if (e < best) best = e, eb = (uint32_t)t;
     }
-    scale_byte = eb;
-    return (uint32_t)nf_code(x, nf_scale(eb), lv, nl);
+    const float s = nf_scale(eb);
+#pragma unroll
+    for (int j = 0; j < V; j++) c[lane + 32 * j] = (uint8_t)row.code(x[j], s);
+    return eb;
 }
 
 /* Query head h of token tk: norm and RoPE in place, then prepared (qk_prep.cuh) with
@@ -173,10 +173,17 @@ static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, i
     const int code_bytes = D * bits / 8;
     __shared__ __align__(4) uint8_t out[D + 4 * (D / 8)];
     __shared__ uint8_t codes[D];
-    if (nf) {
-        uint32_t e;
-        codes[i] = (uint8_t)nf_encode<D>(z, bits, e);
-        if (i == 0) out[code_bytes] = (uint8_t)e;
+    if (nf) { /* the row through shared memory to one warp */
+        __shared__ float zs[D];
+        zs[i] = z;
+        __syncthreads();
+        if (i < 32) {
+            float x[D / 32];
+#pragma unroll
+            for (int j = 0; j < D / 32; j++) x[j] = zs[i + 32 * j];
+            const uint32_t e = nf_encode_warp<D / 32>(x, bits, codes);
+            if (i == 0) out[code_bytes] = (uint8_t)e;
+        }
     } else {
         const int qmax = (1 << bits) - 1, n_groups = D / group;
         __shared__ float gsc[D], gbi[D];

@@ -28,17 +28,6 @@ static __device__ __forceinline__ float nf_scale(uint32_t e) {
     return e ? (float)exp2((double)__fdiv_rn((float)((int)e - 216), 12.0f)) : 0.0f;
 }
 
-/* The 32 bits that start at byte p (a unit of 8 codes of up to 4 bytes), from the
- * aligned words that hold them: the second only where the unit reaches into it, so
- * nothing past the unit's row is read. */
-template <int BITS>
-static __device__ __forceinline__ uint32_t nf_unit_bits(const uint8_t *p) {
-    const uintptr_t at = (uintptr_t)p;
-    const uint32_t *w = (const uint32_t *)(at & ~(uintptr_t)3), sh = (uint32_t)(at & 3);
-    const uint32_t lo = w[0], hi = sh + BITS > 4 ? w[1] : 0u;
-    return __funnelshift_r(lo, hi, 8 * sh);
-}
-
 static __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     uint32_t r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
