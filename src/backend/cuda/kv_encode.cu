@@ -41,31 +41,30 @@ static __device__ uint16_t f16_bits(float f) {
 
 static __device__ uint16_t f16_sat(float x) { return f16_bits(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
 
-static __device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
+/* The N sums of v over the warp, side by side (their shuffles in flight together). */
+template <int N, typename T>
+static __device__ __forceinline__ void warp_sums(T (&v)[N]) {
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int n = 0; n < N; n++) v[n] += __shfl_xor_sync(0xffffffffu, v[n], o);
 }
 
-static __device__ __forceinline__ double warp_sum(double v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-/* A normal-float row coded by one warp, V values a lane (x, those of lane + 32 j),
- * with the level table lv and the level pairs' sums l2 (nl levels). */
-template <int V>
+/* A normal-float row of BITS coded by one warp, V values a lane (x: those of lane +
+ * 32 j), with the level table lv and the sums of neighbouring levels l2. */
+template <int V, int BITS>
 struct nf_warp_row {
     const float *x, *lv, *l2;
-    int nl;
-    /* the code of x at scale s: the number of level midpoints below it, each midpoint
-     * found as the host finds it */
+    /* the code of x at scale s: the number of level midpoints (s / 2) l2[t] below it,
+     * each found as the host finds it, by a binary search (they ascend) */
     __device__ int code(float x, float s) const {
         const float hs = __fmul_rn(0.5f, s);
         int k = 0;
-        for (int t = 0; t + 1 < nl; t++) k += x > __fmul_rn(hs, l2[t]);
+#pragma unroll
+        for (int step = 1 << (BITS - 1); step > 0; step >>= 1)
+            if (x > __fmul_rn(hs, l2[k + step - 1])) k += step;
         return k;
     }
-    /* the row's squared error at scale s (every lane gets it) */
+    /* this lane's share of the row's squared error at scale s */
     __device__ float error(float s) const {
         float e = 0;
 #pragma unroll
@@ -73,63 +72,88 @@ struct nf_warp_row {
             const float d = __fsub_rn(x[j], __fmul_rn(s, lv[code(x[j], s)]));
             e = __fadd_rn(e, __fmul_rn(d, d));
         }
-        return warp_sum(e);
+        return e;
     }
 };
 
 /* The codes (to c, value lane + 32 j at j) and the scale byte of a normal-float row of
  * 32 V values (x: this lane's) as the host's encoder chooses them (kernels/kv_quant.c:
  * the best of 11 clipping points, two least-squares refits, the best of three stored
- * scales; the first of equal errors each time), by one warp: a row's 16 error sums are
- * a chain, which shuffles keep short. The sums run in another order than the host's,
- * so where two candidates' errors tie to float precision either may win. */
-template <int V>
-static __device__ uint32_t nf_encode_warp(const float (&x)[V], int bits, uint8_t *c) {
-    __shared__ float lv[32], l2[32];
-    const int nl = 1 << bits, lane = threadIdx.x % 32;
-    if (lane < nl) lv[lane] = (float)nf_levels(bits)[lane] - 127.5f;
+ * scales; the first of equal errors each time), by one warp. The errors are summed in
+ * another order than the host's, so where two candidates tie to float precision either
+ * may win. */
+template <int V, int BITS>
+static __device__ uint32_t nf_encode_warp(const float (&x)[V], uint8_t *c) {
+    constexpr int NL = 1 << BITS;
+    __shared__ float lv[NL], l2[NL];
+    const int lane = threadIdx.x % 32;
+    if (lane < NL) lv[lane] = (float)nf_levels(BITS)[lane] - 127.5f;
     __syncwarp();
-    if (lane + 1 < nl) l2[lane] = lv[lane] + lv[lane + 1]; /* exact: halves of small integers */
+    if (lane + 1 < NL) l2[lane] = lv[lane] + lv[lane + 1]; /* exact: halves of small integers */
     __syncwarp();
-    const nf_warp_row<V> row = {x, lv, l2, nl};
+    const nf_warp_row<V, BITS> row = {x, lv, l2};
     float amax = 0;
 #pragma unroll
     for (int j = 0; j < V; j++) amax = fmaxf(amax, fabsf(x[j]));
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float top = lv[nl - 1];
+    const float top = lv[NL - 1];
+    auto clip = [&](int a) { return __fdiv_rn(__fmul_rn(amax, __fsub_rn(1.0f, __fmul_rn(0.05f, (float)a))), top); };
+    float e[11];
+#pragma unroll
+    for (int a = 0; a < 11; a++) e[a] = row.error(clip(a));
+    warp_sums(e);
     float bs = __fdiv_rn(amax, top), best = INFINITY;
-    for (int a = 0; a < 11; a++) {
-        const float s = __fdiv_rn(__fmul_rn(amax, __fsub_rn(1.0f, __fmul_rn(0.05f, (float)a))), top), e = row.error(s);
-        if (e < best) best = e, bs = s;
-    }
+#pragma unroll
+    for (int a = 0; a < 11; a++)
+        if (e[a] < best) best = e[a], bs = clip(a);
     for (int it = 0; it < 2 && amax > 0; it++) {
-        double sxl = 0, sll = 0;
+        double p[2] = {0, 0}; /* sum x l, sum l l */
 #pragma unroll
         for (int j = 0; j < V; j++) {
             const double l = lv[row.code(x[j], bs)];
-            sxl += (double)x[j] * l, sll += l * l;
+            p[0] += (double)x[j] * l, p[1] += l * l;
         }
-        sxl = warp_sum(sxl), sll = warp_sum(sll);
-        const float s = sll > 0 ? (float)(sxl / sll) : bs, e = row.error(s);
-        if (!(e < best)) break;
-        best = e, bs = s;
+        warp_sums(p);
+        const float s = p[1] > 0 ? (float)(p[0] / p[1]) : bs;
+        float es[1] = {row.error(s)};
+        warp_sums(es);
+        if (!(es[0] < best)) break;
+        best = es[0], bs = s;
     }
     int e0 = 0; /* the stored scale nearest bs (log2f as the double log2 rounded) */
     if (bs > 0) {
         const float f = __fadd_rn(__fmul_rn(12.0f, (float)log2((double)bs)), 216.0f);
         e0 = f < 1 ? 1 : f > 255 ? 255 : __float2int_rn(f);
     }
+    float et[3]; /* the stored scales e0 - 1 .. e0 + 1 that exist */
+#pragma unroll
+    for (int t = 0; t < 3; t++) {
+        const int b = e0 - 1 + t;
+        et[t] = e0 && b >= 1 && b <= 255 ? row.error(nf_scale((uint32_t)b)) : 0.0f;
+    }
+    warp_sums(et);
     uint32_t eb = (uint32_t)e0;
     best = INFINITY;
-    for (int t = e0 - 1; t <= e0 + 1 && e0; t++) {
-        if (t < 1 || t > 255) continue;
-        const float e = row.error(nf_scale((uint32_t)t));
-        if (e < best) best = e, eb = (uint32_t)t;
+#pragma unroll
+    for (int t = 0; t < 3; t++) {
+        const int b = e0 - 1 + t;
+        if (e0 && b >= 1 && b <= 255 && et[t] < best) best = et[t], eb = (uint32_t)b;
     }
     const float s = nf_scale(eb);
 #pragma unroll
     for (int j = 0; j < V; j++) c[lane + 32 * j] = (uint8_t)row.code(x[j], s);
     return eb;
+}
+
+/* The same for a row of `bits` bits (2..5). */
+template <int V>
+static __device__ uint32_t nf_encode_warp(const float (&x)[V], int bits, uint8_t *c) {
+    switch (bits) {
+    case 2: return nf_encode_warp<V, 2>(x, c);
+    case 3: return nf_encode_warp<V, 3>(x, c);
+    case 4: return nf_encode_warp<V, 4>(x, c);
+    default: return nf_encode_warp<V, 5>(x, c);
+    }
 }
 
 /* Query head h of token tk: norm and RoPE in place, then prepared (qk_prep.cuh) with
