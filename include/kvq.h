@@ -127,6 +127,11 @@ struct kvq_context_params {
     int n_batch;   /* max tokens per forward pass (longer batches are split) */
     int n_threads; /* <= 0: one per CPU */
     enum kvq_device device; /* where the model runs (KVQ_DEVICE_CPU by default) */
+    /* KVQ_DEVICE_CUDA: products of more than 16 tokens read f16 copies of the
+     * quantized weights, each made at its first such product while the GPU keeps a
+     * reserve free (2 bytes a weight more device memory); true: they dequantize the
+     * weights in bands at every product instead (slower prefill and wide batches) */
+    bool gpu_f16_weights_off;
     struct kvq_kv_config kv;
     size_t kv_budget_bytes; /* KV blocks in use at once, all sequences and held prefixes
                              * (0: what n_ctx tokens of each of the n_seq sequences need) */

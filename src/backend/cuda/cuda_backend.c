@@ -195,7 +195,7 @@ static void cuda_free(struct backend *b) {
     prof_print(cb);
     steps_free(cb->steps);
     kvq_threads_free(cb->pool);
-    for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
+    for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev), cudaFree(cb->ents[i].f16);
     free(cb->ents);
     cudaFree(cb->deq);
     cudaFree(cb->x16);
@@ -285,7 +285,7 @@ static void tuning_read(struct cuda_tuning *t) {
 }
 
 
-struct backend *backend_cuda_new(int n_threads) {
+struct backend *backend_cuda_new(int n_threads, bool f16_weights) {
     int n = 0;
     cudaError_t st = cudaGetDeviceCount(&n);
     if (st != cudaSuccess || n == 0) {
@@ -300,6 +300,7 @@ struct backend *backend_cuda_new(int n_threads) {
     cb->base.ops = &cuda_ops;
     cb->n_threads = n_threads;
     tuning_read(&cb->tune);
+    cb->f16_weights = f16_weights;
     if (cb->tune.steps) cb->steps = steps_new();
     cb->q.graphs = cb->tune.graphs;
     cb->q.leave_out = cb->tune.leave_out[0] ? cb->tune.leave_out : NULL;

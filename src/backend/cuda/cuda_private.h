@@ -31,6 +31,8 @@ struct dev_entry {
     size_t bytes;
     uint8_t *dev;
     struct cuk_weight w; /* weights only */
+    void *f16;           /* quantized weights: all rows in f16 (dev_weight_f16), or NULL */
+    bool f16_none;       /* no room for that copy */
 };
 
 /* Memory that lives as long as the backend: KV blocks on the host (pinned) and on
@@ -101,6 +103,7 @@ struct cuda_tuning {
 struct cuda_backend {
     struct backend base;
     struct cuda_tuning tune;
+    bool f16_weights, f16_short; /* f16 copies of quantized weights kept; one did not fit */
     struct cuk_queue q;
     cudaStream_t stream; /* q.stream */
     bool in_step;        /* work was queued since the last sync */
@@ -231,6 +234,7 @@ void prof_print(const struct cuda_backend *cb);
 /* cuda_weights.c */
 const float *dev_vec(struct cuda_backend *cb, const float *host);
 const struct cuk_weight *dev_weight(struct cuda_backend *cb, const struct weight *w);
+const void *dev_weight_f16(struct cuda_backend *cb, const struct weight *w);
 int cuda_upload_weight(struct backend *b, const struct weight *w);
 int cuda_upload_vector(struct backend *b, const float *v, int64_t n);
 
