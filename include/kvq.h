@@ -114,6 +114,10 @@ size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config 
  * a sequence of n tokens takes n x kvq_kv_token_bytes + this (once n > residual + keep;
  * a multi-token batch's rows are held in f16 too until the next decode call). */
 size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv);
+/* The length at which a quantized cache chooses its value offsets (0: never): a GPU
+ * runs a batch whose sequence crosses that point in two forward passes, so a server
+ * cuts prompt chunks there. */
+int kvq_kv_offsets_tokens(const struct kvq_kv_config *kv);
 
 /* ---- context -------------------------------------------------------------- */
 

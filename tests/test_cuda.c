@@ -764,6 +764,7 @@ static void test_backend_products(void) {
         int rows, cols;
     } cases[] = {{KVQ_Q4_0, 300, 4128}, {KVQ_Q6_K, 100, 4352}, {KVQ_Q8_0, 37, 512}};
     const int ns[] = {17, 64, 130};
+    struct weight ws[sizeof cases / sizeof cases[0]];
     for (int f16w = 0; f16w < 2; f16w++) {
         struct backend *be = backend_cuda_new(0, f16w);
         CHECK(be && be->ops->reserve(be, 256, 4352) == 0, "CUDA backend: %s", kvq_last_error());
@@ -777,14 +778,15 @@ static void test_backend_products(void) {
             float *row = malloc(sizeof(float) * cols);
             fill_rows(type, data, rb * rows);
             for (int i = 0; i < n_max * cols; i++) x[i] = frnd();
-            const struct weight w = {.type = type, .data = data, .rows = rows, .cols = cols, .row_bytes = rb};
-            CHECK(be->ops->upload_weight(be, &w) == 0, "upload: %s", kvq_last_error());
+            struct weight *w = &ws[ti]; /* the backend knows a weight by its descriptor's address */
+            *w = (struct weight){.type = type, .data = data, .rows = rows, .cols = cols, .row_bytes = rb};
+            CHECK(be->ops->upload_weight(be, w) == 0, "upload: %s", kvq_last_error());
             float *dx = be->ops->alloc(be, sizeof(float) * n_max * cols), *dy = be->ops->alloc(be, sizeof(float) * n_max * rows);
             cudaMemcpy(dx, x, sizeof(float) * n_max * cols, cudaMemcpyHostToDevice);
             for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
                 const int n = ns[k];
                 cudaMemset(dy, 0xff, sizeof(float) * n_max * rows);
-                const struct be_matmul job = {&w, dy, NULL, NULL};
+                const struct be_matmul job = {w, dy, NULL, NULL};
                 be->ops->matmul(be, dx, cols, n, 1, &job);
                 CHECK(be->ops->sync(be) == 0, "matmul: %s", kvq_last_error());
                 cudaMemcpy(y, dy, sizeof(float) * (size_t)n * rows, cudaMemcpyDeviceToHost);

@@ -238,6 +238,12 @@ size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config
     return sum_layers(m, kv, kv_cache_window_bytes);
 }
 
+int kvq_kv_offsets_tokens(const struct kvq_kv_config *kv) {
+    struct kv_cache_config cc;
+    to_cache_config(kv, &cc);
+    return kv_cache_config_offsets_tokens(&cc);
+}
+
 /* ---- context ---- */
 
 void kvq_context_params_default(struct kvq_context_params *p) {

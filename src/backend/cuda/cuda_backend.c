@@ -227,7 +227,10 @@ static void cuda_free(struct backend *b) {
     free(cb->uc);
     free(cb->uc_mirror);
     free(cb->uc_chunk);
-    for (int i = 0; i < cb->n_spare; i++) cudaFree(cb->spare[i].p);
+    for (int i = 0; i < cb->n_spare; i++) {
+        for (int j = 0; j < cb->spare[i].n; j++) cudaFree(cb->spare[i].p[j]);
+        free(cb->spare[i].p);
+    }
     free(cb->spare);
     arena_free(cb->host_arena);
     arena_free(cb->dev_arena);

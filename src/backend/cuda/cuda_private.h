@@ -73,6 +73,7 @@ struct pending_append {
     struct kv_cache *cache;
     int32_t p0;
     int n;
+    int32_t w0;          /* window rows read back for positions w0.. (kv_cache_window_rows_from) */
     size_t k, v, wk, wv; /* offsets in the read-back buffer */
     bool windows;
     int parts; /* of the offsets' re-encoding that end left (kv_cache_append_end) */
@@ -116,8 +117,8 @@ struct cuda_backend {
     /* device memory of freed caches' windows, offsets and block tables, kept for the
      * next caches: a cudaMalloc per new cache and layer, and a cudaFree (which waits
      * for the device) per finished one, held up prompts and whole steps */
-    struct spare { void *p; size_t bytes; } *spare;
-    int n_spare, cap_spare;
+    struct spares { size_t bytes; void **p; int n, cap; } *spare; /* one stack per size (a few sizes) */
+    int n_spare;
     cublasHandle_t blas;
     int n_sm, max_tokens;
     bool failed;
