@@ -114,6 +114,10 @@ size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config 
  * a sequence of n tokens takes n x kvq_kv_token_bytes + this (once n > residual + keep;
  * a multi-token batch's rows are held in f16 too until the next decode call). */
 size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv);
+/* The length at which a quantized cache chooses its value offsets (0: never): a GPU
+ * runs a batch whose sequence crosses that point in two forward passes, so a server
+ * cuts prompt chunks there. */
+int kvq_kv_offsets_tokens(const struct kvq_kv_config *kv);
 
 /* ---- context -------------------------------------------------------------- */
 
@@ -127,6 +131,11 @@ struct kvq_context_params {
     int n_batch;   /* max tokens per forward pass (longer batches are split) */
     int n_threads; /* <= 0: one per CPU */
     enum kvq_device device; /* where the model runs (KVQ_DEVICE_CPU by default) */
+    /* KVQ_DEVICE_CUDA: products of more than 16 tokens read f16 copies of the
+     * quantized weights, each made at its first such product while the GPU keeps a
+     * reserve free (2 bytes a weight more device memory); true: they dequantize the
+     * weights in bands at every product instead (slower prefill and wide batches) */
+    bool gpu_f16_weights_off;
     struct kvq_kv_config kv;
     size_t kv_budget_bytes; /* KV blocks in use at once, all sequences and held prefixes
                              * (0: what n_ctx tokens of each of the n_seq sequences need) */

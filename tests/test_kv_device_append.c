@@ -60,14 +60,16 @@ struct split_case {
 /* kv_cache_append_rows and _end, then the re-encoding parts it returns (at the offsets' point),
  * last first: they may run in any order. */
 static int append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
-                      const uint8_t *wv, int *parts) {
-    kv_cache_append_rows(c, p0, n, k, v, wk, wv);
+                      const uint8_t *wv, int32_t w0, int *parts) {
+    kv_cache_append_rows(c, p0, n, k, v, wk, wv, w0);
     *parts = kv_cache_append_end(c, p0, n);
     for (int i = *parts - 1; i >= 0; i--) kv_cache_offsets_part(c, i);
     return *parts < 0 ? -1 : 0;
 }
 
-static void run_case(const struct split_case *sc) {
+/* later_only: begin as a device that attends from its own windows calls it (the host
+ * keeps only the window rows later queries read: the saved bytes are still the same). */
+static void run_case(const struct split_case *sc, bool later_only) {
     const struct kv_shape shape = {8, 2, 64, sc->window};
     const int H = 2, D = 64;
     /* chunks ending where the offsets are chosen (128, or 100 for a rotating 100) */
@@ -85,12 +87,19 @@ static void run_case(const struct split_case *sc) {
         int32_t p0 = kv_cache_n_past(host);
         CHECK(kv_cache_append(host, n, k, v) == 0, "%s: host append", sc->name);
         rows_of(host, p0, n, rk, rv, rwk, rwv);
-        CHECK(kv_cache_append_begin(split, n, kv_cache_n_past(split)) == 0, "%s: begin: %s", sc->name, kvq_last_error());
+        CHECK(kv_cache_append_begin(split, n, kv_cache_n_past(split), later_only) == 0, "%s: begin: %s", sc->name,
+              kvq_last_error());
         CHECK(kv_cache_n_past(split) == p0 + n, "%s: begin advances the sequence", sc->name);
         struct kv_view before, after;
         kv_cache_view(split, &before);
+        /* the window rows from w0 on, as a device reads back only those */
+        const int32_t w0 = kv_cache_window_rows_from(split, p0);
+        CHECK(w0 >= p0 && w0 <= p0 + n && (later_only || w0 == p0 || w0 == p0 + n), "%s: window rows from %d of [%d, %d)",
+              sc->name, w0, p0, p0 + n);
+        const size_t wo = (size_t)(w0 - p0) * H * before.win_row;
         int parts;
-        CHECK(append_end(split, p0, n, rk, rv, rwk, rwv, &parts) == 0, "%s: end: %s", sc->name, kvq_last_error());
+        CHECK(append_end(split, p0, n, rk, rv, rwk + wo, rwv + wo, w0, &parts) == 0, "%s: end: %s", sc->name,
+              kvq_last_error());
         /* a chunk ending at the offsets' point leaves their re-encoding in parts */
         kv_cache_view(split, &after);
         const bool chosen = !before.mu && after.mu;
@@ -102,13 +111,16 @@ static void run_case(const struct split_case *sc) {
      * are dropped by end */
     int32_t np = kv_cache_n_past(split);
     CHECK(kv_cache_append(host, 3, k, v) == 0 && kv_cache_trim(host, 3) == 3, "%s: host append + trim", sc->name);
-    CHECK(kv_cache_append_begin(split, 3, kv_cache_n_past(split)) == 0, "%s: begin", sc->name);
+    CHECK(kv_cache_append_begin(split, 3, kv_cache_n_past(split), later_only) == 0, "%s: begin", sc->name);
     CHECK(kv_cache_trim(split, 3) == 3, "%s: trim", sc->name);
     int parts;
-    CHECK(append_end(split, np, 3, rk, rv, rwk, rwv, &parts) == 0 && parts == 0 && kv_cache_n_past(split) == np,
+    CHECK(append_end(split, np, 3, rk, rv, rwk, rwv, np, &parts) == 0 && parts == 0 && kv_cache_n_past(split) == np,
           "%s: end after a trim", sc->name);
-    CHECK(same_bytes(host, split), "%s: a dropped batch changed the cache", sc->name);
-    printf("%-34s split appends equal host appends: %s\n", sc->name, all_same ? "yes" : "NO");
+    /* (with later_only, begin let go of the window rows before the batch that only its
+     * queries read: they stay gone, and later queries read those positions packed) */
+    CHECK(later_only || same_bytes(host, split), "%s: a dropped batch changed the cache", sc->name);
+    printf("%-34s split appends%s equal host appends: %s\n", sc->name, later_only ? " (later rows only)" : "",
+           all_same ? "yes" : "NO");
     free(k), free(v), free(rk), free(rv), free(rwk), free(rwv);
     kv_cache_free(host);
     kv_cache_free(split);
@@ -132,7 +144,7 @@ static void test_across_offsets(void) {
     struct kv_cache *unshifted = kv_cache_new(&plain, &shape);
     CHECK(kv_cache_append(unshifted, n, k, v) == 0, "plain append");
     rows_of(unshifted, 0, n, rk, rv, rwk, rwv);
-    CHECK(kv_cache_append_begin(split, n, kv_cache_n_past(split)) == 0, "begin");
+    CHECK(kv_cache_append_begin(split, n, kv_cache_n_past(split), false) == 0, "begin");
     /* window rows: the host cache's f16 copies (f16 of the rotated input) */
     for (int t = 0; t < n; t++)
         for (int h = 0; h < H; h++) {
@@ -143,7 +155,7 @@ static void test_across_offsets(void) {
             if (b) memcpy(rwv + ((size_t)t * H + h) * vw.win_row, b, vw.win_row);
         }
     uint32_t epoch = kv_cache_epoch(split);
-    kv_cache_append_rows(split, 0, n, rk, rv, rwk, rwv);
+    kv_cache_append_rows(split, 0, n, rk, rv, rwk, rwv, 0);
     CHECK(kv_cache_append_end(split, 0, n) == 0, "end: %s", kvq_last_error());
     struct kv_view a, b;
     kv_cache_view(host, &a);
@@ -217,7 +229,7 @@ int main(void) {
         {"quantize after 150, K4V4", {4, 4, 64, 64, 0, 4, 150, true, 32}, 0},
         {"quantize after 50, K8V4", {8, 4, 64, 64, 0, 4, 50, true, 32}, 0},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], false), run_case(&cases[i], true);
     test_across_offsets();
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_cpu_backend(&cases[i]);
     return check_finish();

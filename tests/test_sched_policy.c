@@ -152,11 +152,33 @@ static void test_youngest(void) {
     CHECK(sched_policy_youngest(&p, none) == NULL, "none running");
 }
 
+/* Prompt chunks end at the offsets' point: a prompt of 10 from 0 with the point at 6
+ * goes in chunks of 4, 2 (to the point), then 4; one already past it, as before. */
+static void test_step_offsets(void) {
+    struct sched_policy p = policy(1 << 30);
+    p.offsets_at = 6;
+    kvq_token prompt[10] = {0}, tok[32];
+    int32_t seq[32];
+    bool logits[32];
+    struct sched_seq a = {.prompt = prompt, .n_prompt = 10, .slot = 0}, b = {.prompt = prompt, .n_prompt = 10, .slot = 1, .prefilled = 7};
+    struct sched_seq *slots[MAX_SEQS] = {&a, NULL, NULL, NULL};
+    const int want[] = {4, 2, 4};
+    for (int k = 0; k < 3; k++) {
+        int n = sched_policy_step(&p, slots, tok, seq, logits);
+        CHECK(n == want[k] && a.chunk == want[k], "chunk %d: %d tokens (want %d)", k, n, want[k]);
+        a.prefilled += a.chunk;
+    }
+    slots[0] = &b;
+    int n = sched_policy_step(&p, slots, tok, seq, logits);
+    CHECK(n == 3 && b.chunk == 3 && b.batch_pos == 2, "past the point: %d tokens", n);
+}
+
 int main(void) {
     test_bytes_and_reserves();
     test_check();
     test_admit();
     test_step();
+    test_step_offsets();
     test_youngest();
     return check_finish();
 }

@@ -135,6 +135,6 @@ struct backend *backend_cpu_new(int n_threads);
 /* The CUDA backend on the first GPU, with up to n_threads host threads for the host's
  * share of the work (<= 0: one per CPU). NULL with an error (none, or built without
  * CUDA). */
-struct backend *backend_cuda_new(int n_threads);
+struct backend *backend_cuda_new(int n_threads, bool f16_weights);
 
 #endif

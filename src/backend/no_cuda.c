@@ -3,8 +3,8 @@
 #include "core/error.h"
 
 #ifndef KVQ_HAVE_CUDA
-struct backend *backend_cuda_new(int n_threads) {
-    (void)n_threads;
+struct backend *backend_cuda_new(int n_threads, bool f16_weights) {
+    (void)n_threads, (void)f16_weights;
     kvq_error_code(KVQ_ERR_UNSUPPORTED, "this kvq was built without CUDA: configure with -DKVQ_CUDA=ON to use --device cuda");
     return NULL;
 }

@@ -115,7 +115,10 @@ const char *const cli_kv_flags_help =
     "                           do (same output, more memory: to compare)\n"
     "Device:\n"
     "  --device cpu|cuda        where the model runs (default cpu; cuda needs a kvq built with\n"
-    "                           -DKVQ_CUDA=ON); -ngl N (N > 0) means cuda, as in llama.cpp\n";
+    "                           -DKVQ_CUDA=ON); -ngl N (N > 0) means cuda, as in llama.cpp\n"
+    "  --gpu-f16-weights auto|off  cuda: products of more than 16 tokens (prefill, wide\n"
+    "                           batches) read f16 copies of quantized weights, made while the\n"
+    "                           GPU has room (auto, the default; 2 bytes a weight); off: none\n";
 
 bool cli_is_device_flag(const char *flag) {
     return !strcmp(flag, "--device") || !strcmp(flag, "-ngl") || !strcmp(flag, "--n-gpu-layers") ||
@@ -135,6 +138,15 @@ bool cli_parse_device(const char *flag, const char *v, enum kvq_device *out) {
         cli_fail("invalid value '%s' for --device: expected cpu or cuda", v);
         return false;
     }
+    return true;
+}
+
+bool cli_parse_f16_weights(const char *flag, const char *v, bool *off) {
+    if (strcmp(v, "auto") != 0 && strcmp(v, "off") != 0) {
+        cli_fail("invalid value '%s' for %s: expected auto or off", v, flag);
+        return false;
+    }
+    *off = strcmp(v, "off") == 0;
     return true;
 }
 
@@ -168,6 +180,8 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *
     }
     if (cli_is_device_flag(flag))
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_device(flag, v, &cp->device) ? 1 : -1;
+    if (strcmp(flag, "--gpu-f16-weights") == 0)
+        return (v = cli_flag_value(argc, argv, i)) && cli_parse_f16_weights(flag, v, &cp->gpu_f16_weights_off) ? 1 : -1;
     if (strcmp(flag, "--kv-bits") == 0) {
         if (!(v = cli_flag_value(argc, argv, i))) return -1;
         char buf[64];

@@ -43,6 +43,7 @@ static const char *const bench_help =
     "  -t, --threads N      threads (default: all cores)\n"
     "  --batch-size N       tokens per forward pass (default 512)\n"
     "  --device cpu|cuda    where the model runs (default cpu; also -ngl N)\n"
+    "  --gpu-f16-weights auto|off  cuda: f16 weight copies for wide products (default auto)\n"
     "  -r, --reps N         repetitions (default 3)\n"
     "  --json               JSON instead of the Markdown table\n"
     "  --plot FILE.svg      also write an SVG plot of decode tok/s vs depth per config\n"
@@ -70,6 +71,7 @@ struct bench_opts {
     const char *model, *plot;
     int p, n, reps, n_threads, n_batch;
     enum kvq_device device;
+    bool f16_weights_off;
     int depths[MAX_LIST], n_depths, batches[MAX_LIST], n_batches;
     struct kv_spec kvs[MAX_LIST];
     int n_kvs;
@@ -118,6 +120,7 @@ static bool add_kv(const char *flag, const char *v, void *out) {
 }
 
 static bool parse_device(const char *flag, const char *v, void *out) { return cli_parse_device(flag, v, out); }
+static bool parse_f16w(const char *flag, const char *v, void *out) { return cli_parse_f16_weights(flag, v, out); }
 
 static int parse_args(int argc, char **argv, struct bench_opts *o) {
     o->p = 512;
@@ -137,6 +140,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o) {
         CLI_INT(&o->n_threads, 1, 1024, "-t", "--threads"),
         CLI_INT(&o->n_batch, 1, 1 << 16, "--batch-size"),
         CLI_FN(parse_device, &o->device, "--device", "-ngl", "--n-gpu-layers", "--gpu-layers"),
+        CLI_FN(parse_f16w, &o->f16_weights_off, "--gpu-f16-weights"),
         CLI_INT(&o->reps, 1, 1000, "-r", "--reps"),
         CLI_STR(&o->plot, "--plot"),
         CLI_END,
@@ -183,6 +187,7 @@ static int measure(struct kvq_model *m, const struct bench_opts *o, const struct
     cp.n_batch = o->n_batch;
     cp.n_threads = o->n_threads;
     cp.device = o->device;
+    cp.gpu_f16_weights_off = o->f16_weights_off;
     cp.kv = ks->kv;
     struct kvq_context *ctx = kvq_context_new(m, &cp);
     if (!ctx) return cli_fail("--kv %s: %s", ks->name, kvq_last_error());

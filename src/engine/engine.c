@@ -238,6 +238,12 @@ size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config
     return sum_layers(m, kv, kv_cache_window_bytes);
 }
 
+int kvq_kv_offsets_tokens(const struct kvq_kv_config *kv) {
+    struct kv_cache_config cc;
+    to_cache_config(kv, &cc);
+    return kv_cache_config_offsets_tokens(&cc);
+}
+
 /* ---- context ---- */
 
 void kvq_context_params_default(struct kvq_context_params *p) {
@@ -337,7 +343,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     c->p = *p;
     if (c->p.n_ctx == 0) c->p.n_ctx = hp->n_ctx_train;
     if (c->p.kv_budget_bytes == 0) c->p.kv_budget_bytes = default_budget(c);
-    c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new(p->n_threads) : backend_cpu_new(p->n_threads);
+    c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new(p->n_threads, !p->gpu_f16_weights_off) : backend_cpu_new(p->n_threads);
     if (c->be && !c->be->ops->attends_nf && quant && (p->kv.k_group == KVQ_KV_NF || p->kv.v_group == KVQ_KV_NF)) {
         kvq_error_code(KVQ_ERR_UNSUPPORTED, "the CUDA backend has no attention for normal-float KV rows (--kv-bits 3, "
                                             "2 or :nf): use uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu");

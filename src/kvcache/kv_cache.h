@@ -167,8 +167,9 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
  * moved, n_past advanced); the device writes the rows (kv_view's formats: block rows
  * with the offsets removed and rotated, f16 window rows rotated without offsets);
  * kv_cache_append_rows() copies them into the host rows (k, v: [n][n_kv_heads] block
- * rows; wk, wv: [n][n_kv_heads] window rows, ignored without windows; rows of
- * positions trimmed since are skipped) and touches nothing but this cache's own rows,
+ * rows; wk, wv: window rows [p0 + n - w0][n_kv_heads] of positions w0.., ignored
+ * without windows; rows of positions trimmed since are skipped) and touches nothing
+ * but this cache's own rows,
  * so several caches of one pool may copy at once, on several threads. Then
  * kv_cache_append_end(), one cache at a time, before the cache is next used on the
  * host: when the batch reaches the offsets' point, it chooses them (the windows stay
@@ -177,9 +178,14 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
  * used again. Otherwise 0; -1 with an error. first: the position of the batch's first
  * token (its queries decide what may be released): kv_cache_n_past() but for the
  * second part of kv_cache_append_exact_part. */
-int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first);
+int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first, bool later_only);
 void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
-                          const uint8_t *wv);
+                          const uint8_t *wv, int32_t w0);
+/* After kv_cache_append_begin of positions [p0, n_past): the first of them whose f16
+ * window rows kv_cache_append_rows keeps (n_past: none). The windows keep every row of
+ * the batch but where begin's later_only (a device attends for the batch's queries
+ * from its own copy of the windows) left the host only what later queries read. */
+int32_t kv_cache_window_rows_from(const struct kv_cache *c, int32_t p0);
 int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n);
 /* Part `part` of that work (a side and a head: an offsets vector and T rows). Parts of
  * this cache and of others may run at once on several threads, in any order. */
@@ -203,6 +209,8 @@ int kv_cache_append_exact_part(const struct kv_cache *c, int n);
  * backend ends a forward pass there: rows past it in the same pass would be encoded
  * again on the host. */
 int32_t kv_cache_offsets_point(const struct kv_cache *c);
+/* The length at which a cache of this config chooses its offsets (0: never). */
+int32_t kv_cache_config_offsets_tokens(const struct kv_cache_config *cfg);
 /* Changes whenever the windows or offsets change other than by appending or by
  * choosing the offsets (trim, fork, load, conversion): a device copy of them must then
  * be rebuilt. Offsets chosen since a copy: kv_view's mu is no longer NULL. */

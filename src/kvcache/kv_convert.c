@@ -19,10 +19,16 @@
  * reaches T = max(R + 1, MU_TOKENS) tokens; until then every row stays in the window and
  * queries before T read f16 rows only (0: no offsets). */
 #define MU_TOKENS 128 /* kv-quality, K4/V4 R 32: 0.00259 at 64, 0.00246 at 128, 0.00249 at 256 */
-int32_t mu_tokens(const struct kv_cache *c) {
-    const int32_t R = c->cfg.residual, M = c->cfg.max_size;
+static int32_t config_mu_tokens(const struct kv_cache_config *cfg) {
+    const int32_t R = cfg->residual, M = cfg->max_size;
     int32_t T = M > 0 && M < MU_TOKENS ? M : MU_TOKENS; /* a rotating cache stays bounded */
     return R <= 0 ? 0 : R + 1 > T ? R + 1 : T;
+}
+
+int32_t mu_tokens(const struct kv_cache *c) { return config_mu_tokens(&c->cfg); }
+
+int32_t kv_cache_config_offsets_tokens(const struct kv_cache_config *cfg) {
+    return kern_kvq_bits_quantized(cfg->k_bits) || kern_kvq_bits_quantized(cfg->v_bits) ? config_mu_tokens(cfg) : 0;
 }
 
 /* The offsets from n tokens of keys and values ([n][H][D] each; the first at position

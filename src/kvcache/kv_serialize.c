@@ -112,8 +112,14 @@ void kv_store_save(const struct kv_cache *c, struct kv_buf *b) {
                     kv_buf_put(b, kv_block_row(c, kv_store_block(st, p), side, h, p), side ? st->vf.row : st->kf.row);
     bool win = kv_win_on(st);
     int32_t sn = win ? st->sink->n : 0, rn = win ? st->rec->n : 0;
+    /* of the residual window, the last R rows (all before the offsets' point), as a
+     * one-token append leaves it: what it holds beyond them depends on how the tokens
+     * were batched (kv_windows_make_room) */
+    const int32_t T = mu_tokens(c), keep_from = c->n_past >= T ? c->n_past - c->cfg.residual : 0;
+    const int32_t skip = rn && keep_from > st->rec->p0 ? keep_from - st->rec->p0 : 0;
+    rn -= skip < rn ? skip : rn;
     kv_buf_u32(b, (uint32_t)sn);
-    kv_buf_u32(b, (uint32_t)(rn ? st->rec->p0 : 0));
+    kv_buf_u32(b, (uint32_t)(rn ? st->rec->p0 + skip : 0));
     kv_buf_u32(b, (uint32_t)rn);
     const struct kv_win *ws[2] = {st->sink, st->rec};
     for (int w = 0; w < 2; w++) {
@@ -121,7 +127,7 @@ void kv_store_save(const struct kv_cache *c, struct kv_buf *b) {
         for (int side = 0; side < 2; side++)
             for (int h = 0; h < H && n > 0; h++) {
                 const struct kv_fmt *f = side ? &st->wvf : &st->wkf;
-                kv_buf_put(b, kv_win_row(ws[w], f, side, h, 0), f->row * (size_t)n);
+                kv_buf_put(b, kv_win_row(ws[w], f, side, h, w ? skip : 0), f->row * (size_t)n);
             }
     }
 }

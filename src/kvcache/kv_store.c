@@ -228,16 +228,16 @@ int kv_store_append(struct kv_cache *c, int n, const float *k, const float *v) {
 
 /* ---- appends whose rows a device writes (kv_cache.h) ---- */
 
-int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first) {
+int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first, bool later_only) {
     struct kv_store *st = store_of(c);
     if (n <= 0) return 0;
     if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && kv_store_to_quantized(c) != 0)
         return -1;
-    int32_t ns;
+    int32_t ns, nr;
     kv_store_release_before(c, first);
-    if (kv_store_reserve_rows(c, n) != 0 || kv_windows_make_room(c, n, first, &ns) != 0) return -1;
+    if (kv_store_reserve_rows(c, n) != 0 || kv_windows_make_room(c, n, first, later_only, &ns, &nr) != 0) return -1;
     if (kv_win_on(st)) { /* the rows are counted now, written by kv_cache_append_end */
-        if (c->cfg.residual > 0) st->rec->n += n;
+        if (c->cfg.residual > 0) st->rec->n += nr;
         st->sink->n += ns;
     }
     c->n_past += n;
@@ -245,8 +245,15 @@ int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first) {
     return 0;
 }
 
+int32_t kv_cache_window_rows_from(const struct kv_cache *c, int32_t p0) {
+    const struct kv_store *st = store_of(c);
+    if (!kv_win_on(st) || p0 < st->sink->n) return p0;
+    if (c->cfg.residual <= 0) return c->n_past;
+    return st->rec->p0 > p0 ? st->rec->p0 : p0;
+}
+
 void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v,
-                          const uint8_t *wk, const uint8_t *wv) {
+                          const uint8_t *wk, const uint8_t *wv, int32_t w0) {
     const struct kv_store *st = store_of(c);
     const int H = c->shape.n_kv_heads;
     if (p0 < 0 || n <= 0 || p0 + n > c->n_past) return; /* trimmed since: nothing to keep */
@@ -258,14 +265,15 @@ void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *
             memcpy(kv_block_row(c, b, 0, h, p), k + ((size_t)t * H + h) * st->kf.row, st->kf.row);
             memcpy(kv_block_row(c, b, 1, h, p), v + ((size_t)t * H + h) * st->vf.row, st->vf.row);
         }
-        if (!win) continue;
+        if (!win || p < w0) continue;
         const struct kv_win *ws[2] = {p < st->sink->n ? st->sink : NULL,
                                       p >= st->rec->p0 && p < st->rec->p0 + st->rec->n ? st->rec : NULL};
         for (int i = 0; i < 2; i++)
             for (int h = 0; h < H && ws[i]; h++) {
                 const int32_t j = p - ws[i]->p0;
-                memcpy(kv_win_row(ws[i], &st->wkf, 0, h, j), wk + ((size_t)t * H + h) * st->wkf.row, st->wkf.row);
-                memcpy(kv_win_row(ws[i], &st->wvf, 1, h, j), wv + ((size_t)t * H + h) * st->wvf.row, st->wvf.row);
+                const size_t at = ((size_t)(p - w0) * H + h) * st->wkf.row;
+                memcpy(kv_win_row(ws[i], &st->wkf, 0, h, j), wk + at, st->wkf.row);
+                memcpy(kv_win_row(ws[i], &st->wvf, 1, h, j), wv + at, st->wvf.row);
                 kv_win_mirror(st, ws[i], h, j);
             }
     }

@@ -111,7 +111,7 @@ void kv_win_unref(struct kv_win *w);
 int kv_win_own(struct kv_cache *c, struct kv_win **w);
 int kv_win_reserve(struct kv_cache *c, struct kv_win **w, int32_t need);
 void kv_win_put(struct kv_cache *c, struct kv_win *w, const float *k, const float *v);
-int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, int32_t *n_sink);
+int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_only, int32_t *n_sink, int32_t *n_rec);
 int kv_windows_append(struct kv_cache *c, int n, const float *k, const float *v, size_t tok, int32_t first);
 size_t kv_win_bytes(const struct kv_cache *c, const struct kv_win *w);
 

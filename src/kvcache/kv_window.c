@@ -139,10 +139,14 @@ void kv_win_put(struct kv_cache *c, struct kv_win *w, const float *k, const floa
 /* Before appending n tokens at p = n_past: the sinks take the batch's positions below
  * the sink count; the residual window drops positions older than first - R + 1 (what
  * the batch's first query still needs; nothing before the offsets' point) and takes
- * the whole batch. Makes room for those rows; *n_sink: how many go to the sinks. */
-int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, int32_t *n_sink) {
+ * the whole batch, or with later_only (a device attends for the batch's queries from
+ * its own copy) only what the queries after the batch read, once the offsets' point is
+ * behind. Makes room for those rows; *n_sink, *n_rec: how many go to the sinks and
+ * to the residual window (the batch's last ones). */
+int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_only, int32_t *n_sink, int32_t *n_rec) {
     struct kv_store *st = store_of(c);
     *n_sink = 0;
+    *n_rec = n;
     if (!kv_win_on(st)) return 0;
     const int32_t p = c->n_past, S = kv_sink_target(c), R = c->cfg.residual;
     if (st->sink->n == p && p < S) {
@@ -158,7 +162,16 @@ int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, int32_t *n_si
             w->start = 0;
         }
         /* queries before the offsets' point read every row in f16: all kept until then */
-        const int32_t lo = first - R + 1 > 0 && first >= mu_tokens(c) ? first - R + 1 : 0;
+        const int32_t T = mu_tokens(c);
+        int32_t lo = first - R + 1 > 0 && first >= T ? first - R + 1 : 0;
+        if (later_only && first >= T && p + n - R > lo) lo = p + n - R; /* as a one-token batch leaves it */
+        if (lo > p) { /* none of the rows before the batch, nor its first lo - p */
+            w->n = 0;
+            w->p0 = lo;
+            w->start = 0;
+            *n_rec = p + n - lo;
+            return kv_win_reserve(c, &st->rec, *n_rec);
+        }
         const int32_t drop = lo <= w->p0 ? 0 : lo - w->p0 < w->n ? lo - w->p0 : w->n, keep = w->n - drop + n;
         if (keep > w->cap) /* the rows dropped are not copied; memory short: nothing changed */
             return win_realloc(c, &st->rec, win_grown(w->cap, keep), drop);
@@ -173,8 +186,8 @@ int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, int32_t *n_si
 
 int kv_windows_append(struct kv_cache *c, int n, const float *k, const float *v, size_t tok, int32_t first) {
     struct kv_store *st = store_of(c);
-    int32_t ns;
-    if (kv_windows_make_room(c, n, first, &ns) != 0) return -1;
+    int32_t ns, nr;
+    if (kv_windows_make_room(c, n, first, false, &ns, &nr) != 0) return -1;
     if (!kv_win_on(st)) return 0;
     if (c->cfg.residual > 0)
         for (int t = 0; t < n; t++) kv_win_put(c, st->rec, k + (size_t)t * tok, v + (size_t)t * tok);

@@ -4,7 +4,7 @@
 
 void sched_policy_init(struct sched_policy *p, int max_seqs, int prefill_chunk, int step_tokens, int n_ctx,
                        size_t budget, size_t token_bytes, size_t window_bytes, size_t f16_token_bytes) {
-    *p = (struct sched_policy){max_seqs, prefill_chunk, step_tokens, n_ctx, budget, token_bytes, window_bytes, 0};
+    *p = (struct sched_policy){max_seqs, prefill_chunk, step_tokens, n_ctx, budget, token_bytes, window_bytes, 0, 0};
     /* a quantized cache holds a step's new rows in f16 too until the next step */
     if (f16_token_bytes) p->margin = f16_token_bytes * (size_t)(step_tokens + max_seqs);
 }
@@ -93,6 +93,7 @@ int sched_policy_step(const struct sched_policy *p, struct sched_seq *const *slo
         if (!r || r->has_pending || r->prefilled >= r->n_prompt || (r->follower && !r->forked)) continue;
         int left = r->n_prompt - r->prefilled;
         int chunk = left < p->prefill_chunk ? left : p->prefill_chunk;
+        if (r->prefilled < p->offsets_at && r->prefilled + chunk > p->offsets_at) chunk = p->offsets_at - r->prefilled;
         if (any_prefill && n + chunk > p->step_tokens) continue;
         for (int j = 0; j < chunk; j++) {
             tok[n + j] = r->prompt[r->prefilled + j];

@@ -23,6 +23,7 @@ struct sched_policy {
     size_t budget;                    /* KV bytes in use at once */
     size_t token_bytes, window_bytes; /* kvq_kv_token_bytes, kvq_kv_window_bytes */
     size_t margin;                    /* KV bytes kept free: a quantized cache's f16 rows of a step */
+    int offsets_at;                   /* prompt chunks end there (kvq_kv_offsets_tokens; 0: anywhere) */
 };
 
 /* What the policy knows of the request in a slot. */
@@ -68,8 +69,9 @@ enum sched_admit sched_policy_admit(const struct sched_policy *p, size_t kv_used
 
 /* Composes one step's batch into tok/seq/logits (room for step_tokens + max_seqs +
  * prefill_chunk): a decode token per sequence with one pending, then whole prefill
- * chunks (min(left, prefill_chunk) tokens, so a prompt is cut the same way however
- * many others run) while the step has room; at least one chunk per step. Sets each
+ * chunks (min(left, prefill_chunk) tokens, and none across offsets_at, so a prompt is
+ * cut the same way however many others run) while the step has room; at least one
+ * chunk per step. Sets each
  * sequence's chunk and batch_pos; returns the batch's tokens. */
 int sched_policy_step(const struct sched_policy *p, struct sched_seq *const *slots, kvq_token *tok, int32_t *seq,
                       bool *logits);

@@ -399,7 +399,7 @@ static int append_encoded(struct cpu_backend *cb, const struct be_kv_append *seq
     if (ensure_append(cb, m) != 0) return -1;
     size_t need = 0;
     for (int s = 0; s < n_seqs; s++) {
-        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, first >= 0 ? first : kv_cache_n_past(seqs[s].cache)) != 0)
+        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, first >= 0 ? first : kv_cache_n_past(seqs[s].cache), false) != 0)
             return -1;
         struct kv_view vw;
         kv_cache_view(seqs[s].cache, &vw);
@@ -429,7 +429,7 @@ static int append_encoded(struct cpu_backend *cb, const struct be_kv_append *seq
     for (int s = 0, j = 0; s < n_seqs; j += seqs[s++].n) {
         const struct append_row *r = &cb->append_rows[j];
         const int32_t p0 = kv_cache_n_past(seqs[s].cache) - seqs[s].n;
-        kv_cache_append_rows(seqs[s].cache, p0, seqs[s].n, r->kr, r->vr, r->wk, r->wv);
+        kv_cache_append_rows(seqs[s].cache, p0, seqs[s].n, r->kr, r->vr, r->wk, r->wv, p0);
         const int parts = kv_cache_append_end(seqs[s].cache, p0, seqs[s].n);
         if (parts < 0) return -1;
         /* a batch ending at the offsets' point: 2 H parts of T rows each */

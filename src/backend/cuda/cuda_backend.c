@@ -195,7 +195,7 @@ static void cuda_free(struct backend *b) {
     prof_print(cb);
     steps_free(cb->steps);
     kvq_threads_free(cb->pool);
-    for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev);
+    for (int i = 0; i < cb->n_ents; i++) cudaFree(cb->ents[i].dev), cudaFree(cb->ents[i].f16);
     free(cb->ents);
     cudaFree(cb->deq);
     cudaFree(cb->x16);
@@ -227,7 +227,10 @@ static void cuda_free(struct backend *b) {
     free(cb->uc);
     free(cb->uc_mirror);
     free(cb->uc_chunk);
-    for (int i = 0; i < cb->n_spare; i++) cudaFree(cb->spare[i].p);
+    for (int i = 0; i < cb->n_spare; i++) {
+        for (int j = 0; j < cb->spare[i].n; j++) cudaFree(cb->spare[i].p[j]);
+        free(cb->spare[i].p);
+    }
     free(cb->spare);
     arena_free(cb->host_arena);
     arena_free(cb->dev_arena);
@@ -286,7 +289,7 @@ static void tuning_read(struct cuda_tuning *t) {
 }
 
 
-struct backend *backend_cuda_new(int n_threads) {
+struct backend *backend_cuda_new(int n_threads, bool f16_weights) {
     int n = 0;
     cudaError_t st = cudaGetDeviceCount(&n);
     if (st != cudaSuccess || n == 0) {
@@ -301,6 +304,7 @@ struct backend *backend_cuda_new(int n_threads) {
     cb->base.ops = &cuda_ops;
     cb->n_threads = n_threads;
     tuning_read(&cb->tune);
+    cb->f16_weights = f16_weights;
     if (cb->tune.steps) cb->steps = steps_new();
     cb->q.graphs = cb->tune.graphs;
     cb->q.leave_out = cb->tune.leave_out[0] ? cb->tune.leave_out : NULL;

@@ -237,7 +237,8 @@ struct cuk_enc_tok {
     int32_t ring_cap, sink_cap, sinks; /* p < sinks: a sink row too */
     uint64_t mu;                    /* offsets [2][n_kv][D], or 0 */
     uint32_t rb_k, rb_v, rb_wk, rb_wv; /* byte offsets of its rows [n_kv][row] in the read-back buffer */
-};
+};                                     /* (rb_wk, rb_wv CUK_NO_ROW: its window rows are not read back) */
+#define CUK_NO_ROW 0xffffffffu
 struct cuk_enc_args {
     int k_bits, k_group, v_bits, v_group, k_rot, v_rot, windows;
     size_t k_row, v_row, head_bytes, win_row;

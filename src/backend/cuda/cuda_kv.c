@@ -12,15 +12,24 @@ void drop_pending(struct cuda_backend *cb) {
 }
 
 
+/* The stack of spare memory of `bytes`, made when `make` (NULL when there is none). */
+static struct spares *spares_of(struct cuda_backend *cb, size_t bytes, bool make) {
+    for (int i = 0; i < cb->n_spare; i++)
+        if (cb->spare[i].bytes == bytes) return &cb->spare[i];
+    if (!make) return NULL;
+    struct spares *sp = realloc(cb->spare, sizeof *sp * (size_t)(cb->n_spare + 1));
+    if (!sp) return NULL;
+    cb->spare = sp;
+    sp[cb->n_spare] = (struct spares){bytes, NULL, 0, 0};
+    return &sp[cb->n_spare++];
+}
+
+
 /* Device memory of `bytes` for a cache's mirror: a spare one of that size, or new.
  * NULL with the failure recorded. */
 static void *mirror_alloc(struct cuda_backend *cb, size_t bytes, const char *what) {
-    for (int i = cb->n_spare - 1; i >= 0; i--)
-        if (cb->spare[i].bytes == bytes) {
-            void *p = cb->spare[i].p;
-            cb->spare[i] = cb->spare[--cb->n_spare];
-            return p;
-        }
+    struct spares *sp = spares_of(cb, bytes, false);
+    if (sp && sp->n > 0) return sp->p[--sp->n];
     void *p = NULL;
     return ck(cb, cudaMalloc(&p, bytes), what) ? p : NULL;
 }
@@ -29,17 +38,17 @@ static void *mirror_alloc(struct cuda_backend *cb, size_t bytes, const char *wha
 /* Keeps a freed mirror's memory for the next cache (freed where the list cannot grow). */
 static void mirror_keep(struct cuda_backend *cb, void *p, size_t bytes) {
     if (!p) return;
-    if (cb->n_spare == cb->cap_spare) {
-        int cap = cb->cap_spare ? 2 * cb->cap_spare : 64;
-        struct spare *sp = realloc(cb->spare, sizeof *sp * (size_t)cap);
-        if (!sp) {
-            cudaFree(p);
-            return;
-        }
-        cb->spare = sp;
-        cb->cap_spare = cap;
+    struct spares *sp = spares_of(cb, bytes, true);
+    if (sp && sp->n == sp->cap) {
+        int cap = sp->cap ? 2 * sp->cap : 64;
+        void **np = realloc(sp->p, sizeof *np * (size_t)cap);
+        if (np) sp->p = np, sp->cap = cap;
     }
-    cb->spare[cb->n_spare++] = (struct spare){p, bytes};
+    if (!sp || sp->n == sp->cap) {
+        cudaFree(p);
+        return;
+    }
+    sp->p[sp->n++] = p;
 }
 
 
@@ -388,7 +397,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
         cb->cap_pending = cap;
     }
     for (int s = 0; s < n_seqs; s++) {
-        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, kv_cache_n_past(seqs[s].cache)) != 0) {
+        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, kv_cache_n_past(seqs[s].cache), true) != 0) {
             drop_pending(cb); /* the forward pass drops this batch's rows */
             return -1;
         }
@@ -428,14 +437,17 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                 struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, p0) : NULL;
                 if (v.windows && !m) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
                 struct cuda_mirror *tm = m ? m : mirror_of(cb, c);
+                /* window rows read back: those the host's windows keep (from w0 on) */
+                const int32_t w0 = v.windows ? kv_cache_window_rows_from(c, p0) : p0 + seqs[s].n;
                 const size_t n = (size_t)seqs[s].n, kb = n * H * v.k_row, vb = n * H * v.v_row,
-                             wb = v.windows ? n * H * v.win_row : 0;
+                             wb = (size_t)(p0 + seqs[s].n - w0) * H * v.win_row;
                 size_t rb = readback_alloc(cb, kb + vb + 2 * wb);
                 if (rb == (size_t)-1) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
-                cb->pending[cb->n_pending++] = (struct pending_append){c, p0, seqs[s].n, rb, rb + kb, rb + kb + vb,
+                cb->pending[cb->n_pending++] = (struct pending_append){c, p0, seqs[s].n, w0, rb, rb + kb, rb + kb + vb,
                                                                        rb + kb + vb + wb, v.windows, 0};
                 for (int i = 0; i < seqs[s].n; i++, k_tok++) {
                     const int32_t p = p0 + i, e = kv_view_entry(&v, p);
+                    const size_t wr = (size_t)(p - w0) * H * v.win_row;
                     const uint64_t block = (uint64_t)(uintptr_t)v.blk[e]->dev;
                     struct cuk_enc_tok *tk = (struct cuk_enc_tok *)(cb->stage_h + toks_off) + k_tok;
                     *tk = (struct cuk_enc_tok){
@@ -447,8 +459,8 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                         .mu = m && m->has_mu ? (uint64_t)(uintptr_t)m->mu : 0,
                         .rb_k = (uint32_t)(rb + (size_t)i * H * v.k_row),
                         .rb_v = (uint32_t)(rb + kb + (size_t)i * H * v.v_row),
-                        .rb_wk = (uint32_t)(rb + kb + vb + (size_t)i * H * v.win_row),
-                        .rb_wv = (uint32_t)(rb + kb + vb + wb + (size_t)i * H * v.win_row),
+                        .rb_wk = p < w0 ? CUK_NO_ROW : (uint32_t)(rb + kb + vb + wr),
+                        .rb_wv = p < w0 ? CUK_NO_ROW : (uint32_t)(rb + kb + vb + wb + wr),
                     };
                 }
             }
@@ -538,7 +550,7 @@ static void rows_task(void *arg, int ith, int nth) {
         const struct pending_append *pa = &cb->pending[i];
         const uint8_t *h = cb->rb_h;
         kv_cache_append_rows(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v, pa->windows ? h + pa->wk : NULL,
-                             pa->windows ? h + pa->wv : NULL);
+                             pa->windows ? h + pa->wv : NULL, pa->w0);
     }
 }
 

@@ -31,6 +31,8 @@ struct dev_entry {
     size_t bytes;
     uint8_t *dev;
     struct cuk_weight w; /* weights only */
+    void *f16;           /* quantized weights: all rows in f16 (dev_weight_f16), or NULL */
+    bool f16_none;       /* no room for that copy */
 };
 
 /* Memory that lives as long as the backend: KV blocks on the host (pinned) and on
@@ -71,6 +73,7 @@ struct pending_append {
     struct kv_cache *cache;
     int32_t p0;
     int n;
+    int32_t w0;          /* window rows read back for positions w0.. (kv_cache_window_rows_from) */
     size_t k, v, wk, wv; /* offsets in the read-back buffer */
     bool windows;
     int parts; /* of the offsets' re-encoding that end left (kv_cache_append_end) */
@@ -101,6 +104,7 @@ struct cuda_tuning {
 struct cuda_backend {
     struct backend base;
     struct cuda_tuning tune;
+    bool f16_weights, f16_short; /* f16 copies of quantized weights kept; one did not fit */
     struct cuk_queue q;
     cudaStream_t stream; /* q.stream */
     bool in_step;        /* work was queued since the last sync */
@@ -113,8 +117,8 @@ struct cuda_backend {
     /* device memory of freed caches' windows, offsets and block tables, kept for the
      * next caches: a cudaMalloc per new cache and layer, and a cudaFree (which waits
      * for the device) per finished one, held up prompts and whole steps */
-    struct spare { void *p; size_t bytes; } *spare;
-    int n_spare, cap_spare;
+    struct spares { size_t bytes; void **p; int n, cap; } *spare; /* one stack per size (a few sizes) */
+    int n_spare;
     cublasHandle_t blas;
     int n_sm, max_tokens;
     bool failed;
@@ -231,6 +235,7 @@ void prof_print(const struct cuda_backend *cb);
 /* cuda_weights.c */
 const float *dev_vec(struct cuda_backend *cb, const float *host);
 const struct cuk_weight *dev_weight(struct cuda_backend *cb, const struct weight *w);
+const void *dev_weight_f16(struct cuda_backend *cb, const struct weight *w);
 int cuda_upload_weight(struct backend *b, const struct weight *w);
 int cuda_upload_vector(struct backend *b, const float *v, int64_t n);
 

@@ -1,6 +1,7 @@
 /* Products, embeddings, norms, RoPE tables and the GLU: matrix-vector kernels up to
- * CUK_MATVEC_MAX tokens, packed wide kernels up to CUK_WIDE_MAX, dequantized bands and
- * cuBLAS beyond. */
+ * CUK_MATVEC_MAX tokens; beyond, cuBLAS on the weights' f16 copies (dev_weight_f16),
+ * or where there are none packed wide kernels up to CUK_WIDE_MAX, then cuBLAS on
+ * bands of rows dequantized for each product. */
 #include "backend/cuda/cuda_private.h"
 
 
@@ -137,7 +138,7 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
         prof_end(cb, P_MATVEC, t0);
         return;
     }
-    if (n <= CUK_WIDE_MAX && wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
+    if (n <= CUK_WIDE_MAX && !dev_weight_f16(cb, jobs[0].w) && wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
         prof_end(cb, P_WIDE, t0);
         return;
     }
@@ -159,15 +160,17 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
             x16_made = true;
         }
         const float one = 1.0f, zero = 0.0f;
-        int64_t band = (int64_t)(DEQ_BYTES / (f16 ? 2 : 4) / (size_t)w->cols);
+        const void *w16 = dev_weight_f16(cb, jobs[j].w);
+        int64_t band = w16 ? w->rows : (int64_t)(DEQ_BYTES / (f16 ? 2 : 4) / (size_t)w->cols);
         if (band > w->rows) band = w->rows;
         for (int64_t r0 = 0; r0 < w->rows; r0 += band) {
             int64_t r1 = r0 + band < w->rows ? r0 + band : w->rows;
-            cuk_dequantize(&cb->q, w, r0, r1, cb->deq, f16);
+            if (!w16) cuk_dequantize(&cb->q, w, r0, r1, cb->deq, f16);
             cublasStatus_t st =
-                f16 ? cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one, cb->deq,
-                                   CUDA_R_16F, (int)w->cols, cb->x16, CUDA_R_16F, (int)w->cols, &zero, jobs[j].y + r0,
-                                   CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+                f16 ? cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one,
+                                   w16 ? w16 : cb->deq, CUDA_R_16F, (int)w->cols, cb->x16, CUDA_R_16F, (int)w->cols,
+                                   &zero, jobs[j].y + r0, CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F,
+                                   CUBLAS_GEMM_DEFAULT)
                     : cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one, cb->deq,
                                    CUDA_R_32F, (int)w->cols, x, CUDA_R_32F, (int)x_stride, &zero, jobs[j].y + r0,
                                    CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);

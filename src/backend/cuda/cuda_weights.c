@@ -45,6 +45,37 @@ const struct cuk_weight *dev_weight(struct cuda_backend *cb, const struct weight
 }
 
 
+/* Device memory an f16 copy must leave free: the step's own allocations (staging,
+ * read-back rows, cuBLAS's workspace) still have to fit after it. */
+#define F16_RESERVE ((size_t)2 << 30)
+
+/* A quantized weight's rows in f16 for products of more than 16 tokens (cuBLAS on
+ * them, no dequantized band a product), made at its first such product where the
+ * memory left allows; NULL where it does not (said once) or the backend keeps none. */
+const void *dev_weight_f16(struct cuda_backend *cb, const struct weight *w) {
+    struct dev_entry *e = (struct dev_entry *)find(cb, w);
+    if (!cb->f16_weights || !e || !e->w.data || e->w.type == KVQ_F32 || e->w.type == KVQ_F16 || e->w.type == KVQ_BF16)
+        return NULL;
+    if (e->f16 || e->f16_none) return e->f16;
+    record_stop(cb); /* a one-time allocation, never recorded */
+    const size_t bytes = 2 * (size_t)e->w.rows * (size_t)e->w.cols;
+    size_t free_b = 0, total = 0;
+    if (cudaMemGetInfo(&free_b, &total) != cudaSuccess || free_b < bytes + F16_RESERVE ||
+        cudaMalloc(&e->f16, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        e->f16 = NULL;
+        e->f16_none = true;
+        if (!cb->f16_short)
+            fprintf(stderr, "kvq: CUDA: no device memory left for f16 copies of the weights (%.2f GiB free): products "
+                            "of more than 16 tokens dequantize them at every step (slower)\n", free_b / 1073741824.0);
+        cb->f16_short = true;
+        return NULL;
+    }
+    cuk_dequantize(&cb->q, &e->w, 0, e->w.rows, e->f16, 1);
+    return e->f16;
+}
+
+
 static int add_entry(struct cuda_backend *cb, const void *host, size_t bytes, const void *data, size_t data_bytes,
                      struct dev_entry **out) {
     if (find(cb, host)) { /* uploaded already (a tied output matrix, say) */

@@ -321,7 +321,7 @@ __global__ void kv_encode(const cuk_enc_args a) {
         if (tk.ring)
             ((__half *)((uint8_t *)tk.ring + (hs * tk.ring_cap + tk.p % tk.ring_cap) * a.win_row))[i] = hy;
         if (tk.sink && tk.p < tk.sinks) ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[i] = hy;
-        ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[i] = hy;
+        if (tk.rb_wk != CUK_NO_ROW) ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[i] = hy;
     }
     if (quant && a.defer) { /* packed by kv_pack, beside the step's attention */
         a.defer[(size_t)blockIdx.x * D + i] = z;
