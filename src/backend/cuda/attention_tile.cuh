@@ -1,6 +1,6 @@
 /* Attention on tensor cores over the paged cache, for the common row formats (keys
- * and values of 4, 8 or 16 bits, head size 64, 128 or 256, up to 8 query heads per KV
- * head); attention.cu's kernel takes the rest. A token's query heads take R =
+ * and values of 4, 8 or 16 bits, or normal-float K4V3 and K3V2, head size 64, 128 or
+ * 256, up to 8 query heads per KV head); attention.cu's kernel takes the rest. A token's query heads take R =
  * cuk_attn_tile_rows() rows of the m16 tiles, those past the model's group idle.
  *
  * A block takes one group of query tokens (a decode token, or up to 32 consecutive
@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     auto fetch_nf = [&](const uint8_t *hb) {
         for (int u = threadIdx.x; u < (int)(HEAD / 16); u += TILE_THREADS) cp_async16(raw + 16 * u, hb + 16 * u);
     };
-    const float *const nf_scales = (const float *)(raw + HEAD + 16);
+    float *const nf_scales = (float *)(raw + HEAD + 16);
     /* every thread, after its copies and a barrier; rows outside the plan's range are
      * converted too (finite values, masked). Thread t takes units t % (D / 8) of rows
      * t / (D / 8) + k RS (as item_at): a row step of RS rows keeps each unit's offset
@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * more tiles convert after it, beside the queries' loads: converted before it there
      * too, steps of 4096 rows and more took up to 0.9% longer (docs). */
     if (NF) /* the scales of normal-float rows, once (read after store_nf's barrier) */
-        for (int e = threadIdx.x; e < 256; e += TILE_THREADS) ((float *)nf_scales)[e] = nf_scale((uint32_t)e);
+        for (int e = threadIdx.x; e < 256; e += TILE_THREADS) nf_scales[e] = nf_scale((uint32_t)e);
     const tile_at first = tile_src(i0, FROM_TABLE);
     const bool early = first.kind == 0 && min(first.hi, first.p0 + TILE - 1) < P.fresh;
     bool done = early && begin_tile(0, first);
@@ -753,7 +753,8 @@ template <int D, int KB, int VB, int GS, int G, bool PREFILL>
 static int launch(cuk_queue *qu, const cuk_attn_args *a) {
     static int per_sm;
     constexpr int groups = groups_of<D, KB, GS>() + groups_of<D, VB, GS>();
-    /* the stages, then for head size 256 the warps' partial scores */
+    /* the stages, then for head size 256 the warps' partial scores, then normal-float
+     * rows' block and scales */
     const size_t smem = n_stages<D, GS>() * (stage_halves<D>() * 2 + (size_t)TILE * groups * sizeof(float2)) +
                         (D > 128 ? 4 * 8 * TILE * sizeof(float) : 0) + raw_bytes<D, KB, VB, GS>();
     if (per_sm == 0) {
