@@ -427,7 +427,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             *(uint4 *)(vs + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<VB>(vx));
         }
         for (int r = threadIdx.x; r < TILE; r += TILE_THREADS) { /* (scale, bias) of each row's one group */
-            const float sk = nf_scales[raw[r * KROW + D * KB / 8]], sv = nf_scales[raw[TILE * KROW + r * VROW + D * VB / 8]];
+            const float sk = nf_scales[raw[r * KROW + D * KB / 8]];
+            const float sv = nf_scales[raw[TILE * KROW + r * VROW + D * VB / 8]];
             kp[r] = make_float2(sk, -127.5f * sk);
             vp[r] = make_float2(sv, -127.5f * sv);
         }
