@@ -63,6 +63,11 @@ struct kv_store {
     float *signs;       /* [head_dim] Hadamard signs */
     float *mu;          /* [2][n_kv_heads][head_dim] key and value offsets removed before quantizing */
     bool mu_set;
+    /* From a later_only append's begin to its end: the batch's queries see f16 window
+     * rows from batch_lo on, as without later_only (the device holds those rows; the
+     * host's window starts later) */
+    bool batch_view;
+    int32_t batch_lo;
 };
 
 static inline struct kv_store *store_of(const struct kv_cache *c) { return c->impl; }
