@@ -152,10 +152,10 @@ toks = json.load(open(sys.argv[4]))[:-1]  # a request looks up all but its last 
 keys, chains = resp.block_keys(space, "t1", toks)
 good = [r.cmd("GET", k) for k in keys]
 foreign = r.cmd("GET", next(k for k in r.keys("kvq:*:k:*") if k.split(b":")[1].decode() != space))
-for i, v in enumerate(resp.crafted_values(good[0], 18)):
-    v = resp.rewrap(v, "evil%d" % i, 0) if i % 9 == 7 else v
-    planted("crafted", resp.plant(r, space, "evil%d" % i, toks, v), v)
-planted("crafted", resp.plant(r, space, "foreign", toks, foreign), foreign)
+foreign = foreign[resp.header_len(foreign):]  # its block, filed under B's key by plant
+for i, (v, mode) in enumerate(resp.crafted_values(good[0], 22)):
+    planted("crafted", *resp.plant(r, space, "evil%d" % i, toks, v, mode))
+planted("crafted", *resp.plant(r, space, "foreign", toks, foreign, "rewrap"))
 # a chain of good blocks (A's, under another namespace's keys) with its third corrupt
 mid, mchains = resp.block_keys(space, "mid", toks)
 for i, k in enumerate(mid):
@@ -176,13 +176,13 @@ held = [l.split() for l in sys.stdin]
 print(sum(1 for k, d in held if (v := r.cmd("GET", k)) is not None and hashlib.sha1(v).hexdigest() == d))
 ' "$resp_py" "$rport"
 }
-check "planted 19 crafted and foreign values" [ "$(grep -c '^crafted' "$tmp/planted")" = 19 ]
-for i in $(seq 0 17) foreign; do
+check "planted 23 crafted and foreign values" [ "$(grep -c '^crafted' "$tmp/planted")" = 23 ]
+for i in $(seq 0 21) foreign; do
   key=$([ "$i" = foreign ] && echo foreign || echo "evil$i")
   complete "$B_port" "$key" p1
   if [ "$(answer_cached)" != 0 ] || [ "$(answer_text)" != "$cold" ]; then bad "crafted value of $key served"; fi
 done
-check "every crafted value refused and counted" [ "$(metric "$B_port" prefix_cache_remote_rejected_total)" -ge 19 ]
+check "every crafted value refused and counted" [ "$(metric "$B_port" prefix_cache_remote_rejected_total)" -ge 23 ]
 check "no crafted value served: B's remote hits unchanged" [ "$(metric "$B_port" prefix_cache_remote_hits_total)" = $((hits + 1)) ]
 left=$(still_planted crafted)
 check "refused values are deleted from the store ($left left; B's own blocks may take their keys)" [ "$left" = 0 ]

@@ -54,33 +54,43 @@ def header_len(value):
 
 
 def crafted_values(good, count, seed=1):
-    """count values that must all be refused: variations of a good value (a kvq
-    block with its header) and plain junk."""
+    """count values that must all be refused, each with how plant() should file it:
+    variations of a good value (a kvq block with its header) and plain junk. "rewrap":
+    the header made right for the key (the block's own checks must refuse it),
+    "rechain": the header names another key, "as-is": the header is what is wrong."""
     rng = random.Random(seed)
     hl = header_len(good)
+    body = good[hl:]
     out = []
     for i in range(count):
-        kind = i % 9
-        v = bytearray(good)
+        kind = i % 11
+        v, mode = bytearray(body), "rewrap"
         if kind == 0:  # one byte flipped in the KV rows: the checksum fails
-            v[rng.randrange(hl + 400, len(v))] ^= 1 << rng.randrange(8)
+            v[rng.randrange(400, len(v))] ^= 1 << rng.randrange(8)
         elif kind == 1:  # truncated
             v = v[: rng.randrange(0, len(v))]
         elif kind == 2:  # random bytes of the same length
-            v = bytearray(rng.getrandbits(8) for _ in range(min(len(v), 4096)))
+            v, mode = bytearray(rng.getrandbits(8) for _ in range(min(len(good), 4096))), "as-is"
         elif kind == 3:  # another namespace in the header
-            v = v[:8] + (3).to_bytes(4, "little") + b"xyz" + v[hl - 8:]
+            v, mode = good[:8] + (3).to_bytes(4, "little") + b"xyz" + good[hl - 8:], "as-is"
         elif kind == 4:  # a header claiming a huge namespace
+            v, mode = bytearray(good), "as-is"
             v[8:12] = (0xFFFFFFF0).to_bytes(4, "little")
         elif kind == 5:  # the block's magic broken
-            v[hl] ^= 0xFF
+            v[0] ^= 0xFF
         elif kind == 6:  # the header alone
-            v = v[:hl]
-        elif kind == 7:  # another key's chain in the header (a value copied under another key)
-            v[hl - 8] ^= 0x5A
-        else:  # a token id changed (the checksum then fails too)
-            v[hl + 80 + 4 * rng.randrange(16)] ^= 0x7F
-        out.append(bytes(v))
+            v = b""
+        elif kind == 7:  # a good block under another key (its header names its own)
+            mode = "rechain"
+        elif kind == 8:  # a token id changed (the checksum then fails too)
+            v[80 + 4 * rng.randrange(64)] ^= 0x7F
+        elif kind == 9:  # a token id changed, the checksum made right
+            v[80 + 4 * rng.randrange(64)] ^= 0x01
+            v[-8:] = fnv1a(FNV_BASIS, bytes(v[:-8])).to_bytes(8, "little")
+        else:  # a NaN in the first layer's offsets (or sink count), the checksum made right
+            v[364:368] = (0x7FC00000).to_bytes(4, "little")
+            v[-8:] = fnv1a(FNV_BASIS, bytes(v[:-8])).to_bytes(8, "little")
+        out.append((bytes(v), mode))
     return out
 
 
@@ -115,9 +125,12 @@ def rewrap(value, ns, chain):
     return value[:8] + len(nsb).to_bytes(4, "little") + nsb + chain.to_bytes(8, "little") + value[header_len(value):]
 
 
-def plant(r, space, ns, tokens, value):
-    """Puts value under the key of the first block of tokens in namespace ns, where a
-    lookup reads first. Returns the key."""
-    key = block_keys(space, ns, tokens)[0][0]
-    r.cmd("SET", key, value)
-    return key
+def plant(r, space, ns, tokens, value, mode="as-is"):
+    """Puts value (a block's bytes for "rewrap" and "rechain", see crafted_values)
+    under the key of the first block of tokens in namespace ns, where a lookup reads
+    first. Returns the key and the value."""
+    keys, chains = block_keys(space, ns, tokens)
+    if mode != "as-is":
+        value = rewrap(b"KVQPCR2\0" + bytes(12) + value, ns, chains[0] ^ (mode == "rechain"))
+    r.cmd("SET", keys[0], value)
+    return keys[0], value
