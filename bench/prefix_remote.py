@@ -169,7 +169,7 @@ def ttft(a, b, corpus, label, reps, store):
         prefix = [1] + corpus[base:base + 1699]  # BOS and 1,699 tokens
         written = a.metric("prefix_cache_remote_tokens_written_total")
         a.complete(prefix + corpus[base + 1699:base + 1719], "shared")
-        if not a.wait_metric("prefix_cache_remote_tokens_written_total", written + 1700):
+        if not a.wait_metric("prefix_cache_remote_tokens_written_total", written + 1719 // 64 * 64):
             raise RuntimeError("A did not publish its entry")
         t_cold, _ = b.complete([1] + corpus[base + 3000:base + 4719], "cold")  # same length, nothing shared
         r0 = b.metric("prefix_cache_remote_bytes_read_total")

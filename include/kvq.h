@@ -243,10 +243,8 @@ void kvq_seq_extra_free(struct kvq_seq_extra *e);
 int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_token *tokens, int n_tokens,
                     const float *logits);
 struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra);
-/* The same bytes in memory (a remote store's values): kvq_prefix_encode writes a file's
- * exact bytes (no logits) to *data (malloc'd); kvq_prefix_decode reads them back with
- * every check kvq_prefix_load makes (name stands for the path in its errors). */
-int kvq_prefix_encode(const struct kvq_prefix *p, const kvq_token *tokens, int n_tokens, void **data, size_t *len);
+/* kvq_prefix_load of a file's bytes in memory, with every check it makes (name stands
+ * for the path in its errors). */
 struct kvq_prefix *kvq_prefix_decode(struct kvq_context *c, const void *data, size_t len, const char *name,
                                      struct kvq_seq_extra *extra);
 /* A held prefix block by block (a shared store's values): blocks [first, first + count)
