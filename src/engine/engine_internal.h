@@ -31,8 +31,10 @@ struct kv_buf;
 struct kv_reader;
 #define ENGINE_FNV_INIT 0xcbf29ce484222325ull
 uint64_t engine_fnv1a(uint64_t h, const void *p, size_t n);
-/* The model's fingerprint (the one saved files carry). */
+/* The model's fingerprint (the one saved files carry); the context's model's, as
+ * computed when it was loaded. */
 uint64_t engine_fingerprint(const struct model *m);
+uint64_t engine_context_fingerprint(const struct kvq_context *c);
 void engine_put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv);
 /* Reads a config written by engine_put_kv_config (file version: fields of older
  * ones); -1 with an error naming `name` for a truncated or impossible one. */

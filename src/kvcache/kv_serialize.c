@@ -472,27 +472,35 @@ static int place_rows_as_is(struct kv_cache *c, const struct kv_rows *x) {
     return 0;
 }
 
-/* The rows decoded (the sinks from their f16 copies) and appended as new tokens. */
+/* The rows decoded (the sinks from their f16 copies) and appended as new tokens, a
+ * few at a time (a small buffer, reused). */
 static int append_decoded(struct kv_cache *c, const struct kv_rows *x) {
     const struct kv_store *st = store_of(x->like);
     const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
-    const int32_t n = x->n;
-    float *kv = malloc(sizeof(float) * 2 * (size_t)n * H * D);
-    if (!kv) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
-    for (int side = 0; side < 2; side++)
-        for (int h = 0; h < H; h++)
-            for (int32_t t = 0; t < n; t++) {
-                float *out = kv + (((size_t)side * n + t) * H + h) * D;
-                if (t < x->sinks && c->n_past == 0)
-                    kv_decode_row(st, &x->wf[side], D, x->sink_rows[side] + ((size_t)h * x->sinks + t) * x->wf[side].row,
-                                  NULL, out);
-                else
-                    kv_decode_row(st, &x->f[side], D, x->rows[side] + ((size_t)h * n + t) * x->f[side].row,
-                                  x->mu_set && kern_kvq_bits_quantized(x->f[side].bits) ? x->mu + ((size_t)side * H + h) * D
-                                                                                        : NULL,
-                                  out);
+    const int32_t n = x->n, from_zero = c->n_past == 0;
+    int32_t chunk = (int32_t)(8192 / ((size_t)H * D));
+    chunk = chunk < 1 ? 1 : chunk > n ? n : chunk;
+    float *kv = malloc(sizeof(float) * 2 * (size_t)chunk * H * D);
+    int rc = kv ? 0 : kvq_error_code(KVQ_ERR_OOM, "out of memory");
+    for (int32_t t0 = 0; t0 < n && rc == 0; t0 += chunk) {
+        const int32_t m = n - t0 < chunk ? n - t0 : chunk;
+        for (int side = 0; side < 2; side++)
+            for (int h = 0; h < H; h++) {
+                const float *mu = x->mu_set && kern_kvq_bits_quantized(x->f[side].bits)
+                                      ? x->mu + ((size_t)side * H + h) * D
+                                      : NULL;
+                for (int32_t t = t0; t < t0 + m; t++) {
+                    float *out = kv + (((size_t)side * m + (t - t0)) * H + h) * D;
+                    if (t < x->sinks && from_zero)
+                        kv_decode_row(st, &x->wf[side], D,
+                                      x->sink_rows[side] + ((size_t)h * x->sinks + t) * x->wf[side].row, NULL, out);
+                    else
+                        kv_decode_row(st, &x->f[side], D, x->rows[side] + ((size_t)h * n + t) * x->f[side].row, mu,
+                                      out);
+                }
             }
-    int rc = kv_store_append(c, n, kv, kv + (size_t)n * H * D);
+        rc = kv_store_append(c, m, kv, kv + (size_t)m * H * D);
+    }
     free(kv);
     return rc;
 }

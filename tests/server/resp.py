@@ -4,6 +4,7 @@ byte for byte, and plant crafted values under the keys a server will read.
 """
 import random
 import socket
+import struct
 
 
 class Redis:
@@ -86,10 +87,10 @@ def crafted_values(good, count, seed=1):
             v[80 + 4 * rng.randrange(64)] ^= 0x7F
         elif kind == 9:  # a token id changed, the checksum made right
             v[80 + 4 * rng.randrange(64)] ^= 0x01
-            v[-8:] = fnv1a(FNV_BASIS, bytes(v[:-8])).to_bytes(8, "little")
+            v[-8:] = block_checksum(bytes(v[:-8])).to_bytes(8, "little")
         else:  # a NaN in the first layer's offsets (or sink count), the checksum made right
             v[364:368] = (0x7FC00000).to_bytes(4, "little")
-            v[-8:] = fnv1a(FNV_BASIS, bytes(v[:-8])).to_bytes(8, "little")
+            v[-8:] = block_checksum(bytes(v[:-8])).to_bytes(8, "little")
         out.append((bytes(v), mode))
     return out
 
@@ -101,6 +102,15 @@ def fnv1a(h, data):
     for b in data:
         h = ((h ^ b) * FNV_PRIME) & MASK
     return h
+
+
+def block_checksum(data):
+    """A block's checksum (src/engine/seq_blocks.c): FNV-1a 64 over little-endian
+    64-bit words, the last len % 8 bytes one at a time."""
+    h, n = FNV_BASIS, len(data) // 8 * 8
+    for (w,) in struct.iter_unpack("<Q", data[:n]):
+        h = ((h ^ w) * FNV_PRIME) & MASK
+    return fnv1a(h, data[n:])
 
 
 def block_keys(space, ns, tokens, block=64):
