@@ -43,6 +43,13 @@ expect_error "a user without a password" "needs a password" --prefix-cache-remot
 expect_error "a missing auth file" "prefix-cache-remote-auth" --prefix-cache-remote redis://127.0.0.1:1 \
   --prefix-cache-remote-auth "$tmp/none"
 expect_error "no prefix cache" "needs the prefix cache" --prefix-cache-remote redis://127.0.0.1:1 --prefix-cache-mb 0
+if [ -f "$shared/models/tinygemma3-f16.gguf" ]; then # blocks need every layer's rows of their positions
+  "$kvq" serve -m "$shared/models/tinygemma3-f16.gguf" --port 0 --prefix-cache-remote redis://127.0.0.1:1 \
+    >/dev/null 2>"$tmp/err"
+  rc=$?
+  if [ $rc -eq 1 ] && grep -q "needs every position kept.*--swa-full" "$tmp/err"; then ok "sliding-window layers refused"
+  else bad "sliding-window layers refused (exit $rc)"; cat "$tmp/err"; fi
+fi
 
 # ---- a store with a password, reached through a unix socket --------------------------
 printf 'sekrit-pass\n' >"$tmp/auth"

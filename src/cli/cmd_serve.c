@@ -50,7 +50,7 @@ static const char *const serve_help =
     "                             unix:///PATH[?db=DB]\n"
     "  --prefix-cache-remote-auth FILE  the store's password, the file's first line (default:\n"
     "                             $KVQ_PREFIX_CACHE_REMOTE_AUTH)\n"
-    "  --prefix-cache-remote-ttl S  the stored entries' time to live (default 86400)\n"
+    "  --prefix-cache-remote-ttl S  the stored blocks' time to live (default 86400)\n"
     "  --api-key KEY              require 'Authorization: Bearer KEY' (also $KVQ_API_KEY)\n"
     "  --chat-template NAME|FILE  a Jinja chat template file, or a built-in one: chatml, llama2,\n"
     "                             llama3, mistral, gemma, phi3, zephyr (default: the model's\n"
