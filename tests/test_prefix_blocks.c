@@ -3,8 +3,9 @@
  * prefix, give logits equal to a fresh prefill (f16) or to the held prefix cut back to
  * the same length (--kv-bits 8,4: the same rows, offsets and sinks); blocks re-encoded
  * in 8 bits from an f16 prefix land within 8-bit error of it; a block at another
- * position, of other tokens, of another config, corrupt, truncated or longer is
- * refused with the sequence unchanged; every KV block goes back at the end. */
+ * position, of other tokens, of another config, corrupt, truncated, longer, or whose
+ * rows decode beyond f16 is refused with the sequence unchanged; every KV block goes
+ * back at the end. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,6 +69,19 @@ static int append(struct kvq_context *c, int seq, const struct kvq_kv_config *kv
     for (int i = 0; i < n; data += lens[i++])
         if (kvq_seq_append_block(c, seq, kv, data, lens[i], toks) != 0) return -1;
     return 0;
+}
+
+/* The block checksum (src/engine/seq_blocks.c): FNV-1a 64 over little-endian 64-bit words. */
+static uint64_t block_checksum(const unsigned char *p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w = 0;
+        for (int j = 0; j < 8; j++) w |= (uint64_t)p[i + j] << (8 * j);
+        h = (h ^ w) * 0x100000001b3ull;
+    }
+    for (; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
 }
 
 static void refused(struct kvq_context *c, const struct kvq_kv_config *kv, const unsigned char *v, size_t len,
@@ -137,6 +151,19 @@ int main(void) {
     q8ctx.k_group = q8ctx.v_group = 64;
     CHECK(kvq_prefix_encode_blocks(p, &q8ctx, toks, 0, 4, &data, lens) == 0, "encode 8-bit: %s", kvq_last_error());
     CHECK(lens[1] < f16_len * 6 / 10, "8-bit blocks: %zu bytes against %zu in f16", lens[1], f16_len);
+    /* a finite f16 scale that decodes beyond f16 (layer 0's key row of position 10,
+     * past the sinks, which come from their f16 copies), the checksum made right:
+     * refused, not held as inf */
+    v = malloc(lens[0]);
+    memcpy(v, data, lens[0]);
+    const size_t formats = 80 + 4 * B, mu_set = v[formats + 24]; /* after the header and tokens */
+    const size_t rows = formats + 7 * 4 + (mu_set ? 2 * 2 * 128 * 4 : 0) + 4; /* offsets, sink count */
+    const size_t scale = rows + 10 * (128 + 2 * 4) + 128; /* 8-bit rows: codes, then scale and bias per 64 */
+    v[scale] = 0xff, v[scale + 1] = 0x7b;
+    uint64_t sum = block_checksum(v, lens[0] - 8);
+    for (int i = 0; i < 8; i++) v[lens[0] - 8 + i] = (unsigned char)(sum >> (8 * i));
+    refused(c, &q8ctx, v, lens[0], "rows that decode beyond f16");
+    free(v);
     CHECK(append(c, 1, &q8ctx, data, lens, 4) == 0, "8-bit blocks into an f16 sequence: %s", kvq_last_error());
     float *hit = finish(c, 1, 4 * B), *ref = finish(c, 0, 0);
     int am = 0, bm = 0;

@@ -363,6 +363,8 @@ int kv_store_save_rows(const struct kv_cache *c, int32_t first, int32_t n, struc
     return 0;
 }
 
+#define F16_MAX 65504.0f /* the largest finite f16 */
+
 /* A stretch read and checked: pointers into the reader's bytes. */
 struct kv_rows {
     const struct kv_cache *like; /* a cache of the rows' config (their rotation signs) */
@@ -406,7 +408,7 @@ struct kv_rows *kv_rows_read(const struct kv_cache *like, struct kv_reader *r, i
         uint32_t u;
         if (!kv_read_u32(r, &u)) return rows_fail(x, "truncated offsets");
         memcpy(&x->mu[i], &u, 4);
-        if (!(fabsf(x->mu[i]) < 1e30f)) return rows_fail(x, "offsets");
+        if (!(fabsf(x->mu[i]) <= F16_MAX)) return rows_fail(x, "offsets");
     }
     const bool win = kern_kvq_bits_quantized(x->f[0].bits) || kern_kvq_bits_quantized(x->f[1].bits);
     if (!kv_read_i32(r, &x->sinks) || x->sinks < 0 || x->sinks > n || (!win && x->sinks) ||
@@ -473,7 +475,9 @@ static int place_rows_as_is(struct kv_cache *c, const struct kv_rows *x) {
 }
 
 /* The rows decoded (the sinks from their f16 copies) and appended as new tokens, a
- * few at a time (a small buffer, reused). */
+ * few at a time (a small buffer, reused). Values an f16 row cannot hold are refused:
+ * finite scales can still decode beyond it, and the f16 windows, the offsets chosen
+ * from them and an f16 cache would turn them into inf and NaN. */
 static int append_decoded(struct kv_cache *c, const struct kv_rows *x) {
     const struct kv_store *st = store_of(x->like);
     const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
@@ -499,7 +503,9 @@ static int append_decoded(struct kv_cache *c, const struct kv_rows *x) {
                                       out);
                 }
             }
-        rc = kv_store_append(c, m, kv, kv + (size_t)m * H * D);
+        for (size_t i = 0; i < 2 * (size_t)m * H * D && rc == 0; i++)
+            if (!(fabsf(kv[i]) <= F16_MAX)) rc = kvq_error_code(KVQ_ERR_FORMAT, "invalid KV rows: values beyond f16");
+        if (rc == 0) rc = kv_store_append(c, m, kv, kv + (size_t)m * H * D);
     }
     free(kv);
     return rc;

@@ -363,12 +363,21 @@ static void *writer_main(void *arg) {
  * now, so an eviction can remove the file) and its blocks' publication where there is
  * a store (in the stored format whatever the entry's; a live entry's blocks are
  * re-encoded by the writer). A job of the entry's that has not started is taken back
- * and redone with this one; one that has is waited for. */
+ * and redone with this one; one that has is waited for (only when there is more to do:
+ * a hit on an entry being published does not wait for it). */
+static bool lacks_file(const struct prefix_cache *pc, const struct entry *e) {
+    return pc->dir && !e->pending && !e->written;
+}
+
+static bool lacks_publication(const struct prefix_cache *pc, const struct entry *e) {
+    return pc->remote && !e->published && e->ns_name;
+}
+
 static void persist(struct prefix_cache *pc, struct entry *e) {
+    if (!lacks_file(pc, e) && !lacks_publication(pc, e)) return; /* e.g. a hit while its publication runs */
     finish_job(pc, e, true);
-    const bool file = pc->dir && !e->pending && !e->written;
-    const char *ns = pc->remote && !e->published ? e->ns_name : NULL;
-    if (!file && !ns) return;
+    const bool file = lacks_file(pc, e);
+    const char *ns = lacks_publication(pc, e) ? e->ns_name : NULL;
     struct write_job *j = calloc(1, sizeof *j);
     if (j && file && !e->path) {
         uint64_t th = fnv1a(FNV_BASIS, e->tokens, sizeof *e->tokens * (size_t)e->n);
