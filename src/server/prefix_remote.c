@@ -11,7 +11,7 @@
 #include <time.h>
 
 #define VALUE_MAGIC "KVQPCR2" /* 8 bytes with its NUL: the value header's version (1: whole entries) */
-#define MAX_LOOKUP_BLOCKS 2048 /* boundaries asked for at most (131072 tokens) */
+#define MAX_LOOKUP_BLOCKS 2048 /* blocks looked up or published at most (131072 tokens) */
 #define BACKOFF_MIN_S 0.25
 #define BACKOFF_MAX_S 1.0
 
