@@ -127,6 +127,8 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *q, int3
 /* ---- kv_serialize.c ---- */
 void kv_store_save(const struct kv_cache *c, struct kv_buf *b);
 int kv_store_load(struct kv_cache *c, struct kv_reader *r);
+int kv_store_save_rows(const struct kv_cache *c, int32_t first, int32_t n, struct kv_buf *b);
+int kv_store_append_rows_from(struct kv_cache *c, const struct kv_rows *x);
 
 /* ---- kv_store.c: the cache operations (kv_cache.h says what each does) ---- */
 int kv_store_append(struct kv_cache *c, int n, const float *k, const float *v);
