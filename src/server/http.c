@@ -584,6 +584,8 @@ static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) 
     metric(&b, "decode_tokens_per_second", "gauge", "Tokens generated per second over the last second.", s.decode_tok_s);
     metric(&b, "queue_length", "gauge", "Requests waiting for a sequence or KV memory.", s.queued);
     metric(&b, "running_sequences", "gauge", "Sequences being prefilled or decoded.", s.running);
+    metric(&b, "requests_waiting_for_memory", "gauge", "Queued requests that wait for KV memory while sequence slots are free.",
+           s.waiting_memory);
     metric(&b, "kv_bytes_in_use", "gauge", "KV cache bytes in use (shared blocks once).", (double)s.kv_bytes);
     metric(&b, "kv_budget_bytes", "gauge", "KV cache byte budget.", (double)s.kv_budget);
     metric(&b, "kv_blocks_in_use", "gauge", "KV blocks in use.", (double)s.kv_blocks);
