@@ -7,12 +7,18 @@ redis-server on loopback, tinydoc-q8_0 on the CPU.
             --reps runs, side by side), for the default KV config and --kv-bits 8,4
   bytes     bytes written to the store per cached token, --kv-bits 8,4 against f16
             (the servers' counters and the store's MEMORY USAGE)
+  partial   B holds the first 1,000 tokens of a 1,700-token prefix that A prefilled:
+            the bytes B reads for its hit (only the blocks it lacks) and its TTFT
   kill      64 streams, a third sharing prefixes, over both replicas; the store is
             killed mid-load and restarted: every request must complete; reports how
             long after the restart the first remote hit came
   crafted   1,000 crafted or foreign values under replica B's keys: none served
 
-  python3 bench/prefix_remote.py --kvq build/kvq [--phases ttft,bytes,kill,crafted]
+  python3 bench/prefix_remote.py --kvq build/kvq [--baseline OLD/kvq] [--phases ttft,bytes,partial,kill,crafted]
+
+With --baseline, the ttft, bytes, partial and kill phases run each setting with the
+baseline binary, then with --kvq, in the same run (crafted: --kvq only, its values
+are planted in the layout of this version's store).
 """
 import argparse
 import http.client
@@ -90,6 +96,13 @@ class Replica:
             time.sleep(0.05)
         raise RuntimeError("replica %s did not start:\n%s" % (name, text))
 
+    def last_remote_hit_ms(self):
+        """The ms of the log's last cache_remote_hit line (this version: the lookup,
+        fetch and append; the baseline's: decoding the fetched entry), or None."""
+        self.log.seek(0)
+        hits = [ln for ln in self.log.read().splitlines() if "cache_remote_hit" in ln]
+        return float(hits[-1].rsplit("ms=", 1)[1]) if hits else None
+
     def stop(self):
         """The exit status, and whether the log holds a sanitizer report."""
         self.p.send_signal(signal.SIGTERM)
@@ -150,24 +163,39 @@ def tokenize(rep, text):
 def ttft(a, b, corpus, label, reps, store):
     """Returns (cold, hit) medians in seconds, A's bytes and tokens written, and the
     store's bytes per token written (A's entries and B's)."""
-    cold, hit = [], []
+    cold, hit, read, fetch = [], [], [], []
     for i in range(reps):
         base = 100000 + i * 7000
         prefix = [1] + corpus[base:base + 1699]  # BOS and 1,699 tokens
         written = a.metric("prefix_cache_remote_tokens_written_total")
         a.complete(prefix + corpus[base + 1699:base + 1719], "shared")
-        if not a.wait_metric("prefix_cache_remote_tokens_written_total", written + 1700):
+        if not a.wait_metric("prefix_cache_remote_tokens_written_total", written + 1719 // 64 * 64):
             raise RuntimeError("A did not publish its entry")
         t_cold, _ = b.complete([1] + corpus[base + 3000:base + 4719], "cold")  # same length, nothing shared
+        r0 = b.metric("prefix_cache_remote_bytes_read_total")
         t_hit, ans = b.complete(prefix + corpus[base + 2000:base + 2020], "shared")
+        read.append(b.metric("prefix_cache_remote_bytes_read_total") - r0)
+        fetch.append(b.last_remote_hit_ms() or float("nan"))
         cached = ans["usage"]["prompt_tokens_details"]["cached_tokens"]
         print("  %-26s run %d: cold %.1f ms, hit %.1f ms (%d cached tokens)" % (label, i + 1, t_cold * 1e3,
                                                                               t_hit * 1e3, cached))
         cold.append(t_cold)
         hit.append(t_hit)
-    return statistics.median(cold), statistics.median(hit), a.metric(
+    return statistics.median(cold), statistics.median(hit), statistics.median(read), statistics.median(fetch), a.metric(
         "prefix_cache_remote_bytes_written_total"), a.metric("prefix_cache_remote_tokens_written_total"), \
         store.key_memory() / sum(r.metric("prefix_cache_remote_tokens_written_total") for r in (a, b))
+
+
+def binaries(o):
+    """(label, path) of the binaries a phase compares."""
+    return [("before", o.baseline), ("after", o.kvq)] if o.baseline else [("", o.kvq)]
+
+
+def replicas(o, tmp, kv, bin_path, c=4096):
+    store = Store(tmp)
+    common = ["-t", str(o.threads), "-c", str(c), "--max-num-seqs", "4",
+              "--prefix-cache-remote", "redis://127.0.0.1:%d" % store.port] + kv
+    return store, Replica(bin_path, o.model, tmp, "A", common), Replica(bin_path, o.model, tmp, "B", common)
 
 
 def phase_ttft_bytes(o, corpus, tmp, phases):
@@ -177,30 +205,65 @@ def phase_ttft_bytes(o, corpus, tmp, phases):
     for label, kv in configs:
         if "ttft" not in phases and not label.startswith(("--kv", "f16")):
             continue
-        store = Store(tmp)
-        common = ["-t", str(o.threads), "-c", "4096", "--max-num-seqs", "4",
-                  "--prefix-cache-remote", "redis://127.0.0.1:%d" % store.port] + kv
-        a, b = Replica(o.kvq, o.model, tmp, "A", common), Replica(o.kvq, o.model, tmp, "B", common)
+        for tag, bin_path in binaries(o):
+            store, a, b = replicas(o, tmp, kv, bin_path)
+            name = ("%s %s" % (tag, label)).strip()
+            try:
+                c, h, rd, fm, bw, tw, mem = ttft(a, b, corpus, name, o.reps, store)
+            finally:
+                a.stop()
+                b.stop()
+                store.kill()
+            per_token[(tag, label)] = (bw / tw, mem)
+            print("%-35s TTFT cold %.1f ms, remote hit %.1f ms: %.1fx lower; hit read %.0f bytes (%.1f ms in the log); "
+                  "written %.0f bytes/token (store: %.0f)" % (name, c * 1e3, h * 1e3, c / h, rd, fm, bw / tw, mem))
+    if "bytes" in phases:
+        for tag, _ in binaries(o):
+            q, f = per_token[(tag, "--kv-bits 8,4")], per_token[(tag, "f16 entries (16-bit cache)")]
+            print("%s bytes per cached token, 8,4 / f16: %.1f%% (counters), %.1f%% (the store's MEMORY USAGE)"
+                  % (tag or "", 100 * q[0] / f[0], 100 * q[1] / f[1]))
+
+
+def phase_partial(o, corpus, tmp):
+    for tag, bin_path in binaries(o):
+        store, a, b = replicas(o, tmp, [], bin_path)
+        read, cached, hit = [], [], []
         try:
-            c, h, bw, tw, mem = ttft(a, b, corpus, label, o.reps, store)
+            for i in range(o.reps):
+                base, key = 150000 + i * 7000, "p%d" % i
+                prefix = [1] + corpus[base:base + 1699]
+                b.complete(prefix[:1000] + corpus[base + 5000:base + 5020], key)  # B holds 1,000 tokens of it
+                written = a.metric("prefix_cache_remote_tokens_written_total")
+                a.complete(prefix + corpus[base + 1699:base + 1719], key)
+                if not a.wait_metric("prefix_cache_remote_tokens_written_total", written + 64):
+                    raise RuntimeError("A did not publish its entry")
+                time.sleep(1)  # the rest of its publication
+                r0 = b.metric("prefix_cache_remote_bytes_read_total")
+                t, ans = b.complete(prefix + corpus[base + 2000:base + 2020], key)
+                read.append(b.metric("prefix_cache_remote_bytes_read_total") - r0)
+                cached.append(ans["usage"]["prompt_tokens_details"]["cached_tokens"])
+                hit.append(t)
         finally:
             a.stop()
             b.stop()
             store.kill()
-        per_token[label] = (bw / tw, mem)
-        print("%-28s TTFT cold %.1f ms, remote hit %.1f ms: %.1fx lower; written %.0f bytes/token (store: %.0f)"
-              % (label, c * 1e3, h * 1e3, c / h, bw / tw, mem))
-    if "bytes" in phases:
-        q, f = per_token["--kv-bits 8,4"], per_token["f16 entries (16-bit cache)"]
-        print("bytes per cached token, 8,4 / f16: %.1f%% (counters), %.1f%% (the store's MEMORY USAGE)"
-              % (100 * q[0] / f[0], 100 * q[1] / f[1]))
+        print("%-35s B holds 1,000 of A's 1,700 prefix tokens: its hit read %.0f bytes (%d cached tokens), TTFT %.1f "
+              "ms (medians of %d)" % (("%s partial" % tag).strip(), statistics.median(read), statistics.median(cached),
+                                      statistics.median(hit) * 1e3, o.reps))
 
 
 def phase_kill(o, corpus, tmp):
+    for tag, bin_path in binaries(o):
+        if tag:
+            print(tag + ":")
+        kill_run(o, bin_path, corpus, tmp)
+
+
+def kill_run(o, kvq, corpus, tmp):
     store = Store(tmp)
     common = ["-t", "1", "-c", "1024", "--max-num-seqs", "16", "--kv-bits", "8,4",
               "--prefix-cache-remote", "redis://127.0.0.1:%d" % store.port]
-    reps = [Replica(o.kvq, o.model, tmp, n, common) for n in ("A", "B")]
+    reps = [Replica(kvq, o.model, tmp, n, common) for n in ("A", "B")]
     n_req, streams, gap = o.kill_requests, 64, 99
     results, lock, next_i = [None] * n_req, threading.Lock(), [0]
     events = {}
@@ -284,7 +347,7 @@ def phase_crafted(o, corpus, tmp):
     common = ["-t", str(o.threads), "-c", "1024", "--max-num-seqs", "16", "--kv-bits", "8,4",
               "--prefix-cache-remote", "redis://127.0.0.1:%d" % store.port]
     r = resp.Redis(store.port)
-    toks = [1] + corpus[260000:260000 + 320]  # 5 blocks of 64
+    toks = [1] + corpus[260000:260000 + 128]  # 2 blocks of 64: each crafted value costs B a cold prefill
 
     def publish(name, args):
         rep = Replica(o.kvq, o.model, tmp, name, args)
@@ -295,16 +358,17 @@ def phase_crafted(o, corpus, tmp):
         return rep
 
     a = publish("A", common)
-    a_space = r.keys("kvq:*:e:*")[0].split(b":")[1].decode()
+    a_space = r.keys("kvq:*:k:*")[0].split(b":")[1].decode()
     publish("F", common[:-4] + ["--kv-bits", "8"] + common[-2:]).stop()  # another KV format: foreign values
-    good = r.cmd("GET", r.keys("kvq:%s:*:e:*" % a_space)[0])
-    foreign = r.cmd("GET", next(k for k in r.keys("kvq:*:e:*") if k.split(b":")[1].decode() != a_space))
+    good = r.cmd("GET", resp.block_keys(a_space, "x", toks)[0][0])
+    foreign = r.cmd("GET", next(k for k in r.keys("kvq:*:k:*") if k.split(b":")[1].decode() != a_space))
     b = Replica(o.kvq, o.model, tmp, "B", common)
     real = b.complete(toks + [13], "x", stream=False)[1]["usage"]["prompt_tokens_details"]["cached_tokens"]
-    values = resp.crafted_values(good, 900) + [foreign] * 100
-    groups = [values[i:i + 3] for i in range(0, len(values), 3)]
-    for i, g in enumerate(groups):
-        resp.plant(r, a_space, "t%d" % i, toks, g)
+    # one value per namespace, under its first block's key (where a lookup reads first)
+    values = resp.crafted_values(good, 900) + [(foreign[resp.header_len(foreign):], "rewrap")] * 100
+    groups = list(range(len(values)))
+    for i, (v, mode) in enumerate(values):
+        resp.plant(r, a_space, "t%d" % i, toks, v, mode)
     served, failed = [0], [0]
     lock = threading.Lock()
     todo = list(range(len(groups)))
@@ -334,7 +398,7 @@ def phase_crafted(o, corpus, tmp):
     b_rc, b_sanitizer = b.stop()
     store.kill()
     print("crafted: %d values (900 crafted, 100 foreign) over %d namespaces in %.1f s: %d requests served a cached "
-          "prefix, %d failed; B rejected %d, remote hits %d (1 expected: A's real entry, %d tokens); B exited with "
+          "prefix, %d failed; B rejected %d, remote hits %d (1 expected: A's real blocks, %d tokens); B exited with "
           "status %d, %s" % (len(values), len(groups), time.time() - t0, served[0], failed[0], rejected, hits, real,
                              b_rc, "a sanitizer report in its log" if b_sanitizer else "no sanitizer report"))
 
@@ -344,7 +408,8 @@ def main():
     ap.add_argument("--kvq", default=os.path.join(HERE, "..", "build", "kvq"))
     ap.add_argument("--model", default=os.path.join(HERE, "..", "..", "shared", "models", "tinydoc-q8_0.gguf"))
     ap.add_argument("--text", default=os.path.join(HERE, "..", "..", "shared", "data", "wikitext2-test.txt"))
-    ap.add_argument("--phases", default="ttft,bytes,kill,crafted")
+    ap.add_argument("--baseline", help="another kvq binary to run side by side (ttft, bytes, partial, kill)")
+    ap.add_argument("--phases", default="ttft,bytes,partial,kill,crafted")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kill-requests", type=int, default=384)
@@ -361,6 +426,8 @@ def main():
             sys.exit("%s holds %d tokens; the phases need 262,000" % (o.text, len(corpus)))
         if "ttft" in phases or "bytes" in phases:
             phase_ttft_bytes(o, corpus, tmp, phases)
+        if "partial" in phases:
+            phase_partial(o, corpus, tmp)
         if "kill" in phases:
             phase_kill(o, corpus, tmp)
         if "crafted" in phases:

@@ -252,12 +252,27 @@ void kvq_seq_extra_free(struct kvq_seq_extra *e);
 int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_token *tokens, int n_tokens,
                     const float *logits);
 struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra);
-/* The same bytes in memory (a remote store's values): kvq_prefix_encode writes a file's
- * exact bytes (no logits) to *data (malloc'd); kvq_prefix_decode reads them back with
- * every check kvq_prefix_load makes (name stands for the path in its errors). */
-int kvq_prefix_encode(const struct kvq_prefix *p, const kvq_token *tokens, int n_tokens, void **data, size_t *len);
+/* kvq_prefix_load of a file's bytes in memory, with every check it makes (name stands
+ * for the path in its errors). */
 struct kvq_prefix *kvq_prefix_decode(struct kvq_context *c, const void *data, size_t len, const char *name,
                                      struct kvq_seq_extra *extra);
+/* A held prefix block by block (a shared store's values): blocks [first, first + count)
+ * of KVQ_BLOCK_TOKENS positions, each one value holding every layer's rows of those
+ * positions in format kv (bits and groups; the rest of kv must be the context's), the
+ * model's fingerprint, kv, the block's position and tokens (tokens: the prefix's), and
+ * a checksum. A prefix held in another format is re-encoded on private caches (outside
+ * the KV budget), so another thread may call this while the prefix is held. *data
+ * (malloc'd) holds the values one after another, lens[i] bytes each. 0, or -1. */
+#define KVQ_BLOCK_TOKENS 64
+int kvq_prefix_encode_blocks(const struct kvq_prefix *p, const struct kvq_kv_config *kv, const kvq_token *tokens,
+                             int first, int count, void **data, size_t *lens);
+/* Appends one such value of config kv to sequence seq, which must hold exactly the
+ * positions before its block, with the checks kvq_prefix_decode makes (checksum, model,
+ * config, position, finite values) and its tokens compared with tokens (the sequence's,
+ * at least to the block's end); the rows are decoded and held in the context's format.
+ * 0, or -1 with the error (KVQ_ERR_BUDGET: no KV room now) and the sequence unchanged. */
+int kvq_seq_append_block(struct kvq_context *c, int seq, const struct kvq_kv_config *kv, const void *data, size_t len,
+                         const kvq_token *tokens);
 /* A fingerprint of the model's architecture, hyperparameters and weights (the one saved
  * files carry): replicas of one model agree on it. */
 uint64_t kvq_model_fingerprint(const struct kvq_model *m);

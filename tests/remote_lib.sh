@@ -3,7 +3,7 @@
 here_lib=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 resp_py=$here_lib/server/resp.py
 pids=()
-trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait; rm -rf "$tmp"' EXIT
+trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait; [ -n "${KEEP_TMP:-}" ] || rm -rf "$tmp"' EXIT
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 

@@ -92,6 +92,16 @@ static void run_case(const struct split_case *sc, bool later_only) {
         CHECK(kv_cache_n_past(split) == p0 + n, "%s: begin advances the sequence", sc->name);
         struct kv_view before, after;
         kv_cache_view(split, &before);
+        /* the batch's queries read what they read after a host append, whatever rows
+         * the host's windows keep (a device reads them from its own copy) */
+        bool same_plans = true;
+        for (int32_t q = p0; q < p0 + n; q++) {
+            struct kv_query_plan a, b;
+            kv_cache_query_plan(host, q, &a);
+            kv_cache_query_plan(split, q, &b);
+            same_plans = same_plans && !memcmp(&a, &b, sizeof a);
+        }
+        CHECK(same_plans, "%s: a query of the batch at %d..%d reads other rows", sc->name, p0, p0 + n - 1);
         /* the window rows from w0 on, as a device reads back only those */
         const int32_t w0 = kv_cache_window_rows_from(split, p0);
         CHECK(w0 >= p0 && w0 <= p0 + n && (later_only || w0 == p0 || w0 == p0 + n), "%s: window rows from %d of [%d, %d)",

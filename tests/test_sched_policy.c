@@ -70,7 +70,7 @@ static void test_admit(void) {
      * 171500: in use 500000 + 120 + 171500 + 200000 = 871620 fits, two of them not */
     slots[0] = &a;
     CHECK(sched_policy_admit(&p, 500000, slots, want, 1, false) == SCHED_ADMIT_START, "fits beside one");
-    CHECK(sched_policy_admit(&p, 500000, slots, want, 2, false) == SCHED_ADMIT_WAIT, "a group of two waits");
+    CHECK(sched_policy_admit(&p, 500000, slots, want, 2, false) == SCHED_ADMIT_WAIT_MEMORY, "a group of two waits");
     CHECK(sched_policy_admit(&p, 500000, slots, want, 2, true) == SCHED_ADMIT_EVICT, "or evicts a held prefix");
     /* the running one has grown past its reserve: nothing more to count for it */
     a.len = 300;
@@ -79,7 +79,7 @@ static void test_admit(void) {
      * what it holds beyond the shared prompt is subtracted */
     struct sched_seq f = {.n_prompt = 100, .follower = true, .slot = 1, .len = 100, .reserve = 400000, .order = 2};
     slots[1] = &f;
-    CHECK(sched_policy_admit(&p, 500000, slots, want, 1, false) == SCHED_ADMIT_WAIT,
+    CHECK(sched_policy_admit(&p, 500000, slots, want, 1, false) == SCHED_ADMIT_WAIT_MEMORY,
           "unforked follower: 500120 + (400000 - 500) + 200000 > 1e6");
     f.forked = true;
     f.len = 230; /* 130 of its own: 3 blocks, 192500 */

@@ -83,7 +83,7 @@ code=$(curl -s -o "$tmp/body" -w '%{http_code}' "${auth[@]}" "http://127.0.0.1:$
 code=$(curl -s -o /dev/null -w '%{http_code}' "$url/health")
 [ "$code" = 200 ] && ok "/health needs no key" || bad "/health: $code"
 curl -s "${auth[@]}" "$url/metrics" >"$tmp/metrics"
-for m in requests_total prompt_tokens_total generated_tokens_total queue_length running_sequences kv_bytes_in_use \
+for m in requests_total prompt_tokens_total generated_tokens_total queue_length requests_waiting_for_memory running_sequences kv_bytes_in_use \
          kv_budget_bytes prefix_cache_hits_total prefix_cache_misses_total prefix_cache_tokens_total prefix_cache_bytes; do
   grep -q "^kvq_$m " "$tmp/metrics" || bad "/metrics lacks kvq_$m"
 done
@@ -156,6 +156,10 @@ stop_server
 start_server budget --kv-budget-mb 8 --max-num-seqs 8 --prefix-cache-mb 0 -c 2048
 client concurrent "$text"
 url=http://127.0.0.1:$port
+grep -q "wait for KV memory: [0-9]* sequences run" "$tmp/budget.log" && ok "the log says when requests wait for KV memory" ||
+  bad "no 'wait for KV memory' line"
+curl -s "$url/metrics" | grep -q "^kvq_requests_waiting_for_memory 0$" && ok "...and the gauge is back at 0" ||
+  bad "requests_waiting_for_memory: $(curl -s "$url/metrics" | grep waiting_for_memory)"
 printf '{"prompt":"%s","max_tokens":4}' "$(head -c 4000 "$tmp/long.txt")" >"$tmp/big.json"
 expect "a prompt that can never fit the KV budget is a 400" 400 --data-binary @"$tmp/big.json" "$url/v1/completions"
 grep -q "budget" "$tmp/body" && ok "...saying why" || bad "no reason given: $(cat "$tmp/body")"

@@ -50,7 +50,7 @@ static const char *const serve_help =
     "                             unix:///PATH[?db=DB]\n"
     "  --prefix-cache-remote-auth FILE  the store's password, the file's first line (default:\n"
     "                             $KVQ_PREFIX_CACHE_REMOTE_AUTH)\n"
-    "  --prefix-cache-remote-ttl S  the stored entries' time to live (default 86400)\n"
+    "  --prefix-cache-remote-ttl S  the stored blocks' time to live (default 86400)\n"
     "  --api-key KEY              require 'Authorization: Bearer KEY' (also $KVQ_API_KEY)\n"
     "  --chat-template NAME|FILE  a Jinja chat template file, or a built-in one: chatml, llama2,\n"
     "                             llama3, mistral, gemma, phi3, zephyr (default: the model's\n"
@@ -283,13 +283,30 @@ static struct chat_template *pick_template(const struct kvq_model *m, const char
     return t;
 }
 
+/* The remote tier's needs of this model and config: every position kept (its values
+ * are blocks of positions) and a bound on a block's bytes. */
+static int prefix_remote_ready(struct prefix_remote *remote, const struct kvq_context *ctx, const struct kvq_model *m,
+                               const struct kvq_kv_config *store_kv) {
+    struct kvq_kv_layer_kind kinds[8];
+    int n = kvq_kv_layer_kinds(ctx, kinds, 8);
+    for (int i = 0; i < n && i < 8; i++)
+        if (kinds[i].max_size > 0)
+            return cli_fail("--prefix-cache-remote needs every position kept: this model's sliding-window layers "
+                            "keep only their window (add --swa-full) or --kv-max-size is set");
+    struct kvq_kv_config f32 = *store_kv;
+    f32.k_bits = f32.v_bits = 32;
+    /* the rows, the offsets (a token of f32 rows), tokens and headers */
+    prefix_remote_set_max_value(remote, KVQ_BLOCK_TOKENS * kvq_kv_token_bytes(m, store_kv) +
+                                            kvq_kv_token_bytes(m, &f32) + (64 << 10));
+    return 0;
+}
+
 int cmd_serve(int argc, char **argv) {
     struct serve_opts o = {0};
     if (parse_args(argc, argv, &o) != 0) return 1;
     if (o.cache_dir && o.cache_mb > 0 && !cache_dir_ready(o.cache_dir)) return 1;
     char err[512] = "";
-    struct prefix_remote_params rp = {.url = o.remote, .auth_file = o.remote_auth, .ttl_s = o.remote_ttl,
-                                      .max_value = ((size_t)o.cache_mb << 20) + (1 << 20)};
+    struct prefix_remote_params rp = {.url = o.remote, .auth_file = o.remote_auth, .ttl_s = o.remote_ttl};
     struct prefix_remote *remote = o.remote ? prefix_remote_new(&rp, err, sizeof err) : NULL;
     if (o.remote && !remote) return cli_fail("%s", err);
     fit_connections(&o);
@@ -340,6 +357,7 @@ int cmd_serve(int argc, char **argv) {
                     cli_kv_config_name(&store_kv));
             fprintf(stderr, " (live: %s)\n", cli_kv_config_name(&o.cp.kv));
         }
+        if (remote && prefix_remote_ready(remote, ctx, m, &store_kv) != 0) goto done;
         pc = prefix_cache_new(ctx, m, &pp);
         if (!pc) {
             cli_fail("out of memory");

@@ -20,6 +20,7 @@ struct kvq_model {
     struct tokenizer *tok;
     pthread_mutex_t grammar_mu;
     struct grammar_vocab *grammar_vocab; /* made on first use */
+    uint64_t fingerprint;                /* engine_fingerprint, computed once */
 };
 
 struct kvq_context {
@@ -68,6 +69,7 @@ struct kvq_model *kvq_model_load(const char *path) {
         kvq_error("tokenizer has %d tokens but the model only %d", tokenizer_n_vocab(m->tok), m->model->hp.n_vocab);
         goto fail;
     }
+    m->fingerprint = engine_fingerprint(m->model);
     return m;
 fail:
     kvq_model_free(m);
@@ -754,6 +756,7 @@ const float *kvq_get_logits(const struct kvq_context *c, int i) {
 
 const struct model *engine_model(const struct kvq_context *c) { return c->m->model; }
 const struct model *engine_model_data(const struct kvq_model *m) { return m->model; }
+uint64_t engine_context_fingerprint(const struct kvq_context *c) { return c->m->fingerprint; }
 const struct kvq_kv_config *engine_kv_config(const struct kvq_context *c) { return &c->p.kv; }
 struct kv_cache **engine_seq_caches(const struct kvq_context *c, int seq) {
     if (seq < 0 || seq >= c->p.n_seq) {

@@ -26,4 +26,19 @@ const struct kvq_kv_config *engine_prefix_kv(const struct kvq_prefix *p);
 struct kv_cache **engine_prefix_caches(const struct kvq_prefix *p);
 struct kvq_context *engine_prefix_context(const struct kvq_prefix *p);
 
+/* seq_state.c's parts of the saved formats, for the shared blocks (seq_blocks.c). */
+struct kv_buf;
+struct kv_reader;
+#define ENGINE_FNV_INIT 0xcbf29ce484222325ull
+uint64_t engine_fnv1a(uint64_t h, const void *p, size_t n);
+/* The model's fingerprint (the one saved files carry); the context's model's, as
+ * computed when it was loaded. */
+uint64_t engine_fingerprint(const struct model *m);
+uint64_t engine_context_fingerprint(const struct kvq_context *c);
+void engine_put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv);
+/* Reads a config written by engine_put_kv_config (file version: fields of older
+ * ones); -1 with an error naming `name` for a truncated or impossible one. */
+int engine_read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_t version, const char *name);
+bool engine_same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b);
+
 #endif

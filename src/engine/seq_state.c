@@ -34,7 +34,7 @@
 #define SEQ_MAGIC "KVQCACHE"
 #define SEQ_VERSION 3u
 
-static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
+uint64_t engine_fnv1a(uint64_t h, const void *p, size_t n) {
     const uint8_t *b = p;
     for (size_t i = 0; i < n; i++) {
         h ^= b[i];
@@ -42,31 +42,30 @@ static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
     }
     return h;
 }
-#define FNV_INIT 0xcbf29ce484222325ull
 
 static uint64_t weight_sample(uint64_t h, const struct weight *w) {
     if (!w->data) return h;
     size_t total = (size_t)w->rows * w->row_bytes, n = total < 4096 ? total : 4096;
-    h = fnv1a(h, w->data, n);
-    return fnv1a(h, (const uint8_t *)w->data + total - n, n);
+    h = engine_fnv1a(h, w->data, n);
+    return engine_fnv1a(h, (const uint8_t *)w->data + total - n, n);
 }
 
-static uint64_t model_fingerprint(const struct model *m) {
+uint64_t engine_fingerprint(const struct model *m) {
     const struct model_hparams *hp = &m->hp;
-    uint64_t h = fnv1a(FNV_INIT, hp->arch_name, strlen(hp->arch_name));
+    uint64_t h = engine_fnv1a(ENGINE_FNV_INIT, hp->arch_name, strlen(hp->arch_name));
     int32_t ints[] = {hp->n_vocab, hp->n_ctx_train, hp->n_embd, hp->n_layer, hp->n_ff, hp->n_head, hp->n_head_kv,
                       hp->head_dim, hp->rope_dim, (int32_t)hp->rope_pairing, hp->sliding_window};
     float floats[] = {hp->rms_eps, hp->rope_base, hp->rope_linear_factor};
-    h = fnv1a(h, ints, sizeof ints);
-    h = fnv1a(h, floats, sizeof floats);
+    h = engine_fnv1a(h, ints, sizeof ints);
+    h = engine_fnv1a(h, floats, sizeof floats);
     h = weight_sample(h, &m->tok_embd);
     h = weight_sample(h, &m->output);
-    h = fnv1a(h, m->output_norm, sizeof(float) * (size_t)hp->n_embd);
+    h = engine_fnv1a(h, m->output_norm, sizeof(float) * (size_t)hp->n_embd);
     for (int il = 0; il < hp->n_layer; il++) h = weight_sample(h, &m->layers[il].wk);
     return h;
 }
 
-static void put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv) {
+void engine_put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv) {
     int32_t v[] = {kv->k_bits, kv->v_bits, kv->k_group, kv->v_group, kv->max_size, kv->keep, kv->quantized_start,
                    kv->hadamard, kv->residual, kv->swa_full ? 1 : 0};
     for (int i = 0; i < 10; i++) kv_buf_u32(b, (uint32_t)v[i]);
@@ -81,11 +80,11 @@ static int encode_caches(const struct kvq_context *c, const struct kvq_kv_config
     struct kv_buf b = {0};
     kv_buf_put(&b, SEQ_MAGIC, 8);
     kv_buf_u32(&b, SEQ_VERSION);
-    kv_buf_u64(&b, model_fingerprint(m));
+    kv_buf_u64(&b, engine_fingerprint(m));
     uint32_t dims[] = {(uint32_t)hp->n_layer, (uint32_t)hp->n_head, (uint32_t)hp->n_head_kv, (uint32_t)hp->head_dim,
                        (uint32_t)hp->n_vocab};
     for (int i = 0; i < 5; i++) kv_buf_u32(&b, dims[i]);
-    put_kv_config(&b, kv);
+    engine_put_kv_config(&b, kv);
     kv_buf_u32(&b, (uint32_t)kv_cache_n_past(caches[0]));
     kv_buf_u32(&b, (uint32_t)n_tokens);
     for (int i = 0; i < n_tokens; i++) kv_buf_u32(&b, (uint32_t)tokens[i]);
@@ -96,7 +95,7 @@ static int encode_caches(const struct kvq_context *c, const struct kvq_kv_config
         kv_buf_u32(&b, u);
     }
     for (int il = 0; il < hp->n_layer; il++) kv_cache_save(caches[il], &b);
-    if (!b.oom) kv_buf_u64(&b, fnv1a(FNV_INIT, b.data, b.len));
+    if (!b.oom) kv_buf_u64(&b, engine_fnv1a(ENGINE_FNV_INIT, b.data, b.len));
     *out = b;
     return b.oom ? kvq_error_code(KVQ_ERR_OOM, "out of memory saving the KV cache") : 0;
 }
@@ -135,23 +134,9 @@ int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_toke
                        logits);
 }
 
-int kvq_prefix_encode(const struct kvq_prefix *p, const kvq_token *tokens, int n_tokens, void **data, size_t *len) {
-    struct kv_buf b = {0};
-    *data = NULL;
-    *len = 0;
-    if (encode_caches(engine_prefix_context(p), engine_prefix_kv(p), engine_prefix_caches(p), tokens, n_tokens, NULL,
-                      &b) != 0) {
-        free(b.data);
-        return -1;
-    }
-    *data = b.data;
-    *len = b.len;
-    return 0;
-}
-
 void kvq_prefix_kv_config(const struct kvq_prefix *p, struct kvq_kv_config *kv) { *kv = *engine_prefix_kv(p); }
 
-uint64_t kvq_model_fingerprint(const struct kvq_model *m) { return model_fingerprint(engine_model_data(m)); }
+uint64_t kvq_model_fingerprint(const struct kvq_model *m) { return engine_fingerprint(engine_model_data(m)); }
 
 int kvq_seq_save(const struct kvq_context *c, int seq, const char *path) {
     return kvq_seq_save_ex(c, seq, path, NULL, 0, NULL);
@@ -213,7 +198,7 @@ static int check_envelope(const char *path, const uint8_t *data, size_t len, str
     struct kv_reader t = {data, len, len - 8};
     uint64_t sum;
     kv_read_u64(&t, &sum);
-    if (sum != fnv1a(FNV_INIT, data, len - 8))
+    if (sum != engine_fnv1a(ENGINE_FNV_INIT, data, len - 8))
         return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is corrupt or truncated (checksum mismatch)", path);
     r->len = len - 8; /* the payload */
     return 0;
@@ -221,7 +206,7 @@ static int check_envelope(const char *path, const uint8_t *data, size_t len, str
 
 /* -1 with the error set: truncated, or fields no writer makes (unknown flag bits,
  * sizes beyond any context), refused before anything is sized from them. */
-static int read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_t version, const char *path) {
+int engine_read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_t version, const char *path) {
     int32_t v[10] = {0};
     for (int i = 0; i < (version >= 3 ? 10 : version == 2 ? 9 : 8); i++)
         if (!kv_read_i32(r, &v[i])) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
@@ -254,7 +239,7 @@ static int data_kv_config(const char *path, const uint8_t *data, size_t len, str
         memset(kv, 0, sizeof *kv);
         bool ok = kv_read_u64(&r, &fp);
         for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(&r, &dims[i]);
-        rc = ok ? read_kv_config(&r, kv, version, path) : kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
+        rc = ok ? engine_read_kv_config(&r, kv, version, path) : kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
     }
     return rc;
 }
@@ -268,7 +253,7 @@ int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
     return rc;
 }
 
-static bool same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
+bool engine_same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
     return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group &&
            a->max_size == b->max_size && a->keep == b->keep && a->quantized_start == b->quantized_start &&
            a->hadamard == b->hadamard && a->residual == b->residual && a->swa_full == b->swa_full;
@@ -285,7 +270,7 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
     bool ok = kv_read_u64(r, &fp);
     for (int i = 0; i < 5 && ok; i++) ok = kv_read_u32(r, &dims[i]);
     if (!ok) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
-    if (read_kv_config(r, &kv, version, path) != 0) return -1;
+    if (engine_read_kv_config(r, &kv, version, path) != 0) return -1;
     if (!kv_read_i32(r, &n_past)) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
     if (dims[0] != (uint32_t)hp->n_layer || dims[1] != (uint32_t)hp->n_head || dims[2] != (uint32_t)hp->n_head_kv ||
         dims[3] != (uint32_t)hp->head_dim || dims[4] != (uint32_t)hp->n_vocab)
@@ -293,10 +278,10 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
                          "has %d layers, %d/%d heads, head_dim %d, vocab %d)",
                          path, dims[0], dims[1], dims[2], dims[3], dims[4], hp->n_layer, hp->n_head, hp->n_head_kv,
                          hp->head_dim, hp->n_vocab);
-    if (fp != model_fingerprint(m)) /* same shape: listing it would not tell the models apart */
+    if (fp != engine_fingerprint(m)) /* same shape: listing it would not tell the models apart */
         return kvq_error("'%s' was written for another model of the same shape (other weights or hyperparameters)",
                          path);
-    if (!same_kv(&kv, mine))
+    if (!engine_same_kv(&kv, mine))
         return kvq_error("'%s' was written with another KV cache config (K%d/V%d bits, groups %d/%d, max size %d, "
                          "keep %d, quantized start %d, rotation %d, residual %d, swa-full %d); this context uses K%d/V%d "
                          "bits, groups %d/%d, max size %d, keep %d, quantized start %d, rotation %d, residual %d, "
@@ -396,7 +381,7 @@ struct kvq_prefix *kvq_prefix_decode(struct kvq_context *c, const void *data, si
     struct kvq_kv_config kv;
     if (extra) memset(extra, 0, sizeof *extra);
     if (data_kv_config(name, data, len, &kv) != 0) return NULL;
-    bool other = !same_kv(&kv, engine_kv_config(c)) && engine_prefix_kv_ok(c, &kv);
+    bool other = !engine_same_kv(&kv, engine_kv_config(c)) && engine_prefix_kv_ok(c, &kv);
     struct kvq_prefix *p = other ? engine_prefix_new_kv(c, &kv) : engine_prefix_new(c);
     if (p && load_data(c, engine_prefix_kv(p), engine_prefix_caches(p), name, data, len, extra) != 0) {
         kvq_prefix_free(p);

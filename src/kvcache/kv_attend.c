@@ -76,7 +76,7 @@ void kv_cache_query_plan(const struct kv_cache *c, int32_t q_pos, struct kv_quer
     const struct kv_win *rec = st->rec;
     if (win && R > 0 && rec->n > 0 && q_pos < rec->p0 + rec->n) {
         ws = q_pos < mu_tokens(c) ? 0 : q_pos - R + 1; /* before the offsets: all f16 */
-        ws = min32(max32(max32(ws, rec->p0), sn), q_pos + 1);
+        ws = min32(max32(max32(ws, st->batch_view ? st->batch_lo : rec->p0), sn), q_pos + 1);
     }
     const int32_t K = M > 0 ? c->cfg.keep : 0;
     const int32_t wlo = W > 0 ? q_pos - W + 1 : 0, mlo = M > 0 ? q_pos - (M - K) + 1 : 0;

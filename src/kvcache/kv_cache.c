@@ -111,6 +111,13 @@ int kv_cache_read_rows(const struct kv_cache *c, int kv_head, int which, float *
     return kv_store_read_rows(c, kv_head, which, out, pos, max);
 }
 void kv_cache_save(const struct kv_cache *c, struct kv_buf *b) { kv_store_save(c, b); }
+int kv_cache_save_rows(const struct kv_cache *c, int32_t first, int32_t n, struct kv_buf *b) {
+    return kv_store_save_rows(c, first, n, b);
+}
+int kv_cache_append_rows_from(struct kv_cache *c, const struct kv_rows *x) {
+    c->epoch++; /* rows no device encoded: a device copy of the windows and offsets is rebuilt */
+    return kv_store_append_rows_from(c, x);
+}
 int kv_cache_load(struct kv_cache *c, struct kv_reader *r) {
     c->epoch++;
     return kv_store_load(c, r);

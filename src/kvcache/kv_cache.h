@@ -234,6 +234,22 @@ void kv_cache_save(const struct kv_cache *c, struct kv_buf *b);
  * cache's). 0, or -1 with a clear error (the cache is then empty). */
 int kv_cache_load(struct kv_cache *c, struct kv_reader *r);
 
+/* One layer's part of a shared prefix's block: the rows of positions [first, first + n)
+ * of every head in the cache's formats, with its offsets (and from position 0 the f16
+ * sink rows). -1 with an error when one of those positions is not held. */
+int kv_cache_save_rows(const struct kv_cache *c, int32_t first, int32_t n, struct kv_buf *b);
+/* Such a part of n rows at r, checked (formats of like's config, truncation, finite
+ * values) and kept as pointers into r's bytes, which must outlive it; like (a cache of
+ * the config the rows were written with) too. NULL with a clear error. */
+struct kv_rows;
+struct kv_rows *kv_rows_read(const struct kv_cache *like, struct kv_reader *r, int32_t n);
+void kv_rows_free(struct kv_rows *x);
+/* Appends the rows to c as its next positions: as they are where they are in c's
+ * formats and were encoded with c's offsets (an empty cache takes the offsets and
+ * sinks too), which gives the state of a held prefix cut back to that length; else
+ * decoded and appended as new tokens. 0, or -1 with an error. */
+int kv_cache_append_rows_from(struct kv_cache *c, const struct kv_rows *x);
+
 void kv_buf_put(struct kv_buf *b, const void *p, size_t n);
 void kv_buf_u32(struct kv_buf *b, uint32_t v);
 void kv_buf_u64(struct kv_buf *b, uint64_t v);

@@ -265,6 +265,7 @@ int32_t kv_cache_offsets_point(const struct kv_cache *c) {
 
 int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n) {
     struct kv_store *st = store_of(c);
+    st->batch_view = false;
     const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
     if (p0 < 0 || n <= 0 || p0 + n > c->n_past) return 0; /* trimmed since: nothing to keep */
     const bool win = kv_win_on(st);

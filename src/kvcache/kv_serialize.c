@@ -158,6 +158,18 @@ static bool rows_finite(const uint8_t *p, const struct kv_fmt *f, int d, size_t 
     return true;
 }
 
+/* A side's stored format from its bits, group and rotation (f): one of the config's
+ * initial or final formats, else false. */
+static bool stored_fmt(const struct kv_cache *c, int side, const int32_t *f, struct kv_fmt *out) {
+    const struct kv_fmt cand[2] = {kv_fmt_initial(c, side), kv_fmt_target(c, side)};
+    for (int i = 0; i < 2; i++)
+        if (f[0] == cand[i].bits && f[1] == cand[i].group && f[2] == (int32_t)cand[i].rot) {
+            *out = cand[i];
+            return true;
+        }
+    return false;
+}
+
 static int load_fail(struct kv_cache *c, const char *what) {
     kv_store_clear(c);
     return kvq_error_code(KVQ_ERR_FORMAT, "invalid KV cache section: %s", what);
@@ -236,15 +248,9 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
                          h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], residual);
     }
     if (h[8] != c->shape.n_kv_heads || h[9] != c->shape.head_dim) return load_fail(c, "shape differs from the model");
-    /* the stored formats must be the config's initial or final ones */
-    struct kv_fmt ik = kv_fmt_initial(c, 0), iv = kv_fmt_initial(c, 1);
-    struct kv_fmt tk = kv_fmt_target(c, 0), tv = kv_fmt_target(c, 1), kf, vf;
-    if (h[10] == ik.bits && h[11] == ik.group && h[12] == ik.rot) kf = ik;
-    else if (h[10] == tk.bits && h[11] == tk.group && h[12] == tk.rot) kf = tk;
-    else return load_fail(c, "key row format");
-    if (h[13] == iv.bits && h[14] == iv.group && h[15] == iv.rot) vf = iv;
-    else if (h[13] == tv.bits && h[14] == tv.group && h[15] == tv.rot) vf = tv;
-    else return load_fail(c, "value row format");
+    struct kv_fmt kf, vf;
+    if (!stored_fmt(c, 0, h + 10, &kf)) return load_fail(c, "key row format");
+    if (!stored_fmt(c, 1, h + 13, &vf)) return load_fail(c, "value row format");
     int32_t n_past = h[16], size = h[17], idx = h[18];
     if (n_past < 0 || size < 0 || size > n_past || idx < 0 || idx > size) return load_fail(c, "offsets");
     if (cf->max_size == 0 && c->shape.window <= 0 && (size != n_past || idx != size)) return load_fail(c, "offsets");
@@ -327,4 +333,190 @@ int kv_store_load(struct kv_cache *c, struct kv_reader *r) {
     st->rec->p0 = rn ? rp0 : n_past;
     st->rec->n = rn;
     return 0;
+}
+
+/* ---- a stretch of rows: one layer's part of a shared prefix's block ----
+ *   i32 key format: bits group rot; value format: bits group rot
+ *   i32 offsets chosen (0/1), then f32 key and value offsets [2][n_kv_heads][head_dim] if 1
+ *   i32 sink rows s: the f16 copies of positions [0, s) (a stretch from position 0 only)
+ *   key rows [n_kv_heads][n], value rows [n_kv_heads][n] (positions first .. first + n - 1)
+ *   f16 sink rows: keys [n_kv_heads][s], values [n_kv_heads][s] (the window format)
+ * The offsets travel with every stretch: the rows were encoded with them. */
+
+int kv_store_save_rows(const struct kv_cache *c, int32_t first, int32_t n, struct kv_buf *b) {
+    const struct kv_store *st = store_of(c);
+    const int H = c->shape.n_kv_heads;
+    for (int32_t p = first; p < first + n; p++)
+        if (!kv_held(c, p)) return kvq_error("position %d of the KV cache is not held", p);
+    const int32_t sn = first == 0 && kv_win_on(st) && st->sink->n <= n ? st->sink->n : 0;
+    int32_t hdr[] = {st->kf.bits, st->kf.group, st->kf.rot, st->vf.bits, st->vf.group, st->vf.rot, st->mu_set};
+    for (size_t i = 0; i < sizeof hdr / sizeof hdr[0]; i++) kv_buf_u32(b, (uint32_t)hdr[i]);
+    for (size_t i = 0; st->mu_set && i < 2 * (size_t)H * c->shape.head_dim; i++) {
+        uint32_t u;
+        memcpy(&u, &st->mu[i], 4);
+        kv_buf_u32(b, u);
+    }
+    kv_buf_u32(b, (uint32_t)sn);
+    for (int side = 0; side < 2; side++)
+        for (int h = 0; h < H; h++)
+            for (int32_t p = first; p < first + n; p++)
+                kv_buf_put(b, kv_block_row(c, kv_store_block(st, p), side, h, p), side ? st->vf.row : st->kf.row);
+    for (int side = 0; side < 2; side++)
+        for (int h = 0; h < H && sn > 0; h++) {
+            const struct kv_fmt *f = side ? &st->wvf : &st->wkf;
+            kv_buf_put(b, kv_win_row(st->sink, f, side, h, 0), f->row * (size_t)sn);
+        }
+    return 0;
+}
+
+#define F16_MAX 65504.0f /* the largest finite f16 */
+
+/* A stretch read and checked: pointers into the reader's bytes. */
+struct kv_rows {
+    const struct kv_cache *like; /* a cache of the rows' config (their rotation signs) */
+    int32_t n, sinks;
+    struct kv_fmt f[2], wf[2];
+    bool mu_set;
+    float *mu;                    /* [2][n_kv_heads][head_dim] when mu_set */
+    const uint8_t *rows[2], *sink_rows[2];
+};
+
+void kv_rows_free(struct kv_rows *x) {
+    if (!x) return;
+    free(x->mu);
+    free(x);
+}
+
+static struct kv_rows *rows_fail(struct kv_rows *x, const char *what) {
+    kv_rows_free(x);
+    kvq_error_code(KVQ_ERR_FORMAT, "invalid KV rows: %s", what);
+    return NULL;
+}
+
+struct kv_rows *kv_rows_read(const struct kv_cache *like, struct kv_reader *r, int32_t n) {
+    const int H = like->shape.n_kv_heads, D = like->shape.head_dim;
+    struct kv_rows *x = calloc(1, sizeof *x);
+    if (!x) {
+        kvq_error_code(KVQ_ERR_OOM, "out of memory");
+        return NULL;
+    }
+    x->like = like;
+    x->n = n;
+    int32_t f[7];
+    for (int i = 0; i < 7; i++)
+        if (!kv_read_i32(r, &f[i])) return rows_fail(x, "truncated header");
+    if (!stored_fmt(like, 0, f, &x->f[0]) || !stored_fmt(like, 1, f + 3, &x->f[1])) return rows_fail(x, "row format");
+    if (f[6] != 0 && f[6] != 1) return rows_fail(x, "offsets flag");
+    x->mu_set = f[6];
+    const size_t n_mu = 2 * (size_t)H * D;
+    if (x->mu_set && !(x->mu = malloc(sizeof(float) * n_mu))) return rows_fail(x, "out of memory");
+    for (size_t i = 0; x->mu_set && i < n_mu; i++) {
+        uint32_t u;
+        if (!kv_read_u32(r, &u)) return rows_fail(x, "truncated offsets");
+        memcpy(&x->mu[i], &u, 4);
+        if (!(fabsf(x->mu[i]) <= F16_MAX)) return rows_fail(x, "offsets");
+    }
+    const bool win = kern_kvq_bits_quantized(x->f[0].bits) || kern_kvq_bits_quantized(x->f[1].bits);
+    if (!kv_read_i32(r, &x->sinks) || x->sinks < 0 || x->sinks > n || (!win && x->sinks) ||
+        x->sinks > kv_sink_target(like))
+        return rows_fail(x, "sink rows");
+    const size_t rows = (size_t)n * H, sinks = (size_t)x->sinks * H;
+    for (int side = 0; side < 2; side++) {
+        x->wf[side] = kv_fmt_window(like, x->f[side]);
+        if (r->len - r->off < rows * x->f[side].row) return rows_fail(x, "truncated rows");
+        x->rows[side] = r->data + r->off;
+        if (!rows_finite(x->rows[side], &x->f[side], D, rows)) return rows_fail(x, "non-finite values");
+        r->off += rows * x->f[side].row;
+    }
+    for (int side = 0; side < 2; side++) {
+        if (r->len - r->off < sinks * x->wf[side].row) return rows_fail(x, "truncated sink rows");
+        x->sink_rows[side] = r->data + r->off;
+        if (!rows_finite(x->sink_rows[side], &x->wf[side], D, sinks)) return rows_fail(x, "non-finite values");
+        r->off += sinks * x->wf[side].row;
+    }
+    return x;
+}
+
+/* Whether c takes x's rows as they are: the same formats, and rows encoded with c's
+ * offsets (an empty cache takes theirs). */
+static bool rows_fit(const struct kv_cache *c, const struct kv_rows *x) {
+    const struct kv_store *st = store_of(c);
+    if (!kv_fmt_eq(x->f[0], st->kf) || !kv_fmt_eq(x->f[1], st->vf) || x->f[0].row != st->kf.row ||
+        x->f[1].row != st->vf.row)
+        return false;
+    if (!kv_win_on(st) || c->n_past == 0) return true;
+    return st->mu_set == x->mu_set &&
+           (!x->mu_set || !memcmp(st->mu, x->mu, sizeof(float) * 2 * (size_t)c->shape.n_kv_heads * c->shape.head_dim));
+}
+
+/* The rows into new blocks as they are (and, from position 0, the offsets and sinks):
+ * the state a cached prefix cut back to this length has. */
+static int place_rows_as_is(struct kv_cache *c, const struct kv_rows *x) {
+    struct kv_store *st = store_of(c);
+    const int H = c->shape.n_kv_heads;
+    const int32_t np = c->n_past, n = x->n;
+    if (kv_store_reserve_rows(c, n) != 0) return -1;
+    if (np == 0 && x->sinks > 0 && kv_win_reserve(c, &st->sink, x->sinks) != 0) return -1;
+    for (int32_t t = 0; t < n; t++) {
+        struct kv_block *b = kv_store_block(st, np + t);
+        kv_block_touch(st->pool, b, (np + t) % KV_BLOCK_TOKENS, (np + t) % KV_BLOCK_TOKENS + 1);
+        for (int side = 0; side < 2; side++)
+            for (int h = 0; h < H; h++)
+                memcpy(kv_block_row(c, b, side, h, np + t), x->rows[side] + ((size_t)h * n + t) * x->f[side].row,
+                       x->f[side].row);
+    }
+    if (np == 0 && kv_win_on(st)) {
+        st->mu_set = x->mu_set;
+        if (x->mu_set) memcpy(st->mu, x->mu, sizeof(float) * 2 * (size_t)H * c->shape.head_dim);
+        st->sink->start = 0; /* private after the reserve */
+        for (int side = 0; side < 2; side++)
+            for (int h = 0; h < H && x->sinks > 0; h++)
+                memcpy(kv_win_row(st->sink, &x->wf[side], side, h, 0),
+                       x->sink_rows[side] + (size_t)h * x->sinks * x->wf[side].row, x->wf[side].row * (size_t)x->sinks);
+        st->sink->n = x->sinks;
+    }
+    c->n_past = np + n;
+    st->last_first = c->n_past - 1;
+    return 0;
+}
+
+/* The rows decoded (the sinks from their f16 copies) and appended as new tokens, a
+ * few at a time (a small buffer, reused). Values an f16 row cannot hold are refused:
+ * finite scales can still decode beyond it, and the f16 windows, the offsets chosen
+ * from them and an f16 cache would turn them into inf and NaN. */
+static int append_decoded(struct kv_cache *c, const struct kv_rows *x) {
+    const struct kv_store *st = store_of(x->like);
+    const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
+    const int32_t n = x->n, from_zero = c->n_past == 0;
+    int32_t chunk = (int32_t)(8192 / ((size_t)H * D));
+    chunk = chunk < 1 ? 1 : chunk > n ? n : chunk;
+    float *kv = malloc(sizeof(float) * 2 * (size_t)chunk * H * D);
+    int rc = kv ? 0 : kvq_error_code(KVQ_ERR_OOM, "out of memory");
+    for (int32_t t0 = 0; t0 < n && rc == 0; t0 += chunk) {
+        const int32_t m = n - t0 < chunk ? n - t0 : chunk;
+        for (int side = 0; side < 2; side++)
+            for (int h = 0; h < H; h++) {
+                const float *mu = x->mu_set && kern_kvq_bits_quantized(x->f[side].bits)
+                                      ? x->mu + ((size_t)side * H + h) * D
+                                      : NULL;
+                for (int32_t t = t0; t < t0 + m; t++) {
+                    float *out = kv + (((size_t)side * m + (t - t0)) * H + h) * D;
+                    if (t < x->sinks && from_zero)
+                        kv_decode_row(st, &x->wf[side], D,
+                                      x->sink_rows[side] + ((size_t)h * x->sinks + t) * x->wf[side].row, NULL, out);
+                    else
+                        kv_decode_row(st, &x->f[side], D, x->rows[side] + ((size_t)h * n + t) * x->f[side].row, mu,
+                                      out);
+                }
+            }
+        for (size_t i = 0; i < 2 * (size_t)m * H * D && rc == 0; i++)
+            if (!(fabsf(kv[i]) <= F16_MAX)) rc = kvq_error_code(KVQ_ERR_FORMAT, "invalid KV rows: values beyond f16");
+        if (rc == 0) rc = kv_store_append(c, m, kv, kv + (size_t)m * H * D);
+    }
+    free(kv);
+    return rc;
+}
+
+int kv_store_append_rows_from(struct kv_cache *c, const struct kv_rows *x) {
+    return rows_fit(c, x) ? place_rows_as_is(c, x) : append_decoded(c, x);
 }

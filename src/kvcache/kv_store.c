@@ -302,6 +302,7 @@ int kv_store_keep_prefix(struct kv_cache *c, int32_t n) {
     if (kv_win_own(c, &st->sink) != 0 || kv_win_own(c, &st->rec) != 0) return -1;
     release_from(c, (n + B - 1) / B);
     c->n_past = n;
+    st->batch_view = false;
     if (st->last_first > n - 1) st->last_first = n > 0 ? n - 1 : 0;
     if (st->sink->n > n) st->sink->n = n;
     if (st->rec->p0 + st->rec->n > n) st->rec->n = n > st->rec->p0 ? n - st->rec->p0 : 0;
@@ -321,6 +322,7 @@ void kv_store_clear(struct kv_cache *c) {
     c->n_past = 0;
     st->last_first = 0;
     st->mu_set = false;
+    st->batch_view = false;
     struct kv_win *ws[2] = {kv_win_new(st->pool), kv_win_new(st->pool)};
     if (ws[0] && ws[1]) { /* else keep the old ones, emptied */
         kv_win_unref(st->sink);

@@ -63,6 +63,11 @@ struct kv_store {
     float *signs;       /* [head_dim] Hadamard signs */
     float *mu;          /* [2][n_kv_heads][head_dim] key and value offsets removed before quantizing */
     bool mu_set;
+    /* From a later_only append's begin to its end: the batch's queries see f16 window
+     * rows from batch_lo on, as without later_only (the device holds those rows; the
+     * host's window starts later) */
+    bool batch_view;
+    int32_t batch_lo;
 };
 
 static inline struct kv_store *store_of(const struct kv_cache *c) { return c->impl; }
@@ -122,6 +127,8 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *q, int3
 /* ---- kv_serialize.c ---- */
 void kv_store_save(const struct kv_cache *c, struct kv_buf *b);
 int kv_store_load(struct kv_cache *c, struct kv_reader *r);
+int kv_store_save_rows(const struct kv_cache *c, int32_t first, int32_t n, struct kv_buf *b);
+int kv_store_append_rows_from(struct kv_cache *c, const struct kv_rows *x);
 
 /* ---- kv_store.c: the cache operations (kv_cache.h says what each does) ---- */
 int kv_store_append(struct kv_cache *c, int n, const float *k, const float *v);

@@ -164,6 +164,8 @@ int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_on
         /* queries before the offsets' point read every row in f16: all kept until then */
         const int32_t T = mu_tokens(c);
         int32_t lo = first - R + 1 > 0 && first >= T ? first - R + 1 : 0;
+        st->batch_view = later_only;
+        st->batch_lo = lo > w->p0 ? (lo < p ? lo : p) : w->p0; /* the window's start without later_only */
         if (later_only && first >= T && p + n - R > lo) lo = p + n - R; /* as a one-token batch leaves it */
         if (lo > p) { /* none of the rows before the batch, nor its first lo - p */
             w->n = 0;

@@ -584,6 +584,8 @@ static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) 
     metric(&b, "decode_tokens_per_second", "gauge", "Tokens generated per second over the last second.", s.decode_tok_s);
     metric(&b, "queue_length", "gauge", "Requests waiting for a sequence or KV memory.", s.queued);
     metric(&b, "running_sequences", "gauge", "Sequences being prefilled or decoded.", s.running);
+    metric(&b, "requests_waiting_for_memory", "gauge", "Queued requests that wait for KV memory while sequence slots are free.",
+           s.waiting_memory);
     metric(&b, "kv_bytes_in_use", "gauge", "KV cache bytes in use (shared blocks once).", (double)s.kv_bytes);
     metric(&b, "kv_budget_bytes", "gauge", "KV cache byte budget.", (double)s.kv_budget);
     metric(&b, "kv_blocks_in_use", "gauge", "KV blocks in use.", (double)s.kv_blocks);
@@ -599,12 +601,12 @@ static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) 
             const char *name, *help;
             uint64_t v;
         } rm[] = {
-            {"hits_total", "Lookups that took an entry from the remote store.", r.hits},
-            {"misses_total", "Remote lookups that found no usable entry.", r.misses},
-            {"bytes_read_total", "Bytes of entries read from the remote store.", r.bytes_read},
-            {"bytes_written_total", "Bytes written to the remote store (entries and their index keys).",
+            {"hits_total", "Lookups that took blocks from the remote store.", r.hits},
+            {"misses_total", "Remote lookups that found no usable block.", r.misses},
+            {"bytes_read_total", "Bytes of blocks read from the remote store.", r.bytes_read},
+            {"bytes_written_total", "Bytes written to the remote store (blocks and their keys).",
              r.bytes_written},
-            {"tokens_written_total", "Tokens of the entries written to the store.", r.tokens_written},
+            {"tokens_written_total", "Tokens of the blocks written to the store.", r.tokens_written},
             {"errors_total", "Failed connections and commands to the store.", r.errors},
             {"rejected_total", "Values under this server's keys skipped as corrupt or foreign.", r.rejected},
         };

@@ -11,10 +11,10 @@
 #include <sys/stat.h>
 #include <time.h>
 
-/* A file to write and/or a value to publish. The writer thread reads the entry's prefix and tokens, which
- * stay alive and unchanged until the job is done: drop() takes a queued job back
- * or waits for the one being written before it frees the entry; a hit that replaces
- * the converted prefix waits until it is written. */
+/* A file to write and/or blocks to publish. The writer thread reads the entry's prefix
+ * and tokens, which stay alive and unchanged until the job is done: drop() and
+ * persist() take a queued job back or wait for the one being written; a conversion or
+ * a hit that replaces the prefix waits until it is written. */
 enum job_state { JOB_QUEUED, JOB_WRITING, JOB_DONE };
 struct write_job {
     struct write_job *next;
@@ -36,8 +36,9 @@ struct entry {
     bool converted; /* held in store_kv's format */
     bool pending;   /* held live until prefix_cache_convert_one converts (and writes) it */
     char *path;     /* its file, or NULL */
+    bool written;   /* its file is written or queued */
     char *ns_name;  /* the namespace's name ("" for none); NULL when unknown (loaded from the folder) */
-    bool shared;    /* fetched from the remote store: never published again */
+    bool published; /* its blocks are published or queued */
     struct write_job *job; /* its write, or NULL */
 };
 
@@ -95,7 +96,8 @@ static size_t entry_bytes(const struct prefix_cache *pc, int n, const struct kvq
 }
 
 /* Ends the entry's write: takes it back from the queue when it has not started and
- * `cancel` (an entry being dropped), else waits until it is written. */
+ * `cancel` (what it would have done is then still to do), else waits until it is
+ * written. */
 static void finish_job(struct prefix_cache *pc, struct entry *e, bool cancel) {
     struct write_job *j = e->job;
     if (!j) return;
@@ -105,6 +107,8 @@ static void finish_job(struct prefix_cache *pc, struct entry *e, bool cancel) {
         while (*pp != j) prev = *pp, pp = &(*pp)->next;
         *pp = j->next;
         if (pc->q_tail == j) pc->q_tail = prev;
+        e->written &= !j->path;
+        e->published &= !j->ns;
     } else {
         while (j->state != JOB_DONE) pthread_cond_wait(&pc->cv, &pc->mu);
     }
@@ -189,65 +193,10 @@ static int best_match(const struct prefix_cache *pc, uint64_t h, const kvq_token
     return best;
 }
 
-/* A remote lookup's request: what a value must extend. */
-struct remote_offer {
-    struct prefix_cache *pc;
-    uint64_t ns;
-    const kvq_token *toks;
-    int max_use, have;
-};
-
-/* prefix_remote_accept: an entry another replica stored becomes a local one when it
- * decodes (checksum, model, KV config), is in this replica's live or stored format,
- * and its tokens extend what the local entries give the request. */
-static int take_remote(void *ctx, const void *data, size_t len) {
-    const struct remote_offer *o = ctx;
-    struct prefix_cache *pc = o->pc;
-    size_t budget = kvq_kv_budget(pc->c), used = kvq_kv_bytes(pc->c);
-    if (budget && (used > budget || budget - used < len + len / 4)) return -1; /* no KV room for it now */
-    double t0 = now_ms();
-    struct kvq_seq_extra extra = {0};
-    struct kvq_prefix *p = kvq_prefix_decode(pc->c, data, len, "remote entry", &extra);
-    struct kvq_kv_config fkv = {0};
-    if (p) kvq_prefix_kv_config(p, &fkv);
-    const char *why = !p ? kvq_last_error()
-                      : !same_format(&fkv, &pc->kv) && !same_format(&fkv, &pc->store_kv) ? "another KV format"
-                      : extra.n_tokens <= 0 || extra.n_tokens != kvq_prefix_len(p) ? "no tokens"
-                      : common_prefix(extra.tokens, extra.n_tokens, o->toks, o->max_use) <= o->have
-                          ? "tokens other than its key's"
-                          : NULL;
-    int rc = 0;
-    if (!why) {
-        bool converted = !same_format(&fkv, &pc->kv);
-        struct entry e = {.ns = o->ns, .tokens = extra.tokens, .n = extra.n_tokens, .prefix = p,
-                          .converted = converted, .shared = true,
-                          .bytes = entry_bytes(pc, extra.n_tokens, converted ? &pc->store_kv : &pc->kv)};
-        rc = add(pc, e) >= 0 ? 1 : -1;
-        if (rc > 0) {
-            extra.tokens = NULL;
-            p = NULL;
-            fprintf(stderr, "kvq serve: cache_remote_hit tokens=%d bytes=%zu ms=%.2f\n", e.n, len, now_ms() - t0);
-        }
-    } else {
-        fprintf(stderr, "kvq serve: prefix cache remote: refusing an entry: %s\n", why);
-    }
-    kvq_prefix_free(p);
-    kvq_seq_extra_free(&extra);
-    return rc;
-}
-
-int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int max_use) {
-    uint64_t h = ns_hash(ns);
-    int best_len, best = best_match(pc, h, toks, max_use, &best_len);
-    if (pc->remote && max_use - best_len >= PREFIX_REMOTE_BLOCK) {
-        struct remote_offer o = {pc, h, toks, max_use, best_len};
-        if (prefix_remote_find(pc->remote, pc->space, ns, toks, max_use, best_len, take_remote, &o))
-            best = best_match(pc, h, toks, max_use, &best_len);
-    }
-    if (best < 0) return 0;
-    /* attach (converting a stored format back to the live one) then cut back to the
-     * common part; a rotating window that no longer holds that shorter state refuses,
-     * and the request is prefilled from scratch */
+/* Attaches entry `best` to seq, cut back to its first len tokens (converting a stored
+ * format back to the live one); len, or 0 with seq cleared when a rotating window no
+ * longer holds that shorter state (the request is then prefilled from scratch). */
+static int attach_local(struct prefix_cache *pc, int seq, int best, int len) {
     double t0 = now_ms();
     if (kvq_prefix_attach(pc->c, seq, pc->e[best].prefix) != 0) {
         fprintf(stderr, "kvq serve: cannot attach a cached prefix: %s\n", kvq_last_error());
@@ -276,13 +225,68 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
             replace_prefix(pc, e, live, false);
         }
     }
-    if (kvq_seq_keep_prefix(pc->c, seq, best_len) != 0 || kvq_seq_len(pc->c, seq) != best_len) {
+    if (kvq_seq_keep_prefix(pc->c, seq, len) != 0 || kvq_seq_len(pc->c, seq) != len) {
         fprintf(stderr, "kvq serve: cannot attach a cached prefix: %s\n", kvq_last_error());
         kvq_seq_clear(pc->c, seq);
         return 0;
     }
     e->used = ++pc->clock;
-    return best_len;
+    return len;
+}
+
+/* A remote lookup's request: the sequence its blocks extend. */
+struct block_offer {
+    struct prefix_cache *pc;
+    int seq;
+    const kvq_token *toks;
+    size_t bytes;
+};
+
+/* prefix_remote_accept: a block another replica stored joins the sequence when it
+ * decodes (checksum, model, KV format, position, tokens). */
+static int take_block(void *ctx, int block, const void *data, size_t len) {
+    struct block_offer *o = ctx;
+    if (kvq_seq_append_block(o->pc->c, o->seq, &o->pc->store_kv, data, len, o->toks) == 0) {
+        o->bytes += len;
+        return 1;
+    }
+    enum kvq_err code = kvq_last_error_code();
+    fprintf(stderr, "kvq serve: prefix cache remote: %s block %d: %s\n",
+            code == KVQ_ERR_FORMAT || code == KVQ_ERR_INVALID ? "refusing" : "no room for", block, kvq_last_error());
+    return code == KVQ_ERR_FORMAT || code == KVQ_ERR_INVALID ? 0 : -1;
+}
+
+/* Extends seq, which holds the first `have` tokens of toks, with the blocks the store
+ * holds past the whole blocks of that local match (only those are fetched). Returns
+ * the tokens seq holds then: fewer than `have` when the blocks fell short of the part
+ * of a block cut off to take them (the caller attaches the local entry again). */
+static int fetch_remote(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int max_use, int have) {
+    const int B = PREFIX_REMOTE_BLOCK, first = have / B;
+    if (max_use / B <= first) return have;
+    double t0 = now_ms();
+    int last = prefix_remote_probe(pc->remote, pc->space, ns, toks, max_use, first);
+    if (last * B <= have || kvq_seq_keep_prefix(pc->c, seq, first * B) != 0) return have;
+    struct block_offer o = {pc, seq, toks, 0};
+    int taken = prefix_remote_fetch(pc->remote, pc->space, ns, toks, first, last, take_block, &o);
+    int len = kvq_seq_len(pc->c, seq);
+    if (taken)
+        fprintf(stderr, "kvq serve: cache_remote_hit tokens=%d local=%d blocks=%d bytes=%zu ms=%.2f\n", len, first * B,
+                taken, o.bytes, now_ms() - t0);
+    return len;
+}
+
+int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int max_use) {
+    int best_len, best = best_match(pc, ns_hash(ns), toks, max_use, &best_len);
+    int got = best >= 0 ? attach_local(pc, seq, best, best_len) : 0;
+    if (pc->remote) {
+        int len = fetch_remote(pc, seq, ns, toks, max_use, got);
+        if (len < got) {
+            kvq_seq_clear(pc->c, seq);
+            len = attach_local(pc, seq, best, best_len);
+        }
+        got = len;
+    }
+    return got;
 }
 
 /* Writes one entry: kvq_prefix_save writes a temporary file and renames it into
@@ -304,16 +308,29 @@ static void write_file(struct prefix_cache *pc, const struct write_job *j) {
     pthread_mutex_unlock(&pc->mu);
 }
 
-/* Sends the entry to the remote store: the file's bytes. Writer thread. */
-static void publish(struct prefix_cache *pc, const struct write_job *j) {
-    void *data;
-    size_t len;
-    if (kvq_prefix_encode(j->p, j->toks, j->n, &data, &len) != 0) {
+struct publication {
+    struct prefix_cache *pc;
+    const struct write_job *j;
+};
+
+/* prefix_remote_encode: the entry's blocks in the stored format (re-encoded here, on
+ * the writer thread, from a live entry). */
+static int encode_blocks(void *ctx, int first, int count, void **data, size_t *lens) {
+    const struct publication *x = ctx;
+    double t0 = now_ms();
+    if (kvq_prefix_encode_blocks(x->j->p, &x->pc->store_kv, x->j->toks, first, count, data, lens) != 0) {
         fprintf(stderr, "kvq serve: cannot publish a prefix-cache entry: %s\n", kvq_last_error());
-        return;
+        return -1;
     }
-    prefix_remote_put(pc->remote, pc->space, j->ns, j->toks, j->n, data, len);
-    free(data);
+    fprintf(stderr, "kvq serve: cache_publish tokens=%d blocks=%d..%d ms=%.2f\n", x->j->n, first, first + count - 1,
+            now_ms() - t0);
+    return 0;
+}
+
+/* Sends the entry's blocks the store lacks. Writer thread. */
+static void publish(struct prefix_cache *pc, const struct write_job *j) {
+    struct publication x = {pc, j};
+    prefix_remote_put(pc->remote, pc->space, j->ns, j->toks, j->n, encode_blocks, &x);
 }
 
 static void write_entry(struct prefix_cache *pc, const struct write_job *j) {
@@ -341,27 +358,41 @@ static void *writer_main(void *arg) {
     return NULL;
 }
 
-/* Queues the entry's file (the name is fixed now, so an eviction can remove the
- * file) and its publication for the writer thread, where there is a folder or a store.
- * The store gets entries in the stored format only: a live one kept for sharing its
- * blocks locally (short, or built on a hot prefix) would cost the network the live
- * format's bytes. */
+/* Queues for the writer thread what the entry still lacks: its file where there is a
+ * folder (in its final format: not while it waits to be converted; the name is fixed
+ * now, so an eviction can remove the file) and its blocks' publication where there is
+ * a store (in the stored format whatever the entry's; a live entry's blocks are
+ * re-encoded by the writer). A job of the entry's that has not started is taken back
+ * and redone with this one; one that has is waited for (only when there is more to do:
+ * a hit on an entry being published does not wait for it). */
+static bool lacks_file(const struct prefix_cache *pc, const struct entry *e) {
+    return pc->dir && !e->pending && !e->written;
+}
+
+static bool lacks_publication(const struct prefix_cache *pc, const struct entry *e) {
+    return pc->remote && !e->published && e->ns_name;
+}
+
 static void persist(struct prefix_cache *pc, struct entry *e) {
-    const char *ns = pc->remote && !e->shared && (e->converted || !pc->convert) ? e->ns_name : NULL;
-    if (!pc->dir && !ns) return;
-    uint64_t th = fnv1a(FNV_BASIS, e->tokens, sizeof *e->tokens * (size_t)e->n);
-    size_t len = pc->dir ? strlen(pc->dir) + 64 : 0;
+    if (!lacks_file(pc, e) && !lacks_publication(pc, e)) return; /* e.g. a hit while its publication runs */
+    finish_job(pc, e, true);
+    const bool file = lacks_file(pc, e);
+    const char *ns = lacks_publication(pc, e) ? e->ns_name : NULL;
     struct write_job *j = calloc(1, sizeof *j);
-    char *path = pc->dir ? malloc(len) : NULL;
-    if (!j || (pc->dir && !path)) {
+    if (j && file && !e->path) {
+        uint64_t th = fnv1a(FNV_BASIS, e->tokens, sizeof *e->tokens * (size_t)e->n);
+        size_t len = strlen(pc->dir) + 64;
+        if ((e->path = malloc(len)))
+            snprintf(e->path, len, "%s/%016" PRIx64 "-%016" PRIx64 ".kvq", pc->dir, e->ns, th);
+    }
+    if (!j || (file && !e->path)) {
         free(j);
-        free(path);
         fprintf(stderr, "kvq serve: cannot persist a prefix-cache entry: out of memory\n");
         return;
     }
-    if (path) snprintf(path, len, "%s/%016" PRIx64 "-%016" PRIx64 ".kvq", pc->dir, e->ns, th);
-    *j = (struct write_job){NULL, e->prefix, e->tokens, e->n, path, ns, JOB_QUEUED};
-    e->path = path;
+    *j = (struct write_job){NULL, e->prefix, e->tokens, e->n, file ? e->path : NULL, ns, JOB_QUEUED};
+    e->written |= file;
+    e->published |= ns != NULL;
     e->job = j;
     pthread_mutex_lock(&pc->mu);
     if (pc->q_tail) pc->q_tail->next = j;
@@ -437,7 +468,7 @@ void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const 
     if (convert) log_converted(pc, &pc->e[i], ms);
     else
         fprintf(stderr, "kvq serve: cache_store tokens=%d bytes=%zu%s\n", n, pc->e[i].bytes, later ? " (to convert)" : "");
-    if (finished && !later) persist(pc, &pc->e[i]);
+    if (finished) persist(pc, &pc->e[i]); /* waiting for its conversion: published now, its file later */
 }
 
 bool prefix_cache_convert_one(struct prefix_cache *pc) {
@@ -446,6 +477,7 @@ bool prefix_cache_convert_one(struct prefix_cache *pc) {
         if (pc->e[i].pending && (!e || pc->e[i].used < e->used)) e = &pc->e[i];
     if (!e) return false;
     e->pending = false;
+    finish_job(pc, e, true); /* its publication reads the live prefix */
     double t0 = now_ms();
     struct kvq_prefix *p = kvq_prefix_convert(e->prefix, &pc->store_kv);
     if (!p) {
@@ -534,7 +566,7 @@ static void load_dir(struct prefix_cache *pc) {
         size_t bytes = entry_bytes(pc, extra.n_tokens, converted ? &fkv : &pc->kv);
         bool ok = extra.n_tokens > 0 && extra.n_tokens == kvq_prefix_len(p) && pc->bytes + bytes <= pc->budget;
         struct entry e = {.ns = f[i].ns, .tokens = extra.tokens, .n = extra.n_tokens, .bytes = bytes, .prefix = p,
-                          .converted = converted, .path = f[i].path};
+                          .converted = converted, .path = f[i].path, .written = true};
         if (ok && add(pc, e) >= 0) {
             extra.tokens = NULL;
             loaded++;

@@ -23,8 +23,8 @@ struct prefix_cache_params {
     size_t budget;                        /* bytes of entries (estimated from their token counts) */
     const char *dir; /* NULL, or a folder to persist entries in (its valid entries are loaded now, newest first) */
     struct prefix_remote *remote; /* NULL, or a store shared with other replicas (prefix_remote.h; not owned):
-                                   * looked up for what the local entries lack, and given every entry the
-                                   * folder would get */
+                                   * asked for the blocks past what the local entries give a request, and
+                                   * given every finished entry's blocks in store_kv's format */
 };
 
 struct prefix_cache;

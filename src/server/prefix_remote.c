@@ -1,6 +1,5 @@
 #include "server/prefix_remote.h"
 
-#include <ctype.h>
 #include <errno.h>
 #include <hiredis/hiredis.h>
 #include <inttypes.h>
@@ -11,10 +10,8 @@
 #include <string.h>
 #include <time.h>
 
-#define VALUE_MAGIC "KVQPCR1" /* 8 bytes with its NUL: the value header's version */
-#define MAX_LOOKUP_BLOCKS 2048 /* boundaries asked for at most (131072 tokens) */
-#define MAX_TRIES 3            /* entries tried per lookup, longest first */
-#define LOOKUP_BUDGET_S 0.3    /* no further entry is tried after this (a slow store) */
+#define VALUE_MAGIC "KVQPCR2" /* 8 bytes with its NUL: the value header's version (1: whole entries) */
+#define MAX_LOOKUP_BLOCKS 2048 /* blocks looked up or published at most (131072 tokens) */
 #define BACKOFF_MIN_S 0.25
 #define BACKOFF_MAX_S 1.0
 
@@ -256,10 +253,11 @@ static bool read_replies(struct prefix_remote *r, struct conn *k, redisReply **r
 
 /* ---- keys and values ----------------------------------------------------------- */
 
-/* Keys: kvq:SPACE:NS:b:CHAIN (a block boundary: its value names an entry) and
- * kvq:SPACE:NS:e:ID (an entry: header and file bytes). SPACE and NS are hashes; the
- * chain starts from the namespace's full name, so a collision of NS hashes never
- * joins two namespaces' chains, and the value's header names the namespace again. */
+/* Keys: kvq:SPACE:NS:k:CHAIN, one per block, CHAIN the chain hash of the tokens up to
+ * the block's end. SPACE and NS are hashes; the chain starts from the namespace's full
+ * name, so a collision of NS hashes never joins two namespaces' chains, and the value's
+ * header names the namespace and the chain again. (The first layout's :b: and :e: keys,
+ * whole entries, are never read.) */
 struct keys {
     char prefix[48];
     uint64_t seed;
@@ -272,49 +270,81 @@ static void keys_init(struct keys *k, uint64_t space, const char *ns) {
     k->seed = fnv1a(fnv1a(FNV_BASIS, &space, sizeof space), s, strlen(s) + 1);
 }
 
-/* chains[i]: the hash of the first (i + 1) blocks of toks, for i < n_blocks. */
-static void chain_hashes(const struct keys *k, const kvq_token *toks, int n_blocks, uint64_t *chains) {
+#define KEY_SIZE 80
+
+/* The chains and keys of blocks [first, last) of toks: chains[i] hashes the first
+ * (first + i + 1) blocks, names + i * KEY_SIZE is its key. False when out of memory. */
+struct block_keys {
+    uint64_t *chains;
+    char *names;
+    int count;
+};
+
+static bool block_keys(struct block_keys *bk, const struct keys *k, const kvq_token *toks, int first, int last) {
+    bk->count = last - first;
+    bk->chains = malloc(sizeof *bk->chains * (size_t)bk->count);
+    bk->names = malloc((size_t)bk->count * KEY_SIZE);
+    if (!bk->chains || !bk->names) return false;
     uint64_t h = k->seed;
-    for (int i = 0; i < n_blocks; i++) {
+    for (int i = 0; i < last; i++) {
         h = fnv1a(h, toks + (size_t)i * PREFIX_REMOTE_BLOCK, sizeof *toks * PREFIX_REMOTE_BLOCK);
-        chains[i] = h;
+        if (i < first) continue;
+        bk->chains[i - first] = h;
+        snprintf(bk->names + (size_t)(i - first) * KEY_SIZE, KEY_SIZE, "%sk:%016" PRIx64, k->prefix, h);
     }
-}
-
-/* An entry's id, from all its tokens: "HASH-N". */
-static void entry_id(const struct keys *k, const kvq_token *toks, int n, char *id, size_t size) {
-    uint64_t h = fnv1a(k->seed, toks, sizeof *toks * (size_t)n);
-    snprintf(id, size, "%016" PRIx64 "-%d", h, n);
-}
-
-/* An index value names an entry id: 16 hex digits, '-', a token count. */
-static bool valid_id(const char *s, size_t len) {
-    if (len < 18 || len > 28 || s[16] != '-') return false;
-    for (size_t i = 0; i < len; i++)
-        if (i != 16 && !(i < 16 ? isxdigit((unsigned char)s[i]) : isdigit((unsigned char)s[i]))) return false;
     return true;
 }
 
-/* The value header: magic[8], u32 namespace length, the namespace's bytes. */
-static size_t header_len(const char *ns) { return 8 + 4 + strlen(ns_or_empty(ns)); }
+static void block_keys_free(struct block_keys *bk) {
+    free(bk->chains);
+    free(bk->names);
+}
 
-static void put_header(unsigned char *b, const char *ns) {
+static const char *key_of(const struct block_keys *bk, int i) { return bk->names + (size_t)i * KEY_SIZE; }
+
+/* Sends one command per block (argv[1] its key; argv[k] its value where lens names
+ * one) and reads the replies into reps; false when the connection broke. */
+static bool pipeline(struct prefix_remote *r, struct conn *k, const struct block_keys *bk, int argc, const char **argv,
+                     size_t *lens, redisReply **reps) {
+    for (int i = 0; i < bk->count; i++) {
+        argv[1] = key_of(bk, i);
+        if (lens) lens[1] = strlen(argv[1]);
+        redisAppendCommandArgv(k->c, argc, argv, lens);
+    }
+    return read_replies(r, k, reps, bk->count);
+}
+
+static void free_replies(redisReply **reps, int n) {
+    for (int i = 0; i < n; i++)
+        if (reps[i]) freeReplyObject(reps[i]);
+}
+
+/* The value header: magic[8], u32 namespace length, the namespace's bytes, u64 the
+ * key's chain (a value copied under another key is refused). */
+static size_t header_len(const char *ns) { return 8 + 4 + strlen(ns_or_empty(ns)) + 8; }
+
+static void put_header(unsigned char *b, const char *ns, uint64_t chain) {
     const char *s = ns_or_empty(ns);
     uint32_t n = (uint32_t)strlen(s);
     memcpy(b, VALUE_MAGIC, 8);
     for (int i = 0; i < 4; i++) b[8 + i] = (unsigned char)(n >> (8 * i));
     memcpy(b + 12, s, n);
+    for (int i = 0; i < 8; i++) b[12 + n + i] = (unsigned char)(chain >> (8 * i));
 }
 
-/* The file bytes after a header naming ns; NULL when the header is not that. */
-static const unsigned char *check_header(const unsigned char *v, size_t len, const char *ns, size_t *file_len) {
+/* The block's bytes after a header naming ns and chain; NULL when the header is not that. */
+static const unsigned char *check_header(const unsigned char *v, size_t len, const char *ns, uint64_t chain,
+                                         size_t *body_len) {
     const char *s = ns_or_empty(ns);
     size_t h = header_len(ns);
     if (len < h || memcmp(v, VALUE_MAGIC, 8)) return NULL;
     uint32_t n = 0;
+    uint64_t c = 0;
     for (int i = 0; i < 4; i++) n |= (uint32_t)v[8 + i] << (8 * i);
     if (n != strlen(s) || memcmp(v + 12, s, n)) return NULL;
-    *file_len = len - h;
+    for (int i = 0; i < 8; i++) c |= (uint64_t)v[12 + n + i] << (8 * i);
+    if (c != chain) return NULL;
+    *body_len = len - h;
     return v + h;
 }
 
@@ -323,150 +353,151 @@ static const unsigned char *check_header(const unsigned char *v, size_t len, con
 /* Deletes a value that was refused (so a good one can take its key again). */
 static void reject(struct prefix_remote *r, const char *key) {
     atomic_fetch_add(&r->rejected, 1);
-    fprintf(stderr, "kvq serve: prefix cache remote: skipping %s (not a valid entry of this namespace)\n", key);
+    fprintf(stderr, "kvq serve: prefix cache remote: skipping %s (not a valid block of this namespace)\n", key);
     const char *argv[] = {"UNLINK", key};
     redisReply *rep = command(r, &r->lookup, 2, argv, NULL);
     if (rep) freeReplyObject(rep);
 }
 
-/* Fetches and offers the entry id; 1: taken, 0: missing, refused or no room, -1: store error. */
-static int try_entry(struct prefix_remote *r, const struct keys *ks, const char *id, prefix_remote_accept accept,
-                     void *ctx, const char *ns) {
-    char key[128];
-    snprintf(key, sizeof key, "%se:%s", ks->prefix, id);
-    const char *argv[] = {"STRLEN", key};
-    redisReply *rep = command(r, &r->lookup, 2, argv, NULL);
-    if (!rep) return -1;
-    long long len = rep->type == REDIS_REPLY_INTEGER ? rep->integer : -1;
-    freeReplyObject(rep);
-    if (len <= 0) return 0; /* evicted or expired since the index was read */
-    if ((unsigned long long)len > r->max_value) {
-        reject(r, key);
-        return 0;
-    }
-    argv[0] = "GET";
-    if (!(rep = command(r, &r->lookup, 2, argv, NULL))) return -1;
-    int got = 0;
-    if (rep->type == REDIS_REPLY_STRING) {
-        atomic_fetch_add(&r->bytes_read, rep->len);
-        size_t flen;
-        const unsigned char *file = check_header((const unsigned char *)rep->str, rep->len, ns, &flen);
-        got = file ? accept(ctx, file, flen) : 0;
-        if (got == 0) reject(r, key);
-    }
-    freeReplyObject(rep);
-    return got > 0;
+static int lookup_last(int n) {
+    int last = n / PREFIX_REMOTE_BLOCK;
+    return last > MAX_LOOKUP_BLOCKS ? MAX_LOOKUP_BLOCKS : last;
 }
 
-bool prefix_remote_find(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int n, int have,
-                        prefix_remote_accept accept, void *ctx) {
-    int first = have / PREFIX_REMOTE_BLOCK + 1, last = n / PREFIX_REMOTE_BLOCK; /* block counts to ask for */
-    if (last > MAX_LOOKUP_BLOCKS) last = MAX_LOOKUP_BLOCKS;
-    double t0 = now_s();
-    if (last < first || !conn_get(r, &r->lookup)) return false;
+int prefix_remote_probe(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int n,
+                        int first) {
+    int last = lookup_last(n), run = first;
+    if (last <= first || !conn_get(r, &r->lookup)) return first;
     struct keys ks;
+    struct block_keys bk;
     keys_init(&ks, space, ns);
-    int count = last - first + 1;
-    uint64_t *chains = malloc(sizeof *chains * (size_t)last);
-    char *names = malloc((size_t)count * 80);
-    const char **argv = malloc(sizeof *argv * (size_t)(count + 1));
-    bool hit = false;
-    if (!chains || !names || !argv) goto done;
-    chain_hashes(&ks, toks, last, chains);
-    argv[0] = "MGET";
-    for (int i = 0; i < count; i++) {
-        snprintf(names + (size_t)i * 80, 80, "%sb:%016" PRIx64, ks.prefix, chains[first - 1 + i]);
-        argv[i + 1] = names + (size_t)i * 80;
-    }
-    redisReply *rep = command(r, &r->lookup, count + 1, argv, NULL);
-    if (!rep) goto done;
-    /* the longest boundary first; a few distinct entries at most */
-    char tried[MAX_TRIES][32];
-    int n_tried = 0;
-    for (int i = (int)rep->elements - 1; rep->type == REDIS_REPLY_ARRAY && i >= 0 && n_tried < MAX_TRIES && !hit &&
-                                         now_s() - t0 < LOOKUP_BUDGET_S;
-         i--) {
-        const redisReply *e = rep->element[i];
-        if (e->type != REDIS_REPLY_STRING) continue;
-        if (!valid_id(e->str, e->len)) {
-            reject(r, argv[i + 1]);
-            if (!r->lookup.c) break;
-            continue;
+    redisReply **reps = NULL;
+    if (block_keys(&bk, &ks, toks, first, last) && (reps = calloc((size_t)bk.count, sizeof *reps))) {
+        const char *argv[] = {"STRLEN", NULL};
+        if (pipeline(r, &r->lookup, &bk, 2, argv, NULL, reps)) {
+            for (int i = 0; i < bk.count; i++) {
+                long long len = reps[i] && reps[i]->type == REDIS_REPLY_INTEGER ? reps[i]->integer : 0;
+                if (len <= 0) break;
+                if ((unsigned long long)len > r->max_value) { /* refused unread */
+                    reject(r, key_of(&bk, i));
+                    break;
+                }
+                run = first + i + 1;
+            }
+            free_replies(reps, bk.count);
         }
-        bool seen = false;
-        for (int j = 0; j < n_tried; j++) seen |= !strcmp(tried[j], e->str);
-        if (seen) continue;
-        memcpy(tried[n_tried], e->str, e->len + 1);
-        int got = try_entry(r, &ks, tried[n_tried++], accept, ctx, ns);
-        if (got < 0 && !r->lookup.c) break;
-        hit = got > 0;
     }
-    freeReplyObject(rep);
-    if (r->lookup.c) atomic_fetch_add(hit ? &r->hits : &r->misses, 1);
-done:
-    free(chains);
-    free(names);
-    free(argv);
-    return hit;
+    if (run == first && r->lookup.c) atomic_fetch_add(&r->misses, 1);
+    free(reps);
+    block_keys_free(&bk);
+    return run;
+}
+
+int prefix_remote_fetch(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int first,
+                        int last, prefix_remote_accept accept, void *ctx) {
+    if (last <= first || !conn_get(r, &r->lookup)) return 0;
+    struct keys ks;
+    struct block_keys bk;
+    keys_init(&ks, space, ns);
+    redisReply **reps = NULL;
+    int taken = 0;
+    if (block_keys(&bk, &ks, toks, first, last) && (reps = calloc((size_t)bk.count, sizeof *reps))) {
+        const char *argv[] = {"GET", NULL};
+        if (pipeline(r, &r->lookup, &bk, 2, argv, NULL, reps)) {
+            for (int i = 0; i < bk.count; i++) {
+                const redisReply *rep = reps[i];
+                if (!rep || rep->type != REDIS_REPLY_STRING) break; /* evicted since the probe */
+                atomic_fetch_add(&r->bytes_read, rep->len);
+                size_t len;
+                const unsigned char *body =
+                    check_header((const unsigned char *)rep->str, rep->len, ns, bk.chains[i], &len);
+                int got = body ? accept(ctx, first + i, body, len) : 0;
+                if (got == 0) reject(r, key_of(&bk, i));
+                if (got <= 0) break;
+                taken++;
+            }
+            free_replies(reps, bk.count);
+        }
+    }
+    if (r->lookup.c) atomic_fetch_add(taken ? &r->hits : &r->misses, 1);
+    free(reps);
+    block_keys_free(&bk);
+    return taken;
 }
 
 /* ---- writes -------------------------------------------------------------------- */
 
-void prefix_remote_put(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int n,
-                       const void *data, size_t len) {
-    int blocks = n / PREFIX_REMOTE_BLOCK;
-    if (blocks < 1 || header_len(ns) + len > r->max_value || !conn_get(r, &r->writer)) return;
-    if (blocks > MAX_LOOKUP_BLOCKS) blocks = MAX_LOOKUP_BLOCKS;
-    struct keys ks;
-    keys_init(&ks, space, ns);
-    char id[32], key[128], ttl[16];
-    entry_id(&ks, toks, n, id, sizeof id);
-    snprintf(key, sizeof key, "%se:%s", ks.prefix, id);
-    snprintf(ttl, sizeof ttl, "%d", r->ttl_s);
-    /* held already (another replica wrote the same tokens): its TTL starts again */
-    const char *ex[] = {"EXPIRE", key, ttl};
-    redisReply *rep = command(r, &r->writer, 3, ex, NULL);
-    if (!rep) return;
-    bool held = rep->type == REDIS_REPLY_INTEGER && rep->integer == 1;
-    freeReplyObject(rep);
-    if (held) return;
-    size_t hl = header_len(ns), vlen = hl + len;
-    unsigned char *value = malloc(vlen);
-    uint64_t *chains = malloc(sizeof *chains * (size_t)blocks);
-    redisReply **reps = calloc((size_t)blocks + 1, sizeof *reps);
-    if (!value || !chains || !reps) {
+/* Sends blocks [first, blocks) of bk's (encoded by encode) in one pipeline. */
+static void send_blocks(struct prefix_remote *r, const char *ns, struct block_keys *bk, int first,
+                        prefix_remote_encode encode, void *ctx) {
+    const int count = bk->count - first;
+    size_t *lens = malloc(sizeof *lens * (size_t)count), hl = header_len(ns), most = 0;
+    redisReply **reps = calloc((size_t)count, sizeof *reps);
+    void *data = NULL;
+    unsigned char *value = NULL;
+    if (!lens || !reps || encode(ctx, first, count, &data, lens) != 0) goto done;
+    for (int i = 0; i < count; i++) most = lens[i] > most ? lens[i] : most;
+    if (!(value = malloc(hl + most))) {
         fprintf(stderr, "kvq serve: prefix cache remote: out of memory publishing an entry\n");
         goto done;
     }
-    put_header(value, ns);
-    memcpy(value + hl, data, len);
-    /* the entry first, then its boundaries: an index key never names an entry that
-     * was not sent before it */
-    const char *argv[] = {"SET", key, (const char *)value, "EX", ttl};
-    size_t lens[] = {3, strlen(key), vlen, 2, strlen(ttl)};
-    redisAppendCommandArgv(r->writer.c, 5, argv, lens);
-    size_t idlen = strlen(id), sent = vlen;
-    chain_hashes(&ks, toks, blocks, chains);
-    for (int i = 0; i < blocks; i++) {
-        char bkey[128];
-        snprintf(bkey, sizeof bkey, "%sb:%016" PRIx64, ks.prefix, chains[i]);
-        const char *bargv[] = {"SET", bkey, id, "EX", ttl};
-        size_t blens[] = {3, strlen(bkey), idlen, 2, strlen(ttl)};
-        redisAppendCommandArgv(r->writer.c, 5, bargv, blens);
-        sent += idlen + strlen(bkey);
+    char ttl[16];
+    snprintf(ttl, sizeof ttl, "%d", r->ttl_s);
+    size_t off = 0, sent = 0;
+    for (int i = 0; i < count; i++) { /* hiredis copies each command into its buffer */
+        put_header(value, ns, bk->chains[first + i]);
+        memcpy(value + hl, (const unsigned char *)data + off, lens[i]);
+        off += lens[i];
+        const char *argv[] = {"SET", key_of(bk, first + i), (const char *)value, "EX", ttl};
+        size_t alens[] = {3, strlen(argv[1]), hl + lens[i], 2, strlen(ttl)};
+        redisAppendCommandArgv(r->writer.c, 5, argv, alens);
     }
-    if (!read_replies(r, &r->writer, reps, blocks + 1)) goto done;
-    if (reps[0]) { /* the entry was stored (a full store answers an error instead) */
-        atomic_fetch_add(&r->bytes_written, sent);
-        atomic_fetch_add(&r->tokens_written, (uint64_t)n);
-    }
-    for (int i = 0; i <= blocks; i++)
-        if (reps[i]) freeReplyObject(reps[i]);
+    if (!read_replies(r, &r->writer, reps, count)) goto done;
+    uint64_t tokens = 0;
+    for (int i = 0; i < count; i++)
+        if (reps[i]) { /* stored (a full store answers an error instead) */
+            sent += hl + lens[i] + strlen(key_of(bk, first + i));
+            tokens += PREFIX_REMOTE_BLOCK;
+        }
+    free_replies(reps, count);
+    atomic_fetch_add(&r->bytes_written, sent);
+    atomic_fetch_add(&r->tokens_written, tokens);
 done:
-    free(value);
-    free(chains);
+    free(lens);
     free(reps);
+    free(data);
+    free(value);
 }
+
+void prefix_remote_put(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int n,
+                       prefix_remote_encode encode, void *ctx) {
+    int blocks = lookup_last(n);
+    if (blocks < 1 || !conn_get(r, &r->writer)) return;
+    struct keys ks;
+    struct block_keys bk;
+    keys_init(&ks, space, ns);
+    redisReply **reps = NULL;
+    if (!block_keys(&bk, &ks, toks, 0, blocks) || !(reps = calloc((size_t)blocks, sizeof *reps))) {
+        fprintf(stderr, "kvq serve: prefix cache remote: out of memory publishing an entry\n");
+        goto done;
+    }
+    /* blocks the store holds (another replica's, or this one's earlier entry): their
+     * TTL starts again; the rest is sent from the first missing one on */
+    char ttl[16];
+    snprintf(ttl, sizeof ttl, "%d", r->ttl_s);
+    const char *argv[] = {"EXPIRE", NULL, ttl};
+    if (!pipeline(r, &r->writer, &bk, 3, argv, NULL, reps)) goto done;
+    int missing = blocks;
+    for (int i = 0; i < blocks && missing == blocks; i++)
+        if (!reps[i] || reps[i]->type != REDIS_REPLY_INTEGER || reps[i]->integer != 1) missing = i;
+    free_replies(reps, blocks);
+    if (missing < blocks) send_blocks(r, ns, &bk, missing, encode, ctx);
+done:
+    free(reps);
+    block_keys_free(&bk);
+}
+
+void prefix_remote_set_max_value(struct prefix_remote *r, size_t bytes) { r->max_value = bytes; }
 
 /* ---- life -------------------------------------------------------------------------- */
 
@@ -482,7 +513,6 @@ struct prefix_remote *prefix_remote_new(const struct prefix_remote_params *p, ch
         return NULL;
     }
     r->ttl_s = p->ttl_s;
-    r->max_value = p->max_value;
     r->lookup.timeout_ms = 300;  /* on the scheduler's path: a slow store costs little */
     r->writer.timeout_ms = 3000; /* a writer thread's: a large entry may take a while */
     atomic_init(&r->up, true);   /* so the first failure is logged */

@@ -1,12 +1,12 @@
-/* The prefix cache's remote tier: entries shared by several replicas through a
- * Redis or Valkey store (hiredis). A value is an entry's file (kvq_prefix_encode's
- * bytes: checksum, model and KV-config identity, token ids) behind a short header
- * naming its namespace. Entries are found by their token prefixes: every 64-token
- * block boundary of an entry has an index key, a chain hash of the tokens up to it,
+/* The prefix cache's remote tier: prefixes shared by several replicas through a
+ * Redis or Valkey store (hiredis), block by block. A value is one block of 64 tokens
+ * (kvq_prefix_encode_blocks's bytes: every layer's rows of those positions, the model
+ * and KV-format identity, the block's tokens, a checksum) behind a short header naming
+ * its namespace and key. Its key is a chain hash of the tokens up to the block's end,
  * namespaced by the replica's space (model fingerprint and KV formats) and the
- * request's prompt_cache_key; a lookup asks for all of a prompt's boundaries in one
- * MGET and fetches the entry of the longest. Keys carry a TTL; the store's own
- * eviction bounds its memory.
+ * request's prompt_cache_key, so a lookup asks for a prompt's blocks beyond what the
+ * replica holds itself: one pipelined round trip finds the run the store holds, a
+ * second fetches it. Keys carry a TTL; the store's own eviction bounds its memory.
  *
  * The store going away never fails a request: an error closes the connection, is
  * logged when the store turns unreachable (and again when it is back), and the next
@@ -22,13 +22,12 @@
 
 #include "kvq.h"
 
-#define PREFIX_REMOTE_BLOCK 64 /* tokens per index key */
+#define PREFIX_REMOTE_BLOCK KVQ_BLOCK_TOKENS /* tokens per key */
 
 struct prefix_remote_params {
     const char *url;      /* redis://[USER@]HOST[:PORT][/DB] or unix:///PATH[?db=DB] */
     const char *auth_file; /* the password's file (its first line); NULL: $KVQ_PREFIX_CACHE_REMOTE_AUTH, if set */
     int ttl_s;            /* of every key written */
-    size_t max_value;     /* larger values are refused unread */
 };
 
 struct prefix_remote;
@@ -36,22 +35,35 @@ struct prefix_remote;
  * an unreachable store is logged, not an error. */
 struct prefix_remote *prefix_remote_new(const struct prefix_remote_params *p, char *err, size_t err_size);
 void prefix_remote_free(struct prefix_remote *r);
+/* The largest value a lookup reads (a block's bound, known once the model is): set
+ * before the first lookup (until then, none is read). */
+void prefix_remote_set_max_value(struct prefix_remote *r, size_t bytes);
 
-/* Called with an entry's file bytes: 1 when they were good and taken, 0 when they are
- * not a valid entry for the request, -1 when there is no room for them now. */
-typedef int (*prefix_remote_accept)(void *ctx, const void *data, size_t len);
+/* Lookup thread: the end of the run of toks's blocks (whole blocks of the first n
+ * tokens) that the store holds under (space, ns) from block `first` on, without
+ * reading them (one pipelined STRLEN each); `first` when it holds none (a miss). A
+ * value over the bound is refused unread: counted as rejected and deleted. */
+int prefix_remote_probe(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int n,
+                        int first);
+/* Called with each fetched block's bytes, in order: 1 when taken, 0 when it is not a
+ * valid block for the request (then counted as rejected and deleted from the store),
+ * -1 when there is no room for it now. */
+typedef int (*prefix_remote_accept)(void *ctx, int block, const void *data, size_t len);
+/* Lookup thread: fetches blocks [first, last) of toks in one pipelined round trip and
+ * hands them to accept in order, up to the first one missing, not taken, or whose
+ * header does not name this namespace and key (rejected). Returns how many were taken
+ * (a hit when any). Each command times out after 0.3 s. */
+int prefix_remote_fetch(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int first,
+                        int last, prefix_remote_accept accept, void *ctx);
 
-/* Lookup thread: finds the entry stored under (space, ns) holding the longest prefix
- * of toks that is longer than `have` tokens (whole blocks of the first n tokens), and
- * hands its bytes to accept. A value accept refuses, or whose header is not this
- * namespace's, is counted as rejected and deleted from the store. No further entry is
- * tried 0.3 s into the lookup, and each command times out after 0.3 s. True on a hit. */
-bool prefix_remote_find(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int n, int have,
-                        prefix_remote_accept accept, void *ctx);
-/* Writer thread: stores an entry (file bytes data) of n tokens under (space, ns),
- * unless the store holds it already. */
+/* Encodes blocks [first, first + count) of the entry being published into *data
+ * (malloc'd), lens[i] bytes each; 0, or -1 (logged). */
+typedef int (*prefix_remote_encode)(void *ctx, int first, int count, void **data, size_t *lens);
+/* Writer thread: publishes the whole blocks of an entry of n tokens under (space, ns):
+ * the TTL of the blocks the store holds starts again (one pipelined EXPIRE each), and
+ * the blocks from the first one it lacks on are encoded and sent in one pipeline. */
 void prefix_remote_put(struct prefix_remote *r, uint64_t space, const char *ns, const kvq_token *toks, int n,
-                       const void *data, size_t len);
+                       prefix_remote_encode encode, void *ctx);
 
 struct prefix_remote_stats {
     uint64_t hits, misses, bytes_read, bytes_written, tokens_written, errors, rejected;

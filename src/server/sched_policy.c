@@ -70,7 +70,7 @@ enum sched_admit sched_policy_admit(const struct sched_policy *p, size_t kv_used
     if (p->max_seqs - running < g) return SCHED_ADMIT_WAIT;
     if (fits(p, kv_used, slots, want, g)) return SCHED_ADMIT_START;
     if (may_evict) return SCHED_ADMIT_EVICT;
-    return running > 0 ? SCHED_ADMIT_WAIT : SCHED_ADMIT_START;
+    return running > 0 ? SCHED_ADMIT_WAIT_MEMORY : SCHED_ADMIT_START;
 }
 
 int sched_policy_step(const struct sched_policy *p, struct sched_seq *const *slots, kvq_token *tok, int32_t *seq,

@@ -59,7 +59,8 @@ size_t sched_policy_reserve(const struct sched_policy *p, int n_prompt, int max_
 enum sched_admit {
     SCHED_ADMIT_START, /* start the requests */
     SCHED_ADMIT_EVICT, /* evict a held prefix, then ask again */
-    SCHED_ADMIT_WAIT,  /* leave them queued: no slots, or memory (back-pressure) */
+    SCHED_ADMIT_WAIT,  /* leave them queued: no free slots */
+    SCHED_ADMIT_WAIT_MEMORY, /* leave them queued: slots are free, KV memory is not (back-pressure) */
 };
 /* Whether g queued requests that may grow to want[0..g) KV bytes start now, with
  * kv_used bytes in use and slots[max_seqs] (NULL: free) running; may_evict: the

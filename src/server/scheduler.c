@@ -61,6 +61,7 @@ struct sched {
     int queued;
     struct sched_stats st;
     /* scheduler thread only */
+    bool waiting_memory;      /* the queue's head waits for KV memory (wait_memory) */
     struct sched_req **slots; /* [max_seqs] */
     struct sched_seq **seqs;  /* [max_seqs]: the slots' policy views (NULL: free) */
     size_t *want;             /* [max_seqs]: the KV reserves of a group being admitted */
@@ -420,6 +421,27 @@ static void update_lens(struct sched *s) {
         if (s->seqs[i]) s->seqs[i]->len = kvq_seq_len(s->c, i);
 }
 
+/* The queue waits for KV memory with slots free: said on stderr once a wait (how many
+ * run, what is in use) and in the stats until a request starts or the queue empties. */
+static void wait_memory(struct sched *s) {
+    pthread_mutex_lock(&s->mu);
+    const int queued = s->queued;
+    s->st.waiting_memory = queued;
+    pthread_mutex_unlock(&s->mu);
+    if (s->waiting_memory) return;
+    s->waiting_memory = true;
+    fprintf(stderr, "kvq serve: %d request%s wait for KV memory: %d sequences run in %.1f of %.1f MiB\n", queued,
+            queued == 1 ? "" : "s", s->running, kvq_kv_bytes(s->c) / 1048576.0, kvq_kv_budget(s->c) / 1048576.0);
+}
+
+static void wait_over(struct sched *s) {
+    if (!s->waiting_memory) return;
+    s->waiting_memory = false;
+    pthread_mutex_lock(&s->mu);
+    s->st.waiting_memory = 0;
+    pthread_mutex_unlock(&s->mu);
+}
+
 /* Moves queued requests into free slots while the policy admits them (evicting
  * prefix-cache entries first when it says so). */
 static void admit(struct sched *s) {
@@ -432,7 +454,7 @@ static void admit(struct sched *s) {
         const struct sched_req *o = r;
         for (int i = 0; i < g && o; i++, o = o->next) want[i] = o->q.reserve;
         pthread_mutex_unlock(&s->mu);
-        if (!r) return;
+        if (!r) return wait_over(s);
         const bool drop = is_cancelled(r) || r->leader;
         if (!drop) {
             bool may_evict = s->pc != NULL;
@@ -441,8 +463,10 @@ static void admit(struct sched *s) {
             while ((a = sched_policy_admit(&s->pol, kvq_kv_bytes(s->c), s->seqs, want, g, may_evict)) ==
                    SCHED_ADMIT_EVICT)
                 may_evict = prefix_cache_evict_one(s->pc);
-            if (a == SCHED_ADMIT_WAIT) return; /* no slots, or back-pressure: wait for memory */
+            if (a == SCHED_ADMIT_WAIT_MEMORY) wait_memory(s);
+            if (a == SCHED_ADMIT_WAIT || a == SCHED_ADMIT_WAIT_MEMORY) return;
         }
+        wait_over(s);
         for (int i = 0; i < (drop ? 1 : g); i++) {
             pthread_mutex_lock(&s->mu);
             r = queue_pop(s);
