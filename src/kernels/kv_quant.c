@@ -1,5 +1,6 @@
 /* Quantized KV rows: packing, Hadamard rotation, dispatch and the scalar attention. */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,6 +25,16 @@ static const uint8_t nf_levels5[32] = {0,   22,  37,  48,  57,  66,  73,  80,  8
 const uint8_t *kern_kvq_nf_levels(int bits) {
     static const uint8_t *const t[6] = {NULL, NULL, nf_levels2, nf_levels3, nf_levels4, nf_levels5};
     return kern_kvq_nf_bits(bits) ? t[bits] : NULL;
+}
+
+static float nf_scale_tab[256];
+static pthread_once_t nf_scale_once = PTHREAD_ONCE_INIT;
+static void nf_scale_init(void) {
+    for (int e = 0; e < 256; e++) nf_scale_tab[e] = kvq_nf_scale((uint8_t)e);
+}
+const float *kern_kvq_nf_scales(void) {
+    pthread_once(&nf_scale_once, nf_scale_init);
+    return nf_scale_tab;
 }
 
 size_t kern_kvq_row_bytes(int bits, int group, int d) {
