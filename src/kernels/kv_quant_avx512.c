@@ -52,15 +52,11 @@ static inline void unpack512_init(struct unpack512 *u, int bits) {
         for (int i = 0; i < 64; i++) lv[i] = kern_kvq_nf_levels(bits)[i % (1 << bits)];
     for (int i = 0; i < 64; i++) pi[i] = (uint8_t)i;
     vbmi_tables(bits, pi, 1, g, sh);
-    /* v_pair: byte 16 l + 8 s + m (s = 0, 1: the low and high unpack of two rows' bytes,
-     * l its 128-bit lane, m < 8) becomes dword 8 (l % 2) + m of vector 2 (l / 2) + s,
-     * which holds value 32 (t / 2) + 8 (L / 4) + L % 4 + 4 (t % 2) of 8-bit codes (vector
-     * t, dword L); pair2: dword L of vector t, value 8 (L / 4) + L % 4 + 4 t of row a
-     * (bytes 0-31) and b (32-63) */
-    for (int i = 0; i < 64; i++) {
-        const int l = i / 16, s = i / 8 % 2, L = 8 * (l % 2) + i % 8, tv = 2 * (l / 2) + s;
-        pi[i] = (uint8_t)(32 * (tv / 2) + 8 * (L / 4) + L % 4 + 4 * (tv % 2));
-    }
+    /* v_pair: byte 16 l + m of 128-bit lane l goes to dword 4 l + m % 4 of vector m / 4
+     * (two unpacks of bytes: of two rows, then with zeros), which holds value 32 (t / 2)
+     * + 8 (L / 4) + L % 4 + 4 (t % 2) of 8-bit codes (vector t, dword L); pair2: dword L
+     * of vector t, value 8 (L / 4) + L % 4 + 4 t of row a (bytes 0-31) and b (32-63) */
+    for (int i = 0; i < 64; i++) pi[i] = (uint8_t)(i % 16 < 8 ? i / 16 * 8 + i % 16 : 32 + i / 16 * 8 + i % 16 - 8);
     vbmi_tables(bits, pi, 0, pg, psh);
     for (int tv = 0; tv < 2; tv++)
         for (int L = 0; L < 16; L++) {
@@ -629,13 +625,13 @@ INLINE void v_pair(const int VB, const int CV, const struct unpack512 *nfu, cons
             const __m512i x = nf_bytes_vbmi(nfu, a + o, b + o);
             u[0] = _mm512_maskz_permutexvar_epi8(lo, nfu->pair2[0], x);
             u[1] = _mm512_maskz_permutexvar_epi8(lo, nfu->pair2[1], x);
-        } else { /* bytes interleaved, then widened: the 8-bit codes' words */
-            const __m512i xa = nf_pair_bytes_vbmi(nfu, a + o), xb = nf_pair_bytes_vbmi(nfu, b + o);
+        } else { /* the rows' bytes interleaved, then with zeros: the 8-bit codes' words */
+            const __m512i xa = nf_pair_bytes_vbmi(nfu, a + o), xb = nf_pair_bytes_vbmi(nfu, b + o), z = _mm512_setzero_si512();
             const __m512i lo = _mm512_unpacklo_epi8(xa, xb), hi = _mm512_unpackhi_epi8(xa, xb);
-            u[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
-            u[1] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
-            u[2] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
-            u[3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+            u[0] = _mm512_unpacklo_epi8(lo, z);
+            u[1] = _mm512_unpackhi_epi8(lo, z);
+            u[2] = _mm512_unpacklo_epi8(hi, z);
+            u[3] = _mm512_unpackhi_epi8(hi, z);
         }
         return;
     }
