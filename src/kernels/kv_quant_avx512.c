@@ -43,6 +43,9 @@ struct unpack512 {
      * and of 64 codes ordered for v_pair (pgather, pshift); v_pair's words of two rows'
      * 32 bytes in one vector (pair2) */
     __m512i lv64, gather, shift, pgather, pshift, pair2[2];
+    /* tile_cols16_nfp (2 and 3 bits): 8 codes a dword (two rows of 64 codes), the bit
+     * offsets of codes 0-3 and 4-7 of the dwords of a qword */
+    __m512i kspread, kshift[2];
 };
 static inline void unpack512_init(struct unpack512 *u, int bits) {
     struct kvq_unpack_lut t;
@@ -63,6 +66,16 @@ static inline void unpack512_init(struct unpack512 *u, int bits) {
             const int v = 8 * (L / 4) + L % 4 + 4 * tv;
             p2[tv][4 * L] = (uint8_t)v, p2[tv][4 * L + 2] = (uint8_t)(32 + v);
         }
+    uint8_t ks[64], kh[2][64];
+    for (int i = 0; i < 64; i++) {
+        const int b = i % 4; /* byte b of dword i / 4 % 8 of half i / 32 */
+        ks[i] = (uint8_t)(b < bits ? i / 32 * 32 + i / 4 % 8 * bits + b : 0);
+        kh[0][i] = (uint8_t)(i % 8 / 4 * 32 + i % 4 * bits);
+        kh[1][i] = (uint8_t)(i % 8 / 4 * 32 + (4 + i % 4) * bits);
+    }
+    u->kspread = _mm512_loadu_si512(ks);
+    u->kshift[0] = _mm512_loadu_si512(kh[0]);
+    u->kshift[1] = _mm512_loadu_si512(kh[1]);
     u->lv64 = _mm512_loadu_si512(lv);
     u->gather = _mm512_loadu_si512(g);
     u->shift = _mm512_loadu_si512(sh);
@@ -418,6 +431,29 @@ static __attribute__((noinline)) void tile_cols8_nf(const struct rows16 *rows, s
     }
     cols8_transpose(z, t);
 }
+/* Values off..off+63 of 16 normal-float rows of 2 or 3 bits, as the 16 columns of level
+ * bytes tile_cols8 gives for 8-bit codes: each 8 codes of a row spread to a dword, those
+ * transposed (a quarter of the bytes tile_cols8_nf moves), then each dword's codes 0-3
+ * and 4-7 to bytes by vpmultishiftqb and mapped. */
+static __attribute__((noinline)) void tile_cols16_nfp(const struct rows16 *rows, size_t off, const struct unpack512 *u,
+                                                      __m512i t[16]) {
+    __m512i z[8], c[8];
+    const size_t o = off * (size_t)u->bits / 8;
+    const __mmask32 m = (__mmask32)((1u << 8 * u->bits) - 1);
+    UNROLL
+    for (int i = 0; i < 8; i++) {
+        const int r = i < 4 ? i : i + 4;
+        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(m, row16(rows, r) + o)),
+                                             _mm256_maskz_loadu_epi8(m, row16(rows, r + 4) + o), 1);
+        z[i] = _mm512_permutexvar_epi8(u->kspread, x);
+    }
+    cols8_transpose(z, c);
+    UNROLL
+    for (int j = 0; j < 8; j++) {
+        t[2 * j] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(u->kshift[0], c[j]), u->lv64);
+        t[2 * j + 1] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(u->kshift[1], c[j]), u->lv64);
+    }
+}
 #endif
 
 /* The `bytes` (1 or 4) at off of 16 rows as 16 dwords, built in registers (small
@@ -509,7 +545,8 @@ static void fast_q_prepare(struct fast_q *f, const int KB, const int NH, const f
 
 /* Scores of the 16 rows of a tile for NH heads into sc[h * FB + j ..]; mx[h]: their
  * running max, lane by lane. NF: normal-float rows (G = d) of scales nfs, 4-bit codes
- * mapped to their level bytes here, other widths' level bytes given as 8-bit rows. */
+ * mapped to their level bytes here, other widths' level bytes given as 8-bit rows, or
+ * unpacked from nfu's codes (VBMI; NF 2: 2- and 3-bit codes transposed packed). */
 INLINE void tile_scores(const int KB, const int NH, const int Q2, const int NF, const struct fast_q *f,
                         const struct rows16 *rows, const struct unpack512 *nfu, int d, int G, __m512 nfs, float *sc,
                         int j, __m512 *mx) {
@@ -526,17 +563,19 @@ INLINE void tile_scores(const int KB, const int NH, const int Q2, const int NF, 
         acc[h] = _mm512_setzero_ps();
         ia[h] = ib[h] = _mm512_setzero_si512();
     }
-    for (int k = 0; k < w; k += 8) {
-        __m512i t[8];
+    const int NC = NF == 2 ? 16 : 8; /* columns a step */
+    for (int k = 0; k < w; k += NC) {
+        __m512i t[16];
 #if KVQ_VBMI
-        if (nfu) tile_cols8_nf(rows, 4 * (size_t)k, nfu, t);
+        if (NF == 2) tile_cols16_nfp(rows, 4 * (size_t)k, nfu, t);
+        else if (nfu) tile_cols8_nf(rows, 4 * (size_t)k, nfu, t);
         else
 #else
         (void)nfu;
 #endif
             tile_cols8(rows, 4 * (size_t)k, t);
         UNROLL
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < NC; i++) {
             __m512i lo = t[i], hi = t[i]; /* NF 4-bit: the level bytes of the low and high nibbles */
             if (KB == 4 && NF) {
                 lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(t[i], m_lo));
@@ -838,6 +877,7 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
             }
 #endif
             if (q2) tile_scores(8, NH, 1, 0, &f, &kr, NULL, d, KG, nfs, sc, j, mxv);
+            else if (KVQ_VBMI && knf && KB == 8 && k->bits <= 3) tile_scores(8, NH, 0, 2, &f, &kr, knfu, d, KG, nfs, sc, j, mxv);
             else if (knf) tile_scores(KB, NH, 0, 1, &f, &kr, knfu, d, KG, nfs, sc, j, mxv);
             else tile_scores(KB, NH, 0, 0, &f, &kr, NULL, d, KG, nfs, sc, j, mxv);
             if (vnf) { /* one group, bias + mid * scale = 0 */
