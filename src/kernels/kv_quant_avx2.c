@@ -1,13 +1,14 @@
 /* AVX2 attention over packed KV rows and fast code unpacking. */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 
 #include "kernels/kv_quant_impl.h"
 #include "kernels/online_softmax.h"
 #include "kernels/simd_avx2.h"
 
 /* The constants of the unpacker of one code width (2 to 5 bits, 32 codes at a time) and
- * of the map of its codes to normal-float level bytes, set up once per call. */
+ * of the map of its codes to normal-float level bytes. */
 struct unpack256 {
     int bits;
     __m256i lo, hi, mul, tl, th; /* 3/5 bits: see unpack32; the level bytes of codes 0-15, 16-31 */
@@ -29,6 +30,17 @@ static inline void unpack256_init(struct unpack256 *u, int bits) {
     u->mul = _mm256_loadu_si256((const __m256i *)mul);
     u->tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lv));
     u->th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(lv + 16)));
+}
+
+/* The unpackers of 2 to 5 bits, set up once. */
+static struct unpack256 unpackers[6];
+static pthread_once_t unpackers_once = PTHREAD_ONCE_INIT;
+static void unpackers_init(void) {
+    for (int b = 2; b <= 5; b++) unpack256_init(&unpackers[b], b);
+}
+static const struct unpack256 *unpacker(int bits) {
+    pthread_once(&unpackers_once, unpackers_init);
+    return bits >= 2 && bits <= 5 ? &unpackers[bits] : NULL;
 }
 
 /* 32 codes at p (4 * bits bytes) as bytes. */
@@ -78,21 +90,18 @@ void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out) {
         memcpy(out, src, (size_t)n);
         return;
     }
-    if (bits != 6) {
-        struct unpack256 u;
-        unpack256_init(&u, bits);
-        for (; i + 32 <= n; i += 32) _mm256_storeu_si256((__m256i *)(out + i), unpack32(&u, src + (size_t)i * bits / 8));
-    }
+    const struct unpack256 *u = unpacker(bits);
+    if (u)
+        for (; i + 32 <= n; i += 32) _mm256_storeu_si256((__m256i *)(out + i), unpack32(u, src + (size_t)i * bits / 8));
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
 }
 
 void kern_kvq_nf_map_avx2(uint8_t *c, int n, int bits) {
     const uint8_t *lv = kern_kvq_nf_levels(bits);
-    struct unpack256 u;
-    unpack256_init(&u, bits);
+    const struct unpack256 *u = unpacker(bits);
     int i = 0;
     for (; i + 32 <= n; i += 32)
-        _mm256_storeu_si256((__m256i *)(c + i), nf_map32(&u, _mm256_loadu_si256((const __m256i *)(c + i))));
+        _mm256_storeu_si256((__m256i *)(c + i), nf_map32(u, _mm256_loadu_si256((const __m256i *)(c + i))));
     for (; i < n; i++) c[i] = lv[c[i]];
 }
 
@@ -283,10 +292,13 @@ static void fx_prepare(struct fx_q *f, const int KB, const int NH, const float *
         }
     }
     f->nfs = kern_kvq_nf_scales();
-    unpack256_init(&f->ku, kbits);
-    unpack256_init(&f->vu, vbits);
-    f->nfh = _mm256_and_si256(_mm256_srli_epi16(f->ku.tl, 4), _mm256_set1_epi8(0x0F));
-    f->nfl = _mm256_and_si256(f->ku.tl, _mm256_set1_epi8(0x0F));
+    const struct unpack256 *ku = unpacker(kbits), *vu = unpacker(vbits);
+    if (ku) {
+        f->ku = *ku;
+        f->nfh = _mm256_and_si256(_mm256_srli_epi16(ku->tl, 4), _mm256_set1_epi8(0x0F));
+        f->nfl = _mm256_and_si256(ku->tl, _mm256_set1_epi8(0x0F));
+    }
+    if (vu) f->vu = *vu;
     for (int c = 0; c < d / cv; c++) {
         /* lane m of 4-bit chunk c sums values 64c + 8m .. + 7; of 8-bit chunk c, four of
          * the values 32c .. 32c + 31 (one group) */

@@ -3,6 +3,7 @@
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 
 #include "core/cpu.h"
 #include "kernels/inline.h"
@@ -34,7 +35,7 @@ static void vbmi_tables(int bits, const uint8_t pi[64], int halves, uint8_t gath
 }
 
 /* The constants of the unpacker of one code width (2 to 5 bits, 64 codes at a time) and
- * of the map of its codes to normal-float level bytes, set up once per call. */
+ * of the map of its codes to normal-float level bytes. */
 struct unpack512 {
     int bits;
     __m512i lo, hi, sh, tl, th; /* 3/5 bits: kvq_unpack_lut; the level bytes of codes 0-15, 16-31 */
@@ -88,6 +89,17 @@ static inline void unpack512_init(struct unpack512 *u, int bits) {
     u->sh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t.sh));
     u->tl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lv));
     u->th = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(lv + 16)));
+}
+
+/* The unpackers of 2 to 5 bits, set up once. */
+static struct unpack512 unpackers[6];
+static pthread_once_t unpackers_once = PTHREAD_ONCE_INIT;
+static void unpackers_init(void) {
+    for (int b = 2; b <= 5; b++) unpack512_init(&unpackers[b], b);
+}
+static const struct unpack512 *unpacker(int bits) {
+    pthread_once(&unpackers_once, unpackers_init);
+    return bits >= 2 && bits <= 5 ? &unpackers[bits] : NULL;
 }
 
 /* 64 codes at p (64 * bits / 8 bytes) as bytes. */
@@ -148,11 +160,9 @@ void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
         memcpy(out, src, (size_t)n);
         return;
     }
-    if (bits != 6) {
-        struct unpack512 u;
-        unpack512_init(&u, bits);
-        for (; i + 64 <= n; i += 64) _mm512_storeu_si512(out + i, unpack64(&u, src + (size_t)i * bits / 8));
-    }
+    const struct unpack512 *u = unpacker(bits);
+    if (u)
+        for (; i + 64 <= n; i += 64) _mm512_storeu_si512(out + i, unpack64(u, src + (size_t)i * bits / 8));
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
 }
 
@@ -175,10 +185,9 @@ float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, flo
 
 void kern_kvq_nf_map_avx512(uint8_t *c, int n, int bits) {
     const uint8_t *lv = kern_kvq_nf_levels(bits);
-    struct unpack512 u;
-    unpack512_init(&u, bits);
+    const struct unpack512 *u = unpacker(bits);
     int i = 0;
-    for (; i + 64 <= n; i += 64) _mm512_storeu_si512(c + i, nf_map64(&u, _mm512_loadu_si512(c + i)));
+    for (; i + 64 <= n; i += 64) _mm512_storeu_si512(c + i, nf_map64(u, _mm512_loadu_si512(c + i)));
     for (; i < n; i++) c[i] = lv[c[i]];
 }
 
@@ -808,10 +817,8 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
     const size_t vpb = vrb - vcb; /* a V row's scale bytes */
     const int q2 = KB == 8 && k->bits == 8 && v->bits == 8;
     const __m512 p12 = _mm512_maskz_loadu_ps(0xFFF, kern_kvq_nf_scales() + 216);
-    struct unpack512 ku, vu;
-    unpack512_init(&ku, k->bits);
-    unpack512_init(&vu, v->bits);
-    const struct unpack512 *knfu = KVQ_VBMI && knf && KB == 8 ? &ku : NULL;
+    const struct unpack512 *ku = unpacker(k->bits), *vu = unpacker(v->bits);
+    const struct unpack512 *knfu = KVQ_VBMI && knf && KB == 8 ? ku : NULL;
     const int da = d + 16 * vng;               /* accumulator floats per head: values, 16 bias lanes per V group */
     const float mid = VB == 4 ? 7.5f : 127.5f; /* the V codes' midpoint */
     float accp[FMAXH * (KERN_KVQ_MAX_DIM + 16 * FMAXG)] __attribute__((aligned(64)));
@@ -872,7 +879,7 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
             if (knf) nfs = tile_nf_scales(&kr, kcb, p12);
 #if !KVQ_VBMI
             if (knf && KB == 8) {
-                nf_tile_bytes(&ku, &kr, 16, d, kst);
+                nf_tile_bytes(ku, &kr, 16, d, kst);
                 kr = rows16_at(kst, (size_t)d);
             }
 #endif
@@ -887,7 +894,7 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
                 smax[0] = _mm512_max_ps(smax[0], sv);
 #if !KVQ_VBMI
                 const struct rows16 vrows = rows16_at(run->v + (size_t)(j0 + j) * vs, vs);
-                nf_tile_bytes(&vu, &vrows, nj - j < 16 ? nj - j : 16, d, vst + (size_t)j * d);
+                nf_tile_bytes(vu, &vrows, nj - j < 16 ? nj - j : 16, d, vst + (size_t)j * d);
 #endif
                 continue;
             }
@@ -965,7 +972,7 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
         }
         const uint8_t *v0 = run->v + (size_t)j0 * vs;
 #if KVQ_VBMI
-        if (vnf) v_block(8, NH, 0, &vu, v0, vs, nj, d, VG, wq, step, accp, da);
+        if (vnf) v_block(8, NH, 0, vu, v0, vs, nj, d, VG, wq, step, accp, da);
 #else
         if (vnf) v_block(8, NH, 0, NULL, vst, (size_t)d, nj, d, VG, wq, step, accp, da);
 #endif
