@@ -124,17 +124,17 @@ static void test_f16_rows(void) {
  * encoder is checked against it too), on rows with ties, zeros of either sign,
  * outliers and constant groups. */
 static void test_quantize_levels(void) {
-    const int dims[] = {64, 128, 256}, groups[] = {32, 64, 128}, all_bits[] = {2, 3, 4, 5, 6, 8};
+    const int dims[] = {64, 128, 256}, groups[] = {32, 64, 128, KERN_KVQ_NF}, all_bits[] = {2, 3, 4, 5, 6, 8};
     const enum kvq_simd levels[] = {KVQ_SIMD_AVX2, KVQ_SIMD_AVX512};
     float x[256];
     uint8_t want[512], got[512];
     int rows = 0;
     for (int rep = 0; rep < 40; rep++)
         for (int di = 0; di < 3; di++)
-            for (int gi = 0; gi < 3; gi++)
+            for (int gi = 0; gi < 4; gi++)
                 for (int bi = 0; bi < 6; bi++) {
                     const int d = dims[di], G = groups[gi], bits = all_bits[bi];
-                    if (G > d) continue;
+                    if (G > d || (G == KERN_KVQ_NF && !kern_kvq_nf_bits(bits))) continue;
                     for (int i = 0; i < d; i++) {
                         switch (rep % 5) {
                         case 0: x[i] = gauss(); break;

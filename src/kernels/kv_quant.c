@@ -119,7 +119,10 @@ static void nf_quantize(const float *x, int d, int bits, uint8_t *dst) {
     const uint8_t *u = kern_kvq_nf_levels(bits);
     float lv[32] = {0}, amax = 0;
     for (int k = 0; k < nl; k++) lv[k] = (float)u[k] - 127.5f;
-    for (int i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < d; i++) { /* fmaxf's result (a NaN ignored) without its call */
+        const float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
     uint8_t c[KERN_KVQ_MAX_DIM];
     float bs = amax / lv[nl - 1], best = INFINITY;
     for (int a = 0; a < 11; a++) {

@@ -167,15 +167,21 @@ void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out) {
 }
 
 float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, float s, uint8_t *c) {
-    float thr[31];
-    for (int k = 0; k + 1 < nl; k++) thr[k] = 0.5f * s * (lv[k] + lv[k + 1]);
+    /* the code: how many of the ascending midpoints thr lie below x, by binary search
+     * (thr[nl - 1] and above: +inf, never below) */
+    float thr[32];
+    for (int k = 0; k < 32; k++) thr[k] = k + 1 < nl ? 0.5f * s * (lv[k] + lv[k + 1]) : INFINITY;
+    const __m512 t0 = _mm512_loadu_ps(thr), t1 = _mm512_loadu_ps(thr + 16);
     const __m512 l0 = _mm512_loadu_ps(lv), l1 = nl > 16 ? _mm512_loadu_ps(lv + 16) : l0, vs = _mm512_set1_ps(s);
     __m512 e = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16) {
         const __m512 xv = _mm512_loadu_ps(x + i);
         __m512i k = _mm512_setzero_si512();
-        for (int t = 0; t + 1 < nl; t++)
-            k = _mm512_mask_add_epi32(k, _mm512_cmp_ps_mask(xv, _mm512_set1_ps(thr[t]), _CMP_GT_OQ), k, _mm512_set1_epi32(1));
+        for (int step = nl / 2; step > 0; step /= 2) {
+            const __m512i p = _mm512_add_epi32(k, _mm512_set1_epi32(step));
+            const __m512 t = _mm512_permutex2var_ps(t0, _mm512_sub_epi32(p, _mm512_set1_epi32(1)), t1);
+            k = _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(xv, t, _CMP_GT_OQ), p);
+        }
         const __m512 d = _mm512_sub_ps(xv, _mm512_mul_ps(vs, _mm512_permutex2var_ps(l0, k, l1)));
         e = _mm512_fmadd_ps(d, d, e);
         if (c) _mm_storeu_si128((__m128i *)(c + i), _mm512_cvtepi32_epi8(k));
