@@ -352,16 +352,16 @@ static void bench_attention_cold(void) {
     }
 }
 
-/* Same, over quantized rows at 4 and 8 bits, group 32, laid out as the paged cache lays
- * them (kvcache/kv_pool.h): runs of 64 rows, a run's keys then its values, read by
+/* Same, over quantized rows at 4 and 8 bits, group 32, and normal-float rows (K4V3,
+ * K3V2), laid out as the paged cache lays them (kvcache/kv_pool.h): runs of 64 rows, a run's keys then its values, read by
  * kern_kvq_attn_accumulate_runs. Short runs are what the hardware prefetchers do not
  * follow, so this measures the kernel's own prefetching. */
 static void bench_kvq_attention_cold(void) {
     enum { RUN = 64 };
-    const int n_q = 2, d = 128, n = 4096, group = 32, n_runs = n / RUN;
-    const int bitss[][2] = {{4, 4}, {8, 4}, {8, 8}};
+    const int n_q = 2, d = 128, n = 4096, n_runs = n / RUN;
+    const int bitss[][3] = {{4, 4, 32}, {8, 4, 32}, {8, 8, 32}, {4, 3, KERN_KVQ_NF}, {3, 2, KERN_KVQ_NF}};
     for (size_t bi = 0; bi < sizeof bitss / sizeof bitss[0]; bi++) {
-        int kb = bitss[bi][0], vb = bitss[bi][1];
+        int kb = bitss[bi][0], vb = bitss[bi][1], group = bitss[bi][2];
         size_t krb = kern_kvq_row_bytes(kb, group, d), vrb = kern_kvq_row_bytes(vb, group, d);
         const size_t run_bytes = RUN * (krb + vrb);
         const int nb = cold_blocks((double)run_bytes * n_runs);
@@ -396,9 +396,10 @@ static void bench_kvq_attention_cold(void) {
         }
         double t = (now() - t0) / (rounds * nb);
         double bytes = (double)run_bytes * n_runs;
-        printf("COLD kvq attention K%d/V%d n_q=%d d=%d depth %d in runs of %d, %d blocks (%.0f MB): %8.2f us/call"
+        printf("COLD kvq attention K%d/V%d%s n_q=%d d=%d depth %d in runs of %d, %d blocks (%.0f MB): %8.2f us/call"
                "  %6.1f GB/s  (x12 = %.0f us/token)\n",
-               kb, vb, n_q, d, n, RUN, nb, nb * bytes * 1e-6, t * 1e6, bytes / t * 1e-9, 12 * t * 1e6);
+               kb, vb, group == KERN_KVQ_NF ? " nf" : "", n_q, d, n, RUN, nb, nb * bytes * 1e-6, t * 1e6, bytes / t * 1e-9,
+               12 * t * 1e6);
         for (int b = 0; b < nb; b++) free(kv[b]);
     }
 }

@@ -98,8 +98,8 @@ const char *const cli_kv_flags_help =
     "  --kv-bits B | K,V[:nf|:uniform]\n"
     "                           bits per key/value: 16 or 32 (float) or 2,3,4,5,6,8 (quantized);\n"
     "                           default 16. :nf: normal-float rows of those bits (2-5; one scale\n"
-    "                           a row; 4,3:nf and 3,2:nf are the best 3- and 2-bit caches measured,\n"
-    "                           CPU only); :uniform (the default): uniform groups\n"
+    "                           a row; 4,3:nf and 3,2:nf are the best 3- and 2-bit caches measured);\n"
+    "                           :uniform (the default): uniform groups\n"
     "  --kv-group-size G | K,V  values per quantization group of uniform rows: 8,16,32,64,128\n"
     "                           (default 64; normal-float rows have one scale a row)\n"
     "  --kv-rotation MODE       hadamard (default) | none: rotate head vectors before quantizing\n"
@@ -151,8 +151,8 @@ bool cli_parse_f16_weights(const char *flag, const char *v, bool *off) {
 }
 
 /* The row kinds of --kv-bits' sides: uniform groups, or normal-float rows when asked
- * (:nf). Normal-float stays opt-in: no GPU kernel reads it yet, and on the CPU it
- * decodes slower than uniform rows (docs/kv-formats.md). */
+ * (:nf). Normal-float stays opt-in: it decodes a little slower than K4V4 at depth, which
+ * the issue asks it not to (docs/kv-formats.md). */
 static bool set_kv_rows(const char *v, const char *kind, struct kvq_kv_config *kv) {
     int *bits[2] = {&kv->k_bits, &kv->v_bits}, *group[2] = {&kv->k_group, &kv->v_group};
     const bool nf = kind && !strcmp(kind, "nf");

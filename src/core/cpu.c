@@ -27,9 +27,27 @@ static enum kvq_simd cpu_detect(void) {
     if (avx512 && (xlo & 0xE0) == 0xE0) return KVQ_SIMD_AVX512; /* opmask + zmm state */
     return KVQ_SIMD_AVX2;
 }
+
+static int vbmi_detect(void) {
+    unsigned a, b, c, d;
+    if (cpu_detect() < KVQ_SIMD_AVX512) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (c >> 1) & 1; /* AVX512_VBMI */
+}
 #else
 static enum kvq_simd cpu_detect(void) { return KVQ_SIMD_SCALAR; }
+static int vbmi_detect(void) { return 0; }
 #endif
+
+int kvq_cpu_avx512_vbmi(void) {
+    static atomic_int vbmi = -1; /* CPUID traps to the hypervisor in a VM: once */
+    int v = atomic_load_explicit(&vbmi, memory_order_relaxed);
+    if (v < 0) {
+        v = vbmi_detect();
+        atomic_store_explicit(&vbmi, v, memory_order_relaxed);
+    }
+    return v && kvq_simd_max() >= KVQ_SIMD_AVX512;
+}
 
 static atomic_int g_max = -1, g_level = -1;
 

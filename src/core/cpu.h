@@ -23,6 +23,9 @@ int kvq_simd_available(enum kvq_simd level);
 enum kvq_simd kvq_simd_level(void);
 /* Forces a level (tests and benchmarks; not while kernels run). -1 if unavailable. */
 int kvq_simd_force(enum kvq_simd level);
+/* True when the CPU has AVX-512 VBMI (vpermb, vpmultishiftqb): kernels of the AVX-512
+ * level may take a variant compiled with it (kernels/kv_quant_avx512vbmi.c). */
+int kvq_cpu_avx512_vbmi(void);
 /* The CPU's brand string (CPUID), or "unknown", into buf of n bytes. */
 void kvq_cpu_model(char *buf, size_t n);
 /* "scalar", "avx2" or "avx512". */

@@ -1,5 +1,6 @@
 /* Quantized KV rows: packing, Hadamard rotation, dispatch and the scalar attention. */
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,6 +22,16 @@ static const uint8_t nf_levels5[32] = KERN_KVQ_NF_LEVELS5;
 const uint8_t *kern_kvq_nf_levels(int bits) {
     static const uint8_t *const t[6] = {NULL, NULL, nf_levels2, nf_levels3, nf_levels4, nf_levels5};
     return kern_kvq_nf_bits(bits) ? t[bits] : NULL;
+}
+
+static float nf_scale_tab[256];
+static pthread_once_t nf_scale_once = PTHREAD_ONCE_INIT;
+static void nf_scale_init(void) {
+    for (int e = 0; e < 256; e++) nf_scale_tab[e] = kvq_nf_scale((uint8_t)e);
+}
+const float *kern_kvq_nf_scales(void) {
+    pthread_once(&nf_scale_once, nf_scale_init);
+    return nf_scale_tab;
 }
 
 size_t kern_kvq_row_bytes(int bits, int group, int d) {
@@ -105,7 +116,10 @@ static void nf_quantize(const float *x, int d, int bits, uint8_t *dst) {
     const uint8_t *u = kern_kvq_nf_levels(bits);
     float lv[32] = {0}, amax = 0;
     for (int k = 0; k < nl; k++) lv[k] = (float)u[k] - 127.5f;
-    for (int i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < d; i++) { /* fmaxf's result (a NaN ignored) without its call */
+        const float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
     uint8_t c[KERN_KVQ_MAX_DIM];
     float bs = amax / lv[nl - 1], best = INFINITY;
     for (int a = 0; a < 11; a++) {

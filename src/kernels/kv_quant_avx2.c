@@ -1,10 +1,88 @@
 /* AVX2 attention over packed KV rows and fast code unpacking. */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 
 #include "kernels/kv_quant_impl.h"
 #include "kernels/online_softmax.h"
 #include "kernels/simd_avx2.h"
+
+/* The constants of the unpacker of one code width (2 to 5 bits, 32 codes at a time) and
+ * of the map of its codes to normal-float level bytes. */
+struct unpack256 {
+    int bits;
+    __m256i lo, hi, mul, tl, th; /* 3/5 bits: see unpack32; the level bytes of codes 0-15, 16-31 */
+};
+static inline void unpack256_init(struct unpack256 *u, int bits) {
+    struct kvq_unpack_lut t;
+    kvq_unpack_lut(bits, &t);
+    uint8_t lo[32], hi[32], lv[32] = {0};
+    int16_t mul[16];
+    for (int k = 0; k < 16; k++) {
+        lo[k] = t.lo[k], lo[16 + k] = (uint8_t)(t.lo[k] + 2 * bits - 4);
+        hi[k] = t.hi[k], hi[16 + k] = (uint8_t)(t.hi[k] + 2 * bits - 4);
+        mul[k] = (int16_t)(1 << (8 - t.sh[k % 8]));
+    }
+    if (kern_kvq_nf_bits(bits)) memcpy(lv, kern_kvq_nf_levels(bits), (size_t)1 << bits);
+    u->bits = bits;
+    u->lo = _mm256_loadu_si256((const __m256i *)lo);
+    u->hi = _mm256_loadu_si256((const __m256i *)hi);
+    u->mul = _mm256_loadu_si256((const __m256i *)mul);
+    u->tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lv));
+    u->th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(lv + 16)));
+}
+
+/* The unpackers of 2 to 5 bits, set up once. */
+static struct unpack256 unpackers[6];
+static pthread_once_t unpackers_once = PTHREAD_ONCE_INIT;
+static void unpackers_init(void) {
+    for (int b = 2; b <= 5; b++) unpack256_init(&unpackers[b], b);
+}
+static const struct unpack256 *unpacker(int bits) {
+    pthread_once(&unpackers_once, unpackers_init);
+    return bits >= 2 && bits <= 5 ? &unpackers[bits] : NULL;
+}
+
+/* 32 codes at p (4 * bits bytes) as bytes. */
+INLINE __m256i unpack32(const struct unpack256 *u, const uint8_t *p) {
+    const int bits = u->bits;
+    if (bits == 4) {
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+        return _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16(x, 4)), _mm256_set1_epi16(0x0f0f));
+    }
+    if (bits == 2) {
+        const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        const __m256i y = _mm256_or_si256(_mm256_or_si256(x, _mm256_slli_epi32(x, 6)),
+                                          _mm256_or_si256(_mm256_slli_epi32(x, 12), _mm256_slli_epi32(x, 18)));
+        return _mm256_and_si256(y, _mm256_set1_epi32(0x03030303));
+    }
+    /* 3 or 5 bits: 16 codes (2 * bits bytes) a 128-bit lane, as the AVX-512 unpacker; the
+     * second lane loads from byte 4 (no read past the 4 * bits bytes), and the shift
+     * right is a multiply (no vpsrlvw): code << (8 - offset), then >> 8 */
+    const __m256i x = bits == 3 ? _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)p)),
+                                                          _mm_loadl_epi64((const __m128i *)(p + 4)), 1)
+                                : _mm256_loadu2_m128i((const __m128i *)(p + 4), (const __m128i *)p);
+    const __m256i mask = _mm256_set1_epi16((short)((1 << bits) - 1));
+    const __m256i a = _mm256_and_si256(_mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(x, u->lo), u->mul), 8), mask);
+    const __m256i b = _mm256_and_si256(_mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(x, u->hi), u->mul), 8), mask);
+    return _mm256_packus_epi16(a, b);
+}
+
+/* 32 codes to their level bytes: a 16-entry byte shuffle (two and a select for 5 bits). */
+INLINE __m256i nf_map32(const struct unpack256 *u, __m256i x) {
+    const __m256i y = _mm256_shuffle_epi8(u->tl, x); /* codes < 16: bit 7 clear, the low nibble indexes */
+    if (u->bits < 5) return y;
+    const __m256i big = _mm256_cmpgt_epi8(x, _mm256_set1_epi8(15));
+    return _mm256_blendv_epi8(y, _mm256_shuffle_epi8(u->th, _mm256_and_si256(x, _mm256_set1_epi8(15))), big);
+}
+
+/* A row's d codes (d % 32 == 0) as bytes, normal-float ones (nf) as their level bytes. */
+INLINE void row_bytes(const struct unpack256 *u, const int nf, const uint8_t *src, int d, uint8_t *out) {
+    for (int i = 0; i < d; i += 32) {
+        const __m256i x = unpack32(u, src + (size_t)i * u->bits / 8);
+        _mm256_storeu_si256((__m256i *)(out + i), nf ? nf_map32(u, x) : x);
+    }
+}
 
 void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out) {
     int i = 0;
@@ -12,43 +90,19 @@ void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out) {
         memcpy(out, src, (size_t)n);
         return;
     }
-    if (bits == 4) {
-        for (; i + 32 <= n; i += 32) {
-            __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i / 2)));
-            x = _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16(x, 4)), _mm256_set1_epi16(0x0f0f));
-            _mm256_storeu_si256((__m256i *)(out + i), x);
-        }
-    } else if (bits == 2) {
-        for (; i + 32 <= n; i += 32) {
-            __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + i / 4)));
-            x = _mm256_or_si256(_mm256_or_si256(x, _mm256_slli_epi32(x, 6)),
-                                _mm256_or_si256(_mm256_slli_epi32(x, 12), _mm256_slli_epi32(x, 18)));
-            _mm256_storeu_si256((__m256i *)(out + i), _mm256_and_si256(x, _mm256_set1_epi32(0x03030303)));
-        }
-    }
+    const struct unpack256 *u = unpacker(bits);
+    if (u)
+        for (; i + 32 <= n; i += 32) _mm256_storeu_si256((__m256i *)(out + i), unpack32(u, src + (size_t)i * bits / 8));
     if (i < n) kern_kvq_unpack_scalar(src + (size_t)i * bits / 8, n - i, bits, out + i);
 }
 
-/* Codes to level bytes: a 16-entry byte shuffle (two and a select for 5 bits). */
 void kern_kvq_nf_map_avx2(uint8_t *c, int n, int bits) {
-    const uint8_t *u = kern_kvq_nf_levels(bits);
-    uint8_t lo[16] = {0}, hi[16] = {0};
-    const int nl = 1 << bits;
-    for (int k = 0; k < nl && k < 16; k++) lo[k] = u[k];
-    for (int k = 16; k < nl; k++) hi[k - 16] = u[k];
-    const __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo));
-    const __m256i th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi));
+    const uint8_t *lv = kern_kvq_nf_levels(bits);
+    const struct unpack256 *u = unpacker(bits);
     int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(c + i));
-        __m256i y = _mm256_shuffle_epi8(tl, x); /* codes < 16: bit 7 clear, low nibble indexes */
-        if (bits == 5) {
-            const __m256i big = _mm256_cmpgt_epi8(x, _mm256_set1_epi8(15));
-            y = _mm256_blendv_epi8(y, _mm256_shuffle_epi8(th, _mm256_and_si256(x, _mm256_set1_epi8(15))), big);
-        }
-        _mm256_storeu_si256((__m256i *)(c + i), y);
-    }
-    for (; i < n; i++) c[i] = u[c[i]];
+    for (; i + 32 <= n; i += 32)
+        _mm256_storeu_si256((__m256i *)(c + i), nf_map32(u, _mm256_loadu_si256((const __m256i *)(c + i))));
+    for (; i < n; i++) c[i] = lv[c[i]];
 }
 
 void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst) {
@@ -139,7 +193,8 @@ static void codes16_avx2(const float *x, __m256 bias, __m256 inv, __m256 top, in
 void kern_kvq_attn_avx2g(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                          const struct kern_kv_rows *v, int n);
 
-/* ---- Fast path: K and V 4- or 8-bit, groups of a multiple of 32, d % 64 == 0 ----
+/* ---- Fast path: K and V 4- or 8-bit in groups of a multiple of 32, or normal-float
+ * rows, d % 64 == 0 ----
  * Scores in integers, one row at a time: 4-bit keys against q rounded to int8 with one
  * scale per head (sq = max|q| / 127, as the AVX-512 path), vpmaddubsw of the low nibbles
  * against q's even values plus the high nibbles against the odd ones (|sum| <= 4 * 15 *
@@ -152,7 +207,10 @@ void kern_kvq_attn_avx2g(struct kern_attn_state *s, int h0, int nh, const float 
  * and head against [0, sum_g(q) / sq] pairs.
  * Values: per block of rows, the weight p_j * scale_jg of every row, head and group;
  * each code is widened to float once and multiplied into every head; sum_j p_j * bias_jg
- * is added once per block, head and group. */
+ * is added once per block, head and group.
+ * Normal-float rows are unpacked to their level bytes a row at a time and take the
+ * 8-bit paths (4-bit keys too: level bytes against int8 q would saturate vpmaddubsw),
+ * as one group of scale s and bias -127.5 s. */
 
 #define FX_B 64 /* rows per online-softmax block */
 #define FX_MAXG (KERN_KVQ_MAX_DIM / 32)
@@ -181,9 +239,13 @@ struct fx_q {
      * pairs its scales come from, and the lanes' scale positions among them */
     int ck[FX_MAXG];
     __m256i cidx[FX_MAXG];
+    const float *nfs; /* kern_kvq_nf_scales */
+    struct unpack256 ku, vu;
+    __m256i nfh, nfl; /* 4-bit normal-float keys: the level bytes' high and low nibbles */
 };
 
-static void fx_prepare(struct fx_q *f, const int KB, const int NH, const float *q, int d, int G, int two) {
+static void fx_prepare(struct fx_q *f, const int KB, const int NH, const float *q, int d, int G, int two, int kbits,
+                       int vbits) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const int ng = d / G, cv = KB == 4 ? 64 : 32; /* values per chunk */
     for (int h = 0; h < NH; h++) {
@@ -229,6 +291,14 @@ static void fx_prepare(struct fx_q *f, const int KB, const int NH, const float *
             f->qb[h][2 * g + 1] = hsum256(t) / f->sq[h];
         }
     }
+    f->nfs = kern_kvq_nf_scales();
+    const struct unpack256 *ku = unpacker(kbits), *vu = unpacker(vbits);
+    if (ku) {
+        f->ku = *ku;
+        f->nfh = _mm256_and_si256(_mm256_srli_epi16(ku->tl, 4), _mm256_set1_epi8(0x0F));
+        f->nfl = _mm256_and_si256(ku->tl, _mm256_set1_epi8(0x0F));
+    }
+    if (vu) f->vu = *vu;
     for (int c = 0; c < d / cv; c++) {
         /* lane m of 4-bit chunk c sums values 64c + 8m .. + 7; of 8-bit chunk c, four of
          * the values 32c .. 32c + 31 (one group) */
@@ -254,36 +324,62 @@ INLINE __m256 fx_sb4(const uint8_t *sb, int ng, int k) {
     return _mm256_cvtph_ps(x);
 }
 
+/* A normal-float row's one group as fx_sb4's pairs: [scale, bias] of its byte e. */
+INLINE __m256 fx_nf_sb(const struct fx_q *f, uint8_t e) {
+    const float s = f->nfs[e];
+    return _mm256_setr_ps(s, -127.5f * s, 0, 0, 0, 0, 0, 0);
+}
+
 /* Scores of NH heads for rows [j0, j0 + nj) into sc[h][j] (unscaled by the softmax: q
- * already is). */
-INLINE void fx_scores(const int KB, const int NH, const struct fx_q *f, const struct kern_kv_rows *k,
+ * already is). NF: normal-float keys, scored as their level bytes u: 4-bit ones as 16 *
+ * (u >> 4) + (u & 15), the nibbles looked up from the codes' (u against int8 q would
+ * saturate vpmaddubsw), other widths (KB 8) unpacked and widened in registers. */
+INLINE void fx_scores(const int KB, const int NF, const int NH, const struct fx_q *f, const struct kern_kv_rows *k,
                       const struct kern_kv_rows *v, int d, int ng, int j0, int nj, float sc[][FX_B]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
     const int nk = (ng + 3) / 4, cv = KB == 4 ? 64 : 32;
     __m256 tv[KVQ_ATTN_MAXH][FX_B]; /* the rows' lanes, summed 4 at a time */
     for (int j = 0; j < nj; j++) {
-        const uint8_t *r = k->data + (size_t)(j0 + j) * k->stride, *sb = r + (size_t)d * KB / 8;
+        const uint8_t *r = k->data + (size_t)(j0 + j) * k->stride, *sb = r + (size_t)d * k->bits / 8;
         FN(prefetch_rows)(r + FX_PF_ROWS * k->stride, k->stride);
         FN(prefetch_rows)(v->data + (size_t)(j0 + j) * v->stride, v->stride);
         __m256 acc[KVQ_ATTN_MAXH], sbv[FX_MAXG / 4];
         UNROLL
         for (int h = 0; h < NH; h++) acc[h] = _mm256_setzero_ps();
-        for (int i = 0; i < nk; i++) sbv[i] = fx_sb4(sb, ng, i);
+        if (NF) sbv[0] = fx_nf_sb(f, *sb);
+        else
+            for (int i = 0; i < nk; i++) sbv[i] = fx_sb4(sb, ng, i);
         for (int c = 0; c < d / cv; c++) {
             const __m256 sv = _mm256_permutevar8x32_ps(sbv[f->ck[c]], f->cidx[c]);
             if (KB == 4) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(r + 32 * (size_t)c));
                 const __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+                __m256i lh = lo, ll = lo, hh = hi, hl = hi;
+                if (NF) {
+                    lh = _mm256_shuffle_epi8(f->nfh, lo), ll = _mm256_shuffle_epi8(f->nfl, lo);
+                    hh = _mm256_shuffle_epi8(f->nfh, hi), hl = _mm256_shuffle_epi8(f->nfl, hi);
+                }
                 UNROLL
                 for (int h = 0; h < NH; h++) {
                     const int8_t *qe = f->q8 + (size_t)h * d + 32 * (size_t)c, *qo = qe + d / 2;
-                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i *)qe)),
-                                                       _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i *)qo)));
-                    acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), sv, acc[h]);
+                    const __m256i e = _mm256_load_si256((const __m256i *)qe), o = _mm256_load_si256((const __m256i *)qo);
+                    __m256i s32 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(ll, e), _mm256_maddubs_epi16(hl, o)), ones);
+                    if (NF)
+                        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lh, e),
+                                                                                       _mm256_maddubs_epi16(hh, o)),
+                                                                      sixteen));
+                    acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), sv, acc[h]);
                 }
             } else {
-                const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + 32 * (size_t)c)));
-                const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + 32 * (size_t)c + 16)));
+                __m256i a, b;
+                if (NF) {
+                    const __m256i x = nf_map32(&f->ku, unpack32(&f->ku, r + (size_t)c * 4 * k->bits));
+                    a = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(x));
+                    b = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(x, 1));
+                } else {
+                    a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + 32 * (size_t)c)));
+                    b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + 32 * (size_t)c + 16)));
+                }
                 UNROLL
                 for (int h = 0; h < NH; h++) {
                     const int16_t *qh = f->q16 + (size_t)h * d + 32 * (size_t)c;
@@ -339,10 +435,10 @@ INLINE void fx_vcols(const int NH, const int CG, float *acc, int d, int c0, cons
 }
 
 /* The block's values: p[h][j] the softmax weights. */
-INLINE void fx_values(const int NH, float *acc, int d, const struct kern_kv_rows *v, int j0, int nj,
-                      float p[][FX_B], uint8_t *codes) {
-    const int G = v->group, ng = d / G, nk = (ng + 3) / 4, VB = v->bits;
-    const __m256i m4 = _mm256_set1_epi16(0x0f0f);
+INLINE void fx_values(const int NH, const struct fx_q *f, float *acc, int d, const struct kern_kv_rows *v, int j0,
+                      int nj, float p[][FX_B], uint8_t *codes) {
+    const int G = kvq_gsize(v->group, d), ng = d / G, nk = (ng + 3) / 4, VB = v->bits;
+    const bool nf = v->group == KERN_KVQ_NF;
     const uint8_t *cd[FX_B];
     /* per 4 groups k, head h and row j at ((k * NH + h) * FX_B + j) * 8: p_hj times the
      * row's [scale, bias] pairs, the scales the rows' weights; bs: per head the bias
@@ -356,17 +452,12 @@ INLINE void fx_values(const int NH, float *acc, int d, const struct kern_kv_rows
         const uint8_t *r = v->data + (size_t)(j0 + j) * v->stride, *sb = r + (size_t)d * VB / 8;
         if (VB == 8) {
             cd[j] = r;
-        } else { /* nibbles to bytes, in value order */
-            uint8_t *o = codes + (size_t)j * d;
-            for (int i = 0; i < d; i += 32) {
-                const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + i / 2)));
-                const __m256i y = _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16(x, 4)), m4);
-                _mm256_store_si256((__m256i *)(o + i), y);
-            }
-            cd[j] = o;
+        } else { /* codes (or level bytes) to bytes, in value order */
+            row_bytes(&f->vu, nf, r, d, codes + (size_t)j * d);
+            cd[j] = codes + (size_t)j * d;
         }
         for (int k = 0; k < nk; k++) {
-            const __m256 sv = fx_sb4(sb, ng, k);
+            const __m256 sv = nf ? fx_nf_sb(f, *sb) : fx_sb4(sb, ng, k);
             UNROLL
             for (int h = 0; h < NH; h++) {
                 const __m256 ph = _mm256_broadcast_ss(&p[h][j]);
@@ -395,25 +486,26 @@ INLINE void fx_values(const int NH, float *acc, int d, const struct kern_kv_rows
 INLINE void fx_attn(const int KB, const int NH, struct kern_attn_state *s, int h0, const float *q,
                     const struct kern_kv_rows *kf, const struct kern_kv_rows *vf, const struct kern_kv_run *runs,
                     int n_runs) {
-    const int d = s->d, ng = d / kf->group;
+    const int d = s->d, G = kvq_gsize(kf->group, d), ng = d / G;
     /* on the stack (about 230 KB at the largest head size, in the pool's threads), not
      * thread-local: static TLS is carved out of every thread's stack, small ones too */
     uint8_t codes[FX_B * KERN_KVQ_MAX_DIM] __attribute__((aligned(32)));
     struct fx_q f;
     float sc[KVQ_ATTN_MAXH][FX_B] __attribute__((aligned(32)));
     float *acc = s->acc + (size_t)h0 * d;
-    fx_prepare(&f, KB, NH, q + (size_t)h0 * d, d, kf->group, KB == 8 && vf->bits == 8);
+    fx_prepare(&f, KB, NH, q + (size_t)h0 * d, d, G, kf->bits == 8 && vf->bits == 8, kf->bits, vf->bits);
     for (int ri = 0; ri < n_runs; ri++) {
         if (ri + 1 < n_runs) kvq_prefetch_run_l2(&runs[ri + 1], kf->stride, vf->stride);
         const struct kern_kv_rows k = {runs[ri].k, kf->stride, kf->bits, kf->group};
         const struct kern_kv_rows v = {runs[ri].v, vf->stride, vf->bits, vf->group};
         for (int j0 = 0; j0 < runs[ri].n; j0 += FX_B) {
             const int nj = runs[ri].n - j0 < FX_B ? runs[ri].n - j0 : FX_B;
-            fx_scores(KB, NH, &f, &k, &v, d, ng, j0, nj, sc);
+            if (k.group == KERN_KVQ_NF) fx_scores(KB, 1, NH, &f, &k, &v, d, ng, j0, nj, sc);
+            else fx_scores(KB, 0, NH, &f, &k, &v, d, ng, j0, nj, sc);
             UNROLL
             for (int h = 0; h < NH; h++)
                 kern_softmax_step_avx2(sc[h], nj, &s->m[h0 + h], &s->l[h0 + h], acc + (size_t)h * d, d);
-            fx_values(NH, acc, d, &v, j0, nj, sc, codes);
+            fx_values(NH, &f, acc, d, &v, j0, nj, sc, codes);
         }
     }
 }

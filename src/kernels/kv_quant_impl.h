@@ -44,12 +44,34 @@ float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, flo
 void kern_kvq_nf_map_avx2(uint8_t *c, int n, int bits);
 void kern_kvq_nf_map_avx512(uint8_t *c, int n, int bits);
 
-/* The formats the SIMD fast paths take: K and V 4- or 8-bit in uniform groups of a
- * multiple of 32, d a multiple of 64. */
+/* kvq_nf_scale of every byte (the same floats), for the fast paths' row scales. */
+const float *kern_kvq_nf_scales(void);
+
+/* Where the SIMD unpackers of 3- and 5-bit codes find 16 codes (2 * bits bytes, LSB
+ * first) in a 128-bit lane: code k is the 16-bit word of bytes w[2k], w[2k + 1]
+ * shifted right by sh[k % 8] and masked (w: codes 0-7 in lo, 8-15 in hi). */
+struct kvq_unpack_lut {
+    uint8_t lo[16], hi[16];
+    uint16_t sh[8];
+};
+static inline void kvq_unpack_lut(int bits, struct kvq_unpack_lut *t) {
+    for (int k = 0; k < 16; k++) {
+        uint8_t *w = k < 8 ? t->lo : t->hi;
+        w[2 * (k % 8)] = (uint8_t)(k * bits / 8);
+        w[2 * (k % 8) + 1] = (uint8_t)(k * bits / 8 + 1);
+        t->sh[k % 8] = (uint16_t)(k * bits % 8);
+    }
+}
+
+/* One side (K or V) the SIMD fast paths take: 4- or 8-bit uniform groups of a multiple
+ * of 32, or normal-float rows (their level bytes scored as 8-bit codes). */
+static inline bool kvq_fast_side(int d, const struct kern_kv_rows *r) {
+    if (r->group == KERN_KVQ_NF) return kern_kvq_nf_bits(r->bits);
+    return (r->bits == 4 || r->bits == 8) && r->group > 0 && r->group % 32 == 0 && d % r->group == 0;
+}
+/* The formats the SIMD fast paths take: both sides as above, d a multiple of 64. */
 static inline bool kvq_fast_formats(int d, const struct kern_kv_rows *k, const struct kern_kv_rows *v) {
-    return d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && (k->bits == 4 || k->bits == 8) && (v->bits == 4 || v->bits == 8) &&
-           k->group > 0 && v->group > 0 && k->group % 32 == 0 && v->group % 32 == 0 && d % k->group == 0 &&
-           d % v->group == 0;
+    return d % 64 == 0 && d <= KERN_KVQ_MAX_DIM && kvq_fast_side(d, k) && kvq_fast_side(d, v);
 }
 
 /* The rows of a run (K and V of the given strides) into L2: the next run lies elsewhere
@@ -74,12 +96,20 @@ void kern_kvq_attn_avx512(struct kern_attn_state *s, int h0, int nh, const float
 void kern_kvq_use_fast(int on);
 void kern_kvq_use_fast_avx2(int on);
 void kern_kvq_use_fast_avx512(int on);
+/* 0: the AVX-512 fast path unpacks normal-float rows without VBMI where the CPU has it
+ * (tests of both variants on one machine). */
+void kern_kvq_use_vbmi_avx512(int on);
 /* Several runs with one setup, for the formats its fast path takes; false for others
  * (the caller then loops over the runs). */
 bool kern_kvq_attn_avx2_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                              const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs);
 bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                                const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs);
+/* kern_kvq_attn_avx512_runs's fast path compiled with VBMI (kv_quant_avx512vbmi.c), for
+ * the formats it takes with normal-float rows, on CPUs with VBMI. */
+void kern_kvq_attn_avx512vbmi_runs(struct kern_attn_state *s, int h0, int nh, const float *q,
+                                   const struct kern_kv_rows *k, const struct kern_kv_rows *v,
+                                   const struct kern_kv_run *runs, int n_runs);
 /* x[d] -> f16 row at dst (unaligned), rounding to nearest even like kvq_f32_to_f16
  * (F16C; a NaN stays a NaN, its payload may differ). */
 void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst);
@@ -102,7 +132,7 @@ void kern_kvq_group_params(float mn, float mx, int qmax, uint8_t *sb, float *bia
  * (finite inputs; kv_quant_simd.inc). */
 void kern_kvq_quantize_avx2g(const float *x, int d, int bits, int group, uint8_t *dst);
 void kern_kvq_quantize_avx512g(const float *x, int d, int bits, int group, uint8_t *dst);
-/* Fast unpackers for 2/4/8 bits (others fall back to the scalar one). */
+/* Fast unpackers for 2/3/4/5/8 bits (6 falls back to the scalar one). */
 void kern_kvq_unpack_avx2(const uint8_t *src, int n, int bits, uint8_t *out);
 void kern_kvq_unpack_avx512(const uint8_t *src, int n, int bits, uint8_t *out);
 void kern_kvq_unpack_scalar(const uint8_t *src, int n, int bits, uint8_t *out);
