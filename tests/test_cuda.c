@@ -189,7 +189,9 @@ static void test_cache_kinds(void) {
     compare_config(m, "K4V3 normal-float, TF32 prefill", &kv, 300, 128, 8, 2e-3);
     kv_set(&kv, 3, 2);
     kv.k_group = kv.v_group = KVQ_KV_NF;
-    compare_config(m, "K3V2 normal-float", &kv, 300, 16, 24, 1e-3);
+    /* 2-bit values: the CPU's own levels differ by up to 5.4e-3 here (kvq perplexity -c 256
+     * --chunks 4 --kv-bits 3,2:nf, scalar vs avx512: mean KLD 4.8e-5, max 0.0054) */
+    compare_config(m, "K3V2 normal-float", &kv, 300, 16, 24, 6e-3);
     kv_set(&kv, 5, 4);
     kv.k_group = kv.v_group = KVQ_KV_NF;
     compare_config(m, "K5V4 normal-float (split kernel)", &kv, 200, 16, 16, 1e-3);
