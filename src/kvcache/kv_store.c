@@ -271,9 +271,9 @@ void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *
         for (int i = 0; i < 2; i++)
             for (int h = 0; h < H && ws[i]; h++) {
                 const int32_t j = p - ws[i]->p0;
-                const size_t at = ((size_t)(p - w0) * H + h) * st->wkf.row;
-                memcpy(kv_win_row(ws[i], &st->wkf, 0, h, j), wk + at, st->wkf.row);
-                memcpy(kv_win_row(ws[i], &st->wvf, 1, h, j), wv + at, st->wvf.row);
+                const size_t at = (size_t)(p - w0) * H + h;
+                memcpy(kv_win_row(ws[i], &st->wkf, 0, h, j), wk + at * st->wkf.row, st->wkf.row);
+                memcpy(kv_win_row(ws[i], &st->wvf, 1, h, j), wv + at * st->wvf.row, st->wvf.row);
                 kv_win_mirror(st, ws[i], h, j);
             }
     }
