@@ -124,6 +124,7 @@ int kvq_kv_offsets_tokens(const struct kvq_kv_config *kv);
 /* KVQ_DEVICE_CUDA: weights, activations and a device copy of the KV cache on the
  * first NVIDIA GPU (a kvq built with -DKVQ_CUDA=ON); the KV policy stays on the host. */
 enum kvq_device { KVQ_DEVICE_CPU, KVQ_DEVICE_CUDA };
+#define KVQ_MAX_GPUS 8
 
 struct kvq_context_params {
     int n_ctx;     /* max tokens per sequence (0: the model's training context) */
@@ -136,6 +137,12 @@ struct kvq_context_params {
      * reserve free (2 bytes a weight more device memory); true: they dequantize the
      * weights in bands at every product instead (slower prefill and wide batches) */
     bool gpu_f16_weights_off;
+    /* KVQ_DEVICE_CUDA: tensor parallelism over tp GPUs of this host (0 or 1: one GPU;
+     * at most KVQ_MAX_GPUS), which must divide the model's KV heads: gpus[0..tp) when
+     * n_gpus == tp, else GPUs 0..tp-1 */
+    int tp;
+    int n_gpus;
+    int gpus[KVQ_MAX_GPUS];
     struct kvq_kv_config kv;
     size_t kv_budget_bytes; /* KV blocks in use at once, all sequences and held prefixes
                              * (0: what n_ctx tokens of each of the n_seq sequences need) */

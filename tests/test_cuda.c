@@ -374,6 +374,167 @@ static void test_batch(void) {
     kvq_model_free(m);
 }
 
+/* The largest logit difference of two rows relative to the row's largest logit. */
+static double rel_diff(const float *a, const float *b, int n) {
+    double d = 0, top = 0;
+    for (int i = 0; i < n; i++) d = fmax(d, fabs((double)a[i] - b[i])), top = fmax(top, fabs((double)a[i]));
+    return top > 0 ? d / top : d;
+}
+
+/* Tensor parallelism over 2 GPUs against one GPU: two sequences prefilled in chunks
+ * of n_batch and decoded greedily together, then a sequence saved under one and
+ * loaded under the other (and under the same one: exactly). The runs differ by the
+ * order of the O and down products' sums (the all-reduce adds the GPUs' halves). With
+ * f16 weights and n_batch 16 every product multiplies f32 inputs: they differ by that
+ * order alone, to 1e-4 of the logits (a 3- to 8-bit KV code may still move: 1e-3).
+ * Quantized weights multiply inputs rounded to int8, and passes of more than 16
+ * tokens inputs rounded to f16: there a last-bit difference moves a rounding now and
+ * then, which grows over the layers (1e-2 of the logits on tinydoc Q8_0, and greedy
+ * choices at near ties): those runs are held to 0.1 and 90% of the choices. */
+static void tp_compare(struct kvq_model *m, const char *name, const struct kvq_kv_config *kv, const char *label,
+                       int n_batch) {
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    const bool strict = !strcmp(info.weight_type, "f16") && n_batch <= 16;
+    const double max_rel = !strict ? 0.1 : kv->k_bits >= 16 && kv->v_bits >= 16 ? 1e-4 : 1e-3,
+                 max_moved = strict ? 1e-4 : 0.1;
+    struct kvq_context_params cp;
+    kvq_context_params_default(&cp);
+    cp.n_ctx = 320;
+    cp.n_seq = 3;
+    cp.n_batch = n_batch;
+    cp.n_threads = 2;
+    cp.device = KVQ_DEVICE_CUDA;
+    cp.kv = *kv;
+    struct kvq_context *one = kvq_context_new(m, &cp);
+    cp.tp = 2;
+    struct kvq_context *two = kvq_context_new(m, &cp);
+    CHECK(one && two, "%s %s: contexts: %s", name, label, kvq_last_error());
+    int32_t ids[256];
+    const int n = prompt(m, ids, 256);
+    double prefilled = 0, worst = 0;
+    int same = 0, total = 0;
+    if (one && two && n >= 230) {
+        int32_t seq[200];
+        for (int s = 0; s < 2; s++) {
+            for (int i = 0; i < 200; i++) seq[i] = s;
+            struct kvq_batch b = {.n_tokens = 200 - 60 * s, .tokens = ids + 30 * s, .seq_ids = seq};
+            CHECK(kvq_decode(one, &b) == 0 && kvq_decode(two, &b) == 0, "%s %s: prefill: %s", name, label,
+                  kvq_last_error());
+            const float *a = kvq_get_logits(one, b.n_tokens - 1), *t = kvq_get_logits(two, b.n_tokens - 1);
+            if (a && t) prefilled = fmax(prefilled, rel_diff(a, t, info.n_vocab));
+        }
+        int32_t next[2] = {ids[200], ids[201]}, seqs[2] = {0, 1};
+        bool want[2] = {true, true};
+        for (int step = 0; step < 24; step++) {
+            struct kvq_batch b = {.n_tokens = 2, .tokens = next, .seq_ids = seqs, .logits = want};
+            if (kvq_decode(one, &b) != 0 || kvq_decode(two, &b) != 0) {
+                CHECK(0, "%s %s: decode: %s", name, label, kvq_last_error());
+                break;
+            }
+            for (int s = 0; s < 2; s++) {
+                const float *a = kvq_get_logits(one, s), *t = kvq_get_logits(two, s);
+                worst = fmax(worst, rel_diff(a, t, info.n_vocab));
+                const int ga = argmax(a, info.n_vocab), gt = argmax(t, info.n_vocab);
+                same += ga == gt;
+                total++;
+                next[s] = ga;
+            }
+        }
+        /* sequence 0 saved, loaded as sequence 2 of: the other context, both ways; the same one */
+        char path[64];
+        snprintf(path, sizeof path, "/tmp/kvq_tp_%d.kvq", (int)getpid());
+        struct kvq_context *pairs[3][2] = {{two, one}, {one, two}, {two, two}};
+        double moved[3] = {0, 0, 0};
+        for (int d = 0; d < 3; d++) {
+            struct kvq_context *from = pairs[d][0], *to = pairs[d][1];
+            kvq_seq_clear(to, 2);
+            CHECK(kvq_seq_save(from, 0, path) == 0 && kvq_seq_load(to, 2, path) == 0, "%s %s: save / load: %s", name,
+                  label, kvq_last_error());
+            int32_t tok = 17, s0 = 0, s2 = 2;
+            struct kvq_batch bf = {.n_tokens = 1, .tokens = &tok, .seq_ids = &s0},
+                             bt = {.n_tokens = 1, .tokens = &tok, .seq_ids = &s2};
+            CHECK(kvq_decode(from, &bf) == 0, "%s %s: decode: %s", name, label, kvq_last_error());
+            float *a = malloc(sizeof(float) * (size_t)info.n_vocab);
+            if (a && kvq_get_logits(from, 0)) memcpy(a, kvq_get_logits(from, 0), sizeof(float) * (size_t)info.n_vocab);
+            CHECK(kvq_decode(to, &bt) == 0, "%s %s: after load: %s", name, label, kvq_last_error());
+            const float *t = kvq_get_logits(to, 0);
+            if (a && t) moved[d] = rel_diff(a, t, info.n_vocab);
+            free(a);
+            kvq_seq_trim(from, 0, 1);
+        }
+        remove(path);
+        printf("%-12s %-7s b%-3d TP2 vs one GPU: logits max rel %.1e after prefill, %.1e decoding (greedy %d/%d); "
+               "moved TP2>1 %.1e, 1>TP2 %.1e, TP2>TP2 %.1e\n",
+               name, label, n_batch, prefilled, worst, same, total, moved[0], moved[1], moved[2]);
+        CHECK(prefilled <= max_rel && worst <= max_rel, "%s %s b%d: TP2 logits differ from one GPU's by %g, %g", name,
+              label, n_batch, prefilled, worst);
+        CHECK(moved[0] <= max_moved && moved[1] <= max_moved && moved[2] == 0,
+              "%s %s b%d: a sequence moved between TP2 and one GPU decodes differently (%g, %g, %g)", name, label,
+              n_batch, moved[0], moved[1], moved[2]);
+        CHECK(strict ? same == total : same >= total - total / 10, "%s %s b%d: TP2's greedy choice differs at %d of %d steps",
+              name, label, n_batch, total - same, total);
+    }
+    kvq_context_free(one);
+    kvq_context_free(two);
+}
+
+static void test_tensor_parallel(int n_dev) {
+    if (n_dev < 2) {
+        printf("SKIP: tensor parallelism needs 2 GPUs (this machine has %d)\n", n_dev);
+        return;
+    }
+    /* the shared models (2 KV heads, Qwen3's head norms; Gemma 3's one KV head), then
+     * KVQ_TEST_TP_MODELS=a.gguf:b.gguf (gen-model files: 4 and 8 KV heads, Qwen2's
+     * biases, Gemma 3's sliding windows) */
+    char *files[16] = {"models/tinydoc-f16.gguf", "models/tinyqwen3-f16.gguf", "models/tinygemma3-f16.gguf"};
+    int n_files = 3;
+    char more[1024];
+    snprintf(more, sizeof more, "%s", getenv("KVQ_TEST_TP_MODELS") ? getenv("KVQ_TEST_TP_MODELS") : "");
+    for (char *save = NULL, *t = strtok_r(more, ":", &save); t && n_files < 16; t = strtok_r(NULL, ":", &save))
+        files[n_files++] = t;
+    for (int f = 0; f < n_files; f++) {
+        const char *path = f < 3 ? shared_path(files[f]) : files[f];
+        if (!path) {
+            printf("skipped: %s is missing\n", files[f]);
+            continue;
+        }
+        struct kvq_model *m = kvq_model_load(path);
+        CHECK(m, "%s: %s", path, kvq_last_error());
+        if (!m) continue;
+        struct kvq_model_info info;
+        kvq_model_get_info(m, &info);
+        const char *name = strrchr(files[f], '/') ? strrchr(files[f], '/') + 1 : files[f];
+        if (info.n_head_kv % 2 != 0) { /* one KV head: a clear refusal */
+            struct kvq_context_params cp;
+            kvq_context_params_default(&cp);
+            cp.device = KVQ_DEVICE_CUDA;
+            cp.tp = 2;
+            struct kvq_context *c = kvq_context_new(m, &cp);
+            CHECK(!c && strstr(kvq_last_error(), "KV heads"), "%s: --tp 2 over 1 KV head: %s", name,
+                  c ? "accepted" : kvq_last_error());
+            printf("%-12s --tp 2 refused: %s\n", name, c ? "(accepted)" : kvq_last_error());
+            kvq_context_free(c);
+        } else {
+            static const struct {
+                int kb, vb;
+                bool nf;
+            } kvs[] = {{16, 16, false}, {8, 4, false}, {4, 4, false}, {4, 3, true}};
+            for (size_t k = 0; k < sizeof kvs / sizeof kvs[0]; k++) {
+                struct kvq_kv_config kv;
+                kv_set(&kv, kvs[k].kb, kvs[k].vb);
+                if (kvs[k].nf) kv.k_group = kv.v_group = KVQ_KV_NF;
+                char label[16];
+                snprintf(label, sizeof label, kvs[k].kb == 16 ? "f16" : "K%dV%d%s", kvs[k].kb, kvs[k].vb,
+                         kvs[k].nf ? "nf" : "");
+                tp_compare(m, name, &kv, label, 16);
+                tp_compare(m, name, &kv, label, 96);
+            }
+        }
+        kvq_model_free(m);
+    }
+}
+
 /* Logits and greedy continuations against transformers, as test_forward_refs does on the CPU. */
 static void test_refs(const char *file, const char *refs_dir, int n_greedy_prompts) {
     if (!shared_path(file)) { /* the device machine may carry only some models */
@@ -778,7 +939,7 @@ static void test_backend_products(void) {
     const int ns[] = {17, 64, 130};
     struct weight ws[sizeof cases / sizeof cases[0]];
     for (int f16w = 0; f16w < 2; f16w++) {
-        struct backend *be = backend_cuda_new(0, f16w);
+        struct backend *be = backend_cuda_new(0, f16w, 1, NULL);
         CHECK(be && be->ops->reserve(be, 256, 4352) == 0, "CUDA backend: %s", kvq_last_error());
         if (!be) return;
         for (size_t ti = 0; ti < sizeof cases / sizeof cases[0]; ti++) {
@@ -1088,7 +1249,7 @@ static void test_device_append(struct backend *be, const struct attn_case *ac) {
 }
 
 static void test_attention(void) {
-    struct backend *be = backend_cuda_new(0, true);
+    struct backend *be = backend_cuda_new(0, true, 1, NULL);
     CHECK(be != NULL, "CUDA backend: %s", kvq_last_error());
     if (!be) return;
     CHECK(be->ops->reserve(be, 64, 4096) == 0, "reserve: %s", kvq_last_error());
@@ -1168,10 +1329,12 @@ int main(void) {
     }
     struct cudaDeviceProp prop;
     tq.pdl = cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major >= 9; /* as the backend launches */
-    /* KVQ_TEST_ONLY=attention|matvec|wide: those kernels alone (for compute-sanitizer) */
+    /* KVQ_TEST_ONLY=attention|matvec|wide|tp: those kernels (for compute-sanitizer), or tensor parallelism, alone */
     const char *only = getenv("KVQ_TEST_ONLY");
-    if (only && (strcmp(only, "attention") == 0 || strcmp(only, "matvec") == 0 || strcmp(only, "wide") == 0)) {
+    if (only && (strcmp(only, "attention") == 0 || strcmp(only, "matvec") == 0 || strcmp(only, "wide") == 0 ||
+                 strcmp(only, "tp") == 0)) {
         if (strcmp(only, "attention") == 0) test_attention();
+        else if (strcmp(only, "tp") == 0) test_tensor_parallel(n_dev);
         else if (strcmp(only, "wide") == 0) test_matmul_wide();
         else test_matvec();
         return check_finish();
@@ -1187,6 +1350,7 @@ int main(void) {
     test_refs("models/tinygemma3-f16.gguf", "tinygemma3", REFS_PROMPTS);
     test_cache_kinds();
     test_batch();
+    test_tensor_parallel(n_dev);
     return check_finish();
 #endif
 }

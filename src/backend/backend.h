@@ -133,8 +133,9 @@ struct backend {
 /* The CPU backend with n_threads workers (<= 0: one per CPU). NULL with an error. */
 struct backend *backend_cpu_new(int n_threads);
 /* The CUDA backend on the first GPU, with up to n_threads host threads for the host's
- * share of the work (<= 0: one per CPU). NULL with an error (none, or built without
- * CUDA). */
-struct backend *backend_cuda_new(int n_threads, bool f16_weights);
+ * share of the work (<= 0: one per CPU); with tp > 1, tensor parallel over the GPUs
+ * devices[0..tp) (NULL: 0..tp-1), tp <= 8 (cuda/tp_backend.c). NULL with an error
+ * (none, or built without CUDA). */
+struct backend *backend_cuda_new(int n_threads, bool f16_weights, int tp, const int *devices);
 
 #endif

@@ -12,6 +12,12 @@
 
 struct gguf_file;
 
+/* How tensor parallelism divides a weight between GPUs (the Megatron split): whole
+ * (embeddings, the output matrix), by output rows (Q/K/V by heads, gate/up by FFN
+ * columns), or by input columns (O and down: each GPU's partial product is summed
+ * over the GPUs). */
+enum weight_split { WEIGHT_WHOLE, WEIGHT_BY_ROWS, WEIGHT_BY_COLS };
+
 /* A weight matrix: rows of `cols` values of one GGUF type, row-major. */
 struct weight {
     uint32_t type;
@@ -19,6 +25,7 @@ struct weight {
     int64_t rows, cols;
     size_t row_bytes;
     bool lookup;                  /* an embedding table: read by rows, never multiplied (tied: the output's rows) */
+    enum weight_split split;
     const struct gguf_file *file; /* the file data is mapped from: a backend that keeps its own
                                    * copy may release those pages (gguf_release_pages) */
 };

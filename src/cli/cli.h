@@ -80,6 +80,9 @@ bool cli_is_device_flag(const char *flag);
 bool cli_parse_device(const char *flag, const char *value, enum kvq_device *out);
 /* --gpu-f16-weights auto|off */
 bool cli_parse_f16_weights(const char *flag, const char *value, bool *off);
+/* --tp N (--tensor-parallel-size, -tp) and --devices LIST into cp. */
+bool cli_is_tp_flag(const char *flag);
+bool cli_parse_tp(const char *flag, const char *value, struct kvq_context_params *cp);
 /* Context flags (--kv-bits, --kv-group-size, --max-kv-size, --keep,
  * --quantized-kv-start, --kv-rotation, --kv-residual, --kv-budget-mb, --device). Returns 1 when
  * argv[*i] was one of them (consumed, advancing *i), 0 when it was not, -1 on a bad value. */

@@ -118,7 +118,10 @@ const char *const cli_kv_flags_help =
     "                           -DKVQ_CUDA=ON); -ngl N (N > 0) means cuda, as in llama.cpp\n"
     "  --gpu-f16-weights auto|off  cuda: products of more than 16 tokens (prefill, wide\n"
     "                           batches) read f16 copies of quantized weights, made while the\n"
-    "                           GPU has room (auto, the default; 2 bytes a weight); off: none\n";
+    "                           GPU has room (auto, the default; 2 bytes a weight); off: none\n"
+    "  --tp N                   cuda: tensor parallelism over N GPUs of this host (2-8, dividing\n"
+    "                           the model's KV heads); also --tensor-parallel-size, -tp\n"
+    "  --devices LIST           the GPUs --tp runs on, e.g. 2,3 (default 0..N-1)\n";
 
 bool cli_is_device_flag(const char *flag) {
     return !strcmp(flag, "--device") || !strcmp(flag, "-ngl") || !strcmp(flag, "--n-gpu-layers") ||
@@ -138,6 +141,24 @@ bool cli_parse_device(const char *flag, const char *v, enum kvq_device *out) {
         cli_fail("invalid value '%s' for --device: expected cpu or cuda", v);
         return false;
     }
+    return true;
+}
+
+bool cli_is_tp_flag(const char *flag) {
+    return !strcmp(flag, "--tp") || !strcmp(flag, "--tensor-parallel-size") || !strcmp(flag, "-tp") ||
+           !strcmp(flag, "--devices");
+}
+
+bool cli_parse_tp(const char *flag, const char *v, struct kvq_context_params *cp) {
+    if (strcmp(flag, "--devices") != 0) return cli_parse_int(flag, v, 1, KVQ_MAX_GPUS, &cp->tp);
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", v);
+    cp->n_gpus = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (cp->n_gpus == KVQ_MAX_GPUS) return cli_fail("--devices names at most %d GPUs", KVQ_MAX_GPUS), false;
+        if (!cli_parse_int(flag, tok, 0, 255, &cp->gpus[cp->n_gpus++])) return false;
+    }
+    if (cp->n_gpus == 0) return cli_fail("--devices needs GPU numbers, e.g. 0,1"), false;
     return true;
 }
 
@@ -182,6 +203,7 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_device(flag, v, &cp->device) ? 1 : -1;
     if (strcmp(flag, "--gpu-f16-weights") == 0)
         return (v = cli_flag_value(argc, argv, i)) && cli_parse_f16_weights(flag, v, &cp->gpu_f16_weights_off) ? 1 : -1;
+    if (cli_is_tp_flag(flag)) return (v = cli_flag_value(argc, argv, i)) && cli_parse_tp(flag, v, cp) ? 1 : -1;
     if (strcmp(flag, "--kv-bits") == 0) {
         if (!(v = cli_flag_value(argc, argv, i))) return -1;
         char buf[64];

@@ -44,6 +44,7 @@ static const char *const bench_help =
     "  --batch-size N       tokens per forward pass (default 512)\n"
     "  --device cpu|cuda    where the model runs (default cpu; also -ngl N)\n"
     "  --gpu-f16-weights auto|off  cuda: f16 weight copies for wide products (default auto)\n"
+    "  --tp N               cuda: tensor parallelism over N GPUs (also -tp); --devices LIST\n"
     "  -r, --reps N         repetitions (default 3)\n"
     "  --json               JSON instead of the Markdown table\n"
     "  --plot FILE.svg      also write an SVG plot of decode tok/s vs depth per config\n"
@@ -72,6 +73,7 @@ struct bench_opts {
     int p, n, reps, n_threads, n_batch;
     enum kvq_device device;
     bool f16_weights_off;
+    struct kvq_context_params gpus; /* --tp, --devices */
     int depths[MAX_LIST], n_depths, batches[MAX_LIST], n_batches;
     struct kv_spec kvs[MAX_LIST];
     int n_kvs;
@@ -121,6 +123,7 @@ static bool add_kv(const char *flag, const char *v, void *out) {
 
 static bool parse_device(const char *flag, const char *v, void *out) { return cli_parse_device(flag, v, out); }
 static bool parse_f16w(const char *flag, const char *v, void *out) { return cli_parse_f16_weights(flag, v, out); }
+static bool parse_tp(const char *flag, const char *v, void *out) { return cli_parse_tp(flag, v, out); }
 
 static int parse_args(int argc, char **argv, struct bench_opts *o) {
     o->p = 512;
@@ -141,6 +144,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o) {
         CLI_INT(&o->n_batch, 1, 1 << 16, "--batch-size"),
         CLI_FN(parse_device, &o->device, "--device", "-ngl", "--n-gpu-layers", "--gpu-layers"),
         CLI_FN(parse_f16w, &o->f16_weights_off, "--gpu-f16-weights"),
+        CLI_FN(parse_tp, &o->gpus, "--tp", "--tensor-parallel-size", "-tp", "--devices"),
         CLI_INT(&o->reps, 1, 1000, "-r", "--reps"),
         CLI_STR(&o->plot, "--plot"),
         CLI_END,
@@ -188,6 +192,9 @@ static int measure(struct kvq_model *m, const struct bench_opts *o, const struct
     cp.n_threads = o->n_threads;
     cp.device = o->device;
     cp.gpu_f16_weights_off = o->f16_weights_off;
+    cp.tp = o->gpus.tp;
+    cp.n_gpus = o->gpus.n_gpus;
+    memcpy(cp.gpus, o->gpus.gpus, sizeof cp.gpus);
     cp.kv = ks->kv;
     struct kvq_context *ctx = kvq_context_new(m, &cp);
     if (!ctx) return cli_fail("--kv %s: %s", ks->name, kvq_last_error());
@@ -407,6 +414,7 @@ int cmd_bench(int argc, char **argv) {
         json_str(stdout, cpu);
         printf(",\n  \"simd\": ");
         json_str(stdout, simd);
+        printf(",\n  \"tensor_parallel\": %d", o.gpus.tp > 1 ? o.gpus.tp : 1);
         printf(",\n  \"n_params\": %llu,\n  \"threads\": %d,\n  \"prompt_tokens\": %d,\n  \"decode_tokens\": %d,\n"
                "  \"reps\": %d,\n  \"memory_note\": \"rss_bytes: VmRSS at the end of the measurement; peak_rss_bytes: "
                "VmHWM, the process high-water mark so far (cumulative)\",\n  \"results\": [\n",
@@ -431,8 +439,11 @@ int cmd_bench(int argc, char **argv) {
         }
         printf("  ]\n}\n");
     } else {
+        char dev[64] = "cpu";
+        if (o.device == KVQ_DEVICE_CUDA && o.gpus.tp > 1) snprintf(dev, sizeof dev, "cuda, tensor parallel over %d GPUs", o.gpus.tp);
+        else if (o.device == KVQ_DEVICE_CUDA) snprintf(dev, sizeof dev, "cuda");
         printf("model %s (%s, %s, %.3f B params), %s, p %d, n %d, median of %d reps\n\n", o.model, info.arch,
-               info.weight_type, info.n_params / 1e9, o.device == KVQ_DEVICE_CUDA ? "cuda" : "cpu", o.p, o.n, o.reps);
+               info.weight_type, info.n_params / 1e9, dev, o.p, o.n, o.reps);
         if (o.device != KVQ_DEVICE_CUDA) printf("%d threads, cpu %s, simd %s\n\n", threads, cpu, simd);
         printf("| kv | depth | batch | prefill tok/s | decode tok/s | KV MiB | KV bytes/token | RSS MiB | peak RSS MiB |\n");
         printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");

@@ -336,6 +336,19 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
                   p->kv.keep, n_ctx);
         return NULL;
     }
+    if (p->tp > 1 && p->device != KVQ_DEVICE_CUDA) {
+        kvq_error_code(KVQ_ERR_UNSUPPORTED, "tensor parallelism (--tp %d) runs on GPUs: add --device cuda", p->tp);
+        return NULL;
+    }
+    if (p->tp > 1 && (p->tp > KVQ_MAX_GPUS || hp->n_head_kv % p->tp != 0)) {
+        kvq_error_code(KVQ_ERR_UNSUPPORTED, "--tp %d: the GPUs must divide the model's %d KV heads (and be at most %d)",
+                       p->tp, hp->n_head_kv, KVQ_MAX_GPUS);
+        return NULL;
+    }
+    if (p->tp > 1 && p->n_gpus != 0 && p->n_gpus != p->tp) {
+        kvq_error_code(KVQ_ERR_UNSUPPORTED, "--tp %d names %d GPUs in --devices: name %d", p->tp, p->n_gpus, p->tp);
+        return NULL;
+    }
     struct kvq_context *c = calloc(1, sizeof *c);
     if (!c) {
         kvq_error_code(KVQ_ERR_OOM, "out of memory");
@@ -345,7 +358,8 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
     c->p = *p;
     if (c->p.n_ctx == 0) c->p.n_ctx = hp->n_ctx_train;
     if (c->p.kv_budget_bytes == 0) c->p.kv_budget_bytes = default_budget(c);
-    c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new(p->n_threads, !p->gpu_f16_weights_off) : backend_cpu_new(p->n_threads);
+    c->be = p->device == KVQ_DEVICE_CUDA ? backend_cuda_new(p->n_threads, !p->gpu_f16_weights_off, p->tp,
+                                                                 p->n_gpus ? p->gpus : NULL) : backend_cpu_new(p->n_threads);
     if (c->be && !c->be->ops->attends_nf && quant && (p->kv.k_group == KVQ_KV_NF || p->kv.v_group == KVQ_KV_NF)) {
         kvq_error_code(KVQ_ERR_UNSUPPORTED, "the CUDA backend has no attention for normal-float KV rows (--kv-bits 3, "
                                             "2 or :nf): use uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu");

@@ -181,6 +181,11 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
 int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first, bool later_only);
 void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
                           const uint8_t *wv, int32_t w0);
+/* The same for KV heads [h0, h0 + nh) only (rows [n][nh], window rows [..][nh]): a
+ * device that holds those heads (tensor parallelism). Calls for disjoint heads may
+ * run at once. */
+void kv_cache_append_heads(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v,
+                           const uint8_t *wk, const uint8_t *wv, int32_t w0, int h0, int nh);
 /* After kv_cache_append_begin of positions [p0, n_past): the first of them whose f16
  * window rows kv_cache_append_rows keeps (n_past: none). The windows keep every row of
  * the batch but where begin's later_only (a device attends for the batch's queries

@@ -252,31 +252,36 @@ int32_t kv_cache_window_rows_from(const struct kv_cache *c, int32_t p0) {
     return st->rec->p0 > p0 ? st->rec->p0 : p0;
 }
 
-void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v,
-                          const uint8_t *wk, const uint8_t *wv, int32_t w0) {
+void kv_cache_append_heads(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v,
+                           const uint8_t *wk, const uint8_t *wv, int32_t w0, int h0, int nh) {
     const struct kv_store *st = store_of(c);
-    const int H = c->shape.n_kv_heads;
+    assert(h0 >= 0 && nh > 0 && h0 + nh <= c->shape.n_kv_heads);
     if (p0 < 0 || n <= 0 || p0 + n > c->n_past) return; /* trimmed since: nothing to keep */
     const bool win = kv_win_on(st);
     for (int t = 0; t < n; t++) {
         const int32_t p = p0 + t;
         const struct kv_block *b = kv_store_block(st, p);
-        for (int h = 0; h < H && b; h++) {
-            memcpy(kv_block_row(c, b, 0, h, p), k + ((size_t)t * H + h) * st->kf.row, st->kf.row);
-            memcpy(kv_block_row(c, b, 1, h, p), v + ((size_t)t * H + h) * st->vf.row, st->vf.row);
+        for (int h = 0; h < nh && b; h++) {
+            memcpy(kv_block_row(c, b, 0, h0 + h, p), k + ((size_t)t * nh + h) * st->kf.row, st->kf.row);
+            memcpy(kv_block_row(c, b, 1, h0 + h, p), v + ((size_t)t * nh + h) * st->vf.row, st->vf.row);
         }
         if (!win || p < w0) continue;
         const struct kv_win *ws[2] = {p < st->sink->n ? st->sink : NULL,
                                       p >= st->rec->p0 && p < st->rec->p0 + st->rec->n ? st->rec : NULL};
         for (int i = 0; i < 2; i++)
-            for (int h = 0; h < H && ws[i]; h++) {
+            for (int h = 0; h < nh && ws[i]; h++) {
                 const int32_t j = p - ws[i]->p0;
-                const size_t at = (size_t)(p - w0) * H + h;
-                memcpy(kv_win_row(ws[i], &st->wkf, 0, h, j), wk + at * st->wkf.row, st->wkf.row);
-                memcpy(kv_win_row(ws[i], &st->wvf, 1, h, j), wv + at * st->wvf.row, st->wvf.row);
-                kv_win_mirror(st, ws[i], h, j);
+                const size_t at = (size_t)(p - w0) * nh + h;
+                memcpy(kv_win_row(ws[i], &st->wkf, 0, h0 + h, j), wk + at * st->wkf.row, st->wkf.row);
+                memcpy(kv_win_row(ws[i], &st->wvf, 1, h0 + h, j), wv + at * st->wvf.row, st->wvf.row);
+                kv_win_mirror(st, ws[i], h0 + h, j);
             }
     }
+}
+
+void kv_cache_append_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v,
+                          const uint8_t *wk, const uint8_t *wv, int32_t w0) {
+    kv_cache_append_heads(c, p0, n, k, v, wk, wv, w0, 0, c->shape.n_kv_heads);
 }
 
 /* Keeps the first n positions. A rotating or sliding-window cache can go back only

@@ -241,6 +241,8 @@ static int load_layer(struct model *m, int il) {
         find_weight(m, NAME("ffn_up.weight"), hp->n_embd, hp->n_ff, true, &L->w_up) ||
         find_weight(m, NAME("ffn_down.weight"), hp->n_ff, hp->n_embd, true, &L->w_down))
         return -1;
+    L->wq.split = L->wk.split = L->wv.split = L->w_gate.split = L->w_up.split = WEIGHT_BY_ROWS;
+    L->wo.split = L->w_down.split = WEIGHT_BY_COLS;
     bool has_bias = hp->arch == ARCH_QWEN2;
     if (find_vector(m, NAME("attn_q.bias"), q_dim, has_bias, &L->bq) ||
         find_vector(m, NAME("attn_k.bias"), kv_dim, has_bias, &L->bk) ||

@@ -758,8 +758,10 @@ static int launch(cuk_queue *qu, const cuk_attn_args *a) {
      * rows' block and scales */
     const size_t smem = n_stages<D, GS>() * (stage_halves<D>() * 2 + (size_t)TILE * groups * sizeof(float2)) +
                         (D > 128 ? 4 * 8 * TILE * sizeof(float) : 0) + raw_bytes<D, KB, VB, GS>();
-    if (per_sm == 0) {
+    static unsigned sized;
+    if (cuk_first_on_device(&sized))
         cudaFuncSetAttribute(attn_tile<D, KB, VB, GS, G, PREFILL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (per_sm == 0) {
         if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attn_tile<D, KB, VB, GS, G, PREFILL>, TILE_THREADS,
                                                           smem) != cudaSuccess ||
             per_sm < 1)

@@ -114,7 +114,7 @@ void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
                         .ws = pl.ws, .fresh = a->pos[run0], .max_size = cfg->max_size, .keep = cfg->keep,
                         .window = sh->window,
                         .nkb = v.nkb, .base = v.base, .table = (uint64_t)(uintptr_t)m->table_d,
-                        .fresh_block = fe >= 0 && fe < v.n_blk && v.blk[fe] ? (uint64_t)(uintptr_t)v.blk[fe]->dev : 0,
+                        .fresh_block = fe >= 0 && fe < v.n_blk && v.blk[fe] ? (uint64_t)(uintptr_t)block_dev(cb, v.blk[fe]) : 0,
                         .ring_cap = w ? w->ring_cap : 1, .sink_cap = w ? w->sink_cap : 1,
                         .ring = w ? (uint64_t)(uintptr_t)w->win : 0,
                         .sink = w ? (uint64_t)(uintptr_t)(w->win + 2 * (size_t)w->n_kv * w->ring_cap * w->win_row) : 0,

@@ -289,11 +289,15 @@ static void tuning_read(struct cuda_tuning *t) {
 }
 
 
-struct backend *backend_cuda_new(int n_threads, bool f16_weights) {
+struct cuda_backend *cuda_backend_on(int device, int n_threads, bool f16_weights) {
     int n = 0;
     cudaError_t st = cudaGetDeviceCount(&n);
     if (st != cudaSuccess || n == 0) {
         kvq_error_code(KVQ_ERR_DEVICE, "no CUDA device: %s", st != cudaSuccess ? cudaGetErrorString(st) : "none found");
+        return NULL;
+    }
+    if (device < 0 || device >= n) {
+        kvq_error_code(KVQ_ERR_DEVICE, "no CUDA device %d (this machine has %d: 0..%d)", device, n, n - 1);
         return NULL;
     }
     struct cuda_backend *cb = calloc(1, sizeof *cb);
@@ -305,13 +309,13 @@ struct backend *backend_cuda_new(int n_threads, bool f16_weights) {
     cb->n_threads = n_threads;
     tuning_read(&cb->tune);
     cb->f16_weights = f16_weights;
-    if (cb->tune.steps) cb->steps = steps_new();
     cb->q.graphs = cb->tune.graphs;
     cb->q.leave_out = cb->tune.leave_out[0] ? cb->tune.leave_out : NULL;
     cuk_set_tuning(&cb->tune.kernels);
     cb->q.last = -1;
     struct cudaDeviceProp prop;
-    if ((st = cudaGetDeviceProperties(&prop, 0)) != cudaSuccess || (st = cudaSetDevice(0)) != cudaSuccess ||
+    cb->device = device;
+    if ((st = cudaGetDeviceProperties(&prop, device)) != cudaSuccess || (st = cudaSetDevice(device)) != cudaSuccess ||
         (st = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (st = cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (st = new_events(&cb->work_ev, 1)) != cudaSuccess || (st = new_events(cb->row_ev, ROW_COPIES)) != cudaSuccess ||
@@ -320,6 +324,7 @@ struct backend *backend_cuda_new(int n_threads, bool f16_weights) {
         cuda_free(&cb->base);
         return NULL;
     }
+    if (cb->tune.steps) cb->steps = steps_new(); /* events of this device */
     cb->q.stream = cb->stream;
     cb->q.pdl = prop.major >= 9; /* Hopper's programmatic dependent launch (an sm_80/89 build runs without) */
     cb->n_sm = prop.multiProcessorCount;
@@ -329,5 +334,12 @@ struct backend *backend_cuda_new(int n_threads, bool f16_weights) {
         cuda_free(&cb->base);
         return NULL;
     }
-    return &cb->base;
+    return cb;
+}
+
+
+struct backend *backend_cuda_new(int n_threads, bool f16_weights, int tp, const int *devices) {
+    if (tp > 1) return backend_cuda_tp_new(tp, devices, n_threads, f16_weights);
+    struct cuda_backend *cb = cuda_backend_on(0, n_threads, f16_weights);
+    return cb ? &cb->base : NULL;
 }

@@ -57,7 +57,9 @@ static void mirror_keep(struct cuda_backend *cb, void *p, size_t bytes) {
 static bool arena_grow(struct arena **list, bool pinned, size_t cap) {
     struct arena *n = calloc(1, sizeof *n);
     if (!n) return false;
-    cudaError_t st = pinned ? cudaMallocHost((void **)&n->base, cap) : cudaMalloc((void **)&n->base, cap);
+    /* portable: pinned for every GPU's copies (tensor parallelism reads it from all) */
+    cudaError_t st = pinned ? cudaHostAlloc((void **)&n->base, cap, cudaHostAllocPortable)
+                            : cudaMalloc((void **)&n->base, cap);
     if (st != cudaSuccess) {
         free(n);
         cudaGetLastError();
@@ -135,11 +137,101 @@ struct kv_pool *cuda_kv_pool_new(struct backend *b, size_t budget) {
 }
 
 
-/* The backend's state of a cache (made at first use; the pool frees it with the cache). */
+/* Tensor parallelism's pool: rank 0's pinned host rows; each rank's n-th of a block
+ * at the same chunk and offset of its arena as rank 0's (block_dev), so the arenas
+ * grow together or not at all. */
+static void *tp_host_block(void *ctx, size_t bytes) {
+    struct tp_shared *tp = ctx;
+    return arena_alloc(&tp->rank[0]->host_arena, true, bytes);
+}
+
+static void pop_chunk(struct arena **list) {
+    struct arena *a = *list;
+    *list = a->next;
+    a->next = NULL;
+    arena_free(a);
+}
+
+/* A chunk of cap bytes more on every rank's device arena; false (none added) with an error. */
+static bool tp_grow(struct tp_shared *tp, size_t cap) {
+    int cur = 0;
+    cudaGetDevice(&cur);
+    int r = 0;
+    for (; r < tp->n; r++) {
+        cudaSetDevice(tp->rank[r]->device);
+        if (!arena_grow(&tp->rank[r]->dev_arena, false, cap)) break;
+    }
+    for (int q = 0; q < r && r < tp->n; q++) {
+        cudaSetDevice(tp->rank[q]->device);
+        pop_chunk(&tp->rank[q]->dev_arena);
+    }
+    cudaSetDevice(cur);
+    return r == tp->n;
+}
+
+static void *tp_dev_block(void *ctx, size_t bytes) {
+    struct tp_shared *tp = ctx;
+    assert(bytes % (size_t)tp->n == 0);
+    const size_t part = (bytes / (size_t)tp->n + 255) & ~(size_t)255;
+    const struct arena *a0 = tp->rank[0]->dev_arena;
+    if ((!a0 || a0->used + part > a0->cap) && !tp_grow(tp, part > ARENA_CHUNK ? part : ARENA_CHUNK)) return NULL;
+    void *p0 = NULL;
+    for (int r = 0; r < tp->n; r++) { /* room on each: no device call */
+        void *p = arena_alloc(&tp->rank[r]->dev_arena, false, part);
+        if (r == 0) p0 = p;
+    }
+    return p0;
+}
+
+static void tp_mirror_free(void *ctx, void *mirror) {
+    struct tp_shared *tp = ctx;
+    void **ms = mirror;
+    if (!ms) return;
+    int cur = 0;
+    cudaGetDevice(&cur);
+    for (int r = 0; r < tp->n; r++) {
+        cudaSetDevice(tp->rank[r]->device);
+        mirror_free(tp->rank[r], ms[r]);
+    }
+    cudaSetDevice(cur);
+    free(ms);
+}
+
+struct kv_pool *tp_kv_pool_new(struct tp_shared *tp, size_t budget) {
+    struct kv_pool_mirror m = {tp, tp_host_block, tp_dev_block, tp_mirror_free};
+    /* the whole budget now where it can be had (cuda_kv_pool_new says why) */
+    if (budget > 0 && budget <= ((size_t)1 << 40) && tp_grow(tp, budget / (size_t)tp->n))
+        arena_grow(&tp->rank[0]->host_arena, true, budget);
+    return kv_pool_new_mirrored(budget, &m);
+}
+
+
+/* The backend's state of a cache (made at first use; the pool frees it with the cache).
+ * Under tensor parallelism the cache's slot holds one per rank. */
 struct cuda_mirror *mirror_of(struct cuda_backend *cb, struct kv_cache *c) {
     struct cuda_mirror **mp = (struct cuda_mirror **)kv_cache_mirror(c);
+    if (cb->tp) {
+        void **slot = (void **)mp;
+        if (!*slot && !(*slot = calloc(TP_MAX, sizeof(struct cuda_mirror *)))) {
+            ck(cb, cudaErrorMemoryAllocation, "host memory");
+            return NULL;
+        }
+        mp = (struct cuda_mirror **)*slot + cb->rank;
+    }
     if (!*mp && !(*mp = calloc(1, sizeof **mp))) ck(cb, cudaErrorMemoryAllocation, "host memory");
     return *mp;
+}
+
+
+void *block_dev(const struct cuda_backend *cb, const struct kv_block *b) {
+    if (!cb->tp || cb->rank == 0) return b->dev;
+    /* the same chunk and offset in this rank's arena as in rank 0's */
+    const struct arena *a0 = cb->tp->rank[0]->dev_arena, *a = cb->dev_arena;
+    for (; a0 && a; a0 = a0->next, a = a->next)
+        if ((const uint8_t *)b->dev >= a0->base && (const uint8_t *)b->dev < a0->base + a0->cap)
+            return a->base + ((const uint8_t *)b->dev - a0->base);
+    assert(!"a block outside rank 0's arena");
+    return NULL;
 }
 
 
@@ -185,7 +277,7 @@ bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const struct kv_
             if (!a) return false;
             for (int32_t k = i; k < j; k++) {
                 m->table_blk[k] = v->blk[k];
-                a[k - i] = v->blk[k] ? (uint64_t)(uintptr_t)v->blk[k]->dev : 0;
+                a[k - i] = v->blk[k] ? (uint64_t)(uintptr_t)block_dev(cb, v->blk[k]) : 0;
             }
         }
         i = j > i ? j : i + 1;
@@ -202,7 +294,8 @@ struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, co
                                         int32_t limit) {
     struct cuda_mirror *m = mirror_of(cb, c);
     const struct kv_shape *sh = kv_cache_get_shape(c);
-    const int H = sh->n_kv_heads, D = sh->head_dim;
+    int h0;
+    const int H = rank_heads(cb, sh->n_kv_heads, &h0), D = sh->head_dim;
     if (!m) return NULL;
     if (!m->win) {
         m->ring_cap = v->win_span + cb->max_tokens;
@@ -227,18 +320,20 @@ struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, co
         for (int h = 0; h < H; h++) {
             const size_t hs = (size_t)side * H + h;
             for (int32_t p = full ? 0 : lo; p < np && p < v->sinks; p++) {
-                const uint8_t *row = kv_cache_window_row(c, side, h, p);
+                const uint8_t *row = kv_cache_window_row(c, side, h0 + h, p);
                 if (row) copy_to(cb, sink + (hs * m->sink_cap + p) * m->win_row, row, m->win_row);
             }
             for (int32_t p = lo; p < np; p++) {
-                const uint8_t *row = kv_cache_window_row(c, side, h, p);
+                const uint8_t *row = kv_cache_window_row(c, side, h0 + h, p);
                 if (row) copy_to(cb, m->win + (hs * m->ring_cap + p % m->ring_cap) * m->win_row, row, m->win_row);
             }
         }
     /* offsets chosen since (the windows' rows stay as they were) */
     if (full || m->has_mu != (v->mu != NULL)) {
         m->has_mu = v->mu != NULL;
-        if (v->mu) copy_to(cb, m->mu, v->mu, sizeof(float) * 2 * (size_t)H * D);
+        for (int side = 0; side < 2 && v->mu; side++) /* [2][heads][D]: this rank's heads of each side */
+            copy_to(cb, m->mu + (size_t)side * H * D, v->mu + ((size_t)side * sh->n_kv_heads + h0) * D,
+                    sizeof(float) * (size_t)H * D);
     }
     m->valid = true;
     m->epoch = kv_cache_epoch(c);
@@ -247,28 +342,57 @@ struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, co
 }
 
 
-/* Queues the rows written into blocks since the last step. */
-int sync_blocks(struct cuda_backend *cb, struct kv_pool *pool, const struct kv_view *v, int n_kv, bool rows) {
-    struct kv_block **blocks;
-    int n = kv_pool_take_dirty(pool, &blocks);
-    if (n < 0) return -1;
-    for (int i = 0; i < n; i++) {
-        struct kv_block *b = blocks[i];
-        const int32_t lo = b->dirty_lo, hi = b->dirty_hi;
-        b->dirty_lo = b->dirty_hi = 0;
-        if (b->refs <= 0 || lo >= hi) continue;
-        const size_t bytes = kv_block_bytes(pool, b);
-        if (!rows || 2 * (hi - lo) >= KV_BLOCK_TOKENS || bytes != (size_t)n_kv * v->head_bytes) {
-            /* most of the block (or a block of another layout): all of it, straight from pinned memory */
-            cuk_queue_copy(&cb->q, b->dev, b->data, bytes);
-            continue;
-        }
-        for (int h = 0; h < n_kv; h++) {
-            size_t kh = (size_t)h * v->head_bytes, vh = kh + KV_BLOCK_TOKENS * v->k_row;
-            copy_to(cb, (uint8_t *)b->dev + kh + lo * v->k_row, b->data + kh + lo * v->k_row, (hi - lo) * v->k_row);
-            copy_to(cb, (uint8_t *)b->dev + vh + lo * v->v_row, b->data + vh + lo * v->v_row, (hi - lo) * v->v_row);
-        }
+/* Queues block b's rows [lo, hi) (this rank's heads of them). */
+static void copy_block_rows(struct cuda_backend *cb, struct kv_pool *pool, struct kv_block *b, int32_t lo, int32_t hi,
+                            const struct kv_view *v, int n_kv, bool rows) {
+    if (b->refs <= 0 || lo >= hi) return;
+    const int n = cb->tp ? cb->tp->n : 1;
+    const size_t bytes = kv_block_bytes(pool, b), part = bytes / (size_t)n, at = part * (size_t)(cb->tp ? cb->rank : 0);
+    uint8_t *dev = block_dev(cb, b);
+    if (!rows || 2 * (hi - lo) >= KV_BLOCK_TOKENS || bytes != (size_t)n * n_kv * v->head_bytes) {
+        /* most of the block (or a block of another layout): all of it, straight from pinned memory */
+        cuk_queue_copy(&cb->q, dev, b->data + at, part);
+        return;
     }
+    for (int h = 0; h < n_kv; h++) {
+        size_t kh = (size_t)h * v->head_bytes, vh = kh + KV_BLOCK_TOKENS * v->k_row;
+        copy_to(cb, dev + kh + lo * v->k_row, b->data + at + kh + lo * v->k_row, (hi - lo) * v->k_row);
+        copy_to(cb, dev + vh + lo * v->v_row, b->data + at + vh + lo * v->v_row, (hi - lo) * v->v_row);
+    }
+}
+
+
+/* Queues the rows written into blocks since the last step (n_kv: this rank's heads).
+ * Under tensor parallelism rank 0 takes them from the pool and keeps the list for
+ * the other ranks, which run the same operation after it. */
+int sync_blocks(struct cuda_backend *cb, struct kv_pool *pool, const struct kv_view *v, int n_kv, bool rows) {
+    struct tp_shared *tp = cb->tp;
+    if (!tp || cb->rank == 0) {
+        struct kv_block **blocks;
+        int n = kv_pool_take_dirty(pool, &blocks);
+        if (n < 0) return -1;
+        if (tp && n > tp->cap_dirty) {
+            int cap = 2 * n;
+            struct kv_block **d = realloc(tp->dirty, sizeof *d * (size_t)cap);
+            if (d) tp->dirty = d;
+            int32_t *lo = realloc(tp->lo, sizeof *lo * (size_t)cap);
+            if (lo) tp->lo = lo;
+            int32_t *hi = realloc(tp->hi, sizeof *hi * (size_t)cap);
+            if (hi) tp->hi = hi;
+            if (!d || !lo || !hi) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
+            tp->cap_dirty = cap;
+        }
+        for (int i = 0; i < n; i++) {
+            struct kv_block *b = blocks[i];
+            const int32_t lo = b->dirty_lo, hi = b->dirty_hi;
+            b->dirty_lo = b->dirty_hi = 0;
+            if (tp) tp->dirty[i] = b, tp->lo[i] = lo, tp->hi[i] = hi;
+            copy_block_rows(cb, pool, b, lo, hi, v, n_kv, rows);
+        }
+        if (tp) tp->n_dirty = n;
+        return 0;
+    }
+    for (int i = 0; i < tp->n_dirty; i++) copy_block_rows(cb, pool, tp->dirty[i], tp->lo[i], tp->hi[i], v, n_kv, rows);
     return 0;
 }
 
@@ -386,7 +510,8 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
     cb->qprep_of = NULL;
     double t0 = prof_begin(cb);
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
-    const int H = sh->n_kv_heads, D = sh->head_dim;
+    int h0;
+    const int H = rank_heads(cb, sh->n_kv_heads, &h0), D = sh->head_dim;
     if (!cuk_attention_head_dim_supported(D))
         return kvq_error_code(KVQ_ERR_UNSUPPORTED, "the CUDA backend takes head sizes 64, 128 and 256, not %d", D);
     if (cb->n_pending + n_seqs > cb->cap_pending) {
@@ -396,7 +521,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
         cb->pending = pa;
         cb->cap_pending = cap;
     }
-    for (int s = 0; s < n_seqs; s++) {
+    for (int s = 0; s < n_seqs && !(cb->tp && cb->rank > 0); s++) { /* the host's changes, once */
         if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, kv_cache_n_past(seqs[s].cache), true) != 0) {
             drop_pending(cb); /* the forward pass drops this batch's rows */
             return -1;
@@ -448,7 +573,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                 for (int i = 0; i < seqs[s].n; i++, k_tok++) {
                     const int32_t p = p0 + i, e = kv_view_entry(&v, p);
                     const size_t wr = (size_t)(p - w0) * H * v.win_row;
-                    const uint64_t block = (uint64_t)(uintptr_t)v.blk[e]->dev;
+                    const uint64_t block = (uint64_t)(uintptr_t)block_dev(cb, v.blk[e]);
                     struct cuk_enc_tok *tk = (struct cuk_enc_tok *)(cb->stage_h + toks_off) + k_tok;
                     *tk = (struct cuk_enc_tok){
                         .t = seqs[s].first + i, .p = p, .block = block,
@@ -549,8 +674,10 @@ static void rows_task(void *arg, int ith, int nth) {
     for (long i = cb->rows_from + begin; i < cb->rows_from + end; i++) {
         const struct pending_append *pa = &cb->pending[i];
         const uint8_t *h = cb->rb_h;
-        kv_cache_append_rows(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v, pa->windows ? h + pa->wk : NULL,
-                             pa->windows ? h + pa->wv : NULL, pa->w0);
+        int h0;
+        const int nh = rank_heads(cb, kv_cache_get_shape(pa->cache)->n_kv_heads, &h0);
+        kv_cache_append_heads(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v, pa->windows ? h + pa->wk : NULL,
+                              pa->windows ? h + pa->wv : NULL, pa->w0, h0, nh);
     }
 }
 
@@ -589,7 +716,9 @@ int finish_appends(struct cuda_backend *cb) {
     int rc = 0, parts = 0;
     double t0 = prof_begin(cb);
     file_rows(cb, cb->n_pending);
-    for (int i = 0; i < cb->n_pending; i++) {
+    /* the host's changes once, after every rank filed its heads' rows: by the last */
+    const bool ends = !cb->tp || cb->rank == cb->tp->n - 1;
+    for (int i = 0; i < cb->n_pending && ends; i++) {
         struct pending_append *pa = &cb->pending[i];
         pa->parts = rc == 0 ? kv_cache_append_end(pa->cache, pa->p0, pa->n) : 0;
         if (pa->parts < 0) rc = -1, pa->parts = 0;

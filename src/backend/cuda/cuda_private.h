@@ -5,6 +5,7 @@
 #ifndef KVQ_BACKEND_CUDA_PRIVATE_H
 #define KVQ_BACKEND_CUDA_PRIVATE_H
 
+#include <assert.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -200,9 +201,45 @@ struct cuda_backend {
     double prof_s[16];
     long prof_n[16];
     struct step_prof *steps; /* KVQ_CUDA_PROFILE=steps, else NULL */
+    /* tensor parallelism: the device, and this backend's rank among tp->n (tp: NULL alone) */
+    int device, rank;
+    struct tp_shared *tp;
 };
 
 static inline struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backend *)b; }
+
+/* Tensor parallelism (tp_backend.c) runs one cuda_backend a GPU, all driven by one
+ * host thread, op by op, rank 0 first. The host's KV cache holds every head; rank r's
+ * device holds KV heads [r H/n, (r+1) H/n) of each block, which (a block being
+ * head-major) is the r-th n-th of its bytes, in an arena laid out as rank 0's. Host
+ * changes happen once: rank 0 begins the appends and takes the pool's dirty rows for
+ * all ranks; the last rank ends the appends, after every rank filed its heads' rows. */
+#define TP_MAX 8
+
+struct tp_shared {
+    struct cuda_backend *rank[TP_MAX];
+    int n;
+    /* the dirty rows rank 0 took in this op, for the other ranks to copy their parts */
+    struct kv_block **dirty;
+    int32_t *lo, *hi;
+    int n_dirty, cap_dirty;
+};
+
+/* The device address of a block's part on this rank. */
+void *block_dev(const struct cuda_backend *cb, const struct kv_block *b);
+/* The KV heads of a layer of H this rank holds: [*h0, *h0 + return). */
+static inline int rank_heads(const struct cuda_backend *cb, int H, int *h0) {
+    const int n = cb->tp ? cb->tp->n : 1, r = cb->tp ? cb->rank : 0;
+    *h0 = r * (H / n);
+    return H / n;
+}
+/* A cuda_backend on one device (backend_cuda_new's, or a rank's). */
+struct cuda_backend *cuda_backend_on(int device, int n_threads, bool f16_weights);
+/* The pool of a tensor-parallel backend: host rows on rank 0, each rank's part of a
+ * block in its own arena. */
+struct kv_pool *tp_kv_pool_new(struct tp_shared *tp, size_t budget);
+/* backend_cuda_new's tensor-parallel backend (tp_backend.c). */
+struct backend *backend_cuda_tp_new(int n, const int *devices, int n_threads, bool f16_weights);
 
 /* KVQ_CUDA_PROFILE=1: each operation waits for the GPU before and after itself and
  * its time is added up per kind, printed when the backend is freed (a measurement
@@ -249,6 +286,7 @@ void launch_held_packs(struct cuda_backend *cb);
 void issue_record(struct cuda_backend *cb);
 void step_op(struct cuda_backend *cb, int n, bool glu);
 void record_stop(struct cuda_backend *cb);
+void issue_segment(struct cuda_backend *cb);
 void free_after_step(struct cuda_backend *cb, void *p);
 void *copy_space(struct cuda_backend *cb, const void *dst, size_t bytes);
 bool copy_to(struct cuda_backend *cb, const void *dst, const void *data, size_t bytes);

@@ -187,6 +187,15 @@ void step_op(struct cuda_backend *cb, int n, bool glu) {
 }
 
 
+/* Issues what a recorded step has so far, and records on: before work queued on the
+ * stream outside the record (tensor parallelism's all-reduces). */
+void issue_segment(struct cuda_backend *cb) {
+    if (!cb->q.recording) return;
+    issue_record(cb);
+    cb->segments++;
+}
+
+
 /* Issues what the step recorded so far and queues the rest of it at once: before
  * anything that waits for the stream or cannot be recorded. */
 void record_stop(struct cuda_backend *cb) {

@@ -23,6 +23,18 @@
 
 #include "backend/cuda/queue.h"
 
+/* Whether the current device asks for the first time at a call site whose flags are
+ * *seen (a bit per device): a kernel attribute (its shared memory limit) is set per
+ * device, and tensor parallelism runs the same kernels on several. */
+static inline bool cuk_first_on_device(unsigned *seen) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    const unsigned bit = 1u << (dev & 31);
+    if (*seen & bit) return false;
+    *seen |= bit;
+    return true;
+}
+
 static __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

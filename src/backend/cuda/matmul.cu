@@ -907,13 +907,13 @@ static size_t whole_smem(const cuk_weight *w, int nj, int U, int n, bool mma, in
 template <uint32_t T, int NT, int U, int ST>
 static int stream_regs(int optin) {
     static int regs = -1;
-    if (regs < 0) {
+    static unsigned seen;
+    if (cuk_first_on_device(&seen)) {
         cudaFuncAttributes fa;
-        regs = cudaFuncGetAttributes(&fa, matvec_stream<T, NT, U, ST>) == cudaSuccess &&
-                       cudaFuncSetAttribute(matvec_stream<T, NT, U, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            optin) == cudaSuccess
-                   ? (fa.numRegs + 7) & ~7
-                   : 0;
+        const bool ok = cudaFuncGetAttributes(&fa, matvec_stream<T, NT, U, ST>) == cudaSuccess &&
+                        cudaFuncSetAttribute(matvec_stream<T, NT, U, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             optin) == cudaSuccess;
+        if (regs != 0) regs = ok ? (fa.numRegs + 7) & ~7 : 0;
     }
     return regs;
 }
@@ -1010,7 +1010,7 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
     do {                                                                                                               \
         if (stream_launch<TT, NT, UU>(qu, S, w, nj, xq, n, after_attn)) break;                                         \
         static int regs;                                                                                               \
-        static bool big;                                                                                               \
+        static unsigned big;                                                                                           \
         if (!regs) {                                                                                                   \
             cudaFuncAttributes fa;                                                                                     \
             regs = cudaFuncGetAttributes(&fa, matvec_q<TT, NT, UU, true>) == cudaSuccess ? fa.numRegs : 255;          \
@@ -1024,9 +1024,9 @@ extern "C" void cuk_matvec(cuk_queue *qu, const struct cuk_matvec_job *jobs, int
             break;                                                                                                     \
         }                                                                                                              \
         const size_t smem = staged_smem(TT, UU, n);                                                                    \
-        if (smem > 48 * 1024 && !big)                                                                                  \
-            big = cudaFuncSetAttribute(matvec_q<TT, NT, UU, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,       \
-                                       (int)staged_smem(TT, UU, 16)) == cudaSuccess;                                   \
+        if (smem > 48 * 1024 && cuk_first_on_device(&big))                                                            \
+            cudaFuncSetAttribute(matvec_q<TT, NT, UU, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,             \
+                                 (int)staged_smem(TT, UU, 16));                                                        \
         MM_LAUNCH(TT, NT, UU, false, MV_THREADS, smem);                                                                \
     } while (0)
 #define MM_U(TT, NT)              \

@@ -212,11 +212,9 @@ static void wide_launch(cuk_queue *qu, const cuk_weight *w, const void *x16, int
                         const float *bias, float *part, int splits) {
     constexpr int SPAN = CUK_CHUNK_BLOCKS(T) * 32;
     const size_t smem = 2 * sizeof(__half) * (size_t)wide_stage_halves(NT, SPAN);
-    static bool sized = false;
-    if (!sized) {
+    static unsigned sized;
+    if (cuk_first_on_device(&sized))
         cudaFuncSetAttribute(matmul_wide<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        sized = true;
-    }
     const int64_t nch = (w->cols / 32 + CUK_CHUNK_BLOCKS(T) - 1) / CUK_CHUNK_BLOCKS(T);
     const int per = (int)((nch + splits - 1) / splits);
     const int64_t tiles = (w->rows + 15) / 16;

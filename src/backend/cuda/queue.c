@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GRAPHS_MAX 64 /* graphs kept (least recently used dropped) */
+#define GRAPHS_DEFAULT 64 /* graphs kept (least recently used dropped) unless graphs_max says */
 #define RECENT CUK_QUEUE_RECENT
 
 /* One launch, or a copy (func NULL). All fields set, no padding: records compare
@@ -275,12 +275,13 @@ static void graph_free(struct cuk_graph *g) {
 /* Captures the record into a graph (not run); false when that fails (it is then to
  * be issued launch by launch). */
 static bool capture(struct cuk_queue *q, uint64_t hash, struct cuk_graph **out) {
-    if (!q->graph && !(q->graph = calloc(GRAPHS_MAX, sizeof *q->graph))) return false;
+    const int max = q->graphs_max > 0 ? q->graphs_max : GRAPHS_DEFAULT;
+    if (!q->graph && !(q->graph = calloc((size_t)max, sizeof *q->graph))) return false;
     struct cuk_graph *g = &q->graph[0];
-    if (q->n_graph < GRAPHS_MAX) {
+    if (q->n_graph < max) {
         g = &q->graph[q->n_graph];
     } else {
-        for (int i = 1; i < GRAPHS_MAX; i++)
+        for (int i = 1; i < max; i++)
             if (q->graph[i].used < g->used) g = &q->graph[i];
         graph_free(g);
     }
