@@ -28,6 +28,12 @@ expect_error "unknown flag" "unknown option '--frob'" -- "$kvq" generate -m "$mo
 expect_error "missing prompt file" "cannot open" -- "$kvq" generate -m "$model" -f "$tmp/none.txt"
 expect_error "prompt longer than context" "more than the context" -- "$kvq" generate -m "$model" -f "$tmp/long.txt" -c 256
 expect_error "tokenize without text" "needs a text" -- "$kvq" tokenize -m "$model"
+# tensor parallelism: refused clearly off the GPU and for bad counts, on every command
+expect_error "--tp on the CPU" "runs on GPUs: add --device cuda" -- "$kvq" generate -m "$model" -p hi --tp 2
+expect_error "--tp too many" "invalid value '9' for --tp" -- "$kvq" generate -m "$model" -p hi --tp 9
+expect_error "-tp in perplexity" "runs on GPUs" -- "$kvq" perplexity -m "$model" -f "$tmp/long.txt" -tp 2
+expect_error "bad --devices" "invalid value 'x' for --devices" -- "$kvq" generate -m "$model" -p hi --devices 0,x
+expect_error "bench --tp on the CPU" "runs on GPUs" -- "$kvq" bench -m "$model" -p 8 -n 2 -r 1 --tensor-parallel-size 2
 expect_ok "generate --help" -- "$kvq" generate --help
 expect_ok "tokenize --help" -- "$kvq" tokenize --help
 expect_ok "--help" -- "$kvq" --help

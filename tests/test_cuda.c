@@ -392,7 +392,7 @@ static double rel_diff(const float *a, const float *b, int n) {
  * then, which grows over the layers (1e-2 of the logits on tinydoc Q8_0, and greedy
  * choices at near ties): those runs are held to 0.1 and 90% of the choices. */
 static void tp_compare(struct kvq_model *m, const char *name, const struct kvq_kv_config *kv, const char *label,
-                       int n_batch) {
+                       int n_batch, int tp) {
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     const bool strict = !strcmp(info.weight_type, "f16") && n_batch <= 16;
@@ -407,7 +407,7 @@ static void tp_compare(struct kvq_model *m, const char *name, const struct kvq_k
     cp.device = KVQ_DEVICE_CUDA;
     cp.kv = *kv;
     struct kvq_context *one = kvq_context_new(m, &cp);
-    cp.tp = 2;
+    cp.tp = tp;
     struct kvq_context *two = kvq_context_new(m, &cp);
     CHECK(one && two, "%s %s: contexts: %s", name, label, kvq_last_error());
     int32_t ids[256];
@@ -464,24 +464,26 @@ static void tp_compare(struct kvq_model *m, const char *name, const struct kvq_k
             kvq_seq_trim(from, 0, 1);
         }
         remove(path);
-        printf("%-12s %-7s b%-3d TP2 vs one GPU: logits max rel %.1e after prefill, %.1e decoding (greedy %d/%d); "
-               "moved TP2>1 %.1e, 1>TP2 %.1e, TP2>TP2 %.1e\n",
-               name, label, n_batch, prefilled, worst, same, total, moved[0], moved[1], moved[2]);
-        CHECK(prefilled <= max_rel && worst <= max_rel, "%s %s b%d: TP2 logits differ from one GPU's by %g, %g", name,
+        printf("%-12s %-7s b%-3d TP%d vs one GPU: logits max rel %.1e after prefill, %.1e decoding (greedy %d/%d); "
+               "moved TP>1 %.1e, 1>TP %.1e, TP>TP %.1e\n",
+               name, label, n_batch, tp, prefilled, worst, same, total, moved[0], moved[1], moved[2]);
+        CHECK(prefilled <= max_rel && worst <= max_rel, "%s %s b%d: TP logits differ from one GPU's by %g, %g", name,
               label, n_batch, prefilled, worst);
         CHECK(moved[0] <= max_moved && moved[1] <= max_moved && moved[2] == 0,
-              "%s %s b%d: a sequence moved between TP2 and one GPU decodes differently (%g, %g, %g)", name, label,
+              "%s %s b%d: a sequence moved between TP and one GPU decodes differently (%g, %g, %g)", name, label,
               n_batch, moved[0], moved[1], moved[2]);
-        CHECK(strict ? same == total : same >= total - total / 10, "%s %s b%d: TP2's greedy choice differs at %d of %d steps",
+        CHECK(strict ? same == total : same >= total - total / 10, "%s %s b%d: TP greedy choice differs at %d of %d steps",
               name, label, n_batch, total - same, total);
     }
     kvq_context_free(one);
     kvq_context_free(two);
 }
 
+/* KVQ_TEST_TP=N: over N GPUs (default 2). */
 static void test_tensor_parallel(int n_dev) {
-    if (n_dev < 2) {
-        printf("SKIP: tensor parallelism needs 2 GPUs (this machine has %d)\n", n_dev);
+    const int tp = getenv("KVQ_TEST_TP") ? atoi(getenv("KVQ_TEST_TP")) : 2;
+    if (n_dev < tp || tp < 2) {
+        printf("SKIP: tensor parallelism over %d GPUs needs %d (this machine has %d)\n", tp, tp, n_dev);
         return;
     }
     /* the shared models (2 KV heads, Qwen3's head norms; Gemma 3's one KV head), then
@@ -505,15 +507,15 @@ static void test_tensor_parallel(int n_dev) {
         struct kvq_model_info info;
         kvq_model_get_info(m, &info);
         const char *name = strrchr(files[f], '/') ? strrchr(files[f], '/') + 1 : files[f];
-        if (info.n_head_kv % 2 != 0) { /* one KV head: a clear refusal */
+        if (info.n_head_kv % tp != 0) { /* KV heads that do not split: a clear refusal */
             struct kvq_context_params cp;
             kvq_context_params_default(&cp);
             cp.device = KVQ_DEVICE_CUDA;
-            cp.tp = 2;
+            cp.tp = tp;
             struct kvq_context *c = kvq_context_new(m, &cp);
-            CHECK(!c && strstr(kvq_last_error(), "KV heads"), "%s: --tp 2 over 1 KV head: %s", name,
-                  c ? "accepted" : kvq_last_error());
-            printf("%-12s --tp 2 refused: %s\n", name, c ? "(accepted)" : kvq_last_error());
+            CHECK(!c && strstr(kvq_last_error(), "KV heads"), "%s: --tp %d over %d KV heads: %s", name, tp,
+                  info.n_head_kv, c ? "accepted" : kvq_last_error());
+            printf("%-12s --tp %d refused: %s\n", name, tp, c ? "(accepted)" : kvq_last_error());
             kvq_context_free(c);
         } else {
             static const struct {
@@ -527,8 +529,8 @@ static void test_tensor_parallel(int n_dev) {
                 char label[16];
                 snprintf(label, sizeof label, kvs[k].kb == 16 ? "f16" : "K%dV%d%s", kvs[k].kb, kvs[k].vb,
                          kvs[k].nf ? "nf" : "");
-                tp_compare(m, name, &kv, label, 16);
-                tp_compare(m, name, &kv, label, 96);
+                tp_compare(m, name, &kv, label, 16, tp);
+                tp_compare(m, name, &kv, label, 96, tp);
             }
         }
         kvq_model_free(m);

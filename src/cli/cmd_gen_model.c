@@ -50,6 +50,8 @@ static const struct shape shapes[] = {
     {"mistral-7b", "llama", "Mistral-7B-v0.2", 4096, 32, 32, 8, 14336, 32000, 32768, 1000000.0f, 1e-5f, false, false, 0, 0, 0},
     {"qwen2.5-0.5b", "qwen2", "Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, 32768, 1000000.0f, 1e-6f, true, true, 0, 0, 0},
     {"qwen2.5-7b", "qwen2", "Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, 32768, 1000000.0f, 1e-6f, false, true, 0, 0, 0},
+    /* 77 GB in Q8_0: more than one 80 GB GPU holds, with its KV (tensor parallelism) */
+    {"qwen2.5-72b", "qwen2", "Qwen2.5-72B", 8192, 80, 64, 8, 29568, 152064, 32768, 1000000.0f, 1e-6f, false, true, 0, 0, 0},
     {"gemma3-4b", "gemma3", "gemma-3-4b-pt", 2560, 34, 8, 4, 10240, 262144, 131072, 1000000.0f, 1e-6f, true, false, 256, 1024, 8.0f},
     {"gemma3-12b", "gemma3", "gemma-3-12b-pt", 3840, 48, 16, 8, 15360, 262144, 131072, 1000000.0f, 1e-6f, true, false, 256, 1024, 8.0f},
 };
@@ -63,8 +65,8 @@ static const char *const gen_model_help =
     "kvq and llama.cpp load it; its output is noise, its speed and memory are real.\n"
     "\n"
     "  --shape NAME    llama3-8b | llama3-70b | mistral-7b (v0.2: vocab 32000, theta 1e6)\n"
-    "                  | qwen2.5-0.5b | qwen2.5-7b | gemma3-4b | gemma3-12b (head size 256,\n"
-    "                  window 1024)\n"
+    "                  | qwen2.5-0.5b | qwen2.5-7b | qwen2.5-72b (77 GB in q8_0: two 80 GB\n"
+    "                  GPUs, --tp 2) | gemma3-4b | gemma3-12b (head size 256, window 1024)\n"
     "  --type TYPE     f16 | q8_0 | q4_0 | q4_k | q6_k | q4_k_m: weights of the 2-D tensors\n"
     "                  (norms and biases are f32). q4_k_m is q4_k with q6_k for the output\n"
     "                  and for attn_v and ffn_down in llama-quantize's Q4_K_M layers. The\n"
@@ -368,7 +370,7 @@ int cmd_gen_model(int argc, char **argv) {
     }
     if (!shape_name)
         return cli_fail("gen-model needs --shape (llama3-8b, llama3-70b, mistral-7b, qwen2.5-0.5b, qwen2.5-7b, "
-                        "gemma3-4b, gemma3-12b)");
+                        "qwen2.5-72b, gemma3-4b, gemma3-12b)");
     if (!type_name) return cli_fail("gen-model needs --type (f16, q8_0, q4_0, q4_k, q6_k, q4_k_m)");
     if (!out) return cli_fail("gen-model needs an output file: -o FILE");
     const struct shape *sh = NULL;
@@ -376,7 +378,7 @@ int cmd_gen_model(int argc, char **argv) {
         if (!strcmp(shapes[i].name, shape_name)) sh = &shapes[i];
     if (!sh)
         return cli_fail("unknown shape '%s' (expected llama3-8b, llama3-70b, mistral-7b, qwen2.5-0.5b, qwen2.5-7b, "
-                        "gemma3-4b or gemma3-12b)", shape_name);
+                        "qwen2.5-72b, gemma3-4b or gemma3-12b)", shape_name);
     uint32_t type;
     int ftype; /* llama.cpp's general.file_type */
     bool mix_m = false; /* q4_k_m */

@@ -481,6 +481,10 @@ struct backend *backend_cuda_tp_new(int n, const int *devices, int n_threads, bo
     int devs[TP_MAX];
     for (int r = 0; r < n; r++) {
         devs[r] = devices ? devices[r] : r;
+        if (have == 0) {
+            kvq_error_code(KVQ_ERR_DEVICE, "tensor parallelism over %d GPUs: no CUDA device on this machine", n);
+            return NULL;
+        }
         if (devs[r] < 0 || devs[r] >= have) {
             kvq_error_code(KVQ_ERR_DEVICE, "tensor parallelism over %d GPUs: no CUDA device %d (this machine has %d)", n,
                            devs[r], have);
