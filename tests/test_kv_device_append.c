@@ -1,5 +1,6 @@
 /* The append split a device backend uses (kv_cache_append_begin, then the rows,
- * kv_cache_append_rows and kv_cache_append_end): given the rows a host append writes, it leaves the cache
+ * kv_cache_append_rows, or kv_cache_append_heads a head at a time, and
+ * kv_cache_append_end): given the rows a host append writes, it leaves the cache
  * byte for byte as the host append does (saved sections compared), for every cache
  * kind; rows of positions trimmed in between are dropped; and a batch across the
  * offsets' point ends with the offsets chosen, as on the host. The CPU backend's
@@ -57,11 +58,33 @@ struct split_case {
     int window;
 };
 
+/* The rows of head h alone out of rows of H heads: `rows` of `bytes` each. */
+static void head_rows(const uint8_t *all, int rows, int H, int h, size_t bytes, uint8_t *out) {
+    for (int t = 0; t < rows; t++) memcpy(out + (size_t)t * bytes, all + ((size_t)t * H + h) * bytes, bytes);
+}
+
 /* kv_cache_append_rows and _end, then the re-encoding parts it returns (at the offsets' point),
- * last first: they may run in any order. */
+ * last first: they may run in any order. by_heads: the rows handed over a head at a
+ * time, last head first (kv_cache_append_heads: tensor parallelism's GPUs each file
+ * their heads). */
 static int append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v, const uint8_t *wk,
-                      const uint8_t *wv, int32_t w0, int *parts) {
-    kv_cache_append_rows(c, p0, n, k, v, wk, wv, w0);
+                      const uint8_t *wv, int32_t w0, bool by_heads, int *parts) {
+    if (!by_heads) {
+        kv_cache_append_rows(c, p0, n, k, v, wk, wv, w0);
+    } else {
+        struct kv_view vw;
+        kv_cache_view(c, &vw);
+        const int H = kv_cache_get_shape(c)->n_kv_heads, nw = p0 + n - w0;
+        uint8_t *hk = malloc(vw.k_row * (size_t)n), *hv = malloc(vw.v_row * (size_t)n);
+        uint8_t *hwk = malloc(vw.win_row * (size_t)(nw + 1)), *hwv = malloc(vw.win_row * (size_t)(nw + 1));
+        for (int h = H - 1; h >= 0 && hk && hv && hwk && hwv; h--) {
+            head_rows(k, n, H, h, vw.k_row, hk);
+            head_rows(v, n, H, h, vw.v_row, hv);
+            if (vw.windows) head_rows(wk, nw, H, h, vw.win_row, hwk), head_rows(wv, nw, H, h, vw.win_row, hwv);
+            kv_cache_append_heads(c, p0, n, hk, hv, hwk, hwv, w0, h, 1);
+        }
+        free(hk), free(hv), free(hwk), free(hwv);
+    }
     *parts = kv_cache_append_end(c, p0, n);
     for (int i = *parts - 1; i >= 0; i--) kv_cache_offsets_part(c, i);
     return *parts < 0 ? -1 : 0;
@@ -69,7 +92,7 @@ static int append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, c
 
 /* later_only: begin as a device that attends from its own windows calls it (the host
  * keeps only the window rows later queries read: the saved bytes are still the same). */
-static void run_case(const struct split_case *sc, bool later_only) {
+static void run_case(const struct split_case *sc, bool later_only, bool by_heads) {
     const struct kv_shape shape = {8, 2, 64, sc->window};
     const int H = 2, D = 64;
     /* chunks ending where the offsets are chosen (128, or 100 for a rotating 100) */
@@ -108,7 +131,7 @@ static void run_case(const struct split_case *sc, bool later_only) {
               sc->name, w0, p0, p0 + n);
         const size_t wo = (size_t)(w0 - p0) * H * before.win_row;
         int parts;
-        CHECK(append_end(split, p0, n, rk, rv, rwk + wo, rwv + wo, w0, &parts) == 0, "%s: end: %s", sc->name,
+        CHECK(append_end(split, p0, n, rk, rv, rwk + wo, rwv + wo, w0, by_heads, &parts) == 0, "%s: end: %s", sc->name,
               kvq_last_error());
         /* a chunk ending at the offsets' point leaves their re-encoding in parts */
         kv_cache_view(split, &after);
@@ -124,13 +147,13 @@ static void run_case(const struct split_case *sc, bool later_only) {
     CHECK(kv_cache_append_begin(split, 3, kv_cache_n_past(split), later_only) == 0, "%s: begin", sc->name);
     CHECK(kv_cache_trim(split, 3) == 3, "%s: trim", sc->name);
     int parts;
-    CHECK(append_end(split, np, 3, rk, rv, rwk, rwv, np, &parts) == 0 && parts == 0 && kv_cache_n_past(split) == np,
+    CHECK(append_end(split, np, 3, rk, rv, rwk, rwv, np, by_heads, &parts) == 0 && parts == 0 && kv_cache_n_past(split) == np,
           "%s: end after a trim", sc->name);
     /* (with later_only, begin let go of the window rows before the batch that only its
      * queries read: they stay gone, and later queries read those positions packed) */
     CHECK(later_only || same_bytes(host, split), "%s: a dropped batch changed the cache", sc->name);
-    printf("%-34s split appends%s equal host appends: %s\n", sc->name, later_only ? " (later rows only)" : "",
-           all_same ? "yes" : "NO");
+    printf("%-34s split appends%s%s equal host appends: %s\n", sc->name, later_only ? " (later rows only)" : "",
+           by_heads ? " (a head at a time)" : "", all_same ? "yes" : "NO");
     free(k), free(v), free(rk), free(rv), free(rwk), free(rwv);
     kv_cache_free(host);
     kv_cache_free(split);
@@ -239,7 +262,8 @@ int main(void) {
         {"quantize after 150, K4V4", {4, 4, 64, 64, 0, 4, 150, true, 32}, 0},
         {"quantize after 50, K8V4", {8, 4, 64, 64, 0, 4, 50, true, 32}, 0},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], false), run_case(&cases[i], true);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], false, false), run_case(&cases[i], true, false),
+                                                             run_case(&cases[i], true, true);
     test_across_offsets();
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_cpu_backend(&cases[i]);
     return check_finish();
