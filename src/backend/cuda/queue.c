@@ -10,7 +10,7 @@
 #include <string.h>
 
 #define GRAPHS_DEFAULT 64 /* graphs kept (least recently used dropped) unless graphs_max says */
-#define RECENT CUK_QUEUE_RECENT
+#define RECENT_DEFAULT 64 /* record hashes remembered unless graphs_max asks for more */
 
 /* One launch, or a copy (func NULL). All fields set, no padding: records compare
  * byte for byte. */
@@ -248,9 +248,15 @@ static bool listed(const uint64_t *list, int n, uint64_t h) {
     return false;
 }
 
-static void remember(uint64_t *list, int *n, uint64_t h) {
-    if (*n == RECENT) memmove(list, list + 1, sizeof *list * (RECENT - 1));
-    else (*n)++;
+static void remember(const struct cuk_queue *q, uint64_t *list, int *n, uint64_t h) {
+    int max = q->graphs_max > RECENT_DEFAULT ? q->graphs_max : RECENT_DEFAULT;
+    if (max > CUK_QUEUE_RECENT) max = CUK_QUEUE_RECENT;
+    if (*n >= max) { /* the oldest dropped */
+        memmove(list, list + 1, sizeof *list * (size_t)(max - 1));
+        *n = max;
+    } else {
+        (*n)++;
+    }
     list[*n - 1] = h;
 }
 
@@ -335,9 +341,9 @@ void cuk_queue_issue(struct cuk_queue *q) {
             q->n_replays++;
         } else if (listed(q->seen, q->n_seen, h) && !listed(q->never, q->n_never, h)) {
             if (capture(q, h, &g)) q->n_captures++;
-            else remember(q->never, &q->n_never, h);
+            else remember(q, q->never, &q->n_never, h);
         } else {
-            remember(q->seen, &q->n_seen, h);
+            remember(q, q->seen, &q->n_seen, h);
         }
     }
     if (g) {

@@ -20,8 +20,8 @@ extern "C" {
 struct cuk_rec_entry;
 struct cuk_graph;
 
-/* Hashes remembered of records issued without a graph (a step issues several: under
- * tensor parallelism two a layer, cut at the all-reduces). */
+/* Hashes remembered of records issued without a graph: a step issues several (64), under
+ * tensor parallelism two a layer, cut at the all-reduces (graphs_max, up to this). */
 #define CUK_QUEUE_RECENT 512
 
 struct cuk_queue {
@@ -47,8 +47,8 @@ struct cuk_queue {
     /* captured graphs, and the hashes of records issued without one lately */
     struct cuk_graph *graph;
     int n_graph, last; /* last: the graph issued last (-1: none, or launches) */
-    int graphs_max;    /* graphs kept, least recently used dropped (0: 64; tensor parallelism's
-                        * segments of a step are two a layer) */
+    int graphs_max;    /* graphs kept, least recently used dropped, and record hashes remembered
+                        * (0: 64 each; tensor parallelism's segments of a step are two a layer) */
     uint64_t seen[CUK_QUEUE_RECENT], never[CUK_QUEUE_RECENT];
     int n_seen, n_never;
     uint64_t clock;
