@@ -80,11 +80,20 @@ static void test_admit(void) {
     struct sched_seq f = {.n_prompt = 100, .follower = true, .slot = 1, .len = 100, .reserve = 400000, .order = 2};
     slots[1] = &f;
     CHECK(sched_policy_admit(&p, 500000, slots, want, 1, false) == SCHED_ADMIT_WAIT_MEMORY,
-          "unforked follower: 500120 + (400000 - 500) + 200000 > 1e6");
+          "unforked follower: 500120 + 400000 + 200000 > 1e6");
     f.forked = true;
     f.len = 230; /* 130 of its own: 3 blocks, 192500 */
     CHECK(sched_policy_admit(&p, 500000, slots, want, 1, false) == SCHED_ADMIT_START,
           "forked follower: 500120 + 207500 + 200000 fits");
+    /* sequences just started hold nothing, not even their windows: their whole
+     * reserves count. Three of 266500: 120 + 799500 + 200000 fits, 200500 not */
+    struct sched_seq fresh[3];
+    struct sched_seq *fs[MAX_SEQS] = {NULL};
+    for (int i = 0; i < 3; i++) fresh[i] = (struct sched_seq){.n_prompt = 100, .slot = i, .reserve = 266500}, fs[i] = &fresh[i];
+    size_t w2 = 200000, w3 = 200500;
+    CHECK(sched_policy_admit(&p, 0, fs, &w2, 1, false) == SCHED_ADMIT_START, "beside three new ones: fits");
+    CHECK(sched_policy_admit(&p, 0, fs, &w3, 1, false) == SCHED_ADMIT_WAIT_MEMORY,
+          "beside three new ones: 1000120 > 1e6 (their windows are not held yet)");
     /* no free slot for a group */
     struct sched_seq c = a, d = a;
     slots[2] = &c;

@@ -57,7 +57,10 @@ static bool fits(const struct sched_policy *p, size_t kv_used, struct sched_seq 
         if (!o) continue;
         int len = o->len;
         if (o->follower) len = o->forked ? len - o->n_prompt : 0;
-        size_t now = sched_policy_bytes(p, len);
+        /* an empty sequence holds nothing yet, not even its window: all of its reserve
+         * is still to come (counting the window as held let a burst of new requests
+         * past the budget by a window each) */
+        size_t now = len > 0 ? sched_policy_bytes(p, len) : 0;
         if (o->reserve > now) need += o->reserve - now;
     }
     return need <= p->budget;
