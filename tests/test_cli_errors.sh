@@ -34,6 +34,8 @@ expect_error "--tp too many" "invalid value '9' for --tp" -- "$kvq" generate -m 
 expect_error "-tp in perplexity" "runs on GPUs" -- "$kvq" perplexity -m "$model" -f "$tmp/long.txt" -tp 2
 expect_error "bad --devices" "invalid value 'x' for --devices" -- "$kvq" generate -m "$model" -p hi --devices 0,x
 expect_error "bench --tp on the CPU" "runs on GPUs" -- "$kvq" bench -m "$model" -p 8 -n 2 -r 1 --tensor-parallel-size 2
+expect_error "--tp over 2 KV heads" "must divide the model's 2 KV heads" -- "$kvq" generate -m "$model" -p hi --device cuda --tp 4
+expect_error "--devices short of --tp" "--devices names 1 GPU for --tp 2" -- "$kvq" generate -m "$model" -p hi --device cuda --tp 2 --devices 1
 expect_ok "generate --help" -- "$kvq" generate --help
 expect_ok "tokenize --help" -- "$kvq" tokenize --help
 expect_ok "--help" -- "$kvq" --help

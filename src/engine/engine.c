@@ -346,7 +346,8 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
         return NULL;
     }
     if (p->tp > 1 && p->n_gpus != 0 && p->n_gpus != p->tp) {
-        kvq_error_code(KVQ_ERR_UNSUPPORTED, "--tp %d names %d GPUs in --devices: name %d", p->tp, p->n_gpus, p->tp);
+        kvq_error_code(KVQ_ERR_UNSUPPORTED, "--devices names %d GPU%s for --tp %d: name %d", p->n_gpus,
+                       p->n_gpus == 1 ? "" : "s", p->tp, p->tp);
         return NULL;
     }
     struct kvq_context *c = calloc(1, sizeof *c);
