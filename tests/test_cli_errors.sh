@@ -35,6 +35,7 @@ expect_error "-tp in perplexity" "runs on GPUs" -- "$kvq" perplexity -m "$model"
 expect_error "bad --devices" "invalid value 'x' for --devices" -- "$kvq" generate -m "$model" -p hi --devices 0,x
 expect_error "bench --tp on the CPU" "runs on GPUs" -- "$kvq" bench -m "$model" -p 8 -n 2 -r 1 --tensor-parallel-size 2
 expect_error "--tp over 2 KV heads" "must divide the model's 2 KV heads" -- "$kvq" generate -m "$model" -p hi --device cuda --tp 4
+expect_error "--devices without --tp" "set CUDA_VISIBLE_DEVICES" -- "$kvq" generate -m "$model" -p hi --device cuda --devices 1
 expect_error "--devices short of --tp" "--devices names 1 GPU for --tp 2" -- "$kvq" generate -m "$model" -p hi --device cuda --tp 2 --devices 1
 expect_ok "generate --help" -- "$kvq" generate --help
 expect_ok "tokenize --help" -- "$kvq" tokenize --help

@@ -345,6 +345,11 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
                        p->tp, hp->n_head_kv, KVQ_MAX_GPUS);
         return NULL;
     }
+    if (p->tp <= 1 && p->n_gpus > 0) {
+        kvq_error_code(KVQ_ERR_UNSUPPORTED, "--devices picks the GPUs of --tp N (N >= 2); for one GPU other than "
+                                            "the first, set CUDA_VISIBLE_DEVICES");
+        return NULL;
+    }
     if (p->tp > 1 && p->n_gpus != 0 && p->n_gpus != p->tp) {
         kvq_error_code(KVQ_ERR_UNSUPPORTED, "--devices names %d GPU%s for --tp %d: name %d", p->n_gpus,
                        p->n_gpus == 1 ? "" : "s", p->tp, p->tp);
