@@ -122,7 +122,8 @@ int kvq_kv_offsets_tokens(const struct kvq_kv_config *kv);
 /* ---- context -------------------------------------------------------------- */
 
 /* KVQ_DEVICE_CUDA: weights, activations and a device copy of the KV cache on the
- * first NVIDIA GPU (a kvq built with -DKVQ_CUDA=ON); the KV policy stays on the host. */
+ * first NVIDIA GPU, or split over several (kvq_context_params.tp) (a kvq built with
+ * -DKVQ_CUDA=ON); the KV policy stays on the host. */
 enum kvq_device { KVQ_DEVICE_CPU, KVQ_DEVICE_CUDA };
 #define KVQ_MAX_GPUS 8
 

@@ -440,8 +440,10 @@ int cmd_bench(int argc, char **argv) {
         printf("  ]\n}\n");
     } else {
         char dev[64] = "cpu";
-        if (o.device == KVQ_DEVICE_CUDA && o.gpus.tp > 1) snprintf(dev, sizeof dev, "cuda, tensor parallel over %d GPUs", o.gpus.tp);
-        else if (o.device == KVQ_DEVICE_CUDA) snprintf(dev, sizeof dev, "cuda");
+        if (o.device == KVQ_DEVICE_CUDA && o.gpus.tp > 1)
+            snprintf(dev, sizeof dev, "cuda, tensor parallel over %d GPUs", o.gpus.tp);
+        else if (o.device == KVQ_DEVICE_CUDA)
+            snprintf(dev, sizeof dev, "cuda");
         printf("model %s (%s, %s, %.3f B params), %s, p %d, n %d, median of %d reps\n\n", o.model, info.arch,
                info.weight_type, info.n_params / 1e9, dev, o.p, o.n, o.reps);
         if (o.device != KVQ_DEVICE_CUDA) printf("%d threads, cpu %s, simd %s\n\n", threads, cpu, simd);

@@ -255,6 +255,23 @@ void kvq_context_params_default(struct kvq_context_params *p) {
     kvq_kv_config_default(&p->kv);
 }
 
+/* Tensor parallelism's GPUs as asked: 0, or -1 with an error. */
+static int check_gpus(const struct kvq_context_params *p, const struct model_hparams *hp) {
+    if (p->tp <= 1)
+        return p->n_gpus == 0 ? 0
+                              : kvq_error_code(KVQ_ERR_UNSUPPORTED, "--devices picks the GPUs of --tp N (N >= 2); for one "
+                                                                    "GPU other than the first, set CUDA_VISIBLE_DEVICES");
+    if (p->device != KVQ_DEVICE_CUDA)
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "tensor parallelism (--tp %d) runs on GPUs: add --device cuda", p->tp);
+    if (p->tp > KVQ_MAX_GPUS || hp->n_head_kv % p->tp != 0)
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "--tp %d: the GPUs must divide the model's %d KV heads (and be at most %d)",
+                              p->tp, hp->n_head_kv, KVQ_MAX_GPUS);
+    if (p->n_gpus != 0 && p->n_gpus != p->tp)
+        return kvq_error_code(KVQ_ERR_UNSUPPORTED, "--devices names %d GPU%s for --tp %d: name %d", p->n_gpus,
+                              p->n_gpus == 1 ? "" : "s", p->tp, p->tp);
+    return 0;
+}
+
 /* Caches for one sequence, [n_layer], with blocks from the context's pool, in the
  * config kv (a held prefix's may differ from the context's in format). */
 static struct kv_cache **new_caches_kv(const struct kvq_context *c, const struct kvq_kv_config *kv) {
@@ -336,25 +353,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
                   p->kv.keep, n_ctx);
         return NULL;
     }
-    if (p->tp > 1 && p->device != KVQ_DEVICE_CUDA) {
-        kvq_error_code(KVQ_ERR_UNSUPPORTED, "tensor parallelism (--tp %d) runs on GPUs: add --device cuda", p->tp);
-        return NULL;
-    }
-    if (p->tp > 1 && (p->tp > KVQ_MAX_GPUS || hp->n_head_kv % p->tp != 0)) {
-        kvq_error_code(KVQ_ERR_UNSUPPORTED, "--tp %d: the GPUs must divide the model's %d KV heads (and be at most %d)",
-                       p->tp, hp->n_head_kv, KVQ_MAX_GPUS);
-        return NULL;
-    }
-    if (p->tp <= 1 && p->n_gpus > 0) {
-        kvq_error_code(KVQ_ERR_UNSUPPORTED, "--devices picks the GPUs of --tp N (N >= 2); for one GPU other than "
-                                            "the first, set CUDA_VISIBLE_DEVICES");
-        return NULL;
-    }
-    if (p->tp > 1 && p->n_gpus != 0 && p->n_gpus != p->tp) {
-        kvq_error_code(KVQ_ERR_UNSUPPORTED, "--devices names %d GPU%s for --tp %d: name %d", p->n_gpus,
-                       p->n_gpus == 1 ? "" : "s", p->tp, p->tp);
-        return NULL;
-    }
+    if (check_gpus(p, hp) != 0) return NULL;
     struct kvq_context *c = calloc(1, sizeof *c);
     if (!c) {
         kvq_error_code(KVQ_ERR_OOM, "out of memory");

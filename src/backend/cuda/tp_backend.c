@@ -108,8 +108,8 @@ static void all_reduce(struct tp_backend *t, float *p, size_t n) {
     nccl_ck(t, ncclGroupStart(), "group start");
     for (int r = 0; r < t->sh.n; r++) {
         on(t, r);
-        nccl_ck(t, ncclAllReduce(at_rank(t, r, p), at_rank(t, r, p), n, ncclFloat, ncclSum, t->comm[r], t->sh.rank[r]->stream),
-                "all-reduce");
+        float *y = at_rank(t, r, p);
+        nccl_ck(t, ncclAllReduce(y, y, n, ncclFloat, ncclSum, t->comm[r], t->sh.rank[r]->stream), "all-reduce");
     }
     nccl_ck(t, ncclGroupEnd(), "all-reduce");
 }
