@@ -367,32 +367,28 @@ static void copy_block_rows(struct cuda_backend *cb, struct kv_pool *pool, struc
  * the other ranks, which run the same operation after it. */
 int sync_blocks(struct cuda_backend *cb, struct kv_pool *pool, const struct kv_view *v, int n_kv, bool rows) {
     struct tp_shared *tp = cb->tp;
-    if (!tp || cb->rank == 0) {
-        struct kv_block **blocks;
-        int n = kv_pool_take_dirty(pool, &blocks);
-        if (n < 0) return -1;
-        if (tp && n > tp->cap_dirty) {
-            int cap = 2 * n;
-            struct kv_block **d = realloc(tp->dirty, sizeof *d * (size_t)cap);
-            if (d) tp->dirty = d;
-            int32_t *lo = realloc(tp->lo, sizeof *lo * (size_t)cap);
-            if (lo) tp->lo = lo;
-            int32_t *hi = realloc(tp->hi, sizeof *hi * (size_t)cap);
-            if (hi) tp->hi = hi;
-            if (!d || !lo || !hi) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
-            tp->cap_dirty = cap;
-        }
-        for (int i = 0; i < n; i++) {
-            struct kv_block *b = blocks[i];
-            const int32_t lo = b->dirty_lo, hi = b->dirty_hi;
-            b->dirty_lo = b->dirty_hi = 0;
-            if (tp) tp->dirty[i] = b, tp->lo[i] = lo, tp->hi[i] = hi;
-            copy_block_rows(cb, pool, b, lo, hi, v, n_kv, rows);
-        }
-        if (tp) tp->n_dirty = n;
+    if (tp && cb->rank > 0) {
+        for (const struct tp_dirty *d = tp->dirty; d < tp->dirty + tp->n_dirty; d++)
+            copy_block_rows(cb, pool, d->b, d->lo, d->hi, v, n_kv, rows);
         return 0;
     }
-    for (int i = 0; i < tp->n_dirty; i++) copy_block_rows(cb, pool, tp->dirty[i], tp->lo[i], tp->hi[i], v, n_kv, rows);
+    struct kv_block **blocks;
+    int n = kv_pool_take_dirty(pool, &blocks);
+    if (n < 0) return -1;
+    if (tp && n > tp->cap_dirty) {
+        struct tp_dirty *d = realloc(tp->dirty, sizeof *d * (size_t)(2 * n));
+        if (!d) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
+        tp->dirty = d;
+        tp->cap_dirty = 2 * n;
+    }
+    for (int i = 0; i < n; i++) {
+        struct kv_block *b = blocks[i];
+        const int32_t lo = b->dirty_lo, hi = b->dirty_hi;
+        b->dirty_lo = b->dirty_hi = 0;
+        if (tp) tp->dirty[i] = (struct tp_dirty){b, lo, hi};
+        copy_block_rows(cb, pool, b, lo, hi, v, n_kv, rows);
+    }
+    if (tp) tp->n_dirty = n;
     return 0;
 }
 

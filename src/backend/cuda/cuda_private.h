@@ -220,8 +220,7 @@ struct tp_shared {
     struct cuda_backend *rank[TP_MAX];
     int n;
     /* the dirty rows rank 0 took in this op, for the other ranks to copy their parts */
-    struct kv_block **dirty;
-    int32_t *lo, *hi;
+    struct tp_dirty { struct kv_block *b; int32_t lo, hi; } *dirty;
     int n_dirty, cap_dirty;
 };
 

@@ -127,8 +127,6 @@ static void tp_free(struct backend *b) {
     free(t->ws);
     free(t->bufs);
     free(t->sh.dirty);
-    free(t->sh.lo);
-    free(t->sh.hi);
     free(t);
     cudaSetDevice(dev);
 }
