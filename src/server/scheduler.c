@@ -472,6 +472,7 @@ static void admit(struct sched *s) {
             r = queue_pop(s);
             pthread_mutex_unlock(&s->mu);
             if (drop) {
+                if (is_cancelled(r)) fprintf(stderr, "kvq serve: client went away; its queued request dropped\n");
                 end_request(r, NULL, 499, "the client went away");
                 sched_req_release(r);
                 continue;
