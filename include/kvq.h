@@ -93,6 +93,13 @@ void kvq_detok_free(struct kvq_detok *d);
 /* ---- KV cache settings ---------------------------------------------------- */
 
 #define KVQ_KV_NF (-1) /* a group size: normal-float rows (kernels/kv_quant.h) */
+#define KVQ_MAX_LAYER_BITS 64
+/* Layers first..last whose keys and values take other bits than the rest (same row
+ * kind and groups): mixed precision, e.g. as `kvq calibrate-kv` picks it. */
+struct kvq_layer_bits {
+    int first, last;
+    int k_bits, v_bits;
+};
 struct kvq_kv_config {
     int k_bits, v_bits;   /* 16/32: float; 2,3,4,5,6,8: quantized */
     int k_group, v_group; /* quantization group sizes (values along head_dim), or
@@ -104,7 +111,17 @@ struct kvq_kv_config {
     int residual;         /* quantized: the newest R tokens (and the first `keep`) also held in f16 */
     bool swa_full;        /* sliding-window layers keep every token like global ones (their
                            * attention still spans the window): an all-global cache, to compare */
+    int n_layer_bits;     /* quantized caches: layer_bits[0..n) override k_bits/v_bits (the first
+                           * range naming a layer wins); bits quantized, as the row kind takes */
+    struct kvq_layer_bits layer_bits[KVQ_MAX_LAYER_BITS];
 };
+/* Layer il's key and value bits: its layer_bits range's, else k_bits and v_bits. */
+void kvq_kv_layer_bits(const struct kvq_kv_config *kv, int il, int *k_bits, int *v_bits);
+/* Whether a and b store rows alike: the same bits in every layer and the same groups. */
+bool kvq_kv_same_format(const struct kvq_kv_config *a, const struct kvq_kv_config *b);
+/* kv's per-layer bits as --kv-layer-bits takes them: the ranges of each width in turn
+ * ("2-3,5=5,4 7=8,8"; "" for none); the length, or -1 when size is too small. */
+int kvq_kv_layer_bits_name(const struct kvq_kv_config *kv, char *buf, size_t size);
 /* f16 keys and values; for quantized bits: groups of 64, Hadamard rotation on, keep 4. */
 void kvq_kv_config_default(struct kvq_kv_config *kv);
 /* Bytes one token takes in the cache of the whole model with this config (summed

@@ -37,6 +37,17 @@ expect_error "bench --tp on the CPU" "runs on GPUs" -- "$kvq" bench -m "$model" 
 expect_error "--tp over 2 KV heads" "must divide the model's 2 KV heads" -- "$kvq" generate -m "$model" -p hi --device cuda --tp 4
 expect_error "--devices without --tp" "set CUDA_VISIBLE_DEVICES" -- "$kvq" generate -m "$model" -p hi --device cuda --devices 1
 expect_error "--devices short of --tp" "--devices names 1 GPU for --tp 2" -- "$kvq" generate -m "$model" -p hi --device cuda --tp 2 --devices 1
+# per-layer KV bits and their calibration
+expect_error "--kv-layer-bits past the layers" "the model has layers 0..5" -- "$kvq" generate -m "$model" -p hi --kv-bits 4,4:nf --kv-layer-bits 6=5,4
+expect_error "--kv-layer-bits too wide for nf" "normal-float row" -- "$kvq" generate -m "$model" -p hi --kv-bits 4,4:nf --kv-layer-bits 3=6,4
+expect_error "--kv-layer-bits on an f16 cache" "change only quantized sides" -- "$kvq" generate -m "$model" -p hi --kv-layer-bits 3=5,4
+expect_error "--kv-layer-bits backwards" "run backwards" -- "$kvq" generate -m "$model" -p hi --kv-bits 4 --kv-layer-bits 3-1=5
+expect_error "--kv-layer-bits without =" "expected LAYERS=BITS" -- "$kvq" generate -m "$model" -p hi --kv-bits 4 --kv-layer-bits 3
+expect_error "--kv-layer-bits bad bits" "bits must be 2, 3, 4, 5, 6 or 8" -- "$kvq" generate -m "$model" -p hi --kv-bits 4 --kv-layer-bits 3=7
+expect_error "calibrate-kv on f16" "give --kv-bits" -- "$kvq" calibrate-kv -m "$model" -f "$tmp/long.txt"
+expect_error "calibrate-kv --to lower" "must raise" -- "$kvq" calibrate-kv -m "$model" -f "$tmp/long.txt" --kv-bits 4,4:nf --to 3,4
+expect_error "calibrate-kv uniform rows" "give --budget-bits" -- "$kvq" calibrate-kv -m "$model" -f "$tmp/long.txt" --kv-bits 4 -c 256 --chunks 1
+expect_error "calibrate-kv keys at the top" "give --to" -- "$kvq" calibrate-kv -m "$model" -f "$tmp/long.txt" --kv-bits 5,4:nf
 expect_ok "generate --help" -- "$kvq" generate --help
 expect_ok "tokenize --help" -- "$kvq" tokenize --help
 expect_ok "--help" -- "$kvq" --help

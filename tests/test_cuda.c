@@ -195,6 +195,11 @@ static void test_cache_kinds(void) {
     kv_set(&kv, 5, 4);
     kv.k_group = kv.v_group = KVQ_KV_NF;
     compare_config(m, "K5V4 normal-float (split kernel)", &kv, 200, 16, 16, 1e-3);
+    kv_set(&kv, 4, 4); /* per-layer formats: the tensor-core kernel and the split one in one pass */
+    kv.k_group = kv.v_group = KVQ_KV_NF;
+    kv.n_layer_bits = 1;
+    kv.layer_bits[0] = (struct kvq_layer_bits){2, 5, 5, 4};
+    compare_config(m, "K4V4 normal-float, layers 2-5 K5V4", &kv, 200, 16, 16, 1e-3);
     kv_set(&kv, 8, 8);
     kv.max_size = 128;
     kv.keep = 4;

@@ -177,7 +177,9 @@ static void test_cache_f16_nan(void) {
     wr32(d + 40 + 4 * 4, INT_MAX);
     expect_load(ctx, path, d, n, "impossible KV config", "cache with max_size INT_MAX");
     memcpy(d, orig, n);
-    wr32(d + 40 + 4 * 9, 2);
+    wr32(d + 40 + 4 * 9, 2); /* per-layer bits said to follow, where n_past and tokens are */
+    expect_load(ctx, path, d, n, "per-layer bit", "cache with per-layer bits that are not there");
+    wr32(d + 40 + 4 * 9, 4);
     expect_load(ctx, path, d, n, "unknown KV flag bits", "cache with an unknown flag bit");
     struct kvq_kv_config kv;
     CHECK(kvq_seq_file_kv_config(path, &kv) != 0 && strstr(kvq_last_error(), "unknown KV flag bits"),

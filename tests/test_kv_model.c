@@ -2,6 +2,7 @@
  * generation for the seed's test plan, kv-bits 8 equal to Hugging Face's greedy
  * continuations, rotating windows, and saving/loading a sequence (the version-1
  * fixture, a fresh round trip, corrupt/truncated/foreign files). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -123,11 +124,16 @@ static void test_plan(struct kvq_model *m, const struct ref_prompt *refs) {
 static void test_save_load(struct kvq_model *m, const struct ref_prompt *refs) {
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
-    struct kvq_kv_config cfgs[] = {kvc(8, 4, 0, true), kvc(4, 2, 40, true), kvc(16, 16, 0, false)};
+    /* the last: normal-float rows, layers 1-2 and 4 at other bits (mixed precision) */
+    struct kvq_kv_config cfgs[] = {kvc(8, 4, 0, true), kvc(4, 2, 40, true), kvc(16, 16, 0, false), kvc(4, 4, 0, true)};
+    cfgs[3].k_group = cfgs[3].v_group = KVQ_KV_NF;
+    cfgs[3].n_layer_bits = 2;
+    cfgs[3].layer_bits[0] = (struct kvq_layer_bits){1, 2, 5, 4};
+    cfgs[3].layer_bits[1] = (struct kvq_layer_bits){4, 4, 5, 3};
     const char *path = "test_kv_model.kvq";
     const struct ref_prompt *r = &refs[2];
     int32_t more[3] = {r->next[0], r->next[1], r->next[2]};
-    for (int ci = 0; ci < 3; ci++) {
+    for (int ci = 0; ci < 4; ci++) {
         struct kvq_kv_config kv = cfgs[ci];
         kv.quantized_start = ci == 0 ? 8 : 0; /* converts during the prompt */
         /* uninterrupted: the prompt, then 3 more tokens, then 6 greedy (the same batches;
@@ -181,14 +187,81 @@ static void test_save_load(struct kvq_model *m, const struct ref_prompt *refs) {
         free(data);
         remove(bad);
         struct kvq_kv_config other = kv;
-        other.v_bits = kv.v_bits == 4 ? 8 : 4;
+        other.v_bits = kv.v_bits == 4 ? (kv.v_group == KVQ_KV_NF ? 3 : 8) : 4;
         struct kvq_context *o = new_ctx(m, &other);
         CHECK(kvq_seq_load(o, 0, path) != 0 && strstr(kvq_last_error(), "another KV cache config"), "other config: %s",
               kvq_last_error());
         kvq_context_free(o);
+        if (kv.n_layer_bits) { /* the same but for one layer's bits; then the same as other ranges */
+            other = kv;
+            other.layer_bits[1].v_bits = 4;
+            o = new_ctx(m, &other);
+            CHECK(kvq_seq_load(o, 0, path) != 0 && strstr(kvq_last_error(), "layer bits 1-2=5,4 4=5,3"),
+                  "other layer bits: %s", kvq_last_error());
+            kvq_context_free(o);
+            other = kv;
+            other.n_layer_bits = 3;
+            other.layer_bits[0].last = 1;
+            other.layer_bits[2] = (struct kvq_layer_bits){2, 2, 5, 4};
+            o = new_ctx(m, &other);
+            CHECK(kvq_seq_load(o, 0, path) == 0 && kvq_seq_len(o, 0) == r->n_ids, "same bits, other ranges: %s",
+                  kvq_last_error());
+            kvq_context_free(o);
+        }
         kvq_context_free(ctx);
     }
     remove(path);
+}
+
+/* A prefix held in a mixed-precision format (normal-float rows, two layers at other
+ * bits): it reports that format, saves and loads in it, and attached to a K8V4
+ * context continues as the sequence it came from does, up to the rounding of two
+ * re-encodings (max |dlogit| about 6% of the largest logit, as with 4,4:nf alone). */
+static void test_mixed_prefix(struct kvq_model *m, const struct ref_prompt *refs) {
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    const struct ref_prompt *r = &refs[2];
+    struct kvq_kv_config kv = kvc(8, 4, 0, true), mixed = kvc(4, 4, 0, true), got;
+    mixed.k_group = mixed.v_group = KVQ_KV_NF;
+    mixed.n_layer_bits = 1;
+    mixed.layer_bits[0] = (struct kvq_layer_bits){1, 2, 5, 4};
+    struct kvq_context *ctx = new_ctx(m, &kv);
+    struct kvq_batch b = {.n_tokens = r->n_ids, .tokens = r->ids};
+    CHECK(kvq_decode(ctx, &b) == 0, "decode");
+    struct kvq_prefix *p = kvq_prefix_hold_as(ctx, 0, &mixed);
+    CHECK(p != NULL, "hold as mixed: %s", kvq_last_error());
+    if (!p) return kvq_context_free(ctx);
+    kvq_prefix_kv_config(p, &got);
+    CHECK(kvq_kv_same_format(&got, &mixed) && !kvq_kv_same_format(&got, &kv), "the prefix's format");
+    const char *path = "test_kv_model_mixed.kvq";
+    CHECK(kvq_prefix_save(p, path, r->ids, r->n_ids, NULL) == 0, "save: %s", kvq_last_error());
+    kvq_prefix_free(p);
+    struct kvq_batch one = {.n_tokens = 1, .tokens = &r->next[0]};
+    CHECK(kvq_decode(ctx, &one) == 0, "decode");
+    float *want = malloc(sizeof *want * (size_t)info.n_vocab);
+    memcpy(want, kvq_get_logits(ctx, 0), sizeof *want * (size_t)info.n_vocab);
+    kvq_seq_clear(ctx, 0);
+    struct kvq_seq_extra ex;
+    p = kvq_prefix_load(ctx, path, &ex);
+    CHECK(p != NULL, "load: %s", kvq_last_error());
+    if (p) {
+        kvq_prefix_kv_config(p, &got);
+        CHECK(kvq_kv_same_format(&got, &mixed) && kvq_prefix_len(p) == r->n_ids, "loaded in its format");
+        CHECK(kvq_prefix_attach(ctx, 0, p) == 0 && kvq_decode(ctx, &one) == 0, "attach: %s", kvq_last_error());
+        const float *l = kvq_get_logits(ctx, 0);
+        double d = 0, mx = 0;
+        for (int i = 0; i < info.n_vocab; i++) {
+            d = fmax(d, fabs((double)l[i] - want[i]));
+            mx = fmax(mx, fabs((double)want[i]));
+        }
+        CHECK(argmax(l, info.n_vocab) == argmax(want, info.n_vocab) && d < 0.1 * mx,
+              "continued from the mixed prefix: max |dlogit| %.4f of %.2f", d, mx);
+        kvq_seq_extra_free(&ex);
+        kvq_prefix_free(p);
+    }
+    free(want);
+    remove(path);
+    kvq_context_free(ctx);
 }
 
 /* The version-1 fixture (stories260K, K8/V4 g8 hadamard): still reads, continues as
@@ -227,6 +300,7 @@ int main(void) {
     if (!m) return check_finish();
     test_fixture(m);
     test_save_load(m, refs);
+    test_mixed_prefix(m, refs);
     test_plan(m, refs);
     kvq_model_free(m);
     /* kv-bits 8 on the f16 weights, which the references were computed from */

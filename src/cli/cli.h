@@ -20,6 +20,7 @@ int cmd_tokenize(int argc, char **argv);
 int cmd_cache_prompt(int argc, char **argv);
 int cmd_bench_kv_cache(int argc, char **argv);
 int cmd_perplexity(int argc, char **argv);
+int cmd_calibrate_kv(int argc, char **argv);
 int cmd_passkey(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_gen_model(int argc, char **argv);
@@ -89,6 +90,8 @@ bool cli_parse_tp(const char *flag, const char *value, struct kvq_context_params
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *cp);
 /* Help text for those flags. */
 extern const char *const cli_kv_flags_help;
+/* "B" or "K,V", quantized bits (2, 3, 4, 5, 6, 8); false with an error printed. */
+bool cli_parse_quantized_bits(const char *flag, const char *value, int *k_bits, int *v_bits);
 /* A whole KV config in one word, for commands that compare several:
  *   f16 | f32 | BITS | KBITS,VBITS  then optional suffixes
  *   :gG or :gGK,GV (group size), :rot / :norot (Hadamard rotation), :rN (residual

@@ -100,6 +100,10 @@ const char *const cli_kv_flags_help =
     "                           default 16. :nf: normal-float rows of those bits (2-5; one scale\n"
     "                           a row; 4,3:nf and 3,2:nf are the best 3- and 2-bit caches measured);\n"
     "                           :uniform (the default): uniform groups\n"
+    "  --kv-layer-bits L=B | L=K,V\n"
+    "                           quantized caches: layers L (e.g. 3 or 2-3,5) take other bits of\n"
+    "                           --kv-bits' row kind (mixed precision; repeatable; `kvq calibrate-kv`\n"
+    "                           says which layers gain most)\n"
     "  --kv-group-size G | K,V  values per quantization group of uniform rows: 8,16,32,64,128\n"
     "                           (default 64; normal-float rows have one scale a row)\n"
     "  --kv-rotation MODE       hadamard (default) | none: rotate head vectors before quantizing\n"
@@ -189,6 +193,47 @@ static bool set_kv_rows(const char *v, const char *kind, struct kvq_kv_config *k
     return true;
 }
 
+bool cli_parse_quantized_bits(const char *flag, const char *v, int *k_bits, int *v_bits) {
+    if (!parse_pair(flag, v, 2, 8, k_bits, v_bits)) return false;
+    if (!valid_bits(*k_bits) || !valid_bits(*v_bits))
+        return cli_fail("invalid value '%s' for %s: bits must be 2, 3, 4, 5, 6 or 8", v, flag), false;
+    return true;
+}
+
+/* "LAYERS=B" or "LAYERS=K,V", LAYERS a comma list of layers N and ranges N-M: a range
+ * of kv->layer_bits each; several such groups separated by spaces. */
+static bool parse_layer_bits(const char *flag, const char *v, struct kvq_kv_config *kv) {
+    const char *sp = strchr(v, ' ');
+    if (sp) {
+        char group[256];
+        snprintf(group, sizeof group, "%.*s", (int)(sp - v), v);
+        if (sp - v >= (ptrdiff_t)sizeof group) return cli_fail("invalid value for %s: a group is too long", flag), false;
+        if (sp > v && !parse_layer_bits(flag, group, kv)) return false;
+        return parse_layer_bits(flag, sp + 1, kv);
+    }
+    if (!*v) return true;
+    const char *eq = strchr(v, '=');
+    int kb, vb;
+    if (!eq || eq == v) return cli_fail("invalid value '%s' for %s: expected LAYERS=BITS, e.g. 2-3,5=5,4", v, flag), false;
+    if (!cli_parse_quantized_bits(flag, eq + 1, &kb, &vb)) return false;
+    for (const char *p = v; p < eq;) {
+        char item[32];
+        const size_t len = strcspn(p, ",=");
+        int first, last;
+        char *dash;
+        snprintf(item, sizeof item, "%.*s", (int)(len < sizeof item ? len : sizeof item - 1), p);
+        if ((dash = strchr(item, '-')) != NULL) *dash = '\0';
+        if (!cli_parse_int(flag, item, 0, 65535, &first) || !cli_parse_int(flag, dash ? dash + 1 : item, 0, 65535, &last))
+            return false;
+        if (first > last) return cli_fail("invalid value '%s' for %s: layers %d-%d run backwards", v, flag, first, last), false;
+        if (kv->n_layer_bits == KVQ_MAX_LAYER_BITS)
+            return cli_fail("%s: at most %d layer ranges", flag, KVQ_MAX_LAYER_BITS), false;
+        kv->layer_bits[kv->n_layer_bits++] = (struct kvq_layer_bits){first, last, kb, vb};
+        p += len + (p[len] == ',');
+    }
+    return true;
+}
+
 int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *cp) {
     struct kvq_kv_config *kv = &cp->kv;
     const char *flag = argv[*i];
@@ -221,6 +266,8 @@ int cli_parse_kv_flag(int argc, char **argv, int *i, struct kvq_context_params *
         }
         return set_kv_rows(v, kind, kv) ? 1 : -1;
     }
+    if (strcmp(flag, "--kv-layer-bits") == 0)
+        return (v = cli_flag_value(argc, argv, i)) && parse_layer_bits(flag, v, kv) ? 1 : -1;
     if (strcmp(flag, "--kv-group-size") == 0) {
         int kg, vg;
         if (!(v = cli_flag_value(argc, argv, i)) || !parse_pair(flag, v, 1, 1024, &kg, &vg)) return -1;
@@ -266,8 +313,9 @@ static bool kv_flag(const char *flag, const char *value, struct kvq_kv_config *k
 const char *const cli_kv_spec_help =
     "KV config SPEC: f16 | f32 | BITS | KBITS,VBITS (bits as for --kv-bits), then optional\n"
     "  suffixes :nf or :uniform (row kind, as for --kv-bits), :gG or :gGK,GV (group size), :rot or :norot (Hadamard rotation), :rN\n"
-    "  (residual f16 window of N tokens), :qsN (quantized-kv-start), :swafull (--swa-full);\n"
-    "  unset parts take the --kv-* defaults. e.g. 8,4   4:g32   4,2:r0:norot\n";
+    "  (residual f16 window of N tokens), :qsN (quantized-kv-start), :swafull (--swa-full), :lL=K,V\n"
+    "  (--kv-layer-bits L=K,V); unset parts take the --kv-* defaults. e.g. 8,4   4:g32   4,2:r0:norot\n"
+    "  4,4:nf:l2-3,5=5,4\n";
 
 bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
     char buf[128];
@@ -289,8 +337,10 @@ bool cli_parse_kv_spec(const char *spec, struct kvq_kv_config *kv) {
         else if (!strncmp(part, "qs", 2)) ok = kv_flag("--quantized-kv-start", part + 2, kv);
         else if (!strcmp(part, "swafull")) ok = kv_flag("--swa-full", NULL, kv);
         else if (part[0] == 'r') ok = kv_flag("--kv-residual", part + 1, kv);
+        else if (part[0] == 'l') ok = kv_flag("--kv-layer-bits", part + 1, kv);
         else {
-            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :nf, :uniform, :gG, :rot, :norot, :rN, :qsN or :swafull)", part, spec);
+            cli_fail("invalid suffix ':%s' in KV config '%s' (expected :nf, :uniform, :gG, :rot, :norot, :rN, :qsN, "
+                     ":swafull or :lL=K,V)", part, spec);
             return false;
         }
         if (!ok) return false;
@@ -309,6 +359,7 @@ bool cli_kv_config_check(const struct kvq_kv_config *kv) {
 void cli_kv_bits(const struct kvq_model *m, const struct kvq_kv_config *kv, int n, double *rows, double *all) {
     struct kvq_kv_config f16 = *kv;
     f16.k_bits = f16.v_bits = 16;
+    f16.n_layer_bits = 0;
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     const double values = (double)kvq_kv_token_bytes(m, &f16) / 2 * n; /* keys and values of n tokens */
@@ -321,7 +372,7 @@ void cli_kv_bits(const struct kvq_model *m, const struct kvq_kv_config *kv, int 
 }
 
 const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
-    static char buf[96];
+    static char buf[320];
     int n;
     if (kv->k_bits >= 16 && kv->v_bits >= 16)
         n = snprintf(buf, sizeof buf, "%s", kv->k_bits == 32 ? "f32" : "f16");
@@ -341,6 +392,11 @@ const char *cli_kv_config_name(const struct kvq_kv_config *kv) {
     if (kv->hadamard && (kv->k_bits < 16 || kv->v_bits < 16)) n += snprintf(buf + n, sizeof buf - (size_t)n, " rot");
     if (kv->residual > 0 && (kv->k_bits < 16 || kv->v_bits < 16))
         n += snprintf(buf + n, sizeof buf - (size_t)n, " residual%d", kv->residual);
+    if (kv->n_layer_bits > 0 && (kv->k_bits < 16 || kv->v_bits < 16)) {
+        char layers[160];
+        if (kvq_kv_layer_bits_name(kv, layers, sizeof layers) < 0) snprintf(layers, sizeof layers, "...");
+        n += snprintf(buf + n, sizeof buf - (size_t)n, " layers %s", layers);
+    }
     if (kv->max_size) n += snprintf(buf + n, sizeof buf - (size_t)n, " win%d", kv->max_size);
     if (kv->swa_full) snprintf(buf + n, sizeof buf - (size_t)n, " swa-full");
     return buf;

@@ -425,11 +425,16 @@ int cmd_bench(int argc, char **argv) {
             const struct kvq_kv_config *kv = &o.kvs[ci].kv;
             printf("    {\"kv\": ");
             json_str(stdout, o.kvs[ci].name);
-            printf(", \"k_bits\": %d, \"v_bits\": %d, \"k_group\": %d, \"v_group\": %d, \"rotation\": %s, "
+            char layers[1024];
+            if (kvq_kv_layer_bits_name(kv, layers, sizeof layers) < 0) layers[0] = '\0';
+            printf(", \"k_bits\": %d, \"v_bits\": %d, \"k_group\": %d, \"v_group\": %d, \"layer_bits\": ", kv->k_bits,
+                   kv->v_bits, kv->k_group, kv->v_group);
+            json_str(stdout, layers);
+            printf(", \"rotation\": %s, "
                    "\"depth\": %d, \"batch\": %d, \"prefill_tok_s\": %.3f, \"decode_tok_s\": %.3f, "
                    "\"kv_bytes\": %zu, \"kv_bytes_per_token\": %zu, \"rss_bytes\": %lld, \"peak_rss_bytes\": %lld, "
                    "\"prefill_tok_s_reps\": [",
-                   kv->k_bits, kv->v_bits, kv->k_group, kv->v_group, kv->hadamard ? "true" : "false", o.depths[di],
+                   kv->hadamard ? "true" : "false", o.depths[di],
                    o.batches[bi], median(r->prefill, o.reps), median(r->decode, o.reps), r->kv_bytes,
                    r->kv_token_bytes, r->rss, r->peak);
             for (int k = 0; k < o.reps; k++) printf("%s%.3f", k ? ", " : "", r->prefill[k]);

@@ -295,6 +295,7 @@ static int prefix_remote_ready(struct prefix_remote *remote, const struct kvq_co
                             "keep only their window (add --swa-full) or --kv-max-size is set");
     struct kvq_kv_config f32 = *store_kv;
     f32.k_bits = f32.v_bits = 32;
+    f32.n_layer_bits = 0;
     /* the rows, the offsets (a token of f32 rows), tokens and headers */
     prefix_remote_set_max_value(remote, KVQ_BLOCK_TOKENS * kvq_kv_token_bytes(m, store_kv) +
                                             kvq_kv_token_bytes(m, &f32) + (64 << 10));
@@ -347,11 +348,15 @@ int cmd_serve(int argc, char **argv) {
     if (o.cache_mb > 0) {
         /* each side is cached with at most --prefix-cache-bits (never more than it lives with) */
         struct kvq_kv_config store_kv = o.cp.kv;
-        if (o.cache_bits < store_kv.k_bits) store_kv.k_bits = o.cache_bits;
-        if (o.cache_bits < store_kv.v_bits) store_kv.v_bits = o.cache_bits;
+        for (int i = -1; i < store_kv.n_layer_bits; i++) {
+            int *k = i < 0 ? &store_kv.k_bits : &store_kv.layer_bits[i].k_bits;
+            int *v = i < 0 ? &store_kv.v_bits : &store_kv.layer_bits[i].v_bits;
+            if (o.cache_bits < *k) *k = o.cache_bits;
+            if (o.cache_bits < *v) *v = o.cache_bits;
+        }
         struct prefix_cache_params pp = {.kv = &o.cp.kv, .store_kv = &store_kv, .min_tokens = o.cache_min_tokens,
                                          .budget = cache_bytes, .dir = o.cache_dir, .remote = remote};
-        if (store_kv.k_bits != o.cp.kv.k_bits || store_kv.v_bits != o.cp.kv.v_bits) {
+        if (!kvq_kv_same_format(&store_kv, &o.cp.kv)) {
             /* two lines: cli_kv_config_name returns one static buffer */
             fprintf(stderr, "kvq serve: prefix cache: entries of %d tokens or more are stored as %s", o.cache_min_tokens,
                     cli_kv_config_name(&store_kv));

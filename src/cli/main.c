@@ -12,6 +12,7 @@ static const struct cli_command commands[] = {
     {"cache-prompt", "save the KV cache state after a prompt to a file", cmd_cache_prompt},
     {"bench-kv-cache", "memory, error and speed of the KV cache formats", cmd_bench_kv_cache},
     {"perplexity", "perplexity and KL divergence over a text (llama-perplexity conventions)", cmd_perplexity},
+    {"calibrate-kv", "which layers gain most from more KV bits (mixed precision at a byte budget)", cmd_calibrate_kv},
     {"passkey", "long-context pass-key retrieval accuracy", cmd_passkey},
     {"bench", "prefill/decode speed and memory per KV config, depth and batch", cmd_bench},
     {"gen-model", "write a random-weight GGUF model of a real shape", cmd_gen_model},

@@ -44,8 +44,7 @@ static struct kv_cache **format_caches(struct kv_cache *const *caches, int n_lay
     struct kv_cache **out = calloc((size_t)n_layer, sizeof *out);
     for (int il = 0; out && il < n_layer; il++) {
         struct kv_cache_config cfg = *kv_cache_get_config(caches[il]);
-        cfg.k_bits = kv->k_bits;
-        cfg.v_bits = kv->v_bits;
+        kvq_kv_layer_bits(kv, il, &cfg.k_bits, &cfg.v_bits);
         cfg.k_group = kv->k_group;
         cfg.v_group = kv->v_group;
         cfg.quantized_start = 0;
@@ -99,8 +98,7 @@ int kvq_prefix_encode_blocks(const struct kvq_prefix *p, const struct kvq_kv_con
     if (first < 0 || count < 1 || (first + count) * B > kvq_prefix_len(p))
         return kvq_error("blocks %d..%d are beyond the prefix's %d tokens", first, first + count - 1, kvq_prefix_len(p));
     if (!engine_prefix_kv_ok(c, kv)) return kvq_error("blocks may differ from the context's config only in format");
-    if (kv->k_bits != pkv->k_bits || kv->v_bits != pkv->v_bits || kv->k_group != pkv->k_group ||
-        kv->v_group != pkv->v_group) {
+    if (!kvq_kv_same_format(kv, pkv)) {
         if (!(conv = format_caches(src, L, kv))) return -1;
         for (int il = 0; il < L; il++)
             if (reencode(conv[il], src[il], (first + count) * B) != 0) {

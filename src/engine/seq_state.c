@@ -6,7 +6,8 @@
  *   u64   model fingerprint (FNV-1a 64 of arch, hyperparameters and weight samples)
  *   u32   n_layer, n_head, n_head_kv, head_dim, n_vocab
  *   i32   KV config: k_bits v_bits k_group v_group max_size keep quantized_start hadamard residual
- *         flags (bit 0: swa_full)
+ *         flags (bit 0: swa_full, bit 1: per-layer bits follow: i32 n, then n x i32 first last
+ *         k_bits v_bits)
  *   i32   n_past
  *   u32   n_tokens, then i32 tokens[n_tokens]   (what the sequence holds; may be 0)
  *   u32   n_logits (0 or n_vocab), then f32 logits[n_logits] (after the last token)
@@ -68,7 +69,15 @@ uint64_t engine_fingerprint(const struct model *m) {
 void engine_put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv) {
     int32_t v[] = {kv->k_bits, kv->v_bits, kv->k_group, kv->v_group, kv->max_size, kv->keep, kv->quantized_start,
                    kv->hadamard, kv->residual, kv->swa_full ? 1 : 0};
+    if (kv->n_layer_bits > 0) v[9] |= 2;
     for (int i = 0; i < 10; i++) kv_buf_u32(b, (uint32_t)v[i]);
+    if (kv->n_layer_bits <= 0) return; /* files without per-layer bits are as before */
+    kv_buf_u32(b, (uint32_t)kv->n_layer_bits);
+    for (int i = 0; i < kv->n_layer_bits; i++) {
+        const struct kvq_layer_bits *l = &kv->layer_bits[i];
+        int32_t w[] = {l->first, l->last, l->k_bits, l->v_bits};
+        for (int j = 0; j < 4; j++) kv_buf_u32(b, (uint32_t)w[j]);
+    }
 }
 
 /* The file's bytes, checksum included, in b (freed by the caller, also on failure). */
@@ -210,8 +219,8 @@ int engine_read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_
     int32_t v[10] = {0};
     for (int i = 0; i < (version >= 3 ? 10 : version == 2 ? 9 : 8); i++)
         if (!kv_read_i32(r, &v[i])) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
-    if (v[9] & ~1)
-        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' has unknown KV flag bits 0x%x", path, (unsigned)v[9] & ~1u);
+    if (v[9] & ~3)
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' has unknown KV flag bits 0x%x", path, (unsigned)v[9] & ~3u);
     if (v[4] < 0 || v[4] > (1 << 30) || v[5] < 0 || v[5] > (1 << 30) || v[6] < 0 || v[6] > (1 << 30))
         return kvq_error_code(KVQ_ERR_FORMAT,
                               "'%s' holds an impossible KV config (max size %d, keep %d, quantized start %d)", path,
@@ -226,6 +235,23 @@ int engine_read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_
     kv->hadamard = v[7] != 0;
     kv->residual = v[8];
     kv->swa_full = (v[9] & 1) != 0;
+    kv->n_layer_bits = 0;
+    if (!(v[9] & 2)) return 0;
+    int32_t n;
+    if (!kv_read_i32(r, &n)) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
+    if (n < 1 || n > KVQ_MAX_LAYER_BITS)
+        return kvq_error_code(KVQ_ERR_FORMAT, "'%s' holds %d per-layer bit ranges (at most %d)", path, n,
+                              KVQ_MAX_LAYER_BITS);
+    for (int i = 0; i < n; i++) {
+        int32_t w[4];
+        for (int j = 0; j < 4; j++)
+            if (!kv_read_i32(r, &w[j])) return kvq_error_code(KVQ_ERR_FORMAT, "'%s' is truncated", path);
+        if (w[0] < 0 || w[0] > w[1] || w[1] > 65535 || w[2] < 2 || w[2] > 32 || w[3] < 2 || w[3] > 32)
+            return kvq_error_code(KVQ_ERR_FORMAT, "'%s' holds impossible per-layer bits (layers %d..%d: K%d/V%d)", path,
+                                  w[0], w[1], w[2], w[3]);
+        kv->layer_bits[i] = (struct kvq_layer_bits){w[0], w[1], w[2], w[3]};
+    }
+    kv->n_layer_bits = n;
     return 0;
 }
 
@@ -254,9 +280,9 @@ int kvq_seq_file_kv_config(const char *path, struct kvq_kv_config *kv) {
 }
 
 bool engine_same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
-    return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group &&
-           a->max_size == b->max_size && a->keep == b->keep && a->quantized_start == b->quantized_start &&
-           a->hadamard == b->hadamard && a->residual == b->residual && a->swa_full == b->swa_full;
+    return kvq_kv_same_format(a, b) && a->max_size == b->max_size && a->keep == b->keep &&
+           a->quantized_start == b->quantized_start && a->hadamard == b->hadamard && a->residual == b->residual &&
+           a->swa_full == b->swa_full;
 }
 
 static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, struct kv_cache **caches,
@@ -281,15 +307,19 @@ static int load_body(struct kvq_context *c, const struct kvq_kv_config *mine, st
     if (fp != engine_fingerprint(m)) /* same shape: listing it would not tell the models apart */
         return kvq_error("'%s' was written for another model of the same shape (other weights or hyperparameters)",
                          path);
-    if (!engine_same_kv(&kv, mine))
+    if (!engine_same_kv(&kv, mine)) {
+        char theirs[256], ours[256];
+        if (kvq_kv_layer_bits_name(&kv, theirs, sizeof theirs) <= 0) snprintf(theirs, sizeof theirs, "none");
+        if (kvq_kv_layer_bits_name(mine, ours, sizeof ours) <= 0) snprintf(ours, sizeof ours, "none");
         return kvq_error("'%s' was written with another KV cache config (K%d/V%d bits, groups %d/%d, max size %d, "
-                         "keep %d, quantized start %d, rotation %d, residual %d, swa-full %d); this context uses K%d/V%d "
-                         "bits, groups %d/%d, max size %d, keep %d, quantized start %d, rotation %d, residual %d, "
-                         "swa-full %d",
+                         "keep %d, quantized start %d, rotation %d, residual %d, swa-full %d, layer bits %s); this "
+                         "context uses K%d/V%d bits, groups %d/%d, max size %d, keep %d, quantized start %d, rotation "
+                         "%d, residual %d, swa-full %d, layer bits %s",
                          path, kv.k_bits, kv.v_bits, kv.k_group, kv.v_group, kv.max_size, kv.keep, kv.quantized_start,
-                         kv.hadamard, kv.residual, kv.swa_full, mine->k_bits, mine->v_bits, mine->k_group,
+                         kv.hadamard, kv.residual, kv.swa_full, theirs, mine->k_bits, mine->v_bits, mine->k_group,
                          mine->v_group, mine->max_size, mine->keep, mine->quantized_start, mine->hadamard,
-                         mine->residual, mine->swa_full);
+                         mine->residual, mine->swa_full, ours);
+    }
     /* a rotating cache may hold a long past, but positions must stay far from INT_MAX */
     if (n_past < 0 || n_past > (1 << 30) || (n_past > kvq_context_n_ctx(c) && mine->max_size == 0))
         return kvq_error_code(KVQ_ERR_CONTEXT_FULL, "'%s' holds %d tokens, more than the context of %d", path, n_past,

@@ -71,14 +71,13 @@ static uint64_t fnv1a(uint64_t h, const void *p, size_t n) {
 }
 #define FNV_BASIS 0xcbf29ce484222325ULL
 
-static bool same_format(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
-    return a->k_bits == b->k_bits && a->v_bits == b->v_bits && a->k_group == b->k_group && a->v_group == b->v_group;
-}
-
+/* The config (per-layer bits as their text: configs without them hash as before). */
 static uint64_t kv_hash(uint64_t h, const struct kvq_kv_config *kv) {
     int32_t v[] = {kv->k_bits, kv->v_bits, kv->k_group, kv->v_group, kv->max_size, kv->keep, kv->quantized_start,
                    kv->hadamard, kv->residual, kv->swa_full};
-    return fnv1a(h, v, sizeof v);
+    char layers[512];
+    const int n = kvq_kv_layer_bits_name(kv, layers, sizeof layers);
+    return fnv1a(fnv1a(h, v, sizeof v), layers, n > 0 ? (size_t)n : 0);
 }
 
 static uint64_t ns_hash(const char *ns) { return ns && *ns ? fnv1a(FNV_BASIS, ns, strlen(ns)) : 0; }
@@ -562,7 +561,7 @@ static void load_dir(struct prefix_cache *pc) {
             free(f[i].path);
             continue;
         }
-        bool converted = !same_format(&fkv, &pc->kv);
+        bool converted = !kvq_kv_same_format(&fkv, &pc->kv);
         size_t bytes = entry_bytes(pc, extra.n_tokens, converted ? &fkv : &pc->kv);
         bool ok = extra.n_tokens > 0 && extra.n_tokens == kvq_prefix_len(p) && pc->bytes + bytes <= pc->budget;
         struct entry e = {.ns = f[i].ns, .tokens = extra.tokens, .n = extra.n_tokens, .bytes = bytes, .prefix = p,
@@ -591,7 +590,7 @@ struct prefix_cache *prefix_cache_new(struct kvq_context *c, const struct kvq_mo
     pc->budget = p->budget;
     pc->kv = *p->kv;
     pc->store_kv = p->store_kv ? *p->store_kv : *p->kv;
-    pc->convert = !same_format(&pc->store_kv, &pc->kv);
+    pc->convert = !kvq_kv_same_format(&pc->store_kv, &pc->kv);
     pc->min_tokens = p->min_tokens;
     pc->remote = p->remote;
     pc->space = kv_hash(kv_hash(fnv1a(FNV_BASIS, &(uint64_t){kvq_model_fingerprint(m)}, 8), &pc->kv), &pc->store_kv);
