@@ -1,7 +1,6 @@
 /* The public API: ties the model, tokenizer, thread pool and KV caches together. */
 #include <math.h>
 #include <pthread.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -193,64 +192,6 @@ void kvq_kv_config_default(struct kvq_kv_config *kv) {
     kv->hadamard = true; /* applies to quantized rows only; lowers KLD at every width (kv-quality) */
 }
 
-void kvq_kv_layer_bits(const struct kvq_kv_config *kv, int il, int *k_bits, int *v_bits) {
-    *k_bits = kv->k_bits;
-    *v_bits = kv->v_bits;
-    for (int i = 0; i < kv->n_layer_bits && i < KVQ_MAX_LAYER_BITS; i++)
-        if (il >= kv->layer_bits[i].first && il <= kv->layer_bits[i].last) {
-            *k_bits = kv->layer_bits[i].k_bits;
-            *v_bits = kv->layer_bits[i].v_bits;
-            return;
-        }
-}
-
-/* The last layer kv's ranges name (-1: none). */
-static int last_named_layer(const struct kvq_kv_config *kv) {
-    int last = -1;
-    for (int i = 0; i < kv->n_layer_bits && i < KVQ_MAX_LAYER_BITS; i++)
-        if (kv->layer_bits[i].last > last) last = kv->layer_bits[i].last;
-    return last;
-}
-
-bool kvq_kv_same_format(const struct kvq_kv_config *a, const struct kvq_kv_config *b) {
-    if (a->k_bits != b->k_bits || a->v_bits != b->v_bits || a->k_group != b->k_group || a->v_group != b->v_group)
-        return false;
-    const int la = last_named_layer(a), lb = last_named_layer(b);
-    for (int il = 0; il <= (la > lb ? la : lb); il++) {
-        int ak, av, bk, bv;
-        kvq_kv_layer_bits(a, il, &ak, &av);
-        kvq_kv_layer_bits(b, il, &bk, &bv);
-        if (ak != bk || av != bv) return false;
-    }
-    return true;
-}
-
-int kvq_kv_layer_bits_name(const struct kvq_kv_config *kv, char *buf, size_t size) {
-    const int n_ranges = kv->n_layer_bits < KVQ_MAX_LAYER_BITS ? kv->n_layer_bits : KVQ_MAX_LAYER_BITS;
-    size_t n = 0;
-    if (size) buf[0] = '\0';
-    for (int i = 0; i < n_ranges; i++) {
-        const struct kvq_layer_bits *g = &kv->layer_bits[i];
-        bool seen = false; /* this width was written with an earlier range */
-        for (int j = 0; j < i && !seen; j++) seen = kv->layer_bits[j].k_bits == g->k_bits && kv->layer_bits[j].v_bits == g->v_bits;
-        for (int j = i, first = 1; j < n_ranges && !seen; j++) {
-            const struct kvq_layer_bits *l = &kv->layer_bits[j];
-            if (l->k_bits != g->k_bits || l->v_bits != g->v_bits) continue;
-            const char *sep = first ? (n ? " " : "") : ",";
-            int w = l->first == l->last ? snprintf(buf + n, size - n, "%s%d", sep, l->first)
-                                        : snprintf(buf + n, size - n, "%s%d-%d", sep, l->first, l->last);
-            if (w < 0 || (size_t)w >= size - n) return -1;
-            n += (size_t)w;
-            first = 0;
-        }
-        if (seen) continue;
-        int w = snprintf(buf + n, size - n, "=%d,%d", g->k_bits, g->v_bits);
-        if (w < 0 || (size_t)w >= size - n) return -1;
-        n += (size_t)w;
-    }
-    return (int)n;
-}
-
 /* Layer il's cache config under kv. */
 static void to_cache_config(const struct kvq_kv_config *kv, int il, struct kv_cache_config *cc) {
     kvq_kv_layer_bits(kv, il, &cc->k_bits, &cc->v_bits);
@@ -312,25 +253,6 @@ void kvq_context_params_default(struct kvq_context_params *p) {
     p->n_seq = 1;
     p->n_batch = 512;
     kvq_kv_config_default(&p->kv);
-}
-
-/* Per-layer bits as asked: 0, or -1 with an error (the caches check each layer's
- * bits against its row kind). */
-static int check_layer_bits(const struct kvq_kv_config *kv, int n_layer) {
-    if (kv->n_layer_bits < 0 || kv->n_layer_bits > KVQ_MAX_LAYER_BITS)
-        return kvq_error("%d per-layer bit ranges: at most %d", kv->n_layer_bits, KVQ_MAX_LAYER_BITS);
-    for (int i = 0; i < kv->n_layer_bits; i++) {
-        const struct kvq_layer_bits *l = &kv->layer_bits[i];
-        if (l->first < 0 || l->first > l->last || l->last >= n_layer)
-            return kvq_error("per-layer KV bits for layers %d..%d: the model has layers 0..%d", l->first, l->last,
-                             n_layer - 1);
-        if ((kv->k_bits >= 16 ? l->k_bits != kv->k_bits : l->k_bits >= 16) ||
-            (kv->v_bits >= 16 ? l->v_bits != kv->v_bits : l->v_bits >= 16))
-            return kvq_error("per-layer KV bits (layers %d..%d: K%d/V%d) change only quantized sides, to quantized bits "
-                             "(the cache is K%d/V%d)",
-                             l->first, l->last, l->k_bits, l->v_bits, kv->k_bits, kv->v_bits);
-    }
-    return 0;
 }
 
 /* Tensor parallelism's GPUs as asked: 0, or -1 with an error. */
@@ -431,7 +353,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
                   p->kv.keep, n_ctx);
         return NULL;
     }
-    if (check_layer_bits(&p->kv, hp->n_layer) != 0 || check_gpus(p, hp) != 0) return NULL;
+    if (engine_check_layer_bits(&p->kv, hp->n_layer) != 0 || check_gpus(p, hp) != 0) return NULL;
     struct kvq_context *c = calloc(1, sizeof *c);
     if (!c) {
         kvq_error_code(KVQ_ERR_OOM, "out of memory");
@@ -571,7 +493,7 @@ bool engine_prefix_kv_ok(const struct kvq_context *c, const struct kvq_kv_config
     return kv->max_size == k->max_size && kv->keep == k->keep && kv->hadamard == k->hadamard &&
            kv->residual == k->residual && kv->swa_full == k->swa_full &&
            (kv->quantized_start == 0 || kv->quantized_start == k->quantized_start) &&
-           check_layer_bits(kv, c->m->model->hp.n_layer) == 0;
+           engine_check_layer_bits(kv, c->m->model->hp.n_layer) == 0;
 }
 
 /* The context's config with another format: bits and groups from kv, stored at once. */

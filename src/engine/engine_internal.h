@@ -40,5 +40,8 @@ void engine_put_kv_config(struct kv_buf *b, const struct kvq_kv_config *kv);
  * ones); -1 with an error naming `name` for a truncated or impossible one. */
 int engine_read_kv_config(struct kv_reader *r, struct kvq_kv_config *kv, uint32_t version, const char *name);
 bool engine_same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b);
+/* kv's per-layer bits for a model of n_layer layers: 0, or -1 with an error (the
+ * caches check each layer's bits against its row kind). */
+int engine_check_layer_bits(const struct kvq_kv_config *kv, int n_layer);
 
 #endif
