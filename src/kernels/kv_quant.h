@@ -86,7 +86,9 @@ struct kern_kv_run {
 };
 /* The same attention over several runs in order, as if their rows were one sequence:
  * the per-call setup (query layout, sums) is paid once. kf, vf give the strides and
- * formats (their data is ignored). f16/f32 keys and values of equal width, too. */
+ * formats (their data is ignored). f16/f32 keys and values of equal width, too. Up to
+ * KERN_KVQ_ATTN_HEADS query heads share each row's loading and unpacking. */
+#define KERN_KVQ_ATTN_HEADS 8
 void kern_kvq_attn_accumulate_runs(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *kf,
                                    const struct kern_kv_rows *vf, const struct kern_kv_run *runs, int n_runs);
 

@@ -9,7 +9,7 @@
 #include "kernels/kv_quant.h"
 
 #define KVQ_ATTN_BLOCK 32 /* rows per online-softmax step */
-#define KVQ_ATTN_MAXH 8   /* query heads processed together */
+#define KVQ_ATTN_MAXH KERN_KVQ_ATTN_HEADS /* query heads processed together */
 
 static inline bool kvq_is_quant(int bits) { return bits < 16; }
 static inline float kvq_load_f16(const uint8_t *p) {

@@ -2,7 +2,9 @@
  * the packed rows of the visible positions, block by block (at most two ranges: the
  * rotating cache's kept first tokens and the window before q), then the sink rows
  * (f16) and the residual window's f16 rows of positions (q - R, q]. */
+#include <assert.h>
 #include <math.h>
+#include <stdint.h>
 
 #include "kernels/attention.h"
 #include "kernels/kv_quant.h"
@@ -88,46 +90,94 @@ void kv_cache_query_plan(const struct kv_cache *c, int32_t q_pos, struct kv_quer
     p->ws = ws;
 }
 
-void kv_store_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale, float *out,
-                     float *scratch) {
+/* Positions [a, b] of kv_head's packed rows, whole blocks from `from` to `to` (either
+ * end clipped to [a, b]). */
+static void attn_part(const struct kv_cache *c, struct kern_attn_state *s, const float *qs, int kv_head, int32_t a,
+                      int32_t b, int32_t from, int32_t to) {
+    a = max32(a, from);
+    b = min32(b, to);
+    if (a <= b) attn_blocks(c, s, qs, kv_head, a, b);
+}
+
+/* Heads [h0, h0 + n) of s as a state of their own. */
+static struct kern_attn_state state_view(const struct kern_attn_state *s, int h0, int n) {
+    return (struct kern_attn_state){n, s->d, s->m + h0, s->l + h0, s->acc + (size_t)h0 * s->d};
+}
+
+int kv_store_attend_tokens_max(const struct kv_shape *shape) {
+    const int group = shape->n_heads / shape->n_kv_heads;
+    return group >= KERN_KVQ_ATTN_HEADS ? 1 : KERN_KVQ_ATTN_HEADS / group;
+}
+
+/* Tokens at consecutive positions (a prompt chunk) see mostly the same packed rows:
+ * the whole blocks every one of them sees are read once for all, their query heads
+ * side by side in one state (the kernels score up to KERN_KVQ_ATTN_HEADS heads a row at
+ * once: a row's codes are loaded and unpacked once for them). What else a token sees
+ * is read for it alone, each token's rows in the order one token alone reads them,
+ * in the same runs (a run never crosses a block), so every token's result is what
+ * attending alone gives. */
+void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out, int32_t q_pos,
+                     int n, float scale, float *scratch) {
     const struct kv_store *st = store_of(c);
-    const int D = c->shape.head_dim, group = c->shape.n_heads / c->shape.n_kv_heads;
-    float *qs = scratch;
-    for (int i = 0; i < group * D; i++) qs[i] = q[i] * scale;
+    const int D = c->shape.head_dim, group = c->shape.n_heads / c->shape.n_kv_heads, nq = n * group;
+    assert(n >= 1 && n <= kv_store_attend_tokens_max(&c->shape));
+    float *qs = scratch, *state = qs + (size_t)nq * D, *pm = state + kern_attn_state_floats(nq, D), *pl = pm + nq;
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < group * D; i++) qs[(size_t)t * group * D + i] = q[t][i] * scale;
     if (st->kf.rot)
-        for (int h = 0; h < group; h++) kern_kvq_hadamard(qs + (size_t)h * D, D, st->signs);
-    struct kern_attn_state s;
-    kern_attn_state_init(&s, group, D, scratch + (size_t)group * D);
-    struct kv_query_plan plan;
-    kv_cache_query_plan(c, q_pos, &plan);
-    const int32_t sn = plan.sinks, ws = plan.ws;
-    if (plan.a1 <= plan.b1) attn_blocks(c, &s, qs, kv_head, plan.a1, plan.b1);
-    if (plan.a2 <= plan.b2) attn_blocks(c, &s, qs, kv_head, plan.a2, plan.b2);
+        for (int h = 0; h < nq; h++) kern_kvq_hadamard(qs + (size_t)h * D, D, st->signs);
+    struct kern_attn_state all;
+    kern_attn_state_init(&all, nq, D, state);
+    struct kv_query_plan plan[KERN_KVQ_ATTN_HEADS];
+    int32_t lo = INT32_MIN, hi = INT32_MAX; /* the rows every token sees */
+    for (int t = 0; t < n; t++) {
+        kv_cache_query_plan(c, q_pos + t, &plan[t]);
+        lo = max32(lo, plan[t].a2);
+        hi = min32(hi, plan[t].b2);
+    }
+    const int32_t B = KV_BLOCK_TOKENS;
+    lo = (lo + B - 1) / B * B; /* whole blocks */
+    hi = (hi + 1) / B * B - 1;
+    if (n == 1 || lo > hi) lo = INT32_MAX, hi = INT32_MAX - 1; /* none shared: each token alone */
+    for (int t = 0; t < n; t++) { /* the kept first tokens, then the rows before the shared ones */
+        struct kern_attn_state s = state_view(&all, t * group, group);
+        const float *qt = qs + (size_t)t * group * D;
+        if (plan[t].a1 <= plan[t].b1) attn_blocks(c, &s, qt, kv_head, plan[t].a1, plan[t].b1);
+        attn_part(c, &s, qt, kv_head, plan[t].a2, plan[t].b2, INT32_MIN, lo - 1);
+    }
+    if (lo <= hi) attn_blocks(c, &all, qs, kv_head, lo, hi);
     /* The packed keys lack the key offset: their scores are short of q.mu, the same
      * for all of them, so adding it to the running max makes them comparable with
      * the f16 rows (which carry no offset). The packed values lack the value offset:
      * it comes back weighted by the packed rows' share of the softmax mass. */
     const float *kmu = kv_side_mu(st, &st->kf, 0, kv_head, D, c->shape.n_kv_heads);
     const float *vmu = kv_side_mu(st, &st->vf, 1, kv_head, D, c->shape.n_kv_heads);
-    float *pm = scratch + (size_t)group * D * 2 + kern_attn_state_floats(group, D) + 64, *pl = pm + group;
-    for (int h = 0; h < group; h++) {
-        if (kmu && s.l[h] > 0) {
-            float dot = 0;
-            for (int i = 0; i < D; i++) dot += q[(size_t)h * D + i] * kmu[i];
-            s.m[h] += dot * scale;
-        }
-        pm[h] = s.m[h];
-        pl[h] = s.l[h];
-    }
-    if (sn > 0) win_attn(c, &s, qs, kv_head, st->sink, 0, sn - 1, q_pos);
-    if (ws <= q_pos) win_attn(c, &s, qs, kv_head, st->rec, ws, q_pos, q_pos);
-    kern_attn_finish(&s, out);
-    if (st->vf.rot)
-        for (int h = 0; h < group; h++) kern_kvq_hadamard_inv(out + (size_t)h * D, D, st->signs);
-    if (vmu)
+    for (int t = 0; t < n; t++) {
+        struct kern_attn_state s = state_view(&all, t * group, group);
+        const float *qt = qs + (size_t)t * group * D;
+        const int32_t p = q_pos + t, sn = plan[t].sinks, ws = plan[t].ws;
+        attn_part(c, &s, qt, kv_head, plan[t].a2, plan[t].b2, lo <= hi ? hi + 1 : lo, INT32_MAX);
         for (int h = 0; h < group; h++) {
-            if (!(pl[h] > 0) || !(s.l[h] > 0)) continue;
-            float share = pl[h] * expf(pm[h] - s.m[h]) / s.l[h];
-            for (int i = 0; i < D; i++) out[(size_t)h * D + i] += share * vmu[i];
+            if (kmu && s.l[h] > 0) {
+                float dot = 0;
+                for (int i = 0; i < D; i++) dot += q[t][(size_t)h * D + i] * kmu[i];
+                s.m[h] += dot * scale;
+            }
+            pm[t * group + h] = s.m[h];
+            pl[t * group + h] = s.l[h];
         }
+        if (sn > 0) win_attn(c, &s, qt, kv_head, st->sink, 0, sn - 1, p);
+        if (ws <= p) win_attn(c, &s, qt, kv_head, st->rec, ws, p, p);
+        float *o = out[t];
+        kern_attn_finish(&s, o);
+        if (st->vf.rot)
+            for (int h = 0; h < group; h++) kern_kvq_hadamard_inv(o + (size_t)h * D, D, st->signs);
+        if (vmu)
+            for (int h = 0; h < group; h++) {
+                const float m0 = pm[t * group + h], l0 = pl[t * group + h];
+                if (!(l0 > 0) || !(s.l[h] > 0)) continue;
+                float share = l0 * expf(m0 - s.m[h]) / s.l[h];
+                for (int i = 0; i < D; i++) o[(size_t)h * D + i] += share * vmu[i];
+            }
+    }
 }

@@ -88,14 +88,21 @@ int kv_cache_append(struct kv_cache *c, int n, const float *k, const float *v) {
 
 void kv_cache_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale, float *out,
                      float *scratch) {
-    kv_store_attend(c, kv_head, q, q_pos, scale, out, scratch);
+    kv_store_attend(c, kv_head, &q, &out, q_pos, 1, scale, scratch);
 }
 
+void kv_cache_attend_tokens(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out,
+                            int32_t q_pos, int n, float scale, float *scratch) {
+    kv_store_attend(c, kv_head, q, out, q_pos, n, scale, scratch);
+}
+
+int kv_cache_attend_tokens_max(const struct kv_shape *shape) { return kv_store_attend_tokens_max(shape); }
+
 size_t kv_cache_scratch_floats(const struct kv_shape *shape) {
-    int group = shape->n_heads / shape->n_kv_heads;
-    /* scaled (and possibly rotated) query, online-softmax state, per-group sums, and
-     * the state after the packed rows */
-    return (size_t)group * shape->head_dim * 2 + kern_attn_state_floats(group, shape->head_dim) + 64 + 2 * (size_t)group;
+    const size_t nq = (size_t)(shape->n_heads / shape->n_kv_heads) * (size_t)kv_store_attend_tokens_max(shape);
+    /* the scaled (and possibly rotated) queries, the online-softmax state, and the
+     * state after the packed rows */
+    return nq * shape->head_dim + kern_attn_state_floats((int)nq, shape->head_dim) + 2 * nq;
 }
 
 const struct kv_cache_config *kv_cache_get_config(const struct kv_cache *c) { return &c->cfg; }

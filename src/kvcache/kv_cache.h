@@ -81,6 +81,13 @@ int kv_cache_append(struct kv_cache *c, int n, const float *k, const float *v);
  * for concurrent calls (no mutation). */
 void kv_cache_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale,
                      float *out, float *scratch);
+/* The same for n tokens at positions q_pos .. q_pos + n - 1 (q[t], out[t] as above),
+ * n <= kv_cache_attend_tokens_max(): the packed rows all of them see are read once
+ * for all, and each result is what kv_cache_attend gives. */
+void kv_cache_attend_tokens(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out,
+                            int32_t q_pos, int n, float scale, float *scratch);
+int kv_cache_attend_tokens_max(const struct kv_shape *shape);
+/* Scratch floats for either. */
 size_t kv_cache_scratch_floats(const struct kv_shape *shape);
 
 /* Number of tokens the sequence has seen (the next position). */

@@ -121,8 +121,9 @@ int kv_windows_append(struct kv_cache *c, int n, const float *k, const float *v,
 size_t kv_win_bytes(const struct kv_cache *c, const struct kv_win *w);
 
 /* ---- kv_attend.c ---- */
-void kv_store_attend(const struct kv_cache *c, int kv_head, const float *q, int32_t q_pos, float scale, float *out,
-                     float *scratch);
+void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out, int32_t q_pos,
+                     int n, float scale, float *scratch);
+int kv_store_attend_tokens_max(const struct kv_shape *shape);
 
 /* ---- kv_serialize.c ---- */
 void kv_store_save(const struct kv_cache *c, struct kv_buf *b);

@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/threadpool.h"
 #include "kernels/activation.h"
+#include "kernels/kv_quant.h"
 #include "kernels/matmul.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
@@ -41,8 +42,11 @@ struct cpu_backend {
     float *attn_scratch; /* per thread */
     size_t attn_scratch_floats;
     int attn_scratch_threads;
-    int64_t *attn_order; /* [max_tokens]: tokens by decreasing position (and index) */
-    int attn_order_cap;
+    /* [max_tokens]: a batch's tokens by cache and position, and in groups of consecutive
+     * positions of one cache attended together, the longest attention first */
+    struct attn_tok *attn_toks;
+    struct attn_group *attn_groups;
+    int attn_cap;
     struct append_row *append_rows; /* [max_tokens]: an append's rows being encoded */
     int append_rows_cap;
     uint8_t *staging; /* their encoded bytes */
@@ -481,14 +485,20 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
     return 0;
 }
 
+struct attn_tok {
+    uintptr_t cache;
+    int32_t pos, t;
+};
+struct attn_group {
+    int32_t last, first, n; /* the last position; tokens attn_toks[first .. first + n) */
+};
+
 struct attn_task {
     struct cpu_backend *cb;
     const struct be_attention *a;
-    int n;
 };
-/* Items are (token, KV head) pairs, tokens in attn_order (the longest attention
- * first), dealt round-robin to the threads' parts: each part starts with long items
- * and ends with short ones. */
+/* Items are (group, KV head) pairs, the groups dealt round-robin to the threads'
+ * parts: each part starts with long items and ends with short ones. */
 static void attn_task_run(void *p, int ith, int nth) {
     const struct attn_task *at = p;
     const struct be_attention *a = at->a;
@@ -496,25 +506,41 @@ static void attn_task_run(void *p, int ith, int nth) {
     float *scratch = at->cb->attn_scratch + (size_t)ith * at->cb->attn_scratch_floats;
     int part, s;
     while ((s = kvq_work_next(at->cb->work, ith, &part)) >= 0) {
-        const int item = s * nth + part;
-        const int t = (int)(at->cb->attn_order[item / a->n_kv] & 0xffffffff), h = item % a->n_kv;
-        size_t off = (size_t)t * q_dim + (size_t)h * group * D;
-        kv_cache_attend(a->caches[t], h, a->q + off, a->pos[t], a->scale, a->out + off, scratch);
+        const int item = s * nth + part, h = item % a->n_kv;
+        const struct attn_group *g = &at->cb->attn_groups[item / a->n_kv];
+        const struct attn_tok *tk = &at->cb->attn_toks[g->first];
+        const float *q[KERN_KVQ_ATTN_HEADS];
+        float *out[KERN_KVQ_ATTN_HEADS];
+        for (int i = 0; i < g->n; i++) {
+            const size_t off = (size_t)tk[i].t * q_dim + (size_t)h * group * D;
+            q[i] = a->q + off;
+            out[i] = a->out + off;
+        }
+        kv_cache_attend_tokens(a->caches[tk[0].t], h, q, out, tk[0].pos, g->n, a->scale, scratch);
     }
 }
 
-static int ensure_attn_order(struct cpu_backend *cb, int n) {
-    if (n <= cb->attn_order_cap) return 0;
-    free(cb->attn_order);
-    cb->attn_order = malloc(sizeof *cb->attn_order * (size_t)n);
-    cb->attn_order_cap = cb->attn_order ? n : 0;
-    return cb->attn_order ? 0 : -1;
+static int ensure_attn(struct cpu_backend *cb, int n) {
+    if (n <= cb->attn_cap) return 0;
+    free(cb->attn_toks);
+    free(cb->attn_groups);
+    cb->attn_toks = malloc(sizeof *cb->attn_toks * (size_t)n);
+    cb->attn_groups = malloc(sizeof *cb->attn_groups * (size_t)n);
+    cb->attn_cap = cb->attn_toks && cb->attn_groups ? n : 0;
+    return cb->attn_cap ? 0 : -1;
 }
 
-/* Decreasing keys: (position << 32 | ~token) puts equal positions in token order. */
-static int cmp_desc(const void *x, const void *y) {
-    const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
-    return a < b ? 1 : a > b ? -1 : 0;
+static int cmp_tok(const void *x, const void *y) {
+    const struct attn_tok *a = x, *b = y;
+    if (a->cache != b->cache) return a->cache < b->cache ? -1 : 1;
+    return a->pos < b->pos ? -1 : a->pos > b->pos;
+}
+
+/* The longest attention first; equal ones in token order. */
+static int cmp_group(const void *x, const void *y) {
+    const struct attn_group *a = x, *b = y;
+    if (a->last != b->last) return a->last > b->last ? -1 : 1;
+    return a->first < b->first ? -1 : a->first > b->first;
 }
 
 static void cpu_attention(struct backend *b, const struct be_attention *a, int n) {
@@ -529,13 +555,27 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
         cb->attn_scratch_threads = cb->attn_scratch ? nth : 0;
         if (!cb->attn_scratch) return;
     }
-    if (ensure_attn_order(cb, n) != 0) return; /* reserve sized it for max_tokens */
-    for (int t = 0; t < n; t++) cb->attn_order[t] = (int64_t)a->pos[t] << 32 | (uint32_t)(0xffffffffu - (uint32_t)t);
-    qsort(cb->attn_order, (size_t)n, sizeof *cb->attn_order, cmp_desc);
-    for (int t = 0; t < n; t++) cb->attn_order[t] = 0xffffffffu - (uint32_t)(cb->attn_order[t] & 0xffffffff);
-    struct attn_task at = {cb, a, n};
+    if (ensure_attn(cb, n) != 0) return; /* reserve sized it for max_tokens */
+    struct attn_tok *tk = cb->attn_toks;
+    for (int t = 0; t < n; t++) tk[t] = (struct attn_tok){(uintptr_t)a->caches[t], a->pos[t], t};
+    qsort(tk, (size_t)n, sizeof *tk, cmp_tok);
+    /* runs of consecutive positions of one cache (a prompt chunk), as many tokens a
+     * group as attend together */
+    const int per = kv_cache_attend_tokens_max(&shape);
+    int ng = 0;
+    for (int t = 0; t < n; t++) {
+        struct attn_group *g = ng ? &cb->attn_groups[ng - 1] : NULL;
+        if (g && g->n < per && tk[t].cache == tk[t - 1].cache && tk[t].pos == tk[t - 1].pos + 1) {
+            g->n++;
+            g->last = tk[t].pos;
+        } else {
+            cb->attn_groups[ng++] = (struct attn_group){tk[t].pos, t, 1};
+        }
+    }
+    qsort(cb->attn_groups, (size_t)ng, sizeof *cb->attn_groups, cmp_group);
+    struct attn_task at = {cb, a};
     int *counts = kvq_work_counts(cb->work);
-    for (int i = 0; i < nth; i++) counts[i] = (n * a->n_kv - i + nth - 1) / nth;
+    for (int i = 0; i < nth; i++) counts[i] = (ng * a->n_kv - i + nth - 1) / nth;
     kvq_work_start(cb->work);
     kvq_threads_run(cb->pool, attn_task_run, &at);
 }
@@ -544,7 +584,7 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
 
 static int cpu_reserve(struct backend *b, int max_tokens, int64_t widest) {
     struct cpu_backend *cb = cpu(b);
-    if (ensure_attn_order(cb, max_tokens) != 0 || ensure_append(cb, max_tokens) != 0)
+    if (ensure_attn(cb, max_tokens) != 0 || ensure_append(cb, max_tokens) != 0)
         return kvq_error_code(KVQ_ERR_OOM, "out of memory");
     return ensure_act(cb, max_act_row_bytes(widest) * (size_t)max_tokens);
 }
@@ -585,7 +625,8 @@ static void cpu_free(struct backend *b) {
     cpu_weights_free(&cb->weights);
     for (int i = 0; i < MAX_ACT_TYPES; i++) free(cb->act_mem[i]);
     free(cb->attn_scratch);
-    free(cb->attn_order);
+    free(cb->attn_toks);
+    free(cb->attn_groups);
     free(cb->append_rows);
     free(cb->staging);
     kvq_work_free(cb->work);
