@@ -348,12 +348,15 @@ int cmd_serve(int argc, char **argv) {
     if (o.cache_mb > 0) {
         /* each side is cached with at most --prefix-cache-bits (never more than it lives with) */
         struct kvq_kv_config store_kv = o.cp.kv;
+        int kept = 0; /* per-layer ranges capped too; those left as the rest are dropped */
         for (int i = -1; i < store_kv.n_layer_bits; i++) {
             int *k = i < 0 ? &store_kv.k_bits : &store_kv.layer_bits[i].k_bits;
             int *v = i < 0 ? &store_kv.v_bits : &store_kv.layer_bits[i].v_bits;
             if (o.cache_bits < *k) *k = o.cache_bits;
             if (o.cache_bits < *v) *v = o.cache_bits;
+            if (i >= 0 && (*k != store_kv.k_bits || *v != store_kv.v_bits)) store_kv.layer_bits[kept++] = store_kv.layer_bits[i];
         }
+        store_kv.n_layer_bits = kept;
         struct prefix_cache_params pp = {.kv = &o.cp.kv, .store_kv = &store_kv, .min_tokens = o.cache_min_tokens,
                                          .budget = cache_bytes, .dir = o.cache_dir, .remote = remote};
         if (!kvq_kv_same_format(&store_kv, &o.cp.kv)) {
