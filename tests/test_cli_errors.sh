@@ -44,6 +44,7 @@ expect_error "--kv-layer-bits on an f16 cache" "change only quantized sides" -- 
 expect_error "--kv-layer-bits backwards" "run backwards" -- "$kvq" generate -m "$model" -p hi --kv-bits 4 --kv-layer-bits 3-1=5
 expect_error "--kv-layer-bits without =" "expected LAYERS=BITS" -- "$kvq" generate -m "$model" -p hi --kv-bits 4 --kv-layer-bits 3
 expect_error "--kv-layer-bits bad bits" "bits must be 2, 3, 4, 5, 6 or 8" -- "$kvq" generate -m "$model" -p hi --kv-bits 4 --kv-layer-bits 3=7
+expect_error "--kv-layer-bits: equal bytes, another split, on a GPU" "cannot tell apart" -- "$kvq" generate -m "$model" -p hi --device cuda --kv-bits 4,4:nf --kv-layer-bits 3=5,3
 expect_error "calibrate-kv on f16" "give --kv-bits" -- "$kvq" calibrate-kv -m "$model" -f "$tmp/long.txt"
 expect_error "calibrate-kv --to lower" "must raise" -- "$kvq" calibrate-kv -m "$model" -f "$tmp/long.txt" --kv-bits 4,4:nf --to 3,4
 expect_error "calibrate-kv uniform rows" "give --budget-bits" -- "$kvq" calibrate-kv -m "$model" -f "$tmp/long.txt" --kv-bits 4 -c 256 --chunks 1

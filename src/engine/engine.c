@@ -353,7 +353,9 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
                   p->kv.keep, n_ctx);
         return NULL;
     }
-    if (engine_check_layer_bits(&p->kv, hp->n_layer) != 0 || check_gpus(p, hp) != 0) return NULL;
+    if (engine_check_layer_bits(&p->kv, hp->n_layer) != 0 || check_gpus(p, hp) != 0 ||
+        (p->device == KVQ_DEVICE_CUDA && engine_check_gpu_layouts(&p->kv, hp->n_layer, hp->head_dim) != 0))
+        return NULL;
     struct kvq_context *c = calloc(1, sizeof *c);
     if (!c) {
         kvq_error_code(KVQ_ERR_OOM, "out of memory");

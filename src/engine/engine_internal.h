@@ -43,5 +43,7 @@ bool engine_same_kv(const struct kvq_kv_config *a, const struct kvq_kv_config *b
 /* kv's per-layer bits for a model of n_layer layers: 0, or -1 with an error (the
  * caches check each layer's bits against its row kind). */
 int engine_check_layer_bits(const struct kvq_kv_config *kv, int n_layer);
+/* kv's layers' row layouts as a GPU context can hold them: 0, or -1 with an error. */
+int engine_check_gpu_layouts(const struct kvq_kv_config *kv, int n_layer, int head_dim);
 
 #endif

@@ -4,6 +4,7 @@
 #include <stdio.h>
 
 #include "core/error.h"
+#include "kernels/kv_quant.h"
 #include "engine/engine_internal.h"
 
 void kvq_kv_layer_bits(const struct kvq_kv_config *kv, int il, int *k_bits, int *v_bits) {
@@ -80,5 +81,26 @@ int engine_check_layer_bits(const struct kvq_kv_config *kv, int n_layer) {
                              "(the cache is K%d/V%d)",
                              l->first, l->last, l->k_bits, l->v_bits, kv->k_bits, kv->v_bits);
     }
+    return 0;
+}
+
+/* The CUDA backend copies a block's dirty rows in the layout of the layer it attends
+ * whenever the block's size matches that layout's; so no two layers may share a head's
+ * bytes a token while splitting them otherwise between keys and values. */
+int engine_check_gpu_layouts(const struct kvq_kv_config *kv, int n_layer, int head_dim) {
+    for (int a = 0; a < n_layer; a++)
+        for (int b = 0; b < a; b++) {
+            int ka, va, kb, vb;
+            kvq_kv_layer_bits(kv, a, &ka, &va);
+            kvq_kv_layer_bits(kv, b, &kb, &vb);
+            const size_t rk = kern_kvq_row_bytes(ka, kv->k_group, head_dim), rv = kern_kvq_row_bytes(va, kv->v_group, head_dim);
+            const size_t sk = kern_kvq_row_bytes(kb, kv->k_group, head_dim), sv = kern_kvq_row_bytes(vb, kv->v_group, head_dim);
+            if (rk + rv == sk + sv && rk != sk)
+                return kvq_error_code(KVQ_ERR_UNSUPPORTED,
+                                      "--device cuda: layers %d (K%d/V%d) and %d (K%d/V%d) take as many KV bytes in "
+                                      "another key/value split, which the GPU's row copies cannot tell apart: pick "
+                                      "other bits for one of them",
+                                      b, kb, vb, a, ka, va);
+        }
     return 0;
 }
