@@ -263,18 +263,12 @@ int cmd_calibrate_kv(int argc, char **argv) {
         double kld;
         if (evaluate(&r, &one, &kld) != 0) goto done;
         gain[il] = kld_low - kld;
+        extra[il] = rows_bits(r.m, &one, o.n_ctx) - bits_low; /* a sliding layer's bytes stop at its window */
         order[il] = il;
-        printf("%5d  %27.6f  %9.6f  %12.4f\n", il, kld, gain[il], rows_bits(r.m, &one, o.n_ctx));
+        printf("%5d  %27.6f  %9.6f  %12.4f\n", il, kld, gain[il], bits_low + extra[il]);
     }
     if (tty) fprintf(stderr, "\r\033[K");
-    /* the most KLD saved per bit first (a sliding layer's bytes stop at its window) */
-    for (int il = 0; il < info.n_layer; il++) {
-        struct kvq_kv_config one;
-        set_all(chosen, info.n_layer, false);
-        chosen[il] = true;
-        with_layers(low, chosen, info.n_layer, o.to, &one);
-        extra[il] = rows_bits(r.m, &one, o.n_ctx) - bits_low;
-    }
+    /* the most KLD saved per bit first */
     for (int i = 1; i < info.n_layer; i++)
         for (int j = i; j > 0 && gain[order[j]] / extra[order[j]] > gain[order[j - 1]] / extra[order[j - 1]]; j--) {
             int t = order[j];

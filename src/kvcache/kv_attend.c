@@ -138,7 +138,7 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *
     const int32_t B = KV_BLOCK_TOKENS;
     lo = (lo + B - 1) / B * B; /* whole blocks */
     hi = (hi + 1) / B * B - 1;
-    if (n == 1 || lo > hi) lo = INT32_MAX, hi = INT32_MAX - 1; /* none shared: each token alone */
+    if (n == 1 || lo > hi) lo = INT32_MAX, hi = INT32_MAX - 1; /* none shared: all before it, alone */
     for (int t = 0; t < n; t++) { /* the kept first tokens, then the rows before the shared ones */
         struct kern_attn_state s = state_view(&all, t * group, group);
         const float *qt = qs + (size_t)t * group * D;
@@ -156,7 +156,7 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *
         struct kern_attn_state s = state_view(&all, t * group, group);
         const float *qt = qs + (size_t)t * group * D;
         const int32_t p = q_pos + t, sn = plan[t].sinks, ws = plan[t].ws;
-        attn_part(c, &s, qt, kv_head, plan[t].a2, plan[t].b2, lo <= hi ? hi + 1 : lo, INT32_MAX);
+        attn_part(c, &s, qt, kv_head, plan[t].a2, plan[t].b2, hi + 1, INT32_MAX);
         for (int h = 0; h < group; h++) {
             if (kmu && s.l[h] > 0) {
                 float dot = 0;
