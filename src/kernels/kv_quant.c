@@ -215,7 +215,12 @@ void kern_kvq_dequantize_row(const uint8_t *src, int d, int bits, int group, flo
         return;
     }
     if (bits == 16) {
-        for (int i = 0; i < d; i++) x[i] = kvq_load_f16(src + 2 * i);
+        switch (kvq_simd_level()) {
+        case KVQ_SIMD_AVX512: kern_kvq_from_f16_avx512(src, d, x); break;
+        case KVQ_SIMD_AVX2: kern_kvq_from_f16_avx2(src, d, x); break;
+        default:
+            for (int i = 0; i < d; i++) x[i] = kvq_load_f16(src + 2 * i);
+        }
         return;
     }
     uint8_t codes[KERN_KVQ_MAX_DIM];

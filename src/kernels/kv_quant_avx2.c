@@ -115,6 +115,12 @@ void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst) {
     }
 }
 
+void kern_kvq_from_f16_avx2(const uint8_t *src, int d, float *x) {
+    int i = 0;
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+    for (; i < d; i++) x[i] = kvq_load_f16(src + 2 * i);
+}
+
 /* The butterflies of stages 1, 2, 4 inside a vector: lane i meets lane i ^ m; the lower
  * of the two takes a + c, the upper a - c (a the lower's value, c the upper's). */
 static inline __m256 fwht8(__m256 v) {

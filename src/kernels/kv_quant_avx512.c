@@ -207,6 +207,16 @@ void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst) {
     }
 }
 
+void kern_kvq_from_f16_avx512(const uint8_t *src, int d, float *x) {
+    int i = 0;
+    for (; i + 16 <= d; i += 16)
+        _mm512_storeu_ps(x + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * i))));
+    if (i < d) {
+        const __mmask16 m = (__mmask16)((1u << (d - i)) - 1);
+        _mm512_mask_storeu_ps(x + i, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + 2 * i)));
+    }
+}
+
 /* 16 codes of x (scalar encoder's rounding) stored at out: bytes, or 4-bit pairs */
 static void codes16_avx512(const float *x, __m512 bias, __m512 inv, __m512 top, int bits, uint8_t *out) {
     __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x), bias), inv), _mm512_set1_ps(0.5f));

@@ -114,6 +114,9 @@ void kern_kvq_attn_avx512vbmi_runs(struct kern_attn_state *s, int h0, int nh, co
  * (F16C; a NaN stays a NaN, its payload may differ). */
 void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst);
 void kern_kvq_to_f16_avx512(const float *x, int d, uint8_t *dst);
+/* The f16 row at src (unaligned) -> x[d], exactly (F16C). */
+void kern_kvq_from_f16_avx2(const uint8_t *src, int d, float *x);
+void kern_kvq_from_f16_avx512(const uint8_t *src, int d, float *x);
 /* The Walsh-Hadamard butterflies of n values (n a power of two >= 16) in place, the
  * same float additions as the scalar ones (bit for bit). */
 void kern_kvq_fwht_avx512(float *x, int n);

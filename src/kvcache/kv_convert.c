@@ -236,18 +236,25 @@ void kv_cache_offsets_part(struct kv_cache *c, int part) {
     const int32_t T = mu_tokens(c);
     const struct kv_win *w = st->rec;
     const struct kv_fmt *wf = side ? &st->wvf : &st->wkf, *pf = side ? &st->vf : &st->kf;
-    float *mu = st->mu + ((size_t)side * H + h) * D, x[KERN_KVQ_MAX_DIM];
-    memset(mu, 0, sizeof(float) * (size_t)D);
+    float *mu = st->mu + ((size_t)side * H + h) * D, x[KERN_KVQ_MAX_DIM], rot_mu[KERN_KVQ_MAX_DIM] = {0};
+    /* The window rows are rotated as the packed rows are (wf->rot == pf->rot), and the
+     * rotation is linear: the offsets' rotation is the mean of the rotated rows, and a
+     * row's packed form, the rotation of (row - offsets), is the window row less it. No
+     * rotation per row, either way (it was most of this work, which every prompt does
+     * for every layer). */
     for (int32_t p = 1; p < T; p++) {
-        kv_decode_row(st, wf, D, kv_win_row(w, wf, side, h, p), NULL, x);
-        for (int i = 0; i < D; i++) mu[i] += x[i] / (float)(T - 1);
+        kern_kvq_dequantize_row(kv_win_row(w, wf, side, h, p), D, wf->bits, wf->group, x);
+        for (int i = 0; i < D; i++) rot_mu[i] += x[i] / (float)(T - 1);
     }
-    const float *pmu = kv_side_mu(st, pf, side, h, D, H);
+    memcpy(mu, rot_mu, sizeof(float) * (size_t)D);
+    if (wf->rot) kern_kvq_hadamard_inv(mu, D, st->signs);
+    if (!kv_side_mu(st, pf, side, h, D, H)) return; /* a float side: its rows stay as they are */
     for (int32_t p = 0; p < T; p++) {
         struct kv_block *b = kv_store_block(st, p);
         if (!b) continue;
-        kv_decode_row(st, wf, D, kv_win_row(w, wf, side, h, p), NULL, x);
-        kv_encode_row(st, pf, D, x, pmu, kv_block_row(c, b, side, h, p));
+        kern_kvq_dequantize_row(kv_win_row(w, wf, side, h, p), D, wf->bits, wf->group, x);
+        for (int i = 0; i < D; i++) x[i] -= rot_mu[i];
+        kern_kvq_quantize_row(x, D, pf->bits, pf->group, kv_block_row(c, b, side, h, p));
     }
 }
 

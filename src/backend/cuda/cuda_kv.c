@@ -687,11 +687,13 @@ static void on_host_threads(struct cuda_backend *cb, void (*task)(void *, int, i
 
 
 /* The rows of the pending appends up to `to` (read back) into the host's copy: on
- * the host threads when they are many (a prompt's), else on this thread. A decode
- * step's 32 one-token appends are a few KB: waking 15 threads for them each step
- * made a 64-token run on a 16-core host decode up to a third slower now and then
- * (a thread late to run holds the step), and never with 4 threads or 1. */
-#define ROWS_FOR_THREADS 256
+ * the host threads when they are many (a prompt's, or a layer's of 64 sequences or
+ * more: 128 sequences' rows are some 50 small copies each, which on one thread made
+ * a server step wait), else on this thread. A decode step's 32 one-token appends are
+ * a few KB: waking 15 threads for them each step made a 64-token run on a 16-core
+ * host decode up to a third slower now and then (a thread late to run holds the
+ * step), and never with 4 threads or 1. */
+#define ROWS_FOR_THREADS 64
 
 void file_rows(struct cuda_backend *cb, int to) {
     if (to <= cb->rows_from) return;
