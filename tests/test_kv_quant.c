@@ -115,6 +115,20 @@ static void test_f16_rows(void) {
             for (int i = 2 * d; i < 2 * D; i++) bad += row[i] != 0xAB; /* nothing past the row */
             CHECK(bad == 0, "f16 row d=%d at %s: %d values differ from kvq_f32_to_f16", d, kvq_simd_name(levels[li]),
                   bad);
+            /* and back, exactly: every f16 value (subnormals, infinities) as kvq_f16_to_f32 gives it */
+            float y[D + 1];
+            y[d] = 12345.0f;
+            for (int i = 0; i < d; i++) memcpy(row + 2 * i, &(uint16_t){(uint16_t)(urand() * 65536)}, 2);
+            kern_kvq_dequantize_row(row, d, 16, 0, y);
+            bad = y[d] != 12345.0f;
+            for (int i = 0; i < d; i++) {
+                uint16_t h;
+                memcpy(&h, row + 2 * i, 2);
+                const float want = kvq_f16_to_f32(h);
+                bad += isnan(want) ? !isnan(y[i]) : memcmp(&y[i], &want, 4) != 0;
+            }
+            CHECK(bad == 0, "f16 row d=%d read at %s: %d values differ from kvq_f16_to_f32", d,
+                  kvq_simd_name(levels[li]), bad);
         }
     }
     kvq_simd_force(kvq_simd_max());
