@@ -4,8 +4,9 @@
 # error shape while the server keeps serving); 8 concurrent greedy requests with
 # --kv-bits 8,4 equal to the same requests one at a time; a prefix-cache hit
 # (cached_tokens > 0, same text as with the cache off) and a hit from disk after a
-# restart; 32 streams of which a third disconnect, with KV blocks back to zero and
-# RSS back near its baseline.
+# restart; 256 streams at once (mixed lengths, an eighth dropped; K8V4, and f16 with
+# prefix-cache hits) each equal to its request alone; 32 streams of which a third
+# disconnect, with KV blocks back to zero and RSS back near its baseline.
 set -u
 # shellcheck source=tests/cli_lib.sh
 . "$(dirname "$0")/cli_lib.sh"
@@ -150,6 +151,18 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 [ "$blocks" = 0 ] && ok "choices of clients that left are freed (no KV blocks in use)" || bad "$blocks KV blocks left"
+stop_server
+
+# ---- 256 streams at once: mixed lengths, disconnects, prefix-cache hits ----------
+# Exact equality holds where a hit restores the very rows a prefill writes: f16 rows in
+# live entries. (With a quantized cache's residual window, a prefix cut back from a
+# longer entry holds packed rows where a fresh prefill's window holds f16 ones; with
+# 8-bit entries, the rows went through 8 bits: both are close, not bit for bit.)
+start_server many --kv-bits 8,4 --max-num-seqs 256 --prefix-cache-mb 0 -c 1024
+client many "$text"
+stop_server
+start_server many_hits --max-num-seqs 256 --prefix-cache-mb 64 --prefix-cache-bits 16 -c 1024
+client many "$text" hits
 stop_server
 
 # ---- back-pressure: a small KV budget makes requests wait, never corrupts them ------

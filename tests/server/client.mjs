@@ -231,6 +231,68 @@ async function disconnect() {
 }
 
 
+// A streamed completion's text from its SSE events ({aborted} when dropped after
+// `dropAfter` events).
+async function streamText(prompt, max_tokens, dropAfter = 0) {
+  const ac = new AbortController();
+  const r = await fetch(base + '/v1/completions', {
+    method: 'POST', signal: ac.signal, headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ prompt, max_tokens, temperature: 0, stream: true }),
+  });
+  const reader = r.body.getReader();
+  const dec = new TextDecoder();
+  let raw = '', events = 0;
+  for (;;) {
+    let chunk;
+    try { chunk = await reader.read(); } catch (e) { return { aborted: true }; }
+    if (chunk.done) break;
+    raw += dec.decode(chunk.value, { stream: true });
+    events = raw.split('\n\n').length - 1;
+    if (dropAfter && events >= dropAfter) { ac.abort(); return { aborted: true }; }
+  }
+  let text = '';
+  for (const ev of raw.split('\n\n')) {
+    const line = ev.split('\n').find((l) => l.startsWith('data: '));
+    if (!line || line === 'data: [DONE]') continue;
+    text += JSON.parse(line.slice(6)).choices?.[0]?.text ?? '';
+  }
+  return { aborted: false, done: raw.includes('data: [DONE]'), text };
+}
+
+// 256 greedy streams at once: prompts of 2 to 151 words, a quarter behind a shared
+// 150-word prefix, every eighth stream dropped after its first events. Every stream
+// that completes gives what its request gives alone, one at a time; nothing is left
+// running after. With `hits` (a server whose prefix cache keeps entries live) the
+// shared prefix and the requests' own earlier runs come from the cache.
+async function many() {
+  const words = readFileSync(args[0], 'utf8').split(/\s+/).filter(Boolean);
+  const shared = words.slice(1000, 1150).join(' ');
+  const ps = [...Array(256).keys()].map((i) => {
+    const n = 2 + (i * 37) % 150, own = words.slice(2000 + 13 * i, 2000 + 13 * i + n).join(' ');
+    return i % 4 === 1 ? `${shared} ${own}` : own;
+  });
+  const before = await metrics();
+  const alone = [];
+  for (const p of ps) alone.push(await complete(p, 12));
+  const runs = await Promise.all(ps.map((p, i) => streamText(p, 12, i % 8 === 3 ? 3 : 0)));
+  const kept = runs.map((r, i) => ({ ...r, i })).filter((r) => !r.aborted);
+  ok(kept.length === 224 && kept.every((r) => r.done), '224 of 256 concurrent streams completed (32 dropped)',
+     JSON.stringify(kept.filter((r) => !r.done).slice(0, 3)));
+  const differ = kept.filter((r) => r.text !== alone[r.i]);
+  ok(differ.length === 0, `each completed stream equals its request alone (${differ.length} differ)`,
+     JSON.stringify(differ.slice(0, 3).map((r) => [r.i, r.text, alone[r.i]])));
+  let m;
+  for (let t = 0; t < 100; t++) {
+    m = await metrics();
+    if (m.kvq_running_sequences === 0 && m.kvq_queue_length === 0) break;
+    await new Promise((res) => setTimeout(res, 100));
+  }
+  ok(m.kvq_running_sequences === 0 && m.kvq_queue_length === 0, 'no request left running or queued', JSON.stringify(m));
+  if (args[1] === 'hits')
+    ok(m.kvq_prefix_cache_hits_total - before.kvq_prefix_cache_hits_total >= 64, 'the prompts were served from the cache',
+       `${m.kvq_prefix_cache_hits_total - before.kvq_prefix_cache_hits_total} hits`);
+}
+
 // The fields beyond plain chat and completions, on tinydoc-f16 against transformers'
 // logits and greedy continuations (../shared/refs/tinydoc): llama-server's endpoints,
 // logit_bias, penalties, stop_token_ids, ignore_eos, min_tokens, n, echo, prompt lists
@@ -568,7 +630,7 @@ async function structured(key) {
 }
 
 const modes = { official: () => official(args[0]), extensions: () => extensions(args[0]),
-                structured: () => structured(args[0]), concurrent, prefix, disconnect };
+                structured: () => structured(args[0]), concurrent, prefix, disconnect, many };
 try { await modes[mode](); }
 catch (e) { failed++; console.log(`FAIL: ${mode}: ${e.stack ?? e}`); }
 process.exit(failed ? 1 : 0);
