@@ -196,23 +196,11 @@ async function disconnect() {
   const words = readFileSync(args[0], 'utf8').split(/\s+/).filter(Boolean);
   const ps = [...Array(8).keys()].map((i) => words.slice(i * 40, i * 40 + 10 + 5 * i).join(' '));
   const run = async (i) => {
-    const ac = new AbortController();
-    const r = await fetch(base + '/v1/chat/completions', {
-      method: 'POST', signal: ac.signal, headers: { 'content-type': 'application/json' },
-      body: JSON.stringify({ messages: [{ role: 'user', content: ps[i % ps.length] }], max_tokens: 40, temperature: 0, stream: true }),
-    });
-    const reader = r.body.getReader();
-    const dec = new TextDecoder();
-    let text = '', events = 0;
-    for (;;) {
-      let chunk;
-      try { chunk = await reader.read(); } catch (e) { return { aborted: true }; }
-      if (chunk.done) break;
-      text += dec.decode(chunk.value, { stream: true });
-      events = text.split('\n\n').length - 1;
-      if (i % 3 === 0 && events >= 3) { ac.abort(); return { aborted: true }; }
-    }
-    return { i, aborted: false, done: text.includes('data: [DONE]'), finished: /"finish_reason":"(stop|length)"/.test(text) };
+    const r = await stream('/v1/chat/completions', {
+      messages: [{ role: 'user', content: ps[i % ps.length] }], max_tokens: 40, temperature: 0, stream: true,
+    }, i % 3 === 0 ? 3 : 0);
+    if (r.aborted) return r;
+    return { i, aborted: false, done: r.raw.includes('data: [DONE]'), finished: /"finish_reason":"(stop|length)"/.test(r.raw) };
   };
   const results = await Promise.all([...Array(32).keys()].map(run));
   const kept = results.filter((r) => !r.aborted);
@@ -231,32 +219,36 @@ async function disconnect() {
 }
 
 
-// A streamed completion's text from its SSE events ({aborted} when dropped after
-// `dropAfter` events).
-async function streamText(prompt, max_tokens, dropAfter = 0) {
+// A stream's raw SSE text ({aborted} when dropped after `dropAfter` events).
+async function stream(path, body, dropAfter = 0) {
   const ac = new AbortController();
-  const r = await fetch(base + '/v1/completions', {
-    method: 'POST', signal: ac.signal, headers: { 'content-type': 'application/json' },
-    body: JSON.stringify({ prompt, max_tokens, temperature: 0, stream: true }),
+  const r = await fetch(base + path, {
+    method: 'POST', signal: ac.signal, headers: { 'content-type': 'application/json' }, body: JSON.stringify(body),
   });
   const reader = r.body.getReader();
   const dec = new TextDecoder();
-  let raw = '', events = 0;
+  let raw = '';
   for (;;) {
     let chunk;
     try { chunk = await reader.read(); } catch (e) { return { aborted: true }; }
     if (chunk.done) break;
     raw += dec.decode(chunk.value, { stream: true });
-    events = raw.split('\n\n').length - 1;
-    if (dropAfter && events >= dropAfter) { ac.abort(); return { aborted: true }; }
+    if (dropAfter && raw.split('\n\n').length - 1 >= dropAfter) { ac.abort(); return { aborted: true }; }
   }
+  return { aborted: false, raw };
+}
+
+// A streamed greedy completion's text.
+async function streamText(prompt, max_tokens, dropAfter = 0) {
+  const r = await stream('/v1/completions', { prompt, max_tokens, temperature: 0, stream: true }, dropAfter);
+  if (r.aborted) return r;
   let text = '';
-  for (const ev of raw.split('\n\n')) {
+  for (const ev of r.raw.split('\n\n')) {
     const line = ev.split('\n').find((l) => l.startsWith('data: '));
     if (!line || line === 'data: [DONE]') continue;
     text += JSON.parse(line.slice(6)).choices?.[0]?.text ?? '';
   }
-  return { aborted: false, done: raw.includes('data: [DONE]'), text };
+  return { aborted: false, done: r.raw.includes('data: [DONE]'), text };
 }
 
 // 256 greedy streams at once: prompts of 2 to 151 words, a quarter behind a shared
