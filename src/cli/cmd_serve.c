@@ -340,6 +340,18 @@ int cmd_serve(int argc, char **argv) {
     if (!o.cp.kv_budget_bytes) /* --kv-budget-mb: none; a full context per sequence, and room for the prefix cache on top */
         o.cp.kv_budget_bytes = (kvq_kv_token_bytes(m, &o.cp.kv) * (((size_t)n_ctx + 63) / 64 * 64) +
                                 kvq_kv_window_bytes(m, &o.cp.kv)) * (size_t)o.sp.max_seqs + cache_bytes;
+    /* SIGINT and SIGTERM go to the main thread only (sigwait below): blocked before the
+     * first thread is made (the context's pool, the prefix cache's writer, the
+     * scheduler), which inherit the mask; blocked after, a signal between the log's
+     * "listening" and sigwait could go to a thread that takes the default action (the
+     * process killed, status 143). One that comes before sigwait waits for it. SIGPIPE
+     * nowhere. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
     ctx = kvq_context_new(m, &o.cp);
     if (!ctx) {
         cli_fail("%s", kvq_last_error());
@@ -376,13 +388,6 @@ int cmd_serve(int argc, char **argv) {
         cli_fail("--embeddings: %s", kvq_last_error());
         goto done;
     }
-    /* signals go to the main thread only (sigwait below), SIGPIPE nowhere */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGINT);
-    sigaddset(&sigs, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
     o.sp.kv = o.cp.kv;
     s = sched_start(m, ctx, pc, &o.sp);
     if (!s) {
