@@ -4,6 +4,7 @@
  * (kv_cache_convert) go through, and the per-channel key/value offsets chosen at T
  * tokens from the residual window (kv_offsets_from_window, or in parts when a device
  * wrote the rows: kv_cache_append_end). */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -242,6 +243,7 @@ void kv_cache_offsets_part(struct kv_cache *c, int part) {
      * row's packed form, the rotation of (row - offsets), is the window row less it. No
      * rotation per row, either way (it was most of this work, which every prompt does
      * for every layer). */
+    assert(wf->rot == pf->rot);
     for (int32_t p = 1; p < T; p++) {
         kern_kvq_dequantize_row(kv_win_row(w, wf, side, h, p), D, wf->bits, wf->group, x);
         for (int i = 0; i < D; i++) rot_mu[i] += x[i] / (float)(T - 1);
