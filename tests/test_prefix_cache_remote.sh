@@ -235,8 +235,9 @@ check "store down: logged once by A" [ "$(grep -c 'unreachable' "$tmp/A.log")" -
 start_redis "$rport"
 sleep 1.5 # the longest backoff
 prompt_file p4 60000 1200
+written=$(metric "$A_port" prefix_cache_remote_tokens_written_total)
 complete "$A_port" t1 p4
-check "store back: A publishes again" wait_metric "$A_port" prefix_cache_remote_tokens_written_total 1 5
+check "store back: A publishes again" wait_metric "$A_port" prefix_cache_remote_tokens_written_total $((written + 256)) 20
 complete "$B_port" t1 p4
 check "store back: B hits again (cached $(answer_cached))" [ "$(answer_cached)" -ge 256 ]
 check "store back: logged by B" [ "$(grep -c 'reachable$' "$tmp/B.log")" -ge 2 ]
