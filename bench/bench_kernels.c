@@ -313,9 +313,9 @@ static int cold_blocks(double bytes) {
 }
 
 /* Attention at depth 4096 over separate (layer, kv-head) K/V blocks, rotating: each
- * call streams its block from DRAM. */
-static void bench_attention_cold(void) {
-    const int n_q = 2, d = 128, n = 4096;
+ * call streams its block from DRAM. n_q query heads of d values a KV head. */
+static void bench_attention_cold(int n_q, int d) {
+    const int n = 4096;
     for (int f = 0; f < 2; f++) {
         size_t es = f ? 4 : 2, bytes = (size_t)n * d * es;
         const int nb = cold_blocks(2.0 * (double)bytes);
@@ -329,7 +329,7 @@ static void bench_attention_cold(void) {
                 else { uint16_t ha = kvq_f32_to_f16(a), hc = kvq_f32_to_f16(c); memcpy(k[b] + 2 * i, &ha, 2); memcpy(v[b] + 2 * i, &hc, 2); }
             }
         }
-        float q[2 * 128], out[2 * 128], mem[2 * 130];
+        float q[8 * 128], out[8 * 128], mem[8 * 130];
         for (int i = 0; i < n_q * d; i++) q[i] = ((float)(rnd() % 2000) / 1000.0f - 1.0f) * 0.1f;
         const int rounds = 720 / nb + 1;
         double t0 = 0;
@@ -352,21 +352,22 @@ static void bench_attention_cold(void) {
     }
 }
 
-/* Same, over quantized rows at 4 and 8 bits, group 32, and normal-float rows (K4V3,
- * K3V2), laid out as the paged cache lays them (kvcache/kv_pool.h): runs of 64 rows, a run's keys then its values, read by
- * kern_kvq_attn_accumulate_runs. Short runs are what the hardware prefetchers do not
- * follow, so this measures the kernel's own prefetching. */
-static void bench_kvq_attention_cold(void) {
+/* Same, over quantized rows at 4 and 8 bits in groups of `group`, and normal-float rows
+ * (K4V3, K3V2), laid out as the paged cache lays them (kvcache/kv_pool.h): runs of 64
+ * rows, a run's keys then its values, read by kern_kvq_attn_accumulate_runs. Short runs
+ * are what the hardware prefetchers do not follow, so this measures the kernel's own
+ * prefetching. */
+static void bench_kvq_attention_cold(int n_q, int d, int group_u) {
     enum { RUN = 64 };
-    const int n_q = 2, d = 128, n = 4096, n_runs = n / RUN;
-    const int bitss[][3] = {{4, 4, 32}, {8, 4, 32}, {8, 8, 32}, {4, 3, KERN_KVQ_NF}, {3, 2, KERN_KVQ_NF}};
+    const int n = 4096, n_runs = n / RUN;
+    const int bitss[][3] = {{4, 4, group_u}, {8, 4, group_u}, {8, 8, group_u}, {4, 3, KERN_KVQ_NF}, {3, 2, KERN_KVQ_NF}};
     for (size_t bi = 0; bi < sizeof bitss / sizeof bitss[0]; bi++) {
         int kb = bitss[bi][0], vb = bitss[bi][1], group = bitss[bi][2];
         size_t krb = kern_kvq_row_bytes(kb, group, d), vrb = kern_kvq_row_bytes(vb, group, d);
         const size_t run_bytes = RUN * (krb + vrb);
         const int nb = cold_blocks((double)run_bytes * n_runs);
         uint8_t *kv[COLD_MAX_BLOCKS];
-        float row[128];
+        float row[KERN_KVQ_MAX_DIM];
         for (int b = 0; b < nb; b++) {
             kv[b] = malloc(run_bytes * n_runs);
             for (int j = 0; j < n; j++) {
@@ -377,7 +378,7 @@ static void bench_kvq_attention_cold(void) {
                 kern_kvq_quantize_row(row, d, vb, group, r + RUN * krb + (size_t)(j % RUN) * vrb);
             }
         }
-        float q[2 * 128], out[2 * 128], mem[2 * 130];
+        float q[8 * 128], out[8 * 128], mem[8 * 130];
         for (int i = 0; i < n_q * d; i++) q[i] = ((float)(rnd() % 2000) / 1000.0f - 1.0f) * 0.1f;
         struct kern_kv_run runs[4096 / RUN];
         const struct kern_kv_rows kf = {NULL, krb, kb, group}, vf = {NULL, vrb, vb, group};
@@ -512,8 +513,10 @@ int main(int argc, char **argv) {
             bench_decode_cold(KVQ_Q6_K);
             bench_decode_cold(KVQ_F16);
         }
-        bench_attention_cold();
-        bench_kvq_attention_cold();
+        bench_attention_cold(2, 128);
+        bench_kvq_attention_cold(2, 128, 32);
+        bench_attention_cold(7, 64); /* Qwen2.5's 7 query heads a KV head, of 64 values */
+        bench_kvq_attention_cold(7, 64, 64);
         return 0;
     }
     bench_decode(KVQ_Q8_0);
