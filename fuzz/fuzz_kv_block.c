@@ -117,7 +117,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     /* the rows' config (the value's own) and tokens: the ones it is checked against */
     int32_t f[10];
     for (int i = 0; i < 10; i++) f[i] = le32(data + 32 + 4 * i);
-    struct kvq_kv_config kv = {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7] != 0, f[8], (f[9] & 1) != 0};
+    struct kvq_kv_config kv = {.k_bits = f[0], .v_bits = f[1], .k_group = f[2], .v_group = f[3], .max_size = f[4],
+                               .keep = f[5], .quantized_start = f[6], .hadamard = f[7] != 0, .residual = f[8],
+                               .swa_full = (f[9] & 1) != 0};
     const int32_t first = le32(data + 72);
     kvq_token toks[N_CTX]; /* the block's own at its position; BOS before it (prefilled) */
     for (int i = 0; i < N_CTX; i++) {

@@ -8,7 +8,8 @@ jobs=$(nproc 2>/dev/null || echo 2)
 
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$jobs"
-cmake --build build -j "$jobs" --target bench_kernels # built (not run) so it cannot rot
+# built (not run) so that they cannot rot: the micro-benchmarks, the fuzz harnesses (compiled only)
+cmake --build build -j "$jobs" --target bench_kernels bench_grammar fuzz_compile
 ctest --test-dir build --output-on-failure -j "$jobs"
 # The kernels and what runs on them again at each lower SIMD level the CPU is
 # forced down to (every level must agree with the float references).
