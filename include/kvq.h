@@ -131,10 +131,6 @@ size_t kvq_kv_token_bytes(const struct kvq_model *m, const struct kvq_kv_config 
  * a sequence of n tokens takes n x kvq_kv_token_bytes + this (once n > residual + keep;
  * a multi-token batch's rows are held in f16 too until the next decode call). */
 size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config *kv);
-/* The length at which a quantized cache chooses its value offsets (0: never): a GPU
- * runs a batch whose sequence crosses that point in two forward passes, so a server
- * cuts prompt chunks there. */
-int kvq_kv_offsets_tokens(const struct kvq_kv_config *kv);
 
 /* ---- context -------------------------------------------------------------- */
 
@@ -210,6 +206,11 @@ int kvq_seq_fork(struct kvq_context *c, int src, int dst);
  * and every sequence stays as it was. */
 size_t kvq_kv_bytes(const struct kvq_context *c);
 size_t kvq_kv_budget(const struct kvq_context *c);
+/* The sequence length at which this context runs a batch in two forward passes (0:
+ * never): where a device backend's quantized caches choose their value offsets, since
+ * rows past that point in the same pass would be encoded twice. A server ends prompt
+ * chunks there; on the CPU a prompt crosses it in one pass. */
+int kvq_pass_split_tokens(const struct kvq_context *c);
 /* KV blocks in use (0 once every sequence is cleared and every prefix freed). */
 int64_t kvq_kv_blocks(const struct kvq_context *c);
 

@@ -140,6 +140,9 @@ static void test_save_load(struct kvq_model *m, const struct ref_prompt *refs) {
          * the key/value offsets come from the first batch) */
         int32_t want[6], got[6];
         struct kvq_context *ctx = new_ctx(m, &kv);
+        /* the CPU chooses the offsets inside a batch: a server need not cut prompts there */
+        CHECK(kvq_pass_split_tokens(ctx) == 0, "config %d: the CPU splits passes at %d tokens", ci,
+              kvq_pass_split_tokens(ctx));
         struct kvq_batch b0 = {.n_tokens = r->n_ids, .tokens = r->ids};
         CHECK(kvq_decode(ctx, &b0) == 0, "decode");
         greedy(ctx, m, more, 3, want, 6, true, NULL);

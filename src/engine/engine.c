@@ -240,11 +240,6 @@ size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config
     return sum_layers(m, kv, kv_cache_window_bytes);
 }
 
-int kvq_kv_offsets_tokens(const struct kvq_kv_config *kv) {
-    struct kv_cache_config cc;
-    to_cache_config(kv, 0, &cc);
-    return kv_cache_config_offsets_tokens(&cc);
-}
 
 /* ---- context ---- */
 
@@ -486,6 +481,13 @@ size_t kvq_kv_bytes(const struct kvq_context *c) {
 }
 
 size_t kvq_kv_budget(const struct kvq_context *c) { return kv_pool_budget(c->kv_pool); }
+
+int kvq_pass_split_tokens(const struct kvq_context *c) {
+    if (!c->be->ops->encodes_kv) return 0; /* the host's append chooses them mid-batch (plan_batch) */
+    struct kv_cache_config cc;
+    to_cache_config(&c->p.kv, 0, &cc);
+    return kv_cache_config_offsets_tokens(&cc);
+}
 int64_t kvq_kv_blocks(const struct kvq_context *c) { return kv_pool_blocks(c->kv_pool); }
 
 /* ---- held prefixes ---- */

@@ -23,7 +23,7 @@ struct sched_policy {
     size_t budget;                    /* KV bytes in use at once */
     size_t token_bytes, window_bytes; /* kvq_kv_token_bytes, kvq_kv_window_bytes */
     size_t margin;                    /* KV bytes kept free: a quantized cache's f16 rows of a step */
-    int offsets_at;                   /* prompt chunks end there (kvq_kv_offsets_tokens; 0: anywhere) */
+    int offsets_at;                   /* prompt chunks end there (kvq_pass_split_tokens; 0: anywhere) */
 };
 
 /* What the policy knows of the request in a slot. */

@@ -712,7 +712,7 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     }
     sched_policy_init(&s->pol, p->max_seqs, p->prefill_chunk, p->step_tokens, s->n_ctx, kvq_kv_budget(c),
                       kvq_kv_token_bytes(m, &p->kv), kvq_kv_window_bytes(m, &p->kv), f16_token_bytes);
-    s->pol.offsets_at = kvq_kv_offsets_tokens(&p->kv);
+    s->pol.offsets_at = kvq_pass_split_tokens(c);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     int cap = p->step_tokens + p->max_seqs + p->prefill_chunk;
