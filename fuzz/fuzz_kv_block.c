@@ -4,15 +4,15 @@
  * mutation lands beneath it, in the header, the KV config, the position, the tokens,
  * each layer's formats, offsets, sink rows and rows. The tokens the block is checked
  * against are its own (a mutant with other tokens still reaches the rows). Each input
- * goes to a sequence of an f16 context and of a --kv-bits 8,4 one, empty or (a block
+ * goes to a sequence of an f16 context, a --kv-bits 8,4 one and a 4,3:nf one, empty or (a block
  * at position 64) holding one block's tokens already (rows taken
  * as they are, or decoded and appended); a block that is taken is then decoded one
  * token further, so attention reads its rows.
  *
  * Build (clang): cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DKVQ_FUZZ=ON -DKVQ_SANITIZE=ON
  *                cmake --build build-fuzz --target fuzz_kv_block
- * Seeds: KVQ_FUZZ_SEEDS=DIR ./build-fuzz/fuzz_kv_block -runs=0 writes blocks of both
- * formats (first and second block, checksums left off) to DIR; then
+ * Seeds: KVQ_FUZZ_SEEDS=DIR ./build-fuzz/fuzz_kv_block -runs=0 writes blocks of each
+ * format (first and second block, checksums left off) to DIR; then
  *                ./build-fuzz/fuzz_kv_block DIR
  * Model: KVQ_FUZZ_MODEL, default ../shared/models/stories260K.gguf. */
 #include <stdint.h>
@@ -28,7 +28,9 @@ int LLVMFuzzerInitialize(int *argc, char ***argv);
 enum { HEADER = 80, N_CTX = 256 }; /* a block's bytes before its tokens; the contexts' length */
 
 static struct kvq_model *model;
-static struct kvq_context *ctx[2]; /* f16, 8,4 */
+#define N_KINDS 3
+static struct kvq_context *ctx[N_KINDS]; /* f16, 8,4, 4,3:nf */
+static const char *const kind_name[N_KINDS] = {"f16", "8-4", "4-3-nf"};
 
 /* The block checksum (src/engine/seq_blocks.c): FNV-1a 64 over little-endian 64-bit words. */
 static uint64_t checksum(const uint8_t *p, size_t n) {
@@ -45,17 +47,17 @@ static uint64_t checksum(const uint8_t *p, size_t n) {
 
 static int32_t le32(const uint8_t *p) { return (int32_t)((uint32_t)p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24); }
 
-static struct kvq_context *context(int quantized) {
+static struct kvq_context *context(int kind) {
     struct kvq_context_params cp;
     kvq_context_params_default(&cp);
     cp.n_ctx = N_CTX;
     cp.n_seq = 1;
     cp.n_threads = 1;
     cp.n_batch = 64;
-    if (quantized) {
-        cp.kv.k_bits = 8;
-        cp.kv.v_bits = 4;
-        cp.kv.k_group = cp.kv.v_group = 8; /* stories260K's head_dim */
+    if (kind > 0) {
+        cp.kv.k_bits = kind == 1 ? 8 : 4;
+        cp.kv.v_bits = kind == 1 ? 4 : 3;
+        cp.kv.k_group = cp.kv.v_group = kind == 1 ? 8 : KVQ_KV_NF; /* 8: stories260K's head_dim */
         cp.kv.residual = 32;
     }
     struct kvq_context *c = kvq_context_new(model, &cp);
@@ -70,7 +72,7 @@ static struct kvq_context *context(int quantized) {
 static void write_seeds(const char *dir) {
     kvq_token toks[130];
     for (int i = 0; i < 130; i++) toks[i] = 1 + i % 200;
-    for (int q = 0; q < 2; q++) {
+    for (int q = 0; q < N_KINDS; q++) {
         struct kvq_batch b = {.n_tokens = 130, .tokens = toks};
         if (kvq_decode(ctx[q], &b) != 0) exit(1);
         struct kvq_prefix *p = kvq_prefix_hold(ctx[q], 0);
@@ -82,7 +84,7 @@ static void write_seeds(const char *dir) {
         const uint8_t *v = data;
         for (int i = 0; i < 2; v += lens[i++]) {
             char path[4096];
-            snprintf(path, sizeof path, "%s/seed-%s-%d", dir, q ? "8-4" : "f16", i);
+            snprintf(path, sizeof path, "%s/seed-%s-%d", dir, kind_name[q], i);
             FILE *f = fopen(path, "wb");
             if (!f || fwrite(v, 1, lens[i] - 8, f) != lens[i] - 8 || fclose(f) != 0) exit(1);
         }
@@ -101,8 +103,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
         fprintf(stderr, "fuzz_kv_block: %s (set KVQ_FUZZ_MODEL)\n", kvq_last_error());
         exit(1);
     }
-    ctx[0] = context(0);
-    ctx[1] = context(1);
+    for (int q = 0; q < N_KINDS; q++) ctx[q] = context(q);
     if (getenv("KVQ_FUZZ_SEEDS")) write_seeds(getenv("KVQ_FUZZ_SEEDS"));
     return 0;
 }
@@ -126,7 +127,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         size_t at = HEADER + 4 * (size_t)(i % 64);
         toks[i] = (first != 64 || i >= 64) && at + 4 <= size ? le32(data + at) : 1;
     }
-    for (int q = 0; q < 2; q++) {
+    for (int q = 0; q < N_KINDS; q++) {
         struct kvq_context *c = ctx[q];
         struct kvq_batch pre = {.n_tokens = 64, .tokens = toks};
         if (first == 64 && kvq_decode(c, &pre) != 0) abort(); /* a second block follows a first */
