@@ -240,7 +240,6 @@ size_t kvq_kv_window_bytes(const struct kvq_model *m, const struct kvq_kv_config
     return sum_layers(m, kv, kv_cache_window_bytes);
 }
 
-
 /* ---- context ---- */
 
 void kvq_context_params_default(struct kvq_context_params *p) {
