@@ -213,6 +213,11 @@ size_t kvq_kv_budget(const struct kvq_context *c);
 int kvq_pass_split_tokens(const struct kvq_context *c);
 /* KV blocks in use (0 once every sequence is cleared and every prefix freed). */
 int64_t kvq_kv_blocks(const struct kvq_context *c);
+/* Runs fn(arg, ith, nth) for ith in [0, nth) on the context's host threads, the
+ * caller's as ith 0, and returns when every call has returned. For a caller's own
+ * parallel work between decodes (a server's sampling): it shares the engine's
+ * threads rather than keep threads of its own spinning beside them. */
+void kvq_run_parallel(struct kvq_context *c, void (*fn)(void *arg, int ith, int nth), void *arg);
 
 /* ---- held prefixes ---------------------------------------------------------- */
 

@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "backend/weight.h"
+#include "core/threadpool.h"
 
 struct kv_cache;
 struct kv_pool;
@@ -124,6 +125,9 @@ struct backend_ops {
     /* Waits until every operation issued has finished. 0, or -1 with the error of
      * an operation since the last sync. */
     int (*sync)(struct backend *b);
+    /* Runs fn over the backend's host threads, the caller's as ith 0 (between passes:
+     * the engine's callers share them rather than start threads of their own). */
+    void (*run_on_host_threads)(struct backend *b, kvq_task_fn fn, void *arg);
 };
 
 struct backend {

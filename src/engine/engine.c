@@ -488,6 +488,9 @@ int kvq_pass_split_tokens(const struct kvq_context *c) {
     return kv_cache_config_offsets_tokens(&cc);
 }
 int64_t kvq_kv_blocks(const struct kvq_context *c) { return kv_pool_blocks(c->kv_pool); }
+void kvq_run_parallel(struct kvq_context *c, void (*fn)(void *arg, int ith, int nth), void *arg) {
+    c->be->ops->run_on_host_threads(c->be, fn, arg);
+}
 
 /* ---- held prefixes ---- */
 

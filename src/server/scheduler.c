@@ -3,12 +3,12 @@
 #include <errno.h>
 #include <malloc.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "core/threadpool.h"
 #include "server/prefix_cache.h"
 #include "server/sched_policy.h"
 
@@ -74,11 +74,12 @@ struct sched {
     bool *b_logits;
     double rate_t0;
     uint64_t rate_tokens;
-    /* the step's draws, one request per slot of `draws`, on the sampling threads (16
-     * sequences' draws over a 128K vocabulary on one thread took 2.7 ms of a 7.3 ms step) */
-    struct kvq_threads *sampling;
+    /* the step's draws, one request per slot of `draws`, on the engine's host threads
+     * (16 sequences' draws over a 128K vocabulary on one thread took 2.7 ms of a 7.3 ms
+     * step), taken one at a time so that a thread the OS holds back holds no others */
     struct sched_req **draws;
     int n_draws;
+    atomic_int next_draw;
 };
 
 static double now_s(void) {
@@ -495,10 +496,10 @@ static void draw(struct sched *s, struct sched_req *r) {
 }
 
 static void draw_task(void *arg, int ith, int nth) {
+    (void)ith, (void)nth;
     struct sched *s = arg;
-    long b, e;
-    kvq_split(s->n_draws, ith, nth, &b, &e);
-    for (long i = b; i < e; i++) draw(s, s->draws[i]);
+    for (int i; (i = atomic_fetch_add_explicit(&s->next_draw, 1, memory_order_relaxed)) < s->n_draws;)
+        draw(s, s->draws[i]);
 }
 
 /* Feeds the drawn token's text out. */
@@ -614,7 +615,8 @@ static void step(struct sched *s) {
         }
     }
     fork_followers(s);
-    if (s->sampling && s->n_draws > 1) kvq_threads_run(s->sampling, draw_task, s);
+    atomic_store_explicit(&s->next_draw, 0, memory_order_relaxed);
+    if (s->n_draws > 1) kvq_run_parallel(s->c, draw_task, s);
     else draw_task(s, 0, 1);
     const int sampled = s->n_draws;
     for (int i = 0; i < sampled; i++) next_token(s, s->draws[i]);
@@ -723,15 +725,7 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     s->b_seq = malloc(sizeof *s->b_seq * (size_t)cap);
     s->b_logits = malloc(sizeof *s->b_logits * (size_t)cap);
     s->draws = malloc(sizeof *s->draws * (size_t)p->max_seqs);
-    /* a thread for every 2 sequences, up to 8 and the CPUs: 16 draws over 128K logits took
-     * 2.7-3.4 ms on one thread of the H100 machine's Xeon, 0.75-0.94 on 4, 0.54 on 8 and
-     * 0.47-0.51 on 16 */
-    const int n_cpu = kvq_online_cpus();
-    int n_samplers = p->max_seqs < 16 ? (p->max_seqs + 1) / 2 : 8;
-    if (n_samplers > n_cpu) n_samplers = n_cpu;
-    if (n_samplers > 1) s->sampling = kvq_threads_new(n_samplers);
-    if (!s->slots || !s->seqs || !s->want || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws ||
-        (n_samplers > 1 && !s->sampling)) {
+    if (!s->slots || !s->seqs || !s->want || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws) {
         sched_free(s);
         return NULL;
     }
@@ -774,7 +768,6 @@ void sched_free(struct sched *s) {
     free(s->b_logits);
     free(s->draws);
     free(s->eog);
-    kvq_threads_free(s->sampling);
     free(s);
 }
 

@@ -633,6 +633,10 @@ static void cpu_free(struct backend *b) {
     free(cb);
 }
 
+static void cpu_run_on_host_threads(struct backend *b, kvq_task_fn fn, void *arg) {
+    kvq_threads_run(cpu(b)->pool, fn, arg);
+}
+
 static const struct backend_ops cpu_ops = {
     .name = "cpu",
     .host_memory = true,
@@ -655,6 +659,7 @@ static const struct backend_ops cpu_ops = {
     .kv_append = cpu_kv_append,
     .attention = cpu_attention,
     .sync = cpu_sync,
+    .run_on_host_threads = cpu_run_on_host_threads,
 };
 
 struct backend *backend_cpu_new(int n_threads) {

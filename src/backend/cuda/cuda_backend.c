@@ -170,7 +170,8 @@ int cuda_sync(struct backend *b) {
     /* the segments' rows as they arrive, while the GPU runs the rest of the step: filed
      * after the wait, they took 0.8 ms of a 16-token step (H100, llama3-8b, K4V4) */
     for (int i = 0; i < cb->n_row_copies; i++)
-        if (!cb->failed && ck(cb, cudaEventSynchronize(cb->row_ev[i]), "running the step")) file_rows(cb, cb->row_end[i]);
+        if (!cb->failed && ck(cb, cudaEventSynchronize(cb->row_ev[i]), "running the step"))
+            file_rows(cb, cb->row_end[i], i + 1 == cb->n_row_copies);
     cb->n_row_copies = 0;
     for (int i = 0; i < RESULT_SLICES; i++) /* done at once where no slices were copied this step */
         ck(cb, cudaEventSynchronize(cb->result_ev[i]), "reading results");
@@ -265,6 +266,7 @@ static const struct backend_ops cuda_ops = {
     .kv_append = cuda_kv_append,
     .attention = cuda_attention,
     .sync = cuda_sync,
+    .run_on_host_threads = cuda_run_on_host_threads,
 };
 
 

@@ -662,12 +662,12 @@ static void offsets_task(void *arg, int ith, int nth) {
 }
 
 
-/* The pending appends' rows into the host's copy, a share of the appends each. */
+/* The pending appends' rows into the host's copy, an append at a time to whichever
+ * thread asks next (a thread the OS holds back then holds back no share of them). */
 static void rows_task(void *arg, int ith, int nth) {
-    const struct cuda_backend *cb = arg;
-    long begin, end;
-    kvq_split(cb->rows_to - cb->rows_from, ith, nth, &begin, &end);
-    for (long i = cb->rows_from + begin; i < cb->rows_from + end; i++) {
+    (void)ith, (void)nth;
+    struct cuda_backend *cb = arg;
+    for (int i; (i = atomic_fetch_add_explicit(&cb->rows_next, 1, memory_order_relaxed)) < cb->rows_to;) {
         const struct pending_append *pa = &cb->pending[i];
         const uint8_t *h = cb->rb_h;
         int h0;
@@ -679,11 +679,13 @@ static void rows_task(void *arg, int ith, int nth) {
 
 
 /* Runs task over the host threads (the pool made at first need), or inline. */
-static void on_host_threads(struct cuda_backend *cb, void (*task)(void *, int, int)) {
+static void on_host_threads(struct cuda_backend *cb, kvq_task_fn task, void *arg) {
     if (!cb->pool && cb->n_threads != 1) cb->pool = kvq_threads_new(cb->n_threads);
-    if (cb->pool) kvq_threads_run(cb->pool, task, cb);
-    else task(cb, 0, 1);
+    if (cb->pool) kvq_threads_run(cb->pool, task, arg);
+    else task(arg, 0, 1);
 }
+
+void cuda_run_on_host_threads(struct backend *b, kvq_task_fn fn, void *arg) { on_host_threads(cuda(b), fn, arg); }
 
 
 /* The rows of the pending appends up to `to` (read back) into the host's copy: on
@@ -692,16 +694,21 @@ static void on_host_threads(struct cuda_backend *cb, void (*task)(void *, int, i
  * a server step wait), else on this thread. A decode step's 32 one-token appends are
  * a few KB: waking 15 threads for them each step made a 64-token run on a 16-core
  * host decode up to a third slower now and then (a thread late to run holds the
- * step), and never with 4 threads or 1. */
+ * step), and never with 4 threads or 1. Rows for the threads wait, unless `last`,
+ * until there are ROWS_A_WAKE of them: a wide step's 32 layers then wake the threads
+ * 8 times, not 32. */
 #define ROWS_FOR_THREADS 64
+#define ROWS_A_WAKE 512
 
-void file_rows(struct cuda_backend *cb, int to) {
+void file_rows(struct cuda_backend *cb, int to, bool last) {
     if (to <= cb->rows_from) return;
-    cb->rows_to = to;
     long rows = 0;
-    for (int i = cb->rows_from; i < to && rows < ROWS_FOR_THREADS; i++) rows += cb->pending[i].n;
+    for (int i = cb->rows_from; i < to && rows < ROWS_A_WAKE; i++) rows += cb->pending[i].n;
+    if (rows >= ROWS_FOR_THREADS && rows < ROWS_A_WAKE && !last) return;
+    cb->rows_to = to;
+    atomic_store_explicit(&cb->rows_next, cb->rows_from, memory_order_relaxed);
     if (rows < ROWS_FOR_THREADS) rows_task(cb, 0, 1);
-    else on_host_threads(cb, rows_task);
+    else on_host_threads(cb, rows_task, cb);
     cb->rows_from = to;
 }
 
@@ -713,7 +720,7 @@ void file_rows(struct cuda_backend *cb, int to) {
 int finish_appends(struct cuda_backend *cb) {
     int rc = 0, parts = 0;
     double t0 = prof_begin(cb);
-    file_rows(cb, cb->n_pending);
+    file_rows(cb, cb->n_pending, true);
     /* the host's changes once, after every rank filed its heads' rows: by the last */
     const bool ends = !cb->tp || cb->rank == cb->tp->n - 1;
     for (int i = 0; i < cb->n_pending && ends; i++) {
@@ -722,7 +729,7 @@ int finish_appends(struct cuda_backend *cb) {
         if (pa->parts < 0) rc = -1, pa->parts = 0;
         parts += pa->parts;
     }
-    if (parts > 0) on_host_threads(cb, offsets_task);
+    if (parts > 0) on_host_threads(cb, offsets_task, cb);
     drop_pending(cb);
     cb->rb_used = 0;
     prof_end(cb, P_KV_FINISH, t0);

@@ -8,6 +8,7 @@
 #include <assert.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,7 +170,7 @@ struct cuda_backend {
      * KV append of a step not recorded), so the host files them while the GPU runs on;
      * row_ev[i]: copy i done, work_ev: the work so far (a copy waits on it as it was
      * when the copy was queued); row_end[i]: the pending appends copy i covers;
-     * [rows_from, rows_to): the appends rows_task files */
+     * [rows_from, rows_to): the appends rows_task files, rows_next the next of them */
     cudaStream_t copy_stream;
     cudaEvent_t row_ev[ROW_COPIES], work_ev;
     cudaEvent_t result_ev[RESULT_SLICES]; /* the slices' copies (matvec_in_slices) */
@@ -186,6 +187,7 @@ struct cuda_backend {
     struct cuk_enc_args held_pack[MAX_FORMATS];
     int n_held_pack;
     int row_end[ROW_COPIES], n_row_copies, rows_copied, rows_from, rows_to;
+    atomic_int rows_next;
     size_t rb_copied;
     int *seq_fmt, cap_seq_fmt;
     struct arena *host_arena, *dev_arena;
@@ -308,7 +310,8 @@ bool ensure_qprep(struct cuda_backend *cb, int n, int n_head, int D);
 int plan_rows(const struct kv_query_plan *pl, int32_t q);
 int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k, const float *v,
                    const struct be_rope *r);
-void file_rows(struct cuda_backend *cb, int to);
+void file_rows(struct cuda_backend *cb, int to, bool last);
+void cuda_run_on_host_threads(struct backend *b, kvq_task_fn fn, void *arg);
 int finish_appends(struct cuda_backend *cb);
 
 /* cuda_products.c */

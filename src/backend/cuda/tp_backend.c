@@ -444,6 +444,11 @@ static int tp_sync(struct backend *b) {
     return rc;
 }
 
+/* Rank 0's threads: the ranks' own host work runs within their operations. */
+static void tp_run_on_host_threads(struct backend *b, kvq_task_fn fn, void *arg) {
+    cuda_run_on_host_threads(&tp_of(b)->sh.rank[0]->base, fn, arg);
+}
+
 static const struct backend_ops tp_ops = {
     .name = "cuda",
     .host_memory = false,
@@ -468,6 +473,7 @@ static const struct backend_ops tp_ops = {
     .kv_append = tp_kv_append,
     .attention = tp_attention,
     .sync = tp_sync,
+    .run_on_host_threads = tp_run_on_host_threads,
 };
 
 struct backend *backend_cuda_tp_new(int n, const int *devices, int n_threads, bool f16_weights) {
