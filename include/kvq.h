@@ -175,10 +175,20 @@ struct kvq_batch {
     const kvq_token *tokens;
     const int32_t *seq_ids; /* NULL: all in sequence 0 */
     const bool *logits;
+    /* true: of each row of logits asked for, only its KVQ_TOP_N largest are kept
+     * (kvq_get_top), not the logits: on a GPU only those cross to the host, which is
+     * all a greedy draw needs (kvq_sampler_top_enough) */
+    bool top_only;
 };
+#define KVQ_TOP_N 8
 int kvq_decode(struct kvq_context *c, const struct kvq_batch *b);
-/* Logits after token i of the last batch ([n_vocab]); NULL if not requested. */
+/* Logits after token i of the last batch ([n_vocab]); NULL if not requested (or the
+ * batch kept only the largest). */
 const float *kvq_get_logits(const struct kvq_context *c, int i);
+/* The KVQ_TOP_N largest logits after token i of a top_only batch, best first (of equal
+ * values the lower id first, as a greedy draw takes them), into vals and ids. 0, or -1
+ * where none were kept. */
+int kvq_get_top(const struct kvq_context *c, int i, float *vals, kvq_token *ids);
 
 /* Pooling of a text's final hidden states (after the output norm) into one vector. */
 enum kvq_pooling { KVQ_POOLING_MEAN, KVQ_POOLING_LAST };
@@ -326,6 +336,12 @@ struct kvq_sampler *kvq_sampler_new(const struct kvq_sampler_params *p, int n_vo
 void kvq_sampler_free(struct kvq_sampler *s);
 /* Picks the next token from logits (not modified). */
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits);
+/* True when the next draw is the best allowed one of the k largest logits: greedy,
+ * with no bias, penalty or grammar in effect and fewer than k tokens banned. */
+bool kvq_sampler_top_enough(const struct kvq_sampler *s, int k);
+/* That draw from the k largest logits, best first (kvq_get_top): the token
+ * kvq_sampler_sample would pick from the whole row. */
+kvq_token kvq_sampler_sample_top(struct kvq_sampler *s, const kvq_token *ids, int k);
 /* Records a token in the history (prompt and generated) for the repetition penalty. */
 void kvq_sampler_accept(struct kvq_sampler *s, kvq_token t);
 /* Records a generated token: in the history, as kvq_sampler_accept does, and in the

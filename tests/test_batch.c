@@ -8,6 +8,20 @@
 #include "kvq.h"
 #include "refs.h"
 
+/* The KVQ_TOP_N largest of l[0..n) by sorting every index: of equal values the lower id. */
+static void brute_top(const float *l, int n, float *vals, kvq_token *ids) {
+    for (int k = 0; k < KVQ_TOP_N; k++) {
+        int best = -1;
+        for (int i = 0; i < n; i++) {
+            bool taken = false;
+            for (int j = 0; j < k && !taken; j++) taken = ids[j] == i;
+            if (!taken && (best < 0 || l[i] > l[best])) best = i;
+        }
+        ids[k] = best;
+        vals[k] = l[best];
+    }
+}
+
 static double max_diff(const float *a, const float *b, int n) {
     double d = 0;
     for (int i = 0; i < n; i++) d = fmax(d, fabs(a[i] - b[i]));
@@ -89,6 +103,39 @@ int main(void) {
     double d = max_diff(kvq_get_logits(ctx, 0), alone + (2 * 2 + 1) * (size_t)V, V);
     CHECK(d < 1e-3, "after trim: logits differ by %g", d);
 
+    /* The step again with only the largest logits kept: those of the logits above. */
+    float *step = malloc(sizeof(float) * V * REFS_PROMPTS);
+    for (int p = 0; p < REFS_PROMPTS; p++) {
+        seqs[p] = p;
+        tokens[p] = refs[p].next[0];
+        want[p] = true;
+        CHECK(kvq_seq_trim(ctx, p, 1) == 1, "trim %d", p);
+    }
+    b = (struct kvq_batch){.n_tokens = REFS_PROMPTS, .tokens = tokens, .seq_ids = seqs, .logits = want};
+    CHECK(kvq_decode(ctx, &b) == 0, "step with logits: %s", kvq_last_error());
+    for (int p = 0; p < REFS_PROMPTS; p++) {
+        memcpy(step + (size_t)p * V, kvq_get_logits(ctx, p), sizeof(float) * V);
+        CHECK(kvq_seq_trim(ctx, p, 1) == 1, "trim %d", p);
+    }
+    b.top_only = true;
+    CHECK(kvq_decode(ctx, &b) == 0, "step with the largest logits: %s", kvq_last_error());
+    int same = 0;
+    for (int p = 0; p < REFS_PROMPTS; p++) {
+        float vals[KVQ_TOP_N], want_vals[KVQ_TOP_N];
+        kvq_token ids[KVQ_TOP_N], want_ids[KVQ_TOP_N];
+        brute_top(step + (size_t)p * V, V, want_vals, want_ids);
+        CHECK(kvq_get_top(ctx, p, vals, ids) == 0, "largest logits of row %d", p);
+        CHECK(kvq_get_logits(ctx, p) == NULL, "no logits in a top_only batch");
+        same += !memcmp(vals, want_vals, sizeof vals) && !memcmp(ids, want_ids, sizeof ids);
+    }
+    CHECK(same == REFS_PROMPTS, "largest logits equal to the logits' in %d of %d rows", same, REFS_PROMPTS);
+    CHECK(kvq_get_top(ctx, REFS_PROMPTS, (float[KVQ_TOP_N]){0}, (kvq_token[KVQ_TOP_N]){0}) == -1, "no row past the batch");
+    b.top_only = false;
+    CHECK(kvq_decode(ctx, &(struct kvq_batch){.n_tokens = 1, .tokens = tokens, .seq_ids = seqs}) == 0 &&
+              kvq_get_top(ctx, 0, (float[KVQ_TOP_N]){0}, (kvq_token[KVQ_TOP_N]){0}) == -1,
+          "no largest logits after a batch with logits");
+    free(step);
+
     /* Errors: unknown sequence, out-of-vocabulary token, context overflow. */
     int32_t bad_seq = 9;
     b = (struct kvq_batch){.n_tokens = 1, .tokens = tokens, .seq_ids = &bad_seq};
@@ -97,7 +144,7 @@ int main(void) {
     b = (struct kvq_batch){.n_tokens = 1, .tokens = &bad_tok};
     CHECK(kvq_decode(ctx, &b) != 0 && strstr(kvq_last_error(), "outside the vocabulary"), "bad token: %s",
           kvq_last_error());
-    CHECK(kvq_seq_len(ctx, 0) == refs[0].n_ids + 1, "failed batch left sequence 0 unchanged");
+    CHECK(kvq_seq_len(ctx, 0) == refs[0].n_ids + 2, "failed batch left sequence 0 unchanged");
     kvq_token many[64] = {0};
     b = (struct kvq_batch){.n_tokens = 64, .tokens = many};
     CHECK(kvq_decode(ctx, &b) != 0 && strstr(kvq_last_error(), "context full"), "overflow: %s", kvq_last_error());

@@ -1002,6 +1002,111 @@ static void test_backend_products(void) {
     }
 }
 
+/* The k largest of l[0..n) by selection: larger first, of equal values the lower index. */
+static void brute_top(const float *l, int n, int k, float *vals, int32_t *ids) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int i = 0; i < n; i++) {
+            bool taken = false;
+            for (int t = 0; t < j && !taken; t++) taken = ids[t] == i;
+            if (!taken && (best < 0 || l[i] > l[best])) best = i;
+        }
+        ids[j] = best;
+        vals[j] = l[best];
+    }
+}
+
+/* A step that keeps only the largest logits (kvq_batch.top_only) keeps those of the
+ * same step's logits: 1, 16 (a recorded step) and 40 sequences (a wide one). */
+static void test_top_step(struct kvq_model *m, int n_vocab) {
+    enum { S = 40 };
+    struct kvq_context *c = context(m, KVQ_DEVICE_CUDA, NULL, 64, S, 64);
+    CHECK(c != NULL, "context: %s", kvq_last_error());
+    if (!c) return;
+    int32_t ids[S + 8];
+    prompt(m, ids, S + 8);
+    for (int s = 0; s < S; s++) {
+        struct kvq_batch b = {.n_tokens = 5, .tokens = ids + s % 8, .seq_ids = (int32_t[]){s, s, s, s, s}};
+        CHECK(kvq_decode(c, &b) == 0, "prefill %d: %s", s, kvq_last_error());
+    }
+    float *logits = malloc(sizeof(float) * S * n_vocab);
+    int bad = 0, rows = 0;
+    const int widths[] = {1, 16, S};
+    for (int w = 0; w < 3; w++) {
+        const int n = widths[w];
+        int32_t seq[S];
+        bool want[S];
+        for (int i = 0; i < n; i++) seq[i] = i, want[i] = true;
+        struct kvq_batch b = {.n_tokens = n, .tokens = ids + w, .seq_ids = seq, .logits = want};
+        CHECK(kvq_decode(c, &b) == 0, "step of %d: %s", n, kvq_last_error());
+        for (int i = 0; i < n; i++) {
+            memcpy(logits + (size_t)i * n_vocab, kvq_get_logits(c, i), sizeof(float) * n_vocab);
+            kvq_seq_trim(c, i, 1);
+        }
+        b.top_only = true;
+        CHECK(kvq_decode(c, &b) == 0, "step of %d, largest logits: %s", n, kvq_last_error());
+        for (int i = 0; i < n; i++, rows++) {
+            float v[KVQ_TOP_N], wv[KVQ_TOP_N];
+            int32_t t[KVQ_TOP_N], wt[KVQ_TOP_N];
+            brute_top(logits + (size_t)i * n_vocab, n_vocab, KVQ_TOP_N, wv, wt);
+            bad += kvq_get_top(c, i, v, t) != 0 || memcmp(v, wv, sizeof v) != 0 || memcmp(t, wt, sizeof t) != 0;
+        }
+    }
+    printf("steps of 1, 16 and %d sequences keeping the largest logits: %d of %d rows differ\n", S, bad, rows);
+    CHECK(bad == 0, "%d of %d rows' largest logits differ from the step's logits", bad, rows);
+    free(logits);
+    kvq_context_free(c);
+}
+
+/* The backend's largest values of rows (the logits a greedy step reads back) against
+ * a selection on the host: rows of a 128K vocabulary and of a few values, one row
+ * (many blocks a row) to 300 (one), values rounded to halves (many ties, which go by
+ * index), a row of -inf but one, and k of 1 and 8. */
+static void test_top(void) {
+    struct backend *be = backend_cuda_new(0, false, 1, NULL);
+    CHECK(be && be->ops->reserve(be, 256, 4096) == 0 && be->ops->top, "CUDA backend: %s", kvq_last_error());
+    if (!be) return;
+    const int colss[] = {128256, 1000, 9}, ns[] = {1, 16, 300};
+    float *vals = be->ops->host_alloc(be, sizeof(float) * 300 * 8);
+    int32_t *ids = be->ops->host_alloc(be, sizeof(int32_t) * 300 * 8);
+    int bad = 0, rows = 0;
+    for (size_t ci = 0; ci < sizeof colss / sizeof colss[0]; ci++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+            for (int k = 1; k <= 8; k += 7) {
+                const int cols = colss[ci], n = ns[ni];
+                float *x = malloc(sizeof(float) * (size_t)n * cols);
+                for (size_t i = 0; i < (size_t)n * cols; i++) x[i] = roundf(frnd() * 6) / 2;
+                for (int c = 0; c < cols; c++) x[c] = -INFINITY;
+                x[cols / 2] = 0;
+                float *dx = be->ops->alloc(be, sizeof(float) * (size_t)n * cols);
+                cudaMemcpy(dx, x, sizeof(float) * (size_t)n * cols, cudaMemcpyHostToDevice);
+                be->ops->top(be, dx, n, cols, k, vals, ids);
+                CHECK(be->ops->sync(be) == 0, "top: %s", kvq_last_error());
+                for (int r = 0; r < n; r++, rows++) {
+                    float wv[8];
+                    int32_t wi[8];
+                    brute_top(x + (size_t)r * cols, cols, k, wv, wi);
+                    bad += memcmp(wv, vals + (size_t)r * k, sizeof(float) * k) != 0 ||
+                           memcmp(wi, ids + (size_t)r * k, sizeof(int32_t) * k) != 0;
+                }
+                be->ops->release(be, dx);
+                free(x);
+            }
+    printf("largest values of %d rows (ties by index): %d differ from a selection on the host\n", rows, bad);
+    CHECK(bad == 0, "the device's largest values differ from the host's in %d of %d rows", bad, rows);
+    be->ops->host_free(be, vals);
+    be->ops->host_free(be, ids);
+    be->ops->free(be);
+    if (!shared_path("models/tinydoc-f16.gguf")) return;
+    struct kvq_model *m = kvq_model_load(shared_path("models/tinydoc-f16.gguf"));
+    CHECK(m != NULL, "load: %s", kvq_last_error());
+    if (!m) return;
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    test_top_step(m, info.n_vocab);
+    kvq_model_free(m);
+}
+
 /* The norms and the GLU that also round their output into xq: the output against a
  * double reference, and the rounding bit for bit equal to cuk_quantize_x of it. */
 static void test_rounding_ops(void) {
@@ -1339,11 +1444,12 @@ int main(void) {
     }
     struct cudaDeviceProp prop;
     tq.pdl = cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major >= 9; /* as the backend launches */
-    /* KVQ_TEST_ONLY=attention|matvec|wide|tp: those kernels (for compute-sanitizer), or tensor parallelism, alone */
+    /* KVQ_TEST_ONLY=attention|matvec|wide|top|tp: those kernels (for compute-sanitizer), or tensor parallelism, alone */
     const char *only = getenv("KVQ_TEST_ONLY");
     if (only && (strcmp(only, "attention") == 0 || strcmp(only, "matvec") == 0 || strcmp(only, "wide") == 0 ||
-                 strcmp(only, "tp") == 0)) {
+                 strcmp(only, "top") == 0 || strcmp(only, "tp") == 0)) {
         if (strcmp(only, "attention") == 0) test_attention();
+        else if (strcmp(only, "top") == 0) test_top();
         else if (strcmp(only, "tp") == 0) test_tensor_parallel(n_dev);
         else if (strcmp(only, "wide") == 0) test_matmul_wide();
         else test_matvec();
@@ -1352,6 +1458,7 @@ int main(void) {
     test_matvec();
     test_matmul_wide();
     test_backend_products();
+    test_top();
     test_rounding_ops();
     test_attention();
     test_q8_weights();

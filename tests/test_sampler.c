@@ -207,8 +207,63 @@ static void test_adjustments(void) {
     free(l), free(adj), free(skip);
 }
 
+/* A greedy draw from the KVQ_TOP_N largest logits (what a top_only batch keeps) is the
+ * draw from the whole row, with 0-7 tokens banned among the best and with many ties;
+ * anything that changes logits other than bans needs the whole row. */
+static void test_from_top(void) {
+    struct kvq_sampler_params p;
+    kvq_sampler_params_default(&p);
+    p.temp = 0;
+    const int n = 32000;
+    float *l = malloc(sizeof *l * n);
+    bool *skip = calloc((size_t)n, sizeof *skip);
+    int same = 0, tried = 0;
+    for (int round = 0; round < 48; round++) {
+        make_logits(l, n, round % 3);
+        kvq_token top[KVQ_TOP_N];
+        memset(skip, 0, sizeof *skip * n);
+        for (int k = 0; k < KVQ_TOP_N; k++) skip[top[k] = argmax_skip(l, n, skip)] = true;
+        struct kvq_sampler *s = kvq_sampler_new(&p, n);
+        const int n_ban = round % KVQ_TOP_N;
+        kvq_token ban[KVQ_TOP_N];
+        for (int j = 0; j < n_ban; j++) ban[j] = top[(j * 3 + round) % KVQ_TOP_N]; /* repeats too */
+        kvq_sampler_ban(s, ban, n_ban);
+        CHECK(kvq_sampler_top_enough(s, KVQ_TOP_N), "greedy with %d bans draws from the largest", n_ban);
+        tried++;
+        same += kvq_sampler_sample_top(s, top, KVQ_TOP_N) == kvq_sampler_sample(s, l);
+        kvq_sampler_free(s);
+    }
+    CHECK(same == tried, "the draw from the largest logits is the row's in %d of %d", same, tried);
+    struct kvq_sampler *s = kvq_sampler_new(&p, n);
+    CHECK(!kvq_sampler_top_enough(s, 0), "no largest logits: the whole row");
+    kvq_sampler_ban(s, (kvq_token[]){1, 2, 3, 4, 5, 6, 7, 8}, 8);
+    CHECK(!kvq_sampler_top_enough(s, KVQ_TOP_N), "8 bans: the whole row");
+    kvq_sampler_ban(s, NULL, 0);
+    kvq_sampler_set_logit_bias(s, (kvq_token[]){5}, (float[]){2}, 1);
+    CHECK(!kvq_sampler_top_enough(s, KVQ_TOP_N), "a logit bias: the whole row");
+    kvq_sampler_set_logit_bias(s, NULL, NULL, 0);
+    kvq_sampler_set_penalties(s, 0.5f, 0);
+    CHECK(kvq_sampler_top_enough(s, KVQ_TOP_N), "a frequency penalty before any output changes nothing");
+    kvq_sampler_accept_output(s, 9);
+    CHECK(!kvq_sampler_top_enough(s, KVQ_TOP_N), "a frequency penalty in effect: the whole row");
+    kvq_sampler_free(s);
+    p.repeat_penalty = 1.2f;
+    s = kvq_sampler_new(&p, n);
+    kvq_sampler_accept(s, 3);
+    CHECK(!kvq_sampler_top_enough(s, KVQ_TOP_N), "a repetition penalty in effect: the whole row");
+    kvq_sampler_free(s);
+    p.repeat_penalty = 1;
+    p.temp = 0.7f;
+    s = kvq_sampler_new(&p, n);
+    CHECK(!kvq_sampler_top_enough(s, KVQ_TOP_N), "temperature: the whole row");
+    kvq_sampler_free(s);
+    free(l);
+    free(skip);
+}
+
 int main(void) {
     test_adjustments();
+    test_from_top();
     const int sizes[] = {97, 512, 32000, 128256};
     const struct kvq_sampler_params configs[] = {
         /* temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed */

@@ -68,6 +68,8 @@ struct be_kv_append {
 
 struct backend;
 
+#define BE_TOP_MAX 8
+
 struct backend_ops {
     const char *name;
     /* What the backend can do, for the engine to ask instead of naming devices. */
@@ -125,6 +127,11 @@ struct backend_ops {
     /* Waits until every operation issued has finished. 0, or -1 with the error of
      * an operation since the last sync. */
     int (*sync)(struct backend *b);
+    /* The k (<= BE_TOP_MAX) largest values of each of n rows of `cols` floats at x (a
+     * product's output in the backend's memory), best first, of equal values the lower
+     * index first, into vals and ids [n][k] (host_alloc memory), there after sync.
+     * NULL where results are host memory anyway (the engine then finds them). */
+    void (*top)(struct backend *b, const float *x, int n, int cols, int k, float *vals, int32_t *ids);
     /* Runs fn over the backend's host threads, the caller's as ith 0 (between passes:
      * the engine's callers share them rather than start threads of their own). */
     void (*run_on_host_threads)(struct backend *b, kvq_task_fn fn, void *arg);

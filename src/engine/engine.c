@@ -1,6 +1,7 @@
 /* The public API: ties the model, tokenizer, thread pool and KV caches together. */
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -38,6 +39,14 @@ struct kvq_context {
     int *row_of;
     int row_of_cap;
     int last_n_tokens;
+    /* A top_only batch's rows: the KVQ_TOP_N largest logits of each and their ids (one
+     * host_alloc block, ids after the values) */
+    bool last_top_only;
+    int last_top_rows;
+    float *top_vals;
+    kvq_token *top_ids;
+    size_t top_cap; /* rows */
+    atomic_int top_next; /* the next row host_tops_task takes */
     /* Reordering scratch: the batch grouped by sequence, first_pass of them before the
      * tokens that must wait for a later pass (plan_batch). */
     int32_t *order;
@@ -404,6 +413,7 @@ void kvq_context_free(struct kvq_context *c) {
     forward_free(c->fwd);
     if (c->be) {
         c->be->ops->host_free(c->be, c->logits);
+        c->be->ops->host_free(c->be, c->top_vals);
         c->be->ops->free(c->be);
     }
     free(c->row_of);
@@ -687,10 +697,22 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
     return 0;
 }
 
+/* The largest logits of the rows of a top_only batch, found on the host, a row at a
+ * time to whichever thread asks next. */
+static void host_tops_task(void *arg, int ith, int nth) {
+    (void)ith, (void)nth;
+    struct kvq_context *c = arg;
+    const int n_vocab = c->m->model->hp.n_vocab;
+    for (int r; (r = atomic_fetch_add_explicit(&c->top_next, 1, memory_order_relaxed)) < c->last_top_rows;)
+        sampler_top(c->logits + (size_t)r * n_vocab, n_vocab, KVQ_TOP_N, c->top_vals + (size_t)r * KVQ_TOP_N,
+                    c->top_ids + (size_t)r * KVQ_TOP_N);
+}
+
 int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
     const struct model *m = c->m->model;
     if (plan_batch(c, b) != 0) return -1;
     int n = b->n_tokens, n_vocab = m->hp.n_vocab;
+    if (b->top_only && n_vocab < KVQ_TOP_N) return kvq_error("a vocabulary of %d tokens has no %d largest logits", n_vocab, KVQ_TOP_N);
     int n_rows = 0;
     if (grow((void **)&c->row_of, &c->row_of_cap, n, sizeof *c->row_of)) return -1;
     for (int j = 0; j < n; j++) {
@@ -698,16 +720,22 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         bool want = b->logits ? b->logits[i] : i == n - 1;
         c->row_of[i] = want ? n_rows++ : -1;
     }
+    c->last_n_tokens = 0; /* kvq_get_logits, kvq_get_top: none until this batch is done */
     if ((size_t)n_rows > c->logits_cap) { /* rewritten by every decode: nothing to keep */
         c->be->ops->host_free(c->be, c->logits);
         c->logits = c->be->ops->host_alloc(c->be, sizeof(float) * (size_t)n_rows * n_vocab);
         c->logits_cap = c->logits ? (size_t)n_rows : 0;
-        if (!c->logits) {
-            c->last_n_tokens = 0; /* kvq_get_logits: none */
-            return kvq_error_wrap("%d rows of logits: %s", n_rows, kvq_last_error());
-        }
+        if (!c->logits) return kvq_error_wrap("%d rows of logits: %s", n_rows, kvq_last_error());
     }
-    c->last_n_tokens = n;
+    if (b->top_only && (size_t)n_rows > c->top_cap) {
+        c->be->ops->host_free(c->be, c->top_vals);
+        c->top_vals = c->be->ops->host_alloc(c->be, (sizeof(float) + sizeof(kvq_token)) * KVQ_TOP_N * (size_t)n_rows);
+        c->top_ids = c->top_vals ? (kvq_token *)(c->top_vals + KVQ_TOP_N * (size_t)n_rows) : NULL;
+        c->top_cap = c->top_vals ? (size_t)n_rows : 0;
+        if (!c->top_vals) return kvq_error_wrap("%d rows of largest logits: %s", n_rows, kvq_last_error());
+    }
+    /* a device finds them where the logits are; the host, after the passes */
+    const bool dev_top = b->top_only && c->be->ops->top && !c->be->ops->host_memory;
 
     /* Forward passes over chunks of at most n_batch tokens of the grouped batch. */
     int chunk = c->p.n_batch;
@@ -717,7 +745,8 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
     for (int start = 0, len; start < n && rc == 0; start += len) {
         len = n - start < chunk ? n - start : chunk;
         if (start < c->first_pass && start + len > c->first_pass) len = c->first_pass - start;
-        struct fwd_batch fb = {.n_tokens = len, .tokens = tokens, .seqs = seqs, .logit_rows = logit_rows};
+        struct fwd_batch fb = {.n_tokens = len, .tokens = tokens, .seqs = seqs, .logit_rows = logit_rows,
+                               .top_k = dev_top ? KVQ_TOP_N : 0};
         int first_row = -1;
         for (int j = 0; j < len; j++) {
             int i = c->order[start + j];
@@ -734,9 +763,20 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
             }
         }
         /* rows are numbered in chunk order: the pass writes them in place */
-        rc = forward_run(c->fwd, &fb, c->logits + (size_t)(first_row < 0 ? 0 : first_row) * n_vocab);
+        const size_t row0 = (size_t)(first_row < 0 ? 0 : first_row);
+        fb.top_vals = dev_top ? c->top_vals + row0 * KVQ_TOP_N : NULL;
+        fb.top_ids = dev_top ? c->top_ids + row0 * KVQ_TOP_N : NULL;
+        rc = forward_run(c->fwd, &fb, c->logits + row0 * n_vocab);
     }
-    return rc;
+    if (rc != 0) return rc;
+    c->last_top_only = b->top_only;
+    c->last_top_rows = n_rows;
+    if (b->top_only && !dev_top && n_rows > 0) {
+        atomic_store_explicit(&c->top_next, 0, memory_order_relaxed);
+        c->be->ops->run_on_host_threads(c->be, host_tops_task, c);
+    }
+    c->last_n_tokens = n;
+    return 0;
 }
 
 int kvq_embed(struct kvq_context *c, int seq, const kvq_token *tokens, int n, enum kvq_pooling pooling, float *out) {
@@ -775,8 +815,15 @@ int kvq_embed(struct kvq_context *c, int seq, const kvq_token *tokens, int n, en
 }
 
 const float *kvq_get_logits(const struct kvq_context *c, int i) {
-    if (i < 0 || i >= c->last_n_tokens || c->row_of[i] < 0) return NULL;
+    if (i < 0 || i >= c->last_n_tokens || c->row_of[i] < 0 || c->last_top_only) return NULL;
     return c->logits + (size_t)c->row_of[i] * c->m->model->hp.n_vocab;
+}
+
+int kvq_get_top(const struct kvq_context *c, int i, float *vals, kvq_token *ids) {
+    if (i < 0 || i >= c->last_n_tokens || c->row_of[i] < 0 || !c->last_top_only) return -1;
+    memcpy(vals, c->top_vals + (size_t)c->row_of[i] * KVQ_TOP_N, sizeof *vals * KVQ_TOP_N);
+    memcpy(ids, c->top_ids + (size_t)c->row_of[i] * KVQ_TOP_N, sizeof *ids * KVQ_TOP_N);
+    return 0;
 }
 
 /* ---- internal accessors (engine_internal.h), for seq_state.c ---- */

@@ -10,6 +10,9 @@ struct grammar_vocab;
 struct tokenizer;
 
 const struct model *engine_model(const struct kvq_context *c);
+/* The k <= KVQ_TOP_N largest of x[0..n), best first, of equal values the first ones
+ * (sampler.c: a greedy draw's order). */
+void sampler_top(const float *x, int n, int k, float *vals, kvq_token *ids);
 const struct model *engine_model_data(const struct kvq_model *m);
 /* The model's vocabulary as grammars see it, made on first use (any thread); NULL
  * with an error. */

@@ -5,11 +5,13 @@
  * that can be drawn in one pass over them (sorting all of them took 13 ms a token,
  * selecting 40 by quickselect 0.65 ms, against a step of 2-3 ms on a GPU), and with
  * nothing truncated it draws over them in id order, unsorted. */
+#include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/error.h"
+#include "engine/engine_internal.h"
 #include "kernels/activation.h"
 #include "kvq.h"
 
@@ -282,6 +284,29 @@ static int draw_index(const float *w, const double *bs, int n, double r, int fal
         r = 0; /* rounding left r past the block: the next id with a weight */
     }
     return fallback;
+}
+
+void sampler_top(const float *x, int n, int k, float *vals, kvq_token *ids) {
+    struct candidate c[KVQ_TOP_N];
+    assert(k > 0 && k <= KVQ_TOP_N && k <= n);
+    top_m(x, n, k, c);
+    for (int i = 0; i < k; i++) vals[i] = c[i].logit, ids[i] = c[i].id;
+}
+
+bool kvq_sampler_top_enough(const struct kvq_sampler *s, int k) {
+    return s->p.temp <= 0 && !s->grammar && s->n_bias == 0 && !(s->p.repeat_penalty != 1.0f && s->n_history > 0) &&
+           !((s->frequency != 0 || s->presence != 0) && s->n_seen > 0) && s->n_banned < k;
+}
+
+/* As argmax_allowed picks from the n_banned + 1 largest, and argmax with no bans. */
+kvq_token kvq_sampler_sample_top(struct kvq_sampler *s, const kvq_token *ids, int k) {
+    assert(kvq_sampler_top_enough(s, k));
+    for (int i = 0; i <= s->n_banned && i < k; i++) {
+        bool banned = false;
+        for (int j = 0; j < s->n_banned && !banned; j++) banned = s->banned[j] == ids[i];
+        if (!banned) return ids[i];
+    }
+    return ids[0]; /* everything is banned */
 }
 
 /* The first largest logit that is not banned (of the n_banned + 1 largest). */

@@ -38,8 +38,10 @@ struct sched_req {
     int n_gen;
     kvq_token *fed; /* tokens the sequence holds: the prompt, then generated ones */
     int n_fed, fed_cap;
-    /* this step's draw, made with the others' on the sampling threads */
+    /* this step's draw, made with the others' on the sampling threads, from its logits
+     * or, in a top_only step, from the largest of row `row` */
     const float *logits;
+    int row;
     kvq_token drawn;
     struct lp_entry drawn_lp;
     struct kvq_sampler *smp;
@@ -81,6 +83,7 @@ struct sched {
     struct sched_req **draws;
     int n_draws;
     atomic_int next_draw;
+    bool top_only; /* this step kept the largest logits only: every draw is greedy */
 };
 
 static double now_s(void) {
@@ -491,6 +494,13 @@ static void admit(struct sched *s) {
 /* The token after r->logits, and its log-probabilities when asked for: what only
  * reads the step's logits and r's sampler, so the requests' draws run at once. */
 static void draw(struct sched *s, struct sched_req *r) {
+    if (s->top_only) {
+        float vals[KVQ_TOP_N];
+        kvq_token ids[KVQ_TOP_N];
+        kvq_get_top(s->c, r->row, vals, ids);
+        r->drawn = kvq_sampler_sample_top(r->smp, ids, KVQ_TOP_N);
+        return;
+    }
     const kvq_token t = kvq_sampler_sample(r->smp, r->logits);
     r->drawn = t;
     if (r->gp.logprobs >= 0 && !kvq_token_is_eog(s->m, t)) {
@@ -564,6 +574,7 @@ static void fork_followers(struct sched *s) {
         r->res.cached_tokens = l->res.cached_tokens;
         pthread_mutex_unlock(&r->mu);
         r->logits = l->logits;
+        r->row = l->row;
         s->draws[s->n_draws++] = r;
     }
 }
@@ -581,7 +592,15 @@ static void step(struct sched *s) {
     if (s->running == 0) return;
     int n = sched_policy_step(&s->pol, s->seqs, s->b_tok, s->b_seq, s->b_logits);
     if (n == 0) return;
-    struct kvq_batch b = {.n_tokens = n, .tokens = s->b_tok, .seq_ids = s->b_seq, .logits = s->b_logits};
+    /* only the largest logits when every draw is greedy: on a GPU 128 rows of a 128K
+     * vocabulary are 64 MB a step to copy and scan */
+    s->top_only = true;
+    for (int i = 0; i < s->p.max_seqs && s->top_only; i++) {
+        const struct sched_req *r = s->slots[i];
+        s->top_only = !r || !r->smp || (r->gp.logprobs < 0 && kvq_sampler_top_enough(r->smp, KVQ_TOP_N));
+    }
+    struct kvq_batch b = {.n_tokens = n, .tokens = s->b_tok, .seq_ids = s->b_seq, .logits = s->b_logits,
+                          .top_only = s->top_only};
     if (kvq_decode(s->c, &b) != 0) {
         /* nothing was written: give memory back (prefix cache first, then the youngest
          * request) and try again next step */
@@ -616,12 +635,13 @@ static void step(struct sched *s) {
             prefix_cache_store(s->pc, r->q.slot, r->cache_key, r->tokens, r->n_tokens, false, r->res.cached_tokens);
         if (r->q.batch_pos >= 0) {
             r->logits = kvq_get_logits(s->c, r->q.batch_pos);
+            r->row = r->q.batch_pos;
             s->draws[s->n_draws++] = r;
         }
     }
     fork_followers(s);
     atomic_store_explicit(&s->next_draw, 0, memory_order_relaxed);
-    if (s->n_draws > 1) kvq_run_parallel(s->c, draw_task, s);
+    if (s->n_draws > 1 && !s->top_only) kvq_run_parallel(s->c, draw_task, s);
     else draw_task(s, 0, 1);
     const int sampled = s->n_draws;
     for (int i = 0; i < sampled; i++) next_token(s, s->draws[i]);

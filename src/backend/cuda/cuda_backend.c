@@ -203,6 +203,8 @@ static void cuda_free(struct backend *b) {
     cudaFree(cb->xq.q);
     cudaFree(cb->xq.dsum);
     cudaFree(cb->wide_part);
+    cudaFree(cb->top_d);
+    cudaFree(cb->top_scratch);
     cudaFree(cb->mv.partial);
     cudaFree(cb->mv.counters);
     cudaFree(cb->part);
@@ -267,6 +269,7 @@ static const struct backend_ops cuda_ops = {
     .attention = cuda_attention,
     .sync = cuda_sync,
     .run_on_host_threads = cuda_run_on_host_threads,
+    .top = cuda_top,
 };
 
 

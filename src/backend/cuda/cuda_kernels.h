@@ -137,6 +137,15 @@ void cuk_rope_table(struct cuk_queue *qu, const int32_t *pos, int n, const float
 void cuk_glu(struct cuk_queue *qu, int act, const float *gate, const float *up, int n, int n_ff, float *out,
              const struct cuk_xq *xq);
 
+/* The k <= CUK_TOP_MAX largest values of each of n rows of `cols` floats at x, best
+ * first, of equal values the lower index first, into out_v/out_i [n][k]; scratch:
+ * cuk_top_scratch_bytes(n). */
+#define CUK_TOP_MAX 8
+#define CUK_TOP_SEGMENTS 32 /* blocks a row at most */
+size_t cuk_top_scratch_bytes(int n);
+void cuk_top(struct cuk_queue *qu, const float *x, int n, int cols, int k, float *out_v, int32_t *out_i, void *scratch,
+             int n_sm);
+
 /* Copies `bytes` from staging + src to dst, for each of n copies. */
 struct cuk_copy {
     uint64_t dst;

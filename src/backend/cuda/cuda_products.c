@@ -244,6 +244,33 @@ void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *
 }
 
 
+/* The largest logits of each row, found where the product left them: a greedy step
+ * then reads k pairs a row back, not the row (64 MB for 128 rows of a 128K
+ * vocabulary). Buffers for max_tokens rows, made once (a recorded step keeps them). */
+void cuda_top(struct backend *b, const float *x, int n, int cols, int k, float *vals, int32_t *ids) {
+    struct cuda_backend *cb = cuda(b);
+    step_op(cb, n, false);
+    if (cb->failed) return;
+    if (n > cb->top_rows) {
+        const int rows = n > cb->max_tokens ? n : cb->max_tokens;
+        free_after_step(cb, cb->top_d);
+        free_after_step(cb, cb->top_scratch);
+        cb->top_d = NULL;
+        cb->top_scratch = NULL;
+        cb->top_rows = 0;
+        if (!ck(cb, cudaMalloc((void **)&cb->top_d, (sizeof(float) + sizeof(int32_t)) * CUK_TOP_MAX * (size_t)rows),
+                "device memory for the largest logits") ||
+            !ck(cb, cudaMalloc(&cb->top_scratch, cuk_top_scratch_bytes(rows)), "device memory for the largest logits"))
+            return;
+        cb->top_rows = rows;
+    }
+    int32_t *ids_d = (int32_t *)(cb->top_d + (size_t)CUK_TOP_MAX * cb->top_rows);
+    cuk_top(&cb->q, x, n, cols, k, cb->top_d, ids_d, cb->top_scratch, cb->n_sm);
+    post_copy(cb, vals, cb->top_d, sizeof(float) * (size_t)n * (size_t)k);
+    post_copy(cb, ids, ids_d, sizeof(int32_t) * (size_t)n * (size_t)k);
+}
+
+
 void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff,
                      float *out) {
     struct cuda_backend *cb = cuda(b);
