@@ -163,3 +163,16 @@ int refs_check_logits(struct kvq_context *ctx, const struct ref_prompt *r, int n
     free(want);
     return rc;
 }
+
+void refs_top_k(const float *l, int n, int k, float *vals, int32_t *ids) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int i = 0; i < n; i++) {
+            bool taken = false;
+            for (int t = 0; t < j && !taken; t++) taken = ids[t] == i;
+            if (!taken && (best < 0 || l[i] > l[best])) best = i;
+        }
+        ids[j] = best;
+        vals[j] = l[best];
+    }
+}

@@ -38,6 +38,9 @@ int refs_load_long(const char *dir, struct ref_long *out);
 void refs_long_free(struct ref_long *r);
 /* Reads the long prompt's logits ([n_logits][n_vocab]); caller frees. */
 float *refs_long_logits(const struct ref_long *r, int n_vocab);
+/* The k largest of l[0..n) by selection, larger first, of equal values the lower
+ * index: what a greedy draw's candidates must be. */
+void refs_top_k(const float *l, int n, int k, float *vals, int32_t *ids);
 /* Reads logits_N.f32 ([n_ids][n_vocab]); caller frees. */
 float *refs_logits(const struct ref_prompt *p, int n_vocab);
 /* Decodes the prompt into sequence 0 of ctx with logits at every position and

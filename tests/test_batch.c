@@ -8,20 +8,6 @@
 #include "kvq.h"
 #include "refs.h"
 
-/* The KVQ_TOP_N largest of l[0..n) by sorting every index: of equal values the lower id. */
-static void brute_top(const float *l, int n, float *vals, kvq_token *ids) {
-    for (int k = 0; k < KVQ_TOP_N; k++) {
-        int best = -1;
-        for (int i = 0; i < n; i++) {
-            bool taken = false;
-            for (int j = 0; j < k && !taken; j++) taken = ids[j] == i;
-            if (!taken && (best < 0 || l[i] > l[best])) best = i;
-        }
-        ids[k] = best;
-        vals[k] = l[best];
-    }
-}
-
 static double max_diff(const float *a, const float *b, int n) {
     double d = 0;
     for (int i = 0; i < n; i++) d = fmax(d, fabs(a[i] - b[i]));
@@ -123,7 +109,7 @@ int main(void) {
     for (int p = 0; p < REFS_PROMPTS; p++) {
         float vals[KVQ_TOP_N], want_vals[KVQ_TOP_N];
         kvq_token ids[KVQ_TOP_N], want_ids[KVQ_TOP_N];
-        brute_top(step + (size_t)p * V, V, want_vals, want_ids);
+        refs_top_k(step + (size_t)p * V, V, KVQ_TOP_N, want_vals, want_ids);
         CHECK(kvq_get_top(ctx, p, vals, ids) == 0, "largest logits of row %d", p);
         CHECK(kvq_get_logits(ctx, p) == NULL, "no logits in a top_only batch");
         same += !memcmp(vals, want_vals, sizeof vals) && !memcmp(ids, want_ids, sizeof ids);

@@ -1002,20 +1002,6 @@ static void test_backend_products(void) {
     }
 }
 
-/* The k largest of l[0..n) by selection: larger first, of equal values the lower index. */
-static void brute_top(const float *l, int n, int k, float *vals, int32_t *ids) {
-    for (int j = 0; j < k; j++) {
-        int best = -1;
-        for (int i = 0; i < n; i++) {
-            bool taken = false;
-            for (int t = 0; t < j && !taken; t++) taken = ids[t] == i;
-            if (!taken && (best < 0 || l[i] > l[best])) best = i;
-        }
-        ids[j] = best;
-        vals[j] = l[best];
-    }
-}
-
 /* A step that keeps only the largest logits (kvq_batch.top_only) keeps those of the
  * same step's logits: 1, 16 (a recorded step) and 40 sequences (a wide one). */
 static void test_top_step(struct kvq_model *m, int n_vocab) {
@@ -1048,7 +1034,7 @@ static void test_top_step(struct kvq_model *m, int n_vocab) {
         for (int i = 0; i < n; i++, rows++) {
             float v[KVQ_TOP_N], wv[KVQ_TOP_N];
             int32_t t[KVQ_TOP_N], wt[KVQ_TOP_N];
-            brute_top(logits + (size_t)i * n_vocab, n_vocab, KVQ_TOP_N, wv, wt);
+            refs_top_k(logits + (size_t)i * n_vocab, n_vocab, KVQ_TOP_N, wv, wt);
             bad += kvq_get_top(c, i, v, t) != 0 || memcmp(v, wv, sizeof v) != 0 || memcmp(t, wt, sizeof t) != 0;
         }
     }
@@ -1085,7 +1071,7 @@ static void test_top(void) {
                 for (int r = 0; r < n; r++, rows++) {
                     float wv[8];
                     int32_t wi[8];
-                    brute_top(x + (size_t)r * cols, cols, k, wv, wi);
+                    refs_top_k(x + (size_t)r * cols, cols, k, wv, wi);
                     bad += memcmp(wv, vals + (size_t)r * k, sizeof(float) * k) != 0 ||
                            memcmp(wi, ids + (size_t)r * k, sizeof(int32_t) * k) != 0;
                 }
