@@ -697,6 +697,8 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
     return 0;
 }
 
+_Static_assert(KVQ_TOP_N <= BE_TOP_MAX, "a backend finds as many largest logits as a batch keeps");
+
 /* The largest logits of the rows of a top_only batch, found on the host, a row at a
  * time to whichever thread asks next. */
 static void host_tops_task(void *arg, int ith, int nth) {

@@ -247,6 +247,8 @@ void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *
 /* The largest logits of each row, found where the product left them: a greedy step
  * then reads k pairs a row back, not the row (64 MB for 128 rows of a 128K
  * vocabulary). Buffers for max_tokens rows, made once (a recorded step keeps them). */
+_Static_assert(BE_TOP_MAX <= CUK_TOP_MAX, "the kernel finds as many as the backend may be asked for");
+
 void cuda_top(struct backend *b, const float *x, int n, int cols, int k, float *vals, int32_t *ids) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
