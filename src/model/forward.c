@@ -136,7 +136,8 @@ static int check_batch(const struct forward *f, const struct fwd_batch *b) {
     if (b->n_tokens <= 0 || b->n_tokens > f->max_tokens)
         return kvq_error("batch of %d tokens (1..%d allowed)", b->n_tokens, f->max_tokens);
     if (b->n_logits < 0 || b->n_logits > b->n_tokens) return kvq_error("invalid number of logit rows");
-    if (b->top_k < 0 || b->top_k > BE_TOP_MAX || b->top_k > hp->n_vocab) return kvq_error("invalid number of largest logits");
+    if (b->top_k < 0 || b->top_k > BE_TOP_MAX || b->top_k > hp->n_vocab || (b->top_k > 0 && (!f->logits || !f->be->ops->top)))
+        return kvq_error("invalid number of largest logits");
     for (int t = 0; t < b->n_tokens; t++)
         if (b->tokens[t] < 0 || b->tokens[t] >= hp->n_vocab)
             return kvq_error("token id %d is outside the vocabulary (0..%d)", b->tokens[t], hp->n_vocab - 1);
@@ -187,10 +188,10 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
         op->rmsnorm(be, f->x, b->logit_rows, f->m->output_norm, b->n_logits, hp->n_embd, hp->rms_eps, b->hidden);
     } else if (b->n_logits > 0) {
         op->rmsnorm(be, f->x, b->logit_rows, f->m->output_norm, b->n_logits, hp->n_embd, hp->rms_eps, f->xn);
-        const bool top = b->top_k > 0 && f->logits && op->top;
-        struct be_matmul out = {&f->m->output, f->logits ? f->logits : logits, NULL, f->logits && !top ? logits : NULL};
+        struct be_matmul out = {&f->m->output, f->logits ? f->logits : logits, NULL,
+                                f->logits && b->top_k == 0 ? logits : NULL};
         op->matmul(be, f->xn, hp->n_embd, b->n_logits, 1, &out);
-        if (top) op->top(be, f->logits, b->n_logits, hp->n_vocab, b->top_k, b->top_vals, b->top_ids);
+        if (b->top_k > 0) op->top(be, f->logits, b->n_logits, hp->n_vocab, b->top_k, b->top_vals, b->top_ids);
     }
     if (op->sync(be) != 0) {
         undo_appends(f, b, hp->n_layer);

@@ -93,7 +93,7 @@ struct fwd_batch {
     const int32_t *logit_rows; /* batch indices whose logits are wanted */
     float *hidden; /* set (a backend with host memory only): those rows' final normed hidden
                     * states [n_logits][n_embd] go here instead of logits */
-    /* top_k > 0 (a backend with ops->top only): the top_k largest logits of each row go
+    /* top_k > 0 (a backend with ops->top and device logits only): the top_k largest logits of each row go
      * to top_vals / top_ids [n_logits][top_k] instead of the logits */
     int top_k;
     float *top_vals;

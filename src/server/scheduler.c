@@ -38,9 +38,8 @@ struct sched_req {
     int n_gen;
     kvq_token *fed; /* tokens the sequence holds: the prompt, then generated ones */
     int n_fed, fed_cap;
-    /* this step's draw, made with the others' on the sampling threads, from its logits
-     * or, in a top_only step, from the largest of row `row` */
-    const float *logits;
+    /* this step's draw, made with the others' on the sampling threads, from the logits
+     * after batch token `row` (in a top_only step, their largest) */
     int row;
     kvq_token drawn;
     struct lp_entry drawn_lp;
@@ -491,8 +490,8 @@ static void admit(struct sched *s) {
     }
 }
 
-/* The token after r->logits, and its log-probabilities when asked for: what only
- * reads the step's logits and r's sampler, so the requests' draws run at once. */
+/* The token after batch token r->row, and its log-probabilities when asked for: what
+ * only reads the step's logits and r's sampler, so the requests' draws run at once. */
 static void draw(struct sched *s, struct sched_req *r) {
     if (s->top_only) {
         float vals[KVQ_TOP_N];
@@ -501,12 +500,13 @@ static void draw(struct sched *s, struct sched_req *r) {
         r->drawn = kvq_sampler_sample_top(r->smp, ids, KVQ_TOP_N);
         return;
     }
-    const kvq_token t = kvq_sampler_sample(r->smp, r->logits);
+    const float *logits = kvq_get_logits(s->c, r->row);
+    const kvq_token t = kvq_sampler_sample(r->smp, logits);
     r->drawn = t;
     if (r->gp.logprobs >= 0 && !kvq_token_is_eog(s->m, t)) {
         r->drawn_lp.id = t;
         r->drawn_lp.n_top = r->gp.logprobs < s->n_vocab ? r->gp.logprobs : s->n_vocab;
-        r->drawn_lp.logprob = lp_compute(r->logits, s->n_vocab, t, r->drawn_lp.n_top, r->drawn_lp.top);
+        r->drawn_lp.logprob = lp_compute(logits, s->n_vocab, t, r->drawn_lp.n_top, r->drawn_lp.top);
     }
 }
 
@@ -573,7 +573,6 @@ static void fork_followers(struct sched *s) {
         pthread_mutex_lock(&r->mu);
         r->res.cached_tokens = l->res.cached_tokens;
         pthread_mutex_unlock(&r->mu);
-        r->logits = l->logits;
         r->row = l->row;
         s->draws[s->n_draws++] = r;
     }
@@ -634,7 +633,6 @@ static void step(struct sched *s) {
         if (s->pc && r->q.chunk > 0 && r->q.prefilled == r->n_tokens && kvq_seq_len(s->c, r->q.slot) == r->n_tokens)
             prefix_cache_store(s->pc, r->q.slot, r->cache_key, r->tokens, r->n_tokens, false, r->res.cached_tokens);
         if (r->q.batch_pos >= 0) {
-            r->logits = kvq_get_logits(s->c, r->q.batch_pos);
             r->row = r->q.batch_pos;
             s->draws[s->n_draws++] = r;
         }
