@@ -144,6 +144,10 @@ struct kvq_context_params {
     int n_ctx;     /* max tokens per sequence (0: the model's training context) */
     int n_seq;     /* sequences the context can hold */
     int n_batch;   /* max tokens per forward pass (longer batches are split) */
+    /* max rows of logits per forward pass (0: n_batch): a GPU keeps a buffer of this
+     * many rows of the vocabulary; a batch asking for more takes more passes (a server
+     * asks for one a sequence) */
+    int max_logit_rows;
     int n_threads; /* <= 0: one per CPU */
     enum kvq_device device; /* where the model runs (KVQ_DEVICE_CPU by default) */
     /* KVQ_DEVICE_CUDA: products of more than 16 tokens read f16 copies of the

@@ -69,6 +69,23 @@ int main(void) {
         CHECK(kvq_seq_len(ctx, p) == refs[p].n_ids, "sequence %d length", p);
     }
     CHECK(kvq_get_logits(ctx, 0) == NULL || last_of[0] == 0, "logits only where asked");
+    /* The same batch where a pass holds 2 rows of logits (a server's limit: a row a
+     * sequence): more passes, the same logits. */
+    struct kvq_context_params few_cp = cp;
+    few_cp.max_logit_rows = 2;
+    struct kvq_context *few = kvq_context_new(m, &few_cp);
+    CHECK(few && kvq_decode(few, &b) == 0, "decode with 2 rows of logits a pass: %s", kvq_last_error());
+    double few_worst = few ? 0 : INFINITY;
+    for (int p = 0; p < REFS_PROMPTS && few; p++) {
+        const float *l = kvq_get_logits(few, last_of[p]);
+        few_worst = l ? fmax(few_worst, max_diff(l, alone + (size_t)p * 2 * V, V)) : INFINITY;
+    }
+    printf("2 rows of logits a pass vs alone: max logit difference %.2e\n", few_worst);
+    CHECK(few_worst < 1e-3, "logits with 2 rows a pass differ from single-sequence ones by %g", few_worst);
+    few_cp.max_logit_rows = -1;
+    CHECK(kvq_context_new(m, &few_cp) == NULL && strstr(kvq_last_error(), "max_logit_rows -1"),
+          "a negative max_logit_rows is refused: %s", kvq_last_error());
+    kvq_context_free(few);
     /* One decode step for all sequences together, in reverse order. */
     for (int p = 0; p < REFS_PROMPTS; p++) {
         tokens[p] = refs[REFS_PROMPTS - 1 - p].next[0];

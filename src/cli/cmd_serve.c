@@ -339,6 +339,7 @@ int cmd_serve(int argc, char **argv) {
     kvq_model_get_info(m, &info);
     o.cp.n_seq = o.sp.max_seqs;
     o.cp.n_batch = o.sp.step_tokens + o.sp.max_seqs; /* a step is never split into several passes */
+    o.cp.max_logit_rows = o.sp.max_seqs;             /* it asks for a row of logits a sequence at most */
     int n_ctx = o.cp.n_ctx ? o.cp.n_ctx : info.n_ctx_train;
     size_t cache_bytes = (size_t)o.cache_mb << 20;
     if (!o.cp.kv_budget_bytes) /* --kv-budget-mb: none; a full context per sequence, and room for the prefix cache on top */

@@ -328,6 +328,11 @@ static size_t pass_kv_bytes(const struct kvq_context *c) {
     return per_token * (size_t)c->p.n_batch;
 }
 
+/* Rows of logits a forward pass holds. */
+static int logit_rows_max(const struct kvq_context_params *p) {
+    return p->max_logit_rows > 0 && p->max_logit_rows < p->n_batch ? p->max_logit_rows : p->n_batch;
+}
+
 struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_context_params *p) {
     if (!m->model) {
         kvq_error("the model was loaded for its vocabulary only");
@@ -338,8 +343,9 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
         kvq_error("number of sequences must be 1..4096 (got %d)", p->n_seq);
         return NULL;
     }
-    if (p->n_batch <= 0 || p->n_ctx < 0) {
-        kvq_error("invalid context parameters: n_ctx %d, n_batch %d", p->n_ctx, p->n_batch);
+    if (p->n_batch <= 0 || p->n_ctx < 0 || p->max_logit_rows < 0) {
+        kvq_error("invalid context parameters: n_ctx %d, n_batch %d, max_logit_rows %d", p->n_ctx, p->n_batch,
+                  p->max_logit_rows);
         return NULL;
     }
     /* the rotating size is added to batch sizes below: bounded first */
@@ -375,7 +381,7 @@ struct kvq_context *kvq_context_new(struct kvq_model *m, const struct kvq_contex
                                             "2 or :nf): use uniform rows (e.g. --kv-bits 4 or 3,3:uniform) or --device cpu");
         goto fail;
     }
-    c->fwd = c->be ? forward_new(m->model, c->be, p->n_batch) : NULL;
+    c->fwd = c->be ? forward_new(m->model, c->be, p->n_batch, logit_rows_max(p)) : NULL;
     c->kv_pool = c->be ? c->be->ops->kv_pool_new(c->be, c->p.kv_budget_bytes) : NULL;
     c->caches = calloc((size_t)p->n_seq * hp->n_layer, sizeof *c->caches);
     c->count = calloc(3 * ((size_t)p->n_seq + 1), sizeof *c->count);
@@ -747,6 +753,8 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
     for (int start = 0, len; start < n && rc == 0; start += len) {
         len = n - start < chunk ? n - start : chunk;
         if (start < c->first_pass && start + len > c->first_pass) len = c->first_pass - start;
+        for (int j = 0, rows = 0; j < len; j++) /* and at most the rows of logits a pass holds */
+            if (c->row_of[c->order[start + j]] >= 0 && ++rows > logit_rows_max(&c->p)) len = j;
         struct fwd_batch fb = {.n_tokens = len, .tokens = tokens, .seqs = seqs, .logit_rows = logit_rows,
                                .top_k = dev_top ? KVQ_TOP_N : 0};
         int first_row = -1;

@@ -13,12 +13,12 @@
 struct forward {
     const struct model *m;
     struct backend *be;
-    int max_tokens;
+    int max_tokens, max_logits;
     int q_dim, kv_dim, half_rope;
     /* activations in backend memory */
     float *x, *xn, *q, *k, *v, *attn, *tmp, *gate, *up;
     float *rope_cos, *rope_sin; /* [n_rope_sets][T][rope_dim/2] */
-    float *logits;              /* [T][n_vocab] when activations are not host memory */
+    float *logits;              /* [max_logits][n_vocab] when activations are not host memory */
     /* host-side step parameters */
     int32_t *pos;                /* [T] */
     struct kv_cache **tok_cache; /* [T]: this layer's cache of the token's sequence */
@@ -47,13 +47,14 @@ static int upload_model(const struct model *m, struct backend *be) {
     return rc ? -1 : 0;
 }
 
-struct forward *forward_new(const struct model *m, struct backend *be, int max_tokens) {
+struct forward *forward_new(const struct model *m, struct backend *be, int max_tokens, int max_logits) {
     const struct model_hparams *hp = &m->hp;
     struct forward *f = calloc(1, sizeof *f);
     if (!f) goto oom;
     f->m = m;
     f->be = be;
     f->max_tokens = max_tokens;
+    f->max_logits = max_logits;
     f->q_dim = hp->n_head * hp->head_dim;
     f->kv_dim = hp->n_head_kv * hp->head_dim;
     f->half_rope = hp->rope_dim / 2;
@@ -67,7 +68,8 @@ struct forward *forward_new(const struct model *m, struct backend *be, int max_t
                       (size_t)f->half_rope * (size_t)m->n_rope_sets, (size_t)f->half_rope * (size_t)m->n_rope_sets};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (!(*bufs[i] = be->ops->alloc(be, sizeof(float) * T * sizes[i]))) goto fail;
-    if (!be->ops->host_memory && !(f->logits = be->ops->alloc(be, sizeof(float) * T * (size_t)hp->n_vocab))) goto fail;
+    if (!be->ops->host_memory && !(f->logits = be->ops->alloc(be, sizeof(float) * (size_t)max_logits * hp->n_vocab)))
+        goto fail;
     f->pos = malloc(sizeof(int32_t) * T);
     f->tok_cache = malloc(sizeof(struct kv_cache *) * T);
     f->append = malloc(sizeof *f->append * T);
@@ -135,7 +137,8 @@ static int check_batch(const struct forward *f, const struct fwd_batch *b) {
     const struct model_hparams *hp = &f->m->hp;
     if (b->n_tokens <= 0 || b->n_tokens > f->max_tokens)
         return kvq_error("batch of %d tokens (1..%d allowed)", b->n_tokens, f->max_tokens);
-    if (b->n_logits < 0 || b->n_logits > b->n_tokens) return kvq_error("invalid number of logit rows");
+    if (b->n_logits < 0 || b->n_logits > b->n_tokens || b->n_logits > f->max_logits)
+        return kvq_error("invalid number of logit rows");
     if (b->top_k < 0 || b->top_k > BE_TOP_MAX || b->top_k > hp->n_vocab || (b->top_k > 0 && (!f->logits || !f->be->ops->top)))
         return kvq_error("invalid number of largest logits");
     for (int t = 0; t < b->n_tokens; t++)

@@ -102,8 +102,9 @@ struct fwd_batch {
 
 struct forward;
 
-/* Buffers (in the backend's memory) for batches of up to max_tokens tokens. */
-struct forward *forward_new(const struct model *m, struct backend *be, int max_tokens);
+/* Buffers (in the backend's memory) for batches of up to max_tokens tokens, up to
+ * max_logits of them with logits. */
+struct forward *forward_new(const struct model *m, struct backend *be, int max_tokens, int max_logits);
 void forward_free(struct forward *f);
 /* Runs the batch, appends its K/V to the caches, writes logits
  * [n_logits][n_vocab]. 0, or -1 with kvq_last_error() (e.g. cache full). */
