@@ -1,6 +1,7 @@
 /* The model on the device: weights in their GGUF types (repacked where kernels read
  * them so) and vectors, found again by their host address. */
 #include "backend/cuda/cuda_private.h"
+#include "gguf/gguf.h"
 
 
 static int ent_cmp(const void *a, const void *b) {
@@ -109,6 +110,14 @@ static int add_entry(struct cuda_backend *cb, const void *host, size_t bytes, co
 }
 
 
+/* The file's pages of an uploaded weight leave the process's resident memory (a later
+ * read, a tensor-parallel rank's share say, maps them again from the page cache): a
+ * model's size less of RSS once on the GPU. */
+static void release_host(const struct weight *w) {
+    if (w->file) gguf_release_pages(w->file, w->data, w->row_bytes * (size_t)w->rows);
+}
+
+
 int cuda_upload_weight(struct backend *b, const struct weight *w) {
     struct cuda_backend *cb = cuda(b);
     if (!cuk_type_supported(w->type) || w->cols % 8 != 0)
@@ -118,6 +127,7 @@ int cuda_upload_weight(struct backend *b, const struct weight *w) {
     if (!cuk_repacked(w->type)) {
         if (add_entry(cb, w, sizeof *w, w->data, w->row_bytes * (size_t)w->rows, &e) != 0) return -1;
         if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, w->row_bytes, NULL};
+        release_host(w);
         return 0;
     }
     /* codes, then the scales, in one device allocation, repacked there from the rows
@@ -140,6 +150,7 @@ int cuda_upload_weight(struct backend *b, const struct weight *w) {
     if (st != cudaSuccess)
         return kvq_error_code(KVQ_ERR_DEVICE, "CUDA: repacking a weight of %zu bytes: %s", raw_bytes,
                               cudaGetErrorString(st));
+    release_host(w);
     return 0;
 }
 
