@@ -798,7 +798,7 @@ int kvq_embed(struct kvq_context *c, int seq, const kvq_token *tokens, int n, en
     for (int i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= hp->n_vocab)
             return kvq_error("token id %d is outside the vocabulary (0..%d)", tokens[i], hp->n_vocab - 1);
-    const int chunk = c->p.n_batch, d = hp->n_embd;
+    const int chunk = logit_rows_max(&c->p), d = hp->n_embd; /* every token's hidden state is a row */
     float *h = malloc(sizeof *h * (size_t)chunk * (size_t)d);
     double *sum = calloc((size_t)d, sizeof *sum);
     int32_t *rows = c->chunk_tokens + chunk;
