@@ -729,7 +729,10 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         c->row_of[i] = want ? n_rows++ : -1;
     }
     c->last_n_tokens = 0; /* kvq_get_logits, kvq_get_top: none until this batch is done */
-    if ((size_t)n_rows > c->logits_cap) { /* rewritten by every decode: nothing to keep */
+    /* a device finds the largest where the logits are (they stay there); the host, after
+     * the passes */
+    const bool dev_top = b->top_only && c->be->ops->top && !c->be->ops->host_memory;
+    if (!dev_top && (size_t)n_rows > c->logits_cap) { /* rewritten by every decode: nothing to keep */
         c->be->ops->host_free(c->be, c->logits);
         c->logits = c->be->ops->host_alloc(c->be, sizeof(float) * (size_t)n_rows * n_vocab);
         c->logits_cap = c->logits ? (size_t)n_rows : 0;
@@ -742,11 +745,9 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         c->top_cap = c->top_vals ? (size_t)n_rows : 0;
         if (!c->top_vals) return kvq_error_wrap("%d rows of largest logits: %s", n_rows, kvq_last_error());
     }
-    /* a device finds them where the logits are; the host, after the passes */
-    const bool dev_top = b->top_only && c->be->ops->top && !c->be->ops->host_memory;
 
     /* Forward passes over chunks of at most n_batch tokens of the grouped batch. */
-    int chunk = c->p.n_batch;
+    const int chunk = c->p.n_batch, max_rows = logit_rows_max(&c->p);
     int32_t *tokens = c->chunk_tokens, *logit_rows = tokens + chunk;
     struct fwd_seq *seqs = c->chunk_seqs;
     int rc = 0;
@@ -754,7 +755,7 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         len = n - start < chunk ? n - start : chunk;
         if (start < c->first_pass && start + len > c->first_pass) len = c->first_pass - start;
         for (int j = 0, rows = 0; j < len; j++) /* and at most the rows of logits a pass holds */
-            if (c->row_of[c->order[start + j]] >= 0 && ++rows > logit_rows_max(&c->p)) len = j;
+            if (c->row_of[c->order[start + j]] >= 0 && ++rows > max_rows) len = j;
         struct fwd_batch fb = {.n_tokens = len, .tokens = tokens, .seqs = seqs, .logit_rows = logit_rows,
                                .top_k = dev_top ? KVQ_TOP_N : 0};
         int first_row = -1;
@@ -776,7 +777,7 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         const size_t row0 = (size_t)(first_row < 0 ? 0 : first_row);
         fb.top_vals = dev_top ? c->top_vals + row0 * KVQ_TOP_N : NULL;
         fb.top_ids = dev_top ? c->top_ids + row0 * KVQ_TOP_N : NULL;
-        rc = forward_run(c->fwd, &fb, c->logits + row0 * n_vocab);
+        rc = forward_run(c->fwd, &fb, dev_top ? NULL : c->logits + row0 * n_vocab);
     }
     if (rc != 0) return rc;
     c->last_top_only = b->top_only;
