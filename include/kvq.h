@@ -221,9 +221,10 @@ int kvq_seq_fork(struct kvq_context *c, int src, int dst);
 size_t kvq_kv_bytes(const struct kvq_context *c);
 size_t kvq_kv_budget(const struct kvq_context *c);
 /* The sequence length at which this context runs a batch in two forward passes (0:
- * never): where a device backend's quantized caches choose their value offsets, since
+ * never): where the quantized caches of a backend that encodes rows on its devices
+ * but cannot choose their value offsets there (tensor parallelism) choose them, since
  * rows past that point in the same pass would be encoded twice. A server ends prompt
- * chunks there; on the CPU a prompt crosses it in one pass. */
+ * chunks there; on the CPU and one GPU a prompt crosses it in one pass. */
 int kvq_pass_split_tokens(const struct kvq_context *c);
 /* KV blocks in use (0 once every sequence is cleared and every prefix freed). */
 int64_t kvq_kv_blocks(const struct kvq_context *c);

@@ -498,7 +498,8 @@ size_t kvq_kv_bytes(const struct kvq_context *c) {
 size_t kvq_kv_budget(const struct kvq_context *c) { return kv_pool_budget(c->kv_pool); }
 
 int kvq_pass_split_tokens(const struct kvq_context *c) {
-    if (!c->be->ops->encodes_kv) return 0; /* the host's append chooses them mid-batch (plan_batch) */
+    /* the host's append, or the device's, chooses them mid-batch (plan_batch) */
+    if (!c->be->ops->encodes_kv || c->be->ops->chooses_offsets) return 0;
     struct kv_cache_config cc;
     to_cache_config(&c->p.kv, 0, &cc);
     return kv_cache_config_offsets_tokens(&cc);
@@ -641,10 +642,11 @@ static int grow(void **p, int *cap, int need, size_t elem) {
     return 0;
 }
 
-/* Checks a batch and groups its tokens by sequence (stable), into c->order. Where a
- * device encodes the rows, a sequence whose tokens cross the point where its offsets
- * are chosen (kv_cache_offsets_point) has its tokens from there on placed after every
- * other sequence's, from c->first_pass on: the first pass ends there, so the step's
+/* Checks a batch and groups its tokens by sequence (stable), into c->order. Where
+ * devices encode the rows but do not choose the offsets (tensor parallelism), a
+ * sequence whose tokens cross the point where its offsets are chosen
+ * (kv_cache_offsets_point) has its tokens from there on placed after every other
+ * sequence's, from c->first_pass on: the first pass ends there, so the step's
  * other sequences (a server's decoding streams beside a prompt) are not cut out of it
  * into passes of their own. */
 static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
@@ -680,10 +682,11 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
                               need, kv_pool_used(c->kv_pool), kv_pool_budget(c->kv_pool));
     int *head = count + n_seq + 1, *tail = head + n_seq + 1; /* cursors */
     int heads = 0;
+    const bool split = c->be->ops->encodes_kv && !c->be->ops->chooses_offsets;
     for (int s = 0; s < n_seq; s++) {
         const int n_s = count[s + 1];
         struct kv_cache *c0 = seq_caches(c, s)[0];
-        const int32_t T = !c->be->ops->encodes_kv || n_s == 0 ? 0 : kv_cache_offsets_point(c0);
+        const int32_t T = !split || n_s == 0 ? 0 : kv_cache_offsets_point(c0);
         const int32_t np = kv_cache_n_past(c0);
         head[s] = T > 0 && np + n_s > T ? (int)(T - np) : n_s;
         heads += head[s];

@@ -166,7 +166,8 @@ int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_on
         int32_t lo = first - R + 1 > 0 && first >= T ? first - R + 1 : 0;
         st->batch_view = later_only;
         st->batch_lo = lo > w->p0 ? (lo < p ? lo : p) : w->p0; /* the window's start without later_only */
-        if (later_only && first >= T && p + n - R > lo) lo = p + n - R; /* as a one-token batch leaves it */
+        /* as a one-token batch leaves it; so also where the device chooses the offsets */
+        if (later_only && (first >= T || st->mu_claimed) && p + n - R > lo) lo = p + n - R;
         if (lo > p) { /* none of the rows before the batch, nor its first lo - p */
             w->n = 0;
             w->p0 = lo;

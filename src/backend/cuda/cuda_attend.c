@@ -2,6 +2,9 @@
  * sequence's rows and uploads the plan; the tile kernels split rows on the device. */
 #include "backend/cuda/cuda_private.h"
 
+_Static_assert(sizeof(struct cuk_attn_args) == 16 * 4 + 4 * sizeof(size_t) + 8 * sizeof(void *) + sizeof(struct cuk_xq),
+               "a kernel's argument structs have no padding (a recorded step's bytes would differ)");
+
 void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
     struct cuda_backend *cb = cuda(b);
     cb->xq_of = NULL;

@@ -225,7 +225,8 @@ static void cuda_free(struct backend *b) {
     if (cb->work_ev) cudaEventDestroy(cb->work_ev);
     cudaFreeHost(cb->rb_h);
     free(cb->pending);
-    free(cb->seq_fmt);
+    free(cb->seq_enc);
+    cudaFreeHost(cb->offs_h);
     free(cb->copies);
     free(cb->uc);
     free(cb->uc_mirror);
@@ -248,6 +249,7 @@ static const struct backend_ops cuda_ops = {
     .name = "cuda",
     .host_memory = false,
     .encodes_kv = true,
+    .chooses_offsets = true,
     .attends_nf = true,
     .free = cuda_free,
     .reserve = cuda_reserve,

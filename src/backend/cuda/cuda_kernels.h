@@ -180,28 +180,29 @@ struct cuk_attn_group {
 };
 
 /* What all tokens of one launch share: the row formats and the model's shape. */
-struct cuk_attn_args {
+struct cuk_attn_args { /* no padding (cuk_qk_rope) */
     int k_bits, k_group, v_bits, v_group, k_rot, v_rot;
-    size_t k_row, v_row, head_bytes, win_row;
     int n_head, n_kv, head_dim;
     float scale;
+    int n;                           /* tokens of this launch */
+    int n_groups;
+    int max_group;                   /* the most tokens in a group */
+    int n_sm;
+    int q_prepped;                   /* qprep made by cuk_kv_encode (below) */
+    int32_t unused;
+    size_t k_row, v_row, head_bytes, win_row;
     const float *signs; /* [head_dim] Hadamard signs */
     const float *q;     /* [n][n_head][D] */
     float *out;         /* [n][n_head][D] */
     const struct cuk_attn_tok *toks;
     const int32_t *tok_index;        /* the batch token of each launch token */
-    int n;                           /* tokens of this launch */
     const struct cuk_attn_group *groups; /* all groups of one size class: each of 1 token, or chunks */
-    int n_groups;
-    int max_group;                   /* the most tokens in a group */
     float *partial;                  /* scratch: cuk_attention_scratch_floats() */
-    int n_sm;
     struct cuk_xq xq;                /* out rounded into it too when xq.q (n_head D a multiple of 32) */
     /* the queries prepared for rotated or packed keys, [batch tokens][n_head][1 + D]:
      * q.mu (the key offset that packed keys lack), then q scaled and rotated as the
-     * keys are; made here unless q_prepped (cuk_kv_encode made them) */
+     * keys are; made here unless q_prepped */
     float *qprep;
-    int q_prepped;
 };
 /* Rows of the m16 tiles a token takes in the tensor-core attention kernel
  * (attention_tile.cuh): its query heads of one KV head, the model's group (n_head /
@@ -227,16 +228,16 @@ size_t cuk_qprep_floats(int n, int n_head, int head_dim);
  * q_norm / k_norm) and RoPE (pairing as enum rope_pairing) to the keys it encodes and
  * to every query head, in place, and prepares the queries for the attention kernels
  * into rope.qprep when given (cuk_attn_args.qprep; one launch instead of three). */
-struct cuk_qk_rope {
+struct cuk_qk_rope { /* no padding: a recorded step's arguments are compared byte for byte */
     float *q;                     /* [batch tokens][n_head][D], or NULL: keys as they are */
     float *k;                     /* where the rotated keys go: cuk_enc_args.k, [batch tokens][n_kv][D] */
-    int n_head;
     const float *q_norm, *k_norm; /* [D] or NULL */
-    float eps;
     const float *cos, *sin;       /* [batch tokens][half] */
-    int half, pairing;
     float *qprep;                 /* or NULL */
+    int n_head, half, pairing;
+    float eps;
     float scale;                  /* the attention's score scale */
+    int32_t unused;
 };
 struct cuk_enc_tok {
     int32_t t, p;                   /* the batch token and its position */
@@ -248,14 +249,14 @@ struct cuk_enc_tok {
     uint32_t rb_k, rb_v, rb_wk, rb_wv; /* byte offsets of its rows [n_kv][row] in the read-back buffer */
 };                                     /* (rb_wk, rb_wv CUK_NO_ROW: its window rows are not read back) */
 #define CUK_NO_ROW 0xffffffffu
-struct cuk_enc_args {
+struct cuk_enc_args { /* no padding (cuk_qk_rope) */
     int k_bits, k_group, v_bits, v_group, k_rot, v_rot, windows;
-    size_t k_row, v_row, head_bytes, win_row;
     int n_kv, head_dim;
+    int n; /* toks */
+    size_t k_row, v_row, head_bytes, win_row;
     const float *k, *v; /* [batch tokens][n_kv][D] (k rotated in place with rope.q) */
     const float *signs;
     const struct cuk_enc_tok *toks;
-    int n;
     uint8_t *readback;
     struct cuk_qk_rope rope;
     /* NULL, or [n][2][n_kv][D]: the encode leaves the packed sides' rows here, offset
@@ -268,6 +269,21 @@ void cuk_kv_encode(struct cuk_queue *qu, const struct cuk_enc_args *a);
  * as it would have, beside the stream (cuk_queue_launch_side_next): off the chain of
  * the step's dependent launches. */
 void cuk_kv_pack(struct cuk_queue *qu, const struct cuk_enc_args *a);
+/* The offsets a cache chooses at T tokens, from its f16 window rows (the ring) as
+ * the host chooses them (kv_cache_offsets_part), in a pass that reaches T: an item a
+ * cache. */
+struct cuk_offs_item {
+    uint64_t ring;       /* the cache's f16 ring of window rows, as cuk_enc_tok's */
+    uint64_t mu;         /* its device offsets [2][n_kv][D], as the attention reads them,
+                          * then room for them rotated */
+    int32_t ring_cap, T; /* the mean of positions 1..T-1 */
+    int32_t first;       /* its first row in the arguments' toks */
+};
+/* The items' offsets, then their packed rows encoded again with them: a->toks holds
+ * a row each (t, p, block, rb_k, rb_v), positions [0, end of the pass) of each item
+ * in turn, a->n in all (a->k, a->v: the pass's keys, RoPE'd, and values); a->rope and
+ * a->defer unused. */
+void cuk_kv_offsets(struct cuk_queue *qu, const struct cuk_enc_args *a, const struct cuk_offs_item *items, int n_items);
 /* An empty kernel beside the stream (cuda_backend.c says why). */
 void cuk_idle_beside(struct cuk_queue *qu);
 /* bytes (a multiple of 16, 16-byte aligned) from pinned host memory to dst, read by a kernel */

@@ -6,6 +6,8 @@
 
 /* No pending appends (their early copies, if any, are left unread). */
 void drop_pending(struct cuda_backend *cb) {
+    for (int i = 0; i < cb->n_pending; i++) /* the host's cache has the offsets now, or never */
+        if (cb->pending[i].offs_T > 0) mirror_of(cb, cb->pending[i].cache)->mu_chosen = false;
     cb->n_pending = cb->rows_copied = cb->rows_from = cb->n_row_copies = 0;
     cb->rb_copied = 0;
     cb->n_held_pack = 0;
@@ -120,7 +122,7 @@ static void mirror_free(void *ctx, void *mirror) {
     mirror_keep(cb, m->table_d, sizeof *m->table_d * (size_t)m->table_cap);
     free(m->table_blk);
     mirror_keep(cb, m->win, win_bytes(m));
-    mirror_keep(cb, m->mu, sizeof(float) * 2 * (size_t)m->n_kv * (size_t)m->head_dim);
+    mirror_keep(cb, m->mu, sizeof(float) * 4 * (size_t)m->n_kv * (size_t)m->head_dim);
     free(m);
 }
 
@@ -304,7 +306,8 @@ struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, co
         m->head_dim = D;
         m->win_row = v->win_row;
         if (!(m->win = mirror_alloc(cb, win_bytes(m), "device memory for KV windows")) ||
-            !(m->mu = mirror_alloc(cb, sizeof(float) * 2 * (size_t)H * D, "device memory for KV offsets"))) {
+            /* the offsets, then room for them rotated (cuk_kv_offsets) */
+            !(m->mu = mirror_alloc(cb, sizeof(float) * 4 * (size_t)H * D, "device memory for KV offsets"))) {
             mirror_keep(cb, m->win, win_bytes(m));
             m->win = NULL;
             return NULL;
@@ -329,8 +332,8 @@ struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, co
             }
         }
     /* offsets chosen since (the windows' rows stay as they were) */
-    if (full || m->has_mu != (v->mu != NULL)) {
-        m->has_mu = v->mu != NULL;
+    if (full || m->has_mu != (v->mu != NULL || m->mu_chosen)) {
+        m->has_mu = v->mu != NULL || m->mu_chosen;
         for (int side = 0; side < 2 && v->mu; side++) /* [2][heads][D]: this rank's heads of each side */
             copy_to(cb, m->mu + (size_t)side * H * D, v->mu + ((size_t)side * sh->n_kv_heads + h0) * D,
                     sizeof(float) * (size_t)H * D);
@@ -493,6 +496,35 @@ static float *defer_rows(struct cuda_backend *cb, int n, int H, int D) {
 }
 
 
+_Static_assert(sizeof(struct cuk_qk_rope) == 7 * sizeof(void *) + 6 * 4 &&
+                   sizeof(struct cuk_enc_args) == 10 * 4 + 4 * sizeof(size_t) + 6 * sizeof(void *) +
+                                                      sizeof(struct cuk_qk_rope),
+               "a kernel's argument structs have no padding (a recorded step's bytes would differ)");
+
+/* The staged plan of a cache whose offsets the device chooses in this pass (T: their
+ * point): its item, and a row descriptor for each position before the pass's end from
+ * `rows` on (`first`: the first's index among its format's). The pass's own rows, from
+ * pa->p0 (its tokens from t0), go to their read-back rows; the earlier ones' host
+ * copies come from the device's blocks at sync (take_offsets). */
+static void offsets_plan(struct cuda_backend *cb, const struct pending_append *pa, const struct kv_view *v, int H,
+                         struct cuda_mirror *m, int t0, struct cuk_offs_item *item, struct cuk_enc_tok *rows,
+                         int first) {
+    const int32_t p0 = pa->p0;
+    assert(m && m->ring_cap >= p0 + pa->n); /* the ring holds every position of the pass and before */
+    *item = (struct cuk_offs_item){.ring = (uint64_t)(uintptr_t)m->win, .mu = (uint64_t)(uintptr_t)m->mu,
+                                   .ring_cap = m->ring_cap, .T = pa->offs_T, .first = first};
+    for (int32_t p = 0; p < p0 + pa->n; p++) {
+        const bool own = p >= p0;
+        rows[p] = (struct cuk_enc_tok){
+            .t = own ? t0 + (p - p0) : 0, .p = p,
+            .block = (uint64_t)(uintptr_t)block_dev(cb, v->blk[kv_view_entry(v, p)]),
+            .rb_k = own ? (uint32_t)(pa->k + (size_t)(p - p0) * H * v->k_row) : CUK_NO_ROW,
+            .rb_v = own ? (uint32_t)(pa->v + (size_t)(p - p0) * H * v->v_row) : CUK_NO_ROW};
+    }
+    m->has_mu = m->mu_chosen = true; /* the attention of this pass reads them (the host's from the next) */
+}
+
+
 /* The layer's new keys and values, encoded into the device cache; the host's copy of
  * the rows is filed during the next sync (kv_cache_append_begin / _end). With r, the same
  * launch first norms and rotates the queries and keys, and prepares the queries for
@@ -517,27 +549,48 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
         cb->pending = pa;
         cb->cap_pending = cap;
     }
+    if (n_seqs > cb->cap_seq_enc) {
+        free(cb->seq_enc);
+        cb->seq_enc = malloc(sizeof *cb->seq_enc * (size_t)n_seqs);
+        cb->cap_seq_enc = cb->seq_enc ? n_seqs : 0;
+        if (!cb->seq_enc) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
+    }
+    /* the device chooses the offsets in the pass that reaches their point, but for
+     * one-row steps (their packing may run after the rows are encoded again) and tensor
+     * parallelism (each rank holds some heads; its passes end at the point): the host
+     * then (finish_appends) */
+    bool one_row_each = cb->q.recording;
+    for (int s = 0; s < n_seqs; s++) one_row_each = one_row_each && seqs[s].n == 1;
+    const bool device_offsets = !one_row_each && !cb->tp;
+    bool past_point = false; /* a cache chooses its offsets before this pass's last row */
+    int n_offs = 0, offs_rows = 0;
+    for (int s = 0; s < n_seqs; s++) cb->seq_enc[s].offs_T = 0;
     for (int s = 0; s < n_seqs && !(cb->tp && cb->rank > 0); s++) { /* the host's changes, once */
-        if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, kv_cache_n_past(seqs[s].cache), true) != 0) {
+        struct kv_cache *c = seqs[s].cache;
+        const int32_t p0 = kv_cache_n_past(c), T = device_offsets ? kv_cache_offsets_claim(c, seqs[s].n) : 0;
+        if (T > 0) cb->seq_enc[s].offs_T = T;
+        if (T < 0 || kv_cache_append_begin(c, seqs[s].n, p0, true) != 0) {
             drop_pending(cb); /* the forward pass drops this batch's rows */
             return -1;
         }
+        n_offs += T > 0;
+        offs_rows += T > 0 ? p0 + seqs[s].n : 0;
+        past_point = past_point || (T > 0 && p0 + seqs[s].n > T);
     }
     size_t toks_off = stage_alloc(cb, sizeof(struct cuk_enc_tok) * (size_t)(seqs[n_seqs - 1].first + seqs[n_seqs - 1].n));
     if (toks_off == (size_t)-1) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
     struct kv_view views[MAX_FORMATS];
-    int n_fmt = 0, k_tok = 0;
-    int first[MAX_FORMATS + 1] = {0};
-    if (n_seqs > cb->cap_seq_fmt) {
-        free(cb->seq_fmt);
-        cb->seq_fmt = malloc(sizeof(int) * (size_t)n_seqs);
-        cb->cap_seq_fmt = cb->seq_fmt ? n_seqs : 0;
-        if (!cb->seq_fmt) return kvq_error_code(KVQ_ERR_OOM, "out of memory");
-    }
+    int n_fmt = 0, k_tok = 0, o_item = 0, o_row = 0;
+    int first[MAX_FORMATS + 1] = {0}, first_offs[MAX_FORMATS + 1] = {0}, first_offs_row[MAX_FORMATS + 1] = {0};
+    size_t offs_items_off = 0, offs_toks_off = 0;
     /* windows of each cache up to this batch, then its encode descriptors, grouped by format */
     for (int pass = 0; pass < 2; pass++) {
+        if (pass && n_offs > 0 &&
+            ((offs_items_off = stage_alloc(cb, sizeof(struct cuk_offs_item) * (size_t)n_offs)) == (size_t)-1 ||
+             (offs_toks_off = stage_alloc(cb, sizeof(struct cuk_enc_tok) * (size_t)offs_rows)) == (size_t)-1))
+            return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
         for (int f = 0; f < (pass ? n_fmt : 1); f++) {
-            if (pass) first[f] = k_tok;
+            if (pass) first[f] = k_tok, first_offs[f] = o_item, first_offs_row[f] = o_row;
             for (int s = 0; s < n_seqs; s++) {
                 struct kv_cache *c = seqs[s].cache;
                 struct kv_view v;
@@ -551,10 +604,10 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                             return kvq_error_code(KVQ_ERR_UNSUPPORTED, "more than 4 KV formats in one batch");
                         views[n_fmt++] = v;
                     }
-                    cb->seq_fmt[s] = g;
+                    cb->seq_enc[s].fmt = g;
                     continue;
                 }
-                if (cb->seq_fmt[s] != f) continue;
+                if (cb->seq_enc[s].fmt != f) continue;
                 struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, p0) : NULL;
                 if (v.windows && !m) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
                 struct cuda_mirror *tm = m ? m : mirror_of(cb, c);
@@ -564,8 +617,9 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                              wb = (size_t)(p0 + seqs[s].n - w0) * H * v.win_row;
                 size_t rb = readback_alloc(cb, kb + vb + 2 * wb);
                 if (rb == (size_t)-1) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
-                cb->pending[cb->n_pending++] = (struct pending_append){c, p0, seqs[s].n, w0, rb, rb + kb, rb + kb + vb,
-                                                                       rb + kb + vb + wb, v.windows, 0};
+                struct pending_append *pa = &cb->pending[cb->n_pending++];
+                *pa = (struct pending_append){c, p0, seqs[s].n, w0, rb, rb + kb, rb + kb + vb, rb + kb + vb + wb,
+                                              v.windows, 0, cb->seq_enc[s].offs_T};
                 for (int i = 0; i < seqs[s].n; i++, k_tok++) {
                     const int32_t p = p0 + i, e = kv_view_entry(&v, p);
                     const size_t wr = (size_t)(p - w0) * H * v.win_row;
@@ -584,10 +638,16 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                         .rb_wv = p < w0 ? CUK_NO_ROW : (uint32_t)(rb + kb + vb + wb + wr),
                     };
                 }
+                if (pa->offs_T > 0) { /* after the tokens: they encode as before the offsets */
+                    offsets_plan(cb, pa, &v, H, m, seqs[s].first,
+                                 (struct cuk_offs_item *)(cb->stage_h + offs_items_off) + o_item++,
+                                 (struct cuk_enc_tok *)(cb->stage_h + offs_toks_off) + o_row, o_row - first_offs_row[f]);
+                    o_row += p0 + seqs[s].n;
+                }
             }
         }
     }
-    first[n_fmt] = k_tok;
+    first[n_fmt] = k_tok, first_offs[n_fmt] = o_item, first_offs_row[n_fmt] = o_row;
     /* blocks made or copied by the appends (and anything else changed on the host) first:
      * the encode below writes over their new rows */
     if (sync_blocks(cb, kv_cache_pool(seqs[0].cache), &views[0], H, n_fmt == 1) != 0) return -1;
@@ -604,8 +664,6 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
      * windows where the cache keeps its newest rows there (win_span): their packing can
      * go beside the step's attention, or the products after it (held_pack), off the
      * chain of launches it waits for */
-    bool one_row_each = cb->q.recording;
-    for (int s = 0; s < n_seqs; s++) one_row_each = one_row_each && seqs[s].n == 1;
     /* a one-token step's packing waits for the next norm after a short attention */
     bool hold = false;
     if (one_row_each && cb->one_token) {
@@ -635,12 +693,20 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
         } else {
             cuk_kv_pack(&cb->q, &args);
         }
+        if (first_offs[f + 1] > first_offs[f]) { /* the rows are encoded: the offsets from their windows */
+            struct cuk_enc_args oa = args;
+            oa.rope = (struct cuk_qk_rope){0};
+            oa.toks = (const struct cuk_enc_tok *)(cb->stage_d + offs_toks_off) + first_offs_row[f];
+            oa.n = first_offs_row[f + 1] - first_offs_row[f];
+            cuk_kv_offsets(&cb->q, &oa, (const struct cuk_offs_item *)(cb->stage_d + offs_items_off) + first_offs[f],
+                           first_offs[f + 1] - first_offs[f]);
+        }
         if (!args.defer && cb->one_token && cb->q.recording) cuk_idle_beside(&cb->q);
     }
     prof_end(cb, P_KV_ENCODE, t0);
     if (!cb->q.recording) copy_new_rows(cb); /* recorded: after the segment is issued */
     if (cb->failed) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
-    if (r) {
+    if (r && !past_point) { /* else the attention prepares the queries with the new offsets */
         cb->qprep_of = r->q;
         cb->qprep_n = n_tok;
         cb->qprep_scale = r->attn_scale;
@@ -713,16 +779,66 @@ void file_rows(struct cuda_backend *cb, int to, bool last) {
 }
 
 
+/* Floats of a cache's offsets, [2][n_kv_heads][head_dim]. */
+static size_t offsets_floats(const struct kv_cache *c) {
+    const struct kv_shape *sh = kv_cache_get_shape(c);
+    return 2 * (size_t)sh->n_kv_heads * (size_t)sh->head_dim;
+}
+
+
+/* The offsets the device chose in the step (kv_cache_offsets_claim) into the host's
+ * caches, and the rows before each pass that it encoded again: their blocks. 0, or -1
+ * with an error. */
+static int take_offsets(struct cuda_backend *cb) {
+    size_t floats = 0;
+    for (int i = 0; i < cb->n_pending; i++) floats += cb->pending[i].offs_T > 0 ? offsets_floats(cb->pending[i].cache) : 0;
+    if (floats == 0) return 0;
+    if (floats > cb->offs_h_floats) {
+        cudaFreeHost(cb->offs_h);
+        cb->offs_h_floats = 0;
+        if (!ck(cb, cudaMallocHost((void **)&cb->offs_h, sizeof(float) * floats), "pinned memory for KV offsets"))
+            return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
+        cb->offs_h_floats = floats;
+    }
+    float *at = cb->offs_h;
+    for (int i = 0; i < cb->n_pending; i++) {
+        const struct pending_append *pa = &cb->pending[i];
+        if (pa->offs_T <= 0) continue;
+        struct kv_view v;
+        kv_cache_view(pa->cache, &v);
+        for (int32_t L = 0; L * KV_BLOCK_TOKENS < pa->p0; L++) {
+            struct kv_block *b = v.blk[kv_view_entry(&v, L * KV_BLOCK_TOKENS)];
+            ck(cb, cudaMemcpyAsync(b->data, block_dev(cb, b), kv_block_bytes(kv_cache_pool(pa->cache), b),
+                                   cudaMemcpyDeviceToHost, cb->stream), "reading KV rows");
+        }
+        ck(cb, cudaMemcpyAsync(at, mirror_of(cb, pa->cache)->mu, sizeof(float) * offsets_floats(pa->cache),
+                               cudaMemcpyDeviceToHost, cb->stream), "reading KV offsets");
+        at += offsets_floats(pa->cache);
+    }
+    if (!ck(cb, cudaStreamSynchronize(cb->stream), "reading KV offsets"))
+        return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
+    at = cb->offs_h;
+    for (int i = 0; i < cb->n_pending; i++)
+        if (cb->pending[i].offs_T > 0) {
+            kv_cache_offsets_given(cb->pending[i].cache, at);
+            at += offsets_floats(cb->pending[i].cache);
+        }
+    return 0;
+}
+
+
 /* After the step: the host's copy of the rows the device encoded that no early copy
  * took (a 4096-token prompt brings 0.5 GB of f16 rows: one host thread copied them at
- * about 6 GB/s), then the offsets' re-encoding where a cache reached its point (32
- * layers of 8 KV heads re-encode 2 x 8 x 128 rows each, about 70 ms on one thread). */
+ * about 6 GB/s), the offsets the device chose, then the host's re-encoding where a
+ * cache reached its point without them (tensor parallelism, one-row steps: 32 layers
+ * of 8 KV heads re-encode 2 x 8 x 128 rows each, about 70 ms on one thread). */
 int finish_appends(struct cuda_backend *cb) {
     int rc = 0, parts = 0;
     double t0 = prof_begin(cb);
     file_rows(cb, cb->n_pending, true);
     /* the host's changes once, after every rank filed its heads' rows: by the last */
     const bool ends = !cb->tp || cb->rank == cb->tp->n - 1;
+    if (ends) rc = take_offsets(cb);
     for (int i = 0; i < cb->n_pending && ends; i++) {
         struct pending_append *pa = &cb->pending[i];
         pa->parts = rc == 0 ? kv_cache_append_end(pa->cache, pa->p0, pa->n) : 0;

@@ -60,8 +60,9 @@ struct cuda_mirror {
     int32_t ring_cap, sink_cap, n_kv, head_dim;
     size_t win_row;
     uint8_t *win; /* ring [2][n_kv][ring_cap][win_row], then sinks [2][n_kv][sink_cap][win_row] */
-    float *mu;    /* [2][n_kv][head_dim] */
+    float *mu;    /* [2][n_kv][head_dim], then [2][n_kv][head_dim] scratch (cuk_kv_offsets) */
     bool has_mu;
+    bool mu_chosen; /* the device chose them in this step: the host's cache has them at its end */
 };
 
 #define ROW_COPIES 64 /* early row copies a step (the rest wait for its end) */
@@ -79,6 +80,7 @@ struct pending_append {
     size_t k, v, wk, wv; /* offsets in the read-back buffer */
     bool windows;
     int parts; /* of the offsets' re-encoding that end left (kv_cache_append_end) */
+    int32_t offs_T; /* > 0: the device chose the offsets at T (kv_cache_offsets_claim) */
 };
 
 /* A copy to host memory, after the step's recorded work. */
@@ -194,7 +196,12 @@ struct cuda_backend {
     int row_end[ROW_COPIES], n_row_copies, rows_copied, rows_from, rows_to;
     atomic_int rows_next;
     size_t rb_copied;
-    int *seq_fmt, cap_seq_fmt;
+    /* a KV append's sequences: their format's index, the offsets' point they claimed (0: none) */
+    struct seq_enc {
+        int fmt;
+        int32_t offs_T;
+    } *seq_enc;
+    int cap_seq_enc;
     struct arena *host_arena, *dev_arena;
     /* per attention call */
     struct kv_cache **uc;
@@ -211,6 +218,8 @@ struct cuda_backend {
     /* tensor parallelism: the device, and this backend's rank among tp->n (tp: NULL alone) */
     int device, rank;
     struct tp_shared *tp;
+    float *offs_h; /* pinned: the offsets the device chose in a step, on their way to the host's caches */
+    size_t offs_h_floats;
 };
 
 static inline struct cuda_backend *cuda(struct backend *b) { return (struct cuda_backend *)b; }

@@ -171,7 +171,8 @@ static __device__ void rope_query(const cuk_enc_args &a, const cuk_enc_tok &tk, 
 }
 
 /* Thread i's value z (offset and rotated) of row (token tk, KV head h, side) into the
- * block and the read-back buffer: as it is for 32 and 16 bits, else packed. */
+ * block and the read-back buffer (unless its offset there is CUK_NO_ROW): as it is for
+ * 32 and 16 bits, else packed. */
 template <int D>
 static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, int side, int h, float z) {
     const int i = threadIdx.x;
@@ -179,16 +180,17 @@ static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, i
     const size_t row = side ? a.v_row : a.k_row;
     uint8_t *dst = (uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
                    (size_t)(tk.p % BT) * row;
-    uint8_t *rb = a.readback + (side ? tk.rb_v : tk.rb_k) + (size_t)h * row;
+    const uint32_t rb_at = side ? tk.rb_v : tk.rb_k;
+    uint8_t *const rb = rb_at == CUK_NO_ROW ? nullptr : a.readback + rb_at + (size_t)h * row;
     if (bits == 32) {
         ((float *)dst)[i] = z;
-        ((float *)rb)[i] = z;
+        if (rb) ((float *)rb)[i] = z;
         return;
     }
     if (bits == 16) {
         const __half hz = __ushort_as_half(f16_bits(z));
         ((__half *)dst)[i] = hz;
-        ((__half *)rb)[i] = hz;
+        if (rb) ((__half *)rb)[i] = hz;
         return;
     }
     /* uniform 4- and 8-bit rows are stored as their values are found; others are
@@ -240,7 +242,7 @@ static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, i
             uint16_t *const sb = (uint16_t *)((direct ? dst : out) + code_bytes);
             sb[2 * i] = sh;
             sb[2 * i + 1] = bh;
-            if (direct) {
+            if (direct && rb) {
                 ((uint16_t *)(rb + code_bytes))[2 * i] = sh;
                 ((uint16_t *)(rb + code_bytes))[2 * i + 1] = bh;
             }
@@ -251,8 +253,12 @@ static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, i
         const uint32_t c = (uint32_t)(t < 0 ? 0 : t > (float)qmax ? qmax : (int)t);
         if (direct) { /* a code a byte, or two (the odd value's in the high nibble) */
             const uint32_t hi = __shfl_down_sync(0xffffffffu, c, 1);
-            if (bits == 8) dst[i] = rb[i] = (uint8_t)c;
-            else if (i % 2 == 0) dst[i / 2] = rb[i / 2] = (uint8_t)(c | hi << 4);
+            const int at = bits == 8 ? i : i / 2;
+            const uint8_t byte = (uint8_t)(bits == 8 ? c : c | hi << 4);
+            if (bits == 8 || i % 2 == 0) {
+                dst[at] = byte;
+                if (rb) rb[at] = byte;
+            }
             return;
         }
         codes[i] = (uint8_t)c;
@@ -269,7 +275,7 @@ static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, i
     __syncthreads();
     for (int j = i; j < (int)row; j += D) {
         dst[j] = out[j];
-        rb[j] = out[j];
+        if (rb) rb[j] = out[j];
     }
 }
 
@@ -338,6 +344,70 @@ __global__ void kv_pack(const cuk_enc_args a) {
     const int side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv;
     if ((side ? a.v_bits : a.k_bits) >= 16) return; /* stored by the encode */
     store_row<D>(a, a.toks[blockIdx.x / (2 * a.n_kv)], side, h, a.defer[(size_t)blockIdx.x * D + threadIdx.x]);
+}
+
+/* An item's side and head a block, a dimension a thread: the mean of window rows
+ * 1..T-1 summed in the host's order, each term divided first (the same bits); then
+ * rotated back (the host's inverse: the butterflies, then the scale and sign) into the
+ * cache's device offsets. */
+template <int D>
+__global__ void kv_offsets_mean(const cuk_enc_args a, const cuk_offs_item *items) {
+    __shared__ float buf[D];
+    const cuk_offs_item it = items[blockIdx.x / (2 * a.n_kv)];
+    const size_t hs = blockIdx.x % (2 * a.n_kv); /* side * n_kv + head, as the ring's rows */
+    const int i = threadIdx.x, rot = hs >= (size_t)a.n_kv ? a.v_rot : a.k_rot;
+    const float n = (float)(it.T - 1);
+    float mu = 0;
+#pragma unroll 8
+    for (int32_t p = 1; p < it.T; p++) {
+        const __half *row = (const __half *)((const uint8_t *)it.ring + (hs * it.ring_cap + p % it.ring_cap) * a.win_row);
+        mu = __fadd_rn(mu, __fdiv_rn(__half2float(row[i]), n));
+    }
+    float *const out = (float *)it.mu;
+    out[(2 * a.n_kv + hs) * D + i] = mu;
+    out[hs * D + i] = rot ? hadamard_block<D>(mu, buf) * a.signs[i] : mu;
+}
+
+/* A block per (row, KV head, side) as kv_encode's: a position before T from its window
+ * row less the rotated offsets, a later one from its keys or values (the pass's, RoPE'd
+ * in place) as kv_encode encodes them with the offsets; packed again (float sides keep
+ * their rows). */
+template <int D>
+__global__ void kv_offsets_rows(const cuk_enc_args a, const cuk_offs_item *items, int n_items) {
+    __shared__ float buf[D];
+    const int r = blockIdx.x / (2 * a.n_kv), side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, i = threadIdx.x;
+    if ((side ? a.v_bits : a.k_bits) >= 16) return;
+    int j = 0;
+    while (j + 1 < n_items && r >= items[j + 1].first) j++;
+    const cuk_offs_item it = items[j];
+    const cuk_enc_tok tk = a.toks[r];
+    const size_t hs = (size_t)side * a.n_kv + h;
+    const float *const mu = (const float *)it.mu;
+    float z;
+    if (tk.p < it.T) {
+        const __half *row = (const __half *)((const uint8_t *)it.ring + (hs * it.ring_cap + tk.p % it.ring_cap) * a.win_row);
+        z = __fsub_rn(__half2float(row[i]), mu[(2 * a.n_kv + hs) * D + i]);
+    } else {
+        z = __fsub_rn((side ? a.v : a.k)[((size_t)tk.t * a.n_kv + h) * D + i], mu[hs * D + i]);
+        if (side ? a.v_rot : a.k_rot) z = hadamard_block<D>(z * a.signs[i], buf);
+    }
+    store_row<D>(a, tk, side, h, z);
+}
+
+template <int D>
+static void launch_offsets(cuk_queue *qu, const cuk_enc_args &a, const cuk_offs_item *items, int n_items) {
+    queue_launch(kv_offsets_mean<D>, dim3((unsigned)(n_items * 2 * a.n_kv)), dim3(D), qu, a, items);
+    queue_launch(kv_offsets_rows<D>, dim3((unsigned)(a.n * 2 * a.n_kv)), dim3(D), qu, a, items, n_items);
+}
+
+extern "C" void cuk_kv_offsets(cuk_queue *qu, const cuk_enc_args *a, const cuk_offs_item *items, int n_items) {
+    if (n_items <= 0 || a->n <= 0) return;
+    switch (a->head_dim) {
+    case 64: launch_offsets<64>(qu, *a, items, n_items); break;
+    case 128: launch_offsets<128>(qu, *a, items, n_items); break;
+    case 256: launch_offsets<256>(qu, *a, items, n_items); break;
+    default: break;
+    }
 }
 
 extern "C" void cuk_kv_pack(cuk_queue *qu, const cuk_enc_args *a) {
