@@ -3,7 +3,8 @@
  * kv_cache_append_end): given the rows a host append writes, it leaves the cache
  * byte for byte as the host append does (saved sections compared), for every cache
  * kind; rows of positions trimmed in between are dropped; and a batch across the
- * offsets' point ends with the offsets chosen, as on the host. The CPU backend's
+ * offsets' point ends with the offsets chosen, as on the host, or as a device that
+ * chooses them hands them over. The CPU backend's
  * append, which encodes a batch's rows on its threads through the same split, leaves
  * every sequence's cache as kv_cache_append does. */
 #include <math.h>
@@ -212,6 +213,51 @@ static void test_across_offsets(void) {
     kv_cache_free(unshifted);
 }
 
+/* A device that chooses the offsets itself in the batch that reaches their point
+ * (kv_cache_offsets_claim, then _given): played here by a host cache's own append,
+ * whose rows, earlier blocks and offsets it hands over. The split cache must save byte
+ * for byte as the host's, keep only the window rows later queries read, and claim
+ * nothing outside that batch. */
+static void test_device_offsets(void) {
+    const struct kv_cache_config cfg = {8, 4, 64, 64, 0, 4, 0, true, 32};
+    const struct kv_shape shape = {8, 2, 64, 0};
+    const int H = 2, D = 64, chunks[] = {100, 64, 20}, claims[] = {0, 128, 0};
+    struct kv_cache *host = kv_cache_new(&cfg, &shape), *split = kv_cache_new(&cfg, &shape);
+    float *k = malloc(sizeof(float) * 100 * H * D), *v = malloc(sizeof(float) * 100 * H * D);
+    uint8_t *rk = malloc(100 * 4096), *rv = malloc(100 * 4096), *rwk = malloc(100 * 4096), *rwv = malloc(100 * 4096);
+    for (int c = 0; c < 3; c++) {
+        const int n = chunks[c];
+        const int32_t p0 = kv_cache_n_past(split);
+        for (int i = 0; i < n * H * D; i++) k[i] = frnd() + 0.5f * (float)(i % D == 5), v[i] = frnd();
+        CHECK(kv_cache_append(host, n, k, v) == 0, "host append");
+        const int32_t T = kv_cache_offsets_claim(split, n);
+        CHECK(T == claims[c], "chunk %d claims the offsets' point %d, not %d", c, T, claims[c]);
+        CHECK(kv_cache_append_begin(split, n, p0, true) == 0, "begin: %s", kvq_last_error());
+        const int32_t w0 = kv_cache_window_rows_from(split, p0);
+        rows_of(host, p0, n, rk, rv, rwk, rwv);
+        struct kv_view vw;
+        kv_cache_view(split, &vw);
+        const size_t wo = (size_t)(w0 - p0) * H * vw.win_row;
+        kv_cache_append_rows(split, p0, n, rk, rv, rwk + wo, rwv + wo, w0);
+        if (T > 0) { /* the blocks before the batch as the device encoded them again, and the offsets */
+            struct kv_view hv;
+            kv_cache_view(host, &hv);
+            for (int32_t L = 0; L * KV_BLOCK_TOKENS < p0; L++)
+                memcpy(vw.blk[L]->data, hv.blk[L]->data, (size_t)H * hv.head_bytes);
+            kv_cache_offsets_given(split, hv.mu);
+            /* the window keeps the rows queries after the batch read: its last R */
+            CHECK(!kv_cache_window_row(split, 0, 1, p0 + n - 33) && kv_cache_window_row(split, 0, 1, p0 + n - 32),
+                  "the window after the offsets' batch holds other rows than its last 32");
+        }
+        CHECK(kv_cache_append_end(split, p0, n) == 0, "end: %s", kvq_last_error());
+        CHECK(same_bytes(host, split), "chunk %d: the cache whose device chose the offsets differs from the host's", c);
+    }
+    printf("offsets chosen by a device in the batch across them: the cache saves as the host's\n");
+    free(k), free(v), free(rk), free(rv), free(rwk), free(rwv);
+    kv_cache_free(host);
+    kv_cache_free(split);
+}
+
 /* Three sequences appended together through the CPU backend, in batches whose
  * lengths cross the offsets' point (128), the quantize-after-N conversion and block
  * edges, against each sequence appended alone on the host. */
@@ -265,6 +311,7 @@ int main(void) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], false, false), run_case(&cases[i], true, false),
                                                              run_case(&cases[i], true, true);
     test_across_offsets();
+    test_device_offsets();
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_cpu_backend(&cases[i]);
     return check_finish();
 }
