@@ -969,6 +969,7 @@ static void test_backend_products(void) {
             for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
                 const int n = ns[k];
                 cudaMemset(dy, 0xff, sizeof(float) * n_max * rows);
+                cudaDeviceSynchronize(); /* the backend's stream does not wait for these (test_top) */
                 const struct be_matmul job = {w, dy, NULL, NULL};
                 be->ops->matmul(be, dx, cols, n, 1, &job);
                 CHECK(be->ops->sync(be) == 0, "matmul: %s", kvq_last_error());
