@@ -247,7 +247,6 @@ void kv_cache_offsets_given(struct kv_cache *c, const float *mu) {
     struct kv_store *st = store_of(c);
     memcpy(st->mu, mu, sizeof(float) * 2 * (size_t)c->shape.n_kv_heads * (size_t)c->shape.head_dim);
     st->mu_set = true;
-    st->mu_claimed = false;
 }
 
 void kv_cache_offsets_part(struct kv_cache *c, int part) {

@@ -312,7 +312,6 @@ int kv_store_keep_prefix(struct kv_cache *c, int32_t n) {
     if (st->sink->n > n) st->sink->n = n;
     if (st->rec->p0 + st->rec->n > n) st->rec->n = n > st->rec->p0 ? n - st->rec->p0 : 0;
     if (n == 0) st->mu_set = false;
-    st->mu_claimed = false;
     assert(st->sink->n <= n && (st->rec->n == 0 || st->rec->p0 + st->rec->n <= n));
     return 0;
 }
@@ -327,7 +326,7 @@ void kv_store_clear(struct kv_cache *c) {
     kv_store_drop_blocks(c);
     c->n_past = 0;
     st->last_first = 0;
-    st->mu_set = st->mu_claimed = false;
+    st->mu_set = false;
     st->batch_view = false;
     struct kv_win *ws[2] = {kv_win_new(st->pool), kv_win_new(st->pool)};
     if (ws[0] && ws[1]) { /* else keep the old ones, emptied */

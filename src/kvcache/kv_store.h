@@ -63,7 +63,8 @@ struct kv_store {
     float *signs;       /* [head_dim] Hadamard signs */
     float *mu;          /* [2][n_kv_heads][head_dim] key and value offsets removed before quantizing */
     bool mu_set;
-    bool mu_claimed; /* a device chooses them in the append begun (kv_cache_offsets_claim) */
+    bool mu_claimed; /* a device chooses them in the append about to begin (kv_cache_offsets_claim;
+                      * kv_windows_make_room reads and clears it) */
     /* From a later_only append's begin to its end: the batch's queries see f16 window
      * rows from batch_lo on, as without later_only (the device holds those rows; the
      * host's window starts later) */

@@ -148,6 +148,8 @@ int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_on
     *n_sink = 0;
     *n_rec = n;
     if (!kv_win_on(st)) return 0;
+    const bool claimed = st->mu_claimed; /* this batch's claim (kv_cache_offsets_claim), spent here */
+    st->mu_claimed = false;
     const int32_t p = c->n_past, S = kv_sink_target(c), R = c->cfg.residual;
     if (st->sink->n == p && p < S) {
         *n_sink = S - p < n ? S - p : n;
@@ -167,7 +169,7 @@ int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_on
         st->batch_view = later_only;
         st->batch_lo = lo > w->p0 ? (lo < p ? lo : p) : w->p0; /* the window's start without later_only */
         /* as a one-token batch leaves it; so also where the device chooses the offsets */
-        if (later_only && (first >= T || st->mu_claimed) && p + n - R > lo) lo = p + n - R;
+        if (later_only && (first >= T || claimed) && p + n - R > lo) lo = p + n - R;
         if (lo > p) { /* none of the rows before the batch, nor its first lo - p */
             w->n = 0;
             w->p0 = lo;
