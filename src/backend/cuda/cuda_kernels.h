@@ -280,8 +280,8 @@ struct cuk_offs_item {
     int32_t first;       /* its first row in the arguments' toks */
 };
 /* The items' offsets, then their packed rows encoded again with them: a->toks holds
- * a row each (t, p, block, rb_k, rb_v), positions [0, end of the pass) of each item
- * in turn, a->n in all (a->k, a->v: the pass's keys, RoPE'd, and values); a->rope and
+ * a row each (t, p, block or 0, rb_k, rb_v), positions [0, end of the pass) of each
+ * item in turn, a->n in all (a->k, a->v: the pass's keys, RoPE'd, and values); a->rope and
  * a->defer unused. */
 void cuk_kv_offsets(struct cuk_queue *qu, const struct cuk_enc_args *a, const struct cuk_offs_item *items, int n_items);
 /* An empty kernel beside the stream (cuda_backend.c says why). */

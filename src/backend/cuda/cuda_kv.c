@@ -515,9 +515,9 @@ static void offsets_plan(struct cuda_backend *cb, const struct pending_append *p
                                    .ring_cap = m->ring_cap, .T = pa->offs_T, .first = first};
     for (int32_t p = 0; p < p0 + pa->n; p++) {
         const bool own = p >= p0;
+        const struct kv_block *b = v->blk[kv_view_entry(v, p)]; /* (released: a rotating window's) */
         rows[p] = (struct cuk_enc_tok){
-            .t = own ? t0 + (p - p0) : 0, .p = p,
-            .block = (uint64_t)(uintptr_t)block_dev(cb, v->blk[kv_view_entry(v, p)]),
+            .t = own ? t0 + (p - p0) : 0, .p = p, .block = b ? (uint64_t)(uintptr_t)block_dev(cb, b) : 0,
             .rb_k = own ? (uint32_t)(pa->k + (size_t)(p - p0) * H * v->k_row) : CUK_NO_ROW,
             .rb_v = own ? (uint32_t)(pa->v + (size_t)(p - p0) * H * v->v_row) : CUK_NO_ROW};
     }
@@ -808,8 +808,9 @@ static int take_offsets(struct cuda_backend *cb) {
         kv_cache_view(pa->cache, &v);
         for (int32_t L = 0; L * KV_BLOCK_TOKENS < pa->p0; L++) {
             struct kv_block *b = v.blk[kv_view_entry(&v, L * KV_BLOCK_TOKENS)];
-            ck(cb, cudaMemcpyAsync(b->data, block_dev(cb, b), kv_block_bytes(kv_cache_pool(pa->cache), b),
-                                   cudaMemcpyDeviceToHost, cb->stream), "reading KV rows");
+            if (b)
+                ck(cb, cudaMemcpyAsync(b->data, block_dev(cb, b), kv_block_bytes(kv_cache_pool(pa->cache), b),
+                                       cudaMemcpyDeviceToHost, cb->stream), "reading KV rows");
         }
         ck(cb, cudaMemcpyAsync(at, mirror_of(cb, pa->cache)->mu, sizeof(float) * offsets_floats(pa->cache),
                                cudaMemcpyDeviceToHost, cb->stream), "reading KV offsets");

@@ -376,11 +376,11 @@ template <int D>
 __global__ void kv_offsets_rows(const cuk_enc_args a, const cuk_offs_item *items, int n_items) {
     __shared__ float buf[D];
     const int r = blockIdx.x / (2 * a.n_kv), side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, i = threadIdx.x;
-    if ((side ? a.v_bits : a.k_bits) >= 16) return;
+    const cuk_enc_tok tk = a.toks[r];
+    if ((side ? a.v_bits : a.k_bits) >= 16 || !tk.block) return; /* (no block: a row released) */
     int j = 0;
     while (j + 1 < n_items && r >= items[j + 1].first) j++;
     const cuk_offs_item it = items[j];
-    const cuk_enc_tok tk = a.toks[r];
     const size_t hs = (size_t)side * a.n_kv + h;
     const float *const mu = (const float *)it.mu;
     float z;
