@@ -214,7 +214,7 @@ static void test_across_offsets(void) {
 }
 
 /* A device that chooses the offsets itself in the batch that reaches their point
- * (kv_cache_offsets_claim, then _given): played here by a host cache's own append,
+ * (kv_cache_append_begin_claim, then kv_cache_offsets_given): played here by a host cache's own append,
  * whose rows, earlier blocks and offsets it hands over. The split cache must save byte
  * for byte as the host's, keep only the window rows later queries read, and claim
  * nothing outside that batch. */
@@ -230,9 +230,8 @@ static void test_device_offsets(void) {
         const int32_t p0 = kv_cache_n_past(split);
         for (int i = 0; i < n * H * D; i++) k[i] = frnd() + 0.5f * (float)(i % D == 5), v[i] = frnd();
         CHECK(kv_cache_append(host, n, k, v) == 0, "host append");
-        const int32_t T = kv_cache_offsets_claim(split, n);
-        CHECK(T == claims[c], "chunk %d claims the offsets' point %d, not %d", c, T, claims[c]);
-        CHECK(kv_cache_append_begin(split, n, p0, true) == 0, "begin: %s", kvq_last_error());
+        const int32_t T = kv_cache_append_begin_claim(split, n, p0);
+        CHECK(T == claims[c], "chunk %d claims the offsets' point %d, not %d (%s)", c, T, claims[c], kvq_last_error());
         const int32_t w0 = kv_cache_window_rows_from(split, p0);
         rows_of(host, p0, n, rk, rv, rwk, rwv);
         struct kv_view vw;

@@ -77,7 +77,7 @@ struct backend_ops {
     bool encodes_kv;  /* kv_append encodes the rows itself (on the device): a pass must end
                        * where a cache chooses its value offsets (kv_cache_offsets_point),
                        * unless chooses_offsets: kv_append then chooses them in the pass */
-    bool chooses_offsets; /* (kv_cache_offsets_claim) */
+    bool chooses_offsets; /* (kv_cache_append_begin_claim) */
     bool attends_nf;  /* attention reads normal-float KV rows (KVQ_KV_NF) */
     void (*free)(struct backend *b);
     /* Sizes internal scratch for batches of up to max_tokens tokens whose widest

@@ -682,7 +682,7 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
                               need, kv_pool_used(c->kv_pool), kv_pool_budget(c->kv_pool));
     int *head = count + n_seq + 1, *tail = head + n_seq + 1; /* cursors */
     int heads = 0;
-    const bool split = c->be->ops->encodes_kv && !c->be->ops->chooses_offsets;
+    const bool split = kvq_pass_split_tokens(c) > 0;
     for (int s = 0; s < n_seq; s++) {
         const int n_s = count[s + 1];
         struct kv_cache *c0 = seq_caches(c, s)[0];

@@ -216,18 +216,18 @@ void kv_cache_encode_rows(const struct kv_cache *c, const float *k, const float 
  * first part's); 0 where neither (a conversion to quantized rows falls in the second
  * part): kv_cache_append then. */
 int kv_cache_append_exact_part(const struct kv_cache *c, int n);
-/* Offsets a device chooses: before kv_cache_append_begin() of n tokens that reach
- * the offsets' point T, makes the blocks of the rows so far private (a shared one
- * copied: its rows reach the device before the append's encode) and returns T; the
- * begin (later_only) then leaves the host's window the rows later queries read, as
- * after the point. The device takes the offsets from its f16 window rows as the host
- * would, and encodes the rows before T again from those rows and the append's later
- * ones with the offsets, as the host would; the caller copies its rows into the host's
- * blocks (kv_cache_append_rows for the append's, the earlier blocks as they are), then
- * gives the offsets ([2][n_kv_heads][head_dim], as kv_view's mu) to
- * kv_cache_offsets_given() before kv_cache_append_end(), which then has nothing to do.
- * 0 where the host chooses them (kv_cache_append_end), -1 on error. */
-int32_t kv_cache_offsets_claim(struct kv_cache *c, int n);
+/* kv_cache_append_begin(c, n, first, true) for a device that chooses the offsets in
+ * the append that reaches their point T: there it makes the blocks of the rows so far
+ * private (a shared one copied: its rows reach the device before the append's encode),
+ * leaves the host's window the rows later queries read, as after the point, and returns
+ * T. The device takes the offsets from its f16 window rows as the host would, and
+ * encodes the rows before T again from those rows and the append's later ones with the
+ * offsets, as the host would; the caller copies its rows into the host's blocks
+ * (kv_cache_append_rows for the append's, the earlier blocks as they are), then gives
+ * the offsets ([2][n_kv_heads][head_dim], as kv_view's mu) to kv_cache_offsets_given()
+ * before kv_cache_append_end(), which then has nothing to do. 0 where the host chooses
+ * them (kv_cache_append_end), -1 on error. */
+int32_t kv_cache_append_begin_claim(struct kv_cache *c, int n, int32_t first);
 void kv_cache_offsets_given(struct kv_cache *c, const float *mu);
 /* The position at which the cache will choose its offsets (the rows from there on are
  * encoded with them), or 0 when it will not (chosen already, or no offsets). A device

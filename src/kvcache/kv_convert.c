@@ -231,15 +231,14 @@ static int offsets_choose(struct kv_cache *c) {
     return 2 * c->shape.n_kv_heads;
 }
 
-int32_t kv_cache_offsets_claim(struct kv_cache *c, int n) {
-    struct kv_store *st = store_of(c);
+int32_t kv_offsets_claim(struct kv_cache *c, int n) {
+    const struct kv_store *st = store_of(c);
     const int32_t T = mu_tokens(c), p = c->n_past;
     const struct kv_win *w = st->rec;
     if (st->mu_set || !kv_win_on(st) || T <= 0 || p >= T || p + n < T || (p > 0 && (w->p0 != 0 || w->n != p)))
         return 0; /* not reached, chosen, or the window lacks rows (after a trim: none then) */
     for (int32_t L = 0; L * B < p; L++) /* the append's own blocks are made private by its begin */
         if (kv_store_block_private(c, L) != 0) return -1;
-    st->mu_claimed = true;
     return T;
 }
 

@@ -228,14 +228,15 @@ int kv_store_append(struct kv_cache *c, int n, const float *k, const float *v) {
 
 /* ---- appends whose rows a device writes (kv_cache.h) ---- */
 
-int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first, bool later_only) {
+static int append_begin(struct kv_cache *c, int n, int32_t first, bool later_only, bool claimed) {
     struct kv_store *st = store_of(c);
     if (n <= 0) return 0;
     if (c->cfg.quantized_start > 0 && c->n_past + n > c->cfg.quantized_start && kv_store_to_quantized(c) != 0)
         return -1;
     int32_t ns, nr;
     kv_store_release_before(c, first);
-    if (kv_store_reserve_rows(c, n) != 0 || kv_windows_make_room(c, n, first, later_only, &ns, &nr) != 0) return -1;
+    if (kv_store_reserve_rows(c, n) != 0 || kv_windows_make_room(c, n, first, later_only, claimed, &ns, &nr) != 0)
+        return -1;
     if (kv_win_on(st)) { /* the rows are counted now, written by kv_cache_append_end */
         if (c->cfg.residual > 0) st->rec->n += nr;
         st->sink->n += ns;
@@ -243,6 +244,15 @@ int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first, bool later_o
     c->n_past += n;
     st->last_first = first;
     return 0;
+}
+
+int kv_cache_append_begin(struct kv_cache *c, int n, int32_t first, bool later_only) {
+    return append_begin(c, n, first, later_only, false);
+}
+
+int32_t kv_cache_append_begin_claim(struct kv_cache *c, int n, int32_t first) {
+    const int32_t T = n > 0 ? kv_offsets_claim(c, n) : 0;
+    return T < 0 || append_begin(c, n, first, true, T > 0) != 0 ? -1 : T;
 }
 
 int32_t kv_cache_window_rows_from(const struct kv_cache *c, int32_t p0) {

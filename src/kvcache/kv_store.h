@@ -63,8 +63,6 @@ struct kv_store {
     float *signs;       /* [head_dim] Hadamard signs */
     float *mu;          /* [2][n_kv_heads][head_dim] key and value offsets removed before quantizing */
     bool mu_set;
-    bool mu_claimed; /* a device chooses them in the append about to begin (kv_cache_offsets_claim;
-                      * kv_windows_make_room reads and clears it) */
     /* From a later_only append's begin to its end: the batch's queries see f16 window
      * rows from batch_lo on, as without later_only (the device holds those rows; the
      * host's window starts later) */
@@ -118,7 +116,8 @@ void kv_win_unref(struct kv_win *w);
 int kv_win_own(struct kv_cache *c, struct kv_win **w);
 int kv_win_reserve(struct kv_cache *c, struct kv_win **w, int32_t need);
 void kv_win_put(struct kv_cache *c, struct kv_win *w, const float *k, const float *v);
-int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_only, int32_t *n_sink, int32_t *n_rec);
+int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_only, bool claimed, int32_t *n_sink,
+                         int32_t *n_rec);
 int kv_windows_append(struct kv_cache *c, int n, const float *k, const float *v, size_t tok, int32_t first);
 size_t kv_win_bytes(const struct kv_cache *c, const struct kv_win *w);
 
@@ -155,5 +154,9 @@ int32_t mu_tokens(const struct kv_cache *c);
 /* Chooses the offsets from the residual window and encodes positions 0..T-1 again
  * with them. */
 int kv_offsets_from_window(struct kv_cache *c);
+/* Where an append of n tokens, not yet begun, reaches T and a device can choose the
+ * offsets from its window rows (the window holds every row so far): the blocks so far
+ * made private, and T; else 0; -1 on error (kv_cache_append_begin_claim). */
+int32_t kv_offsets_claim(struct kv_cache *c, int n);
 
 #endif

@@ -141,15 +141,15 @@ void kv_win_put(struct kv_cache *c, struct kv_win *w, const float *k, const floa
  * the batch's first query still needs; nothing before the offsets' point) and takes
  * the whole batch, or with later_only (a device attends for the batch's queries from
  * its own copy) only what the queries after the batch read, once the offsets' point is
- * behind. Makes room for those rows; *n_sink, *n_rec: how many go to the sinks and
- * to the residual window (the batch's last ones). */
-int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_only, int32_t *n_sink, int32_t *n_rec) {
+ * behind or where the device chooses the offsets in this batch (claimed). Makes room
+ * for those rows; *n_sink, *n_rec: how many go to the sinks and to the residual window
+ * (the batch's last ones). */
+int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_only, bool claimed, int32_t *n_sink,
+                         int32_t *n_rec) {
     struct kv_store *st = store_of(c);
     *n_sink = 0;
     *n_rec = n;
     if (!kv_win_on(st)) return 0;
-    const bool claimed = st->mu_claimed; /* this batch's claim (kv_cache_offsets_claim), spent here */
-    st->mu_claimed = false;
     const int32_t p = c->n_past, S = kv_sink_target(c), R = c->cfg.residual;
     if (st->sink->n == p && p < S) {
         *n_sink = S - p < n ? S - p : n;
@@ -192,7 +192,7 @@ int kv_windows_make_room(struct kv_cache *c, int n, int32_t first, bool later_on
 int kv_windows_append(struct kv_cache *c, int n, const float *k, const float *v, size_t tok, int32_t first) {
     struct kv_store *st = store_of(c);
     int32_t ns, nr;
-    if (kv_windows_make_room(c, n, first, false, &ns, &nr) != 0) return -1;
+    if (kv_windows_make_room(c, n, first, false, false, &ns, &nr) != 0) return -1;
     if (!kv_win_on(st)) return 0;
     if (c->cfg.residual > 0)
         for (int t = 0; t < n; t++) kv_win_put(c, st->rec, k + (size_t)t * tok, v + (size_t)t * tok);

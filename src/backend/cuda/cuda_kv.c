@@ -567,9 +567,11 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
     for (int s = 0; s < n_seqs; s++) cb->seq_enc[s].offs_T = 0;
     for (int s = 0; s < n_seqs && !(cb->tp && cb->rank > 0); s++) { /* the host's changes, once */
         struct kv_cache *c = seqs[s].cache;
-        const int32_t p0 = kv_cache_n_past(c), T = device_offsets ? kv_cache_offsets_claim(c, seqs[s].n) : 0;
+        const int32_t p0 = kv_cache_n_past(c);
+        const int32_t T = device_offsets ? kv_cache_append_begin_claim(c, seqs[s].n, p0)
+                                         : kv_cache_append_begin(c, seqs[s].n, p0, true);
         if (T > 0) cb->seq_enc[s].offs_T = T;
-        if (T < 0 || kv_cache_append_begin(c, seqs[s].n, p0, true) != 0) {
+        if (T < 0) {
             drop_pending(cb); /* the forward pass drops this batch's rows */
             return -1;
         }
@@ -786,7 +788,7 @@ static size_t offsets_floats(const struct kv_cache *c) {
 }
 
 
-/* The offsets the device chose in the step (kv_cache_offsets_claim) into the host's
+/* The offsets the device chose in the step (kv_cache_append_begin_claim) into the host's
  * caches, and the rows before each pass that it encoded again: their blocks. 0, or -1
  * with an error. */
 static int take_offsets(struct cuda_backend *cb) {

@@ -80,7 +80,7 @@ struct pending_append {
     size_t k, v, wk, wv; /* offsets in the read-back buffer */
     bool windows;
     int parts; /* of the offsets' re-encoding that end left (kv_cache_append_end) */
-    int32_t offs_T; /* > 0: the device chose the offsets at T (kv_cache_offsets_claim) */
+    int32_t offs_T; /* > 0: the device chose the offsets at T (kv_cache_append_begin_claim) */
 };
 
 /* A copy to host memory, after the step's recorded work. */
