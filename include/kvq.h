@@ -255,6 +255,11 @@ struct kvq_prefix *kvq_prefix_hold_as(struct kvq_context *c, int seq, const stru
  * it is). NULL with an error. */
 struct kvq_prefix *kvq_prefix_convert(const struct kvq_prefix *p, const struct kvq_kv_config *kv);
 int kvq_prefix_len(const struct kvq_prefix *p);
+/* Makes the prefix's rows readable from another thread (kvq_prefix_save and
+ * kvq_prefix_encode_blocks there): where the GPU alone holds them, copies them to host
+ * memory now, waiting for the GPU. Call it on the thread that drives the context,
+ * before handing the prefix over. 0, or -1 with an error. */
+int kvq_prefix_fetch(const struct kvq_prefix *p);
 /* The format the prefix is held in (the context's, or kvq_prefix_hold_as's). */
 void kvq_prefix_kv_config(const struct kvq_prefix *p, struct kvq_kv_config *kv);
 void kvq_prefix_free(struct kvq_prefix *p);

@@ -373,9 +373,29 @@ static void test_batch(void) {
         const float *a = kvq_get_logits(all, 0), *o = kvq_get_logits(one, 0);
         for (int v = 0; a && o && v < info.n_vocab; v++) moved = fmax(moved, fabs(a[v] - o[v]));
     }
-    remove(path);
     printf("4 sequences after 12 batched steps, saved and loaded: max |dlogit| %.2e\n", moved);
     CHECK(moved == 0, "a sequence saved after batched GPU steps decodes differently when loaded (%g)", moved);
+    /* A fork shares its source's blocks, whose rows only the device holds: their first
+     * step writes to the shared last block (copied on the device). Both then decode
+     * what the source, saved before and loaded alone, does. */
+    double forked = 0;
+    if (all && one) {
+        kvq_seq_clear(all, 3);
+        kvq_seq_clear(one, 0);
+        CHECK(kvq_seq_save(all, 1, path) == 0 && kvq_seq_load(one, 0, path) == 0 && kvq_seq_fork(all, 1, 3) == 0,
+              "fork: %s", kvq_last_error());
+        int32_t tk[2] = {17, 17}, sq[2] = {1, 3};
+        bool lg[2] = {true, true};
+        struct kvq_batch df = {.n_tokens = 2, .tokens = tk, .seq_ids = sq, .logits = lg}, d1 = {.n_tokens = 1, .tokens = tk};
+        CHECK(kvq_decode(all, &df) == 0 && kvq_decode(one, &d1) == 0, "after the fork: %s", kvq_last_error());
+        for (int i = 0; i < 2; i++) {
+            const float *a = kvq_get_logits(all, i), *o = kvq_get_logits(one, 0);
+            for (int v = 0; a && o && v < info.n_vocab; v++) forked = fmax(forked, fabs(a[v] - o[v]));
+        }
+    }
+    remove(path);
+    printf("a sequence and its fork, one step each, against the sequence alone: max |dlogit| %.2e\n", forked);
+    CHECK(forked < 1e-3, "a fork or its source decodes differently from the source alone (%g)", forked);
     kvq_context_free(all);
     kvq_context_free(one);
     test_batch_offsets(m, info.n_vocab);
@@ -1252,6 +1272,7 @@ static double nf_row_error(const uint8_t *r, int bits, const float *x, int d) {
 static void compare_nf_rows(const struct attn_case *ac, struct kv_cache *dev, struct kv_cache *host, const float *all,
                             int n_tok) {
     struct kv_view a, b;
+    CHECK(kv_cache_fetch(dev) == 0, "%s: fetching the device's rows: %s", ac->name, kvq_last_error());
     kv_cache_view(dev, &a);
     kv_cache_view(host, &b);
     const int H = ac->n_kv, D = ac->D;

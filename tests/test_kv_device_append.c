@@ -4,7 +4,8 @@
  * byte for byte as the host append does (saved sections compared), for every cache
  * kind; rows of positions trimmed in between are dropped; and a batch across the
  * offsets' point ends with the offsets chosen, as on the host, or as a device that
- * chooses them hands them over. The CPU backend's
+ * chooses them hands them over; so too where the device keeps the block rows and the
+ * host fetches them (a fork's shared block copied on the device). The CPU backend's
  * append, which encodes a batch's rows on its threads through the same split, leaves
  * every sequence's cache as kv_cache_append does. */
 #include <math.h>
@@ -53,6 +54,88 @@ static bool same_bytes(const struct kv_cache *a, const struct kv_cache *b) {
     return same;
 }
 
+/* A device that keeps the rows (kv_pool_mirror.fetch), played by host memory: the
+ * blocks' device copies are its own, and the host's copies see their rows only
+ * through fetch (counted). */
+struct fake_dev {
+    void **mem;
+    int n, cap;
+    long fetched, copied, idled;
+};
+
+static void *fake_alloc(void *ctx, size_t bytes) {
+    struct fake_dev *d = ctx;
+    if (d->n == d->cap) {
+        d->cap = d->cap ? 2 * d->cap : 256;
+        d->mem = realloc(d->mem, sizeof *d->mem * (size_t)d->cap);
+    }
+    return d->mem[d->n++] = calloc(1, bytes);
+}
+
+static void fake_cache_free(void *ctx, void *mirror) { (void)ctx, (void)mirror; }
+
+static int fake_fetch(void *ctx, struct kv_block *const *b, int n, size_t bytes) {
+    struct fake_dev *d = ctx;
+    for (int i = 0; i < n; i++) memcpy(b[i]->data, b[i]->dev, bytes);
+    d->fetched += n;
+    return 0;
+}
+
+static void fake_copy(void *ctx, struct kv_block *dst, const struct kv_block *src, size_t bytes) {
+    struct fake_dev *d = ctx;
+    memcpy(dst->dev, src->dev, bytes);
+    d->copied++;
+}
+
+/* A freed block's host copy given back: its bytes are undefined from here (poisoned). */
+static void fake_idle(void *ctx, void *data, size_t bytes) {
+    struct fake_dev *d = ctx;
+    memset(data, 0xa5, bytes);
+    d->idled++;
+}
+
+static struct kv_pool *fake_pool(struct fake_dev *d) {
+    const struct kv_pool_mirror m = {d, fake_alloc, fake_alloc, fake_cache_free, fake_fetch, fake_copy, fake_idle};
+    return kv_pool_new_mirrored(0, &m);
+}
+
+static void fake_free(struct kv_pool *p, struct fake_dev *d) {
+    kv_pool_free(p);
+    for (int i = 0; i < d->n; i++) free(d->mem[i]);
+    free(d->mem);
+}
+
+/* The rows the host wrote since the last sync, to the device, as a backend does before
+ * its encode (whole blocks: a block with rows the host wrote has no stale ones). */
+static void fake_sync(struct kv_pool *p) {
+    struct kv_block **bl;
+    const int n = kv_pool_take_dirty(p, &bl);
+    for (int i = 0; i < n; i++)
+        if (bl[i]->refs > 0) {
+            memcpy(bl[i]->dev, bl[i]->data, kv_block_bytes(p, bl[i]));
+            bl[i]->dirty_lo = bl[i]->dirty_hi = 0;
+        }
+}
+
+/* The device's encode: block rows k, v ([n][H]) of positions [p0, p0 + n) into the
+ * device copies, after the host's rows reached them. */
+static void fake_put_rows(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, const uint8_t *v) {
+    struct kv_view vw;
+    kv_cache_view(c, &vw);
+    fake_sync(kv_cache_pool(c));
+    const int H = kv_cache_get_shape(c)->n_kv_heads;
+    for (int t = 0; t < n; t++) {
+        const int32_t p = p0 + t;
+        uint8_t *blk = vw.blk[kv_view_entry(&vw, p)]->dev;
+        for (int h = 0; h < H; h++) {
+            uint8_t *hb = blk + (size_t)h * vw.head_bytes;
+            memcpy(hb + (size_t)(p % KV_BLOCK_TOKENS) * vw.k_row, k + ((size_t)t * H + h) * vw.k_row, vw.k_row);
+            memcpy(hb + (size_t)KV_BLOCK_TOKENS * vw.k_row + (size_t)(p % KV_BLOCK_TOKENS) * vw.v_row,
+                   v + ((size_t)t * H + h) * vw.v_row, vw.v_row);
+        }
+    }
+}
+
 struct split_case {
     const char *name;
     struct kv_cache_config cfg;
@@ -93,12 +176,14 @@ static int append_end(struct kv_cache *c, int32_t p0, int n, const uint8_t *k, c
 
 /* later_only: begin as a device that attends from its own windows calls it (the host
  * keeps only the window rows later queries read: the saved bytes are still the same). */
-static void run_case(const struct split_case *sc, bool later_only, bool by_heads) {
+static void run_case(const struct split_case *sc, bool later_only, bool by_heads, bool device_rows) {
     const struct kv_shape shape = {8, 2, 64, sc->window};
     const int H = 2, D = 64;
     /* chunks ending where the offsets are chosen (128, or 100 for a rotating 100) */
     const int chunks[] = {40, 60, 28, 64, 1, 1, 30};
-    struct kv_cache *host = kv_cache_new(&sc->cfg, &shape), *split = kv_cache_new(&sc->cfg, &shape);
+    struct fake_dev dev = {0};
+    struct kv_pool *pool = device_rows ? fake_pool(&dev) : NULL;
+    struct kv_cache *host = kv_cache_new(&sc->cfg, &shape), *split = kv_cache_new_in(pool, &sc->cfg, &shape);
     CHECK(host && split, "%s: caches: %s", sc->name, kvq_last_error());
     if (!host || !split) return;
     float *k = malloc(sizeof(float) * 64 * H * D), *v = malloc(sizeof(float) * 64 * H * D);
@@ -132,8 +217,10 @@ static void run_case(const struct split_case *sc, bool later_only, bool by_heads
               sc->name, w0, p0, p0 + n);
         const size_t wo = (size_t)(w0 - p0) * H * before.win_row;
         int parts;
-        CHECK(append_end(split, p0, n, rk, rv, rwk + wo, rwv + wo, w0, by_heads, &parts) == 0, "%s: end: %s", sc->name,
-              kvq_last_error());
+        if (device_rows) fake_put_rows(split, p0, n, rk, rv);
+        CHECK(append_end(split, p0, n, device_rows ? NULL : rk, device_rows ? NULL : rv, rwk + wo, rwv + wo, w0, by_heads,
+                         &parts) == 0,
+              "%s: end: %s", sc->name, kvq_last_error());
         /* a chunk ending at the offsets' point leaves their re-encoding in parts */
         kv_cache_view(split, &after);
         const bool chosen = !before.mu && after.mu;
@@ -141,6 +228,32 @@ static void run_case(const struct split_case *sc, bool later_only, bool by_heads
         all_same = all_same && same_bytes(host, split);
     }
     CHECK(all_same, "%s: begin + rows + end differs from a host append", sc->name);
+    CHECK(!device_rows || dev.fetched > 0, "%s: the host's rows came from nowhere", sc->name);
+    if (device_rows) { /* rows only the device has, then a fork appends into the block it shares with them
+                        * (copied on write): the original keeps its rows */
+        struct kv_cache *hf = kv_cache_new_in(kv_cache_pool(host), &sc->cfg, &shape),
+                        *sf = kv_cache_new_in(pool, &sc->cfg, &shape);
+        for (int i = 0; i < 2; i++) {
+            struct kv_cache *h = i ? hf : host, *d = i ? sf : split;
+            if (i) CHECK(kv_cache_fork(hf, host) == 0 && kv_cache_fork(sf, split) == 0, "%s: fork", sc->name);
+            const int32_t p0 = kv_cache_n_past(d);
+            CHECK(kv_cache_append(h, 5, k, v) == 0, "%s: host append", sc->name);
+            rows_of(h, p0, 5, rk, rv, rwk, rwv);
+            CHECK(kv_cache_append_begin(d, 5, p0, later_only) == 0, "%s: begin", sc->name);
+            const int32_t w0 = kv_cache_window_rows_from(d, p0);
+            struct kv_view vw;
+            kv_cache_view(d, &vw);
+            const size_t wo = (size_t)(w0 - p0) * H * vw.win_row;
+            fake_put_rows(d, p0, 5, rk, rv);
+            int parts;
+            CHECK(append_end(d, p0, 5, NULL, NULL, rwk + wo, rwv + wo, w0, false, &parts) == 0, "%s: end", sc->name);
+        }
+        CHECK(same_bytes(hf, sf) && same_bytes(host, split), "%s: a fork's append through a shared block differs",
+              sc->name);
+        CHECK(dev.copied > 0, "%s: the shared block was not copied on the device", sc->name);
+        kv_cache_free(hf);
+        kv_cache_free(sf);
+    }
     /* a batch that failed is trimmed away, as on the host; its rows, handed over late,
      * are dropped by end */
     int32_t np = kv_cache_n_past(split);
@@ -148,16 +261,18 @@ static void run_case(const struct split_case *sc, bool later_only, bool by_heads
     CHECK(kv_cache_append_begin(split, 3, kv_cache_n_past(split), later_only) == 0, "%s: begin", sc->name);
     CHECK(kv_cache_trim(split, 3) == 3, "%s: trim", sc->name);
     int parts;
-    CHECK(append_end(split, np, 3, rk, rv, rwk, rwv, np, by_heads, &parts) == 0 && parts == 0 && kv_cache_n_past(split) == np,
+    CHECK(append_end(split, np, 3, device_rows ? NULL : rk, device_rows ? NULL : rv, rwk, rwv, np, by_heads, &parts) == 0 &&
+              parts == 0 && kv_cache_n_past(split) == np,
           "%s: end after a trim", sc->name);
     /* (with later_only, begin let go of the window rows before the batch that only its
      * queries read: they stay gone, and later queries read those positions packed) */
     CHECK(later_only || same_bytes(host, split), "%s: a dropped batch changed the cache", sc->name);
-    printf("%-34s split appends%s%s equal host appends: %s\n", sc->name, later_only ? " (later rows only)" : "",
-           by_heads ? " (a head at a time)" : "", all_same ? "yes" : "NO");
+    printf("%-34s split appends%s%s%s equal host appends: %s\n", sc->name, later_only ? " (later rows only)" : "",
+           by_heads ? " (a head at a time)" : "", device_rows ? " (rows kept on the device)" : "", all_same ? "yes" : "NO");
     free(k), free(v), free(rk), free(rv), free(rwk), free(rwv);
     kv_cache_free(host);
     kv_cache_free(split);
+    if (pool) fake_free(pool, &dev);
 }
 
 /* A batch across the offsets' point: the split append ends with the offsets chosen
@@ -218,11 +333,13 @@ static void test_across_offsets(void) {
  * whose rows, earlier blocks and offsets it hands over. The split cache must save byte
  * for byte as the host's, keep only the window rows later queries read, and claim
  * nothing outside that batch. */
-static void test_device_offsets(void) {
+static void test_device_offsets(bool device_rows) {
     const struct kv_cache_config cfg = {8, 4, 64, 64, 0, 4, 0, true, 32};
     const struct kv_shape shape = {8, 2, 64, 0};
     const int H = 2, D = 64, chunks[] = {100, 64, 20}, claims[] = {0, 128, 0};
-    struct kv_cache *host = kv_cache_new(&cfg, &shape), *split = kv_cache_new(&cfg, &shape);
+    struct fake_dev dev = {0};
+    struct kv_pool *pool = device_rows ? fake_pool(&dev) : NULL;
+    struct kv_cache *host = kv_cache_new(&cfg, &shape), *split = kv_cache_new_in(pool, &cfg, &shape);
     float *k = malloc(sizeof(float) * 100 * H * D), *v = malloc(sizeof(float) * 100 * H * D);
     uint8_t *rk = malloc(100 * 4096), *rv = malloc(100 * 4096), *rwk = malloc(100 * 4096), *rwv = malloc(100 * 4096);
     for (int c = 0; c < 3; c++) {
@@ -237,12 +354,13 @@ static void test_device_offsets(void) {
         struct kv_view vw;
         kv_cache_view(split, &vw);
         const size_t wo = (size_t)(w0 - p0) * H * vw.win_row;
-        kv_cache_append_rows(split, p0, n, rk, rv, rwk + wo, rwv + wo, w0);
+        if (device_rows) fake_put_rows(split, p0, n, rk, rv);
+        kv_cache_append_rows(split, p0, n, device_rows ? NULL : rk, device_rows ? NULL : rv, rwk + wo, rwv + wo, w0);
         if (T > 0) { /* the blocks before the batch as the device encoded them again, and the offsets */
             struct kv_view hv;
             kv_cache_view(host, &hv);
             for (int32_t L = 0; L * KV_BLOCK_TOKENS < p0; L++)
-                memcpy(vw.blk[L]->data, hv.blk[L]->data, (size_t)H * hv.head_bytes);
+                memcpy(device_rows ? vw.blk[L]->dev : vw.blk[L]->data, hv.blk[L]->data, (size_t)H * hv.head_bytes);
             kv_cache_offsets_given(split, hv.mu);
             /* the window keeps the rows queries after the batch read: its last R */
             CHECK(!kv_cache_window_row(split, 0, 1, p0 + n - 33) && kv_cache_window_row(split, 0, 1, p0 + n - 32),
@@ -251,10 +369,12 @@ static void test_device_offsets(void) {
         CHECK(kv_cache_append_end(split, p0, n) == 0, "end: %s", kvq_last_error());
         CHECK(same_bytes(host, split), "chunk %d: the cache whose device chose the offsets differs from the host's", c);
     }
-    printf("offsets chosen by a device in the batch across them: the cache saves as the host's\n");
+    printf("offsets chosen by a device in the batch across them%s: the cache saves as the host's\n",
+           device_rows ? " (rows kept on the device)" : "");
     free(k), free(v), free(rk), free(rv), free(rwk), free(rwv);
     kv_cache_free(host);
     kv_cache_free(split);
+    if (pool) fake_free(pool, &dev);
 }
 
 /* Three sequences appended together through the CPU backend, in batches whose
@@ -307,10 +427,15 @@ int main(void) {
         {"quantize after 150, K4V4", {4, 4, 64, 64, 0, 4, 150, true, 32}, 0},
         {"quantize after 50, K8V4", {8, 4, 64, 64, 0, 4, 50, true, 32}, 0},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i], false, false), run_case(&cases[i], true, false),
-                                                             run_case(&cases[i], true, true);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        run_case(&cases[i], false, false, false);
+        run_case(&cases[i], true, false, false);
+        run_case(&cases[i], true, true, false);
+        run_case(&cases[i], true, false, true);
+    }
     test_across_offsets();
-    test_device_offsets();
+    test_device_offsets(false);
+    test_device_offsets(true);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_cpu_backend(&cases[i]);
     return check_finish();
 }

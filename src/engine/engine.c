@@ -323,7 +323,8 @@ static size_t pass_kv_bytes(const struct kvq_context *c) {
     for (int l = 0; l < hp->n_layer; l++) {
         struct kv_view v;
         kv_cache_view(c->caches[l], &v);
-        per_token += (size_t)hp->n_head_kv * (v.k_row + v.v_row + (v.windows ? 2 * v.win_row : 0));
+        const bool rows_back = !kv_pool_device_rows(kv_cache_pool(c->caches[l])); /* else windows only */
+        per_token += (size_t)hp->n_head_kv * ((rows_back ? v.k_row + v.v_row : 0) + (v.windows ? 2 * v.win_row : 0));
     }
     return per_token * (size_t)c->p.n_batch;
 }
@@ -601,6 +602,12 @@ int kvq_prefix_attach(struct kvq_context *c, int seq, const struct kvq_prefix *p
 }
 
 int kvq_prefix_len(const struct kvq_prefix *p) { return kv_cache_n_past(p->caches[0]); }
+
+int kvq_prefix_fetch(const struct kvq_prefix *p) {
+    for (int il = 0; il < p->c->m->model->hp.n_layer; il++)
+        if (kv_cache_fetch(p->caches[il]) != 0) return -1;
+    return 0;
+}
 
 void kvq_prefix_free(struct kvq_prefix *p) {
     if (!p) return;

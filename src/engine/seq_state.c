@@ -86,6 +86,8 @@ static int encode_caches(const struct kvq_context *c, const struct kvq_kv_config
     const struct model *m = engine_model(c);
     const struct model_hparams *hp = &m->hp;
     if (n_tokens < 0 || (n_tokens > 0 && !tokens)) return kvq_error("invalid token list");
+    for (int il = 0; il < hp->n_layer; il++) /* a GPU's rows first: its error, not the save's, is told */
+        if (kv_cache_fetch(caches[il]) != 0) return -1;
     struct kv_buf b = {0};
     kv_buf_put(&b, SEQ_MAGIC, 8);
     kv_buf_u32(&b, SEQ_VERSION);

@@ -35,6 +35,7 @@ static void attn_blocks(const struct kv_cache *c, struct kern_attn_state *s, con
         int32_t e = (p / KV_BLOCK_TOKENS + 1) * KV_BLOCK_TOKENS - 1;
         if (e > b) e = b;
         const struct kv_block *blk = kv_store_block(st, p);
+        assert(!blk || blk->stale_lo == blk->stale_hi); /* a device's rows are attended there */
         if (blk) {
             runs[n++] = (struct kern_kv_run){kv_block_row(c, blk, 0, kv_head, p), kv_block_row(c, blk, 1, kv_head, p),
                                              e - p + 1};

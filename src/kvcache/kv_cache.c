@@ -117,6 +117,7 @@ int kv_cache_read_rows(const struct kv_cache *c, int kv_head, int which, float *
     if (kv_head < 0 || kv_head >= c->shape.n_kv_heads || max <= 0) return 0;
     return kv_store_read_rows(c, kv_head, which, out, pos, max);
 }
+int kv_cache_fetch(const struct kv_cache *c) { return kv_store_fetch(c, 0, c->n_past); }
 void kv_cache_save(const struct kv_cache *c, struct kv_buf *b) { kv_store_save(c, b); }
 int kv_cache_save_rows(const struct kv_cache *c, int32_t first, int32_t n, struct kv_buf *b) {
     return kv_store_save_rows(c, first, n, b);

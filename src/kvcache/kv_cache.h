@@ -131,7 +131,13 @@ int kv_cache_read_rows(const struct kv_cache *c, int kv_head, int which, float *
 /* ---- for device backends (kv_view.c) ----
  * A GPU backend keeps a device copy of the cache's blocks (a mirrored pool, kv_pool.h)
  * and of its f16 windows, and attends there; the policy (positions, windows, block
- * tables, conversion, save/load) stays here, on the host rows. */
+ * tables, conversion, save/load) stays here, on the host rows, which the cache fetches
+ * first where the device's rows are the authoritative ones. */
+
+/* Makes the host's copy of the held block rows current where a device keeps the
+ * rows (kv_pool.h); the cache's own reads and writes do this themselves, a reader of
+ * kv_view's blocks calls it first. 0, or -1 with an error. */
+int kv_cache_fetch(const struct kv_cache *c);
 
 /* The layout a device needs to read a cache. Valid until the cache next changes. */
 struct kv_view {
@@ -174,7 +180,8 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
  * moved, n_past advanced); the device writes the rows (kv_view's formats: block rows
  * with the offsets removed and rotated, f16 window rows rotated without offsets);
  * kv_cache_append_rows() copies them into the host rows (k, v: [n][n_kv_heads] block
- * rows; wk, wv: window rows [p0 + n - w0][n_kv_heads] of positions w0.., ignored
+ * rows, NULL where the device keeps them, kv_pool_device_rows: begin marked them
+ * stale; wk, wv: window rows [p0 + n - w0][n_kv_heads] of positions w0.., ignored
  * without windows; rows of positions trimmed since are skipped) and touches nothing
  * but this cache's own rows,
  * so several caches of one pool may copy at once, on several threads. Then
@@ -223,9 +230,10 @@ int kv_cache_append_exact_part(const struct kv_cache *c, int n);
  * T. The device takes the offsets from its f16 window rows as the host would, and
  * encodes the rows before T again from those rows and the append's later ones with the
  * offsets, as the host would; the caller copies its rows into the host's blocks
- * (kv_cache_append_rows for the append's, the earlier blocks as they are), then gives
- * the offsets ([2][n_kv_heads][head_dim], as kv_view's mu) to kv_cache_offsets_given()
- * before kv_cache_append_end(), which then has nothing to do. 0 where the host chooses
+ * (kv_cache_append_rows for the append's, the earlier blocks as they are; where the
+ * device keeps the rows, none: kv_cache_offsets_given marks the earlier ones stale),
+ * then gives the offsets ([2][n_kv_heads][head_dim], as kv_view's mu) to
+ * kv_cache_offsets_given() before kv_cache_append_end(), which then has nothing to do. 0 where the host chooses
  * them (kv_cache_append_end), -1 on error. */
 int32_t kv_cache_append_begin_claim(struct kv_cache *c, int n, int32_t first);
 void kv_cache_offsets_given(struct kv_cache *c, const float *mu);

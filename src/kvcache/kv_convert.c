@@ -76,6 +76,11 @@ int kv_convert(struct kv_cache *c, struct kv_fmt nkf, struct kv_fmt nvf) {
         return kvq_error_code(KVQ_ERR_OOM, "out of memory converting the KV cache");
     }
     float *xv = x + (size_t)nx * tok;
+    if (kv_store_fetch(c, 0, np) != 0) {
+        free(nt);
+        free(x);
+        return -1;
+    }
     /* offsets (R > 0) from positions 1..T-1 when the cache holds them, else chosen later */
     bool new_mu = !st->mu_set && T > 0 && np >= T && c->cfg.max_size == 0 && kern_kvq_bits_quantized(nkf.bits | nvf.bits);
     if (new_mu)
@@ -222,7 +227,7 @@ static int offsets_choose(struct kv_cache *c) {
     const struct kv_win *w = st->rec;
     if (w->p0 != 0 || w->n < T) return 0;
     for (int32_t L = 0; L <= (T - 1) / B; L++) {
-        if (kv_store_block_private(c, L) != 0) return -1;
+        if (kv_store_block_private(c, L) != 0 || kv_store_fetch(c, L * B, L * B + 1) != 0) return -1;
         struct kv_block *b = kv_store_block(st, L * B);
         if (b) kv_block_touch(st->pool, b, 0, T - L * B < B ? T - L * B : B);
     }
@@ -246,6 +251,8 @@ void kv_cache_offsets_given(struct kv_cache *c, const float *mu) {
     struct kv_store *st = store_of(c);
     memcpy(st->mu, mu, sizeof(float) * 2 * (size_t)c->shape.n_kv_heads * (size_t)c->shape.head_dim);
     st->mu_set = true;
+    for (int32_t p = 0; p < mu_tokens(c) && p < c->n_past; p += B) /* the device encoded them again */
+        kv_block_device_wrote(st->pool, kv_store_block(st, p), 0, B);
 }
 
 void kv_cache_offsets_part(struct kv_cache *c, int part) {
@@ -307,6 +314,7 @@ int kv_cache_append_end(struct kv_cache *c, int32_t p0, int n) {
             return -1;
         }
         float x[KERN_KVQ_MAX_DIM];
+        if (st->mu_set && kv_store_fetch(c, T, p0 + n) != 0) return -1;
         for (int32_t p = T; st->mu_set && p < p0 + n; p++) {
             struct kv_block *b = kv_store_block(st, p);
             if (!b || p < st->rec->p0 || p >= st->rec->p0 + st->rec->n) continue;

@@ -11,6 +11,11 @@
 #define FREE_LIST_MAX 256 /* blocks kept per size beyond that are returned to the OS */
 #define WIN_CLASSES 128    /* window sizes: 4 KB and up, four a power of two */
 #define WIN_SPARE_MAX ((size_t)512 << 20)
+/* Freed blocks whose host copies hold pages (kv_pool_mirror.host_idle) keep them up to
+ * this many bytes: the next sequence's blocks come from the free list, and its rows
+ * fetched again into pages already there skip a fault a page (a server converts every
+ * finished sequence for its prefix cache); beyond, the pages are given back. */
+#define HOST_WARM_MAX ((size_t)1 << 30)
 
 struct size_class {
     size_t bytes;
@@ -30,6 +35,7 @@ struct kv_pool {
     bool dirty_lost;
     void *win_free[WIN_CLASSES]; /* spare window memory by class, linked through its first bytes */
     size_t win_spare;
+    size_t host_warm; /* bytes of freed blocks with host_used */
 };
 
 struct kv_pool *kv_pool_new(size_t budget) {
@@ -55,6 +61,8 @@ const struct kv_pool_mirror *kv_pool_get_mirror(const struct kv_pool *p) { retur
 
 void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t hi) {
     if (!p->mirrored) return;
+    assert(b->stale_lo == b->stale_hi); /* the host writes rows only once they are current */
+    if (kv_pool_device_rows(p)) b->host_used = true;
     if (b->dirty_lo == b->dirty_hi) {
         b->dirty_lo = lo;
         b->dirty_hi = hi;
@@ -76,6 +84,38 @@ void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t h
     }
     p->dirty[p->n_dirty++] = b;
     b->listed = true;
+}
+
+bool kv_pool_device_rows(const struct kv_pool *p) { return p->mirrored && p->mirror.fetch; }
+
+void kv_block_device_wrote(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t hi) {
+    if (!kv_pool_device_rows(p) || !b || lo >= hi) return;
+    if (b->stale_lo == b->stale_hi) {
+        b->stale_lo = lo;
+        b->stale_hi = hi;
+    } else {
+        if (lo < b->stale_lo) b->stale_lo = lo;
+        if (hi > b->stale_hi) b->stale_hi = hi;
+    }
+}
+
+int kv_blocks_fetch(struct kv_pool *p, struct kv_block *const *b, int n) {
+    if (!kv_pool_device_rows(p)) return 0;
+    /* the stale ones, up to 64 of one size a call */
+    struct kv_block *stale[64];
+    for (int i = 0; i < n;) {
+        int m = 0;
+        size_t bytes = 0;
+        for (; i < n && m < 64; i++) {
+            if (!b[i] || b[i]->stale_lo == b[i]->stale_hi) continue;
+            if (m > 0 && kv_block_bytes(p, b[i]) != bytes) break;
+            bytes = kv_block_bytes(p, b[i]);
+            stale[m++] = b[i];
+        }
+        if (m > 0 && p->mirror.fetch(p->mirror.ctx, stale, m, bytes) != 0) return -1;
+        for (int j = 0; j < m; j++) stale[j]->stale_lo = stale[j]->stale_hi = 0, stale[j]->host_used = true;
+    }
+    return 0;
 }
 
 int kv_pool_take_dirty(struct kv_pool *p, struct kv_block ***blocks) {
@@ -172,6 +212,7 @@ struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
     if (b) {
         sc->free = b->next;
         sc->n_free--;
+        if (b->host_used) p->host_warm -= bytes;
     } else {
         b = calloc(1, sizeof *b);
         void *data = NULL;
@@ -192,6 +233,7 @@ struct kv_block *kv_block_new(struct kv_pool *p, size_t bytes) {
     }
     b->refs = 1;
     b->next = NULL;
+    b->stale_lo = b->stale_hi = 0;
     p->used += bytes;
     p->n_blocks++;
     return b;
@@ -209,6 +251,12 @@ void kv_block_unref(struct kv_pool *p, struct kv_block *b) {
     assert(p->used >= sc->bytes && p->n_blocks > 0);
     p->used -= sc->bytes;
     p->n_blocks--;
+    if (b->host_used && p->host_warm + sc->bytes <= HOST_WARM_MAX) {
+        p->host_warm += sc->bytes;
+    } else if (b->host_used) {
+        if (p->mirror.host_idle) p->mirror.host_idle(p->mirror.ctx, b->data, sc->bytes);
+        b->host_used = false;
+    }
     if (sc->n_free >= FREE_LIST_MAX && !p->mirrored) {
         block_release(p, b);
         return;

@@ -87,6 +87,10 @@ void kv_store_save(const struct kv_cache *c, struct kv_buf *b) {
     const struct kv_store *st = store_of(c);
     const struct kv_cache_config *cf = &c->cfg;
     const int H = c->shape.n_kv_heads;
+    if (kv_store_fetch(c, 0, c->n_past) != 0) {
+        b->oom = true; /* the device's error stands */
+        return;
+    }
     int32_t size = 0;
     for (int32_t p = 0; p < c->n_past; p++) size += kv_held(c, p);
     int32_t hdr[] = {cf->k_bits,   cf->v_bits,          cf->k_group,       cf->v_group,  cf->max_size,
@@ -348,6 +352,7 @@ int kv_store_save_rows(const struct kv_cache *c, int32_t first, int32_t n, struc
     const int H = c->shape.n_kv_heads;
     for (int32_t p = first; p < first + n; p++)
         if (!kv_held(c, p)) return kvq_error("position %d of the KV cache is not held", p);
+    if (kv_store_fetch(c, first, first + n) != 0) return -1;
     const int32_t sn = first == 0 && kv_win_on(st) && st->sink->n <= n ? st->sink->n : 0;
     int32_t hdr[] = {st->kf.bits, st->kf.group, st->kf.rot, st->vf.bits, st->vf.group, st->vf.rot, st->mu_set};
     for (size_t i = 0; i < sizeof hdr / sizeof hdr[0]; i++) kv_buf_u32(b, (uint32_t)hdr[i]);
@@ -455,7 +460,7 @@ static int place_rows_as_is(struct kv_cache *c, const struct kv_rows *x) {
     struct kv_store *st = store_of(c);
     const int H = c->shape.n_kv_heads;
     const int32_t np = c->n_past, n = x->n;
-    if (kv_store_reserve_rows(c, n) != 0) return -1;
+    if (kv_store_reserve_rows(c, n) != 0 || kv_store_fetch(c, np, np + n) != 0) return -1;
     if (np == 0 && x->sinks > 0 && kv_win_reserve(c, &st->sink, x->sinks) != 0) return -1;
     for (int32_t t = 0; t < n; t++) {
         struct kv_block *b = kv_store_block(st, np + t);

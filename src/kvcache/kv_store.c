@@ -132,8 +132,15 @@ int kv_store_block_private(struct kv_cache *c, int32_t L) {
     if (!nb) return -1;
     if (*e) { /* shared: copy on write (a device mirror needs all of it; a new block's
                * rows reach the mirror as they are written) */
-        memcpy(nb->data, (*e)->data, bytes);
-        kv_block_touch(st->pool, nb, 0, B);
+        const struct kv_block *old = *e;
+        const struct kv_pool_mirror *m = kv_pool_get_mirror(st->pool);
+        if (old->stale_lo < old->stale_hi) { /* the device's rows copied there, the host's left stale */
+            m->copy(m->ctx, nb, old, bytes);
+            kv_block_device_wrote(st->pool, nb, 0, B);
+        } else {
+            memcpy(nb->data, old->data, bytes);
+            kv_block_touch(st->pool, nb, 0, B);
+        }
         kv_block_unref(st->pool, *e);
     }
     *e = nb;
@@ -144,6 +151,18 @@ int kv_store_reserve_rows(struct kv_cache *c, int32_t n) {
     if (n <= 0) return 0;
     for (int32_t L = c->n_past / B; L <= (c->n_past + n - 1) / B; L++)
         if (kv_store_block_private(c, L) != 0) return -1;
+    return 0;
+}
+
+int kv_store_fetch(const struct kv_cache *c, int32_t lo, int32_t hi) {
+    const struct kv_store *st = store_of(c);
+    if (!kv_pool_device_rows(st->pool)) return 0;
+    for (int32_t L = lo > 0 ? lo / B : 0; L * B < hi;) {
+        struct kv_block *b[64];
+        int n = 0;
+        for (; n < 64 && L * B < hi; L++) b[n++] = kv_store_block(st, L * B);
+        if (kv_blocks_fetch(st->pool, b, n) != 0) return -1;
+    }
     return 0;
 }
 
@@ -211,7 +230,9 @@ static int store_append_at(struct kv_cache *c, int n, const float *k, const floa
         return store_append_at(c, n - n1, k + (size_t)n1 * tok, v + (size_t)n1 * tok, first);
     }
     kv_store_release_before(c, first);
-    if (kv_store_reserve_rows(c, n) != 0 || kv_windows_append(c, n, k, v, tok, first) != 0) return -1;
+    if (kv_store_reserve_rows(c, n) != 0 || kv_store_fetch(c, c->n_past, c->n_past + n) != 0 ||
+        kv_windows_append(c, n, k, v, tok, first) != 0)
+        return -1;
     for (int t = 0; t < n; t++) kv_store_write_row(c, c->n_past + t, k + (size_t)t * tok, v + (size_t)t * tok);
     c->n_past += n;
     st->last_first = first;
@@ -237,6 +258,10 @@ static int append_begin(struct kv_cache *c, int n, int32_t first, bool later_onl
     kv_store_release_before(c, first);
     if (kv_store_reserve_rows(c, n) != 0 || kv_windows_make_room(c, n, first, later_only, claimed, &ns, &nr) != 0)
         return -1;
+    for (int32_t p = c->n_past, end; p < c->n_past + n; p = end) { /* the device writes the rows */
+        end = (p / B + 1) * B < c->n_past + n ? (p / B + 1) * B : c->n_past + n;
+        kv_block_device_wrote(st->pool, kv_store_block(st, p), p % B, p % B + (end - p));
+    }
     if (kv_win_on(st)) { /* the rows are counted now, written by kv_cache_append_end */
         if (c->cfg.residual > 0) st->rec->n += nr;
         st->sink->n += ns;
@@ -270,7 +295,7 @@ void kv_cache_append_heads(struct kv_cache *c, int32_t p0, int n, const uint8_t 
     const bool win = kv_win_on(st);
     for (int t = 0; t < n; t++) {
         const int32_t p = p0 + t;
-        const struct kv_block *b = kv_store_block(st, p);
+        const struct kv_block *b = k ? kv_store_block(st, p) : NULL;
         for (int h = 0; h < nh && b; h++) {
             memcpy(kv_block_row(c, b, 0, h0 + h, p), k + ((size_t)t * nh + h) * st->kf.row, st->kf.row);
             memcpy(kv_block_row(c, b, 1, h0 + h, p), v + ((size_t)t * nh + h) * st->vf.row, st->vf.row);
@@ -457,7 +482,10 @@ int kv_store_read_rows(const struct kv_cache *c, int kv_head, int which, float *
     const int D = c->shape.head_dim;
     int32_t n = held_positions(c, NULL, 0);
     int32_t *ps = malloc(sizeof(int32_t) * (size_t)(n ? n : 1));
-    if (!ps) return 0;
+    if (!ps || kv_store_fetch(c, 0, c->n_past) != 0) {
+        free(ps);
+        return 0;
+    }
     held_positions(c, ps, n);
     int m = 0;
     for (int32_t i = 0; i < n && m < max; i++, m++) {

@@ -103,6 +103,9 @@ bool kv_held(const struct kv_cache *c, int32_t p);
 int kv_store_block_private(struct kv_cache *c, int32_t L);
 /* Makes room for n rows at n_past (new blocks, private copies of shared ones). */
 int kv_store_reserve_rows(struct kv_cache *c, int32_t n);
+/* Makes the host rows of the blocks holding positions [lo, hi) current, before the
+ * host reads or writes them (kv_pool.h: a device's rows may be newer). 0 or -1. */
+int kv_store_fetch(const struct kv_cache *c, int32_t lo, int32_t hi);
 void kv_store_write_row(struct kv_cache *c, int32_t p, const float *k, const float *v);
 void kv_store_release_before(struct kv_cache *c, int32_t first);
 void kv_store_drop_blocks(struct kv_cache *c);

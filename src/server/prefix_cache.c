@@ -389,6 +389,11 @@ static void persist(struct prefix_cache *pc, struct entry *e) {
         fprintf(stderr, "kvq serve: cannot persist a prefix-cache entry: out of memory\n");
         return;
     }
+    if (kvq_prefix_fetch(e->prefix) != 0) { /* the writer reads the rows: in host memory first */
+        free(j);
+        fprintf(stderr, "kvq serve: cannot persist a prefix-cache entry: %s\n", kvq_last_error());
+        return;
+    }
     *j = (struct write_job){NULL, e->prefix, e->tokens, e->n, file ? e->path : NULL, ns, JOB_QUEUED};
     e->written |= file;
     e->published |= ns != NULL;

@@ -227,6 +227,7 @@ static void cuda_free(struct backend *b) {
     free(cb->pending);
     free(cb->seq_enc);
     cudaFreeHost(cb->offs_h);
+    cudaFreeHost(cb->fetch_h);
     free(cb->copies);
     free(cb->uc);
     free(cb->uc_mirror);

@@ -1,7 +1,11 @@
 /* The device copy of the KV cache: blocks from arenas mirroring the host pool, each
  * cache's block table, f16 windows and offsets on the device, kept current before the
- * kernels that read them; appends encoded on the device and their rows read back to
- * the host's copy at sync. */
+ * kernels that read them; appends encoded on the device. On one GPU the device's block
+ * rows are the authoritative ones (the host fetches them when it reads them, kv_pool.h)
+ * and only window rows are read back at sync; under tensor parallelism every new row
+ * is read back to the host's copy. */
+#include <sys/mman.h>
+
 #include "backend/cuda/cuda_private.h"
 
 /* No pending appends (their early copies, if any, are left unread). */
@@ -56,30 +60,37 @@ static void mirror_keep(struct cuda_backend *cb, void *p, size_t bytes) {
 
 
 /* A new chunk of cap bytes at the head of the list; false with an error. */
-static bool arena_grow(struct arena **list, bool pinned, size_t cap) {
+static bool arena_grow(struct arena **list, enum arena_mem mem, size_t cap) {
     struct arena *n = calloc(1, sizeof *n);
     if (!n) return false;
-    /* portable: pinned for every GPU's copies (tensor parallelism reads it from all) */
-    cudaError_t st = pinned ? cudaHostAlloc((void **)&n->base, cap, cudaHostAllocPortable)
-                            : cudaMalloc((void **)&n->base, cap);
-    if (st != cudaSuccess) {
+    static const char *const what[] = {"device", "pinned host", "host"};
+    const char *why = NULL;
+    if (mem == ARENA_MAPPED) {
+        void *p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        n->base = p == MAP_FAILED ? NULL : p;
+        why = n->base ? NULL : "mmap failed";
+    } else {
+        /* portable: pinned for every GPU's copies (tensor parallelism reads it from all) */
+        cudaError_t st = mem == ARENA_PINNED ? cudaHostAlloc((void **)&n->base, cap, cudaHostAllocPortable)
+                                             : cudaMalloc((void **)&n->base, cap);
+        if (st != cudaSuccess) cudaGetLastError(), why = cudaGetErrorString(st);
+    }
+    if (why) {
         free(n);
-        cudaGetLastError();
-        kvq_error_code(KVQ_ERR_DEVICE, "CUDA: no %s memory for the KV cache (%s)", pinned ? "pinned host" : "device",
-                       cudaGetErrorString(st));
+        kvq_error_code(KVQ_ERR_DEVICE, "CUDA: no %s memory for the KV cache (%s)", what[mem], why);
         return false;
     }
     n->cap = cap;
-    n->pinned = pinned;
+    n->mem = mem;
     n->next = *list;
     *list = n;
     return true;
 }
 
 
-static void *arena_alloc(struct arena **list, bool pinned, size_t bytes) {
+static void *arena_alloc(struct arena **list, enum arena_mem mem, size_t bytes) {
     bytes = (bytes + 255) & ~(size_t)255;
-    if ((!*list || (*list)->used + bytes > (*list)->cap) && !arena_grow(list, pinned, bytes > ARENA_CHUNK ? bytes : ARENA_CHUNK))
+    if ((!*list || (*list)->used + bytes > (*list)->cap) && !arena_grow(list, mem, bytes > ARENA_CHUNK ? bytes : ARENA_CHUNK))
         return NULL;
     struct arena *a = *list;
     void *p = a->base + a->used;
@@ -91,7 +102,8 @@ static void *arena_alloc(struct arena **list, bool pinned, size_t bytes) {
 void arena_free(struct arena *a) {
     while (a) {
         struct arena *n = a->next;
-        if (a->pinned) cudaFreeHost(a->base);
+        if (a->mem == ARENA_MAPPED) munmap(a->base, a->cap);
+        else if (a->mem == ARENA_PINNED) cudaFreeHost(a->base);
         else cudaFree(a->base);
         free(a);
         a = n;
@@ -101,12 +113,59 @@ void arena_free(struct arena *a) {
 
 static void *host_block(void *ctx, size_t bytes) {
     struct cuda_backend *cb = ctx;
-    return arena_alloc(&cb->host_arena, true, bytes);
+    return arena_alloc(&cb->host_arena, ARENA_MAPPED, bytes);
 }
 
 static void *dev_block(void *ctx, size_t bytes) {
     struct cuda_backend *cb = ctx;
-    return arena_alloc(&cb->dev_arena, false, bytes);
+    return arena_alloc(&cb->dev_arena, ARENA_DEVICE, bytes);
+}
+
+
+/* The blocks' device rows into their host copies, after the work queued so far
+ * (kv_pool_mirror.fetch): the host reads or writes them next. Through pinned memory,
+ * in one wait (a copy into mapped memory waits for itself). */
+#define FETCH_BYTES ((size_t)8 << 20)
+
+static int fetch_blocks(void *ctx, struct kv_block *const *b, int n, size_t bytes) {
+    struct cuda_backend *cb = ctx;
+    record_stop(cb); /* the recorded work first */
+    const size_t want = bytes > FETCH_BYTES ? bytes : FETCH_BYTES;
+    if (cb->fetch_cap < want) {
+        cudaFreeHost(cb->fetch_h);
+        cb->fetch_h = NULL;
+        cb->fetch_cap = 0;
+        if (!ck(cb, cudaMallocHost((void **)&cb->fetch_h, want), "pinned memory for KV rows"))
+            return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
+        cb->fetch_cap = want;
+    }
+    const int per = (int)(cb->fetch_cap / bytes);
+    for (int i0 = 0; i0 < n && !cb->failed; i0 += per) {
+        const int m = n - i0 < per ? n - i0 : per;
+        for (int i = 0; i < m; i++)
+            ck(cb, cudaMemcpyAsync(cb->fetch_h + (size_t)i * bytes, b[i0 + i]->dev, bytes, cudaMemcpyDeviceToHost, cb->stream),
+               "reading KV rows");
+        if (!cb->failed && ck(cb, cudaStreamSynchronize(cb->stream), "reading KV rows"))
+            for (int i = 0; i < m; i++) memcpy(b[i0 + i]->data, cb->fetch_h + (size_t)i * bytes, bytes);
+    }
+    return cb->failed ? kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure) : 0;
+}
+
+
+/* The pages wholly inside a freed block's host copy, given back (kv_pool_mirror.host_idle):
+ * a block the host read once (a save) otherwise keeps them while the server runs. */
+static void host_block_idle(void *ctx, void *data, size_t bytes) {
+    (void)ctx;
+    const uintptr_t page = 4096, lo = ((uintptr_t)data + page - 1) & ~(page - 1),
+                    hi = ((uintptr_t)data + bytes) & ~(page - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+
+/* A shared block copied on write, on the device (kv_pool_mirror.copy). */
+static void copy_block(void *ctx, struct kv_block *dst, const struct kv_block *src, size_t bytes) {
+    struct cuda_backend *cb = ctx;
+    cuk_queue_copy(&cb->q, dst->dev, src->dev, bytes);
 }
 
 static size_t win_bytes(const struct cuda_mirror *m) {
@@ -129,12 +188,12 @@ static void mirror_free(void *ctx, void *mirror) {
 
 struct kv_pool *cuda_kv_pool_new(struct backend *b, size_t budget) {
     struct cuda_backend *cb = cuda(b);
-    struct kv_pool_mirror m = {cb, host_block, dev_block, mirror_free};
+    struct kv_pool_mirror m = {cb, host_block, dev_block, mirror_free, fetch_blocks, copy_block, host_block_idle};
     /* memory for the whole budget now, when it can be had: taken during decoding, a
-     * chunk (pinned host memory above all) stalls a step for tens of milliseconds */
+     * device chunk stalls a step for tens of milliseconds (the host's is only mapped) */
     const size_t have = cb->dev_arena ? cb->dev_arena->cap - cb->dev_arena->used : 0;
-    if (budget > have && budget <= ((size_t)1 << 40) && arena_grow(&cb->dev_arena, false, budget))
-        arena_grow(&cb->host_arena, true, budget); /* else grown on demand */
+    if (budget > have && budget <= ((size_t)1 << 40) && arena_grow(&cb->dev_arena, ARENA_DEVICE, budget))
+        arena_grow(&cb->host_arena, ARENA_MAPPED, budget); /* else grown on demand */
     return kv_pool_new_mirrored(budget, &m);
 }
 
@@ -144,7 +203,7 @@ struct kv_pool *cuda_kv_pool_new(struct backend *b, size_t budget) {
  * grow together or not at all. */
 static void *tp_host_block(void *ctx, size_t bytes) {
     struct tp_shared *tp = ctx;
-    return arena_alloc(&tp->rank[0]->host_arena, true, bytes);
+    return arena_alloc(&tp->rank[0]->host_arena, ARENA_PINNED, bytes);
 }
 
 static void pop_chunk(struct arena **list) {
@@ -161,7 +220,7 @@ static bool tp_grow(struct tp_shared *tp, size_t cap) {
     int r = 0;
     for (; r < tp->n; r++) {
         cudaSetDevice(tp->rank[r]->device);
-        if (!arena_grow(&tp->rank[r]->dev_arena, false, cap)) break;
+        if (!arena_grow(&tp->rank[r]->dev_arena, ARENA_DEVICE, cap)) break;
     }
     for (int q = 0; q < r && r < tp->n; q++) {
         cudaSetDevice(tp->rank[q]->device);
@@ -179,7 +238,7 @@ static void *tp_dev_block(void *ctx, size_t bytes) {
     if ((!a0 || a0->used + part > a0->cap) && !tp_grow(tp, part > ARENA_CHUNK ? part : ARENA_CHUNK)) return NULL;
     void *p0 = NULL;
     for (int r = 0; r < tp->n; r++) { /* room on each: no device call */
-        void *p = arena_alloc(&tp->rank[r]->dev_arena, false, part);
+        void *p = arena_alloc(&tp->rank[r]->dev_arena, ARENA_DEVICE, part);
         if (r == 0) p0 = p;
     }
     return p0;
@@ -200,10 +259,11 @@ static void tp_mirror_free(void *ctx, void *mirror) {
 }
 
 struct kv_pool *tp_kv_pool_new(struct tp_shared *tp, size_t budget) {
-    struct kv_pool_mirror m = {tp, tp_host_block, tp_dev_block, tp_mirror_free};
+    /* every rank's rows read back: its share of a block (no fetch) */
+    struct kv_pool_mirror m = {tp, tp_host_block, tp_dev_block, tp_mirror_free, NULL, NULL, NULL};
     /* the whole budget now where it can be had (cuda_kv_pool_new says why) */
     if (budget > 0 && budget <= ((size_t)1 << 40) && tp_grow(tp, budget / (size_t)tp->n))
-        arena_grow(&tp->rank[0]->host_arena, true, budget);
+        arena_grow(&tp->rank[0]->host_arena, ARENA_PINNED, budget);
     return kv_pool_new_mirrored(budget, &m);
 }
 
@@ -353,8 +413,10 @@ static void copy_block_rows(struct cuda_backend *cb, struct kv_pool *pool, struc
     const size_t bytes = kv_block_bytes(pool, b), part = bytes / (size_t)n, at = part * (size_t)(cb->tp ? cb->rank : 0);
     uint8_t *dev = block_dev(cb, b);
     if (!rows || 2 * (hi - lo) >= KV_BLOCK_TOKENS || bytes != (size_t)n * n_kv * v->head_bytes) {
-        /* most of the block (or a block of another layout): all of it, straight from pinned memory */
-        cuk_queue_copy(&cb->q, dev, b->data + at, part);
+        /* most of the block (or a block of another layout): all of it, straight from the
+         * host's copy, but staged where a graph records it (mapped host memory is not pinned) */
+        if (cb->q.recording && kv_pool_device_rows(pool)) copy_to(cb, dev, b->data + at, part);
+        else cuk_queue_copy(&cb->q, dev, b->data + at, part);
         return;
     }
     for (int h = 0; h < n_kv; h++) {
@@ -503,21 +565,22 @@ _Static_assert(sizeof(struct cuk_qk_rope) == 7 * sizeof(void *) + 6 * 4 &&
 
 /* The staged plan of a cache whose offsets the device chooses in this pass (T: their
  * point): its item, and a row descriptor for each position before the pass's end from
- * `rows` on (`first`: the first's index among its format's). The pass's own rows, from
- * pa->p0 (its tokens from t0), go to their read-back rows; the earlier ones' host
- * copies come from the device's blocks at sync (take_offsets). */
+ * `rows` on (`first`: the first's index among its format's). Where rows are read back,
+ * the pass's own rows, from pa->p0 (its tokens from t0), go to their read-back rows;
+ * the earlier ones' host copies come from the device's blocks at sync (take_offsets). */
 static void offsets_plan(struct cuda_backend *cb, const struct pending_append *pa, const struct kv_view *v, int H,
                          struct cuda_mirror *m, int t0, struct cuk_offs_item *item, struct cuk_enc_tok *rows,
                          int first) {
     const int32_t p0 = pa->p0;
+    const bool back = !kv_pool_device_rows(kv_cache_pool(pa->cache)); /* the pass's own rows read back */
     assert(m && m->ring_cap >= p0 + pa->n); /* the ring holds every position of the pass and before */
     *item = (struct cuk_offs_item){.ring = (uint64_t)(uintptr_t)m->win, .mu = (uint64_t)(uintptr_t)m->mu,
                                    .ring_cap = m->ring_cap, .T = pa->offs_T, .first = first};
     for (int32_t p = 0; p < p0 + pa->n; p++) {
-        const bool own = p >= p0;
+        const bool own = p >= p0 && back;
         const struct kv_block *b = v->blk[kv_view_entry(v, p)]; /* (released: a rotating window's) */
         rows[p] = (struct cuk_enc_tok){
-            .t = own ? t0 + (p - p0) : 0, .p = p, .block = b ? (uint64_t)(uintptr_t)block_dev(cb, b) : 0,
+            .t = p >= p0 ? t0 + (p - p0) : 0, .p = p, .block = b ? (uint64_t)(uintptr_t)block_dev(cb, b) : 0,
             .rb_k = own ? (uint32_t)(pa->k + (size_t)(p - p0) * H * v->k_row) : CUK_NO_ROW,
             .rb_v = own ? (uint32_t)(pa->v + (size_t)(p - p0) * H * v->v_row) : CUK_NO_ROW};
     }
@@ -613,9 +676,11 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                 struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, p0) : NULL;
                 if (v.windows && !m) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
                 struct cuda_mirror *tm = m ? m : mirror_of(cb, c);
-                /* window rows read back: those the host's windows keep (from w0 on) */
+                /* window rows read back: those the host's windows keep (from w0 on); block
+                 * rows where the host keeps them current */
                 const int32_t w0 = v.windows ? kv_cache_window_rows_from(c, p0) : p0 + seqs[s].n;
-                const size_t n = (size_t)seqs[s].n, kb = n * H * v.k_row, vb = n * H * v.v_row,
+                const bool back = !kv_pool_device_rows(kv_cache_pool(c));
+                const size_t n = (size_t)seqs[s].n, kb = back ? n * H * v.k_row : 0, vb = back ? n * H * v.v_row : 0,
                              wb = (size_t)(p0 + seqs[s].n - w0) * H * v.win_row;
                 size_t rb = readback_alloc(cb, kb + vb + 2 * wb);
                 if (rb == (size_t)-1) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
@@ -634,8 +699,8 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                         .sink = m ? (uint64_t)(uintptr_t)(m->win + 2 * (size_t)H * m->ring_cap * m->win_row) : 0,
                         .ring_cap = m ? m->ring_cap : 1, .sink_cap = m ? m->sink_cap : 1, .sinks = v.sinks,
                         .mu = m && m->has_mu ? (uint64_t)(uintptr_t)m->mu : 0,
-                        .rb_k = (uint32_t)(rb + (size_t)i * H * v.k_row),
-                        .rb_v = (uint32_t)(rb + kb + (size_t)i * H * v.v_row),
+                        .rb_k = back ? (uint32_t)(rb + (size_t)i * H * v.k_row) : CUK_NO_ROW,
+                        .rb_v = back ? (uint32_t)(rb + kb + (size_t)i * H * v.v_row) : CUK_NO_ROW,
                         .rb_wk = p < w0 ? CUK_NO_ROW : (uint32_t)(rb + kb + vb + wr),
                         .rb_wv = p < w0 ? CUK_NO_ROW : (uint32_t)(rb + kb + vb + wb + wr),
                     };
@@ -740,8 +805,9 @@ static void rows_task(void *arg, int ith, int nth) {
         const uint8_t *h = cb->rb_h;
         int h0;
         const int nh = rank_heads(cb, kv_cache_get_shape(pa->cache)->n_kv_heads, &h0);
-        kv_cache_append_heads(pa->cache, pa->p0, pa->n, h + pa->k, h + pa->v, pa->windows ? h + pa->wk : NULL,
-                              pa->windows ? h + pa->wv : NULL, pa->w0, h0, nh);
+        const bool back = !kv_pool_device_rows(kv_cache_pool(pa->cache));
+        kv_cache_append_heads(pa->cache, pa->p0, pa->n, back ? h + pa->k : NULL, back ? h + pa->v : NULL,
+                              pa->windows ? h + pa->wk : NULL, pa->windows ? h + pa->wv : NULL, pa->w0, h0, nh);
     }
 }
 
@@ -808,7 +874,9 @@ static int take_offsets(struct cuda_backend *cb) {
         if (pa->offs_T <= 0) continue;
         struct kv_view v;
         kv_cache_view(pa->cache, &v);
-        for (int32_t L = 0; L * KV_BLOCK_TOKENS < pa->p0; L++) {
+        /* the host's copies of the rows before the pass, encoded again (where the device's
+         * rows are authoritative, kv_cache_offsets_given marks them stale instead) */
+        for (int32_t L = 0; L * KV_BLOCK_TOKENS < pa->p0 && !kv_pool_device_rows(kv_cache_pool(pa->cache)); L++) {
             struct kv_block *b = v.blk[kv_view_entry(&v, L * KV_BLOCK_TOKENS)];
             if (b)
                 ck(cb, cudaMemcpyAsync(b->data, block_dev(cb, b), kv_block_bytes(kv_cache_pool(pa->cache), b),

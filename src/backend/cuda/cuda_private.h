@@ -39,10 +39,15 @@ struct dev_entry {
 
 /* Memory that lives as long as the backend: KV blocks on the host (pinned) and on
  * the device. */
+/* Where an arena's memory lives: device memory, pinned host memory, or host memory
+ * mapped but not taken until written (a single GPU's KV blocks: their host copies
+ * take pages only for the rows the host reads or writes, kv_pool.h). */
+enum arena_mem { ARENA_DEVICE, ARENA_PINNED, ARENA_MAPPED };
+
 struct arena {
     uint8_t *base;
     size_t used, cap;
-    bool pinned;
+    enum arena_mem mem;
     struct arena *next;
 };
 
@@ -218,6 +223,8 @@ struct cuda_backend {
     /* tensor parallelism: the device, and this backend's rank among tp->n (tp: NULL alone) */
     int device, rank;
     struct tp_shared *tp;
+    uint8_t *fetch_h; /* pinned: KV blocks' device rows on their way to the host's copies (fetch_blocks) */
+    size_t fetch_cap;
     float *offs_h; /* pinned: the offsets the device chose in a step, on their way to the host's caches */
     size_t offs_h_floats;
 };

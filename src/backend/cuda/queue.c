@@ -77,7 +77,7 @@ static void launch(struct cuk_queue *q, cudaStream_t stream, const void *func, d
 
 static void issue_one(struct cuk_queue *q, const struct cuk_rec_entry *e, const uint32_t *offs, uint8_t *blob) {
     if (!e->func) {
-        fail(q, cudaMemcpyAsync(e->dst, e->src, e->bytes, cudaMemcpyHostToDevice, q->stream));
+        fail(q, cudaMemcpyAsync(e->dst, e->src, e->bytes, cudaMemcpyDefault, q->stream));
         return;
     }
     void *args[64];
@@ -206,7 +206,7 @@ void cuk_queue_last_to_front(struct cuk_queue *q) {
 void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
     if (!q->recording) {
-        fail(q, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, q->stream));
+        fail(q, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, q->stream));
         return;
     }
     struct cuk_rec_entry *e = new_entry(q);

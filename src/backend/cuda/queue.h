@@ -82,8 +82,9 @@ void cuk_queue_launch_side_next(struct cuk_queue *q);
  * launch in the stream a plain one, so that every launch of the record starts after
  * it has finished: for work whose results the whole record reads. */
 void cuk_queue_last_to_front(struct cuk_queue *q);
-/* A copy from pinned host memory to the device; the host bytes are read when the
- * copy runs, so they must stay as they are until then. */
+/* A copy to the device from pinned host memory or device memory (recorded ones: from
+ * host memory, the bytes are read when the copy runs, so they must stay as they are
+ * until then; not recorded, from any host memory). */
 void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes);
 /* Issues the record (in order: a replayed graph, a newly captured one, or launch by
  * launch) and empties it; recording stays as it is. */
