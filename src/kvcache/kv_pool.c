@@ -59,17 +59,18 @@ struct kv_pool *kv_pool_new_mirrored(size_t budget, const struct kv_pool_mirror 
 
 const struct kv_pool_mirror *kv_pool_get_mirror(const struct kv_pool *p) { return p->mirrored ? &p->mirror : NULL; }
 
+/* [*lo, *hi) widened to take in [a, b) (an empty one becomes it). */
+static void widen(int32_t *lo, int32_t *hi, int32_t a, int32_t b) {
+    const bool empty = *lo == *hi;
+    if (empty || a < *lo) *lo = a;
+    if (empty || b > *hi) *hi = b;
+}
+
 void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t hi) {
     if (!p->mirrored) return;
     assert(b->stale_lo == b->stale_hi); /* the host writes rows only once they are current */
     if (kv_pool_device_rows(p)) b->host_used = true;
-    if (b->dirty_lo == b->dirty_hi) {
-        b->dirty_lo = lo;
-        b->dirty_hi = hi;
-    } else {
-        if (lo < b->dirty_lo) b->dirty_lo = lo;
-        if (hi > b->dirty_hi) b->dirty_hi = hi;
-    }
+    widen(&b->dirty_lo, &b->dirty_hi, lo, hi);
     if (b->listed) return;
     if (p->n_dirty == p->cap_dirty) { /* grows with the blocks in use, then stays */
         int cap = p->cap_dirty ? 2 * p->cap_dirty : 256;
@@ -89,14 +90,7 @@ void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t h
 bool kv_pool_device_rows(const struct kv_pool *p) { return p->mirrored && p->mirror.fetch; }
 
 void kv_block_device_wrote(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t hi) {
-    if (!kv_pool_device_rows(p) || !b || lo >= hi) return;
-    if (b->stale_lo == b->stale_hi) {
-        b->stale_lo = lo;
-        b->stale_hi = hi;
-    } else {
-        if (lo < b->stale_lo) b->stale_lo = lo;
-        if (hi > b->stale_hi) b->stale_hi = hi;
-    }
+    if (kv_pool_device_rows(p) && b && lo < hi) widen(&b->stale_lo, &b->stale_hi, lo, hi);
 }
 
 int kv_blocks_fetch(struct kv_pool *p, struct kv_block *const *b, int n) {
