@@ -303,6 +303,9 @@ void kvq_seq_extra_free(struct kvq_seq_extra *e);
 int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_token *tokens, int n_tokens,
                     const float *logits);
 struct kvq_prefix *kvq_prefix_load(struct kvq_context *c, const char *path, struct kvq_seq_extra *extra);
+/* kvq_prefix_save's bytes in memory (*data malloc'd, *len bytes), no logits: what
+ * kvq_prefix_decode reads back. 0, or -1 with an error. */
+int kvq_prefix_encode(const struct kvq_prefix *p, const kvq_token *tokens, int n_tokens, void **data, size_t *len);
 /* kvq_prefix_load of a file's bytes in memory, with every check it makes (name stands
  * for the path in its errors). */
 struct kvq_prefix *kvq_prefix_decode(struct kvq_context *c, const void *data, size_t len, const char *name,

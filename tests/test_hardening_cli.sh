@@ -102,6 +102,8 @@ expect_error "--prefix-cache-dir naming a file" "is not a folder" -- timeout 20 
   --prefix-cache-dir "$tmp/afile"
 expect_error "--prefix-cache-dir under a file" "cannot create" -- timeout 20 "$kvq" serve -m "$model" --port 0 \
   --prefix-cache-dir "$tmp/afile/sub"
+expect_error "--prefix-cache-host-mb without the prefix cache" "needs the prefix cache" -- timeout 20 "$kvq" serve \
+  -m "$model" --port 0 --prefix-cache-mb 0 --prefix-cache-host-mb 64
 "$kvq" serve -m "$model" --host 127.0.0.1 --port 0 --prefix-cache-dir "$tmp/new/cache" >/dev/null 2>"$tmp/serve.err" &
 pid=$!
 for _ in $(seq 100); do grep -q "listening on" "$tmp/serve.err" && break; sleep 0.1; done

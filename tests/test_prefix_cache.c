@@ -2,8 +2,9 @@
  * among the entries (token by token: a prompt that diverges mid-entry gets only the
  * shared part, and the logits after it equal a fresh prefill); namespaces keep
  * entries apart; longer entries replace the prefixes they cover; the byte budget
- * evicts the least recently used; a folder round trip reloads entries and skips
- * a corrupt file; every block goes back once the cache is freed. */
+ * evicts the least recently used (to host memory, where there is a host budget, and
+ * back on a hit); a folder round trip reloads entries and skips a corrupt file; every
+ * block goes back once the cache is freed. */
 #include <dirent.h>
 #include <math.h>
 #include <stdio.h>
@@ -147,6 +148,39 @@ int main(void) {
     free(fresh);
     prefix_cache_free(pc);
     CHECK(kvq_kv_blocks(c) == 0, "blocks back after free: %lld", (long long)kvq_kv_blocks(c));
+
+    /* with a host budget the evicted entry moves to host memory, and a fetch that it
+     * covers further than the entries in the KV budget attaches it from there, giving a
+     * fresh prefill's logits; where the host budget is too small, nothing is kept */
+    for (int room = 0; room < 2; room++) {
+        pp = (struct prefix_cache_params){.kv = &cp.kv, .budget = one + one / 2, .host_budget = room ? 64 << 20 : 4096};
+        pc = prefix_cache_new(c, model, &pp);
+        prefill(c, 0, a, N);
+        prefix_cache_store(pc, 0, NULL, a, N, true, 0);
+        kvq_seq_clear(c, 0);
+        prefill(c, 0, b, N);
+        prefix_cache_store(pc, 0, NULL, b, N, true, 0);
+        kvq_seq_clear(c, 0);
+        got = prefix_cache_fetch(pc, 1, NULL, a, N - 1);
+        struct prefix_cache_stats hs;
+        prefix_cache_stats(pc, &hs);
+        CHECK(got == (room ? N - 1 : 200) && hs.host_stores == 2 * room && hs.host_hits == room, /* a out, then b for a */
+              "host budget %zu: fetch took %d tokens (%d stored, %d hits)", pp.host_budget, got, hs.host_stores, hs.host_hits);
+        hit = finish(c, 1, a, got, N);
+        kvq_seq_clear(c, 1);
+        fresh = finish(c, 1, a, 0, N);
+        kvq_seq_clear(c, 1);
+        d = 0;
+        for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - fresh[i]));
+        CHECK(d == 0, "logits after a host-memory hit equal a fresh prefill (max diff %g)", d);
+        free(hit);
+        free(fresh);
+        /* b went to host memory for a's room, and comes back in turn */
+        CHECK(!room || prefix_cache_fetch(pc, 1, NULL, b, N - 1) == N - 1, "the other entry comes back too");
+        kvq_seq_clear(c, 1);
+        prefix_cache_free(pc);
+        CHECK(kvq_kv_blocks(c) == 0, "blocks back after free: %lld", (long long)kvq_kv_blocks(c));
+    }
     char cmd0[128];
 
     /* entries of >= 256 tokens stored in 8 bits (live: f16): a copy of about half the

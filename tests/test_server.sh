@@ -3,8 +3,8 @@
 # completions, streaming, usage); curl for bad requests (each a 4xx in OpenAI's
 # error shape while the server keeps serving); 8 concurrent greedy requests with
 # --kv-bits 8,4 equal to the same requests one at a time; a prefix-cache hit
-# (cached_tokens > 0, same text as with the cache off) and a hit from disk after a
-# restart; 256 streams at once (mixed lengths, an eighth dropped; K8V4, and f16 with
+# (cached_tokens > 0, same text as with the cache off), a hit from disk after a
+# restart and one from host memory after an eviction; 256 streams at once (mixed lengths, an eighth dropped; K8V4, and f16 with
 # prefix-cache hits) each equal to its request alone; 32 streams of which a third
 # disconnect, with KV blocks back to zero and RSS back near its baseline.
 set -u
@@ -257,6 +257,24 @@ client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "
 stop_server
 [ "$(jq .cached "$tmp/q8disk.json")" -gt 1000 ] 2>/dev/null && ok "8-bit entry hits from disk after a restart" ||
   bad "no 8-bit hit from disk: $(cat "$tmp/q8disk.json")"
+
+# ---- prefix cache: entries evicted to host memory come back from there on a hit ----
+# A budget for one entry of the live format: a second prefix evicts the first to host
+# memory (--prefix-cache-host-mb), and asking for the first again attaches it from
+# there, with the text the cache-less server gave.
+tail -c 4000 "$text" | tr -s ' \n' ' ' >"$tmp/prefix2.txt"
+mb=$(awk -v b="$bytes16" 'BEGIN { printf "%d", b * 1.5 / 1048576 + 1 }')
+start_server host --prefix-cache-mb "$mb" --prefix-cache-host-mb 64 --prefix-cache-bits 16
+client prefix "$tmp/prefix.txt" "Which play did he star in?" >/dev/null
+client prefix "$tmp/prefix2.txt" "Who is Robert Boulter?" >/dev/null
+client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/host.json"
+stop_server
+grep -q "cache_host_store tokens=" "$tmp/host.log" && ok "an evicted entry moved to host memory" ||
+  bad "no cache_host_store line ($mb MiB budget)"
+grep -q "cache_host_hit tokens=" "$tmp/host.log" && [ "$(jq .cached "$tmp/host.json")" -gt 1000 ] 2>/dev/null &&
+  ok "hit from host memory ($(jq .cached "$tmp/host.json") tokens)" || bad "no hit from host memory: $(cat "$tmp/host.json")"
+[ "$(jq .text "$tmp/host.json")" = "$(jq .text "$tmp/ref.json")" ] && ok "same text from the host-memory entry" ||
+  bad "host-memory entry changed the text: $(jq .text "$tmp/host.json") vs $(jq .text "$tmp/ref.json")"
 
 # ---- disconnects, and memory after them -------------------------------------------
 # RSS (VmRSS, KiB) is read after a warm-up request, after a first burst of 32 streams

@@ -39,6 +39,8 @@ static const char *const serve_help =
     "  -ctk, --cache-type-k T     llama.cpp's spelling of key bits: f16, f32, q8_0, q6_K, q5_0,\n"
     "  -ctv, --cache-type-v T     q5_1, q4_0, q4_1 (or a number of bits)\n"
     "  --prefix-cache-mb N        prefix cache size (default 256; 0: off)\n"
+    "  --prefix-cache-host-mb N   entries evicted from the KV budget move to N MiB of host\n"
+    "                             memory and come back from there on a hit (default 0: off)\n"
     "  --prefix-cache-dir DIR     keep prefix-cache entries in DIR and reload them at start\n"
     "  --prefix-cache-bits B      bits of cached entries (default 8; 16: the live format): a side\n"
     "                             cached with more bits than this is re-encoded on store and\n"
@@ -78,7 +80,7 @@ static const char *const serve_help =
 
 struct serve_opts {
     const char *model, *host, *api_key, *chat_template, *alias, *cache_dir, *remote, *remote_auth;
-    int port, cache_mb, cache_bits, cache_min_tokens, remote_ttl, max_body_mb, ping;
+    int port, cache_mb, cache_host_mb, cache_bits, cache_min_tokens, remote_ttl, max_body_mb, ping;
     bool strict_api, embeddings;
     enum kvq_pooling pooling;
     int timeout, max_conns, max_conns_per_ip, shutdown_timeout;
@@ -149,6 +151,7 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
         CLI_FN(cache_type_bits, &o->cp.kv.k_bits, "-ctk", "--cache-type-k"),
         CLI_FN(cache_type_bits, &o->cp.kv.v_bits, "-ctv", "--cache-type-v"),
         CLI_INT(&o->cache_mb, 0, 1 << 24, "--prefix-cache-mb"),
+        CLI_INT(&o->cache_host_mb, 0, 1 << 24, "--prefix-cache-host-mb"),
         CLI_FN(cache_type_bits, &o->cache_bits, "--prefix-cache-bits"),
         CLI_INT(&o->cache_min_tokens, 0, INT_MAX, "--prefix-cache-min-tokens"),
         CLI_INT(&o->sp.max_queue, 0, 1 << 20, "--max-queue"),
@@ -166,6 +169,8 @@ static int parse_args(int argc, char **argv, struct serve_opts *o) {
     if (!o->model) return cli_fail("serve needs a model: -m FILE");
     if (o->api_key && !*o->api_key) return cli_fail("--api-key must not be empty");
     if (o->remote && o->cache_mb == 0) return cli_fail("--prefix-cache-remote needs the prefix cache (--prefix-cache-mb > 0)");
+    if (o->cache_host_mb > 0 && o->cache_mb == 0)
+        return cli_fail("--prefix-cache-host-mb needs the prefix cache (--prefix-cache-mb > 0)");
     if (!cli_kv_config_check(&o->cp.kv)) return 1;
     /* a GPU's products run near their best from ~2,000 tokens a pass; a CPU's step
      * time grows with its tokens, so it keeps steps short for the running streams */
@@ -375,7 +380,8 @@ int cmd_serve(int argc, char **argv) {
         }
         store_kv.n_layer_bits = kept;
         struct prefix_cache_params pp = {.kv = &o.cp.kv, .store_kv = &store_kv, .min_tokens = o.cache_min_tokens,
-                                         .budget = cache_bytes, .dir = o.cache_dir, .remote = remote};
+                                         .budget = cache_bytes, .host_budget = (size_t)o.cache_host_mb << 20,
+                                         .dir = o.cache_dir, .remote = remote};
         if (!kvq_kv_same_format(&store_kv, &o.cp.kv)) {
             /* two lines: cli_kv_config_name returns one static buffer */
             fprintf(stderr, "kvq serve: prefix cache: entries of %d tokens or more are stored as %s", o.cache_min_tokens,

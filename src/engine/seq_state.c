@@ -145,6 +145,18 @@ int kvq_prefix_save(const struct kvq_prefix *p, const char *path, const kvq_toke
                        logits);
 }
 
+int kvq_prefix_encode(const struct kvq_prefix *p, const kvq_token *tokens, int n_tokens, void **data, size_t *len) {
+    struct kv_buf b = {0};
+    if (encode_caches(engine_prefix_context(p), engine_prefix_kv(p), engine_prefix_caches(p), tokens, n_tokens, NULL,
+                      &b) != 0) {
+        free(b.data);
+        return -1;
+    }
+    *data = b.data;
+    *len = b.len;
+    return 0;
+}
+
 void kvq_prefix_kv_config(const struct kvq_prefix *p, struct kvq_kv_config *kv) { *kv = *engine_prefix_kv(p); }
 
 uint64_t kvq_model_fingerprint(const struct kvq_model *m) { return engine_fingerprint(engine_model_data(m)); }

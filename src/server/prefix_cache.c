@@ -42,6 +42,16 @@ struct entry {
     struct write_job *job; /* its write, or NULL */
 };
 
+/* An entry evicted to host memory: its file's bytes (kvq_prefix_encode). */
+struct host_entry {
+    uint64_t ns;
+    kvq_token *tokens;
+    int n;
+    void *data;
+    size_t len;
+    uint64_t used; /* LRU clock, the entries' */
+};
+
 struct prefix_cache {
     struct kvq_context *c;
     const struct kvq_model *m;
@@ -55,6 +65,9 @@ struct prefix_cache {
     struct entry *e;
     int n, cap;
     uint64_t clock;
+    struct host_entry *h; /* evicted entries in host memory, host_bytes of host_budget */
+    int hn, hcap;
+    size_t host_budget, host_bytes;
     /* the writer thread and its queue (under mu; cv: a job queued, a job done, stop) */
     pthread_t writer;
     bool writer_on, stopping;
@@ -128,6 +141,16 @@ static void drop(struct prefix_cache *pc, int i, bool unlink_file) {
     pc->e[i] = pc->e[--pc->n];
 }
 
+/* Room for one more host entry; false when memory is out. */
+static bool grow_host(struct prefix_cache *pc) {
+    int cap = pc->hcap ? pc->hcap * 2 : 16;
+    struct host_entry *v = realloc(pc->h, sizeof *v * (size_t)cap);
+    if (!v) return false;
+    pc->h = v;
+    pc->hcap = cap;
+    return true;
+}
+
 static int lru(const struct prefix_cache *pc) {
     int best = -1;
     for (int i = 0; i < pc->n; i++)
@@ -135,10 +158,46 @@ static int lru(const struct prefix_cache *pc) {
     return best;
 }
 
+static void host_drop(struct prefix_cache *pc, int k) {
+    free(pc->h[k].tokens);
+    free(pc->h[k].data);
+    pc->host_bytes -= pc->h[k].len;
+    pc->h[k] = pc->h[--pc->hn];
+}
+
+/* Entry i's bytes into host memory (its tokens taken), evicting older ones there to
+ * make room; nothing where it does not fit or cannot be encoded. */
+static void to_host(struct prefix_cache *pc, int i) {
+    struct entry *e = &pc->e[i];
+    void *data = NULL;
+    size_t len = 0;
+    double t0 = now_ms();
+    if (kvq_prefix_encode(e->prefix, e->tokens, e->n, &data, &len) != 0) {
+        fprintf(stderr, "kvq serve: cannot keep a prefix-cache entry in host memory: %s\n", kvq_last_error());
+        return;
+    }
+    if (len > pc->host_budget || (pc->hn == pc->hcap && !grow_host(pc))) {
+        free(data);
+        return;
+    }
+    while (pc->host_bytes + len > pc->host_budget) {
+        int old = 0;
+        for (int k = 1; k < pc->hn; k++) old = pc->h[k].used < pc->h[old].used ? k : old;
+        host_drop(pc, old);
+    }
+    pc->h[pc->hn++] = (struct host_entry){e->ns, e->tokens, e->n, data, len, e->used};
+    pc->host_bytes += len;
+    e->tokens = NULL; /* the host entry's now (drop frees NULL) */
+    pc->st.host_stores++;
+    fprintf(stderr, "kvq serve: cache_host_store tokens=%d bytes=%zu ms=%.2f\n", pc->h[pc->hn - 1].n, len,
+            now_ms() - t0);
+}
+
 bool prefix_cache_evict_one(struct prefix_cache *pc) {
     int i = pc ? lru(pc) : -1;
     if (i < 0) return false;
     fprintf(stderr, "kvq serve: cache_evict tokens=%d bytes=%zu\n", pc->e[i].n, pc->e[i].bytes);
+    if (pc->host_budget > 0) to_host(pc, i);
     drop(pc, i, true);
     return true;
 }
@@ -274,8 +333,54 @@ static int fetch_remote(struct prefix_cache *pc, int seq, const char *ns, const 
     return len;
 }
 
+/* Host entry k back among the entries (decoded into KV blocks; it leaves host memory):
+ * the entry's index, or -1 (then dropped). */
+static int from_host(struct prefix_cache *pc, int k) {
+    struct host_entry x = pc->h[k];
+    double t0 = now_ms();
+    struct kvq_kv_config kv;
+    struct kvq_prefix *p = kvq_prefix_decode(pc->c, x.data, x.len, "a prefix-cache entry in host memory", NULL);
+    pc->h[k].tokens = NULL; /* the entry's from here, or freed below */
+    host_drop(pc, k);
+    if (!p) {
+        fprintf(stderr, "kvq serve: cannot attach a prefix-cache entry from host memory: %s\n", kvq_last_error());
+        free(x.tokens);
+        return -1;
+    }
+    kvq_prefix_kv_config(p, &kv);
+    const bool converted = !kvq_kv_same_format(&kv, &pc->kv);
+    struct entry e = {.ns = x.ns, .tokens = x.tokens, .n = x.n, .bytes = entry_bytes(pc, x.n, converted ? &kv : &pc->kv),
+                      .prefix = p, .converted = converted};
+    const int i = add(pc, e);
+    if (i < 0) {
+        kvq_prefix_free(p);
+        free(x.tokens);
+        return -1;
+    }
+    pc->st.host_hits++;
+    fprintf(stderr, "kvq serve: cache_host_hit tokens=%d ms=%.2f\n", x.n, now_ms() - t0);
+    return i;
+}
+
+/* The host entry of namespace h sharing the longest prefix with toks (-1: none), and its length. */
+static int host_match(const struct prefix_cache *pc, uint64_t h, const kvq_token *toks, int max_use, int *len) {
+    int best = -1;
+    *len = 0;
+    for (int k = 0; k < pc->hn; k++) {
+        int l = pc->h[k].ns == h ? common_prefix(pc->h[k].tokens, pc->h[k].n, toks, max_use) : 0;
+        if (l > *len) best = k, *len = l;
+    }
+    return best;
+}
+
 int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const kvq_token *toks, int max_use) {
-    int best_len, best = best_match(pc, ns_hash(ns), toks, max_use, &best_len);
+    int best_len, best = best_match(pc, ns_hash(ns), toks, max_use, &best_len), host_len;
+    /* a longer match in host memory by a block at least (what attaching it saves) */
+    const int k = host_match(pc, ns_hash(ns), toks, max_use, &host_len);
+    if (k >= 0 && host_len >= best_len + KVQ_BLOCK_TOKENS) {
+        const int i = from_host(pc, k);
+        if (i >= 0) best = best_match(pc, ns_hash(ns), toks, max_use, &best_len); /* add may have moved entries */
+    }
     int got = best >= 0 ? attach_local(pc, seq, best, best_len) : 0;
     if (pc->remote) {
         int len = fetch_remote(pc, seq, ns, toks, max_use, got);
@@ -593,6 +698,7 @@ struct prefix_cache *prefix_cache_new(struct kvq_context *c, const struct kvq_mo
     pc->c = c;
     pc->m = m;
     pc->budget = p->budget;
+    pc->host_budget = p->host_budget;
     pc->kv = *p->kv;
     pc->store_kv = p->store_kv ? *p->store_kv : *p->kv;
     pc->convert = !kvq_kv_same_format(&pc->store_kv, &pc->kv);
@@ -635,6 +741,8 @@ void prefix_cache_free(struct prefix_cache *pc) {
         pthread_join(pc->writer, NULL);
     }
     while (pc->n) drop(pc, pc->n - 1, false);
+    while (pc->hn) host_drop(pc, pc->hn - 1);
+    free(pc->h);
     pthread_mutex_destroy(&pc->mu);
     pthread_cond_destroy(&pc->cv);
     free(pc->e);

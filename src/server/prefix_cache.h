@@ -3,8 +3,10 @@
  * longest cached prefix of its prompt and prefills only the rest. Entries of at
  * least min_tokens are stored in a smaller format when one is given (re-encoded on
  * store, converted back on attach; see prefix_cache_store for which); shorter ones
- * share the sequence's blocks, no copy. A byte budget with LRU eviction; optionally persisted to a folder by a
- * writer thread (so disk writes never stall the scheduler) and reloaded at start.
+ * share the sequence's blocks, no copy. A byte budget with LRU eviction; optionally a
+ * second budget of host memory that evicted entries move to (as their files' bytes: on
+ * a GPU, out of GPU memory), attached again from there on a hit; optionally persisted to
+ * a folder by a writer thread (so disk writes never stall the scheduler) and reloaded at start.
  * Called from the scheduler thread only. */
 #ifndef KVQ_SERVER_PREFIX_CACHE_H
 #define KVQ_SERVER_PREFIX_CACHE_H
@@ -21,6 +23,7 @@ struct prefix_cache_params {
     const struct kvq_kv_config *store_kv; /* the format of long entries; NULL: the live one */
     int min_tokens;                       /* entries shorter than this stay in the live format */
     size_t budget;                        /* bytes of entries (estimated from their token counts) */
+    size_t host_budget;                   /* bytes of evicted entries kept in host memory (0: none) */
     const char *dir; /* NULL, or a folder to persist entries in (its valid entries are loaded now, newest first) */
     struct prefix_remote *remote; /* NULL, or a store shared with other replicas (prefix_remote.h; not owned):
                                    * asked for the blocks past what the local entries give a request, and
@@ -54,13 +57,14 @@ void prefix_cache_store(struct prefix_cache *pc, int seq, const char *ns, const 
  * s for 272 tokens of a Llama-3-8B on the H100 machine), and what a store does before
  * it evicts anything. False when none waits. */
 bool prefix_cache_convert_one(struct prefix_cache *pc);
-/* Drops the least recently used entry (to give KV memory back); false when empty. */
+/* Drops the least recently used entry (to give KV memory back; to host memory where
+ * there is a host budget); false when empty. */
 bool prefix_cache_evict_one(struct prefix_cache *pc);
 void prefix_cache_usage(const struct prefix_cache *pc, int *entries, size_t *bytes);
 
 /* Conversion and disk-write timings, for the log and tests. */
 struct prefix_cache_stats {
-    int converted_stores, converted_fetches, writes;
+    int converted_stores, converted_fetches, writes, host_stores, host_hits;
     double store_ms, fetch_ms, write_ms; /* summed */
     long converted_tokens_stored, converted_tokens_fetched;
 };
