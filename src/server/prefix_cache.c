@@ -377,10 +377,8 @@ int prefix_cache_fetch(struct prefix_cache *pc, int seq, const char *ns, const k
     int best_len, best = best_match(pc, ns_hash(ns), toks, max_use, &best_len), host_len;
     /* a longer match in host memory by a block at least (what attaching it saves) */
     const int k = host_match(pc, ns_hash(ns), toks, max_use, &host_len);
-    if (k >= 0 && host_len >= best_len + KVQ_BLOCK_TOKENS) {
-        const int i = from_host(pc, k);
-        if (i >= 0) best = best_match(pc, ns_hash(ns), toks, max_use, &best_len); /* add may have moved entries */
-    }
+    if (k >= 0 && host_len >= best_len + KVQ_BLOCK_TOKENS && from_host(pc, k) >= 0)
+        best = best_match(pc, ns_hash(ns), toks, max_use, &best_len); /* its add may have moved entries */
     int got = best >= 0 ? attach_local(pc, seq, best, best_len) : 0;
     if (pc->remote) {
         int len = fetch_remote(pc, seq, ns, toks, max_use, got);
