@@ -13,7 +13,9 @@
  * are the authoritative ones: the rows the device writes stay there (the block's stale
  * range says which host rows are old), and whoever reads or writes a block's host rows
  * first makes them current (kv_blocks_fetch): the host writes rows only once they are,
- * and a block's dirty rows reach the device before the device writes to it again. */
+ * and a block's dirty rows reach the device before the device writes to it again. A
+ * fetch calls into the backend: only the thread that drives it fetches, and a reader on
+ * another thread reads blocks that thread made current (kvq_prefix_fetch). */
 #ifndef KVQ_KVCACHE_POOL_H
 #define KVQ_KVCACHE_POOL_H
 
@@ -69,7 +71,7 @@ struct kv_pool *kv_pool_new_mirrored(size_t budget, const struct kv_pool_mirror 
 /* The pool's mirror (NULL for a host-only pool). */
 const struct kv_pool_mirror *kv_pool_get_mirror(const struct kv_pool *p);
 /* Marks token rows [lo, hi) of b as written by the host (no-op for host-only pools);
- * its host rows must be current (kv_block_fetch). */
+ * its host rows must be current (kv_blocks_fetch). */
 void kv_block_touch(struct kv_pool *p, struct kv_block *b, int32_t lo, int32_t hi);
 /* Whether the device holds the authoritative rows (the mirror fetches). */
 bool kv_pool_device_rows(const struct kv_pool *p);
