@@ -267,8 +267,15 @@ mb=$(awk -v b="$bytes16" 'BEGIN { printf "%d", b * 1.5 / 1048576 + 1 }')
 start_server host --prefix-cache-mb "$mb" --prefix-cache-host-mb 64 --prefix-cache-bits 16
 client prefix "$tmp/prefix.txt" "Which play did he star in?" >/dev/null
 client prefix "$tmp/prefix2.txt" "Who is Robert Boulter?" >/dev/null
+for _ in $(seq 50); do # the second entry is stored (evicting the first) after its answer went out
+  host_bytes=$(metric prefix_cache_host_bytes)
+  [ "${host_bytes:-0}" -gt 0 ] 2>/dev/null && break
+  sleep 0.1
+done
 client prefix "$tmp/prefix.txt" "Who is Robert Boulter?"; cp "$tmp/client.out" "$tmp/host.json"
 stop_server
+[ "${host_bytes:-0}" -gt 0 ] 2>/dev/null && ok "/metrics: $host_bytes bytes of entries in host memory" ||
+  bad "prefix_cache_host_bytes is '$host_bytes' after an eviction"
 grep -q "cache_host_store tokens=" "$tmp/host.log" && ok "an evicted entry moved to host memory" ||
   bad "no cache_host_store line ($mb MiB budget)"
 grep -q "cache_host_hit tokens=" "$tmp/host.log" && [ "$(jq .cached "$tmp/host.json")" -gt 1000 ] 2>/dev/null &&

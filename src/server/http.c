@@ -594,6 +594,8 @@ static enum MHD_Result metrics(struct http_server *h, struct MHD_Connection *c) 
     metric(&b, "prefix_cache_tokens_total", "counter", "Prompt tokens taken from the prefix cache.", (double)s.cached_tokens);
     metric(&b, "prefix_cache_bytes", "gauge", "Bytes of prefix-cache entries.", (double)s.cache_bytes);
     metric(&b, "prefix_cache_entries", "gauge", "Prefix-cache entries.", s.cache_entries);
+    metric(&b, "prefix_cache_host_bytes", "gauge", "Bytes of prefix-cache entries in host memory.", (double)s.cache_host_bytes);
+    metric(&b, "prefix_cache_host_entries", "gauge", "Prefix-cache entries in host memory.", s.cache_host_entries);
     if (h->p.remote) {
         struct prefix_remote_stats r;
         prefix_remote_stats(h->p.remote, &r);

@@ -602,6 +602,11 @@ void prefix_cache_usage(const struct prefix_cache *pc, int *entries, size_t *byt
     *bytes = pc ? pc->bytes : 0;
 }
 
+void prefix_cache_host_usage(const struct prefix_cache *pc, int *entries, size_t *bytes) {
+    *entries = pc ? pc->hn : 0;
+    *bytes = pc ? pc->host_bytes : 0;
+}
+
 void prefix_cache_stats(struct prefix_cache *pc, struct prefix_cache_stats *st) {
     pthread_mutex_lock(&pc->mu);
     *st = pc->st;

@@ -61,6 +61,8 @@ bool prefix_cache_convert_one(struct prefix_cache *pc);
  * there is a host budget); false when empty. */
 bool prefix_cache_evict_one(struct prefix_cache *pc);
 void prefix_cache_usage(const struct prefix_cache *pc, int *entries, size_t *bytes);
+/* The same for the entries in host memory (their files' bytes). */
+void prefix_cache_host_usage(const struct prefix_cache *pc, int *entries, size_t *bytes);
 
 /* Conversion and disk-write timings, for the log and tests. */
 struct prefix_cache_stats {

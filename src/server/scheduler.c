@@ -662,9 +662,10 @@ static void step(struct sched *s) {
 #define KV_BYTES_EVERY_S 0.1
 
 static void update_stats(struct sched *s) {
-    int entries;
-    size_t bytes;
+    int entries, host_entries;
+    size_t bytes, host_bytes;
     prefix_cache_usage(s->pc, &entries, &bytes);
+    prefix_cache_host_usage(s->pc, &host_entries, &host_bytes);
     const double t = now_s();
     const bool count = s->running == 0 || t - s->kv_bytes_t >= KV_BYTES_EVERY_S;
     const size_t kv_bytes = count ? kvq_kv_bytes(s->c) : 0;
@@ -677,6 +678,8 @@ static void update_stats(struct sched *s) {
     s->st.kv_blocks = kvq_kv_blocks(s->c);
     s->st.cache_entries = entries;
     s->st.cache_bytes = bytes;
+    s->st.cache_host_entries = host_entries;
+    s->st.cache_host_bytes = host_bytes;
     if (s->running == 0) s->st.decode_tok_s = 0;
     pthread_mutex_unlock(&s->mu);
 }

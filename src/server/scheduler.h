@@ -50,9 +50,9 @@ struct sched_params {
 struct sched_stats {
     uint64_t requests, prompt_tokens, generated_tokens, cached_tokens;
     uint64_t cache_hits, cache_misses;
-    int queued, running, cache_entries;
+    int queued, running, cache_entries, cache_host_entries;
     int waiting_memory; /* of the queued: those waiting for KV memory while slots are free */
-    size_t kv_bytes, kv_budget, cache_bytes;
+    size_t kv_bytes, kv_budget, cache_bytes, cache_host_bytes;
     int64_t kv_blocks;
     double decode_tok_s; /* over the last busy second */
 };
