@@ -35,6 +35,27 @@ static float *finish(struct kvq_context *c, int seq, const kvq_token *t, int fro
     return l;
 }
 
+/* The largest logit difference between seq 1 after a hit of `got` tokens of t (then fed
+ * the rest) and a fresh prefill of t; seq 1 is left empty. */
+static double hit_vs_fresh(struct kvq_context *c, const kvq_token *t, int got, int n) {
+    float *hit = finish(c, 1, t, got, n);
+    kvq_seq_clear(c, 1);
+    float *fresh = finish(c, 1, t, 0, n);
+    kvq_seq_clear(c, 1);
+    double d = 0;
+    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - fresh[i]));
+    free(hit);
+    free(fresh);
+    return d;
+}
+
+/* A sequence of t's first n tokens, finished and stored (seq 0, left empty). */
+static void store_finished(struct prefix_cache *pc, struct kvq_context *c, const kvq_token *t, int n) {
+    prefill(c, 0, t, n);
+    prefix_cache_store(pc, 0, NULL, t, n, true, 0);
+    kvq_seq_clear(c, 0);
+}
+
 static int count_files(const char *dir) {
     DIR *d = opendir(dir);
     int n = 0;
@@ -70,22 +91,13 @@ int main(void) {
     struct prefix_cache_params pp = {.kv = &cp.kv, .budget = (size_t)64 << 20};
     struct prefix_cache *pc = prefix_cache_new(c, model, &pp);
     CHECK(prefix_cache_fetch(pc, 0, NULL, a, N - 1) == 0, "empty cache misses");
-    prefill(c, 0, a, 250);
-    prefix_cache_store(pc, 0, NULL, a, 250, true, 0);
-    kvq_seq_clear(c, 0);
+    store_finished(pc, c, a, 250);
 
     /* b shares 200 tokens with the entry: exactly those are attached */
     int got = prefix_cache_fetch(pc, 1, NULL, b, N - 1);
     CHECK(got == 200 && kvq_seq_len(c, 1) == 200, "longest common prefix: %d", got);
-    float *hit = finish(c, 1, b, got, N);
-    kvq_seq_clear(c, 1);
-    float *fresh = finish(c, 1, b, 0, N);
-    kvq_seq_clear(c, 1);
-    double d = 0;
-    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - fresh[i]));
+    double d = hit_vs_fresh(c, b, got, N);
     CHECK(d == 0, "logits after a hit equal a fresh prefill (max diff %g)", d);
-    free(hit);
-    free(fresh);
 
     CHECK(prefix_cache_fetch(pc, 1, "tenant", b, N - 1) == 0 && kvq_seq_len(c, 1) == 0, "other namespace misses");
     CHECK(prefix_cache_fetch(pc, 1, NULL, a, 100) == 100, "max_use bounds the hit");
@@ -94,9 +106,7 @@ int main(void) {
     /* a longer sequence replaces the entry it extends */
     int entries;
     size_t bytes;
-    prefill(c, 0, a, N);
-    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
-    kvq_seq_clear(c, 0);
+    store_finished(pc, c, a, N);
     prefix_cache_usage(pc, &entries, &bytes);
     CHECK(entries == 1, "the longer entry replaced the shorter: %d entries", entries);
     CHECK(prefix_cache_fetch(pc, 1, NULL, a, N - 1) == N - 1, "hit on the longer entry");
@@ -110,12 +120,8 @@ int main(void) {
     CHECK(mkdtemp(dir) != NULL, "mkdtemp");
     pp = (struct prefix_cache_params){.kv = &cp.kv, .budget = one + one / 2, .dir = dir};
     pc = prefix_cache_new(c, model, &pp);
-    prefill(c, 0, a, N);
-    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
-    kvq_seq_clear(c, 0);
-    prefill(c, 0, b, N);
-    prefix_cache_store(pc, 0, NULL, b, N, true, 0);
-    kvq_seq_clear(c, 0);
+    store_finished(pc, c, a, N);
+    store_finished(pc, c, b, N);
     prefix_cache_usage(pc, &entries, &bytes);
     CHECK(entries == 1 && bytes <= one + one / 2, "LRU eviction: %d entries, %zu bytes", entries, bytes);
     CHECK(prefix_cache_fetch(pc, 1, NULL, b, N - 1) == N - 1, "the newer entry stays");
@@ -137,15 +143,8 @@ int main(void) {
     CHECK(entries == 1, "one entry reloaded, the corrupt file skipped: %d", entries);
     got = prefix_cache_fetch(pc, 1, NULL, b, N - 1);
     CHECK(got == N - 1, "hit from the reloaded entry: %d", got);
-    hit = finish(c, 1, b, got, N);
-    kvq_seq_clear(c, 1);
-    fresh = finish(c, 1, b, 0, N);
-    kvq_seq_clear(c, 1);
-    d = 0;
-    for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - fresh[i]));
+    d = hit_vs_fresh(c, b, got, N);
     CHECK(d == 0, "logits after a disk hit equal a fresh prefill (max diff %g)", d);
-    free(hit);
-    free(fresh);
     prefix_cache_free(pc);
     CHECK(kvq_kv_blocks(c) == 0, "blocks back after free: %lld", (long long)kvq_kv_blocks(c));
 
@@ -155,26 +154,15 @@ int main(void) {
     for (int room = 0; room < 2; room++) {
         pp = (struct prefix_cache_params){.kv = &cp.kv, .budget = one + one / 2, .host_budget = room ? 64 << 20 : 4096};
         pc = prefix_cache_new(c, model, &pp);
-        prefill(c, 0, a, N);
-        prefix_cache_store(pc, 0, NULL, a, N, true, 0);
-        kvq_seq_clear(c, 0);
-        prefill(c, 0, b, N);
-        prefix_cache_store(pc, 0, NULL, b, N, true, 0);
-        kvq_seq_clear(c, 0);
+        store_finished(pc, c, a, N);
+        store_finished(pc, c, b, N);
         got = prefix_cache_fetch(pc, 1, NULL, a, N - 1);
         struct prefix_cache_stats hs;
         prefix_cache_stats(pc, &hs);
         CHECK(got == (room ? N - 1 : 200) && hs.host_stores == 2 * room && hs.host_hits == room, /* a out, then b for a */
               "host budget %zu: fetch took %d tokens (%d stored, %d hits)", pp.host_budget, got, hs.host_stores, hs.host_hits);
-        hit = finish(c, 1, a, got, N);
-        kvq_seq_clear(c, 1);
-        fresh = finish(c, 1, a, 0, N);
-        kvq_seq_clear(c, 1);
-        d = 0;
-        for (int i = 0; i < V; i++) d = fmax(d, fabs((double)hit[i] - fresh[i]));
+        d = hit_vs_fresh(c, a, got, N);
         CHECK(d == 0, "logits after a host-memory hit equal a fresh prefill (max diff %g)", d);
-        free(hit);
-        free(fresh);
         /* b went to host memory for a's room, and comes back in turn */
         CHECK(!room || prefix_cache_fetch(pc, 1, NULL, b, N - 1) == N - 1, "the other entry comes back too");
         kvq_seq_clear(c, 1);
@@ -219,9 +207,9 @@ int main(void) {
           copy_bytes, q8_bytes);
     got = prefix_cache_fetch(pc, 1, NULL, a, N - 1);
     CHECK(got == N - 1 && kvq_seq_len(c, 1) == N - 1, "hit on the converted entry: %d", got);
-    hit = finish(c, 1, a, got, N);
+    float *hit = finish(c, 1, a, got, N);
     kvq_seq_clear(c, 1);
-    fresh = finish(c, 1, a, 0, N);
+    float *fresh = finish(c, 1, a, 0, N);
     kvq_seq_clear(c, 1);
     d = 0;
     int am_hit = 0, am_fresh = 0;
@@ -283,9 +271,7 @@ int main(void) {
     pp = (struct prefix_cache_params){.kv = &cp.kv, .store_kv = &q8, .min_tokens = 256,
                                       .budget = live_bytes + q8_bytes + q8_bytes / 2};
     pc = prefix_cache_new(c, model, &pp);
-    prefill(c, 0, a, N);
-    prefix_cache_store(pc, 0, NULL, a, N, true, 0);
-    kvq_seq_clear(c, 0);
+    store_finished(pc, c, a, N);
     prefill(c, 0, b, N);
     prefix_cache_store(pc, 0, "b", b, N, true, 0);
     kvq_seq_clear(c, 0);

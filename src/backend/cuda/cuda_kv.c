@@ -162,6 +162,11 @@ static void host_block_idle(void *ctx, void *data, size_t bytes) {
 }
 
 
+/* Whether the cache's new block rows come back to the host's copy (tensor parallelism),
+ * not only stay on the device (one GPU: kv_pool_mirror.fetch). */
+static bool rows_back(const struct kv_cache *c) { return !kv_pool_device_rows(kv_cache_pool(c)); }
+
+
 /* A shared block copied on write, on the device (kv_pool_mirror.copy). */
 static void copy_block(void *ctx, struct kv_block *dst, const struct kv_block *src, size_t bytes) {
     struct cuda_backend *cb = ctx;
@@ -572,7 +577,7 @@ static void offsets_plan(struct cuda_backend *cb, const struct pending_append *p
                          struct cuda_mirror *m, int t0, struct cuk_offs_item *item, struct cuk_enc_tok *rows,
                          int first) {
     const int32_t p0 = pa->p0;
-    const bool back = !kv_pool_device_rows(kv_cache_pool(pa->cache)); /* the pass's own rows read back */
+    const bool back = rows_back(pa->cache);
     assert(m && m->ring_cap >= p0 + pa->n); /* the ring holds every position of the pass and before */
     *item = (struct cuk_offs_item){.ring = (uint64_t)(uintptr_t)m->win, .mu = (uint64_t)(uintptr_t)m->mu,
                                    .ring_cap = m->ring_cap, .T = pa->offs_T, .first = first};
@@ -679,7 +684,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                 /* window rows read back: those the host's windows keep (from w0 on); block
                  * rows where the host keeps them current */
                 const int32_t w0 = v.windows ? kv_cache_window_rows_from(c, p0) : p0 + seqs[s].n;
-                const bool back = !kv_pool_device_rows(kv_cache_pool(c));
+                const bool back = rows_back(c);
                 const size_t n = (size_t)seqs[s].n, kb = back ? n * H * v.k_row : 0, vb = back ? n * H * v.v_row : 0,
                              wb = (size_t)(p0 + seqs[s].n - w0) * H * v.win_row;
                 size_t rb = readback_alloc(cb, kb + vb + 2 * wb);
@@ -805,7 +810,7 @@ static void rows_task(void *arg, int ith, int nth) {
         const uint8_t *h = cb->rb_h;
         int h0;
         const int nh = rank_heads(cb, kv_cache_get_shape(pa->cache)->n_kv_heads, &h0);
-        const bool back = !kv_pool_device_rows(kv_cache_pool(pa->cache));
+        const bool back = rows_back(pa->cache);
         kv_cache_append_heads(pa->cache, pa->p0, pa->n, back ? h + pa->k : NULL, back ? h + pa->v : NULL,
                               pa->windows ? h + pa->wk : NULL, pa->windows ? h + pa->wv : NULL, pa->w0, h0, nh);
     }
@@ -876,7 +881,7 @@ static int take_offsets(struct cuda_backend *cb) {
         kv_cache_view(pa->cache, &v);
         /* the host's copies of the rows before the pass, encoded again (where the device's
          * rows are authoritative, kv_cache_offsets_given marks them stale instead) */
-        for (int32_t L = 0; L * KV_BLOCK_TOKENS < pa->p0 && !kv_pool_device_rows(kv_cache_pool(pa->cache)); L++) {
+        for (int32_t L = 0; L * KV_BLOCK_TOKENS < pa->p0 && rows_back(pa->cache); L++) {
             struct kv_block *b = v.blk[kv_view_entry(&v, L * KV_BLOCK_TOKENS)];
             if (b)
                 ck(cb, cudaMemcpyAsync(b->data, block_dev(cb, b), kv_block_bytes(kv_cache_pool(pa->cache), b),
