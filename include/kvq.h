@@ -183,7 +183,17 @@ struct kvq_batch {
      * (kvq_get_top), not the logits: on a GPU only those cross to the host, which is
      * all a greedy draw needs (kvq_sampler_top_enough) */
     bool top_only;
+    /* Optional, per token: the sampler that draws the token after token i, where its
+     * logits are asked for (NULL: none; a sampler at most once a batch). kvq_decode
+     * then draws it (kvq_get_drawn), on a GPU where the logits are when the sampler's
+     * settings allow (only the token crosses to the host), and the sampler advances as
+     * kvq_sampler_sample's draw would; nothing is accepted. Such rows keep no logits. */
+    struct kvq_sampler *const *samplers;
+    /* Optional, per token with a sampler: the log-probabilities of the drawn token and
+     * of the logprobs[i] (0..KVQ_LOGPROBS_MAX) most likely are wanted too (-1: none). */
+    const int *logprobs;
 };
+#define KVQ_LOGPROBS_MAX 20
 #define KVQ_TOP_N 8
 int kvq_decode(struct kvq_context *c, const struct kvq_batch *b);
 /* Logits after token i of the last batch ([n_vocab]); NULL if not requested (or the
@@ -193,6 +203,18 @@ const float *kvq_get_logits(const struct kvq_context *c, int i);
  * values the lower id first, as a greedy draw takes them), into vals and ids. 0, or -1
  * where none were kept. */
 int kvq_get_top(const struct kvq_context *c, int i, float *vals, kvq_token *ids);
+/* The token its sampler drew after token i of the last batch (kvq_batch.samplers), or
+ * -1 where none did. */
+kvq_token kvq_get_drawn(const struct kvq_context *c, int i);
+/* The log-probabilities that draw was asked for (kvq_batch.logprobs), of the model's
+ * distribution (the softmax of the logits as the model made them: no temperature,
+ * bias or penalty): the drawn token's into *drawn, the k most likely tokens' into ids
+ * and lps [k] (best first, of equal values the lower id; -inf where a probability is
+ * 0). Returns k, or -1 where none were asked for. */
+int kvq_get_logprobs(const struct kvq_context *c, int i, float *drawn, kvq_token *ids, float *lps);
+/* The same from a row of logits x[n]: the k most likely into ids and lps; returns the
+ * log of the sum of e^x (a token t's log-probability is x[t] less it). */
+double kvq_logprobs(const float *x, int n, int k, kvq_token *ids, float *lps);
 
 /* Pooling of a text's final hidden states (after the output norm) into one vector. */
 enum kvq_pooling { KVQ_POOLING_MEAN, KVQ_POOLING_LAST };

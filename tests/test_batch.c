@@ -137,9 +137,51 @@ int main(void) {
     CHECK(kvq_decode(ctx, &(struct kvq_batch){.n_tokens = 1, .tokens = tokens, .seq_ids = seqs}) == 0 &&
               kvq_get_top(ctx, 0, (float[KVQ_TOP_N]){0}, (kvq_token[KVQ_TOP_N]){0}) == -1,
           "no largest logits after a batch with logits");
+    CHECK(kvq_seq_trim(ctx, 0, 1) == 1, "trim 0"); /* that batch's token */
+
+    /* The step again with samplers: each row's draw is its twin's from the step's logits
+     * (a draw over the whole row, greedy with a ban, top-k), the others' rows keep theirs. */
+    struct kvq_sampler *smp[REFS_PROMPTS], *twin[REFS_PROMPTS];
+    for (int p = 0; p < REFS_PROMPTS; p++) {
+        struct kvq_sampler_params sp;
+        kvq_sampler_params_default(&sp);
+        sp.temp = p % 3 == 1 ? 0 : 1.0f;
+        sp.top_k = p % 3 == 2 ? 5 : 0;
+        sp.top_p = 1, sp.min_p = 0, sp.seed = 7 + (uint64_t)p;
+        smp[p] = kvq_sampler_new(&sp, V);
+        twin[p] = kvq_sampler_new(&sp, V);
+        if (p % 3 == 1) {
+            kvq_token best[1];
+            refs_top_k(step + (size_t)p * V, V, 1, (float[1]){0}, best);
+            kvq_sampler_ban(smp[p], best, 1);
+            kvq_sampler_ban(twin[p], best, 1);
+        }
+        CHECK(kvq_seq_trim(ctx, p, 1) == 1, "trim %d", p);
+    }
+    smp[REFS_PROMPTS - 1] = NULL; /* its logits, as asked */
+    b.samplers = smp;
+    CHECK(kvq_decode(ctx, &b) == 0, "step with samplers: %s", kvq_last_error());
+    same = 0;
+    for (int p = 0; p < REFS_PROMPTS - 1; p++) {
+        CHECK(kvq_get_logits(ctx, p) == NULL, "no logits for a row its sampler drew");
+        same += kvq_get_drawn(ctx, p) == kvq_sampler_sample(twin[p], step + (size_t)p * V);
+    }
+    CHECK(same == REFS_PROMPTS - 1, "draws equal to the twins' from the logits in %d of %d rows", same, REFS_PROMPTS - 1);
+    const int last = REFS_PROMPTS - 1;
+    CHECK(kvq_get_drawn(ctx, last) == -1 && kvq_get_logits(ctx, last) &&
+              max_diff(kvq_get_logits(ctx, last), step + (size_t)last * V, V) == 0,
+          "a row without a sampler keeps its logits");
+    for (int p = 0; p < REFS_PROMPTS; p++) CHECK(kvq_seq_trim(ctx, p, 1) == 1, "trim %d", p);
+    smp[last] = smp[0];
+    CHECK(kvq_decode(ctx, &b) != 0 && strstr(kvq_last_error(), "one sampler"), "a sampler twice: %s", kvq_last_error());
+    for (int p = 0; p < REFS_PROMPTS; p++) {
+        kvq_sampler_free(p == last ? NULL : smp[p]);
+        kvq_sampler_free(twin[p]);
+    }
     free(step);
 
     /* Errors: unknown sequence, out-of-vocabulary token, context overflow. */
+    const int len0 = kvq_seq_len(ctx, 0);
     int32_t bad_seq = 9;
     b = (struct kvq_batch){.n_tokens = 1, .tokens = tokens, .seq_ids = &bad_seq};
     CHECK(kvq_decode(ctx, &b) != 0 && strstr(kvq_last_error(), "sequence 9"), "bad seq: %s", kvq_last_error());
@@ -147,7 +189,7 @@ int main(void) {
     b = (struct kvq_batch){.n_tokens = 1, .tokens = &bad_tok};
     CHECK(kvq_decode(ctx, &b) != 0 && strstr(kvq_last_error(), "outside the vocabulary"), "bad token: %s",
           kvq_last_error());
-    CHECK(kvq_seq_len(ctx, 0) == refs[0].n_ids + 2, "failed batch left sequence 0 unchanged");
+    CHECK(kvq_seq_len(ctx, 0) == len0, "failed batch left sequence 0 unchanged");
     kvq_token many[64] = {0};
     b = (struct kvq_batch){.n_tokens = 64, .tokens = many};
     CHECK(kvq_decode(ctx, &b) != 0 && strstr(kvq_last_error(), "context full"), "overflow: %s", kvq_last_error());

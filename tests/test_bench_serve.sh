@@ -78,6 +78,11 @@ for kind in completion chat; do
     [ $((${gen1%.*} - ${gen0%.*})) = 160 ]
 done
 
+# ---- sampled answers: --temperature sends it with a seed a request ----
+bench temp --url "$url" --concurrency 2 --requests 4 --prompt-tokens 16 --output-tokens 40 --temperature 1 --seed 5
+check "temperature 1: exit 0 (got $rc), 4 answers of 40 tokens" jq -e '.temperature == 1 and
+  .successful_requests == 4 and .total_output_tokens == 160' "$tmp/temp.json"
+
 # ---- a wrong key: every request a 401 ----
 bench badkey --url "$url" --api-key wrong --concurrency 2 --requests 3 --prompt-tokens 16 --output-tokens 4 --no-ignore-eos
 check "wrong key: exit status 2 (got $rc)" [ "$rc" -eq 2 ]

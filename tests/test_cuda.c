@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "draw_cases.h"
 #include "kvq.h"
 #include "refs.h"
 
@@ -25,7 +26,9 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "core/cpu.h"
 #include "core/dtype.h"
+#include "engine/engine_internal.h"
 #include "kernels/f16.h"
 #include "kernels/kv_quant.h"
 #include "kernels/matmul.h"
@@ -1065,17 +1068,20 @@ static void test_top_step(struct kvq_model *m, int n_vocab) {
     kvq_context_free(c);
 }
 
+static void test_draw_step(struct kvq_model *m, int n_vocab);
+
 /* The backend's largest values of rows (the logits a greedy step reads back) against
  * a selection on the host: rows of a 128K vocabulary and of a few values, one row
  * (many blocks a row) to 300 (one), values rounded to halves (many ties, which go by
  * index), a row of -inf but one, and k of 1 and 8. */
 static void test_top(void) {
     struct backend *be = backend_cuda_new(0, false, 1, NULL);
-    CHECK(be && be->ops->reserve(be, 256, 4096) == 0 && be->ops->top, "CUDA backend: %s", kvq_last_error());
+    CHECK(be && be->ops->reserve(be, 256, 4096) == 0 && be->ops->draw, "CUDA backend: %s", kvq_last_error());
     if (!be) return;
     const int colss[] = {128256, 1000, 9}, ns[] = {1, 16, 300};
     float *vals = be->ops->host_alloc(be, sizeof(float) * 300 * 8);
     int32_t *ids = be->ops->host_alloc(be, sizeof(int32_t) * 300 * 8);
+    const struct be_draw_out out = {.vals = vals, .ids = ids};
     int bad = 0, rows = 0;
     for (size_t ci = 0; ci < sizeof colss / sizeof colss[0]; ci++)
         for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
@@ -1091,15 +1097,18 @@ static void test_top(void) {
                  * stream does not wait for it (test_device_append): 2-4% of the rows
                  * came out of earlier rows' values now and then */
                 cudaDeviceSynchronize();
-                be->ops->top(be, dx, n, cols, k, vals, ids);
+                struct be_draw *d = calloc((size_t)n, sizeof *d);
+                for (int r = 0; r < n; r++) d[r].row = BE_ROW_TOP;
+                be->ops->draw(be, dx, n, cols, d, NULL, 0, &out);
                 CHECK(be->ops->sync(be) == 0, "top: %s", kvq_last_error());
                 for (int r = 0; r < n; r++, rows++) {
                     float wv[8];
                     int32_t wi[8];
                     refs_top_k(x + (size_t)r * cols, cols, k, wv, wi);
-                    bad += memcmp(wv, vals + (size_t)r * k, sizeof(float) * k) != 0 ||
-                           memcmp(wi, ids + (size_t)r * k, sizeof(int32_t) * k) != 0;
+                    bad += memcmp(wv, vals + (size_t)r * 8, sizeof(float) * k) != 0 ||
+                           memcmp(wi, ids + (size_t)r * 8, sizeof(int32_t) * k) != 0;
                 }
+                free(d);
                 be->ops->release(be, dx);
                 free(x);
             }
@@ -1115,7 +1124,192 @@ static void test_top(void) {
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     test_top_step(m, info.n_vocab);
+    test_draw_step(m, info.n_vocab);
     kvq_model_free(m);
+}
+
+/* Draws settled on the device (backend_ops.draw, as sampler_plan asks) against the
+ * host's sampler drawing from the same rows, twin for twin (draw_cases.h): the same
+ * token every time. The host's weights are those of its AVX2 exponential (the device
+ * computes them step for step alike), so the host runs at that level here. Rows of a
+ * 128K and a 1,003-token vocabulary (ids past a multiple of 8 weighted by expf),
+ * flat and peaked, every case twice a step, the second asking for 5 log-probabilities
+ * (which the host's kvq_logprobs gives within 1e-4). */
+static void test_draw(void) {
+    if (kvq_simd_force(KVQ_SIMD_AVX2) != 0) {
+        printf("SKIP: device draws against the host's: this CPU has no AVX2\n");
+        return;
+    }
+    struct backend *be = backend_cuda_new(0, false, 1, NULL);
+    CHECK(be && be->ops->reserve(be, 256, 4096) == 0, "CUDA backend: %s", kvq_last_error());
+    if (!be) return;
+    enum { N = 2 * DRAW_CASES, ROUNDS = 6 };
+    const int colss[] = {128256, 1003};
+    float *vals = be->ops->host_alloc(be, sizeof(float) * N * BE_TOP_MAX);
+    int32_t *ids = be->ops->host_alloc(be, sizeof(int32_t) * N * BE_TOP_MAX);
+    int32_t *drawn = be->ops->host_alloc(be, sizeof(int32_t) * N);
+    float *drawn_logit = be->ops->host_alloc(be, sizeof(float) * N);
+    double *log_z = be->ops->host_alloc(be, sizeof(double) * N);
+    int kinds[3] = {0}, differ = 0, draws = 0, rows_differ = 0, lp_rows = 0;
+    double lp_worst = 0;
+    for (int ci = 0; ci < 2; ci++) {
+        const int cols = colss[ci];
+        float *x = malloc(sizeof(float) * N * cols), *back = be->ops->host_alloc(be, sizeof(float) * N * cols);
+        float *dx = be->ops->alloc(be, sizeof(float) * N * cols);
+        struct kvq_sampler *dev[N], *host[N];
+        for (int r = 0; r < N; r++) {
+            dev[r] = draw_case_new(r % DRAW_CASES, cols, 1000 + (uint64_t)r);
+            host[r] = draw_case_new(r % DRAW_CASES, cols, 1000 + (uint64_t)r);
+        }
+        struct be_draw d[N];
+        struct be_draw_op *ops = NULL;
+        for (int round = 0; round < ROUNDS; round++) {
+            int n_ops = 0;
+            for (int r = 0; r < N; r++) {
+                const float scale = (r + round) % 2 ? 12.0f : 3.0f; /* peaked, flat */
+                for (int i = 0; i < cols; i++) x[(size_t)r * cols + i] = scale * frnd();
+                draw_case_round(dev[r], r % DRAW_CASES, x + (size_t)r * cols, cols);
+                draw_case_round(host[r], r % DRAW_CASES, x + (size_t)r * cols, cols);
+                ops = realloc(ops, sizeof *ops * (size_t)(n_ops + sampler_draw_ops_max(dev[r]) + 1));
+                const int m = sampler_plan(dev[r], r < DRAW_CASES ? -1 : 5, &d[r], ops + n_ops);
+                d[r].op0 = n_ops;
+                n_ops += m;
+                kinds[d[r].row]++;
+            }
+            cudaMemcpy(dx, x, sizeof(float) * N * cols, cudaMemcpyHostToDevice);
+            cudaDeviceSynchronize(); /* the backend's stream does not wait for a pageable copy */
+            const struct be_draw_out out = {vals, ids, drawn, drawn_logit, log_z, back};
+            be->ops->draw(be, dx, N, cols, d, ops, n_ops, &out);
+            CHECK(be->ops->sync(be) == 0, "draw: %s", kvq_last_error());
+            for (int r = 0; r < N; r++, draws++) {
+                const float *row = x + (size_t)r * cols;
+                const kvq_token want = kvq_sampler_sample(host[r], row);
+                kvq_token got;
+                if (d[r].row == BE_ROW_LOGITS) {
+                    rows_differ += memcmp(back + (size_t)r * cols, row, sizeof(float) * cols) != 0;
+                    got = kvq_sampler_sample(dev[r], back + (size_t)r * cols);
+                } else {
+                    got = sampler_finish(dev[r], &d[r], vals + r * BE_TOP_MAX, ids + r * BE_TOP_MAX, drawn[r]);
+                }
+                differ += got != want;
+                if (d[r].logprobs) { /* the five most likely and the drawn token's */
+                    kvq_token lp_ids[5];
+                    float lps[5];
+                    const double z = kvq_logprobs(row, cols, 5, lp_ids, lps);
+                    for (int j = 0; j < 5; j++) {
+                        lp_worst = fmax(lp_worst, lp_ids[j] == ids[r * BE_TOP_MAX + j]
+                                                      ? fabs(vals[r * BE_TOP_MAX + j] - log_z[r] - lps[j])
+                                                      : INFINITY);
+                    }
+                    if (d[r].row == BE_ROW_DRAW)
+                        lp_worst = fmax(lp_worst, drawn_logit[r] == row[got] ? fabs(log_z[r] - z) : INFINITY);
+                    lp_rows++;
+                }
+                kvq_sampler_accept_output(dev[r], want);
+                kvq_sampler_accept_output(host[r], want);
+            }
+        }
+        for (int r = 0; r < N; r++) kvq_sampler_free(dev[r]), kvq_sampler_free(host[r]);
+        free(ops);
+        free(x);
+        be->ops->host_free(be, back);
+        be->ops->release(be, dx);
+    }
+    printf("device draws: %d over the row, %d from the largest, %d rows read back: %d of %d differ from the host's "
+           "(%d rows read back differ); log-probabilities of %d rows within %.2g of the host's\n",
+           kinds[BE_ROW_DRAW], kinds[BE_ROW_TOP], kinds[BE_ROW_LOGITS], differ, draws, rows_differ, lp_rows, lp_worst);
+    CHECK(differ == 0 && rows_differ == 0, "%d of %d device draws differ from the host's", differ, draws);
+    CHECK(lp_rows >= 2 * 3 * ROUNDS && lp_worst <= 1e-4, "device log-probabilities off by %g", lp_worst);
+    be->ops->host_free(be, vals);
+    be->ops->host_free(be, ids);
+    be->ops->host_free(be, drawn);
+    be->ops->host_free(be, drawn_logit);
+    be->ops->host_free(be, log_z);
+    be->ops->free(be);
+    kvq_simd_force(KVQ_SIMD_SCALAR);
+}
+
+/* Steps that draw with samplers (kvq_batch.samplers) on the device against twins
+ * drawing on the host from the same steps' logits: pairs of sequences fed alike, one
+ * drawn by the engine, the other's row read back; 6 pairs (a recorded step) and 20
+ * (a wide one), 12 steps each; every third asks for 3 log-probabilities. */
+static void test_draw_step(struct kvq_model *m, int n_vocab) {
+    if (kvq_simd_force(KVQ_SIMD_AVX2) != 0) return; /* test_draw said why */
+    enum { P = 20, STEPS = 12 };
+    struct kvq_context *c = context(m, KVQ_DEVICE_CUDA, NULL, 64, 2 * P, 64);
+    CHECK(c != NULL, "context: %s", kvq_last_error());
+    if (!c) return;
+    int32_t ids[P + 8];
+    prompt(m, ids, P + 8);
+    int differ = 0, draws = 0, kept = 0, lp_bad = 0;
+    const int pairs[] = {6, P};
+    for (int w = 0; w < 2; w++) {
+        const int n = pairs[w];
+        struct kvq_sampler *dev[2 * P] = {0}, *host[P];
+        kvq_token last[P];
+        for (int p = 0; p < n; p++) {
+            kvq_seq_clear(c, p);
+            kvq_seq_clear(c, P + p);
+            for (int half = 0; half < 2; half++) {
+                struct kvq_batch b = {.n_tokens = 5, .tokens = ids + p % 8,
+                                      .seq_ids = (int32_t[]){half * P + p, half * P + p, half * P + p, half * P + p,
+                                                             half * P + p}};
+                CHECK(kvq_decode(c, &b) == 0, "prefill %d: %s", p, kvq_last_error());
+            }
+            dev[p] = draw_case_new(p % DRAW_CASES, n_vocab, 50 + (uint64_t)p);
+            host[p] = draw_case_new(p % DRAW_CASES, n_vocab, 50 + (uint64_t)p);
+            last[p] = ids[p % 8 + 5];
+        }
+        for (int step = 0; step < STEPS; step++) {
+            int32_t tok[2 * P], seq[2 * P];
+            bool want[2 * P];
+            for (int p = 0; p < n; p++) {
+                draw_case_round(dev[p], p % DRAW_CASES, NULL, n_vocab); /* bans known before the step */
+                draw_case_round(host[p], p % DRAW_CASES, NULL, n_vocab);
+                tok[p] = tok[n + p] = last[p];
+                seq[p] = p, seq[n + p] = P + p;
+                want[p] = want[n + p] = true;
+                dev[n + p] = NULL;
+            }
+            int lp_want[2 * P];
+            for (int i = 0; i < 2 * n; i++) lp_want[i] = i % 3 == 0 ? 3 : -1;
+            struct kvq_batch b = {.n_tokens = 2 * n, .tokens = tok, .seq_ids = seq, .logits = want, .samplers = dev,
+                                  .logprobs = lp_want};
+            CHECK(kvq_decode(c, &b) == 0, "step of %d: %s", 2 * n, kvq_last_error());
+            for (int p = 0; p < n; p++, draws++) {
+                const float *row = kvq_get_logits(c, n + p);
+                kept += kvq_get_logits(c, p) == NULL;
+                if (!row) {
+                    differ++;
+                    continue;
+                }
+                const kvq_token want_t = kvq_sampler_sample(host[p], row);
+                differ += kvq_get_drawn(c, p) != want_t;
+                kvq_token lp_ids[3], want_ids[3];
+                float lps[3], want_lps[3], lp_drawn = 0;
+                const int k = kvq_get_logprobs(c, p, &lp_drawn, lp_ids, lps);
+                if (p % 3 == 0) {
+                    const double z = kvq_logprobs(row, n_vocab, 3, want_ids, want_lps);
+                    bool ok = k == 3 && fabs(lp_drawn - (row[want_t] - z)) <= 1e-4;
+                    for (int j = 0; j < 3 && ok; j++) ok = lp_ids[j] == want_ids[j] && fabs(lps[j] - want_lps[j]) <= 1e-4;
+                    lp_bad += !ok;
+                } else {
+                    lp_bad += k != -1;
+                }
+                kvq_sampler_accept_output(dev[p], want_t);
+                kvq_sampler_accept_output(host[p], want_t);
+                last[p] = want_t;
+            }
+        }
+        for (int p = 0; p < n; p++) kvq_sampler_free(dev[p]), kvq_sampler_free(host[p]);
+    }
+    printf("steps drawing on the device against twins on the host: %d of %d draws differ, %d log-probabilities\n",
+           differ, draws, lp_bad);
+    CHECK(differ == 0 && kept == draws, "%d of %d draws differ from the host's (%d rows without logits)", differ, draws,
+          kept);
+    CHECK(lp_bad == 0, "%d draws' log-probabilities differ from the host's by more than 1e-4", lp_bad);
+    kvq_context_free(c);
+    kvq_simd_force(KVQ_SIMD_SCALAR);
 }
 
 /* The norms and the GLU that also round their output into xq: the output against a
@@ -1442,7 +1636,7 @@ int main(void) {
 #else
     /* The CPU reference in exact float: both SIMD levels score packed keys against
      * int8-rounded queries, an approximation the GPU does not make. */
-    setenv("KVQ_SIMD", "scalar", 1);
+    kvq_simd_force(KVQ_SIMD_SCALAR); /* test_draw lifts it for its while */
     /* one- and two-token products streamed by 2 blocks (matvec_stream): many tiles
      * each, the last blocks fewer, also in the models' decode steps (as set outside
      * if it is: KVQ_MV_STREAM_GRID=0 gives the backend's full grid) */
@@ -1461,7 +1655,7 @@ int main(void) {
     if (only && (strcmp(only, "attention") == 0 || strcmp(only, "matvec") == 0 || strcmp(only, "wide") == 0 ||
                  strcmp(only, "top") == 0 || strcmp(only, "tp") == 0)) {
         if (strcmp(only, "attention") == 0) test_attention();
-        else if (strcmp(only, "top") == 0) test_top();
+        else if (strcmp(only, "top") == 0) test_top(), test_draw();
         else if (strcmp(only, "tp") == 0) test_tensor_parallel(n_dev);
         else if (strcmp(only, "wide") == 0) test_matmul_wide();
         else test_matvec();
@@ -1471,6 +1665,7 @@ int main(void) {
     test_matmul_wide();
     test_backend_products();
     test_top();
+    test_draw();
     test_rounding_ops();
     test_attention();
     test_q8_weights();

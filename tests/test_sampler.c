@@ -9,7 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend.h"
 #include "check.h"
+#include "draw_cases.h"
+#include "engine/engine_internal.h"
 #include "kvq.h"
 
 struct cand {
@@ -261,9 +264,88 @@ static void test_from_top(void) {
     free(skip);
 }
 
+/* The device's share of a draw (sampler_plan, sampler_finish) made on the host: the
+ * adjustments applied one after another as backend.h says, the largest of the row
+ * then found, give kvq_sampler_sample's token from the row; and a draw the device
+ * made leaves the sampler where the host's leaves it (the twins draw alike after). */
+static void test_device_plan(void) {
+    enum { V = 3001, ROUNDS = 40 };
+    float *x = malloc(sizeof *x * V), *adj = malloc(sizeof *adj * V);
+    int kinds[3] = {0}, aside = 0, differ = 0, draws = 0;
+    for (int k = 0; k < DRAW_CASES; k++) {
+        struct kvq_sampler *dev = draw_case_new(k, V, 100 + (uint64_t)k), *host = draw_case_new(k, V, 100 + (uint64_t)k);
+        struct be_draw_op *ops = NULL;
+        for (int round = 0; round < ROUNDS && dev && host; round++) {
+            const float scale = round % 2 ? 12.0f : 3.0f; /* peaked, flat */
+            for (int i = 0; i < V; i++) x[i] = scale * (float)rand() / (float)RAND_MAX;
+            draw_case_round(dev, k, x, V);
+            draw_case_round(host, k, x, V);
+            ops = realloc(ops, sizeof *ops * (size_t)(sampler_draw_ops_max(dev) + 1));
+            struct be_draw d;
+            const int n_ops = sampler_plan(dev, -1, &d, ops);
+            CHECK(n_ops == d.n_ops && n_ops <= sampler_draw_ops_max(dev), "case %d: %d adjustments", k, n_ops);
+            kinds[d.row]++;
+            aside += d.bans_aside;
+            const kvq_token want = kvq_sampler_sample(host, x);
+            kvq_token got = -1;
+            if (d.row == BE_ROW_LOGITS) {
+                got = kvq_sampler_sample(dev, x);
+            } else if (d.row == BE_ROW_DRAW) {
+                got = sampler_finish(dev, &d, NULL, NULL, want); /* the device's token: the twin's */
+            } else {
+                memcpy(adj, x, sizeof *adj * V);
+                for (int j = 0; j < n_ops; j++) {
+                    float *l = &adj[ops[j].id];
+                    const float a = ops[j].a;
+                    *l = ops[j].kind == BE_ADD      ? *l + a
+                         : ops[j].kind == BE_REPEAT ? (*l > 0 ? *l / a : *l * a)
+                         : ops[j].kind == BE_SUB    ? *l - a
+                                                    : -INFINITY;
+                }
+                float vals[BE_TOP_MAX];
+                kvq_token ids[BE_TOP_MAX];
+                sampler_top(adj, V, BE_TOP_MAX, vals, ids);
+                got = sampler_finish(dev, &d, vals, ids, -1);
+            }
+            differ += got != want;
+            draws++;
+            kvq_sampler_accept_output(dev, want);
+            kvq_sampler_accept_output(host, want);
+        }
+        free(ops);
+        kvq_sampler_free(dev);
+        kvq_sampler_free(host);
+    }
+    /* log-probabilities of the row as the model made it: only where nothing adjusts it */
+    struct kvq_sampler *s0 = draw_case_new(0, V, 1), *s1 = draw_case_new(1, V, 1), *s2 = draw_case_new(2, V, 1);
+    draw_case_round(s1, 1, x, V);
+    draw_case_round(s2, 2, x, V);
+    struct be_draw d;
+    struct be_draw_op ops[64];
+    sampler_plan(s0, 5, &d, ops);
+    CHECK(d.row == BE_ROW_DRAW && d.logprobs, "a draw over the row with log-probabilities stays on the device");
+    sampler_plan(s0, BE_TOP_MAX + 1, &d, ops);
+    CHECK(d.row == BE_ROW_LOGITS, "more log-probabilities than the device keeps: the row");
+    sampler_plan(s1, 0, &d, ops);
+    CHECK(d.row == BE_ROW_DRAW && d.bans_aside && d.logprobs, "bans set aside leave the row for log-probabilities");
+    sampler_plan(s2, 0, &d, ops);
+    CHECK(d.row == BE_ROW_LOGITS, "log-probabilities of a row that adjustments change: the row");
+    kvq_sampler_free(s0), kvq_sampler_free(s1), kvq_sampler_free(s2);
+    printf("draws planned for a device: %d on the host's row, %d from the largest, %d over the row (%d with bans "
+           "aside): %d of %d differ from the row's\n",
+           kinds[BE_ROW_LOGITS], kinds[BE_ROW_TOP], kinds[BE_ROW_DRAW], aside, differ, draws);
+    CHECK(differ == 0, "%d of %d draws differ from kvq_sampler_sample's", differ, draws);
+    CHECK(kinds[BE_ROW_LOGITS] == 3 * ROUNDS && kinds[BE_ROW_TOP] == 4 * ROUNDS && kinds[BE_ROW_DRAW] == 3 * ROUNDS &&
+              aside == 2 * ROUNDS,
+          "each case settled as planned");
+    free(x);
+    free(adj);
+}
+
 int main(void) {
     test_adjustments();
     test_from_top();
+    test_device_plan();
     const int sizes[] = {97, 512, 32000, 128256};
     const struct kvq_sampler_params configs[] = {
         /* temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed */

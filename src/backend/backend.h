@@ -70,6 +70,47 @@ struct backend;
 
 #define BE_TOP_MAX 8
 
+/* How a row of a pass's logits is settled where the logits are (backend_ops.draw). */
+enum be_row {
+    BE_ROW_LOGITS, /* the row goes to the host */
+    BE_ROW_TOP,    /* only its BE_TOP_MAX largest logits, after its adjustments */
+    BE_ROW_DRAW,   /* a draw over the whole row after its adjustments, as sampler.c makes it */
+};
+
+/* An adjustment of one logit, applied in a row's order (sampler.c's adjust). */
+enum be_adjust { BE_ADD, BE_REPEAT, BE_SUB, BE_BAN };
+struct be_draw_op {
+    int32_t id;
+    int32_t kind; /* enum be_adjust: l + a; l > 0 ? l / a : l * a; l - a; -inf */
+    float a;
+};
+
+/* The largest vocabulary a BE_ROW_DRAW row may have (its blocks' sums in shared memory). */
+#define BE_DRAW_MAX_COLS (4096 * 64)
+
+/* Where backend_ops.draw leaves its results (host_alloc memory), by row of the n. */
+struct be_draw_out {
+    float *vals;        /* [n][BE_TOP_MAX] the largest, best first, of equal values the lower index */
+    int32_t *ids;       /* [n][BE_TOP_MAX] their indices */
+    int32_t *drawn;     /* [n] a BE_ROW_DRAW row's token */
+    float *drawn_logit; /* [n] its logit */
+    double *log_z;      /* [n] a logprobs row's log of the sum of e^logit */
+    float *logits;      /* [n][cols] a BE_ROW_LOGITS row's logits */
+};
+
+struct be_draw {
+    int32_t row;        /* enum be_row */
+    int32_t op0, n_ops; /* its adjustments: ops[op0, op0 + n_ops) */
+    /* Bans alone (fewer than BE_TOP_MAX): the ops are the bans, left out of the logits;
+     * a BE_ROW_DRAW draw starts from the best allowed logit and drops the banned
+     * tokens' weights from the sums (sampler.c's bans_only), a greedy one is the best
+     * allowed of the largest */
+    int32_t bans_aside;
+    int32_t logprobs; /* the row's logits are left as they are: its log-normalizer is wanted */
+    float scale; /* BE_ROW_DRAW: 1 / temperature */
+    double u;    /* BE_ROW_DRAW: in [0, 1), where the draw falls in the weights' total */
+};
+
 struct backend_ops {
     const char *name;
     /* What the backend can do, for the engine to ask instead of naming devices. */
@@ -129,11 +170,12 @@ struct backend_ops {
     /* Waits until every operation issued has finished. 0, or -1 with the error of
      * an operation since the last sync. */
     int (*sync)(struct backend *b);
-    /* The k (<= BE_TOP_MAX) largest values of each of n rows of `cols` floats at x (a
-     * product's output in the backend's memory), best first, of equal values the lower
-     * index first, into vals and ids [n][k] (host_alloc memory), there after sync.
-     * NULL where results are host memory anyway (the engine then finds them). */
-    void (*top)(struct backend *b, const float *x, int n, int cols, int k, float *vals, int32_t *ids);
+    /* Settles n rows of `cols` logits at x (the output product's, in the backend's
+     * memory) as d[n] says: applies each row's adjustments (ops[n_ops]) in place, finds
+     * every row's BE_TOP_MAX largest and draws, as be_draw_out says; there after sync.
+     * NULL where results are host memory anyway (the engine settles them). */
+    void (*draw)(struct backend *b, float *x, int n, int cols, const struct be_draw *d, const struct be_draw_op *ops,
+                 int n_ops, const struct be_draw_out *out);
     /* Runs fn over the backend's host threads, the caller's as ith 0 (between passes:
      * the engine's callers share them rather than start threads of their own). */
     void (*run_on_host_threads)(struct backend *b, kvq_task_fn fn, void *arg);

@@ -39,14 +39,28 @@ struct kvq_context {
     int *row_of;
     int row_of_cap;
     int last_n_tokens;
-    /* A top_only batch's rows: the KVQ_TOP_N largest logits of each and their ids (one
-     * host_alloc block, ids after the values) */
+    /* Rows settled where the logits are (a top_only batch's, or drawn by samplers on a
+     * device): the KVQ_TOP_N largest logits of each and their ids, the device's draws
+     * (dev.logits unused: the rows' logits are `logits`); one host_alloc block */
     bool last_top_only;
-    int last_top_rows;
-    float *top_vals;
-    kvq_token *top_ids;
+    int last_rows;
+    struct be_draw_out dev;
+    void *dev_block;
     size_t top_cap; /* rows */
-    atomic_int top_next; /* the next row host_tops_task takes */
+    /* How each row is settled (NULL: every row's logits come to the host), with the
+     * rows' adjustments; the samplers' draws (last_drawn false: none drawn) */
+    struct be_draw *draws;
+    int draws_cap;
+    struct be_draw_op *draw_ops;
+    int draw_ops_cap;
+    struct kvq_sampler **row_sampler; /* [rows] */
+    int row_sampler_cap;
+    kvq_token *drawn; /* [rows] */
+    int drawn_cap;
+    struct row_logprobs *lp; /* [rows]: k < 0 where none were asked for */
+    int lp_cap;
+    bool last_drawn, last_dev;
+    atomic_int row_next; /* the next row settle_rows_task takes */
     /* Reordering scratch: the batch grouped by sequence, first_pass of them before the
      * tokens that must wait for a later pass (plan_batch). */
     int32_t *order;
@@ -54,6 +68,14 @@ struct kvq_context {
     int *count;               /* [3 * (n_seq + 1)]: tokens per sequence, cursors */
     int32_t *chunk_tokens;    /* [2 * n_batch]: a forward pass's tokens, then its logit rows */
     struct fwd_seq *chunk_seqs; /* [n_batch] */
+};
+
+/* A row's log-probabilities (kvq_get_logprobs). */
+struct row_logprobs {
+    int k;
+    float drawn;
+    kvq_token ids[KVQ_LOGPROBS_MAX];
+    float lps[KVQ_LOGPROBS_MAX];
 };
 
 struct kvq_prefix {
@@ -420,9 +442,14 @@ void kvq_context_free(struct kvq_context *c) {
     forward_free(c->fwd);
     if (c->be) {
         c->be->ops->host_free(c->be, c->logits);
-        c->be->ops->host_free(c->be, c->top_vals);
+        c->be->ops->host_free(c->be, c->dev_block);
         c->be->ops->free(c->be);
     }
+    free(c->draws);
+    free(c->draw_ops);
+    free(c->row_sampler);
+    free(c->drawn);
+    free(c->lp);
     free(c->row_of);
     free(c->order);
     free(c->count);
@@ -715,15 +742,90 @@ static int plan_batch(struct kvq_context *c, const struct kvq_batch *b) {
 
 _Static_assert(KVQ_TOP_N <= BE_TOP_MAX, "a backend finds as many largest logits as a batch keeps");
 
-/* The largest logits of the rows of a top_only batch, found on the host, a row at a
- * time to whichever thread asks next. */
-static void host_tops_task(void *arg, int ith, int nth) {
+double kvq_logprobs(const float *x, int n, int k, kvq_token *ids, float *lps) {
+    float mx = -INFINITY;
+    int have = 0;
+    for (int i = 0; i < n; i++) { /* an insertion into a short sorted list: k <= 20 */
+        if (x[i] > mx) mx = x[i];
+        if (k == 0 || (have == k && !(x[i] > lps[k - 1]))) continue;
+        int j = have < k ? have++ : k - 1;
+        for (; j > 0 && x[i] > lps[j - 1]; j--) ids[j] = ids[j - 1], lps[j] = lps[j - 1];
+        ids[j] = i, lps[j] = x[i];
+    }
+    double sum = 0; /* in double: 150K terms in float would lose digits */
+    for (int i = 0; i < n; i++) sum += exp((double)x[i] - mx);
+    const double log_z = (double)mx + log(sum);
+    for (int j = 0; j < have; j++) lps[j] = (float)(lps[j] - log_z);
+    return log_z;
+}
+
+/* What the host does with the rows after the passes, a row at a time to whichever
+ * thread asks next: a sampler's draw (from the logits, or finished from the device's
+ * results), or a top_only row's largest logits where the device did not find them. */
+static void settle_rows_task(void *arg, int ith, int nth) {
     (void)ith, (void)nth;
     struct kvq_context *c = arg;
     const int n_vocab = c->m->model->hp.n_vocab;
-    for (int r; (r = atomic_fetch_add_explicit(&c->top_next, 1, memory_order_relaxed)) < c->last_top_rows;)
-        sampler_top(c->logits + (size_t)r * n_vocab, n_vocab, KVQ_TOP_N, c->top_vals + (size_t)r * KVQ_TOP_N,
-                    c->top_ids + (size_t)r * KVQ_TOP_N);
+    for (int r; (r = atomic_fetch_add_explicit(&c->row_next, 1, memory_order_relaxed)) < c->last_rows;) {
+        const float *logits = c->logits ? c->logits + (size_t)r * n_vocab : NULL;
+        struct kvq_sampler *s = c->last_drawn ? c->row_sampler[r] : NULL;
+        const struct be_draw *d = c->last_dev ? &c->draws[r] : NULL;
+        struct row_logprobs *lp = s ? &c->lp[r] : NULL;
+        if (s && (!d || d->row == BE_ROW_LOGITS)) {
+            const kvq_token t = c->drawn[r] = kvq_sampler_sample(s, logits);
+            if (lp->k >= 0) lp->drawn = (float)(logits[t] - kvq_logprobs(logits, n_vocab, lp->k, lp->ids, lp->lps));
+        } else if (s) {
+            const float *vals = c->dev.vals + (size_t)r * KVQ_TOP_N;
+            const kvq_token *ids = c->dev.ids + (size_t)r * KVQ_TOP_N;
+            const kvq_token t = c->drawn[r] = sampler_finish(s, d, vals, ids, c->dev.drawn[r]);
+            if (lp->k >= 0) { /* the row as the model left it: its largest are the most likely */
+                const double log_z = c->dev.log_z[r];
+                float logit = d->row == BE_ROW_DRAW ? c->dev.drawn_logit[r] : -INFINITY;
+                for (int j = 0; j < KVQ_TOP_N; j++) {
+                    if (ids[j] == t) logit = vals[j];
+                    if (j < lp->k) lp->ids[j] = ids[j], lp->lps[j] = (float)(vals[j] - log_z);
+                }
+                lp->drawn = (float)(logit - log_z);
+            }
+        } else if (c->last_top_only && !d) {
+            sampler_top(logits, n_vocab, KVQ_TOP_N, c->dev.vals + (size_t)r * KVQ_TOP_N,
+                        c->dev.ids + (size_t)r * KVQ_TOP_N);
+        }
+    }
+}
+
+/* The rows' samplers, and on a device that keeps the logits (dev) how each row is
+ * settled there (c->draws, with their adjustments in c->draw_ops): how many
+ * adjustments, or -1 with an error. */
+static int plan_rows(struct kvq_context *c, const struct kvq_batch *b, int n_rows, bool dev) {
+    if (b->samplers && (grow((void **)&c->row_sampler, &c->row_sampler_cap, n_rows, sizeof *c->row_sampler) ||
+                        grow((void **)&c->drawn, &c->drawn_cap, n_rows, sizeof *c->drawn) ||
+                        grow((void **)&c->lp, &c->lp_cap, n_rows, sizeof *c->lp)))
+        return -1;
+    if (dev && grow((void **)&c->draws, &c->draws_cap, n_rows, sizeof *c->draws)) return -1;
+    int n_ops = 0;
+    for (int i = 0; i < b->n_tokens; i++) {
+        const int r = c->row_of[i];
+        if (r < 0) continue;
+        struct kvq_sampler *s = b->samplers ? b->samplers[i] : NULL;
+        const int lp_k = s && b->logprobs ? b->logprobs[i] : -1;
+        if (lp_k > KVQ_LOGPROBS_MAX || lp_k > c->m->model->hp.n_vocab)
+            return kvq_error("%d log-probabilities a token (0..%d)", lp_k, KVQ_LOGPROBS_MAX);
+        if (b->samplers) c->row_sampler[r] = s, c->lp[r].k = lp_k < 0 ? -1 : lp_k;
+        if (!dev) continue;
+        struct be_draw *d = &c->draws[r];
+        *d = (struct be_draw){.row = b->top_only ? BE_ROW_TOP : BE_ROW_LOGITS};
+        if (!s) continue;
+        if (grow((void **)&c->draw_ops, &c->draw_ops_cap, n_ops + sampler_draw_ops_max(s), sizeof *c->draw_ops))
+            return -1;
+        const int m = sampler_plan(s, lp_k, d, c->draw_ops + n_ops);
+        d->op0 = n_ops;
+        n_ops += m;
+    }
+    for (int r = 0; b->samplers && r < n_rows; r++) /* a sampler draws one token at a time */
+        for (int q = 0; q < r && c->row_sampler[r]; q++)
+            if (c->row_sampler[q] == c->row_sampler[r]) return kvq_error("one sampler for two rows of a batch");
+    return n_ops;
 }
 
 int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
@@ -738,22 +840,39 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         bool want = b->logits ? b->logits[i] : i == n - 1;
         c->row_of[i] = want ? n_rows++ : -1;
     }
-    c->last_n_tokens = 0; /* kvq_get_logits, kvq_get_top: none until this batch is done */
-    /* a device finds the largest where the logits are (they stay there); the host, after
+    c->last_n_tokens = 0; /* kvq_get_logits, kvq_get_top, kvq_get_drawn: none until this batch is done */
+    /* a device settles the rows where the logits are (they stay there); the host, after
      * the passes */
-    const bool dev_top = b->top_only && c->be->ops->top && !c->be->ops->host_memory;
-    if (!dev_top && (size_t)n_rows > c->logits_cap) { /* rewritten by every decode: nothing to keep */
+    bool dev = (b->top_only || b->samplers) && c->be->ops->draw && !c->be->ops->host_memory && n_vocab >= KVQ_TOP_N;
+    const int n_ops = plan_rows(c, b, n_rows, dev);
+    if (n_ops < 0) return -1;
+    bool host_logits = !dev, dev_rows = false;
+    for (int r = 0; dev && r < n_rows; r++) {
+        host_logits |= c->draws[r].row == BE_ROW_LOGITS;
+        dev_rows |= c->draws[r].row != BE_ROW_LOGITS;
+    }
+    dev = dev && dev_rows; /* else the product sends every row as it makes them */
+    if (host_logits && (size_t)n_rows > c->logits_cap) { /* rewritten by every decode: nothing to keep */
         c->be->ops->host_free(c->be, c->logits);
         c->logits = c->be->ops->host_alloc(c->be, sizeof(float) * (size_t)n_rows * n_vocab);
         c->logits_cap = c->logits ? (size_t)n_rows : 0;
         if (!c->logits) return kvq_error_wrap("%d rows of logits: %s", n_rows, kvq_last_error());
     }
-    if (b->top_only && (size_t)n_rows > c->top_cap) {
-        c->be->ops->host_free(c->be, c->top_vals);
-        c->top_vals = c->be->ops->host_alloc(c->be, (sizeof(float) + sizeof(kvq_token)) * KVQ_TOP_N * (size_t)n_rows);
-        c->top_ids = c->top_vals ? (kvq_token *)(c->top_vals + KVQ_TOP_N * (size_t)n_rows) : NULL;
-        c->top_cap = c->top_vals ? (size_t)n_rows : 0;
-        if (!c->top_vals) return kvq_error_wrap("%d rows of largest logits: %s", n_rows, kvq_last_error());
+    if ((b->top_only || dev) && (size_t)n_rows > c->top_cap) {
+        const size_t rows = (size_t)n_rows;
+        c->be->ops->host_free(c->be, c->dev_block);
+        c->dev_block = c->be->ops->host_alloc(
+            c->be, (sizeof(double) + (sizeof(float) + sizeof(kvq_token)) * (KVQ_TOP_N + 1)) * rows);
+        if (!c->dev_block) {
+            c->top_cap = 0;
+            return kvq_error_wrap("%d rows of largest logits: %s", n_rows, kvq_last_error());
+        }
+        c->dev.log_z = c->dev_block;
+        c->dev.vals = (float *)(c->dev.log_z + rows);
+        c->dev.drawn_logit = c->dev.vals + KVQ_TOP_N * rows;
+        c->dev.ids = (kvq_token *)(c->dev.drawn_logit + rows);
+        c->dev.drawn = c->dev.ids + KVQ_TOP_N * rows;
+        c->top_cap = rows;
     }
 
     /* Forward passes over chunks of at most n_batch tokens of the grouped batch. */
@@ -766,8 +885,7 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         if (start < c->first_pass && start + len > c->first_pass) len = c->first_pass - start;
         for (int j = 0, rows = 0; j < len; j++) /* and at most the rows of logits a pass holds */
             if (c->row_of[c->order[start + j]] >= 0 && ++rows > max_rows) len = j;
-        struct fwd_batch fb = {.n_tokens = len, .tokens = tokens, .seqs = seqs, .logit_rows = logit_rows,
-                               .top_k = dev_top ? KVQ_TOP_N : 0};
+        struct fwd_batch fb = {.n_tokens = len, .tokens = tokens, .seqs = seqs, .logit_rows = logit_rows};
         int first_row = -1;
         for (int j = 0; j < len; j++) {
             int i = c->order[start + j];
@@ -785,16 +903,26 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         }
         /* rows are numbered in chunk order: the pass writes them in place */
         const size_t row0 = (size_t)(first_row < 0 ? 0 : first_row);
-        fb.top_vals = dev_top ? c->top_vals + row0 * KVQ_TOP_N : NULL;
-        fb.top_ids = dev_top ? c->top_ids + row0 * KVQ_TOP_N : NULL;
-        rc = forward_run(c->fwd, &fb, dev_top ? NULL : c->logits + row0 * n_vocab);
+        struct be_draw_out out;
+        if (dev) {
+            out = (struct be_draw_out){c->dev.vals + row0 * KVQ_TOP_N, c->dev.ids + row0 * KVQ_TOP_N,
+                                       c->dev.drawn + row0,          c->dev.drawn_logit + row0,
+                                       c->dev.log_z + row0,          host_logits ? c->logits + row0 * n_vocab : NULL};
+            fb.draws = c->draws + row0;
+            fb.draw_ops = c->draw_ops;
+            fb.n_draw_ops = n_ops;
+            fb.draw_out = &out;
+        }
+        rc = forward_run(c->fwd, &fb, host_logits ? c->logits + row0 * n_vocab : NULL);
     }
     if (rc != 0) return rc;
     c->last_top_only = b->top_only;
-    c->last_top_rows = n_rows;
-    if (b->top_only && !dev_top && n_rows > 0) {
-        atomic_store_explicit(&c->top_next, 0, memory_order_relaxed);
-        c->be->ops->run_on_host_threads(c->be, host_tops_task, c);
+    c->last_drawn = b->samplers != NULL;
+    c->last_dev = dev;
+    c->last_rows = n_rows;
+    if (n_rows > 0 && (b->samplers || (b->top_only && !dev))) {
+        atomic_store_explicit(&c->row_next, 0, memory_order_relaxed);
+        c->be->ops->run_on_host_threads(c->be, settle_rows_task, c);
     }
     c->last_n_tokens = n;
     return 0;
@@ -837,13 +965,30 @@ int kvq_embed(struct kvq_context *c, int seq, const kvq_token *tokens, int n, en
 
 const float *kvq_get_logits(const struct kvq_context *c, int i) {
     if (i < 0 || i >= c->last_n_tokens || c->row_of[i] < 0 || c->last_top_only) return NULL;
-    return c->logits + (size_t)c->row_of[i] * c->m->model->hp.n_vocab;
+    const int r = c->row_of[i];
+    if ((c->last_drawn && c->row_sampler[r]) || (c->last_dev && c->draws[r].row != BE_ROW_LOGITS)) return NULL;
+    return c->logits + (size_t)r * c->m->model->hp.n_vocab;
+}
+
+kvq_token kvq_get_drawn(const struct kvq_context *c, int i) {
+    if (i < 0 || i >= c->last_n_tokens || c->row_of[i] < 0 || !c->last_drawn || !c->row_sampler[c->row_of[i]])
+        return -1;
+    return c->drawn[c->row_of[i]];
+}
+
+int kvq_get_logprobs(const struct kvq_context *c, int i, float *drawn, kvq_token *ids, float *lps) {
+    if (kvq_get_drawn(c, i) < 0 || c->lp[c->row_of[i]].k < 0) return -1;
+    const struct row_logprobs *lp = &c->lp[c->row_of[i]];
+    *drawn = lp->drawn;
+    memcpy(ids, lp->ids, sizeof *ids * (size_t)lp->k);
+    memcpy(lps, lp->lps, sizeof *lps * (size_t)lp->k);
+    return lp->k;
 }
 
 int kvq_get_top(const struct kvq_context *c, int i, float *vals, kvq_token *ids) {
     if (i < 0 || i >= c->last_n_tokens || c->row_of[i] < 0 || !c->last_top_only) return -1;
-    memcpy(vals, c->top_vals + (size_t)c->row_of[i] * KVQ_TOP_N, sizeof *vals * KVQ_TOP_N);
-    memcpy(ids, c->top_ids + (size_t)c->row_of[i] * KVQ_TOP_N, sizeof *ids * KVQ_TOP_N);
+    memcpy(vals, c->dev.vals + (size_t)c->row_of[i] * KVQ_TOP_N, sizeof *vals * KVQ_TOP_N);
+    memcpy(ids, c->dev.ids + (size_t)c->row_of[i] * KVQ_TOP_N, sizeof *ids * KVQ_TOP_N);
     return 0;
 }
 

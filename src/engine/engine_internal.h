@@ -13,6 +13,18 @@ const struct model *engine_model(const struct kvq_context *c);
 /* The k <= KVQ_TOP_N largest of x[0..n), best first, of equal values the first ones
  * (sampler.c: a greedy draw's order). */
 void sampler_top(const float *x, int n, int k, float *vals, kvq_token *ids);
+/* A draw settled where the logits are (backend.h's be_draw), for a backend whose
+ * logits stay in its memory: sampler_plan fills d for s's next draw, with the
+ * log-probabilities of the `logprobs` most likely tokens (-1: none), and writes its
+ * adjustments (at most sampler_draw_ops_max) to ops, returning how many (0 and a
+ * BE_ROW_LOGITS row where the device cannot make it); sampler_finish then gives the
+ * token from the row's results and advances s as kvq_sampler_sample would have. */
+struct be_draw;
+struct be_draw_op;
+int sampler_draw_ops_max(const struct kvq_sampler *s);
+int sampler_plan(const struct kvq_sampler *s, int logprobs, struct be_draw *d, struct be_draw_op *ops);
+kvq_token sampler_finish(struct kvq_sampler *s, const struct be_draw *d, const float *vals, const kvq_token *ids,
+                         kvq_token drawn);
 const struct model *engine_model_data(const struct kvq_model *m);
 /* The model's vocabulary as grammars see it, made on first use (any thread); NULL
  * with an error. */

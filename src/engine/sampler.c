@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/backend.h"
 #include "core/error.h"
 #include "engine/engine_internal.h"
 #include "kernels/activation.h"
@@ -150,31 +151,42 @@ int kvq_sampler_ban(struct kvq_sampler *s, const kvq_token *ids, int n) {
     return 0;
 }
 
+static bool repeat_in_effect(const struct kvq_sampler *s) { return s->p.repeat_penalty != 1.0f && s->n_history > 0; }
+static bool openai_in_effect(const struct kvq_sampler *s) {
+    return (s->frequency != 0 || s->presence != 0) && s->n_seen > 0;
+}
+
+/* What OpenAI's penalties take from token t's logit (one expression for the host's
+ * adjustment and the device's, so both round alike). */
+static float openai_penalty(const struct kvq_sampler *s, kvq_token t) {
+    return (float)s->counts[t] * s->frequency + s->presence;
+}
+
+/* Whether history entry h repeats an earlier one (the penalty applies once a token). */
+static bool repeated_before(const struct kvq_sampler *s, int h) {
+    for (int j = 0; j < h; j++)
+        if (s->history[j] == s->history[h]) return true;
+    return false;
+}
+
 /* The logits with bias, penalties and bans applied (in s->work), or logits as they are
  * when none applies. */
 static const float *adjust(struct kvq_sampler *s, const float *logits) {
     const int n = s->n_vocab;
-    const bool repeat = s->p.repeat_penalty != 1.0f && s->n_history > 0;
-    const bool openai = (s->frequency != 0 || s->presence != 0) && s->n_seen > 0;
+    const bool repeat = repeat_in_effect(s), openai = openai_in_effect(s);
     if (!repeat && !openai && s->n_bias == 0 && s->n_banned == 0) return logits;
     memcpy(s->work, logits, sizeof *s->work * (size_t)n);
     for (int i = 0; i < s->n_bias; i++) s->work[s->bias_ids[i]] += s->bias[i];
     if (repeat) {
         for (int h = 0; h < s->n_history; h++) {
             kvq_token t = s->history[h];
-            if (t < 0 || t >= n) continue;
-            bool seen = false; /* penalize each token once */
-            for (int j = 0; j < h; j++) seen |= s->history[j] == t;
-            if (seen) continue;
+            if (t < 0 || t >= n || repeated_before(s, h)) continue;
             float *l = &s->work[t];
             *l = *l > 0 ? *l / s->p.repeat_penalty : *l * s->p.repeat_penalty;
         }
     }
     if (openai)
-        for (int i = 0; i < s->n_seen; i++) {
-            const kvq_token t = s->seen[i];
-            s->work[t] -= (float)s->counts[t] * s->frequency + s->presence;
-        }
+        for (int i = 0; i < s->n_seen; i++) s->work[s->seen[i]] -= openai_penalty(s, s->seen[i]);
     for (int i = 0; i < s->n_banned; i++) s->work[s->banned[i]] = -INFINITY;
     return s->work;
 }
@@ -186,6 +198,9 @@ static uint64_t next_u64(uint64_t *state) {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
+
+/* In [0, 1), of 53 random bits. */
+static double uniform(uint64_t *state) { return (double)(next_u64(state) >> 11) * (1.0 / 9007199254740992.0); }
 
 /* Best first; equal logits by id, so the order does not depend on how they were found. */
 static int better_first(const void *a, const void *b) {
@@ -294,8 +309,8 @@ void sampler_top(const float *x, int n, int k, float *vals, kvq_token *ids) {
 }
 
 bool kvq_sampler_top_enough(const struct kvq_sampler *s, int k) {
-    return s->p.temp <= 0 && !s->grammar && s->n_bias == 0 && !(s->p.repeat_penalty != 1.0f && s->n_history > 0) &&
-           !((s->frequency != 0 || s->presence != 0) && s->n_seen > 0) && s->n_banned < k;
+    return s->p.temp <= 0 && !s->grammar && s->n_bias == 0 && !repeat_in_effect(s) && !openai_in_effect(s) &&
+           s->n_banned < k;
 }
 
 /* As argmax_allowed picks from the n_banned + 1 largest, and argmax with no bans. */
@@ -342,6 +357,13 @@ int kvq_sampler_set_grammar(struct kvq_sampler *s, struct kvq_grammar *g) {
 
 static kvq_token sample_logits(struct kvq_sampler *s, const float *logits);
 
+/* Bans are all that applies to the next draw, and it needs no copy of the logits:
+ * greedy, or (whole) a draw over the whole row. */
+static bool only_bans(const struct kvq_sampler *s, bool whole) {
+    return s->n_banned > 0 && s->n_bias == 0 && !repeat_in_effect(s) && !openai_in_effect(s) &&
+           (s->p.temp <= 0 || whole);
+}
+
 kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
     if (!s->grammar) return sample_logits(s, logits);
     /* bias, penalties and bans apply to the masked logits (the bans-only path draws
@@ -354,6 +376,15 @@ kvq_token kvq_sampler_sample(struct kvq_sampler *s, const float *logits) {
     return s->masked[t] == -INFINITY ? argmax(s->masked, s->n_vocab) : t;
 }
 
+static kvq_token cut_and_draw(struct kvq_sampler *s, const struct candidate *c, float *prob, int k, double sum);
+
+/* The draw among the top k (< the vocabulary) candidates, best first. */
+static kvq_token draw_top_k(struct kvq_sampler *s, const struct candidate *c, int k) {
+    double sum = 0;
+    for (int i = 0; i < k; i++) sum += s->prob[i] = expf((c[i].logit - c[0].logit) / s->p.temp);
+    return cut_and_draw(s, c, s->prob, k, sum);
+}
+
 static kvq_token sample_logits(struct kvq_sampler *s, const float *logits) {
     const int n = s->n_vocab;
     int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
@@ -361,9 +392,7 @@ static kvq_token sample_logits(struct kvq_sampler *s, const float *logits) {
     /* bans alone (ignore_eos, min_tokens) need no copy of the logits where nothing is
      * truncated: greedy takes the best allowed token, a draw gives banned ones no weight
      * (a copy of 128K logits cost about what a greedy draw does) */
-    const bool bans_only = s->n_banned > 0 && s->n_bias == 0 && !(s->p.repeat_penalty != 1.0f && s->n_history > 0) &&
-                           !((s->frequency != 0 || s->presence != 0) && s->n_seen > 0) &&
-                           (s->p.temp <= 0 || (k == n && !cuts));
+    const bool bans_only = only_bans(s, k == n && !cuts);
     const float *x = bans_only ? logits : adjust(s, logits);
     if (s->p.temp <= 0) return bans_only ? argmax_allowed(s, x, n) : argmax(x, n);
     struct candidate *c = s->cand;
@@ -373,33 +402,37 @@ static kvq_token sample_logits(struct kvq_sampler *s, const float *logits) {
         const int best = bans_only ? argmax_allowed(s, x, n) : argmax(x, n);
         double sum = weights(x, n, x[best], temp, prob, s->block_sum);
         if (bans_only) sum -= drop_banned(s, prob);
-        const double r = (double)(next_u64(&s->rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
+        const double r = uniform(&s->rng) * sum;
         return draw_index(prob, s->block_sum, n, r, best);
     }
     /* The candidates best first, k of them: the top k; without top-k, those up to where
      * top-p or min-p cuts (found by taking more until one does, then all), with their
      * weights against the best, and the sum over all the top-k candidates (without
      * top-k, over every logit). */
-    double sum = 0;
     if (k < n) {
         top_m(x, n, k, c);
-        for (int i = 0; i < k; i++) sum += prob[i] = expf((c[i].logit - c[0].logit) / temp);
-    } else {
-        const float maxl = x[argmax(x, n)];
-        sum = weights(x, n, maxl, temp, prob, s->block_sum);
-        /* a few thousand by the heap; beyond, all of them (then only sorted) */
-        for (int m = n < 256 ? n : 256;; m = 4 * m > n / 8 ? n : 4 * m) {
-            top_m(x, n, m, c);
-            double cum = 0;
-            bool cut = false;
-            for (k = 0; k < m && !cut; k++) { /* the weights up to where a filter cuts */
-                prob[k] = expf((c[k].logit - maxl) / temp);
-                cum += prob[k] / sum;
-                cut = (s->p.top_p < 1.0f && cum >= s->p.top_p) || (s->p.min_p > 0 && prob[k] < s->p.min_p * prob[0]);
-            }
-            if (cut || m == n) break;
-        }
+        return draw_top_k(s, c, k);
     }
+    const float maxl = x[argmax(x, n)];
+    const double sum = weights(x, n, maxl, temp, prob, s->block_sum);
+    /* a few thousand by the heap; beyond, all of them (then only sorted) */
+    for (int m = n < 256 ? n : 256;; m = 4 * m > n / 8 ? n : 4 * m) {
+        top_m(x, n, m, c);
+        double cum = 0;
+        bool cut = false;
+        for (k = 0; k < m && !cut; k++) { /* the weights up to where a filter cuts */
+            prob[k] = expf((c[k].logit - maxl) / temp);
+            cum += prob[k] / sum;
+            cut = (s->p.top_p < 1.0f && cum >= s->p.top_p) || (s->p.min_p > 0 && prob[k] < s->p.min_p * prob[0]);
+        }
+        if (cut || m == n) break;
+    }
+    return cut_and_draw(s, c, prob, k, sum);
+}
+
+/* The draw among candidates c[0..k), best first, of weights prob against a total of
+ * sum: top-p and min-p cut them first. */
+static kvq_token cut_and_draw(struct kvq_sampler *s, const struct candidate *c, float *prob, int k, double sum) {
     /* top-p: smallest prefix with cumulative probability >= top_p */
     if (s->p.top_p < 1.0f) {
         double cum = 0;
@@ -419,7 +452,7 @@ static kvq_token sample_logits(struct kvq_sampler *s, const float *logits) {
     }
     sum = 0;
     for (int i = 0; i < k; i++) sum += prob[i];
-    double r = (double)(next_u64(&s->rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
+    double r = uniform(&s->rng) * sum;
     kvq_token chosen = c[k - 1].id;
     for (int i = 0; i < k; i++) {
         r -= prob[i];
@@ -429,4 +462,61 @@ static kvq_token sample_logits(struct kvq_sampler *s, const float *logits) {
         }
     }
     return chosen;
+}
+
+/* ---- draws settled where the logits are (a GPU's), engine_internal.h ---- */
+
+int sampler_draw_ops_max(const struct kvq_sampler *s) {
+    return s->n_bias + (repeat_in_effect(s) ? s->n_history : 0) + (openai_in_effect(s) ? s->n_seen : 0) + s->n_banned;
+}
+
+int sampler_plan(const struct kvq_sampler *s, int logprobs, struct be_draw *d, struct be_draw_op *ops) {
+    const int n = s->n_vocab, k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
+    const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0, whole = k == n && !cuts;
+    *d = (struct be_draw){.row = BE_ROW_LOGITS};
+    if (s->grammar || n < BE_TOP_MAX || logprobs > BE_TOP_MAX) return 0;
+    if (s->p.temp <= 0 || (k < n && k <= BE_TOP_MAX)) d->row = BE_ROW_TOP; /* drawn from those: sampler_finish */
+    else if (whole && n <= BE_DRAW_MAX_COLS) d->row = BE_ROW_DRAW;
+    else return 0;
+    /* bans alone stay out of the logits where the best allowed is among the largest */
+    d->bans_aside = only_bans(s, whole) && s->n_banned < BE_TOP_MAX;
+    const bool adjusted = s->n_bias > 0 || repeat_in_effect(s) || openai_in_effect(s) ||
+                          (s->n_banned > 0 && !d->bans_aside);
+    if ((d->row == BE_ROW_DRAW && only_bans(s, whole) && !d->bans_aside) || (logprobs >= 0 && adjusted)) {
+        *d = (struct be_draw){.row = BE_ROW_LOGITS}; /* the draw, or the log-probabilities, need the row as it is */
+        return 0;
+    }
+    d->logprobs = logprobs >= 0;
+    if (d->row == BE_ROW_DRAW) {
+        uint64_t rng = s->rng; /* sampler_finish takes it */
+        d->scale = 1.0f / s->p.temp;
+        d->u = uniform(&rng);
+    }
+    /* adjust's order: the device applies them one after another */
+    int m = 0;
+    if (!d->bans_aside) {
+        for (int i = 0; i < s->n_bias; i++) ops[m++] = (struct be_draw_op){s->bias_ids[i], BE_ADD, s->bias[i]};
+        for (int h = 0; repeat_in_effect(s) && h < s->n_history; h++)
+            if (s->history[h] >= 0 && s->history[h] < n && !repeated_before(s, h))
+                ops[m++] = (struct be_draw_op){s->history[h], BE_REPEAT, s->p.repeat_penalty};
+        for (int i = 0; openai_in_effect(s) && i < s->n_seen; i++)
+            ops[m++] = (struct be_draw_op){s->seen[i], BE_SUB, openai_penalty(s, s->seen[i])};
+    }
+    for (int i = 0; i < s->n_banned; i++) ops[m++] = (struct be_draw_op){s->banned[i], BE_BAN, 0};
+    d->n_ops = m;
+    return m;
+}
+
+kvq_token sampler_finish(struct kvq_sampler *s, const struct be_draw *d, const float *vals, const kvq_token *ids,
+                         kvq_token drawn) {
+    if (d->row == BE_ROW_DRAW) {
+        next_u64(&s->rng); /* the uniform sampler_plan read */
+        return drawn;
+    }
+    assert(d->row == BE_ROW_TOP);
+    if (s->p.temp <= 0) return d->bans_aside ? kvq_sampler_sample_top(s, ids, BE_TOP_MAX) : ids[0];
+    const int k = s->p.top_k;
+    assert(k > 0 && k <= BE_TOP_MAX);
+    for (int i = 0; i < k; i++) s->cand[i] = (struct candidate){vals[i], ids[i]};
+    return draw_top_k(s, s->cand, k);
 }

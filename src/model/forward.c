@@ -139,8 +139,8 @@ static int check_batch(const struct forward *f, const struct fwd_batch *b) {
         return kvq_error("batch of %d tokens (1..%d allowed)", b->n_tokens, f->max_tokens);
     if (b->n_logits < 0 || b->n_logits > b->n_tokens || b->n_logits > f->max_logits)
         return kvq_error("invalid number of logit rows");
-    if (b->top_k < 0 || b->top_k > BE_TOP_MAX || b->top_k > hp->n_vocab || (b->top_k > 0 && (!f->logits || !f->be->ops->top)))
-        return kvq_error("invalid number of largest logits");
+    if (b->draws && (!f->logits || !f->be->ops->draw || hp->n_vocab < BE_TOP_MAX))
+        return kvq_error("logits settled where they are, by a backend that cannot");
     for (int t = 0; t < b->n_tokens; t++)
         if (b->tokens[t] < 0 || b->tokens[t] >= hp->n_vocab)
             return kvq_error("token id %d is outside the vocabulary (0..%d)", b->tokens[t], hp->n_vocab - 1);
@@ -152,6 +152,14 @@ static int check_batch(const struct forward *f, const struct fwd_batch *b) {
     if (covered != b->n_tokens) return kvq_error("batch sequences must tile the batch");
     for (int i = 0; i < b->n_logits; i++)
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens) return kvq_error("invalid logit row");
+    for (int i = 0; b->draws && i < b->n_logits; i++) { /* the device writes where these say */
+        const struct be_draw *d = &b->draws[i];
+        if (d->row < BE_ROW_LOGITS || d->row > BE_ROW_DRAW || (d->row == BE_ROW_DRAW && hp->n_vocab > BE_DRAW_MAX_COLS) ||
+            d->op0 < 0 || d->n_ops < 0 || d->n_ops > b->n_draw_ops - d->op0)
+            return kvq_error("invalid draw for logit row %d", i);
+        for (int j = d->op0; j < d->op0 + d->n_ops; j++)
+            if (b->draw_ops[j].id < 0 || b->draw_ops[j].id >= hp->n_vocab) return kvq_error("invalid logit adjustment");
+    }
     return 0;
 }
 
@@ -192,9 +200,10 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
     } else if (b->n_logits > 0) {
         op->rmsnorm(be, f->x, b->logit_rows, f->m->output_norm, b->n_logits, hp->n_embd, hp->rms_eps, f->xn);
         struct be_matmul out = {&f->m->output, f->logits ? f->logits : logits, NULL,
-                                f->logits && b->top_k == 0 ? logits : NULL};
+                                f->logits && !b->draws ? logits : NULL};
         op->matmul(be, f->xn, hp->n_embd, b->n_logits, 1, &out);
-        if (b->top_k > 0) op->top(be, f->logits, b->n_logits, hp->n_vocab, b->top_k, b->top_vals, b->top_ids);
+        if (b->draws)
+            op->draw(be, f->logits, b->n_logits, hp->n_vocab, b->draws, b->draw_ops, b->n_draw_ops, b->draw_out);
     }
     if (op->sync(be) != 0) {
         undo_appends(f, b, hp->n_layer);

@@ -93,11 +93,13 @@ struct fwd_batch {
     const int32_t *logit_rows; /* batch indices whose logits are wanted */
     float *hidden; /* set (a backend with host memory only): those rows' final normed hidden
                     * states [n_logits][n_embd] go here instead of logits */
-    /* top_k > 0 (a backend with ops->top and device logits only): the top_k largest logits of each row go
-     * to top_vals / top_ids [n_logits][top_k] instead of the logits */
-    int top_k;
-    float *top_vals;
-    int32_t *top_ids;
+    /* draws set (a backend with ops->draw and device logits only): each row is settled
+     * where the logits are, as draws[n_logits] say, its results in draw_out (backend.h;
+     * BE_ROW_LOGITS rows' logits there too, none to forward_run's) */
+    const struct be_draw *draws;
+    const struct be_draw_op *draw_ops;
+    int n_draw_ops;
+    const struct be_draw_out *draw_out;
 };
 
 struct forward;

@@ -23,30 +23,18 @@ void lp_list_free(struct lp_list *l) {
     *l = (struct lp_list){0};
 }
 
-static float finite_or_floor(double x) { return isfinite(x) && x > LP_FLOOR ? (float)x : LP_FLOOR; }
+float lp_floor(double x) { return isfinite(x) && x > LP_FLOOR ? (float)x : LP_FLOOR; }
 
 float lp_compute(const float *logits, int n, kvq_token chosen, int k, struct lp_top *top) {
     if (k > LP_MAX_TOP) k = LP_MAX_TOP;
     if (k > n) k = n;
-    /* one pass for the maximum and the k largest (insertion into a short sorted list:
-     * k <= 20, so this costs about one comparison per token) */
-    float mx = -INFINITY;
-    int have = 0;
-    for (int i = 0; i < n; i++) {
-        float x = logits[i];
-        if (x > mx) mx = x;
-        if (k == 0 || (have == k && !(x > top[k - 1].logprob))) continue;
-        int j = have < k ? have++ : k - 1;
-        while (j > 0 && x > top[j - 1].logprob) {
-            top[j] = top[j - 1];
-            j--;
-        }
-        top[j] = (struct lp_top){i, x};
-    }
-    /* the sum in double: 150k terms in float would lose digits */
-    double sum = 0;
-    for (int i = 0; i < n; i++) sum += exp((double)logits[i] - mx);
-    double log_z = (double)mx + log(sum);
-    for (int j = 0; j < have; j++) top[j].logprob = finite_or_floor((double)top[j].logprob - log_z);
-    return chosen >= 0 && chosen < n ? finite_or_floor((double)logits[chosen] - log_z) : LP_FLOOR;
+    kvq_token ids[LP_MAX_TOP];
+    float lps[LP_MAX_TOP];
+    const double log_z = kvq_logprobs(logits, n, k, ids, lps);
+    lp_top_fill(top, ids, lps, k);
+    return chosen >= 0 && chosen < n ? lp_floor((double)logits[chosen] - log_z) : LP_FLOOR;
+}
+
+void lp_top_fill(struct lp_top *top, const kvq_token *ids, const float *lps, int k) {
+    for (int j = 0; j < k; j++) top[j] = (struct lp_top){ids[j], lp_floor(lps[j])};
 }

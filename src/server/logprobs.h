@@ -41,5 +41,9 @@ void lp_list_free(struct lp_list *l);
  * likely tokens into top, most likely first, equal values by lower id. Values that
  * are not finite (a logit of -inf) become LP_FLOOR. */
 float lp_compute(const float *logits, int n, kvq_token chosen, int k, struct lp_top *top);
+/* top[0..k) from ids and log-probabilities (kvq_get_logprobs), with lp_floor's values. */
+void lp_top_fill(struct lp_top *top, const kvq_token *ids, const float *lps, int k);
+/* x, or LP_FLOOR for what is not finite or below it. */
+float lp_floor(double x);
 
 #endif

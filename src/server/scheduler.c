@@ -38,9 +38,10 @@ struct sched_req {
     int n_gen;
     kvq_token *fed; /* tokens the sequence holds: the prompt, then generated ones */
     int n_fed, fed_cap;
-    /* this step's draw, made with the others' on the sampling threads, from the logits
-     * after batch token `row` (in a top_only step, their largest) */
+    /* this step's draw after batch token `row`: the engine's (by_engine: the step
+     * passed smp), or made with the others' on the sampling threads from the logits */
     int row;
+    bool by_engine;
     kvq_token drawn;
     struct lp_entry drawn_lp;
     struct kvq_sampler *smp;
@@ -73,6 +74,8 @@ struct sched {
     kvq_token *b_tok;
     int32_t *b_seq;
     bool *b_logits;
+    struct kvq_sampler **b_smp; /* the samplers the engine draws with, by batch token */
+    int *b_lp;                  /* and the log-probabilities it reports with their draws */
     double rate_t0;
     double kv_bytes_t; /* when update_stats last counted the KV bytes in use */
     uint64_t rate_tokens;
@@ -82,7 +85,6 @@ struct sched {
     struct sched_req **draws;
     int n_draws;
     atomic_int next_draw;
-    bool top_only; /* this step kept the largest logits only: every draw is greedy */
 };
 
 static double now_s(void) {
@@ -490,24 +492,28 @@ static void admit(struct sched *s) {
     }
 }
 
+/* How many of the most likely tokens r reports with each token (its top_logprobs). */
+static int n_logprobs(const struct sched *s, const struct sched_req *r) {
+    return r->gp.logprobs < s->n_vocab ? r->gp.logprobs : s->n_vocab;
+}
+
 /* The token after batch token r->row, and its log-probabilities when asked for: what
  * only reads the step's logits and r's sampler, so the requests' draws run at once. */
 static void draw(struct sched *s, struct sched_req *r) {
-    if (s->top_only) {
-        float vals[KVQ_TOP_N];
-        kvq_token ids[KVQ_TOP_N];
-        kvq_get_top(s->c, r->row, vals, ids);
-        r->drawn = kvq_sampler_sample_top(r->smp, ids, KVQ_TOP_N);
+    const float *logits = r->by_engine ? NULL : kvq_get_logits(s->c, r->row);
+    const kvq_token t = r->drawn = r->by_engine ? kvq_get_drawn(s->c, r->row) : kvq_sampler_sample(r->smp, logits);
+    if (r->gp.logprobs < 0 || kvq_token_is_eog(s->m, t)) return;
+    r->drawn_lp.id = t;
+    r->drawn_lp.n_top = n_logprobs(s, r);
+    if (logits) {
+        r->drawn_lp.logprob = lp_compute(logits, s->n_vocab, t, r->drawn_lp.n_top, r->drawn_lp.top);
         return;
     }
-    const float *logits = kvq_get_logits(s->c, r->row);
-    const kvq_token t = kvq_sampler_sample(r->smp, logits);
-    r->drawn = t;
-    if (r->gp.logprobs >= 0 && !kvq_token_is_eog(s->m, t)) {
-        r->drawn_lp.id = t;
-        r->drawn_lp.n_top = r->gp.logprobs < s->n_vocab ? r->gp.logprobs : s->n_vocab;
-        r->drawn_lp.logprob = lp_compute(logits, s->n_vocab, t, r->drawn_lp.n_top, r->drawn_lp.top);
-    }
+    kvq_token ids[KVQ_LOGPROBS_MAX];
+    float lps[KVQ_LOGPROBS_MAX], drawn;
+    kvq_get_logprobs(s->c, r->row, &drawn, ids, lps);
+    r->drawn_lp.logprob = lp_floor(drawn);
+    lp_top_fill(r->drawn_lp.top, ids, lps, r->drawn_lp.n_top);
 }
 
 static void draw_task(void *arg, int ith, int nth) {
@@ -574,6 +580,7 @@ static void fork_followers(struct sched *s) {
         r->res.cached_tokens = l->res.cached_tokens;
         pthread_mutex_unlock(&r->mu);
         r->row = l->row;
+        r->by_engine = false;
         s->draws[s->n_draws++] = r;
     }
 }
@@ -591,15 +598,22 @@ static void step(struct sched *s) {
     if (s->running == 0) return;
     int n = sched_policy_step(&s->pol, s->seqs, s->b_tok, s->b_seq, s->b_logits);
     if (n == 0) return;
-    /* only the largest logits when every draw is greedy: on a GPU 128 rows of a 128K
-     * vocabulary are 64 MB a step to copy and scan */
-    s->top_only = true;
-    for (int i = 0; i < s->p.max_seqs && s->top_only; i++) {
+    /* the engine draws where the logits are (on a GPU, 128 rows of a 128K vocabulary are
+     * 64 MB a step to copy and scan), but for leaders whose followers draw from the same
+     * row (which then comes to the host) */
+    for (int i = 0; i < n; i++) s->b_smp[i] = NULL;
+    for (int i = 0; i < s->p.max_seqs; i++)
+        if (s->slots[i]) s->slots[i]->by_engine = s->slots[i]->q.batch_pos >= 0;
+    for (int i = 0; i < s->p.max_seqs; i++)
+        if (s->slots[i] && s->slots[i]->leader && !s->slots[i]->q.forked) s->slots[i]->leader->by_engine = false;
+    for (int i = 0; i < s->p.max_seqs; i++) {
         const struct sched_req *r = s->slots[i];
-        s->top_only = !r || !r->smp || (r->gp.logprobs < 0 && kvq_sampler_top_enough(r->smp, KVQ_TOP_N));
+        if (!r || !r->by_engine) continue;
+        s->b_smp[r->q.batch_pos] = r->smp;
+        s->b_lp[r->q.batch_pos] = r->gp.logprobs < 0 ? -1 : n_logprobs(s, r);
     }
     struct kvq_batch b = {.n_tokens = n, .tokens = s->b_tok, .seq_ids = s->b_seq, .logits = s->b_logits,
-                          .top_only = s->top_only};
+                          .samplers = s->b_smp, .logprobs = s->b_lp};
     if (kvq_decode(s->c, &b) != 0) {
         /* nothing was written: give memory back (prefix cache first, then the youngest
          * request) and try again next step */
@@ -639,7 +653,9 @@ static void step(struct sched *s) {
     }
     fork_followers(s);
     atomic_store_explicit(&s->next_draw, 0, memory_order_relaxed);
-    if (s->n_draws > 1 && !s->top_only) kvq_run_parallel(s->c, draw_task, s);
+    int on_host = 0;
+    for (int i = 0; i < s->n_draws; i++) on_host += !s->draws[i]->by_engine;
+    if (on_host > 1) kvq_run_parallel(s->c, draw_task, s);
     else draw_task(s, 0, 1);
     const int sampled = s->n_draws;
     for (int i = 0; i < sampled; i++) next_token(s, s->draws[i]);
@@ -758,8 +774,10 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     s->b_tok = malloc(sizeof *s->b_tok * (size_t)cap);
     s->b_seq = malloc(sizeof *s->b_seq * (size_t)cap);
     s->b_logits = malloc(sizeof *s->b_logits * (size_t)cap);
+    s->b_smp = malloc(sizeof *s->b_smp * (size_t)cap);
+    s->b_lp = malloc(sizeof *s->b_lp * (size_t)cap);
     s->draws = malloc(sizeof *s->draws * (size_t)p->max_seqs);
-    if (!s->slots || !s->seqs || !s->want || !s->b_tok || !s->b_seq || !s->b_logits || !s->draws) {
+    if (!s->slots || !s->seqs || !s->want || !s->b_tok || !s->b_seq || !s->b_logits || !s->b_smp || !s->b_lp || !s->draws) {
         sched_free(s);
         return NULL;
     }
@@ -800,6 +818,8 @@ void sched_free(struct sched *s) {
     free(s->b_tok);
     free(s->b_seq);
     free(s->b_logits);
+    free(s->b_smp);
+    free(s->b_lp);
     free(s->draws);
     free(s->eog);
     free(s);

@@ -272,7 +272,7 @@ static const struct backend_ops cuda_ops = {
     .attention = cuda_attention,
     .sync = cuda_sync,
     .run_on_host_threads = cuda_run_on_host_threads,
-    .top = cuda_top,
+    .draw = cuda_draw,
 };
 
 

@@ -146,6 +146,18 @@ size_t cuk_top_scratch_bytes(int n);
 void cuk_top(struct cuk_queue *qu, const float *x, int n, int cols, int k, float *out_v, int32_t *out_i, void *scratch,
              int n_sm);
 
+/* A pass's rows of logits settled as the host's sampler would (backend.h's be_draw):
+ * cuk_adjust applies each row's adjustments in place; cuk_draw, after cuk_top found
+ * every row's CUK_TOP_MAX largest (top_v, top_i), writes each BE_ROW_DRAW row's token
+ * and its logit to drawn[n] and drawn_logit[n], and each logprobs row's log of the sum
+ * of e^logit to log_z[n]. */
+struct be_draw;
+struct be_draw_op;
+void cuk_adjust(struct cuk_queue *qu, float *x, int n, int cols, const struct be_draw *d, const struct be_draw_op *ops);
+void cuk_draw(struct cuk_queue *qu, const float *x, int n, int cols, const struct be_draw *d,
+              const struct be_draw_op *ops, const float *top_v, const int32_t *top_i, int32_t *drawn,
+              float *drawn_logit, double *log_z);
+
 /* Copies `bytes` from staging + src to dst, for each of n copies. */
 struct cuk_copy {
     uint64_t dst;

@@ -142,9 +142,10 @@ struct cuda_backend {
     int64_t xq_cols;  /* xq holds up to CUK_MATVEC_MAX rows of this many */
     float *wide_part; /* the wide products' partial sums (split columns) */
     size_t wide_floats;
-    /* the largest logits (cuda_top): [rows][CUK_TOP_MAX] values then as many indices,
-     * and the segments' lists, for top_rows rows */
-    float *top_d;
+    /* what cuda_draw leaves for the host, for top_rows rows: [rows] log-normalizers,
+     * [rows][CUK_TOP_MAX] largest values, [rows] drawn tokens' logits, as many indices as
+     * values, [rows] drawn tokens; and the segments' lists */
+    void *top_d;
     void *top_scratch;
     int top_rows;
     /* what xq holds: the rounding of xq_n rows of xq_k floats at xq_of (written by the
@@ -346,7 +347,8 @@ void cuda_add_norm(struct backend *b, float *x, float *add, const float *post, c
 void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *inv_freq, float linear, int half,
                      float *cos, float *sin);
 void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff, float *out);
-void cuda_top(struct backend *b, const float *x, int n, int cols, int k, float *vals, int32_t *ids);
+void cuda_draw(struct backend *b, float *x, int n, int cols, const struct be_draw *d, const struct be_draw_op *ops,
+               int n_ops, const struct be_draw_out *out);
 
 /* cuda_attend.c */
 void cuda_attention(struct backend *b, const struct be_attention *a, int n);

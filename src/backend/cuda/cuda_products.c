@@ -244,15 +244,17 @@ void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *
 }
 
 
-/* The largest logits of each row, found where the product left them: a greedy step
- * then reads k pairs a row back, not the row (64 MB for 128 rows of a 128K
- * vocabulary). Buffers for max_tokens rows, made once (a recorded step keeps them). */
-_Static_assert(BE_TOP_MAX <= CUK_TOP_MAX, "the kernel finds as many as the backend may be asked for");
+/* The rows of logits settled where the product left them: a greedy step reads k pairs
+ * a row back, a draw the token, not the row (64 MB for 128 rows of a 128K vocabulary).
+ * Buffers for max_tokens rows, made once (a recorded step keeps them). */
+_Static_assert(BE_TOP_MAX == CUK_TOP_MAX, "the kernel finds as many as the backend is asked for");
 
-void cuda_top(struct backend *b, const float *x, int n, int cols, int k, float *vals, int32_t *ids) {
+void cuda_draw(struct backend *b, float *x, int n, int cols, const struct be_draw *d, const struct be_draw_op *ops,
+               int n_ops, const struct be_draw_out *out) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
     if (cb->failed) return;
+    const size_t row_bytes = sizeof(double) + (sizeof(float) + sizeof(int32_t)) * (CUK_TOP_MAX + 1);
     if (n > cb->top_rows) {
         const int rows = n > cb->max_tokens ? n : cb->max_tokens;
         free_after_step(cb, cb->top_d);
@@ -260,16 +262,34 @@ void cuda_top(struct backend *b, const float *x, int n, int cols, int k, float *
         cb->top_d = NULL;
         cb->top_scratch = NULL;
         cb->top_rows = 0;
-        if (!ck(cb, cudaMalloc((void **)&cb->top_d, (sizeof(float) + sizeof(int32_t)) * CUK_TOP_MAX * (size_t)rows),
-                "device memory for the largest logits") ||
+        if (!ck(cb, cudaMalloc(&cb->top_d, row_bytes * (size_t)rows), "device memory for the largest logits") ||
             !ck(cb, cudaMalloc(&cb->top_scratch, cuk_top_scratch_bytes(rows)), "device memory for the largest logits"))
             return;
         cb->top_rows = rows;
     }
-    int32_t *ids_d = (int32_t *)(cb->top_d + (size_t)CUK_TOP_MAX * cb->top_rows);
-    cuk_top(&cb->q, x, n, cols, k, cb->top_d, ids_d, cb->top_scratch, cb->n_sm);
-    post_copy(cb, vals, cb->top_d, sizeof(float) * (size_t)n * (size_t)k);
-    post_copy(cb, ids, ids_d, sizeof(int32_t) * (size_t)n * (size_t)k);
+    const size_t rows = (size_t)cb->top_rows;
+    double *log_z = cb->top_d;
+    float *vals = (float *)(log_z + rows), *drawn_logit = vals + CUK_TOP_MAX * rows;
+    int32_t *ids = (int32_t *)(drawn_logit + rows), *drawn = ids + CUK_TOP_MAX * rows;
+    const struct be_draw *d_d = stage_array(cb, d, sizeof *d * (size_t)n);
+    const struct be_draw_op *ops_d = n_ops > 0 ? stage_array(cb, ops, sizeof *ops * (size_t)n_ops) : NULL;
+    if (!d_d || (n_ops > 0 && !ops_d)) return;
+    bool draws = false, lps = false;
+    for (int r = 0; r < n; r++) draws |= d[r].row == BE_ROW_DRAW, lps |= d[r].logprobs != 0;
+    if (n_ops > 0) cuk_adjust(&cb->q, x, n, cols, d_d, ops_d);
+    cuk_top(&cb->q, x, n, cols, CUK_TOP_MAX, vals, ids, cb->top_scratch, cb->n_sm);
+    if (draws || lps) cuk_draw(&cb->q, x, n, cols, d_d, ops_d, vals, ids, drawn, drawn_logit, log_z);
+    post_copy(cb, out->vals, vals, sizeof(float) * (size_t)n * CUK_TOP_MAX);
+    post_copy(cb, out->ids, ids, sizeof(int32_t) * (size_t)n * CUK_TOP_MAX);
+    if (draws) post_copy(cb, out->drawn, drawn, sizeof(int32_t) * (size_t)n);
+    if (draws) post_copy(cb, out->drawn_logit, drawn_logit, sizeof(float) * (size_t)n);
+    if (lps) post_copy(cb, out->log_z, log_z, sizeof(double) * (size_t)n);
+    for (int r0 = 0, r1; r0 < n; r0 = r1) { /* runs of rows whose logits the host reads */
+        for (r1 = r0 + 1; r1 < n && (d[r1].row == BE_ROW_LOGITS) == (d[r0].row == BE_ROW_LOGITS);) r1++;
+        if (d[r0].row == BE_ROW_LOGITS)
+            post_copy(cb, out->logits + (size_t)r0 * cols, x + (size_t)r0 * cols,
+                      sizeof(float) * (size_t)(r1 - r0) * cols);
+    }
 }
 
 

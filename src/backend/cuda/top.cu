@@ -1,5 +1,6 @@
-/* The largest values of each row of logits (a greedy draw's candidates), so that only
- * they cross to the host: k (value, index) pairs a row instead of the whole row.
+/* Rows of logits settled where they are, so that only what a draw needs crosses to the
+ * host. The largest values of each row (a greedy draw's candidates): k (value, index)
+ * pairs a row instead of the whole row.
  * Order: larger first, of equal values the lower index first, as the host's sampler
  * takes them (a NaN never enters). Two launches: blocks find the best CUK_TOP_MAX of
  * a segment of a row each (a few blocks a row where rows are few, so that one row
@@ -7,6 +8,7 @@
 #include <cfloat>
 #include <climits>
 
+#include "backend/backend.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
 
@@ -127,4 +129,154 @@ extern "C" void cuk_top(cuk_queue *qu, const float *x, int n, int cols, int k, f
     pdl_launch(top_segments_k, dim3((unsigned)n_seg, (unsigned)n), dim3(TOP_THREADS), qu, x, cols, seg, part_v, part_i);
     pdl_launch(top_merge_k, dim3((unsigned)((n + 3) / 4)), dim3(128), qu, (const float *)part_v, (const int *)part_i, n,
                n_seg, k, out_v, (int *)out_i);
+}
+
+
+/* ---- draws (backend.h's be_draw), as the host's sampler (sampler.c) makes them ---- */
+
+/* Each row's adjustments in order, a thread a row (a few dozen each), rounded as the
+ * host rounds them (no contraction). */
+__global__ void adjust_k(float *x, int n, int cols, const be_draw *d, const be_draw_op *ops) {
+    griddep_release();
+    griddep_wait();
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= n || d[r].row == BE_ROW_LOGITS || d[r].bans_aside) return;
+    float *row = x + (size_t)r * cols;
+    for (int j = d[r].op0; j < d[r].op0 + d[r].n_ops; j++) {
+        const be_draw_op o = ops[j];
+        float *l = row + o.id;
+        if (o.kind == BE_ADD) *l = __fadd_rn(*l, o.a);
+        else if (o.kind == BE_REPEAT) *l = *l > 0 ? __fdiv_rn(*l, o.a) : __fmul_rn(*l, o.a);
+        else if (o.kind == BE_SUB) *l = __fsub_rn(*l, o.a);
+        else *l = -INFINITY;
+    }
+}
+
+extern "C" void cuk_adjust(cuk_queue *qu, float *x, int n, int cols, const be_draw *d, const be_draw_op *ops) {
+    pdl_launch(adjust_k, dim3((unsigned)((n + 127) / 128)), dim3(128), qu, x, n, cols, d, ops);
+}
+
+/* e^x step for step as the host's exp256 (online_softmax.h) computes it, so that the
+ * weights, their sums and the draw come out bit for bit as the host's. */
+static __device__ __forceinline__ float exp_as_host(float x) {
+    x = fmaxf(x, -87.0f);
+    const float n = rintf(__fmul_rn(x, 1.442695041f));
+    float r = __fmaf_rn(-n, 0.693145752f, x);
+    r = __fmaf_rn(-n, 1.428606765e-6f, r);
+    float p = 1.0f / 5040;
+    p = __fmaf_rn(p, r, 1.0f / 720);
+    p = __fmaf_rn(p, r, 1.0f / 120);
+    p = __fmaf_rn(p, r, 1.0f / 24);
+    p = __fmaf_rn(p, r, 1.0f / 6);
+    p = __fmaf_rn(p, r, 0.5f);
+    p = __fmaf_rn(p, r, 1.0f);
+    p = __fmaf_rn(p, r, 1.0f);
+    return __fmul_rn(p, __uint_as_float((unsigned)((int)n + 127) << 23));
+}
+
+#define DRAW_THREADS 256
+#define DRAW_BLOCK 64 /* ids a sum covers (sampler.c's BLOCK) */
+
+struct draw_row {
+    const float *x;
+    int cols, n8; /* the host takes ids past n8 (the last cols % 8) by expf */
+    float max, scale;
+    const be_draw_op *bans; /* bans_aside: their weights are dropped */
+    int n_bans;
+
+    /* The weight of id i, as kern_exp_shifted makes it. */
+    __device__ __forceinline__ float weight(int i) const {
+        const float v = __fmul_rn(__fsub_rn(x[i], max), scale);
+        return i < n8 ? exp_as_host(v) : (float)exp((double)v);
+    }
+    __device__ __forceinline__ bool banned(int id, int before) const {
+        for (int j = 0; j < before; j++)
+            if (bans[j].id == id) return true;
+        return false;
+    }
+};
+
+/* The log of the sum of e^x over the row (x as it is, the largest first), in double as
+ * the server's log-probabilities take it; every thread of the block gets it. */
+static __device__ double log_sum_exp(const float *x, int cols, float max) {
+    __shared__ double part[DRAW_THREADS / 32];
+    double s = 0;
+    for (int i = threadIdx.x; i < cols; i += DRAW_THREADS) s += exp((double)x[i] - (double)max);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(FULL, s, off);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = s;
+    __syncthreads();
+    s = 0;
+    for (int w = 0; w < DRAW_THREADS / 32; w++) s += part[w];
+    return (double)max + log(s);
+}
+
+/* Block r: row r's log-normalizer when it is a logprobs row, its draw when it is a
+ * BE_ROW_DRAW. The blocks' sums of weights in parallel, eight running sums each as the
+ * host keeps them; then one thread sums them in order, drops banned weights and walks
+ * to where u falls, as draw_index does. */
+__global__ void __launch_bounds__(DRAW_THREADS)
+    draw_k(const float *x, int cols, const be_draw *d, const be_draw_op *ops, const float *top_v, const int *top_i,
+           int *drawn, float *drawn_logit, double *log_z) {
+    griddep_release();
+    griddep_wait();
+    __shared__ double bs[BE_DRAW_MAX_COLS / DRAW_BLOCK];
+    const int r = blockIdx.x;
+    const be_draw dr = d[r];
+    if (dr.logprobs) {
+        const double z = log_sum_exp(x + (size_t)r * cols, cols, top_v[r * K]);
+        if (threadIdx.x == 0) log_z[r] = z;
+    }
+    if (dr.row != BE_ROW_DRAW) return;
+    draw_row w = {x + (size_t)r * cols, cols, cols / 8 * 8, 0, dr.scale, ops + dr.op0, dr.bans_aside ? dr.n_ops : 0};
+    /* the largest (allowed) logit: fewer than K bans leave one among the K largest */
+    int j = 0;
+    while (j < K - 1 && w.banned(top_i[r * K + j], w.n_bans)) j++;
+    const int best = top_i[r * K + j];
+    w.max = top_v[r * K + j];
+    const int nb = (cols + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    for (int b = threadIdx.x; b < nb; b += DRAW_THREADS) {
+        const int e = (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
+        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int i = b * DRAW_BLOCK;
+        for (; i + 8 <= e; i += 8)
+#pragma unroll
+            for (int l = 0; l < 8; l++) s[l] = __fadd_rn(s[l], w.weight(i + l));
+        for (; i < e; i++) s[0] = __fadd_rn(s[0], w.weight(i));
+        bs[b] = __fadd_rn(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])),
+                          __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7])));
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    double sum = 0, dropped = 0;
+    for (int b = 0; b < nb; b++) sum += bs[b];
+    for (int k = 0; k < w.n_bans; k++) { /* a repeated id drops nothing more */
+        const int t = w.bans[k].id;
+        const float wt = w.banned(t, k) ? 0.0f : w.weight(t);
+        bs[t / DRAW_BLOCK] -= wt;
+        dropped += wt;
+    }
+    double u = dr.u * (sum - dropped);
+    for (int b = 0; b < nb; b++) {
+        if (u >= bs[b]) {
+            u -= bs[b];
+            continue;
+        }
+        const int e = (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
+        for (int i = b * DRAW_BLOCK; i < e; i++)
+            if ((u -= w.banned(i, w.n_bans) ? 0.0f : w.weight(i)) < 0) {
+                drawn[r] = i;
+                drawn_logit[r] = w.x[i];
+                return;
+            }
+        u = 0; /* rounding left u past the block: the next id with a weight */
+    }
+    drawn[r] = best;
+    drawn_logit[r] = w.x[best];
+}
+
+extern "C" void cuk_draw(cuk_queue *qu, const float *x, int n, int cols, const be_draw *d, const be_draw_op *ops,
+                         const float *top_v, const int32_t *top_i, int32_t *drawn, float *drawn_logit, double *log_z) {
+    pdl_launch(draw_k, dim3((unsigned)n), dim3(DRAW_THREADS), qu, x, cols, d, ops, top_v, (const int *)top_i,
+               (int *)drawn, drawn_logit, log_z);
 }
