@@ -1,13 +1,14 @@
 /* Sampler settings that reach each way sampler_plan settles a draw where the logits
  * are (a draw over the whole row, with bans aside or with adjustments; a draw from
- * the largest logits; the row read by the host), for tests that draw with twins: two
- * samplers made and fed alike, one drawing through the plan, one from the row. */
+ * the largest logits; a top-p or min-p cut from candidates; the row read by the host),
+ * for tests that draw with twins: two samplers made and fed alike, one drawing through
+ * the plan, one from the row. */
 #ifndef KVQ_TESTS_DRAW_CASES_H
 #define KVQ_TESTS_DRAW_CASES_H
 
 #include "kvq.h"
 
-#define DRAW_CASES 10
+#define DRAW_CASES 12
 
 static inline struct kvq_sampler *draw_case_new(int k, int n_vocab, uint64_t seed) {
     struct kvq_sampler_params p;
@@ -18,7 +19,9 @@ static inline struct kvq_sampler *draw_case_new(int k, int n_vocab, uint64_t see
     if (k == 3) p.temp = 0.8f, p.top_k = 5, p.top_p = 0.9f, p.min_p = 0.05f, p.repeat_penalty = 1.2f;
     if (k == 4 || k == 5 || k == 9) p.temp = 0;                  /* greedy: bans; adjustments; none */
     if (k == 5) p.repeat_penalty = 1.3f;
-    if (k == 6) p.top_p = 0.9f;                                  /* the row on the host */
+    if (k == 6) p.top_p = 0.9f;                                  /* cuts */
+    if (k == 10) p.temp = 0.8f, p.min_p = 0.1f;
+    if (k == 11) p.temp = 1.1f, p.top_p = 0.95f, p.min_p = 0.02f, p.repeat_penalty = 1.1f;
     if (k == 7) p.temp = 0.9f, p.top_k = 40;                     /* the row on the host */
     struct kvq_sampler *s = kvq_sampler_new(&p, n_vocab);
     if (!s) return NULL;

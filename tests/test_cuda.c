@@ -1134,7 +1134,8 @@ static void test_top(void) {
  * computes them step for step alike), so the host runs at that level here. Rows of a
  * 128K and a 1,003-token vocabulary (ids past a multiple of 8 weighted by expf),
  * flat and peaked, every case twice a step, the second asking for 5 log-probabilities
- * (which the host's kvq_logprobs gives within 1e-4). */
+ * (which the host's kvq_logprobs gives within 1e-4); cuts from the candidates, or from
+ * the row read back where they do not settle it (flat rows of 128K). */
 static void test_draw(void) {
     if (kvq_simd_force(KVQ_SIMD_AVX2) != 0) {
         printf("SKIP: device draws against the host's: this CPU has no AVX2\n");
@@ -1150,7 +1151,11 @@ static void test_draw(void) {
     int32_t *drawn = be->ops->host_alloc(be, sizeof(int32_t) * N);
     float *drawn_logit = be->ops->host_alloc(be, sizeof(float) * N);
     double *log_z = be->ops->host_alloc(be, sizeof(double) * N);
-    int kinds[3] = {0}, differ = 0, draws = 0, rows_differ = 0, lp_rows = 0;
+    double *sum = be->ops->host_alloc(be, sizeof(double) * N);
+    int32_t *n_cand = be->ops->host_alloc(be, sizeof(int32_t) * N);
+    float *cand_v = be->ops->host_alloc(be, sizeof(float) * N * BE_CUT_MAX);
+    int32_t *cand_i = be->ops->host_alloc(be, sizeof(int32_t) * N * BE_CUT_MAX);
+    int kinds[4] = {0}, differ = 0, draws = 0, rows_differ = 0, lp_rows = 0, cut_settled = 0;
     double lp_worst = 0;
     for (int ci = 0; ci < 2; ci++) {
         const int cols = colss[ci];
@@ -1178,7 +1183,7 @@ static void test_draw(void) {
             }
             cudaMemcpy(dx, x, sizeof(float) * N * cols, cudaMemcpyHostToDevice);
             cudaDeviceSynchronize(); /* the backend's stream does not wait for a pageable copy */
-            const struct be_draw_out out = {vals, ids, drawn, drawn_logit, log_z, back};
+            const struct be_draw_out out = {vals, ids, drawn, drawn_logit, log_z, back, sum, n_cand, cand_v, cand_i};
             be->ops->draw(be, dx, N, cols, d, ops, n_ops, &out);
             CHECK(be->ops->sync(be) == 0, "draw: %s", kvq_last_error());
             for (int r = 0; r < N; r++, draws++) {
@@ -1189,7 +1194,15 @@ static void test_draw(void) {
                     rows_differ += memcmp(back + (size_t)r * cols, row, sizeof(float) * cols) != 0;
                     got = kvq_sampler_sample(dev[r], back + (size_t)r * cols);
                 } else {
-                    got = sampler_finish(dev[r], &d[r], vals + r * BE_TOP_MAX, ids + r * BE_TOP_MAX, drawn[r]);
+                    if (d[r].row != BE_ROW_CUT || sampler_cut_settles(dev[r], &out, r)) {
+                        cut_settled += d[r].row == BE_ROW_CUT;
+                        got = sampler_finish(dev[r], &d[r], &out, r);
+                    } else { /* the row as the device adjusted it, as the engine reads it */
+                        float *adj = malloc(sizeof(float) * cols);
+                        cudaMemcpy(adj, dx + (size_t)r * cols, sizeof(float) * cols, cudaMemcpyDeviceToHost);
+                        got = sampler_draw_adjusted(dev[r], adj);
+                        free(adj);
+                    }
                 }
                 differ += got != want;
                 if (d[r].logprobs) { /* the five most likely and the drawn token's */
@@ -1215,16 +1228,23 @@ static void test_draw(void) {
         be->ops->host_free(be, back);
         be->ops->release(be, dx);
     }
-    printf("device draws: %d over the row, %d from the largest, %d rows read back: %d of %d differ from the host's "
-           "(%d rows read back differ); log-probabilities of %d rows within %.2g of the host's\n",
-           kinds[BE_ROW_DRAW], kinds[BE_ROW_TOP], kinds[BE_ROW_LOGITS], differ, draws, rows_differ, lp_rows, lp_worst);
+    printf("device draws: %d over the row, %d from the largest, %d cut (%d from the candidates), %d rows read back: "
+           "%d of %d differ from the host's (%d rows read back differ); log-probabilities of %d rows within %.2g of "
+           "the host's\n",
+           kinds[BE_ROW_DRAW], kinds[BE_ROW_TOP], kinds[BE_ROW_CUT], cut_settled, kinds[BE_ROW_LOGITS], differ, draws,
+           rows_differ, lp_rows, lp_worst);
     CHECK(differ == 0 && rows_differ == 0, "%d of %d device draws differ from the host's", differ, draws);
+    CHECK(cut_settled > 0 && cut_settled < kinds[BE_ROW_CUT], "cuts settled both ways");
     CHECK(lp_rows >= 2 * 3 * ROUNDS && lp_worst <= 1e-4, "device log-probabilities off by %g", lp_worst);
     be->ops->host_free(be, vals);
     be->ops->host_free(be, ids);
     be->ops->host_free(be, drawn);
     be->ops->host_free(be, drawn_logit);
     be->ops->host_free(be, log_z);
+    be->ops->host_free(be, sum);
+    be->ops->host_free(be, n_cand);
+    be->ops->host_free(be, cand_v);
+    be->ops->host_free(be, cand_i);
     be->ops->free(be);
     kvq_simd_force(KVQ_SIMD_SCALAR);
 }

@@ -75,6 +75,7 @@ enum be_row {
     BE_ROW_LOGITS, /* the row goes to the host */
     BE_ROW_TOP,    /* only its BE_TOP_MAX largest logits, after its adjustments */
     BE_ROW_DRAW,   /* a draw over the whole row after its adjustments, as sampler.c makes it */
+    BE_ROW_CUT,    /* what a top-p or min-p cut of the row after its adjustments can reach */
 };
 
 /* An adjustment of one logit, applied in a row's order (sampler.c's adjust). */
@@ -85,8 +86,13 @@ struct be_draw_op {
     float a;
 };
 
-/* The largest vocabulary a BE_ROW_DRAW row may have (its blocks' sums in shared memory). */
+/* The largest vocabulary a BE_ROW_DRAW or BE_ROW_CUT row may have (its blocks' sums in
+ * shared memory). */
 #define BE_DRAW_MAX_COLS (4096 * 64)
+/* The most candidates a BE_ROW_CUT row returns; be_draw_out.n_cand has BE_CUT_ALL set
+ * where they hold every token the min-p cut keeps. */
+#define BE_CUT_MAX 1024
+#define BE_CUT_ALL (1 << 30)
 
 /* Where backend_ops.draw leaves its results (host_alloc memory), by row of the n. */
 struct be_draw_out {
@@ -96,6 +102,13 @@ struct be_draw_out {
     float *drawn_logit; /* [n] its logit */
     double *log_z;      /* [n] a logprobs row's log of the sum of e^logit */
     float *logits;      /* [n][cols] a BE_ROW_LOGITS row's logits */
+    /* A BE_ROW_CUT row's total of weights (as a BE_ROW_DRAW row's) and its candidates,
+     * in no order: the tokens down to a point the cut lies above (-1: more than
+     * BE_CUT_MAX; the host reads the row) */
+    double *sum;       /* [n] */
+    int32_t *n_cand;   /* [n] */
+    float *cand_vals;  /* [n][BE_CUT_MAX] */
+    int32_t *cand_ids; /* [n][BE_CUT_MAX] */
 };
 
 struct be_draw {
@@ -107,8 +120,9 @@ struct be_draw {
      * allowed of the largest */
     int32_t bans_aside;
     int32_t logprobs; /* the row's logits are left as they are: its log-normalizer is wanted */
-    float scale; /* BE_ROW_DRAW: 1 / temperature */
-    double u;    /* BE_ROW_DRAW: in [0, 1), where the draw falls in the weights' total */
+    float scale;        /* BE_ROW_DRAW, BE_ROW_CUT: 1 / temperature */
+    float top_p, min_p; /* BE_ROW_CUT: the cuts (1, 0: none) */
+    double u;           /* BE_ROW_DRAW: in [0, 1), where the draw falls in the weights' total */
 };
 
 struct backend_ops {
@@ -176,6 +190,9 @@ struct backend_ops {
      * NULL where results are host memory anyway (the engine settles them). */
     void (*draw)(struct backend *b, float *x, int n, int cols, const struct be_draw *d, const struct be_draw_op *ops,
                  int n_ops, const struct be_draw_out *out);
+    /* Copies `bytes` of backend memory at src to host_alloc memory at dst, there after
+     * sync (between passes: a row of logits draw left where it was). */
+    void (*read)(struct backend *b, void *dst, const void *src, size_t bytes);
     /* Runs fn over the backend's host threads, the caller's as ith 0 (between passes:
      * the engine's callers share them rather than start threads of their own). */
     void (*run_on_host_threads)(struct backend *b, kvq_task_fn fn, void *arg);

@@ -59,6 +59,8 @@ struct kvq_context {
     int drawn_cap;
     struct row_logprobs *lp; /* [rows]: k < 0 where none were asked for */
     int lp_cap;
+    bool *row_read; /* [rows]: a BE_ROW_CUT row the host read, its candidates short */
+    int row_read_cap;
     bool last_drawn, last_dev;
     atomic_int row_next; /* the next row settle_rows_task takes */
     /* Reordering scratch: the batch grouped by sequence, first_pass of them before the
@@ -450,6 +452,7 @@ void kvq_context_free(struct kvq_context *c) {
     free(c->row_sampler);
     free(c->drawn);
     free(c->lp);
+    free(c->row_read);
     free(c->row_of);
     free(c->order);
     free(c->count);
@@ -774,10 +777,12 @@ static void settle_rows_task(void *arg, int ith, int nth) {
         if (s && (!d || d->row == BE_ROW_LOGITS)) {
             const kvq_token t = c->drawn[r] = kvq_sampler_sample(s, logits);
             if (lp->k >= 0) lp->drawn = (float)(logits[t] - kvq_logprobs(logits, n_vocab, lp->k, lp->ids, lp->lps));
+        } else if (s && c->row_read[r]) {
+            c->drawn[r] = sampler_draw_adjusted(s, logits);
         } else if (s) {
             const float *vals = c->dev.vals + (size_t)r * KVQ_TOP_N;
             const kvq_token *ids = c->dev.ids + (size_t)r * KVQ_TOP_N;
-            const kvq_token t = c->drawn[r] = sampler_finish(s, d, vals, ids, c->dev.drawn[r]);
+            const kvq_token t = c->drawn[r] = sampler_finish(s, d, &c->dev, r);
             if (lp->k >= 0) { /* the row as the model left it: its largest are the most likely */
                 const double log_z = c->dev.log_z[r];
                 float logit = d->row == BE_ROW_DRAW ? c->dev.drawn_logit[r] : -INFINITY;
@@ -794,6 +799,28 @@ static void settle_rows_task(void *arg, int ith, int nth) {
     }
 }
 
+/* Host memory for n_rows rows of logits (rewritten by every decode: nothing to keep). */
+static int host_rows(struct kvq_context *c, int n_rows) {
+    if ((size_t)n_rows <= c->logits_cap) return 0;
+    c->be->ops->host_free(c->be, c->logits);
+    c->logits = c->be->ops->host_alloc(c->be, sizeof(float) * (size_t)n_rows * (size_t)c->m->model->hp.n_vocab);
+    c->logits_cap = c->logits ? (size_t)n_rows : 0;
+    return c->logits ? 0 : kvq_error_wrap("%d rows of logits: %s", n_rows, kvq_last_error());
+}
+
+/* After a pass: reads the rows of [row0, row1) whose cut the device's candidates do not
+ * settle (before the next pass rewrites them). 0 or -1. */
+static int read_unsettled(struct kvq_context *c, int row0, int row1, int n_rows) {
+    bool any = false;
+    for (int r = row0; r < row1; r++) {
+        if (c->draws[r].row != BE_ROW_CUT || sampler_cut_settles(c->row_sampler[r], &c->dev, r)) continue;
+        if (host_rows(c, n_rows) != 0) return -1;
+        forward_read_logits(c->fwd, r - row0, c->logits + (size_t)r * c->m->model->hp.n_vocab);
+        c->row_read[r] = any = true;
+    }
+    return any ? c->be->ops->sync(c->be) : 0;
+}
+
 /* The rows' samplers, and on a device that keeps the logits (dev) how each row is
  * settled there (c->draws, with their adjustments in c->draw_ops): how many
  * adjustments, or -1 with an error. */
@@ -802,7 +829,9 @@ static int plan_rows(struct kvq_context *c, const struct kvq_batch *b, int n_row
                         grow((void **)&c->drawn, &c->drawn_cap, n_rows, sizeof *c->drawn) ||
                         grow((void **)&c->lp, &c->lp_cap, n_rows, sizeof *c->lp)))
         return -1;
-    if (dev && grow((void **)&c->draws, &c->draws_cap, n_rows, sizeof *c->draws)) return -1;
+    if (dev && (grow((void **)&c->draws, &c->draws_cap, n_rows, sizeof *c->draws) ||
+                grow((void **)&c->row_read, &c->row_read_cap, n_rows, sizeof *c->row_read)))
+        return -1;
     int n_ops = 0;
     for (int i = 0; i < b->n_tokens; i++) {
         const int r = c->row_of[i];
@@ -815,6 +844,7 @@ static int plan_rows(struct kvq_context *c, const struct kvq_batch *b, int n_row
         if (!dev) continue;
         struct be_draw *d = &c->draws[r];
         *d = (struct be_draw){.row = b->top_only ? BE_ROW_TOP : BE_ROW_LOGITS};
+        c->row_read[r] = false;
         if (!s) continue;
         if (grow((void **)&c->draw_ops, &c->draw_ops_cap, n_ops + sampler_draw_ops_max(s), sizeof *c->draw_ops))
             return -1;
@@ -852,26 +882,27 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         dev_rows |= c->draws[r].row != BE_ROW_LOGITS;
     }
     dev = dev && dev_rows; /* else the product sends every row as it makes them */
-    if (host_logits && (size_t)n_rows > c->logits_cap) { /* rewritten by every decode: nothing to keep */
-        c->be->ops->host_free(c->be, c->logits);
-        c->logits = c->be->ops->host_alloc(c->be, sizeof(float) * (size_t)n_rows * n_vocab);
-        c->logits_cap = c->logits ? (size_t)n_rows : 0;
-        if (!c->logits) return kvq_error_wrap("%d rows of logits: %s", n_rows, kvq_last_error());
-    }
+    if (host_logits && host_rows(c, n_rows) != 0) return -1;
     if ((b->top_only || dev) && (size_t)n_rows > c->top_cap) {
         const size_t rows = (size_t)n_rows;
         c->be->ops->host_free(c->be, c->dev_block);
         c->dev_block = c->be->ops->host_alloc(
-            c->be, (sizeof(double) + (sizeof(float) + sizeof(kvq_token)) * (KVQ_TOP_N + 1)) * rows);
+            c->be, (2 * sizeof(double) + (sizeof(float) + sizeof(kvq_token)) * (KVQ_TOP_N + 1 + BE_CUT_MAX) +
+                    sizeof(int32_t)) *
+                       rows);
         if (!c->dev_block) {
             c->top_cap = 0;
             return kvq_error_wrap("%d rows of largest logits: %s", n_rows, kvq_last_error());
         }
         c->dev.log_z = c->dev_block;
-        c->dev.vals = (float *)(c->dev.log_z + rows);
+        c->dev.sum = c->dev.log_z + rows;
+        c->dev.vals = (float *)(c->dev.sum + rows);
         c->dev.drawn_logit = c->dev.vals + KVQ_TOP_N * rows;
-        c->dev.ids = (kvq_token *)(c->dev.drawn_logit + rows);
+        c->dev.cand_vals = c->dev.drawn_logit + rows;
+        c->dev.ids = (kvq_token *)(c->dev.cand_vals + BE_CUT_MAX * rows);
         c->dev.drawn = c->dev.ids + KVQ_TOP_N * rows;
+        c->dev.n_cand = c->dev.drawn + rows;
+        c->dev.cand_ids = c->dev.n_cand + rows;
         c->top_cap = rows;
     }
 
@@ -905,15 +936,23 @@ int kvq_decode(struct kvq_context *c, const struct kvq_batch *b) {
         const size_t row0 = (size_t)(first_row < 0 ? 0 : first_row);
         struct be_draw_out out;
         if (dev) {
-            out = (struct be_draw_out){c->dev.vals + row0 * KVQ_TOP_N, c->dev.ids + row0 * KVQ_TOP_N,
-                                       c->dev.drawn + row0,          c->dev.drawn_logit + row0,
-                                       c->dev.log_z + row0,          host_logits ? c->logits + row0 * n_vocab : NULL};
+            out = (struct be_draw_out){c->dev.vals + row0 * KVQ_TOP_N,
+                                       c->dev.ids + row0 * KVQ_TOP_N,
+                                       c->dev.drawn + row0,
+                                       c->dev.drawn_logit + row0,
+                                       c->dev.log_z + row0,
+                                       host_logits ? c->logits + row0 * n_vocab : NULL,
+                                       c->dev.sum + row0,
+                                       c->dev.n_cand + row0,
+                                       c->dev.cand_vals + row0 * BE_CUT_MAX,
+                                       c->dev.cand_ids + row0 * BE_CUT_MAX};
             fb.draws = c->draws + row0;
             fb.draw_ops = c->draw_ops;
             fb.n_draw_ops = n_ops;
             fb.draw_out = &out;
         }
         rc = forward_run(c->fwd, &fb, host_logits ? c->logits + row0 * n_vocab : NULL);
+        if (rc == 0 && dev) rc = read_unsettled(c, (int)row0, (int)row0 + fb.n_logits, n_rows);
     }
     if (rc != 0) return rc;
     c->last_top_only = b->top_only;

@@ -17,14 +17,18 @@ void sampler_top(const float *x, int n, int k, float *vals, kvq_token *ids);
  * logits stay in its memory: sampler_plan fills d for s's next draw, with the
  * log-probabilities of the `logprobs` most likely tokens (-1: none), and writes its
  * adjustments (at most sampler_draw_ops_max) to ops, returning how many (0 and a
- * BE_ROW_LOGITS row where the device cannot make it); sampler_finish then gives the
- * token from the row's results and advances s as kvq_sampler_sample would have. */
+ * BE_ROW_LOGITS row where the device cannot make it). After the pass, sampler_finish
+ * gives the token from row r's results in out and advances s as kvq_sampler_sample
+ * would have; but where sampler_cut_settles says a BE_ROW_CUT row's candidates do not
+ * settle it, the host reads the row (adjusted) and draws by sampler_draw_adjusted. */
 struct be_draw;
 struct be_draw_op;
+struct be_draw_out;
 int sampler_draw_ops_max(const struct kvq_sampler *s);
 int sampler_plan(const struct kvq_sampler *s, int logprobs, struct be_draw *d, struct be_draw_op *ops);
-kvq_token sampler_finish(struct kvq_sampler *s, const struct be_draw *d, const float *vals, const kvq_token *ids,
-                         kvq_token drawn);
+bool sampler_cut_settles(struct kvq_sampler *s, const struct be_draw_out *out, int r);
+kvq_token sampler_finish(struct kvq_sampler *s, const struct be_draw *d, const struct be_draw_out *out, int r);
+kvq_token sampler_draw_adjusted(struct kvq_sampler *s, const float *x);
 const struct model *engine_model_data(const struct kvq_model *m);
 /* The model's vocabulary as grammars see it, made on first use (any thread); NULL
  * with an error. */

@@ -385,15 +385,38 @@ static kvq_token draw_top_k(struct kvq_sampler *s, const struct candidate *c, in
     return cut_and_draw(s, c, s->prob, k, sum);
 }
 
+static kvq_token draw_from(struct kvq_sampler *s, const float *x, bool bans_only);
+
 static kvq_token sample_logits(struct kvq_sampler *s, const float *logits) {
-    const int n = s->n_vocab;
-    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
+    const int n = s->n_vocab, k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
     const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0;
     /* bans alone (ignore_eos, min_tokens) need no copy of the logits where nothing is
      * truncated: greedy takes the best allowed token, a draw gives banned ones no weight
      * (a copy of 128K logits cost about what a greedy draw does) */
     const bool bans_only = only_bans(s, k == n && !cuts);
-    const float *x = bans_only ? logits : adjust(s, logits);
+    return draw_from(s, bans_only ? logits : adjust(s, logits), bans_only);
+}
+
+/* Where top-p or min-p cuts the candidates c[0..m) (best first, c[0] the row's largest)
+ * with weights against sum over the whole row: how many to draw among, their weights in
+ * prob; -1 where neither cuts within them. */
+static int cut_point(const struct kvq_sampler *s, const struct candidate *c, int m, double sum, float *prob) {
+    double cum = 0;
+    for (int k = 0; k < m; k++) {
+        prob[k] = expf((c[k].logit - c[0].logit) / s->p.temp);
+        cum += prob[k] / sum;
+        if ((s->p.top_p < 1.0f && cum >= s->p.top_p) || (s->p.min_p > 0 && prob[k] < s->p.min_p * prob[0]))
+            return k + 1;
+    }
+    return -1;
+}
+
+/* The draw from x, the logits with the sampler's adjustments applied (bans_only: with
+ * its bans alone, not applied). */
+static kvq_token draw_from(struct kvq_sampler *s, const float *x, bool bans_only) {
+    const int n = s->n_vocab;
+    int k = s->p.top_k > 0 && s->p.top_k < n ? s->p.top_k : n;
+    const bool cuts = s->p.top_p < 1.0f || s->p.min_p > 0;
     if (s->p.temp <= 0) return bans_only ? argmax_allowed(s, x, n) : argmax(x, n);
     struct candidate *c = s->cand;
     float *prob = s->prob;
@@ -413,21 +436,13 @@ static kvq_token sample_logits(struct kvq_sampler *s, const float *logits) {
         top_m(x, n, k, c);
         return draw_top_k(s, c, k);
     }
-    const float maxl = x[argmax(x, n)];
-    const double sum = weights(x, n, maxl, temp, prob, s->block_sum);
+    const double sum = weights(x, n, x[argmax(x, n)], temp, prob, s->block_sum);
     /* a few thousand by the heap; beyond, all of them (then only sorted) */
     for (int m = n < 256 ? n : 256;; m = 4 * m > n / 8 ? n : 4 * m) {
         top_m(x, n, m, c);
-        double cum = 0;
-        bool cut = false;
-        for (k = 0; k < m && !cut; k++) { /* the weights up to where a filter cuts */
-            prob[k] = expf((c[k].logit - maxl) / temp);
-            cum += prob[k] / sum;
-            cut = (s->p.top_p < 1.0f && cum >= s->p.top_p) || (s->p.min_p > 0 && prob[k] < s->p.min_p * prob[0]);
-        }
-        if (cut || m == n) break;
+        if ((k = cut_point(s, c, m, sum, prob)) > 0 || m == n) break;
     }
-    return cut_and_draw(s, c, prob, k, sum);
+    return cut_and_draw(s, c, prob, k > 0 ? k : n, sum);
 }
 
 /* The draw among candidates c[0..k), best first, of weights prob against a total of
@@ -476,22 +491,25 @@ int sampler_plan(const struct kvq_sampler *s, int logprobs, struct be_draw *d, s
     *d = (struct be_draw){.row = BE_ROW_LOGITS};
     if (s->grammar || n < BE_TOP_MAX || logprobs > BE_TOP_MAX) return 0;
     if (s->p.temp <= 0 || (k < n && k <= BE_TOP_MAX)) d->row = BE_ROW_TOP; /* drawn from those: sampler_finish */
-    else if (whole && n <= BE_DRAW_MAX_COLS) d->row = BE_ROW_DRAW;
+    else if (k == n && n <= BE_DRAW_MAX_COLS) d->row = whole ? BE_ROW_DRAW : BE_ROW_CUT;
     else return 0;
     /* bans alone stay out of the logits where the best allowed is among the largest */
     d->bans_aside = only_bans(s, whole) && s->n_banned < BE_TOP_MAX;
     const bool adjusted = s->n_bias > 0 || repeat_in_effect(s) || openai_in_effect(s) ||
                           (s->n_banned > 0 && !d->bans_aside);
-    if ((d->row == BE_ROW_DRAW && only_bans(s, whole) && !d->bans_aside) || (logprobs >= 0 && adjusted)) {
+    if ((d->row == BE_ROW_DRAW && only_bans(s, whole) && !d->bans_aside) ||
+        (logprobs >= 0 && (adjusted || d->row == BE_ROW_CUT))) {
         *d = (struct be_draw){.row = BE_ROW_LOGITS}; /* the draw, or the log-probabilities, need the row as it is */
         return 0;
     }
     d->logprobs = logprobs >= 0;
+    if (d->row == BE_ROW_DRAW || d->row == BE_ROW_CUT) d->scale = 1.0f / s->p.temp;
     if (d->row == BE_ROW_DRAW) {
         uint64_t rng = s->rng; /* sampler_finish takes it */
-        d->scale = 1.0f / s->p.temp;
         d->u = uniform(&rng);
     }
+    d->top_p = s->p.top_p;
+    d->min_p = s->p.min_p;
     /* adjust's order: the device applies them one after another */
     int m = 0;
     if (!d->bans_aside) {
@@ -507,13 +525,37 @@ int sampler_plan(const struct kvq_sampler *s, int logprobs, struct be_draw *d, s
     return m;
 }
 
-kvq_token sampler_finish(struct kvq_sampler *s, const struct be_draw *d, const float *vals, const kvq_token *ids,
-                         kvq_token drawn) {
+/* A BE_ROW_CUT row's candidates into s->cand, best first; how many. */
+static int cut_candidates(struct kvq_sampler *s, const struct be_draw_out *out, int r) {
+    const int m = out->n_cand[r] & ~BE_CUT_ALL;
+    for (int i = 0; i < m; i++) {
+        const size_t at = (size_t)r * BE_CUT_MAX + (size_t)i;
+        s->cand[i] = (struct candidate){out->cand_vals[at], out->cand_ids[at]};
+    }
+    qsort(s->cand, (size_t)m, sizeof *s->cand, better_first);
+    return m;
+}
+
+bool sampler_cut_settles(struct kvq_sampler *s, const struct be_draw_out *out, int r) {
+    if (out->n_cand[r] < 0) return false;
+    const int m = cut_candidates(s, out, r);
+    return m > 0 && ((out->n_cand[r] & BE_CUT_ALL) || cut_point(s, s->cand, m, out->sum[r], s->prob) > 0);
+}
+
+kvq_token sampler_draw_adjusted(struct kvq_sampler *s, const float *x) { return draw_from(s, x, false); }
+
+kvq_token sampler_finish(struct kvq_sampler *s, const struct be_draw *d, const struct be_draw_out *out, int r) {
     if (d->row == BE_ROW_DRAW) {
         next_u64(&s->rng); /* the uniform sampler_plan read */
-        return drawn;
+        return out->drawn[r];
+    }
+    if (d->row == BE_ROW_CUT) { /* sampler_cut_settles said so: the cut lies among them, or they are all min-p keeps */
+        const int m = cut_candidates(s, out, r), k = cut_point(s, s->cand, m, out->sum[r], s->prob);
+        return cut_and_draw(s, s->cand, s->prob, k > 0 ? k : m, out->sum[r]);
     }
     assert(d->row == BE_ROW_TOP);
+    const float *vals = out->vals + (size_t)r * BE_TOP_MAX;
+    const kvq_token *ids = out->ids + (size_t)r * BE_TOP_MAX;
     if (s->p.temp <= 0) return d->bans_aside ? kvq_sampler_sample_top(s, ids, BE_TOP_MAX) : ids[0];
     const int k = s->p.top_k;
     assert(k > 0 && k <= BE_TOP_MAX);

@@ -154,7 +154,8 @@ static int check_batch(const struct forward *f, const struct fwd_batch *b) {
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens) return kvq_error("invalid logit row");
     for (int i = 0; b->draws && i < b->n_logits; i++) { /* the device writes where these say */
         const struct be_draw *d = &b->draws[i];
-        if (d->row < BE_ROW_LOGITS || d->row > BE_ROW_DRAW || (d->row == BE_ROW_DRAW && hp->n_vocab > BE_DRAW_MAX_COLS) ||
+        if (d->row < BE_ROW_LOGITS || d->row > BE_ROW_CUT ||
+            ((d->row == BE_ROW_DRAW || d->row == BE_ROW_CUT) && hp->n_vocab > BE_DRAW_MAX_COLS) ||
             d->op0 < 0 || d->n_ops < 0 || d->n_ops > b->n_draw_ops - d->op0)
             return kvq_error("invalid draw for logit row %d", i);
         for (int j = d->op0; j < d->op0 + d->n_ops; j++)
@@ -210,4 +211,9 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
         return -1;
     }
     return 0;
+}
+
+void forward_read_logits(struct forward *f, int row, float *dst) {
+    const int n_vocab = f->m->hp.n_vocab;
+    f->be->ops->read(f->be, dst, f->logits + (size_t)row * n_vocab, sizeof(float) * (size_t)n_vocab);
 }

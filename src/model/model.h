@@ -111,5 +111,9 @@ void forward_free(struct forward *f);
 /* Runs the batch, appends its K/V to the caches, writes logits
  * [n_logits][n_vocab]. 0, or -1 with kvq_last_error() (e.g. cache full). */
 int forward_run(struct forward *f, const struct fwd_batch *b, float *logits);
+/* Copies row `row` of the last pass's logits as draws left them (the backend's memory,
+ * a backend with ops->draw) to dst [n_vocab] (host_alloc memory), there after the
+ * backend's sync; before the next pass. */
+void forward_read_logits(struct forward *f, int row, float *dst);
 
 #endif

@@ -273,6 +273,7 @@ static const struct backend_ops cuda_ops = {
     .sync = cuda_sync,
     .run_on_host_threads = cuda_run_on_host_threads,
     .draw = cuda_draw,
+    .read = cuda_read,
 };
 
 

@@ -157,6 +157,10 @@ void cuk_adjust(struct cuk_queue *qu, float *x, int n, int cols, const struct be
 void cuk_draw(struct cuk_queue *qu, const float *x, int n, int cols, const struct be_draw *d,
               const struct be_draw_op *ops, const float *top_v, const int32_t *top_i, int32_t *drawn,
               float *drawn_logit, double *log_z);
+/* Each BE_ROW_CUT row's weights' total into sum[n] and its candidates into n_cand[n],
+ * cand_v and cand_i [n][BE_CUT_MAX] (backend.h's be_draw_out). */
+void cuk_cut(struct cuk_queue *qu, const float *x, int n, int cols, const struct be_draw *d, const float *top_v,
+             double *sum, int32_t *n_cand, float *cand_v, int32_t *cand_i);
 
 /* Copies `bytes` from staging + src to dst, for each of n copies. */
 struct cuk_copy {

@@ -142,9 +142,10 @@ struct cuda_backend {
     int64_t xq_cols;  /* xq holds up to CUK_MATVEC_MAX rows of this many */
     float *wide_part; /* the wide products' partial sums (split columns) */
     size_t wide_floats;
-    /* what cuda_draw leaves for the host, for top_rows rows: [rows] log-normalizers,
-     * [rows][CUK_TOP_MAX] largest values, [rows] drawn tokens' logits, as many indices as
-     * values, [rows] drawn tokens; and the segments' lists */
+    /* what cuda_draw leaves for the host, for top_rows rows: [rows] log-normalizers and
+     * weights' totals, [rows][CUK_TOP_MAX] largest values, [rows] drawn tokens' logits,
+     * [rows][BE_CUT_MAX] candidates' values, as many indices of each, [rows] drawn tokens
+     * and candidates' counts; and the segments' lists */
     void *top_d;
     void *top_scratch;
     int top_rows;
@@ -349,6 +350,7 @@ void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *
 void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff, float *out);
 void cuda_draw(struct backend *b, float *x, int n, int cols, const struct be_draw *d, const struct be_draw_op *ops,
                int n_ops, const struct be_draw_out *out);
+void cuda_read(struct backend *b, void *dst, const void *src, size_t bytes);
 
 /* cuda_attend.c */
 void cuda_attention(struct backend *b, const struct be_attention *a, int n);

@@ -254,7 +254,8 @@ void cuda_draw(struct backend *b, float *x, int n, int cols, const struct be_dra
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
     if (cb->failed) return;
-    const size_t row_bytes = sizeof(double) + (sizeof(float) + sizeof(int32_t)) * (CUK_TOP_MAX + 1);
+    const size_t row_bytes =
+        2 * sizeof(double) + (sizeof(float) + sizeof(int32_t)) * (CUK_TOP_MAX + 1 + BE_CUT_MAX) + sizeof(int32_t);
     if (n > cb->top_rows) {
         const int rows = n > cb->max_tokens ? n : cb->max_tokens;
         free_after_step(cb, cb->top_d);
@@ -268,22 +269,31 @@ void cuda_draw(struct backend *b, float *x, int n, int cols, const struct be_dra
         cb->top_rows = rows;
     }
     const size_t rows = (size_t)cb->top_rows;
-    double *log_z = cb->top_d;
-    float *vals = (float *)(log_z + rows), *drawn_logit = vals + CUK_TOP_MAX * rows;
-    int32_t *ids = (int32_t *)(drawn_logit + rows), *drawn = ids + CUK_TOP_MAX * rows;
+    double *log_z = cb->top_d, *sum = log_z + rows;
+    float *vals = (float *)(sum + rows), *drawn_logit = vals + CUK_TOP_MAX * rows, *cand_v = drawn_logit + rows;
+    int32_t *ids = (int32_t *)(cand_v + BE_CUT_MAX * rows), *drawn = ids + CUK_TOP_MAX * rows, *n_cand = drawn + rows;
+    int32_t *cand_i = n_cand + rows;
     const struct be_draw *d_d = stage_array(cb, d, sizeof *d * (size_t)n);
     const struct be_draw_op *ops_d = n_ops > 0 ? stage_array(cb, ops, sizeof *ops * (size_t)n_ops) : NULL;
     if (!d_d || (n_ops > 0 && !ops_d)) return;
-    bool draws = false, lps = false;
-    for (int r = 0; r < n; r++) draws |= d[r].row == BE_ROW_DRAW, lps |= d[r].logprobs != 0;
+    bool draws = false, lps = false, cuts = false;
+    for (int r = 0; r < n; r++)
+        draws |= d[r].row == BE_ROW_DRAW, lps |= d[r].logprobs != 0, cuts |= d[r].row == BE_ROW_CUT;
     if (n_ops > 0) cuk_adjust(&cb->q, x, n, cols, d_d, ops_d);
     cuk_top(&cb->q, x, n, cols, CUK_TOP_MAX, vals, ids, cb->top_scratch, cb->n_sm);
     if (draws || lps) cuk_draw(&cb->q, x, n, cols, d_d, ops_d, vals, ids, drawn, drawn_logit, log_z);
+    if (cuts) cuk_cut(&cb->q, x, n, cols, d_d, vals, sum, n_cand, cand_v, cand_i);
     post_copy(cb, out->vals, vals, sizeof(float) * (size_t)n * CUK_TOP_MAX);
     post_copy(cb, out->ids, ids, sizeof(int32_t) * (size_t)n * CUK_TOP_MAX);
     if (draws) post_copy(cb, out->drawn, drawn, sizeof(int32_t) * (size_t)n);
     if (draws) post_copy(cb, out->drawn_logit, drawn_logit, sizeof(float) * (size_t)n);
     if (lps) post_copy(cb, out->log_z, log_z, sizeof(double) * (size_t)n);
+    if (cuts) {
+        post_copy(cb, out->sum, sum, sizeof(double) * (size_t)n);
+        post_copy(cb, out->n_cand, n_cand, sizeof(int32_t) * (size_t)n);
+        post_copy(cb, out->cand_vals, cand_v, sizeof(float) * BE_CUT_MAX * (size_t)n);
+        post_copy(cb, out->cand_ids, cand_i, sizeof(int32_t) * BE_CUT_MAX * (size_t)n);
+    }
     for (int r0 = 0, r1; r0 < n; r0 = r1) { /* runs of rows whose logits the host reads */
         for (r1 = r0 + 1; r1 < n && (d[r1].row == BE_ROW_LOGITS) == (d[r0].row == BE_ROW_LOGITS);) r1++;
         if (d[r0].row == BE_ROW_LOGITS)
@@ -300,4 +310,10 @@ void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float
     double t0 = prof_begin(cb);
     cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out, round_into_xq(cb, out, n, n_ff));
     prof_end(cb, P_GLU, t0);
+}
+
+
+void cuda_read(struct backend *b, void *dst, const void *src, size_t bytes) {
+    struct cuda_backend *cb = cuda(b);
+    if (!cb->failed) ck(cb, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream), "reading results");
 }

@@ -184,17 +184,48 @@ struct draw_row {
     const be_draw_op *bans; /* bans_aside: their weights are dropped */
     int n_bans;
 
-    /* The weight of id i, as kern_exp_shifted makes it. */
-    __device__ __forceinline__ float weight(int i) const {
-        const float v = __fmul_rn(__fsub_rn(x[i], max), scale);
+    /* The exponent of id i's weight (<= 0 but for banned ids above the largest allowed),
+     * and the weight, as kern_exp_shifted makes them. */
+    __device__ __forceinline__ float exponent(int i) const { return __fmul_rn(__fsub_rn(x[i], max), scale); }
+    __device__ __forceinline__ float weight(int i, float v) const {
         return i < n8 ? exp_as_host(v) : (float)exp((double)v);
     }
+    __device__ __forceinline__ float weight(int i) const { return weight(i, exponent(i)); }
     __device__ __forceinline__ bool banned(int id, int before) const {
         for (int j = 0; j < before; j++)
             if (bans[j].id == id) return true;
         return false;
     }
 };
+
+/* The sums of each DRAW_BLOCK ids' weights into bs, the block's threads in parallel,
+ * eight running sums each as the host keeps them (weights()), each weight also handed
+ * to seen(v, w); returns how many sums, the block synchronized after. */
+template <typename F>
+static __device__ int block_sums(const draw_row &w, double *bs, F seen) {
+    const int nb = (w.cols + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    for (int b = threadIdx.x; b < nb; b += DRAW_THREADS) {
+        const int e = (b + 1) * DRAW_BLOCK < w.cols ? (b + 1) * DRAW_BLOCK : w.cols;
+        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int i = b * DRAW_BLOCK;
+        for (; i + 8 <= e; i += 8)
+#pragma unroll
+            for (int l = 0; l < 8; l++) {
+                const float v = w.exponent(i + l), wt = w.weight(i + l, v);
+                s[l] = __fadd_rn(s[l], wt);
+                seen(v, wt);
+            }
+        for (; i < e; i++) { /* the last ids of a short block, in the first sum */
+            const float v = w.exponent(i), wt = w.weight(i, v);
+            s[0] = __fadd_rn(s[0], wt);
+            seen(v, wt);
+        }
+        bs[b] = __fadd_rn(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])),
+                          __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7])));
+    }
+    __syncthreads();
+    return nb;
+}
 
 /* The log of the sum of e^x over the row (x as it is, the largest first), in double as
  * the server's log-probabilities take it; every thread of the block gets it. */
@@ -234,19 +265,7 @@ __global__ void __launch_bounds__(DRAW_THREADS)
     while (j < K - 1 && w.banned(top_i[r * K + j], w.n_bans)) j++;
     const int best = top_i[r * K + j];
     w.max = top_v[r * K + j];
-    const int nb = (cols + DRAW_BLOCK - 1) / DRAW_BLOCK;
-    for (int b = threadIdx.x; b < nb; b += DRAW_THREADS) {
-        const int e = (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
-        float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int i = b * DRAW_BLOCK;
-        for (; i + 8 <= e; i += 8)
-#pragma unroll
-            for (int l = 0; l < 8; l++) s[l] = __fadd_rn(s[l], w.weight(i + l));
-        for (; i < e; i++) s[0] = __fadd_rn(s[0], w.weight(i));
-        bs[b] = __fadd_rn(__fadd_rn(__fadd_rn(s[0], s[1]), __fadd_rn(s[2], s[3])),
-                          __fadd_rn(__fadd_rn(s[4], s[5]), __fadd_rn(s[6], s[7])));
-    }
-    __syncthreads();
+    const int nb = block_sums(w, bs, [](float, float) {});
     if (threadIdx.x != 0) return;
     double sum = 0, dropped = 0;
     for (int b = 0; b < nb; b++) sum += bs[b];
@@ -273,6 +292,71 @@ __global__ void __launch_bounds__(DRAW_THREADS)
     }
     drawn[r] = best;
     drawn_logit[r] = w.x[best];
+}
+
+#define CUT_BUCKETS 1024
+#define CUT_RANGE 40.0f /* exponents below -40 (weights under e^-40 of the best) are not counted */
+
+/* Block r: row r's candidates when it is a BE_ROW_CUT. The weights' total as draw_k makes
+ * it, and a histogram of the weights by exponent; then the point down to which the cut
+ * surely lies: where the histogram holds top_p of the total and a thousandth more, or
+ * where min-p cuts (with a margin for the host's expf), whichever comes first; the
+ * tokens down to it, in no order. */
+__global__ void __launch_bounds__(DRAW_THREADS)
+    cut_k(const float *x, int cols, const be_draw *d, const float *top_v, double *sum_out, int *n_cand, float *cand_v,
+          int *cand_i) {
+    griddep_release();
+    griddep_wait();
+    __shared__ double bs[BE_DRAW_MAX_COLS / DRAW_BLOCK];
+    __shared__ float hist[CUT_BUCKETS];
+    __shared__ int cut_bucket, count;
+    __shared__ float cut_exp;
+    const int r = blockIdx.x;
+    const be_draw dr = d[r];
+    if (dr.row != BE_ROW_CUT) return;
+    for (int b = threadIdx.x; b < CUT_BUCKETS; b += DRAW_THREADS) hist[b] = 0;
+    if (threadIdx.x == 0) count = 0;
+    __syncthreads();
+    const draw_row w = {x + (size_t)r * cols, cols, cols / 8 * 8, top_v[r * K], dr.scale, nullptr, 0};
+    const float per_bucket = CUT_BUCKETS / CUT_RANGE;
+    const int nb = block_sums(w, bs, [&](float v, float wt) {
+        if (-v * per_bucket < CUT_BUCKETS) atomicAdd(&hist[(int)(-v * per_bucket)], wt);
+    });
+    if (threadIdx.x == 0) {
+        double sum = 0;
+        for (int b = 0; b < nb; b++) sum += bs[b];
+        sum_out[r] = sum;
+        int bucket = CUT_BUCKETS; /* none */
+        double acc = 0;
+        for (int b = 0; b < CUT_BUCKETS && dr.top_p < 1.0f && bucket == CUT_BUCKETS; b++)
+            if ((acc += hist[b]) >= (double)dr.top_p * sum * 1.001) bucket = b;
+        float e = dr.min_p > 0 ? -logf(dr.min_p) * 1.0001f + 1e-4f : INFINITY;
+        if (bucket < CUT_BUCKETS && (float)(bucket + 1) / per_bucket < e) e = INFINITY; /* top-p's comes first */
+        else bucket = CUT_BUCKETS;
+        cut_bucket = bucket, cut_exp = e;
+    }
+    __syncthreads();
+    const int bucket = cut_bucket;
+    const float e = cut_exp;
+    if (bucket == CUT_BUCKETS && e == INFINITY) { /* neither: the row */
+        if (threadIdx.x == 0) n_cand[r] = -1;
+        return;
+    }
+    for (int i = threadIdx.x; i < cols; i += DRAW_THREADS) {
+        const float v = w.exponent(i);
+        if (bucket < CUT_BUCKETS ? -v * per_bucket < bucket + 1 : -v <= e) {
+            const int at = atomicAdd(&count, 1);
+            if (at < BE_CUT_MAX) cand_v[(size_t)r * BE_CUT_MAX + at] = w.x[i], cand_i[(size_t)r * BE_CUT_MAX + at] = i;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) n_cand[r] = count > BE_CUT_MAX ? -1 : count | (bucket == CUT_BUCKETS ? BE_CUT_ALL : 0);
+}
+
+extern "C" void cuk_cut(cuk_queue *qu, const float *x, int n, int cols, const be_draw *d, const float *top_v,
+                        double *sum, int32_t *n_cand, float *cand_v, int32_t *cand_i) {
+    pdl_launch(cut_k, dim3((unsigned)n), dim3(DRAW_THREADS), qu, x, cols, d, top_v, sum, (int *)n_cand, cand_v,
+               (int *)cand_i);
 }
 
 extern "C" void cuk_draw(cuk_queue *qu, const float *x, int n, int cols, const be_draw *d, const be_draw_op *ops,
