@@ -411,6 +411,62 @@ static int cut_point(const struct kvq_sampler *s, const struct candidate *c, int
     return -1;
 }
 
+/* A logit's bits as a key that orders best first (-0 as +0, so equal logits tie). */
+static uint32_t best_first_key(float logit) {
+    uint32_t u;
+    memcpy(&u, &logit, sizeof u);
+    if (u == 0x80000000u) u = 0;
+    return (u & 0x80000000u) ? u : ~(u | 0x80000000u);
+}
+
+/* c[0..m), in id order, best first as better_first orders them: four stable passes of
+ * a byte of the key each, so equal logits keep their id order (qsort of 100K
+ * candidates took about 15 ms). tmp: room for m more. */
+static void sort_best_first(struct candidate *c, struct candidate *tmp, int m) {
+    for (int shift = 0; shift < 32; shift += 8) {
+        int at[257] = {0};
+        for (int i = 0; i < m; i++) at[(best_first_key(c[i].logit) >> shift & 255) + 1]++;
+        for (int d = 0; d < 256; d++) at[d + 1] += at[d];
+        for (int i = 0; i < m; i++) tmp[at[best_first_key(c[i].logit) >> shift & 255]++] = c[i];
+        struct candidate *t = c;
+        c = tmp, tmp = t;
+    }
+}
+
+#define CUT_BUCKETS 1024
+#define CUT_RANGE 40.0f /* weights below e^-40 of the best are not counted */
+
+/* Without top-k: the candidates down to a point the cut surely lies above, best first
+ * in c, found from a histogram of the weights by exponent (prob: the weights by id,
+ * sum their total) rather than by sorting the row: where it first holds top_p of the
+ * total and a thousandth more, or where min-p cuts with a margin for expf, whichever
+ * comes first (*all_kept: min-p's, so they are every token min-p keeps). How many; 0
+ * where neither point is within the histogram. */
+static int cut_prefix(struct kvq_sampler *s, const float *x, int n, float max, double sum, bool *all_kept) {
+    const float per = CUT_BUCKETS / CUT_RANGE / s->p.temp; /* buckets an exponent's unit */
+    double w[CUT_BUCKETS + 1] = {0}; /* and the rest, past the range, in the last */
+    for (int i = 0; i < n; i++) {
+        const float v = (max - x[i]) * per;
+        w[v < CUT_BUCKETS ? (int)v : CUT_BUCKETS] += s->prob[i]; /* no branch: half of a peaked row's fall past */
+    }
+    int last = CUT_BUCKETS, m = 0;
+    double acc = 0;
+    for (int b = 0; b < CUT_BUCKETS && s->p.top_p < 1.0f && last == CUT_BUCKETS; b++)
+        if ((acc += w[b]) >= (double)s->p.top_p * sum * 1.001) last = b;
+    const float min_p_at = s->p.min_p > 0 ? (-logf(s->p.min_p) * 1.0001f + 1e-4f) * (CUT_BUCKETS / CUT_RANGE) : INFINITY;
+    *all_kept = min_p_at < (float)last;
+    if (*all_kept) last = (int)min_p_at;
+    if (last >= CUT_BUCKETS) return 0;
+    struct candidate *c = s->cand;
+    for (int i = 0; i < n; i++)
+        if ((max - x[i]) * per < (float)(last + 1)) c[m++] = (struct candidate){x[i], i};
+    struct candidate *tmp = m > 1024 ? malloc(sizeof *tmp * (size_t)m) : NULL;
+    if (tmp) sort_best_first(c, tmp, m);
+    else qsort(c, (size_t)m, sizeof *c, better_first);
+    free(tmp);
+    return m;
+}
+
 /* The draw from x, the logits with the sampler's adjustments applied (bans_only: with
  * its bans alone, not applied). */
 static kvq_token draw_from(struct kvq_sampler *s, const float *x, bool bans_only) {
@@ -436,12 +492,21 @@ static kvq_token draw_from(struct kvq_sampler *s, const float *x, bool bans_only
         top_m(x, n, k, c);
         return draw_top_k(s, c, k);
     }
-    const double sum = weights(x, n, x[argmax(x, n)], temp, prob, s->block_sum);
-    /* a few thousand by the heap; beyond, all of them (then only sorted) */
-    for (int m = n < 256 ? n : 256;; m = 4 * m > n / 8 ? n : 4 * m) {
-        top_m(x, n, m, c);
-        if ((k = cut_point(s, c, m, sum, prob)) > 0 || m == n) break;
+    const float max = x[argmax(x, n)];
+    const double sum = weights(x, n, max, temp, prob, s->block_sum);
+    /* a peaked row's cut lies among its few largest, which the heap finds fastest */
+    float first[256];
+    const int m0 = n < 256 ? n : 256;
+    top_m(x, n, m0, c);
+    if ((k = cut_point(s, c, m0, sum, first)) > 0 || m0 == n) {
+        memcpy(prob, first, sizeof *prob * (size_t)(k > 0 ? k : n));
+        return cut_and_draw(s, c, prob, k > 0 ? k : n, sum);
     }
+    bool all_kept;
+    const int m = cut_prefix(s, x, n, max, sum, &all_kept);
+    if (m > 0 && ((k = cut_point(s, c, m, sum, prob)) > 0 || all_kept)) return cut_and_draw(s, c, prob, k > 0 ? k : m, sum);
+    top_m(x, n, n, c); /* no point found (top_p within a thousandth of 1): all of them */
+    k = cut_point(s, c, n, sum, prob);
     return cut_and_draw(s, c, prob, k > 0 ? k : n, sum);
 }
 
