@@ -9,7 +9,7 @@ jobs=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$jobs"
 # built (not run) so that they cannot rot: the micro-benchmarks, the fuzz harnesses (compiled only)
-cmake --build build -j "$jobs" --target bench_kernels bench_grammar fuzz_compile
+cmake --build build -j "$jobs" --target bench_kernels bench_grammar bench_sampler fuzz_compile
 ctest --test-dir build --output-on-failure -j "$jobs"
 # The kernels and what runs on them again at each lower SIMD level the CPU is
 # forced down to (every level must agree with the float references).
@@ -24,7 +24,7 @@ done
 echo "== clang"
 cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_COMPILER=clang >/dev/null
 cmake --build build-clang -j "$jobs"
-cmake --build build-clang -j "$jobs" --target bench_kernels
+cmake --build build-clang -j "$jobs" --target bench_kernels bench_sampler
 ctest --test-dir build-clang --output-on-failure -j "$jobs" -LE slow
 
 # The CUDA backend is compiled wherever nvcc is (CI has it, without a GPU) so it
