@@ -158,6 +158,7 @@ int main(void) {
         }
         CHECK(kvq_seq_trim(ctx, p, 1) == 1, "trim %d", p);
     }
+    kvq_sampler_free(smp[REFS_PROMPTS - 1]);
     smp[REFS_PROMPTS - 1] = NULL; /* its logits, as asked */
     b.samplers = smp;
     CHECK(kvq_decode(ctx, &b) == 0, "step with samplers: %s", kvq_last_error());
