@@ -266,6 +266,25 @@ static void test_from_top(void) {
     free(skip);
 }
 
+/* A BE_ROW_CUT row's results as the device leaves them, from the adjusted row x[n]: the
+ * weights' total (the host's own, in double here) and the 1,024 largest, in reverse
+ * order; whether they settle the cut, and then its draw in *got (else -1). */
+static bool cut_from_candidates(struct kvq_sampler *s, const struct be_draw *d, const float *x, int n,
+                                kvq_token *got) {
+    struct cand *c = malloc(sizeof *c * (size_t)n);
+    for (int i = 0; i < n; i++) c[i] = (struct cand){x[i], i};
+    qsort(c, (size_t)n, sizeof *c, best_first);
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += expf((x[i] - c[0].logit) * d->scale);
+    float vals[BE_CUT_MAX];
+    int32_t ids[BE_CUT_MAX], n_cand = BE_CUT_MAX < n ? BE_CUT_MAX : n;
+    for (int i = 0; i < n_cand; i++) vals[i] = c[n_cand - 1 - i].logit, ids[i] = c[n_cand - 1 - i].id;
+    free(c);
+    const struct be_draw_out out = {.sum = &sum, .n_cand = &n_cand, .cand_vals = vals, .cand_ids = ids};
+    *got = sampler_cut_settles(s, &out, 0) ? sampler_finish(s, d, &out, 0) : -1;
+    return *got >= 0;
+}
+
 /* The device's share of a draw (sampler_plan, sampler_finish) made on the host: the
  * adjustments applied one after another as backend.h says, the largest of the row
  * then found, give kvq_sampler_sample's token from the row; and a draw the device
@@ -273,7 +292,7 @@ static void test_from_top(void) {
 static void test_device_plan(void) {
     enum { V = 3001, ROUNDS = 40 };
     float *x = malloc(sizeof *x * V), *adj = malloc(sizeof *adj * V);
-    int kinds[4] = {0}, aside = 0, differ = 0, draws = 0;
+    int kinds[4] = {0}, aside = 0, differ = 0, draws = 0, cut_settled = 0;
     for (int k = 0; k < DRAW_CASES; k++) {
         struct kvq_sampler *dev = draw_case_new(k, V, 100 + (uint64_t)k), *host = draw_case_new(k, V, 100 + (uint64_t)k);
         struct be_draw_op *ops = NULL;
@@ -308,9 +327,12 @@ static void test_device_plan(void) {
                 float vals[BE_TOP_MAX];
                 kvq_token ids[BE_TOP_MAX];
                 sampler_top(adj, V, BE_TOP_MAX, vals, ids);
-                /* a cut's candidates are the GPU test's: here the row read back */
-                got = d.row == BE_ROW_CUT ? sampler_draw_adjusted(dev, adj)
-                                          : sampler_finish(dev, &d, &(struct be_draw_out){.vals = vals, .ids = ids}, 0);
+                if (d.row == BE_ROW_CUT) {
+                    cut_settled += cut_from_candidates(dev, &d, adj, V, &got);
+                    if (got < 0) got = sampler_draw_adjusted(dev, adj); /* the row read back */
+                } else {
+                    got = sampler_finish(dev, &d, &(struct be_draw_out){.vals = vals, .ids = ids}, 0);
+                }
             }
             differ += got != want;
             draws++;
@@ -337,9 +359,12 @@ static void test_device_plan(void) {
     CHECK(d.row == BE_ROW_LOGITS, "log-probabilities of a row that adjustments change: the row");
     kvq_sampler_free(s0), kvq_sampler_free(s1), kvq_sampler_free(s2);
     printf("draws planned for a device: %d on the host's row, %d from the largest, %d over the row (%d with bans "
-           "aside), %d cut: %d of %d differ from the row's\n",
-           kinds[BE_ROW_LOGITS], kinds[BE_ROW_TOP], kinds[BE_ROW_DRAW], aside, kinds[BE_ROW_CUT], differ, draws);
+           "aside), %d cut (%d from candidates): %d of %d differ from the row's\n",
+           kinds[BE_ROW_LOGITS], kinds[BE_ROW_TOP], kinds[BE_ROW_DRAW], aside, kinds[BE_ROW_CUT], cut_settled, differ,
+           draws);
     CHECK(differ == 0, "%d of %d draws differ from kvq_sampler_sample's", differ, draws);
+    CHECK(cut_settled > 0 && cut_settled < kinds[BE_ROW_CUT], "cuts settled from candidates (%d of %d) and not",
+          cut_settled, kinds[BE_ROW_CUT]);
     CHECK(kinds[BE_ROW_LOGITS] == 2 * ROUNDS && kinds[BE_ROW_TOP] == 4 * ROUNDS && kinds[BE_ROW_DRAW] == 3 * ROUNDS &&
               kinds[BE_ROW_CUT] == 3 * ROUNDS &&
               aside == 2 * ROUNDS,

@@ -808,15 +808,36 @@ static int host_rows(struct kvq_context *c, int n_rows) {
     return c->logits ? 0 : kvq_error_wrap("%d rows of logits: %s", n_rows, kvq_last_error());
 }
 
+/* A pass's cut rows, a row at a time to whichever thread asks next: whether the
+ * device's candidates settle each (their sort left in its sampler for the draw). */
+struct cut_rows {
+    struct kvq_context *c;
+    int end;
+    atomic_int next;
+};
+
+static void cut_rows_task(void *arg, int ith, int nth) {
+    (void)ith, (void)nth;
+    struct cut_rows *t = arg;
+    struct kvq_context *c = t->c;
+    for (int r; (r = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed)) < t->end;)
+        c->row_read[r] = c->draws[r].row == BE_ROW_CUT && !sampler_cut_settles(c->row_sampler[r], &c->dev, r);
+}
+
 /* After a pass: reads the rows of [row0, row1) whose cut the device's candidates do not
  * settle (before the next pass rewrites them). 0 or -1. */
 static int read_unsettled(struct kvq_context *c, int row0, int row1, int n_rows) {
-    bool any = false;
+    bool cuts = false, any = false;
+    for (int r = row0; r < row1; r++) cuts |= c->draws[r].row == BE_ROW_CUT;
+    if (!cuts) return 0;
+    struct cut_rows t = {.c = c, .end = row1};
+    atomic_init(&t.next, row0);
+    c->be->ops->run_on_host_threads(c->be, cut_rows_task, &t);
     for (int r = row0; r < row1; r++) {
-        if (c->draws[r].row != BE_ROW_CUT || sampler_cut_settles(c->row_sampler[r], &c->dev, r)) continue;
+        if (!c->row_read[r]) continue;
         if (host_rows(c, n_rows) != 0) return -1;
         forward_read_logits(c->fwd, r - row0, c->logits + (size_t)r * c->m->model->hp.n_vocab);
-        c->row_read[r] = any = true;
+        any = true;
     }
     return any ? c->be->ops->sync(c->be) : 0;
 }

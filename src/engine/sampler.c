@@ -42,6 +42,7 @@ struct kvq_sampler {
     int n_bias, n_banned;
     struct kvq_grammar *grammar; /* not owned */
     float *masked;               /* the logits with what the grammar forbids at -inf */
+    int cut_k; /* sampler_cut_settles: the draw is among cand[0..cut_k), weights in prob */
 };
 
 void kvq_sampler_params_default(struct kvq_sampler_params *p) {
@@ -602,9 +603,12 @@ static int cut_candidates(struct kvq_sampler *s, const struct be_draw_out *out, 
 }
 
 bool sampler_cut_settles(struct kvq_sampler *s, const struct be_draw_out *out, int r) {
-    if (out->n_cand[r] < 0) return false;
-    const int m = cut_candidates(s, out, r);
-    return m > 0 && ((out->n_cand[r] & BE_CUT_ALL) || cut_point(s, s->cand, m, out->sum[r], s->prob) > 0);
+    s->cut_k = 0;
+    const int m = out->n_cand[r] < 0 ? 0 : cut_candidates(s, out, r);
+    const int k = m > 0 ? cut_point(s, s->cand, m, out->sum[r], s->prob) : 0;
+    /* the cut among them, or (BE_CUT_ALL) they are every token min-p keeps */
+    if (k > 0 || (m > 0 && (out->n_cand[r] & BE_CUT_ALL))) s->cut_k = k > 0 ? k : m;
+    return s->cut_k > 0;
 }
 
 kvq_token sampler_draw_adjusted(struct kvq_sampler *s, const float *x) { return draw_from(s, x, false); }
@@ -614,9 +618,11 @@ kvq_token sampler_finish(struct kvq_sampler *s, const struct be_draw *d, const s
         next_u64(&s->rng); /* the uniform sampler_plan read */
         return out->drawn[r];
     }
-    if (d->row == BE_ROW_CUT) { /* sampler_cut_settles said so: the cut lies among them, or they are all min-p keeps */
-        const int m = cut_candidates(s, out, r), k = cut_point(s, s->cand, m, out->sum[r], s->prob);
-        return cut_and_draw(s, s->cand, s->prob, k > 0 ? k : m, out->sum[r]);
+    if (d->row == BE_ROW_CUT) { /* from what sampler_cut_settles left */
+        assert(s->cut_k > 0);
+        const int k = s->cut_k;
+        s->cut_k = 0;
+        return cut_and_draw(s, s->cand, s->prob, k, out->sum[r]);
     }
     assert(d->row == BE_ROW_TOP);
     const float *vals = out->vals + (size_t)r * BE_TOP_MAX;
