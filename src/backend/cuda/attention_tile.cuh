@@ -157,12 +157,21 @@ static __host__ __device__ constexpr int groups_of() {
     return BITS < 16 ? D / (GS < 0 ? D : GS) : 1;
 }
 
-/* Shared memory of normal-float rows, after the stages and the partial scores: a block
- * of rows as it is (HEAD bytes, with room for the word after the last row's codes),
- * then the 256 scales of the scale bytes. */
+/* Raw blocks of normal-float rows in flight: tile i + nf_ring() - 1 is read while tile i
+ * is computed. Three, not two, for head sizes up to 128: 4,3:nf decodes 1.5% faster at
+ * 32K rows, four gain nothing more (docs/kv-formats.md); one more block of head size
+ * 256 would leave one block a multiprocessor instead of two. */
+template <int D>
+static __host__ __device__ constexpr int nf_ring() {
+    return D > 128 ? 2 : 3;
+}
+/* Shared memory of normal-float rows, after the stages and the partial scores: the
+ * ring's blocks of rows as they are (HEAD bytes each, with room for the word after the
+ * last row's codes), then the 256 scales of the scale bytes. */
 template <int D, int KB, int VB, int GS>
 static __host__ __device__ constexpr size_t raw_bytes() {
-    return GS < 0 ? (size_t)TILE * (row_bytes<D, KB, GS>() + row_bytes<D, VB, GS>()) + 16 + 256 * sizeof(float) : 0;
+    constexpr size_t block = (size_t)TILE * (row_bytes<D, KB, GS>() + row_bytes<D, VB, GS>());
+    return GS < 0 ? nf_ring<D>() * block + 16 + 256 * sizeof(float) : 0;
 }
 
 /* 8 level bytes (nf_level_bytes) as 4 f16 pairs, in order. */
@@ -190,7 +199,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     constexpr bool NF = GS < 0;
     constexpr bool KN = KB == 4 && !NF, VN = VB == 4 && !NF; /* sides in nibble_pos order */
     constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
-    constexpr int NST = n_stages<D, GS>();
+    constexpr int NST = n_stages<D, GS>(), NR = nf_ring<D>();
     constexpr int nkg = groups_of<D, KB, GS>(), nvg = groups_of<D, VB, GS>(), KG = D / nkg, VG = D / nvg;
     /* a warp's dimensions [dw0, dw0 + DW) in groups of KGW (VGW), at most a group */
     constexpr int KGW = KG < DW ? KG : DW, VGW = VG < DW ? VG : DW;
@@ -402,21 +411,24 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     /* normal-float rows lie on any byte boundary: a block's rows as they are, by aligned
      * 16-byte copies into shared memory (raw), from where store_nf converts them */
     uint8_t *const raw = smem + NST * stage_bytes + (WD ? 4 * 8 * TILE * sizeof(float) : 0);
-    auto fetch_nf = [&](const uint8_t *hb) {
-        for (int u = threadIdx.x; u < (int)(HEAD / 16); u += TILE_THREADS) cp_async16(raw + 16 * u, hb + 16 * u);
+    auto fetch_nf = [&](const uint8_t *hb, int slot) {
+        uint8_t *const to = raw + (size_t)slot * HEAD;
+        for (int u = threadIdx.x; u < (int)(HEAD / 16); u += TILE_THREADS) cp_async16(to + 16 * u, hb + 16 * u);
     };
-    float *const nf_scales = (float *)(raw + HEAD + 16);
+    float *const nf_scales = (float *)(raw + NR * HEAD + 16);
     /* every thread, after its copies and a barrier; rows outside the plan's range are
      * converted too (finite values, masked). Thread t takes units t % (D / 8) of rows
      * t / (D / 8) + k RS (as item_at): a row step of RS rows keeps each unit's offset
      * within its word, so one funnel shift serves every k. */
-    auto store_nf = [&](__half *ks, __half *vs, float2 *kp, float2 *vp) {
+    auto store_nf = [&](__half *ks, __half *vs, float2 *kp, float2 *vp, int slot, bool all) {
+        const uint8_t *const raw_s = raw + (size_t)slot * HEAD;
         constexpr int RS = TILE_THREADS / (D / 8);
         static_assert(RS * KROW % 4 == 0 && RS * VROW % 4 == 0 && KU * RS == TILE, "words a row step apart");
         const uint32_t c = threadIdx.x % (D / 8), r0 = threadIdx.x / (D / 8);
         const uint32_t ko = r0 * (uint32_t)KROW + c * KB, vo = (uint32_t)(TILE * KROW) + r0 * (uint32_t)VROW + c * VB;
-        const uint32_t *kw = (const uint32_t *)(raw + (ko & ~3u)), *vw = (const uint32_t *)(raw + (vo & ~3u));
-        cp_async_wait_all();
+        const uint32_t *kw = (const uint32_t *)(raw_s + (ko & ~3u)), *vw = (const uint32_t *)(raw_s + (vo & ~3u));
+        if (all) cp_async_wait_all();
+        else cp_async_wait<NR - 2>();
         __syncthreads();
 #pragma unroll
         for (int k = 0; k < KU; k++) {
@@ -427,19 +439,19 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             *(uint4 *)(vs + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<VB>(vx));
         }
         for (int r = threadIdx.x; r < TILE; r += TILE_THREADS) { /* (scale, bias) of each row's one group */
-            const float sk = nf_scales[raw[r * KROW + D * KB / 8]];
-            const float sv = nf_scales[raw[TILE * KROW + r * VROW + D * VB / 8]];
+            const float sk = nf_scales[raw_s[r * KROW + D * KB / 8]];
+            const float sv = nf_scales[raw_s[TILE * KROW + r * VROW + D * VB / 8]];
             kp[r] = make_float2(sk, -127.5f * sk);
             vp[r] = make_float2(sv, -127.5f * sv);
         }
     };
-    auto fetch_packed = [&](const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
-        if constexpr (NF) fetch_nf(hb);
+    auto fetch_packed = [&](const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi, int slot) {
+        if constexpr (NF) fetch_nf(hb, slot);
         else fetch_uniform(hb, p0, lo, hi);
     };
     /* called by every thread (store_nf has a barrier) */
-    auto store_packed = [&](__half *ks, __half *vs, float2 *kp, float2 *vp) {
-        if constexpr (NF) store_nf(ks, vs, kp, vp);
+    auto store_packed = [&](__half *ks, __half *vs, float2 *kp, float2 *vp, int slot, bool all) {
+        if constexpr (NF) store_nf(ks, vs, kp, vp, slot, all);
         else store_uniform(ks, vs, kp, vp);
     };
     auto stage = [&](int s, __half *&ks, __half *&vs, float2 *&kp, float2 *&vp) {
@@ -451,7 +463,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     };
     /* tile ts into stage s: f16 parts by cp.async now; packed parts fetched (stored by
      * the caller with store_packed once the stage is free) */
-    auto begin_tile = [&](int s, const tile_at &ts) {
+    auto begin_tile = [&](int s, const tile_at &ts, int slot) {
         __half *ks, *vs;
         float2 *kp, *vp;
         stage(s, ks, vs, kp, vp);
@@ -460,7 +472,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             return true; /* no packed part */
         }
         if (KB == 16 || VB == 16) load_f16(0, ts.hb, ts.p0, ts.lo, ts.hi, ks, vs, KB == 16, VB == 16);
-        if (KB < 16 || VB < 16) fetch_packed(ts.hb, ts.p0, ts.lo, ts.hi);
+        if (KB < 16 || VB < 16) fetch_packed(ts.hb, ts.p0, ts.lo, ts.hi, slot);
         return !(KB < 16 || VB < 16);
     };
 
@@ -480,20 +492,33 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         for (int e = threadIdx.x; e < 256; e += TILE_THREADS) nf_scales[e] = nf_scale((uint32_t)e);
     const tile_at first = tile_src(i0, FROM_TABLE);
     const bool early = first.kind == 0 && min(first.hi, first.p0 + TILE - 1) < P.fresh;
-    bool done = early && begin_tile(0, first);
-    auto store_first = [&] { /* the first tile's packed codes into stage 0 */
+    /* Normal-float rows: tile i's block in raw slot i % NR, fetched NR - 1 tiles
+     * ahead, one cp.async group a tile (empty where there is nothing to fetch), so that
+     * waiting for tile i leaves the NR - 2 later ones in flight */
+    bool done = early && begin_tile(0, first, i0 % NR);
+    if (NF && early) cp_async_commit();
+    auto store_first = [&](bool all) { /* the first tile's packed codes into stage 0 */
         __half *ks, *vs;
         float2 *kp, *vp;
         stage(0, ks, vs, kp, vp);
-        store_packed(ks, vs, kp, vp);
+        store_packed(ks, vs, kp, vp, i0 % NR, all);
     };
     if (early && !done && i1 - i0 == 1) { /* the tile's codes are final: stored now */
-        store_first();
+        store_first(true);
         done = true;
     }
     griddep_wait();
-    if (!early) done = begin_tile(0, tile_src(i0, FROM_TABLE)); /* its loads in flight while the queries are read */
-    prefetch_block(i0 + 1);
+    if (!early) /* its loads in flight while the queries are read */
+        done = begin_tile(0, tile_src(i0, FROM_TABLE), i0 % NR);
+    if (NF) {
+        if (!early) cp_async_commit();
+        for (int n = i0 + 1; n < i0 + NR - 1; n++) {
+            if (n < i1 && n < P.t1 + P.t2) fetch_nf(tile_src(n, FROM_TABLE).hb, n % NR);
+            cp_async_commit();
+        }
+    } else {
+        prefetch_block(i0 + 1);
+    }
     const float qmu = row_on && prepped ? prep[0] : 0.0f;
     uint32_t qa[DW / 16][4];
     float qsum[DW / 16];
@@ -511,10 +536,10 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     for (int kk = 0; kk < DW / 16; kk++)
         for (int o = 1; o < 4; o <<= 1) qsum[kk] += __shfl_xor_sync(0xffffffffu, qsum[kk], o);
 
-    if (!done) store_first();
+    if (!done) store_first(false);
     for (int i = i0; i < i1; i++) {
         const int s = (i - i0) % NST;
-        cp_async_wait_all();
+        if (!NF || i >= P.t1 + P.t2) cp_async_wait_all(); /* normal-float tiles waited for in store_nf */
         if ((KN || VN) && i >= P.t1 + P.t2) { /* f16 rows of this thread's copies (load_f16) into nibble order */
             __half *ks, *vs;
             float2 *kp, *vp;
@@ -529,15 +554,22 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         /* next_done: the next tile is in its stage, or only a store_packed away (false);
          * next_later: one stage, the next tile's f16 rows load once this one is done */
         bool next_done = true, next_later = false;
-        if (NST == 2) next_done = i + 1 < i1 ? begin_tile(s ^ 1, tile_src(i + 1, FROM_PREFETCH)) : true;
-        else if (i + 1 < i1 && KB < 16 && i + 1 < P.t1 + P.t2) { /* packed codes into registers now */
+        if (NF) { /* tile i + NR - 1 into its slot; the next, if packed, converted after this one */
+            const int n = i + NR - 1;
+            if (n < i1 && n < P.t1 + P.t2) fetch_nf(tile_src(n, FROM_TABLE).hb, n % NR);
+            cp_async_commit();
+            next_done = !(i + 1 < i1 && i + 1 < P.t1 + P.t2);
+            next_later = i + 1 < i1 && next_done;
+        } else if (NST == 2) {
+            next_done = i + 1 < i1 ? begin_tile(s ^ 1, tile_src(i + 1, FROM_PREFETCH), 0) : true;
+        } else if (i + 1 < i1 && KB < 16 && i + 1 < P.t1 + P.t2) { /* packed codes into registers now */
             const tile_at nt = tile_src(i + 1, FROM_PREFETCH);
-            fetch_packed(nt.hb, nt.p0, nt.lo, nt.hi);
+            fetch_packed(nt.hb, nt.p0, nt.lo, nt.hi, 0);
             next_done = false;
         } else {
             next_later = i + 1 < i1; /* f16 rows once the stage is free */
         }
-        prefetch_block(i + 2);
+        if (!NF) prefetch_block(i + 2);
         __half *ks, *vs;
         float2 *kp, *vp;
         stage(s, ks, vs, kp, vp);
@@ -693,7 +725,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             __half *nks, *nvs;
             float2 *nkp, *nvp;
             stage(NST == 2 ? s ^ 1 : 0, nks, nvs, nkp, nvp);
-            store_packed(nks, nvs, nkp, nvp);
+            store_packed(nks, nvs, nkp, nvp, (i + 1) % NR, false);
         }
     }
 
