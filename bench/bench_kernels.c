@@ -1,7 +1,7 @@
 /* Micro-benchmark of the compute kernels (not a test): matvec / matmul at the
  * tinydoc shapes for every weight type, a simulated tinydoc-q8_0 decode token,
  * and attention at depths 512 / 4096. Single thread.
- * Usage: bench_kernels [scalar|avx2|avx512] [cold|ceilings]
+ * Usage: bench_kernels [scalar|avx2|avx2vnni|avx512] [cold|ceilings] (avx2: without AVX-VNNI)
  * "cold": decode token and attention over working sets larger than the caches
  * (mean time, GB/s), the way generate meets them.
  * "ceilings": what the machine itself allows, with 1 and 2 threads: reads from DRAM
@@ -492,10 +492,13 @@ int main(int argc, char **argv) {
         argc--;
     }
     if (argc > 1) {
-        enum kvq_simd l = strcmp(argv[1], "scalar") == 0 ? KVQ_SIMD_SCALAR
-                          : strcmp(argv[1], "avx2") == 0   ? KVQ_SIMD_AVX2
-                                                           : KVQ_SIMD_AVX512;
-        if (kvq_simd_force(l) != 0) {
+        /* avx2: without AVX-VNNI; avx2vnni: with it */
+        const int vnni = strcmp(argv[1], "avx2vnni") == 0;
+        enum kvq_simd l = KVQ_SIMD_AVX512;
+        if (strcmp(argv[1], "scalar") == 0) l = KVQ_SIMD_SCALAR;
+        else if (vnni || strcmp(argv[1], "avx2") == 0) l = KVQ_SIMD_AVX2;
+        kvq_cpu_use_avx_vnni(vnni);
+        if (kvq_simd_force(l) != 0 || (vnni && !kvq_cpu_avx_vnni())) {
             fprintf(stderr, "level %s not available\n", argv[1]);
             return 1;
         }

@@ -213,6 +213,7 @@ static void test_matmul_case(uint32_t type, int64_t k, int M, int n_tok) {
     const int64_t ys = M + 3;
     float *y = malloc(sizeof(float) * (size_t)(n_tok * ys));
     float *y_scalar = malloc(sizeof(float) * (size_t)(n_tok * ys));
+    float *y_avx2 = malloc(sizeof(float) * (size_t)(n_tok * ys));
     float *y1 = malloc(sizeof(float) * (size_t)ys);
     /* Q8_0/Q4_0 also in the 16-row form (3 tiles, the last one partial) */
     const int has16 = type == KVQ_Q8_0 || type == KVQ_Q4_0;
@@ -239,10 +240,22 @@ static void test_matmul_case(uint32_t type, int64_t k, int M, int n_tok) {
     }
     struct kern_matmul_args a = {.wtype = type, .w = w, .w_row_bytes = wrb, .k = k, .xa = xa,
                                  .xa_row_bytes = xrb, .n_tok = n_tok, .y = y, .y_stride = ys};
-    for (size_t run = 0; run < 3 * (size_t)(1 + has16); run++) {
-        const size_t li = run % 3;
-        a.w16 = run >= 3 ? w16 : NULL;
-        if (kvq_simd_force(all_levels[li]) != 0) continue;
+    /* the AVX2 level with and without AVX-VNNI (where the CPU has it) */
+    static const struct {
+        enum kvq_simd level;
+        int vnni;
+        const char *name;
+    } variants[] = {{KVQ_SIMD_SCALAR, 0, "scalar"},
+                    {KVQ_SIMD_AVX2, 0, "avx2"},
+                    {KVQ_SIMD_AVX2, 1, "avx2vnni"},
+                    {KVQ_SIMD_AVX512, 0, "avx512"}};
+    for (size_t run = 0; run < 4 * (size_t)(1 + has16); run++) {
+        const size_t li = run % 4;
+        const char *vname = variants[li].name;
+        a.w16 = run >= 4 ? w16 : NULL;
+        if (kvq_simd_force(variants[li].level) != 0) continue;
+        kvq_cpu_use_avx_vnni(variants[li].vnni);
+        if (variants[li].vnni && !kvq_cpu_avx_vnni()) continue;
         for (int64_t i = 0; i < n_tok * ys; i++) y[i] = NAN;
         /* odd row ranges, not multiples of the register tile */
         const int64_t cuts[] = {0, 1, 6, 7, 22, M};
@@ -262,10 +275,16 @@ static void test_matmul_case(uint32_t type, int64_t k, int M, int n_tok) {
                 if (!isnan(y[t * ys + r])) bad_pad++;
         }
         CHECK(bad == 0, "matmul %s %s k=%d M=%d n_tok=%d: %d outputs outside the bound (worst %.3g x tol)",
-              kvq_dtype_name(type), level_name[li], (int)k, M, n_tok, bad, worst);
-        CHECK(bad_pad == 0, "matmul %s %s wrote outside [r0, r1)", kvq_dtype_name(type), level_name[li]);
+              kvq_dtype_name(type), vname, (int)k, M, n_tok, bad, worst);
+        CHECK(bad_pad == 0, "matmul %s %s wrote outside [r0, r1)", kvq_dtype_name(type), vname);
         CHECK(bad_scalar == 0, "matmul %s %s%s k=%d n_tok=%d: %d outputs differ from scalar", kvq_dtype_name(type),
-              level_name[li], a.w16 ? " 16-row" : "", (int)k, n_tok, bad_scalar);
+              vname, a.w16 ? " 16-row" : "", (int)k, n_tok, bad_scalar);
+        /* vpdpbusd sums the products vpmaddubsw + vpmaddwd sum, exactly: the same bits */
+        if (li == 1) memcpy(y_avx2, y, sizeof(float) * (size_t)(n_tok * ys));
+        if (li == 2)
+            CHECK(memcmp(y, y_avx2, sizeof(float) * (size_t)(n_tok * ys)) == 0,
+                  "matmul %s avx2vnni%s k=%d n_tok=%d: differs from avx2", kvq_dtype_name(type),
+                  a.w16 ? " 16-row" : "", (int)k, n_tok);
         /* a token's outputs do not depend on the tokens beside it: bit for bit */
         int varies = 0;
         for (int t = 0; t < n_tok; t++) {
@@ -277,9 +296,11 @@ static void test_matmul_case(uint32_t type, int64_t k, int M, int n_tok) {
             varies += memcmp(y1, y + (size_t)t * ys, sizeof(float) * (size_t)M) != 0;
         }
         CHECK(varies == 0, "matmul %s %s%s k=%d: %d of %d tokens differ when multiplied alone", kvq_dtype_name(type),
-              level_name[li], a.w16 ? " 16-row" : "", (int)k, varies, n_tok);
+              vname, a.w16 ? " 16-row" : "", (int)k, varies, n_tok);
     }
+    kvq_cpu_use_avx_vnni(1);
     free(w16);
+    free(y_avx2);
     free(y1);
     kvq_simd_force(kvq_simd_max());
     free(w);

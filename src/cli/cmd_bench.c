@@ -402,7 +402,7 @@ int cmd_bench(int argc, char **argv) {
 
     char cpu[64];
     kvq_cpu_model(cpu, sizeof cpu);
-    const char *simd = kvq_simd_name(kvq_simd_level()); /* the CPU kernels' level: KVQ_SIMD caps it */
+    const char *simd = kvq_simd_level_name(); /* the CPU kernels' level: KVQ_SIMD caps it */
     if (o.json) {
         printf("{\n  \"model\": ");
         json_str(stdout, o.model);

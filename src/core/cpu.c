@@ -34,9 +34,18 @@ static int vbmi_detect(void) {
     __cpuid_count(7, 0, a, b, c, d);
     return (c >> 1) & 1; /* AVX512_VBMI */
 }
+static int avx_vnni_detect(void) {
+    unsigned a, b, c, d;
+    if (cpu_detect() < KVQ_SIMD_AVX2) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    if (a < 1) return 0; /* no subleaf 1 */
+    __cpuid_count(7, 1, a, b, c, d);
+    return (a >> 4) & 1; /* AVX-VNNI */
+}
 #else
 static enum kvq_simd cpu_detect(void) { return KVQ_SIMD_SCALAR; }
 static int vbmi_detect(void) { return 0; }
+static int avx_vnni_detect(void) { return 0; }
 #endif
 
 int kvq_cpu_avx512_vbmi(void) {
@@ -49,7 +58,19 @@ int kvq_cpu_avx512_vbmi(void) {
     return v && kvq_simd_max() >= KVQ_SIMD_AVX512;
 }
 
-static atomic_int g_max = -1, g_level = -1;
+static atomic_int g_max = -1, g_level = -1, g_vnni = -1, g_vnni_wanted = 1;
+
+int kvq_cpu_avx_vnni(void) {
+    int v = atomic_load_explicit(&g_vnni, memory_order_relaxed);
+    if (v < 0) { /* the CPU has it and KVQ_SIMD does not leave it out */
+        const char *env = getenv("KVQ_SIMD");
+        v = avx_vnni_detect() && !(env && (strcmp(env, "avx2") == 0 || strcmp(env, "scalar") == 0));
+        atomic_store_explicit(&g_vnni, v, memory_order_relaxed);
+    }
+    return v && atomic_load_explicit(&g_vnni_wanted, memory_order_relaxed) && kvq_simd_level() == KVQ_SIMD_AVX2;
+}
+
+void kvq_cpu_use_avx_vnni(int on) { atomic_store_explicit(&g_vnni_wanted, on != 0, memory_order_relaxed); }
 
 enum kvq_simd kvq_simd_max(void) {
     int l = atomic_load_explicit(&g_max, memory_order_relaxed);
@@ -58,7 +79,7 @@ enum kvq_simd kvq_simd_max(void) {
         const char *env = getenv("KVQ_SIMD");
         int cap = l;
         if (env && strcmp(env, "scalar") == 0) cap = KVQ_SIMD_SCALAR;
-        else if (env && strcmp(env, "avx2") == 0) cap = KVQ_SIMD_AVX2;
+        else if (env && (strcmp(env, "avx2") == 0 || strcmp(env, "avx2vnni") == 0)) cap = KVQ_SIMD_AVX2;
         if (cap < l) l = cap; /* never above what the CPU runs */
         atomic_store_explicit(&g_max, l, memory_order_relaxed);
     }
@@ -111,3 +132,5 @@ const char *kvq_simd_name(enum kvq_simd level) {
     default: return "scalar";
     }
 }
+
+const char *kvq_simd_level_name(void) { return kvq_cpu_avx_vnni() ? "avx2vnni" : kvq_simd_name(kvq_simd_level()); }

@@ -7,13 +7,16 @@
 
 #include <string.h>
 
-const char *kern_simd_level(void) { return kvq_simd_name(kvq_simd_level()); }
+const char *kern_simd_level(void) { return kvq_simd_level_name(); }
 
 void kern_matmul(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     if (r0 >= r1 || a->n_tok <= 0) return;
     switch (kvq_simd_level()) {
     case KVQ_SIMD_AVX512: kern_matmul_avx512(a, r0, r1); break;
-    case KVQ_SIMD_AVX2: kern_matmul_avx2(a, r0, r1); break;
+    case KVQ_SIMD_AVX2:
+        if (kvq_cpu_avx_vnni()) kern_matmul_avx2vnni(a, r0, r1);
+        else kern_matmul_avx2(a, r0, r1);
+        break;
     default: kern_matmul_scalar(a, r0, r1); break;
     }
 }

@@ -1,5 +1,6 @@
-/* AVX2 + FMA + F16C matrix kernels (no VNNI): vpmaddubsw/vpmaddwd for the
- * quantized types, vcvtph2ps + FMA for float types. Register tiles of up to
+/* AVX2 + FMA + F16C matrix kernels: vpmaddubsw/vpmaddwd for the quantized types (or
+ * AVX-VNNI's vpdpbusd, built a second time as matmul_avx2vnni.c), vcvtph2ps + FMA for
+ * float types. Register tiles of up to
  * 4 rows x 1 token (decode) or 2 rows x 4 tokens (prefill); Q8_0 and Q4_0 in the
  * 16-row form 16 rows x up to 4 tokens. */
 #include "core/dtype.h"
@@ -20,7 +21,6 @@ INLINE void tile_pairs(const int q4, const struct kern_tile *tl, const int R, co
     const int64_t nb = tl->k / 32, np = (nb + 1) / 2, ys = tl->ys;
     float *y = tl->y;
     const size_t bbytes = q4 ? 18 : 34;
-    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[4][4];
     UNROLL
@@ -65,19 +65,17 @@ INLINE void tile_pairs(const int q4, const struct kern_tile *tl, const int R, co
                 __m256 xs = _mm256_set_m128(_mm_set1_ps(xp->d[1]), _mm_set1_ps(xp->d[0]));
                 UNROLL
                 for (int r = 0; r < R; r++) {
-                    __m256i i0 = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[r], xa0), ones);
-                    __m256i i1 = _mm256_madd_epi16(_mm256_maddubs_epi16(wb[r], xb0), ones);
-                    __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), c);
+                    const __m256i s = dot4_u8s8(dot4_u8s8(c, wa[r], xa0), wb[r], xb0);
                     __m256 ws = _mm256_set_m128(_mm_set1_ps(d1[r]), _mm_set1_ps(d0[r]));
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(ws, xs), acc[r][t]);
                 }
             } else {
+                /* |w| times x with w's sign: two products of at most 128 * 127 a word */
+                const __m256i zero = _mm256_setzero_si256();
                 UNROLL
                 for (int r = 0; r < R; r++) {
-                    __m256i i0 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(_mm256_sign_epi8(wa[r], wa[r]), _mm256_sign_epi8(xa0, wa[r])), ones);
-                    __m256i i1 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(_mm256_sign_epi8(wb[r], wb[r]), _mm256_sign_epi8(xb0, wb[r])), ones);
+                    const __m256i i0 = dot4_u8s8(zero, _mm256_abs_epi8(wa[r]), _mm256_sign_epi8(xa0, wa[r]));
+                    const __m256i i1 = dot4_u8s8(zero, _mm256_abs_epi8(wb[r]), _mm256_sign_epi8(xb0, wb[r]));
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d0[r] * xp->d[0]), acc[r][t]);
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d1[r] * xp->d[1]), acc[r][t]);
                 }
@@ -261,7 +259,8 @@ INLINE void tile_float(const uint32_t wtype, const struct kern_tile *tl, const i
     }
 }
 
-/* ---- activation preparation ------------------------------------------------ */
+/* ---- activation preparation (once: not in the AVX-VNNI build) --------------- */
+#if !KVQ_AVXVNNI
 
 /* 8 values -> int32 codes of x * id, as the scalar q8_code: NaN lanes 0, the rest clamped
  * to +-127 (an unclamped NaN or inf converts to INT_MIN and overflows the sums), rounded
@@ -341,6 +340,7 @@ int kern_act_prepare_avx2(uint32_t wtype, const float *x, void *dst, int64_t k) 
     }
     return 0;
 }
+#endif
 
 /* ---- Q4_0 weights in 16-row form (matmul.h) --------------------------------
  * A 64-byte vector of a block holds 4 nibble bytes of each of 16 rows: rows 0-7 in
@@ -395,7 +395,7 @@ INLINE void rows16_q4_0_tokens(const struct kern_rows16_tile *tl, const int T) {
     const size_t cb = kern_rows16_code_bytes(1), xrb = tl->xrb;
     const int64_t nb = tl->nb;
     const uint8_t *tile = tl->tile, *xa = tl->xa, *pf = tl->pf, *sc = tile + (size_t)nb * cb;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[ROWS16_TOKENS][2];
     UNROLL
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -424,11 +424,7 @@ INLINE void rows16_q4_0_tokens(const struct kern_rows16_tile *tl, const int T) {
                 const __m256i xl = _mm256_set1_epi32(kern_rd32(xp + 16 * h + 4 * (size_t)j)),
                               xh = _mm256_set1_epi32(kern_rd32(xp + 32 + 16 * h + 4 * (size_t)j));
                 UNROLL
-                for (int half = 0; half < 2; half++) {
-                    const __m256i p =
-                        _mm256_add_epi16(_mm256_maddubs_epi16(wl[half], xl), _mm256_maddubs_epi16(wh[half], xh));
-                    s[t][half] = _mm256_add_epi32(s[t][half], _mm256_madd_epi16(p, ones));
-                }
+                for (int half = 0; half < 2; half++) s[t][half] = dot4_u4s8_2(s[t][half], wl[half], xl, wh[half], xh);
             }
         }
         rows16_scale(sc, b, xb + 72 + 4 * h, xrb, T, s, acc);
@@ -436,14 +432,15 @@ INLINE void rows16_q4_0_tokens(const struct kern_rows16_tile *tl, const int T) {
     rows16_store(tl, T, acc);
 }
 
-/* Q8_0 in the same form: its codes are stored + 128 (for the AVX-512 vpdpbusd), which
- * against int8 activations would saturate vpmaddubsw; flipped back to int8, |w| times
- * x with w's sign (vpsignb) sums two products of at most 128 * 127 per word, exactly. */
+/* Q8_0 in the same form: its codes are stored + 128, as vpdpbusd takes them (AVX-VNNI:
+ * the pair's c = -128 sum(x) takes the 128 back), but against int8 activations they
+ * would saturate vpmaddubsw: without VNNI flipped back to int8, |w| times x with w's
+ * sign (vpsignb) sums two products of at most 128 * 127 per word, exactly. */
 INLINE void rows16_q8_0_tokens(const struct kern_rows16_tile *tl, const int T) {
     const size_t cb = kern_rows16_code_bytes(0), xrb = tl->xrb;
     const int64_t nb = tl->nb;
     const uint8_t *tile = tl->tile, *xa = tl->xa, *pf = tl->pf, *sc = tile + (size_t)nb * cb;
-    const __m256i x80 = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const __m256i x80 = _mm256_set1_epi8((char)0x80);
     __m256 acc[ROWS16_TOKENS][2];
     UNROLL
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -454,24 +451,25 @@ INLINE void rows16_q8_0_tokens(const struct kern_rows16_tile *tl, const int T) {
         const uint8_t *xb = xa + (size_t)(b / 2) * KERN_PAIR_BYTES;
         __m256i s[ROWS16_TOKENS][2];
         UNROLL
-        for (int t = 0; t < T; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();
+        for (int t = 0; t < T; t++)
+            s[t][0] = s[t][1] = KVQ_AVXVNNI ? _mm256_set1_epi32(kern_rd32(xb + (size_t)t * xrb + 64 + 4 * h))
+                                            : _mm256_setzero_si256();
         UNROLL
         for (int j = 0; j < 8; j++) {
             __m256i w[2], aw[2]; /* rows 0-7, 8-15 */
             UNROLL
             for (int half = 0; half < 2; half++) {
-                w[half] = _mm256_xor_si256(_mm256_load_si256((const __m256i *)(wb + 64 * j + 32 * half)), x80);
-                aw[half] = _mm256_abs_epi8(w[half]);
+                w[half] = _mm256_load_si256((const __m256i *)(wb + 64 * j + 32 * half));
+                if (!KVQ_AVXVNNI) w[half] = _mm256_xor_si256(w[half], x80), aw[half] = _mm256_abs_epi8(w[half]);
             }
             UNROLL
             for (int t = 0; t < T; t++) {
                 /* the pair layout: Q8_0 block h at 32h */
                 const __m256i xv = _mm256_set1_epi32(kern_rd32(xb + (size_t)t * xrb + 32 * h + 4 * (size_t)j));
                 UNROLL
-                for (int half = 0; half < 2; half++) {
-                    const __m256i p = _mm256_maddubs_epi16(aw[half], _mm256_sign_epi8(xv, w[half]));
-                    s[t][half] = _mm256_add_epi32(s[t][half], _mm256_madd_epi16(p, ones));
-                }
+                for (int half = 0; half < 2; half++)
+                    s[t][half] = KVQ_AVXVNNI ? dot4_u8s8(s[t][half], w[half], xv)
+                                             : dot4_u8s8(s[t][half], aw[half], _mm256_sign_epi8(xv, w[half]));
             }
         }
         rows16_scale(sc, b, xb + 72 + 4 * h, xrb, T, s, acc);
@@ -520,7 +518,7 @@ static const struct kern_tiling kquant_tiling = {.rows_1 = 1, .rows_n = 1, .chun
 static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 2, .chunk_bytes = 65536, .chunk_align = 4,
                                                 .pf_tiles = PF_TILES};
 
-void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+void AVX2_FN(kern_matmul_avx2)(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
     case KVQ_Q8_0:
         if (a->w16) kern_rows16_loop(a, r0, r1, ROWS16_TOKENS, rows16_q8_0);

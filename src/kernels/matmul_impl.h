@@ -45,6 +45,7 @@ typedef void (*kern_attn_fn)(struct kern_attn_state *s, const float *q, const vo
 
 void kern_matmul_scalar(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
 void kern_matmul_avx2(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
+void kern_matmul_avx2vnni(const struct kern_matmul_args *a, int64_t r0, int64_t r1); /* with AVX-VNNI */
 void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1);
 
 /* SIMD activation preparation (same bytes as the scalar one); returns 0 when it

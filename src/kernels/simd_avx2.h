@@ -7,6 +7,40 @@
 
 #include "kernels/inline.h"
 
+/* KVQ_AVXVNNI 1: the file is built a second time with AVX-VNNI (matmul_avx2vnni.c),
+ * its entry points named with a "vnni" suffix (AVX2_FN) and chosen where
+ * kvq_cpu_avx_vnni() says so. */
+#ifndef KVQ_AVXVNNI
+#define KVQ_AVXVNNI 0
+#endif
+#if KVQ_AVXVNNI
+#define AVX2_FN(name) name##vnni
+#else
+#define AVX2_FN(name) name
+#endif
+
+/* acc + the int32 sums of u8 x s8 products four at a time: vpdpbusd with AVX-VNNI, else
+ * vpmaddubsw and vpmaddwd, the same sums where no two products leave int16 (true of
+ * every caller: codes of 4 bits, or |int8|, times int8). */
+INLINE __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if KVQ_AVXVNNI
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* The same for two pairs (u, s) and (v, t) of 4-bit codes u, v: without VNNI their word
+ * sums are added before vpmaddwd (at most 4 * 15 * 128 each). */
+INLINE __m256i dot4_u4s8_2(__m256i acc, __m256i u, __m256i s, __m256i v, __m256i t) {
+#if KVQ_AVXVNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, u, s), v, t);
+#else
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(v, t));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
 /* The horizontal sum of v. */
 INLINE float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
