@@ -1,8 +1,7 @@
 /* AVX2 + FMA + F16C matrix kernels: vpmaddubsw/vpmaddwd for the quantized types (or
  * AVX-VNNI's vpdpbusd, built a second time as matmul_avx2vnni.c), vcvtph2ps + FMA for
- * float types. Register tiles of up to
- * 4 rows x 1 token (decode) or 2 rows x 4 tokens (prefill); Q8_0 and Q4_0 in the
- * 16-row form 16 rows x up to 4 tokens. */
+ * float types. Register tiles of up to 4 rows x 1 token (decode) or 2 rows x 4 tokens
+ * (prefill); Q8_0 and Q4_0 in the 16-row form 16 rows x up to 4 tokens. */
 #include "core/dtype.h"
 #include "kernels/f16.h"
 #include "kernels/matmul_impl.h"
