@@ -60,13 +60,21 @@ int kvq_cpu_avx512_vbmi(void) {
 
 static atomic_int g_max = -1, g_level = -1, g_vnni = -1, g_vnni_wanted = 1;
 
+/* The CPU's best level capped by KVQ_SIMD, and whether AVX-VNNI may be used (the CPU has
+ * it and KVQ_SIMD is not scalar or avx2), read once. */
+static void simd_init(void) {
+    const char *env = getenv("KVQ_SIMD");
+    const int scalar = env && strcmp(env, "scalar") == 0, avx2 = env && strcmp(env, "avx2") == 0;
+    int l = (int)cpu_detect();
+    const int cap = scalar ? KVQ_SIMD_SCALAR : avx2 || (env && strcmp(env, "avx2vnni") == 0) ? KVQ_SIMD_AVX2 : l;
+    if (cap < l) l = cap; /* never above what the CPU runs */
+    atomic_store_explicit(&g_vnni, avx_vnni_detect() && !scalar && !avx2, memory_order_relaxed);
+    atomic_store_explicit(&g_max, l, memory_order_relaxed);
+}
+
 int kvq_cpu_avx_vnni(void) {
     int v = atomic_load_explicit(&g_vnni, memory_order_relaxed);
-    if (v < 0) { /* the CPU has it and KVQ_SIMD does not leave it out */
-        const char *env = getenv("KVQ_SIMD");
-        v = avx_vnni_detect() && !(env && (strcmp(env, "avx2") == 0 || strcmp(env, "scalar") == 0));
-        atomic_store_explicit(&g_vnni, v, memory_order_relaxed);
-    }
+    if (v < 0) simd_init(), v = atomic_load_explicit(&g_vnni, memory_order_relaxed);
     return v && atomic_load_explicit(&g_vnni_wanted, memory_order_relaxed) && kvq_simd_level() == KVQ_SIMD_AVX2;
 }
 
@@ -74,15 +82,7 @@ void kvq_cpu_use_avx_vnni(int on) { atomic_store_explicit(&g_vnni_wanted, on != 
 
 enum kvq_simd kvq_simd_max(void) {
     int l = atomic_load_explicit(&g_max, memory_order_relaxed);
-    if (l < 0) {
-        l = (int)cpu_detect();
-        const char *env = getenv("KVQ_SIMD");
-        int cap = l;
-        if (env && strcmp(env, "scalar") == 0) cap = KVQ_SIMD_SCALAR;
-        else if (env && (strcmp(env, "avx2") == 0 || strcmp(env, "avx2vnni") == 0)) cap = KVQ_SIMD_AVX2;
-        if (cap < l) l = cap; /* never above what the CPU runs */
-        atomic_store_explicit(&g_max, l, memory_order_relaxed);
-    }
+    if (l < 0) simd_init(), l = atomic_load_explicit(&g_max, memory_order_relaxed);
     return (enum kvq_simd)l;
 }
 
