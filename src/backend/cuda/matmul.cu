@@ -359,28 +359,32 @@ static __device__ __forceinline__ void tile_sums_mma(const chunk_frag<T> (&f)[U]
             const float2 d0 = block_scale<T>(f[u].s0[j], f[u].dm0), d1 = block_scale<T>(f[u].s1[j], f[u].dm1);
 #pragma unroll
             for (int nt = 0; nt < NT / 8; nt++) {
-                const int tb = nt * 8 + g, t0 = nt * 8 + 2 * t, t1 = t0 + 1;
-                uint2 xb = make_uint2(0, 0);
-                if (tb < n) xb = *(const uint2 *)(xs + tb * xs_stride(span) + lb * 32 + 8 * t);
-                int r[4] = {0, 0, 0, 0};
+                /* tokens past n read token n - 1's inputs: only their own sums, which
+                 * are not stored, take them (no branch a product) */
+                const int tb = min(nt * 8 + g, n - 1), t0 = min(nt * 8 + 2 * t, n - 1), t1 = min(nt * 8 + 2 * t + 1, n - 1);
+                const uint2 xb = *(const uint2 *)(xs + tb * xs_stride(span) + lb * 32 + 8 * t);
+                const float2 x0 = ds[t0 * ds_stride(span) + lb], x1 = ds[t1 * ds_stride(span) + lb];
                 if (T == KVQ_Q6_K) { /* each half's sum (lanes t < 2, t >= 2) times its scale */
                     const bool h0 = t < 2;
-                    int r1[4] = {0, 0, 0, 0};
+                    int r[4] = {0, 0, 0, 0}, r1[4] = {0, 0, 0, 0};
                     mma_s8_16832(r, h0 ? a0 : 0u, h0 ? a1 : 0u, h0 ? a2 : 0u, h0 ? a3 : 0u, xb.x, xb.y);
                     mma_s8_16832(r1, h0 ? 0u : a0, h0 ? 0u : a1, h0 ? 0u : a2, h0 ? 0u : a3, xb.x, xb.y);
                     const int g0 = (int8_t)f[u].s0[j], g1 = (int8_t)(f[u].s0[j] >> 8);
                     const int e0 = (int8_t)f[u].s1[j], e1 = (int8_t)(f[u].s1[j] >> 8);
                     r[0] = g0 * r[0] + g1 * r1[0], r[1] = g0 * r[1] + g1 * r1[1];
                     r[2] = e0 * r[2] + e1 * r1[2], r[3] = e0 * r[3] + e1 * r1[3];
-                } else {
+                    c[nt][0] = q_term<T>(c[nt][0], d0, x0.x, r[0], x0.y);
+                    c[nt][1] = q_term<T>(c[nt][1], d0, x1.x, r[1], x1.y);
+                    c[nt][2] = q_term<T>(c[nt][2], d1, x0.x, r[2], x0.y);
+                    c[nt][3] = q_term<T>(c[nt][3], d1, x1.x, r[3], x1.y);
+                } else { /* the sums start at the bias q_term_biased takes */
+                    int r[4] = {Q_TERM_BIAS, Q_TERM_BIAS, Q_TERM_BIAS, Q_TERM_BIAS};
                     mma_s8_16832(r, a0, a1, a2, a3, xb.x, xb.y);
+                    c[nt][0] = q_term_biased<T>(c[nt][0], d0, x0.x, r[0], x0.y);
+                    c[nt][1] = q_term_biased<T>(c[nt][1], d0, x1.x, r[1], x1.y);
+                    c[nt][2] = q_term_biased<T>(c[nt][2], d1, x0.x, r[2], x0.y);
+                    c[nt][3] = q_term_biased<T>(c[nt][3], d1, x1.x, r[3], x1.y);
                 }
-                const float2 x0 = t0 < n ? ds[t0 * ds_stride(span) + lb] : make_float2(0, 0);
-                const float2 x1 = t1 < n ? ds[t1 * ds_stride(span) + lb] : make_float2(0, 0);
-                c[nt][0] = q_term<T>(c[nt][0], d0, x0.x, r[0], x0.y);
-                c[nt][1] = q_term<T>(c[nt][1], d0, x1.x, r[1], x1.y);
-                c[nt][2] = q_term<T>(c[nt][2], d1, x0.x, r[2], x0.y);
-                c[nt][3] = q_term<T>(c[nt][3], d1, x1.x, r[3], x1.y);
             }
         }
 #pragma unroll

@@ -153,17 +153,26 @@ static __device__ __forceinline__ chunk_frag<T> load_chunk(const uint8_t *w, con
     return f;
 }
 
+#define Q_TERM_BIAS 0x4B400000 /* 1.5 * 2^23 as a float's bits */
+
 /* c + d * xs * (the block's integer dot product r, less 8 times the inputs' code sum
  * xsum for Q4_0, whose codes are unsigned), d the block's scale sb.x (block_scale);
  * Q4_K then less sb.y xs xsum (its min). r - 8 xsum as float without the conversion
- * instruction (a quarter of the FMA rate): |r| < 2^22, so 1.5 * 2^23 + r is exact in
- * a float's mantissa. */
+ * instruction (a quarter of the FMA rate): |r| < 2^22, so rb = Q_TERM_BIAS + r is
+ * 1.5 * 2^23 + r exactly as a float. An mma whose sums start at Q_TERM_BIAS gives
+ * rb for free. Not for Q6_K. */
+template <uint32_t T>
+static __device__ __forceinline__ float q_term_biased(float c, float2 sb, float xs, int rb, float xsum) {
+    const float o = 12582912.0f + (T == KVQ_Q4_0 ? 8.0f * xsum : 0.0f);
+    const float v = __fmaf_rn(__fmul_rn(sb.x, xs), __int_as_float(rb) - o, c);
+    return T == KVQ_Q4_K ? __fmaf_rn(-__fmul_rn(sb.y, xs), xsum, v) : v;
+}
+
+/* The same from r, Q6_K too. */
 template <uint32_t T>
 static __device__ __forceinline__ float q_term(float c, float2 sb, float xs, int r, float xsum) {
-    const float o = 12582912.0f + (T == KVQ_Q4_0 ? 8.0f * xsum : 0.0f);
     if (T == KVQ_Q6_K) return __fmaf_rn(__fmul_rn(sb.x, xs), __int2float_rn(r), c); /* |r| < 2^24 */
-    const float v = __fmaf_rn(__fmul_rn(sb.x, xs), __int_as_float(0x4B400000 + r) - o, c);
-    return T == KVQ_Q4_K ? __fmaf_rn(-__fmul_rn(sb.y, xs), xsum, v) : v;
+    return q_term_biased<T>(c, sb, xs, Q_TERM_BIAS + r, xsum);
 }
 
 #endif
