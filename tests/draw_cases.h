@@ -1,14 +1,14 @@
 /* Sampler settings that reach each way sampler_plan settles a draw where the logits
  * are (a draw over the whole row, with bans aside or with adjustments; a draw from
- * the largest logits; a top-p or min-p cut from candidates; the row read by the host),
- * for tests that draw with twins: two samplers made and fed alike, one drawing through
- * the plan, one from the row. */
+ * the largest logits; a top-k, top-p or min-p cut from candidates; the row read by
+ * the host), for tests that draw with twins: two samplers made and fed alike, one
+ * drawing through the plan, one from the row. */
 #ifndef KVQ_TESTS_DRAW_CASES_H
 #define KVQ_TESTS_DRAW_CASES_H
 
 #include "kvq.h"
 
-#define DRAW_CASES 12
+#define DRAW_CASES 13
 
 static inline struct kvq_sampler *draw_case_new(int k, int n_vocab, uint64_t seed) {
     struct kvq_sampler_params p;
@@ -22,7 +22,8 @@ static inline struct kvq_sampler *draw_case_new(int k, int n_vocab, uint64_t see
     if (k == 6) p.top_p = 0.9f;                                  /* cuts */
     if (k == 10) p.temp = 0.8f, p.min_p = 0.1f;
     if (k == 11) p.temp = 1.1f, p.top_p = 0.95f, p.min_p = 0.02f, p.repeat_penalty = 1.1f;
-    if (k == 7) p.temp = 0.9f, p.top_k = 40;                     /* the row on the host */
+    if (k == 7) p.temp = 0.9f, p.top_k = 40;                     /* top-k past the largest */
+    if (k == 12) p.temp = 0.9f, p.top_k = 1500;                  /* the row on the host (of 3001 ids) */
     struct kvq_sampler *s = kvq_sampler_new(&p, n_vocab);
     if (!s) return NULL;
     const kvq_token hist[] = {20, 21, 20, 22}, bias_ids[] = {10, 11, 20};

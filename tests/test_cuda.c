@@ -1155,7 +1155,8 @@ static void test_draw(void) {
     int32_t *n_cand = be->ops->host_alloc(be, sizeof(int32_t) * N);
     float *cand_v = be->ops->host_alloc(be, sizeof(float) * N * BE_CUT_MAX);
     int32_t *cand_i = be->ops->host_alloc(be, sizeof(int32_t) * N * BE_CUT_MAX);
-    int kinds[4] = {0}, differ = 0, draws = 0, rows_differ = 0, lp_rows = 0, cut_settled = 0;
+    int kinds[4] = {0}, differ = 0, draws = 0, rows_differ = 0, lp_rows = 0, cut_settled = 0, top_k_rows = 0,
+        top_k_settled = 0;
     double lp_worst = 0;
     for (int ci = 0; ci < 2; ci++) {
         const int cols = colss[ci];
@@ -1194,8 +1195,10 @@ static void test_draw(void) {
                     rows_differ += memcmp(back + (size_t)r * cols, row, sizeof(float) * cols) != 0;
                     got = kvq_sampler_sample(dev[r], back + (size_t)r * cols);
                 } else {
+                    top_k_rows += d[r].row == BE_ROW_CUT && d[r].top_k > 0;
                     if (d[r].row != BE_ROW_CUT || sampler_cut_settles(dev[r], &out, r)) {
                         cut_settled += d[r].row == BE_ROW_CUT;
+                        top_k_settled += d[r].row == BE_ROW_CUT && d[r].top_k > 0;
                         got = sampler_finish(dev[r], &d[r], &out, r);
                     } else { /* the row as the device adjusted it, as the engine reads it */
                         float *adj = malloc(sizeof(float) * cols);
@@ -1228,13 +1231,16 @@ static void test_draw(void) {
         be->ops->host_free(be, back);
         be->ops->release(be, dx);
     }
-    printf("device draws: %d over the row, %d from the largest, %d cut (%d from the candidates), %d rows read back: "
-           "%d of %d differ from the host's (%d rows read back differ); log-probabilities of %d rows within %.2g of "
-           "the host's\n",
-           kinds[BE_ROW_DRAW], kinds[BE_ROW_TOP], kinds[BE_ROW_CUT], cut_settled, kinds[BE_ROW_LOGITS], differ, draws,
-           rows_differ, lp_rows, lp_worst);
+    printf("device draws: %d over the row, %d from the largest, %d cut (%d from the candidates; top-k %d of %d), %d "
+           "rows read back: %d of %d differ from the host's (%d rows read back differ); log-probabilities of %d rows "
+           "within %.2g of the host's\n",
+           kinds[BE_ROW_DRAW], kinds[BE_ROW_TOP], kinds[BE_ROW_CUT], cut_settled, top_k_settled, top_k_rows,
+           kinds[BE_ROW_LOGITS], differ, draws, rows_differ, lp_rows, lp_worst);
     CHECK(differ == 0 && rows_differ == 0, "%d of %d device draws differ from the host's", differ, draws);
     CHECK(cut_settled > 0 && cut_settled < kinds[BE_ROW_CUT], "cuts settled both ways");
+    /* flat rows too: their bucket at the k-th is split further */
+    CHECK(top_k_rows > 0 && top_k_settled == top_k_rows, "top-k cuts settled from candidates: %d of %d", top_k_settled,
+          top_k_rows);
     CHECK(lp_rows >= 2 * 3 * ROUNDS && lp_worst <= 1e-4, "device log-probabilities off by %g", lp_worst);
     be->ops->host_free(be, vals);
     be->ops->host_free(be, ids);

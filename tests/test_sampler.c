@@ -366,7 +366,7 @@ static void test_device_plan(void) {
     CHECK(cut_settled > 0 && cut_settled < kinds[BE_ROW_CUT], "cuts settled from candidates (%d of %d) and not",
           cut_settled, kinds[BE_ROW_CUT]);
     CHECK(kinds[BE_ROW_LOGITS] == 2 * ROUNDS && kinds[BE_ROW_TOP] == 4 * ROUNDS && kinds[BE_ROW_DRAW] == 3 * ROUNDS &&
-              kinds[BE_ROW_CUT] == 3 * ROUNDS &&
+              kinds[BE_ROW_CUT] == 4 * ROUNDS &&
               aside == 2 * ROUNDS,
           "each case settled as planned");
     free(x);

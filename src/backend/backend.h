@@ -75,7 +75,7 @@ enum be_row {
     BE_ROW_LOGITS, /* the row goes to the host */
     BE_ROW_TOP,    /* only its BE_TOP_MAX largest logits, after its adjustments */
     BE_ROW_DRAW,   /* a draw over the whole row after its adjustments, as sampler.c makes it */
-    BE_ROW_CUT,    /* what a top-p or min-p cut of the row after its adjustments can reach */
+    BE_ROW_CUT,    /* what a top-k, top-p or min-p cut of the row after its adjustments can reach */
 };
 
 /* An adjustment of one logit, applied in a row's order (sampler.c's adjust). */
@@ -103,8 +103,8 @@ struct be_draw_out {
     double *log_z;      /* [n] a logprobs row's log of the sum of e^logit */
     float *logits;      /* [n][cols] a BE_ROW_LOGITS row's logits */
     /* A BE_ROW_CUT row's total of weights (as a BE_ROW_DRAW row's) and its candidates,
-     * in no order: the tokens down to a point the cut lies above (-1: more than
-     * BE_CUT_MAX; the host reads the row) */
+     * in no order: the tokens down to a point the cut lies above (with top_k: at least
+     * its top_k largest), -1 where more than BE_CUT_MAX (the host reads the row) */
     double *sum;       /* [n] */
     int32_t *n_cand;   /* [n] */
     float *cand_vals;  /* [n][BE_CUT_MAX] */
@@ -122,6 +122,7 @@ struct be_draw {
     int32_t logprobs; /* the row's logits are left as they are: its log-normalizer is wanted */
     float scale;        /* BE_ROW_DRAW, BE_ROW_CUT: 1 / temperature */
     float top_p, min_p; /* BE_ROW_CUT: the cuts (1, 0: none) */
+    int32_t top_k;      /* BE_ROW_CUT: the largest it keeps first, up to BE_CUT_MAX (0: all) */
     double u;           /* BE_ROW_DRAW: in [0, 1), where the draw falls in the weights' total */
 };
 

@@ -42,7 +42,7 @@ struct kvq_sampler {
     int n_bias, n_banned;
     struct kvq_grammar *grammar; /* not owned */
     float *masked;               /* the logits with what the grammar forbids at -inf */
-    int cut_k; /* sampler_cut_settles: the draw is among cand[0..cut_k), weights in prob */
+    int cut_k; /* sampler_cut_settles: the draw is among cand[0..cut_k), weights in prob (top-k: not yet) */
 };
 
 void kvq_sampler_params_default(struct kvq_sampler_params *p) {
@@ -557,7 +557,7 @@ int sampler_plan(const struct kvq_sampler *s, int logprobs, struct be_draw *d, s
     *d = (struct be_draw){.row = BE_ROW_LOGITS};
     if (s->grammar || n < BE_TOP_MAX || logprobs > BE_TOP_MAX) return 0;
     if (s->p.temp <= 0 || (k < n && k <= BE_TOP_MAX)) d->row = BE_ROW_TOP; /* drawn from those: sampler_finish */
-    else if (k == n && n <= BE_DRAW_MAX_COLS) d->row = whole ? BE_ROW_DRAW : BE_ROW_CUT;
+    else if ((k == n || k <= BE_CUT_MAX) && n <= BE_DRAW_MAX_COLS) d->row = whole ? BE_ROW_DRAW : BE_ROW_CUT;
     else return 0;
     /* bans alone stay out of the logits where the best allowed is among the largest */
     d->bans_aside = only_bans(s, whole) && s->n_banned < BE_TOP_MAX;
@@ -576,6 +576,7 @@ int sampler_plan(const struct kvq_sampler *s, int logprobs, struct be_draw *d, s
     }
     d->top_p = s->p.top_p;
     d->min_p = s->p.min_p;
+    if (d->row == BE_ROW_CUT && k < n) d->top_k = k;
     /* adjust's order: the device applies them one after another */
     int m = 0;
     if (!d->bans_aside) {
@@ -604,7 +605,11 @@ static int cut_candidates(struct kvq_sampler *s, const struct be_draw_out *out, 
 
 bool sampler_cut_settles(struct kvq_sampler *s, const struct be_draw_out *out, int r) {
     s->cut_k = 0;
-    const int m = out->n_cand[r] < 0 ? 0 : cut_candidates(s, out, r);
+    const int m = out->n_cand[r] < 0 ? 0 : cut_candidates(s, out, r), top_k = s->p.top_k;
+    if (top_k > 0 && top_k < s->n_vocab) { /* the top k among them, as top_m finds them */
+        s->cut_k = m >= top_k ? top_k : 0;
+        return s->cut_k > 0;
+    }
     const int k = m > 0 ? cut_point(s, s->cand, m, out->sum[r], s->prob) : 0;
     /* the cut among them, or (BE_CUT_ALL) they are every token min-p keeps */
     if (k > 0 || (m > 0 && (out->n_cand[r] & BE_CUT_ALL))) s->cut_k = k > 0 ? k : m;
@@ -622,7 +627,7 @@ kvq_token sampler_finish(struct kvq_sampler *s, const struct be_draw *d, const s
         assert(s->cut_k > 0);
         const int k = s->cut_k;
         s->cut_k = 0;
-        return cut_and_draw(s, s->cand, s->prob, k, out->sum[r]);
+        return d->top_k ? draw_top_k(s, s->cand, k) : cut_and_draw(s, s->cand, s->prob, k, out->sum[r]);
     }
     assert(d->row == BE_ROW_TOP);
     const float *vals = out->vals + (size_t)r * BE_TOP_MAX;

@@ -300,8 +300,10 @@ __global__ void __launch_bounds__(DRAW_THREADS)
 /* Block r: row r's candidates when it is a BE_ROW_CUT. The weights' total as draw_k makes
  * it, and a histogram of the weights by exponent; then the point down to which the cut
  * surely lies: where the histogram holds top_p of the total and a thousandth more, or
- * where min-p cuts (with a margin for the host's expf), whichever comes first; the
- * tokens down to it, in no order. */
+ * where min-p cuts (with a margin for the host's expf), whichever comes first; with
+ * top_k, where it holds top_k tokens (the host cuts those), the bucket there split into
+ * CUT_BUCKETS more where it holds too many (a flat row's). The tokens down to it, in
+ * no order. */
 __global__ void __launch_bounds__(DRAW_THREADS)
     cut_k(const float *x, int cols, const be_draw *d, const float *top_v, double *sum_out, int *n_cand, float *cand_v,
           int *cand_i) {
@@ -309,18 +311,22 @@ __global__ void __launch_bounds__(DRAW_THREADS)
     griddep_wait();
     __shared__ double bs[BE_DRAW_MAX_COLS / DRAW_BLOCK];
     __shared__ float hist[CUT_BUCKETS];
-    __shared__ int cut_bucket, count;
+    __shared__ int tokens[CUT_BUCKETS]; /* top_k: the histogram's counts */
+    __shared__ int cut_bucket, count, below, sub;
     __shared__ float cut_exp;
     const int r = blockIdx.x;
     const be_draw dr = d[r];
     if (dr.row != BE_ROW_CUT) return;
-    for (int b = threadIdx.x; b < CUT_BUCKETS; b += DRAW_THREADS) hist[b] = 0;
+    for (int b = threadIdx.x; b < CUT_BUCKETS; b += DRAW_THREADS) hist[b] = 0, tokens[b] = 0;
     if (threadIdx.x == 0) count = 0;
     __syncthreads();
     const draw_row w = {x + (size_t)r * cols, cols, cols / 8 * 8, top_v[r * K], dr.scale, nullptr, 0};
     const float per_bucket = CUT_BUCKETS / CUT_RANGE;
     const int nb = block_sums(w, bs, [&](float v, float wt) {
-        if (-v * per_bucket < CUT_BUCKETS) atomicAdd(&hist[(int)(-v * per_bucket)], wt);
+        if (-v * per_bucket < CUT_BUCKETS) {
+            atomicAdd(&hist[(int)(-v * per_bucket)], wt);
+            if (dr.top_k > 0) atomicAdd(&tokens[(int)(-v * per_bucket)], 1);
+        }
     });
     if (threadIdx.x == 0) {
         double sum = 0;
@@ -328,11 +334,17 @@ __global__ void __launch_bounds__(DRAW_THREADS)
         sum_out[r] = sum;
         int bucket = CUT_BUCKETS; /* none */
         double acc = 0;
-        for (int b = 0; b < CUT_BUCKETS && dr.top_p < 1.0f && bucket == CUT_BUCKETS; b++)
-            if ((acc += hist[b]) >= (double)dr.top_p * sum * 1.001) bucket = b;
-        float e = dr.min_p > 0 ? -logf(dr.min_p) * 1.0001f + 1e-4f : INFINITY;
-        if (bucket < CUT_BUCKETS && (float)(bucket + 1) / per_bucket < e) e = INFINITY; /* top-p's comes first */
-        else bucket = CUT_BUCKETS;
+        float e = INFINITY;
+        if (dr.top_k > 0) { /* top-p and min-p cut within the top k */
+            for (int b = 0, held = 0; b < CUT_BUCKETS && bucket == CUT_BUCKETS; b++)
+                if ((held += tokens[b]) >= dr.top_k) bucket = b, below = held - tokens[b];
+        } else {
+            for (int b = 0; b < CUT_BUCKETS && dr.top_p < 1.0f && bucket == CUT_BUCKETS; b++)
+                if ((acc += hist[b]) >= (double)dr.top_p * sum * 1.001) bucket = b;
+            e = dr.min_p > 0 ? -logf(dr.min_p) * 1.0001f + 1e-4f : INFINITY;
+            if (bucket < CUT_BUCKETS && (float)(bucket + 1) / per_bucket < e) e = INFINITY; /* top-p's comes first */
+            else bucket = CUT_BUCKETS;
+        }
         cut_bucket = bucket, cut_exp = e;
     }
     __syncthreads();
@@ -342,9 +354,33 @@ __global__ void __launch_bounds__(DRAW_THREADS)
         if (threadIdx.x == 0) n_cand[r] = -1;
         return;
     }
+    /* top-k: where the bucket holds too many, the tokens of its first `sub` + 1 parts
+     * (s - bucket is exact, s < 1025, and so times CUT_BUCKETS) */
+    int last = CUT_BUCKETS - 1;
+    if (dr.top_k > 0 && below + tokens[bucket] > BE_CUT_MAX) {
+        __syncthreads();
+        for (int b = threadIdx.x; b < CUT_BUCKETS; b += DRAW_THREADS) tokens[b] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < cols; i += DRAW_THREADS) {
+            const float s = -w.exponent(i) * per_bucket;
+            if (s >= bucket && s < bucket + 1) atomicAdd(&tokens[(int)((s - bucket) * CUT_BUCKETS)], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            sub = CUT_BUCKETS - 1; /* they hold the top_k: the first pass counted them */
+            for (int b = 0, held = below; b < CUT_BUCKETS; b++)
+                if ((held += tokens[b]) >= dr.top_k) {
+                    sub = b;
+                    break;
+                }
+        }
+        __syncthreads();
+        last = sub;
+    }
     for (int i = threadIdx.x; i < cols; i += DRAW_THREADS) {
-        const float v = w.exponent(i);
-        if (bucket < CUT_BUCKETS ? -v * per_bucket < bucket + 1 : -v <= e) {
+        const float v = w.exponent(i), s = -v * per_bucket;
+        if (bucket < CUT_BUCKETS ? s < bucket || (s < bucket + 1 && (int)((s - bucket) * CUT_BUCKETS) <= last)
+                                 : -v <= e) {
             const int at = atomicAdd(&count, 1);
             if (at < BE_CUT_MAX) cand_v[(size_t)r * BE_CUT_MAX + at] = w.x[i], cand_i[(size_t)r * BE_CUT_MAX + at] = i;
         }
