@@ -21,8 +21,8 @@ void sampler_top(const float *x, int n, int k, float *vals, kvq_token *ids);
  * gives the token from row r's results in out and advances s as kvq_sampler_sample
  * would have. A BE_ROW_CUT row first goes through sampler_cut_settles, which sorts its
  * candidates and finds the cut among them (with top-k: its k largest), left in s for
- * sampler_finish; where they do
- * not settle it, the host reads the row (adjusted) and draws by sampler_draw_adjusted. */
+ * sampler_finish; where they do not settle it, the host reads the row (adjusted) and
+ * draws by sampler_draw_adjusted. */
 struct be_draw;
 struct be_draw_op;
 struct be_draw_out;
