@@ -80,9 +80,10 @@ done
 
 # ---- sampled answers: --temperature sends it with a seed a request ----
 bench temp --url "$url" --concurrency 2 --requests 4 --prompt-tokens 16 --output-tokens 40 --temperature 1 --seed 5 \
-  --top-p 0.9
-check "temperature 1, top_p 0.9: exit 0 (got $rc), 4 answers of 40 tokens" jq -e '.temperature == 1 and
-  (.top_p - 0.9 | fabs) < 1e-6 and .successful_requests == 4 and .total_output_tokens == 160' "$tmp/temp.json"
+  --top-p 0.9 --top-k 40
+check "temperature 1, top_p 0.9, top_k 40: exit 0 (got $rc), 4 answers of 40 tokens" jq -e '.temperature == 1 and
+  (.top_p - 0.9 | fabs) < 1e-6 and .top_k == 40 and .successful_requests == 4 and .total_output_tokens == 160' \
+  "$tmp/temp.json"
 
 # ---- a wrong key: every request a 401 ----
 bench badkey --url "$url" --api-key wrong --concurrency 2 --requests 3 --prompt-tokens 16 --output-tokens 4 --no-ignore-eos

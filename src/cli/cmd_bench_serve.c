@@ -32,7 +32,8 @@
 static const char *const bench_serve_help =
     "usage: kvq bench-serve -m MODEL [--url URL | --host H --port P] [--concurrency N] [--requests N]\n"
     "                       [--prompt-tokens N] [--output-tokens N] [--shared-prefix-tokens N] [--chat]\n"
-    "                       [--temperature T] [--top-p P] [--api-key KEY] [--seed N] [--json]\n"
+    "                       [--temperature T] [--top-p P] [--top-k K] [--api-key KEY] [--seed N]\n"
+    "                       [--json]\n"
     "\n"
     "Streams OpenAI completions from a running server at a fixed concurrency and reports\n"
     "requests/s, output tok/s, total tokens, TTFT, ITL and TPOT percentiles, the peak of the\n"
@@ -53,6 +54,7 @@ static const char *const bench_serve_help =
     "  --temperature T             the requests' sampling temperature (default 0: greedy); each\n"
     "                              request then sends its own seed\n"
     "  --top-p P                   the requests' top_p (default: not sent)\n"
+    "  --top-k K                   the requests' top_k (vLLM/llama.cpp; default: not sent)\n"
     "  --no-ignore-eos             send only max_tokens (for servers that refuse those fields);\n"
     "                              a generation may then end early at EOS\n"
     "  --chat                      POST /v1/chat/completions (one user message) instead of\n"
@@ -71,11 +73,11 @@ static const char *const bench_serve_help =
 static const char *const bench_serve_value_flags[] = {
     "-m", "--model", "--url", "--host", "--port", "--concurrency", "--requests", "--prompt-tokens",
     "--output-tokens", "--shared-prefix-tokens", "--model-name", "--api-key", "--seed", "--timeout",
-    "--connect-timeout", "--temperature", "--top-p", NULL};
+    "--connect-timeout", "--temperature", "--top-p", "--top-k", NULL};
 
 struct bs_opts {
     const char *model, *url, *host, *model_name, *api_key;
-    int port, concurrency, requests, prompt_tokens, output_tokens, shared_prefix, timeout_s, connect_timeout_s;
+    int port, concurrency, requests, prompt_tokens, output_tokens, shared_prefix, timeout_s, connect_timeout_s, top_k;
     uint64_t seed;
     float temperature, top_p;
     bool chat, ignore_eos, json;
@@ -95,7 +97,7 @@ static bool header_safe(const char *flag, const char *v) {
 static int parse_args(int argc, char **argv, struct bs_opts *o) {
     *o = (struct bs_opts){.port = -1, .concurrency = 1, .requests = -1, .prompt_tokens = 512,
                           .output_tokens = 256, .timeout_s = 120, .connect_timeout_s = 10, .ignore_eos = true,
-                          .top_p = -1, .api_key = getenv("KVQ_API_KEY")};
+                          .top_p = -1, .top_k = -1, .api_key = getenv("KVQ_API_KEY")};
     if (o->api_key && !*o->api_key) o->api_key = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -124,6 +126,7 @@ static int parse_args(int argc, char **argv, struct bs_opts *o) {
         else if (!strcmp(a, "--seed")) ok = cli_parse_u64(a, v, &o->seed);
         else if (!strcmp(a, "--temperature")) ok = cli_parse_float(a, v, 0, 2, &o->temperature);
         else if (!strcmp(a, "--top-p")) ok = cli_parse_float(a, v, 0, 1, &o->top_p);
+        else if (!strcmp(a, "--top-k")) ok = cli_parse_int(a, v, 0, 1 << 30, &o->top_k);
         if (!ok) return 1;
     }
     if (!o->model) return cli_fail("bench-serve needs the served model's GGUF for its tokenizer: -m FILE");
@@ -155,6 +158,7 @@ static char **make_bodies(const struct bs_opts *o, const char *model_name, char 
         json_object_set_new(r, "temperature", json_real(o->temperature));
         if (o->temperature > 0) json_object_set_new(r, "seed", json_integer((json_int_t)(o->seed + (uint64_t)i)));
         if (o->top_p >= 0) json_object_set_new(r, "top_p", json_real(o->top_p));
+        if (o->top_k >= 0) json_object_set_new(r, "top_k", json_integer(o->top_k));
         json_object_set_new(r, "stream", json_true());
         json_t *so = json_object();
         json_object_set_new(so, "include_usage", json_true());
@@ -535,6 +539,7 @@ static void print_json(const struct run *run, const struct summary *s, const cha
     json_object_set_new(j, "ignore_eos", json_boolean(o->ignore_eos));
     json_object_set_new(j, "temperature", json_real(o->temperature));
     if (o->top_p >= 0) json_object_set_new(j, "top_p", json_real(o->top_p));
+    if (o->top_k >= 0) json_object_set_new(j, "top_k", json_integer(o->top_k));
     json_object_set_new(j, "successful_requests", json_integer(s->ok));
     json_object_set_new(j, "failed_requests", json_integer(s->failed));
     json_object_set_new(j, "duration_s", json_real(s->wall));
@@ -572,6 +577,7 @@ static void print_table(const struct run *run, const struct summary *s, const ch
     printf("prompts of %d tokens (%d shared), %d output tokens%s, temperature %g", o->prompt_tokens, o->shared_prefix,
            o->output_tokens, o->ignore_eos ? " (ignore_eos)" : "", o->temperature);
     if (o->top_p >= 0) printf(", top_p %g", o->top_p);
+    if (o->top_k >= 0) printf(", top_k %d", o->top_k);
     printf("\n\n");
     printf("%-22s %d of %d\n", "successful requests", s->ok, o->requests);
     printf("%-22s %.2f s\n", "duration", s->wall);
