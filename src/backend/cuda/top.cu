@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(DRAW_THREADS)
     griddep_wait();
     __shared__ double bs[BE_DRAW_MAX_COLS / DRAW_BLOCK];
     __shared__ float hist[CUT_BUCKETS];
-    __shared__ int tokens[CUT_BUCKETS]; /* top_k: the histogram's counts */
+    __shared__ int tokens[CUT_BUCKETS]; /* top_k: the tokens a bucket holds */
     __shared__ int cut_bucket, count, below, sub;
     __shared__ float cut_exp;
     const int r = blockIdx.x;
@@ -323,9 +323,9 @@ __global__ void __launch_bounds__(DRAW_THREADS)
     const draw_row w = {x + (size_t)r * cols, cols, cols / 8 * 8, top_v[r * K], dr.scale, nullptr, 0};
     const float per_bucket = CUT_BUCKETS / CUT_RANGE;
     const int nb = block_sums(w, bs, [&](float v, float wt) {
-        if (-v * per_bucket < CUT_BUCKETS) {
-            atomicAdd(&hist[(int)(-v * per_bucket)], wt);
+        if (-v * per_bucket < CUT_BUCKETS) { /* top-k counts tokens; top-p and min-p weigh them */
             if (dr.top_k > 0) atomicAdd(&tokens[(int)(-v * per_bucket)], 1);
+            else atomicAdd(&hist[(int)(-v * per_bucket)], wt);
         }
     });
     if (threadIdx.x == 0) {
