@@ -42,7 +42,7 @@ struct kvq_sampler {
     int n_bias, n_banned;
     struct kvq_grammar *grammar; /* not owned */
     float *masked;               /* the logits with what the grammar forbids at -inf */
-    int cut_k; /* sampler_cut_settles: the draw is among cand[0..cut_k), weights in prob (top-k: draw_top_k makes them) */
+    int cut_k; /* sampler_cut_settles: the draw is among cand[0..cut_k), weights in prob (top-k: made later) */
 };
 
 void kvq_sampler_params_default(struct kvq_sampler_params *p) {
