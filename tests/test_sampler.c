@@ -357,6 +357,10 @@ static void test_device_plan(void) {
     CHECK(d.row == BE_ROW_DRAW && d.bans_aside && d.logprobs, "bans set aside leave the row for log-probabilities");
     sampler_plan(s2, 0, &d, ops);
     CHECK(d.row == BE_ROW_LOGITS, "log-probabilities of a row that adjustments change: the row");
+    struct kvq_sampler *s6 = draw_case_new(6, V, 1);
+    sampler_plan(s6, 3, &d, ops);
+    CHECK(d.row == BE_ROW_CUT && d.logprobs, "a top-p cut with log-probabilities stays on the device");
+    kvq_sampler_free(s6);
     kvq_sampler_free(s0), kvq_sampler_free(s1), kvq_sampler_free(s2);
     printf("draws planned for a device: %d on the host's row, %d from the largest, %d over the row (%d with bans "
            "aside), %d cut (%d from candidates): %d of %d differ from the row's\n",

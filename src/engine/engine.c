@@ -762,6 +762,15 @@ double kvq_logprobs(const float *x, int n, int k, kvq_token *ids, float *lps) {
     return log_z;
 }
 
+/* Token t's logit among a BE_ROW_CUT row's candidates (-inf where it is not one). */
+static float cut_logit(const struct be_draw_out *out, int r, kvq_token t) {
+    const int m = out->n_cand[r] < 0 ? 0 : out->n_cand[r] & ~BE_CUT_ALL;
+    const size_t at = (size_t)r * BE_CUT_MAX;
+    for (int i = 0; i < m; i++)
+        if (out->cand_ids[at + (size_t)i] == t) return out->cand_vals[at + (size_t)i];
+    return -INFINITY;
+}
+
 /* What the host does with the rows after the passes, a row at a time to whichever
  * thread asks next: a sampler's draw (from the logits, or finished from the device's
  * results), or a top_only row's largest logits where the device did not find them. */
@@ -777,8 +786,9 @@ static void settle_rows_task(void *arg, int ith, int nth) {
         if (s && (!d || d->row == BE_ROW_LOGITS)) {
             const kvq_token t = c->drawn[r] = kvq_sampler_sample(s, logits);
             if (lp->k >= 0) lp->drawn = (float)(logits[t] - kvq_logprobs(logits, n_vocab, lp->k, lp->ids, lp->lps));
-        } else if (s && c->row_read[r]) {
-            c->drawn[r] = sampler_draw_adjusted(s, logits);
+        } else if (s && c->row_read[r]) { /* unadjusted where log-probabilities are asked for */
+            const kvq_token t = c->drawn[r] = sampler_draw_adjusted(s, logits);
+            if (lp->k >= 0) lp->drawn = (float)(logits[t] - kvq_logprobs(logits, n_vocab, lp->k, lp->ids, lp->lps));
         } else if (s) {
             const float *vals = c->dev.vals + (size_t)r * KVQ_TOP_N;
             const kvq_token *ids = c->dev.ids + (size_t)r * KVQ_TOP_N;
@@ -790,6 +800,7 @@ static void settle_rows_task(void *arg, int ith, int nth) {
                     if (ids[j] == t) logit = vals[j];
                     if (j < lp->k) lp->ids[j] = ids[j], lp->lps[j] = (float)(vals[j] - log_z);
                 }
+                if (d->row == BE_ROW_CUT && logit == -INFINITY) logit = cut_logit(&c->dev, r, t);
                 lp->drawn = (float)(logit - log_z);
             }
         } else if (c->last_top_only && !d) {

@@ -563,8 +563,7 @@ int sampler_plan(const struct kvq_sampler *s, int logprobs, struct be_draw *d, s
     d->bans_aside = only_bans(s, whole) && s->n_banned < BE_TOP_MAX;
     const bool adjusted = s->n_bias > 0 || repeat_in_effect(s) || openai_in_effect(s) ||
                           (s->n_banned > 0 && !d->bans_aside);
-    if ((d->row == BE_ROW_DRAW && only_bans(s, whole) && !d->bans_aside) ||
-        (logprobs >= 0 && (adjusted || d->row == BE_ROW_CUT))) {
+    if ((d->row == BE_ROW_DRAW && only_bans(s, whole) && !d->bans_aside) || (logprobs >= 0 && adjusted)) {
         *d = (struct be_draw){.row = BE_ROW_LOGITS}; /* the draw, or the log-probabilities, need the row as it is */
         return 0;
     }

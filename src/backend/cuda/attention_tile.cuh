@@ -40,8 +40,13 @@ extern "C" {
 
 #define TILE 64
 #define TILE_THREADS 128
-#define Q_SCALE 256.0f  /* queries times this in f16 (back out of the scores) */
-#define P_SCALE 4096.0f /* softmax weights times value scales times this in f16 */
+#define Q_SCALE 256.0f /* queries times this in f16 (back out of the scores) */
+/* A row's running maximum moves only where a tile's scores pass it by more than
+ * RESCALE_SLACK (or it is the first): most tiles then skip rescaling the outputs, and
+ * the softmax weights stay below e^RESCALE_SLACK = 8, so P_SCALE is 8 times smaller than
+ * with weights below 1: a weight times its value scale times P_SCALE stays as large. */
+#define RESCALE_SLACK 2.0794415f /* ln 8 */
+#define P_SCALE 512.0f           /* softmax weights times value scales times this in f16 */
 
 static __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -659,7 +664,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
         const float mn = fmaxf(m, tmax);
-        if (__any_sync(0xffffffffu, mn > m) && mn != -INFINITY) { /* else every corr would be 1 */
+        /* else every corr would be 1, or the weights stay below e^RESCALE_SLACK */
+        if (__any_sync(0xffffffffu, mn > m + RESCALE_SLACK) && mn != -INFINITY) {
             const float corr = m == -INFINITY ? 0.0f : __expf(m - mn);
             m = mn;
             l *= corr, lp *= corr;
