@@ -30,6 +30,8 @@
 #include <cuda_fp16.h>
 #include <math.h>
 
+#include <type_traits>
+
 #include "backend/cuda/attention.cuh"
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/mma.cuh"
@@ -366,12 +368,15 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         }
     };
     /* packed sides of a block: raw codes and group words into registers */
-    auto fetch_uniform = [&](const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
+    /* (ALL: every row of the tile is read, so no row is checked: most tiles of a long
+     * range; the check's compares and selects lay on the fetch's path) */
+    auto fetch_uniform_rows = [&](auto all, const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
+        constexpr bool ALL = decltype(all)::value;
 #pragma unroll
         for (int k = 0; k < KU; k++) {
             int r, c;
             item_at(k, D / 8, r, c);
-            const bool in = p0 + r >= lo && p0 + r <= hi;
+            const bool in = ALL || (p0 + r >= lo && p0 + r <= hi);
             rk[k] = rv[k] = make_uint2(0, 0);
             if (KB == 8 && in) rk[k] = *(const uint2 *)(hb + (size_t)r * KROW + c * 8);
             if (KB == 4 && in) rk[k].x = *(const uint32_t *)(hb + (size_t)r * KROW + c * 4);
@@ -386,16 +391,20 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             if (KB < 16 && u < TILE * nkg) {
                 int r, gk;
                 item_at(k, nkg, r, gk);
-                if (p0 + r >= lo && p0 + r <= hi)
+                if (ALL || (p0 + r >= lo && p0 + r <= hi))
                     rkp[k] = *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
             }
             if (VB < 16 && u < TILE * nvg) {
                 int r, gv;
                 item_at(k, nvg, r, gv);
-                if (p0 + r >= lo && p0 + r <= hi)
+                if (ALL || (p0 + r >= lo && p0 + r <= hi))
                     rvp[k] = *(const uint32_t *)(hb + (size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8 + 4 * gv);
             }
         }
+    };
+    auto fetch_uniform = [&](const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
+        if (lo <= p0 && p0 + TILE - 1 <= hi) fetch_uniform_rows(std::true_type{}, hb, p0, lo, hi);
+        else fetch_uniform_rows(std::false_type{}, hb, p0, lo, hi);
     };
     auto store_uniform = [&](__half *ks, __half *vs, float2 *kp, float2 *vp) {
 #pragma unroll
@@ -642,25 +651,36 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
                 sc[n][0] = sum.x, sc[n][1] = sum.y;
             }
         }
-        /* masks, then the online softmax of this row over these keys */
+        /* masks, then the online softmax of this row over these keys; none where the
+         * warp's keys all lie in the token's range of a packed tile (most of them) */
         float tmax = -INFINITY;
+        const int32_t k0 = p0 + key0, k1 = k0 + 8 * NTI - 1;
+        if (packed && (r1 ? tk.a1 <= k0 && k1 <= tk.b1 : tk.a2 <= k0 && k1 <= tk.b2)) {
 #pragma unroll
-        for (int n = 0; n < NTI; n++)
+            for (int n = 0; n < NTI; n++)
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const int32_t p = p0 + key0 + n * 8 + 2 * t + j;
-                bool ok;
-                if (packed) {
-                    ok = r1 ? p >= tk.a1 && p <= tk.b1 : p >= tk.a2 && p <= tk.b2;
-                } else {
-                    const bool sink = p < P.sinks;
-                    const int32_t pos = sink ? p : P.ws + (p - P.sinks);
-                    ok = p <= hi && (sink ? pos < tk.sinks : pos >= tk.ws) && attn_visible(pos, tk.q_pos, tk);
+                for (int j = 0; j < 2; j++) {
+                    sc[n][j] = row_on ? sc[n][j] + qmu : -INFINITY;
+                    tmax = fmaxf(tmax, sc[n][j]);
                 }
-                ok &= row_on;
-                sc[n][j] = ok ? sc[n][j] + (packed ? qmu : 0.0f) : -INFINITY;
-                tmax = fmaxf(tmax, sc[n][j]);
-            }
+        } else
+#pragma unroll
+            for (int n = 0; n < NTI; n++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int32_t p = p0 + key0 + n * 8 + 2 * t + j;
+                    bool ok;
+                    if (packed) {
+                        ok = r1 ? p >= tk.a1 && p <= tk.b1 : p >= tk.a2 && p <= tk.b2;
+                    } else {
+                        const bool sink = p < P.sinks;
+                        const int32_t pos = sink ? p : P.ws + (p - P.sinks);
+                        ok = p <= hi && (sink ? pos < tk.sinks : pos >= tk.ws) && attn_visible(pos, tk.q_pos, tk);
+                    }
+                    ok &= row_on;
+                    sc[n][j] = ok ? sc[n][j] + (packed ? qmu : 0.0f) : -INFINITY;
+                    tmax = fmaxf(tmax, sc[n][j]);
+                }
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
         tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
         const float mn = fmaxf(m, tmax);
