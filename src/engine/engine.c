@@ -783,11 +783,11 @@ static void settle_rows_task(void *arg, int ith, int nth) {
         struct kvq_sampler *s = c->last_drawn ? c->row_sampler[r] : NULL;
         const struct be_draw *d = c->last_dev ? &c->draws[r] : NULL;
         struct row_logprobs *lp = s ? &c->lp[r] : NULL;
-        if (s && (!d || d->row == BE_ROW_LOGITS)) {
-            const kvq_token t = c->drawn[r] = kvq_sampler_sample(s, logits);
-            if (lp->k >= 0) lp->drawn = (float)(logits[t] - kvq_logprobs(logits, n_vocab, lp->k, lp->ids, lp->lps));
-        } else if (s && c->row_read[r]) { /* unadjusted where log-probabilities are asked for */
-            const kvq_token t = c->drawn[r] = sampler_draw_adjusted(s, logits);
+        if (s && (!d || d->row == BE_ROW_LOGITS || c->row_read[r])) {
+            /* a cut row read back comes adjusted, which sampler_plan allows only where no
+             * log-probabilities are asked for */
+            const kvq_token t = c->drawn[r] = !d || d->row == BE_ROW_LOGITS ? kvq_sampler_sample(s, logits)
+                                                                             : sampler_draw_adjusted(s, logits);
             if (lp->k >= 0) lp->drawn = (float)(logits[t] - kvq_logprobs(logits, n_vocab, lp->k, lp->ids, lp->lps));
         } else if (s) {
             const float *vals = c->dev.vals + (size_t)r * KVQ_TOP_N;

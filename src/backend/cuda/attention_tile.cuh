@@ -367,9 +367,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             }
         }
     };
-    /* packed sides of a block: raw codes and group words into registers */
-    /* (ALL: every row of the tile is read, so no row is checked: most tiles of a long
-     * range; the check's compares and selects lay on the fetch's path) */
+    /* packed sides of a block: raw codes and group words into registers (ALL: the tile
+     * lies wholly in the range, as most of a long one do, so no row is checked) */
     auto fetch_uniform_rows = [&](auto all, const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
         constexpr bool ALL = decltype(all)::value;
 #pragma unroll
