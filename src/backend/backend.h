@@ -111,6 +111,11 @@ struct be_draw_out {
     int32_t *cand_ids; /* [n][BE_CUT_MAX] */
 };
 
+/* Row r's candidates in out (0 where it had too many). */
+static inline int be_cut_count(const struct be_draw_out *out, int r) {
+    return out->n_cand[r] < 0 ? 0 : out->n_cand[r] & ~BE_CUT_ALL;
+}
+
 struct be_draw {
     int32_t row;        /* enum be_row */
     int32_t op0, n_ops; /* its adjustments: ops[op0, op0 + n_ops) */

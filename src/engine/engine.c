@@ -764,7 +764,7 @@ double kvq_logprobs(const float *x, int n, int k, kvq_token *ids, float *lps) {
 
 /* Token t's logit among a BE_ROW_CUT row's candidates (-inf where it is not one). */
 static float cut_logit(const struct be_draw_out *out, int r, kvq_token t) {
-    const int m = out->n_cand[r] < 0 ? 0 : out->n_cand[r] & ~BE_CUT_ALL;
+    const int m = be_cut_count(out, r);
     const size_t at = (size_t)r * BE_CUT_MAX;
     for (int i = 0; i < m; i++)
         if (out->cand_ids[at + (size_t)i] == t) return out->cand_vals[at + (size_t)i];

@@ -593,7 +593,7 @@ int sampler_plan(const struct kvq_sampler *s, int logprobs, struct be_draw *d, s
 
 /* A BE_ROW_CUT row's candidates into s->cand, best first; how many. */
 static int cut_candidates(struct kvq_sampler *s, const struct be_draw_out *out, int r) {
-    const int m = out->n_cand[r] & ~BE_CUT_ALL;
+    const int m = be_cut_count(out, r);
     for (int i = 0; i < m; i++) {
         const size_t at = (size_t)r * BE_CUT_MAX + (size_t)i;
         s->cand[i] = (struct candidate){out->cand_vals[at], out->cand_ids[at]};
@@ -604,7 +604,7 @@ static int cut_candidates(struct kvq_sampler *s, const struct be_draw_out *out, 
 
 bool sampler_cut_settles(struct kvq_sampler *s, const struct be_draw_out *out, int r) {
     s->cut_k = 0;
-    const int m = out->n_cand[r] < 0 ? 0 : cut_candidates(s, out, r), top_k = s->p.top_k;
+    const int m = cut_candidates(s, out, r), top_k = s->p.top_k;
     if (top_k > 0 && top_k < s->n_vocab) { /* the top k among them, as top_m finds them */
         s->cut_k = m >= top_k ? top_k : 0;
         return s->cut_k > 0;

@@ -371,11 +371,12 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * lies wholly in the range, as most of a long one do, so no row is checked) */
     auto fetch_uniform_rows = [&](auto all, const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi) {
         constexpr bool ALL = decltype(all)::value;
+        auto in_range = [&](int r) { return ALL || (p0 + r >= lo && p0 + r <= hi); };
 #pragma unroll
         for (int k = 0; k < KU; k++) {
             int r, c;
             item_at(k, D / 8, r, c);
-            const bool in = ALL || (p0 + r >= lo && p0 + r <= hi);
+            const bool in = in_range(r);
             rk[k] = rv[k] = make_uint2(0, 0);
             if (KB == 8 && in) rk[k] = *(const uint2 *)(hb + (size_t)r * KROW + c * 8);
             if (KB == 4 && in) rk[k].x = *(const uint32_t *)(hb + (size_t)r * KROW + c * 4);
@@ -390,13 +391,12 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             if (KB < 16 && u < TILE * nkg) {
                 int r, gk;
                 item_at(k, nkg, r, gk);
-                if (ALL || (p0 + r >= lo && p0 + r <= hi))
-                    rkp[k] = *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
+                if (in_range(r)) rkp[k] = *(const uint32_t *)(hb + (size_t)r * KROW + D * KB / 8 + 4 * gk);
             }
             if (VB < 16 && u < TILE * nvg) {
                 int r, gv;
                 item_at(k, nvg, r, gv);
-                if (ALL || (p0 + r >= lo && p0 + r <= hi))
+                if (in_range(r))
                     rvp[k] = *(const uint32_t *)(hb + (size_t)TILE * KROW + (size_t)r * VROW + D * VB / 8 + 4 * gv);
             }
         }
@@ -653,8 +653,8 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         /* masks, then the online softmax of this row over these keys; none where the
          * warp's keys all lie in the token's range of a packed tile (most of them) */
         float tmax = -INFINITY;
-        const int32_t k0 = p0 + key0, k1 = k0 + 8 * NTI - 1;
-        if (packed && (r1 ? tk.a1 <= k0 && k1 <= tk.b1 : tk.a2 <= k0 && k1 <= tk.b2)) {
+        const int32_t ta = r1 ? tk.a1 : tk.a2, tb = r1 ? tk.b1 : tk.b2; /* the token's packed rows */
+        if (packed && ta <= p0 + key0 && p0 + key0 + 8 * NTI - 1 <= tb) {
 #pragma unroll
             for (int n = 0; n < NTI; n++)
 #pragma unroll
@@ -670,7 +670,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
                     const int32_t p = p0 + key0 + n * 8 + 2 * t + j;
                     bool ok;
                     if (packed) {
-                        ok = r1 ? p >= tk.a1 && p <= tk.b1 : p >= tk.a2 && p <= tk.b2;
+                        ok = p >= ta && p <= tb;
                     } else {
                         const bool sink = p < P.sinks;
                         const int32_t pos = sink ? p : P.ws + (p - P.sinks);
