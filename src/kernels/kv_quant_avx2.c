@@ -105,6 +105,47 @@ void kern_kvq_nf_map_avx2(uint8_t *c, int n, int bits) {
     for (; i < n; i++) c[i] = lv[c[i]];
 }
 
+/* t[idx] of a table of n floats (4 to 32) in registers of 8, idx 0 .. n - 1. */
+INLINE __m256 lut32_ps(const __m256 t[4], __m256i idx, int n) {
+    __m256 r = _mm256_permutevar8x32_ps(t[0], idx); /* the low 3 bits index */
+    if (n <= 8) return r;
+    const __m256 past7 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7)));
+    r = _mm256_blendv_ps(r, _mm256_permutevar8x32_ps(t[1], idx), past7);
+    if (n <= 16) return r;
+    const __m256 past15 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(15)));
+    const __m256 past23 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(23)));
+    const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t[2], idx), _mm256_permutevar8x32_ps(t[3], idx), past23);
+    return _mm256_blendv_ps(r, hi, past15);
+}
+
+float kern_kvq_nf_fit_avx2(const float *x, int n, const float *lv, int nl, float s, uint8_t *c) {
+    /* the code: how many of the ascending midpoints thr lie below x, by binary search
+     * (the scalar encoder's count: x > thr, false for a NaN) */
+    float thr[32];
+    for (int k = 0; k < 32; k++) thr[k] = k + 1 < nl ? 0.5f * s * (lv[k] + lv[k + 1]) : INFINITY;
+    __m256 tt[4], tl[4];
+    for (int r = 0; r < 4; r++) tt[r] = _mm256_loadu_ps(thr + 8 * r), tl[r] = _mm256_loadu_ps(lv + 8 * r);
+    const __m256 vs = _mm256_set1_ps(s);
+    __m256 e = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        __m256i k = _mm256_setzero_si256();
+        for (int step = nl / 2; step > 0; step /= 2) {
+            const __m256i p = _mm256_add_epi32(k, _mm256_set1_epi32(step));
+            const __m256 t = lut32_ps(tt, _mm256_sub_epi32(p, _mm256_set1_epi32(1)), nl);
+            k = _mm256_castps_si256(
+                _mm256_blendv_ps(_mm256_castsi256_ps(k), _mm256_castsi256_ps(p), _mm256_cmp_ps(xv, t, _CMP_GT_OQ)));
+        }
+        const __m256 d = _mm256_sub_ps(xv, _mm256_mul_ps(vs, lut32_ps(tl, k, nl)));
+        e = _mm256_fmadd_ps(d, d, e);
+        if (c) {
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
+            _mm_storel_epi64((__m128i *)(c + i), _mm_packus_epi16(w, w));
+        }
+    }
+    return hsum256(e);
+}
+
 void kern_kvq_to_f16_avx2(const float *x, int d, uint8_t *dst) {
     int i = 0;
     for (; i + 8 <= d; i += 8)

@@ -36,9 +36,11 @@ static inline void kvq_gparams(const uint8_t *sb, int gi, int group, float *s, f
  * normal-float row's level bytes. */
 void kern_kvq_row_codes(const uint8_t *src, int n, int bits, int group, uint8_t *out);
 void kern_kvq_row_codes_scalar(const uint8_t *src, int n, int bits, int group, uint8_t *out);
-/* The squared error of x[n] (n % 16 == 0) coded with nl centred levels lv (padded to
- * 16 or 32 floats) at scale s, and the codes to c when not NULL: the nf encoder's
- * inner loop (the same codes as the scalar one; the error summed in another order). */
+/* The squared error of x[n] (n % 16 == 0; n % 8 == 0 for AVX2) coded with nl centred
+ * levels lv (padded to 32 floats) at scale s, and the codes to c when not NULL: the nf
+ * encoder's inner loop (the same codes as the scalar one; the error summed in another
+ * order). */
+float kern_kvq_nf_fit_avx2(const float *x, int n, const float *lv, int nl, float s, uint8_t *c);
 float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, float s, uint8_t *c);
 /* Maps n codes in place to the level bytes of bits-bit normal-float rows. */
 void kern_kvq_nf_map_avx2(uint8_t *c, int n, int bits);
