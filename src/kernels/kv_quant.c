@@ -90,8 +90,8 @@ void kern_kvq_unpack_scalar(const uint8_t *src, int n, int bits, uint8_t *out) {
 static float nf_fit(const float *x, int n, const float *lv, int nl, float s, uint8_t *c) {
     if (n % 16 == 0 && kvq_simd_level() == KVQ_SIMD_AVX512) return kern_kvq_nf_fit_avx512(x, n, lv, nl, s, c);
     if (n % 8 == 0 && kvq_simd_level() == KVQ_SIMD_AVX2) return kern_kvq_nf_fit_avx2(x, n, lv, nl, s, c);
-    float thr[31], e = 0;
-    for (int k = 0; k + 1 < nl; k++) thr[k] = 0.5f * s * (lv[k] + lv[k + 1]);
+    float thr[32], e = 0;
+    kvq_nf_midpoints(lv, nl, s, thr);
     for (int i = 0; i < n; i++) {
         int k = 0;
         for (int t = 0; t + 1 < nl; t++) k += x[i] > thr[t];

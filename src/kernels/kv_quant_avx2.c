@@ -122,7 +122,7 @@ float kern_kvq_nf_fit_avx2(const float *x, int n, const float *lv, int nl, float
     /* the code: how many of the ascending midpoints thr lie below x, by binary search
      * (the scalar encoder's count: x > thr, false for a NaN) */
     float thr[32];
-    for (int k = 0; k < 32; k++) thr[k] = k + 1 < nl ? 0.5f * s * (lv[k] + lv[k + 1]) : INFINITY;
+    kvq_nf_midpoints(lv, nl, s, thr);
     __m256 tt[4], tl[4];
     for (int r = 0; r < 4; r++) tt[r] = _mm256_loadu_ps(thr + 8 * r), tl[r] = _mm256_loadu_ps(lv + 8 * r);
     const __m256 vs = _mm256_set1_ps(s);

@@ -170,7 +170,7 @@ float kern_kvq_nf_fit_avx512(const float *x, int n, const float *lv, int nl, flo
     /* the code: how many of the ascending midpoints thr lie below x, by binary search
      * (thr[nl - 1] and above: +inf, never below) */
     float thr[32];
-    for (int k = 0; k < 32; k++) thr[k] = k + 1 < nl ? 0.5f * s * (lv[k] + lv[k + 1]) : INFINITY;
+    kvq_nf_midpoints(lv, nl, s, thr);
     const __m512 t0 = _mm512_loadu_ps(thr), t1 = _mm512_loadu_ps(thr + 16);
     const __m512 l0 = _mm512_loadu_ps(lv), l1 = nl > 16 ? _mm512_loadu_ps(lv + 16) : l0, vs = _mm512_set1_ps(s);
     __m512 e = _mm512_setzero_ps();

@@ -36,6 +36,11 @@ static inline void kvq_gparams(const uint8_t *sb, int gi, int group, float *s, f
  * normal-float row's level bytes. */
 void kern_kvq_row_codes(const uint8_t *src, int n, int bits, int group, uint8_t *out);
 void kern_kvq_row_codes_scalar(const uint8_t *src, int n, int bits, int group, uint8_t *out);
+/* The nf fit's thresholds at scale s: thr[k] the midpoint of levels k and k + 1, +inf
+ * from nl - 1 on (never below a value, so a search over all 32 stops at nl - 1). */
+static inline void kvq_nf_midpoints(const float *lv, int nl, float s, float thr[32]) {
+    for (int k = 0; k < 32; k++) thr[k] = k + 1 < nl ? 0.5f * s * (lv[k] + lv[k + 1]) : INFINITY;
+}
 /* The squared error of x[n] (n % 16 == 0; n % 8 == 0 for AVX2) coded with nl centred
  * levels lv (padded to 32 floats) at scale s, and the codes to c when not NULL: the nf
  * encoder's inner loop (the same codes as the scalar one; the error summed in another
