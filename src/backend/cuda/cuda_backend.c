@@ -335,6 +335,7 @@ struct cuda_backend *cuda_backend_on(int device, int n_threads, bool f16_weights
     }
     if (cb->tune.steps) cb->steps = steps_new(); /* events of this device */
     cb->q.stream = cb->stream;
+    cb->q.device = device;
     cb->q.pdl = prop.major >= 9; /* Hopper's programmatic dependent launch (an sm_80/89 build runs without) */
     cb->n_sm = prop.multiProcessorCount;
     cb->uva = prop.unifiedAddressing != 0;

@@ -247,6 +247,8 @@ struct tp_shared {
     /* the dirty rows rank 0 took in this op, for the other ranks to copy their parts */
     struct tp_dirty { struct kv_block *b; int32_t lo, hi; } *dirty;
     int n_dirty, cap_dirty;
+    struct cuk_group group; /* the ranks' queues, which meet at the all-reduces */
+    int reduces;            /* all-reduces recorded in this step (tp_backend.c cuts segments) */
 };
 
 /* The device address of a block's part on this rank. */
@@ -310,7 +312,7 @@ void launch_held_packs(struct cuda_backend *cb);
 void issue_record(struct cuda_backend *cb);
 void step_op(struct cuda_backend *cb, int n, bool glu);
 void record_stop(struct cuda_backend *cb);
-void issue_segment(struct cuda_backend *cb);
+void issue_records_together(struct tp_shared *tp);
 void free_after_step(struct cuda_backend *cb, void *p);
 void *copy_space(struct cuda_backend *cb, const void *dst, size_t bytes);
 bool copy_to(struct cuda_backend *cb, const void *dst, const void *data, size_t bytes);

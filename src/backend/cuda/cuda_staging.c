@@ -129,13 +129,39 @@ static bool fetch_staged(struct cuda_backend *cb) {
 }
 
 
-/* Uploads the staged data and issues the record (with the packings held back, so
- * that the rows read back after it are whole). */
-void issue_record(struct cuda_backend *cb) {
+/* What precedes an issue of the record: the packings held back (so that the rows
+ * read back after it are whole), the staged data. */
+static void before_issue(struct cuda_backend *cb) {
     launch_held_packs(cb);
-    double t0 = prof_begin(cb);
     steps_first_issue(cb->steps, cb->stream);
     if (!fetch_staged(cb)) stage_upload(cb);
+}
+
+/* Issues every rank's record together (tensor parallelism: they meet at the
+ * all-reduces), each on its GPU; the caller's device stays current. */
+void issue_records_together(struct tp_shared *tp) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    for (int r = 0; r < tp->n; r++) {
+        cudaSetDevice(tp->rank[r]->device);
+        before_issue(tp->rank[r]);
+    }
+    cuk_group_issue(&tp->group);
+    for (int r = 0; r < tp->n; r++) {
+        cudaSetDevice(tp->rank[r]->device);
+        copy_new_rows(tp->rank[r]);
+    }
+    cudaSetDevice(dev);
+}
+
+/* Uploads the staged data and issues the record. */
+void issue_record(struct cuda_backend *cb) {
+    if (cb->q.n_meets > 0) {
+        issue_records_together(cb->tp);
+        return;
+    }
+    double t0 = prof_begin(cb);
+    before_issue(cb);
     cuk_queue_issue(&cb->q);
     copy_new_rows(cb);
     prof_end(cb, P_ISSUE, t0);
@@ -180,20 +206,13 @@ void step_op(struct cuda_backend *cb, int n, bool glu) {
         cb->q.recording = cb->q.graphs && n <= CUK_MATVEC_MAX;
         cb->segments = 0;
         cb->one_token = n == 1;
-    } else if (cb->q.recording && segment_ends(cb, glu)) {
+    } else if (cb->q.recording && !cb->tp && segment_ends(cb, glu)) { /* tensor parallelism: tp_backend.c cuts */
         issue_record(cb);
         cb->segments++;
     }
 }
 
 
-/* Issues what a recorded step has so far, and records on: before work queued on the
- * stream outside the record (tensor parallelism's all-reduces). */
-void issue_segment(struct cuda_backend *cb) {
-    if (!cb->q.recording) return;
-    issue_record(cb);
-    cb->segments++;
-}
 
 
 /* Issues what the step recorded so far and queues the rest of it at once: before

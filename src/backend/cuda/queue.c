@@ -5,15 +5,14 @@
  * that followed it, which is compared first. */
 #include "backend/cuda/queue.h"
 
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define GRAPHS_DEFAULT 64 /* graphs kept (least recently used dropped) unless graphs_max says */
-#define RECENT_DEFAULT 64 /* record hashes remembered unless graphs_max asks for more */
-
-/* One launch, or a copy (func NULL). All fields set, no padding: records compare
- * byte for byte. */
+/* One launch, a copy (func NULL), or a meeting point of a group's records (func NULL,
+ * meet 1: the group's collective over `bytes` at dst). All fields set, no padding:
+ * records compare byte for byte. */
 struct cuk_rec_entry {
     const void *func;
     void *dst;
@@ -21,7 +20,7 @@ struct cuk_rec_entry {
     size_t bytes;
     uint32_t grid[3], block[3];
     uint32_t smem, pdl, arg0, n_args; /* arguments: offs[arg0 .. arg0 + n_args) into blob */
-    uint32_t side, pad;               /* side: beside the stream (cuk_queue_launch_side_next) */
+    uint32_t side, meet;              /* side: beside the stream (cuk_queue_launch_side_next) */
 };
 
 struct cuk_graph {
@@ -216,6 +215,15 @@ void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t byte
     e->bytes = bytes;
 }
 
+void cuk_queue_meet(struct cuk_queue *q, void *p, size_t bytes) {
+    struct cuk_rec_entry *e = new_entry(q);
+    if (!e) return;
+    e->dst = p;
+    e->bytes = bytes;
+    e->meet = 1;
+    q->n_meets++;
+}
+
 /* A hash of n bytes, 8 at a time (records are tens of kilobytes). */
 static uint64_t hash_bytes(uint64_t h, const void *p, size_t n) {
     const uint8_t *b = p;
@@ -248,9 +256,8 @@ static bool listed(const uint64_t *list, int n, uint64_t h) {
     return false;
 }
 
-static void remember(const struct cuk_queue *q, uint64_t *list, int *n, uint64_t h) {
-    int max = q->graphs_max > RECENT_DEFAULT ? q->graphs_max : RECENT_DEFAULT;
-    if (max > CUK_QUEUE_RECENT) max = CUK_QUEUE_RECENT;
+static void remember(uint64_t *list, int *n, uint64_t h) {
+    const int max = CUK_QUEUE_RECENT;
     if (*n >= max) { /* the oldest dropped */
         memmove(list, list + 1, sizeof *list * (size_t)(max - 1));
         *n = max;
@@ -260,13 +267,35 @@ static void remember(const struct cuk_queue *q, uint64_t *list, int *n, uint64_t
     list[*n - 1] = h;
 }
 
-/* The record's entries in order, then the side stream joined back. */
-static void issue_all(struct cuk_queue *q) {
-    for (int i = 0; i < q->n_ent; i++) issue_one(q, &q->ent[i], q->offs, q->blob);
-    if (q->side_open) {
-        fail(q, cudaEventRecord(q->join_ev, q->side));
-        fail(q, cudaStreamWaitEvent(q->stream, q->join_ev, 0));
-        q->side_open = false;
+static void join_side(struct cuk_queue *q) {
+    if (!q->side_open) return;
+    fail(q, cudaEventRecord(q->join_ev, q->side));
+    fail(q, cudaStreamWaitEvent(q->stream, q->join_ev, 0));
+    q->side_open = false;
+}
+
+/* The records of n queues (one, or a group's) in order: each GPU's entries up to its
+ * next meeting point, then the group's collective, and on; then the side streams
+ * joined back. */
+static void issue_all(struct cuk_queue *const *qs, int n, const struct cuk_group *grp) {
+    int at[CUK_GROUP_MAX] = {0};
+    for (;;) {
+        int waiting = 0;
+        for (int i = 0; i < n; i++) {
+            struct cuk_queue *q = qs[i];
+            if (n > 1) cudaSetDevice(q->device);
+            while (at[i] < q->n_ent && !q->ent[at[i]].meet) issue_one(q, &q->ent[at[i]++], q->offs, q->blob);
+            waiting += at[i] < q->n_ent;
+        }
+        if (waiting == 0) break;
+        assert(grp && waiting == n); /* the records meet alike */
+        void *p[CUK_GROUP_MAX];
+        for (int i = 0; i < n; i++) p[i] = qs[i]->ent[at[i]++].dst;
+        grp->meet(grp->ctx, p, qs[0]->ent[at[0] - 1].bytes);
+    }
+    for (int i = 0; i < n; i++) {
+        if (n > 1) cudaSetDevice(qs[i]->device);
+        join_side(qs[i]);
     }
 }
 
@@ -278,32 +307,25 @@ static void graph_free(struct cuk_graph *g) {
     memset(g, 0, sizeof *g);
 }
 
-/* Captures the record into a graph (not run); false when that fails (it is then to
- * be issued launch by launch). */
-static bool capture(struct cuk_queue *q, uint64_t hash, struct cuk_graph **out) {
-    const int max = q->graphs_max > 0 ? q->graphs_max : GRAPHS_DEFAULT;
-    if (!q->graph && !(q->graph = calloc((size_t)max, sizeof *q->graph))) return false;
+/* A slot for a new graph: an unused one, else the least recently used, freed. */
+static struct cuk_graph *graph_slot(struct cuk_queue *q) {
+    const int max = CUK_QUEUE_RECENT;
+    if (!q->graph && !(q->graph = calloc((size_t)max, sizeof *q->graph))) return NULL;
+    if (q->n_graph < max) return &q->graph[q->n_graph];
     struct cuk_graph *g = &q->graph[0];
-    if (q->n_graph < max) {
-        g = &q->graph[q->n_graph];
-    } else {
-        for (int i = 1; i < max; i++)
-            if (q->graph[i].used < g->used) g = &q->graph[i];
-        graph_free(g);
-    }
-    if (cudaStreamBeginCapture(q->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
-        cudaGetLastError();
-        return false;
-    }
-    const cudaError_t before = q->err;
-    issue_all(q);
-    cudaGraph_t graph = NULL;
-    cudaError_t e = cudaStreamEndCapture(q->stream, &graph);
-    bool ok = e == cudaSuccess && q->err == before && graph;
-    q->err = before;
+    for (int i = 1; i < max; i++)
+        if (q->graph[i].used < g->used) g = &q->graph[i];
+    graph_free(g);
+    return g;
+}
+
+/* Makes g of the graph captured from q's record (ok false: the capture failed, or
+ * one of the group's did, and it is discarded): instantiated, with the record it
+ * replays. false when it is not made. Instantiation follows the end of every capture
+ * of the group, as a thread capturing a stream may not instantiate. */
+static bool graph_make(struct cuk_queue *q, struct cuk_graph *g, cudaGraph_t graph, uint64_t hash, bool ok) {
     if (ok) ok = cudaGraphInstantiate(&g->exec, graph, 0) == cudaSuccess;
     if (graph) cudaGraphDestroy(graph);
-    cudaGetLastError(); /* a failed capture leaves no sticky error */
     if (ok) {
         g->ent = malloc(sizeof *q->ent * (size_t)q->n_ent);
         g->offs = malloc(sizeof *q->offs * (size_t)(q->n_offs ? q->n_offs : 1));
@@ -322,43 +344,140 @@ static bool capture(struct cuk_queue *q, uint64_t hash, struct cuk_graph **out) 
     g->blob_len = q->blob_len;
     g->hash = hash;
     g->next = -1;
-    if (g == &q->graph[q->n_graph]) q->n_graph++;
-    *out = g;
     return true;
+}
+
+/* Captures the records of n queues into a graph each (not run), all or none: false
+ * when one failed (the records are then to be issued launch by launch; a failed
+ * capture leaves no error). g[i]: a graph of queue i's record made by another
+ * capture, freed (the group's graphs replay together only as captured together);
+ * then the new graphs. */
+static bool capture(struct cuk_queue *const *qs, int n, const struct cuk_group *grp, const uint64_t *hash,
+                    struct cuk_graph **g) {
+    cudaError_t before[CUK_GROUP_MAX];
+    cudaGraph_t graph[CUK_GROUP_MAX] = {0};
+    int begun = 0;
+    for (; begun < n; begun++) {
+        struct cuk_queue *q = qs[begun];
+        if (g[begun]) graph_free(g[begun]);
+        if (!(g[begun] = graph_slot(q))) break;
+        if (n > 1) cudaSetDevice(q->device);
+        before[begun] = q->err;
+        if (cudaStreamBeginCapture(q->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) break;
+    }
+    if (begun == n) issue_all(qs, n, grp);
+    bool ok = begun == n;
+    for (int i = 0; i < begun; i++) {
+        struct cuk_queue *q = qs[i];
+        if (n > 1) cudaSetDevice(q->device);
+        ok = cudaStreamEndCapture(q->stream, &graph[i]) == cudaSuccess && q->err == before[i] && graph[i] && ok;
+        q->err = before[i];
+    }
+    for (int i = 0; i < begun; i++) {
+        if (n > 1) cudaSetDevice(qs[i]->device);
+        ok = graph_make(qs[i], g[i], graph[i], hash[i], ok) && ok;
+    }
+    cudaGetLastError();
+    for (int i = 0; i < begun; i++) {
+        struct cuk_queue *q = qs[i];
+        if (!ok) graph_free(g[i]);
+        else if (g[i] == &q->graph[q->n_graph]) q->n_graph++;
+    }
+    return ok;
+}
+
+/* The graph that replays q's record (the one that followed the last graph, else any
+ * of the same hash), or NULL; *hash: the record's. */
+static struct cuk_graph *find_graph(struct cuk_queue *q, uint64_t *hash) {
+    const int expect = q->last >= 0 && q->last < q->n_graph ? q->graph[q->last].next : -1;
+    if (expect >= 0 && expect < q->n_graph && same_record(&q->graph[expect], q)) {
+        *hash = q->graph[expect].hash;
+        return &q->graph[expect];
+    }
+    *hash = record_hash(q);
+    for (int i = 0; i < q->n_graph; i++)
+        if (q->graph[i].hash == *hash && same_record(&q->graph[i], q)) return &q->graph[i];
+    return NULL;
+}
+
+static void launch_graph(struct cuk_queue *q, struct cuk_graph *g) {
+    const int gi = (int)(g - q->graph);
+    if (q->last >= 0 && q->last < q->n_graph) q->graph[q->last].next = gi;
+    q->last = gi;
+    g->used = ++q->clock;
+    fail(q, cudaGraphLaunch(g->exec, q->stream));
+}
+
+/* Waits for the group's GPUs when what they may run (collectives captured or not)
+ * differs from what comes (cuk_group). */
+static void group_turns(struct cuk_group *grp, int how) {
+    if (grp->in_flight && grp->in_flight != how)
+        for (int i = 0; i < grp->n; i++) fail(grp->q[i], cudaStreamSynchronize(grp->q[i]->stream));
+    grp->in_flight = how;
+}
+
+/* Issues the records of n queues (one, or a group's) as graphs, all replayed or all
+ * captured, else launch by launch; and empties them. A record is captured the second
+ * time it is seen (by hash, among the last few issued without a graph). */
+static void issue(struct cuk_queue *const *qs, int n, struct cuk_group *grp) {
+    struct cuk_graph *g[CUK_GROUP_MAX] = {0};
+    uint64_t h[CUK_GROUP_MAX] = {0};
+    bool replay = true, seen = true;
+    for (int i = 0; i < n; i++) {
+        struct cuk_queue *q = qs[i];
+        if (!q->graphs) {
+            replay = seen = false;
+            continue;
+        }
+        g[i] = find_graph(q, &h[i]);
+        replay = replay && g[i];
+        seen = seen && listed(q->seen, q->n_seen, h[i]) && !listed(q->never, q->n_never, h[i]);
+    }
+    bool graphs = replay;
+    if (!replay && seen) {
+        graphs = capture(qs, n, grp, h, g);
+        for (int i = 0; i < n; i++)
+            if (graphs) qs[i]->n_captures++;
+            else remember(qs[i]->never, &qs[i]->n_never, h[i]);
+    } else if (!replay) {
+        for (int i = 0; i < n; i++)
+            if (qs[i]->graphs && !listed(qs[i]->seen, qs[i]->n_seen, h[i])) remember(qs[i]->seen, &qs[i]->n_seen, h[i]);
+    }
+    if (grp && qs[0]->n_meets > 0) group_turns(grp, graphs ? 2 : 1);
+    if (graphs) {
+        for (int i = 0; i < n; i++) {
+            if (n > 1) cudaSetDevice(qs[i]->device);
+            launch_graph(qs[i], g[i]);
+            qs[i]->n_replays += replay;
+        }
+    } else {
+        issue_all(qs, n, grp);
+        for (int i = 0; i < n; i++) {
+            qs[i]->last = -1;
+            qs[i]->n_eager++;
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        qs[i]->n_ent = qs[i]->n_offs = qs[i]->n_meets = 0;
+        qs[i]->blob_len = 0;
+    }
 }
 
 void cuk_queue_issue(struct cuk_queue *q) {
     if (q->n_ent == 0) return;
-    struct cuk_graph *g = NULL;
-    if (q->graphs) {
-        /* the graph that followed the last one, else any of the same hash */
-        const int expect = q->last >= 0 && q->last < q->n_graph ? q->graph[q->last].next : -1;
-        if (expect >= 0 && expect < q->n_graph && same_record(&q->graph[expect], q)) g = &q->graph[expect];
-        const uint64_t h = g ? g->hash : record_hash(q);
-        for (int i = 0; i < q->n_graph && !g; i++)
-            if (q->graph[i].hash == h && same_record(&q->graph[i], q)) g = &q->graph[i];
-        if (g) {
-            q->n_replays++;
-        } else if (listed(q->seen, q->n_seen, h) && !listed(q->never, q->n_never, h)) {
-            if (capture(q, h, &g)) q->n_captures++;
-            else remember(q, q->never, &q->n_never, h);
-        } else {
-            remember(q, q->seen, &q->n_seen, h);
-        }
-    }
-    if (g) {
-        const int gi = (int)(g - q->graph);
-        if (q->last >= 0 && q->last < q->n_graph) q->graph[q->last].next = gi;
-        q->last = gi;
-        g->used = ++q->clock;
-        fail(q, cudaGraphLaunch(g->exec, q->stream));
-    } else {
-        q->last = -1;
-        issue_all(q);
-        q->n_eager++;
-    }
-    q->n_ent = q->n_offs = 0;
-    q->blob_len = 0;
+    assert(q->n_meets == 0); /* a group's record: cuk_group_issue */
+    issue(&q, 1, NULL);
+}
+
+void cuk_group_issue(struct cuk_group *g) {
+    int n_ent = 0;
+    for (int i = 0; i < g->n; i++) n_ent += g->q[i]->n_ent;
+    if (n_ent > 0) issue(g->q, g->n, g);
+}
+
+void cuk_group_meet_now(struct cuk_group *g, void *const *p, size_t bytes) {
+    group_turns(g, 1);
+    g->meet(g->ctx, p, bytes);
 }
 
 cudaError_t cuk_queue_error(struct cuk_queue *q) {

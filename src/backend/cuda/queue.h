@@ -20,9 +20,9 @@ extern "C" {
 struct cuk_rec_entry;
 struct cuk_graph;
 
-/* Hashes remembered of records issued without a graph: a step issues several (64), under
- * tensor parallelism two a layer, cut at the all-reduces (graphs_max, up to this). */
-#define CUK_QUEUE_RECENT 512
+/* Graphs kept (the least recently used dropped), and hashes remembered of records
+ * issued without a graph: a step issues several. */
+#define CUK_QUEUE_RECENT 64
 
 struct cuk_queue {
     cudaStream_t stream;
@@ -47,8 +47,6 @@ struct cuk_queue {
     /* captured graphs, and the hashes of records issued without one lately */
     struct cuk_graph *graph;
     int n_graph, last; /* last: the graph issued last (-1: none, or launches) */
-    int graphs_max;    /* graphs kept, least recently used dropped, and record hashes remembered
-                        * (0: 64 each; tensor parallelism's segments of a step are two a layer) */
     uint64_t seen[CUK_QUEUE_RECENT], never[CUK_QUEUE_RECENT];
     int n_seen, n_never;
     uint64_t clock;
@@ -63,6 +61,27 @@ struct cuk_queue {
     /* kernels whose launches are dropped (the backend's tuning: KVQ_CUDA_LEAVE_OUT,
      * queue.c), or NULL */
     const char *leave_out;
+    int device;  /* the queue's GPU, made current to issue it in a group (cuk_group_issue) */
+    int n_meets; /* meeting points in the record (cuk_queue_meet) */
+};
+
+/* Queues of several GPUs whose records meet (tensor parallelism: one queue a GPU, the
+ * all-reduces between them). At each meeting point of the records, `meet` runs the
+ * group's collective on each queue's stream: NCCL's calls of all the GPUs, grouped.
+ * Issued together, the records become graphs together or not at all: NCCL requires
+ * every rank to capture a collective, or none (and each rank to replay the graph of
+ * that capture), and a collective captured may not be in flight beside one that was
+ * not (NCCL_GRAPH_MIXING_SUPPORT=0: with mixing, graphs of several communicators
+ * launched from one thread can deadlock): the group waits for the GPUs when it
+ * changes from one to the other. */
+#define CUK_GROUP_MAX 8
+
+struct cuk_group {
+    struct cuk_queue *q[CUK_GROUP_MAX];
+    int n;
+    void (*meet)(void *ctx, void *const *p, size_t bytes); /* p[i]: queue i's bytes, on its stream */
+    void *ctx;
+    int in_flight; /* what its last issue ran: 0 (nothing since the GPUs were waited for), 1 launches, 2 graphs */
 };
 
 /* A kernel launch (args[i] points to argument i of sizes[i] bytes), with programmatic
@@ -86,9 +105,20 @@ void cuk_queue_last_to_front(struct cuk_queue *q);
  * host memory, the bytes are read when the copy runs, so they must stay as they are
  * until then; not recorded, from any host memory). */
 void cuk_queue_copy(struct cuk_queue *q, void *dst, const void *src, size_t bytes);
+/* A meeting point of the group's records over `bytes` at p (the queue's own buffer):
+ * the group's collective runs there when the records are issued (cuk_group_issue). */
+void cuk_queue_meet(struct cuk_queue *q, void *p, size_t bytes);
 /* Issues the record (in order: a replayed graph, a newly captured one, or launch by
- * launch) and empties it; recording stays as it is. */
+ * launch) and empties it; recording stays as it is. The record has no meeting point. */
 void cuk_queue_issue(struct cuk_queue *q);
+/* Issues every queue's record of the group together (their meeting points paired in
+ * order), each on its GPU; leaves the current device as the group's last queue's. */
+void cuk_group_issue(struct cuk_group *g);
+/* The collective of each queue's p: the group's `meet` outside any record, after a
+ * wait for the GPUs if graphs' collectives may be in flight. */
+void cuk_group_meet_now(struct cuk_group *g, void *const *p, size_t bytes);
+/* The GPUs have finished what was issued (the caller waited for them). */
+static inline void cuk_group_idle(struct cuk_group *g) { g->in_flight = 0; }
 /* The first error since the last call (cudaSuccess if none), cleared. */
 cudaError_t cuk_queue_error(struct cuk_queue *q);
 void cuk_queue_free(struct cuk_queue *q);

@@ -16,10 +16,12 @@
  * begins the appends, the last rank ends them: cuda_private.h), so a saved sequence
  * or prefix-cache entry is the same file under any number of GPUs, and the scheduler
  * drives one engine. The ranks' launches are asynchronous, so issuing them in turn
- * costs host time, not GPU time. A decode step is recorded as each rank's CUDA graphs
- * between the all-reduces, which are NCCL calls of all ranks in one group. Every op
+ * costs host time, not GPU time. A decode step is recorded by every rank, its
+ * all-reduces as meeting points of the ranks' records (NCCL calls of all ranks in one
+ * group), and issued in a few segments, each a CUDA graph a GPU with NCCL's kernels
+ * inside, captured and replayed by all ranks together (queue.h, cuk_group). Every op
  * leaves the caller's current device as it found it. docs/tensor-parallel.md has the
- * measurements, the attempt with a thread a rank, and the design across hosts. */
+ * measurements, the attempts that were not kept, and the design across hosts. */
 #include "backend/cuda/cuda_private.h"
 
 #ifdef KVQ_HAVE_NCCL
@@ -96,33 +98,56 @@ static bool nccl_ck(struct tp_backend *t, ncclResult_t res, const char *what) {
     return false;
 }
 
-/* The sum over the ranks of each rank's n floats at p (rank 0's address), in place:
- * after each rank's recorded work so far is issued (a graph of each rank's segment
- * between two all-reduces: NCCL's calls stay outside the graphs, which one thread
- * driving several GPUs must not capture them into). */
-static void all_reduce(struct tp_backend *t, float *p, size_t n) {
-    for (int r = 0; r < t->sh.n; r++) {
-        on(t, r);
-        issue_segment(t->sh.rank[r]);
-    }
+/* The group's collective (cuk_group): the all-reduce of each rank's bytes at p[r], on
+ * its stream, one NCCL group call for all ranks. */
+static void meet(void *ctx, void *const *p, size_t bytes) {
+    struct tp_backend *t = ctx;
     nccl_ck(t, ncclGroupStart(), "group start");
-    for (int r = 0; r < t->sh.n; r++) {
-        on(t, r);
-        float *y = at_rank(t, r, p);
-        nccl_ck(t, ncclAllReduce(y, y, n, ncclFloat, ncclSum, t->comm[r], t->sh.rank[r]->stream), "all-reduce");
-    }
+    for (int r = 0; r < t->sh.n; r++)
+        nccl_ck(t, ncclAllReduce(p[r], p[r], bytes / sizeof(float), ncclFloat, ncclSum, t->comm[r], t->sh.rank[r]->stream),
+                "all-reduce");
     nccl_ck(t, ncclGroupEnd(), "all-reduce");
+}
+
+/* A recorded step is issued in segments, all ranks' together, cut after the all-reduce
+ * numbered `reduces` (from 1) of the step: the GPUs start once the first layer is
+ * recorded, and the host records each next segment while they run the one before.
+ * Each cut is a boundary between graphs, where the kernel after it cannot start early
+ * (PDL); segments of 12 layers ran the Llama-3-70B shape as fast as longer ones
+ * (docs/tensor-parallel.md). */
+static bool segment_cut(int reduces) { return reduces == 2 || reduces == 8 || (reduces > 8 && (reduces - 8) % 24 == 0); }
+
+/* The sum over the ranks of each rank's n floats at p (rank 0's address), in place.
+ * Recorded, it is a meeting point of the ranks' records, within their graphs. */
+static void all_reduce(struct tp_backend *t, float *p, size_t n) {
+    const size_t bytes = n * sizeof(float);
+    bool recorded = true;
+    for (int r = 0; r < t->sh.n; r++) recorded = recorded && t->sh.rank[r]->q.recording;
+    if (recorded) {
+        for (int r = 0; r < t->sh.n; r++) cuk_queue_meet(&t->sh.rank[r]->q, at_rank(t, r, p), bytes);
+        t->sh.reduces++;
+        if (segment_cut(t->sh.reduces)) issue_records_together(&t->sh);
+        return;
+    }
+    for (int r = 0; r < t->sh.n; r++) { /* a rank recording: what it recorded goes first */
+        on(t, r);
+        record_stop(t->sh.rank[r]);
+    }
+    void *at[TP_MAX];
+    for (int r = 0; r < t->sh.n; r++) at[r] = at_rank(t, r, p);
+    cuk_group_meet_now(&t->sh.group, at, bytes);
 }
 
 static void tp_free(struct backend *b) {
     struct tp_backend *t = tp_of(b);
     const int dev = caller_device();
-    for (int r = 0; r < t->sh.n; r++) {
-        if (!t->sh.rank[r]) continue;
-        struct backend *rb = on(t, r);
+    for (int r = 0; r < t->sh.n; r++) /* first the ranks' graphs, which hold NCCL's captured work */
+        if (t->sh.rank[r]) {
+            struct backend *rb = on(t, r);
+            rb->ops->free(rb);
+        }
+    for (int r = 0; r < t->sh.n; r++)
         if (t->comm[r]) ncclCommDestroy(t->comm[r]);
-        rb->ops->free(rb);
-    }
     for (int i = 0; i < t->n_ws; i++) free(t->ws[i]);
     free(t->ws);
     free(t->bufs);
@@ -440,6 +465,8 @@ static int tp_sync(struct backend *b) {
         struct backend *rb = on(t, r);
         if (rb->ops->sync(rb) != 0) rc = -1;
     }
+    cuk_group_idle(&t->sh.group);
+    t->sh.reduces = 0;
     cudaSetDevice(dev);
     return rc;
 }
@@ -515,8 +542,12 @@ struct backend *backend_cuda_tp_new(int n, const int *devices, int n_threads, bo
         if (!(t->sh.rank[r] = cuda_backend_on(devs[r], per_rank, f16_weights))) goto fail;
         t->sh.rank[r]->tp = &t->sh;
         t->sh.rank[r]->rank = r;
-        t->sh.rank[r]->q.graphs_max = 1024; /* a step's segments: two a layer */
+        t->sh.group.q[r] = &t->sh.rank[r]->q;
     }
+    t->sh.group.n = n;
+    t->sh.group.meet = meet;
+    t->sh.group.ctx = t;
+    setenv("NCCL_GRAPH_MIXING_SUPPORT", "0", 0); /* cuk_group: why */
     ncclResult_t res = ncclCommInitAll(t->comm, n, devs);
     if (res != ncclSuccess) {
         memset(t->comm, 0, sizeof t->comm);
