@@ -213,8 +213,6 @@ void step_op(struct cuda_backend *cb, int n, bool glu) {
 }
 
 
-
-
 /* Issues what the step recorded so far and queues the rest of it at once: before
  * anything that waits for the stream or cannot be recorded. */
 void record_stop(struct cuda_backend *cb) {
