@@ -267,6 +267,11 @@ static void remember(uint64_t *list, int *n, uint64_t h) {
     list[*n - 1] = h;
 }
 
+/* Makes q's GPU current when it is issued among others (alone, it is already). */
+static void to_gpu(const struct cuk_queue *q, int n) {
+    if (n > 1) cudaSetDevice(q->device);
+}
+
 static void join_side(struct cuk_queue *q) {
     if (!q->side_open) return;
     fail(q, cudaEventRecord(q->join_ev, q->side));
@@ -283,7 +288,7 @@ static void issue_all(struct cuk_queue *const *qs, int n, const struct cuk_group
         int waiting = 0;
         for (int i = 0; i < n; i++) {
             struct cuk_queue *q = qs[i];
-            if (n > 1) cudaSetDevice(q->device);
+            to_gpu(q, n);
             while (at[i] < q->n_ent && !q->ent[at[i]].meet) issue_one(q, &q->ent[at[i]++], q->offs, q->blob);
             waiting += at[i] < q->n_ent;
         }
@@ -294,7 +299,7 @@ static void issue_all(struct cuk_queue *const *qs, int n, const struct cuk_group
         grp->meet(grp->ctx, p, qs[0]->ent[at[0] - 1].bytes);
     }
     for (int i = 0; i < n; i++) {
-        if (n > 1) cudaSetDevice(qs[i]->device);
+        to_gpu(qs[i], n);
         join_side(qs[i]);
     }
 }
@@ -361,7 +366,7 @@ static bool capture(struct cuk_queue *const *qs, int n, const struct cuk_group *
         struct cuk_queue *q = qs[begun];
         if (g[begun]) graph_free(g[begun]);
         if (!(g[begun] = graph_slot(q))) break;
-        if (n > 1) cudaSetDevice(q->device);
+        to_gpu(q, n);
         before[begun] = q->err;
         if (cudaStreamBeginCapture(q->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) break;
     }
@@ -369,12 +374,12 @@ static bool capture(struct cuk_queue *const *qs, int n, const struct cuk_group *
     bool ok = begun == n;
     for (int i = 0; i < begun; i++) {
         struct cuk_queue *q = qs[i];
-        if (n > 1) cudaSetDevice(q->device);
+        to_gpu(q, n);
         ok = cudaStreamEndCapture(q->stream, &graph[i]) == cudaSuccess && q->err == before[i] && graph[i] && ok;
         q->err = before[i];
     }
     for (int i = 0; i < begun; i++) {
-        if (n > 1) cudaSetDevice(qs[i]->device);
+        to_gpu(qs[i], n);
         ok = graph_make(qs[i], g[i], graph[i], hash[i], ok) && ok;
     }
     cudaGetLastError();
@@ -410,8 +415,8 @@ static void launch_graph(struct cuk_queue *q, struct cuk_graph *g) {
 
 /* Waits for the group's GPUs when what they may run (collectives captured or not)
  * differs from what comes (cuk_group). */
-static void group_turns(struct cuk_group *grp, int how) {
-    if (grp->in_flight && grp->in_flight != how)
+static void group_turns(struct cuk_group *grp, enum cuk_in_flight how) {
+    if (grp->in_flight != CUK_IDLE && grp->in_flight != how)
         for (int i = 0; i < grp->n; i++) fail(grp->q[i], cudaStreamSynchronize(grp->q[i]->stream));
     grp->in_flight = how;
 }
@@ -443,10 +448,10 @@ static void issue(struct cuk_queue *const *qs, int n, struct cuk_group *grp) {
         for (int i = 0; i < n; i++)
             if (qs[i]->graphs && !listed(qs[i]->seen, qs[i]->n_seen, h[i])) remember(qs[i]->seen, &qs[i]->n_seen, h[i]);
     }
-    if (grp && qs[0]->n_meets > 0) group_turns(grp, graphs ? 2 : 1);
+    if (grp && qs[0]->n_meets > 0) group_turns(grp, graphs ? CUK_GRAPHS : CUK_LAUNCHES);
     if (graphs) {
         for (int i = 0; i < n; i++) {
-            if (n > 1) cudaSetDevice(qs[i]->device);
+            to_gpu(qs[i], n);
             launch_graph(qs[i], g[i]);
             qs[i]->n_replays += replay;
         }
@@ -476,7 +481,7 @@ void cuk_group_issue(struct cuk_group *g) {
 }
 
 void cuk_group_meet_now(struct cuk_group *g, void *const *p, size_t bytes) {
-    group_turns(g, 1);
+    group_turns(g, CUK_LAUNCHES);
     g->meet(g->ctx, p, bytes);
 }
 

@@ -76,12 +76,15 @@ struct cuk_queue {
  * changes from one to the other. */
 #define CUK_GROUP_MAX 8
 
+/* What a group's GPUs may be running of its collectives. */
+enum cuk_in_flight { CUK_IDLE, CUK_LAUNCHES, CUK_GRAPHS };
+
 struct cuk_group {
     struct cuk_queue *q[CUK_GROUP_MAX];
     int n;
     void (*meet)(void *ctx, void *const *p, size_t bytes); /* p[i]: queue i's bytes, on its stream */
     void *ctx;
-    int in_flight; /* what its last issue ran: 0 (nothing since the GPUs were waited for), 1 launches, 2 graphs */
+    enum cuk_in_flight in_flight; /* what its last issue ran (idle: the GPUs were waited for since) */
 };
 
 /* A kernel launch (args[i] points to argument i of sizes[i] bytes), with programmatic
@@ -118,7 +121,7 @@ void cuk_group_issue(struct cuk_group *g);
  * wait for the GPUs if graphs' collectives may be in flight. */
 void cuk_group_meet_now(struct cuk_group *g, void *const *p, size_t bytes);
 /* The GPUs have finished what was issued (the caller waited for them). */
-static inline void cuk_group_idle(struct cuk_group *g) { g->in_flight = 0; }
+static inline void cuk_group_idle(struct cuk_group *g) { g->in_flight = CUK_IDLE; }
 /* The first error since the last call (cudaSuccess if none), cleared. */
 cudaError_t cuk_queue_error(struct cuk_queue *q);
 void cuk_queue_free(struct cuk_queue *q);
