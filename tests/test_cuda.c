@@ -875,18 +875,23 @@ static void test_matvec(void) {
     }
 }
 
-/* Wide products (17 to CUK_WIDE_MAX tokens from the packed codes) against the CPU's
- * dequantized rows rounded to f16 times the inputs rounded to f16, in double: shapes
- * with partial chunks, split columns (long rows, few tiles), token groups past n, a
- * bias and a row stride wider than the rows. */
+/* Wide products (CUK_WIDE_MIN to CUK_WIDE_MAX tokens from the packed codes, on Hopper)
+ * against the CPU's dequantized rows rounded to f16 times the inputs rounded to f16, in
+ * double: shapes with partial chunks, split columns (long rows, few tiles), token groups
+ * past n, a bias and a row stride wider than the rows. A token's sums do not depend on
+ * how many tokens the product has: its results at n = 9 and 40 equal those at 256. */
 static void test_matmul_wide(void) {
+    if (!cuk_wide_available()) {
+        printf("skipped: this device does not run the wide products (an sm_90a kernel image)\n");
+        return;
+    }
     static const struct {
         uint32_t type;
         int rows, cols;
     } cases[] = {{KVQ_Q8_0, 37, 512}, {KVQ_Q4_0, 37, 512}, {KVQ_Q4_K, 37, 512}, {KVQ_Q6_K, 37, 512},
                  {KVQ_Q4_0, 19, 160}, {KVQ_Q8_0, 19, 160}, {KVQ_Q4_0, 300, 4128}, {KVQ_Q6_K, 100, 4352},
                  {KVQ_Q4_K, 64, 14336}};
-    const int ns[] = {17, 40, CUK_WIDE_MAX, 130, 256}; /* past CUK_WIDE_MAX: several token groups */
+    const int ns[] = {256, CUK_WIDE_MIN, 16, 17, 40, CUK_WIDE_MAX, 130}; /* 130, 256: several token groups */
     const int n_max = 256;
     for (size_t ti = 0; ti < sizeof cases / sizeof cases[0]; ti++) {
         const uint32_t type = cases[ti].type;
@@ -894,7 +899,8 @@ static void test_matmul_wide(void) {
         const size_t rb = kvq_dtype_row_bytes(type, cols), bytes = rb * rows;
         uint8_t *w = malloc(bytes);
         float *x = malloc(sizeof(float) * n_max * cols), *y = malloc(sizeof(float) * n_max * stride),
-              *row = malloc(sizeof(float) * cols), *bias = malloc(sizeof(float) * rows);
+              *y256 = malloc(sizeof(float) * n_max * stride), *row = malloc(sizeof(float) * cols),
+              *bias = malloc(sizeof(float) * rows);
         double *xr = malloc(sizeof(double) * n_max * cols);
         fill_rows(type, w, bytes);
         for (int i = 0; i < n_max * cols; i++) x[i] = frnd();
@@ -918,13 +924,19 @@ static void test_matmul_wide(void) {
         for (int k = 0; k < (int)(sizeof ns / sizeof ns[0]); k++) {
             const int n = ns[k];
             const bool with_bias = k % 2 == 1;
-            const size_t sf = cuk_matmul_wide_scratch(&cw, n, 132);
+            /* odd steps: the rows as two jobs of one launch (a tile-aligned cut) */
+            const int cut = rows > 16 && k % 2 == 1 ? rows / 32 * 16 : rows;
+            const struct cuk_weight lo = cuk_weight_rows(&cw, 0, cut), hi = cuk_weight_rows(&cw, cut, rows);
+            const struct cuk_matvec_job jobs[2] = {{&lo, dy, with_bias ? db : NULL, stride},
+                                                   {&hi, dy + cut, with_bias ? db + cut : NULL, stride}};
+            const int n_jobs = cut < rows ? 2 : 1;
+            const size_t sf = cuk_matmul_wide_scratch(jobs, n_jobs, n, 132);
             cudaFree(scr);
             scr = NULL;
             if (sf) cudaMalloc((void **)&scr, sizeof(float) * sf);
             cudaMemset(dy, 0xff, sizeof(float) * n_max * stride); /* NaN: every output must be written */
-            cuk_to_half(&tq, dx, cols, n, cols, x16);
-            cuk_matmul_wide(&tq, &cw, x16, n, dy, stride, with_bias ? db : NULL, scr, 132);
+            cuk_to_half_wide(&tq, dx, cols, n, cols, x16);
+            cuk_matmul_wide(&tq, jobs, n_jobs, x16, n, scr, 132);
             CHECK(cudaDeviceSynchronize() == cudaSuccess, "%s: wide product launch", kvq_dtype_name(type));
             cudaMemcpy(y, dy, sizeof(float) * (size_t)n * stride, cudaMemcpyDeviceToHost);
             double err = 0, scale = 0;
@@ -944,10 +956,16 @@ static void test_matmul_wide(void) {
                 }
             }
             const double tol = 1e-5 * scale + 1e-6;
-            printf("wide %-5s %3dx%-5d n=%3d%s: max error %.2e of a magnitude sum %.2e\n", kvq_dtype_name(type), rows,
-                   cols, n, sf ? " (split)" : "", err, scale);
+            printf("wide %-5s %3dx%-5d n=%3d%s%s: max error %.2e of a magnitude sum %.2e\n", kvq_dtype_name(type),
+                   rows, cols, n, sf ? " (split)" : "", n_jobs > 1 ? " (2 jobs)" : "", err, scale);
             CHECK(err <= tol, "%s %dx%d n=%d: wide product differs from the CPU dequantization by %g",
                   kvq_dtype_name(type), rows, cols, n, err);
+            if (n == 256 && !with_bias) memcpy(y256, y, sizeof(float) * (size_t)n * stride);
+            int differ = 0;
+            for (int t = 0; t < n && !with_bias; t++)
+                for (int r = 0; r < rows; r++) differ += y[(size_t)t * stride + r] != y256[(size_t)t * stride + r];
+            CHECK(differ == 0, "%s %dx%d n=%d: %d sums differ from the same tokens' at n = 256", kvq_dtype_name(type),
+                  rows, cols, n, differ);
         }
         cudaFree(scr);
         cudaFree(dw);
@@ -959,13 +977,14 @@ static void test_matmul_wide(void) {
         free(w);
         free(x);
         free(y);
+        free(y256);
         free(row);
         free(bias);
         free(xr);
     }
 }
 
-/* The backend's products of more than 16 tokens, with the weights' f16 copies and
+/* The backend's products of 12 tokens and more, with the weights' f16 copies and
  * without (packed wide kernels, dequantized bands), against the CPU's dequantized
  * rows in double: the same values either way. */
 static void test_backend_products(void) {
@@ -973,7 +992,7 @@ static void test_backend_products(void) {
         uint32_t type;
         int rows, cols;
     } cases[] = {{KVQ_Q4_0, 300, 4128}, {KVQ_Q6_K, 100, 4352}, {KVQ_Q8_0, 37, 512}};
-    const int ns[] = {17, 64, 130};
+    const int ns[] = {12, 17, 64, 130};
     struct weight ws[sizeof cases / sizeof cases[0]];
     for (int f16w = 0; f16w < 2; f16w++) {
         struct backend *be = backend_cuda_new(0, f16w, 1, NULL);

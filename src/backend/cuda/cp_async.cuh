@@ -14,6 +14,11 @@ static __device__ __forceinline__ void cp_async16(void *s, const void *g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(s)), "l"(g));
 }
 
+/* 16 bytes of which the first `bytes` (0 or 16) are copied and the rest zeroed */
+static __device__ __forceinline__ void cp_async16_fill(void *s, const void *g, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(s)), "l"(g), "r"(bytes));
+}
+
 /* 8 bytes (s and g 8-byte aligned) */
 static __device__ __forceinline__ void cp_async8(void *s, const void *g) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(s)), "l"(g));

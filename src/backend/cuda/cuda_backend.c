@@ -93,12 +93,11 @@ static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
     cb->max_tokens = max_tokens;
     const size_t stage = STAGE_BYTES_PER_TOKEN * (size_t)max_tokens;
     if (stage > cb->stage_cap && !stage_grow(cb, stage)) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
-    if (max_tokens > CUK_MATVEC_MAX) {
+    if (max_tokens > CUK_MATVEC_MAX || (cb->wide && max_tokens >= CUK_WIDE_MIN)) { /* f16 inputs of wide products */
         cudaFree(cb->x16);
-        if ((!cb->deq && !(cb->deq = cuda_alloc(b, DEQ_BYTES))) ||
-            !(cb->x16 = cuda_alloc(b, sizeof(uint16_t) * (size_t)max_tokens * (size_t)widest)))
-            return -1;
+        if (!(cb->x16 = cuda_alloc(b, sizeof(uint16_t) * (size_t)max_tokens * (size_t)widest))) return -1;
     }
+    if (max_tokens > CUK_MATVEC_MAX && !cb->deq && !(cb->deq = cuda_alloc(b, DEQ_BYTES))) return -1;
     const size_t n = (size_t)(max_tokens < CUK_MATVEC_MAX ? max_tokens : CUK_MATVEC_MAX);
     cudaFree(cb->xq.q);
     cudaFree(cb->xq.dsum);
@@ -338,6 +337,7 @@ struct cuda_backend *cuda_backend_on(int device, int n_threads, bool f16_weights
     cb->q.device = device;
     cb->q.pdl = prop.major >= 9; /* Hopper's programmatic dependent launch (an sm_80/89 build runs without) */
     cb->n_sm = prop.multiProcessorCount;
+    cb->wide = cuk_wide_available() != 0;
     cb->uva = prop.unifiedAddressing != 0;
     if (cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS) {
         kvq_error_code(KVQ_ERR_DEVICE, "cuBLAS: cannot start");

@@ -68,16 +68,6 @@ int cuk_type_supported(uint32_t type);
 /* Tokens at most the matrix-vector kernels take; wider inputs go through
  * cuk_dequantize + a GEMM (f16 operands for quantized weights; TF32 for float ones). */
 #define CUK_MATVEC_MAX 16
-/* Tokens at most a step's products take from the packed codes (cuk_matmul_wide);
- * wider steps (prefill chunks) dequantize bands of rows for a GEMM, which amortizes
- * the dequantization over more tokens and measured faster from 128 tokens on. */
-#define CUK_WIDE_MAX 64
-/* y[t][rows] (rows y_stride apart) = x[t][cols] W^T (+ bias) for t < n and a
- * repacked W, from x16 (x as cuk_to_half writes it); scratch holds
- * cuk_matmul_wide_scratch floats. */
-void cuk_matmul_wide(struct cuk_queue *qu, const struct cuk_weight *w, const void *x16, int n, float *y,
-                     int64_t y_stride, const float *bias, float *scratch, int n_sm);
-size_t cuk_matmul_wide_scratch(const struct cuk_weight *w, int n, int n_sm);
 /* Products one launch takes (consecutive jobs of one weight type share a launch). */
 #define CUK_MATVEC_JOBS 3
 struct cuk_matvec_job {
@@ -86,6 +76,22 @@ struct cuk_matvec_job {
     const float *bias; /* or NULL */
     int64_t y_stride;  /* floats from a token's outputs to the next's: 0 for w->rows (other values: repacked types) */
 };
+/* Products of repacked weights from their packed codes on Hopper's warpgroup tensor
+ * cores: each job's y[t] = x[t] W^T (+ bias) for t < n, from xp (x as
+ * cuk_to_half_wide writes it); the jobs (at most CUK_MATVEC_JOBS) share one type and
+ * width; scratch holds cuk_matmul_wide_scratch floats. Steps of CUK_WIDE_MIN to
+ * CUK_WIDE_FAST tokens take them (faster than the matrix-vector kernels and than
+ * cuBLAS on f16 copies), and steps up to CUK_WIDE_MAX where the weights have no f16
+ * copy; cuk_wide_available() says whether this build runs them on the current device
+ * (an sm_90a kernel image). */
+#define CUK_WIDE_MIN 9
+#define CUK_WIDE_FAST 32
+#define CUK_WIDE_MAX 64
+int cuk_wide_available(void);
+void cuk_to_half_wide(struct cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out);
+void cuk_matmul_wide(struct cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_jobs, const void *xp, int n,
+                     float *scratch, int n_sm);
+size_t cuk_matmul_wide_scratch(const struct cuk_matvec_job *jobs, int n_jobs, int n, int n_sm);
 /* Rows [r0, r1) of a repacked weight, r0 a multiple of 16, as a weight of their own
  * (its data in place). */
 struct cuk_weight cuk_weight_rows(const struct cuk_weight *w, int64_t r0, int64_t r1);

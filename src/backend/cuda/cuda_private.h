@@ -155,6 +155,7 @@ struct cuda_backend {
     int xq_n;
     int64_t xq_k;
     bool any_repacked; /* a weight of a repacked type was uploaded */
+    bool wide;         /* the device runs the packed wide products (cuk_wide_available) */
     float *part;
     size_t part_floats;
     /* the queries prepared for attention (cuk_attn_args.qprep), and whose: the batch's

@@ -1,7 +1,8 @@
-/* Products, embeddings, norms, RoPE tables and the GLU: matrix-vector kernels up to
- * CUK_MATVEC_MAX tokens; beyond, cuBLAS on the weights' f16 copies (dev_weight_f16),
- * or where there are none packed wide kernels up to CUK_WIDE_MAX, then cuBLAS on
- * bands of rows dequantized for each product. */
+/* Products, embeddings, norms, RoPE tables and the GLU. Repacked weights on Hopper:
+ * packed wide kernels from CUK_WIDE_MIN to CUK_WIDE_FAST tokens (to CUK_WIDE_MAX where
+ * a weight has no f16 copy). Otherwise matrix-vector kernels up to CUK_MATVEC_MAX
+ * tokens; beyond, cuBLAS on the weights' f16 copies (dev_weight_f16), or where there
+ * are none on bands of rows dequantized for each product. */
 #include "backend/cuda/cuda_private.h"
 
 
@@ -9,7 +10,9 @@
  * well when a product of a repacked type may read them; NULL when it need not. */
 const struct cuk_xq *round_into_xq(struct cuda_backend *cb, const float *out, int n, int64_t k) {
     cb->xq_of = NULL;
-    if (!out || !cb->any_repacked || n > CUK_MATVEC_MAX || k % 32 != 0 || k > cb->xq_cols) return NULL;
+    if (!out || !cb->any_repacked || n > CUK_MATVEC_MAX || (cb->wide && n >= CUK_WIDE_MIN) || k % 32 != 0 ||
+        k > cb->xq_cols)
+        return NULL;
     cb->xq_of = out;
     cb->xq_n = n;
     cb->xq_k = k;
@@ -40,17 +43,26 @@ static void matvec_in_slices(struct cuda_backend *cb, const struct cuk_matvec_jo
 
 
 /* Products of n <= CUK_WIDE_MAX tokens with repacked weights, from their codes (false:
- * a weight of another type, left to the GEMM path). The jobs share x: made f16 once. */
+ * a weight of another type, left to the other paths). The jobs share x, made f16
+ * once; consecutive jobs of one type and width share a launch. */
 static bool wide_products(struct cuda_backend *cb, const float *x, int64_t x_stride, int n, int n_jobs,
                           const struct be_matmul *jobs) {
-    const struct cuk_weight *w[8];
+    struct cuk_matvec_job wj[8];
     if (n_jobs < 1 || n_jobs > 8) return false;
+    for (int j = 0; j < n_jobs; j++) {
+        wj[j] = (struct cuk_matvec_job){dev_weight(cb, jobs[j].w), jobs[j].y, dev_vec(cb, jobs[j].bias), 0};
+        if (!wj[j].w) return true; /* failed: the backend says why */
+        if (!cuk_repacked(wj[j].w->type) || wj[j].w->cols != wj[0].w->cols) return false;
+    }
+    int first[9], n_launch = 0; /* the launches' first jobs */
     size_t floats = 0;
     for (int j = 0; j < n_jobs; j++) {
-        w[j] = dev_weight(cb, jobs[j].w);
-        if (!w[j]) return true; /* failed: the backend says why */
-        if (!cuk_repacked(w[j]->type)) return false;
-        const size_t f = cuk_matmul_wide_scratch(w[j], n, cb->n_sm);
+        if (j == 0 || wj[j].w->type != wj[j - 1].w->type || j - first[n_launch - 1] == CUK_MATVEC_JOBS)
+            first[n_launch++] = j;
+    }
+    first[n_launch] = n_jobs;
+    for (int l = 0; l < n_launch; l++) {
+        const size_t f = cuk_matmul_wide_scratch(wj + first[l], first[l + 1] - first[l], n, cb->n_sm);
         if (f > floats) floats = f;
     }
     if (floats > cb->wide_floats) {
@@ -62,12 +74,11 @@ static bool wide_products(struct cuda_backend *cb, const float *x, int64_t x_str
             return true;
         }
     }
-    cuk_to_half(&cb->q, x, x_stride, n, w[0]->cols, cb->x16);
-    for (int j = 0; j < n_jobs; j++) {
-        cuk_matmul_wide(&cb->q, w[j], cb->x16, n, jobs[j].y, w[j]->rows, dev_vec(cb, jobs[j].bias), cb->wide_part,
-                        cb->n_sm);
-        if (jobs[j].host_y) post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)w[j]->rows);
-    }
+    cuk_to_half_wide(&cb->q, x, x_stride, n, wj[0].w->cols, cb->x16);
+    for (int l = 0; l < n_launch; l++)
+        cuk_matmul_wide(&cb->q, wj + first[l], first[l + 1] - first[l], cb->x16, n, cb->wide_part, cb->n_sm);
+    for (int j = 0; j < n_jobs; j++)
+        if (jobs[j].host_y) post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)wj[j].w->rows);
     return true;
 }
 
@@ -84,6 +95,13 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
     if (cb->q.recording && cb->n_pending > cb->rows_copied && n_jobs > 0 && jobs[0].host_y) {
         issue_record(cb);
         cb->segments++;
+    }
+    /* (results for the host up to CUK_MATVEC_MAX tokens stay with the matrix-vector
+     * kernels, which copy them out in slices while computing the rest) */
+    if (cb->wide && n >= CUK_WIDE_MIN && n <= CUK_WIDE_MAX && n_jobs > 0 && !(jobs[0].host_y && n <= CUK_MATVEC_MAX) &&
+        (n <= CUK_WIDE_FAST || !dev_weight_f16(cb, jobs[0].w)) && wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
+        prof_end(cb, P_WIDE, t0);
+        return;
     }
     if (n <= CUK_MATVEC_MAX) {
         struct cuk_matvec_job mj[CUK_MATVEC_JOBS];
@@ -136,10 +154,6 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
                     post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)mj[j].w->rows);
         }
         prof_end(cb, P_MATVEC, t0);
-        return;
-    }
-    if (n <= CUK_WIDE_MAX && !dev_weight_f16(cb, jobs[0].w) && wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
-        prof_end(cb, P_WIDE, t0);
         return;
     }
     record_stop(cb); /* cuBLAS launches directly */

@@ -1,33 +1,38 @@
-/* Products of repacked weights (Q4_0, Q8_0, Q4_K, Q6_K) with batches of 17 to a few
- * hundred tokens, from the packed codes: no f16 copy of the weights goes through
- * device memory (the GEMM path wrote and read 4x the weights' bytes a step).
+/* Products of repacked weights (Q4_0, Q8_0, Q4_K, Q6_K) with batches of 9 to a few
+ * hundred tokens, from the packed codes, on Hopper's warpgroup tensor cores (wgmma,
+ * sm_90a; cuk_wide_available says whether the device runs them).
  *
- * A block is WIDE_WARPS warps, each a tile of 16 rows (cuda_kernels.h), over NT tokens.
- * Chunk by chunk, the block stages the tokens' inputs as f16 in shared memory
- * (cp.async, the next chunk's in flight while this one is computed); each warp holds
- * its tile's chunk in registers (the next one loaded ahead), turns each block of 32
- * columns into f16 once and multiplies it with every 8 tokens on the tensor cores
- * (mma.m16n8k16, f32 sums). The f16 weights are those cuk_dequantize writes, and the
- * inputs those of cuk_to_half, so the results are the GEMM path's up to the order of
- * the sums. Where rows and token groups make too few blocks to fill the GPU, the
- * chunks are split over gridDim.z blocks whose partial sums wide_reduce adds up in
- * split order, so results do not depend on timing. */
+ * A block is WG warpgroups, each warp a tile of 16 rows (cuda_kernels.h), over a group
+ * of NT tokens; a launch's blocks cover the rows of up to three weights of one type
+ * and width (Q, K and V; gate and up), one after the other. Chunk by chunk, the block
+ * copies its tiles' codes and scales and the tokens' inputs into shared memory by
+ * cp.async, two chunks ahead of the one it computes, so that enough bytes are in flight to keep device memory busy. Each warp
+ * turns its tile's blocks of 32 columns into f16 in registers (as cuk_dequantize
+ * writes them: one rounding) and its warpgroup multiplies 64 rows at a time with all
+ * the tokens (wgmma m64nNTk16, f32 sums, the inputs read from shared memory), while
+ * the warp converts the next chunk. The inputs are f16 in the order cuk_to_half_wide
+ * writes them, so the results are the GEMM path's up to the order of the sums. Where
+ * the rows make too few blocks to fill the GPU, the chunks are split over gridDim.z
+ * blocks whose partial sums wide_reduce adds up in split order, so results depend
+ * neither on timing nor on the number of tokens. */
 #include <cuda_fp16.h>
 
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
-#include "backend/cuda/mma.cuh"
 #include "backend/cuda/q_chunk.cuh"
+#include "backend/cuda/wgmma.cuh"
 #include "core/dtype.h"
 
-#define WIDE_WARPS 8 /* tiles of a block: 128 rows */
+template <uint32_t T, int NT, int WG>
+struct wide_shape {
+    static constexpr int BPC = CUK_CHUNK_BLOCKS(T), SE = CUK_SCALE_ENTRIES(T), SPAN = BPC * 32;
+    static constexpr int THREADS = WG * 128, TILES = WG * 4;
+    static constexpr int CODES = TILES * 1024, SCALES = TILES * 16 * SE * 2, INPUTS = NT * SPAN * 2;
+    static constexpr int STAGE = CODES + SCALES + INPUTS; /* bytes */
+};
 
-/* Shared memory of one chunk's inputs for NT tokens: rows of span + 32 halves, so
- * that the 16-byte loads of a quarter warp (two tokens) fall in different banks. */
-static __host__ __device__ constexpr int wide_xs(int span) { return span + 32; }
-static __host__ __device__ constexpr int wide_stage_halves(int nt, int span) { return nt * wide_xs(span); }
-
+#if KVQ_WGMMA /* the kernel's body: empty where the build has no wgmma */
 /* Two f16 codes of a half2 word built by byte_perm from 0x64 bytes: 1024 + code. */
 static __device__ __forceinline__ uint32_t h2_of_bytes(uint32_t v, uint32_t sel) { return __byte_perm(v, 0x64u, sel); }
 
@@ -84,158 +89,274 @@ static __device__ __forceinline__ void a_frags(const chunk_frag<T> &f, int j, in
             }
         }
 }
+#endif
 
-template <uint32_t T, int NT>
-__global__ void __launch_bounds__(WIDE_WARPS * 32, 2)
-    matmul_wide(const cuk_weight W, const __half *x16, int n, float *y, int64_t y_stride, const float *bias,
-                float *part, int chunks_per_split) {
-    constexpr int BPC = CUK_CHUNK_BLOCKS(T), SE = CUK_SCALE_ENTRIES(T), SPAN = BPC * 32;
-    constexpr int XS = wide_xs(SPAN), STAGE = wide_stage_halves(NT, SPAN);
+/* A launch's products: up to CUK_MATVEC_JOBS weights of one type and width, their
+ * blocks of rows one after the other along x (job j's from x0[j]). */
+struct wide_set {
+    const uint8_t *data[CUK_MATVEC_JOBS];
+    const uint16_t *scales[CUK_MATVEC_JOBS];
+    int64_t rows[CUK_MATVEC_JOBS], y_stride[CUK_MATVEC_JOBS], part_at[CUK_MATVEC_JOBS + 1];
+    float *y[CUK_MATVEC_JOBS];
+    const float *bias[CUK_MATVEC_JOBS];
+    int x0[CUK_MATVEC_JOBS + 1];
+    int64_t cols;
+};
+
+/* Job j's member m of the set, without indexing the parameters by a variable (which
+ * would copy them to local memory). */
+#define WIDE_OF(set, m, j) ((j) == 0 ? (set).m[0] : (j) == 1 ? (set).m[1] : (set).m[2])
+static_assert(CUK_MATVEC_JOBS == 3, "WIDE_OF picks one of three jobs");
+
+template <uint32_t T, int NT, int WG, int S>
+__global__ void __launch_bounds__(WG * 128, NT <= 32 ? 2 : 1)
+    matmul_wide(const wide_set js, const __half *xp, int n, float *part, int chunks_per_split) {
     griddep_release();
-    extern __shared__ __align__(16) __half xsm[];
+#if KVQ_WGMMA
+    using SH = wide_shape<T, NT, WG>;
+    constexpr int D = S - 2; /* chunks in flight: of the others one is computed, one still read */
+    constexpr int WP = SH::TILES * 64 / SH::THREADS, SPIECES = SH::TILES * 2 * SH::SE; /* copies a thread */
+    constexpr int SP = (SPIECES + SH::THREADS - 1) / SH::THREADS;
+    constexpr int XP = (NT * SH::SPAN / 8 + SH::THREADS - 1) / SH::THREADS;
+    extern __shared__ __align__(128) uint8_t sm[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int64_t K = W.cols, nb = K / 32, nch = chunks_of(T, K), tiles = (W.rows + 15) / 16;
-    const int64_t tile = (int64_t)blockIdx.x * WIDE_WARPS + warp;
-    const bool live = tile < tiles;
+    const int job = (int)blockIdx.x >= js.x0[1] ? ((int)blockIdx.x >= js.x0[2] ? 2 : 1) : 0;
+    const struct {
+        const uint8_t *data;
+        const uint16_t *scales;
+        int64_t rows;
+    } W = {WIDE_OF(js, data, job), WIDE_OF(js, scales, job), WIDE_OF(js, rows, job)};
+    const int64_t K = js.cols, nch = chunks_of(T, K), tiles = (W.rows + 15) / 16;
+    const int64_t tile0 = (int64_t)((int)blockIdx.x - WIDE_OF(js, x0, job)) * SH::TILES;
     const int tok0 = blockIdx.y * NT, nt_live = min(NT, n - tok0);
-    const int64_t c0 = (int64_t)blockIdx.z * chunks_per_split, c1 = min(nch, c0 + chunks_per_split);
+    const int64_t c0 = (int64_t)blockIdx.z * chunks_per_split;
+    const int nc = (int)(min(nch, c0 + chunks_per_split) - c0);
 
-    const uint8_t *wl = W.data + (live ? tile : 0) * nch * 1024 + lane * 16;
-    const uint16_t *sl = W.scales + ((live ? tile : 0) * nch * 16 + g) * SE, *dl = sl + BPC;
-    const from_global ld = {weight_policy()};
-    chunk_frag<T> f, fn;
-    if (live && c0 < c1) f = load_chunk<T, true>(wl, sl, dl, (int)c0, ld);
-    griddep_wait();
-
-    /* chunk c's inputs into buffer c & 1; tokens past n are zeros (not stored) */
-    auto stage_in = [&](int64_t c) {
-        __half *xs = xsm + (c & 1) * STAGE;
-        const int64_t k0 = c * SPAN;
-        for (int e = threadIdx.x; e < NT * (SPAN / 8); e += WIDE_WARPS * 32) {
-            const int tok = e / (SPAN / 8), k = (e % (SPAN / 8)) * 8;
-            if (k0 + k >= K) continue;
-            if (tok < nt_live) cp_async16(xs + tok * XS + k, x16 + (int64_t)(tok0 + tok) * K + k0 + k);
-            else *(uint4 *)(xs + tok * XS + k) = make_uint4(0, 0, 0, 0);
+    /* each thread's copies, at chunk c0: a chunk further is 1024 code bytes, 16 SE
+     * scales and SPAN inputs on (tiles past the matrix: its last tile again) */
+    const uint8_t *wsrc[WP];
+    const uint16_t *ssrc[SP];
+    const __half *xsrc[XP];
+    int xcol[XP]; /* the copy's first column in a chunk (SPAN and beyond: none) */
+#pragma unroll
+    for (int k = 0; k < WP; k++) {
+        const int e = threadIdx.x + k * SH::THREADS;
+        wsrc[k] = W.data + (min(tile0 + e / 64, tiles - 1) * nch + c0) * 1024 + e % 64 * 16;
+    }
+#pragma unroll
+    for (int k = 0; k < SP; k++) {
+        const int e = min((int)threadIdx.x + k * SH::THREADS, SPIECES - 1);
+        ssrc[k] = W.scales + (min(tile0 + e / (2 * SH::SE), tiles - 1) * nch + c0) * 16 * SH::SE + e % (2 * SH::SE) * 8;
+    }
+#pragma unroll
+    for (int k = 0; k < XP; k++) { /* copy e: token i, columns 8 kb.. */
+        const int e = threadIdx.x + k * SH::THREADS, i = e / SH::SPAN * 8 + e % 8, kb = e / 8 % (SH::SPAN / 8);
+        xcol[k] = i < nt_live ? kb * 8 : SH::SPAN;
+        xsrc[k] = xp + (int64_t)(tok0 + min(i, nt_live - 1)) * K + c0 * SH::SPAN + kb * 8;
+    }
+    /* chunk c0 + u into buffer u % S. The inputs as B's core matrices (8 tokens x 8
+     * columns, 128 bytes): that of tokens 8 a.. and columns 8 kb.. at (a SPAN / 8 + kb)
+     * 128, so that a warp's copies read 64 bytes of each of 8 rows and write 512
+     * contiguous bytes. Columns past the matrix are zeros. */
+    auto stage = [&](int u, bool weights, bool inputs) {
+        uint8_t *b = sm + u % S * SH::STAGE;
+        if (weights) {
+#pragma unroll
+            for (int k = 0; k < WP; k++) cp_async16(b + (threadIdx.x + k * SH::THREADS) * 16, wsrc[k] + u * 1024);
+#pragma unroll
+            for (int k = 0; k < SP; k++)
+                if (threadIdx.x + k * SH::THREADS < SPIECES)
+                    cp_async16(b + SH::CODES + (threadIdx.x + k * SH::THREADS) * 16, ssrc[k] + u * 16 * SH::SE);
         }
-        cp_async_commit();
+        if (inputs) {
+            const int64_t left = K - (c0 + u) * SH::SPAN; /* columns from this chunk's first */
+#pragma unroll
+            for (int k = 0; k < XP; k++)
+                if (xcol[k] < SH::SPAN) /* past the row: zeros (the source named is the first input) */
+                    cp_async16_fill(b + SH::CODES + SH::SCALES + (threadIdx.x + k * SH::THREADS) * 16,
+                                    xcol[k] < left ? xsrc[k] + (int64_t)u * SH::SPAN : xp, xcol[k] < left ? 16 : 0);
+        }
     };
 
-    float acc[NT / 8][4];
-#pragma unroll
-    for (int i = 0; i < NT / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0;
-    if (c0 < c1) stage_in(c0);
-    for (int64_t c = c0; c < c1; c++) {
-        const bool more = c + 1 < c1;
-        if (more) {
-            stage_in(c + 1);
-            if (live) fn = load_chunk<T, true>(wl, sl, dl, (int)(c + 1), ld);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const __half *xs = xsm + (c & 1) * STAGE + g * XS + 8 * t;
-        const int vb = (int)min((int64_t)BPC, nb - c * BPC); /* blocks that exist */
-        if (live) {
-#pragma unroll
-            for (int j = 0; j < BPC; j++) {
-                if (j >= vb) break;
-                uint32_t a[2][4];
-                a_frags<T>(f, j, t, a);
-                /* four token tiles at a time, so that no product waits for the one before */
-#pragma unroll
-                for (int tq = 0; tq < NT / 8; tq += 4) {
-                    if (tq * 8 >= nt_live) break;
-                    uint4 b[4];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) b[i] = *(const uint4 *)(xs + (tq + i) * 8 * XS + j * 32);
-#pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        mma_f16_16816(acc[tq + i], a[0][0], a[0][1], a[0][2], a[0][3], b[i].x, b[i].y);
-#pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        mma_f16_16816(acc[tq + i], a[1][0], a[1][1], a[1][2], a[1][3], b[i].z, b[i].w);
-                }
-            }
-        }
-        __syncthreads(); /* the buffer is staged again two chunks on */
-        if (more) f = fn;
+    /* the weights depend on no earlier kernel: their first chunks go before the wait */
+    for (int u = 0; u < D; u++)
+        if (u < nc) stage(u, true, false);
+    griddep_wait();
+    for (int u = 0; u < D; u++) {
+        if (u < nc) stage(u, false, true);
+        cp_async_commit();
     }
-    if (!live) return;
-    const bool split = gridDim.z > 1;
+
+    float acc[NT / 2];
 #pragma unroll
-    for (int tt = 0; tt < NT / 8; tt++)
+    for (int i = 0; i < NT / 2; i++) acc[i] = 0.0f;
+    /* chunk u's products from its A fragments a; those of chunk u - 1, in prev, are
+     * read by its products until the wait below, and kept till then (wg_keep) */
+    auto chunk = [&](int u, uint32_t (&a)[SH::BPC][2][4], uint32_t (&prev)[SH::BPC][2][4]) {
+        cp_async_wait<D - 1>();
+        fence_async_shared();
+        __syncthreads(); /* chunk u is in; the products of chunk u - 2 are done (wg_wait below) */
+        if (u + D < nc) stage(u + D, true, true);
+        cp_async_commit();
+
+        const uint8_t *b = sm + u % S * SH::STAGE;
+        const uint8_t *xs = b + SH::CODES + SH::SCALES;
+        const uint16_t *sc = (const uint16_t *)(b + SH::CODES) + (warp * 16 + g) * SH::SE;
+        const chunk_frag<T> f = load_chunk<T, true>(b + warp * 1024 + lane * 16, sc, sc + SH::BPC, 0, from_shared{});
+        uint64_t desc[2 * SH::BPC]; /* made before the products: nothing but them may define their inputs */
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int tok = tt * 8 + 2 * t + (i & 1);
-            const int64_t row = tile * 16 + g + 8 * (i >> 1);
-            if (tok >= nt_live || row >= W.rows) continue;
-            if (split) part[((int64_t)blockIdx.z * n + tok0 + tok) * W.rows + row] = acc[tt][i];
-            else y[(int64_t)(tok0 + tok) * y_stride + row] = acc[tt][i] + (bias ? bias[row] : 0.0f);
+        for (int j = 0; j < SH::BPC; j++) {
+            a_frags<T>(f, j, t, a[j]); /* padding blocks are zeros */
+            desc[2 * j] = wg_desc(xs + 4 * j * 128, 128, SH::SPAN * 16);
+            desc[2 * j + 1] = wg_desc(xs + (4 * j + 2) * 128, 128, SH::SPAN * 16);
         }
+        wg_fence();
+#pragma unroll
+        for (int j = 0; j < SH::BPC; j++)
+#pragma unroll
+            for (int p = 0; p < 2; p++) wgmma_f16<NT>(acc, a[j][p], desc[2 * j + p]);
+        wg_commit();
+        wg_wait<1>();
+#pragma unroll
+        for (int j = 0; j < SH::BPC; j++)
+#pragma unroll
+            for (int r = 0; r < 8; r++) wg_keep(prev[j][r / 4][r % 4]);
+    };
+    uint32_t a0[SH::BPC][2][4], a1[SH::BPC][2][4];
+#pragma unroll
+    for (int j = 0; j < SH::BPC; j++)
+#pragma unroll
+        for (int r = 0; r < 8; r++) a1[j][r / 4][r % 4] = 0;
+    for (int u = 0; u < nc; u += 2) {
+        chunk(u, a0, a1);
+        if (u + 1 < nc) chunk(u + 1, a1, a0);
+    }
+    wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < NT / 2; i++) wg_pin(acc[i]);
+    cp_async_wait<0>(); /* nothing may be in flight into shared memory at exit */
+    const bool split = gridDim.z > 1;
+    float *y = WIDE_OF(js, y, job), *pj = part + WIDE_OF(js, part_at, job);
+    const float *bias = WIDE_OF(js, bias, job);
+    const int64_t y_stride = WIDE_OF(js, y_stride, job);
+#pragma unroll
+    for (int i = 0; i < NT / 2; i++) {
+        const int tok = 8 * (i / 4) + 2 * t + i % 2;
+        const int64_t row = (tile0 + warp) * 16 + g + 8 * (i / 2 % 2);
+        if (tok >= nt_live || row >= W.rows) continue;
+        if (split) pj[((int64_t)blockIdx.z * n + tok0 + tok) * W.rows + row] = acc[i];
+        else y[(int64_t)(tok0 + tok) * y_stride + row] = acc[i] + (bias ? bias[row] : 0.0f);
+    }
+#endif
 }
 
-/* y[tok][row] = the splits' partial sums in split order (+ bias). */
-__global__ void wide_reduce(const float *part, int splits, int n, int64_t rows, float *y, int64_t y_stride,
-                            const float *bias) {
+/* y[tok][row] = the splits' partial sums in split order (+ bias), each job's. */
+__global__ void wide_reduce(const wide_set js, const float *part, int splits, int n) {
     griddep_release();
     griddep_wait();
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (int64_t)n * rows) return;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t all = (int64_t)n * (js.rows[0] + js.rows[1] + js.rows[2]);
+    if (i >= all) return;
+    const int j = i >= (int64_t)n * (js.rows[0] + js.rows[1]) ? 2 : i >= (int64_t)n * js.rows[0] ? 1 : 0;
+    const int64_t rows = WIDE_OF(js, rows, j);
+    i -= WIDE_OF(js, part_at, j) / splits;
+    const float *p = part + WIDE_OF(js, part_at, j);
+    const float *bias = WIDE_OF(js, bias, j);
     const int64_t tok = i / rows, row = i % rows;
-    float s = part[i];
-    for (int z = 1; z < splits; z++) s += part[(int64_t)z * n * rows + i];
-    y[tok * y_stride + row] = s + (bias ? bias[row] : 0.0f);
+    float s = p[i];
+    for (int z = 1; z < splits; z++) s += p[(int64_t)z * n * rows + i];
+    WIDE_OF(js, y, j)[tok * WIDE_OF(js, y_stride, j) + row] = s + (bias ? bias[row] : 0.0f);
 }
 
-/* The tokens of a block's group (a warp's sums: 4 floats per 8 tokens). */
-static int wide_tokens(int n) { return n <= 32 ? 32 : 64; }
-
-/* Splits of the chunks for a product: enough blocks for about two a multiprocessor,
- * each split at least 2 chunks long. */
-static int wide_splits(const cuk_weight *w, int n, int n_sm) {
-    const int64_t tiles = (w->rows + 15) / 16, groups = (n + wide_tokens(n) - 1) / wide_tokens(n);
-    const int64_t blocks = (tiles + WIDE_WARPS - 1) / WIDE_WARPS * groups;
-    const int64_t nch = (w->cols / 32 + CUK_CHUNK_BLOCKS(w->type) - 1) / CUK_CHUNK_BLOCKS(w->type);
-    int64_t splits = (2 * (int64_t)n_sm + blocks - 1) / blocks;
-    if (splits > nch / 2) splits = nch / 2;
-    return splits < 1 ? 1 : (int)splits;
+/* The chunks' splits of a launch of bx blocks of rows: enough blocks (with one token
+ * group) to fill the GPU's waves as well as they can (WIDE_PER_SM blocks a
+ * multiprocessor), each split at least 4 chunks long so that the copies ahead have
+ * room; the fewest splits of equals. It does not depend on the tokens, so neither do
+ * a token's sums. */
+#define WIDE_WG 4     /* warpgroups a block: 256 rows */
+#define WIDE_STAGES 4 /* chunks in shared memory: one computed, one still read, two in flight */
+#define WIDE_PER_SM 2
+static int wide_splits(int64_t bx, int64_t nch, int n_sm) {
+    const int64_t resident = (int64_t)n_sm * WIDE_PER_SM;
+    int64_t splits = 1;
+    double best = 0.0;
+    for (int64_t s = 1; s <= nch / 4; s++) {
+        const int64_t blocks = bx * s, waves = (blocks + resident - 1) / resident;
+        const double fill = (double)blocks / (double)(waves * resident) - 0.02 * (double)(waves - 1);
+        if (fill > best + 1e-9) best = fill, splits = s;
+    }
+    const int64_t per = (nch + splits - 1) / splits;
+    return (int)((nch + per - 1) / per);
 }
 
-extern "C" size_t cuk_matmul_wide_scratch(const cuk_weight *w, int n, int n_sm) {
-    const int splits = wide_splits(w, n, n_sm);
-    return splits > 1 ? (size_t)splits * (size_t)n * (size_t)w->rows : 0;
+/* The set of a launch's jobs (one type and width, at most CUK_MATVEC_JOBS), its
+ * splits, and its scratch in floats. */
+static wide_set wide_set_of(const cuk_matvec_job *jobs, int n_jobs, int n, int n_sm, int *splits, size_t *floats) {
+    wide_set js = {};
+    const int64_t cols = jobs[0].w->cols, nch = chunks_of(jobs[0].w->type, cols);
+    int bx = 0;
+    int64_t rows = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        const cuk_weight *w = jobs[j].w;
+        js.data[j] = w->data, js.scales[j] = w->scales, js.rows[j] = w->rows;
+        js.y[j] = jobs[j].y, js.bias[j] = jobs[j].bias, js.y_stride[j] = jobs[j].y_stride ? jobs[j].y_stride : w->rows;
+        js.x0[j] = bx;
+        bx += (int)((w->rows + 16 * 4 * WIDE_WG - 1) / (16 * 4 * WIDE_WG));
+        rows += w->rows;
+    }
+    for (int j = n_jobs; j <= CUK_MATVEC_JOBS; j++) js.x0[j] = bx;
+    js.cols = cols;
+    *splits = wide_splits(bx, nch, n_sm);
+    for (int j = 0, at = 0; j <= CUK_MATVEC_JOBS; j++) {
+        js.part_at[j] = *splits > 1 ? (int64_t)*splits * n * at : 0;
+        if (j < n_jobs) at += (int)js.rows[j];
+    }
+    *floats = *splits > 1 ? (size_t)*splits * (size_t)n * (size_t)rows : 0;
+    return js;
 }
+
+/* Token groups of a launch: 16, 32 or 64 tokens. */
+static int wide_tokens(int n) { return n <= 16 ? 16 : n <= 32 ? 32 : 64; }
 
 template <uint32_t T, int NT>
-static void wide_launch(cuk_queue *qu, const cuk_weight *w, const void *x16, int n, float *y, int64_t y_stride,
-                        const float *bias, float *part, int splits) {
-    constexpr int SPAN = CUK_CHUNK_BLOCKS(T) * 32;
-    const size_t smem = 2 * sizeof(__half) * (size_t)wide_stage_halves(NT, SPAN);
+static void wide_launch(cuk_queue *qu, const wide_set &js, int splits, const void *xp, int n, float *part) {
+    using SH = wide_shape<T, NT, WIDE_WG>;
+    const size_t smem = (size_t)WIDE_STAGES * SH::STAGE;
     static unsigned sized;
-    if (cuk_first_on_device(&sized))
-        cudaFuncSetAttribute(matmul_wide<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    const int64_t nch = (w->cols / 32 + CUK_CHUNK_BLOCKS(T) - 1) / CUK_CHUNK_BLOCKS(T);
-    const int per = (int)((nch + splits - 1) / splits);
-    const int64_t tiles = (w->rows + 15) / 16;
-    dim3 grid((unsigned)((tiles + WIDE_WARPS - 1) / WIDE_WARPS), (unsigned)((n + NT - 1) / NT),
-              (unsigned)((nch + per - 1) / per));
-    pdl_launch_smem(matmul_wide<T, NT>, grid, dim3(WIDE_WARPS * 32), smem, qu, *w, (const __half *)x16, n, y,
-                    y_stride, bias, part, per);
-    if (grid.z > 1) {
-        const int64_t total = (int64_t)n * w->rows;
-        pdl_launch(wide_reduce, dim3((unsigned)((total + 255) / 256)), dim3(256), qu, (const float *)part,
-                   (int)grid.z, n, w->rows, y, y_stride, bias);
+    if (cuk_first_on_device(&sized)) {
+        cudaFuncSetAttribute(matmul_wide<T, NT, WIDE_WG, WIDE_STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)smem);
+        cudaFuncSetAttribute(matmul_wide<T, NT, WIDE_WG, WIDE_STAGES>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+    }
+    const int64_t nch = chunks_of(T, js.cols), per = (nch + splits - 1) / splits;
+    const dim3 grid((unsigned)js.x0[CUK_MATVEC_JOBS], (unsigned)((n + NT - 1) / NT), (unsigned)splits);
+    pdl_launch_smem(matmul_wide<T, NT, WIDE_WG, WIDE_STAGES>, grid, dim3(SH::THREADS), smem, qu, js,
+                    (const __half *)xp, n, part, (int)per);
+    if (splits > 1) {
+        const int64_t total = (int64_t)n * (js.rows[0] + js.rows[1] + js.rows[2]);
+        pdl_launch(wide_reduce, dim3((unsigned)((total + 255) / 256)), dim3(256), qu, js, (const float *)part,
+                   splits, n);
     }
 }
 
-extern "C" void cuk_matmul_wide(cuk_queue *qu, const cuk_weight *w, const void *x16, int n, float *y,
-                                int64_t y_stride, const float *bias, float *scratch, int n_sm) {
-    const int splits = wide_splits(w, n, n_sm);
-#define WIDE_BY_TOKENS(TT)                                                                                   \
-    if (wide_tokens(n) == 32) wide_launch<TT, 32>(qu, w, x16, n, y, y_stride, bias, scratch, splits); \
-    else wide_launch<TT, 64>(qu, w, x16, n, y, y_stride, bias, scratch, splits)
-    switch (w->type) {
+extern "C" size_t cuk_matmul_wide_scratch(const cuk_matvec_job *jobs, int n_jobs, int n, int n_sm) {
+    int splits;
+    size_t floats;
+    wide_set_of(jobs, n_jobs, n, n_sm, &splits, &floats);
+    return floats;
+}
+
+extern "C" void cuk_matmul_wide(cuk_queue *qu, const cuk_matvec_job *jobs, int n_jobs, const void *xp, int n,
+                                float *scratch, int n_sm) {
+    int splits;
+    size_t floats;
+    const wide_set js = wide_set_of(jobs, n_jobs, n, n_sm, &splits, &floats);
+#define WIDE_BY_TOKENS(TT)                                                      \
+    if (wide_tokens(n) == 16) wide_launch<TT, 16>(qu, js, splits, xp, n, scratch);      \
+    else if (wide_tokens(n) == 32) wide_launch<TT, 32>(qu, js, splits, xp, n, scratch); \
+    else wide_launch<TT, 64>(qu, js, splits, xp, n, scratch)
+    switch (jobs[0].w->type) {
     case KVQ_Q4_0: WIDE_BY_TOKENS(KVQ_Q4_0); break;
     case KVQ_Q8_0: WIDE_BY_TOKENS(KVQ_Q8_0); break;
     case KVQ_Q4_K: WIDE_BY_TOKENS(KVQ_Q4_K); break;
@@ -243,4 +364,35 @@ extern "C" void cuk_matmul_wide(cuk_queue *qu, const cuk_weight *w, const void *
     default: break; /* callers take this path for cuk_repacked types only */
     }
 #undef WIDE_BY_TOKENS
+}
+
+/* x as f16 (saturated), each block of 32 columns in the order the wide products'
+ * B tiles take it: the block's 16 pairs of columns as a 4 x 4 transpose (pair 4i + j
+ * to 4j + i), so that pairs (0, 4, 8, 12, 1, 5, 9, 13) feed the first k16 product of
+ * the block and the rest the second, matching the lanes' A fragments (a_frags). */
+__global__ void to_half_wide(const float *x, int64_t x_stride, int64_t k, __half2 *out) {
+    const int64_t t = blockIdx.y;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < k / 2; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t blk = i / 16, p = i % 16;
+        const float *v = x + t * x_stride + 2 * i;
+        out[t * (k / 2) + blk * 16 + p % 4 * 4 + p / 4] =
+            __floats2half2_rn(fminf(fmaxf(v[0], -65504.0f), 65504.0f), fminf(fmaxf(v[1], -65504.0f), 65504.0f));
+    }
+}
+
+extern "C" void cuk_to_half_wide(cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out) {
+    const dim3 grid((unsigned)(k / 512 + 1 < 64 ? k / 512 + 1 : 64), (unsigned)n);
+    queue_launch(to_half_wide, grid, dim3(256), qu, x, x_stride, k, (__half2 *)out);
+}
+
+__global__ void wide_probe(int *has) { *has = KVQ_WGMMA; }
+
+extern "C" int cuk_wide_available(void) {
+    int *d = NULL, has = 0;
+    if (cudaMalloc((void **)&d, sizeof(int)) != cudaSuccess) return 0;
+    wide_probe<<<1, 1>>>(d);
+    if (cudaMemcpy(&has, d, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) has = 0;
+    cudaFree(d);
+    cudaGetLastError(); /* a device without a kernel image for the probe says no */
+    return has;
 }
