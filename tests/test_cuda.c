@@ -879,7 +879,7 @@ static void test_matvec(void) {
  * against the CPU's dequantized rows rounded to f16 times the inputs rounded to f16, in
  * double: shapes with partial chunks, split columns (long rows, few tiles), token groups
  * past n, a bias and a row stride wider than the rows. A token's sums do not depend on
- * how many tokens the product has: its results at n = 9 and 40 equal those at 256. */
+ * how many tokens the product has: its results at n = 16, 40 and 130 equal those at 256. */
 static void test_matmul_wide(void) {
     if (!cuk_wide_available()) {
         printf("skipped: this device does not run the wide products (an sm_90a kernel image)\n");
