@@ -1127,15 +1127,31 @@ extern "C" void cuk_dequantize(cuk_queue *qu, const cuk_weight *w, int64_t r0, i
 #undef DQ
 }
 
+/* WIDE: each block of 32 columns in the order the wide products' B tiles take it
+ * (matmul_wide.cu): its 16 pairs of columns as a 4 x 4 transpose (pair 4i + j to
+ * 4j + i), so that pairs (0, 4, 8, 12, 1, 5, 9, 13) feed the block's first k16 product
+ * and the rest the second, matching the lanes' A fragments. */
+template <bool WIDE>
 __global__ void to_half(const float *x, int64_t x_stride, int64_t k, __half *out) {
     const int64_t t = blockIdx.y;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < k; i += (int64_t)gridDim.x * blockDim.x)
-        out[t * k + i] = sat_half(x[t * x_stride + i]);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < k; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t p = i % 32 / 2, at = WIDE ? i - i % 32 + (p % 4 * 4 + p / 4) * 2 + i % 2 : i;
+        out[t * k + at] = sat_half(x[t * x_stride + i]);
+    }
+}
+
+template <bool WIDE>
+static void to_half_launch(cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out) {
+    const dim3 grid((unsigned)(k / 256 + 1 < 64 ? k / 256 + 1 : 64), (unsigned)n);
+    queue_launch(to_half<WIDE>, grid, dim3(256), qu, x, x_stride, k, (__half *)out);
 }
 
 extern "C" void cuk_to_half(cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out) {
-    const dim3 grid((unsigned)(k / 256 + 1 < 64 ? k / 256 + 1 : 64), (unsigned)n);
-    queue_launch(to_half, grid, dim3(256), qu, x, x_stride, k, (__half *)out);
+    to_half_launch<false>(qu, x, x_stride, n, k, out);
+}
+
+extern "C" void cuk_to_half_wide(cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out) {
+    to_half_launch<true>(qu, x, x_stride, n, k, out);
 }
 
 template <uint32_t T>

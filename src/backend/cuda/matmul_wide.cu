@@ -6,10 +6,10 @@
  * of NT tokens; a launch's blocks cover the rows of up to three weights of one type
  * and width (Q, K and V; gate and up), one after the other. Chunk by chunk, the block
  * copies its tiles' codes and scales and the tokens' inputs into shared memory by
- * cp.async, two chunks ahead of the one it computes, so that enough bytes are in flight to keep device memory busy. Each warp
- * turns its tile's blocks of 32 columns into f16 in registers (as cuk_dequantize
- * writes them: one rounding) and its warpgroup multiplies 64 rows at a time with all
- * the tokens (wgmma m64nNTk16, f32 sums, the inputs read from shared memory), while
+ * cp.async, two chunks ahead of the one it computes, so that enough bytes are in flight
+ * to keep device memory busy. Each warp turns its tile's blocks of 32 columns into f16
+ * in registers (as cuk_dequantize writes them: one rounding) and its warpgroup
+ * multiplies 64 rows at a time with all the tokens (wgmma m64nNTk16, f32 sums, the inputs read from shared memory), while
  * the warp converts the next chunk. The inputs are f16 in the order cuk_to_half_wide
  * writes them, so the results are the GEMM path's up to the order of the sums. Where
  * the rows make too few blocks to fill the GPU, the chunks are split over gridDim.z
@@ -364,25 +364,6 @@ extern "C" void cuk_matmul_wide(cuk_queue *qu, const cuk_matvec_job *jobs, int n
     default: break; /* callers take this path for cuk_repacked types only */
     }
 #undef WIDE_BY_TOKENS
-}
-
-/* x as f16 (saturated), each block of 32 columns in the order the wide products'
- * B tiles take it: the block's 16 pairs of columns as a 4 x 4 transpose (pair 4i + j
- * to 4j + i), so that pairs (0, 4, 8, 12, 1, 5, 9, 13) feed the first k16 product of
- * the block and the rest the second, matching the lanes' A fragments (a_frags). */
-__global__ void to_half_wide(const float *x, int64_t x_stride, int64_t k, __half2 *out) {
-    const int64_t t = blockIdx.y;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < k / 2; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t blk = i / 16, p = i % 16;
-        const float *v = x + t * x_stride + 2 * i;
-        out[t * (k / 2) + blk * 16 + p % 4 * 4 + p / 4] =
-            __floats2half2_rn(fminf(fmaxf(v[0], -65504.0f), 65504.0f), fminf(fmaxf(v[1], -65504.0f), 65504.0f));
-    }
-}
-
-extern "C" void cuk_to_half_wide(cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out) {
-    const dim3 grid((unsigned)(k / 512 + 1 < 64 ? k / 512 + 1 : 64), (unsigned)n);
-    queue_launch(to_half_wide, grid, dim3(256), qu, x, x_stride, k, (__half2 *)out);
 }
 
 __global__ void wide_probe(int *has) { *has = KVQ_WGMMA; }
