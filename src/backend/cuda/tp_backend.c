@@ -2,7 +2,8 @@
  * Megatron does. One cuda_backend a GPU (a rank), all driven by the caller's thread:
  * each operation is issued to every rank in turn with its arguments cut to the rank's
  * share, and the ranks exchange data only through NCCL (an all-reduce after each
- * product split by input columns).
+ * product split by input columns: NCCL's, or for a decode step's small sums our kernel
+ * on NCCL's symmetric memory and barriers, all_reduce.h).
  *
  * What a rank holds: Q/K/V and gate/up by output rows (its query and KV heads, its FFN
  * columns), O and down by input columns, the embeddings whole (every rank embeds, so
@@ -27,6 +28,8 @@
 #ifdef KVQ_HAVE_NCCL
 #include <nccl.h>
 
+#include "backend/cuda/all_reduce.h"
+
 struct tp_buf {
     uint8_t *base[TP_MAX];
     size_t bytes;
@@ -42,6 +45,7 @@ struct tp_backend {
     struct backend base;
     struct tp_shared sh;
     ncclComm_t comm[TP_MAX];
+    struct cuk_reducer *reducer; /* small all-reduces (all_reduce.h); NULL: NCCL's all-reduce for all */
     struct tp_buf *bufs;
     int n_bufs, cap_bufs;
     struct tp_weight **ws; /* sorted by `whole` */
@@ -99,9 +103,16 @@ static bool nccl_ck(struct tp_backend *t, ncclResult_t res, const char *what) {
 }
 
 /* The group's collective (cuk_group): the all-reduce of each rank's bytes at p[r], on
- * its stream, one NCCL group call for all ranks. */
+ * its stream: the reducer's kernel where it takes them, else one NCCL group call for all
+ * ranks. */
 static void meet(void *ctx, void *const *p, size_t bytes) {
     struct tp_backend *t = ctx;
+    if (cuk_reducer_takes(t->reducer, p, bytes)) {
+        cudaStream_t s[TP_MAX];
+        for (int r = 0; r < t->sh.n; r++) s[r] = t->sh.rank[r]->stream;
+        ck(t->sh.rank[0], cuk_reducer_run(t->reducer, p, bytes, s, t->sh.rank[0]->q.pdl), "all-reduce kernel");
+        return;
+    }
     nccl_ck(t, ncclGroupStart(), "group start");
     for (int r = 0; r < t->sh.n; r++)
         nccl_ck(t, ncclAllReduce(p[r], p[r], bytes / sizeof(float), ncclFloat, ncclSum, t->comm[r], t->sh.rank[r]->stream),
@@ -146,6 +157,7 @@ static void tp_free(struct backend *b) {
             struct backend *rb = on(t, r);
             rb->ops->free(rb);
         }
+    cuk_reducer_free(t->reducer);
     for (int r = 0; r < t->sh.n; r++)
         if (t->comm[r]) ncclCommDestroy(t->comm[r]);
     for (int i = 0; i < t->n_ws; i++) free(t->ws[i]);
@@ -554,6 +566,9 @@ struct backend *backend_cuda_tp_new(int n, const int *devices, int n_threads, bo
         kvq_error_code(KVQ_ERR_DEVICE, "NCCL: cannot join %d GPUs: %s", n, ncclGetErrorString(res));
         goto fail;
     }
+    char why[160];
+    if (!(t->reducer = cuk_reducer_new(t->comm, devs, n, why, sizeof why)))
+        fprintf(stderr, "kvq: tensor parallelism: NCCL's all-reduce for every sum (no %s)\n", why);
     cudaSetDevice(dev);
     return &t->base;
 fail:
