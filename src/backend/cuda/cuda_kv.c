@@ -37,7 +37,12 @@ static void *mirror_alloc(struct cuda_backend *cb, size_t bytes, const char *wha
     struct spares *sp = spares_of(cb, bytes, false);
     if (sp && sp->n > 0) return sp->p[--sp->n];
     void *p = NULL;
-    return ck(cb, cudaMalloc(&p, bytes), what) ? p : NULL;
+    cudaError_t st = cudaMalloc(&p, bytes);
+    if (st == cudaErrorMemoryAllocation && drop_f16_copies(cb)) { /* the cache before the copies */
+        cudaGetLastError();
+        st = cudaMalloc(&p, bytes);
+    }
+    return ck(cb, st, what) ? p : NULL;
 }
 
 
@@ -118,7 +123,9 @@ static void *host_block(void *ctx, size_t bytes) {
 
 static void *dev_block(void *ctx, size_t bytes) {
     struct cuda_backend *cb = ctx;
-    return arena_alloc(&cb->dev_arena, ARENA_DEVICE, bytes);
+    void *p = arena_alloc(&cb->dev_arena, ARENA_DEVICE, bytes);
+    if (!p && drop_f16_copies(cb)) p = arena_alloc(&cb->dev_arena, ARENA_DEVICE, bytes); /* as mirror_alloc */
+    return p;
 }
 
 

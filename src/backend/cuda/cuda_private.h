@@ -297,6 +297,7 @@ void steps_done(struct step_prof *sp, bool failed);
 void prof_print(const struct cuda_backend *cb);
 
 /* cuda_weights.c */
+bool drop_f16_copies(struct cuda_backend *cb);
 const float *dev_vec(struct cuda_backend *cb, const float *host);
 const struct cuk_weight *dev_weight(struct cuda_backend *cb, const struct weight *w);
 const void *dev_weight_f16(struct cuda_backend *cb, const struct weight *w);

@@ -77,6 +77,30 @@ const void *dev_weight_f16(struct cuda_backend *cb, const struct weight *w) {
 }
 
 
+/* Frees every f16 weight copy and makes no more, for memory the KV cache needs: the
+ * copies are a speed-up, the cache is not (a 70B model's copies on one GPU left no
+ * room for the windows of later sequences). Waits for the work queued so far, which
+ * may read them; graphs that did are not replayed again, since products without the
+ * copies record other launches. False when there was none to free. */
+bool drop_f16_copies(struct cuda_backend *cb) {
+    bool any = false;
+    for (int i = 0; i < cb->n_ents; i++) any = any || cb->ents[i].f16;
+    if (!any) return false;
+    record_stop(cb);
+    wait_streams(cb);
+    for (int i = 0; i < cb->n_ents; i++) {
+        struct dev_entry *e = &cb->ents[i];
+        cudaFree(e->f16);
+        e->f16 = NULL;
+        e->f16_none = true;
+    }
+    cb->f16_weights = false;
+    fprintf(stderr, "kvq: CUDA: f16 copies of the weights freed for the KV cache: products of more than 16 tokens "
+                    "dequantize them at every step (slower)\n");
+    return true;
+}
+
+
 static int add_entry(struct cuda_backend *cb, const void *host, size_t bytes, const void *data, size_t data_bytes,
                      struct dev_entry **out) {
     if (find(cb, host)) { /* uploaded already (a tied output matrix, say) */
