@@ -118,8 +118,8 @@ extern "C" struct cuk_reducer *cuk_reducer_new(const ncclComm_t *comm, const int
         red->comm[r] = comm[r];
         cudaSetDevice(dev[r]);
         ok = ncclMemAlloc(&red->buf[r], 2 * AR_HALF) == ncclSuccess &&
-              cudaMalloc((void **)&red->calls[r], AR_BLOCKS * sizeof(uint32_t)) == cudaSuccess &&
-              cudaMemset(red->calls[r], 0, AR_BLOCKS * sizeof(uint32_t)) == cudaSuccess;
+             cudaMalloc((void **)&red->calls[r], AR_BLOCKS * sizeof(uint32_t)) == cudaSuccess &&
+             cudaMemset(red->calls[r], 0, AR_BLOCKS * sizeof(uint32_t)) == cudaSuccess;
     }
     const char *failed = ok ? NULL : "symmetric memory (ncclMemAlloc)";
     if (ok) {
