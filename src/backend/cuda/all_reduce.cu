@@ -99,7 +99,9 @@ extern "C" struct cuk_reducer *cuk_reducer_new(const ncclComm_t *comm, const int
                                                size_t why_size) {
     int runtime = 0;
     if (ncclGetVersion(&runtime) != ncclSuccess || !device_api_matches(runtime)) {
-        snprintf(why, why_size, "NCCL's device API: built with NCCL %d, running %d", NCCL_VERSION_CODE, runtime);
+        snprintf(why, why_size, "NCCL's device API: built with NCCL %d.%d.%d, running %d.%d.%d", NCCL_VERSION_CODE / 10000,
+                 NCCL_VERSION_CODE / 100 % 100, NCCL_VERSION_CODE % 100, runtime / 10000, runtime / 100 % 100,
+                 runtime % 100);
         return NULL;
     }
     if (n < 2 || n > AR_MAX_RANKS) {
@@ -198,7 +200,8 @@ extern "C" void cuk_reducer_free(struct cuk_reducer *red) {
 extern "C" struct cuk_reducer *cuk_reducer_new(const ncclComm_t *comm, const int *dev, int n, char *why,
                                                size_t why_size) {
     (void)comm, (void)dev, (void)n;
-    snprintf(why, why_size, "NCCL's device API: this kvq was built with NCCL %d (2.28 has it)", NCCL_VERSION_CODE);
+    snprintf(why, why_size, "NCCL's device API: this kvq was built with NCCL %d.%d (2.28 has it)",
+             NCCL_VERSION_CODE / 10000, NCCL_VERSION_CODE / 100 % 100);
     return NULL;
 }
 extern "C" bool cuk_reducer_takes(const struct cuk_reducer *, void *const *, size_t) { return false; }
