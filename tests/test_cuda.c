@@ -34,6 +34,11 @@
 #include "kernels/matmul.h"
 #include "kvcache/kv_cache.h"
 #include "kvcache/kv_pool.h"
+#ifdef KVQ_HAVE_NCCL
+#include <nccl.h>
+
+#include "backend/cuda/all_reduce.h"
+#endif
 #endif
 
 #ifdef KVQ_HAVE_CUDA
@@ -513,6 +518,124 @@ static void tp_compare(struct kvq_model *m, const char *name, const struct kvq_k
     kvq_context_free(one);
     kvq_context_free(two);
 }
+
+#ifdef KVQ_HAVE_NCCL
+/* Tensor parallelism's small all-reduces (all_reduce.h) on the first two GPUs against
+ * exact sums: each call's inputs are small integers (rank r: (r + 1)(i mod 7 + call
+ * mod 5)), so every sum is exact and the same on both ranks. Calls of four sizes in
+ * turn, back to back (a rank's next inputs are copied in while its peer may still be
+ * reading the last call's), issued one by one and as one graph a GPU replayed three
+ * times: a window half rewritten too early or a block meeting the wrong peer shows as
+ * a wrong element. Also which sums it declines (NCCL's all-reduce takes them). */
+enum { RED_CALLS = 24 };
+static void test_reducer(int n_dev) {
+    if (n_dev < 2) {
+        printf("SKIP: the all-reduce kernel needs 2 GPUs (this machine has %d)\n", n_dev);
+        return;
+    }
+    int devs[2] = {0, 1};
+    ncclComm_t comm[2];
+    setenv("NCCL_GRAPH_MIXING_SUPPORT", "0", 0); /* as tp_backend.c */
+    if (ncclCommInitAll(comm, 2, devs) != ncclSuccess) {
+        CHECK(0, "NCCL: cannot join GPUs 0 and 1");
+        return;
+    }
+    char why[160];
+    struct cuk_reducer *red = cuk_reducer_new(comm, devs, 2, why, sizeof why);
+    if (!red) {
+        printf("skipped: the all-reduce kernel: no %s\n", why);
+        for (int r = 0; r < 2; r++) ncclCommDestroy(comm[r]);
+        return;
+    }
+    static const size_t sizes[] = {16, 4112, 32768, 131072}; /* bytes; the largest it takes */
+    const size_t most = 131072 / sizeof(float);
+    float *x[2], *in[2], *out[2];
+    cudaStream_t st[2];
+    for (int r = 0; r < 2; r++) {
+        cudaSetDevice(r);
+        cudaStreamCreateWithFlags(&st[r], cudaStreamNonBlocking);
+        cudaMalloc((void **)&x[r], sizeof(float) * (most + 4));
+        cudaMalloc((void **)&in[r], sizeof(float) * most * RED_CALLS);
+        cudaMalloc((void **)&out[r], sizeof(float) * most * RED_CALLS);
+        float *h = malloc(sizeof(float) * most * RED_CALLS);
+        for (int c = 0; c < RED_CALLS; c++)
+            for (size_t i = 0; i < most; i++) h[(size_t)c * most + i] = (float)((r + 1) * ((int)(i % 7) + c % 5));
+        cudaMemcpy(in[r], h, sizeof(float) * most * RED_CALLS, cudaMemcpyHostToDevice);
+        free(h);
+    }
+    void *xp[2] = {x[0], x[1]}, *odd[2] = {x[0] + 1, x[1] + 1};
+    CHECK(!cuk_reducer_takes(red, xp, 131072 + 16) && !cuk_reducer_takes(red, xp, 24) &&
+              !cuk_reducer_takes(red, odd, 64) && cuk_reducer_takes(red, xp, 131072),
+          "the all-reduce kernel takes the wrong sums");
+    /* the calls (inputs copied in, summed in place, the sums copied out): issued one by
+     * one, then captured into a graph a GPU, replayed three times */
+    cudaGraphExec_t exec[2] = {NULL, NULL};
+    for (int round = 0; round < 4; round++) {
+        if (round <= 1) {
+            for (int r = 0; r < 2 && round == 1; r++) {
+                cudaSetDevice(r);
+                cudaStreamBeginCapture(st[r], cudaStreamCaptureModeRelaxed);
+            }
+            for (int c = 0; c < RED_CALLS; c++) {
+                const size_t bytes = sizes[c % 4];
+                for (int r = 0; r < 2; r++) {
+                    cudaSetDevice(r);
+                    cudaMemcpyAsync(x[r], in[r] + (size_t)c * most, bytes, cudaMemcpyDeviceToDevice, st[r]);
+                }
+                CHECK(cuk_reducer_run(red, xp, bytes, st, true) == cudaSuccess, "all-reduce kernel launch");
+                for (int r = 0; r < 2; r++) {
+                    cudaSetDevice(r);
+                    cudaMemcpyAsync(out[r] + (size_t)c * most, x[r], bytes, cudaMemcpyDeviceToDevice, st[r]);
+                }
+            }
+            for (int r = 0; r < 2 && round == 1; r++) {
+                cudaGraph_t g = NULL;
+                cudaSetDevice(r);
+                CHECK(cudaStreamEndCapture(st[r], &g) == cudaSuccess && cudaGraphInstantiate(&exec[r], g, 0) == cudaSuccess,
+                      "the all-reduce kernel captured into a graph");
+                cudaGraphDestroy(g);
+            }
+        }
+        for (int r = 0; r < 2 && round >= 1; r++) {
+            cudaSetDevice(r);
+            cudaMemsetAsync(out[r], 0, sizeof(float) * most * RED_CALLS, st[r]);
+            cudaGraphLaunch(exec[r], st[r]);
+        }
+        int wrong = 0;
+        float *h = malloc(sizeof(float) * most);
+        for (int r = 0; r < 2; r++) {
+            cudaSetDevice(r);
+            CHECK(cudaStreamSynchronize(st[r]) == cudaSuccess, "the all-reduce kernel ran: %s",
+                  cudaGetErrorString(cudaGetLastError()));
+            for (int c = 0; c < RED_CALLS; c++) {
+                const size_t n = sizes[c % 4] / sizeof(float);
+                cudaMemcpy(h, out[r] + (size_t)c * most, sizeof(float) * n, cudaMemcpyDeviceToHost);
+                for (size_t i = 0; i < n; i++) wrong += h[i] != (float)(3 * ((int)(i % 7) + c % 5));
+            }
+        }
+        free(h);
+        printf("all-reduce kernel, %s: %d calls of 16 B to 128 KB on 2 GPUs, %d sums wrong\n",
+               round == 0 ? "launched" : "a graph replayed", RED_CALLS, wrong);
+        CHECK(wrong == 0, "the all-reduce kernel (round %d): %d sums wrong", round, wrong);
+    }
+    for (int r = 0; r < 2; r++) {
+        cudaSetDevice(r);
+        if (exec[r]) cudaGraphExecDestroy(exec[r]);
+    }
+    cuk_reducer_free(red);
+    for (int r = 0; r < 2; r++) {
+        cudaSetDevice(r);
+        cudaFree(x[r]);
+        cudaFree(in[r]);
+        cudaFree(out[r]);
+        cudaStreamDestroy(st[r]);
+        ncclCommDestroy(comm[r]);
+    }
+    cudaSetDevice(0);
+}
+#else
+static void test_reducer(int n_dev) { (void)n_dev; }
+#endif
 
 /* KVQ_TEST_TP=N: over N GPUs (default 2). */
 static void test_tensor_parallel(int n_dev) {
@@ -1707,7 +1830,7 @@ int main(void) {
                  strcmp(only, "top") == 0 || strcmp(only, "tp") == 0)) {
         if (strcmp(only, "attention") == 0) test_attention();
         else if (strcmp(only, "top") == 0) test_top(), test_draw();
-        else if (strcmp(only, "tp") == 0) test_tensor_parallel(n_dev);
+        else if (strcmp(only, "tp") == 0) test_reducer(n_dev), test_tensor_parallel(n_dev);
         else if (strcmp(only, "wide") == 0) test_matmul_wide();
         else test_matvec();
         return check_finish();
@@ -1725,6 +1848,7 @@ int main(void) {
     test_refs("models/tinygemma3-f16.gguf", "tinygemma3", REFS_PROMPTS);
     test_cache_kinds();
     test_batch();
+    test_reducer(n_dev);
     test_tensor_parallel(n_dev);
     return check_finish();
 #endif
