@@ -24,7 +24,6 @@
 #include "backend/cuda/launch.cuh"
 
 enum {
-    AR_MAX_RANKS = 8,
     AR_BLOCKS = 16,
     AR_THREADS = 256,
 };
@@ -35,12 +34,12 @@ static const size_t AR_HALF = (size_t)128 << 10;
 
 struct cuk_reducer {
     int n;
-    int dev[AR_MAX_RANKS];
-    ncclComm_t comm[AR_MAX_RANKS];
-    void *buf[AR_MAX_RANKS];
-    ncclWindow_t win[AR_MAX_RANKS];
-    ncclDevComm dc[AR_MAX_RANKS];
-    uint32_t *calls[AR_MAX_RANKS]; /* a rank's calls so far, a counter per block */
+    int dev[CUK_GROUP_MAX];
+    ncclComm_t comm[CUK_GROUP_MAX];
+    void *buf[CUK_GROUP_MAX];
+    ncclWindow_t win[CUK_GROUP_MAX];
+    ncclDevComm dc[CUK_GROUP_MAX];
+    uint32_t *calls[CUK_GROUP_MAX]; /* a rank's calls so far, a counter per block */
     bool registered, have_dc;
 };
 
@@ -104,7 +103,7 @@ extern "C" struct cuk_reducer *cuk_reducer_new(const ncclComm_t *comm, const int
                  runtime % 100);
         return NULL;
     }
-    if (n < 2 || n > AR_MAX_RANKS) {
+    if (n < 2 || n > CUK_GROUP_MAX) {
         snprintf(why, why_size, "%d ranks", n);
         return NULL;
     }

@@ -89,12 +89,10 @@ bool drop_f16_copies(struct cuda_backend *cb) {
     record_stop(cb);
     wait_streams(cb);
     for (int i = 0; i < cb->n_ents; i++) {
-        struct dev_entry *e = &cb->ents[i];
-        cudaFree(e->f16);
-        e->f16 = NULL;
-        e->f16_none = true;
+        cudaFree(cb->ents[i].f16);
+        cb->ents[i].f16 = NULL;
     }
-    cb->f16_weights = false;
+    cb->f16_weights = false; /* dev_weight_f16 makes none from here on */
     fprintf(stderr, "kvq: CUDA: f16 copies of the weights freed for the KV cache: products of more than 16 tokens "
                     "dequantize them at every step (slower)\n");
     return true;

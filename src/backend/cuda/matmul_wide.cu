@@ -9,9 +9,10 @@
  * cp.async, two chunks ahead of the one it computes, so that enough bytes are in flight
  * to keep device memory busy. Each warp turns its tile's blocks of 32 columns into f16
  * in registers (as cuk_dequantize writes them: one rounding) and its warpgroup
- * multiplies 64 rows at a time with all the tokens (wgmma m64nNTk16, f32 sums, the inputs read from shared memory), while
- * the warp converts the next chunk. The inputs are f16 in the order cuk_to_half_wide
- * writes them, so the results are the GEMM path's up to the order of the sums. Where
+ * multiplies 64 rows at a time with all the tokens (wgmma m64nNTk16, f32 sums, the
+ * inputs read from shared memory), while the warp converts the next chunk. The inputs
+ * are f16 in the order cuk_to_half_wide writes them, so the results are the GEMM
+ * path's up to the order of the sums. Where
  * the rows make too few blocks to fill the GPU, the chunks are split over gridDim.z
  * blocks whose partial sums wide_reduce adds up in split order, so results depend
  * neither on timing nor on the number of tokens. */
