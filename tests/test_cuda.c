@@ -100,40 +100,47 @@ static int prompt(const struct kvq_model *m, int32_t *ids, int max) {
  * (the GPU's choice 0.32 below); a quarter of the steps may differ. */
 #define TIE_LOGITS 0.5f
 
-/* The next-token logits of one sequence after a prompt prefilled in chunks of
- * n_batch and `steps` greedy decode steps (the CPU's choices, so both follow one
- * path), compared at every step against max_kl. Returns the mean KL of the steps. */
-static double compare_config(struct kvq_model *m, const char *label, const struct kvq_kv_config *kv, int n_prompt,
-                           int n_batch, int steps, double max_kl) {
+/* The next-token logits of one sequence through phases, compared at every step
+ * against max_kl: a phase > 0 feeds that many more tokens of the prompt's text (in
+ * passes of up to n_batch), a phase < 0 takes that many greedy decode steps (the
+ * CPU's choices, so both follow one path). Returns the mean KL of the steps. */
+static double compare_phases(struct kvq_model *m, const char *label, const struct kvq_kv_config *kv, int n_batch,
+                             const int *phases, int n_phases, double max_kl) {
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
-    struct kvq_context *cpu = context(m, KVQ_DEVICE_CPU, kv, n_prompt + steps + 8, 1, n_batch);
-    struct kvq_context *gpu = context(m, KVQ_DEVICE_CUDA, kv, n_prompt + steps + 8, 1, n_batch);
+    int n_tokens = 0, n_text = 0;
+    for (int i = 0; i < n_phases; i++) n_tokens += abs(phases[i]), n_text += phases[i] > 0 ? phases[i] : 0;
+    struct kvq_context *cpu = context(m, KVQ_DEVICE_CPU, kv, n_tokens + 8, 1, n_batch);
+    struct kvq_context *gpu = context(m, KVQ_DEVICE_CUDA, kv, n_tokens + 8, 1, n_batch);
     CHECK(cpu && gpu, "%s: contexts: %s", label, kvq_last_error());
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_prompt);
-    int n = prompt(m, ids, n_prompt);
-    CHECK(n == n_prompt, "%s: prompt of %d tokens, got %d", label, n_prompt, n);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_text);
+    int n = prompt(m, ids, n_text);
+    CHECK(n == n_text, "%s: prompt of %d tokens, got %d", label, n_text, n);
     double worst_kl = 0, sum_kl = 0, worst_gap = 0;
-    int agree = 0, total = 0;
-    if (cpu && gpu && n == n_prompt) {
-        struct kvq_batch b = {.n_tokens = n, .tokens = ids};
-        int rc = kvq_decode(cpu, &b) | kvq_decode(gpu, &b);
-        CHECK(rc == 0, "%s: prefill: %s", label, kvq_last_error());
-        for (int s = 0; s <= steps && rc == 0; s++) {
-            const float *lc = kvq_get_logits(cpu, b.n_tokens - 1), *lg = kvq_get_logits(gpu, b.n_tokens - 1);
+    int agree = 0, total = 0, fed = 0, last = 0, rc = cpu && gpu && n == n_text ? 0 : -1;
+    for (int ph = 0; ph < n_phases && rc == 0; ph++) {
+        const int steps = phases[ph] > 0 ? 1 : -phases[ph];
+        int32_t t = 0;
+        for (int s = 0; s < steps && rc == 0; s++) {
+            struct kvq_batch b = phases[ph] > 0 ? (struct kvq_batch){.n_tokens = phases[ph], .tokens = ids + fed}
+                                                : (struct kvq_batch){.n_tokens = 1, .tokens = &t};
+            if (phases[ph] < 0) t = argmax(kvq_get_logits(cpu, last), info.n_vocab); /* the CPU's choice */
+            rc = kvq_decode(cpu, &b) | kvq_decode(gpu, &b);
+            CHECK(rc == 0, "%s: phase %d: %s", label, ph, kvq_last_error());
+            if (rc != 0) break;
+            fed += phases[ph] > 0 ? phases[ph] : 0;
+            last = b.n_tokens - 1;
+            const float *lc = kvq_get_logits(cpu, last), *lg = kvq_get_logits(gpu, last);
             double d = kl(lc, lg, info.n_vocab);
             bool finite = true;
             for (int i = 0; i < info.n_vocab; i++) finite = finite && isfinite(lg[i]);
-            CHECK(finite, "%s: step %d: non-finite GPU logits", label, s);
+            CHECK(finite, "%s: phase %d, step %d: non-finite GPU logits", label, ph, s);
             worst_kl = fmax(worst_kl, d);
             sum_kl += d;
-            int32_t t = argmax(lc, info.n_vocab), tg = argmax(lg, info.n_vocab);
-            if (t == tg) agree++;
-            else worst_gap = fmax(worst_gap, lc[t] - lc[tg]);
+            int32_t tc = argmax(lc, info.n_vocab), tg = argmax(lg, info.n_vocab);
+            if (tc == tg) agree++;
+            else worst_gap = fmax(worst_gap, lc[tc] - lc[tg]);
             total++;
-            b = (struct kvq_batch){.n_tokens = 1, .tokens = &t};
-            if (s < steps) rc = kvq_decode(cpu, &b) | kvq_decode(gpu, &b);
-            CHECK(rc == 0, "%s: decode: %s", label, kvq_last_error());
         }
     }
     const double mean_kl = total ? sum_kl / total : INFINITY;
@@ -147,6 +154,12 @@ static double compare_config(struct kvq_model *m, const char *label, const struc
     kvq_context_free(cpu);
     kvq_context_free(gpu);
     return mean_kl;
+}
+
+/* A prompt of n_prompt tokens prefilled in chunks of n_batch, then `steps` greedy steps. */
+static double compare_config(struct kvq_model *m, const char *label, const struct kvq_kv_config *kv, int n_prompt,
+                             int n_batch, int steps, double max_kl) {
+    return compare_phases(m, label, kv, n_batch, (const int[]){n_prompt, -steps}, 2, max_kl);
 }
 
 static void kv_set(struct kvq_kv_config *kv, int kb, int vb) {
@@ -177,6 +190,9 @@ static void test_cache_kinds(void) {
     /* chunks of 100 tokens: the second crosses the offsets' point (128), which the GPU
      * chooses in that pass, encoding the rows after it with them */
     compare_config(m, "K8V4, chunks across the offsets", &kv, 300, 100, 8, 1e-3);
+    /* a cache's window ring is long only for the steps of a prompt's chunks: made
+     * long again after decode steps, with a window's rows in it, and short after */
+    compare_phases(m, "K8V4, chunks after decode steps", &kv, 100, (const int[]){40, -3, 90, -3, 100, -4}, 6, 1e-3);
     kv_set(&kv, 4, 4);
     compare_config(m, "K4V4", &kv, 300, 16, 24, 1e-3);
     kv_set(&kv, 4, 2);

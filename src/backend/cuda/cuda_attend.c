@@ -41,7 +41,9 @@ void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
         struct kv_cache *c = a->caches[t];
         struct kv_view v;
         kv_cache_view(c, &v);
-        struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, kv_cache_n_past(c)) : mirror_of(cb, c);
+        int run = 1; /* its tokens, consecutive */
+        while (t + run < n && a->caches[t + run] == c) run++;
+        struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, kv_cache_n_past(c), run) : mirror_of(cb, c);
         if (!m || !sync_table(cb, m, &v)) return;
         cb->uc[nu] = c;
         cb->uc_mirror[nu++] = m;
@@ -120,7 +122,7 @@ void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
                         .fresh_block = fe >= 0 && fe < v.n_blk && v.blk[fe] ? (uint64_t)(uintptr_t)block_dev(cb, v.blk[fe]) : 0,
                         .ring_cap = w ? w->ring_cap : 1, .sink_cap = w ? w->sink_cap : 1,
                         .ring = w ? (uint64_t)(uintptr_t)w->win : 0,
-                        .sink = w ? (uint64_t)(uintptr_t)(w->win + 2 * (size_t)w->n_kv * w->ring_cap * w->win_row) : 0,
+                        .sink = w ? (uint64_t)(uintptr_t)w->sink : 0,
                         .mu = w && w->has_mu ? (uint64_t)(uintptr_t)w->mu : 0,
                     };
                     ((int32_t *)(cb->stage_h + idx_off))[k] = i;

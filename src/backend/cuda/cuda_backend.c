@@ -127,6 +127,7 @@ static int end_step(struct cuda_backend *cb) {
     cb->qprep_of = NULL;
     for (int i = 0; i < cb->n_dead; i++) cudaFree(cb->dead[i]);
     cb->n_dead = 0;
+    rings_step_end(cb, !cb->failed);
     if (cb->failed) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
     return 0;
 }
@@ -231,6 +232,9 @@ static void cuda_free(struct backend *b) {
     free(cb->uc);
     free(cb->uc_mirror);
     free(cb->uc_chunk);
+    rings_step_end(cb, false);
+    free(cb->long_rings);
+    free(cb->later);
     for (int i = 0; i < cb->n_spare; i++) {
         for (int j = 0; j < cb->spare[i].n; j++) cudaFree(cb->spare[i].p[j]);
         free(cb->spare[i].p);

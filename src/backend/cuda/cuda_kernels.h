@@ -306,6 +306,10 @@ struct cuk_offs_item {
  * item in turn, a->n in all (a->k, a->v: the pass's keys, RoPE'd, and values); a->rope and
  * a->defer unused. */
 void cuk_kv_offsets(struct cuk_queue *qu, const struct cuk_enc_args *a, const struct cuk_offs_item *items, int n_items);
+/* Window rows of positions [lo, hi) from a ring of src_cap rows a plane into one of
+ * dst_cap (rows of row_bytes, a multiple of 16; planes: heads times keys and values). */
+void cuk_ring_move(struct cuk_queue *qu, void *dst, int dst_cap, const void *src, int src_cap, int planes,
+                   size_t row_bytes, int lo, int hi);
 /* An empty kernel beside the stream (cuda_backend.c says why). */
 void cuk_idle_beside(struct cuk_queue *qu);
 /* bytes (a multiple of 16, 16-byte aligned) from pinned host memory to dst, read by a kernel */

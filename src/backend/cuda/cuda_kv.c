@@ -180,8 +180,9 @@ static void copy_block(void *ctx, struct kv_block *dst, const struct kv_block *s
     cuk_queue_copy(&cb->q, dst->dev, src->dev, bytes);
 }
 
-static size_t win_bytes(const struct cuda_mirror *m) {
-    return 2 * (size_t)m->n_kv * (size_t)(m->ring_cap + m->sink_cap) * m->win_row;
+/* Bytes of `rows` window rows of each of a cache's KV heads, keys and values. */
+static size_t win_bytes(const struct cuda_mirror *m, int32_t rows) {
+    return 2 * (size_t)m->n_kv * (size_t)rows * m->win_row;
 }
 
 
@@ -190,9 +191,12 @@ static void mirror_free(void *ctx, void *mirror) {
     struct cuda_backend *cb = ctx;
     struct cuda_mirror *m = mirror;
     if (!m) return;
+    for (int i = 0; i < cb->n_long && m->long_ring; i++)
+        if (cb->long_rings[i] == m) cb->long_rings[i] = NULL;
     mirror_keep(cb, m->table_d, sizeof *m->table_d * (size_t)m->table_cap);
     free(m->table_blk);
-    mirror_keep(cb, m->win, win_bytes(m));
+    mirror_keep(cb, m->win, win_bytes(m, m->ring_cap));
+    mirror_keep(cb, m->sink, win_bytes(m, m->sink_cap));
     mirror_keep(cb, m->mu, sizeof(float) * 4 * (size_t)m->n_kv * (size_t)m->head_dim);
     free(m);
 }
@@ -361,36 +365,121 @@ bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const struct kv_
 }
 
 
+/* The rows a cache's ring holds for a pass of n of its tokens: the window rows before
+ * the pass (win_span) and the pass's own, which overwrite older ones. Short passes (a
+ * decode step's one token) take a short ring, which a cache keeps; a prompt's chunk
+ * takes a long one for its step, and rings_step_end makes it short again. A long ring
+ * for every cache (the largest pass's rows) took 302 MB a Llama-3-8B sequence in the
+ * server (docs/cuda-performance.md). */
+#define RING_SHORT 16
+
+static int32_t ring_cap_for(const struct cuda_backend *cb, int32_t win_span, int n) {
+    return win_span + (n <= RING_SHORT ? RING_SHORT : n > cb->max_tokens ? n : cb->max_tokens);
+}
+
+
+/* Gives m a ring of cap rows a head, into which the device moves the rows the next
+ * pass reads of those it holds: positions [from, synced). The old ring is spare now
+ * (between steps: the work queued later runs after the move) or after the step. */
+static bool ring_resize(struct cuda_backend *cb, struct cuda_mirror *m, int32_t cap, int32_t from, bool now) {
+    uint8_t *ring = mirror_alloc(cb, win_bytes(m, cap), "device memory for KV windows");
+    if (!ring) return false;
+    int32_t lo = m->synced - (cap < m->ring_cap ? cap : m->ring_cap);
+    if (lo < from) lo = from;
+    if (lo < 0) lo = 0;
+    assert(m->win_row % 16 == 0 && m->synced - lo <= cap);
+    if (m->valid) cuk_ring_move(&cb->q, ring, cap, m->win, m->ring_cap, 2 * m->n_kv, m->win_row, lo, m->synced);
+    const size_t old = win_bytes(m, m->ring_cap);
+    if (now) {
+        mirror_keep(cb, m->win, old);
+    } else {
+        if (cb->n_later == cb->cap_later) {
+            const int n = cb->cap_later ? 2 * cb->cap_later : 64;
+            struct spare_later *l = realloc(cb->later, sizeof *l * (size_t)n);
+            if (!l) {
+                mirror_keep(cb, ring, win_bytes(m, cap));
+                return ck(cb, cudaErrorMemoryAllocation, "host memory");
+            }
+            cb->later = l;
+            cb->cap_later = n;
+        }
+        cb->later[cb->n_later++] = (struct spare_later){m->win, old};
+    }
+    m->win = ring;
+    m->ring_cap = cap;
+    return true;
+}
+
+
+/* A ring longer than a decode step's, to be made short at the step's end. */
+static bool note_long(struct cuda_backend *cb, struct cuda_mirror *m) {
+    if (m->long_ring || m->ring_cap <= ring_cap_for(cb, m->win_span, 1)) return true;
+    if (cb->n_long == cb->cap_long) {
+        const int n = cb->cap_long ? 2 * cb->cap_long : 64;
+        struct cuda_mirror **l = realloc(cb->long_rings, sizeof *l * (size_t)n);
+        if (!l) return ck(cb, cudaErrorMemoryAllocation, "host memory");
+        cb->long_rings = l;
+        cb->cap_long = n;
+    }
+    cb->long_rings[cb->n_long++] = m;
+    m->long_ring = true;
+    return true;
+}
+
+
+/* After a step's work: the rings it replaced are spare, and (when `shorten`) the long
+ * ones become short, keeping the rows the next step reads. */
+void rings_step_end(struct cuda_backend *cb, bool shorten) {
+    for (int i = 0; i < cb->n_later; i++) mirror_keep(cb, cb->later[i].p, cb->later[i].bytes);
+    cb->n_later = 0;
+    for (int i = 0; i < cb->n_long && shorten && !cb->failed; i++) {
+        struct cuda_mirror *m = cb->long_rings[i];
+        if (m) ring_resize(cb, m, ring_cap_for(cb, m->win_span, 1), m->synced - m->win_span, true);
+    }
+    for (int i = 0; i < cb->n_long; i++)
+        if (cb->long_rings[i]) cb->long_rings[i]->long_ring = false;
+    cb->n_long = 0;
+}
+
+
 /* The device copy of a cache's windows, made current up to position `limit` (the
- * rows from there on are being encoded on the device): rows appended since the last
- * sync, or all of them after a change that was not an append (kv_cache_epoch). */
-struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, const struct kv_view *v,
-                                        int32_t limit) {
+ * rows from there on are being encoded on the device) for a pass of n of its tokens:
+ * rows appended since the last sync, or all of them after a change that was not an
+ * append (kv_cache_epoch). */
+struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, const struct kv_view *v, int32_t limit,
+                                 int n) {
     struct cuda_mirror *m = mirror_of(cb, c);
     const struct kv_shape *sh = kv_cache_get_shape(c);
     int h0;
     const int H = rank_heads(cb, sh->n_kv_heads, &h0), D = sh->head_dim;
     if (!m) return NULL;
+    const int32_t cap = ring_cap_for(cb, v->win_span, n);
     if (!m->win) {
-        m->ring_cap = v->win_span + cb->max_tokens;
+        m->win_span = v->win_span;
+        m->ring_cap = cap;
         m->sink_cap = v->sinks > 0 ? v->sinks : 1;
         m->n_kv = H;
         m->head_dim = D;
         m->win_row = v->win_row;
-        if (!(m->win = mirror_alloc(cb, win_bytes(m), "device memory for KV windows")) ||
+        if (!(m->win = mirror_alloc(cb, win_bytes(m, m->ring_cap), "device memory for KV windows")) ||
+            !(m->sink = mirror_alloc(cb, win_bytes(m, m->sink_cap), "device memory for KV windows")) ||
             /* the offsets, then room for them rotated (cuk_kv_offsets) */
             !(m->mu = mirror_alloc(cb, sizeof(float) * 4 * (size_t)H * D, "device memory for KV offsets"))) {
-            mirror_keep(cb, m->win, win_bytes(m));
-            m->win = NULL;
+            mirror_keep(cb, m->win, win_bytes(m, m->ring_cap));
+            mirror_keep(cb, m->sink, win_bytes(m, m->sink_cap));
+            m->win = m->sink = NULL;
             return NULL;
         }
         m->valid = false;
+    } else if (m->ring_cap < cap && !ring_resize(cb, m, cap, limit - m->win_span, false)) {
+        return NULL;
     }
+    if (!note_long(cb, m)) return NULL;
     const int32_t np = kv_cache_n_past(c) < limit ? kv_cache_n_past(c) : limit;
     const bool full = !m->valid || m->epoch != kv_cache_epoch(c);
     int32_t lo = full ? 0 : m->synced;
     if (lo < np - m->ring_cap) lo = np - m->ring_cap;
-    uint8_t *sink = m->win + 2 * (size_t)H * m->ring_cap * m->win_row;
+    uint8_t *sink = m->sink;
     for (int side = 0; side < 2; side++)
         for (int h = 0; h < H; h++) {
             const size_t hs = (size_t)side * H + h;
@@ -685,7 +774,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                     continue;
                 }
                 if (cb->seq_enc[s].fmt != f) continue;
-                struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, p0) : NULL;
+                struct cuda_mirror *m = v.windows ? sync_windows(cb, c, &v, p0, seqs[s].n) : NULL;
                 if (v.windows && !m) return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);
                 struct cuda_mirror *tm = m ? m : mirror_of(cb, c);
                 /* window rows read back: those the host's windows keep (from w0 on); block
@@ -708,7 +797,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                         .t = seqs[s].first + i, .p = p, .block = block,
                         .table_at = table_entry_by_encode(tm, p, e, v.blk[e]),
                         .ring = m ? (uint64_t)(uintptr_t)m->win : 0,
-                        .sink = m ? (uint64_t)(uintptr_t)(m->win + 2 * (size_t)H * m->ring_cap * m->win_row) : 0,
+                        .sink = m ? (uint64_t)(uintptr_t)m->sink : 0,
                         .ring_cap = m ? m->ring_cap : 1, .sink_cap = m ? m->sink_cap : 1, .sinks = v.sinks,
                         .mu = m && m->has_mu ? (uint64_t)(uintptr_t)m->mu : 0,
                         .rb_k = back ? (uint32_t)(rb + (size_t)i * H * v.k_row) : CUK_NO_ROW,

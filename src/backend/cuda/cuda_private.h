@@ -62,9 +62,12 @@ struct cuda_mirror {
     bool valid;
     uint32_t epoch;
     int32_t synced; /* window rows of positions < synced are on the device */
+    int32_t win_span; /* the window rows before a pass that the ring keeps (kv_view) */
     int32_t ring_cap, sink_cap, n_kv, head_dim;
     size_t win_row;
-    uint8_t *win; /* ring [2][n_kv][ring_cap][win_row], then sinks [2][n_kv][sink_cap][win_row] */
+    uint8_t *win;  /* the ring: [2][n_kv][ring_cap][win_row] (ring_cap_for) */
+    uint8_t *sink; /* [2][n_kv][sink_cap][win_row] */
+    bool long_ring; /* listed in long_rings */
     float *mu;    /* [2][n_kv][head_dim], then [2][n_kv][head_dim] scratch (cuk_kv_offsets) */
     bool has_mu;
     bool mu_chosen; /* the device chose them in this step: the host's cache has them at its end */
@@ -128,6 +131,12 @@ struct cuda_backend {
      * for the device) per finished one, held up prompts and whole steps */
     struct spares { size_t bytes; void **p; int n, cap; } *spare; /* one stack per size (a few sizes) */
     int n_spare;
+    /* rings a step's prompt chunks made long, made short again at its end, and the
+     * rings they replaced, spare once the step's work is done (ring_cap_for) */
+    struct cuda_mirror **long_rings;
+    int n_long, cap_long;
+    struct spare_later { void *p; size_t bytes; } *later;
+    int n_later, cap_later;
     cublasHandle_t blas;
     int n_sm, max_tokens;
     bool failed;
@@ -327,7 +336,9 @@ void arena_free(struct arena *a);
 struct kv_pool *cuda_kv_pool_new(struct backend *b, size_t budget);
 struct cuda_mirror *mirror_of(struct cuda_backend *cb, struct kv_cache *c);
 bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const struct kv_view *v);
-struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, const struct kv_view *v, int32_t limit);
+struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, const struct kv_view *v, int32_t limit,
+                                 int n);
+void rings_step_end(struct cuda_backend *cb, bool shorten);
 int sync_blocks(struct cuda_backend *cb, struct kv_pool *pool, const struct kv_view *v, int n_kv, bool rows);
 bool same_format(const struct kv_view *a, const struct kv_view *b);
 int ensure_signs(struct cuda_backend *cb, int D, const float *host);

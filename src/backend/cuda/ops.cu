@@ -205,6 +205,24 @@ extern "C" void cuk_scatter(cuk_queue *qu, const cuk_copy *copies, int n, const 
     cuk_queue_launch_plain_next(qu); /* what it placed is read before griddep_wait */
 }
 
+/* Window rows of positions [lo, hi) from one ring to another of another size: rows
+ * ring[plane][p % cap] of planes planes (a cache's KV heads, keys and values). */
+__global__ void ring_move_k(uint4 *dst, int dst_cap, const uint4 *src, int src_cap, int row16, int lo) {
+    const int p = lo + (int)blockIdx.x;
+    const size_t plane = blockIdx.y;
+    const uint4 *from = src + (plane * src_cap + p % src_cap) * row16;
+    uint4 *to = dst + (plane * dst_cap + p % dst_cap) * row16;
+    for (int i = threadIdx.x; i < row16; i += blockDim.x) to[i] = from[i];
+}
+
+extern "C" void cuk_ring_move(cuk_queue *qu, void *dst, int dst_cap, const void *src, int src_cap, int planes,
+                              size_t row_bytes, int lo, int hi) {
+    if (hi <= lo) return;
+    queue_launch(ring_move_k, dim3((unsigned)(hi - lo), (unsigned)planes), dim3(32), qu, (uint4 *)dst, dst_cap,
+                 (const uint4 *)src, src_cap, (int)(row_bytes / 16), lo);
+    cuk_queue_launch_plain_next(qu); /* window rows are read before griddep_wait (launch.cuh) */
+}
+
 __global__ void idle_k() {}
 
 extern "C" void cuk_idle_beside(cuk_queue *qu) {
