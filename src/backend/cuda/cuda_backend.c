@@ -235,13 +235,11 @@ static void cuda_free(struct backend *b) {
     rings_step_end(cb, false);
     free(cb->long_rings);
     free(cb->later);
-    for (int i = 0; i < cb->n_spare; i++) {
-        for (int j = 0; j < cb->spare[i].n; j++) cudaFree(cb->spare[i].p[j]);
-        free(cb->spare[i].p);
-    }
+    for (int i = 0; i < cb->n_spare; i++) free(cb->spare[i].p);
     free(cb->spare);
     arena_free(cb->host_arena);
     arena_free(cb->dev_arena);
+    arena_free(cb->mirror_arena);
     if (cb->blas) cublasDestroy(cb->blas);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     if (cb->copy_stream) cudaStreamDestroy(cb->copy_stream);

@@ -31,22 +31,23 @@ static struct spares *spares_of(struct cuda_backend *cb, size_t bytes, bool make
 }
 
 
-/* Device memory of `bytes` for a cache's mirror: a spare one of that size, or new.
- * NULL with the failure recorded. */
+static void *arena_alloc(struct arena **list, enum arena_mem mem, size_t bytes, size_t chunk);
+
+/* Device memory of `bytes` for a cache's mirror: a spare one of that size, or new from
+ * the mirrors' chunks (a cudaMalloc for each of a new sequence's layers held up its
+ * first pass). NULL with the failure recorded. */
 static void *mirror_alloc(struct cuda_backend *cb, size_t bytes, const char *what) {
     struct spares *sp = spares_of(cb, bytes, false);
     if (sp && sp->n > 0) return sp->p[--sp->n];
-    void *p = NULL;
-    cudaError_t st = cudaMalloc(&p, bytes);
-    if (st == cudaErrorMemoryAllocation && drop_f16_copies(cb)) { /* the cache before the copies */
-        cudaGetLastError();
-        st = cudaMalloc(&p, bytes);
-    }
-    return ck(cb, st, what) ? p : NULL;
+    void *p = arena_alloc(&cb->mirror_arena, ARENA_DEVICE, bytes, MIRROR_CHUNK);
+    if (!p && drop_f16_copies(cb)) p = arena_alloc(&cb->mirror_arena, ARENA_DEVICE, bytes, MIRROR_CHUNK);
+    if (!p) ck(cb, cudaErrorMemoryAllocation, what); /* the cache before the copies */
+    return p;
 }
 
 
-/* Keeps a freed mirror's memory for the next cache (freed where the list cannot grow). */
+/* Keeps a freed mirror's memory for the next cache (lost until the backend's end
+ * where the list cannot grow). */
 static void mirror_keep(struct cuda_backend *cb, void *p, size_t bytes) {
     if (!p) return;
     struct spares *sp = spares_of(cb, bytes, true);
@@ -55,11 +56,21 @@ static void mirror_keep(struct cuda_backend *cb, void *p, size_t bytes) {
         void **np = realloc(sp->p, sizeof *np * (size_t)cap);
         if (np) sp->p = np, sp->cap = cap;
     }
-    if (!sp || sp->n == sp->cap) {
-        cudaFree(p);
-        return;
+    if (sp && sp->n < sp->cap) sp->p[sp->n++] = p;
+}
+
+
+/* mirror_keep once the step's work, which may still read p, is done. */
+static bool keep_after_step(struct cuda_backend *cb, void *p, size_t bytes) {
+    if (cb->n_later == cb->cap_later) {
+        const int n = cb->cap_later ? 2 * cb->cap_later : 64;
+        struct spare_later *l = realloc(cb->later, sizeof *l * (size_t)n);
+        if (!l) return ck(cb, cudaErrorMemoryAllocation, "host memory");
+        cb->later = l;
+        cb->cap_later = n;
     }
-    sp->p[sp->n++] = p;
+    cb->later[cb->n_later++] = (struct spare_later){p, bytes};
+    return true;
 }
 
 
@@ -93,9 +104,9 @@ static bool arena_grow(struct arena **list, enum arena_mem mem, size_t cap) {
 }
 
 
-static void *arena_alloc(struct arena **list, enum arena_mem mem, size_t bytes) {
+static void *arena_alloc(struct arena **list, enum arena_mem mem, size_t bytes, size_t chunk) {
     bytes = (bytes + 255) & ~(size_t)255;
-    if ((!*list || (*list)->used + bytes > (*list)->cap) && !arena_grow(list, mem, bytes > ARENA_CHUNK ? bytes : ARENA_CHUNK))
+    if ((!*list || (*list)->used + bytes > (*list)->cap) && !arena_grow(list, mem, bytes > chunk ? bytes : chunk))
         return NULL;
     struct arena *a = *list;
     void *p = a->base + a->used;
@@ -118,13 +129,13 @@ void arena_free(struct arena *a) {
 
 static void *host_block(void *ctx, size_t bytes) {
     struct cuda_backend *cb = ctx;
-    return arena_alloc(&cb->host_arena, ARENA_MAPPED, bytes);
+    return arena_alloc(&cb->host_arena, ARENA_MAPPED, bytes, ARENA_CHUNK);
 }
 
 static void *dev_block(void *ctx, size_t bytes) {
     struct cuda_backend *cb = ctx;
-    void *p = arena_alloc(&cb->dev_arena, ARENA_DEVICE, bytes);
-    if (!p && drop_f16_copies(cb)) p = arena_alloc(&cb->dev_arena, ARENA_DEVICE, bytes); /* as mirror_alloc */
+    void *p = arena_alloc(&cb->dev_arena, ARENA_DEVICE, bytes, ARENA_CHUNK);
+    if (!p && drop_f16_copies(cb)) p = arena_alloc(&cb->dev_arena, ARENA_DEVICE, bytes, ARENA_CHUNK); /* as mirror_alloc */
     return p;
 }
 
@@ -219,7 +230,7 @@ struct kv_pool *cuda_kv_pool_new(struct backend *b, size_t budget) {
  * grow together or not at all. */
 static void *tp_host_block(void *ctx, size_t bytes) {
     struct tp_shared *tp = ctx;
-    return arena_alloc(&tp->rank[0]->host_arena, ARENA_PINNED, bytes);
+    return arena_alloc(&tp->rank[0]->host_arena, ARENA_PINNED, bytes, ARENA_CHUNK);
 }
 
 static void pop_chunk(struct arena **list) {
@@ -254,7 +265,7 @@ static void *tp_dev_block(void *ctx, size_t bytes) {
     if ((!a0 || a0->used + part > a0->cap) && !tp_grow(tp, part > ARENA_CHUNK ? part : ARENA_CHUNK)) return NULL;
     void *p0 = NULL;
     for (int r = 0; r < tp->n; r++) { /* room on each: no device call */
-        void *p = arena_alloc(&tp->rank[r]->dev_arena, ARENA_DEVICE, part);
+        void *p = arena_alloc(&tp->rank[r]->dev_arena, ARENA_DEVICE, part, ARENA_CHUNK);
         if (r == 0) p0 = p;
     }
     return p0;
@@ -340,7 +351,11 @@ bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const struct kv_
             free(hb);
             return ck(cb, cudaErrorMemoryAllocation, "host memory");
         }
-        free_after_step(cb, m->table_d);
+        if (m->table_d && !keep_after_step(cb, m->table_d, sizeof *m->table_d * (size_t)m->table_cap)) {
+            mirror_keep(cb, d, sizeof *d * (size_t)cap);
+            free(hb);
+            return false;
+        }
         free(m->table_blk);
         m->table_d = d;
         m->table_blk = hb;
@@ -367,10 +382,10 @@ bool sync_table(struct cuda_backend *cb, struct cuda_mirror *m, const struct kv_
 
 /* The rows a cache's ring holds for a pass of n of its tokens: the window rows before
  * the pass (win_span) and the pass's own, which overwrite older ones. Short passes (a
- * decode step's one token) take a short ring, which a cache keeps; a prompt's chunk
- * takes a long one for its step, and rings_step_end makes it short again. A long ring
- * for every cache (the largest pass's rows) took 302 MB a Llama-3-8B sequence in the
- * server (docs/cuda-performance.md). */
+ * decode step's one token) take a short ring; a prompt's chunks take a long one, which
+ * rings_step_end makes short after a step that did not need it long (a prompt's
+ * chunks in consecutive steps keep it). A long ring for every cache (the largest
+ * pass's rows) took 302 MB a Llama-3-8B sequence in the server (docs/cuda-performance.md). */
 #define RING_SHORT 16
 
 static int32_t ring_cap_for(const struct cuda_backend *cb, int32_t win_span, int n) {
@@ -392,18 +407,9 @@ static bool ring_resize(struct cuda_backend *cb, struct cuda_mirror *m, int32_t 
     const size_t old = win_bytes(m, m->ring_cap);
     if (now) {
         mirror_keep(cb, m->win, old);
-    } else {
-        if (cb->n_later == cb->cap_later) {
-            const int n = cb->cap_later ? 2 * cb->cap_later : 64;
-            struct spare_later *l = realloc(cb->later, sizeof *l * (size_t)n);
-            if (!l) {
-                mirror_keep(cb, ring, win_bytes(m, cap));
-                return ck(cb, cudaErrorMemoryAllocation, "host memory");
-            }
-            cb->later = l;
-            cb->cap_later = n;
-        }
-        cb->later[cb->n_later++] = (struct spare_later){m->win, old};
+    } else if (!keep_after_step(cb, m->win, old)) {
+        mirror_keep(cb, ring, win_bytes(m, cap));
+        return false;
     }
     m->win = ring;
     m->ring_cap = cap;
@@ -411,8 +417,10 @@ static bool ring_resize(struct cuda_backend *cb, struct cuda_mirror *m, int32_t 
 }
 
 
-/* A ring longer than a decode step's, to be made short at the step's end. */
-static bool note_long(struct cuda_backend *cb, struct cuda_mirror *m) {
+/* A ring longer than a decode step's (needed so by a pass of `tokens`), to be made
+ * short at the end of a step that does not use it so. */
+static bool note_long(struct cuda_backend *cb, struct cuda_mirror *m, int tokens) {
+    m->long_used = m->long_used || tokens > RING_SHORT;
     if (m->long_ring || m->ring_cap <= ring_cap_for(cb, m->win_span, 1)) return true;
     if (cb->n_long == cb->cap_long) {
         const int n = cb->cap_long ? 2 * cb->cap_long : 64;
@@ -428,17 +436,25 @@ static bool note_long(struct cuda_backend *cb, struct cuda_mirror *m) {
 
 
 /* After a step's work: the rings it replaced are spare, and (when `shorten`) the long
- * ones become short, keeping the rows the next step reads. */
+ * ones it did not use so become short, keeping the rows the next step reads; without
+ * `shorten` (a failed step, the backend's end) none stays listed. */
 void rings_step_end(struct cuda_backend *cb, bool shorten) {
     for (int i = 0; i < cb->n_later; i++) mirror_keep(cb, cb->later[i].p, cb->later[i].bytes);
     cb->n_later = 0;
-    for (int i = 0; i < cb->n_long && shorten && !cb->failed; i++) {
+    int kept = 0;
+    for (int i = 0; i < cb->n_long; i++) {
         struct cuda_mirror *m = cb->long_rings[i];
-        if (m) ring_resize(cb, m, ring_cap_for(cb, m->win_span, 1), m->synced - m->win_span, true);
+        if (!m) continue;
+        if (shorten && m->long_used) {
+            cb->long_rings[kept++] = m;
+        } else {
+            if (shorten && !cb->failed)
+                ring_resize(cb, m, ring_cap_for(cb, m->win_span, 1), m->synced - m->win_span, true);
+            m->long_ring = false;
+        }
+        m->long_used = false;
     }
-    for (int i = 0; i < cb->n_long; i++)
-        if (cb->long_rings[i]) cb->long_rings[i]->long_ring = false;
-    cb->n_long = 0;
+    cb->n_long = kept;
 }
 
 
@@ -474,7 +490,7 @@ struct cuda_mirror *sync_windows(struct cuda_backend *cb, struct kv_cache *c, co
     } else if (m->ring_cap < cap && !ring_resize(cb, m, cap, limit - m->win_span, false)) {
         return NULL;
     }
-    if (!note_long(cb, m)) return NULL;
+    if (!note_long(cb, m, n)) return NULL;
     const int32_t np = kv_cache_n_past(c) < limit ? kv_cache_n_past(c) : limit;
     const bool full = !m->valid || m->epoch != kv_cache_epoch(c);
     int32_t lo = full ? 0 : m->synced;

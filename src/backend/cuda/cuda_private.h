@@ -24,6 +24,7 @@
 #include "backend/weight.h"
 
 #define ARENA_CHUNK ((size_t)256 << 20) /* KV block memory is taken in chunks of this */
+#define MIRROR_CHUNK ((size_t)32 << 20) /* and caches' tables, windows and offsets in these */
 #define DEQ_BYTES ((size_t)128 << 20)   /* a band of dequantized rows for one GEMM */
 #define MAX_FORMATS 4                   /* row formats in one attention batch */
 
@@ -67,7 +68,7 @@ struct cuda_mirror {
     size_t win_row;
     uint8_t *win;  /* the ring: [2][n_kv][ring_cap][win_row] (ring_cap_for) */
     uint8_t *sink; /* [2][n_kv][sink_cap][win_row] */
-    bool long_ring; /* listed in long_rings */
+    bool long_ring, long_used; /* listed in long_rings; a pass of this step needed it long */
     float *mu;    /* [2][n_kv][head_dim], then [2][n_kv][head_dim] scratch (cuk_kv_offsets) */
     bool has_mu;
     bool mu_chosen; /* the device chose them in this step: the host's cache has them at its end */
@@ -126,13 +127,13 @@ struct cuda_backend {
     int n_post, cap_post;
     void **dead;         /* device memory to free at the next sync (recorded work may read it) */
     int n_dead, cap_dead;
-    /* device memory of freed caches' windows, offsets and block tables, kept for the
-     * next caches: a cudaMalloc per new cache and layer, and a cudaFree (which waits
-     * for the device) per finished one, held up prompts and whole steps */
+    /* device memory of freed caches' windows, offsets and block tables (mirror_arena's),
+     * kept for the next caches: a cudaMalloc per new cache and layer, and a cudaFree
+     * (which waits for the device) per finished one, held up prompts and whole steps */
     struct spares { size_t bytes; void **p; int n, cap; } *spare; /* one stack per size (a few sizes) */
     int n_spare;
-    /* rings a step's prompt chunks made long, made short again at its end, and the
-     * rings they replaced, spare once the step's work is done (ring_cap_for) */
+    /* rings prompt chunks made long, made short at the end of a step that needed them
+     * short, and the rings they replaced, spare once the step's work is done (ring_cap_for) */
     struct cuda_mirror **long_rings;
     int n_long, cap_long;
     struct spare_later { void *p; size_t bytes; } *later;
@@ -219,7 +220,7 @@ struct cuda_backend {
         int32_t offs_T;
     } *seq_enc;
     int cap_seq_enc;
-    struct arena *host_arena, *dev_arena;
+    struct arena *host_arena, *dev_arena, *mirror_arena;
     /* per attention call */
     struct kv_cache **uc;
     struct cuda_mirror **uc_mirror;
