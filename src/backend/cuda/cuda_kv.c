@@ -40,8 +40,9 @@ static void *mirror_alloc(struct cuda_backend *cb, size_t bytes, const char *wha
     struct spares *sp = spares_of(cb, bytes, false);
     if (sp && sp->n > 0) return sp->p[--sp->n];
     void *p = arena_alloc(&cb->mirror_arena, ARENA_DEVICE, bytes, MIRROR_CHUNK);
-    if (!p && drop_f16_copies(cb)) p = arena_alloc(&cb->mirror_arena, ARENA_DEVICE, bytes, MIRROR_CHUNK);
-    if (!p) ck(cb, cudaErrorMemoryAllocation, what); /* the cache before the copies */
+    if (!p && drop_f16_copies(cb)) /* the cache before the copies */
+        p = arena_alloc(&cb->mirror_arena, ARENA_DEVICE, bytes, MIRROR_CHUNK);
+    if (!p) ck(cb, cudaErrorMemoryAllocation, what);
     return p;
 }
 

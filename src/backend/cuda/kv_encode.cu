@@ -349,8 +349,8 @@ __global__ void kv_pack(const cuk_enc_args a) {
 /* An item's side and head a block, a dimension a thread: the mean of window rows
  * 1..T-1 summed in the host's order, each term divided first (the same bits); then
  * rotated back (the host's inverse: the butterflies, then the scale and sign) into the
- * cache's device offsets. The rows are loaded a batch at a time before the batch's
- * sums: loaded in the loop of sums, each waited for its load (72 us a layer, H200). */
+ * cache's device offsets. A batch of rows is loaded before its sums: loaded inside
+ * the chain of dependent sums, each row's load was waited for in turn. */
 template <int D>
 __global__ void kv_offsets_mean(const cuk_enc_args a, const cuk_offs_item *items) {
     __shared__ float buf[D];

@@ -12,10 +12,9 @@
  * multiplies 64 rows at a time with all the tokens (wgmma m64nNTk16, f32 sums, the
  * inputs read from shared memory), while the warp converts the next chunk. The inputs
  * are f16 in the order cuk_to_half_wide writes them, so the results are the GEMM
- * path's up to the order of the sums. Where
- * the rows make too few blocks to fill the GPU, the chunks are split over gridDim.z
- * blocks whose partial sums wide_reduce adds up in split order, so results depend
- * neither on timing nor on the number of tokens. */
+ * path's up to the order of the sums. Where the rows make too few blocks to fill the
+ * GPU, the chunks are split over gridDim.z blocks whose partial sums wide_reduce adds
+ * up in split order, so results depend neither on timing nor on the number of tokens. */
 #include <cuda_fp16.h>
 
 #include "backend/cuda/cp_async.cuh"
