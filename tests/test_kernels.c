@@ -7,6 +7,8 @@
 #include "kernels/attention.h"
 #include "kernels/f16.h"
 #include "kernels/activation.h"
+#include "kernels/asan.h"
+#include "kernels/kv_quant.h"
 #include "kernels/matmul.h"
 #include "kernels/matmul_impl.h"
 
@@ -557,8 +559,83 @@ static void test_attention(void) {
     test_attention_case(20, 64, 150, 1); /* more heads than one pass handles */
 }
 
+#ifdef KERN_ASAN
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* Under AddressSanitizer the SIMD loops go unchecked and their dispatchers check the
+ * ranges they will touch instead (kernels/asan.h). Each case below hands a kernel a
+ * buffer one row (or half a row) short: run in a child process, it must end the way
+ * ASan ends a program on a heap overflow. */
+static int asan_reports(void (*run)(void)) {
+    int fds[2];
+    if (pipe(fds) != 0) return 0;
+    fflush(stdout);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fds[1], 2);
+        run();
+        _exit(0);
+    }
+    close(fds[1]);
+    char buf[4096] = {0};
+    size_t got = 0;
+    ssize_t r;
+    while ((r = read(fds[0], buf + got, sizeof buf - 1 - got)) > 0 && got + (size_t)r < sizeof buf - 1) got += (size_t)r;
+    close(fds[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) && WEXITSTATUS(st) != 0 && strstr(buf, "heap-buffer-overflow") != NULL;
+}
+
+static void matmul_short_activations(void) { /* 3 tokens, room for 2.5 */
+    const int64_t k = 64, M = 32;
+    const size_t xrb = kern_act_row_bytes(KVQ_F32, k);
+    float *w = calloc((size_t)(M * k), sizeof(float)), *y = calloc((size_t)(3 * M), sizeof(float));
+    uint8_t *xa = calloc(1, 2 * xrb + xrb / 2);
+    const struct kern_matmul_args a = {.wtype = KVQ_F32, .w = w, .w_row_bytes = (size_t)k * 4, .k = k, .xa = xa,
+                                       .xa_row_bytes = xrb, .n_tok = 3, .y = y, .y_stride = M};
+    kern_matmul(&a, 0, M);
+}
+
+static void attention_short_keys(void) { /* 10 f16 rows, room for 9 */
+    const int d = 64, n = 10;
+    float *q = calloc((size_t)(2 * d), sizeof(float)), *mem = calloc(kern_attn_state_floats(2, d), sizeof(float));
+    uint16_t *k = calloc((size_t)((n - 1) * d), 2), *v = calloc((size_t)(n * d), 2);
+    struct kern_attn_state st;
+    kern_attn_state_init(&st, 2, d, mem);
+    kern_attn_accumulate(&st, q, k, (size_t)d, v, (size_t)d, 16, n);
+}
+
+static void packed_short_values(void) { /* a second run of 8 rows of K4V4 values, room for 7 */
+    const int d = 128;
+    const size_t rb = kern_kvq_row_bytes(4, 32, d);
+    float *q = calloc((size_t)(2 * d), sizeof(float)), *mem = calloc(kern_attn_state_floats(2, d), sizeof(float));
+    uint8_t *k = calloc(16, rb), *v = calloc(8, rb), *v2 = calloc(7, rb);
+    const struct kern_kv_rows kf = {NULL, rb, 4, 32}, vf = {NULL, rb, 4, 32};
+    const struct kern_kv_run runs[2] = {{k, v, 8}, {k + 8 * rb, v2, 8}};
+    struct kern_attn_state st;
+    kern_attn_state_init(&st, 2, d, mem);
+    kern_kvq_attn_accumulate_runs(&st, q, &kf, &vf, runs, 2);
+}
+
+static void test_asan_ranges(void) {
+    for (int li = 1; li < 3; li++) {
+        if (kvq_simd_force(all_levels[li]) != 0) continue;
+        CHECK(asan_reports(matmul_short_activations), "%s: activations one token short not reported", level_name[li]);
+        CHECK(asan_reports(attention_short_keys), "%s: f16 keys one row short not reported", level_name[li]);
+        CHECK(asan_reports(packed_short_values), "%s: a run of packed values one row short not reported",
+              level_name[li]);
+    }
+    kvq_simd_force(kvq_simd_max());
+}
+#endif
+
 int main(void) {
     printf("SIMD level: %s\n", kern_simd_level());
+#ifdef KERN_ASAN
+    test_asan_ranges();
+#endif
     test_dequant_formula();
     test_prepare_levels();
     test_matmul();

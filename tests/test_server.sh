@@ -300,7 +300,7 @@ rss0=$(rss)
 client disconnect "$text"
 sleep 0.3
 rss1=$(rss)
-if ldd "$kvq" 2>/dev/null | grep -q libasan || nm "$kvq" 2>/dev/null | grep -q __asan_init; then
+if sanitized; then
   echo "note: AddressSanitizer build, RSS not checked"
 else
   client disconnect "$text"

@@ -25,7 +25,7 @@ stop_server() { # waits at most 30 s
   srv_pid=""
 }
 asan=0
-nm "$kvq" 2>/dev/null | grep -q __asan_init && asan=1 # RSS is not checked under AddressSanitizer
+sanitized && asan=1 # RSS is not checked under AddressSanitizer
 client() { # MODE ARGS...: the Python client, its ok/FAIL lines counted (2 minutes at most)
   KVQ_ASAN=$asan timeout 120 python3 "$here/server/hostile.py" "$1" "$port" "${@:2}" >"$tmp/client.out" 2>&1
   local rc=$?

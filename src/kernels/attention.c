@@ -1,5 +1,6 @@
 /* Online-softmax attention: state handling, dispatch and the scalar version. */
 #include "kernels/attention.h"
+#include "kernels/asan.h"
 #include "kernels/f16.h"
 #include "kernels/matmul_impl.h"
 #include "kernels/online_softmax.h"
@@ -35,11 +36,24 @@ void kern_attn_finish(const struct kern_attn_state *s, float *out) {
     }
 }
 
+/* What the SIMD kernels will touch: the queries, n rows of K and V, the state (kernels/asan.h). */
+static void attn_ranges(const struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
+                        const void *v, size_t v_stride, int elem_bits, int n) {
+    const size_t es = (size_t)elem_bits / 8, hd = (size_t)s->n_q * (size_t)s->d;
+    kern_asan_range(q, hd * sizeof(float));
+    kern_asan_rows(k, (size_t)n, (size_t)s->d * es, k_stride * es);
+    kern_asan_rows(v, (size_t)n, (size_t)s->d * es, v_stride * es);
+    kern_asan_range(s->acc, hd * sizeof(float));
+    kern_asan_range(s->m, (size_t)s->n_q * sizeof(float));
+    kern_asan_range(s->l, (size_t)s->n_q * sizeof(float));
+}
+
 void kern_attn_accumulate(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
                           const void *v, size_t v_stride, int elem_bits, int n) {
     if (n <= 0) return;
     /* the SIMD kernels take whole vectors of the head size */
     const enum kvq_simd level = kvq_simd_level();
+    if (level >= KVQ_SIMD_AVX2) attn_ranges(s, q, k, k_stride, v, v_stride, elem_bits, n);
     if (level == KVQ_SIMD_AVX512 && s->d % 16 == 0)
         kern_attn_accumulate_avx512(s, q, k, k_stride, v, v_stride, elem_bits, n);
     else if (level >= KVQ_SIMD_AVX2 && s->d % 8 == 0)

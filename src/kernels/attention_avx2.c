@@ -1,6 +1,7 @@
 /* AVX2 online-softmax attention over f16 or f32 K/V rows (head size a multiple of
  * 8; attention.c sends the others to the scalar kernel). */
 #include "kernels/matmul_impl.h"
+#include "kernels/asan.h"
 
 #include <immintrin.h>
 

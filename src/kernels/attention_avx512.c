@@ -1,6 +1,7 @@
 /* AVX-512 online-softmax attention over f16 or f32 K/V rows (head size a multiple of
  * 16; attention.c sends the others to the AVX2 or scalar kernel). */
 #include "kernels/matmul_impl.h"
+#include "kernels/asan.h"
 
 #include <immintrin.h>
 

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/cpu.h"
+#include "kernels/asan.h"
 #include "kernels/kv_quant_impl.h"
 #include "kernels/online_softmax.h"
 
@@ -329,6 +330,20 @@ void kern_kvq_use_fast(int on) {
     kern_kvq_use_fast_avx512(on);
 }
 
+/* What the SIMD kernels will touch: the queries, the runs' rows, the state (kernels/asan.h). */
+static void attn_runs_ranges(const struct kern_attn_state *s, const float *q, const struct kern_kv_rows *kf,
+                             const struct kern_kv_rows *vf, const struct kern_kv_run *runs, int n_runs) {
+    const size_t hd = (size_t)s->n_q * (size_t)s->d;
+    kern_asan_range(q, hd * sizeof(float));
+    for (int i = 0; i < n_runs; i++) {
+        kern_asan_rows(runs[i].k, (size_t)runs[i].n, kern_kvq_row_bytes(kf->bits, kf->group, s->d), kf->stride);
+        kern_asan_rows(runs[i].v, (size_t)runs[i].n, kern_kvq_row_bytes(vf->bits, vf->group, s->d), vf->stride);
+    }
+    kern_asan_range(s->acc, hd * sizeof(float));
+    kern_asan_range(s->m, (size_t)s->n_q * sizeof(float));
+    kern_asan_range(s->l, (size_t)s->n_q * sizeof(float));
+}
+
 void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *k,
                               const struct kern_kv_rows *v, int n) {
     if (n <= 0) return;
@@ -336,6 +351,7 @@ void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const s
     int simd_ok = s->d % 16 == 0 && (!kvq_is_quant(k->bits) || kvq_gsize(k->group, s->d) % 16 == 0) &&
                   (!kvq_is_quant(v->bits) || kvq_gsize(v->group, s->d) % 16 == 0);
     const enum kvq_simd l = simd_ok ? kvq_simd_level() : KVQ_SIMD_SCALAR;
+    if (l >= KVQ_SIMD_AVX2) attn_runs_ranges(s, q, k, v, &(struct kern_kv_run){k->data, v->data, n}, 1);
     for (int h0 = 0; h0 < s->n_q; h0 += KVQ_ATTN_MAXH) {
         int nh = s->n_q - h0 < KVQ_ATTN_MAXH ? s->n_q - h0 : KVQ_ATTN_MAXH;
         if (l == KVQ_SIMD_AVX512) kern_kvq_attn_avx512(s, h0, nh, q, k, v, n);
@@ -428,6 +444,7 @@ void kern_kvq_attn_accumulate_runs(struct kern_attn_state *s, const float *q, co
     const bool dense = kf->bits == vf->bits && !kvq_is_quant(kf->bits);
     const enum kvq_simd level = kvq_simd_level();
     if (!dense && level >= KVQ_SIMD_AVX2 && s->d % 16 == 0) {
+        attn_runs_ranges(s, q, kf, vf, runs, n_runs);
         bool done = true;
         for (int h0 = 0; h0 < s->n_q && done; h0 += KVQ_ATTN_MAXH) {
             int nh = s->n_q - h0 < KVQ_ATTN_MAXH ? s->n_q - h0 : KVQ_ATTN_MAXH;

@@ -4,6 +4,7 @@
 #include <pthread.h>
 
 #include "kernels/kv_quant_impl.h"
+#include "kernels/asan.h"
 #include "kernels/online_softmax.h"
 #include "kernels/simd_avx2.h"
 
@@ -291,7 +292,7 @@ struct fx_q {
     __m256i nfh, nfl; /* 4-bit normal-float keys: the level bytes' high and low nibbles */
 };
 
-static void fx_prepare(struct fx_q *f, const int KB, const int NH, const float *q, int d, int G, int two, int kbits,
+KERN_UNCHECKED static void fx_prepare(struct fx_q *f, const int KB, const int NH, const float *q, int d, int G, int two, int kbits,
                        int vbits) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const int ng = d / G, cv = KB == 4 ? 64 : 32; /* values per chunk */
@@ -558,7 +559,7 @@ INLINE void fx_attn(const int KB, const int NH, struct kern_attn_state *s, int h
 }
 
 #define FX_NH(KB)                                                                                                      \
-    static void fx_##KB(int nh, struct kern_attn_state *s, int h0, const float *q, const struct kern_kv_rows *k,      \
+    KERN_UNCHECKED static void fx_##KB(int nh, struct kern_attn_state *s, int h0, const float *q, const struct kern_kv_rows *k,      \
                         const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {                    \
         switch (nh) {                                                                                                  \
         case 1: fx_attn(KB, 1, s, h0, q, k, v, runs, n_runs); break;                                                   \
@@ -574,7 +575,7 @@ INLINE void fx_attn(const int KB, const int NH, struct kern_attn_state *s, int h
 FX_NH(4)
 FX_NH(8)
 
-bool kern_kvq_attn_avx2_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+KERN_UNCHECKED bool kern_kvq_attn_avx2_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                              const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
     if (!fast_wanted || !kvq_fast_formats(s->d, k, v)) return false;
     if (k->bits == 4) fx_4(nh, s, h0, q, k, v, runs, n_runs);

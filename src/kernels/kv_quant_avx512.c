@@ -6,6 +6,7 @@
 #include <pthread.h>
 
 #include "core/cpu.h"
+#include "kernels/asan.h"
 #include "kernels/inline.h"
 #include "kernels/kv_quant_impl.h"
 #include "kernels/online_softmax.h"
@@ -1013,7 +1014,7 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
 }
 
 #define FAST_NH(KB)                                                                                                    \
-    static void fast_##KB(int nh, struct kern_attn_state *s, int h0, const float *q, const struct kern_kv_rows *k,    \
+    KERN_UNCHECKED static void fast_##KB(int nh, struct kern_attn_state *s, int h0, const float *q, const struct kern_kv_rows *k,    \
                           const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {                  \
         switch (nh) {                                                                                                  \
         case 8: fast_attn(KB, 8, s, h0, q, k, v, runs, n_runs); break;                                                 \
@@ -1030,7 +1031,7 @@ FAST_NH(4)
 FAST_NH(8)
 
 /* Up to FMAXH heads per pass: each pass reads the rows once. */
-static void fast_heads(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+KERN_UNCHECKED static void fast_heads(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                        const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
     while (nh > 0) {
         const int c = nh > FMAXH ? FMAXH : nh;
@@ -1042,13 +1043,13 @@ static void fast_heads(struct kern_attn_state *s, int h0, int nh, const float *q
 }
 
 #if KVQ_VBMI
-void kern_kvq_attn_avx512vbmi_runs(struct kern_attn_state *s, int h0, int nh, const float *q,
+KERN_UNCHECKED void kern_kvq_attn_avx512vbmi_runs(struct kern_attn_state *s, int h0, int nh, const float *q,
                                    const struct kern_kv_rows *k, const struct kern_kv_rows *v,
                                    const struct kern_kv_run *runs, int n_runs) {
     fast_heads(s, h0, nh, q, k, v, runs, n_runs);
 }
 #else
-bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
+KERN_UNCHECKED bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
                                const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
     if (!fast_wanted || !kvq_fast_formats(s->d, k, v)) return false;
     if ((k->group == KERN_KVQ_NF || v->group == KERN_KVQ_NF) && vbmi_wanted && kvq_cpu_avx512_vbmi())

@@ -2,6 +2,7 @@
  * reference implementation (used on CPUs without AVX2 and by the tests). */
 #include "core/cpu.h"
 #include "core/dtype.h"
+#include "kernels/asan.h"
 #include "kernels/f16.h"
 #include "kernels/matmul_impl.h"
 
@@ -9,8 +10,26 @@
 
 const char *kern_simd_level(void) { return kvq_simd_level_name(); }
 
+#ifdef KERN_ASAN
+/* What the SIMD kernels will touch of a's weights, activations and outputs (kernels/asan.h). */
+static void matmul_ranges(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+    if (a->w16 && (a->wtype == KVQ_Q4_0 || a->wtype == KVQ_Q8_0)) {
+        const size_t tb = kern_rows16_tile_bytes(a->wtype, a->k);
+        kern_asan_range((const uint8_t *)a->w16 + (size_t)(r0 / 16) * tb, (size_t)((r1 + 15) / 16 - r0 / 16) * tb);
+    } else {
+        kern_asan_rows((const uint8_t *)a->w + (size_t)r0 * a->w_row_bytes, (size_t)(r1 - r0), a->w_row_bytes,
+                       a->w_row_bytes);
+    }
+    kern_asan_rows(a->xa, (size_t)a->n_tok, a->xa_row_bytes, a->xa_row_bytes);
+    kern_asan_rows(a->y + r0, (size_t)a->n_tok, (size_t)(r1 - r0) * sizeof(float), (size_t)a->y_stride * sizeof(float));
+}
+#else
+#define matmul_ranges(a, r0, r1) ((void)0)
+#endif
+
 void kern_matmul(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     if (r0 >= r1 || a->n_tok <= 0) return;
+    if (kvq_simd_level() >= KVQ_SIMD_AVX2) matmul_ranges(a, r0, r1);
     switch (kvq_simd_level()) {
     case KVQ_SIMD_AVX512: kern_matmul_avx512(a, r0, r1); break;
     case KVQ_SIMD_AVX2:

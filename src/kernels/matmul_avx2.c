@@ -3,6 +3,7 @@
  * float types. Register tiles of up to 4 rows x 1 token (decode) or 2 rows x 4 tokens
  * (prefill); Q8_0 and Q4_0 in the 16-row form 16 rows x up to 4 tokens. */
 #include "core/dtype.h"
+#include "kernels/asan.h"
 #include "kernels/f16.h"
 #include "kernels/matmul_impl.h"
 #include "kernels/matmul_tiles.h"
@@ -477,7 +478,7 @@ INLINE void rows16_q8_0_tokens(const struct kern_rows16_tile *tl, const int T) {
 }
 
 /* A group of n tokens of a tile (kern_rows16_loop). */
-static void rows16_q4_0(const struct kern_rows16_tile *t, int n) {
+KERN_UNCHECKED static void rows16_q4_0(const struct kern_rows16_tile *t, int n) {
     switch (n) {
     case 1: rows16_q4_0_tokens(t, 1); break;
     case 2: rows16_q4_0_tokens(t, 2); break;
@@ -486,7 +487,7 @@ static void rows16_q4_0(const struct kern_rows16_tile *t, int n) {
     }
 }
 
-static void rows16_q8_0(const struct kern_rows16_tile *t, int n) {
+KERN_UNCHECKED static void rows16_q8_0(const struct kern_rows16_tile *t, int n) {
     switch (n) {
     case 1: rows16_q8_0_tokens(t, 1); break;
     case 2: rows16_q8_0_tokens(t, 2); break;
@@ -517,7 +518,7 @@ static const struct kern_tiling kquant_tiling = {.rows_1 = 1, .rows_n = 1, .chun
 static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 2, .chunk_bytes = 65536, .chunk_align = 4,
                                                 .pf_tiles = PF_TILES};
 
-void AVX2_FN(kern_matmul_avx2)(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+KERN_UNCHECKED void AVX2_FN(kern_matmul_avx2)(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
     case KVQ_Q8_0:
         if (a->w16) kern_rows16_loop(a, r0, r1, ROWS16_TOKENS, rows16_q8_0);

@@ -3,6 +3,7 @@
  * multiplied with every token's activations (vpdpbusd / vpmaddubsw+vpdpwssd for
  * quantized types, vcvtph2ps + FMA for float types). */
 #include "core/dtype.h"
+#include "kernels/asan.h"
 #include "kernels/matmul_impl.h"
 #include "kernels/matmul_tiles.h"
 
@@ -415,8 +416,8 @@ INLINE void rows16_tokens(const int q4, const struct kern_rows16_tile *tl, const
     case 7: rows16_tokens(q4, t, 7); break;                                    \
     default: rows16_tokens(q4, t, 8); break;                                   \
     }
-static void rows16_q8_0(const struct kern_rows16_tile *t, int n) { ROWS16_CASES(0) }
-static void rows16_q4_0(const struct kern_rows16_tile *t, int n) { ROWS16_CASES(1) }
+KERN_UNCHECKED static void rows16_q8_0(const struct kern_rows16_tile *t, int n) { ROWS16_CASES(0) }
+KERN_UNCHECKED static void rows16_q4_0(const struct kern_rows16_tile *t, int n) { ROWS16_CASES(1) }
 #undef ROWS16_CASES
 
 /* ---- micro-kernels per weight type, and the driver ---------------------------- */
@@ -436,7 +437,7 @@ static const struct kern_tiling kquant_tiling = {.rows_1 = 1, .rows_n = 1, .chun
 static const struct kern_tiling float_tiling = {.rows_1 = 4, .rows_n = 4, .chunk_bytes = 65536, .chunk_align = 4,
                                                 .pf_tiles = PF_TILES};
 
-void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
+KERN_UNCHECKED void kern_matmul_avx512(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     switch (a->wtype) {
     case KVQ_Q8_0:
         if (a->w16) kern_rows16_loop(a, r0, r1, ROWS16_TOKENS, rows16_q8_0);

@@ -5,6 +5,7 @@
 
 #include "core/cpu.h"
 #include "kernels/attention.h"
+#include "kernels/inline.h"
 #include "kernels/matmul.h"
 
 #include <stdint.h>
@@ -66,13 +67,14 @@ void kern_attn_accumulate_avx512(struct kern_attn_state *s, const float *q, cons
 /* Rows per online-softmax block. */
 #define KERN_ATTN_BLOCK 64
 
-static inline uint16_t kern_rd16(const void *p) {
+/* always inlined: a call from the SIMD loops would be one checked by ASan (kernels/asan.h) */
+INLINE uint16_t kern_rd16(const void *p) {
     uint16_t v;
     memcpy(&v, p, 2);
     return v;
 }
 
-static inline int32_t kern_rd32(const void *p) {
+INLINE int32_t kern_rd32(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return v;
