@@ -44,13 +44,16 @@ static const struct unpack256 *unpacker(int bits) {
     return bits >= 2 && bits <= 5 ? &unpackers[bits] : NULL;
 }
 
+/* 32 4-bit codes at p (16 bytes) as bytes. */
+INLINE __m256i unpack32_4(const uint8_t *p) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16(x, 4)), _mm256_set1_epi16(0x0f0f));
+}
+
 /* 32 codes at p (4 * bits bytes) as bytes. */
 INLINE __m256i unpack32(const struct unpack256 *u, const uint8_t *p) {
     const int bits = u->bits;
-    if (bits == 4) {
-        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-        return _mm256_and_si256(_mm256_or_si256(x, _mm256_slli_epi16(x, 4)), _mm256_set1_epi16(0x0f0f));
-    }
+    if (bits == 4) return unpack32_4(p);
     if (bits == 2) {
         const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
         const __m256i y = _mm256_or_si256(_mm256_or_si256(x, _mm256_slli_epi32(x, 6)),
@@ -384,6 +387,7 @@ INLINE __m256 fx_nf_sb(const struct fx_q *f, uint8_t e) {
  * saturate vpmaddubsw), other widths (KB 8) unpacked and widened in registers. */
 INLINE void fx_scores(const int KB, const int NF, const int NH, const struct fx_q *f, const struct kern_kv_rows *k,
                       const struct kern_kv_rows *v, int d, int ng, int j0, int nj, float sc[][FX_B]) {
+    const int G = d / ng;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
     const int nk = (ng + 3) / 4, cv = KB == 4 ? 64 : 32;
     __m256 tv[KVQ_ATTN_MAXH][FX_B]; /* the rows' lanes, summed 4 at a time */
@@ -392,8 +396,9 @@ INLINE void fx_scores(const int KB, const int NF, const int NH, const struct fx_
         FN(prefetch_rows)(r + FX_PF_ROWS * k->stride, k->stride);
         FN(prefetch_rows)(v->data + (size_t)(j0 + j) * v->stride, v->stride);
         __m256 acc[KVQ_ATTN_MAXH], sbv[FX_MAXG / 4];
+        __m256i gs[KVQ_ATTN_MAXH];
         UNROLL
-        for (int h = 0; h < NH; h++) acc[h] = _mm256_setzero_ps();
+        for (int h = 0; h < NH; h++) acc[h] = _mm256_setzero_ps(), gs[h] = _mm256_setzero_si256();
         if (NF) sbv[0] = fx_nf_sb(f, *sb);
         else
             for (int i = 0; i < nk; i++) sbv[i] = fx_sb4(sb, ng, i);
@@ -428,12 +433,20 @@ INLINE void fx_scores(const int KB, const int NF, const int NH, const struct fx_
                     a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + 32 * (size_t)c)));
                     b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r + 32 * (size_t)c + 16)));
                 }
+                /* a group's chunks (one scale: G / 32 of them) summed as integers, then
+                 * scaled once (at most 8 x 8.4e6 a lane); past 4 heads the sums would not
+                 * fit the registers */
+                const int last = NH > 4 || (c + 1) % (G / 32) == 0;
                 UNROLL
                 for (int h = 0; h < NH; h++) {
                     const int16_t *qh = f->q16 + (size_t)h * d + 32 * (size_t)c;
                     const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(a, _mm256_load_si256((const __m256i *)qh)),
                                                        _mm256_madd_epi16(b, _mm256_load_si256((const __m256i *)(qh + 16))));
-                    acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[h]);
+                    gs[h] = _mm256_add_epi32(gs[h], s);
+                    if (last) {
+                        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gs[h]), sv, acc[h]);
+                        gs[h] = _mm256_setzero_si256();
+                    }
                 }
             }
         }
@@ -500,6 +513,9 @@ INLINE void fx_values(const int NH, const struct fx_q *f, float *acc, int d, con
         const uint8_t *r = v->data + (size_t)(j0 + j) * v->stride, *sb = r + (size_t)d * VB / 8;
         if (VB == 8) {
             cd[j] = r;
+        } else if (VB == 4 && !nf) { /* the common case, without unpack32's choice of width */
+            cd[j] = codes + (size_t)j * d;
+            for (int i = 0; i < d; i += 32) _mm256_storeu_si256((__m256i *)(codes + (size_t)j * d + i), unpack32_4(r + i / 2));
         } else { /* codes (or level bytes) to bytes, in value order */
             row_bytes(&f->vu, nf, r, d, codes + (size_t)j * d);
             cd[j] = codes + (size_t)j * d;
