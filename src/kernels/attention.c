@@ -36,6 +36,7 @@ void kern_attn_finish(const struct kern_attn_state *s, float *out) {
     }
 }
 
+#ifdef KERN_ASAN
 /* What the SIMD kernels will touch: the queries, n rows of K and V, the state (kernels/asan.h). */
 static void attn_ranges(const struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
                         const void *v, size_t v_stride, int elem_bits, int n) {
@@ -47,6 +48,9 @@ static void attn_ranges(const struct kern_attn_state *s, const float *q, const v
     kern_asan_range(s->m, (size_t)s->n_q * sizeof(float));
     kern_asan_range(s->l, (size_t)s->n_q * sizeof(float));
 }
+#else
+#define attn_ranges(s, q, k, k_stride, v, v_stride, elem_bits, n) ((void)0)
+#endif
 
 void kern_attn_accumulate(struct kern_attn_state *s, const float *q, const void *k, size_t k_stride,
                           const void *v, size_t v_stride, int elem_bits, int n) {

@@ -330,6 +330,7 @@ void kern_kvq_use_fast(int on) {
     kern_kvq_use_fast_avx512(on);
 }
 
+#ifdef KERN_ASAN
 /* What the SIMD kernels will touch: the queries, the runs' rows, the state (kernels/asan.h). */
 static void attn_runs_ranges(const struct kern_attn_state *s, const float *q, const struct kern_kv_rows *kf,
                              const struct kern_kv_rows *vf, const struct kern_kv_run *runs, int n_runs) {
@@ -343,6 +344,9 @@ static void attn_runs_ranges(const struct kern_attn_state *s, const float *q, co
     kern_asan_range(s->m, (size_t)s->n_q * sizeof(float));
     kern_asan_range(s->l, (size_t)s->n_q * sizeof(float));
 }
+#else
+#define attn_runs_ranges(...) ((void)0)
+#endif
 
 void kern_kvq_attn_accumulate(struct kern_attn_state *s, const float *q, const struct kern_kv_rows *k,
                               const struct kern_kv_rows *v, int n) {
