@@ -67,8 +67,8 @@ serve_start() {
   return 1
 }
 
-# sanitized: true when $kvq is the AddressSanitizer build, where everything runs 5-20x
-# slower and RSS is not a measure of leaks (its quarantine and shadow memory).
+# sanitized: true when $kvq is the AddressSanitizer build, where RSS is not a measure
+# of leaks (its quarantine and shadow memory).
 sanitized() { nm "$kvq" 2>/dev/null | grep -q __asan_init; }
 
 # ok / bad DESCRIPTION: count a result decided by the caller.

@@ -581,7 +581,7 @@ static int asan_reports(void (*run)(void)) {
     char buf[4096] = {0};
     size_t got = 0;
     ssize_t r;
-    while ((r = read(fds[0], buf + got, sizeof buf - 1 - got)) > 0 && got + (size_t)r < sizeof buf - 1) got += (size_t)r;
+    while (got < sizeof buf - 1 && (r = read(fds[0], buf + got, sizeof buf - 1 - got)) > 0) got += (size_t)r;
     close(fds[0]);
     int st = 0;
     waitpid(pid, &st, 0);

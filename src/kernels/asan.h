@@ -6,7 +6,8 @@
  * functions they call), and their dispatchers check instead, once a call, every range
  * the loop will read or write (kern_asan_range): a loop that strays outside them is
  * not caught, but every caller that hands them a short buffer, a freed block or a
- * wrong stride is. Without ASan both are nothing. */
+ * wrong stride is. Without ASan, KERN_UNCHECKED is nothing and the checks are not
+ * compiled (the dispatchers' range functions are under #ifdef KERN_ASAN). */
 #ifndef KVQ_KERNELS_ASAN_H
 #define KVQ_KERNELS_ASAN_H
 
@@ -28,10 +29,6 @@ void kern_asan_range(const void *p, size_t n);
 void kern_asan_rows(const void *p, size_t rows, size_t row_bytes, size_t stride);
 #else
 #define KERN_UNCHECKED
-static inline void kern_asan_range(const void *p, size_t n) { (void)p, (void)n; }
-static inline void kern_asan_rows(const void *p, size_t rows, size_t row_bytes, size_t stride) {
-    (void)p, (void)rows, (void)row_bytes, (void)stride;
-}
 #endif
 
 #endif

@@ -295,8 +295,8 @@ struct fx_q {
     __m256i nfh, nfl; /* 4-bit normal-float keys: the level bytes' high and low nibbles */
 };
 
-KERN_UNCHECKED static void fx_prepare(struct fx_q *f, const int KB, const int NH, const float *q, int d, int G, int two, int kbits,
-                       int vbits) {
+KERN_UNCHECKED static void fx_prepare(struct fx_q *f, const int KB, const int NH, const float *q, int d, int G,
+                                      int two, int kbits, int vbits) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const int ng = d / G, cv = KB == 4 ? 64 : 32; /* values per chunk */
     for (int h = 0; h < NH; h++) {
@@ -515,7 +515,8 @@ INLINE void fx_values(const int NH, const struct fx_q *f, float *acc, int d, con
             cd[j] = r;
         } else if (VB == 4 && !nf) { /* the common case, without unpack32's choice of width */
             cd[j] = codes + (size_t)j * d;
-            for (int i = 0; i < d; i += 32) _mm256_storeu_si256((__m256i *)(codes + (size_t)j * d + i), unpack32_4(r + i / 2));
+            for (int i = 0; i < d; i += 32)
+                _mm256_storeu_si256((__m256i *)(codes + (size_t)j * d + i), unpack32_4(r + i / 2));
         } else { /* codes (or level bytes) to bytes, in value order */
             row_bytes(&f->vu, nf, r, d, codes + (size_t)j * d);
             cd[j] = codes + (size_t)j * d;
@@ -575,8 +576,9 @@ INLINE void fx_attn(const int KB, const int NH, struct kern_attn_state *s, int h
 }
 
 #define FX_NH(KB)                                                                                                      \
-    KERN_UNCHECKED static void fx_##KB(int nh, struct kern_attn_state *s, int h0, const float *q, const struct kern_kv_rows *k,      \
-                        const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {                    \
+    KERN_UNCHECKED static void fx_##KB(int nh, struct kern_attn_state *s, int h0, const float *q,                      \
+                                       const struct kern_kv_rows *k, const struct kern_kv_rows *v,                     \
+                                       const struct kern_kv_run *runs, int n_runs) {                                   \
         switch (nh) {                                                                                                  \
         case 1: fx_attn(KB, 1, s, h0, q, k, v, runs, n_runs); break;                                                   \
         case 2: fx_attn(KB, 2, s, h0, q, k, v, runs, n_runs); break;                                                   \
@@ -591,8 +593,9 @@ INLINE void fx_attn(const int KB, const int NH, struct kern_attn_state *s, int h
 FX_NH(4)
 FX_NH(8)
 
-KERN_UNCHECKED bool kern_kvq_attn_avx2_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
-                             const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
+KERN_UNCHECKED bool kern_kvq_attn_avx2_runs(struct kern_attn_state *s, int h0, int nh, const float *q,
+                                            const struct kern_kv_rows *k, const struct kern_kv_rows *v,
+                                            const struct kern_kv_run *runs, int n_runs) {
     if (!fast_wanted || !kvq_fast_formats(s->d, k, v)) return false;
     if (k->bits == 4) fx_4(nh, s, h0, q, k, v, runs, n_runs);
     else fx_8(nh, s, h0, q, k, v, runs, n_runs);

@@ -1014,8 +1014,9 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
 }
 
 #define FAST_NH(KB)                                                                                                    \
-    KERN_UNCHECKED static void fast_##KB(int nh, struct kern_attn_state *s, int h0, const float *q, const struct kern_kv_rows *k,    \
-                          const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {                  \
+    KERN_UNCHECKED static void fast_##KB(int nh, struct kern_attn_state *s, int h0, const float *q,                    \
+                                         const struct kern_kv_rows *k, const struct kern_kv_rows *v,                   \
+                                         const struct kern_kv_run *runs, int n_runs) {                                 \
         switch (nh) {                                                                                                  \
         case 8: fast_attn(KB, 8, s, h0, q, k, v, runs, n_runs); break;                                                 \
         case 7: fast_attn(KB, 7, s, h0, q, k, v, runs, n_runs); break;                                                 \
@@ -1031,8 +1032,9 @@ FAST_NH(4)
 FAST_NH(8)
 
 /* Up to FMAXH heads per pass: each pass reads the rows once. */
-KERN_UNCHECKED static void fast_heads(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
-                       const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
+KERN_UNCHECKED static void fast_heads(struct kern_attn_state *s, int h0, int nh, const float *q,
+                                      const struct kern_kv_rows *k, const struct kern_kv_rows *v,
+                                      const struct kern_kv_run *runs, int n_runs) {
     while (nh > 0) {
         const int c = nh > FMAXH ? FMAXH : nh;
         if (k->bits == 4) fast_4(c, s, h0, q, k, v, runs, n_runs);
@@ -1049,8 +1051,9 @@ KERN_UNCHECKED void kern_kvq_attn_avx512vbmi_runs(struct kern_attn_state *s, int
     fast_heads(s, h0, nh, q, k, v, runs, n_runs);
 }
 #else
-KERN_UNCHECKED bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q, const struct kern_kv_rows *k,
-                               const struct kern_kv_rows *v, const struct kern_kv_run *runs, int n_runs) {
+KERN_UNCHECKED bool kern_kvq_attn_avx512_runs(struct kern_attn_state *s, int h0, int nh, const float *q,
+                                              const struct kern_kv_rows *k, const struct kern_kv_rows *v,
+                                              const struct kern_kv_run *runs, int n_runs) {
     if (!fast_wanted || !kvq_fast_formats(s->d, k, v)) return false;
     if ((k->group == KERN_KVQ_NF || v->group == KERN_KVQ_NF) && vbmi_wanted && kvq_cpu_avx512_vbmi())
         kern_kvq_attn_avx512vbmi_runs(s, h0, nh, q, k, v, runs, n_runs);

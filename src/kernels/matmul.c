@@ -29,8 +29,9 @@ static void matmul_ranges(const struct kern_matmul_args *a, int64_t r0, int64_t 
 
 void kern_matmul(const struct kern_matmul_args *a, int64_t r0, int64_t r1) {
     if (r0 >= r1 || a->n_tok <= 0) return;
-    if (kvq_simd_level() >= KVQ_SIMD_AVX2) matmul_ranges(a, r0, r1);
-    switch (kvq_simd_level()) {
+    const enum kvq_simd level = kvq_simd_level();
+    if (level >= KVQ_SIMD_AVX2) matmul_ranges(a, r0, r1);
+    switch (level) {
     case KVQ_SIMD_AVX512: kern_matmul_avx512(a, r0, r1); break;
     case KVQ_SIMD_AVX2:
         if (kvq_cpu_avx_vnni()) kern_matmul_avx2vnni(a, r0, r1);
