@@ -402,6 +402,7 @@ INLINE void fx_scores(const int KB, const int NF, const int NH, const struct fx_
         if (NF) sbv[0] = fx_nf_sb(f, *sb);
         else
             for (int i = 0; i < nk; i++) sbv[i] = fx_sb4(sb, ng, i);
+        int left = G / 32; /* 8-bit keys: chunks left in the group */
         for (int c = 0; c < d / cv; c++) {
             const __m256 sv = _mm256_permutevar8x32_ps(sbv[f->ck[c]], f->cidx[c]);
             if (KB == 4) {
@@ -436,7 +437,8 @@ INLINE void fx_scores(const int KB, const int NF, const int NH, const struct fx_
                 /* a group's chunks (one scale: G / 32 of them) summed as integers, then
                  * scaled once (at most 8 x 8.4e6 a lane); past 4 heads the sums would not
                  * fit the registers */
-                const int last = NH > 4 || (c + 1) % (G / 32) == 0;
+                const int last = NH > 4 || --left == 0;
+                if (last) left = G / 32;
                 UNROLL
                 for (int h = 0; h < NH; h++) {
                     const int16_t *qh = f->q16 + (size_t)h * d + 32 * (size_t)c;
