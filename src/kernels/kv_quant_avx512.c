@@ -945,7 +945,7 @@ INLINE void fast_attn(const int KB, const int NH, struct kern_attn_state *s, int
             const __m512 mh = _mm512_permutexvar_ps(_mm512_set1_epi32(h), mn);
             for (int j = 0; j < nj; j += 16) { /* past the block's end the weights are 0 */
                 const __m512 x = _mm512_maskz_mov_ps(kern_softmax_mask16(nj - j),
-                                                     exp512(_mm512_sub_ps(_mm512_load_ps(p + j), mh)));
+                                                     kern_softmax_w512(_mm512_sub_ps(_mm512_load_ps(p + j), mh)));
                 _mm512_store_ps(p + j, x);
                 psum[h] = _mm512_add_ps(psum[h], x);
             }

@@ -3,9 +3,12 @@
  * the packed-row ones (kv_quant.c, kv_quant_simd.inc; the AVX-512 fast path in
  * kv_quant_avx512.c does the same step for several heads side by side, with exp512).
  *
- * e^x for x <= 0: 2^n * p(r), r = x - n ln2, |r| <= ln2/2, p of degree 7; x < -87
- * gives 0 (beneath e^-87 a softmax term no longer matters). The scalar step uses
- * expf.
+ * e^x for x <= 0: 2^n * p(r), r = x - n ln2, |r| <= ln2/2, p of degree 7 (x < -87
+ * gives e^-87). The scalar step uses expf. Every step gives weight 0 below x =
+ * KERN_SOFTMAX_CUT: the running maximum's weight is 1, so beneath e^-64 a term no
+ * longer changes a float sum, and the packed kernels' products of a weight and a
+ * row's scale (an f16, at least 6e-8) stay normal numbers: denormal ones are slow
+ * (microcode assists), and a peaked softmax makes many.
  *
  * kern_softmax_step_ISA(p, n, m, l, acc, d) is one block of the online softmax of
  * one query head: p[0..n) holds the block's scores (n >= 1) and gets their weights
@@ -22,6 +25,8 @@
 
 #include "kernels/inline.h"
 
+#define KERN_SOFTMAX_CUT (-64.0f)
+
 INLINE void kern_softmax_step_scalar(float *p, int n, float *m, float *l, float *acc, int d) {
     float mx = p[0];
     for (int j = 1; j < n; j++) mx = p[j] > mx ? p[j] : mx;
@@ -33,7 +38,8 @@ INLINE void kern_softmax_step_scalar(float *p, int n, float *m, float *l, float 
     }
     float sum = 0.0f;
     for (int j = 0; j < n; j++) {
-        p[j] = expf(p[j] - *m);
+        const float x = p[j] - *m;
+        p[j] = x >= KERN_SOFTMAX_CUT ? expf(x) : 0.0f;
         sum += p[j];
     }
     *l += sum;
@@ -62,6 +68,11 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* A softmax weight: e^x, 0 below KERN_SOFTMAX_CUT. */
+static inline __m256 kern_softmax_w256(__m256 x) {
+    return _mm256_and_ps(exp256(x), _mm256_cmp_ps(x, _mm256_set1_ps(KERN_SOFTMAX_CUT), _CMP_GE_OQ));
+}
+
 /* Lanes [0, k) set, k <= 8. */
 INLINE __m256i kern_softmax_mask256(int k) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -87,13 +98,14 @@ INLINE void kern_softmax_step_avx2(float *p, int n, float *m, float *l, float *a
     const __m256 mv = _mm256_set1_ps(*m);
     __m256 sum = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+        const __m256 e = kern_softmax_w256(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
         _mm256_storeu_ps(p + j, e);
         sum = _mm256_add_ps(sum, e);
     }
     if (j < n) {
         const __m256i mk = kern_softmax_mask256(n - j);
-        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(p + j, mk), mv)), _mm256_castsi256_ps(mk));
+        const __m256 e =
+            _mm256_and_ps(kern_softmax_w256(_mm256_sub_ps(_mm256_maskload_ps(p + j, mk), mv)), _mm256_castsi256_ps(mk));
         _mm256_maskstore_ps(p + j, mk, e);
         sum = _mm256_add_ps(sum, e);
     }
@@ -124,6 +136,11 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* A softmax weight: e^x, 0 below KERN_SOFTMAX_CUT. */
+static inline __m512 kern_softmax_w512(__m512 x) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(KERN_SOFTMAX_CUT), _CMP_GE_OQ), exp512(x));
+}
+
 INLINE __mmask16 kern_softmax_mask16(int k) { return k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << k) - 1); }
 
 /* Any d (the tail of acc is masked). */
@@ -150,7 +167,7 @@ INLINE void kern_softmax_step_avx512(float *p, int n, float *m, float *l, float 
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < n; j += 16) {
         const __mmask16 mk = kern_softmax_mask16(n - j);
-        const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, p + j), mv)));
+        const __m512 e = _mm512_maskz_mov_ps(mk, kern_softmax_w512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, p + j), mv)));
         _mm512_mask_storeu_ps(p + j, mk, e);
         sum = _mm512_add_ps(sum, e);
     }
