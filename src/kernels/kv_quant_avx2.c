@@ -287,8 +287,10 @@ struct fx_q {
     /* per head, [0, sum_g(q) / sq] for each group g, zero-padded to a multiple of 4 groups */
     float qb[KVQ_ATTN_MAXH][2 * FX_MAXG] __attribute__((aligned(32)));
     /* per chunk of the row's codes (64 values of 4-bit keys, 32 of 8-bit): which 4 groups'
-     * pairs its scales come from, and the lanes' scale positions among them */
+     * pairs its scales come from, the lanes' scale positions among them, and (8-bit)
+     * whether it ends its group */
     int ck[FX_MAXG];
+    bool gend[FX_MAXG];
     __m256i cidx[FX_MAXG];
     const float *nfs; /* kern_kvq_nf_scales */
     struct unpack256 ku, vu;
@@ -358,6 +360,7 @@ KERN_UNCHECKED static void fx_prepare(struct fx_q *f, const int KB, const int NH
         f->ck[c] = g0 / 4;
         for (int m = 0; m < 8; m++) idx[m] = 2 * ((KB == 4 ? (c * cv + 8 * m) / G : g0) - 4 * (g0 / 4));
         f->cidx[c] = _mm256_loadu_si256((const __m256i *)idx);
+        f->gend[c] = (c + 1) * cv % G == 0;
     }
 }
 
@@ -387,7 +390,6 @@ INLINE __m256 fx_nf_sb(const struct fx_q *f, uint8_t e) {
  * saturate vpmaddubsw), other widths (KB 8) unpacked and widened in registers. */
 INLINE void fx_scores(const int KB, const int NF, const int NH, const struct fx_q *f, const struct kern_kv_rows *k,
                       const struct kern_kv_rows *v, int d, int ng, int j0, int nj, float sc[][FX_B]) {
-    const int G = d / ng;
     const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
     const int nk = (ng + 3) / 4, cv = KB == 4 ? 64 : 32;
     __m256 tv[KVQ_ATTN_MAXH][FX_B]; /* the rows' lanes, summed 4 at a time */
@@ -402,7 +404,6 @@ INLINE void fx_scores(const int KB, const int NF, const int NH, const struct fx_
         if (NF) sbv[0] = fx_nf_sb(f, *sb);
         else
             for (int i = 0; i < nk; i++) sbv[i] = fx_sb4(sb, ng, i);
-        int left = G / 32; /* 8-bit keys: chunks left in the group */
         for (int c = 0; c < d / cv; c++) {
             const __m256 sv = _mm256_permutevar8x32_ps(sbv[f->ck[c]], f->cidx[c]);
             if (KB == 4) {
@@ -437,8 +438,7 @@ INLINE void fx_scores(const int KB, const int NF, const int NH, const struct fx_
                 /* a group's chunks (one scale: G / 32 of them) summed as integers, then
                  * scaled once (at most 8 x 8.4e6 a lane); past 4 heads the sums would not
                  * fit the registers */
-                const int last = NH > 4 || --left == 0;
-                if (last) left = G / 32;
+                const bool last = NH > 4 || f->gend[c];
                 UNROLL
                 for (int h = 0; h < NH; h++) {
                     const int16_t *qh = f->q16 + (size_t)h * d + 32 * (size_t)c;
