@@ -267,6 +267,7 @@ struct cuk_enc_tok {
     uint64_t table_at;              /* its block-table entry, to write `block` into (0: the host does) */
     uint64_t ring, sink;            /* f16 windows as in cuk_attn_tok (0: none) */
     int32_t ring_cap, sink_cap, sinks; /* p < sinks: a sink row too */
+    int32_t repack;                 /* the pass's offsets pack the row (cuk_kv_offsets): windows only */
     uint64_t mu;                    /* offsets [2][n_kv][D], or 0 */
     uint32_t rb_k, rb_v, rb_wk, rb_wv; /* byte offsets of its rows [n_kv][row] in the read-back buffer */
 };                                     /* (rb_wk, rb_wv CUK_NO_ROW: its window rows are not read back) */

@@ -816,7 +816,7 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
                         .ring = m ? (uint64_t)(uintptr_t)m->win : 0,
                         .sink = m ? (uint64_t)(uintptr_t)m->sink : 0,
                         .ring_cap = m ? m->ring_cap : 1, .sink_cap = m ? m->sink_cap : 1, .sinks = v.sinks,
-                        .mu = m && m->has_mu ? (uint64_t)(uintptr_t)m->mu : 0,
+                        .repack = pa->offs_T > 0, .mu = m && m->has_mu ? (uint64_t)(uintptr_t)m->mu : 0,
                         .rb_k = back ? (uint32_t)(rb + (size_t)i * H * v.k_row) : CUK_NO_ROW,
                         .rb_v = back ? (uint32_t)(rb + kb + (size_t)i * H * v.v_row) : CUK_NO_ROW,
                         .rb_wk = p < w0 ? CUK_NO_ROW : (uint32_t)(rb + kb + vb + wr),
@@ -866,8 +866,9 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
             .signs = cb->signs, .toks = (const struct cuk_enc_tok *)(cb->stage_d + toks_off) + first[f],
             .n = first[f + 1] - first[f], .readback = cb->rb_d, .rope = rope,
         };
-        /* prepared as the attention kernels read rotated or packed keys */
-        if (r && (vw->k_rot || vw->k_bits < 16)) args.rope.qprep = cb->qprep;
+        /* prepared as the attention kernels read rotated or packed keys; past a point
+         * chosen in this pass by the attention, whose q.mu needs the new offsets */
+        if (r && !past_point && (vw->k_rot || vw->k_bits < 16)) args.rope.qprep = cb->qprep;
         if (one_row_each && vw->windows && vw->win_span > 0 && (vw->k_bits < 16 || vw->v_bits < 16) &&
             !(args.defer = defer_rows(cb, args.n, H, D)))
             return kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure);

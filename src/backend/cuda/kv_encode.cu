@@ -329,6 +329,7 @@ __global__ void kv_encode(const cuk_enc_args a) {
         if (tk.sink && tk.p < tk.sinks) ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[i] = hy;
         if (tk.rb_wk != CUK_NO_ROW) ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[i] = hy;
     }
+    if (quant && tk.repack) return; /* packed with the offsets this pass chooses */
     if (quant && a.defer) { /* packed by kv_pack, beside the step's attention */
         a.defer[(size_t)blockIdx.x * D + i] = z;
         return;
@@ -346,30 +347,48 @@ __global__ void kv_pack(const cuk_enc_args a) {
     store_row<D>(a, a.toks[blockIdx.x / (2 * a.n_kv)], side, h, a.defer[(size_t)blockIdx.x * D + threadIdx.x]);
 }
 
+/* x / n rounded as __fdiv_rn, for the f16 values x of window rows and n <= 8192 (every
+ * finite f16 and n was checked against the division on a CPU): the product by the
+ * reciprocal corrected once (Markstein), without the division's branch to its slow
+ * path, so that a batch's divisions overlap. Infinities and NaN stay as the product. */
+#define DIV_BY_MAX 8192
+static __device__ __forceinline__ float div_by(float x, float n, float r) {
+    const float q = __fmul_rn(x, r), e = __fmaf_rn(-q, n, x);
+    return isfinite(e) ? __fmaf_rn(e, r, q) : q;
+}
+
 /* An item's side and head a block, a dimension a thread: the mean of window rows
  * 1..T-1 summed in the host's order, each term divided first (the same bits); then
  * rotated back (the host's inverse: the butterflies, then the scale and sign) into the
- * cache's device offsets. A batch of rows is loaded before its sums: loaded inside
- * the chain of dependent sums, each row's load was waited for in turn. */
+ * cache's device offsets. The ring holds positions 0..T-1 in place (it holds the whole
+ * pass, offsets_plan). A batch of rows is loaded and divided before its sums, so that
+ * only the sums wait on each other. */
 template <int D>
 __global__ void kv_offsets_mean(const cuk_enc_args a, const cuk_offs_item *items) {
     __shared__ float buf[D];
-    constexpr int BATCH = 32;
+    constexpr int BATCH = 64;
     const cuk_offs_item it = items[blockIdx.x / (2 * a.n_kv)];
     const size_t hs = blockIdx.x % (2 * a.n_kv); /* side * n_kv + head, as the ring's rows */
     const int i = threadIdx.x, rot = hs >= (size_t)a.n_kv ? a.v_rot : a.k_rot;
-    const float n = (float)(it.T - 1);
+    const float n = (float)(it.T - 1), r = __frcp_rn(n);
+    const bool fast = it.T - 1 <= DIV_BY_MAX;
     const __half *const plane = (const __half *)((const uint8_t *)it.ring + hs * it.ring_cap * a.win_row) + i;
     const size_t row_halves = a.win_row / sizeof(__half);
     float mu = 0;
     for (int32_t p0 = 1; p0 < it.T; p0 += BATCH) {
-        __half x[BATCH];
+        float x[BATCH];
+#pragma unroll
+        for (int j = 0; j < BATCH; j++) /* (past T - 1: row T - 1 again, not summed) */
+            x[j] = __half2float(plane[(size_t)min(p0 + j, it.T - 1) * row_halves]);
+        if (fast) {
+#pragma unroll
+            for (int j = 0; j < BATCH; j++) x[j] = div_by(x[j], n, r);
+        } else {
+            for (int j = 0; j < BATCH; j++) x[j] = __fdiv_rn(x[j], n);
+        }
 #pragma unroll
         for (int j = 0; j < BATCH; j++)
-            if (p0 + j < it.T) x[j] = plane[(size_t)((p0 + j) % it.ring_cap) * row_halves];
-#pragma unroll
-        for (int j = 0; j < BATCH; j++)
-            if (p0 + j < it.T) mu = __fadd_rn(mu, __fdiv_rn(__half2float(x[j]), n));
+            if (p0 + j < it.T) mu = __fadd_rn(mu, x[j]);
     }
     float *const out = (float *)it.mu;
     out[(2 * a.n_kv + hs) * D + i] = mu;
