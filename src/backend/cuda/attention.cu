@@ -16,8 +16,8 @@
 #include <math.h>
 
 #include "backend/cuda/attention.cuh"
+#include "backend/cuda/hadamard.cuh"
 #include "backend/cuda/nf_rows.cuh"
-#include "backend/cuda/qk_prep.cuh"
 #include "backend/cuda/round_x.cuh"
 
 #define WARPS 4
@@ -85,27 +85,74 @@ static __device__ __forceinline__ void split_rows(const cuk_attn_tok &tk, int n_
 
 #define visible attn_visible
 
-/* The queries' preparation (qk_prep.cuh) where the KV append did not make it: once
- * per (token, query head), not in every split. A block of D threads. */
+/* The queries' preparation where the KV append did not make it: once per (token, query
+ * head), not in every split. A warp a head, lane l holding values [E l, E l + E): a
+ * block a head (prep_head) made 16K blocks of a 512-token pass's 32 heads wait on
+ * their barriers. The same arithmetic in the same order as prep_head (qk_prep.cuh),
+ * so the same bits: the Hadamard butterflies in-register below E and by shuffles
+ * from it; q.mu's sums as prep_head's 32-value warps sum them (their xor pairs are a
+ * lane's or lanes' here), then those parts in order. */
+#define PREP_WARPS 4
 template <int D>
 __global__ void attn_prep_q(const cuk_attn_args a) {
     griddep_release();
     griddep_wait();
-    const int ti = blockIdx.x / a.n_head, h = blockIdx.x % a.n_head, d = threadIdx.x;
-    const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
-    const float *mu = (const float *)a.toks[ti].mu;
-    __shared__ float buf[D];
-    const prep_consts c = prep_consts_of(mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr, a.k_rot, a.signs);
-    prep_head<D>(a.q[((size_t)t * a.n_head + h) * D + d], a.scale, c, a.k_rot,
-                 a.qprep + ((size_t)t * a.n_head + h) * (D + 1), buf);
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x % 32, at = blockIdx.x * PREP_WARPS + threadIdx.x / 32;
+    if (at >= a.n * a.n_head) return;
+    const int ti = at / a.n_head, h = at % a.n_head, t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
+    const float *const mu = a.k_bits < 16 && a.toks[ti].mu ? (const float *)a.toks[ti].mu + (size_t)kvh * D : nullptr;
+    const float *const q = a.q + ((size_t)t * a.n_head + h) * D + E * lane;
+    float v[E], s[E];
+#pragma unroll
+    for (int k = 0; k < E; k++) {
+        v[k] = q[k] * a.scale;
+        s[k] = mu ? v[k] * mu[E * lane + k] : 0.0f;
+    }
+#pragma unroll
+    for (int o = 16; o >= E; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < E; k++) s[k] += __shfl_xor_sync(0xffffffffu, s[k], o / E);
+#pragma unroll
+    for (int o = E / 2; o >= 1; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < o; k++) s[k] += s[k + o];
+    float q_mu = 0;
+#pragma unroll
+    for (int w = 0; w < D / 32; w++) q_mu += __shfl_sync(0xffffffffu, s[0], w * 32 / E);
+    if (a.k_rot) {
+#pragma unroll
+        for (int k = 0; k < E; k++) v[k] *= a.signs[E * lane + k];
+#pragma unroll
+        for (int len = 1; len < E; len <<= 1) {
+            float b[E];
+#pragma unroll
+            for (int k = 0; k < E; k++) b[k] = v[k ^ len];
+#pragma unroll
+            for (int k = 0; k < E; k++) v[k] = (k & len) ? __fsub_rn(b[k], v[k]) : __fadd_rn(v[k], b[k]);
+        }
+#pragma unroll
+        for (int len = E; len < D; len <<= 1)
+#pragma unroll
+            for (int k = 0; k < E; k++) {
+                const float b = __shfl_xor_sync(0xffffffffu, v[k], len / E);
+                v[k] = ((E * lane) & len) ? __fsub_rn(b, v[k]) : __fadd_rn(v[k], b);
+            }
+#pragma unroll
+        for (int k = 0; k < E; k++) v[k] = v[k] * (1.0f / sqrtf((float)D));
+    }
+    float *const out = a.qprep + ((size_t)t * a.n_head + h) * (D + 1);
+#pragma unroll
+    for (int k = 0; k < E; k++) out[1 + E * lane + k] = v[k];
+    if (lane == 0) out[0] = q_mu;
 }
 
 static void launch_prep(cuk_queue *qu, const cuk_attn_args *a, int D) {
     if (a->q_prepped) return;
-    const dim3 grid((unsigned)(a->n * a->n_head));
-    if (D == 64) pdl_launch(attn_prep_q<64>, grid, dim3(64), qu, *a);
-    else if (D == 128) pdl_launch(attn_prep_q<128>, grid, dim3(128), qu, *a);
-    else pdl_launch(attn_prep_q<256>, grid, dim3(256), qu, *a);
+    const dim3 grid((unsigned)((a->n * a->n_head + PREP_WARPS - 1) / PREP_WARPS)), block(32 * PREP_WARPS);
+    if (D == 64) pdl_launch(attn_prep_q<64>, grid, block, qu, *a);
+    else if (D == 128) pdl_launch(attn_prep_q<128>, grid, block, qu, *a);
+    else pdl_launch(attn_prep_q<256>, grid, block, qu, *a);
 }
 
 /* HMAX: query heads per block (the group's, rounded up to a power of two, at most 8). */

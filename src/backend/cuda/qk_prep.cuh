@@ -1,8 +1,9 @@
 /* A head vector of D values held by a block of D threads, one value each: its
  * per-head RMSNorm and RoPE (the CPU backend's qk_rope_token, same arithmetic), and a
  * query's preparation for the attention kernels (scaled, q.mu, rotated as the keys
- * are). Shared by the append launch (kv_encode.cu), which does both for a layer's
- * new queries and keys, and attn_prep_q (attention.cu) for queries it did not see. */
+ * are), for the append launch (kv_encode.cu), which does both for a layer's new
+ * queries and keys. attn_prep_q (attention.cu) prepares the queries it did not see a
+ * warp a head, with the same arithmetic in the same order. */
 #ifndef KVQ_BACKEND_CUDA_QK_PREP_CUH
 #define KVQ_BACKEND_CUDA_QK_PREP_CUH
 
