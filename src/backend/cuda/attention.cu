@@ -86,12 +86,10 @@ static __device__ __forceinline__ void split_rows(const cuk_attn_tok &tk, int n_
 #define visible attn_visible
 
 /* The queries' preparation where the KV append did not make it: once per (token, query
- * head), not in every split. A warp a head, lane l holding values [E l, E l + E): a
- * block a head (prep_head) made 16K blocks of a 512-token pass's 32 heads wait on
- * their barriers. The same arithmetic in the same order as prep_head (qk_prep.cuh),
- * so the same bits: the Hadamard butterflies in-register below E and by shuffles
- * from it; q.mu's sums as prep_head's 32-value warps sum them (their xor pairs are a
- * lane's or lanes' here), then those parts in order. */
+ * head), not in every split. A warp a head (a block a head waited on barriers), lane l
+ * holding values [E l, E l + E), with prep_head's arithmetic in its order (qk_prep.cuh),
+ * so the same bits: q.mu summed in the pairs prep_head's 32-value warps sum, then
+ * their parts in order; the rotation by hadamard_warp. */
 #define PREP_WARPS 4
 template <int D>
 __global__ void attn_prep_q(const cuk_attn_args a) {
@@ -123,23 +121,7 @@ __global__ void attn_prep_q(const cuk_attn_args a) {
     if (a.k_rot) {
 #pragma unroll
         for (int k = 0; k < E; k++) v[k] *= a.signs[E * lane + k];
-#pragma unroll
-        for (int len = 1; len < E; len <<= 1) {
-            float b[E];
-#pragma unroll
-            for (int k = 0; k < E; k++) b[k] = v[k ^ len];
-#pragma unroll
-            for (int k = 0; k < E; k++) v[k] = (k & len) ? __fsub_rn(b[k], v[k]) : __fadd_rn(v[k], b[k]);
-        }
-#pragma unroll
-        for (int len = E; len < D; len <<= 1)
-#pragma unroll
-            for (int k = 0; k < E; k++) {
-                const float b = __shfl_xor_sync(0xffffffffu, v[k], len / E);
-                v[k] = ((E * lane) & len) ? __fsub_rn(b, v[k]) : __fadd_rn(v[k], b);
-            }
-#pragma unroll
-        for (int k = 0; k < E; k++) v[k] = v[k] * (1.0f / sqrtf((float)D));
+        hadamard_warp<D>(v);
     }
     float *const out = a.qprep + ((size_t)t * a.n_head + h) * (D + 1);
 #pragma unroll
