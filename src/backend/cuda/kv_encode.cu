@@ -9,7 +9,9 @@
  * attention reads its new rows from the f16 windows (a decode step), the packing of
  * the quantized sides is left to kv_pack, which runs beside the attention rather than
  * before it: the barriers, divisions and stores of the packing took 3 of the launch's
- * 5.4 us a layer, in the chain of launches every decode token waits for. */
+ * 5.4 us a layer, in the chain of launches every decode token waits for. Rows packed
+ * apart from their encode (kv_pack, kv_offsets_rows) take a warp a row where both sides
+ * are uniform 4- or 8-bit codes or floats (store_row_warp: no barriers). */
 #include <cuda_fp16.h>
 
 #include "backend/cuda/cuda_kernels.h"
@@ -279,6 +281,75 @@ static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, i
     }
 }
 
+/* Whether a side's rows are stored by store_row_warp: uniform 4- and 8-bit codes in
+ * groups of at least a lane's values, or kept in float (stored by nobody here). */
+static __host__ __device__ bool warp_packs(int bits, int group, int D) {
+    return bits >= 16 || ((bits == 4 || bits == 8) && group != KERN_KVQ_NF && group >= D / 32);
+}
+
+/* store_row by one warp, for the sides warp_packs takes: lane l holds values [E l,
+ * E l + E) of z. Each group's min and max (the first of equal values, as the host's scan
+ * and store_row find them), scale, bias and codes as store_row makes them: the same
+ * bytes, without a block's barriers, so that four rows take what one took. */
+template <int D>
+static __device__ void store_row_warp(const cuk_enc_args &a, const cuk_enc_tok &tk, int side, int h,
+                                      const float (&z)[D / 32]) {
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x % 32, bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group;
+    const size_t row = side ? a.v_row : a.k_row;
+    uint8_t *const dst = (uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
+                         (size_t)(tk.p % BT) * row;
+    const uint32_t rb_at = side ? tk.rb_v : tk.rb_k;
+    uint8_t *const rb = rb_at == CUK_NO_ROW ? nullptr : a.readback + rb_at + (size_t)h * row;
+    float mn = z[0], mx = z[0];
+    int imn = 0, imx = 0;
+#pragma unroll
+    for (int k = 1; k < E; k++) {
+        if (z[k] < mn) mn = z[k], imn = k;
+        if (z[k] > mx) mx = z[k], imx = k;
+    }
+    imn += E * lane, imx += E * lane;
+    for (int o = 1; o < group / E; o <<= 1) {
+        const float x = __shfl_xor_sync(0xffffffffu, mn, o), y = __shfl_xor_sync(0xffffffffu, mx, o);
+        const int ix = __shfl_xor_sync(0xffffffffu, imn, o), iy = __shfl_xor_sync(0xffffffffu, imx, o);
+        if (x < mn || (x == mn && ix < imn)) mn = x, imn = ix;
+        if (y > mx || (y == mx && iy < imx)) mx = y, imx = iy;
+    }
+    const int qmax = (1 << bits) - 1;
+    const uint16_t sh = f16_sat(__fdiv_rn(__fsub_rn(mx, mn), (float)qmax)), bh = f16_sat(mn);
+    const float sf = __half2float(__ushort_as_half(sh)), bf = __half2float(__ushort_as_half(bh));
+    const float inv = sf > 0 ? __fdiv_rn(1.0f, sf) : 0.0f;
+    uint32_t c[E];
+#pragma unroll
+    for (int k = 0; k < E; k++) {
+        const float t = floorf(__fadd_rn(__fmul_rn(__fsub_rn(z[k], bf), inv), 0.5f));
+        c[k] = (uint32_t)(t < 0 ? 0 : t > (float)qmax ? qmax : (int)t);
+    }
+    /* the lane's code bytes as 32-bit words (rows and their code bytes are multiples of
+     * 4 bytes long), or one shorter store */
+    constexpr int NB8 = E, NB4 = E / 2;
+    const int nb = bits == 8 ? NB8 : NB4;
+    uint32_t w[(NB8 + 3) / 4] = {};
+#pragma unroll
+    for (int k = 0; k < E; k++) {
+        if (bits == 8) w[k / 4] |= c[k] << (8 * (k % 4));
+        else w[k / 8] |= c[k] << (4 * (k % 8));
+    }
+    uint8_t *const targets[2] = {dst, rb};
+#pragma unroll
+    for (int d = 0; d < 2; d++) {
+        uint8_t *const o = targets[d];
+        if (!o) continue;
+        uint8_t *const at = o + (size_t)lane * nb;
+        if (nb >= 4)
+            for (int k = 0; k < nb / 4; k++) ((uint32_t *)at)[k] = w[k];
+        else if (nb == 2) *(uint16_t *)at = (uint16_t)w[0];
+        else *at = (uint8_t)w[0];
+        if ((E * lane) % group == 0) /* the group's scale and bias */
+            ((uint32_t *)(o + D * bits / 8))[E * lane / group] = (uint32_t)sh | (uint32_t)bh << 16;
+    }
+}
+
 template <int D>
 __global__ void kv_encode(const cuk_enc_args a) {
     griddep_release();
@@ -347,6 +418,19 @@ __global__ void kv_pack(const cuk_enc_args a) {
     store_row<D>(a, a.toks[blockIdx.x / (2 * a.n_kv)], side, h, a.defer[(size_t)blockIdx.x * D + threadIdx.x]);
 }
 
+/* The same, a warp a row (ROW_WARPS rows a block), where both sides warp_packs. */
+#define ROW_WARPS 4
+template <int D>
+__global__ void __launch_bounds__(32 * ROW_WARPS) kv_pack_warp(const cuk_enc_args a) {
+    const int r = blockIdx.x * ROW_WARPS + threadIdx.x / 32, side = r % 2, h = (r / 2) % a.n_kv;
+    if (r >= a.n * 2 * a.n_kv || (side ? a.v_bits : a.k_bits) >= 16) return;
+    float z[D / 32];
+    const float *const x = a.defer + (size_t)r * D + D / 32 * (threadIdx.x % 32);
+#pragma unroll
+    for (int k = 0; k < D / 32; k++) z[k] = x[k];
+    store_row_warp<D>(a, a.toks[r / (2 * a.n_kv)], side, h, z);
+}
+
 /* x / n rounded as __fdiv_rn, for the f16 values x of window rows and n <= 8192 (every
  * finite f16 and n was checked against the division on a CPU): the product by the
  * reciprocal corrected once (Markstein), without the division's branch to its slow
@@ -395,6 +479,13 @@ __global__ void kv_offsets_mean(const cuk_enc_args a, const cuk_offs_item *items
     out[hs * D + i] = rot ? hadamard_block<D>(mu, buf) * a.signs[i] : mu;
 }
 
+/* The item whose rows hold row r of the arguments' toks (cuk_kv_offsets). */
+static __device__ cuk_offs_item offs_item_of(const cuk_offs_item *items, int n_items, int r) {
+    int j = 0;
+    while (j + 1 < n_items && r >= items[j + 1].first) j++;
+    return items[j];
+}
+
 /* A block per (row, KV head, side) as kv_encode's: a position before T from its window
  * row less the rotated offsets, a later one from its keys or values (the pass's, RoPE'd
  * in place) as kv_encode encodes them with the offsets; packed again (float sides keep
@@ -405,9 +496,7 @@ __global__ void kv_offsets_rows(const cuk_enc_args a, const cuk_offs_item *items
     const int r = blockIdx.x / (2 * a.n_kv), side = blockIdx.x % 2, h = (blockIdx.x / 2) % a.n_kv, i = threadIdx.x;
     const cuk_enc_tok tk = a.toks[r];
     if ((side ? a.v_bits : a.k_bits) >= 16 || !tk.block) return; /* (no block: a row released) */
-    int j = 0;
-    while (j + 1 < n_items && r >= items[j + 1].first) j++;
-    const cuk_offs_item it = items[j];
+    const cuk_offs_item it = offs_item_of(items, n_items, r);
     const size_t hs = (size_t)side * a.n_kv + h;
     const float *const mu = (const float *)it.mu;
     float z;
@@ -421,10 +510,53 @@ __global__ void kv_offsets_rows(const cuk_enc_args a, const cuk_offs_item *items
     store_row<D>(a, tk, side, h, z);
 }
 
+/* The same, a warp a row (ROW_WARPS rows a block), where both sides warp_packs. */
+template <int D>
+__global__ void __launch_bounds__(32 * ROW_WARPS) kv_offsets_rows_warp(const cuk_enc_args a, const cuk_offs_item *items,
+                                                                       int n_items) {
+    constexpr int E = D / 32;
+    const int w = blockIdx.x * ROW_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (w >= a.n * 2 * a.n_kv) return;
+    const int r = w / (2 * a.n_kv), side = w % 2, h = (w / 2) % a.n_kv;
+    const cuk_enc_tok tk = a.toks[r];
+    if ((side ? a.v_bits : a.k_bits) >= 16 || !tk.block) return;
+    const cuk_offs_item it = offs_item_of(items, n_items, r);
+    const size_t hs = (size_t)side * a.n_kv + h;
+    const float *const mu = (const float *)it.mu;
+    const int i0 = E * lane;
+    float z[E];
+    if (tk.p < it.T) {
+        const __half *row =
+            (const __half *)((const uint8_t *)it.ring + (hs * it.ring_cap + tk.p % it.ring_cap) * a.win_row);
+#pragma unroll
+        for (int k = 0; k < E; k++) z[k] = __fsub_rn(__half2float(row[i0 + k]), mu[(2 * a.n_kv + hs) * D + i0 + k]);
+    } else {
+        const float *const x = (side ? a.v : a.k) + ((size_t)tk.t * a.n_kv + h) * D + i0;
+#pragma unroll
+        for (int k = 0; k < E; k++) z[k] = __fsub_rn(x[k], mu[hs * D + i0 + k]);
+        if (side ? a.v_rot : a.k_rot) {
+#pragma unroll
+            for (int k = 0; k < E; k++) z[k] = z[k] * a.signs[i0 + k];
+            hadamard_warp<D>(z);
+        }
+    }
+    store_row_warp<D>(a, tk, side, h, z);
+}
+
+static bool rows_by_warps(const cuk_enc_args &a) {
+    return warp_packs(a.k_bits, a.k_group, a.head_dim) && warp_packs(a.v_bits, a.v_group, a.head_dim);
+}
+
+static dim3 warp_rows_grid(const cuk_enc_args &a) {
+    return dim3((unsigned)((a.n * 2 * a.n_kv + ROW_WARPS - 1) / ROW_WARPS));
+}
+
 template <int D>
 static void launch_offsets(cuk_queue *qu, const cuk_enc_args &a, const cuk_offs_item *items, int n_items) {
     queue_launch(kv_offsets_mean<D>, dim3((unsigned)(n_items * 2 * a.n_kv)), dim3(D), qu, a, items);
-    queue_launch(kv_offsets_rows<D>, dim3((unsigned)(a.n * 2 * a.n_kv)), dim3(D), qu, a, items, n_items);
+    if (rows_by_warps(a))
+        queue_launch(kv_offsets_rows_warp<D>, warp_rows_grid(a), dim3(32 * ROW_WARPS), qu, a, items, n_items);
+    else queue_launch(kv_offsets_rows<D>, dim3((unsigned)(a.n * 2 * a.n_kv)), dim3(D), qu, a, items, n_items);
 }
 
 extern "C" void cuk_kv_offsets(cuk_queue *qu, const cuk_enc_args *a, const cuk_offs_item *items, int n_items) {
@@ -437,14 +569,19 @@ extern "C" void cuk_kv_offsets(cuk_queue *qu, const cuk_enc_args *a, const cuk_o
     }
 }
 
+template <int D>
+static void launch_pack(cuk_queue *qu, const cuk_enc_args &a) {
+    if (rows_by_warps(a)) queue_launch(kv_pack_warp<D>, warp_rows_grid(a), dim3(32 * ROW_WARPS), qu, a);
+    else queue_launch(kv_pack<D>, dim3((unsigned)(a.n * a.n_kv * 2)), dim3(D), qu, a);
+}
+
 extern "C" void cuk_kv_pack(cuk_queue *qu, const cuk_enc_args *a) {
     if (a->n <= 0 || !a->defer) return;
-    const dim3 grid((unsigned)(a->n * a->n_kv * 2));
     cuk_queue_launch_side_next(qu);
     switch (a->head_dim) {
-    case 64: queue_launch(kv_pack<64>, grid, dim3(64), qu, *a); break;
-    case 128: queue_launch(kv_pack<128>, grid, dim3(128), qu, *a); break;
-    case 256: queue_launch(kv_pack<256>, grid, dim3(256), qu, *a); break;
+    case 64: launch_pack<64>(qu, *a); break;
+    case 128: launch_pack<128>(qu, *a); break;
+    case 256: launch_pack<256>(qu, *a); break;
     default: break;
     }
 }
