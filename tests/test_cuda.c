@@ -1774,6 +1774,7 @@ static void test_attention(void) {
         {"K4V4 g32 R0 no rotation", 128, 4, 2, 4, 4, 32, 0, 0, 0, 0, 0},
         {"K8V8 g32 R0 rotation", 128, 4, 2, 8, 8, 32, 0, 0, 0, 0, 1},
         {"K2V3 g32 R16, GQA 7", 64, 14, 2, 2, 3, 32, 16, 4, 0, 0, 1},
+        /* rows packed a warp each (store_row_warp) at two values a lane */
         {"K8V4 g32 R32, D 64", 64, 4, 2, 8, 4, 32, 32, 4, 0, 0, 1},
         /* groups of 3, 5, 6, 7 (Llama 3.2 3B, Qwen2.5) on the tensor cores, 8 rows a
          * token with the ones past the group idle */
