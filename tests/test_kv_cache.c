@@ -93,24 +93,36 @@ static void rand_tokens(int n, float *k, float *v) {
 /* Appends tokens in batches of the given sizes and checks every query of each batch
  * against the reference. */
 /* Tokens p0 .. p0 + n - 1 attended together (kv_cache_attend_tokens, as many as it
- * takes at once): each result exactly what the token alone gets. */
+ * takes at once): each result exactly what the token alone gets; and in parts
+ * (kv_cache_attend_part, last to first, then kv_cache_attend_merge) exactly what
+ * together gives. */
 static void check_together(const struct kv_cache *c, int p0, int n, float *scr, const char *name) {
     const int tmax = kv_cache_attend_tokens_max(&shape);
+    const size_t pf = kv_cache_attend_part_floats(&shape);
     for (int t0 = 0; t0 < n; t0 += tmax) {
         const int nt = n - t0 < tmax ? n - t0 : tmax;
-        float qs[8][NQ / H * D], alone[8][NQ / H * D], together[8][NQ / H * D];
+        float qs[8][NQ / H * D], alone[8][NQ / H * D], together[8][NQ / H * D], merged[8][NQ / H * D];
         const float *qp[8];
-        float *op[8];
+        float *op[8], *mp[8];
         for (int t = 0; t < nt; t++) {
             for (int i = 0; i < NQ / H * D; i++) qs[t][i] = gauss();
             qp[t] = qs[t];
             op[t] = together[t];
+            mp[t] = merged[t];
             kv_cache_attend(c, 1, qs[t], p0 + t0 + t, 0.125f, alone[t], scr);
         }
         kv_cache_attend_tokens(c, 1, qp, op, p0 + t0, nt, 0.125f, scr);
-        for (int t = 0; t < nt; t++)
+        const int np = kv_cache_attend_parts(c, p0 + t0, nt);
+        float *parts = malloc(sizeof(float) * pf * (size_t)(np > 0 ? np : 1));
+        for (int i = np - 1; i >= 0; i--) kv_cache_attend_part(c, 1, qp, p0 + t0, nt, 0.125f, i, parts + i * pf, scr);
+        kv_cache_attend_merge(c, 1, qp, mp, p0 + t0, nt, 0.125f, parts, scr);
+        free(parts);
+        for (int t = 0; t < nt; t++) {
             CHECK(!memcmp(alone[t], together[t], sizeof alone[t]), "%s: token %d of %d attended together", name,
                   p0 + t0 + t, nt);
+            CHECK(!memcmp(merged[t], together[t], sizeof merged[t]), "%s: token %d of %d attended in %d parts", name,
+                  p0 + t0 + t, nt, np);
+        }
     }
 }
 
@@ -193,6 +205,12 @@ static void test_kinds_vs_reference(void) {
     run_against_ref("normal-float K4V3 hadamard", cfg_of(4, 3, KERN_KVQ_NF, 0, 4, 0, true), mixed, nm, 1e-4);
     run_against_ref("rotating normal-float K3V2 max 30 keep 4", cfg_of(3, 2, KERN_KVQ_NF, 30, 4, 0, true), mixed, nm, 1e-4);
     run_against_ref("quantize after 50, normal-float K5V4", cfg_of(5, 4, KERN_KVQ_NF, 0, 4, 50, true), mixed, nm, 1e-4);
+    /* longer than a part of the packed rows (1024 positions): parts merged */
+    int longer[] = {700, 1, 400, 1, 1, 64, 300, 1, 2, 700, 1, 1};
+    const int nl = sizeof longer / sizeof longer[0];
+    run_against_ref("dense f16, 2172 tokens", cfg_of(16, 16, 64, 0, 4, 0, false), longer, nl, 1e-5);
+    run_against_ref("quantize after 50, K8V4 hadamard, 2172 tokens", cfg_of(8, 4, 64, 0, 4, 50, true), longer, nl, 1e-4);
+    run_against_ref("rotating K4V4 max 1500 keep 4, 2172 tokens", cfg_of(4, 4, 32, 1500, 4, 0, true), longer, nl, 1e-4);
 }
 
 /* Rotation: attention with hadamard matches the unrotated float attention closely at
@@ -346,7 +364,7 @@ static int mu_point(const struct kv_cache_config *cf) {
 static void test_residual_vs_reference(void) {
     struct kv_cache_config cf = cfg_of(4, 2, 32, 0, 4, 0, true);
     cf.residual = 8;
-    const int T = mu_point(&cf), batches[] = {100, 1, 1, 60, 1, 3, 20};
+    const int T = mu_point(&cf), batches[] = {100, 1, 1, 60, 1, 3, 20, 900, 1, 2}; /* past a part (1024) */
     struct kv_cache *c = kv_cache_new(&cf, &shape);
     CHECK(c != NULL, "residual cache: %s", kvq_last_error());
     if (!c) return;

@@ -1,10 +1,14 @@
 /* What a query sees and the attention over it. A query at q reads, in this order:
  * the packed rows of the visible positions, block by block (at most two ranges: the
  * rotating cache's kept first tokens and the window before q), then the sink rows
- * (f16) and the residual window's f16 rows of positions (q - R, q]. */
+ * (f16) and the residual window's f16 rows of positions (q - R, q]. The packed rows go
+ * in parts of KV_ATTEND_PART positions, each part's online softmax merged into the
+ * query's in order: a backend may attend the parts of a long context on several
+ * threads (kv_cache_attend_part, kv_cache_attend_merge) and get the same bits. */
 #include <assert.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels/attention.h"
 #include "kernels/kv_quant.h"
@@ -110,43 +114,138 @@ int kv_store_attend_tokens_max(const struct kv_shape *shape) {
     return group >= KERN_KVQ_ATTN_HEADS ? 1 : KERN_KVQ_ATTN_HEADS / group;
 }
 
-/* Tokens at consecutive positions (a prompt chunk) see mostly the same packed rows:
- * the whole blocks every one of them sees are read once for all, their query heads
- * side by side in one state (the kernels score up to KERN_KVQ_ATTN_HEADS heads a row at
- * once: a row's codes are loaded and unpacked once for them). What else a token sees
- * is read for it alone, each token's rows in the order one token alone reads them,
- * in the same runs (a run never crosses a block), so every token's result is what
- * attending alone gives. */
-void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out, int32_t q_pos,
-                     int n, float scale, float *scratch) {
-    const struct kv_store *st = store_of(c);
-    const int D = c->shape.head_dim, group = c->shape.n_heads / c->shape.n_kv_heads, nq = n * group;
-    assert(n >= 1 && n <= kv_store_attend_tokens_max(&c->shape));
-    float *qs = scratch, *state = qs + (size_t)nq * D, *pm = state + kern_attn_state_floats(nq, D), *pl = pm + nq;
-    for (int t = 0; t < n; t++)
-        for (int i = 0; i < group * D; i++) qs[(size_t)t * group * D + i] = q[t][i] * scale;
-    if (st->kf.rot)
-        for (int h = 0; h < nq; h++) kern_kvq_hadamard(qs + (size_t)h * D, D, st->signs);
-    struct kern_attn_state all;
-    kern_attn_state_init(&all, nq, D, state);
+/* What every part of a group's attention needs: the queries scaled (and rotated as the
+ * keys are), each token's plan, and the whole blocks every token sees [lo, hi]. */
+struct attend_setup {
+    int group, nq;
     struct kv_query_plan plan[KERN_KVQ_ATTN_HEADS];
-    int32_t lo = INT32_MIN, hi = INT32_MAX; /* the rows every token sees */
+    int32_t lo, hi;
+    int32_t first, last; /* the parts with packed rows */
+};
+
+/* The tokens' plans, the shared blocks and the parts with packed rows. */
+static void attend_plan(const struct kv_cache *c, int32_t q_pos, int n, struct attend_setup *a) {
+    assert(n >= 1 && n <= kv_store_attend_tokens_max(&c->shape));
+    a->group = c->shape.n_heads / c->shape.n_kv_heads;
+    a->nq = n * a->group;
+    int32_t lo = INT32_MIN, hi = INT32_MAX, p0 = INT32_MAX, p1 = -1; /* the rows every token sees; all rows */
     for (int t = 0; t < n; t++) {
-        kv_cache_query_plan(c, q_pos + t, &plan[t]);
-        lo = max32(lo, plan[t].a2);
-        hi = min32(hi, plan[t].b2);
+        const struct kv_query_plan *pt = &a->plan[t];
+        kv_cache_query_plan(c, q_pos + t, &a->plan[t]);
+        lo = max32(lo, pt->a2);
+        hi = min32(hi, pt->b2);
+        if (pt->a1 <= pt->b1) p0 = min32(p0, pt->a1), p1 = max32(p1, pt->b1);
+        if (pt->a2 <= pt->b2) p0 = min32(p0, pt->a2), p1 = max32(p1, pt->b2);
     }
     const int32_t B = KV_BLOCK_TOKENS;
     lo = (lo + B - 1) / B * B; /* whole blocks */
     hi = (hi + 1) / B * B - 1;
     if (n == 1 || lo > hi) lo = INT32_MAX, hi = INT32_MAX - 1; /* none shared: all before it, alone */
-    for (int t = 0; t < n; t++) { /* the kept first tokens, then the rows before the shared ones */
-        struct kern_attn_state s = state_view(&all, t * group, group);
-        const float *qt = qs + (size_t)t * group * D;
-        if (plan[t].a1 <= plan[t].b1) attn_blocks(c, &s, qt, kv_head, plan[t].a1, plan[t].b1);
-        attn_part(c, &s, qt, kv_head, plan[t].a2, plan[t].b2, INT32_MIN, lo - 1);
+    a->lo = lo, a->hi = hi;
+    a->first = p0 <= p1 ? p0 / KV_ATTEND_PART : 0;
+    a->last = p0 <= p1 ? p1 / KV_ATTEND_PART : -1;
+}
+
+/* The plan, and the queries scaled (and rotated as the keys are) into qs. */
+static void attend_setup(const struct kv_cache *c, const float *const *q, int32_t q_pos, int n, float scale, float *qs,
+                         struct attend_setup *a) {
+    const struct kv_store *st = store_of(c);
+    const int D = c->shape.head_dim;
+    attend_plan(c, q_pos, n, a);
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < a->group * D; i++) qs[(size_t)t * a->group * D + i] = q[t][i] * scale;
+    if (st->kf.rot)
+        for (int h = 0; h < a->nq; h++) kern_kvq_hadamard(qs + (size_t)h * D, D, st->signs);
+}
+
+/* Part i's packed rows (positions [i P, i P + P), P = KV_ATTEND_PART) into the state s
+ * of all the group's heads (made here over mem): for each token the kept first tokens,
+ * then the rows before the shared ones; the shared ones for all; then each token's
+ * after them: the order one token alone reads them in, within the part. */
+static void attend_part(const struct kv_cache *c, int kv_head, const float *qs, const struct attend_setup *a, int n,
+                        int32_t i, float *mem, struct kern_attn_state *s) {
+    const int D = c->shape.head_dim;
+    const int32_t pl = i * KV_ATTEND_PART, ph = pl + KV_ATTEND_PART - 1;
+    kern_attn_state_init(s, a->nq, D, mem);
+    for (int t = 0; t < n; t++) {
+        struct kern_attn_state st = state_view(s, t * a->group, a->group);
+        const float *qt = qs + (size_t)t * a->group * D;
+        const struct kv_query_plan *pt = &a->plan[t];
+        attn_part(c, &st, qt, kv_head, pt->a1, pt->b1, pl, ph);
+        attn_part(c, &st, qt, kv_head, pt->a2, pt->b2, pl, min32(ph, a->lo - 1));
     }
-    if (lo <= hi) attn_blocks(c, &all, qs, kv_head, lo, hi);
+    attn_part(c, s, qs, kv_head, a->lo, a->hi, pl, ph);
+    for (int t = 0; t < n; t++) {
+        struct kern_attn_state st = state_view(s, t * a->group, a->group);
+        attn_part(c, &st, qs + (size_t)t * a->group * D, kv_head, a->plan[t].a2, a->plan[t].b2, max32(pl, a->hi + 1),
+                  ph);
+    }
+}
+
+/* s takes p's rows: the online softmax of both (p after s's rows). A state with no
+ * row visible (l 0) changes nothing; into an empty one, p is copied as it is. */
+static void state_merge(struct kern_attn_state *s, const struct kern_attn_state *p) {
+    const int D = s->d;
+    for (int h = 0; h < s->n_q; h++) {
+        float *a = s->acc + (size_t)h * D;
+        const float *b = p->acc + (size_t)h * D;
+        if (!(p->l[h] > 0)) continue;
+        if (!(s->l[h] > 0)) {
+            s->m[h] = p->m[h], s->l[h] = p->l[h];
+            memcpy(a, b, sizeof(float) * (size_t)D);
+            continue;
+        }
+        const float m = fmaxf(s->m[h], p->m[h]), fa = expf(s->m[h] - m), fb = expf(p->m[h] - m);
+        s->l[h] = s->l[h] * fa + p->l[h] * fb;
+        for (int k = 0; k < D; k++) a[k] = a[k] * fa + b[k] * fb;
+        s->m[h] = m;
+    }
+}
+
+int kv_store_attend_parts(const struct kv_cache *c, int32_t q_pos, int n) {
+    struct attend_setup a;
+    attend_plan(c, q_pos, n, &a);
+    return a.last - a.first + 1;
+}
+
+size_t kv_store_attend_part_floats(const struct kv_shape *shape) {
+    return kern_attn_state_floats(shape->n_heads / shape->n_kv_heads * kv_store_attend_tokens_max(shape),
+                                  shape->head_dim);
+}
+
+void kv_store_attend_part(const struct kv_cache *c, int kv_head, const float *const *q, int32_t q_pos, int n,
+                          float scale, int i, float *part, float *scratch) {
+    struct attend_setup a;
+    attend_setup(c, q, q_pos, n, scale, scratch, &a);
+    struct kern_attn_state s;
+    attend_part(c, kv_head, scratch, &a, n, a.first + i, part, &s);
+}
+
+/* The packed rows in parts, each merged into the tokens' states in order, then the
+ * rest: the offsets' corrections, the sink and f16 window rows. parts: NULL, or each
+ * part's state as kv_store_attend_part made it (kv_store_attend_part_floats apart). */
+static void attend(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out, int32_t q_pos,
+                   int n, float scale, const float *parts, float *scratch) {
+    const struct kv_store *st = store_of(c);
+    const int D = c->shape.head_dim;
+    struct attend_setup a;
+    float *qs = scratch;
+    attend_setup(c, q, q_pos, n, scale, qs, &a);
+    const int group = a.group, nq = a.nq;
+    float *state = qs + (size_t)nq * D, *part = state + kern_attn_state_floats(nq, D);
+    float *pm = part + kern_attn_state_floats(nq, D), *pl = pm + nq;
+    struct kern_attn_state all, ps;
+    kern_attn_state_init(&all, nq, D, state);
+    for (int32_t i = a.first; i <= a.last; i++) {
+        if (parts) {
+            const size_t stride = kv_store_attend_part_floats(&c->shape);
+            float *m = (float *)parts + (size_t)(i - a.first) * stride;
+            ps = (struct kern_attn_state){nq, D, m, m + nq, m + 2 * nq};
+        } else {
+            attend_part(c, kv_head, qs, &a, n, i, part, &ps);
+        }
+        state_merge(&all, &ps);
+    }
     /* The packed keys lack the key offset: their scores are short of q.mu, the same
      * for all of them, so adding it to the running max makes them comparable with
      * the f16 rows (which carry no offset). The packed values lack the value offset:
@@ -156,8 +255,7 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *
     for (int t = 0; t < n; t++) {
         struct kern_attn_state s = state_view(&all, t * group, group);
         const float *qt = qs + (size_t)t * group * D;
-        const int32_t p = q_pos + t, sn = plan[t].sinks, ws = plan[t].ws;
-        attn_part(c, &s, qt, kv_head, plan[t].a2, plan[t].b2, hi + 1, INT32_MAX);
+        const int32_t p = q_pos + t, sn = a.plan[t].sinks, ws = a.plan[t].ws;
         for (int h = 0; h < group; h++) {
             if (kmu && s.l[h] > 0) {
                 float dot = 0;
@@ -181,4 +279,14 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *
                 for (int i = 0; i < D; i++) o[(size_t)h * D + i] += share * vmu[i];
             }
     }
+}
+
+void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out, int32_t q_pos,
+                     int n, float scale, float *scratch) {
+    attend(c, kv_head, q, out, q_pos, n, scale, NULL, scratch);
+}
+
+void kv_store_attend_merge(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out,
+                           int32_t q_pos, int n, float scale, const float *parts, float *scratch) {
+    attend(c, kv_head, q, out, q_pos, n, scale, parts, scratch);
 }

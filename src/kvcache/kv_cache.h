@@ -87,7 +87,18 @@ void kv_cache_attend(const struct kv_cache *c, int kv_head, const float *q, int3
 void kv_cache_attend_tokens(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out,
                             int32_t q_pos, int n, float scale, float *scratch);
 int kv_cache_attend_tokens_max(const struct kv_shape *shape);
-/* Scratch floats for either. */
+/* The same split for threads: the packed rows go in kv_cache_attend_parts() parts of
+ * positions, part i's online softmax into part_i (kv_cache_attend_part_floats() floats
+ * each, part i at parts + i of them) by kv_cache_attend_part, in any order or thread;
+ * then kv_cache_attend_merge gives out from them: the same bits as
+ * kv_cache_attend_tokens. */
+int kv_cache_attend_parts(const struct kv_cache *c, int32_t q_pos, int n);
+size_t kv_cache_attend_part_floats(const struct kv_shape *shape);
+void kv_cache_attend_part(const struct kv_cache *c, int kv_head, const float *const *q, int32_t q_pos, int n,
+                          float scale, int i, float *part_i, float *scratch);
+void kv_cache_attend_merge(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out,
+                           int32_t q_pos, int n, float scale, const float *parts, float *scratch);
+/* Scratch floats for any of them. */
 size_t kv_cache_scratch_floats(const struct kv_shape *shape);
 
 /* Number of tokens the sequence has seen (the next position). */

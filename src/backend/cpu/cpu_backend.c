@@ -1,7 +1,9 @@
 /* The CPU backend: host buffers, weights read in place from the mapped file (or
  * from the backend's 16-row copy, see cpu_weights.h), and
  * every operation split over a thread pool. Matrix products split their output rows
- * into chunks, attention has one work item per (token, KV head), and per-token work
+ * into chunks, attention has one work item per (token group, KV head), or where
+ * those are fewer than the threads can share, one per part of 1024 positions of each,
+ * merged after (a long decode on many cores; the same bits), and per-token work
  * (norms, RoPE, activation quantization) splits the tokens. Each thread (the
  * caller's included) takes its own share of the chunks or items first, then helps
  * with what the others have left (core/threadpool.h, kvq_work), so a thread that is
@@ -12,6 +14,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_weights.h"
@@ -47,6 +50,15 @@ struct cpu_backend {
     struct attn_tok *attn_toks;
     struct attn_group *attn_groups;
     int attn_cap;
+    /* a long attention of few items in parts (kv_cache_attend_part): each (group, KV
+     * head)'s first part, the parts' items and their states, in one mapping of
+     * attn_split_bytes (not the heap: made between KV blocks, it would keep the
+     * blocks freed below it from going back to the system) */
+    void *attn_split;
+    size_t attn_split_bytes;
+    size_t *attn_part0;
+    struct attn_part *attn_parts;
+    float *attn_part_mem;
     struct append_row *append_rows; /* [max_tokens]: an append's rows being encoded */
     int append_rows_cap;
     uint8_t *staging; /* their encoded bytes */
@@ -493,31 +505,109 @@ struct attn_group {
     int32_t last, first, n; /* the last position; tokens attn_toks[first .. first + n) */
 };
 
+struct attn_part {
+    int32_t g, h, i; /* group, KV head, part */
+};
+
 struct attn_task {
     struct cpu_backend *cb;
     const struct be_attention *a;
+    int phase; /* 0: whole items; 1: parts; 2: parts merged */
 };
+
+/* Group gi's query and output heads of KV head h. */
+static const struct attn_tok *group_heads(const struct cpu_backend *cb, const struct be_attention *a, int gi, int h,
+                                          const float **q, float **out) {
+    const int D = a->head_dim, group = a->n_head / a->n_kv, q_dim = a->n_head * D;
+    const struct attn_group *g = &cb->attn_groups[gi];
+    const struct attn_tok *tk = &cb->attn_toks[g->first];
+    for (int i = 0; i < g->n; i++) {
+        const size_t off = (size_t)tk[i].t * q_dim + (size_t)h * group * D;
+        q[i] = a->q + off;
+        out[i] = a->out + off;
+    }
+    return tk;
+}
+
 /* Items are (group, KV head) pairs, the groups dealt round-robin to the threads'
- * parts: each part starts with long items and ends with short ones. */
+ * parts: each part starts with long items and ends with short ones; or the parts of
+ * few long ones, then their merges. */
 static void attn_task_run(void *p, int ith, int nth) {
     const struct attn_task *at = p;
+    const struct cpu_backend *cb = at->cb;
     const struct be_attention *a = at->a;
-    const int D = a->head_dim, group = a->n_head / a->n_kv, q_dim = a->n_head * D;
-    float *scratch = at->cb->attn_scratch + (size_t)ith * at->cb->attn_scratch_floats;
+    float *scratch = cb->attn_scratch + (size_t)ith * cb->attn_scratch_floats;
+    const size_t pf = kv_cache_attend_part_floats(&(struct kv_shape){a->n_head, a->n_kv, a->head_dim, 0});
     int part, s;
-    while ((s = kvq_work_next(at->cb->work, ith, &part)) >= 0) {
-        const int item = s * nth + part, h = item % a->n_kv;
-        const struct attn_group *g = &at->cb->attn_groups[item / a->n_kv];
-        const struct attn_tok *tk = &at->cb->attn_toks[g->first];
+    while ((s = kvq_work_next(cb->work, ith, &part)) >= 0) {
+        const int item = s * nth + part;
         const float *q[KERN_KVQ_ATTN_HEADS];
         float *out[KERN_KVQ_ATTN_HEADS];
-        for (int i = 0; i < g->n; i++) {
-            const size_t off = (size_t)tk[i].t * q_dim + (size_t)h * group * D;
-            q[i] = a->q + off;
-            out[i] = a->out + off;
+        if (at->phase == 1) {
+            const struct attn_part *pi = &cb->attn_parts[item];
+            const struct attn_tok *tk = group_heads(cb, a, pi->g, pi->h, q, out);
+            float *mem = cb->attn_part_mem + (cb->attn_part0[pi->g * a->n_kv + pi->h] + (size_t)pi->i) * pf;
+            kv_cache_attend_part(a->caches[tk[0].t], pi->h, q, tk[0].pos, cb->attn_groups[pi->g].n, a->scale, pi->i,
+                                 mem, scratch);
+            continue;
         }
-        kv_cache_attend_tokens(a->caches[tk[0].t], h, q, out, tk[0].pos, g->n, a->scale, scratch);
+        const int gi = item / a->n_kv, h = item % a->n_kv, n = cb->attn_groups[gi].n;
+        const struct attn_tok *tk = group_heads(cb, a, gi, h, q, out);
+        if (at->phase == 2)
+            kv_cache_attend_merge(a->caches[tk[0].t], h, q, out, tk[0].pos, n, a->scale,
+                                  cb->attn_part_mem + cb->attn_part0[item] * pf, scratch);
+        else kv_cache_attend_tokens(a->caches[tk[0].t], h, q, out, tk[0].pos, n, a->scale, scratch);
     }
+}
+
+static void attn_phase(struct cpu_backend *cb, struct attn_task *at, int phase, int items) {
+    const int nth = kvq_threads_size(cb->pool);
+    int *counts = kvq_work_counts(cb->work);
+    for (int i = 0; i < nth; i++) counts[i] = (items - i + nth - 1) / nth;
+    at->phase = phase;
+    kvq_work_start(cb->work);
+    kvq_threads_run(cb->pool, attn_task_run, at);
+}
+
+/* Fewer items than threads to keep busy: each (group, KV head) in parts of its
+ * positions where it has several, the parts on all threads, then the merges (the
+ * same bits as whole items). False where that does not apply or finds no memory. */
+static bool attn_in_parts(struct cpu_backend *cb, struct attn_task *at, int ng) {
+    const struct be_attention *a = at->a;
+    const int items = ng * a->n_kv;
+    size_t total = 0;
+    for (int gi = 0; gi < ng; gi++) {
+        const struct attn_group *g = &cb->attn_groups[gi];
+        total += (size_t)kv_cache_attend_parts(a->caches[cb->attn_toks[g->first].t], g->last - g->n + 1, g->n) *
+                 (size_t)a->n_kv;
+    }
+    if (total <= (size_t)items || total > INT32_MAX / 2) return false;
+    const size_t pf = kv_cache_attend_part_floats(&(struct kv_shape){a->n_head, a->n_kv, a->head_dim, 0});
+    const size_t b0 = sizeof(size_t) * (size_t)items, b1 = sizeof(struct attn_part) * total;
+    const size_t need = b0 + b1 + sizeof(float) * pf * total + 64;
+    if (need > cb->attn_split_bytes) {
+        if (cb->attn_split) munmap(cb->attn_split, cb->attn_split_bytes);
+        const size_t bytes = 2 * need;
+        void *m = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        cb->attn_split = m == MAP_FAILED ? NULL : m;
+        cb->attn_split_bytes = cb->attn_split ? bytes : 0;
+        if (!cb->attn_split) return false;
+    }
+    cb->attn_part0 = cb->attn_split;
+    cb->attn_parts = (struct attn_part *)((uint8_t *)cb->attn_split + b0);
+    cb->attn_part_mem = (float *)((uintptr_t)((uint8_t *)cb->attn_split + b0 + b1 + 63) & ~(uintptr_t)63);
+    size_t k = 0;
+    for (int gi = 0; gi < ng; gi++) {
+        const struct attn_group *g = &cb->attn_groups[gi];
+        const int np = kv_cache_attend_parts(a->caches[cb->attn_toks[g->first].t], g->last - g->n + 1, g->n);
+        for (int h = 0; h < a->n_kv; h++) {
+            cb->attn_part0[gi * a->n_kv + h] = k;
+            for (int i = 0; i < np; i++) cb->attn_parts[k++] = (struct attn_part){gi, h, i};
+        }
+    }
+    attn_phase(cb, at, 1, (int)total);
+    attn_phase(cb, at, 2, items);
+    return true;
 }
 
 static int ensure_attn(struct cpu_backend *cb, int n) {
@@ -573,11 +663,9 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
         }
     }
     qsort(cb->attn_groups, (size_t)ng, sizeof *cb->attn_groups, cmp_group);
-    struct attn_task at = {cb, a};
-    int *counts = kvq_work_counts(cb->work);
-    for (int i = 0; i < nth; i++) counts[i] = (ng * a->n_kv - i + nth - 1) / nth;
-    kvq_work_start(cb->work);
-    kvq_threads_run(cb->pool, attn_task_run, &at);
+    struct attn_task at = {cb, a, 0};
+    if (nth > 1 && ng * a->n_kv < 2 * nth && attn_in_parts(cb, &at, ng)) return;
+    attn_phase(cb, &at, 0, ng * a->n_kv);
 }
 
 /* ---- memory --------------------------------------------------------------- */
@@ -627,6 +715,7 @@ static void cpu_free(struct backend *b) {
     free(cb->attn_scratch);
     free(cb->attn_toks);
     free(cb->attn_groups);
+    if (cb->attn_split) munmap(cb->attn_split, cb->attn_split_bytes);
     free(cb->append_rows);
     free(cb->staging);
     kvq_work_free(cb->work);
