@@ -234,11 +234,11 @@ static void attend(const struct kv_cache *c, int kv_head, const float *const *q,
     const int group = a.group, nq = a.nq;
     float *state = qs + (size_t)nq * D, *part = state + kern_attn_state_floats(nq, D);
     float *pm = part + kern_attn_state_floats(nq, D), *pl = pm + nq;
+    const size_t stride = kv_store_attend_part_floats(&c->shape);
     struct kern_attn_state all, ps;
     kern_attn_state_init(&all, nq, D, state);
     for (int32_t i = a.first; i <= a.last; i++) {
         if (parts) {
-            const size_t stride = kv_store_attend_part_floats(&c->shape);
             float *m = (float *)parts + (size_t)(i - a.first) * stride;
             ps = (struct kern_attn_state){nq, D, m, m + nq, m + 2 * nq};
         } else {

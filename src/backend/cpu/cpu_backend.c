@@ -503,6 +503,7 @@ struct attn_tok {
 };
 struct attn_group {
     int32_t last, first, n; /* the last position; tokens attn_toks[first .. first + n) */
+    int32_t np;             /* its parts (kv_cache_attend_parts), where attended in parts */
 };
 
 struct attn_part {
@@ -513,6 +514,7 @@ struct attn_task {
     struct cpu_backend *cb;
     const struct be_attention *a;
     int phase; /* 0: whole items; 1: parts; 2: parts merged */
+    size_t pf; /* floats of a part's state */
 };
 
 /* Group gi's query and output heads of KV head h. */
@@ -537,7 +539,7 @@ static void attn_task_run(void *p, int ith, int nth) {
     const struct cpu_backend *cb = at->cb;
     const struct be_attention *a = at->a;
     float *scratch = cb->attn_scratch + (size_t)ith * cb->attn_scratch_floats;
-    const size_t pf = kv_cache_attend_part_floats(&(struct kv_shape){a->n_head, a->n_kv, a->head_dim, 0});
+    const size_t pf = at->pf;
     int part, s;
     while ((s = kvq_work_next(cb->work, ith, &part)) >= 0) {
         const int item = s * nth + part;
@@ -577,12 +579,12 @@ static bool attn_in_parts(struct cpu_backend *cb, struct attn_task *at, int ng) 
     const int items = ng * a->n_kv;
     size_t total = 0;
     for (int gi = 0; gi < ng; gi++) {
-        const struct attn_group *g = &cb->attn_groups[gi];
-        total += (size_t)kv_cache_attend_parts(a->caches[cb->attn_toks[g->first].t], g->last - g->n + 1, g->n) *
-                 (size_t)a->n_kv;
+        struct attn_group *g = &cb->attn_groups[gi];
+        g->np = kv_cache_attend_parts(a->caches[cb->attn_toks[g->first].t], g->last - g->n + 1, g->n);
+        total += (size_t)g->np * (size_t)a->n_kv;
     }
     if (total <= (size_t)items || total > INT32_MAX / 2) return false;
-    const size_t pf = kv_cache_attend_part_floats(&(struct kv_shape){a->n_head, a->n_kv, a->head_dim, 0});
+    const size_t pf = at->pf = kv_cache_attend_part_floats(&(struct kv_shape){a->n_head, a->n_kv, a->head_dim, 0});
     const size_t b0 = sizeof(size_t) * (size_t)items, b1 = sizeof(struct attn_part) * total;
     const size_t need = b0 + b1 + sizeof(float) * pf * total + 64;
     if (need > cb->attn_split_bytes) {
@@ -597,14 +599,11 @@ static bool attn_in_parts(struct cpu_backend *cb, struct attn_task *at, int ng) 
     cb->attn_parts = (struct attn_part *)((uint8_t *)cb->attn_split + b0);
     cb->attn_part_mem = (float *)((uintptr_t)((uint8_t *)cb->attn_split + b0 + b1 + 63) & ~(uintptr_t)63);
     size_t k = 0;
-    for (int gi = 0; gi < ng; gi++) {
-        const struct attn_group *g = &cb->attn_groups[gi];
-        const int np = kv_cache_attend_parts(a->caches[cb->attn_toks[g->first].t], g->last - g->n + 1, g->n);
+    for (int gi = 0; gi < ng; gi++)
         for (int h = 0; h < a->n_kv; h++) {
             cb->attn_part0[gi * a->n_kv + h] = k;
-            for (int i = 0; i < np; i++) cb->attn_parts[k++] = (struct attn_part){gi, h, i};
+            for (int i = 0; i < cb->attn_groups[gi].np; i++) cb->attn_parts[k++] = (struct attn_part){gi, h, i};
         }
-    }
     attn_phase(cb, at, 1, (int)total);
     attn_phase(cb, at, 2, items);
     return true;
@@ -659,11 +658,11 @@ static void cpu_attention(struct backend *b, const struct be_attention *a, int n
             g->n++;
             g->last = tk[t].pos;
         } else {
-            cb->attn_groups[ng++] = (struct attn_group){tk[t].pos, t, 1};
+            cb->attn_groups[ng++] = (struct attn_group){tk[t].pos, t, 1, 0};
         }
     }
     qsort(cb->attn_groups, (size_t)ng, sizeof *cb->attn_groups, cmp_group);
-    struct attn_task at = {cb, a, 0};
+    struct attn_task at = {cb, a, 0, 0};
     if (nth > 1 && ng * a->n_kv < 2 * nth && attn_in_parts(cb, &at, ng)) return;
     attn_phase(cb, &at, 0, ng * a->n_kv);
 }
