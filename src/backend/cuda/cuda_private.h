@@ -299,7 +299,7 @@ double prof_begin(struct cuda_backend *cb);
 void prof_end(struct cuda_backend *cb, enum prof_op op, double t0);
 void steps_free(struct step_prof *sp);
 struct step_prof *steps_new(void);
-void steps_begin(struct step_prof *sp);
+void steps_begin(struct step_prof *sp, int n_tokens);
 void steps_first_issue(struct step_prof *sp, cudaStream_t s);
 void steps_mark(struct step_prof *sp, cudaStream_t s, bool results);
 void steps_waited(struct step_prof *sp);

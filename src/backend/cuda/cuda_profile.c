@@ -27,13 +27,15 @@ void prof_end(struct cuda_backend *cb, enum prof_op op, double t0) {
 }
 
 
-/* KVQ_CUDA_PROFILE=steps: where the time of recorded (decode) steps goes, as medians
- * over the steps: the wall time from one wait's end to the next; the GPU's, from the
- * first issued segment to the end of the step's work; the host's from the last wait's
- * end to the step's first operation (the engine's work and its caller's), then to that
- * first issue; the results' copy; the host's work after the wait. The GPU idles for the
- * difference of the first two. Events time the GPU, so nothing waits that would not. */
-enum step_stat { S_WALL, S_GPU, S_HOST_PRE, S_HOST_FIRST, S_RESULTS, S_HOST_AFTER, S_N };
+/* KVQ_CUDA_PROFILE=steps: where the time of steps goes (recorded ones, and those
+ * launched as queued), as medians over the steps of each size: the wall time from one
+ * wait's end to the next; the GPU's, from the first issued segment (or launch) to the
+ * end of the step's work; the host's from the last wait's end to the step's first
+ * operation (the engine's work and its caller's), then to that first issue, then to
+ * the last (the wait's start); the results' copy; the host's work after the wait. The
+ * GPU idles for the difference of the first two. Events time the GPU, so nothing
+ * waits that would not. */
+enum step_stat { S_WALL, S_GPU, S_HOST_PRE, S_HOST_FIRST, S_HOST_ISSUED, S_RESULTS, S_HOST_AFTER, S_N };
 
 #define STEP_SAMPLES 8192
 
@@ -41,7 +43,9 @@ struct step_prof {
     cudaEvent_t first, end, results;
     bool armed;            /* this step's first segment was issued: its events are set */
     double begin, waited;  /* host times: the step's first operation, the last wait's end */
+    int n_tokens;          /* this step's */
     float v[STEP_SAMPLES][S_N];
+    int tokens[STEP_SAMPLES];
     long n;
 };
 
@@ -74,11 +78,13 @@ static float elapsed_us(cudaEvent_t a, cudaEvent_t b) {
 
 
 /* A step begins (its host time counts from here). */
-void steps_begin(struct step_prof *sp) {
-    if (sp) sp->begin = now_s();
+void steps_begin(struct step_prof *sp, int n_tokens) {
+    if (!sp) return;
+    sp->begin = now_s();
+    sp->n_tokens = n_tokens;
 }
 
-/* At a recorded step's first segment. */
+/* At a recorded step's first segment, or a step's first launch. */
 void steps_first_issue(struct step_prof *sp, cudaStream_t s) {
     if (!sp || sp->armed) return;
     cudaEventRecord(sp->first, s);
@@ -90,9 +96,12 @@ void steps_first_issue(struct step_prof *sp, cudaStream_t s) {
 }
 
 
-/* At sync: after the step's work (results: false), then after the results' copies. */
+/* At sync: after the step's work (results: false: the host has issued it all), then
+ * after the results' copies. */
 void steps_mark(struct step_prof *sp, cudaStream_t s, bool results) {
-    if (sp && sp->armed) cudaEventRecord(results ? sp->results : sp->end, s);
+    if (!sp || !sp->armed) return;
+    cudaEventRecord(results ? sp->results : sp->end, s);
+    if (!results && sp->n < STEP_SAMPLES) sp->v[sp->n][S_HOST_ISSUED] = (float)(1e6 * (now_s() - sp->begin));
 }
 
 
@@ -115,7 +124,10 @@ void steps_waited(struct step_prof *sp) {
 /* When sync returns (failed: the step's numbers are dropped). */
 void steps_done(struct step_prof *sp, bool failed) {
     if (!sp) return;
-    if (!failed && sp->armed) sp->v[sp->n++][S_HOST_AFTER] = (float)(1e6 * (now_s() - sp->waited));
+    if (!failed && sp->armed) {
+        sp->v[sp->n][S_HOST_AFTER] = (float)(1e6 * (now_s() - sp->waited));
+        sp->tokens[sp->n++] = sp->n_tokens;
+    }
     sp->armed = false;
 }
 
@@ -126,18 +138,21 @@ static int cmp_float(const void *a, const void *b) {
 }
 
 
-static void steps_print(const struct step_prof *sp) {
+/* The steps of n_tokens tokens: medians, and what the slow ones add. */
+static void steps_print_kind(const struct step_prof *sp, int n_tokens, float *col) {
     static const char *const names[S_N] = {"wall", "GPU", "host before the step's first operation",
-                                           "host before the first issue", "results' copy",
-                                           "host after the wait"};
-    float *col = sp->n > 0 ? malloc(sizeof(float) * (size_t)sp->n) : NULL;
-    if (!col) return;
-    fprintf(stderr, "kvq cuda steps, medians of %ld recorded steps (us):", sp->n);
+                                           "host before the first issue", "host until all is issued",
+                                           "results' copy", "host after the wait"};
+    long n = 0;
+    for (long i = 0; i < sp->n; i++) n += sp->tokens[i] == n_tokens;
+    fprintf(stderr, "kvq cuda steps of %d tokens, medians of %ld (us):", n_tokens, n);
     float med[S_N];
     for (int k = 0; k < S_N; k++) {
-        for (long i = 0; i < sp->n; i++) col[i] = sp->v[i][k];
-        qsort(col, (size_t)sp->n, sizeof(float), cmp_float);
-        med[k] = col[sp->n / 2];
+        long m = 0;
+        for (long i = 0; i < sp->n; i++)
+            if (sp->tokens[i] == n_tokens) col[m++] = sp->v[i][k];
+        qsort(col, (size_t)m, sizeof(float), cmp_float);
+        med[k] = col[m / 2];
         fprintf(stderr, "%s %s %.1f", k ? "," : "", names[k], med[k]);
     }
     /* the mean wall time is what a run's tokens/s sees: slow steps (a context's first,
@@ -149,16 +164,41 @@ static void steps_print(const struct step_prof *sp) {
     int slow = 0;
     for (long i = 0; i < sp->n; i++) {
         const double w = sp->v[i][S_WALL];
+        if (sp->tokens[i] != n_tokens) continue;
         sum += w;
         if (w > 1.2 * median) slow++, excess += w - median, gpu_excess += sp->v[i][S_GPU] - med[S_GPU];
     }
     fprintf(stderr,
             "; mean wall %.1f; %d steps over 1.2x the median, %.0f us beyond it, %.0f of them in the GPU's span "
             "(steps",
-            sum / (double)sp->n, slow, excess, gpu_excess);
+            sum / (double)n, slow, excess, gpu_excess);
     for (long i = 0, k = 0; i < sp->n && k < 8; i++)
-        if (sp->v[i][S_WALL] > 1.2 * median) fprintf(stderr, " %ld", i), k++;
+        if (sp->tokens[i] == n_tokens && sp->v[i][S_WALL] > 1.2 * median) fprintf(stderr, " %ld", i), k++;
     fprintf(stderr, ")\n");
+}
+
+
+/* Each kind of step (by its tokens) of the three most frequent. */
+static void steps_print(const struct step_prof *sp) {
+    float *col = sp->n > 0 ? malloc(sizeof(float) * (size_t)sp->n) : NULL;
+    if (!col) return;
+    int done[3] = {0};
+    for (int g = 0; g < 3; g++) {
+        int best = 0;
+        long best_n = 0;
+        for (long i = 0; i < sp->n; i++) {
+            const int t = sp->tokens[i];
+            bool seen = false;
+            for (int j = 0; j < g; j++) seen |= done[j] == t;
+            if (seen || t == best) continue;
+            long c = 0;
+            for (long j = 0; j < sp->n; j++) c += sp->tokens[j] == t;
+            if (c > best_n) best = t, best_n = c;
+        }
+        if (!best_n) break;
+        done[g] = best;
+        steps_print_kind(sp, best, col);
+    }
     free(col);
 }
 

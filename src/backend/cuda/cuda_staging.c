@@ -202,10 +202,11 @@ static bool segment_ends(const struct cuda_backend *cb, bool glu) {
 void step_op(struct cuda_backend *cb, int n, bool glu) {
     if (!cb->in_step) {
         cb->in_step = true;
-        steps_begin(cb->steps);
+        steps_begin(cb->steps, n);
         cb->q.recording = cb->q.graphs && n <= CUK_MATVEC_MAX;
         cb->segments = 0;
         cb->one_token = n == 1;
+        if (!cb->q.recording) steps_first_issue(cb->steps, cb->stream); /* launched as queued */
     } else if (cb->q.recording && !cb->tp && segment_ends(cb, glu)) { /* tensor parallelism: tp_backend.c cuts */
         issue_record(cb);
         cb->segments++;
