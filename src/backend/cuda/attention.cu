@@ -387,6 +387,7 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     const size_t at = ((size_t)t * a.n_head + h) * D + d;
     a.out[at] = r;
     if (a.xq.q) round_x32(r, a.xq.q + (at & ~(size_t)31), a.xq.dsum + at / 32); /* D threads: whole warps */
+    store_half(r, (int64_t)at, a.xq.h, a.xq.h_wide);
 }
 
 static int heads_per_block(const cuk_attn_args *a) {

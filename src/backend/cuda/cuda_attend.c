@@ -7,7 +7,7 @@ _Static_assert(sizeof(struct cuk_attn_args) == 16 * 4 + 4 * sizeof(size_t) + 8 *
 
 void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
     struct cuda_backend *cb = cuda(b);
-    cb->xq_of = NULL;
+    cb->xq_of = cb->x16_of = NULL;
     if (n <= 0 || cb->failed) return;
     step_op(cb, n, false);
     const int D = a->head_dim;
@@ -138,7 +138,7 @@ void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
     cb->qprep_of = NULL;
     if (ensure_signs(cb, D, views[0].signs) != 0 || !ensure_qprep(cb, n, a->n_head, D)) return;
     const float *signs = cb->signs;
-    const struct cuk_xq *xq = round_into_xq(cb, a->out, n, (int64_t)a->n_head * D);
+    const struct cuk_xq *xq = product_input(cb, a->out, n, (int64_t)a->n_head * D);
     prof_end(cb, P_ATTN_HOST, t0);
     t0 = prof_begin(cb);
     for (int i = 0; i < n_sets && !cb->failed; i++) {
@@ -155,7 +155,7 @@ void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
             .groups = (const struct cuk_attn_group *)(cb->stage_d + grp_off) + sets[i].grp0,
             .n_groups = sets[i].n_grp, .max_group = sets[i].max_group,
             .partial = cb->part, .n_sm = cb->n_sm,
-            .xq = xq ? *xq : (struct cuk_xq){NULL, NULL},
+            .xq = xq ? *xq : (struct cuk_xq){0},
             .qprep = cb->qprep, .q_prepped = prepped,
         };
         cuk_attention(&cb->q, &args);

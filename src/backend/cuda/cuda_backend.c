@@ -96,6 +96,7 @@ static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
     if (max_tokens > CUK_MATVEC_MAX || (cb->wide && max_tokens >= CUK_WIDE_MIN)) { /* f16 inputs of wide products */
         cudaFree(cb->x16);
         if (!(cb->x16 = cuda_alloc(b, sizeof(uint16_t) * (size_t)max_tokens * (size_t)widest))) return -1;
+        cb->x16_cols = widest;
     }
     if (max_tokens > CUK_MATVEC_MAX && !cb->deq && !(cb->deq = cuda_alloc(b, DEQ_BYTES))) return -1;
     const size_t n = (size_t)(max_tokens < CUK_MATVEC_MAX ? max_tokens : CUK_MATVEC_MAX);
@@ -104,7 +105,7 @@ static int cuda_reserve(struct backend *b, int max_tokens, int64_t widest) {
     cb->xq.q = cuda_alloc(b, n * (size_t)widest);
     cb->xq.dsum = cuda_alloc(b, sizeof(float2) * n * (size_t)(widest / 32 + 1));
     cb->xq_cols = widest;
-    cb->xq_of = NULL;
+    cb->xq_of = cb->x16_of = NULL;
     return cb->xq.q && cb->xq.dsum ? 0 : -1;
 }
 

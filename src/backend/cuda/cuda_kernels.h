@@ -54,11 +54,16 @@ size_t cuk_repacked_bytes(uint32_t type, int64_t rows, int64_t cols);
 void cuk_repack(struct cuk_queue *qu, uint32_t type, const uint8_t *src, int64_t rows, int64_t cols, uint8_t *codes,
                 uint16_t *scales);
 
-/* Inputs of the repacked types' kernels: x rounded to int8 in blocks of 32, with
- * each block's scale and the sum of its codes (as the CPU's q8 activations). */
+/* Inputs of the products as the operation before them writes them too (k a multiple
+ * of 32): for the repacked types' matrix-vector kernels, x rounded to int8 in blocks
+ * of 32, with each block's scale and the sum of its codes (as the CPU's q8
+ * activations); for the wide kernels and cuBLAS, x in f16, as cuk_to_half_wide or
+ * cuk_to_half makes it. At most one of q, h and h_wide is set. */
 struct cuk_xq {
-    int8_t *q;    /* [n][k] */
-    float2 *dsum; /* [n][k / 32]: scale, sum of codes */
+    int8_t *q;        /* [n][k] */
+    float2 *dsum;     /* [n][k / 32]: scale, sum of codes */
+    uint16_t *h;      /* [n][k] f16 */
+    uint16_t *h_wide; /* [n][k] f16, each block of 32 in the wide kernels' order */
 };
 void cuk_quantize_x(struct cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, const struct cuk_xq *xq);
 

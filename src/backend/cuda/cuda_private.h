@@ -164,6 +164,14 @@ struct cuda_backend {
     const float *xq_of;
     int xq_n;
     int64_t xq_k;
+    /* and what x16 holds: x16_n rows of x16_k floats at x16_of in f16, in the wide
+     * kernels' order where x16_wide (by the operation that wrote them, or a product) */
+    const float *x16_of;
+    int x16_n;
+    int64_t x16_k;
+    bool x16_wide;
+    int64_t x16_cols;   /* x16 holds max_tokens rows of this many */
+    struct cuk_xq into; /* product_input's f16 form for the operation before a product */
     bool any_repacked; /* a weight of a repacked type was uploaded */
     bool wide;         /* the device runs the packed wide products (cuk_wide_available) */
     float *part;
@@ -354,7 +362,7 @@ void cuda_run_on_host_threads(struct backend *b, kvq_task_fn fn, void *arg);
 int finish_appends(struct cuda_backend *cb);
 
 /* cuda_products.c */
-const struct cuk_xq *round_into_xq(struct cuda_backend *cb, const float *out, int n, int64_t k);
+const struct cuk_xq *product_input(struct cuda_backend *cb, const float *out, int n, int64_t k);
 void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs, const struct be_matmul *jobs);
 void cuda_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x);
 void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows, const float *w, int n, int dim, float eps,

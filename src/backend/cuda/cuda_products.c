@@ -6,17 +6,41 @@
 #include "backend/cuda/cuda_private.h"
 
 
-/* xq for an operation writing n rows of k floats at out, which it rounds into xq as
- * well when a product of a repacked type may read them; NULL when it need not. */
-const struct cuk_xq *round_into_xq(struct cuda_backend *cb, const float *out, int n, int64_t k) {
-    cb->xq_of = NULL;
-    if (!out || !cb->any_repacked || n > CUK_MATVEC_MAX || (cb->wide && n >= CUK_WIDE_MIN) || k % 32 != 0 ||
-        k > cb->xq_cols)
-        return NULL;
-    cb->xq_of = out;
-    cb->xq_n = n;
-    cb->xq_k = k;
-    return &cb->xq;
+/* What an operation writing n rows of k floats at out writes besides them, in the
+ * form a product of repacked weights takes them (NULL: nothing): rounded into xq for
+ * the matrix-vector kernels, else in f16 into x16 for the wide kernels (in their
+ * order) or cuBLAS, so that the product needs no launch to convert them. */
+const struct cuk_xq *product_input(struct cuda_backend *cb, const float *out, int n, int64_t k) {
+    cb->xq_of = cb->x16_of = NULL;
+    if (!out || !cb->any_repacked || k % 32 != 0) return NULL;
+    const bool wide = cb->wide && n >= CUK_WIDE_MIN;
+    if (n <= CUK_MATVEC_MAX && !wide) {
+        if (k > cb->xq_cols) return NULL;
+        cb->xq_of = out;
+        cb->xq_n = n;
+        cb->xq_k = k;
+        return &cb->xq;
+    }
+    if (!cb->x16 || k > cb->x16_cols || n > cb->max_tokens) return NULL;
+    cb->x16_of = out;
+    cb->x16_n = n;
+    cb->x16_k = k;
+    cb->x16_wide = wide && n <= CUK_WIDE_FAST; /* past it, cuBLAS where weights have f16 copies */
+    cb->into = (struct cuk_xq){NULL, NULL, cb->x16_wide ? NULL : cb->x16, cb->x16_wide ? cb->x16 : NULL};
+    return &cb->into;
+}
+
+
+/* x (n rows of k floats, x_stride apart) in f16 in x16, in the wide kernels' order or
+ * not: converted unless the operation that wrote x left them there. */
+static void x16_make(struct cuda_backend *cb, const float *x, int64_t x_stride, int n, int64_t k, bool wide) {
+    if (cb->x16_of == x && x_stride == k && cb->x16_n == n && cb->x16_k == k && cb->x16_wide == wide) return;
+    if (wide) cuk_to_half_wide(&cb->q, x, x_stride, n, k, cb->x16);
+    else cuk_to_half(&cb->q, x, x_stride, n, k, cb->x16);
+    cb->x16_of = x_stride == k ? x : NULL;
+    cb->x16_n = n;
+    cb->x16_k = k;
+    cb->x16_wide = wide;
 }
 
 
@@ -74,7 +98,7 @@ static bool wide_products(struct cuda_backend *cb, const float *x, int64_t x_str
             return true;
         }
     }
-    cuk_to_half_wide(&cb->q, x, x_stride, n, wj[0].w->cols, cb->x16);
+    x16_make(cb, x, x_stride, n, wj[0].w->cols, true);
     for (int l = 0; l < n_launch; l++)
         cuk_matmul_wide(&cb->q, wj + first[l], first[l + 1] - first[l], cb->x16, n, cb->wide_part, cb->n_sm);
     for (int j = 0; j < n_jobs; j++)
@@ -88,6 +112,8 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
     cb->qprep_of = NULL; /* the products may write the queries */
+    for (int j = 0; j < n_jobs; j++) /* or an input an earlier operation converted */
+        if (jobs[j].y == cb->xq_of || jobs[j].y == cb->x16_of) cb->xq_of = cb->x16_of = NULL;
     double t0 = prof_begin(cb);
     /* results for the host end the step (the output product): the work before them goes
      * out as a segment of its own, so that the rows it encoded are read back and filed
@@ -159,7 +185,6 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
     record_stop(cb); /* cuBLAS launches directly */
     cb->xq_of = NULL;
     cb->q.after_attn = false;
-    bool x16_made = false; /* the jobs share x: converted to f16 once */
     for (int j = 0; j < n_jobs; j++) {
         const struct cuk_weight *w = dev_weight(cb, jobs[j].w);
         const float *bias = dev_vec(cb, jobs[j].bias);
@@ -169,10 +194,7 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
          * lose less in f16 than the CPU's int8 rounding); float weights in TF32, as
          * f16 would lose small activations, and bf16 weights' range */
         const bool f16 = w->type != KVQ_F32 && w->type != KVQ_BF16 && w->type != KVQ_F16;
-        if (f16 && !x16_made) {
-            cuk_to_half(&cb->q, x, x_stride, n, w->cols, cb->x16);
-            x16_made = true;
-        }
+        if (f16) x16_make(cb, x, x_stride, n, w->cols, false); /* the jobs share x: once */
         const float one = 1.0f, zero = 0.0f;
         const void *w16 = dev_weight_f16(cb, jobs[j].w);
         int64_t band = w16 ? w->rows : (int64_t)(DEQ_BYTES / (f16 ? 2 : 4) / (size_t)w->cols);
@@ -203,7 +225,7 @@ void cuda_embed(struct backend *b, const struct weight *e, const int32_t *tokens
     step_op(cb, n, false);
     double t0 = prof_begin(cb);
     const int32_t *t = stage_array(cb, tokens, sizeof(int32_t) * (size_t)n);
-    cb->xq_of = NULL;
+    cb->xq_of = cb->x16_of = NULL;
     if (w && t) cuk_embed(&cb->q, w, t, n, scale, x);
     prof_end(cb, P_EMBED, t0);
 }
@@ -230,7 +252,7 @@ void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows, const 
     const float *wd = dev_vec(cb, w);
     if ((rows && !r) || !wd) return;
     double t0 = prof_begin(cb);
-    cuk_rmsnorm(&cb->q, x, r, wd, n, dim, eps, out, round_into_xq(cb, out, n, dim));
+    cuk_rmsnorm(&cb->q, x, r, wd, n, dim, eps, out, product_input(cb, out, n, dim));
     prof_end(cb, P_NORM, t0);
 }
 
@@ -242,7 +264,7 @@ void cuda_add_norm(struct backend *b, float *x, float *add, const float *post, c
     step_op(cb, n, false);
     launch_held_packs(cb); /* the O product is queued (held_pack) */
     double t0 = prof_begin(cb);
-    const struct cuk_xq *xq = round_into_xq(cb, w ? out : NULL, w ? n : 0, dim);
+    const struct cuk_xq *xq = product_input(cb, w ? out : NULL, w ? n : 0, dim);
     cuk_add_norm(&cb->q, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out, xq);
     prof_end(cb, P_NORM, t0);
 }
@@ -322,7 +344,7 @@ void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, true);
     double t0 = prof_begin(cb);
-    cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out, round_into_xq(cb, out, n, n_ff));
+    cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out, product_input(cb, out, n, n_ff));
     prof_end(cb, P_GLU, t0);
 }
 

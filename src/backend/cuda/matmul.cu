@@ -1094,8 +1094,6 @@ extern "C" cuk_weight cuk_weight_rows(const cuk_weight *w, int64_t r0, int64_t r
 
 /* ---- whole rows as f32 or f16 (GEMM inputs, embeddings) ---- */
 
-/* f16 of x, saturated: a value beyond f16's range becomes its largest, not inf. */
-static __device__ __forceinline__ __half sat_half(float x) { return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
 
 template <uint32_t T, typename O>
 __global__ void dequantize(const cuk_weight W, int64_t r0, int64_t n_rows, O *out) {
@@ -1128,16 +1126,13 @@ extern "C" void cuk_dequantize(cuk_queue *qu, const cuk_weight *w, int64_t r0, i
 }
 
 /* WIDE: each block of 32 columns in the order the wide products' B tiles take it
- * (matmul_wide.cu): its 16 pairs of columns as a 4 x 4 transpose (pair 4i + j to
- * 4j + i), so that pairs (0, 4, 8, 12, 1, 5, 9, 13) feed the block's first k16 product
- * and the rest the second, matching the lanes' A fragments. */
+ * (half_at: pairs (0, 4, 8, 12, 1, 5, 9, 13) feed the block's first k16 product and the
+ * rest the second, matching the lanes' A fragments). */
 template <bool WIDE>
 __global__ void to_half(const float *x, int64_t x_stride, int64_t k, __half *out) {
     const int64_t t = blockIdx.y;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < k; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t p = i % 32 / 2, at = WIDE ? i - i % 32 + (p % 4 * 4 + p / 4) * 2 + i % 2 : i;
-        out[t * k + at] = sat_half(x[t * x_stride + i]);
-    }
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < k; i += (int64_t)gridDim.x * blockDim.x)
+        out[t * k + half_at(i, WIDE)] = sat_half(x[t * x_stride + i]);
 }
 
 template <bool WIDE>

@@ -70,16 +70,29 @@ static __device__ float rms_scale(const float (&v)[PER][4], int dim, float eps) 
     return rsqrtf(block_sum<TH>(ss) / (float)dim + eps);
 }
 
-/* out row t = v * s * w, rounded into xq too when q (dim a multiple of 32 then). */
+/* out row t = v * s * w, into xq's form too where it has one (dim a multiple of 32
+ * then). */
+static const cuk_xq no_xq = {NULL, NULL, NULL, NULL};
+
 template <int TH, int PER>
 static __device__ void norm_out(const float (&v)[PER][4], float s, const float (&w)[PER][4], int dim, int t,
-                                float *out, int8_t *q, float2 *dsum) {
+                                float *out, const cuk_xq xq) {
     float o[PER][4];
 #pragma unroll
     for (int j = 0; j < PER; j++)
 #pragma unroll
         for (int c = 0; c < 4; c++) o[j][c] = v[j][c] * s * w[j][c];
     store_groups<TH, PER>(out + (size_t)t * dim, dim, o);
+    if (xq.h || xq.h_wide) {
+#pragma unroll
+        FOR_G(j, e) {
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                if (e + c < dim) store_half(o[j][c], (int64_t)t * dim + e + c, xq.h, xq.h_wide);
+        }
+    }
+    int8_t *q = xq.q;
+    float2 *dsum = xq.dsum;
     if (!q) return;
 #pragma unroll
     FOR_G(j, e) { /* every lane shuffles; those past the row store nothing */
@@ -89,19 +102,19 @@ static __device__ void norm_out(const float (&v)[PER][4], float s, const float (
 
 template <int TH, int PER>
 __global__ void __launch_bounds__(TH) rmsnorm_k(const float *x, const int32_t *rows, const float *w, int dim,
-                                                float eps, float *out, int8_t *q, float2 *dsum) {
+                                                float eps, float *out, const cuk_xq xq) {
     griddep_release();
     float wv[PER][4], v[PER][4];
     load_groups<TH, PER>(w, dim, wv); /* the norm weights depend on no earlier kernel */
     griddep_wait();
     const int t = blockIdx.x, r = rows ? rows[t] : t;
     load_groups<TH, PER>(x + (size_t)r * dim, dim, v);
-    norm_out<TH, PER>(v, rms_scale<TH, PER>(v, dim, eps), wv, dim, t, out, q, dsum);
+    norm_out<TH, PER>(v, rms_scale<TH, PER>(v, dim, eps), wv, dim, t, out, xq);
 }
 
 template <int TH, int PER>
 __global__ void __launch_bounds__(TH) add_norm_k(float *x, const float *add, const float *post, const float *w,
-                                                 int dim, float eps, float *out, int8_t *q, float2 *dsum) {
+                                                 int dim, float eps, float *out, const cuk_xq xq) {
     griddep_release();
     float wv[PER][4], pv[PER][4], v[PER][4], a[PER][4];
     load_groups<TH, PER>(w, dim, wv);
@@ -116,7 +129,7 @@ __global__ void __launch_bounds__(TH) add_norm_k(float *x, const float *add, con
 #pragma unroll
         for (int c = 0; c < 4; c++) v[j][c] += post ? a[j][c] * ps * pv[j][c] : a[j][c];
     store_groups<TH, PER>(x + (size_t)t * dim, dim, v);
-    if (w) norm_out<TH, PER>(v, rms_scale<TH, PER>(v, dim, eps), wv, dim, t, out, q, dsum);
+    if (w) norm_out<TH, PER>(v, rms_scale<TH, PER>(v, dim, eps), wv, dim, t, out, xq);
 }
 
 static_assert(4 * 4 * 1024 == CUK_NORM_MAX, "BY_DIM's widest case is the documented limit");
@@ -133,8 +146,7 @@ static_assert(4 * 4 * 1024 == CUK_NORM_MAX, "BY_DIM's widest case is the documen
 extern "C" void cuk_rmsnorm(cuk_queue *qu, const float *x, const int32_t *rows, const float *w, int n, int dim,
                             float eps, float *out, const struct cuk_xq *xq) {
 #define RN(TH, PER)                                                                                            \
-    pdl_launch(rmsnorm_k<TH, PER>, dim3((unsigned)n), dim3(TH), qu, x, rows, w, dim, eps, out, xq ? xq->q : NULL, \
-               xq ? xq->dsum : NULL)
+    pdl_launch(rmsnorm_k<TH, PER>, dim3((unsigned)n), dim3(TH), qu, x, rows, w, dim, eps, out, xq ? *xq : no_xq)
     BY_DIM(dim, RN);
 #undef RN
 }
@@ -142,8 +154,7 @@ extern "C" void cuk_rmsnorm(cuk_queue *qu, const float *x, const int32_t *rows, 
 extern "C" void cuk_add_norm(cuk_queue *qu, float *x, float *add, const float *post, const float *w, int n, int dim,
                              float eps, float *out, const struct cuk_xq *xq) {
 #define AN(TH, PER)                                                                                       \
-    pdl_launch(add_norm_k<TH, PER>, dim3((unsigned)n), dim3(TH), qu, x, add, post, w, dim, eps, out,        \
-               xq ? xq->q : NULL, xq ? xq->dsum : NULL)
+    pdl_launch(add_norm_k<TH, PER>, dim3((unsigned)n), dim3(TH), qu, x, add, post, w, dim, eps, out, xq ? *xq : no_xq)
     BY_DIM(dim, AN);
 #undef AN
 }
@@ -165,8 +176,7 @@ extern "C" void cuk_rope_table(cuk_queue *qu, const int32_t *pos, int n, const f
 }
 
 /* Elementwise; a warp's 32 values are one block of xq (n_ff a multiple of 32 then). */
-__global__ void glu_k(int act, const float *gate, const float *up, int64_t total, float *out, int8_t *q,
-                      float2 *dsum) {
+__global__ void glu_k(int act, const float *gate, const float *up, int64_t total, float *out, const cuk_xq xq) {
     griddep_release();
     griddep_wait();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
@@ -176,7 +186,8 @@ __global__ void glu_k(int act, const float *gate, const float *up, int64_t total
         else a = 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
         const float o = a * up[i];
         out[i] = o;
-        if (q) round_x32(o, q + (i & ~(int64_t)31), dsum + i / 32);
+        if (xq.q) round_x32(o, xq.q + (i & ~(int64_t)31), xq.dsum + i / 32);
+        store_half(o, i, xq.h, xq.h_wide);
     }
 }
 
@@ -184,7 +195,7 @@ extern "C" void cuk_glu(cuk_queue *qu, int act, const float *gate, const float *
                         const struct cuk_xq *xq) {
     const int64_t total = (int64_t)n * n_ff;
     pdl_launch(glu_k, dim3((unsigned)(total / 256 + 1 < 4096 ? total / 256 + 1 : 4096)), dim3(256), qu, act, gate, up,
-               total, out, xq ? xq->q : NULL, xq ? xq->dsum : NULL);
+               total, out, xq ? *xq : no_xq);
 }
 
 __global__ void scatter_k(const cuk_copy *copies, const uint8_t *staging) {

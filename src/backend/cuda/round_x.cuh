@@ -4,6 +4,25 @@
 #ifndef KVQ_BACKEND_CUDA_ROUND_X_CUH
 #define KVQ_BACKEND_CUDA_ROUND_X_CUH
 
+#include <cuda_fp16.h>
+
+/* f16 of x, saturated: a value beyond f16's range becomes its largest, not inf. */
+static __device__ __forceinline__ __half sat_half(float x) { return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f)); }
+
+/* Where column i of a row goes in an f16 copy for the products: in place, or (wide)
+ * in the order the wide products' B tiles take each block of 32 columns (matmul_wide.cu):
+ * its 16 pairs as a 4 x 4 transpose (pair 4i + j to 4j + i). */
+static __device__ __forceinline__ int64_t half_at(int64_t i, bool wide) {
+    const int64_t p = i % 32 / 2;
+    return wide ? i - i % 32 + (p % 4 * 4 + p / 4) * 2 + i % 2 : i;
+}
+
+/* Value v at column i of x into the f16 copy h (plain) or hw (wide), where one is set. */
+static __device__ __forceinline__ void store_half(float v, int64_t i, uint16_t *h, uint16_t *hw) {
+    if (h) h[i] = __half_as_ushort(sat_half(v));
+    else if (hw) hw[half_at(i, true)] = __half_as_ushort(sat_half(v));
+}
+
 /* A block's 1 / scale from its largest magnitude, and a value's code: one formula for
  * both roundings below, which must give the same codes. */
 static __device__ __forceinline__ float inv_scale(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
