@@ -955,9 +955,14 @@ void cuda_run_on_host_threads(struct backend *b, kvq_task_fn fn, void *arg) { on
 
 void file_rows(struct cuda_backend *cb, int to, bool last) {
     if (to <= cb->rows_from) return;
-    long rows = 0;
-    for (int i = cb->rows_from; i < to && rows < ROWS_A_WAKE; i++) rows += cb->pending[i].n;
+    long rows = 0; /* that come back: an f16 cache's on one GPU stay there, nothing to file */
+    for (int i = cb->rows_from; i < to && rows < ROWS_A_WAKE; i++)
+        rows += rows_back(cb->pending[i].cache) || cb->pending[i].windows ? cb->pending[i].n : 0;
     if (rows >= ROWS_FOR_THREADS && rows < ROWS_A_WAKE && !last) return;
+    if (rows == 0) {
+        cb->rows_from = to;
+        return;
+    }
     cb->rows_to = to;
     atomic_store_explicit(&cb->rows_next, cb->rows_from, memory_order_relaxed);
     if (rows < ROWS_FOR_THREADS) rows_task(cb, 0, 1);
