@@ -5,9 +5,13 @@
  * sequence gets d + p random tokens by real model evaluation (all B sequences in
  * one batch call: the prefill, timed), then n decode steps where the B sequences
  * each take one token per step together (timed). prefill tok/s = B*(d+p) / time,
- * decode tok/s = B*n / time. Configs run interleaved (A B C A B C ...) for each
- * repetition, so slow drifts of a noisy machine hit all configs alike; the report
- * gives medians over the repetitions. An untimed warm-up run of each config comes first,
+ * decode tok/s = B*n / time. Each sequence's logits are asked for at its last token;
+ * with more than one sequence only their KVQ_TOP_N largest are kept (kvq_batch.top_only,
+ * all a greedy draw reads, as the server asks for them), so that on a GPU no step
+ * copies B rows of the vocabulary to the host (64 MB for 128 rows of 128K), which no
+ * serving step does; one sequence's row is read whole, as llama-bench reads it.
+ * Configs run interleaved (A B C A B C ...) for each repetition, so slow drifts of a
+ * noisy machine hit all configs alike; the report gives medians over the repetitions. An untimed warm-up run of each config comes first,
  * and each measurement's first WARM_STEPS decode steps are untimed: a context's first
  * steps record its decode step as CUDA graphs (ms, once per context), which a server's
  * long-lived context pays once, not per token (llama-bench also warms up a token). */
@@ -30,7 +34,8 @@ static const char *const bench_help =
     "For each KV config x depth x batch: prefill tok/s, decode tok/s at that depth, KV bytes\n"
     "and memory. Each sequence of the batch is filled with depth + p random tokens by real\n"
     "evaluation (timed as prefill), then the B sequences decode n tokens together (timed,\n"
-    "after 3 untimed steps).\n"
+    "after 3 untimed steps). With more than one sequence each step keeps only each\n"
+    "sequence's 8 largest logits (what greedy decoding and the server read).\n"
     "Configs run interleaved with repetitions; the report shows medians.\n"
     "\n"
     "  -m, --model FILE     GGUF model\n"
@@ -216,7 +221,7 @@ static int measure(struct kvq_model *m, const struct bench_opts *o, const struct
             lg[k] = j == per - 1;
         }
     double t0 = cli_now();
-    struct kvq_batch pb = {.n_tokens = (int)nt, .tokens = tok, .seq_ids = seq, .logits = lg};
+    struct kvq_batch pb = {.n_tokens = (int)nt, .tokens = tok, .seq_ids = seq, .logits = lg, .top_only = B > 1};
     if (kvq_decode(ctx, &pb) != 0) {
         rc = cli_fail("--kv %s, depth %d, batch %d: prefill failed: %s", ks->name, depth, B, kvq_last_error());
         goto out;
@@ -230,7 +235,7 @@ static int measure(struct kvq_model *m, const struct bench_opts *o, const struct
     for (int step = -WARM_STEPS; step < o->n; step++) {
         if (step == 0) t_dec = cli_now();
         for (int b = 0; b < B; b++) tok[b] = (kvq_token)(splitmix(&seed) % (uint64_t)n_vocab);
-        struct kvq_batch db = {.n_tokens = B, .tokens = tok, .seq_ids = seq, .logits = lg};
+        struct kvq_batch db = {.n_tokens = B, .tokens = tok, .seq_ids = seq, .logits = lg, .top_only = B > 1};
         if (kvq_decode(ctx, &db) != 0) {
             rc = cli_fail("--kv %s, depth %d, batch %d: decode failed: %s", ks->name, depth, B, kvq_last_error());
             goto out;
