@@ -671,6 +671,50 @@ static void test_window_memory(void) {
     kv_pool_free(p);
 }
 
+/* ---- a batch's budget check ---- */
+
+/* The bound from a configuration (kv_config_append_bound) never says less than a
+ * cache's exact bytes for the same append, through block boundaries, the offsets'
+ * point, a rotating window and a fork's shared blocks; it is one block exactly where
+ * an append opens one; and a quantize-after-N cache leaves the check to the exact sum. */
+static void test_append_bound(void) {
+    struct kv_cache_config cfs[4] = {cfg_of(16, 16, 32, 0, 0, 0, false), cfg_of(8, 4, 32, 0, 0, 0, true),
+                                     cfg_of(4, 4, 32, 100, 4, 0, true), cfg_of(8, 4, 64, 0, 4, 40, false)};
+    cfs[1].residual = 16;
+    cfs[2].residual = 8;
+    static const int sizes[] = {1, 5, 63, 64, 130, 300};
+    float *k = malloc(sizeof(float) * 300 * H * D), *v = malloc(sizeof(float) * 300 * H * D);
+    rand_tokens(300, k, v);
+    for (int ci = 0; ci < 4; ci++) {
+        const struct kv_append_bound b = kv_config_append_bound(&cfs[ci], &shape);
+        CHECK(b.exact_only == (ci == 3), "config %d: exact only %d", ci, b.exact_only);
+        struct kv_pool *p = kv_pool_new(0); /* a fork shares blocks within a pool */
+        struct kv_cache *c = kv_cache_new_in(p, &cfs[ci], &shape), *f = kv_cache_new_in(p, &cfs[ci], &shape);
+        const size_t one = kv_cache_append_bytes(c, 1, 512);
+        CHECK(b.exact_only || (one == b.block && kv_append_bound_bytes(&b, 0, 1) == one),
+              "config %d: a fresh cache's first token takes a block: %zu, bound %zu of %zu", ci, one,
+              kv_append_bound_bytes(&b, 0, 1), b.block);
+        int under = 0, checked = 0;
+        for (int step = 0; step < 15; step++) {
+            for (int side = 0; side < 2 && !b.exact_only; side++) {
+                const struct kv_cache *x = side ? f : c;
+                for (int j = 0; j < 6; j++, checked++)
+                    under += kv_append_bound_bytes(&b, kv_cache_n_past(x), sizes[j]) < kv_cache_append_bytes(x, sizes[j], 512);
+            }
+            CHECK(kv_cache_append(c, sizes[step % 5], k, v) == 0, "config %d: append: %s", ci, kvq_last_error());
+            if (step % 3 == 2) CHECK(kv_cache_fork(f, c) == 0, "config %d: fork: %s", ci, kvq_last_error());
+            else CHECK(kv_cache_append(f, 1, k, v) == 0, "config %d: append to the fork: %s", ci, kvq_last_error());
+        }
+        CHECK(under == 0 && (b.exact_only || checked == 180), "config %d: the bound under the exact bytes %d of %d times",
+              ci, under, checked);
+        kv_cache_free(c);
+        kv_cache_free(f);
+        kv_pool_free(p);
+    }
+    free(k);
+    free(v);
+}
+
 int main(void) {
     /* this file checks which rows each query sees against a float reference; the
      * approximations of the AVX-512 fast path are test_kv_quant's */
@@ -685,5 +729,6 @@ int main(void) {
     test_save_load();
     test_validation();
     test_window_memory();
+    test_append_bound();
     return check_finish();
 }

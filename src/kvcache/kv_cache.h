@@ -67,6 +67,26 @@ size_t kv_cache_budget_bytes(const struct kv_cache_config *cfg, const struct kv_
  * `chunk` tokens, takes from the pool (a caller checks a whole batch against the
  * budget before writing anything). */
 size_t kv_cache_append_bytes(const struct kv_cache *c, int n, int chunk);
+/* What bounds kv_cache_append_bytes for every cache of one configuration, from the
+ * configuration alone, so that a batch's check need not visit each cache: a block's
+ * bytes and the offsets' point (0: none); exact_only where only the caches can tell
+ * (quantize-after-N converts every block). */
+struct kv_append_bound {
+    size_t block;
+    int32_t offsets_point;
+    bool exact_only;
+};
+struct kv_append_bound kv_config_append_bound(const struct kv_cache_config *cfg, const struct kv_shape *shape);
+/* At most the bytes appending n tokens after n_past takes: every block the tokens
+ * touch new (or copied from a shared one), and where they reach the offsets' point
+ * every block before it too (re-encoded, copied where shared). */
+static inline size_t kv_append_bound_bytes(const struct kv_append_bound *b, int32_t n_past, int n) {
+    if (n <= 0) return 0;
+    size_t blocks = (size_t)((n_past + n - 1) / KV_BLOCK_TOKENS - n_past / KV_BLOCK_TOKENS + 1);
+    const int32_t T = b->offsets_point;
+    if (T > 0 && n_past < T && n_past + n >= T) blocks += (size_t)((T - 1) / KV_BLOCK_TOKENS + 1);
+    return blocks * b->block;
+}
 /* Bytes of the f16 windows held outside the pool, shared ones split among holders. */
 size_t kv_cache_window_memory(const struct kv_cache *c);
 

@@ -435,6 +435,12 @@ size_t kv_store_bytes(const struct kv_cache *c) {
     return (size_t)c->shape.n_kv_heads * (size_t)kv_store_size(c) * (st->kf.row + st->vf.row) + held;
 }
 
+struct kv_append_bound kv_config_append_bound(const struct kv_cache_config *cfg, const struct kv_shape *shape) {
+    struct kv_cache c = {.cfg = *cfg, .shape = *shape};
+    struct kv_fmt k = kv_fmt_target(&c, 0), v = kv_fmt_target(&c, 1);
+    return (struct kv_append_bound){kv_block_size(&c, &k, &v), mu_tokens(&c), cfg->quantized_start > 0};
+}
+
 size_t kv_cache_budget_bytes(const struct kv_cache_config *cfg, const struct kv_shape *shape, int n_tokens) {
     struct kv_cache c = {.cfg = *cfg, .shape = *shape};
     struct kv_fmt ik = kv_fmt_initial(&c, 0), iv = kv_fmt_initial(&c, 1), tk = kv_fmt_target(&c, 0),
