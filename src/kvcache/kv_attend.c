@@ -202,18 +202,18 @@ static void state_merge(struct kern_attn_state *s, const struct kern_attn_state 
     }
 }
 
-int kv_store_attend_parts(const struct kv_cache *c, int32_t q_pos, int n) {
+int kv_cache_attend_parts(const struct kv_cache *c, int32_t q_pos, int n) {
     struct attend_setup a;
     attend_plan(c, q_pos, n, &a);
     return a.last - a.first + 1;
 }
 
-size_t kv_store_attend_part_floats(const struct kv_shape *shape) {
+size_t kv_cache_attend_part_floats(const struct kv_shape *shape) {
     return kern_attn_state_floats(shape->n_heads / shape->n_kv_heads * kv_store_attend_tokens_max(shape),
                                   shape->head_dim);
 }
 
-void kv_store_attend_part(const struct kv_cache *c, int kv_head, const float *const *q, int32_t q_pos, int n,
+void kv_cache_attend_part(const struct kv_cache *c, int kv_head, const float *const *q, int32_t q_pos, int n,
                           float scale, int i, float *part, float *scratch) {
     struct attend_setup a;
     attend_setup(c, q, q_pos, n, scale, scratch, &a);
@@ -223,7 +223,7 @@ void kv_store_attend_part(const struct kv_cache *c, int kv_head, const float *co
 
 /* The packed rows in parts, each merged into the tokens' states in order, then the
  * rest: the offsets' corrections, the sink and f16 window rows. parts: NULL, or each
- * part's state as kv_store_attend_part made it (kv_store_attend_part_floats apart). */
+ * part's state as kv_cache_attend_part made it (kv_cache_attend_part_floats apart). */
 static void attend(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out, int32_t q_pos,
                    int n, float scale, const float *parts, float *scratch) {
     const struct kv_store *st = store_of(c);
@@ -234,7 +234,7 @@ static void attend(const struct kv_cache *c, int kv_head, const float *const *q,
     const int group = a.group, nq = a.nq;
     float *state = qs + (size_t)nq * D, *part = state + kern_attn_state_floats(nq, D);
     float *pm = part + kern_attn_state_floats(nq, D), *pl = pm + nq;
-    const size_t stride = kv_store_attend_part_floats(&c->shape);
+    const size_t stride = kv_cache_attend_part_floats(&c->shape);
     struct kern_attn_state all, ps;
     kern_attn_state_init(&all, nq, D, state);
     for (int32_t i = a.first; i <= a.last; i++) {
@@ -286,7 +286,7 @@ void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *
     attend(c, kv_head, q, out, q_pos, n, scale, NULL, scratch);
 }
 
-void kv_store_attend_merge(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out,
+void kv_cache_attend_merge(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out,
                            int32_t q_pos, int n, float scale, const float *parts, float *scratch) {
     attend(c, kv_head, q, out, q_pos, n, scale, parts, scratch);
 }

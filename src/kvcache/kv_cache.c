@@ -98,16 +98,6 @@ void kv_cache_attend_tokens(const struct kv_cache *c, int kv_head, const float *
 
 int kv_cache_attend_tokens_max(const struct kv_shape *shape) { return kv_store_attend_tokens_max(shape); }
 
-int kv_cache_attend_parts(const struct kv_cache *c, int32_t q_pos, int n) { return kv_store_attend_parts(c, q_pos, n); }
-size_t kv_cache_attend_part_floats(const struct kv_shape *shape) { return kv_store_attend_part_floats(shape); }
-void kv_cache_attend_part(const struct kv_cache *c, int kv_head, const float *const *q, int32_t q_pos, int n,
-                          float scale, int i, float *part_i, float *scratch) {
-    kv_store_attend_part(c, kv_head, q, q_pos, n, scale, i, part_i, scratch);
-}
-void kv_cache_attend_merge(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out,
-                           int32_t q_pos, int n, float scale, const float *parts, float *scratch) {
-    kv_store_attend_merge(c, kv_head, q, out, q_pos, n, scale, parts, scratch);
-}
 
 size_t kv_cache_scratch_floats(const struct kv_shape *shape) {
     const size_t nq = (size_t)(shape->n_heads / shape->n_kv_heads) * (size_t)kv_store_attend_tokens_max(shape);

@@ -128,12 +128,6 @@ size_t kv_win_bytes(const struct kv_cache *c, const struct kv_win *w);
 #define KV_ATTEND_PART 1024 /* positions a part (a multiple of KV_BLOCK_TOKENS) */
 void kv_store_attend(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out, int32_t q_pos,
                      int n, float scale, float *scratch);
-int kv_store_attend_parts(const struct kv_cache *c, int32_t q_pos, int n);
-size_t kv_store_attend_part_floats(const struct kv_shape *shape);
-void kv_store_attend_part(const struct kv_cache *c, int kv_head, const float *const *q, int32_t q_pos, int n,
-                          float scale, int i, float *part, float *scratch);
-void kv_store_attend_merge(const struct kv_cache *c, int kv_head, const float *const *q, float *const *out,
-                           int32_t q_pos, int n, float scale, const float *parts, float *scratch);
 int kv_store_attend_tokens_max(const struct kv_shape *shape);
 
 /* ---- kv_serialize.c ---- */

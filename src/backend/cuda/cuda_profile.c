@@ -178,26 +178,27 @@ static void steps_print_kind(const struct step_prof *sp, int n_tokens, float *co
 }
 
 
-/* Each kind of step (by its tokens) of the three most frequent. */
+/* The three most frequent kinds of step (by their tokens; of the first KINDS seen). */
+#define KINDS 32
+
 static void steps_print(const struct step_prof *sp) {
+    int kind[KINDS];
+    long count[KINDS] = {0};
+    int n_kind = 0;
+    for (long i = 0; i < sp->n; i++) {
+        int k = 0;
+        while (k < n_kind && kind[k] != sp->tokens[i]) k++;
+        if (k == n_kind && n_kind < KINDS) kind[n_kind++] = sp->tokens[i];
+        if (k < n_kind) count[k]++;
+    }
     float *col = sp->n > 0 ? malloc(sizeof(float) * (size_t)sp->n) : NULL;
-    if (!col) return;
-    int done[3] = {0};
-    for (int g = 0; g < 3; g++) {
-        int best = 0;
-        long best_n = 0;
-        for (long i = 0; i < sp->n; i++) {
-            const int t = sp->tokens[i];
-            bool seen = false;
-            for (int j = 0; j < g; j++) seen |= done[j] == t;
-            if (seen || t == best) continue;
-            long c = 0;
-            for (long j = 0; j < sp->n; j++) c += sp->tokens[j] == t;
-            if (c > best_n) best = t, best_n = c;
-        }
-        if (!best_n) break;
-        done[g] = best;
-        steps_print_kind(sp, best, col);
+    for (int g = 0; g < 3 && col; g++) {
+        int best = -1;
+        for (int k = 0; k < n_kind; k++)
+            if (count[k] > 0 && (best < 0 || count[k] > count[best])) best = k;
+        if (best < 0) break;
+        steps_print_kind(sp, kind[best], col);
+        count[best] = 0;
     }
     free(col);
 }
