@@ -390,6 +390,79 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     store_half(r, (int64_t)at, a.xq.h, a.xq.h_wide);
 }
 
+/* attn_combine for launches of at most COMBINE_WARP_SPLITS splits with head size 128
+ * (prefill passes and wide decode steps, where the splits are few and the (token,
+ * head) items many): a warp an item, lane l holding values 4 l .. 4 l + 3, so no
+ * barrier and four times the items a multiprocessor. The same operations in the same
+ * order as attn_combine (the products rounded, then summed in split order; the
+ * rotation by hadamard_warp), so the same bits. */
+#define COMBINE_WARP_SPLITS 4
+__global__ void attn_combine_warp(const cuk_attn_args a, int n_splits) {
+    griddep_release();
+    constexpr int D = 128;
+    const int item = blockIdx.x * 4 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (item >= a.n * a.n_head) return;
+    const int ti = item / a.n_head, h = item % a.n_head, d0 = 4 * lane;
+    const int t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
+    const float *mu = (const float *)a.toks[ti].mu;
+    float vmu[4], sign[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        vmu[k] = mu && a.v_bits < 16 ? mu[(size_t)(a.n_kv + kvh) * D + d0 + k] : 0.0f;
+        sign[k] = a.v_rot ? a.signs[d0 + k] : 1.0f;
+    }
+    griddep_wait();
+    const float *part = attn_part(a, ti, h, n_splits, 0);
+    const float4 ps = lane < n_splits ? *(const float4 *)(part + (size_t)lane * (D + 4)) : make_float4(-INFINITY, 0, 0, 0);
+    float4 v[COMBINE_WARP_SPLITS];
+#pragma unroll
+    for (int s = 0; s < COMBINE_WARP_SPLITS; s++)
+        v[s] = s < n_splits ? *(const float4 *)(part + (size_t)s * (D + 4) + 4 + d0) : make_float4(0, 0, 0, 0);
+    const int n = (int)__shfl_sync(0xffffffffu, ps.w, 0); /* the splits that had rows */
+    const float ms = lane < n ? ps.x : -INFINITY;
+    float m = ms;
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const float f = ms == -INFINITY ? 0.0f : __expf(ms - m);
+    float L = lane < n ? ps.y * f : 0.0f, LP = lane < n ? ps.z * f : 0.0f;
+    for (int off = 16; off > 0; off >>= 1) {
+        L += __shfl_xor_sync(0xffffffffu, L, off);
+        LP += __shfl_xor_sync(0xffffffffu, LP, off);
+    }
+    float r[4]; /* ((t0 + t1) + t2) + t3, t_s = v_s f_s rounded, +0 for splits without rows */
+#pragma unroll
+    for (int s = 0; s < COMBINE_WARP_SPLITS; s++) {
+        const float fs = __shfl_sync(0xffffffffu, f, s);
+        const float t[4] = {s < n ? __fmul_rn(v[s].x, fs) : 0.0f, s < n ? __fmul_rn(v[s].y, fs) : 0.0f,
+                            s < n ? __fmul_rn(v[s].z, fs) : 0.0f, s < n ? __fmul_rn(v[s].w, fs) : 0.0f};
+#pragma unroll
+        for (int k = 0; k < 4; k++) r[k] = s == 0 ? t[k] : __fadd_rn(r[k], t[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++) r[k] = L > 0 ? r[k] / L : 0.0f;
+    if (a.v_rot) {
+        hadamard_warp<D>(r);
+#pragma unroll
+        for (int k = 0; k < 4; k++) r[k] = r[k] * sign[k];
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        if (mu && a.v_bits < 16 && L > 0) r[k] += LP / L * vmu[k];
+    const size_t at = ((size_t)t * a.n_head + h) * D + d0;
+    *(float4 *)(a.out + at) = make_float4(r[0], r[1], r[2], r[3]);
+    if (a.xq.q) round_x4(r, true, a.xq.q + (at & ~(size_t)31), a.xq.dsum + at / 32);
+#pragma unroll
+    for (int k = 0; k < 4; k++) store_half(r[k], (int64_t)(at + k), a.xq.h, a.xq.h_wide);
+}
+
+/* The splits' merge: attn_combine_warp where it takes them. */
+template <int D>
+static void launch_combine(cuk_queue *qu, const cuk_attn_args *a, int n_splits) {
+    const int items = a->n * a->n_head;
+    if (D == 128 && n_splits <= COMBINE_WARP_SPLITS)
+        pdl_launch(attn_combine_warp, dim3((unsigned)((items + 3) / 4)), dim3(128), qu, *a, n_splits);
+    else pdl_launch(attn_combine<D>, dim3((unsigned)items), dim3(D), qu, *a, n_splits);
+}
+
 static int heads_per_block(const cuk_attn_args *a) {
     const int group = a->n_head / a->n_kv;
     return group >= 8 ? 8 : group >= 4 ? 4 : group >= 2 ? 2 : 1;
@@ -423,7 +496,7 @@ static void launch_split(cuk_queue *qu, const cuk_attn_args *a) {
     if (prep) launch_prep(qu, a, D);
     pdl_launch(attn_split<D, KB, VB, HMAX>, dim3((unsigned)(a->n * a->n_kv * n_hch), (unsigned)n_splits),
                dim3(WARPS * 32), qu, *a, n_splits, n_hch, prep);
-    pdl_launch(attn_combine<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a, n_splits);
+    launch_combine<D>(qu, a, n_splits);
 }
 
 template <int D, int KB, int VB>
@@ -441,7 +514,7 @@ static void launch_formats(cuk_queue *qu, const cuk_attn_args *a) {
     if (attn_tile_takes(a)) { /* tensor cores */
         if (attn_tile_prepped(a)) launch_prep(qu, a, D);
         const int n_splits = attn_tile_launch(qu, a);
-        pdl_launch(attn_combine<D>, dim3((unsigned)(a->n * a->n_head)), dim3(D), qu, *a, n_splits);
+        launch_combine<D>(qu, a, n_splits);
         return;
     }
     const int kb = a->k_bits, vb = a->v_bits;
