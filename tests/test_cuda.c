@@ -1864,6 +1864,15 @@ int main(void) {
     test_refs("models/tinydoc-f16.gguf", "tinydoc", REFS_PROMPTS);
     test_refs("models/tinyqwen3-f16.gguf", "tinyqwen3", 0);
     test_refs("models/tinygemma3-f16.gguf", "tinygemma3", REFS_PROMPTS);
+    /* again with the warp-an-item launches (the encode, the attention's merge) at every
+     * size: a run takes them only from CUK_WARP_ITEMS_MIN items, which these models'
+     * passes seldom reach */
+    setenv("KVQ_CUDA_WARP_ITEMS", "1", 1);
+    cuk_set_tuning(&(struct cuk_tuning){.stream_grid = atoi(getenv("KVQ_MV_STREAM_GRID")), .warp_items = 1});
+    test_attention();
+    test_refs("models/tinydoc-f16.gguf", "tinydoc", 0);
+    unsetenv("KVQ_CUDA_WARP_ITEMS");
+    cuk_set_tuning(&(struct cuk_tuning){.stream_grid = atoi(getenv("KVQ_MV_STREAM_GRID"))});
     test_cache_kinds();
     test_batch();
     test_reducer(n_dev);

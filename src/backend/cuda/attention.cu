@@ -18,6 +18,7 @@
 #include "backend/cuda/attention.cuh"
 #include "backend/cuda/hadamard.cuh"
 #include "backend/cuda/nf_rows.cuh"
+#include "backend/cuda/qk_prep.cuh"
 #include "backend/cuda/round_x.cuh"
 
 #define WARPS 4
@@ -101,32 +102,10 @@ __global__ void attn_prep_q(const cuk_attn_args a) {
     const int ti = at / a.n_head, h = at % a.n_head, t = a.tok_index[ti], kvh = h / (a.n_head / a.n_kv);
     const float *const mu = a.k_bits < 16 && a.toks[ti].mu ? (const float *)a.toks[ti].mu + (size_t)kvh * D : nullptr;
     const float *const q = a.q + ((size_t)t * a.n_head + h) * D + E * lane;
-    float v[E], s[E];
+    float v[E];
 #pragma unroll
-    for (int k = 0; k < E; k++) {
-        v[k] = q[k] * a.scale;
-        s[k] = mu ? v[k] * mu[E * lane + k] : 0.0f;
-    }
-#pragma unroll
-    for (int o = 16; o >= E; o >>= 1)
-#pragma unroll
-        for (int k = 0; k < E; k++) s[k] += __shfl_xor_sync(0xffffffffu, s[k], o / E);
-#pragma unroll
-    for (int o = E / 2; o >= 1; o >>= 1)
-#pragma unroll
-        for (int k = 0; k < o; k++) s[k] += s[k + o];
-    float q_mu = 0;
-#pragma unroll
-    for (int w = 0; w < D / 32; w++) q_mu += __shfl_sync(0xffffffffu, s[0], w * 32 / E);
-    if (a.k_rot) {
-#pragma unroll
-        for (int k = 0; k < E; k++) v[k] *= a.signs[E * lane + k];
-        hadamard_warp<D>(v);
-    }
-    float *const out = a.qprep + ((size_t)t * a.n_head + h) * (D + 1);
-#pragma unroll
-    for (int k = 0; k < E; k++) out[1 + E * lane + k] = v[k];
-    if (lane == 0) out[0] = q_mu;
+    for (int k = 0; k < E; k++) v[k] = q[k];
+    prep_head_warp<D>(v, a.scale, mu, a.k_rot ? a.signs : nullptr, a.qprep + ((size_t)t * a.n_head + h) * (D + 1));
 }
 
 static void launch_prep(cuk_queue *qu, const cuk_attn_args *a, int D) {
@@ -391,9 +370,9 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
 }
 
 /* attn_combine for launches of at most COMBINE_WARP_SPLITS splits with head size 128
- * (prefill passes and wide decode steps, where the splits are few and the (token,
- * head) items many): a warp an item, lane l holding values 4 l .. 4 l + 3, so no
- * barrier and four times the items a multiprocessor. The same operations in the same
+ * and at least cuk_warp_items() (token, head) items (prefill passes and wide decode
+ * steps, where the splits are few and the items many): a warp an item, lane l holding
+ * values 4 l .. 4 l + 3, so no barrier and four times the items a multiprocessor. The same operations in the same
  * order as attn_combine (the products rounded, then summed in split order; the
  * rotation by hadamard_warp), so the same bits. */
 #define COMBINE_WARP_SPLITS 4
@@ -458,7 +437,7 @@ __global__ void attn_combine_warp(const cuk_attn_args a, int n_splits) {
 template <int D>
 static void launch_combine(cuk_queue *qu, const cuk_attn_args *a, int n_splits) {
     const int items = a->n * a->n_head;
-    if (D == 128 && n_splits <= COMBINE_WARP_SPLITS)
+    if (D == 128 && n_splits <= COMBINE_WARP_SPLITS && items >= cuk_warp_items())
         pdl_launch(attn_combine_warp, dim3((unsigned)((items + 3) / 4)), dim3(128), qu, *a, n_splits);
     else pdl_launch(attn_combine<D>, dim3((unsigned)items), dim3(D), qu, *a, n_splits);
 }

@@ -290,13 +290,14 @@ static cudaError_t new_events(cudaEvent_t *ev, int n) {
 static void tuning_read(struct cuda_tuning *t) {
     const char *prof = getenv("KVQ_CUDA_PROFILE"), *graphs = getenv("KVQ_CUDA_GRAPHS");
     const char *split = getenv("KVQ_CUDA_RESULT_SPLIT"), *leave = getenv("KVQ_CUDA_LEAVE_OUT");
-    const char *grid = getenv("KVQ_MV_STREAM_GRID");
+    const char *grid = getenv("KVQ_MV_STREAM_GRID"), *warp_items = getenv("KVQ_CUDA_WARP_ITEMS");
     t->steps = prof && strcmp(prof, "steps") == 0;
     t->prof = prof && *prof && strcmp(prof, "0") != 0 && !t->steps;
     t->graphs = !t->prof && !(graphs && strcmp(graphs, "0") == 0); /* the profile waits for each operation */
     t->result_split = split ? strtoull(split, NULL, 10) : RESULT_SPLIT_BYTES;
     snprintf(t->leave_out, sizeof t->leave_out, "%s", leave ? leave : "");
     t->kernels.stream_grid = grid ? atoi(grid) : 0;
+    t->kernels.warp_items = warp_items ? atoi(warp_items) : 0;
 }
 
 

@@ -121,6 +121,7 @@ int cuk_long_attn_rows(void);
 /* The kernels' share of the backend's tuning, read once at its start. */
 struct cuk_tuning {
     int stream_grid; /* matvec_stream's blocks at most (0: as many as fit) */
+    int warp_items;  /* per-item launches take a warp an item from this many items (0: CUK_WARP_ITEMS_MIN) */
 };
 void cuk_set_tuning(const struct cuk_tuning *t);
 /* Rows [r0, r1) of w into out[r1 - r0][cols]: f32, or f16 (saturated) when f16. */

@@ -431,6 +431,109 @@ __global__ void __launch_bounds__(32 * ROW_WARPS) kv_pack_warp(const cuk_enc_arg
     store_row_warp<D>(a, a.toks[r / (2 * a.n_kv)], side, h, z);
 }
 
+/* kv_encode a warp an item (a row, then the query heads), where both sides warp_packs
+ * and a partial rotation's half is a multiple of a lane's values: the same operations
+ * in the same order (qk_prep.cuh's warp forms, hadamard_warp, store_row_warp), so the
+ * same bytes, without a block's barriers: a 512-token pass has 24,576 items, whose
+ * blocks of D threads spent their time in barriers, not in their work. */
+template <int D>
+__global__ void __launch_bounds__(32 * ROW_WARPS) kv_encode_warp(const cuk_enc_args a) {
+    griddep_release();
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x % 32, item = blockIdx.x * ROW_WARPS + threadIdx.x / 32, d0 = E * lane;
+    const int n_rows = a.n * a.n_kv * 2, qb = item - n_rows;
+    if (qb >= (a.rope.q ? a.n * a.rope.n_head : 0)) return;
+    const cuk_qk_rope &r = a.rope;
+    const cuk_enc_tok tk = a.toks[qb >= 0 ? qb / r.n_head : item / (2 * a.n_kv)];
+    const float *const mu = (const float *)tk.mu;
+    if (qb >= 0) {
+        const int h = qb % r.n_head, kvh = h / (r.n_head / a.n_kv);
+        const size_t at = ((size_t)tk.t * r.n_head + h) * D + d0;
+        griddep_wait();
+        float q[E];
+#pragma unroll
+        for (int k = 0; k < E; k++) q[k] = r.q[at + k];
+        rope_head_warp<D>(q, r.q_norm, r.eps, r.cos + (size_t)tk.t * r.half, r.sin + (size_t)tk.t * r.half, r.half,
+                          r.pairing);
+#pragma unroll
+        for (int k = 0; k < E; k++) r.q[at + k] = q[k];
+        if (r.qprep)
+            prep_head_warp<D>(q, r.scale, mu && a.k_bits < 16 ? mu + (size_t)kvh * D : nullptr,
+                              a.k_rot ? a.signs : nullptr, r.qprep + ((size_t)tk.t * r.n_head + h) * (D + 1));
+        return;
+    }
+    const int side = item % 2, h = (item / 2) % a.n_kv;
+    const int rot = side ? a.v_rot : a.k_rot;
+    const bool quant = (side ? a.v_bits : a.k_bits) < 16;
+    float mu_i[E], sign[E];
+#pragma unroll
+    for (int k = 0; k < E; k++) {
+        mu_i[k] = quant && mu ? mu[((size_t)side * a.n_kv + h) * D + d0 + k] : 0.0f;
+        sign[k] = rot ? a.signs[d0 + k] : 1.0f;
+    }
+    griddep_wait();
+    if (tk.table_at && item % (2 * a.n_kv) == 0 && lane == 0) /* a block the step begins: its table entry */
+        *(uint64_t *)tk.table_at = tk.block;
+    const size_t at = ((size_t)tk.t * a.n_kv + h) * D + d0;
+    float x[E];
+#pragma unroll
+    for (int k = 0; k < E; k++) x[k] = (side ? a.v : a.k)[at + k];
+    if (!side && r.q) {
+        rope_head_warp<D>(x, r.k_norm, r.eps, r.cos + (size_t)tk.t * r.half, r.sin + (size_t)tk.t * r.half, r.half,
+                          r.pairing);
+#pragma unroll
+        for (int k = 0; k < E; k++) r.k[at + k] = x[k];
+    }
+    float z[E], y[E]; /* y: the window's value, rotated without the offset */
+#pragma unroll
+    for (int k = 0; k < E; k++) y[k] = x[k], z[k] = quant && mu ? __fsub_rn(x[k], mu_i[k]) : x[k];
+    if (rot) {
+#pragma unroll
+        for (int k = 0; k < E; k++) y[k] = x[k] * sign[k], z[k] = z[k] * sign[k];
+        if (a.windows) hadamard_warp<D>(y);
+        hadamard_warp<D>(z);
+    }
+    if (a.windows) { /* its f16 */
+        const size_t hs = (size_t)side * a.n_kv + h;
+#pragma unroll
+        for (int k = 0; k < E; k++) {
+            const __half hy = __ushort_as_half(f16_bits(y[k]));
+            if (tk.ring)
+                ((__half *)((uint8_t *)tk.ring + (hs * tk.ring_cap + tk.p % tk.ring_cap) * a.win_row))[d0 + k] = hy;
+            if (tk.sink && tk.p < tk.sinks)
+                ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[d0 + k] = hy;
+            if (tk.rb_wk != CUK_NO_ROW) ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[d0 + k] = hy;
+        }
+    }
+    if (quant && tk.repack) return; /* packed with the offsets this pass chooses */
+    if (quant && a.defer) { /* packed by kv_pack, beside the step's attention */
+#pragma unroll
+        for (int k = 0; k < E; k++) a.defer[(size_t)item * D + d0 + k] = z[k];
+        return;
+    }
+    if (quant) {
+        store_row_warp<D>(a, tk, side, h, z);
+        return;
+    }
+    const size_t row = side ? a.v_row : a.k_row;
+    uint8_t *const dst = (uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
+                         (size_t)(tk.p % BT) * row;
+    const uint32_t rb_at = side ? tk.rb_v : tk.rb_k;
+    uint8_t *const rb = rb_at == CUK_NO_ROW ? nullptr : a.readback + rb_at + (size_t)h * row;
+    const bool f32 = (side ? a.v_bits : a.k_bits) == 32;
+#pragma unroll
+    for (int k = 0; k < E; k++) {
+        if (f32) {
+            ((float *)dst)[d0 + k] = z[k];
+            if (rb) ((float *)rb)[d0 + k] = z[k];
+        } else {
+            const __half hz = __ushort_as_half(f16_bits(z[k]));
+            ((__half *)dst)[d0 + k] = hz;
+            if (rb) ((__half *)rb)[d0 + k] = hz;
+        }
+    }
+}
+
 /* x / n rounded as __fdiv_rn, for the f16 values x of window rows and n <= 8192 (every
  * finite f16 and n was checked against the division on a CPU): the product by the
  * reciprocal corrected once (Markstein), without the division's branch to its slow
@@ -589,6 +692,16 @@ extern "C" void cuk_kv_pack(cuk_queue *qu, const cuk_enc_args *a) {
 extern "C" void cuk_kv_encode(cuk_queue *qu, const cuk_enc_args *a) {
     if (a->n <= 0) return;
     const unsigned blocks = (unsigned)(a->n * (a->n_kv * 2 + (a->rope.q ? a->rope.n_head : 0)));
+    if ((int)blocks >= cuk_warp_items() && rows_by_warps(*a) &&
+        (!a->rope.q || a->rope.pairing == 0 || a->rope.half % (a->head_dim / 32) == 0)) {
+        const dim3 grid((blocks + ROW_WARPS - 1) / ROW_WARPS), block(32 * ROW_WARPS);
+        switch (a->head_dim) {
+        case 64: pdl_launch(kv_encode_warp<64>, grid, block, qu, *a); return;
+        case 128: pdl_launch(kv_encode_warp<128>, grid, block, qu, *a); return;
+        case 256: pdl_launch(kv_encode_warp<256>, grid, block, qu, *a); return;
+        default: return; /* refused by the backend */
+        }
+    }
     switch (a->head_dim) {
     case 64: pdl_launch(kv_encode<64>, dim3(blocks), dim3(64), qu, *a); break;
     case 128: pdl_launch(kv_encode<128>, dim3(blocks), dim3(128), qu, *a); break;

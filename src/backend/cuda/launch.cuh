@@ -35,6 +35,13 @@ static inline bool cuk_first_on_device(unsigned *seen) {
     return true;
 }
 
+/* Per-item launches (a row, a head) take a warp an item instead of a block of D
+ * threads from this many items on: about a wave of such blocks on the largest GPUs
+ * (16 a multiprocessor). Below it the blocks all run at once, and a block's chain (a
+ * value a thread) is shorter than a warp's (several a lane). */
+#define CUK_WARP_ITEMS_MIN 2048
+int cuk_warp_items(void); /* cuk_tuning's warp_items, or CUK_WARP_ITEMS_MIN */
+
 static __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -649,6 +649,7 @@ extern "C" int cuk_long_attn_rows(void) { return MV_LONG_ATTN_ROWS; }
 
 static cuk_tuning tuning;
 extern "C" void cuk_set_tuning(const cuk_tuning *t) { tuning = *t; }
+int cuk_warp_items(void) { return tuning.warp_items > 0 ? tuning.warp_items : CUK_WARP_ITEMS_MIN; }
 
 /* Chunks a warp of a 4-warp block (gate/up of the 7-8B shapes) also holds in
  * registers (ST: as many as keep 5 blocks a multiprocessor without spills) after a
