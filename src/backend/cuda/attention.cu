@@ -392,7 +392,8 @@ __global__ void attn_combine_warp(const cuk_attn_args a, int n_splits) {
     }
     griddep_wait();
     const float *part = attn_part(a, ti, h, n_splits, 0);
-    const float4 ps = lane < n_splits ? *(const float4 *)(part + (size_t)lane * (D + 4)) : make_float4(-INFINITY, 0, 0, 0);
+    const float4 ps =
+        lane < n_splits ? *(const float4 *)(part + (size_t)lane * (D + 4)) : make_float4(-INFINITY, 0, 0, 0);
     float4 v[COMBINE_WARP_SPLITS];
 #pragma unroll
     for (int s = 0; s < COMBINE_WARP_SPLITS; s++)

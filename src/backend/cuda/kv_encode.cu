@@ -502,7 +502,8 @@ __global__ void __launch_bounds__(32 * ROW_WARPS) kv_encode_warp(const cuk_enc_a
                 ((__half *)((uint8_t *)tk.ring + (hs * tk.ring_cap + tk.p % tk.ring_cap) * a.win_row))[d0 + k] = hy;
             if (tk.sink && tk.p < tk.sinks)
                 ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[d0 + k] = hy;
-            if (tk.rb_wk != CUK_NO_ROW) ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[d0 + k] = hy;
+            if (tk.rb_wk != CUK_NO_ROW)
+                ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[d0 + k] = hy;
         }
     }
     if (quant && tk.repack) return; /* packed with the offsets this pass chooses */
