@@ -372,9 +372,9 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
 /* attn_combine for launches of at most COMBINE_WARP_SPLITS splits with head size 128
  * and at least cuk_warp_items() (token, head) items (prefill passes and wide decode
  * steps, where the splits are few and the items many): a warp an item, lane l holding
- * values 4 l .. 4 l + 3, so no barrier and four times the items a multiprocessor. The same operations in the same
- * order as attn_combine (the products rounded, then summed in split order; the
- * rotation by hadamard_warp), so the same bits. */
+ * values 4 l .. 4 l + 3, so no barrier and four times the items a multiprocessor. The
+ * same operations in the same order as attn_combine (the products rounded, then summed
+ * in split order; the rotation by hadamard_warp), so the same bits. */
 #define COMBINE_WARP_SPLITS 4
 __global__ void attn_combine_warp(const cuk_attn_args a, int n_splits) {
     griddep_release();
@@ -424,9 +424,9 @@ __global__ void attn_combine_warp(const cuk_attn_args a, int n_splits) {
 #pragma unroll
         for (int k = 0; k < 4; k++) r[k] = r[k] * sign[k];
     }
+    if (mu && a.v_bits < 16 && L > 0)
 #pragma unroll
-    for (int k = 0; k < 4; k++)
-        if (mu && a.v_bits < 16 && L > 0) r[k] += LP / L * vmu[k];
+        for (int k = 0; k < 4; k++) r[k] += LP / L * vmu[k];
     const size_t at = ((size_t)t * a.n_head + h) * D + d0;
     *(float4 *)(a.out + at) = make_float4(r[0], r[1], r[2], r[3]);
     if (a.xq.q) round_x4(r, true, a.xq.q + (at & ~(size_t)31), a.xq.dsum + at / 32);

@@ -172,6 +172,42 @@ static __device__ void rope_query(const cuk_enc_args &a, const cuk_enc_tok &tk, 
     if (r.qprep) prep_head<D>(q, r.scale, c, a.k_rot, r.qprep + ((size_t)t * r.n_head + h) * (D + 1), buf);
 }
 
+/* Where row (token tk, KV head h, side) goes: its place in the token's block, and in
+ * the read-back buffer (NULL: not read back). */
+struct row_dst {
+    uint8_t *block, *rb;
+};
+static __device__ __forceinline__ row_dst row_dst_of(const cuk_enc_args &a, const cuk_enc_tok &tk, int side, int h) {
+    const size_t row = side ? a.v_row : a.k_row;
+    const uint32_t rb_at = side ? tk.rb_v : tk.rb_k;
+    return {(uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
+                (size_t)(tk.p % BT) * row,
+            rb_at == CUK_NO_ROW ? nullptr : a.readback + rb_at + (size_t)h * row};
+}
+
+/* Value i of a row's f16 window copy (y: rotated, without the offset): into the ring,
+ * the sinks and the read-back buffer, where the token has them. */
+static __device__ __forceinline__ void store_window(const cuk_enc_args &a, const cuk_enc_tok &tk, int side, int h,
+                                                    int i, float y) {
+    const __half hy = __ushort_as_half(f16_bits(y));
+    const size_t hs = (size_t)side * a.n_kv + h;
+    if (tk.ring) ((__half *)((uint8_t *)tk.ring + (hs * tk.ring_cap + tk.p % tk.ring_cap) * a.win_row))[i] = hy;
+    if (tk.sink && tk.p < tk.sinks) ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[i] = hy;
+    if (tk.rb_wk != CUK_NO_ROW) ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[i] = hy;
+}
+
+/* Value i of a 32- or 16-bit row into its block and the read-back buffer (rb, or NULL). */
+static __device__ __forceinline__ void store_float(uint8_t *dst, uint8_t *rb, bool f32, int i, float z) {
+    if (f32) {
+        ((float *)dst)[i] = z;
+        if (rb) ((float *)rb)[i] = z;
+        return;
+    }
+    const __half hz = __ushort_as_half(f16_bits(z));
+    ((__half *)dst)[i] = hz;
+    if (rb) ((__half *)rb)[i] = hz;
+}
+
 /* Thread i's value z (offset and rotated) of row (token tk, KV head h, side) into the
  * block and the read-back buffer (unless its offset there is CUK_NO_ROW): as it is for
  * 32 and 16 bits, else packed. */
@@ -180,19 +216,10 @@ static __device__ void store_row(const cuk_enc_args &a, const cuk_enc_tok &tk, i
     const int i = threadIdx.x;
     const int bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group;
     const size_t row = side ? a.v_row : a.k_row;
-    uint8_t *dst = (uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
-                   (size_t)(tk.p % BT) * row;
-    const uint32_t rb_at = side ? tk.rb_v : tk.rb_k;
-    uint8_t *const rb = rb_at == CUK_NO_ROW ? nullptr : a.readback + rb_at + (size_t)h * row;
-    if (bits == 32) {
-        ((float *)dst)[i] = z;
-        if (rb) ((float *)rb)[i] = z;
-        return;
-    }
-    if (bits == 16) {
-        const __half hz = __ushort_as_half(f16_bits(z));
-        ((__half *)dst)[i] = hz;
-        if (rb) ((__half *)rb)[i] = hz;
+    const row_dst to = row_dst_of(a, tk, side, h);
+    uint8_t *const dst = to.block, *const rb = to.rb;
+    if (bits >= 16) {
+        store_float(dst, rb, bits == 32, i, z);
         return;
     }
     /* uniform 4- and 8-bit rows are stored as their values are found; others are
@@ -296,11 +323,8 @@ static __device__ void store_row_warp(const cuk_enc_args &a, const cuk_enc_tok &
                                       const float (&z)[D / 32]) {
     constexpr int E = D / 32;
     const int lane = threadIdx.x % 32, bits = side ? a.v_bits : a.k_bits, group = side ? a.v_group : a.k_group;
-    const size_t row = side ? a.v_row : a.k_row;
-    uint8_t *const dst = (uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
-                         (size_t)(tk.p % BT) * row;
-    const uint32_t rb_at = side ? tk.rb_v : tk.rb_k;
-    uint8_t *const rb = rb_at == CUK_NO_ROW ? nullptr : a.readback + rb_at + (size_t)h * row;
+    const row_dst to = row_dst_of(a, tk, side, h);
+    uint8_t *const dst = to.block, *const rb = to.rb;
     float mn = z[0], mx = z[0];
     int imn = 0, imx = 0;
 #pragma unroll
@@ -392,14 +416,7 @@ __global__ void kv_encode(const cuk_enc_args a) {
     } else if (rot) {
         z = hadamard_block<D>(z * sign, buf);
     }
-    if (a.windows) { /* its f16 */
-        const __half hy = __ushort_as_half(f16_bits(y));
-        const size_t hs = (size_t)side * a.n_kv + h;
-        if (tk.ring)
-            ((__half *)((uint8_t *)tk.ring + (hs * tk.ring_cap + tk.p % tk.ring_cap) * a.win_row))[i] = hy;
-        if (tk.sink && tk.p < tk.sinks) ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[i] = hy;
-        if (tk.rb_wk != CUK_NO_ROW) ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[i] = hy;
-    }
+    if (a.windows) store_window(a, tk, side, h, i, y);
     if (quant && tk.repack) return; /* packed with the offsets this pass chooses */
     if (quant && a.defer) { /* packed by kv_pack, beside the step's attention */
         a.defer[(size_t)blockIdx.x * D + i] = z;
@@ -493,19 +510,9 @@ __global__ void __launch_bounds__(32 * ROW_WARPS) kv_encode_warp(const cuk_enc_a
         if (a.windows) hadamard_warp<D>(y);
         hadamard_warp<D>(z);
     }
-    if (a.windows) { /* its f16 */
-        const size_t hs = (size_t)side * a.n_kv + h;
+    if (a.windows)
 #pragma unroll
-        for (int k = 0; k < E; k++) {
-            const __half hy = __ushort_as_half(f16_bits(y[k]));
-            if (tk.ring)
-                ((__half *)((uint8_t *)tk.ring + (hs * tk.ring_cap + tk.p % tk.ring_cap) * a.win_row))[d0 + k] = hy;
-            if (tk.sink && tk.p < tk.sinks)
-                ((__half *)((uint8_t *)tk.sink + (hs * tk.sink_cap + tk.p) * a.win_row))[d0 + k] = hy;
-            if (tk.rb_wk != CUK_NO_ROW)
-                ((__half *)(a.readback + (side ? tk.rb_wv : tk.rb_wk) + h * a.win_row))[d0 + k] = hy;
-        }
-    }
+        for (int k = 0; k < E; k++) store_window(a, tk, side, h, d0 + k, y[k]);
     if (quant && tk.repack) return; /* packed with the offsets this pass chooses */
     if (quant && a.defer) { /* packed by kv_pack, beside the step's attention */
 #pragma unroll
@@ -516,23 +523,9 @@ __global__ void __launch_bounds__(32 * ROW_WARPS) kv_encode_warp(const cuk_enc_a
         store_row_warp<D>(a, tk, side, h, z);
         return;
     }
-    const size_t row = side ? a.v_row : a.k_row;
-    uint8_t *const dst = (uint8_t *)tk.block + (size_t)h * a.head_bytes + (side ? (size_t)BT * a.k_row : 0) +
-                         (size_t)(tk.p % BT) * row;
-    const uint32_t rb_at = side ? tk.rb_v : tk.rb_k;
-    uint8_t *const rb = rb_at == CUK_NO_ROW ? nullptr : a.readback + rb_at + (size_t)h * row;
-    const bool f32 = (side ? a.v_bits : a.k_bits) == 32;
+    const row_dst to = row_dst_of(a, tk, side, h);
 #pragma unroll
-    for (int k = 0; k < E; k++) {
-        if (f32) {
-            ((float *)dst)[d0 + k] = z[k];
-            if (rb) ((float *)rb)[d0 + k] = z[k];
-        } else {
-            const __half hz = __ushort_as_half(f16_bits(z[k]));
-            ((__half *)dst)[d0 + k] = hz;
-            if (rb) ((__half *)rb)[d0 + k] = hz;
-        }
-    }
+    for (int k = 0; k < E; k++) store_float(to.block, to.rb, (side ? a.v_bits : a.k_bits) == 32, d0 + k, z[k]);
 }
 
 /* x / n rounded as __fdiv_rn, for the f16 values x of window rows and n <= 8192 (every
