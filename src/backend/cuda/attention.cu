@@ -364,7 +364,7 @@ __global__ void attn_combine(const cuk_attn_args a, int n_splits) {
     }
     if (mu && a.v_bits < 16 && L > 0) r += ll[1] / L * vmu;
     const size_t at = ((size_t)t * a.n_head + h) * D + d;
-    a.out[at] = r;
+    if (a.out) a.out[at] = r;
     if (a.xq.q) round_x32(r, a.xq.q + (at & ~(size_t)31), a.xq.dsum + at / 32); /* D threads: whole warps */
     store_half(r, (int64_t)at, a.xq.h, a.xq.h_wide);
 }
@@ -428,7 +428,7 @@ __global__ void attn_combine_warp(const cuk_attn_args a, int n_splits) {
 #pragma unroll
         for (int k = 0; k < 4; k++) r[k] += LP / L * vmu[k];
     const size_t at = ((size_t)t * a.n_head + h) * D + d0;
-    *(float4 *)(a.out + at) = make_float4(r[0], r[1], r[2], r[3]);
+    if (a.out) *(float4 *)(a.out + at) = make_float4(r[0], r[1], r[2], r[3]);
     if (a.xq.q) round_x4(r, true, a.xq.q + (at & ~(size_t)31), a.xq.dsum + at / 32);
 #pragma unroll
     for (int k = 0; k < 4; k++) store_half(r[k], (int64_t)(at + k), a.xq.h, a.xq.h_wide);

@@ -233,8 +233,11 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             r = u / n, c = u % n;
         }
     };
-    const int kvh = blockIdx.x % a.n_kv;
-    const cuk_attn_group grp = a.groups[blockIdx.x / a.n_kv];
+    /* A prefill chunk's later groups read more rows (causality): they go first, so that
+     * the longest blocks start in the first wave and the short ones fill the last */
+    const int item = PREFILL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int kvh = item % a.n_kv;
+    const cuk_attn_group grp = a.groups[item / a.n_kv];
     const size_t stage_bytes = stage_halves<D>() * 2 + (size_t)TILE * (nkg + nvg) * sizeof(float2);
     __shared__ tile_plan sp;
     __shared__ uint64_t s_table, s_fresh_block, s_ring, s_sink, s_blk[2];

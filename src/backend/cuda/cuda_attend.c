@@ -139,6 +139,7 @@ void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
     if (ensure_signs(cb, D, views[0].signs) != 0 || !ensure_qprep(cb, n, a->n_head, D)) return;
     const float *signs = cb->signs;
     const struct cuk_xq *xq = product_input(cb, a->out, n, (int64_t)a->n_head * D);
+    float *const out = product_f32(cb, a->out, n);
     prof_end(cb, P_ATTN_HOST, t0);
     t0 = prof_begin(cb);
     for (int i = 0; i < n_sets && !cb->failed; i++) {
@@ -148,7 +149,7 @@ void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
             .k_rot = v->k_rot, .v_rot = v->v_rot, .k_row = v->k_row, .v_row = v->v_row,
             .head_bytes = v->head_bytes, .win_row = v->win_row,
             .n_head = a->n_head, .n_kv = a->n_kv, .head_dim = D, .scale = a->scale,
-            .signs = signs, .q = a->q, .out = a->out,
+            .signs = signs, .q = a->q, .out = out,
             .toks = (const struct cuk_attn_tok *)(cb->stage_d + toks_off) + sets[i].tok0,
             .tok_index = (const int32_t *)(cb->stage_d + idx_off) + sets[i].tok0,
             .n = sets[i].n_tok,

@@ -135,7 +135,7 @@ void cuk_add_bias(struct cuk_queue *qu, float *y, const float *bias, int n, int6
 void cuk_embed(struct cuk_queue *qu, const struct cuk_weight *e, const int32_t *tokens, int n, float scale, float *x);
 /* The norms and the GLU below also write their output rounded to int8 into xq (as
  * cuk_quantize_x would, bit for bit) when xq is not NULL; dim (n_ff) then a multiple
- * of 32. Norms take dim <= CUK_NORM_MAX. */
+ * of 32. Their out may then be NULL: xq's form only. Norms take dim <= CUK_NORM_MAX. */
 #define CUK_NORM_MAX 16384
 /* out[i] = RMSNorm(x[rows ? rows[i] : i]) * w. */
 void cuk_rmsnorm(struct cuk_queue *qu, const float *x, const int32_t *rows, const float *w, int n, int dim, float eps,
@@ -221,7 +221,7 @@ struct cuk_attn_args { /* no padding (cuk_qk_rope) */
     size_t k_row, v_row, head_bytes, win_row;
     const float *signs; /* [head_dim] Hadamard signs */
     const float *q;     /* [n][n_head][D] */
-    float *out;         /* [n][n_head][D] */
+    float *out;         /* [n][n_head][D], or NULL: xq's form only */
     const struct cuk_attn_tok *toks;
     const int32_t *tok_index;        /* the batch token of each launch token */
     const struct cuk_attn_group *groups; /* all groups of one size class: each of 1 token, or chunks */

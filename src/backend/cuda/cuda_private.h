@@ -173,6 +173,8 @@ struct cuda_backend {
     int64_t x16_cols;   /* x16 holds max_tokens rows of this many */
     struct cuk_xq into; /* product_input's f16 form for the operation before a product */
     bool any_repacked; /* a weight of a repacked type was uploaded */
+    bool float_matrix; /* and one of a float type, whose products read f32 inputs */
+    const float *x32_unread; /* an input whose floats product_f32 left out */
     bool wide;         /* the device runs the packed wide products (cuk_wide_available) */
     float *part;
     size_t part_floats;
@@ -363,6 +365,7 @@ int finish_appends(struct cuda_backend *cb);
 
 /* cuda_products.c */
 const struct cuk_xq *product_input(struct cuda_backend *cb, const float *out, int n, int64_t k);
+float *product_f32(struct cuda_backend *cb, float *out, int n);
 void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs, const struct be_matmul *jobs);
 void cuda_embed(struct backend *b, const struct weight *e, const int32_t *tokens, int n, float scale, float *x);
 void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows, const float *w, int n, int dim, float eps,

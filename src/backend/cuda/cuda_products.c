@@ -12,6 +12,7 @@
  * order) or cuBLAS, so that the product needs no launch to convert them. */
 const struct cuk_xq *product_input(struct cuda_backend *cb, const float *out, int n, int64_t k) {
     cb->xq_of = cb->x16_of = NULL;
+    if (out == cb->x32_unread) cb->x32_unread = NULL; /* written again */
     if (!out || !cb->any_repacked || k % 32 != 0) return NULL;
     const bool wide = cb->wide && n >= CUK_WIDE_MIN;
     if (n <= CUK_MATVEC_MAX && !wide) {
@@ -31,10 +32,34 @@ const struct cuk_xq *product_input(struct cuda_backend *cb, const float *out, in
 }
 
 
+/* Where the operation that product_input just served writes its floats: nowhere (NULL)
+ * where the product after it reads only the f16 form: past CUK_WIDE_MAX tokens every
+ * repacked weight goes to cuBLAS on x16 (an f16 copy or a dequantized band), and no
+ * weight is float (TF32 on the floats). A 512-token pass then writes 53 MB less a
+ * layer. x32_unread remembers the buffer: a product that would read its floats after
+ * all fails (x32_readable) rather than read what was never written. */
+float *product_f32(struct cuda_backend *cb, float *out, int n) {
+    if (!out || cb->x16_of != out || n <= CUK_WIDE_MAX || cb->float_matrix) return out;
+    cb->x32_unread = out;
+    return NULL;
+}
+
+
+static bool x32_readable(struct cuda_backend *cb, const float *x) {
+    if (x != cb->x32_unread) return true;
+    if (!cb->failed) {
+        cb->failed = true;
+        snprintf(cb->failure, sizeof cb->failure, "internal: a product read floats its input's operation left out");
+    }
+    return false;
+}
+
+
 /* x (n rows of k floats, x_stride apart) in f16 in x16, in the wide kernels' order or
  * not: converted unless the operation that wrote x left them there. */
 static void x16_make(struct cuda_backend *cb, const float *x, int64_t x_stride, int n, int64_t k, bool wide) {
     if (cb->x16_of == x && x_stride == k && cb->x16_n == n && cb->x16_k == k && cb->x16_wide == wide) return;
+    if (!x32_readable(cb, x)) return;
     if (wide) cuk_to_half_wide(&cb->q, x, x_stride, n, k, cb->x16);
     else cuk_to_half(&cb->q, x, x_stride, n, k, cb->x16);
     cb->x16_of = x_stride == k ? x : NULL;
@@ -159,6 +184,7 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
         }
         const int64_t k = mj[0].w->cols;
         if (repacked && !(cb->xq_of == x && cb->xq_n == n && cb->xq_k == k && x_stride == k)) {
+            if (!x32_readable(cb, x)) return;
             cuk_quantize_x(&cb->q, x, x_stride, n, k, &cb->xq); /* the jobs share x: rounded once */
             cb->xq_of = x_stride == k ? x : NULL;
             cb->xq_n = n;
@@ -195,6 +221,7 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
          * f16 would lose small activations, and bf16 weights' range */
         const bool f16 = w->type != KVQ_F32 && w->type != KVQ_BF16 && w->type != KVQ_F16;
         if (f16) x16_make(cb, x, x_stride, n, w->cols, false); /* the jobs share x: once */
+        else if (!x32_readable(cb, x)) return;
         const float one = 1.0f, zero = 0.0f;
         const void *w16 = dev_weight_f16(cb, jobs[j].w);
         int64_t band = w16 ? w->rows : (int64_t)(DEQ_BYTES / (f16 ? 2 : 4) / (size_t)w->cols);
@@ -265,7 +292,7 @@ void cuda_add_norm(struct backend *b, float *x, float *add, const float *post, c
     launch_held_packs(cb); /* the O product is queued (held_pack) */
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = product_input(cb, w ? out : NULL, w ? n : 0, dim);
-    cuk_add_norm(&cb->q, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, out, xq);
+    cuk_add_norm(&cb->q, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, product_f32(cb, out, n), xq);
     prof_end(cb, P_NORM, t0);
 }
 
@@ -344,7 +371,8 @@ void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, true);
     double t0 = prof_begin(cb);
-    cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, out, product_input(cb, out, n, n_ff));
+    const struct cuk_xq *xq = product_input(cb, out, n, n_ff);
+    cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, product_f32(cb, out, n), xq);
     prof_end(cb, P_GLU, t0);
 }
 

@@ -149,6 +149,7 @@ int cuda_upload_weight(struct backend *b, const struct weight *w) {
     if (!cuk_repacked(w->type)) {
         if (add_entry(cb, w, sizeof *w, w->data, w->row_bytes * (size_t)w->rows, &e) != 0) return -1;
         if (e) e->w = (struct cuk_weight){w->type, e->dev, w->rows, w->cols, w->row_bytes, NULL};
+        cb->float_matrix = true;
         release_host(w);
         return 0;
     }
