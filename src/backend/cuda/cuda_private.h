@@ -173,7 +173,7 @@ struct cuda_backend {
     int64_t x16_cols;   /* x16 holds max_tokens rows of this many */
     struct cuk_xq into; /* product_input's f16 form for the operation before a product */
     bool any_repacked; /* a weight of a repacked type was uploaded */
-    bool float_matrix; /* and one of a float type, whose products read f32 inputs */
+    bool float_matrix; /* a weight of a float type was (its products read f32 inputs) */
     const float *x32_unread; /* an input whose floats product_f32 left out */
     bool wide;         /* the device runs the packed wide products (cuk_wide_available) */
     float *part;

@@ -35,9 +35,9 @@ const struct cuk_xq *product_input(struct cuda_backend *cb, const float *out, in
 /* Where the operation that product_input just served writes its floats: nowhere (NULL)
  * where the product after it reads only the f16 form: past CUK_WIDE_MAX tokens every
  * repacked weight goes to cuBLAS on x16 (an f16 copy or a dequantized band), and no
- * weight is float (TF32 on the floats). A 512-token pass then writes 53 MB less a
- * layer. x32_unread remembers the buffer: a product that would read its floats after
- * all fails (x32_readable) rather than read what was never written. */
+ * weight is float (TF32 on the floats). x32_unread remembers the buffer: a product
+ * that would read its floats after all fails (x32_readable) rather than read what was
+ * never written. */
 float *product_f32(struct cuda_backend *cb, float *out, int n) {
     if (!out || cb->x16_of != out || n <= CUK_WIDE_MAX || cb->float_matrix) return out;
     cb->x32_unread = out;
