@@ -173,8 +173,8 @@ struct cuda_backend {
     int64_t x16_cols;   /* x16 holds max_tokens rows of this many */
     struct cuk_xq into; /* product_input's f16 form for the operation before a product */
     bool any_repacked; /* a weight of a repacked type was uploaded */
-    bool float_matrix; /* a weight of a float type was (its products read f32 inputs) */
-    const float *x32_unread; /* an input whose floats product_f32 left out */
+    bool float_matrix; /* a weight of a float type was uploaded (its products read f32) */
+    const float *x32_unread; /* a buffer whose floats product_f32 left out, until rewritten */
     bool wide;         /* the device runs the packed wide products (cuk_wide_available) */
     float *part;
     size_t part_floats;

@@ -137,8 +137,10 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
     cb->qprep_of = NULL; /* the products may write the queries */
-    for (int j = 0; j < n_jobs; j++) /* or an input an earlier operation converted */
+    for (int j = 0; j < n_jobs; j++) { /* or an input an earlier operation converted */
         if (jobs[j].y == cb->xq_of || jobs[j].y == cb->x16_of) cb->xq_of = cb->x16_of = NULL;
+        if (jobs[j].y == cb->x32_unread) cb->x32_unread = NULL; /* its floats written now */
+    }
     double t0 = prof_begin(cb);
     /* results for the host end the step (the output product): the work before them goes
      * out as a segment of its own, so that the rows it encoded are read back and filed
