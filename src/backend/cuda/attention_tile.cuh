@@ -18,8 +18,8 @@
  * in fewer instructions; queries (keys) and outputs (values) follow that order.
  *
  * Decode: the 4 warps share the token's rows (query heads) and split each tile's
- * keys, then merge. Prefill: each warp takes its own query tokens and all keys, so a
- * tile read serves the whole group. Head size 256: in both, the warps share the rows
+ * keys, then merge. Prefill: each warp (8 a block, tile_threads) takes its own query
+ * tokens and all keys, so a tile read serves the whole group. Head size 256: in both, the warps share the rows
  * and split the dimensions (WD below), so a prefill chunk is a quarter as long.
  * Masks (causality, the ranges of the plan, sliding and rotating windows) are per
  * query token. Results go out as attention.cu's partials. The kernels of head size
@@ -41,7 +41,7 @@ extern "C" {
 }
 
 #define TILE 64
-#define TILE_THREADS 128
+#define TILE_THREADS 128 /* a decode block's threads (and the fewest of any block) */
 #define Q_SCALE 256.0f /* queries times this in f16 (back out of the scores) */
 /* A row's running maximum moves only where a tile's scores pass it by more than
  * RESCALE_SLACK (or it is the first): most tiles then skip rescaling the outputs, and
@@ -133,6 +133,14 @@ struct tile_at {
 
 static __device__ __forceinline__ int tiles_of(int32_t a, int32_t b) { return a <= b ? b / TILE - a / TILE + 1 : 0; }
 
+/* Threads of a block: a prefill chunk of head size up to 128 takes 8 warps, each of its
+ * own query tokens, where the chunk stays within 32 tokens (query heads filling at least
+ * 2 rows), so that each tile read and converted serves twice the tokens; the others 4. */
+template <int D, int G, bool PREFILL>
+static __host__ __device__ constexpr int tile_threads() {
+    return PREFILL && D <= 128 && G != 1 ? 2 * TILE_THREADS : TILE_THREADS;
+}
+
 /* Shared memory of one stage: keys and values as f16 [TILE][D + 8] (the padding keeps
  * ldmatrix free of bank conflicts), then (scale, bias) per row and group. */
 template <int D>
@@ -193,7 +201,7 @@ static __device__ __forceinline__ uint4 bytes8_to_h8(uint2 b) {
  * head, 1, 2, 4 or 8 (R = G, no idle rows), or 0 for the others (3, 5, 6, 7:
  * R = 8, the group read from a). */
 template <int D, int KB, int VB, int GS, int G, bool PREFILL>
-__global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a, int n_splits, bool prepped) {
+__global__ void __launch_bounds__(tile_threads<D, G, PREFILL>()) attn_tile(const cuk_attn_args a, int n_splits, bool prepped) {
     griddep_release();
     extern __shared__ __align__(16) uint8_t smem[];
     /* WD: head size 256, whose accumulators would not fit a thread's registers: the
@@ -201,17 +209,19 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * Each warp's partial scores of all 64 keys are summed through shared memory, every
      * warp then runs the same softmax, and P V gives each warp its own DW outputs. */
     constexpr bool WD = D > 128;
+    constexpr int TT = tile_threads<D, G, PREFILL>();
+    static_assert(PREFILL || TT == TILE_THREADS, "a decode block's warps merge 4 ways");
     constexpr int DW = WD ? D / 4 : D, R = G > 0 ? G : 8, LD = D + 8, QW = 8 / R;
     constexpr int NTI = PREFILL || WD ? 8 : 2, KS = PREFILL || WD ? 4 : 1;
     constexpr bool NF = GS < 0;
     constexpr bool KN = KB == 4 && !NF, VN = VB == 4 && !NF; /* sides in nibble_pos order */
-    constexpr int KU = TILE * D / 8 / TILE_THREADS; /* units of 8 values per thread and side */
+    constexpr int KU = TILE * D / 8 / TT; /* units of 8 values per thread and side */
     constexpr int NST = n_stages<D, GS>(), NR = nf_ring<D>();
     constexpr int nkg = groups_of<D, KB, GS>(), nvg = groups_of<D, VB, GS>(), KG = D / nkg, VG = D / nvg;
     /* a warp's dimensions [dw0, dw0 + DW) in groups of KGW (VGW), at most a group */
     constexpr int KGW = KG < DW ? KG : DW, VGW = VG < DW ? VG : DW;
     /* (scale, bias) words a thread stages per side */
-    constexpr int NG = nkg > nvg ? nkg : nvg, NP = TILE * NG > 2 * TILE_THREADS ? TILE * NG / TILE_THREADS : 2;
+    constexpr int NG = nkg > nvg ? nkg : nvg, NP = TILE * NG > 2 * TT ? TILE * NG / TT : 2;
     /* row bytes of a block's sides (kv_quant.h), so the tile's addressing is constant */
     constexpr size_t KROW = row_bytes<D, KB, GS>(), VROW = row_bytes<D, VB, GS>(), HEAD = TILE * (KROW + VROW);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, dw0 = WD ? warp * DW : 0;
@@ -223,13 +233,13 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * For 64 and 128 that freed registers (255 -> 210), K8V4 steps at 16K rows ran
      * 3% slower (the next kernels' blocks, probably, beside the decode tiles); they
      * keep the divisions (docs). */
-    static_assert(!WD || (TILE_THREADS % (D / 8) == 0 && TILE_THREADS % NG == 0),
+    static_assert(!WD || (TT % (D / 8) == 0 && TT % NG == 0),
                   "a thread's items lie a constant row step apart");
     auto item_at = [&](int k, int n, int &r, int &c) {
         if (WD) {
-            r = threadIdx.x / n + k * (TILE_THREADS / n), c = threadIdx.x % n;
+            r = threadIdx.x / n + k * (TT / n), c = threadIdx.x % n;
         } else {
-            const int u = threadIdx.x + k * TILE_THREADS;
+            const int u = threadIdx.x + k * TT;
             r = u / n, c = u % n;
         }
     };
@@ -344,7 +354,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * outside [lo, hi] zeroed */
     auto load_f16 = [&](int kind, const uint8_t *hb, int32_t p0, int32_t lo, int32_t hi, __half *ks, __half *vs,
                         bool k16, bool v16) {
-        for (int u = threadIdx.x; u < TILE * D / 8; u += TILE_THREADS) {
+        for (int u = threadIdx.x; u < TILE * D / 8; u += TT) {
             const int r = u / (D / 8), c = u % (D / 8);
             const int32_t p = p0 + r;
             const bool in = p >= lo && p <= hi;
@@ -389,7 +399,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         }
 #pragma unroll
         for (int k = 0; k < NP; k++) {
-            const int u = threadIdx.x + k * TILE_THREADS;
+            const int u = threadIdx.x + k * TT;
             rkp[k] = rvp[k] = 0;
             if (KB < 16 && u < TILE * nkg) {
                 int r, gk;
@@ -418,7 +428,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
         }
 #pragma unroll
         for (int k = 0; k < NP; k++) {
-            const int u = threadIdx.x + k * TILE_THREADS;
+            const int u = threadIdx.x + k * TT;
             const __half2 kw = *(const __half2 *)&rkp[k], vw = *(const __half2 *)&rvp[k];
             if (KB < 16 && u < TILE * nkg) kp[u] = __half22float2(kw);
             if (VB < 16 && u < TILE * nvg) vp[u] = __half22float2(vw);
@@ -429,7 +439,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     uint8_t *const raw = smem + NST * stage_bytes + (WD ? 4 * 8 * TILE * sizeof(float) : 0);
     auto fetch_nf = [&](const uint8_t *hb, int slot) {
         uint8_t *const to = raw + (size_t)slot * HEAD;
-        for (int u = threadIdx.x; u < (int)(HEAD / 16); u += TILE_THREADS) cp_async16(to + 16 * u, hb + 16 * u);
+        for (int u = threadIdx.x; u < (int)(HEAD / 16); u += TT) cp_async16(to + 16 * u, hb + 16 * u);
     };
     float *const nf_scales = (float *)(raw + NR * HEAD + 16);
     /* every thread, after its copies and a barrier; rows outside the plan's range are
@@ -438,7 +448,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * within its word, so one funnel shift serves every k. */
     auto store_nf = [&](__half *ks, __half *vs, float2 *kp, float2 *vp, int slot, bool all) {
         const uint8_t *const raw_s = raw + (size_t)slot * HEAD;
-        constexpr int RS = TILE_THREADS / (D / 8);
+        constexpr int RS = TT / (D / 8);
         static_assert(RS * KROW % 4 == 0 && RS * VROW % 4 == 0 && KU * RS == TILE, "words a row step apart");
         const uint32_t c = threadIdx.x % (D / 8), r0 = threadIdx.x / (D / 8);
         const uint32_t ko = r0 * (uint32_t)KROW + c * KB, vo = (uint32_t)(TILE * KROW) + r0 * (uint32_t)VROW + c * VB;
@@ -454,7 +464,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             *(uint4 *)(ks + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<KB>(kx));
             *(uint4 *)(vs + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<VB>(vx));
         }
-        for (int r = threadIdx.x; r < TILE; r += TILE_THREADS) { /* (scale, bias) of each row's one group */
+        for (int r = threadIdx.x; r < TILE; r += TT) { /* (scale, bias) of each row's one group */
             const float sk = nf_scales[raw_s[r * KROW + D * KB / 8]];
             const float sv = nf_scales[raw_s[TILE * KROW + r * VROW + D * VB / 8]];
             kp[r] = make_float2(sk, -127.5f * sk);
@@ -505,7 +515,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
      * more tiles convert after it, beside the queries' loads: converted before it there
      * too, steps of 4096 rows and more took up to 0.9% longer (docs). */
     if (NF) /* the scales of normal-float rows, once (read after store_nf's barrier) */
-        for (int e = threadIdx.x; e < 256; e += TILE_THREADS) nf_scales[e] = nf_scale((uint32_t)e);
+        for (int e = threadIdx.x; e < 256; e += TT) nf_scales[e] = nf_scale((uint32_t)e);
     const tile_at first = tile_src(i0, FROM_TABLE);
     const bool early = first.kind == 0 && min(first.hi, first.p0 + TILE - 1) < P.fresh;
     /* Normal-float rows: tile i's block in raw slot i % NR, fetched NR - 1 tiles
@@ -560,7 +570,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
             __half *ks, *vs;
             float2 *kp, *vp;
             stage(s, ks, vs, kp, vp);
-            for (int u = threadIdx.x; u < TILE * D / 8; u += TILE_THREADS) {
+            for (int u = threadIdx.x; u < TILE * D / 8; u += TT) {
                 const int at = u / (D / 8) * LD + u % (D / 8) * 8;
                 if (KN) to_nibble_order(ks + at);
                 if (VN) to_nibble_order(vs + at);
@@ -792,7 +802,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
     for (int dn = 0; dn < D / 8; dn++)
         *(float2 *)(ob + (warp * 8 + g) * D + dn * 8 + 2 * t) = make_float2(out[dn][0], out[dn][1]);
     __syncthreads();
-    for (int e = threadIdx.x; e < R * D; e += TILE_THREADS) { /* rows 0..group-1: the token's heads */
+    for (int e = threadIdx.x; e < R * D; e += TT) { /* rows 0..group-1: the token's heads */
         const int r = e / D, d = e % D, dp = VN ? nibble_pos(d) : d; /* ob in the values' order */
         if (r >= group) break;
         float M = -INFINITY;
@@ -813,7 +823,7 @@ __global__ void __launch_bounds__(TILE_THREADS) attn_tile(const cuk_attn_args a,
 template <int D, int KB, int VB, int GS, int G, bool PREFILL>
 static int launch(cuk_queue *qu, const cuk_attn_args *a) {
     static int per_sm;
-    constexpr int groups = groups_of<D, KB, GS>() + groups_of<D, VB, GS>();
+    constexpr int groups = groups_of<D, KB, GS>() + groups_of<D, VB, GS>(), threads = tile_threads<D, G, PREFILL>();
     /* the stages, then for head size 256 the warps' partial scores, then normal-float
      * rows' block and scales */
     const size_t smem = n_stages<D, GS>() * (stage_halves<D>() * 2 + (size_t)TILE * groups * sizeof(float2)) +
@@ -822,7 +832,7 @@ static int launch(cuk_queue *qu, const cuk_attn_args *a) {
     if (cuk_first_on_device(&sized))
         cudaFuncSetAttribute(attn_tile<D, KB, VB, GS, G, PREFILL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (per_sm == 0) {
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attn_tile<D, KB, VB, GS, G, PREFILL>, TILE_THREADS,
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attn_tile<D, KB, VB, GS, G, PREFILL>, threads,
                                                           smem) != cudaSuccess ||
             per_sm < 1)
             per_sm = 1;
@@ -833,7 +843,7 @@ static int launch(cuk_queue *qu, const cuk_attn_args *a) {
     if (s > room) s = room;
     const int n_splits = s < 1 ? 1 : s > ATTN_MAX_SPLITS ? ATTN_MAX_SPLITS : (int)s;
     pdl_launch_smem(attn_tile<D, KB, VB, GS, G, PREFILL>, dim3((unsigned)items, (unsigned)n_splits),
-                    dim3(TILE_THREADS), smem, qu, *a, n_splits, attn_tile_prepped(a));
+                    dim3(threads), smem, qu, *a, n_splits, attn_tile_prepped(a));
     return n_splits;
 }
 

@@ -239,12 +239,13 @@ struct cuk_attn_args { /* no padding (cuk_qk_rope) */
 static inline int cuk_attn_tile_rows(int group) {
     return group < 1 || group > 8 ? 0 : group == 1 || group == 2 || group == 4 ? group : 8;
 }
-/* Prefill tokens that kernel attends together (a chunk): 8 rows a warp, and 4 warps
- * of their own rows, but for head size 256, whose warps split the dimensions of the
- * same rows; 1 where it does not take the group. */
+/* Prefill tokens that kernel attends together (a chunk): 8 rows a warp, and 8 warps
+ * of their own rows (4 where the query heads fill one row: 32 tokens at most), but for
+ * head size 256, whose 4 warps split the dimensions of the same rows; 1 where it does
+ * not take the group (attention_tile.cuh's tile_threads). */
 static inline int cuk_attn_tile_chunk(int group, int head_dim) {
     const int rows = cuk_attn_tile_rows(group);
-    return rows ? (head_dim > 128 ? 1 : 4) * (8 / rows) : 1;
+    return rows ? (head_dim > 128 ? 1 : rows > 1 ? 8 : 4) * (8 / rows) : 1;
 }
 /* Floats of cuk_attn_args.qprep for n batch tokens. */
 size_t cuk_qprep_floats(int n, int n_head, int head_dim);
