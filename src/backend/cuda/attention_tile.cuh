@@ -19,8 +19,9 @@
  *
  * Decode: the 4 warps share the token's rows (query heads) and split each tile's
  * keys, then merge. Prefill: each warp (8 a block, tile_threads) takes its own query
- * tokens and all keys, so a tile read serves the whole group. Head size 256: in both, the warps share the rows
- * and split the dimensions (WD below), so a prefill chunk is a quarter as long.
+ * tokens and all keys, so a tile read serves the whole group. Head size 256: in both,
+ * the 4 warps share the rows and split the dimensions (WD below), so a prefill chunk
+ * holds one warp's tokens.
  * Masks (causality, the ranges of the plan, sliding and rotating windows) are per
  * query token. Results go out as attention.cu's partials. The kernels of head size
  * 256 are compiled in attention_tile_256.cu, the others in attention_tile.cu. */
