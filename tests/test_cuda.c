@@ -1803,8 +1803,8 @@ static void test_attention(void) {
         {"K8V4 GQA 4, 40 KV heads", 128, 160, 40, 8, 4, 64, 32, 4, 0, 0, 1},
         {"K4V4 GQA 4, 40 KV heads", 128, 160, 40, 4, 4, 64, 32, 4, 0, 0, 1},
         {"f16 GQA 4, 40 KV heads", 128, 160, 40, 16, 16, 64, 0, 0, 0, 0, 0},
-        /* 272 decode items: one split of 3 and 6 tiles a block, f16's pipelined loop
-         * (a tile's scores beside the one before's softmax) and the packed loop */
+        /* 272 decode items: one split, so each block reads all its sequence's 3 or 6
+         * tiles (the cases above read at most 2 a block) */
         {"f16 GQA 4, 136 KV heads", 128, 544, 136, 16, 16, 64, 0, 0, 0, 0, 0},
         {"K8V4 GQA 4, 136 KV heads", 128, 544, 136, 8, 4, 64, 32, 4, 0, 0, 1},
         /* normal-float rows: K4V3 and K3V2 on the tensor cores (rows on any byte
