@@ -19,6 +19,14 @@ static __device__ __forceinline__ void cp_async16_fill(void *s, const void *g, i
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(s)), "l"(g), "r"(bytes));
 }
 
+/* The same, to a shared-memory address as a 32-bit offset (smem_addr) */
+static __device__ __forceinline__ void cp_async16(uint32_t s, const void *g) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g));
+}
+static __device__ __forceinline__ void cp_async16_fill(uint32_t s, const void *g, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(bytes));
+}
+
 /* 8 bytes (s and g 8-byte aligned) */
 static __device__ __forceinline__ void cp_async8(void *s, const void *g) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_addr(s)), "l"(g));

@@ -90,7 +90,7 @@ struct cuk_matvec_job {
  * copy; cuk_wide_available() says whether this build runs them on the current device
  * (an sm_90a kernel image). */
 #define CUK_WIDE_MIN 9
-#define CUK_WIDE_FAST 32
+#define CUK_WIDE_FAST 48
 #define CUK_WIDE_MAX 64
 int cuk_wide_available(void);
 void cuk_to_half_wide(struct cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out);

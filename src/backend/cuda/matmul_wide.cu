@@ -10,7 +10,7 @@
  * to keep device memory busy. Each warp turns its tile's blocks of 32 columns into f16
  * in registers (as cuk_dequantize writes them: one rounding) and its warpgroup
  * multiplies 64 rows at a time with all the tokens (wgmma m64nNTk16, f32 sums, the
- * inputs read from shared memory), while the warp converts the next chunk. The inputs
+ * inputs read from shared memory), while the warp converts the next block. The inputs
  * are f16 in the order cuk_to_half_wide writes them, so the results are the GEMM
  * path's up to the order of the sums. Where the rows make too few blocks to fill the
  * GPU, the chunks are split over gridDim.z blocks whose partial sums wide_reduce adds
@@ -89,6 +89,28 @@ static __device__ __forceinline__ void a_frags(const chunk_frag<T> &f, int j, in
             }
         }
 }
+
+/* The words of a lane's chunk (codes at w, its rows' scale entries at s and s + 8 SE,
+ * as load_chunk reads them) that block j's fragments use, loaded as they are needed:
+ * the whole chunk held in registers beside two sets of fragments would leave too few
+ * for the products to overlap the conversion. */
+template <uint32_t T, int SE>
+static __device__ __forceinline__ chunk_frag<T> block_frag(const uint8_t *w, const uint16_t *s, int j) {
+    chunk_frag<T> f = {};
+    uint32_t *lo = &f.lo.x, *hi = &f.hi.x;
+    if (nibbles(T)) {
+        lo[j] = *(const uint32_t *)(w + 4 * j), hi[j] = *(const uint32_t *)(w + 512 + 4 * j);
+    } else {
+        const uint2 l = *(const uint2 *)(w + 8 * j), h = *(const uint2 *)(w + 512 + 8 * j);
+        lo[2 * j] = l.x, lo[2 * j + 1] = l.y, hi[2 * j] = h.x, hi[2 * j + 1] = h.y;
+    }
+    f.s0[j] = s[j], f.s1[j] = s[8 * SE + j];
+    if (T == KVQ_Q4_K || T == KVQ_Q6_K) { /* the rows' (d, dmin) or d words, after the block entries */
+        const int at = T == KVQ_Q4_K ? CUK_CHUNK_BLOCKS(T) : 2;
+        f.dm0 = *(const uint32_t *)(s + at), f.dm1 = *(const uint32_t *)(s + 8 * SE + at);
+    }
+    return f;
+}
 #endif
 
 /* A launch's products: up to CUK_MATVEC_JOBS weights of one type and width, their
@@ -132,12 +154,15 @@ __global__ void __launch_bounds__(WG * 128, NT <= 32 ? 2 : 1)
     const int64_t c0 = (int64_t)blockIdx.z * chunks_per_split;
     const int nc = (int)(min(nch, c0 + chunks_per_split) - c0);
 
-    /* each thread's copies, at chunk c0: a chunk further is 1024 code bytes, 16 SE
-     * scales and SPAN inputs on (tiles past the matrix: its last tile again) */
+    /* each thread's copies, from chunk c0 on, each source a chunk further after each
+     * copy: 1024 code bytes, 16 SE scales, SPAN inputs (tiles past the matrix: its
+     * last tile again). The inputs as B's core matrices (8 tokens x 8 columns, 128
+     * bytes): that of tokens 8 a.. and columns 8 kb.. at (a SPAN / 8 + kb) 128, so that
+     * a warp's copies read 64 bytes of each of 8 rows and write 512 contiguous bytes. */
     const uint8_t *wsrc[WP];
     const uint16_t *ssrc[SP];
     const __half *xsrc[XP];
-    int xcol[XP]; /* the copy's first column in a chunk (SPAN and beyond: none) */
+    int xfull[XP]; /* the copy's chunks that lie inside the row (later ones: zeros); -1: no token */
 #pragma unroll
     for (int k = 0; k < WP; k++) {
         const int e = threadIdx.x + k * SH::THREADS;
@@ -151,85 +176,76 @@ __global__ void __launch_bounds__(WG * 128, NT <= 32 ? 2 : 1)
 #pragma unroll
     for (int k = 0; k < XP; k++) { /* copy e: token i, columns 8 kb.. */
         const int e = threadIdx.x + k * SH::THREADS, i = e / SH::SPAN * 8 + e % 8, kb = e / 8 % (SH::SPAN / 8);
-        xcol[k] = i < nt_live ? kb * 8 : SH::SPAN;
+        const int64_t left = K - c0 * SH::SPAN - kb * 8; /* columns of the row from the copy's first on */
+        xfull[k] = i < nt_live ? (int)max((int64_t)0, (left + SH::SPAN - 1) / SH::SPAN) : -1;
         xsrc[k] = xp + (int64_t)(tok0 + min(i, nt_live - 1)) * K + c0 * SH::SPAN + kb * 8;
     }
-    /* chunk c0 + u into buffer u % S. The inputs as B's core matrices (8 tokens x 8
-     * columns, 128 bytes): that of tokens 8 a.. and columns 8 kb.. at (a SPAN / 8 + kb)
-     * 128, so that a warp's copies read 64 bytes of each of 8 rows and write 512
-     * contiguous bytes. Columns past the matrix are zeros. */
-    auto stage = [&](int u, bool weights, bool inputs) {
-        uint8_t *b = sm + u % S * SH::STAGE;
-        if (weights) {
+    const uint32_t sm_at = smem_addr(sm);
+    auto stage_weights = [&](int u) { /* chunk c0 + u into buffer u % S */
+        const uint32_t b = sm_at + u % S * SH::STAGE;
 #pragma unroll
-            for (int k = 0; k < WP; k++) cp_async16(b + (threadIdx.x + k * SH::THREADS) * 16, wsrc[k] + u * 1024);
+        for (int k = 0; k < WP; k++) cp_async16(b + (threadIdx.x + k * SH::THREADS) * 16, wsrc[k]), wsrc[k] += 1024;
 #pragma unroll
-            for (int k = 0; k < SP; k++)
-                if (threadIdx.x + k * SH::THREADS < SPIECES)
-                    cp_async16(b + SH::CODES + (threadIdx.x + k * SH::THREADS) * 16, ssrc[k] + u * 16 * SH::SE);
+        for (int k = 0; k < SP; k++) {
+            if (threadIdx.x + k * SH::THREADS < SPIECES)
+                cp_async16(b + SH::CODES + (threadIdx.x + k * SH::THREADS) * 16, ssrc[k]);
+            ssrc[k] += 16 * SH::SE;
         }
-        if (inputs) {
-            const int64_t left = K - (c0 + u) * SH::SPAN; /* columns from this chunk's first */
+    };
+    auto stage_inputs = [&](int u) { /* columns past the matrix are zeros (the source named is the first input) */
+        const uint32_t b = sm_at + u % S * SH::STAGE + SH::CODES + SH::SCALES;
 #pragma unroll
-            for (int k = 0; k < XP; k++)
-                if (xcol[k] < SH::SPAN) /* past the row: zeros (the source named is the first input) */
-                    cp_async16_fill(b + SH::CODES + SH::SCALES + (threadIdx.x + k * SH::THREADS) * 16,
-                                    xcol[k] < left ? xsrc[k] + (int64_t)u * SH::SPAN : xp, xcol[k] < left ? 16 : 0);
+        for (int k = 0; k < XP; k++) {
+            if (xfull[k] >= 0)
+                cp_async16_fill(b + (threadIdx.x + k * SH::THREADS) * 16, u < xfull[k] ? xsrc[k] : xp, u < xfull[k] ? 16 : 0);
+            xsrc[k] += SH::SPAN;
         }
     };
 
     /* the weights depend on no earlier kernel: their first chunks go before the wait */
     for (int u = 0; u < D; u++)
-        if (u < nc) stage(u, true, false);
+        if (u < nc) stage_weights(u);
     griddep_wait();
     for (int u = 0; u < D; u++) {
-        if (u < nc) stage(u, false, true);
+        if (u < nc) stage_inputs(u);
         cp_async_commit();
     }
 
     float acc[NT / 2];
 #pragma unroll
     for (int i = 0; i < NT / 2; i++) acc[i] = 0.0f;
-    /* chunk u's products from its A fragments a; those of chunk u - 1, in prev, are
-     * read by its products until the wait below, and kept till then (wg_keep) */
-    auto chunk = [&](int u, uint32_t (&a)[SH::BPC][2][4], uint32_t (&prev)[SH::BPC][2][4]) {
+    /* Block by block, one block's products in flight while the next one's A fragments
+     * are made, in the other of two sets; a set's registers are kept (wg_keep) until
+     * the wait for the products that read them, so that nothing else is given them.
+     * With no more than the two sets defined between a product and its wait, ptxas
+     * need not serialize the products. */
+    static_assert(SH::BPC % 2 == 0, "a chunk's blocks alternate between the two sets");
+    uint32_t a[2][2][4];
+#pragma unroll
+    for (int r = 0; r < 16; r++) a[r / 8][r / 4 % 2][r % 4] = 0;
+    const uint64_t desc0 = wg_desc(sm + SH::CODES + SH::SCALES, 128, SH::SPAN * 16); /* buffer 0's inputs */
+    for (int u = 0; u < nc; u++) {
         cp_async_wait<D - 1>();
         fence_async_shared();
-        __syncthreads(); /* chunk u is in; the products of chunk u - 2 are done (wg_wait below) */
-        if (u + D < nc) stage(u + D, true, true);
+        __syncthreads(); /* chunk u is in; the products of chunk u - 2 are done (the waits below) */
+        if (u + D < nc) stage_weights(u + D), stage_inputs(u + D);
         cp_async_commit();
 
         const uint8_t *b = sm + u % S * SH::STAGE;
-        const uint8_t *xs = b + SH::CODES + SH::SCALES;
         const uint16_t *sc = (const uint16_t *)(b + SH::CODES) + (warp * 16 + g) * SH::SE;
-        const chunk_frag<T> f = load_chunk<T, true>(b + warp * 1024 + lane * 16, sc, sc + SH::BPC, 0, from_shared{});
-        uint64_t desc[2 * SH::BPC]; /* made before the products: nothing but them may define their inputs */
+        const uint8_t *w = b + warp * 1024 + lane * 16;
+        const uint64_t desc = desc0 + (uint64_t)(u % S * (SH::STAGE / 16)); /* 16-byte units, below bit 14 */
 #pragma unroll
         for (int j = 0; j < SH::BPC; j++) {
-            a_frags<T>(f, j, t, a[j]); /* padding blocks are zeros */
-            desc[2 * j] = wg_desc(xs + 4 * j * 128, 128, SH::SPAN * 16);
-            desc[2 * j + 1] = wg_desc(xs + (4 * j + 2) * 128, 128, SH::SPAN * 16);
+            wg_wait<1>(); /* the products of block j - 2, which read set j % 2, are done */
+#pragma unroll
+            for (int r = 0; r < 8; r++) wg_keep(a[j % 2][r / 4][r % 4]);
+            a_frags<T>(block_frag<T, SH::SE>(w, sc, j), j, t, a[j % 2]); /* padding blocks are zeros */
+            wg_fence();
+            wgmma_f16<NT>(acc, a[j % 2][0], desc + 4 * j * 8);
+            wgmma_f16<NT>(acc, a[j % 2][1], desc + (4 * j + 2) * 8);
+            wg_commit();
         }
-        wg_fence();
-#pragma unroll
-        for (int j = 0; j < SH::BPC; j++)
-#pragma unroll
-            for (int p = 0; p < 2; p++) wgmma_f16<NT>(acc, a[j][p], desc[2 * j + p]);
-        wg_commit();
-        wg_wait<1>();
-#pragma unroll
-        for (int j = 0; j < SH::BPC; j++)
-#pragma unroll
-            for (int r = 0; r < 8; r++) wg_keep(prev[j][r / 4][r % 4]);
-    };
-    uint32_t a0[SH::BPC][2][4], a1[SH::BPC][2][4];
-#pragma unroll
-    for (int j = 0; j < SH::BPC; j++)
-#pragma unroll
-        for (int r = 0; r < 8; r++) a1[j][r / 4][r % 4] = 0;
-    for (int u = 0; u < nc; u += 2) {
-        chunk(u, a0, a1);
-        if (u + 1 < nc) chunk(u + 1, a1, a0);
     }
     wg_wait<0>();
 #pragma unroll
