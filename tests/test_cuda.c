@@ -338,6 +338,63 @@ static void test_batch_offsets(struct kvq_model *m, int n_vocab) {
     kvq_context_free(one);
 }
 
+/* Decode steps of 40 sequences with packed weights (the wide products: recorded from
+ * a step's second sight, then replayed as graphs) give the logits of the same steps
+ * launched one by one (KVQ_CUDA_GRAPHS=0), bit for bit. */
+static void test_wide_replay(void) {
+    if (!cuk_wide_available() || !shared_path("models/tinydoc-q8_0.gguf")) {
+        printf("skipped: wide decode steps replayed (no wide products here, or tinydoc-q8_0 is missing)\n");
+        return;
+    }
+    struct kvq_model *m = kvq_model_load(shared_path("models/tinydoc-q8_0.gguf"));
+    CHECK(m != NULL, "load: %s", kvq_last_error());
+    if (!m) return;
+    struct kvq_model_info info;
+    kvq_model_get_info(m, &info);
+    const size_t nv = (size_t)info.n_vocab;
+    enum { S = 40, STEPS = 6 };
+    struct kvq_kv_config kv;
+    kv_set(&kv, 8, 4);
+    int32_t ids[S + STEPS];
+    prompt(m, ids, S + STEPS);
+    const char *was = getenv("KVQ_CUDA_GRAPHS");
+    char *keep = was ? strdup(was) : NULL;
+    float *launched = malloc(sizeof(float) * STEPS * S * nv);
+    int differ = 0;
+    for (int graphs = 0; graphs < 2 && launched; graphs++) {
+        setenv("KVQ_CUDA_GRAPHS", graphs ? "1" : "0", 1);
+        struct kvq_context *c = context(m, KVQ_DEVICE_CUDA, &kv, 64, S, 64);
+        CHECK(c != NULL, "context: %s", kvq_last_error());
+        if (!c) break;
+        for (int s = 0; s < S; s++) {
+            struct kvq_batch b = {.n_tokens = 5, .tokens = ids + s % 8, .seq_ids = (int32_t[]){s, s, s, s, s}};
+            CHECK(kvq_decode(c, &b) == 0, "prefill %d: %s", s, kvq_last_error());
+        }
+        for (int step = 0; step < STEPS; step++) {
+            int32_t tok[S], seq[S];
+            bool want[S];
+            for (int i = 0; i < S; i++) tok[i] = ids[i + step], seq[i] = i, want[i] = true;
+            struct kvq_batch b = {.n_tokens = S, .tokens = tok, .seq_ids = seq, .logits = want};
+            CHECK(kvq_decode(c, &b) == 0, "step %d: %s", step, kvq_last_error());
+            for (int i = 0; i < S; i++) {
+                float *at = launched + ((size_t)step * S + (size_t)i) * nv;
+                const float *l = kvq_get_logits(c, i);
+                if (!l) differ++;
+                else if (!graphs) memcpy(at, l, sizeof(float) * nv);
+                else differ += memcmp(at, l, sizeof(float) * nv) != 0;
+            }
+        }
+        kvq_context_free(c);
+    }
+    if (keep) setenv("KVQ_CUDA_GRAPHS", keep, 1);
+    else unsetenv("KVQ_CUDA_GRAPHS");
+    printf("decode steps of %d sequences, recorded and replayed: %d of %d rows differ from the steps launched\n", S,
+           differ, STEPS * S);
+    CHECK(differ == 0, "%d of %d rows of replayed wide steps differ from the launched ones", differ, STEPS * S);
+    free(keep), free(launched);
+    kvq_model_free(m);
+}
+
 /* Four sequences of different lengths decoded in one batch give what each gives alone. */
 static void test_batch(void) {
     if (!shared_path("models/tinydoc-f16.gguf")) return;
@@ -1882,6 +1939,7 @@ int main(void) {
     cuk_set_tuning(&(struct cuk_tuning){.stream_grid = atoi(getenv("KVQ_MV_STREAM_GRID"))});
     test_cache_kinds();
     test_batch();
+    test_wide_replay();
     test_reducer(n_dev);
     test_tensor_parallel(n_dev);
     return check_finish();

@@ -716,6 +716,8 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
     if (n_seqs <= 0 || cb->failed) return cb->failed ? kvq_error_code(KVQ_ERR_DEVICE, "%s", cb->failure) : 0;
     const int n_tok = seqs[n_seqs - 1].first + seqs[n_seqs - 1].n;
     step_op(cb, n_tok, false);
+    if (cb->q.recording && n_tok > CUK_MATVEC_MAX && n_seqs < n_tok)
+        record_stop(cb); /* past CUK_MATVEC_MAX tokens only decode steps (a row a sequence) are recorded */
     cb->qprep_of = NULL;
     double t0 = prof_begin(cb);
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
