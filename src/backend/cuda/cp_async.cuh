@@ -9,22 +9,19 @@
 
 static __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
-/* 16 bytes, cached in L2 only (s and g 16-byte aligned) */
-static __device__ __forceinline__ void cp_async16(void *s, const void *g) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(s)), "l"(g));
-}
-
-/* 16 bytes of which the first `bytes` (0 or 16) are copied and the rest zeroed */
-static __device__ __forceinline__ void cp_async16_fill(void *s, const void *g, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(s)), "l"(g), "r"(bytes));
-}
-
-/* The same, to a shared-memory address as a 32-bit offset (smem_addr) */
+/* 16 bytes, cached in L2 only (s and g 16-byte aligned); s also as a shared-memory
+ * address (smem_addr) */
 static __device__ __forceinline__ void cp_async16(uint32_t s, const void *g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g));
 }
+static __device__ __forceinline__ void cp_async16(void *s, const void *g) { cp_async16(smem_addr(s), g); }
+
+/* 16 bytes of which the first `bytes` (0 or 16) are copied and the rest zeroed */
 static __device__ __forceinline__ void cp_async16_fill(uint32_t s, const void *g, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(bytes));
+}
+static __device__ __forceinline__ void cp_async16_fill(void *s, const void *g, int bytes) {
+    cp_async16_fill(smem_addr(s), g, bytes);
 }
 
 /* 8 bytes (s and g 8-byte aligned) */
