@@ -203,8 +203,9 @@ void step_op(struct cuda_backend *cb, int n, bool glu) {
     if (!cb->in_step) {
         cb->in_step = true;
         steps_begin(cb->steps, n);
-        /* steps whose products are all this backend's kernels (cuBLAS is not recorded) */
-        cb->q.recording = cb->q.graphs && n <= (cb->wide ? CUK_WIDE_FAST : CUK_MATVEC_MAX);
+        /* steps whose products are all this backend's kernels (cuBLAS is not recorded);
+         * under tensor parallelism only those of up to 16 tokens, which two GPUs have run */
+        cb->q.recording = cb->q.graphs && n <= (cb->wide && !cb->tp ? CUK_WIDE_FAST : CUK_MATVEC_MAX);
         cb->segments = 0;
         cb->one_token = n == 1;
         if (!cb->q.recording) steps_first_issue(cb->steps, cb->stream); /* launched as queued */
