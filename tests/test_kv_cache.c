@@ -715,6 +715,57 @@ static void test_append_bound(void) {
     free(v);
 }
 
+/* A token's rows encoded in parts (kv_cache_encode_rows: the CPU backend spreads one
+ * token's costly rows over its threads) are the bytes of its rows encoded whole, in
+ * normal-float and uniform caches with offsets and a residual window; the rows appended
+ * through begin / encode / append_rows / end then read as kv_cache_append's. */
+static void test_encode_parts(void) {
+    const struct kv_cache_config cfgs[] = {cfg_of(4, 3, KERN_KVQ_NF, 0, 4, 0, true),
+                                           cfg_of(3, 2, KERN_KVQ_NF, 0, 4, 0, true), cfg_of(8, 4, 32, 0, 4, 0, true)};
+    int bad = 0, runs = 0;
+    for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++) {
+        struct kv_cache_config cf = cfgs[ci];
+        cf.residual = 16;
+        struct kv_cache *a = kv_cache_new(&cf, &shape), *b = kv_cache_new(&cf, &shape);
+        CHECK(a && b, "cache %zu", ci);
+        if (!a || !b) return;
+        float k[H * D], v[H * D];
+        for (int t = 0; t < 140; t++) { /* past the offsets' point (128) */
+            for (int i = 0; i < H * D; i++) k[i] = gauss(), v[i] = gauss();
+            CHECK(kv_cache_append(a, 1, k, v) == 0 && kv_cache_append(b, 1, k, v) == 0, "append %d", t);
+        }
+        struct kv_view vw;
+        kv_cache_view(b, &vw);
+        const size_t kn = (size_t)H * vw.k_row, vn = (size_t)H * vw.v_row, wn = (size_t)H * vw.win_row;
+        uint8_t *whole = calloc(1, kn + vn + 2 * wn), *split = malloc(kn + vn + 2 * wn);
+        for (int t = 0; t < 3 && whole && split; t++) {
+            for (int i = 0; i < H * D; i++) k[i] = gauss(), v[i] = gauss();
+            const int32_t p0 = kv_cache_n_past(b);
+            CHECK(kv_cache_append_begin(b, 1, p0, false) == 0, "begin");
+            kv_cache_encode_rows(b, k, v, whole, whole + kn, whole + kn + vn, whole + kn + vn + wn, 0, 1);
+            for (int parts = 2; parts <= 2 * H; parts++, runs++) {
+                memset(split, 0xA5, kn + vn + 2 * wn);
+                for (int p = parts - 1; p >= 0; p--) /* in any order */
+                    kv_cache_encode_rows(b, k, v, split, split + kn, split + kn + vn, split + kn + vn + wn, p, parts);
+                bad += memcmp(whole, split, kn + vn + 2 * wn) != 0;
+            }
+            kv_cache_append_rows(b, p0, 1, whole, whole + kn, whole + kn + vn, whole + kn + vn + wn, p0);
+            CHECK(kv_cache_append_end(b, p0, 1) == 0, "end");
+            CHECK(kv_cache_append(a, 1, k, v) == 0, "append");
+        }
+        struct kv_buf sa = {0}, sb = {0};
+        kv_cache_save(a, &sa);
+        kv_cache_save(b, &sb);
+        CHECK(sa.len == sb.len && memcmp(sa.data, sb.data, sa.len) == 0,
+              "config %zu: rows appended from encoded parts differ from kv_cache_append's", ci);
+        free(sa.data), free(sb.data), free(whole), free(split);
+        kv_cache_free(a);
+        kv_cache_free(b);
+    }
+    printf("rows encoded in parts: %d of %d differ from the rows encoded whole\n", bad, runs);
+    CHECK(bad == 0, "%d of %d encodings in parts differ", bad, runs);
+}
+
 int main(void) {
     /* this file checks which rows each query sees against a float reference; the
      * approximations of the AVX-512 fast path are test_kv_quant's */
@@ -730,5 +781,6 @@ int main(void) {
     test_validation();
     test_window_memory();
     test_append_bound();
+    test_encode_parts();
     return check_finish();
 }

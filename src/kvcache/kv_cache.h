@@ -243,10 +243,12 @@ void kv_cache_offsets_part(struct kv_cache *c, int part);
 /* The rows kv_cache_append_rows() takes for one new token (after kv_cache_append_begin)
  * from its keys and values k, v ([n_kv_heads][head_dim]): block rows kr, vr and, with
  * a residual window, f16 window rows wk, wv ([n_kv_heads] rows of kv_view's k_row,
- * v_row and win_row bytes). Reads the cache only: calls may run at once on several
- * threads (a backend encoding a batch's rows in parallel). */
+ * v_row and win_row bytes). Part `part` of `parts` (1 <= parts <= 2 n_kv_heads): its
+ * share of the token's 2 n_kv_heads (head, side) rows, the others left as they are.
+ * Reads the cache only: calls may run at once on several threads (a backend encoding a
+ * batch's rows, or one token's, in parallel). */
 void kv_cache_encode_rows(const struct kv_cache *c, const float *k, const float *v, uint8_t *kr, uint8_t *vr, uint8_t *wk,
-                          uint8_t *wv);
+                          uint8_t *wv, int part, int parts);
 /* How many of n tokens appended now through begin, kv_cache_encode_rows and end write
  * the bytes kv_cache_append writes: all n; or, where the append crosses the offsets'
  * point (end would encode the rows past it again from their f16 window rows), those

@@ -32,17 +32,17 @@ const uint8_t *kv_cache_window_row(const struct kv_cache *c, int side, int h, in
 }
 
 void kv_cache_encode_rows(const struct kv_cache *c, const float *k, const float *v, uint8_t *kr, uint8_t *vr, uint8_t *wk,
-                          uint8_t *wv) {
+                          uint8_t *wv, int part, int parts) {
     const struct kv_store *st = store_of(c);
     const int H = c->shape.n_kv_heads, D = c->shape.head_dim;
     const bool win = kv_win_on(st) && c->cfg.residual > 0;
-    for (int h = 0; h < H; h++) { /* as kv_store_write_row and kv_win_put write them */
-        const float *kh = k + (size_t)h * D, *vh = v + (size_t)h * D;
-        kv_encode_row(st, &st->kf, D, kh, kv_side_mu(st, &st->kf, 0, h, D, H), kr + (size_t)h * st->kf.row);
-        kv_encode_row(st, &st->vf, D, vh, kv_side_mu(st, &st->vf, 1, h, D, H), vr + (size_t)h * st->vf.row);
-        if (!win) continue;
-        kv_encode_row(st, &st->wkf, D, kh, NULL, wk + (size_t)h * st->wkf.row);
-        kv_encode_row(st, &st->wvf, D, vh, NULL, wv + (size_t)h * st->wvf.row);
+    /* row r: head r / 2's keys (r even) or values, as kv_store_write_row and kv_win_put write them */
+    for (int r = 2 * H * part / parts; r < 2 * H * (part + 1) / parts; r++) {
+        const int h = r / 2, side = r % 2;
+        const struct kv_fmt *f = side ? &st->vf : &st->kf, *wf = side ? &st->wvf : &st->wkf;
+        const float *x = (side ? v : k) + (size_t)h * D;
+        kv_encode_row(st, f, D, x, kv_side_mu(st, f, side, h, D, H), (side ? vr : kr) + (size_t)h * f->row);
+        if (win) kv_encode_row(st, wf, D, x, NULL, (side ? wv : wk) + (size_t)h * wf->row);
     }
 }
 

@@ -371,11 +371,12 @@ static void cpu_glu(struct backend *b, enum be_glu act, const float *gate, const
 
 /* ---- KV cache and attention ---------------------------------------------- */
 
-/* One token's rows being encoded (kv_cache_encode_rows) into the append staging. */
+/* A part of one token's rows being encoded (kv_cache_encode_rows) into the append staging. */
 struct append_row {
     const struct kv_cache *c;
     const float *k, *v;
     uint8_t *kr, *vr, *wk, *wv;
+    int part, parts;
 };
 /* Part t of a cache's offsets re-encoding (kv_cache_append_end); the parts write
  * disjoint rows, so each is a task of its own. */
@@ -383,7 +384,16 @@ static void offsets_part_token(const void *c, int t) { kv_cache_offsets_part((st
 
 static void append_row_token(const void *p, int t) {
     const struct append_row *r = (const struct append_row *)p + t;
-    kv_cache_encode_rows(r->c, r->k, r->v, r->kr, r->vr, r->wk, r->wv);
+    kv_cache_encode_rows(r->c, r->k, r->v, r->kr, r->vr, r->wk, r->wv, r->part, r->parts);
+}
+
+/* Whether a cache's rows cost enough to encode (normal-float rows try many scales a
+ * row: microseconds, against a tenth of one for uniform groups) that even one token's
+ * are worth the pool's threads: on the calling thread alone, the others wait. */
+static bool encode_costly(const struct kv_cache *c) {
+    struct kv_view vw;
+    kv_cache_view(c, &vw);
+    return vw.k_group == KERN_KVQ_NF || vw.v_group == KERN_KVQ_NF;
 }
 
 static int ensure_append(struct cpu_backend *cb, int n) {
@@ -408,11 +418,15 @@ static size_t append_staging(const struct kv_view *vw, int n_kv, int n) {
 static int append_encoded(struct cpu_backend *cb, const struct be_kv_append *seqs, int n_seqs, const float *k,
                           const float *v, int32_t first) {
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
-    const int H = sh->n_kv_heads;
+    const int H = sh->n_kv_heads, threads = kvq_threads_size(cb->pool);
     const size_t tok = (size_t)H * sh->head_dim;
     int m = 0;
     for (int s = 0; s < n_seqs; s++) m += seqs[s].n;
-    if (ensure_append(cb, m) != 0) return -1;
+    /* costly rows of tokens fewer than threads: each token's (head, side) rows in parts */
+    const bool costly = encode_costly(seqs[0].cache);
+    int parts = costly ? (threads + m - 1) / m : 1;
+    if (parts > 2 * H) parts = 2 * H;
+    if (ensure_append(cb, m * parts) != 0) return -1;
     size_t need = 0;
     for (int s = 0; s < n_seqs; s++) {
         if (kv_cache_append_begin(seqs[s].cache, seqs[s].n, first >= 0 ? first : kv_cache_n_past(seqs[s].cache), false) != 0)
@@ -436,20 +450,27 @@ static int append_encoded(struct cpu_backend *cb, const struct be_kv_append *seq
                 *wv = wk + (size_t)n * H * vw.win_row;
         for (int i = 0; i < n; i++) {
             const size_t off = (size_t)(seqs[s].first + i) * tok, r = (size_t)i * H;
-            cb->append_rows[j + i] = (struct append_row){seqs[s].cache,     k + off, v + off, kr + r * vw.k_row,
-                                                         vr + r * vw.v_row, wk + r * vw.win_row, wv + r * vw.win_row};
+            for (int p = 0; p < parts; p++)
+                cb->append_rows[(j + i) * parts + p] =
+                    (struct append_row){seqs[s].cache,      k + off, v + off, kr + r * vw.k_row, vr + r * vw.v_row,
+                                        wk + r * vw.win_row, wv + r * vw.win_row, p, parts};
         }
         at += append_staging(&vw, H, n);
     }
-    for_each_token(cb, m, (int64_t)tok * 16, append_row_token, cb->append_rows); /* rotation + packing */
+    if (costly) { /* on every thread, however few the tasks */
+        struct token_task tt = {cb->append_rows, append_row_token, m * parts};
+        kvq_threads_run(cb->pool, token_task_run, &tt);
+    } else {
+        for_each_token(cb, m, (int64_t)tok * 16, append_row_token, cb->append_rows); /* rotation + packing */
+    }
     for (int s = 0, j = 0; s < n_seqs; j += seqs[s++].n) {
-        const struct append_row *r = &cb->append_rows[j];
+        const struct append_row *r = &cb->append_rows[j * parts];
         const int32_t p0 = kv_cache_n_past(seqs[s].cache) - seqs[s].n;
         kv_cache_append_rows(seqs[s].cache, p0, seqs[s].n, r->kr, r->vr, r->wk, r->wv, p0);
-        const int parts = kv_cache_append_end(seqs[s].cache, p0, seqs[s].n);
-        if (parts < 0) return -1;
+        const int offs_parts = kv_cache_append_end(seqs[s].cache, p0, seqs[s].n);
+        if (offs_parts < 0) return -1;
         /* a batch ending at the offsets' point: 2 H parts of T rows each */
-        for_each_token(cb, parts, (int64_t)tok * 64, offsets_part_token, seqs[s].cache);
+        for_each_token(cb, offs_parts, (int64_t)tok * 64, offsets_part_token, seqs[s].cache);
     }
     return 0;
 }
@@ -470,7 +491,7 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
         const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
         for_each_token(cb, n_tok, cost, qk_rope_token, r);
     }
-    if (n_tok < 4 || kvq_threads_size(cb->pool) == 1) {
+    if ((n_tok < 4 && !encode_costly(seqs[0].cache)) || kvq_threads_size(cb->pool) == 1) {
         for (int s = 0; s < n_seqs; s++)
             if (append_here(&seqs[s], k, v) != 0) return -1;
         return 0;
