@@ -414,16 +414,16 @@ static size_t append_staging(const struct kv_view *vw, int n_kv, int n) {
  * first (kv_cache_append_begin), the threads encode each token's rows into staging,
  * and kv_cache_append_rows copies them in: the device-append split of kv_cache.h, the
  * same bytes as kv_cache_append for appends kv_cache_append_exact_part takes whole.
- * first: the batch's first position for a second part (kv_cache_append_begin), or -1. */
+ * first: the batch's first position for a second part (kv_cache_append_begin), or -1;
+ * costly: the caches' rows are encode_costly, so even one token's go to every thread. */
 static int append_encoded(struct cpu_backend *cb, const struct be_kv_append *seqs, int n_seqs, const float *k,
-                          const float *v, int32_t first) {
+                          const float *v, int32_t first, bool costly) {
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);
     const int H = sh->n_kv_heads, threads = kvq_threads_size(cb->pool);
     const size_t tok = (size_t)H * sh->head_dim;
     int m = 0;
     for (int s = 0; s < n_seqs; s++) m += seqs[s].n;
     /* costly rows of tokens fewer than threads: each token's (head, side) rows in parts */
-    const bool costly = encode_costly(seqs[0].cache);
     int parts = costly ? (threads + m - 1) / m : 1;
     if (parts > 2 * H) parts = 2 * H;
     if (ensure_append(cb, m * parts) != 0) return -1;
@@ -491,14 +491,15 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
         const int64_t cost = (int64_t)(r->n_head + r->n_kv) * r->head_dim * (1 + (r->q_norm != NULL));
         for_each_token(cb, n_tok, cost, qk_rope_token, r);
     }
-    if ((n_tok < 4 && !encode_costly(seqs[0].cache)) || kvq_threads_size(cb->pool) == 1) {
+    const bool costly = encode_costly(seqs[0].cache);
+    if ((n_tok < 4 && !costly) || kvq_threads_size(cb->pool) == 1) {
         for (int s = 0; s < n_seqs; s++)
             if (append_here(&seqs[s], k, v) != 0) return -1;
         return 0;
     }
     bool whole = true;
     for (int s = 0; s < n_seqs && whole; s++) whole = kv_cache_append_exact_part(seqs[s].cache, seqs[s].n) == seqs[s].n;
-    if (whole) return append_encoded(cb, seqs, n_seqs, k, v, -1);
+    if (whole) return append_encoded(cb, seqs, n_seqs, k, v, -1, costly);
     /* an append crossing the offsets' point (a prompt's): a sequence at a time, its rows
      * up to the point, then the rest with the offsets chosen there */
     for (int s = 0; s < n_seqs; s++) {
@@ -509,11 +510,11 @@ static int cpu_kv_append(struct backend *b, const struct be_kv_append *seqs, int
             if (append_here(&seqs[s], k, v) != 0) return -1;
             continue;
         }
-        if (append_encoded(cb, &part, 1, k, v, first) != 0) return -1;
+        if (append_encoded(cb, &part, 1, k, v, first, costly) != 0) return -1;
         if (part.n == seqs[s].n) continue;
         part.first += part.n;
         part.n = seqs[s].n - part.n;
-        if (append_encoded(cb, &part, 1, k, v, first) != 0) return -1;
+        if (append_encoded(cb, &part, 1, k, v, first, costly) != 0) return -1;
     }
     return 0;
 }

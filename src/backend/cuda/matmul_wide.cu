@@ -220,9 +220,7 @@ __global__ void __launch_bounds__(WG * 128, NT <= 32 ? 2 : 1)
      * With no more than the two sets defined between a product and its wait, ptxas
      * need not serialize the products. */
     static_assert(SH::BPC % 2 == 0, "a chunk's blocks alternate between the two sets");
-    uint32_t a[2][2][4];
-#pragma unroll
-    for (int r = 0; r < 16; r++) a[r / 8][r / 4 % 2][r % 4] = 0;
+    uint32_t a[2][2][4] = {};
     const uint64_t desc0 = wg_desc(sm + SH::CODES + SH::SCALES, 128, SH::SPAN * 16); /* buffer 0's inputs */
     for (int u = 0; u < nc; u++) {
         cp_async_wait<D - 1>();
