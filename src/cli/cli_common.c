@@ -97,9 +97,10 @@ const char *const cli_kv_flags_help =
     "KV cache:\n"
     "  --kv-bits B | K,V[:nf|:uniform]\n"
     "                           bits per key/value: 16 or 32 (float) or 2,3,4,5,6,8 (quantized);\n"
-    "                           default 16. :nf: normal-float rows of those bits (2-5; one scale\n"
-    "                           a row; 4,3:nf and 3,2:nf are the best 3- and 2-bit caches measured);\n"
-    "                           :uniform (the default): uniform groups\n"
+    "                           default 16. 3 (also 3,3 and 4,3) is 4,3:nf and 2 (also 2,2 and\n"
+    "                           3,2) is 3,2:nf, the best 3- and 2-bit caches measured. :nf:\n"
+    "                           normal-float rows of those bits (2-5; one scale a row); :uniform\n"
+    "                           (the default for other bits): uniform groups, bits as written\n"
     "  --kv-layer-bits L=B | L=K,V\n"
     "                           quantized caches: layers L (e.g. 3 or 2-3,5) take other bits of\n"
     "                           --kv-bits' row kind (mixed precision; repeatable; `kvq calibrate-kv`\n"
@@ -180,7 +181,13 @@ bool cli_parse_f16_weights(const char *flag, const char *v, bool *off) {
  * the issue asks it not to (docs/kv-formats.md). */
 static bool set_kv_rows(const char *v, const char *kind, struct kvq_kv_config *kv) {
     int *bits[2] = {&kv->k_bits, &kv->v_bits}, *group[2] = {&kv->k_group, &kv->v_group};
-    const bool nf = kind && !strcmp(kind, "nf");
+    bool nf = kind && !strcmp(kind, "nf");
+    /* 3 and 2 bits, with no row kind, name the best 3- and 2-bit caches measured:
+     * normal-float K4 V3 and K3 V2, less loss than uniform groups of 3 and 2 bits at
+     * about their bytes, and faster on the CPU and the GPU (docs/kv-formats.md);
+     * ":uniform" keeps the bits as written */
+    if (!kind && kv->v_bits == 3 && (kv->k_bits == 3 || kv->k_bits == 4)) kv->k_bits = 4, nf = true;
+    if (!kind && kv->v_bits == 2 && (kv->k_bits == 2 || kv->k_bits == 3)) kv->k_bits = 3, nf = true;
     for (int s = 0; s < 2; s++) {
         if (*bits[s] >= 16) continue;
         if (nf && *bits[s] > 5) {
