@@ -871,8 +871,10 @@ static int launch_gs(cuk_queue *qu, const cuk_attn_args *a) {
 template <int D>
 static int launch_formats(cuk_queue *qu, const cuk_attn_args *a) {
     const int kb = a->k_bits, vb = a->v_bits;
-    if (a->k_group == KERN_KVQ_NF) /* K4V3 or K3V2 normal-float (attn_tile_takes) */
-        return kb == 4 ? launch_g<D, 4, 3, KERN_KVQ_NF>(qu, a) : launch_g<D, 3, 2, KERN_KVQ_NF>(qu, a);
+    if (a->k_group == KERN_KVQ_NF) /* K4V4, K4V3 or K3V2 normal-float (attn_tile_takes) */
+        return kb == 3 ? launch_g<D, 3, 2, KERN_KVQ_NF>(qu, a)
+               : vb == 3 ? launch_g<D, 4, 3, KERN_KVQ_NF>(qu, a)
+                         : launch_g<D, 4, 4, KERN_KVQ_NF>(qu, a);
     if (kb == 16 && vb == 16) return launch_g<D, 16, 16, D>(qu, a);
     if (kb == 8 && vb == 8) return launch_gs<D, 8, 8>(qu, a);
     if (kb == 8 && vb == 4) return launch_gs<D, 8, 4>(qu, a);
