@@ -22,7 +22,7 @@ static const char *const generate_help =
     "  -n, --n-predict N    tokens to generate (default 128; -1: until EOS or context end)\n"
     "  -c, --ctx-size N     context length in tokens (default: the model's)\n"
     "  -t, --threads N      threads (default: all cores)\n"
-    "  -b, --batch-size N   prompt tokens per forward pass (default 512)\n"
+    "  -b, --batch-size N   prompt tokens per forward pass (default 512; 2048 on a GPU)\n"
     "  --temp T             temperature (default 0.8; 0 = greedy)\n"
     "  --top-k K            keep the K most likely tokens (default 40; 0 = off)\n"
     "  --top-p P            nucleus sampling (default 0.95; 1 = off)\n"

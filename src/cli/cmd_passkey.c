@@ -39,7 +39,7 @@ static const char *const passkey_help =
     "      --format F       newline (default): intro, needle and question on their own\n"
     "                       lines; space: parts joined by spaces only\n"
     "  -t, --threads N      threads (default: all cores)\n"
-    "  -b, --batch-size N   tokens per forward pass (default 512)\n"
+    "  -b, --batch-size N   tokens per forward pass (default 512; 2048 on a GPU)\n"
     "  -v, --verbose        print each trial's key, position and answer\n"
     "  -h, --help           this text\n";
 

@@ -48,7 +48,7 @@ static const char *const perplexity_help =
     "      --parallel N             chunks evaluated together as separate sequences\n"
     "                               (default: 2048/c, capped so their logits fit in 1 GiB)\n"
     "  -t, --threads N              threads (default: all cores)\n"
-    "  -b, --batch-size N           tokens per forward pass (default 512)\n"
+    "  -b, --batch-size N           tokens per forward pass (default 512; 2048 on a GPU)\n"
     "      --kl-divergence-base F   without --kl-divergence: store this run's token\n"
     "                               distributions in F (16-bit log-probabilities, ~2 bytes\n"
     "                               per vocabulary entry per scored token)\n"
