@@ -177,15 +177,13 @@ bool cli_parse_f16_weights(const char *flag, const char *v, bool *off) {
 }
 
 /* The row kinds of --kv-bits' sides: uniform groups, or normal-float rows when asked
- * (:nf). Normal-float stays opt-in: it decodes a little slower than K4V4 at depth, which
- * the issue asks it not to (docs/kv-formats.md). */
+ * (:nf). With no row kind, 3 and 2 bits name the best 3- and 2-bit caches measured,
+ * normal-float K4 V3 and K3 V2: less loss than uniform groups of 3 and 2 bits at about
+ * their bytes, and faster on the CPU and the GPU (docs/kv-formats.md); ":uniform"
+ * keeps the bits as written. */
 static bool set_kv_rows(const char *v, const char *kind, struct kvq_kv_config *kv) {
     int *bits[2] = {&kv->k_bits, &kv->v_bits}, *group[2] = {&kv->k_group, &kv->v_group};
     bool nf = kind && !strcmp(kind, "nf");
-    /* 3 and 2 bits, with no row kind, name the best 3- and 2-bit caches measured:
-     * normal-float K4 V3 and K3 V2, less loss than uniform groups of 3 and 2 bits at
-     * about their bytes, and faster on the CPU and the GPU (docs/kv-formats.md);
-     * ":uniform" keeps the bits as written */
     if (!kind && kv->v_bits == 3 && (kv->k_bits == 3 || kv->k_bits == 4)) kv->k_bits = 4, nf = true;
     if (!kind && kv->v_bits == 2 && (kv->k_bits == 2 || kv->k_bits == 3)) kv->k_bits = 3, nf = true;
     for (int s = 0; s < 2; s++) {
