@@ -40,6 +40,7 @@ expect_error "--devices short of --tp" "--devices names 1 GPU for --tp 2" -- "$k
 # per-layer KV bits and their calibration
 expect_error "--kv-layer-bits past the layers" "the model has layers 0..5" -- "$kvq" generate -m "$model" -p hi --kv-bits 4,4:nf --kv-layer-bits 6=5,4
 expect_error "--kv-layer-bits too wide for nf" "normal-float row" -- "$kvq" generate -m "$model" -p hi --kv-bits 4,4:nf --kv-layer-bits 3=6,4
+expect_error "--kv-layer-bits 8 bits under --kv-bits 3 (normal-float)" "write --kv-bits K,V:uniform" -- "$kvq" generate -m "$model" -p hi --kv-bits 3 --kv-layer-bits 0=8,8
 expect_error "--kv-layer-bits on an f16 cache" "change only quantized sides" -- "$kvq" generate -m "$model" -p hi --kv-layer-bits 3=5,4
 expect_error "--kv-layer-bits backwards" "run backwards" -- "$kvq" generate -m "$model" -p hi --kv-bits 4 --kv-layer-bits 3-1=5
 expect_error "--kv-layer-bits without =" "expected LAYERS=BITS" -- "$kvq" generate -m "$model" -p hi --kv-bits 4 --kv-layer-bits 3

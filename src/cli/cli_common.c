@@ -358,6 +358,14 @@ bool cli_kv_config_check(const struct kvq_kv_config *kv) {
         cli_fail("--keep (%d) must be smaller than --max-kv-size (%d)", kv->keep, kv->max_size);
         return false;
     }
+    for (int i = 0; kv->k_group == KVQ_KV_NF && i < kv->n_layer_bits; i++) {
+        const struct kvq_layer_bits *l = &kv->layer_bits[i];
+        if (l->k_bits > 5 || l->v_bits > 5) { /* --kv-bits 3 and 2 name normal-float rows too */
+            cli_fail("--kv-layer-bits %d-%d=%d,%d: the layers take --kv-bits' normal-float rows, of 2 to 5 bits "
+                     "(for uniform rows write --kv-bits K,V:uniform)", l->first, l->last, l->k_bits, l->v_bits);
+            return false;
+        }
+    }
     return true;
 }
 
