@@ -1864,8 +1864,8 @@ static void test_attention(void) {
          * tiles (the cases above read at most 2 a block) */
         {"f16 GQA 4, 136 KV heads", 128, 544, 136, 16, 16, 64, 0, 0, 0, 0, 0},
         {"K8V4 GQA 4, 136 KV heads", 128, 544, 136, 8, 4, 64, 32, 4, 0, 0, 1},
-        /* normal-float rows: K4V4, K4V3 and K3V2 on the tensor cores (rows on any byte
-         * boundary), the others on the split kernel */
+        /* normal-float rows: K5V4, K4V4, K4V3 and K3V2 on the tensor cores (rows on any
+         * byte boundary), the others on the split kernel */
         {"K4V3 nf R32, GQA 4", 128, 8, 2, 4, 3, KERN_KVQ_NF, 32, 4, 0, 0, 1},
         {"K3V2 nf R32, GQA 2, D 64", 64, 4, 2, 3, 2, KERN_KVQ_NF, 32, 4, 0, 0, 1},
         {"K4V3 nf R0 no rotation, GQA 7", 128, 14, 2, 4, 3, KERN_KVQ_NF, 0, 0, 0, 0, 0},
@@ -1876,7 +1876,9 @@ static void test_attention(void) {
         {"K4V3 nf GQA 4, 40 KV heads", 128, 160, 40, 4, 3, KERN_KVQ_NF, 32, 4, 0, 0, 1},
         {"K4V4 nf R32, GQA 4", 128, 8, 2, 4, 4, KERN_KVQ_NF, 32, 4, 0, 0, 1},
         {"K4V4 nf D256 R0, GQA 2, 40 KV heads", 256, 80, 40, 4, 4, KERN_KVQ_NF, 0, 0, 0, 0, 1},
-        {"K5V4 nf R32 (split kernel)", 128, 8, 2, 5, 4, KERN_KVQ_NF, 32, 4, 0, 0, 1},
+        {"K5V4 nf R32", 128, 8, 2, 5, 4, KERN_KVQ_NF, 32, 4, 0, 0, 1},
+        {"K5V4 nf D256 R0, GQA 2, 40 KV heads", 256, 80, 40, 5, 4, KERN_KVQ_NF, 0, 0, 0, 0, 1},
+        {"K5V4 nf D64 R32, GQA 4", 64, 8, 2, 5, 4, KERN_KVQ_NF, 32, 4, 0, 0, 1},
         {"K2V2 nf R0 D256 no rotation (split kernel)", 256, 4, 1, 2, 2, KERN_KVQ_NF, 0, 0, 0, 0, 0},
         {"K4V4 nf R32, GQA 16 (split kernel)", 64, 32, 2, 4, 4, KERN_KVQ_NF, 32, 4, 0, 0, 1},
     };

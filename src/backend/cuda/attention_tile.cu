@@ -6,10 +6,10 @@ bool attn_tile_prepped(const cuk_attn_args *a) { return a->k_rot || a->k_bits < 
 
 bool attn_tile_takes(const cuk_attn_args *a) {
     const int D = a->head_dim, kb = a->k_bits, vb = a->v_bits;
-    /* normal-float rows: K4V4, K4V3 and K3V2, on any byte boundary (a block comes to
-     * shared memory as it lies) */
+    /* normal-float rows: K5V4, K4V4, K4V3 and K3V2, on any byte boundary (a block comes
+     * to shared memory as it lies) */
     const bool nf = a->k_group == KERN_KVQ_NF && a->v_group == KERN_KVQ_NF &&
-                    ((kb == 4 && vb == 4) || (kb == 4 && vb == 3) || (kb == 3 && vb == 2));
+                    ((kb == 5 && vb == 4) || (kb == 4 && vb == 4) || (kb == 4 && vb == 3) || (kb == 3 && vb == 2));
     /* groups a k-step stays inside, at most 4 (scale, bias) words a thread; rows on the
      * boundaries the loads need */
     const bool groups_ok = nf || (kb == 16 && vb == 16) ||

@@ -183,17 +183,30 @@ static __host__ __device__ constexpr int nf_ring() {
 }
 /* Shared memory of normal-float rows, after the stages and the partial scores: the
  * ring's blocks of rows as they are (HEAD bytes each, with room for the word after the
- * last row's codes), then the 256 scales of the scale bytes. */
+ * last row's codes), then the 256 scales of the scale bytes, then for 5-bit keys their
+ * 32 level bytes as f16 (nf_level_h8_5). */
 template <int D, int KB, int VB, int GS>
 static __host__ __device__ constexpr size_t raw_bytes() {
     constexpr size_t block = (size_t)TILE * (row_bytes<D, KB, GS>() + row_bytes<D, VB, GS>());
-    return GS < 0 ? nf_ring<D>() * block + 16 + 256 * sizeof(float) : 0;
+    return GS < 0 ? nf_ring<D>() * block + 16 + 256 * sizeof(float) + (KB == 5 ? 32 * sizeof(__half) : 0) : 0;
 }
 
 /* 8 level bytes (nf_level_bytes) as 4 f16 pairs, in order. */
 static __device__ __forceinline__ uint4 bytes8_to_h8(uint2 b) {
     return make_uint4(bytes_to_h2(b.x, 0x5140), bytes_to_h2(b.x, 0x5342), bytes_to_h2(b.y, 0x5140),
                       bytes_to_h2(b.y, 0x5342));
+}
+
+/* 8 codes of 5 bits (lo: bits 0-31 of the unit's 40, hi: bits 32-39) as the f16 of
+ * their level bytes, in order, from the 32 levels in shared memory (16 words in 16
+ * banks: a warp's lookups never conflict). */
+static __device__ __forceinline__ uint4 nf_level_h8_5(uint32_t lo, uint32_t hi, const __half *levels) {
+    const uint32_t c[8] = {lo & 31, lo >> 5 & 31, lo >> 10 & 31, lo >> 15 & 31, lo >> 20 & 31, lo >> 25 & 31,
+                           (lo >> 30 | hi << 2) & 31, hi >> 3 & 31};
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = h2_bits(__halves2half2(levels[c[2 * i]], levels[c[2 * i + 1]]));
+    return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 /* GS: the group size of the packed sides (D for f16; KERN_KVQ_NF: normal-float rows,
@@ -443,6 +456,7 @@ __global__ void __launch_bounds__(tile_threads<D, G, PREFILL>()) attn_tile(const
         for (int u = threadIdx.x; u < (int)(HEAD / 16); u += TT) cp_async16(to + 16 * u, hb + 16 * u);
     };
     float *const nf_scales = (float *)(raw + NR * HEAD + 16);
+    __half *const nf_l5 = (__half *)(nf_scales + 256);
     /* every thread, after its copies and a barrier; rows outside the plan's range are
      * converted too (finite values, masked). Thread t takes units t % (D / 8) of rows
      * t / (D / 8) + k RS (as item_at): a row step of RS rows keeps each unit's offset
@@ -462,7 +476,9 @@ __global__ void __launch_bounds__(tile_threads<D, G, PREFILL>()) attn_tile(const
             const int r = r0 + k * RS, kk = k * RS * (int)KROW / 4, vk = k * RS * (int)VROW / 4;
             const uint32_t kx = __funnelshift_r(kw[kk], kw[kk + 1], 8 * (ko & 3u));
             const uint32_t vx = __funnelshift_r(vw[vk], vw[vk + 1], 8 * (vo & 3u));
-            *(uint4 *)(ks + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<KB>(kx));
+            if constexpr (KB == 5) /* the unit's fifth byte lies in the second word (ko & 3 < 4) */
+                *(uint4 *)(ks + r * LD + c * 8) = nf_level_h8_5(kx, kw[kk + 1] >> 8 * (ko & 3u) & 0xFFu, nf_l5);
+            else *(uint4 *)(ks + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<KB>(kx));
             *(uint4 *)(vs + r * LD + c * 8) = bytes8_to_h8(nf_level_bytes<VB>(vx));
         }
         for (int r = threadIdx.x; r < TILE; r += TT) { /* (scale, bias) of each row's one group */
@@ -517,6 +533,8 @@ __global__ void __launch_bounds__(tile_threads<D, G, PREFILL>()) attn_tile(const
      * too, steps of 4096 rows and more took up to 0.9% longer (docs). */
     if (NF) /* the scales of normal-float rows, once (read after store_nf's barrier) */
         for (int e = threadIdx.x; e < 256; e += TT) nf_scales[e] = nf_scale((uint32_t)e);
+    if (KB == 5) /* and 5-bit keys' levels */
+        for (int e = threadIdx.x; e < 32; e += TT) nf_l5[e] = __ushort2half_rn(nf_tables.l5[e]);
     const tile_at first = tile_src(i0, FROM_TABLE);
     const bool early = first.kind == 0 && min(first.hi, first.p0 + TILE - 1) < P.fresh;
     /* Normal-float rows: tile i's block in raw slot i % NR, fetched NR - 1 tiles
@@ -871,8 +889,9 @@ static int launch_gs(cuk_queue *qu, const cuk_attn_args *a) {
 template <int D>
 static int launch_formats(cuk_queue *qu, const cuk_attn_args *a) {
     const int kb = a->k_bits, vb = a->v_bits;
-    if (a->k_group == KERN_KVQ_NF) /* K4V4, K4V3 or K3V2 normal-float (attn_tile_takes) */
-        return kb == 3 ? launch_g<D, 3, 2, KERN_KVQ_NF>(qu, a)
+    if (a->k_group == KERN_KVQ_NF) /* K5V4, K4V4, K4V3 or K3V2 normal-float (attn_tile_takes) */
+        return kb == 5   ? launch_g<D, 5, 4, KERN_KVQ_NF>(qu, a)
+               : kb == 3 ? launch_g<D, 3, 2, KERN_KVQ_NF>(qu, a)
                : vb == 3 ? launch_g<D, 4, 3, KERN_KVQ_NF>(qu, a)
                          : launch_g<D, 4, 4, KERN_KVQ_NF>(qu, a);
     if (kb == 16 && vb == 16) return launch_g<D, 16, 16, D>(qu, a);
