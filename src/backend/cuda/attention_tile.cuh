@@ -1,5 +1,5 @@
 /* Attention on tensor cores over the paged cache, for the common row formats (keys
- * and values of 4, 8 or 16 bits, or normal-float K4V3 and K3V2, head size 64, 128 or
+ * and values of 4, 8 or 16 bits, or normal-float K5V4, K4V4, K4V3 and K3V2, head size 64, 128 or
  * 256, up to 8 query heads per KV head); attention.cu's kernel takes the rest. A token's query heads take R =
  * cuk_attn_tile_rows() rows of the m16 tiles, those past the model's group idle.
  *
