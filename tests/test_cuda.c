@@ -168,16 +168,24 @@ static void kv_set(struct kvq_kv_config *kv, int kb, int vb) {
     kv->v_bits = vb;
 }
 
+/* A model of the shared folder, loaded (a failed load fails a check), or NULL where
+ * it is missing (said as a skip: the device machine may carry only some models) or did
+ * not load. */
+static struct kvq_model *shared_model(const char *file) {
+    if (!shared_path(file)) {
+        printf("skipped: %s is missing\n", file);
+        return NULL;
+    }
+    struct kvq_model *m = kvq_model_load(shared_path(file));
+    CHECK(m != NULL, "load %s: %s", file, kvq_last_error());
+    return m;
+}
+
 /* tinydoc-f16: the CPU multiplies f16 weights with f32 inputs, as the GPU does, so
  * up to 16 tokens per pass (the GPU's matrix-vector kernels) the two differ only
  * by summation order; wider passes use TF32 tensor-core GEMMs on the GPU. */
 static void test_cache_kinds(void) {
-    if (!shared_path("models/tinydoc-f16.gguf")) {
-        printf("skipped: models/tinydoc-f16.gguf is missing\n");
-        return;
-    }
-    struct kvq_model *m = kvq_model_load(shared_path("models/tinydoc-f16.gguf"));
-    CHECK(m != NULL, "load: %s", kvq_last_error());
+    struct kvq_model *m = shared_model("models/tinydoc-f16.gguf");
     if (!m) return;
     struct kvq_kv_config kv;
     kv_set(&kv, 16, 16);
@@ -241,12 +249,7 @@ static void test_cache_kinds(void) {
  * this model (kvq perplexity -c 256 --chunks 2, scalar vs avx2/avx512: mean KLD
  * 4.6e-4 / 5.1e-4, max 2.5e-3 / 2.6e-3), so the bound is that of the CPU itself. */
 static void test_q8_weights(void) {
-    if (!shared_path("models/tinydoc-q8_0.gguf")) {
-        printf("skipped: models/tinydoc-q8_0.gguf is missing\n");
-        return;
-    }
-    struct kvq_model *m = kvq_model_load(shared_path("models/tinydoc-q8_0.gguf"));
-    CHECK(m != NULL, "load: %s", kvq_last_error());
+    struct kvq_model *m = shared_model("models/tinydoc-q8_0.gguf");
     if (!m) return;
     struct kvq_kv_config kv;
     kv_set(&kv, 16, 16);
@@ -342,12 +345,11 @@ static void test_batch_offsets(struct kvq_model *m, int n_vocab) {
  * a step's second sight, then replayed as graphs) give the logits of the same steps
  * launched one by one (KVQ_CUDA_GRAPHS=0), bit for bit. */
 static void test_wide_replay(void) {
-    if (!cuk_wide_available() || !shared_path("models/tinydoc-q8_0.gguf")) {
-        printf("skipped: wide decode steps replayed (no wide products here, or tinydoc-q8_0 is missing)\n");
+    if (!cuk_wide_available()) {
+        printf("skipped: wide decode steps replayed (no wide products here)\n");
         return;
     }
-    struct kvq_model *m = kvq_model_load(shared_path("models/tinydoc-q8_0.gguf"));
-    CHECK(m != NULL, "load: %s", kvq_last_error());
+    struct kvq_model *m = shared_model("models/tinydoc-q8_0.gguf");
     if (!m) return;
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
@@ -397,8 +399,7 @@ static void test_wide_replay(void) {
 
 /* Four sequences of different lengths decoded in one batch give what each gives alone. */
 static void test_batch(void) {
-    if (!shared_path("models/tinydoc-f16.gguf")) return;
-    struct kvq_model *m = kvq_model_load(shared_path("models/tinydoc-f16.gguf"));
+    struct kvq_model *m = shared_model("models/tinydoc-f16.gguf");
     if (!m) return;
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
@@ -775,15 +776,10 @@ static void test_tensor_parallel(int n_dev) {
 
 /* Logits and greedy continuations against transformers, as test_forward_refs does on the CPU. */
 static void test_refs(const char *file, const char *refs_dir, int n_greedy_prompts) {
-    if (!shared_path(file)) { /* the device machine may carry only some models */
-        printf("skipped: %s is missing\n", file);
-        return;
-    }
+    struct kvq_model *m = shared_model(file);
+    if (!m) return;
     struct ref_prompt refs[REFS_PROMPTS];
     refs_load_dir(refs_dir, refs);
-    struct kvq_model *m = kvq_model_load(shared_path(file));
-    CHECK(m != NULL, "load %s: %s", file, kvq_last_error());
-    if (!m) return;
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
     for (int i = 0; i < REFS_PROMPTS; i++) {
@@ -1341,9 +1337,7 @@ static void test_top(void) {
     be->ops->host_free(be, vals);
     be->ops->host_free(be, ids);
     be->ops->free(be);
-    if (!shared_path("models/tinydoc-f16.gguf")) return;
-    struct kvq_model *m = kvq_model_load(shared_path("models/tinydoc-f16.gguf"));
-    CHECK(m != NULL, "load: %s", kvq_last_error());
+    struct kvq_model *m = shared_model("models/tinydoc-f16.gguf");
     if (!m) return;
     struct kvq_model_info info;
     kvq_model_get_info(m, &info);
