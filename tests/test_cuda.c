@@ -1077,6 +1077,88 @@ static void test_matvec(void) {
  * double: shapes with partial chunks, split columns (long rows, few tiles), token groups
  * past n, a bias and a row stride wider than the rows. A token's sums do not depend on
  * how many tokens the product has: its results at n = 16, 40 and 130 equal those at 256. */
+/* A wide product left pending (its splits' partial sums not added up) and read by the
+ * GLU and add_norm as they are, or written out by cuk_wide_settle: the same bits as
+ * the product that adds them up itself, then the same operations on its outputs. */
+static void test_wide_pending(void) {
+    if (!cuk_wide_available()) {
+        printf("skipped: this device does not run the wide products (an sm_90a kernel image)\n");
+        return;
+    }
+    enum { ROWS = 512, COLS = 4096, N = 16 };
+    const uint32_t type = KVQ_Q4_0;
+    const size_t rb = kvq_dtype_row_bytes(type, COLS), bytes = rb * ROWS;
+    const size_t all = cuk_repacked_bytes(type, ROWS, COLS), codes = cuk_repacked_code_bytes(type, ROWS, COLS);
+    uint8_t *w = malloc(bytes), *dw, *packed;
+    float *x = malloc(sizeof(float) * N * COLS), *h = malloc(sizeof(float) * 6 * N * ROWS), *bias = malloc(sizeof(float) * ROWS);
+    fill_rows(type, w, bytes);
+    for (int i = 0; i < N * COLS; i++) x[i] = frnd();
+    for (int i = 0; i < ROWS; i++) bias[i] = frnd();
+    float *dx, *db, *dy, *scr, *res;
+    uint16_t *x16;
+    cudaMalloc((void **)&dw, bytes);
+    cudaMalloc((void **)&packed, all);
+    cudaMalloc((void **)&dx, sizeof(float) * N * COLS);
+    cudaMalloc((void **)&db, sizeof(float) * ROWS);
+    cudaMalloc((void **)&dy, sizeof(float) * 4 * N * ROWS); /* gate, up (direct); gate, up (pending) */
+    cudaMalloc((void **)&res, sizeof(float) * 6 * N * ROWS);
+    cudaMalloc((void **)&x16, sizeof(uint16_t) * N * COLS);
+    cudaMemcpy(dw, w, bytes, cudaMemcpyHostToDevice);
+    cudaMemcpy(dx, x, sizeof(float) * N * COLS, cudaMemcpyHostToDevice);
+    cudaMemcpy(db, bias, sizeof(float) * ROWS, cudaMemcpyHostToDevice);
+    cuk_repack(&tq, type, dw, ROWS, COLS, packed, (uint16_t *)(packed + codes));
+    const struct cuk_weight cw = {type, packed, ROWS, COLS, 0, (const uint16_t *)(packed + codes)};
+    const struct cuk_matvec_job direct[2] = {{&cw, dy, db, 0}, {&cw, dy + N * ROWS, NULL, 0}};
+    const struct cuk_matvec_job later[2] = {{&cw, dy + 2 * N * ROWS, db, 0}, {&cw, dy + 3 * N * ROWS, NULL, 0}};
+    const size_t sf = cuk_matmul_wide_scratch(direct, 2, N, 132);
+    CHECK(sf > 0, "the pending test's product is not split (%zu scratch floats)", sf);
+    cudaMalloc((void **)&scr, sizeof(float) * (sf ? sf : 1));
+    cuk_to_half_wide(&tq, dx, COLS, N, COLS, x16);
+    struct cuk_wide_pending p;
+    cuk_matmul_wide(&tq, direct, 2, x16, N, scr, 132, NULL);
+    float *g = res, *o1 = res + 2 * N * ROWS, *o2 = res + 3 * N * ROWS, *r1 = res + 4 * N * ROWS,
+          *r2 = res + 5 * N * ROWS;
+    cudaMemcpy(g, dy, sizeof(float) * 2 * N * ROWS, cudaMemcpyDeviceToDevice); /* gate and up as written */
+    cuk_glu(&tq, 0, dy, dy + N * ROWS, NULL, N, ROWS, o1, NULL);
+    cudaMemcpy(r1, dx, sizeof(float) * N * ROWS, cudaMemcpyDeviceToDevice); /* a residual of N x ROWS */
+    cuk_add_norm(&tq, r1, dy, NULL, NULL, NULL, N, ROWS, 1e-5f, NULL, NULL);
+    /* the same product pending: the GLU reads its two jobs' sums */
+    cuk_matmul_wide(&tq, later, 2, x16, N, scr, 132, &p);
+    CHECK(p.splits > 1 && p.n_jobs == 2, "the product was not left pending (%d splits)", p.splits);
+    const struct cuk_sum_in gu[2] = {{p.part[0], p.bias[0], p.splits, ROWS, (int64_t)N * ROWS},
+                                     {p.part[1], p.bias[1], p.splits, ROWS, (int64_t)N * ROWS}};
+    cuk_glu(&tq, 0, dy + 2 * N * ROWS, dy + 3 * N * ROWS, gu, N, ROWS, o2, NULL);
+    cudaMemcpy(r2, dx, sizeof(float) * N * ROWS, cudaMemcpyDeviceToDevice);
+    cuk_add_norm(&tq, r2, dy + 2 * N * ROWS, &gu[0], NULL, NULL, N, ROWS, 1e-5f, NULL, NULL);
+    cuk_wide_settle(&tq, &p); /* and written out */
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "pending wide product launches");
+    cudaMemcpy(h, res, sizeof(float) * 6 * N * ROWS, cudaMemcpyDeviceToHost);
+    float *later_y = malloc(sizeof(float) * 2 * N * ROWS);
+    cudaMemcpy(later_y, dy + 2 * N * ROWS, sizeof(float) * 2 * N * ROWS, cudaMemcpyDeviceToHost);
+    int d_settle = 0, d_glu = 0, d_norm = 0;
+    for (int i = 0; i < 2 * N * ROWS; i++) d_settle += memcmp(&later_y[i], &h[i], sizeof(float)) != 0;
+    for (int i = 0; i < N * ROWS; i++) {
+        d_glu += memcmp(&h[2 * N * ROWS + i], &h[3 * N * ROWS + i], sizeof(float)) != 0;
+        d_norm += memcmp(&h[4 * N * ROWS + i], &h[5 * N * ROWS + i], sizeof(float)) != 0;
+    }
+    printf("wide pending: %d of %d settled outputs, %d GLU outputs, %d add_norm sums differ from the direct product's\n",
+           d_settle, 2 * N * ROWS, d_glu, d_norm);
+    CHECK(d_settle == 0 && d_glu == 0 && d_norm == 0, "a pending product's sums differ from the direct product's");
+    free(later_y);
+    cudaFree(dw);
+    cudaFree(packed);
+    cudaFree(dx);
+    cudaFree(db);
+    cudaFree(dy);
+    cudaFree(res);
+    cudaFree(scr);
+    cudaFree(x16);
+    free(w);
+    free(x);
+    free(h);
+    free(bias);
+}
+
 static void test_matmul_wide(void) {
     if (!cuk_wide_available()) {
         printf("skipped: this device does not run the wide products (an sm_90a kernel image)\n");
@@ -1133,7 +1215,7 @@ static void test_matmul_wide(void) {
             if (sf) cudaMalloc((void **)&scr, sizeof(float) * sf);
             cudaMemset(dy, 0xff, sizeof(float) * n_max * stride); /* NaN: every output must be written */
             cuk_to_half_wide(&tq, dx, cols, n, cols, x16);
-            cuk_matmul_wide(&tq, jobs, n_jobs, x16, n, scr, 132);
+            cuk_matmul_wide(&tq, jobs, n_jobs, x16, n, scr, 132, NULL);
             CHECK(cudaDeviceSynchronize() == cudaSuccess, "%s: wide product launch", kvq_dtype_name(type));
             cudaMemcpy(y, dy, sizeof(float) * (size_t)n * stride, cudaMemcpyDeviceToHost);
             double err = 0, scale = 0;
@@ -1585,8 +1667,8 @@ static void test_rounding_ops(void) {
             cudaMemcpy(dx, x, sizeof(float) * fl, cudaMemcpyHostToDevice);
             cudaMemcpy(da, a, sizeof(float) * fl, cudaMemcpyHostToDevice);
             if (op == 0) cuk_rmsnorm(&tq, dx, NULL, dw, n, dim, 1e-5f, dout, &xq);
-            else if (op == 1) cuk_add_norm(&tq, dx, da, NULL, dw, n, dim, 1e-5f, dout, &xq);
-            else cuk_glu(&tq, 0, dx, da, n, dim, dout, &xq);
+            else if (op == 1) cuk_add_norm(&tq, dx, da, NULL, NULL, dw, n, dim, 1e-5f, dout, &xq);
+            else cuk_glu(&tq, 0, dx, da, NULL, n, dim, dout, &xq);
             cuk_quantize_x(&tq, dout, dim, n, dim, &ref);
             CHECK(cudaDeviceSynchronize() == cudaSuccess, "%s: launch", names[op]);
             cudaMemcpy(out, dout, sizeof(float) * fl, cudaMemcpyDeviceToHost);
@@ -1911,12 +1993,13 @@ int main(void) {
         if (strcmp(only, "attention") == 0) test_attention();
         else if (strcmp(only, "top") == 0) test_top(), test_draw();
         else if (strcmp(only, "tp") == 0) test_reducer(n_dev), test_tensor_parallel(n_dev);
-        else if (strcmp(only, "wide") == 0) test_matmul_wide();
+        else if (strcmp(only, "wide") == 0) test_matmul_wide(), test_wide_pending();
         else test_matvec();
         return check_finish();
     }
     test_matvec();
     test_matmul_wide();
+    test_wide_pending();
     test_backend_products();
     test_top();
     test_draw();

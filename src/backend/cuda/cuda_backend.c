@@ -58,7 +58,7 @@ static void *cuda_alloc(struct backend *b, size_t bytes) {
 }
 
 static void cuda_release(struct backend *b, void *p) {
-    (void)b;
+    settle_sums(cuda(b)); /* before p, which it may write, is gone */
     cudaFree(p);
 }
 
@@ -150,6 +150,7 @@ bool grow_floats(struct cuda_backend *cb, float **buf, size_t *have, size_t need
 
 int cuda_sync(struct backend *b) {
     struct cuda_backend *cb = cuda(b);
+    settle_sums(cb);
     record_stop(cb);
     steps_mark(cb->steps, cb->stream, false);
     for (int i = 0; i < cb->n_post; i++)

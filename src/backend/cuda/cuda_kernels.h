@@ -94,8 +94,27 @@ struct cuk_matvec_job {
 #define CUK_WIDE_MAX 64
 int cuk_wide_available(void);
 void cuk_to_half_wide(struct cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out);
+/* A wide product whose chunks were split, its partial sums not yet added up: job j's
+ * output at token t and row r is the sum over z < splits, in order of z, of
+ * part[j][(z n + t) rows[j] + r], plus bias[j][r] (0.0f without a bias). With pend,
+ * cuk_matmul_wide leaves them so (pend->splits > 1) for a kernel that reads its input
+ * that way (cuk_sum_in) or for cuk_wide_settle to write y; else it writes y itself. */
+struct cuk_wide_pending {
+    int n_jobs, n, splits;
+    float *y[CUK_MATVEC_JOBS];
+    const float *part[CUK_MATVEC_JOBS], *bias[CUK_MATVEC_JOBS];
+    int64_t rows[CUK_MATVEC_JOBS], y_stride[CUK_MATVEC_JOBS];
+};
 void cuk_matmul_wide(struct cuk_queue *qu, const struct cuk_matvec_job *jobs, int n_jobs, const void *xp, int n,
-                     float *scratch, int n_sm);
+                     float *scratch, int n_sm, struct cuk_wide_pending *pend);
+void cuk_wide_settle(struct cuk_queue *qu, const struct cuk_wide_pending *p);
+/* An operation's input read from a pending product's job (rows its row width): the
+ * sum of its splits' partial sums, plus the bias; splits 0: the input as it is. */
+struct cuk_sum_in {
+    const float *part, *bias;
+    int splits, rows;
+    int64_t zs; /* floats from one split's sums to the next's: n rows */
+};
 size_t cuk_matmul_wide_scratch(const struct cuk_matvec_job *jobs, int n_jobs, int n, int n_sm);
 /* Rows [r0, r1) of a repacked weight, r0 a multiple of 16, as a weight of their own
  * (its data in place). */
@@ -140,14 +159,16 @@ void cuk_embed(struct cuk_queue *qu, const struct cuk_weight *e, const int32_t *
 /* out[i] = RMSNorm(x[rows ? rows[i] : i]) * w. */
 void cuk_rmsnorm(struct cuk_queue *qu, const float *x, const int32_t *rows, const float *w, int n, int dim, float eps,
                  float *out, const struct cuk_xq *xq);
-/* x[t] += post ? RMSNorm(add[t]) * post : add[t]; then out[t] = RMSNorm(x[t]) * w when w. */
-void cuk_add_norm(struct cuk_queue *qu, float *x, float *add, const float *post, const float *w, int n, int dim, float eps,
-                  float *out, const struct cuk_xq *xq);
+/* x[t] += post ? RMSNorm(add[t]) * post : add[t]; then out[t] = RMSNorm(x[t]) * w when w.
+ * add_sum: add as a pending product's sums (NULL or no splits: add itself). */
+void cuk_add_norm(struct cuk_queue *qu, float *x, float *add, const struct cuk_sum_in *add_sum, const float *post,
+                  const float *w, int n, int dim, float eps, float *out, const struct cuk_xq *xq);
 void cuk_rope_table(struct cuk_queue *qu, const int32_t *pos, int n, const float *inv_freq, float linear, int half,
                     float *cos, float *sin);
-/* out = act(gate) * up; act 0 SiLU, 1 GELU (tanh). */
-void cuk_glu(struct cuk_queue *qu, int act, const float *gate, const float *up, int n, int n_ff, float *out,
-             const struct cuk_xq *xq);
+/* out = act(gate) * up; act 0 SiLU, 1 GELU (tanh); sums (NULL, or [2] for gate and
+ * up): they as a pending product's sums. */
+void cuk_glu(struct cuk_queue *qu, int act, const float *gate, const float *up, const struct cuk_sum_in *sums, int n,
+             int n_ff, float *out, const struct cuk_xq *xq);
 
 /* The k <= CUK_TOP_MAX largest values of each of n rows of `cols` floats at x, best
  * first, of equal values the lower index first, into out_v/out_i [n][k]; scratch:

@@ -152,6 +152,9 @@ struct cuda_backend {
     int64_t xq_cols;  /* xq holds up to CUK_MATVEC_MAX rows of this many */
     float *wide_part; /* the wide products' partial sums (split columns) */
     size_t wide_floats;
+    /* a wide product's partial sums left for the next operation to add up as it reads
+     * them (the GLU, add_norm) or, for any other, settle_sums first: a launch less */
+    struct cuk_wide_pending sums;
     /* what cuda_draw leaves for the host, for top_rows rows: [rows] log-normalizers and
      * weights' totals, [rows][CUK_TOP_MAX] largest values, [rows] drawn tokens' logits,
      * [rows][BE_CUT_MAX] candidates' values, as many indices of each, [rows] drawn tokens
@@ -364,6 +367,7 @@ void cuda_run_on_host_threads(struct backend *b, kvq_task_fn fn, void *arg);
 int finish_appends(struct cuda_backend *cb);
 
 /* cuda_products.c */
+void settle_sums(struct cuda_backend *cb);
 const struct cuk_xq *product_input(struct cuda_backend *cb, const float *out, int n, int64_t k);
 float *product_f32(struct cuda_backend *cb, float *out, int n);
 void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs, const struct be_matmul *jobs);

@@ -6,6 +6,28 @@
 #include "backend/cuda/cuda_private.h"
 
 
+/* A wide product's partial sums left pending (cb->sums) written to its outputs now:
+ * every operation but the two that read them as they are calls this first. */
+void settle_sums(struct cuda_backend *cb) {
+    if (cb->sums.splits < 2) return;
+    cuk_wide_settle(&cb->q, &cb->sums);
+    cb->sums.splits = 0;
+}
+
+/* The pending sums as the inputs y[0..n_jobs) of rows values a token, if they are
+ * those jobs' outputs: then taken, in[j] describing job j's (the caller reads them). */
+static bool take_sums(struct cuda_backend *cb, int n_jobs, const float *const *y, int rows, struct cuk_sum_in *in) {
+    const struct cuk_wide_pending *p = &cb->sums;
+    if (p->splits < 2 || p->n_jobs != n_jobs) return false;
+    for (int j = 0; j < n_jobs; j++)
+        if (p->y[j] != y[j] || p->rows[j] != rows || p->y_stride[j] != rows) return false;
+    for (int j = 0; j < n_jobs; j++)
+        in[j] = (struct cuk_sum_in){p->part[j], p->bias[j], p->splits, rows, (int64_t)p->n * rows};
+    cb->sums.splits = 0;
+    return true;
+}
+
+
 /* What an operation writing n rows of k floats at out writes besides them, in the
  * form a product of repacked weights takes them (NULL: nothing): rounded into xq for
  * the matrix-vector kernels, else in f16 into x16 for the wide kernels (in their
@@ -124,8 +146,13 @@ static bool wide_products(struct cuda_backend *cb, const float *x, int64_t x_str
         }
     }
     x16_make(cb, x, x_stride, n, wj[0].w->cols, true);
+    /* one launch whose outputs stay on the device may leave its sums to the next
+     * operation (not under tensor parallelism, whose all-reduce reads the outputs) */
+    bool host = false;
+    for (int j = 0; j < n_jobs; j++) host |= jobs[j].host_y != NULL;
     for (int l = 0; l < n_launch; l++)
-        cuk_matmul_wide(&cb->q, wj + first[l], first[l + 1] - first[l], cb->x16, n, cb->wide_part, cb->n_sm);
+        cuk_matmul_wide(&cb->q, wj + first[l], first[l + 1] - first[l], cb->x16, n, cb->wide_part, cb->n_sm,
+                        n_launch == 1 && !host && !cb->tp ? &cb->sums : NULL);
     for (int j = 0; j < n_jobs; j++)
         if (jobs[j].host_y) post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)wj[j].w->rows);
     return true;
@@ -136,6 +163,7 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
                         const struct be_matmul *jobs) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
+    settle_sums(cb); /* the partial sums' scratch is used again */
     cb->qprep_of = NULL; /* the products may write the queries */
     for (int j = 0; j < n_jobs; j++) { /* or an input an earlier operation converted */
         if (jobs[j].y == cb->xq_of || jobs[j].y == cb->x16_of) cb->xq_of = cb->x16_of = NULL;
@@ -252,6 +280,7 @@ void cuda_embed(struct backend *b, const struct weight *e, const int32_t *tokens
     struct cuda_backend *cb = cuda(b);
     const struct cuk_weight *w = dev_weight(cb, e);
     step_op(cb, n, false);
+    settle_sums(cb);
     double t0 = prof_begin(cb);
     const int32_t *t = stage_array(cb, tokens, sizeof(int32_t) * (size_t)n);
     cb->xq_of = cb->x16_of = NULL;
@@ -277,6 +306,7 @@ void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows, const 
     struct cuda_backend *cb = cuda(b);
     if (!norm_dim_ok(cb, dim)) return;
     step_op(cb, n, false);
+    settle_sums(cb);
     const int32_t *r = rows ? stage_array(cb, rows, sizeof(int32_t) * (size_t)n) : NULL;
     const float *wd = dev_vec(cb, w);
     if ((rows && !r) || !wd) return;
@@ -291,10 +321,15 @@ void cuda_add_norm(struct backend *b, float *x, float *add, const float *post, c
     struct cuda_backend *cb = cuda(b);
     if (!norm_dim_ok(cb, dim)) return;
     step_op(cb, n, false);
+    struct cuk_sum_in as;
+    const float *ys[1] = {add};
+    const bool sums = take_sums(cb, 1, ys, dim, &as); /* else none pending, or settled here */
+    settle_sums(cb);
     launch_held_packs(cb); /* the O product is queued (held_pack) */
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = product_input(cb, w ? out : NULL, w ? n : 0, dim);
-    cuk_add_norm(&cb->q, x, add, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps, product_f32(cb, out, n), xq);
+    cuk_add_norm(&cb->q, x, add, sums ? &as : NULL, dev_vec(cb, post), dev_vec(cb, w), n, dim, eps,
+                 product_f32(cb, out, n), xq);
     prof_end(cb, P_NORM, t0);
 }
 
@@ -303,6 +338,7 @@ void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *
                             int half, float *cos, float *sin) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
+    settle_sums(cb);
     const int32_t *p = stage_array(cb, pos, sizeof(int32_t) * (size_t)n);
     const float *f = dev_vec(cb, inv_freq);
     if (p && f) cuk_rope_table(&cb->q, p, n, f, linear, half, cos, sin);
@@ -318,6 +354,7 @@ void cuda_draw(struct backend *b, float *x, int n, int cols, const struct be_dra
                int n_ops, const struct be_draw_out *out) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
+    settle_sums(cb);
     if (cb->failed) return;
     const size_t row_bytes =
         2 * sizeof(double) + (sizeof(float) + sizeof(int32_t)) * (CUK_TOP_MAX + 1 + BE_CUT_MAX) + sizeof(int32_t);
@@ -372,14 +409,19 @@ void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float
                      float *out) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, true);
+    struct cuk_sum_in gu[2];
+    const float *ys[2] = {gate, up};
+    const bool sums = take_sums(cb, 2, ys, n_ff, gu);
+    settle_sums(cb);
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = product_input(cb, out, n, n_ff);
-    cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, n, n_ff, product_f32(cb, out, n), xq);
+    cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, sums ? gu : NULL, n, n_ff, product_f32(cb, out, n), xq);
     prof_end(cb, P_GLU, t0);
 }
 
 
 void cuda_read(struct backend *b, void *dst, const void *src, size_t bytes) {
     struct cuda_backend *cb = cuda(b);
+    settle_sums(cb);
     if (!cb->failed) ck(cb, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, cb->stream), "reading results");
 }

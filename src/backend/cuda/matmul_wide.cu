@@ -14,7 +14,9 @@
  * are f16 in the order cuk_to_half_wide writes them, so the results are the GEMM
  * path's up to the order of the sums. Where the rows make too few blocks to fill the
  * GPU, the chunks are split over gridDim.z blocks whose partial sums wide_reduce adds
- * up in split order, so results depend neither on timing nor on the number of tokens. */
+ * up in split order (cuk_wide_settle), or the operation that reads the outputs next as
+ * it reads them (cuk_sum_in), so results depend neither on timing nor on the number of
+ * tokens. */
 #include <cuda_fp16.h>
 
 #include "backend/cuda/cp_async.cuh"
@@ -347,11 +349,6 @@ static void wide_launch(cuk_queue *qu, const wide_set &js, int splits, const voi
     const dim3 grid((unsigned)js.x0[CUK_MATVEC_JOBS], (unsigned)((n + NT - 1) / NT), (unsigned)splits);
     pdl_launch_smem(matmul_wide<T, NT, WIDE_WG, WIDE_STAGES>, grid, dim3(SH::THREADS), smem, qu, js,
                     (const __half *)xp, n, part, (int)per);
-    if (splits > 1) {
-        const int64_t total = (int64_t)n * (js.rows[0] + js.rows[1] + js.rows[2]);
-        pdl_launch(wide_reduce, dim3((unsigned)((total + 255) / 256)), dim3(256), qu, js, (const float *)part,
-                   splits, n);
-    }
 }
 
 extern "C" size_t cuk_matmul_wide_scratch(const cuk_matvec_job *jobs, int n_jobs, int n, int n_sm) {
@@ -361,11 +358,30 @@ extern "C" size_t cuk_matmul_wide_scratch(const cuk_matvec_job *jobs, int n_jobs
     return floats;
 }
 
+extern "C" void cuk_wide_settle(cuk_queue *qu, const cuk_wide_pending *p) {
+    wide_set js = {};
+    int64_t total = 0;
+    for (int j = 0; j < p->n_jobs; j++) {
+        js.y[j] = p->y[j], js.bias[j] = p->bias[j], js.rows[j] = p->rows[j], js.y_stride[j] = p->y_stride[j];
+        js.part_at[j] = p->part[j] - p->part[0];
+        total += (int64_t)p->n * p->rows[j];
+    }
+    pdl_launch(wide_reduce, dim3((unsigned)((total + 255) / 256)), dim3(256), qu, js, p->part[0], p->splits, p->n);
+}
+
 extern "C" void cuk_matmul_wide(cuk_queue *qu, const cuk_matvec_job *jobs, int n_jobs, const void *xp, int n,
-                                float *scratch, int n_sm) {
+                                float *scratch, int n_sm, cuk_wide_pending *pend) {
     int splits;
     size_t floats;
     const wide_set js = wide_set_of(jobs, n_jobs, n, n_sm, &splits, &floats);
+    cuk_wide_pending sums = {};
+    if (splits > 1) {
+        sums.n_jobs = n_jobs, sums.n = n, sums.splits = splits;
+        for (int j = 0; j < n_jobs; j++) {
+            sums.y[j] = js.y[j], sums.part[j] = scratch + js.part_at[j], sums.bias[j] = js.bias[j];
+            sums.rows[j] = js.rows[j], sums.y_stride[j] = js.y_stride[j];
+        }
+    }
 #define WIDE_BY_TOKENS(TT)                                                      \
     if (wide_tokens(n) == 16) wide_launch<TT, 16>(qu, js, splits, xp, n, scratch);      \
     else if (wide_tokens(n) == 32) wide_launch<TT, 32>(qu, js, splits, xp, n, scratch); \
@@ -378,6 +394,8 @@ extern "C" void cuk_matmul_wide(cuk_queue *qu, const cuk_matvec_job *jobs, int n
     default: break; /* callers take this path for cuk_repacked types only */
     }
 #undef WIDE_BY_TOKENS
+    if (pend) *pend = sums;
+    else if (sums.splits > 1) cuk_wide_settle(qu, &sums);
 }
 
 __global__ void wide_probe(int *has) { *has = KVQ_WGMMA; }

@@ -112,9 +112,36 @@ __global__ void __launch_bounds__(TH) rmsnorm_k(const float *x, const int32_t *r
     norm_out<TH, PER>(v, rms_scale<TH, PER>(v, dim, eps), wv, dim, t, out, xq);
 }
 
+/* Row t of a pending product's outputs (cuk_sum_in), as this thread's groups: the
+ * splits' sums in split order, then the bias, as wide_reduce adds them; four splits'
+ * loads in flight at a time. */
 template <int TH, int PER>
-__global__ void __launch_bounds__(TH) add_norm_k(float *x, const float *add, const float *post, const float *w,
-                                                 int dim, float eps, float *out, const cuk_xq xq) {
+static __device__ void load_sum_groups(const cuk_sum_in &s, int t, int dim, float (&v)[PER][4]) {
+    const float *r = s.part + (int64_t)t * dim;
+    load_groups<TH, PER>(r, dim, v);
+    for (int z = 1; z < s.splits; z += 4) {
+        float p[4][PER][4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) load_groups<TH, PER>(z + k < s.splits ? r + (z + k) * s.zs : NULL, dim, p[k]);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+#pragma unroll
+            for (int j = 0; j < PER; j++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    if (z + k < s.splits) v[j][c] += p[k][j][c];
+    }
+    float b[PER][4];
+    load_groups<TH, PER>(s.bias, dim, b); /* zeros without a bias */
+#pragma unroll
+    for (int j = 0; j < PER; j++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) v[j][c] += b[j][c];
+}
+
+template <int TH, int PER>
+__global__ void __launch_bounds__(TH) add_norm_k(float *x, const float *add, const cuk_sum_in as, const float *post,
+                                                 const float *w, int dim, float eps, float *out, const cuk_xq xq) {
     griddep_release();
     float wv[PER][4], pv[PER][4], v[PER][4], a[PER][4];
     load_groups<TH, PER>(w, dim, wv);
@@ -122,7 +149,8 @@ __global__ void __launch_bounds__(TH) add_norm_k(float *x, const float *add, con
     griddep_wait();
     const int t = blockIdx.x;
     load_groups<TH, PER>(x + (size_t)t * dim, dim, v);
-    load_groups<TH, PER>(add + (size_t)t * dim, dim, a);
+    if (as.splits) load_sum_groups<TH, PER>(as, t, dim, a);
+    else load_groups<TH, PER>(add + (size_t)t * dim, dim, a);
     const float ps = post ? rms_scale<TH, PER>(a, dim, eps) : 1.0f;
 #pragma unroll
     for (int j = 0; j < PER; j++)
@@ -151,10 +179,12 @@ extern "C" void cuk_rmsnorm(cuk_queue *qu, const float *x, const int32_t *rows, 
 #undef RN
 }
 
-extern "C" void cuk_add_norm(cuk_queue *qu, float *x, float *add, const float *post, const float *w, int n, int dim,
-                             float eps, float *out, const struct cuk_xq *xq) {
-#define AN(TH, PER)                                                                                       \
-    pdl_launch(add_norm_k<TH, PER>, dim3((unsigned)n), dim3(TH), qu, x, add, post, w, dim, eps, out, xq ? *xq : no_xq)
+extern "C" void cuk_add_norm(cuk_queue *qu, float *x, float *add, const struct cuk_sum_in *add_sum, const float *post,
+                             const float *w, int n, int dim, float eps, float *out, const struct cuk_xq *xq) {
+    const cuk_sum_in as = add_sum ? *add_sum : cuk_sum_in{};
+#define AN(TH, PER)                                                                                           \
+    pdl_launch(add_norm_k<TH, PER>, dim3((unsigned)n), dim3(TH), qu, x, add, as, post, w, dim, eps, out, \
+               xq ? *xq : no_xq)
     BY_DIM(dim, AN);
 #undef AN
 }
@@ -181,13 +211,44 @@ static __device__ __forceinline__ float glu_of(int act, float g, float u) {
     return a * u;
 }
 
+/* Value i of a pending product's outputs (cuk_sum_in), as wide_reduce adds it up. */
+static __device__ __forceinline__ float sum_at(const cuk_sum_in &s, int64_t i) {
+    float v = s.part[i];
+    for (int z = 1; z < s.splits; z += 4) {
+        float p[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) p[k] = z + k < s.splits ? s.part[(z + k) * s.zs + i] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (z + k < s.splits) v += p[k];
+    }
+    return v + (s.bias ? s.bias[i % s.rows] : 0.0f);
+}
+static __device__ __forceinline__ float4 sum4_at(const cuk_sum_in &s, int64_t i4) {
+    float4 v = ((const float4 *)s.part)[i4];
+    for (int z = 1; z < s.splits; z += 4) {
+        float4 p[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            p[k] = z + k < s.splits ? ((const float4 *)(s.part + (z + k) * s.zs))[i4] : make_float4(0, 0, 0, 0);
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (z + k < s.splits) v.x += p[k].x, v.y += p[k].y, v.z += p[k].z, v.w += p[k].w;
+    }
+    const int64_t i = 4 * i4;
+    if (!s.bias) return make_float4(v.x + 0.0f, v.y + 0.0f, v.z + 0.0f, v.w + 0.0f);
+    return make_float4(v.x + s.bias[i % s.rows], v.y + s.bias[(i + 1) % s.rows], v.z + s.bias[(i + 2) % s.rows],
+                       v.w + s.bias[(i + 3) % s.rows]);
+}
+
 /* Elementwise; a warp's 32 values are one block of xq (n_ff a multiple of 32 then);
- * out NULL: xq's form only. */
-__global__ void glu_k(int act, const float *gate, const float *up, int64_t total, float *out, const cuk_xq xq) {
+ * out NULL: xq's form only. gs, us: gate and up as pending sums (no splits: as they are). */
+__global__ void glu_k(int act, const float *gate, const float *up, const cuk_sum_in gs, const cuk_sum_in us,
+                      int64_t total, float *out, const cuk_xq xq) {
     griddep_release();
     griddep_wait();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        const float o = glu_of(act, gate[i], up[i]);
+        const float o = glu_of(act, gs.splits ? sum_at(gs, i) : gate[i], us.splits ? sum_at(us, i) : up[i]);
         if (out) out[i] = o;
         if (xq.q) round_x32(o, xq.q + (i & ~(int64_t)31), xq.dsum + i / 32);
         store_half(o, i, xq.h, xq.h_wide);
@@ -196,11 +257,12 @@ __global__ void glu_k(int act, const float *gate, const float *up, int64_t total
 
 /* glu_k without the int8 rounding (steps past CUK_MATVEC_MAX tokens), four values a
  * thread by 16-byte loads and stores: single loads keep too few bytes in flight. */
-__global__ void glu4_k(int act, const float4 *gate, const float4 *up, int64_t total4, float4 *out, const cuk_xq xq) {
+__global__ void glu4_k(int act, const float4 *gate, const float4 *up, const cuk_sum_in gs, const cuk_sum_in us,
+                       int64_t total4, float4 *out, const cuk_xq xq) {
     griddep_release();
     griddep_wait();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total4; i += (int64_t)gridDim.x * blockDim.x) {
-        const float4 g = gate[i], u = up[i];
+        const float4 g = gs.splits ? sum4_at(gs, i) : gate[i], u = us.splits ? sum4_at(us, i) : up[i];
         const float o[4] = {glu_of(act, g.x, u.x), glu_of(act, g.y, u.y), glu_of(act, g.z, u.z), glu_of(act, g.w, u.w)};
         if (out) out[i] = make_float4(o[0], o[1], o[2], o[3]);
         if (xq.h) {
@@ -215,16 +277,20 @@ __global__ void glu4_k(int act, const float4 *gate, const float4 *up, int64_t to
     }
 }
 
-extern "C" void cuk_glu(cuk_queue *qu, int act, const float *gate, const float *up, int n, int n_ff, float *out,
-                        const struct cuk_xq *xq) {
+extern "C" void cuk_glu(cuk_queue *qu, int act, const float *gate, const float *up, const struct cuk_sum_in *sums,
+                        int n, int n_ff, float *out, const struct cuk_xq *xq) {
     const int64_t total = (int64_t)n * n_ff;
     const cuk_xq x = xq ? *xq : no_xq;
-    const bool v4 = !x.q && total % 4 == 0 && ((uintptr_t)gate | (uintptr_t)up | (uintptr_t)out) % 16 == 0;
+    const cuk_sum_in gs = sums ? sums[0] : cuk_sum_in{}, us = sums ? sums[1] : cuk_sum_in{};
+    const bool v4 = !x.q && total % 4 == 0 &&
+                    ((uintptr_t)gate | (uintptr_t)up | (uintptr_t)out | (uintptr_t)gs.part | (uintptr_t)us.part |
+                     (uintptr_t)(gs.zs * 4) | (uintptr_t)(us.zs * 4)) % 16 == 0;
     const int64_t items = v4 ? total / 4 : total;
     const dim3 grid((unsigned)(items / 256 + 1 < 4096 ? items / 256 + 1 : 4096));
     if (v4)
-        pdl_launch(glu4_k, grid, dim3(256), qu, act, (const float4 *)gate, (const float4 *)up, items, (float4 *)out, x);
-    else pdl_launch(glu_k, grid, dim3(256), qu, act, gate, up, total, out, x);
+        pdl_launch(glu4_k, grid, dim3(256), qu, act, (const float4 *)gate, (const float4 *)up, gs, us, items,
+                   (float4 *)out, x);
+    else pdl_launch(glu_k, grid, dim3(256), qu, act, gate, up, gs, us, total, out, x);
 }
 
 __global__ void scatter_k(const cuk_copy *copies, const uint8_t *staging) {
