@@ -10,7 +10,6 @@ void cuda_attention(struct backend *b, const struct be_attention *a, int n) {
     cb->xq_of = cb->x16_of = NULL;
     if (n <= 0 || cb->failed) return;
     step_op(cb, n, false);
-    settle_sums(cb);
     const int D = a->head_dim;
     double t0 = prof_begin(cb);
     if (!cuk_attention_head_dim_supported(D)) {

@@ -718,7 +718,6 @@ int cuda_kv_append(struct backend *b, const struct be_kv_append *seqs, int n_seq
     step_op(cb, n_tok, false);
     if (cb->q.recording && n_tok > CUK_MATVEC_MAX && n_seqs < n_tok)
         record_stop(cb); /* past CUK_MATVEC_MAX tokens only decode steps (a row a sequence) are recorded */
-    settle_sums(cb); /* the Q/K/V product's */
     cb->qprep_of = NULL;
     double t0 = prof_begin(cb);
     const struct kv_shape *sh = kv_cache_get_shape(seqs[0].cache);

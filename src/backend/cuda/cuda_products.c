@@ -7,7 +7,8 @@
 
 
 /* A wide product's partial sums left pending (cb->sums) written to its outputs now:
- * every operation but the two that read them as they are calls this first. */
+ * step_op calls this for every operation but the two that take them (take_sums) and
+ * read them as they are; reads, releases and the step's end call it too. */
 void settle_sums(struct cuda_backend *cb) {
     if (cb->sums.splits < 2) return;
     cuk_wide_settle(&cb->q, &cb->sums);
@@ -163,7 +164,6 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
                         const struct be_matmul *jobs) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
-    settle_sums(cb); /* the partial sums' scratch is used again */
     cb->qprep_of = NULL; /* the products may write the queries */
     for (int j = 0; j < n_jobs; j++) { /* or an input an earlier operation converted */
         if (jobs[j].y == cb->xq_of || jobs[j].y == cb->x16_of) cb->xq_of = cb->x16_of = NULL;
@@ -280,7 +280,6 @@ void cuda_embed(struct backend *b, const struct weight *e, const int32_t *tokens
     struct cuda_backend *cb = cuda(b);
     const struct cuk_weight *w = dev_weight(cb, e);
     step_op(cb, n, false);
-    settle_sums(cb);
     double t0 = prof_begin(cb);
     const int32_t *t = stage_array(cb, tokens, sizeof(int32_t) * (size_t)n);
     cb->xq_of = cb->x16_of = NULL;
@@ -306,7 +305,6 @@ void cuda_rmsnorm(struct backend *b, const float *x, const int32_t *rows, const 
     struct cuda_backend *cb = cuda(b);
     if (!norm_dim_ok(cb, dim)) return;
     step_op(cb, n, false);
-    settle_sums(cb);
     const int32_t *r = rows ? stage_array(cb, rows, sizeof(int32_t) * (size_t)n) : NULL;
     const float *wd = dev_vec(cb, w);
     if ((rows && !r) || !wd) return;
@@ -320,11 +318,10 @@ void cuda_add_norm(struct backend *b, float *x, float *add, const float *post, c
                           float eps, float *out) {
     struct cuda_backend *cb = cuda(b);
     if (!norm_dim_ok(cb, dim)) return;
-    step_op(cb, n, false);
     struct cuk_sum_in as;
     const float *ys[1] = {add};
-    const bool sums = take_sums(cb, 1, ys, dim, &as); /* else none pending, or settled here */
-    settle_sums(cb);
+    const bool sums = take_sums(cb, 1, ys, dim, &as); /* else step_op settles them */
+    step_op(cb, n, false);
     launch_held_packs(cb); /* the O product is queued (held_pack) */
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = product_input(cb, w ? out : NULL, w ? n : 0, dim);
@@ -338,7 +335,6 @@ void cuda_rope_table(struct backend *b, const int32_t *pos, int n, const float *
                             int half, float *cos, float *sin) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
-    settle_sums(cb);
     const int32_t *p = stage_array(cb, pos, sizeof(int32_t) * (size_t)n);
     const float *f = dev_vec(cb, inv_freq);
     if (p && f) cuk_rope_table(&cb->q, p, n, f, linear, half, cos, sin);
@@ -354,7 +350,6 @@ void cuda_draw(struct backend *b, float *x, int n, int cols, const struct be_dra
                int n_ops, const struct be_draw_out *out) {
     struct cuda_backend *cb = cuda(b);
     step_op(cb, n, false);
-    settle_sums(cb);
     if (cb->failed) return;
     const size_t row_bytes =
         2 * sizeof(double) + (sizeof(float) + sizeof(int32_t)) * (CUK_TOP_MAX + 1 + BE_CUT_MAX) + sizeof(int32_t);
@@ -408,11 +403,10 @@ void cuda_draw(struct backend *b, float *x, int n, int cols, const struct be_dra
 void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float *up, int n, int n_ff,
                      float *out) {
     struct cuda_backend *cb = cuda(b);
-    step_op(cb, n, true);
     struct cuk_sum_in gu[2];
     const float *ys[2] = {gate, up};
-    const bool sums = take_sums(cb, 2, ys, n_ff, gu);
-    settle_sums(cb);
+    const bool sums = take_sums(cb, 2, ys, n_ff, gu); /* else step_op settles them */
+    step_op(cb, n, true);
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = product_input(cb, out, n, n_ff);
     cuk_glu(&cb->q, act == BE_GLU_GELU_TANH, gate, up, sums ? gu : NULL, n, n_ff, product_f32(cb, out, n), xq);

@@ -198,7 +198,8 @@ static bool segment_ends(const struct cuda_backend *cb, bool glu) {
     return cb->q.n_ent >= (cb->segments ? SEGMENT_LAUNCHES : SEGMENT_FIRST);
 }
 
-/* glu: the operation is a GLU (segment_ends) */
+/* glu: the operation is a GLU (segment_ends). A wide product's pending sums are settled
+ * here, before any operation, unless it took them (take_sums) before calling this. */
 void step_op(struct cuda_backend *cb, int n, bool glu) {
     if (!cb->in_step) {
         cb->in_step = true;
@@ -213,6 +214,7 @@ void step_op(struct cuda_backend *cb, int n, bool glu) {
         issue_record(cb);
         cb->segments++;
     }
+    settle_sums(cb);
 }
 
 
