@@ -15,11 +15,13 @@ void settle_sums(struct cuda_backend *cb) {
     cb->sums.splits = 0;
 }
 
-/* The pending sums as the inputs y[0..n_jobs) of rows values a token, if they are
- * those jobs' outputs: then taken, in[j] describing job j's (the caller reads them). */
-static bool take_sums(struct cuda_backend *cb, int n_jobs, const float *const *y, int rows, struct cuk_sum_in *in) {
+/* The pending sums as the inputs y[0..n_jobs) of n tokens of rows values, if they are
+ * those jobs' whole outputs: then taken, in[j] describing job j's (the caller reads
+ * them all, so that nothing else need be written). */
+static bool take_sums(struct cuda_backend *cb, int n_jobs, const float *const *y, int n, int rows,
+                      struct cuk_sum_in *in) {
     const struct cuk_wide_pending *p = &cb->sums;
-    if (p->splits < 2 || p->n_jobs != n_jobs) return false;
+    if (p->splits < 2 || p->n_jobs != n_jobs || p->n != n) return false;
     for (int j = 0; j < n_jobs; j++)
         if (p->y[j] != y[j] || p->rows[j] != rows || p->y_stride[j] != rows) return false;
     for (int j = 0; j < n_jobs; j++)
@@ -320,7 +322,7 @@ void cuda_add_norm(struct backend *b, float *x, float *add, const float *post, c
     if (!norm_dim_ok(cb, dim)) return;
     struct cuk_sum_in as;
     const float *ys[1] = {add};
-    const bool sums = take_sums(cb, 1, ys, dim, &as); /* else step_op settles them */
+    const bool sums = take_sums(cb, 1, ys, n, dim, &as); /* else step_op settles them */
     step_op(cb, n, false);
     launch_held_packs(cb); /* the O product is queued (held_pack) */
     double t0 = prof_begin(cb);
@@ -405,7 +407,7 @@ void cuda_glu(struct backend *b, enum be_glu act, const float *gate, const float
     struct cuda_backend *cb = cuda(b);
     struct cuk_sum_in gu[2];
     const float *ys[2] = {gate, up};
-    const bool sums = take_sums(cb, 2, ys, n_ff, gu); /* else step_op settles them */
+    const bool sums = take_sums(cb, 2, ys, n, n_ff, gu); /* else step_op settles them */
     step_op(cb, n, true);
     double t0 = prof_begin(cb);
     const struct cuk_xq *xq = product_input(cb, out, n, n_ff);
