@@ -23,6 +23,7 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/q_chunk.cuh"
+#include "backend/cuda/split_sum.cuh"
 #include "backend/cuda/wgmma.cuh"
 #include "core/dtype.h"
 
@@ -266,22 +267,20 @@ __global__ void __launch_bounds__(WG * 128, NT <= 32 ? 2 : 1)
 #endif
 }
 
-/* y[tok][row] = the splits' partial sums in split order (+ bias), each job's. */
-__global__ void wide_reduce(const wide_set js, const float *part, int splits, int n) {
+/* y[tok][row] = the splits' partial sums in split order (+ bias), each job's (jobs
+ * past n_jobs have no rows). */
+__global__ void wide_reduce(const cuk_wide_pending p) {
     griddep_release();
     griddep_wait();
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const int64_t all = (int64_t)n * (js.rows[0] + js.rows[1] + js.rows[2]);
-    if (i >= all) return;
-    const int j = i >= (int64_t)n * (js.rows[0] + js.rows[1]) ? 2 : i >= (int64_t)n * js.rows[0] ? 1 : 0;
-    const int64_t rows = WIDE_OF(js, rows, j);
-    i -= WIDE_OF(js, part_at, j) / splits;
-    const float *p = part + WIDE_OF(js, part_at, j);
-    const float *bias = WIDE_OF(js, bias, j);
-    const int64_t tok = i / rows, row = i % rows;
-    float s = p[i];
-    for (int z = 1; z < splits; z++) s += p[(int64_t)z * n * rows + i];
-    WIDE_OF(js, y, j)[tok * WIDE_OF(js, y_stride, j) + row] = s + (bias ? bias[row] : 0.0f);
+    const int64_t n0 = (int64_t)p.n * p.rows[0], n1 = (int64_t)p.n * p.rows[1];
+    if (i >= n0 + n1 + (int64_t)p.n * p.rows[2]) return;
+    const int j = i >= n0 + n1 ? 2 : i >= n0 ? 1 : 0;
+    i -= j == 2 ? n0 + n1 : j == 1 ? n0 : 0;
+    const int64_t rows = WIDE_OF(p, rows, j);
+    const float *bias = WIDE_OF(p, bias, j);
+    const float s = split_sum(WIDE_OF(p, part, j), (int64_t)p.n * rows, p.splits, i);
+    WIDE_OF(p, y, j)[i / rows * WIDE_OF(p, y_stride, j) + i % rows] = s + (bias ? bias[i % rows] : 0.0f);
 }
 
 /* The chunks' splits of a launch of bx blocks of rows: enough blocks (with one token
@@ -359,14 +358,8 @@ extern "C" size_t cuk_matmul_wide_scratch(const cuk_matvec_job *jobs, int n_jobs
 }
 
 extern "C" void cuk_wide_settle(cuk_queue *qu, const cuk_wide_pending *p) {
-    wide_set js = {};
-    int64_t total = 0;
-    for (int j = 0; j < p->n_jobs; j++) {
-        js.y[j] = p->y[j], js.bias[j] = p->bias[j], js.rows[j] = p->rows[j], js.y_stride[j] = p->y_stride[j];
-        js.part_at[j] = p->part[j] - p->part[0];
-        total += (int64_t)p->n * p->rows[j];
-    }
-    pdl_launch(wide_reduce, dim3((unsigned)((total + 255) / 256)), dim3(256), qu, js, p->part[0], p->splits, p->n);
+    const int64_t total = (int64_t)p->n * (p->rows[0] + p->rows[1] + p->rows[2]);
+    pdl_launch(wide_reduce, dim3((unsigned)((total + 255) / 256)), dim3(256), qu, *p);
 }
 
 extern "C" void cuk_matmul_wide(cuk_queue *qu, const cuk_matvec_job *jobs, int n_jobs, const void *xp, int n,

@@ -7,6 +7,7 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/round_x.cuh"
+#include "backend/cuda/split_sum.cuh"
 
 /* A block per token. Thread i holds PER groups of 4 consecutive values, group j at
  * 4 (j TH + i), in registers, so each row is read once (in 16-byte loads where
@@ -213,32 +214,14 @@ static __device__ __forceinline__ float glu_of(int act, float g, float u) {
 
 /* Value i of a pending product's outputs (cuk_sum_in), as wide_reduce adds it up. */
 static __device__ __forceinline__ float sum_at(const cuk_sum_in &s, int64_t i) {
-    float v = s.part[i];
-    for (int z = 1; z < s.splits; z += 4) {
-        float p[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++) p[k] = z + k < s.splits ? s.part[(z + k) * s.zs + i] : 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; k++)
-            if (z + k < s.splits) v += p[k];
-    }
-    return v + (s.bias ? s.bias[i % s.rows] : 0.0f);
+    return split_sum(s.part, s.zs, s.splits, i) + (s.bias ? s.bias[i % s.rows] : 0.0f);
 }
 static __device__ __forceinline__ float4 sum4_at(const cuk_sum_in &s, int64_t i4) {
-    float4 v = ((const float4 *)s.part)[i4];
-    for (int z = 1; z < s.splits; z += 4) {
-        float4 p[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++)
-            p[k] = z + k < s.splits ? ((const float4 *)(s.part + (z + k) * s.zs))[i4] : make_float4(0, 0, 0, 0);
-#pragma unroll
-        for (int k = 0; k < 4; k++)
-            if (z + k < s.splits) v.x += p[k].x, v.y += p[k].y, v.z += p[k].z, v.w += p[k].w;
-    }
     const int64_t i = 4 * i4;
-    if (!s.bias) return make_float4(v.x + 0.0f, v.y + 0.0f, v.z + 0.0f, v.w + 0.0f);
-    return make_float4(v.x + s.bias[i % s.rows], v.y + s.bias[(i + 1) % s.rows], v.z + s.bias[(i + 2) % s.rows],
-                       v.w + s.bias[(i + 3) % s.rows]);
+    const float4 b = s.bias ? make_float4(s.bias[i % s.rows], s.bias[(i + 1) % s.rows], s.bias[(i + 2) % s.rows],
+                                          s.bias[(i + 3) % s.rows])
+                            : make_float4(0, 0, 0, 0);
+    return split_sum((const float4 *)s.part, s.zs / 4, s.splits, i4) + b;
 }
 
 /* Elementwise; a warp's 32 values are one block of xq (n_ff a multiple of 32 then);
