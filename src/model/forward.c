@@ -196,6 +196,7 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
             return -1;
         }
     }
+    if (op->layers_queued) op->layers_queued(be);
     if (b->n_logits > 0 && b->hidden) {
         op->rmsnorm(be, f->x, b->logit_rows, f->m->output_norm, b->n_logits, hp->n_embd, hp->rms_eps, b->hidden);
     } else if (b->n_logits > 0) {

@@ -949,18 +949,22 @@ void cuda_run_on_host_threads(struct backend *b, kvq_task_fn fn, void *arg) { on
  * a server step wait), else on this thread. A decode step's 32 one-token appends are
  * a few KB: waking 15 threads for them each step made a 64-token run on a 16-core
  * host decode up to a third slower now and then (a thread late to run holds the
- * step), and never with 4 threads or 1. Rows for the threads wait, unless `last`,
- * until there are ROWS_A_WAKE of them: a wide step's 32 layers then wake the threads
- * 8 times, not 32. */
+ * step), and never with 4 threads or 1. Where a step's rows come back a layer at a
+ * time (COPIES_HELD copies or more: a step launched as queued), rows for the threads
+ * wait, unless `last`, until there are ROWS_A_WAKE of them: a wide step's 32 layers
+ * then wake the threads 8 times, not 32. A recorded step's come back a segment at a
+ * time, a few copies a step, each filed as it comes: held to ROWS_A_WAKE, a
+ * 16-sequence step's 512 rows were all filed after the GPU had finished (docs). */
 #define ROWS_FOR_THREADS 64
 #define ROWS_A_WAKE 512
+#define COPIES_HELD 16
 
 void file_rows(struct cuda_backend *cb, int to, bool last) {
     if (to <= cb->rows_from) return;
     long rows = 0; /* that come back: an f16 cache's on one GPU stay there, nothing to file */
     for (int i = cb->rows_from; i < to && rows < ROWS_A_WAKE; i++)
         rows += rows_back(cb->pending[i].cache) || cb->pending[i].windows ? cb->pending[i].n : 0;
-    if (rows >= ROWS_FOR_THREADS && rows < ROWS_A_WAKE && !last) return;
+    if (rows >= ROWS_FOR_THREADS && rows < ROWS_A_WAKE && !last && cb->n_row_copies >= COPIES_HELD) return;
     if (rows == 0) {
         cb->rows_from = to;
         return;
