@@ -33,6 +33,7 @@ struct be_matmul {
     float *y;
     const float *bias;
     float *host_y;
+    bool logits; /* the pass's output product: the layers, and their KV appends, are queued */
 };
 
 /* Per-head RMSNorm (optional) and RoPE of a batch's queries and keys, and the scale
@@ -187,10 +188,6 @@ struct backend_ops {
     int (*kv_append)(struct backend *b, const struct be_kv_append *seqs, int n_seqs, const float *k, const float *v,
                      const struct be_rope *r);
     void (*attention)(struct backend *b, const struct be_attention *a, int n);
-    /* The pass's layers are queued; what follows reads only their output. NULL where
-     * the backend has no use for knowing (CUDA: a wide step's last KV rows then come
-     * back to the host while the output product runs). */
-    void (*layers_queued)(struct backend *b);
     /* Waits until every operation issued has finished. 0, or -1 with the error of
      * an operation since the last sync. */
     int (*sync)(struct backend *b);

@@ -273,7 +273,6 @@ static const struct backend_ops cuda_ops = {
     .glu = cuda_glu,
     .kv_append = cuda_kv_append,
     .attention = cuda_attention,
-    .layers_queued = cuda_layers_queued,
     .sync = cuda_sync,
     .run_on_host_threads = cuda_run_on_host_threads,
     .draw = cuda_draw,

@@ -337,7 +337,7 @@ void launch_held_packs(struct cuda_backend *cb);
 void issue_record(struct cuda_backend *cb);
 void step_op(struct cuda_backend *cb, int n, bool glu);
 void record_stop(struct cuda_backend *cb);
-void cuda_layers_queued(struct backend *b);
+void cut_segment(struct cuda_backend *cb);
 void issue_records_together(struct tp_shared *tp);
 void free_after_step(struct cuda_backend *cb, void *p);
 void *copy_space(struct cuda_backend *cb, const void *dst, size_t bytes);

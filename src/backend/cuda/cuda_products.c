@@ -172,13 +172,13 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
         if (jobs[j].y == cb->x32_unread) cb->x32_unread = NULL; /* its floats written now */
     }
     double t0 = prof_begin(cb);
-    /* results for the host end the step (the output product): the work before them goes
-     * out as a segment of its own, so that the rows it encoded are read back and filed
-     * while this product runs, not after the step */
-    if (cb->q.recording && cb->n_pending > cb->rows_copied && n_jobs > 0 && jobs[0].host_y) {
-        issue_record(cb);
-        cb->segments++;
-    }
+    /* the output product ends the step: the work before it goes out as a segment of its
+     * own, so that the rows it encoded are read back and filed while this product runs,
+     * not after the step (a one-token step only where its results go to the host, as
+     * measured; its draws on the device keep the segment whole) */
+    if (cb->q.recording && cb->n_pending > cb->rows_copied && n_jobs > 0 && jobs[0].logits &&
+        (jobs[0].host_y || !cb->one_token))
+        cut_segment(cb);
     /* (results for the host up to CUK_MATVEC_MAX tokens stay with the matrix-vector
      * kernels, which copy them out in slices while computing the rest) */
     if (cb->wide && n >= CUK_WIDE_MIN && n <= CUK_WIDE_MAX && n_jobs > 0 && !(jobs[0].host_y && n <= CUK_MATVEC_MAX) &&

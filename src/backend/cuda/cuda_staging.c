@@ -192,6 +192,12 @@ void issue_record(struct cuda_backend *cb) {
 
 static const int SEGMENT_ONE[] = {5, 40, 90};
 
+/* Issues what the step recorded so far; recording goes on in a new segment. */
+void cut_segment(struct cuda_backend *cb) {
+    issue_record(cb);
+    cb->segments++;
+}
+
 static bool segment_ends(const struct cuda_backend *cb, bool glu) {
     const int n_one = (int)(sizeof SEGMENT_ONE / sizeof *SEGMENT_ONE);
     if (cb->one_token) return glu && cb->segments < n_one && cb->q.n_ent >= SEGMENT_ONE[cb->segments];
@@ -211,23 +217,9 @@ void step_op(struct cuda_backend *cb, int n, bool glu) {
         cb->one_token = n == 1;
         if (!cb->q.recording) steps_first_issue(cb->steps, cb->stream); /* launched as queued */
     } else if (cb->q.recording && !cb->tp && segment_ends(cb, glu)) { /* tensor parallelism: tp_backend.c cuts */
-        issue_record(cb);
-        cb->segments++;
+        cut_segment(cb);
     }
     settle_sums(cb);
-}
-
-
-/* A recorded step of several tokens cuts a segment after its last layer: the rows its
- * last segment appended come back (copy_new_rows) and are filed (cuda_sync) while the
- * GPU runs the output product, not after the step's end (0.1-0.3 ms of a 16- to
- * 48-token step, docs). A one-token step's rows are few and filed at once. */
-void cuda_layers_queued(struct backend *b) {
-    struct cuda_backend *cb = cuda(b);
-    if (cb->q.recording && !cb->one_token && !cb->tp) {
-        issue_record(cb);
-        cb->segments++;
-    }
 }
 
 
