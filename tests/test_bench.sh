@@ -5,10 +5,7 @@ set -u
 # shellcheck source=tests/cli_lib.sh
 . "$(dirname "$0")/cli_lib.sh"
 MODEL=$shared/models/tinydoc-f16.gguf
-if [ ! -r "$MODEL" ]; then
-    echo "SKIP: tinydoc-f16.gguf missing under $shared"
-    exit 77
-fi
+need_asset "$MODEL"
 fail=0
 "$kvq" bench -m "$MODEL" -p 8 -n 2 -d 0,8 -b 1,2 --kv f16 --kv f32 -r 1 -t 2 --json --plot "$tmp/p.svg" >"$tmp/b.json" 2>"$tmp/err"
 rc=$?

@@ -6,10 +6,7 @@ set -u
 . "$(dirname "$0")/cli_lib.sh"
 MODEL=$shared/models/tinydoc-f16.gguf
 TEXT=$shared/data/wikitext2-test.txt
-if [ ! -r "$MODEL" ] || [ ! -r "$TEXT" ]; then
-    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $shared"
-    exit 77
-fi
+need_asset "$MODEL" "$TEXT"
 "$kvq" perplexity -m "$MODEL" -f "$TEXT" -c 256 --chunks 2 -t 2 --kl-divergence-base "$tmp/base.kld" >/dev/null 2>"$tmp/err" ||
     { cat "$tmp/err"; echo "FAIL: base run"; exit 1; }
 "$kvq" perplexity -m "$MODEL" -t 2 --kv-bits 2 --kl-divergence-base "$tmp/base.kld" --kl-divergence >"$tmp/out" 2>"$tmp/err"

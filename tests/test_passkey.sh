@@ -6,10 +6,7 @@ set -u
 . "$(dirname "$0")/cli_lib.sh"
 MODEL=$shared/models/tinydoc-f16.gguf
 TEXT=$shared/data/wikitext2-test.txt
-if [ ! -r "$MODEL" ] || [ ! -r "$TEXT" ]; then
-    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $shared"
-    exit 77
-fi
+need_asset "$MODEL" "$TEXT"
 out=$("$kvq" passkey -m "$MODEL" -f "$TEXT" --lengths 512 --trials 10 -t 2) || { echo "FAIL: passkey exited $?"; exit 1; }
 echo "$out"
 correct=$(echo "$out" | awk -F'|' '$2 ~ /^ *512 *$/ { gsub(/ /, "", $4); print $4 }')

@@ -11,10 +11,7 @@ set -u
 . "$(dirname "$0")/cli_lib.sh"
 MODEL=$shared/models/tinydoc-f16.gguf
 TEXT=$shared/data/wikitext2-test.txt
-if [ ! -r "$MODEL" ] || [ ! -r "$TEXT" ]; then
-    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $shared"
-    exit 77
-fi
+need_asset "$MODEL" "$TEXT"
 fail=0
 check() { # check DESCRIPTION COMMAND...
     local what=$1; shift

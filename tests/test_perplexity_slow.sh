@@ -7,10 +7,7 @@ set -u
 . "$(dirname "$0")/cli_lib.sh"
 MODEL=$shared/models/tinydoc-f16.gguf
 TEXT=$shared/data/wikitext2-test.txt
-if [ ! -r "$MODEL" ] || [ ! -r "$TEXT" ]; then
-    echo "SKIP: tinydoc-f16.gguf or wikitext2-test.txt missing under $shared"
-    exit 77
-fi
+need_asset "$MODEL" "$TEXT"
 out=$("$kvq" perplexity -m "$MODEL" -f "$TEXT" -c 1024 --chunks 40) || { echo "FAIL: perplexity exited $?"; exit 1; }
 echo "$out"
 ppl=$(echo "$out" | sed -n 's/^Final estimate: PPL = \([0-9.]*\) .*/\1/p')

@@ -30,6 +30,9 @@ int cmd_bench_serve(int argc, char **argv);
 /* Prints "kvq: <message>" on stderr; returns 1 (the exit code for usage/input errors). */
 int cli_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* The model at path, its info in *info (unless NULL); NULL after printing why not. */
+struct kvq_model *cli_load_model(const char *path, struct kvq_model_info *info);
+
 /* Flag value parsers: print a clear error and return false on bad input. */
 bool cli_parse_int(const char *flag, const char *value, long min, long max, int *out);
 bool cli_parse_u64(const char *flag, const char *value, uint64_t *out);

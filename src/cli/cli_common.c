@@ -19,6 +19,13 @@ int cli_fail(const char *fmt, ...) {
     return 1;
 }
 
+struct kvq_model *cli_load_model(const char *path, struct kvq_model_info *info) {
+    struct kvq_model *m = kvq_model_load(path);
+    if (!m) cli_fail("%s", kvq_last_error());
+    else if (info) kvq_model_get_info(m, info);
+    return m;
+}
+
 bool cli_parse_int(const char *flag, const char *value, long min, long max, int *out) {
     char *end;
     errno = 0;

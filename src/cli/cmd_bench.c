@@ -352,10 +352,9 @@ int cmd_bench(int argc, char **argv) {
     struct bench_opts o;
     memset(&o, 0, sizeof o);
     if (parse_args(argc, argv, &o) != 0) return 1;
-    struct kvq_model *m = kvq_model_load(o.model);
-    if (!m) return cli_fail("%s", kvq_last_error());
     struct kvq_model_info info;
-    kvq_model_get_info(m, &info);
+    struct kvq_model *m = cli_load_model(o.model, &info);
+    if (!m) return 1;
     for (int di = 0; di < o.n_depths; di++)
         if (o.depths[di] + o.p + o.n > info.n_ctx_train)
             fprintf(stderr, "kvq: note: depth %d + %d + %d exceeds the model's training context %d\n", o.depths[di],

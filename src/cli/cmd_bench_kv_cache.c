@@ -61,13 +61,12 @@ static int from_model(const char *model, const char *file, int seq, struct data 
     size_t len;
     char *text = cli_read_file(file, &len);
     if (!text) return -1;
-    struct kvq_model *m = kvq_model_load(model);
+    struct kvq_model_info info;
+    struct kvq_model *m = cli_load_model(model, &info);
     if (!m) {
         free(text);
-        return cli_fail("%s", kvq_last_error());
+        return 1;
     }
-    struct kvq_model_info info;
-    kvq_model_get_info(m, &info);
     kvq_token *toks = len < (1u << 28) ? malloc(sizeof(kvq_token) * (len + 8)) : NULL;
     int n = toks ? kvq_tokenize(m, text, len, true, false, toks, (int)len + 8) : -1;
     free(text);

@@ -62,11 +62,8 @@ int cmd_cache_prompt(int argc, char **argv) {
     int rc = 1;
     kvq_token *toks = NULL;
     struct kvq_context *ctx = NULL;
-    struct kvq_model *m = kvq_model_load(model);
-    if (!m) {
-        cli_fail("%s", kvq_last_error());
-        goto done;
-    }
+    struct kvq_model *m = cli_load_model(model, NULL);
+    if (!m) goto done;
     int cap = (int)(len < INT_MAX / 2 ? len : INT_MAX / 2) + 8;
     toks = malloc(sizeof *toks * (size_t)cap);
     int n = toks ? kvq_tokenize(m, text, len, true, true, toks, cap) : -1;

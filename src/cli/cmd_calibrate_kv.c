@@ -193,13 +193,8 @@ int cmd_calibrate_kv(int argc, char **argv) {
     double *gain = NULL, *extra = NULL;
     bool *chosen = NULL;
     int *order = NULL;
-    r.m = kvq_model_load(o.model);
-    if (!r.m) {
-        cli_fail("%s", kvq_last_error());
-        goto done;
-    }
     struct kvq_model_info info;
-    kvq_model_get_info(r.m, &info);
+    if (!(r.m = cli_load_model(o.model, &info))) goto done;
     size_t len;
     int n_tok;
     if (!(text = cli_read_file(o.file, &len)) || !(toks = cli_tokenize(r.m, text, len, true, false, &n_tok))) goto done;

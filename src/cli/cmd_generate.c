@@ -137,13 +137,9 @@ int cmd_generate(int argc, char **argv) {
     kvq_token *toks = NULL;
     struct kvq_seq_extra saved = {0};
     char *piece = NULL;
-    struct kvq_model *m = kvq_model_load(o.model);
-    if (!m) {
-        cli_fail("%s", kvq_last_error());
-        goto done;
-    }
     struct kvq_model_info info;
-    kvq_model_get_info(m, &info);
+    struct kvq_model *m = cli_load_model(o.model, &info);
+    if (!m) goto done;
     int n_prompt;
     /* Text that continues a cached prompt gets no BOS. */
     toks = cli_tokenize(m, text, len, !o.prompt_cache, true, &n_prompt);

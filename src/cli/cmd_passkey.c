@@ -147,13 +147,9 @@ int cmd_passkey(int argc, char **argv) {
     struct trial *tr = NULL;
     struct kvq_detok *dt = NULL;
     size_t len;
-    struct kvq_model *m = kvq_model_load(o.model);
-    if (!m) {
-        cli_fail("%s", kvq_last_error());
-        goto done;
-    }
     struct kvq_model_info info;
-    kvq_model_get_info(m, &info);
+    struct kvq_model *m = cli_load_model(o.model, &info);
+    if (!m) goto done;
     if (!(text = cli_read_file(o.file, &len))) goto done;
     int n_filler, n_intro, n_question;
     const char *intro_s = o.newline ? "There is a pass key hidden in this text. Find it and remember it.\n"

@@ -403,13 +403,9 @@ int cmd_perplexity(int argc, char **argv) {
     struct kvq_context *ctx = NULL;
     struct kld_stats st = {0};
     bool write_base = o.kl_base && !o.kl;
-    struct kvq_model *m = kvq_model_load(o.model);
-    if (!m) {
-        cli_fail("%s", kvq_last_error());
-        goto done;
-    }
     struct kvq_model_info info;
-    kvq_model_get_info(m, &info);
+    struct kvq_model *m = cli_load_model(o.model, &info);
+    if (!m) goto done;
     bool add_bos = cli_model_adds_bos(m);
     uint64_t fp = o.kl_base ? model_fingerprint(m, &info) : 0;
     int n_tok = 0, n_ctx = o.n_ctx, n_chunk;

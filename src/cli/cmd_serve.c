@@ -320,10 +320,10 @@ int cmd_serve(int argc, char **argv) {
     struct prefix_remote *remote = o.remote ? prefix_remote_new(&rp, err, sizeof err) : NULL;
     if (o.remote && !remote) return cli_fail("%s", err);
     fit_connections(&o);
-    struct kvq_model *m = kvq_model_load(o.model);
+    struct kvq_model *m = cli_load_model(o.model, NULL);
     if (!m) {
         prefix_remote_free(remote);
-        return cli_fail("%s", kvq_last_error());
+        return 1;
     }
     int rc = 1;
     struct kvq_context *ctx = NULL;
