@@ -88,13 +88,20 @@ struct kvq_prefix {
     struct kvq_prefix *prev, *next;
 };
 
-struct kvq_model *kvq_model_load(const char *path) {
+/* An empty model handle (kvq_model_free takes it as it is). */
+static struct kvq_model *model_handle(void) {
     struct kvq_model *m = calloc(1, sizeof *m);
     if (!m) {
         kvq_error_code(KVQ_ERR_OOM, "out of memory");
         return NULL;
     }
     pthread_mutex_init(&m->grammar_mu, NULL);
+    return m;
+}
+
+struct kvq_model *kvq_model_load(const char *path) {
+    struct kvq_model *m = model_handle();
+    if (!m) return NULL;
     m->model = model_load(path);
     if (!m->model) goto fail;
     m->tok = tokenizer_from_gguf(m->model->file);
@@ -111,12 +118,8 @@ fail:
 }
 
 struct kvq_model *kvq_model_load_vocab(const char *path) {
-    struct kvq_model *m = calloc(1, sizeof *m);
-    if (!m) {
-        kvq_error_code(KVQ_ERR_OOM, "out of memory");
-        return NULL;
-    }
-    pthread_mutex_init(&m->grammar_mu, NULL);
+    struct kvq_model *m = model_handle();
+    if (!m) return NULL;
     struct gguf_file *f = gguf_open(path);
     if (!f) goto fail;
     m->tok = tokenizer_from_gguf(f); /* copies what it needs */
