@@ -1295,7 +1295,7 @@ static void test_backend_products(void) {
                 const int n = ns[k];
                 cudaMemset(dy, 0xff, sizeof(float) * n_max * rows);
                 cudaDeviceSynchronize(); /* the backend's stream does not wait for these (test_top) */
-                const struct be_matmul job = {w, dy, NULL, NULL, false};
+                const struct be_matmul job = {.w = w, .y = dy};
                 be->ops->matmul(be, dx, cols, n, 1, &job);
                 CHECK(be->ops->sync(be) == 0, "matmul: %s", kvq_last_error());
                 cudaMemcpy(y, dy, sizeof(float) * (size_t)n * rows, cudaMemcpyDeviceToHost);

@@ -104,8 +104,9 @@ static int run_layer(struct forward *f, const struct fwd_batch *b, int il) {
 
     if (il == 0) /* later layers get theirs from the previous layer's last add_norm */
         op->rmsnorm(be, f->x, NULL, L->attn_norm, n, hp->n_embd, hp->rms_eps, f->xn);
-    struct be_matmul qkv[3] = {
-        {&L->wq, f->q, L->bq, NULL, false}, {&L->wk, f->k, L->bk, NULL, false}, {&L->wv, f->v, L->bv, NULL, false}};
+    struct be_matmul qkv[3] = {{.w = &L->wq, .y = f->q, .bias = L->bq},
+                               {.w = &L->wk, .y = f->k, .bias = L->bk},
+                               {.w = &L->wv, .y = f->v, .bias = L->bv}};
     op->matmul(be, f->xn, hp->n_embd, n, 3, qkv);
     size_t table = (size_t)f->m->layer_attn[il].rope_set * f->max_tokens * f->half_rope;
     struct be_rope rope = {f->q, f->k, hp->n_head, hp->n_head_kv, D, L->q_norm, L->k_norm, hp->rms_eps,
@@ -121,13 +122,13 @@ static int run_layer(struct forward *f, const struct fwd_batch *b, int il) {
     struct be_attention at = {f->q, f->attn, f->tok_cache, f->pos, hp->n_head, hp->n_head_kv, D, hp->attn_scale};
     op->attention(be, &at, n);
 
-    struct be_matmul o = {&L->wo, f->tmp, NULL, NULL, false};
+    struct be_matmul o = {.w = &L->wo, .y = f->tmp};
     op->matmul(be, f->attn, f->q_dim, n, 1, &o);
     op->add_norm(be, f->x, f->tmp, L->post_attn_norm, L->ffn_norm, n, hp->n_embd, hp->rms_eps, f->xn);
-    struct be_matmul gu[2] = {{&L->w_gate, f->gate, NULL, NULL, false}, {&L->w_up, f->up, NULL, NULL, false}};
+    struct be_matmul gu[2] = {{.w = &L->w_gate, .y = f->gate}, {.w = &L->w_up, .y = f->up}};
     op->matmul(be, f->xn, hp->n_embd, n, 2, gu);
     op->glu(be, hp->ffn_act == FFN_GELU_TANH ? BE_GLU_GELU_TANH : BE_GLU_SILU, f->gate, f->up, n, hp->n_ff, f->xn);
-    struct be_matmul down = {&L->w_down, f->tmp, NULL, NULL, false};
+    struct be_matmul down = {.w = &L->w_down, .y = f->tmp};
     op->matmul(be, f->xn, hp->n_ff, n, 1, &down);
     const float *next_norm = il + 1 < hp->n_layer ? f->m->layers[il + 1].attn_norm : NULL;
     op->add_norm(be, f->x, f->tmp, L->post_ffn_norm, next_norm, n, hp->n_embd, hp->rms_eps, next_norm ? f->xn : NULL);
@@ -201,8 +202,10 @@ int forward_run(struct forward *f, const struct fwd_batch *b, float *logits) {
         op->rmsnorm(be, f->x, b->logit_rows, f->m->output_norm, b->n_logits, hp->n_embd, hp->rms_eps, b->hidden);
     } else if (b->n_logits > 0) {
         op->rmsnorm(be, f->x, b->logit_rows, f->m->output_norm, b->n_logits, hp->n_embd, hp->rms_eps, f->xn);
-        struct be_matmul out = {&f->m->output, f->logits ? f->logits : logits, NULL,
-                                f->logits && !b->draws ? logits : NULL, true};
+        struct be_matmul out = {.w = &f->m->output,
+                                .y = f->logits ? f->logits : logits,
+                                .host_y = f->logits && !b->draws ? logits : NULL,
+                                .logits = true};
         op->matmul(be, f->xn, hp->n_embd, b->n_logits, 1, &out);
         if (b->draws)
             op->draw(be, f->logits, b->n_logits, hp->n_vocab, b->draws, b->draw_ops, b->n_draw_ops, b->draw_out);

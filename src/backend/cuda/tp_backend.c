@@ -364,7 +364,7 @@ static void tp_matmul(struct backend *b, const float *x, int64_t x_stride, int n
             const float *bias = jobs[j].bias;
             if (bias && split == WEIGHT_BY_ROWS) bias += (size_t)r * (size_t)tw->part[r].rows; /* the rank's rows' */
             else if (r > 0) bias = NULL;                                                     /* added once to the sum */
-            part[j] = (struct be_matmul){&tw->part[r], at_rank(t, r, jobs[j].y), bias, NULL, false};
+            part[j] = (struct be_matmul){.w = &tw->part[r], .y = at_rank(t, r, jobs[j].y), .bias = bias};
         }
         struct backend *rb = on(t, r);
         /* by columns, the input is the rank's share of the heads or FFN columns, packed */
