@@ -1076,7 +1076,9 @@ static void test_matvec(void) {
  * against the CPU's dequantized rows rounded to f16 times the inputs rounded to f16, in
  * double: shapes with partial chunks, split columns (long rows, few tiles), token groups
  * past n, a bias and a row stride wider than the rows. A token's sums do not depend on
- * how many tokens the product has: its results at n = 16, 40 and 130 equal those at 256. */
+ * how many tokens the product has within one token group size (16, 32 or 64 tokens a
+ * launch's group, whose splits may differ): its results at n = 64 equal those at 256,
+ * at 24 those at 32, at 10 those at 16. */
 /* A wide product left pending (its splits' partial sums not added up) and read by the
  * GLU and add_norm as they are, or written out by cuk_wide_settle: the same bits as
  * the product that adds them up itself, then the same operations on its outputs. */
@@ -1170,7 +1172,8 @@ static void test_matmul_wide(void) {
     } cases[] = {{KVQ_Q8_0, 37, 512}, {KVQ_Q4_0, 37, 512}, {KVQ_Q4_K, 37, 512}, {KVQ_Q6_K, 37, 512},
                  {KVQ_Q4_0, 19, 160}, {KVQ_Q8_0, 19, 160}, {KVQ_Q4_0, 300, 4128}, {KVQ_Q6_K, 100, 4352},
                  {KVQ_Q4_K, 64, 14336}};
-    const int ns[] = {256, CUK_WIDE_MIN, 16, 17, 40, CUK_WIDE_MAX, 130}; /* 130, 256: several token groups */
+    /* 130, 256: several token groups; odd k with a bias, even k compared within a group size */
+    const int ns[] = {256, CUK_WIDE_MIN, 16, 17, 32, 40, CUK_WIDE_MAX, 130, 24, 12, 10};
     const int n_max = 256;
     for (size_t ti = 0; ti < sizeof cases / sizeof cases[0]; ti++) {
         const uint32_t type = cases[ti].type;
@@ -1178,7 +1181,7 @@ static void test_matmul_wide(void) {
         const size_t rb = kvq_dtype_row_bytes(type, cols), bytes = rb * rows;
         uint8_t *w = malloc(bytes);
         float *x = malloc(sizeof(float) * n_max * cols), *y = malloc(sizeof(float) * n_max * stride),
-              *y256 = malloc(sizeof(float) * n_max * stride), *row = malloc(sizeof(float) * cols),
+              *ref[3] = {NULL, NULL, NULL}, *row = malloc(sizeof(float) * cols),
               *bias = malloc(sizeof(float) * rows);
         double *xr = malloc(sizeof(double) * n_max * cols);
         fill_rows(type, w, bytes);
@@ -1239,12 +1242,18 @@ static void test_matmul_wide(void) {
                    rows, cols, n, sf ? " (split)" : "", n_jobs > 1 ? " (2 jobs)" : "", err, scale);
             CHECK(err <= tol, "%s %dx%d n=%d: wide product differs from the CPU dequantization by %g",
                   kvq_dtype_name(type), rows, cols, n, err);
-            if (n == 256 && !with_bias) memcpy(y256, y, sizeof(float) * (size_t)n * stride);
+            const int group = n <= 16 ? 0 : n <= 32 ? 1 : 2;
+            if (with_bias) continue;
+            if (!ref[group]) { /* the group's first: the others' reference */
+                ref[group] = malloc(sizeof(float) * (size_t)n * stride);
+                memcpy(ref[group], y, sizeof(float) * (size_t)n * stride);
+                continue;
+            }
             int differ = 0;
-            for (int t = 0; t < n && !with_bias; t++)
-                for (int r = 0; r < rows; r++) differ += y[(size_t)t * stride + r] != y256[(size_t)t * stride + r];
-            CHECK(differ == 0, "%s %dx%d n=%d: %d sums differ from the same tokens' at n = 256", kvq_dtype_name(type),
-                  rows, cols, n, differ);
+            for (int t = 0; t < n; t++)
+                for (int r = 0; r < rows; r++) differ += y[(size_t)t * stride + r] != ref[group][(size_t)t * stride + r];
+            CHECK(differ == 0, "%s %dx%d n=%d: %d sums differ from the same tokens' with more tokens of its group size",
+                  kvq_dtype_name(type), rows, cols, n, differ);
         }
         cudaFree(scr);
         cudaFree(dw);
@@ -1256,7 +1265,7 @@ static void test_matmul_wide(void) {
         free(w);
         free(x);
         free(y);
-        free(y256);
+        for (int g = 0; g < 3; g++) free(ref[g]);
         free(row);
         free(bias);
         free(xr);

@@ -1,6 +1,5 @@
 /* Products, embeddings, norms, RoPE tables and the GLU. Repacked weights on Hopper:
- * packed wide kernels from CUK_WIDE_MIN to CUK_WIDE_FAST tokens (to CUK_WIDE_MAX where
- * a weight has no f16 copy). Otherwise matrix-vector kernels up to CUK_MATVEC_MAX
+ * packed wide kernels from CUK_WIDE_MIN to CUK_WIDE_MAX tokens. Otherwise matrix-vector kernels up to CUK_MATVEC_MAX
  * tokens; beyond, cuBLAS on the weights' f16 copies (dev_weight_f16), or where there
  * are none on bands of rows dequantized for each product. */
 #include "backend/cuda/cuda_private.h"
@@ -51,7 +50,7 @@ const struct cuk_xq *product_input(struct cuda_backend *cb, const float *out, in
     cb->x16_of = out;
     cb->x16_n = n;
     cb->x16_k = k;
-    cb->x16_wide = wide && n <= CUK_WIDE_FAST; /* past it, cuBLAS where weights have f16 copies */
+    cb->x16_wide = wide && n <= CUK_WIDE_MAX; /* past it, cuBLAS */
     cb->into = (struct cuk_xq){NULL, NULL, cb->x16_wide ? NULL : cb->x16, cb->x16_wide ? cb->x16 : NULL};
     return &cb->into;
 }
@@ -182,7 +181,7 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
     /* (results for the host up to CUK_MATVEC_MAX tokens stay with the matrix-vector
      * kernels, which copy them out in slices while computing the rest) */
     if (cb->wide && n >= CUK_WIDE_MIN && n <= CUK_WIDE_MAX && n_jobs > 0 && !(jobs[0].host_y && n <= CUK_MATVEC_MAX) &&
-        (n <= CUK_WIDE_FAST || !dev_weight_f16(cb, jobs[0].w)) && wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
+        wide_products(cb, x, x_stride, n, n_jobs, jobs)) {
         prof_end(cb, P_WIDE, t0);
         return;
     }

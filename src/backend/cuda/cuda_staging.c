@@ -212,7 +212,7 @@ void step_op(struct cuda_backend *cb, int n, bool glu) {
         steps_begin(cb->steps, n);
         /* steps whose products are all this backend's kernels (cuBLAS is not recorded);
          * under tensor parallelism only those of up to 16 tokens, which two GPUs have run */
-        cb->q.recording = cb->q.graphs && n <= (cb->wide && !cb->tp ? CUK_WIDE_FAST : CUK_MATVEC_MAX);
+        cb->q.recording = cb->q.graphs && n <= (cb->wide && !cb->tp ? CUK_WIDE_MAX : CUK_MATVEC_MAX);
         cb->segments = 0;
         cb->one_token = n == 1;
         if (!cb->q.recording) steps_first_issue(cb->steps, cb->stream); /* launched as queued */

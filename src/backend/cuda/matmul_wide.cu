@@ -283,25 +283,34 @@ __global__ void wide_reduce(const cuk_wide_pending p) {
     WIDE_OF(p, y, j)[i / rows * WIDE_OF(p, y_stride, j) + i % rows] = s + (bias ? bias[i % rows] : 0.0f);
 }
 
-/* The chunks' splits of a launch of bx blocks of rows: enough blocks (with one token
- * group) to fill the GPU's waves as well as they can (WIDE_PER_SM blocks a
- * multiprocessor), each split at least 4 chunks long so that the copies ahead have
- * room; the fewest splits of equals. It does not depend on the tokens, so neither do
- * a token's sums. */
+/* Token groups of a launch: 16, 32 or 64 tokens. */
+static int wide_tokens(int n) { return n <= 16 ? 16 : n <= 32 ? 32 : 64; }
+
 #define WIDE_WG 4     /* warpgroups a block: 256 rows */
 #define WIDE_STAGES 4 /* chunks in shared memory: one computed, one still read, two in flight */
-#define WIDE_PER_SM 2
-static int wide_splits(int64_t bx, int64_t nch, int n_sm) {
-    const int64_t resident = (int64_t)n_sm * WIDE_PER_SM;
+
+/* The chunks' splits of a launch of bx blocks of rows (rows in all, nch chunks a row)
+ * with groups of nt tokens: the count whose time is least, estimated as the chunks of
+ * the block slots that run the most (whole waves of resident blocks: two a
+ * multiprocessor up to 32 tokens, one at 64, as shared memory allows) plus the partial
+ * sums that splits write and the next operation reads, 4 bytes a row and token each
+ * way. At 64 tokens seven splits of gate/up wrote 51 MB a layer of llama3-8b against
+ * its 66 MB of weights (docs/cuda-performance.md). Splits are at least 4 chunks long,
+ * so that the copies ahead have room, and equal. They depend on the weights' shape and
+ * the token group, not on n: a token's sums are the same bits whatever the step's
+ * tokens within one group size. */
+static int wide_splits(int64_t bx, int64_t nch, int64_t rows, int nt, uint32_t type, int n_sm) {
+    const int64_t resident = (int64_t)n_sm * (nt <= 32 ? 2 : 1);
+    const double chunk = (double)(WIDE_WG * 4) * (1024 + 32 * CUK_SCALE_ENTRIES(type)); /* a block's chunk, bytes */
     int64_t splits = 1;
     double best = 0.0;
-    for (int64_t s = 1; s <= nch / 4; s++) {
-        const int64_t blocks = bx * s, waves = (blocks + resident - 1) / resident;
-        const double fill = (double)blocks / (double)(waves * resident) - 0.02 * (double)(waves - 1);
-        if (fill > best + 1e-9) best = fill, splits = s;
+    for (int64_t s = 1; s == 1 || s <= nch / 4; s++) {
+        const int64_t per = (nch + s - 1) / s, waves = (bx * s + resident - 1) / resident;
+        if ((nch + per - 1) / per != s) continue; /* the same splits as a smaller count */
+        const double bytes = (double)(waves * per) * chunk * (double)resident + (s > 1 ? 8.0 * s * nt * rows : 0.0);
+        if (s == 1 || bytes < best) best = bytes, splits = s;
     }
-    const int64_t per = (nch + splits - 1) / splits;
-    return (int)((nch + per - 1) / per);
+    return (int)splits;
 }
 
 /* The set of a launch's jobs (one type and width, at most CUK_MATVEC_JOBS), its
@@ -321,7 +330,7 @@ static wide_set wide_set_of(const cuk_matvec_job *jobs, int n_jobs, int n, int n
     }
     for (int j = n_jobs; j <= CUK_MATVEC_JOBS; j++) js.x0[j] = bx;
     js.cols = cols;
-    *splits = wide_splits(bx, nch, n_sm);
+    *splits = wide_splits(bx, nch, rows, wide_tokens(n), jobs[0].w->type, n_sm);
     for (int j = 0, at = 0; j <= CUK_MATVEC_JOBS; j++) {
         js.part_at[j] = *splits > 1 ? (int64_t)*splits * n * at : 0;
         if (j < n_jobs) at += (int)js.rows[j];
@@ -329,9 +338,6 @@ static wide_set wide_set_of(const cuk_matvec_job *jobs, int n_jobs, int n, int n
     *floats = *splits > 1 ? (size_t)*splits * (size_t)n * (size_t)rows : 0;
     return js;
 }
-
-/* Token groups of a launch: 16, 32 or 64 tokens. */
-static int wide_tokens(int n) { return n <= 16 ? 16 : n <= 32 ? 32 : 64; }
 
 template <uint32_t T, int NT>
 static void wide_launch(cuk_queue *qu, const wide_set &js, int splits, const void *xp, int n, float *part) {
