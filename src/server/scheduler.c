@@ -85,6 +85,16 @@ struct sched {
     struct sched_req **draws;
     int n_draws;
     atomic_int next_draw;
+    /* The HTTP threads whose requests got text in a step are woken by a thread of its
+     * own (holding a reference to each request until then), so that the scheduler
+     * thread goes on to the next step: waking 128 of them took it 2-3 ms a step while
+     * the GPU idled (docs/cuda-performance.md). */
+    pthread_t waker;
+    bool waker_on, stop_waker;
+    pthread_mutex_t wmu;
+    pthread_cond_t wcv;
+    struct sched_req **to_wake, **waking; /* under wmu; the waker thread's batch */
+    int n_to_wake, to_wake_cap, waking_cap;
 };
 
 static double now_s(void) {
@@ -225,7 +235,6 @@ static bool add_text(struct sched_req *r, const char *piece, int len, struct lp_
     size_t pub = t->len - hold;
     if (pub > r->published || stopped) r->published = pub < t->len ? pub : t->len;
     publish_lp(r, false);
-    pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
     return stopped;
 }
@@ -244,6 +253,58 @@ static void end_request(struct sched_req *r, const char *reason, int status, con
     r->done = true;
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
+}
+
+/* ---- waking the HTTP threads ---- */
+
+static void wake_now(struct sched_req *r) {
+    pthread_mutex_lock(&r->mu);
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void *waker_run(void *arg) {
+    struct sched *s = arg;
+    pthread_mutex_lock(&s->wmu);
+    for (;;) {
+        while (s->n_to_wake == 0 && !s->stop_waker) pthread_cond_wait(&s->wcv, &s->wmu);
+        const int n = s->n_to_wake;
+        if (n == 0) break; /* stopped, and nothing left */
+        struct sched_req **batch = s->to_wake;
+        const int cap = s->to_wake_cap;
+        s->to_wake = s->waking, s->to_wake_cap = s->waking_cap, s->n_to_wake = 0;
+        s->waking = batch, s->waking_cap = cap;
+        pthread_mutex_unlock(&s->wmu);
+        for (int i = 0; i < n; i++) {
+            wake_now(batch[i]);
+            sched_req_release(batch[i]);
+        }
+        pthread_mutex_lock(&s->wmu);
+    }
+    pthread_mutex_unlock(&s->wmu);
+    return NULL;
+}
+
+/* The HTTP threads of the step's requests (those of draws) read their new text: woken
+ * by the waker thread, or here where there is none or memory is short. */
+static void wake_readers(struct sched *s, struct sched_req **rs, int n) {
+    if (n == 0) return;
+    pthread_mutex_lock(&s->wmu);
+    if (s->waker_on && s->n_to_wake + n > s->to_wake_cap) {
+        const int cap = 2 * (s->n_to_wake + n);
+        struct sched_req **grown = realloc(s->to_wake, sizeof *grown * (size_t)cap);
+        if (grown) s->to_wake = grown, s->to_wake_cap = cap;
+    }
+    const bool queue = s->waker_on && s->n_to_wake + n <= s->to_wake_cap;
+    for (int i = 0; i < n && queue; i++) {
+        pthread_mutex_lock(&rs[i]->mu);
+        rs[i]->refs++;
+        pthread_mutex_unlock(&rs[i]->mu);
+        s->to_wake[s->n_to_wake++] = rs[i];
+    }
+    if (queue) pthread_cond_signal(&s->wcv);
+    pthread_mutex_unlock(&s->wmu);
+    for (int i = 0; i < n && !queue; i++) wake_now(rs[i]);
 }
 
 /* ---- the scheduler ---- */
@@ -659,6 +720,7 @@ static void step(struct sched *s) {
     else draw_task(s, 0, 1);
     const int sampled = s->n_draws;
     for (int i = 0; i < sampled; i++) next_token(s, s->draws[i]);
+    wake_readers(s, s->draws, sampled); /* before retire lets go of those that ended */
     for (int i = 0; i < sampled; i++) /* answered without a next token */
         if (!s->draws[i]->q.has_pending) retire(s, s->draws[i], true);
     double t = now_s();
@@ -767,6 +829,8 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
     s->pol.offsets_at = kvq_pass_split_tokens(c);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
+    pthread_mutex_init(&s->wmu, NULL);
+    pthread_cond_init(&s->wcv, NULL);
     int cap = p->step_tokens + p->max_seqs + p->prefill_chunk;
     s->slots = calloc((size_t)p->max_seqs, sizeof *s->slots);
     s->seqs = calloc((size_t)p->max_seqs, sizeof *s->seqs);
@@ -782,12 +846,23 @@ struct sched *sched_start(struct kvq_model *m, struct kvq_context *c, struct pre
         return NULL;
     }
     update_stats(s);
+    s->waker_on = pthread_create(&s->waker, NULL, waker_run, s) == 0; /* else the scheduler wakes them */
     if (pthread_create(&s->thread, NULL, run, s) != 0) {
         sched_free(s);
         return NULL;
     }
     s->started = true;
     return s;
+}
+
+static void waker_stop(struct sched *s) {
+    if (!s->waker_on) return;
+    pthread_mutex_lock(&s->wmu);
+    s->stop_waker = true;
+    pthread_cond_signal(&s->wcv);
+    pthread_mutex_unlock(&s->wmu);
+    pthread_join(s->waker, NULL); /* it wakes what is queued first */
+    s->waker_on = false;
 }
 
 void sched_stop(struct sched *s) {
@@ -798,6 +873,7 @@ void sched_stop(struct sched *s) {
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
     s->started = false;
+    waker_stop(s);
     for (int i = 0; i < s->p.max_seqs; i++)
         if (s->slots[i]) fail(s, s->slots[i], 503, "the server is shutting down");
     struct sched_req *r;
@@ -810,8 +886,13 @@ void sched_stop(struct sched *s) {
 void sched_free(struct sched *s) {
     if (!s) return;
     sched_stop(s);
+    waker_stop(s); /* started where the scheduler thread was not */
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->wmu);
+    pthread_cond_destroy(&s->wcv);
+    free(s->to_wake);
+    free(s->waking);
     free(s->slots);
     free(s->seqs);
     free(s->want);
