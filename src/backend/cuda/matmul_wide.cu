@@ -294,11 +294,10 @@ static int wide_tokens(int n) { return n <= 16 ? 16 : n <= 32 ? 32 : 64; }
  * the block slots that run the most (whole waves of resident blocks: two a
  * multiprocessor up to 32 tokens, one at 64, as shared memory allows) plus the partial
  * sums that splits write and the next operation reads, 4 bytes a row and token each
- * way. At 64 tokens seven splits of gate/up wrote 51 MB a layer of llama3-8b against
- * its 66 MB of weights (docs/cuda-performance.md). Splits are at least 4 chunks long,
- * so that the copies ahead have room, and equal. They depend on the weights' shape and
- * the token group, not on n: a token's sums are the same bits whatever the step's
- * tokens within one group size. */
+ * way: at 64 tokens these can outweigh the weights (docs/cuda-performance.md). Splits
+ * are at least 4 chunks long, so that the copies ahead have room, and equal. They
+ * depend on the weights' shape and the token group, not on n: a token's sums are the
+ * same bits whatever the step's tokens within one group size. */
 static int wide_splits(int64_t bx, int64_t nch, int64_t rows, int nt, uint32_t type, int n_sm) {
     const int64_t resident = (int64_t)n_sm * (nt <= 32 ? 2 : 1);
     const double chunk = (double)(WIDE_WG * 4) * (1024 + 32 * CUK_SCALE_ENTRIES(type)); /* a block's chunk, bytes */
