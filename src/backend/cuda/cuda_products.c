@@ -1,7 +1,8 @@
 /* Products, embeddings, norms, RoPE tables and the GLU. Repacked weights on Hopper:
- * packed wide kernels from CUK_WIDE_MIN to CUK_WIDE_MAX tokens. Otherwise matrix-vector kernels up to CUK_MATVEC_MAX
- * tokens; beyond, cuBLAS on the weights' f16 copies (dev_weight_f16), or where there
- * are none on bands of rows dequantized for each product. */
+ * packed wide kernels from CUK_WIDE_MIN to CUK_WIDE_MAX tokens. Otherwise
+ * matrix-vector kernels up to CUK_MATVEC_MAX tokens; beyond, cuBLAS on the weights'
+ * f16 copies (dev_weight_f16), or where there are none on bands of rows dequantized
+ * for each product. */
 #include "backend/cuda/cuda_private.h"
 
 
