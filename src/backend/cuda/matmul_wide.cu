@@ -18,6 +18,7 @@
  * it reads them (cuk_sum_in), so results depend neither on timing nor on the number of
  * tokens. */
 #include <cuda_fp16.h>
+#include <math.h>
 
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/cuda_kernels.h"
@@ -26,6 +27,10 @@
 #include "backend/cuda/split_sum.cuh"
 #include "backend/cuda/wgmma.cuh"
 #include "core/dtype.h"
+
+/* Blocks a multiprocessor holds with groups of nt tokens (the launch bounds; four
+ * stages of 64 tokens' inputs leave shared memory for one). */
+static __host__ __device__ constexpr int wide_per_sm(int nt) { return nt <= 32 ? 2 : 1; }
 
 template <uint32_t T, int NT, int WG>
 struct wide_shape {
@@ -134,7 +139,7 @@ struct wide_set {
 static_assert(CUK_MATVEC_JOBS == 3, "WIDE_OF picks one of three jobs");
 
 template <uint32_t T, int NT, int WG, int S>
-__global__ void __launch_bounds__(WG * 128, NT <= 32 ? 2 : 1)
+__global__ void __launch_bounds__(WG * 128, wide_per_sm(NT))
     matmul_wide(const wide_set js, const __half *xp, int n, float *part, int chunks_per_split) {
     griddep_release();
 #if KVQ_WGMMA
@@ -291,23 +296,22 @@ static int wide_tokens(int n) { return n <= 16 ? 16 : n <= 32 ? 32 : 64; }
 
 /* The chunks' splits of a launch of bx blocks of rows (rows in all, nch chunks a row)
  * with groups of nt tokens: the count whose time is least, estimated as the chunks of
- * the block slots that run the most (whole waves of resident blocks: two a
- * multiprocessor up to 32 tokens, one at 64, as shared memory allows) plus the partial
- * sums that splits write and the next operation reads, 4 bytes a row and token each
- * way: at 64 tokens these can outweigh the weights (docs/cuda-performance.md). Splits
- * are at least 4 chunks long, so that the copies ahead have room, and equal. They
- * depend on the weights' shape and the token group, not on n: a token's sums are the
- * same bits whatever the step's tokens within one group size. */
+ * the block slots that run the most (whole waves of resident blocks, wide_per_sm) plus
+ * the partial sums that splits write and the next operation reads, 4 bytes a row and
+ * token each way: at 64 tokens these can outweigh the weights (docs/cuda-performance.md).
+ * Splits are at least 4 chunks long, so that the copies ahead have room, and equal.
+ * They depend on the weights' shape and the token group, not on n: a token's sums are
+ * the same bits whatever the step's tokens within one group size. */
 static int wide_splits(int64_t bx, int64_t nch, int64_t rows, int nt, uint32_t type, int n_sm) {
-    const int64_t resident = (int64_t)n_sm * (nt <= 32 ? 2 : 1);
+    const int64_t resident = (int64_t)n_sm * wide_per_sm(nt);
     const double chunk = (double)(WIDE_WG * 4) * (1024 + 32 * CUK_SCALE_ENTRIES(type)); /* a block's chunk, bytes */
     int64_t splits = 1;
-    double best = 0.0;
+    double best = INFINITY;
     for (int64_t s = 1; s == 1 || s <= nch / 4; s++) {
         const int64_t per = (nch + s - 1) / s, waves = (bx * s + resident - 1) / resident;
         if ((nch + per - 1) / per != s) continue; /* the same splits as a smaller count */
         const double bytes = (double)(waves * per) * chunk * (double)resident + (s > 1 ? 8.0 * s * nt * rows : 0.0);
-        if (s == 1 || bytes < best) best = bytes, splits = s;
+        if (bytes < best) best = bytes, splits = s;
     }
     return (int)splits;
 }
