@@ -379,8 +379,9 @@ bool kvq_sampler_top_enough(const struct kvq_sampler *s, int k);
 kvq_token kvq_sampler_sample_top(struct kvq_sampler *s, const kvq_token *ids, int k);
 /* Records a token in the history (prompt and generated) for the repetition penalty. */
 void kvq_sampler_accept(struct kvq_sampler *s, kvq_token t);
-/* Records a generated token: in the history, as kvq_sampler_accept does, and in the
- * counts that the frequency and presence penalties read (they see generated tokens only). */
+/* Records a generated token: in the history, as kvq_sampler_accept does, and, while a
+ * frequency or presence penalty is set, in the counts they read (they see generated
+ * tokens only: set them before the first). */
 void kvq_sampler_accept_output(struct kvq_sampler *s, kvq_token t);
 /* OpenAI's frequency and presence penalties: before each draw, a token generated c > 0
  * times loses c x frequency + presence from its logit. Both 0 (the default): off. */

@@ -100,8 +100,9 @@ void kvq_sampler_accept(struct kvq_sampler *s, kvq_token t) {
 
 void kvq_sampler_accept_output(struct kvq_sampler *s, kvq_token t) {
     kvq_sampler_accept(s, t);
-    if (t < 0 || t >= s->n_vocab) return;
-    if (!s->counts) { /* made at the first generated token: most samplers never need it */
+    /* the counts (two vocabulary-sized arrays) only where a penalty reads them */
+    if (t < 0 || t >= s->n_vocab || (s->frequency == 0 && s->presence == 0)) return;
+    if (!s->counts) {
         s->counts = calloc((size_t)s->n_vocab, sizeof *s->counts);
         s->seen = malloc(sizeof *s->seen * (size_t)s->n_vocab);
         if (!s->counts || !s->seen) {

@@ -15,7 +15,8 @@
 struct sched_req {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int refs;
+    atomic_int refs;       /* not under mu: the scheduler takes one a step for each request it wakes */
+    atomic_bool cancelled; /* checked each step for every running request */
     /* set before submit, read-only afterwards */
     kvq_token *tokens;
     int n_tokens;
@@ -30,7 +31,7 @@ struct sched_req {
     size_t published;
     struct lp_list lp; /* per generated token when asked for; the first lp_published are handed out */
     int lp_published;
-    bool cancelled, done;
+    bool done;
     struct sched_result res;
     /* scheduler thread only */
     struct sched_seq q;     /* what the batching policy sees (q.prompt is tokens) */
@@ -118,7 +119,8 @@ struct sched_req *sched_req_new(kvq_token *tokens, int n_tokens, struct gen_para
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&r->cv, &ca);
     pthread_condattr_destroy(&ca);
-    r->refs = 1;
+    atomic_init(&r->refs, 1);
+    atomic_init(&r->cancelled, false);
     r->tokens = tokens;
     r->n_tokens = n_tokens;
     r->gp = *gp;
@@ -129,11 +131,7 @@ struct sched_req *sched_req_new(kvq_token *tokens, int n_tokens, struct gen_para
 }
 
 void sched_req_release(struct sched_req *r) {
-    if (!r) return;
-    pthread_mutex_lock(&r->mu);
-    bool last = --r->refs == 0;
-    pthread_mutex_unlock(&r->mu);
-    if (!last) return;
+    if (!r || atomic_fetch_sub_explicit(&r->refs, 1, memory_order_acq_rel) != 1) return;
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     free(r->tokens);
@@ -148,18 +146,11 @@ void sched_req_release(struct sched_req *r) {
     free(r);
 }
 
-void sched_req_cancel(struct sched_req *r) {
-    pthread_mutex_lock(&r->mu);
-    r->cancelled = true;
-    pthread_mutex_unlock(&r->mu);
-}
+void sched_req_cancel(struct sched_req *r) { atomic_store_explicit(&r->cancelled, true, memory_order_relaxed); }
 
-static bool is_cancelled(struct sched_req *r) {
-    pthread_mutex_lock(&r->mu);
-    bool c = r->cancelled;
-    pthread_mutex_unlock(&r->mu);
-    return c;
-}
+static bool is_cancelled(struct sched_req *r) { return atomic_load_explicit(&r->cancelled, memory_order_relaxed); }
+
+static void take_ref(struct sched_req *r) { atomic_fetch_add_explicit(&r->refs, 1, memory_order_relaxed); }
 
 bool sched_req_wait(struct sched_req *r, int timeout_ms, struct sched_cursor *cur, struct strbuf *out,
                     struct lp_list *lp, struct sched_result *res) {
@@ -297,9 +288,7 @@ static void wake_readers(struct sched *s, struct sched_req **rs, int n) {
     }
     const bool queue = s->waker_on && s->n_to_wake + n <= s->to_wake_cap;
     for (int i = 0; i < n && queue; i++) {
-        pthread_mutex_lock(&rs[i]->mu);
-        rs[i]->refs++;
-        pthread_mutex_unlock(&rs[i]->mu);
+        take_ref(rs[i]);
         s->to_wake[s->n_to_wake++] = rs[i];
     }
     if (queue) pthread_cond_signal(&s->wcv);
@@ -322,9 +311,7 @@ int sched_submit_group(struct sched *s, struct sched_req **rs, int n, int *statu
         if (i > 0) {
             rs[i]->leader = r;
             rs[i]->q.follower = true;
-            pthread_mutex_lock(&r->mu);
-            r->refs++; /* the follower's */
-            pthread_mutex_unlock(&r->mu);
+            take_ref(r); /* the follower's */
         }
         rs[i]->group = i == 0 ? n : 0;
         rs[i]->q.reserve = sched_policy_reserve(&s->pol, rs[i]->n_tokens, rs[i]->gp.max_tokens, i > 0);
@@ -340,9 +327,7 @@ int sched_submit_group(struct sched *s, struct sched_req **rs, int n, int *statu
     } else {
         for (int i = 0; i < n; i++) { /* one after another: admitted together */
             r = rs[i];
-            pthread_mutex_lock(&r->mu);
-            r->refs++; /* the scheduler's */
-            pthread_mutex_unlock(&r->mu);
+            take_ref(r); /* the scheduler's */
             r->next = NULL;
             if (s->tail) s->tail->next = r;
             else s->head = r;
@@ -430,8 +415,9 @@ static bool is_stop_id(const struct gen_params *g, kvq_token t) {
     return false;
 }
 
-/* Puts a queued request into a free slot: sampler, detokenizer, prefix-cache lookup. */
-static void start(struct sched *s, struct sched_req *r, int slot) {
+/* Puts a queued request into a free slot: sampler, detokenizer, prefix-cache lookup.
+ * True when the request's sequence took KV memory (a prefix-cache hit). */
+static bool start(struct sched *s, struct sched_req *r, int slot) {
     r->q.slot = slot;
     r->q.order = ++s->admitted;
     s->slots[slot] = r;
@@ -446,19 +432,19 @@ static void start(struct sched *s, struct sched_req *r, int slot) {
     r->fed = malloc(sizeof *r->fed * (size_t)r->fed_cap);
     if (!r->smp || !r->dt || !r->fed || kvq_sampler_set_grammar(r->smp, r->gp.grammar) != 0) {
         fail(s, r, 500, "out of memory");
-        return;
+        return false;
     }
     kvq_sampler_set_penalties(r->smp, r->gp.frequency_penalty, r->gp.presence_penalty);
     if (kvq_sampler_set_logit_bias(r->smp, r->gp.bias_ids, r->gp.bias_values, r->gp.n_bias) != 0 ||
         update_bans(s, r) != 0) {
         fail(s, r, 400, kvq_last_error());
-        return;
+        return false;
     }
     memcpy(r->fed, r->tokens, sizeof *r->fed * (size_t)r->n_tokens);
     r->n_fed = r->n_tokens;
     for (int i = 0; i < r->n_tokens; i++) kvq_sampler_accept(r->smp, r->tokens[i]);
     int cached = 0;
-    if (r->leader) return; /* its prompt comes from the leader's sequence */
+    if (r->leader) return false; /* its prompt comes from the leader's sequence */
     if (s->pc) {
         /* the last prompt token is always computed: its logits give the first answer token */
         cached = prefix_cache_fetch(s->pc, slot, r->cache_key, r->tokens, r->n_tokens - 1);
@@ -474,6 +460,7 @@ static void start(struct sched *s, struct sched_req *r, int slot) {
     s->st.cached_tokens += (uint64_t)cached;
     s->st.prompt_tokens += (uint64_t)r->n_tokens;
     pthread_mutex_unlock(&s->mu);
+    return cached > 0;
 }
 
 static int free_slot(const struct sched *s) {
@@ -513,6 +500,11 @@ static void wait_over(struct sched *s) {
  * prefix-cache entries first when it says so). */
 static void admit(struct sched *s) {
     size_t *want = s->want;
+    /* what is in use changes only with an eviction or a prefix-cache hit (its windows,
+     * a converted entry's blocks); counting it visits every cache of every layer, so a
+     * burst of new requests counts it once, not once each */
+    bool count = true;
+    size_t used = 0;
     for (;;) {
         pthread_mutex_lock(&s->mu);
         struct sched_req *r = s->head;
@@ -526,10 +518,11 @@ static void admit(struct sched *s) {
         if (!drop) {
             bool may_evict = s->pc != NULL;
             enum sched_admit a;
-            update_lens(s);
-            /* what is in use changes with an eviction only (requests admitted have
-             * taken nothing yet); counting it visits every cache of every layer */
-            size_t used = kvq_kv_bytes(s->c);
+            if (count) {
+                update_lens(s);
+                used = kvq_kv_bytes(s->c);
+                count = false;
+            }
             while ((a = sched_policy_admit(&s->pol, used, s->seqs, want, g, may_evict)) == SCHED_ADMIT_EVICT) {
                 may_evict = prefix_cache_evict_one(s->pc);
                 used = kvq_kv_bytes(s->c);
@@ -548,7 +541,7 @@ static void admit(struct sched *s) {
                 sched_req_release(r);
                 continue;
             }
-            start(s, r, free_slot(s));
+            count = start(s, r, free_slot(s)) || count;
         }
     }
 }
