@@ -243,6 +243,12 @@ static void cuda_free(struct backend *b) {
     arena_free(cb->dev_arena);
     arena_free(cb->mirror_arena);
     if (cb->blas) cublasDestroy(cb->blas);
+    for (int i = 0; i < CUK_MATVEC_JOBS - 1; i++) {
+        if (cb->side_blas[i]) cublasDestroy(cb->side_blas[i]);
+        if (cb->side[i]) cudaStreamDestroy(cb->side[i]);
+        if (cb->join_ev[i]) cudaEventDestroy(cb->join_ev[i]);
+    }
+    if (cb->fork_ev) cudaEventDestroy(cb->fork_ev);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     if (cb->copy_stream) cudaStreamDestroy(cb->copy_stream);
     free(cb);
@@ -332,7 +338,8 @@ struct cuda_backend *cuda_backend_on(int device, int n_threads, bool f16_weights
         (st = cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (st = cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (st = new_events(&cb->work_ev, 1)) != cudaSuccess || (st = new_events(cb->row_ev, ROW_COPIES)) != cudaSuccess ||
-        (st = new_events(cb->result_ev, RESULT_SLICES)) != cudaSuccess) {
+        (st = new_events(cb->result_ev, RESULT_SLICES)) != cudaSuccess || (st = new_events(&cb->fork_ev, 1)) != cudaSuccess ||
+        (st = new_events(cb->join_ev, CUK_MATVEC_JOBS - 1)) != cudaSuccess) {
         kvq_error_code(KVQ_ERR_DEVICE, "CUDA: cannot start on the device: %s", cudaGetErrorString(st));
         cuda_free(&cb->base);
         return NULL;
@@ -344,7 +351,13 @@ struct cuda_backend *cuda_backend_on(int device, int n_threads, bool f16_weights
     cb->n_sm = prop.multiProcessorCount;
     cb->wide = cuk_wide_available() != 0;
     cb->uva = prop.unifiedAddressing != 0;
-    if (cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS || cublasSetStream(cb->blas, cb->stream) != CUBLAS_STATUS_SUCCESS) {
+    bool blas = cublasCreate(&cb->blas) == CUBLAS_STATUS_SUCCESS &&
+                cublasSetStream(cb->blas, cb->stream) == CUBLAS_STATUS_SUCCESS;
+    for (int i = 0; blas && i < CUK_MATVEC_JOBS - 1; i++)
+        blas = cudaStreamCreateWithFlags(&cb->side[i], cudaStreamNonBlocking) == cudaSuccess &&
+               cublasCreate(&cb->side_blas[i]) == CUBLAS_STATUS_SUCCESS &&
+               cublasSetStream(cb->side_blas[i], cb->side[i]) == CUBLAS_STATUS_SUCCESS;
+    if (!blas) {
         kvq_error_code(KVQ_ERR_DEVICE, "cuBLAS: cannot start");
         cuda_free(&cb->base);
         return NULL;

@@ -139,6 +139,11 @@ struct cuda_backend {
     struct spare_later { void *p; size_t bytes; } *later;
     int n_later, cap_later;
     cublasHandle_t blas;
+    /* a GEMM product's other jobs (K and V beside Q, up beside gate) on streams of
+     * their own (cuda_matmul) */
+    cudaStream_t side[CUK_MATVEC_JOBS - 1];
+    cublasHandle_t side_blas[CUK_MATVEC_JOBS - 1];
+    cudaEvent_t fork_ev, join_ev[CUK_MATVEC_JOBS - 1];
     int n_sm, max_tokens;
     bool failed;
     char failure[256];

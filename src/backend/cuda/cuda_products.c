@@ -162,6 +162,8 @@ static bool wide_products(struct cuda_backend *cb, const float *x, int64_t x_str
 }
 
 
+#define BESIDE_MAX 256 /* tokens up to which a GEMM product's jobs run side by side */
+
 void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int n_jobs,
                         const struct be_matmul *jobs) {
     struct cuda_backend *cb = cuda(b);
@@ -243,9 +245,19 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
     record_stop(cb); /* cuBLAS launches directly */
     cb->xq_of = NULL;
     cb->q.after_attn = false;
+    /* up to BESIDE_MAX tokens, jobs on f16 copies run side by side: job j > 0 on side
+     * stream j - 1, joined before anything reads their outputs. K's and V's GEMMs
+     * alone fill a few multiprocessors at such widths; wider, each fills the GPU and
+     * side by side they were slower (docs/cuda-performance.md). Bands of dequantized
+     * rows share cb->deq: one after the other. */
+    bool beside = n_jobs > 1 && n_jobs <= CUK_MATVEC_JOBS && n <= BESIDE_MAX;
+    for (int j = 0; j < n_jobs && beside; j++) beside = dev_weight_f16(cb, jobs[j].w) != NULL;
+    if (beside) { /* their shared input first, then the side streams wait for it */
+        x16_make(cb, x, x_stride, n, dev_weight(cb, jobs[0].w)->cols, false);
+        if (!ck(cb, cudaEventRecord(cb->fork_ev, cb->stream), "ordering products")) return;
+    }
     for (int j = 0; j < n_jobs; j++) {
         const struct cuk_weight *w = dev_weight(cb, jobs[j].w);
-        const float *bias = dev_vec(cb, jobs[j].bias);
         if (!w) return;
         /* wide batches: bands of rows dequantized for a GEMM (y^T = W x^T, column-major) on
          * tensor cores: quantized weights with f16 operands and f32 sums (their inputs
@@ -254,6 +266,11 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
         const bool f16 = w->type != KVQ_F32 && w->type != KVQ_BF16 && w->type != KVQ_F16;
         if (f16) x16_make(cb, x, x_stride, n, w->cols, false); /* the jobs share x: once */
         else if (!x32_readable(cb, x)) return;
+        cublasHandle_t h = cb->blas;
+        if (beside && j > 0) {
+            if (!ck(cb, cudaStreamWaitEvent(cb->side[j - 1], cb->fork_ev, 0), "ordering products")) return;
+            h = cb->side_blas[j - 1];
+        }
         const float one = 1.0f, zero = 0.0f;
         const void *w16 = dev_weight_f16(cb, jobs[j].w);
         int64_t band = w16 ? w->rows : (int64_t)(DEQ_BYTES / (f16 ? 2 : 4) / (size_t)w->cols);
@@ -262,17 +279,24 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
             int64_t r1 = r0 + band < w->rows ? r0 + band : w->rows;
             if (!w16) cuk_dequantize(&cb->q, w, r0, r1, cb->deq, f16);
             cublasStatus_t st =
-                f16 ? cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one,
+                f16 ? cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one,
                                    w16 ? w16 : cb->deq, CUDA_R_16F, (int)w->cols, cb->x16, CUDA_R_16F, (int)w->cols,
                                    &zero, jobs[j].y + r0, CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F,
                                    CUBLAS_GEMM_DEFAULT)
-                    : cublasGemmEx(cb->blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one, cb->deq,
+                    : cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, (int)(r1 - r0), n, (int)w->cols, &one, cb->deq,
                                    CUDA_R_32F, (int)w->cols, x, CUDA_R_32F, (int)x_stride, &zero, jobs[j].y + r0,
                                    CUDA_R_32F, (int)w->rows, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
             if (!ck_blas(cb, st, "GEMM")) return;
         }
-        if (bias) cuk_add_bias(&cb->q, jobs[j].y, bias, n, w->rows);
-        if (jobs[j].host_y) post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)w->rows);
+        if (beside && j > 0 && !ck(cb, cudaEventRecord(cb->join_ev[j - 1], cb->side[j - 1]), "ordering products")) return;
+    }
+    for (int j = 1; beside && j < n_jobs; j++)
+        if (!ck(cb, cudaStreamWaitEvent(cb->stream, cb->join_ev[j - 1], 0), "ordering products")) return;
+    for (int j = 0; j < n_jobs; j++) {
+        const float *bias = dev_vec(cb, jobs[j].bias);
+        const int64_t rows = dev_weight(cb, jobs[j].w)->rows; /* a rank's own rows under --tp */
+        if (bias) cuk_add_bias(&cb->q, jobs[j].y, bias, n, rows);
+        if (jobs[j].host_y) post_copy(cb, jobs[j].host_y, jobs[j].y, sizeof(float) * (size_t)n * (size_t)rows);
     }
     prof_end(cb, P_GEMM, t0);
 }
