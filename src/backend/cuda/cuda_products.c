@@ -252,10 +252,6 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
      * rows share cb->deq: one after the other. */
     bool beside = n_jobs > 1 && n_jobs <= CUK_MATVEC_JOBS && n <= BESIDE_MAX;
     for (int j = 0; j < n_jobs && beside; j++) beside = dev_weight_f16(cb, jobs[j].w) != NULL;
-    if (beside) { /* their shared input first, then the side streams wait for it */
-        x16_make(cb, x, x_stride, n, dev_weight(cb, jobs[0].w)->cols, false);
-        if (!ck(cb, cudaEventRecord(cb->fork_ev, cb->stream), "ordering products")) return;
-    }
     for (int j = 0; j < n_jobs; j++) {
         const struct cuk_weight *w = dev_weight(cb, jobs[j].w);
         if (!w) return;
@@ -267,6 +263,8 @@ void cuda_matmul(struct backend *b, const float *x, int64_t x_stride, int n, int
         if (f16) x16_make(cb, x, x_stride, n, w->cols, false); /* the jobs share x: once */
         else if (!x32_readable(cb, x)) return;
         cublasHandle_t h = cb->blas;
+        /* the side streams start from the shared input, before job 0's GEMM */
+        if (beside && j == 0 && !ck(cb, cudaEventRecord(cb->fork_ev, cb->stream), "ordering products")) return;
         if (beside && j > 0) {
             if (!ck(cb, cudaStreamWaitEvent(cb->side[j - 1], cb->fork_ev, 0), "ordering products")) return;
             h = cb->side_blas[j - 1];
