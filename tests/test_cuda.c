@@ -1181,10 +1181,10 @@ static void test_matmul_wide(void) {
         const size_t rb = kvq_dtype_row_bytes(type, cols), bytes = rb * rows;
         uint8_t *w = malloc(bytes);
         float *x = malloc(sizeof(float) * n_max * cols), *y = malloc(sizeof(float) * n_max * stride),
-              *ref[3] = {NULL, NULL, NULL}, *row = malloc(sizeof(float) * cols),
+              *ref[4] = {NULL, NULL, NULL, NULL}, *row = malloc(sizeof(float) * cols),
               *bias = malloc(sizeof(float) * rows);
         double *xr = malloc(sizeof(double) * n_max * cols);
-        int ref_n[3] = {0, 0, 0};
+        int ref_n[4] = {0, 0, 0, 0};
         fill_rows(type, w, bytes);
         for (int i = 0; i < n_max * cols; i++) x[i] = frnd();
         for (int r = 0; r < rows; r++) bias[r] = frnd();
@@ -1243,7 +1243,7 @@ static void test_matmul_wide(void) {
                    rows, cols, n, sf ? " (split)" : "", n_jobs > 1 ? " (2 jobs)" : "", err, scale);
             CHECK(err <= tol, "%s %dx%d n=%d: wide product differs from the CPU dequantization by %g",
                   kvq_dtype_name(type), rows, cols, n, err);
-            const int group = n <= 16 ? 0 : n <= 32 ? 1 : 2;
+            const int group = n <= 16 ? 0 : n <= 32 ? 1 : n <= CUK_WIDE_MAX ? 2 : 3;
             if (with_bias) continue;
             if (!ref[group]) { /* the group's first: the others' reference (ns lists it first) */
                 ref[group] = malloc(sizeof(float) * (size_t)n * stride);
@@ -1269,7 +1269,7 @@ static void test_matmul_wide(void) {
         free(w);
         free(x);
         free(y);
-        for (int g = 0; g < 3; g++) free(ref[g]);
+        for (int g = 0; g < 4; g++) free(ref[g]);
         free(row);
         free(bias);
         free(xr);

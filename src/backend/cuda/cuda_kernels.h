@@ -86,10 +86,10 @@ struct cuk_matvec_job {
  * cuk_to_half_wide writes it); the jobs (at most CUK_MATVEC_JOBS) share one type and
  * width; scratch holds cuk_matmul_wide_scratch floats. Steps of CUK_WIDE_MIN to
  * CUK_WIDE_MAX tokens take them (faster than the matrix-vector kernels and than
- * cuBLAS on f16 copies; past 64 tokens cuBLAS is faster); cuk_wide_available() says
+ * cuBLAS on f16 copies; past 256 tokens cuBLAS's wide GEMMs are); cuk_wide_available() says
  * whether this build runs them on the current device (an sm_90a kernel image). */
 #define CUK_WIDE_MIN 9
-#define CUK_WIDE_MAX 64
+#define CUK_WIDE_MAX 256
 int cuk_wide_available(void);
 void cuk_to_half_wide(struct cuk_queue *qu, const float *x, int64_t x_stride, int n, int64_t k, void *out);
 /* A wide product whose chunks were split, its partial sums not yet added up: job j's

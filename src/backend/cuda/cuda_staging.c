@@ -186,6 +186,9 @@ void issue_record(struct cuda_backend *cb) {
  *   segment of 30 launches the host's median time beyond the GPU's fell from 34-37
  *   to 20-25 us a step, for 0-17 us more GPU time (H100, llama3-8b Q4_0;
  *   docs/cuda-performance.md). */
+/* Wide steps recorded as graphs up to this many tokens (measured to 64; the wider
+ * packed steps were not measured recorded). */
+#define GRAPH_STEP_MAX 64
 #define SEGMENT_FIRST 12
 
 #define SEGMENT_LAUNCHES 96
@@ -212,7 +215,7 @@ void step_op(struct cuda_backend *cb, int n, bool glu) {
         steps_begin(cb->steps, n);
         /* steps whose products are all this backend's kernels (cuBLAS is not recorded);
          * under tensor parallelism only those of up to 16 tokens, which two GPUs have run */
-        cb->q.recording = cb->q.graphs && n <= (cb->wide && !cb->tp ? CUK_WIDE_MAX : CUK_MATVEC_MAX);
+        cb->q.recording = cb->q.graphs && n <= (cb->wide && !cb->tp ? GRAPH_STEP_MAX : CUK_MATVEC_MAX);
         cb->segments = 0;
         cb->one_token = n == 1;
         if (!cb->q.recording) steps_first_issue(cb->steps, cb->stream); /* launched as queued */

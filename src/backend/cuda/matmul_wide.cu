@@ -18,8 +18,12 @@
  * it reads them (cuk_sum_in), so results depend neither on timing nor on the number of
  * tokens. */
 #include <cuda_fp16.h>
+#include <cudaTypedefs.h>
+#include <limits.h>
 #include <math.h>
+#include <string.h>
 
+#include "backend/cuda/bulk_copy.cuh"
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/launch.cuh"
@@ -272,6 +276,132 @@ __global__ void __launch_bounds__(WG * 128, wide_per_sm(NT))
 #endif
 }
 
+/* Products of 65 to 256 tokens: groups of 128 tokens (wgmma m64n128k16), blocks of 4
+ * warpgroups (256 rows). The copy engine
+ * brings each chunk, described by tensor maps: the 16 tiles' codes and scales (tiles
+ * past the matrix: zeros) and the inputs, boxes of 64 columns x 128 tokens (tokens
+ * past n: zeros) stored with the 128-byte swizzle that wgmma reads them by (boxes 16
+ * bytes wide, unswizzled, left the copy engine the bottleneck). So no thread spends
+ * instructions or registers on copies, and no block waits for all of its warps each
+ * chunk: warps wait for a chunk's bytes on its stage's "full" barrier and hand the
+ * stage back on its "empty" barrier once their products have read it; thread 0 starts
+ * the copies D chunks ahead (clusters of two blocks sharing the inputs by multicast
+ * were slower: docs/cuda-performance.md). */
+#define W128_STAGES 4
+#define W128_AHEAD 2 /* chunks copied ahead of the one computed */
+
+struct wide_maps {
+    CUtensorMap x, codes[CUK_MATVEC_JOBS], scales[CUK_MATVEC_JOBS];
+};
+
+/* A K-major B operand stored with the 128-byte swizzle: 8-token atoms of 1,024 bytes. */
+static __device__ __forceinline__ uint64_t wg_desc_sw128(uint32_t smem) {
+    return (uint64_t)((smem & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
+}
+
+template <uint32_t T>
+__global__ void __launch_bounds__(512, 1)
+    matmul_wide128(const wide_set js, const __grid_constant__ wide_maps maps, int n, float *part,
+                   int chunks_per_split) {
+    griddep_release();
+#if KVQ_WGMMA
+    constexpr int NT = 128, S = W128_STAGES, D = W128_AHEAD;
+    using SH = wide_shape<T, NT, 4>;
+    constexpr uint32_t BYTES = SH::STAGE; /* a chunk's copies into a block: codes, scales, inputs */
+    constexpr int BOXES = SH::SPAN / 64;  /* input boxes of a chunk */
+    static_assert(SH::CODES % 1024 == 0 && SH::SCALES % 1024 == 0 && SH::STAGE % 1024 == 0, "swizzled boxes");
+    extern __shared__ __align__(1024) uint8_t sm[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int job = (int)blockIdx.x >= js.x0[1] ? ((int)blockIdx.x >= js.x0[2] ? 2 : 1) : 0;
+    const int64_t rows = WIDE_OF(js, rows, job);
+    const int64_t K = js.cols, nch = chunks_of(T, K);
+    const int tile0 = ((int)blockIdx.x - WIDE_OF(js, x0, job)) * SH::TILES;
+    const int tok0 = blockIdx.y * NT, nt_live = min(NT, n - tok0);
+    const int c0 = (int)blockIdx.z * chunks_per_split;
+    const int nc = (int)min(nch - c0, (int64_t)chunks_per_split);
+    const uint32_t sm_at = smem_addr(sm), full0 = sm_at + S * SH::STAGE, empty0 = full0 + 8 * S;
+    const CUtensorMap *cmap = job == 0 ? &maps.codes[0] : job == 1 ? &maps.codes[1] : &maps.codes[2];
+    const CUtensorMap *smap = job == 0 ? &maps.scales[0] : job == 1 ? &maps.scales[1] : &maps.scales[2];
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; s++) mbar_init(full0 + 8 * s, 1), mbar_init(empty0 + 8 * s, 16);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    /* thread 0: chunk u's codes and scales, then its share of the inputs' boxes */
+    auto copy_weights = [&](int u) {
+        const uint32_t b = sm_at + u % S * SH::STAGE, bar = full0 + 8 * (u % S);
+        mbar_expect(bar, BYTES);
+        bulk_box3(b, cmap, 0, c0 + u, tile0, bar);
+        bulk_box3(b + SH::CODES, smap, 0, c0 + u, tile0, bar);
+    };
+    auto copy_inputs = [&](int u) {
+        const uint32_t b = sm_at + u % S * SH::STAGE + SH::CODES + SH::SCALES, bar = full0 + 8 * (u % S);
+#pragma unroll
+        for (int h = 0; h < BOXES; h++)
+            bulk_box(b + h * 16384, &maps.x, (c0 + u) * SH::SPAN + h * 64, tok0, bar);
+    };
+    if (threadIdx.x == 0)
+        for (int u = 0; u < D && u < nc; u++) copy_weights(u);
+    griddep_wait();
+    if (threadIdx.x == 0)
+        for (int u = 0; u < D && u < nc; u++) copy_inputs(u);
+
+    float acc[NT / 2];
+#pragma unroll
+    for (int i = 0; i < NT / 2; i++) acc[i] = 0.0f;
+    static_assert(SH::BPC % 2 == 0, "a chunk's blocks alternate between the two sets");
+    uint32_t a[2][2][4] = {};
+    for (int u = 0; u < nc; u++) {
+        if (threadIdx.x == 0 && u + D < nc) { /* its stage, once every warp is done with chunk u + D - S */
+            const int v = u + D;
+            if (v >= S) mbar_wait(empty0 + 8 * (v % S), (uint32_t)(v / S + 1) & 1u);
+            copy_weights(v);
+            copy_inputs(v);
+        }
+        mbar_wait(full0 + 8 * (u % S), (uint32_t)(u / S) & 1u);
+        const uint8_t *b = sm + u % S * SH::STAGE;
+        const uint16_t *sc = (const uint16_t *)(b + SH::CODES) + (warp * 16 + g) * SH::SE;
+        const uint8_t *w = b + warp * 1024 + lane * 16;
+        const uint64_t desc = wg_desc_sw128(smem_addr(b + SH::CODES + SH::SCALES));
+#pragma unroll
+        for (int j = 0; j < SH::BPC; j++) {
+            wg_wait<1>(); /* the products of block j - 2 are done */
+            if (j == 1) { /* and so every product of chunk u - 1: its stage is free (lane 0 says so) */
+                __syncwarp();
+                const uint32_t bar = empty0 + 8 * ((u + S - 1) % S), on = (lane == 0) & (u > 0);
+                mbar_arrive(bar, on);
+            }
+#pragma unroll
+            for (int r = 0; r < 8; r++) wg_keep(a[j % 2][r / 4][r % 4]);
+            a_frags<T>(block_frag<T, SH::SE>(w, sc, j), j, t, a[j % 2]);
+            wg_fence();
+            /* block j's columns: box j / 2, bytes 64 (j % 2).. of each token's 128 */
+            const uint64_t dj = desc + (uint64_t)(j / 2 * (16384 >> 4) + j % 2 * (64 >> 4));
+            wgmma_f16<NT>(acc, a[j % 2][0], dj);
+            wgmma_f16<NT>(acc, a[j % 2][1], dj + (32 >> 4));
+            wg_commit();
+        }
+    }
+    wg_wait<0>();
+#pragma unroll
+    for (int i = 0; i < NT / 2; i++) wg_pin(acc[i]);
+    const bool split = gridDim.z > 1;
+    float *y = WIDE_OF(js, y, job), *pj = part + WIDE_OF(js, part_at, job);
+    const float *bias = WIDE_OF(js, bias, job);
+    const int64_t y_stride = WIDE_OF(js, y_stride, job);
+#pragma unroll
+    for (int i = 0; i < NT / 2; i++) {
+        const int tok = 8 * (i / 4) + 2 * t + i % 2;
+        const int64_t row = (int64_t)(tile0 + warp) * 16 + g + 8 * (i / 2 % 2);
+        if (tok >= nt_live || row >= rows) continue;
+        if (split) pj[((int64_t)blockIdx.z * n + tok0 + tok) * rows + row] = acc[i];
+        else y[(int64_t)(tok0 + tok) * y_stride + row] = acc[i] + (bias ? bias[row] : 0.0f);
+    }
+#endif
+}
+
 /* y[tok][row] = the splits' partial sums in split order (+ bias), each job's (jobs
  * past n_jobs have no rows). */
 __global__ void wide_reduce(const cuk_wide_pending p) {
@@ -289,7 +419,8 @@ __global__ void wide_reduce(const cuk_wide_pending p) {
 }
 
 /* Token groups of a launch: 16, 32 or 64 tokens. */
-static int wide_tokens(int n) { return n <= 16 ? 16 : n <= 32 ? 32 : 64; }
+static int wide_tokens(int n) { return n <= 16 ? 16 : n <= 32 ? 32 : n <= 64 ? 64 : 128; } /* 128: matmul_wide128 */
+
 
 #define WIDE_WG 4     /* warpgroups a block: 256 rows */
 #define WIDE_STAGES 4 /* chunks in shared memory: one computed, one still read, two in flight */
@@ -331,7 +462,8 @@ static wide_set wide_set_of(const cuk_matvec_job *jobs, int n_jobs, int n, int n
         bx += (int)((w->rows + 16 * 4 * WIDE_WG - 1) / (16 * 4 * WIDE_WG));
         rows += w->rows;
     }
-    for (int j = n_jobs; j <= CUK_MATVEC_JOBS; j++) js.x0[j] = bx;
+    for (int j = n_jobs; j < CUK_MATVEC_JOBS; j++) js.x0[j] = INT_MAX; /* no block's */
+    js.x0[CUK_MATVEC_JOBS] = bx;
     js.cols = cols;
     *splits = wide_splits(bx, nch, rows, wide_tokens(n), jobs[0].w->type, n_sm);
     for (int j = 0, at = 0; j <= CUK_MATVEC_JOBS; j++) {
@@ -357,6 +489,56 @@ static void wide_launch(cuk_queue *qu, const wide_set &js, int splits, const voi
     const dim3 grid((unsigned)js.x0[CUK_MATVEC_JOBS], (unsigned)((n + NT - 1) / NT), (unsigned)splits);
     pdl_launch_smem(matmul_wide<T, NT, WIDE_WG, WIDE_STAGES>, grid, dim3(SH::THREADS), smem, qu, js,
                     (const __half *)xp, n, part, (int)per);
+}
+
+/* The driver's tensor-map encoder, looked up once (NULL: none). */
+static PFN_cuTensorMapEncodeTiled_v12000 tmap_encoder(void) {
+    static const PFN_cuTensorMapEncodeTiled_v12000 f = [] {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+            q != cudaDriverEntryPointSuccess)
+            p = NULL;
+        return (PFN_cuTensorMapEncodeTiled_v12000)p;
+    }();
+    return f;
+}
+
+/* A tensor map of dims[0..rank) elements of `type` (strides in bytes from dimension 1
+ * on), copied in boxes of box[]. */
+static void tmap(CUtensorMap *m, CUtensorMapDataType type, int rank, const void *at, const cuuint64_t *dims,
+                 const cuuint64_t *strides, const cuuint32_t *box, CUtensorMapSwizzle swizzle) {
+    const cuuint32_t one[3] = {1, 1, 1};
+    tmap_encoder()(m, type, (cuuint32_t)rank, (void *)at, dims, strides, box, one, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                   swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+template <uint32_t T>
+static void wide128_launch(cuk_queue *qu, const wide_set &js, int splits, const void *xp, int n, float *part) {
+    using SH = wide_shape<T, 128, 4>;
+    const size_t smem = (size_t)W128_STAGES * SH::STAGE + 16 * W128_STAGES;
+    static unsigned sized;
+    if (cuk_first_on_device(&sized))
+        cudaFuncSetAttribute(matmul_wide128<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    wide_maps maps;
+    memset(&maps, 0, sizeof maps);
+    const cuuint64_t K = (cuuint64_t)js.cols, nch = (cuuint64_t)chunks_of(T, js.cols);
+    {
+        const cuuint64_t dims[2] = {K, (cuuint64_t)n}, strides[1] = {K * 2};
+        const cuuint32_t box[2] = {64, 128};
+        tmap(&maps.x, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, xp, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+    }
+    for (int j = 0; j < CUK_MATVEC_JOBS && js.x0[j] != INT_MAX; j++) {
+        const cuuint64_t tiles = (cuuint64_t)(js.rows[j] + 15) / 16, se = (cuuint64_t)SH::SE;
+        const cuuint64_t cd[3] = {128, nch, tiles}, cs[2] = {1024, nch * 1024};
+        const cuuint64_t sd[3] = {16 * se, nch, tiles}, ss[2] = {32 * se, nch * 32 * se};
+        const cuuint32_t cb[3] = {128, 1, 16}, sb[3] = {(cuuint32_t)(16 * se), 1, 16};
+        tmap(&maps.codes[j], CU_TENSOR_MAP_DATA_TYPE_UINT64, 3, js.data[j], cd, cs, cb, CU_TENSOR_MAP_SWIZZLE_NONE);
+        tmap(&maps.scales[j], CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, js.scales[j], sd, ss, sb, CU_TENSOR_MAP_SWIZZLE_NONE);
+    }
+    const int64_t per = ((int64_t)nch + splits - 1) / splits;
+    const dim3 grid((unsigned)js.x0[CUK_MATVEC_JOBS], (unsigned)((n + 127) / 128), (unsigned)splits);
+    pdl_launch_smem(matmul_wide128<T>, grid, dim3(512), smem, qu, js, maps, n, part, (int)per);
 }
 
 extern "C" size_t cuk_matmul_wide_scratch(const cuk_matvec_job *jobs, int n_jobs, int n, int n_sm) {
@@ -385,7 +567,8 @@ extern "C" void cuk_matmul_wide(cuk_queue *qu, const cuk_matvec_job *jobs, int n
         }
     }
 #define WIDE_BY_TOKENS(TT)                                                      \
-    if (wide_tokens(n) == 16) wide_launch<TT, 16>(qu, js, splits, xp, n, scratch);      \
+    if (n > 64) wide128_launch<TT>(qu, js, splits, xp, n, scratch);                 \
+    else if (wide_tokens(n) == 16) wide_launch<TT, 16>(qu, js, splits, xp, n, scratch);      \
     else if (wide_tokens(n) == 32) wide_launch<TT, 32>(qu, js, splits, xp, n, scratch); \
     else wide_launch<TT, 64>(qu, js, splits, xp, n, scratch)
     switch (jobs[0].w->type) {
