@@ -1,8 +1,8 @@
 /* Hopper's copy engine (the tensor memory accelerator) and the barriers that count its
  * bytes: one thread starts a copy of a box of a tensor described by a CUtensorMap
- * (cp.async.bulk.tensor), into this block's
- * shared memory; the copy adds its bytes to an mbarrier there, whose phase completes once every
- * expected arrival and byte is in. Threads wait on a phase by its parity. */
+ * (cp.async.bulk.tensor) into this block's shared memory; the copy adds its bytes to
+ * an mbarrier there, whose phase completes once every expected arrival and byte is in.
+ * Threads wait on a phase by its parity. */
 #ifndef KVQ_BACKEND_CUDA_BULK_COPY_CUH
 #define KVQ_BACKEND_CUDA_BULK_COPY_CUH
 

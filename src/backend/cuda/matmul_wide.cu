@@ -142,6 +142,26 @@ struct wide_set {
 #define WIDE_OF(set, m, j) ((j) == 0 ? (set).m[0] : (j) == 1 ? (set).m[1] : (set).m[2])
 static_assert(CUK_MATVEC_JOBS == 3, "WIDE_OF picks one of three jobs");
 
+/* A warp's sums of its 16 rows from row0 (wgmma's accumulator layout, wgmma.cuh) for the
+ * block's tokens from tok0: into job's outputs (+ bias), or as split blockIdx.z's
+ * partial sums where the chunks were split. */
+template <int NT>
+static __device__ __forceinline__ void wide_store(const wide_set &js, int job, const float (&acc)[NT / 2],
+                                                  int64_t row0, int tok0, int nt_live, int n, float *part) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int64_t rows = WIDE_OF(js, rows, job), y_stride = WIDE_OF(js, y_stride, job);
+    float *y = WIDE_OF(js, y, job), *pj = part + WIDE_OF(js, part_at, job);
+    const float *bias = WIDE_OF(js, bias, job);
+#pragma unroll
+    for (int i = 0; i < NT / 2; i++) {
+        const int tok = 8 * (i / 4) + 2 * t + i % 2;
+        const int64_t row = row0 + g + 8 * (i / 2 % 2);
+        if (tok >= nt_live || row >= rows) continue;
+        if (gridDim.z > 1) pj[((int64_t)blockIdx.z * n + tok0 + tok) * rows + row] = acc[i];
+        else y[(int64_t)(tok0 + tok) * y_stride + row] = acc[i] + (bias ? bias[row] : 0.0f);
+    }
+}
+
 template <uint32_t T, int NT, int WG, int S>
 __global__ void __launch_bounds__(WG * 128, wide_per_sm(NT))
     matmul_wide(const wide_set js, const __half *xp, int n, float *part, int chunks_per_split) {
@@ -261,24 +281,12 @@ __global__ void __launch_bounds__(WG * 128, wide_per_sm(NT))
 #pragma unroll
     for (int i = 0; i < NT / 2; i++) wg_pin(acc[i]);
     cp_async_wait<0>(); /* nothing may be in flight into shared memory at exit */
-    const bool split = gridDim.z > 1;
-    float *y = WIDE_OF(js, y, job), *pj = part + WIDE_OF(js, part_at, job);
-    const float *bias = WIDE_OF(js, bias, job);
-    const int64_t y_stride = WIDE_OF(js, y_stride, job);
-#pragma unroll
-    for (int i = 0; i < NT / 2; i++) {
-        const int tok = 8 * (i / 4) + 2 * t + i % 2;
-        const int64_t row = (tile0 + warp) * 16 + g + 8 * (i / 2 % 2);
-        if (tok >= nt_live || row >= W.rows) continue;
-        if (split) pj[((int64_t)blockIdx.z * n + tok0 + tok) * W.rows + row] = acc[i];
-        else y[(int64_t)(tok0 + tok) * y_stride + row] = acc[i] + (bias ? bias[row] : 0.0f);
-    }
+    wide_store<NT>(js, job, acc, (tile0 + warp) * 16, tok0, nt_live, n, part);
 #endif
 }
 
 /* Products of 65 to 256 tokens: groups of 128 tokens (wgmma m64n128k16), blocks of 4
- * warpgroups (256 rows). The copy engine
- * brings each chunk, described by tensor maps: the 16 tiles' codes and scales (tiles
+ * warpgroups (256 rows). The copy engine brings each chunk, described by tensor maps: the 16 tiles' codes and scales (tiles
  * past the matrix: zeros) and the inputs, boxes of 64 columns x 128 tokens (tokens
  * past n: zeros) stored with the 128-byte swizzle that wgmma reads them by (boxes 16
  * bytes wide, unswizzled, left the copy engine the bottleneck). So no thread spends
@@ -313,7 +321,6 @@ __global__ void __launch_bounds__(512, 1)
     extern __shared__ __align__(1024) uint8_t sm[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int job = (int)blockIdx.x >= js.x0[1] ? ((int)blockIdx.x >= js.x0[2] ? 2 : 1) : 0;
-    const int64_t rows = WIDE_OF(js, rows, job);
     const int64_t K = js.cols, nch = chunks_of(T, K);
     const int tile0 = ((int)blockIdx.x - WIDE_OF(js, x0, job)) * SH::TILES;
     const int tok0 = blockIdx.y * NT, nt_live = min(NT, n - tok0);
@@ -329,7 +336,7 @@ __global__ void __launch_bounds__(512, 1)
     }
     __syncthreads();
 
-    /* thread 0: chunk u's codes and scales, then its share of the inputs' boxes */
+    /* thread 0: chunk u's codes and scales (before griddep_wait: no kernel writes them), then its inputs */
     auto copy_weights = [&](int u) {
         const uint32_t b = sm_at + u % S * SH::STAGE, bar = full0 + 8 * (u % S);
         mbar_expect(bar, BYTES);
@@ -387,18 +394,7 @@ __global__ void __launch_bounds__(512, 1)
     wg_wait<0>();
 #pragma unroll
     for (int i = 0; i < NT / 2; i++) wg_pin(acc[i]);
-    const bool split = gridDim.z > 1;
-    float *y = WIDE_OF(js, y, job), *pj = part + WIDE_OF(js, part_at, job);
-    const float *bias = WIDE_OF(js, bias, job);
-    const int64_t y_stride = WIDE_OF(js, y_stride, job);
-#pragma unroll
-    for (int i = 0; i < NT / 2; i++) {
-        const int tok = 8 * (i / 4) + 2 * t + i % 2;
-        const int64_t row = (int64_t)(tile0 + warp) * 16 + g + 8 * (i / 2 % 2);
-        if (tok >= nt_live || row >= rows) continue;
-        if (split) pj[((int64_t)blockIdx.z * n + tok0 + tok) * rows + row] = acc[i];
-        else y[(int64_t)(tok0 + tok) * y_stride + row] = acc[i] + (bias ? bias[row] : 0.0f);
-    }
+    wide_store<NT>(js, job, acc, (int64_t)(tile0 + warp) * 16, tok0, nt_live, n, part);
 #endif
 }
 
@@ -592,5 +588,5 @@ extern "C" int cuk_wide_available(void) {
     if (cudaMemcpy(&has, d, sizeof(int), cudaMemcpyDeviceToHost) != cudaSuccess) has = 0;
     cudaFree(d);
     cudaGetLastError(); /* a device without a kernel image for the probe says no */
-    return has;
+    return has && tmap_encoder(); /* the 65-256-token kernel's copies need tensor maps */
 }
